@@ -1,0 +1,1 @@
+"""Command line: thin wrappers that read files, call a pure core, and print."""

@@ -1,0 +1,120 @@
+"""`kafila`: the one program a person installs. Each command reads, calls a core, prints."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from kafila import __version__
+from kafila.cli.plan_view import render_plan
+from kafila.planner import PlanRefused, plan_session
+from kafila.planner.fleet import Fleet
+from kafila.planner.report import RefusalReport, plan_report
+from kafila.runtime.gguf_file import GGUFFormatError
+from kafila.runtime.manifest import read_manifest
+
+app = typer.Typer(
+    name="kafila",
+    help="Run one large language model across the few machines you own or trust.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+stdout = Console()
+stderr = Console(stderr=True)
+
+EXIT_BAD_INPUT = 1
+EXIT_REFUSED = 2
+
+
+def _validation_message(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "file"
+        problems.append(f"{where}: {item['msg']}")
+    return "; ".join(problems)
+
+
+def _fail(message: str, as_json: bool, code: int, device: str | None = None, shortfall: int | None = None) -> NoReturn:
+    if as_json:
+        print(RefusalReport(error=message, device=device, shortfall_bytes=shortfall).model_dump_json())
+    else:
+        stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _load_fleet(path: Path, as_json: bool) -> Fleet:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        _fail(f"no fleet file at {path}", as_json, EXIT_BAD_INPUT)
+    except (OSError, UnicodeDecodeError) as error:
+        _fail(f"cannot read fleet file {path}: {error}", as_json, EXIT_BAD_INPUT)
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        _fail(f"{path} is not valid JSON: {error}", as_json, EXIT_BAD_INPUT)
+    try:
+        return Fleet.model_validate(raw)
+    except ValidationError as error:
+        _fail(f"{path} is not a valid fleet: {_validation_message(error)}", as_json, EXIT_BAD_INPUT)
+
+
+@app.command()
+def plan(
+    fleet_path: Annotated[Path, typer.Argument(metavar="FLEET.json", help="Members and, optionally, the model.")],
+    model: Annotated[
+        Path | None, typer.Option("--model", help="A GGUF file to plan for, read without loading weights.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """Plan a session: ring order, head, block division and admission."""
+    fleet = _load_fleet(fleet_path, as_json)
+    if model is not None:
+        try:
+            manifest = read_manifest(model)
+        except (FileNotFoundError, GGUFFormatError, ValidationError) as error:
+            _fail(str(error), as_json, EXIT_BAD_INPUT)
+    elif fleet.model is not None:
+        manifest = fleet.model.manifest()
+    else:
+        _fail(f"{fleet_path} has no \"model\" section; give one or pass --model MODEL.gguf", as_json, EXIT_BAD_INPUT)
+    devices = [d.device() for d in fleet.devices]
+    started = time.perf_counter()
+    try:
+        result = plan_session(manifest, devices, fleet.session, anchor=fleet.anchor_name)
+    except PlanRefused as refusal:
+        _fail(str(refusal), as_json, EXIT_REFUSED, device=refusal.device, shortfall=refusal.shortfall_bytes)
+    report = plan_report(result, time.perf_counter() - started)
+    if as_json:
+        print(report.model_dump_json())
+    else:
+        stdout.print(f"Model [bold]{manifest.name}[/bold]: {manifest.n_blocks} blocks, "
+                     f"{manifest.total_bytes / 1e9:.2f} GB; context {fleet.session.context} × "
+                     f"{fleet.session.concurrency} concurrent", highlight=False)
+        render_plan(report, stdout)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"kafila {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Run one large language model across the few machines you own or trust."""
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,64 @@
+"""A readable rendering of a plan for people; `--json` is the one for programs."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from kafila.planner.report import PlanReport
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def _ratio(baseline: float | None, ours: float | None) -> str:
+    if baseline is None or ours is None or ours == 0:
+        return "—"
+    return f"{baseline / ours:.2f}×"
+
+
+def render_plan(report: PlanReport, console: Console) -> None:
+    console.print(
+        f"[bold]Plan[/bold] — tier [cyan]{report.tier.value}[/cyan], head [cyan]{report.head}[/cyan], "
+        f"ring search {report.ring_search.value}, planned in {report.planner_ms:.1f} ms"
+    )
+    stages = Table(title="Stages in chain order (block 0 first, head last)")
+    for column in ("member", "blocks", "stage ms", "memory needed", "available"):
+        stages.add_column(column, justify="left" if column == "member" else "right")
+    for name, (start, end) in report.ranges.items():
+        memory = report.memory_bytes[name]
+        stages.add_row(
+            name + (" (head)" if name == report.head else ""),
+            f"{start}–{end - 1} ({end - start})",
+            _ms(report.stage_ms[name]),
+            f"{memory['needed'] / 2**30:.2f} GiB",
+            f"{memory['available'] / 2**30:.2f} GiB",
+        )
+    console.print(stages)
+
+    if report.edges:
+        edges = Table(title="Ring edges (activations flow head → … → head)")
+        for column in ("from", "to", "predicted", "cost ms"):
+            edges.add_column(column)
+        for edge in report.edges:
+            colour = "green" if edge.predicted.value == "direct" else "yellow"
+            edges.add_row(edge.a, edge.b, f"[{colour}]{edge.predicted.value}[/{colour}]", _ms(edge.cost_ms))
+        console.print(edges)
+
+    comparison = Table(title="Division compared on the same ring")
+    for column in ("division", "bottleneck ms", "utilisation", "fits", "bottleneck vs Kafila"):
+        comparison.add_column(column, justify="left" if column == "division" else "right")
+    utilisation = "—" if report.utilisation is None else f"{report.utilisation:.0%}"
+    comparison.add_row("Kafila", _ms(report.bottleneck_ms), utilisation, "yes", "1.00×")
+    for name, baseline in report.baselines.items():
+        comparison.add_row(
+            name,
+            _ms(baseline.bottleneck_ms),
+            "—" if baseline.utilisation is None else f"{baseline.utilisation:.0%}",
+            "yes" if baseline.fits else "[red]no[/red]",
+            _ratio(baseline.bottleneck_ms, report.bottleneck_ms),
+        )
+    console.print(comparison)
+    for note in report.notes:
+        console.print(f"• {note}")

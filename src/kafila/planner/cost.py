@@ -1,0 +1,86 @@
+"""The stage cost model and the memory rule, as matrices over contiguous block ranges.
+
+Entry [a, b] of every matrix here describes one device holding blocks [a, b). Computing each
+price once, in one place, means the partition search, the baselines and the reported stage
+times all read the same float for the same range, so "equal bottleneck" is an exact test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kafila.planner.types import Device, ModelManifest, SessionSpec
+
+FloatMatrix = npt.NDArray[np.float64]
+IntMatrix = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class ChainPrefix:
+    """Prefix sums over the block chain, so any range's bytes are one subtraction."""
+
+    weight_bytes: npt.NDArray[np.int64]
+    resident_bytes: npt.NDArray[np.int64]
+    head_bytes: int
+
+    @classmethod
+    def of(cls, manifest: ModelManifest, session: SessionSpec) -> ChainPrefix:
+        weights = np.asarray(manifest.block_bytes, dtype=np.int64)
+        kv = np.asarray(manifest.kv_bytes_per_token, dtype=np.int64) * session.context * session.concurrency
+        zero = np.zeros(1, dtype=np.int64)
+        return cls(
+            weight_bytes=np.concatenate([zero, np.cumsum(weights)]),
+            resident_bytes=np.concatenate([zero, np.cumsum(weights + kv)]),
+            head_bytes=manifest.head_bytes,
+        )
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.weight_bytes) - 1
+
+    def range_weight_matrix(self) -> IntMatrix:
+        return self.weight_bytes[None, :] - self.weight_bytes[:, None]
+
+    def resident_matrix(self, is_head: bool) -> IntMatrix:
+        """Bytes a device must hold for each range: blocks, their KV cache, and the head if it is one."""
+        need = self.resident_bytes[None, :] - self.resident_bytes[:, None]
+        return need + (self.head_bytes if is_head else 0)
+
+
+def _nonempty(n_blocks: int) -> npt.NDArray[np.bool_]:
+    index = np.arange(n_blocks + 1)
+    return index[None, :] > index[:, None]
+
+
+def cost_model_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> FloatMatrix:
+    """c = o + (bytes of its blocks) / b + [head] * head_bytes / b, with nothing fitted."""
+    assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
+    bandwidth = device.bandwidth_bytes_per_s
+    fixed = device.overhead_s + (prefix.head_bytes / bandwidth if is_head else 0.0)
+    costs = fixed + prefix.range_weight_matrix() / bandwidth
+    return np.where(_nonempty(prefix.n_blocks), costs, np.inf)
+
+
+def throughput_matrix(device: Device, prefix: ChainPrefix) -> FloatMatrix:
+    """Tier (b): block bytes over arithmetic throughput; it cannot price the head's extra read."""
+    assert device.flops is not None
+    costs = prefix.range_weight_matrix() / device.flops
+    return np.where(_nonempty(prefix.n_blocks), costs, np.inf)
+
+
+def fill_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> FloatMatrix:
+    """Fraction of the device's memory a range would occupy; tier (c) and refusals balance this."""
+    fill = prefix.resident_matrix(is_head) / device.memory_bytes
+    return np.where(_nonempty(prefix.n_blocks), fill, np.inf)
+
+
+def fits_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> npt.NDArray[np.bool_]:
+    return prefix.resident_matrix(is_head) <= device.memory_bytes
+
+
+def within_memory(costs: FloatMatrix, fits: npt.NDArray[np.bool_]) -> FloatMatrix:
+    """Price ranges that would exhaust the device at infinity, so no search can pick them."""
+    return np.where(fits, costs, np.inf)

@@ -1,0 +1,88 @@
+"""The fleet file: what a person writes down about their machines, in the units they think in.
+
+GB is 10^9 bytes (bandwidth), GiB is 2^30 bytes (memory). Conversion to the planner's bytes
+and seconds happens here, once, at the boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from kafila.planner.types import Device, ModelManifest, NatBehaviour, NatClass, SessionSpec, Strict
+
+MAX_MEMBERS = 64
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class FleetModel(Strict):
+    name: str = "model"
+    architecture: str | None = None
+    n_blocks: PositiveInt
+    block_bytes: PositiveInt | list[PositiveInt]
+    head_bytes: NonNegativeInt
+    kv_bytes_per_token_per_block: NonNegativeInt | list[NonNegativeInt]
+
+    @model_validator(mode="after")
+    def _lists_match_block_count(self) -> FleetModel:
+        for field in ("block_bytes", "kv_bytes_per_token_per_block"):
+            value = getattr(self, field)
+            if isinstance(value, list) and len(value) != self.n_blocks:
+                raise ValueError(f"{field} lists {len(value)} values but n_blocks is {self.n_blocks}")
+        return self
+
+    def manifest(self) -> ModelManifest:
+        def per_block(value: int | list[int]) -> tuple[int, ...]:
+            return tuple(value) if isinstance(value, list) else (value,) * self.n_blocks
+
+        return ModelManifest(
+            name=self.name,
+            architecture=self.architecture,
+            block_bytes=per_block(self.block_bytes),
+            head_bytes=self.head_bytes,
+            kv_bytes_per_token=per_block(self.kv_bytes_per_token_per_block),
+        )
+
+
+class FleetDevice(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    memory_gib: PositiveFloat
+    bandwidth_gb_s: PositiveFloat | None = None
+    overhead_us: Annotated[float, Field(ge=0)] | None = None
+    tflops: PositiveFloat | None = None
+    nat: NatClass | NatBehaviour | None = None
+    rtt_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
+
+    def device(self) -> Device:
+        nat = NatBehaviour.from_class(self.nat) if isinstance(self.nat, NatClass) else self.nat
+        return Device(
+            name=self.name,
+            memory_bytes=int(self.memory_gib * 2**30),
+            bandwidth_bytes_per_s=self.bandwidth_gb_s * 1e9 if self.bandwidth_gb_s is not None else None,
+            overhead_s=self.overhead_us * 1e-6 if self.overhead_us is not None else None,
+            flops=self.tflops * 1e12 if self.tflops is not None else None,
+            nat=nat,
+            rtt_s=self.rtt_ms / 1e3 if self.rtt_ms is not None else None,
+        )
+
+
+class Fleet(Strict):
+    model: FleetModel | None = None
+    session: SessionSpec = SessionSpec()
+    anchor: str | None = None
+    devices: list[FleetDevice] = Field(min_length=1, max_length=MAX_MEMBERS)
+
+    @model_validator(mode="after")
+    def _names_unique_and_anchor_known(self) -> Fleet:
+        names = [d.name for d in self.devices]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"device names must be unique; repeated: {', '.join(duplicates)}")
+        if self.anchor is not None and self.anchor not in names:
+            raise ValueError(f"anchor '{self.anchor}' is not one of the devices ({', '.join(names)})")
+        return self
+
+    @property
+    def anchor_name(self) -> str:
+        return self.anchor if self.anchor is not None else self.devices[0].name

@@ -1,0 +1,110 @@
+"""Exact chain-on-chain partition: the minimum bottleneck over contiguous block ranges.
+
+This is the paper's Algorithm 1 generalised to blocks of unequal size. The paper's one-pass
+greedy feasibility test is optimal only when every block weighs the same: with unequal blocks,
+a device that greedily takes one more block can leave a heavy block to a device that cannot
+hold it. The test here instead tracks every chain position each prefix of devices can reach
+within the bound, which is exact for any block sizes and still polynomial.
+
+Each device's prices come as a matrix whose entry [a, b] is its cost for blocks [a, b), or
+infinity where it may not hold that range. The bottleneck of any division is one of those
+entries, so the search binary-searches their sorted values for the smallest feasible one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+FloatMatrix = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Division:
+    bottleneck: float
+    bounds: tuple[int, ...]  # m + 1 chain positions: device j holds blocks [bounds[j], bounds[j+1])
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+
+def candidate_bottlenecks(cost_matrices: Sequence[FloatMatrix]) -> npt.NDArray[np.float64]:
+    """Every value a bottleneck can take, sorted: one per (device, range) that is allowed."""
+    finite = [matrix[np.isfinite(matrix)] for matrix in cost_matrices]
+    if not finite:
+        return np.empty(0)
+    return np.unique(np.concatenate(finite))
+
+
+def _reachable(cost_matrices: Sequence[FloatMatrix], bound: float) -> list[npt.NDArray[np.bool_]] | None:
+    """Chain positions reachable after each device, or None if the whole chain is not."""
+    n_positions = cost_matrices[0].shape[0]
+    reach = np.zeros(n_positions, dtype=bool)
+    reach[0] = True
+    history = [reach]
+    for matrix in cost_matrices:
+        allowed = matrix[reach] <= bound
+        reach = allowed.any(axis=0)
+        if not reach.any():
+            return None
+        history.append(reach)
+    return history if reach[-1] else None
+
+
+def _trace_back(
+    cost_matrices: Sequence[FloatMatrix], history: list[npt.NDArray[np.bool_]], bound: float
+) -> tuple[int, ...]:
+    """Recover one division from the reachable sets, giving later devices as few blocks as it can."""
+    end = cost_matrices[0].shape[0] - 1
+    bounds = [end]
+    for j in range(len(cost_matrices) - 1, -1, -1):
+        starts = np.flatnonzero(history[j] & (cost_matrices[j][:, end] <= bound))
+        end = int(starts[-1])
+        bounds.append(end)
+    return tuple(reversed(bounds))
+
+
+def partition(
+    cost_matrices: Sequence[FloatMatrix],
+    candidates: npt.NDArray[np.float64] | None = None,
+    below: float = np.inf,
+) -> Division | None:
+    """The division with the smallest bottleneck, or None when none exists (under `below`).
+
+    `candidates` may be any sorted superset of the true candidate values (a planner comparing
+    several device orders passes one shared set); `below` limits the search to bottlenecks
+    strictly smaller than it, so a caller that only wants an improvement pays one test.
+    """
+    if not cost_matrices:
+        raise ValueError("a partition needs at least one device")
+    n_blocks = cost_matrices[0].shape[0] - 1
+    if len(cost_matrices) > n_blocks:
+        return None
+    values = candidate_bottlenecks(cost_matrices) if candidates is None else candidates
+    values = values[: int(np.searchsorted(values, below, side="left"))]
+    if len(values) == 0 or _reachable(cost_matrices, float(values[-1])) is None:
+        return None
+    low, high = 0, len(values) - 1  # values[high] is feasible; find the first feasible index
+    while low < high:
+        middle = (low + high) // 2
+        if _reachable(cost_matrices, float(values[middle])) is None:
+            low = middle + 1
+        else:
+            high = middle
+    bound = float(values[high])
+    history = _reachable(cost_matrices, bound)
+    assert history is not None
+    bounds = _trace_back(cost_matrices, history, bound)
+    achieved = max(float(matrix[a, b]) for matrix, a, b in zip(cost_matrices, bounds, bounds[1:]))
+    return Division(bottleneck=achieved, bounds=bounds)
+
+
+def division_from_counts(counts: Sequence[int]) -> tuple[int, ...]:
+    bounds = [0]
+    for count in counts:
+        bounds.append(bounds[-1] + count)
+    return tuple(bounds)

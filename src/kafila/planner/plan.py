@@ -1,0 +1,270 @@
+"""Plan a session: ring order, then head and division together, then admission.
+
+Ring order comes first, from reachability alone, because an order is a property of the network
+and a division is a property of the devices: fixing the order turns placement into an exactly
+solvable chain-on-chain partition (Pinar et al.), and rotating the fixed ring to try every head
+costs m exact solves rather than a search over m! orders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kafila.planner import cost
+from kafila.planner.cost import ChainPrefix, FloatMatrix
+from kafila.planner.division import proportional_counts, summarise
+from kafila.planner.partition import Division, candidate_bottlenecks, partition
+from kafila.planner.reachability import edge_cost_s, predict_edge
+from kafila.planner.ring import EXACT_LIMIT, best_ring, combine
+from kafila.planner.types import (
+    Device,
+    EdgePrediction,
+    ModelManifest,
+    Plan,
+    PlanRefused,
+    RingEdge,
+    SessionSpec,
+    Stage,
+    Tier,
+)
+
+HEAD_MARGIN = 0.05  # another head must beat the anchor by more than overhead noise can explain
+
+
+def choose_tier(devices: Sequence[Device]) -> Tier:
+    if all(d.bandwidth_bytes_per_s is not None and d.overhead_s is not None for d in devices):
+        return Tier.COST_MODEL
+    if all(d.flops is not None for d in devices):
+        return Tier.THROUGHPUT
+    return Tier.MEMORY
+
+
+@dataclass(frozen=True)
+class DevicePrices:
+    """One device's prices for every range, as a plain member and as the head."""
+
+    cost: tuple[FloatMatrix, FloatMatrix] | None  # unconstrained by memory; None in the memory tier
+    fill: tuple[FloatMatrix, FloatMatrix]
+    fits: tuple[np.ndarray, np.ndarray]
+
+    def search_matrix(self, is_head: bool) -> FloatMatrix:
+        """What the partition minimises: cost where it has one, memory fill otherwise; never overfull."""
+        objective = self.cost[is_head] if self.cost is not None else self.fill[is_head]
+        return cost.within_memory(objective, self.fits[is_head])
+
+
+def price_devices(devices: Sequence[Device], prefix: ChainPrefix, tier: Tier) -> list[DevicePrices]:
+    priced = []
+    for device in devices:
+        roles = (False, True)
+        if tier is Tier.COST_MODEL:
+            costs = tuple(cost.cost_model_matrix(device, prefix, role) for role in roles)
+        elif tier is Tier.THROUGHPUT:
+            shared = cost.throughput_matrix(device, prefix)
+            costs = (shared, shared)
+        else:
+            costs = None
+        priced.append(
+            DevicePrices(
+                cost=costs,  # type: ignore[arg-type]
+                fill=tuple(cost.fill_matrix(device, prefix, role) for role in roles),  # type: ignore[arg-type]
+                fits=tuple(cost.fits_matrix(device, prefix, role) for role in roles),  # type: ignore[arg-type]
+            )
+        )
+    return priced
+
+
+def chain_from_head(ring: Sequence[int], head_position: int) -> list[int]:
+    """Chain order for a head: the member after the head holds block 0, the head the last blocks."""
+    from_head = list(ring[head_position:]) + list(ring[:head_position])
+    return from_head[1:] + from_head[:1]
+
+
+def _search_matrices(prices: Sequence[DevicePrices], chain: Sequence[int]) -> list[FloatMatrix]:
+    last = len(chain) - 1
+    return [prices[d].search_matrix(is_head=(i == last)) for i, d in enumerate(chain)]
+
+
+@dataclass(frozen=True)
+class HeadChoice:
+    head_position: int
+    division: Division
+
+
+def place_head(prices: Sequence[DevicePrices], ring: Sequence[int], tier: Tier) -> tuple[HeadChoice | None, str | None]:
+    """Solve every rotation of the ring; keep the anchor unless another head is clearly better.
+
+    Only the full cost model can price the head, so the lower tiers keep it at the anchor and
+    move it only when the anchor cannot hold it at all.
+    """
+    chains = [chain_from_head(ring, r) for r in range(len(ring))]
+    matrices = [_search_matrices(prices, chain) for chain in chains]
+    if tier is not Tier.COST_MODEL:
+        for r, chain_matrices in enumerate(matrices):
+            division = partition(chain_matrices)
+            if division is not None:
+                note = None if r == 0 else "the anchor cannot hold the head, so the head moved"
+                return HeadChoice(r, division), note
+        return None, None
+    candidates = candidate_bottlenecks([m for chain_matrices in matrices for m in chain_matrices])
+    anchor = partition(matrices[0], candidates)
+    best = HeadChoice(0, anchor) if anchor is not None else None
+    below = anchor.bottleneck * (1 - HEAD_MARGIN) if anchor is not None else np.inf
+    for r in range(1, len(ring)):
+        division = partition(matrices[r], candidates, below=below)
+        if division is not None:
+            best, below = HeadChoice(r, division), division.bottleneck
+    note = None
+    if best is not None and best.head_position != 0:
+        note = (
+            "the anchor cannot hold the head, so the head moved"
+            if anchor is None
+            else f"the head moved off the anchor: it lowers the bottleneck by more than {HEAD_MARGIN:.0%}"
+        )
+    return best, note
+
+
+def refuse(devices: Sequence[Device], prices: Sequence[DevicePrices], ring: Sequence[int], prefix: ChainPrefix) -> PlanRefused:
+    """Name the member that cannot hold its share in the most even division there is.
+
+    Balancing memory fill over every head choice gives the division that asks least of the
+    fullest member; that member, and by how much it is over, is what the user has to change.
+    """
+    best: tuple[float, list[int], Division] | None = None
+    for r in range(len(ring)):
+        chain = chain_from_head(ring, r)
+        last = len(chain) - 1
+        division = partition([prices[d].fill[i == last] for i, d in enumerate(chain)])
+        assert division is not None  # fill has no limit, so a division with one block each exists
+        if best is None or division.bottleneck < best[0]:
+            best = (division.bottleneck, chain, division)
+    assert best is not None
+    _, chain, division = best
+    spans = list(zip(division.bounds, division.bounds[1:]))
+    fullest = max(range(len(chain)), key=lambda i: prices[chain[i]].fill[i == len(chain) - 1][spans[i]])
+    device = devices[chain[fullest]]
+    a, b = spans[fullest]
+    need = int(prefix.resident_matrix(fullest == len(chain) - 1)[a, b])
+    shortfall = need - device.memory_bytes
+    role = " and the head" if fullest == len(chain) - 1 else ""
+    message = (
+        f"no division fits: '{device.name}' cannot hold its share (blocks {a}-{b - 1}{role}, "
+        f"{need / 2**30:.2f} GiB with KV cache) in {device.memory_bytes / 2**30:.2f} GiB; "
+        f"it is short by {shortfall} bytes ({shortfall / 2**30:.2f} GiB) even in the most even division"
+    )
+    return PlanRefused(message, device=device.name, shortfall_bytes=shortfall)
+
+
+def ring_weights(devices: Sequence[Device]) -> tuple[np.ndarray, list[list[EdgePrediction]], bool]:
+    """Integer edge weights for the ring search, and whether they are priced in time."""
+    m = len(devices)
+    predicted = [[predict_edge(devices[i].nat, devices[j].nat) for j in range(m)] for i in range(m)]
+    if all(d.rtt_s is not None for d in devices):
+        rtt_us = [round(d.rtt_s * 1e6) for d in devices]  # type: ignore[operator]
+        primary = np.array(
+            [[round(edge_cost_s(predicted[i][j], rtt_us[i], rtt_us[j])) for j in range(m)] for i in range(m)],
+            dtype=np.int64,
+        )
+        separation = np.array([[abs(rtt_us[i] - rtt_us[j]) for j in range(m)] for i in range(m)], dtype=np.int64)
+        return combine(primary, separation), predicted, True
+    relayed = np.array([[int(p is EdgePrediction.RELAYED) for p in row] for row in predicted], dtype=np.int64)
+    return relayed, predicted, False
+
+
+def plan_session(
+    manifest: ModelManifest, devices: Sequence[Device], session: SessionSpec, anchor: str | None = None
+) -> Plan:
+    """Decide ring, head, division and admission before a single weight is loaded."""
+    names = [d.name for d in devices]
+    if not devices:
+        raise ValueError("a session needs at least one device")
+    if len(set(names)) != len(names):
+        raise ValueError("device names must be unique")
+    anchor_index = names.index(anchor) if anchor is not None else 0
+    if len(devices) > manifest.n_blocks:
+        raise PlanRefused(
+            f"the model has {manifest.n_blocks} blocks but the fleet has {len(devices)} members: "
+            "every member needs at least one block",
+            device=None,
+        )
+    notes: list[str] = []
+    tier = choose_tier(devices)
+    weights, predicted, priced_in_time = ring_weights(devices)
+    found = best_ring(weights, anchor_index)
+    if found.search.value == "heuristic":
+        notes.append(f"ring order by 2-opt local search: the exact search covers up to {EXACT_LIMIT} members")
+    ring = found.order
+    prefix = ChainPrefix.of(manifest, session)
+    prices = price_devices(devices, prefix, tier)
+    choice, head_note = place_head(prices, ring, tier)
+    if choice is None:
+        raise refuse(devices, prices, ring, prefix)
+    if head_note:
+        notes.append(head_note)
+
+    chain = chain_from_head(ring, choice.head_position)
+    last = len(chain) - 1
+    spans = list(zip(choice.division.bounds, choice.division.bounds[1:]))
+    stages = []
+    for i, (d, (a, b)) in enumerate(zip(chain, spans)):
+        costs = prices[d].cost
+        stages.append(
+            Stage(
+                device=names[d],
+                start=a,
+                end=b,
+                is_head=i == last,
+                cost_s=float(costs[i == last][a, b]) if costs is not None else None,
+                resident_bytes=int(prefix.resident_matrix(i == last)[a, b]),
+                memory_bytes=devices[d].memory_bytes,
+            )
+        )
+    ring_from_head = [*chain[-1:], *chain[:-1]]
+    edges = []
+    for i, d in enumerate(ring_from_head):
+        e = ring_from_head[(i + 1) % len(ring_from_head)]
+        if len(ring_from_head) == 1:
+            break
+        prediction = predicted[d][e]
+        edge_cost = (
+            edge_cost_s(prediction, devices[d].rtt_s, devices[e].rtt_s)  # type: ignore[arg-type]
+            if priced_in_time
+            else None
+        )
+        edges.append(RingEdge(a=names[d], b=names[e], predicted=prediction, cost_s=edge_cost))
+
+    cost_matrices = (
+        [prices[d].cost[i == last] for i, d in enumerate(chain)]  # type: ignore[index]
+        if tier is not Tier.MEMORY
+        else None
+    )
+    fits_matrices = [prices[d].fits[i == last] for i, d in enumerate(chain)]
+    counts = choice.division.counts
+    own = summarise(counts, cost_matrices, fits_matrices)
+    baselines = {
+        "uniform": summarise(proportional_counts([1.0] * len(chain), manifest.n_blocks), cost_matrices, fits_matrices),
+        "memory": summarise(
+            proportional_counts([devices[d].memory_bytes for d in chain], manifest.n_blocks),
+            cost_matrices,
+            fits_matrices,
+        ),
+    }
+    if tier is Tier.THROUGHPUT:
+        notes.append("some members have no bandwidth or overhead: stages priced by arithmetic throughput")
+    elif tier is Tier.MEMORY:
+        notes.append("members lack speed measurements: blocks divided in proportion to memory")
+    return Plan(
+        tier=tier,
+        ring=tuple(names[d] for d in ring_from_head),
+        head=names[chain[-1]],
+        stages=tuple(stages),
+        bottleneck_s=own.bottleneck_s,
+        utilisation=own.utilisation,
+        edges=tuple(edges),
+        ring_search=found.search,
+        baselines=baselines,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,175 @@
+"""Strict types the planner consumes and produces, in bytes and seconds.
+
+Every boundary of the planner is a frozen pydantic model, so a malformed fleet or manifest is
+rejected with a readable message before any arithmetic runs on it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Mapping(StrEnum):
+    """RFC 4787 mapping behaviour: how a NAT reuses its external port across destinations."""
+
+    ENDPOINT_INDEPENDENT = "endpoint-independent"
+    ADDRESS_DEPENDENT = "address-dependent"
+    ADDRESS_AND_PORT_DEPENDENT = "address-and-port-dependent"
+
+
+Filtering = Mapping  # RFC 4787 uses the same three words for filtering.
+
+
+class NatClass(StrEnum):
+    """The coarse classes of the paper, for members that measured no more than that."""
+
+    PERMISSIVE = "permissive"
+    ORDINARY = "ordinary"
+    RESTRICTIVE = "restrictive"
+
+
+class NatBehaviour(Strict):
+    mapping: Mapping
+    filtering: Filtering
+
+    @property
+    def maps_endpoint_dependently(self) -> bool:
+        return self.mapping is not Mapping.ENDPOINT_INDEPENDENT
+
+    @property
+    def filters_by_address_and_port(self) -> bool:
+        return self.filtering is Mapping.ADDRESS_AND_PORT_DEPENDENT
+
+    @classmethod
+    def from_class(cls, nat_class: NatClass) -> NatBehaviour:
+        """Read a class as the behaviour it implies, assuming the worst where the class is silent.
+
+        `ordinary` says nothing about filtering, so it is taken as address-and-port-dependent;
+        `restrictive` means endpoint-dependent mapping, whose filtering no longer matters.
+        """
+        if nat_class is NatClass.PERMISSIVE:
+            return cls(mapping=Mapping.ENDPOINT_INDEPENDENT, filtering=Mapping.ENDPOINT_INDEPENDENT)
+        if nat_class is NatClass.ORDINARY:
+            return cls(mapping=Mapping.ENDPOINT_INDEPENDENT, filtering=Mapping.ADDRESS_AND_PORT_DEPENDENT)
+        return cls(mapping=Mapping.ADDRESS_AND_PORT_DEPENDENT, filtering=Mapping.ADDRESS_AND_PORT_DEPENDENT)
+
+
+class ModelManifest(Strict):
+    """What the planner needs to know of a model, read from its file without loading weights."""
+
+    name: str
+    architecture: str | None = None
+    block_bytes: tuple[PositiveInt, ...] = Field(min_length=1)
+    head_bytes: Annotated[int, Field(ge=0)]
+    kv_bytes_per_token: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+        description="KV-cache bytes per token of context, one entry per block (f16 cache)."
+    )
+
+    @model_validator(mode="after")
+    def _one_kv_entry_per_block(self) -> ModelManifest:
+        if len(self.kv_bytes_per_token) != len(self.block_bytes):
+            raise ValueError(
+                f"kv_bytes_per_token has {len(self.kv_bytes_per_token)} entries "
+                f"but the model has {len(self.block_bytes)} blocks"
+            )
+        return self
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.block_bytes) + self.head_bytes
+
+
+class Device(Strict):
+    """One member, as it measured itself. Missing measurements lower the planner's tier."""
+
+    name: str = Field(min_length=1)
+    memory_bytes: PositiveInt
+    bandwidth_bytes_per_s: PositiveFloat | None = None
+    overhead_s: Annotated[float, Field(ge=0)] | None = None
+    flops: PositiveFloat | None = None
+    nat: NatBehaviour | None = None
+    rtt_s: Annotated[float, Field(ge=0, le=60)] | None = None
+
+
+class SessionSpec(Strict):
+    """What the session promises to serve at once, which sizes every member's KV cache."""
+
+    context: PositiveInt = 4096
+    concurrency: PositiveInt = 1
+
+
+class Tier(StrEnum):
+    COST_MODEL = "cost-model"
+    THROUGHPUT = "throughput"
+    MEMORY = "memory"
+
+
+class EdgePrediction(StrEnum):
+    DIRECT = "direct"
+    RELAYED = "relayed"
+
+
+class RingSearch(StrEnum):
+    EXACT = "exact"
+    HEURISTIC = "heuristic"
+
+
+class Stage(Strict):
+    """One member's share: blocks [start, end) of the chain, and what they cost it."""
+
+    device: str
+    start: int
+    end: int
+    is_head: bool
+    cost_s: float | None
+    resident_bytes: int
+    memory_bytes: int
+
+
+class RingEdge(Strict):
+    a: str
+    b: str
+    predicted: EdgePrediction
+    cost_s: float | None
+
+
+class DivisionSummary(Strict):
+    """How a division performs on the chosen ring: used for Kafila's plan and for baselines."""
+
+    counts: tuple[int, ...]
+    bottleneck_s: float | None
+    utilisation: float | None
+    fits: bool
+
+
+class Plan(Strict):
+    tier: Tier
+    ring: tuple[str, ...] = Field(description="Member names in ring order, head first.")
+    head: str
+    stages: tuple[Stage, ...] = Field(description="Stages in chain order: block 0 first, head last.")
+    bottleneck_s: float | None
+    utilisation: float | None
+    edges: tuple[RingEdge, ...]
+    ring_search: RingSearch
+    baselines: dict[str, DivisionSummary]
+    notes: tuple[str, ...] = ()
+
+
+class PlanRefused(Exception):
+    """No division fits: raised with the member that cannot hold its share and by how much."""
+
+    def __init__(self, message: str, device: str | None, shortfall_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.device = device
+        self.shortfall_bytes = shortfall_bytes

@@ -1,0 +1,1 @@
+"""Runtime: GGUF files and, later, llama.cpp stages."""

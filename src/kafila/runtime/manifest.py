@@ -1,0 +1,69 @@
+"""Read a model's planning manifest from its GGUF header: no weight is loaded or even read."""
+
+from __future__ import annotations
+
+import re
+from os import PathLike
+from pathlib import Path
+
+from kafila.planner.types import ModelManifest
+from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
+
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
+HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
+KV_CACHE_BYTES_PER_VALUE = 2  # f16 cache, llama.cpp's default
+
+
+def _per_block(value: int | list[int], n_blocks: int, key: str) -> list[int]:
+    if isinstance(value, list):
+        if len(value) != n_blocks:
+            raise GGUFFormatError(f"{key} lists {len(value)} values for {n_blocks} blocks")
+        return [int(v) for v in value]
+    return [int(value)] * n_blocks
+
+
+def read_manifest(path: str | PathLike[str]) -> ModelManifest:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    reader = FastGGUFReader(path)
+    arch = reader.scalar("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFFormatError(f"{path} has no general.architecture")
+    n_blocks = reader.scalar(f"{arch}.block_count")
+    if not isinstance(n_blocks, int) or n_blocks < 1:
+        raise GGUFFormatError(f"{path} has no positive {arch}.block_count")
+
+    block_bytes = [0] * n_blocks
+    head_bytes = 0
+    for tensor in reader.tensors:
+        match = _BLOCK_TENSOR.match(tensor.name)
+        if match:
+            index = int(match.group(1))
+            if index >= n_blocks:
+                raise GGUFFormatError(f"tensor {tensor.name} is past block_count {n_blocks}")
+            block_bytes[index] += int(tensor.n_bytes)
+        elif tensor.name in HEAD_TENSORS:  # a tied output has no output.weight: counted once
+            head_bytes += int(tensor.n_bytes)
+    empty = [i for i, size in enumerate(block_bytes) if size == 0]
+    if empty:
+        raise GGUFFormatError(f"{path} has no tensors for blocks {empty}")
+
+    n_embd = reader.scalar(f"{arch}.embedding_length")
+    n_head = _per_block(reader.scalar(f"{arch}.attention.head_count", 0), n_blocks, "head_count")
+    n_head_kv = _per_block(
+        reader.scalar(f"{arch}.attention.head_count_kv", n_head), n_blocks, "head_count_kv"
+    )
+    default_head_dim = n_embd // max(n_head) if isinstance(n_embd, int) and max(n_head) > 0 else 0
+    key_length = int(reader.scalar(f"{arch}.attention.key_length", default_head_dim))
+    value_length = int(reader.scalar(f"{arch}.attention.value_length", key_length))
+    kv = [KV_CACHE_BYTES_PER_VALUE * heads * (key_length + value_length) for heads in n_head_kv]
+
+    name = reader.scalar("general.name") or path.stem
+    return ModelManifest(
+        name=str(name),
+        architecture=arch,
+        block_bytes=tuple(block_bytes),
+        head_bytes=head_bytes,
+        kv_bytes_per_token=tuple(kv),
+    )

@@ -1,0 +1,91 @@
+"""Brute-force references, written from the specification and sharing no code with the planner."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+
+from kafila.planner.types import Device, ModelManifest, SessionSpec
+
+
+def compositions(n_blocks: int, n_parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to give n_parts devices at least one of n_blocks contiguous blocks."""
+    for cuts in itertools.combinations(range(1, n_blocks), n_parts - 1):
+        bounds = (0, *cuts, n_blocks)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def need_bytes(manifest: ModelManifest, session: SessionSpec, start: int, end: int, is_head: bool) -> int:
+    blocks = sum(manifest.block_bytes[start:end])
+    kv = sum(manifest.kv_bytes_per_token[start:end]) * session.context * session.concurrency
+    return blocks + kv + (manifest.head_bytes if is_head else 0)
+
+
+def stage_cost(device: Device, manifest: ModelManifest, start: int, end: int, is_head: bool) -> float:
+    assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
+    fixed = device.overhead_s + (manifest.head_bytes / device.bandwidth_bytes_per_s if is_head else 0.0)
+    return fixed + sum(manifest.block_bytes[start:end]) / device.bandwidth_bytes_per_s
+
+
+def best_division(
+    manifest: ModelManifest, session: SessionSpec, chain: Sequence[Device]
+) -> tuple[float, tuple[int, ...]] | None:
+    """Minimum bottleneck over every division that fits, with the head last in the chain."""
+    best: tuple[float, tuple[int, ...]] | None = None
+    for counts in compositions(manifest.n_blocks, len(chain)):
+        start, worst, fits = 0, 0.0, True
+        for i, (device, count) in enumerate(zip(chain, counts)):
+            is_head = i == len(chain) - 1
+            if need_bytes(manifest, session, start, start + count, is_head) > device.memory_bytes:
+                fits = False
+                break
+            worst = max(worst, stage_cost(device, manifest, start, start + count, is_head))
+            start += count
+        if fits and (best is None or worst < best[0]):
+            best = (worst, counts)
+    return best
+
+
+def chain_for_head(ring: Sequence[Device], head: int) -> list[Device]:
+    from_head = list(ring[head:]) + list(ring[:head])
+    return from_head[1:] + from_head[:1]
+
+
+def head_by_rule(
+    manifest: ModelManifest, session: SessionSpec, ring: Sequence[Device], margin: float = 0.05
+) -> tuple[int, float] | None:
+    """Ring position of the head the rule picks, and its bottleneck; the anchor is position 0."""
+    solved = [best_division(manifest, session, chain_for_head(ring, r)) for r in range(len(ring))]
+    anchor = solved[0]
+    threshold = anchor[0] * (1 - margin) if anchor is not None else math.inf
+    better = [(s[0], r) for r, s in enumerate(solved) if r > 0 and s is not None and s[0] < threshold]
+    if better:
+        value, position = min(better)
+        return position, value
+    return (0, anchor[0]) if anchor is not None else None
+
+
+def any_division_fits(manifest: ModelManifest, session: SessionSpec, ring: Sequence[Device]) -> bool:
+    for r in range(len(ring)):
+        chain = chain_for_head(ring, r)
+        for counts in compositions(manifest.n_blocks, len(chain)):
+            start, fits = 0, True
+            for i, (device, count) in enumerate(zip(chain, counts)):
+                if need_bytes(manifest, session, start, start + count, i == len(chain) - 1) > device.memory_bytes:
+                    fits = False
+                    break
+                start += count
+            if fits:
+                return True
+    return False
+
+
+def best_ring_key(weights: Sequence[Sequence[int]], anchor: int) -> int:
+    others = [i for i in range(len(weights)) if i != anchor]
+    best = None
+    for order in itertools.permutations(others):
+        ring = (anchor, *order)
+        key = sum(weights[ring[i]][ring[(i + 1) % len(ring)]] for i in range(len(ring)))
+        best = key if best is None else min(best, key)
+    return best if best is not None else 0

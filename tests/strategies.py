@@ -1,0 +1,34 @@
+"""Hypothesis strategies for small, awkward planning instances."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from kafila.planner.types import Device, ModelManifest, SessionSpec
+
+
+@st.composite
+def manifests(draw: st.DrawFn, max_blocks: int = 8) -> ModelManifest:
+    n_blocks = draw(st.integers(1, max_blocks))
+    return ModelManifest(
+        name="random",
+        block_bytes=tuple(draw(st.lists(st.integers(1, 1000), min_size=n_blocks, max_size=n_blocks))),
+        head_bytes=draw(st.integers(0, 3000)),
+        kv_bytes_per_token=tuple(draw(st.lists(st.integers(0, 40), min_size=n_blocks, max_size=n_blocks))),
+    )
+
+
+sessions = st.builds(SessionSpec, context=st.integers(1, 4), concurrency=st.integers(1, 3))
+
+
+@st.composite
+def devices(draw: st.DrawFn, count: int, measured: bool = True) -> list[Device]:
+    return [
+        Device(
+            name=f"d{i}",
+            memory_bytes=draw(st.integers(1, 12000)),
+            bandwidth_bytes_per_s=draw(st.integers(1, 64)) * 0.5 if measured else None,
+            overhead_s=draw(st.integers(0, 40)) * 0.25 if measured else None,
+        )
+        for i in range(count)
+    ]

@@ -1,0 +1,82 @@
+"""Partition is the exact minimum bottleneck over contiguous, memory-respecting divisions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from brute import best_division, need_bytes, stage_cost
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import devices, manifests, sessions
+
+from kafila.planner.partition import partition
+from kafila.planner.types import Device, ModelManifest, SessionSpec
+
+
+def matrices_for(chain: list[Device], manifest: ModelManifest, session: SessionSpec) -> list[np.ndarray]:
+    """Cost matrices written from the formula, with ranges that do not fit priced at infinity."""
+    k = manifest.n_blocks
+    result = []
+    for i, device in enumerate(chain):
+        is_head = i == len(chain) - 1
+        matrix = np.full((k + 1, k + 1), np.inf)
+        for a in range(k):
+            for b in range(a + 1, k + 1):
+                if need_bytes(manifest, session, a, b, is_head) <= device.memory_bytes:
+                    matrix[a, b] = stage_cost(device, manifest, a, b, is_head)
+        result.append(matrix)
+    return result
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), manifest=manifests(), session=sessions)
+def test_partition_equals_brute_force(data: st.DataObject, manifest: ModelManifest, session: SessionSpec) -> None:
+    m = data.draw(st.integers(1, min(4, manifest.n_blocks)))
+    chain = data.draw(devices(m))
+    found = partition(matrices_for(chain, manifest, session))
+    expected = best_division(manifest, session, chain)
+    if expected is None:
+        assert found is None
+        return
+    assert found is not None
+    assert found.bottleneck == expected[0]
+    assert sum(found.counts) == manifest.n_blocks and min(found.counts) >= 1
+    start = 0
+    for i, (device, count) in enumerate(zip(chain, found.counts)):
+        is_head = i == m - 1
+        assert need_bytes(manifest, session, start, start + count, is_head) <= device.memory_bytes
+        assert stage_cost(device, manifest, start, start + count, is_head) <= found.bottleneck
+        start += count
+
+
+def test_unequal_blocks_defeat_the_one_pass_greedy() -> None:
+    """The paper's greedy fails here: the first device takes two blocks and strands the heavy one."""
+    manifest = ModelManifest(name="m", block_bytes=(1, 1, 10, 1), head_bytes=0, kv_bytes_per_token=(0,) * 4)
+    session = SessionSpec(context=1, concurrency=1)
+    chain = [
+        Device(name="a", memory_bytes=11, bandwidth_bytes_per_s=1.0, overhead_s=0.0),
+        Device(name="b", memory_bytes=1, bandwidth_bytes_per_s=1.0, overhead_s=0.0),
+        Device(name="c", memory_bytes=11, bandwidth_bytes_per_s=1.0, overhead_s=0.0),
+    ]
+    found = partition(matrices_for(chain, manifest, session))
+    assert found is not None
+    assert found.counts == (1, 1, 2)
+    assert found.bottleneck == 11.0
+
+
+def test_more_devices_than_blocks_has_no_division() -> None:
+    manifest = ModelManifest(name="m", block_bytes=(5, 5), head_bytes=0, kv_bytes_per_token=(0, 0))
+    chain = [Device(name=f"d{i}", memory_bytes=100, bandwidth_bytes_per_s=1.0, overhead_s=0.0) for i in range(3)]
+    assert partition(matrices_for(chain, manifest, SessionSpec())) is None
+
+
+def test_bound_below_returns_only_strict_improvements() -> None:
+    manifest = ModelManifest(name="m", block_bytes=(4, 4, 4, 4), head_bytes=0, kv_bytes_per_token=(0,) * 4)
+    chain = [Device(name=f"d{i}", memory_bytes=100, bandwidth_bytes_per_s=1.0, overhead_s=0.0) for i in range(2)]
+    matrices = matrices_for(chain, manifest, SessionSpec())
+    best = partition(matrices)
+    assert best is not None and best.bottleneck == 8.0
+    assert partition(matrices, below=8.0) is None
+    improved = partition(matrices, below=math.nextafter(8.0, math.inf))
+    assert improved is not None and improved.bottleneck == 8.0
