@@ -33,6 +33,9 @@ class FastGGUFReader(GGUFReader):
             raise
         except (ValueError, IndexError, KeyError, OverflowError) as error:
             raise GGUFFormatError(f"{path} is not a readable GGUF file: {error}") from error
+        short = [t.name for t in self.tensors if t.data.nbytes != t.n_bytes]
+        if short:
+            raise GGUFFormatError(f"{path} is truncated: tensor data ends early (first: {short[0]})")
 
     def _get_field_parts(
         self, orig_offs: int, raw_type: int

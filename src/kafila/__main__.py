@@ -1,0 +1,3 @@
+from kafila.cli.app import main
+
+main()

@@ -1,0 +1,145 @@
+"""`kafila plan` as a person or a script runs it: the real console script, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_gguf import write_tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("fleet-*.json"))
+
+
+def kafila(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kafila", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+
+
+def write_fleet(path: Path, fleet: dict) -> Path:
+    path.write_text(json.dumps(fleet))
+    return path
+
+
+DEVICES = [
+    {"name": "laptop", "bandwidth_gb_s": 100.0, "overhead_us": 50, "memory_gib": 16, "nat": "ordinary", "rtt_ms": 40},
+    {"name": "desktop", "bandwidth_gb_s": 400.0, "overhead_us": 40, "memory_gib": 8, "nat": "restrictive", "rtt_ms": 60},
+]
+
+
+def assert_valid_plan(plan: dict, n_blocks: int, names: set[str]) -> None:
+    assert set(plan) >= {
+        "tier", "ring", "head", "ranges", "stage_ms", "bottleneck_ms", "utilisation",
+        "edges", "ring_search", "planner_ms", "baselines",
+    }
+    assert set(plan["ring"]) == names and plan["ring"][0] == plan["head"]
+    ranges = [plan["ranges"][name] for name in plan["ring"][1:] + plan["ring"][:1]]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n_blocks
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert set(plan["baselines"]) == {"uniform", "memory"}
+    assert len(plan["edges"]) == (len(names) if len(names) > 1 else 0)
+
+
+@pytest.mark.parametrize("fleet_path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_fleets_plan(fleet_path: Path) -> None:
+    result = kafila("plan", fleet_path, "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    fleet = json.loads(fleet_path.read_text())
+    assert_valid_plan(plan, fleet["model"]["n_blocks"], {d["name"] for d in fleet["devices"]})
+    assert plan["tier"] == "cost-model" and plan["ring_search"] == "exact"
+    assert plan["bottleneck_ms"] == max(plan["stage_ms"].values())
+    for baseline in plan["baselines"].values():
+        assert baseline["bottleneck_ms"] >= plan["bottleneck_ms"]
+
+
+def test_readable_output_names_members_and_baselines() -> None:
+    result = kafila("plan", ROOT / "examples" / "fleet-lan.json")
+    assert result.returncode == 0, result.stderr
+    for word in ("gaming-pc-4090", "laptop-m3-pro", "uniform", "memory", "cost-model", "(head)"):
+        assert word in result.stdout
+
+
+def test_plan_for_a_gguf_file(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "tiny.gguf", n_blocks=6, wide_blocks=(2,))
+    fleet = write_fleet(tmp_path / "fleet.json", {"devices": DEVICES})
+    result = kafila("plan", fleet, "--model", model, "--json")
+    assert result.returncode == 0, result.stderr
+    assert_valid_plan(json.loads(result.stdout), 6, {"laptop", "desktop"})
+
+
+def test_plan_for_gemma(tmp_path: Path, gemma_path: Path) -> None:
+    fleet = write_fleet(tmp_path / "fleet.json", {"anchor": "desktop", "devices": DEVICES})
+    result = kafila("plan", fleet, "--model", gemma_path, "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert_valid_plan(plan, 18, {"laptop", "desktop"})
+    # The head reads 178 MB per token, ~47 blocks' worth: the faster member holds it, with few blocks.
+    assert plan["head"] == "desktop"
+    assert plan["ranges"]["desktop"][1] - plan["ranges"]["desktop"][0] < 9
+
+
+def test_refusal_exits_2_naming_the_member(tmp_path: Path) -> None:
+    small = [dict(d, memory_gib=0.001) for d in DEVICES]  # 1 MiB: the 2 MB head fits nowhere
+    fleet = write_fleet(tmp_path / "fleet.json", {"devices": small})
+    model = write_tiny_llama(tmp_path / "tiny.gguf", n_blocks=4, n_embd=256, n_ff=1024, n_vocab=4096)
+    result = kafila("plan", fleet, "--model", model)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "short by" in lines[0]
+    assert "laptop" in lines[0] or "desktop" in lines[0]
+    as_json = kafila("plan", fleet, "--model", model, "--json")
+    assert as_json.returncode == 2
+    refusal = json.loads(as_json.stdout)
+    assert refusal["device"] in {"laptop", "desktop"} and refusal["device"] in refusal["error"]
+    assert refusal["shortfall_bytes"] > 0
+
+
+BAD_FLEETS = {
+    "not-json": ("{devices: [", "not valid JSON"),
+    "no-devices": (json.dumps({"devices": []}), "devices"),
+    "negative-memory": (json.dumps({"devices": [dict(DEVICES[0], memory_gib=-1)]}), "memory_gib"),
+    "unknown-field": (json.dumps({"devices": [dict(DEVICES[0], colour="red")]}), "colour"),
+    "duplicate-names": (json.dumps({"devices": [DEVICES[0], DEVICES[0]]}), "repeated: laptop"),
+    "unknown-anchor": (json.dumps({"anchor": "ghost", "devices": DEVICES}), "anchor 'ghost'"),
+    "bad-nat": (json.dumps({"devices": [dict(DEVICES[0], nat="friendly")]}), "nat"),
+    "no-model": (json.dumps({"devices": DEVICES}), "no \"model\" section"),
+    "block-list-length": (
+        json.dumps({"model": {"n_blocks": 3, "block_bytes": [1, 2], "head_bytes": 1,
+                              "kv_bytes_per_token_per_block": 1}, "devices": DEVICES}),
+        "block_bytes lists 2 values but n_blocks is 3",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FLEETS, ids=str)
+def test_bad_fleets_get_a_clear_error(tmp_path: Path, case: str) -> None:
+    content, message = BAD_FLEETS[case]
+    path = tmp_path / "fleet.json"
+    path.write_text(content)
+    result = kafila("plan", path)
+    assert result.returncode == 1
+    assert message in result.stderr and "Traceback" not in result.stderr
+    as_json = kafila("plan", path, "--json")
+    assert as_json.returncode == 1 and message in json.loads(as_json.stdout)["error"]
+
+
+def test_missing_fleet_and_bad_model_files(tmp_path: Path) -> None:
+    missing = kafila("plan", tmp_path / "nope.json")
+    assert missing.returncode == 1 and "no fleet file" in missing.stderr
+    fleet = write_fleet(tmp_path / "fleet.json", {"devices": DEVICES})
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("hello")
+    result = kafila("plan", fleet, "--model", not_gguf)
+    assert result.returncode == 1 and "not a readable GGUF" in result.stderr and "Traceback" not in result.stderr
+    absent = kafila("plan", fleet, "--model", tmp_path / "absent.gguf")
+    assert absent.returncode == 1 and "no model file" in absent.stderr
+
+
+def test_version() -> None:
+    result = kafila("--version")
+    assert result.returncode == 0 and result.stdout.startswith("kafila ")

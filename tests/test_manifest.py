@@ -1,0 +1,82 @@
+"""The manifest read from GGUF headers: tiny generated models and the real gemma-3-270m."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_gguf import write_tiny_llama
+
+from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
+from kafila.runtime.manifest import read_manifest
+
+# Byte sizes by hand: Q8_0 stores 32 values in 34 bytes, F16 2 bytes and F32 4 bytes a value.
+N_EMBD, N_FF, N_VOCAB, N_HEAD_KV, HEAD_DIM = 64, 128, 32, 2, 16
+Q8 = 34 / 32
+ATTENTION = int((2 * N_EMBD * N_EMBD + 2 * N_HEAD_KV * HEAD_DIM * N_EMBD) * Q8)
+NORMS = 2 * N_EMBD * 4
+FFN_Q8 = int(3 * N_FF * N_EMBD * Q8)
+FFN_F16 = 3 * N_FF * N_EMBD * 2
+EMBEDDING = int(N_VOCAB * N_EMBD * Q8)
+
+
+def test_tiny_model_manifest(tmp_path: Path) -> None:
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_blocks=5, wide_blocks=(1, 3))
+    manifest = read_manifest(path)
+    assert manifest.architecture == "llama"
+    assert manifest.n_blocks == 5
+    narrow, wide = ATTENTION + NORMS + FFN_Q8, ATTENTION + NORMS + FFN_F16
+    assert manifest.block_bytes == (narrow, wide, narrow, wide, narrow)
+    assert manifest.head_bytes == 2 * EMBEDDING + N_EMBD * 4
+    assert manifest.kv_bytes_per_token == (2 * N_HEAD_KV * (HEAD_DIM + HEAD_DIM),) * 5
+
+
+def test_tied_embedding_is_counted_once(tmp_path: Path) -> None:
+    manifest = read_manifest(write_tiny_llama(tmp_path / "tied.gguf", tied_output=True))
+    assert manifest.head_bytes == EMBEDDING + N_EMBD * 4
+
+
+def test_fast_reader_agrees_with_the_gguf_package(tmp_path: Path) -> None:
+    from gguf import GGUFReader
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    ours, theirs = FastGGUFReader(path), GGUFReader(path)
+    for key, field in theirs.fields.items():
+        assert ours.scalar(key) == field.contents(), key
+    assert [(t.name, t.n_bytes, t.data_offset) for t in ours.tensors] == [
+        (t.name, t.n_bytes, t.data_offset) for t in theirs.tensors
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"", "not a readable GGUF"), (b"GGML" + b"\0" * 60, "not a readable GGUF"), (b"not a model at all", "GGUF")],
+)
+def test_files_that_are_not_gguf_are_refused_clearly(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(GGUFFormatError, match=message):
+        read_manifest(path)
+
+
+def test_truncated_file_is_refused_clearly(tmp_path: Path) -> None:
+    whole = write_tiny_llama(tmp_path / "tiny.gguf").read_bytes()
+    for cut in (8, 24, 200, 900, len(whole) - 1):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(whole[:cut])
+        with pytest.raises(GGUFFormatError):
+            read_manifest(path)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(FileNotFoundError):
+        read_manifest("/nonexistent/model.gguf")
+
+
+def test_gemma3_270m_manifest(gemma_path: Path) -> None:
+    manifest = read_manifest(gemma_path)
+    assert manifest.architecture == "gemma3"
+    assert manifest.n_blocks == 18
+    assert set(manifest.block_bytes) == {3_596_288, 3_995_648}  # 3.60 MB and 4.00 MB
+    assert manifest.head_bytes == 178_257_920 + 2_560  # tied Q8_0 embedding + output norm
+    assert manifest.kv_bytes_per_token == (2 * 1 * (256 + 256),) * 18
