@@ -33,11 +33,14 @@ class Division:
 
 
 def candidate_bottlenecks(cost_matrices: Sequence[FloatMatrix]) -> npt.NDArray[np.float64]:
-    """Every value a bottleneck can take, sorted: one per (device, range) that is allowed."""
+    """Every value a bottleneck can take, sorted: one per (device, range) that is allowed.
+
+    Repeated values are harmless to the binary search, so they are not removed.
+    """
     finite = [matrix[np.isfinite(matrix)] for matrix in cost_matrices]
     if not finite:
         return np.empty(0)
-    return np.unique(np.concatenate(finite))
+    return np.sort(np.concatenate(finite))
 
 
 def _reachable(cost_matrices: Sequence[FloatMatrix], bound: float) -> list[npt.NDArray[np.bool_]] | None:

@@ -49,11 +49,7 @@ class DevicePrices:
     cost: tuple[FloatMatrix, FloatMatrix] | None  # unconstrained by memory; None in the memory tier
     fill: tuple[FloatMatrix, FloatMatrix]
     fits: tuple[np.ndarray, np.ndarray]
-
-    def search_matrix(self, is_head: bool) -> FloatMatrix:
-        """What the partition minimises: cost where it has one, memory fill otherwise; never overfull."""
-        objective = self.cost[is_head] if self.cost is not None else self.fill[is_head]
-        return cost.within_memory(objective, self.fits[is_head])
+    search: tuple[FloatMatrix, FloatMatrix]  # what the partition minimises; overfull ranges at infinity
 
 
 def price_devices(devices: Sequence[Device], prefix: ChainPrefix, tier: Tier) -> list[DevicePrices]:
@@ -67,11 +63,15 @@ def price_devices(devices: Sequence[Device], prefix: ChainPrefix, tier: Tier) ->
             costs = (shared, shared)
         else:
             costs = None
+        fill = tuple(cost.fill_matrix(device, prefix, role) for role in roles)
+        fits = tuple(cost.fits_matrix(device, prefix, role) for role in roles)
+        objective = costs if costs is not None else fill  # memory fill where there is no cost
         priced.append(
             DevicePrices(
                 cost=costs,  # type: ignore[arg-type]
-                fill=tuple(cost.fill_matrix(device, prefix, role) for role in roles),  # type: ignore[arg-type]
-                fits=tuple(cost.fits_matrix(device, prefix, role) for role in roles),  # type: ignore[arg-type]
+                fill=fill,  # type: ignore[arg-type]
+                fits=fits,  # type: ignore[arg-type]
+                search=tuple(cost.within_memory(objective[r], fits[r]) for r in roles),  # type: ignore[arg-type]
             )
         )
     return priced
@@ -85,7 +85,7 @@ def chain_from_head(ring: Sequence[int], head_position: int) -> list[int]:
 
 def _search_matrices(prices: Sequence[DevicePrices], chain: Sequence[int]) -> list[FloatMatrix]:
     last = len(chain) - 1
-    return [prices[d].search_matrix(is_head=(i == last)) for i, d in enumerate(chain)]
+    return [prices[d].search[i == last] for i, d in enumerate(chain)]
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def place_head(prices: Sequence[DevicePrices], ring: Sequence[int], tier: Tier) 
                 note = None if r == 0 else "the anchor cannot hold the head, so the head moved"
                 return HeadChoice(r, division), note
         return None, None
-    candidates = candidate_bottlenecks([m for chain_matrices in matrices for m in chain_matrices])
+    candidates = candidate_bottlenecks([matrix for device in prices for matrix in device.search])
     anchor = partition(matrices[0], candidates)
     best = HeadChoice(0, anchor) if anchor is not None else None
     below = anchor.bottleneck * (1 - HEAD_MARGIN) if anchor is not None else np.inf
@@ -153,7 +153,9 @@ def refuse(devices: Sequence[Device], prices: Sequence[DevicePrices], ring: Sequ
     message = (
         f"no division fits: '{device.name}' cannot hold its share (blocks {a}-{b - 1}{role}, "
         f"{need / 2**30:.2f} GiB with KV cache) in {device.memory_bytes / 2**30:.2f} GiB; "
-        f"it is short by {shortfall} bytes ({shortfall / 2**30:.2f} GiB) even in the most even division"
+        f"it is short by {shortfall} bytes ({shortfall / 2**30:.2f} GiB) even in the most even division "
+        f"(the session needs {(int(prefix.resident_bytes[-1]) + prefix.head_bytes) / 2**30:.2f} GiB in all; "
+        f"the members have {sum(d.memory_bytes for d in devices) / 2**30:.2f} GiB)"
     )
     return PlanRefused(message, device=device.name, shortfall_bytes=shortfall)
 
