@@ -113,6 +113,22 @@ BAD_FLEETS = {
                               "kv_bytes_per_token_per_block": 1}, "devices": DEVICES}),
         "block_bytes lists 2 values but n_blocks is 3",
     ),
+    "nan-bandwidth": ('{"devices": [{"name": "a", "memory_gib": 1, "bandwidth_gb_s": NaN}]}', "bandwidth_gb_s"),
+    "infinite-memory": ('{"devices": [{"name": "a", "memory_gib": Infinity}]}', "memory_gib"),
+    "huge-memory": (json.dumps({"devices": [dict(DEVICES[0], memory_gib=1e30)]}), "memory_gib"),
+    "zero-context": (json.dumps({"session": {"context": 0}, "devices": DEVICES}), "session.context"),
+    "too-many-blocks": (
+        json.dumps({"model": {"n_blocks": 100000, "block_bytes": 1, "head_bytes": 1,
+                              "kv_bytes_per_token_per_block": 1}, "devices": DEVICES}),
+        "model.n_blocks",
+    ),
+    "huge-block": (
+        json.dumps({"model": {"n_blocks": 2, "block_bytes": 2**60, "head_bytes": 1,
+                              "kv_bytes_per_token_per_block": 1}, "devices": DEVICES}),
+        "model: block_bytes",
+    ),
+    "too-many-members": (json.dumps({"devices": [dict(DEVICES[0], name=f"m{i}") for i in range(40)]}), "devices"),
+    "list-not-object": ("[1, 2, 3]", "not a valid fleet"),
 }
 
 
@@ -143,3 +159,30 @@ def test_missing_fleet_and_bad_model_files(tmp_path: Path) -> None:
 def test_version() -> None:
     result = kafila("--version")
     assert result.returncode == 0 and result.stdout.startswith("kafila ")
+
+
+def test_absurd_kv_cache_is_refused_not_overflowed(tmp_path: Path) -> None:
+    fleet = {
+        "model": {"n_blocks": 2, "block_bytes": 10, "head_bytes": 1, "kv_bytes_per_token_per_block": 2**24},
+        "session": {"context": 2**24, "concurrency": 4096},
+        "devices": DEVICES,
+    }
+    result = kafila("plan", write_fleet(tmp_path / "fleet.json", fleet), "--json")
+    assert result.returncode == 2
+    assert "GiB in all" in json.loads(result.stdout)["error"]
+
+
+def test_single_member_plans_the_whole_model(tmp_path: Path) -> None:
+    fleet = write_fleet(tmp_path / "fleet.json", {"devices": DEVICES[:1]})
+    model = write_tiny_llama(tmp_path / "tiny.gguf", n_blocks=3)
+    result = kafila("plan", fleet, "--model", model, "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["ranges"] == {"laptop": [0, 3]} and plan["edges"] == [] and plan["head"] == "laptop"
+
+
+def test_non_utf8_fleet_file(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    path.write_bytes(b"\xff\xfe{}")
+    result = kafila("plan", path)
+    assert result.returncode == 1 and "cannot read fleet file" in result.stderr

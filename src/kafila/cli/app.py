@@ -82,10 +82,13 @@ def plan(
         except (FileNotFoundError, GGUFFormatError, ValidationError) as error:
             _fail(str(error), as_json, EXIT_BAD_INPUT)
     elif fleet.model is not None:
-        manifest = fleet.model.manifest()
+        try:
+            manifest = fleet.model.manifest()
+        except ValidationError as error:
+            _fail(f"{fleet_path}: model: {_validation_message(error)}", as_json, EXIT_BAD_INPUT)
     else:
         _fail(f"{fleet_path} has no \"model\" section; give one or pass --model MODEL.gguf", as_json, EXIT_BAD_INPUT)
-    devices = [d.device() for d in fleet.devices]
+    devices = [d.device() for d in fleet.devices]  # the fleet schema's bounds imply the device's
     started = time.perf_counter()
     try:
         result = plan_session(manifest, devices, fleet.session, anchor=fleet.anchor_name)

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
-from kafila.planner.types import Device, ModelManifest, NatBehaviour, NatClass, SessionSpec, Strict
+from kafila.planner.types import MAX_BLOCKS, Device, ModelManifest, NatBehaviour, NatClass, SessionSpec, Strict
 
-MAX_MEMBERS = 64
+MAX_MEMBERS = 32  # a person's own machines; the exact ring search covers 16
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
 class FleetModel(Strict):
     name: str = "model"
     architecture: str | None = None
-    n_blocks: PositiveInt
+    n_blocks: Annotated[int, Field(ge=1, le=MAX_BLOCKS)]
     block_bytes: PositiveInt | list[PositiveInt]
     head_bytes: NonNegativeInt
     kv_bytes_per_token_per_block: NonNegativeInt | list[NonNegativeInt]
@@ -47,10 +47,10 @@ class FleetModel(Strict):
 
 class FleetDevice(Strict):
     name: str = Field(min_length=1, max_length=64)
-    memory_gib: PositiveFloat
-    bandwidth_gb_s: PositiveFloat | None = None
-    overhead_us: Annotated[float, Field(ge=0)] | None = None
-    tflops: PositiveFloat | None = None
+    memory_gib: Annotated[float, Field(gt=0, le=2**20)]
+    bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    overhead_us: Annotated[float, Field(ge=0, le=1e7)] | None = None
+    tflops: Annotated[float, Field(gt=0, le=1e6)] | None = None
     nat: NatClass | NatBehaviour | None = None
     rtt_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
 
@@ -58,7 +58,7 @@ class FleetDevice(Strict):
         nat = NatBehaviour.from_class(self.nat) if isinstance(self.nat, NatClass) else self.nat
         return Device(
             name=self.name,
-            memory_bytes=int(self.memory_gib * 2**30),
+            memory_bytes=max(1, int(self.memory_gib * 2**30)),
             bandwidth_bytes_per_s=self.bandwidth_gb_s * 1e9 if self.bandwidth_gb_s is not None else None,
             overhead_s=self.overhead_us * 1e-6 if self.overhead_us is not None else None,
             flops=self.tflops * 1e12 if self.tflops is not None else None,

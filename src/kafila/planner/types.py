@@ -9,11 +9,14 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+MAX_BLOCKS = 512  # four times the deepest model in common use; planning time grows with its square
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class Mapping(StrEnum):
@@ -66,9 +69,9 @@ class ModelManifest(Strict):
 
     name: str
     architecture: str | None = None
-    block_bytes: tuple[PositiveInt, ...] = Field(min_length=1)
-    head_bytes: Annotated[int, Field(ge=0)]
-    kv_bytes_per_token: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+    block_bytes: tuple[Annotated[int, Field(ge=1, le=2**40)], ...] = Field(min_length=1, max_length=MAX_BLOCKS)
+    head_bytes: Annotated[int, Field(ge=0, le=2**44)]
+    kv_bytes_per_token: tuple[Annotated[int, Field(ge=0, le=2**24)], ...] = Field(
         description="KV-cache bytes per token of context, one entry per block (f16 cache)."
     )
 
@@ -94,10 +97,10 @@ class Device(Strict):
     """One member, as it measured itself. Missing measurements lower the planner's tier."""
 
     name: str = Field(min_length=1)
-    memory_bytes: PositiveInt
-    bandwidth_bytes_per_s: PositiveFloat | None = None
-    overhead_s: Annotated[float, Field(ge=0)] | None = None
-    flops: PositiveFloat | None = None
+    memory_bytes: Annotated[int, Field(ge=1, le=2**50)]
+    bandwidth_bytes_per_s: Annotated[float, Field(gt=0, le=1e15)] | None = None
+    overhead_s: Annotated[float, Field(ge=0, le=10)] | None = None
+    flops: Annotated[float, Field(gt=0, le=1e18)] | None = None
     nat: NatBehaviour | None = None
     rtt_s: Annotated[float, Field(ge=0, le=60)] | None = None
 
@@ -105,8 +108,8 @@ class Device(Strict):
 class SessionSpec(Strict):
     """What the session promises to serve at once, which sizes every member's KV cache."""
 
-    context: PositiveInt = 4096
-    concurrency: PositiveInt = 1
+    context: Annotated[int, Field(ge=1, le=2**24)] = 4096
+    concurrency: Annotated[int, Field(ge=1, le=4096)] = 1
 
 
 class Tier(StrEnum):
