@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleets import FLEETS, QWEN3_SHAPES, fleet  # noqa: E402
+from fleets import FLEETS, QWEN3_SHAPES, fleet
 
-from kafila.planner import PlanRefused, plan_session  # noqa: E402
-from kafila.planner.fleet import Fleet  # noqa: E402
-from kafila.planner.ring import best_ring  # noqa: E402
-from kafila.planner.types import Device, ModelManifest, NatBehaviour, NatClass, SessionSpec  # noqa: E402
+from kafila.planner import PlanRefused, plan_session
+from kafila.planner.fleet import Fleet
+from kafila.planner.ring import best_ring
+from kafila.planner.types import Device, ModelManifest, NatBehaviour, NatClass, SessionSpec
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -32,8 +32,10 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 
 
 def division_table() -> None:
-    print("| fleet | model | uniform ms | memory ms | Kafila ms | uniform / Kafila | memory / Kafila "
-          "| utilisation uniform / memory / Kafila | head | planner ms |")
+    print(
+        "| fleet | model | uniform ms | memory ms | Kafila ms | uniform / Kafila | memory / Kafila "
+        "| utilisation uniform / memory / Kafila | head | planner ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for fleet_name in FLEETS:
         for model in QWEN3_SHAPES:
@@ -65,8 +67,10 @@ def division_table() -> None:
 
 def memory_wall(fleet_name: str = "lan", model: str = "Qwen3-32B-Q4_K_M") -> None:
     """Longer contexts and more concurrent requests: which divisions still fit, and refusals."""
-    print(f"\n| {fleet_name}, {model.removesuffix('-Q4_K_M')}: context × concurrency | Kafila ms "
-          "| uniform fits | memory fits | outcome |")
+    print(
+        f"\n| {fleet_name}, {model.removesuffix('-Q4_K_M')}: context × concurrency | Kafila ms "
+        "| uniform fits | memory fits | outcome |"
+    )
     print("|---|---|---|---|---|")
     for context, concurrency in ((4096, 4), (32768, 6), (65536, 4), (131072, 4)):
         parsed = Fleet.model_validate(fleet(fleet_name, model, context, concurrency))

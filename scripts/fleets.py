@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 QWEN3_SHAPES = {
     # name: (blocks, hidden, heads, kv heads, head dim, ffn, vocab)

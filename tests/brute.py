@@ -13,7 +13,7 @@ def compositions(n_blocks: int, n_parts: int) -> Iterator[tuple[int, ...]]:
     """Every way to give n_parts devices at least one of n_blocks contiguous blocks."""
     for cuts in itertools.combinations(range(1, n_blocks), n_parts - 1):
         bounds = (0, *cuts, n_blocks)
-        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        yield tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
 def need_bytes(manifest: ModelManifest, session: SessionSpec, start: int, end: int, is_head: bool) -> int:
@@ -35,7 +35,7 @@ def best_division(
     best: tuple[float, tuple[int, ...]] | None = None
     for counts in compositions(manifest.n_blocks, len(chain)):
         start, worst, fits = 0, 0.0, True
-        for i, (device, count) in enumerate(zip(chain, counts)):
+        for i, (device, count) in enumerate(zip(chain, counts, strict=False)):
             is_head = i == len(chain) - 1
             if need_bytes(manifest, session, start, start + count, is_head) > device.memory_bytes:
                 fits = False
@@ -71,7 +71,7 @@ def any_division_fits(manifest: ModelManifest, session: SessionSpec, ring: Seque
         chain = chain_for_head(ring, r)
         for counts in compositions(manifest.n_blocks, len(chain)):
             start, fits = 0, True
-            for i, (device, count) in enumerate(zip(chain, counts)):
+            for i, (device, count) in enumerate(zip(chain, counts, strict=False)):
                 if need_bytes(manifest, session, start, start + count, i == len(chain) - 1) > device.memory_bytes:
                     fits = False
                     break

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("fleet-*.json"))
 
 def kafila(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kafila", *map(str, args)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kafila", *map(str, args)], capture_output=True, text=True, timeout=120, check=False
     )
 
 
@@ -27,19 +28,35 @@ def write_fleet(path: Path, fleet: dict) -> Path:
 
 DEVICES = [
     {"name": "laptop", "bandwidth_gb_s": 100.0, "overhead_us": 50, "memory_gib": 16, "nat": "ordinary", "rtt_ms": 40},
-    {"name": "desktop", "bandwidth_gb_s": 400.0, "overhead_us": 40, "memory_gib": 8, "nat": "restrictive", "rtt_ms": 60},
+    {
+        "name": "desktop",
+        "bandwidth_gb_s": 400.0,
+        "overhead_us": 40,
+        "memory_gib": 8,
+        "nat": "restrictive",
+        "rtt_ms": 60,
+    },
 ]
 
 
 def assert_valid_plan(plan: dict, n_blocks: int, names: set[str]) -> None:
     assert set(plan) >= {
-        "tier", "ring", "head", "ranges", "stage_ms", "bottleneck_ms", "utilisation",
-        "edges", "ring_search", "planner_ms", "baselines",
+        "tier",
+        "ring",
+        "head",
+        "ranges",
+        "stage_ms",
+        "bottleneck_ms",
+        "utilisation",
+        "edges",
+        "ring_search",
+        "planner_ms",
+        "baselines",
     }
     assert set(plan["ring"]) == names and plan["ring"][0] == plan["head"]
     ranges = [plan["ranges"][name] for name in plan["ring"][1:] + plan["ring"][:1]]
     assert ranges[0][0] == 0 and ranges[-1][1] == n_blocks
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert set(plan["baselines"]) == {"uniform", "memory"}
     assert len(plan["edges"]) == (len(names) if len(names) > 1 else 0)
 
@@ -107,10 +124,14 @@ BAD_FLEETS = {
     "duplicate-names": (json.dumps({"devices": [DEVICES[0], DEVICES[0]]}), "repeated: laptop"),
     "unknown-anchor": (json.dumps({"anchor": "ghost", "devices": DEVICES}), "anchor 'ghost'"),
     "bad-nat": (json.dumps({"devices": [dict(DEVICES[0], nat="friendly")]}), "nat"),
-    "no-model": (json.dumps({"devices": DEVICES}), "no \"model\" section"),
+    "no-model": (json.dumps({"devices": DEVICES}), 'no "model" section'),
     "block-list-length": (
-        json.dumps({"model": {"n_blocks": 3, "block_bytes": [1, 2], "head_bytes": 1,
-                              "kv_bytes_per_token_per_block": 1}, "devices": DEVICES}),
+        json.dumps(
+            {
+                "model": {"n_blocks": 3, "block_bytes": [1, 2], "head_bytes": 1, "kv_bytes_per_token_per_block": 1},
+                "devices": DEVICES,
+            }
+        ),
         "block_bytes lists 2 values but n_blocks is 3",
     ),
     "nan-bandwidth": ('{"devices": [{"name": "a", "memory_gib": 1, "bandwidth_gb_s": NaN}]}', "bandwidth_gb_s"),
@@ -118,13 +139,21 @@ BAD_FLEETS = {
     "huge-memory": (json.dumps({"devices": [dict(DEVICES[0], memory_gib=1e30)]}), "memory_gib"),
     "zero-context": (json.dumps({"session": {"context": 0}, "devices": DEVICES}), "session.context"),
     "too-many-blocks": (
-        json.dumps({"model": {"n_blocks": 100000, "block_bytes": 1, "head_bytes": 1,
-                              "kv_bytes_per_token_per_block": 1}, "devices": DEVICES}),
+        json.dumps(
+            {
+                "model": {"n_blocks": 100000, "block_bytes": 1, "head_bytes": 1, "kv_bytes_per_token_per_block": 1},
+                "devices": DEVICES,
+            }
+        ),
         "model.n_blocks",
     ),
     "huge-block": (
-        json.dumps({"model": {"n_blocks": 2, "block_bytes": 2**60, "head_bytes": 1,
-                              "kv_bytes_per_token_per_block": 1}, "devices": DEVICES}),
+        json.dumps(
+            {
+                "model": {"n_blocks": 2, "block_bytes": 2**60, "head_bytes": 1, "kv_bytes_per_token_per_block": 1},
+                "devices": DEVICES,
+            }
+        ),
         "model: block_bytes",
     ),
     "too-many-members": (json.dumps({"devices": [dict(DEVICES[0], name=f"m{i}") for i in range(40)]}), "devices"),

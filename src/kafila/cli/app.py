@@ -87,7 +87,7 @@ def plan(
         except ValidationError as error:
             _fail(f"{fleet_path}: model: {_validation_message(error)}", as_json, EXIT_BAD_INPUT)
     else:
-        _fail(f"{fleet_path} has no \"model\" section; give one or pass --model MODEL.gguf", as_json, EXIT_BAD_INPUT)
+        _fail(f'{fleet_path} has no "model" section; give one or pass --model MODEL.gguf', as_json, EXIT_BAD_INPUT)
     devices = [d.device() for d in fleet.devices]  # the fleet schema's bounds imply the device's
     started = time.perf_counter()
     try:
@@ -98,9 +98,12 @@ def plan(
     if as_json:
         print(report.model_dump_json())
     else:
-        stdout.print(f"Model [bold]{manifest.name}[/bold]: {manifest.n_blocks} blocks, "
-                     f"{manifest.total_bytes / 1e9:.2f} GB; context {fleet.session.context} × "
-                     f"{fleet.session.concurrency} concurrent", highlight=False)
+        stdout.print(
+            f"Model [bold]{manifest.name}[/bold]: {manifest.n_blocks} blocks, "
+            f"{manifest.total_bytes / 1e9:.2f} GB; context {fleet.session.context} × "
+            f"{fleet.session.concurrency} concurrent",
+            highlight=False,
+        )
         render_plan(report, stdout)
 
 

@@ -29,7 +29,7 @@ class Division:
 
     @property
     def counts(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False))
 
 
 def candidate_bottlenecks(cost_matrices: Sequence[FloatMatrix]) -> npt.NDArray[np.float64]:
@@ -46,12 +46,11 @@ def candidate_bottlenecks(cost_matrices: Sequence[FloatMatrix]) -> npt.NDArray[n
 def _reachable(cost_matrices: Sequence[FloatMatrix], bound: float) -> list[npt.NDArray[np.bool_]] | None:
     """Chain positions reachable after each device, or None if the whole chain is not."""
     n_positions = cost_matrices[0].shape[0]
-    reach = np.zeros(n_positions, dtype=bool)
+    reach: npt.NDArray[np.bool_] = np.zeros(n_positions, dtype=bool)
     reach[0] = True
     history = [reach]
     for matrix in cost_matrices:
-        allowed = matrix[reach] <= bound
-        reach = allowed.any(axis=0)
+        reach = np.any(matrix[reach] <= bound, axis=0)
         if not reach.any():
             return None
         history.append(reach)
@@ -102,7 +101,7 @@ def partition(
     history = _reachable(cost_matrices, bound)
     assert history is not None
     bounds = _trace_back(cost_matrices, history, bound)
-    achieved = max(float(matrix[a, b]) for matrix, a, b in zip(cost_matrices, bounds, bounds[1:]))
+    achieved = max(float(matrix[a, b]) for matrix, a, b in zip(cost_matrices, bounds, bounds[1:], strict=False))
     return Division(bottleneck=achieved, bounds=bounds)
 
 

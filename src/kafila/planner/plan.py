@@ -127,7 +127,9 @@ def place_head(prices: Sequence[DevicePrices], ring: Sequence[int], tier: Tier) 
     return best, note
 
 
-def refuse(devices: Sequence[Device], prices: Sequence[DevicePrices], ring: Sequence[int], prefix: ChainPrefix) -> PlanRefused:
+def refuse(
+    devices: Sequence[Device], prices: Sequence[DevicePrices], ring: Sequence[int], prefix: ChainPrefix
+) -> PlanRefused:
     """Name the member that cannot hold its share in the most even division there is.
 
     Balancing memory fill over every head choice gives the division that asks least of the
@@ -143,7 +145,7 @@ def refuse(devices: Sequence[Device], prices: Sequence[DevicePrices], ring: Sequ
             best = (division.bottleneck, chain, division)
     assert best is not None
     _, chain, division = best
-    spans = list(zip(division.bounds, division.bounds[1:]))
+    spans = list(zip(division.bounds, division.bounds[1:], strict=False))
     fullest = max(range(len(chain)), key=lambda i: prices[chain[i]].fill[i == len(chain) - 1][spans[i]])
     device = devices[chain[fullest]]
     a, b = spans[fullest]
@@ -216,9 +218,9 @@ def plan_session(
 
     chain = chain_from_head(ring, choice.head_position)
     last = len(chain) - 1
-    spans = list(zip(choice.division.bounds, choice.division.bounds[1:]))
+    spans = list(zip(choice.division.bounds, choice.division.bounds[1:], strict=False))
     stages = []
-    for i, (d, (a, b)) in enumerate(zip(chain, spans)):
+    for i, (d, (a, b)) in enumerate(zip(chain, spans, strict=False)):
         costs = prices[d].cost
         stages.append(
             Stage(

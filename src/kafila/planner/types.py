@@ -11,7 +11,6 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
 MAX_BLOCKS = 512  # four times the deepest model in common use; planning time grows with its square
 
 

@@ -10,6 +10,7 @@ The override touches a private method, which is why pyproject.toml pins the gguf
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -66,8 +67,10 @@ class FastGGUFReader(GGUFReader):
 
     def _scan_strings(self, offs: int, count: int) -> npt.NDArray[np.int64]:
         """Byte offsets (relative to `offs`) of each string's length prefix, plus the end."""
-        raw = memoryview(self.data)
+        raw = self.data.data
         limit = len(self.data)
+        if count > (limit - offs) // 8:
+            raise GGUFFormatError("string array is longer than the file")
         starts = np.empty(count + 1, dtype=np.int64)
         position = offs
         from_bytes = int.from_bytes
@@ -90,16 +93,17 @@ class FastGGUFReader(GGUFReader):
             if field.types[-1] == GGUFValueType.STRING:
                 return self.strings(key)
             return field.parts[-1].tolist()
-        return field.contents()
+        try:
+            return field.contents()
+        except UnicodeDecodeError as error:
+            raise GGUFFormatError(f"metadata {key} is not valid UTF-8") from error
 
     def strings(self, key: str) -> list[str]:
         """Decode a string array on demand; most callers never need to."""
         field = self.fields[key]
         starts = self._string_array_offsets[field.offset + self._key_header_size(field)]
         payload = field.parts[-1].tobytes()
-        return [
-            payload[int(a) + 8 : int(b)].decode("utf-8", errors="replace") for a, b in zip(starts[:-1], starts[1:])
-        ]
+        return [payload[int(a) + 8 : int(b)].decode("utf-8", errors="replace") for a, b in itertools.pairwise(starts)]
 
     @staticmethod
     def _key_header_size(field: Any) -> int:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
-from kafila.planner.types import ModelManifest
+from kafila.planner.types import MAX_BLOCKS, ModelManifest
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
@@ -14,12 +15,19 @@ HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 KV_CACHE_BYTES_PER_VALUE = 2  # f16 cache, llama.cpp's default
 
 
-def _per_block(value: int | list[int], n_blocks: int, key: str) -> list[int]:
+def _count(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GGUFFormatError(f"metadata {key} is {value!r}, not a count")
+    return value
+
+
+def _per_block(value: Any, n_blocks: int, key: str) -> list[int]:
+    """A per-layer setting that GGUF stores as one number or as one number per block."""
     if isinstance(value, list):
         if len(value) != n_blocks:
             raise GGUFFormatError(f"{key} lists {len(value)} values for {n_blocks} blocks")
-        return [int(v) for v in value]
-    return [int(value)] * n_blocks
+        return [_count(v, key) for v in value]
+    return [_count(value, key)] * n_blocks
 
 
 def read_manifest(path: str | PathLike[str]) -> ModelManifest:
@@ -33,6 +41,8 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
     n_blocks = reader.scalar(f"{arch}.block_count")
     if not isinstance(n_blocks, int) or n_blocks < 1:
         raise GGUFFormatError(f"{path} has no positive {arch}.block_count")
+    if n_blocks > MAX_BLOCKS:
+        raise GGUFFormatError(f"{path} declares {n_blocks} blocks; Kafila plans models of up to {MAX_BLOCKS}")
 
     block_bytes = [0] * n_blocks
     head_bytes = 0
@@ -49,14 +59,12 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
     if empty:
         raise GGUFFormatError(f"{path} has no tensors for blocks {empty}")
 
-    n_embd = reader.scalar(f"{arch}.embedding_length")
+    n_embd = _count(reader.scalar(f"{arch}.embedding_length", 0), "embedding_length")
     n_head = _per_block(reader.scalar(f"{arch}.attention.head_count", 0), n_blocks, "head_count")
-    n_head_kv = _per_block(
-        reader.scalar(f"{arch}.attention.head_count_kv", n_head), n_blocks, "head_count_kv"
-    )
-    default_head_dim = n_embd // max(n_head) if isinstance(n_embd, int) and max(n_head) > 0 else 0
-    key_length = int(reader.scalar(f"{arch}.attention.key_length", default_head_dim))
-    value_length = int(reader.scalar(f"{arch}.attention.value_length", key_length))
+    n_head_kv = _per_block(reader.scalar(f"{arch}.attention.head_count_kv", n_head), n_blocks, "head_count_kv")
+    default_head_dim = n_embd // max(n_head) if max(n_head) > 0 else 0
+    key_length = _count(reader.scalar(f"{arch}.attention.key_length", default_head_dim), "key_length")
+    value_length = _count(reader.scalar(f"{arch}.attention.value_length", key_length), "value_length")
     kv = [KV_CACHE_BYTES_PER_VALUE * heads * (key_length + value_length) for heads in n_head_kv]
 
     name = reader.scalar("general.name") or path.stem
