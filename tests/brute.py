@@ -35,7 +35,7 @@ def best_division(
     best: tuple[float, tuple[int, ...]] | None = None
     for counts in compositions(manifest.n_blocks, len(chain)):
         start, worst, fits = 0, 0.0, True
-        for i, (device, count) in enumerate(zip(chain, counts, strict=False)):
+        for i, (device, count) in enumerate(zip(chain, counts, strict=True)):
             is_head = i == len(chain) - 1
             if need_bytes(manifest, session, start, start + count, is_head) > device.memory_bytes:
                 fits = False
@@ -71,7 +71,7 @@ def any_division_fits(manifest: ModelManifest, session: SessionSpec, ring: Seque
         chain = chain_for_head(ring, r)
         for counts in compositions(manifest.n_blocks, len(chain)):
             start, fits = 0, True
-            for i, (device, count) in enumerate(zip(chain, counts, strict=False)):
+            for i, (device, count) in enumerate(zip(chain, counts, strict=True)):
                 if need_bytes(manifest, session, start, start + count, i == len(chain) - 1) > device.memory_bytes:
                     fits = False
                     break

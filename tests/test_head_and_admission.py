@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -20,7 +21,7 @@ def min_max_fill(manifest: ModelManifest, session: SessionSpec, ring: list[Devic
         chain = chain_for_head(ring, r)
         for counts in compositions(manifest.n_blocks, len(chain)):
             start, worst = 0, 0.0
-            for i, (device, count) in enumerate(zip(chain, counts, strict=False)):
+            for i, (device, count) in enumerate(zip(chain, counts, strict=True)):
                 need = need_bytes(manifest, session, start, start + count, i == len(chain) - 1)
                 worst = max(worst, need / device.memory_bytes)
                 start += count
@@ -55,7 +56,7 @@ def test_head_placement_and_admission_equal_brute_force(
     assert plan.ring[0] == plan.head
     assert [s.device for s in plan.stages][-1] == plan.head
     assert plan.stages[0].start == 0 and plan.stages[-1].end == manifest.n_blocks
-    for stage, following in zip(plan.stages, plan.stages[1:], strict=False):
+    for stage, following in itertools.pairwise(plan.stages):
         assert stage.end == following.start and stage.end > stage.start
     for stage in plan.stages:
         assert stage.resident_bytes <= stage.memory_bytes

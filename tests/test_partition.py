@@ -43,7 +43,7 @@ def test_partition_equals_brute_force(data: st.DataObject, manifest: ModelManife
     assert found.bottleneck == expected[0]
     assert sum(found.counts) == manifest.n_blocks and min(found.counts) >= 1
     start = 0
-    for i, (device, count) in enumerate(zip(chain, found.counts, strict=False)):
+    for i, (device, count) in enumerate(zip(chain, found.counts, strict=True)):
         is_head = i == m - 1
         assert need_bytes(manifest, session, start, start + count, is_head) <= device.memory_bytes
         assert stage_cost(device, manifest, start, start + count, is_head) <= found.bottleneck

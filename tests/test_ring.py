@@ -85,7 +85,7 @@ def test_restrictive_members_are_separated_by_permissive_ones() -> None:
         NatClass.PERMISSIVE,
         NatClass.PERMISSIVE,
     ]
-    fleet = [_member(n, c) for n, c in zip(names, classes, strict=False)]
+    fleet = [_member(n, c) for n, c in zip(names, classes, strict=True)]
     plan = plan_session(_manifest(), fleet, SessionSpec(), anchor="anchor")
     relayed = [e for e in plan.edges if e.predicted is EdgePrediction.RELAYED]
     assert relayed == []  # an all-direct ring exists: permissive members are at least as many
@@ -100,7 +100,7 @@ def test_the_fewest_relays_when_a_direct_ring_is_impossible() -> None:
     names = ["anchor", "r1", "r2", "p1", "p2"]
     classes = [NatClass.ORDINARY, NatClass.RESTRICTIVE, NatClass.RESTRICTIVE, NatClass.PERMISSIVE, NatClass.PERMISSIVE]
     plan = plan_session(
-        _manifest(), [_member(n, c) for n, c in zip(names, classes, strict=False)], SessionSpec(), anchor="anchor"
+        _manifest(), [_member(n, c) for n, c in zip(names, classes, strict=True)], SessionSpec(), anchor="anchor"
     )
     assert sum(e.predicted is EdgePrediction.RELAYED for e in plan.edges) == 1
 

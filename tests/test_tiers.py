@@ -32,7 +32,7 @@ def test_throughput_tier_divides_by_flops_and_keeps_the_head_at_the_anchor() -> 
     # Brute force over the fixed chain fast -> mid -> anchor, pricing bytes / flops, no head term.
     flops = [4.0, 2.0, 1.0]
     best = min(
-        max(sum(MANIFEST.block_bytes[a:b]) / f for f, (a, b) in zip(flops, [(0, i), (i, j), (j, 6)], strict=False))
+        max(sum(MANIFEST.block_bytes[a:b]) / f for f, (a, b) in zip(flops, [(0, i), (i, j), (j, 6)], strict=True))
         for i, j in itertools.combinations(range(1, 6), 2)
     )
     assert plan.bottleneck_s == best

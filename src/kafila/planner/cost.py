@@ -16,6 +16,7 @@ from kafila.planner.types import Device, ModelManifest, SessionSpec
 
 FloatMatrix = npt.NDArray[np.float64]
 IntMatrix = npt.NDArray[np.int64]
+BoolMatrix = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class ChainPrefix:
         return need + (self.head_bytes if is_head else 0)
 
 
-def _nonempty(n_blocks: int) -> npt.NDArray[np.bool_]:
+def _nonempty(n_blocks: int) -> BoolMatrix:
     index = np.arange(n_blocks + 1)
     return index[None, :] > index[:, None]
 
@@ -77,10 +78,10 @@ def fill_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> FloatMatr
     return np.where(_nonempty(prefix.n_blocks), fill, np.inf)
 
 
-def fits_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> npt.NDArray[np.bool_]:
+def fits_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> BoolMatrix:
     return prefix.resident_matrix(is_head) <= device.memory_bytes
 
 
-def within_memory(costs: FloatMatrix, fits: npt.NDArray[np.bool_]) -> FloatMatrix:
+def within_memory(costs: FloatMatrix, fits: BoolMatrix) -> FloatMatrix:
     """Price ranges that would exhaust the device at infinity, so no search can pick them."""
     return np.where(fits, costs, np.inf)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
+from itertools import pairwise
 
 import numpy as np
 
@@ -35,12 +35,11 @@ def summarise(
     fits_matrices: Sequence[np.ndarray],
 ) -> DivisionSummary:
     """Bottleneck, utilisation (mean stage / bottleneck) and whether every share fits."""
-    bounds = division_from_counts(counts)
-    spans = list(itertools.pairwise(bounds))
-    fits = all(bool(mask[a, b]) for mask, (a, b) in zip(fits_matrices, spans, strict=False))
+    spans = list(pairwise(division_from_counts(counts)))
+    fits = all(bool(mask[a, b]) for mask, (a, b) in zip(fits_matrices, spans, strict=True))
     if cost_matrices is None:
         return DivisionSummary(counts=tuple(counts), bottleneck_s=None, utilisation=None, fits=fits)
-    stage_costs = [float(matrix[a, b]) for matrix, (a, b) in zip(cost_matrices, spans, strict=False)]
+    stage_costs = [float(matrix[a, b]) for matrix, (a, b) in zip(cost_matrices, spans, strict=True)]
     bottleneck = max(stage_costs)
     utilisation = sum(stage_costs) / len(stage_costs) / bottleneck if bottleneck > 0 else 1.0
     return DivisionSummary(counts=tuple(counts), bottleneck_s=bottleneck, utilisation=utilisation, fits=fits)

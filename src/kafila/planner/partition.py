@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
@@ -28,8 +29,13 @@ class Division:
     bounds: tuple[int, ...]  # m + 1 chain positions: device j holds blocks [bounds[j], bounds[j+1])
 
     @property
+    def spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each device's blocks, in chain order."""
+        return list(pairwise(self.bounds))
+
+    @property
     def counts(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False))
+        return tuple(b - a for a, b in self.spans)
 
 
 def candidate_bottlenecks(cost_matrices: Sequence[FloatMatrix]) -> npt.NDArray[np.float64]:
@@ -101,8 +107,10 @@ def partition(
     history = _reachable(cost_matrices, bound)
     assert history is not None
     bounds = _trace_back(cost_matrices, history, bound)
-    achieved = max(float(matrix[a, b]) for matrix, a, b in zip(cost_matrices, bounds, bounds[1:], strict=False))
-    return Division(bottleneck=achieved, bounds=bounds)
+    division = Division(bottleneck=bound, bounds=bounds)
+    achieved = max(float(matrix[a, b]) for matrix, (a, b) in zip(cost_matrices, division.spans, strict=True))
+    assert achieved == bound  # the bound is the smallest feasible candidate, so some stage meets it
+    return division
 
 
 def division_from_counts(counts: Sequence[int]) -> tuple[int, ...]:

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kafila.planner import cost
-from kafila.planner.cost import ChainPrefix, FloatMatrix
+from kafila.planner.cost import BoolMatrix, ChainPrefix, FloatMatrix
 from kafila.planner.division import proportional_counts, summarise
 from kafila.planner.partition import Division, candidate_bottlenecks, partition
 from kafila.planner.reachability import edge_cost_s, predict_edge
 from kafila.planner.ring import EXACT_LIMIT, best_ring, combine
 from kafila.planner.types import (
     Device,
+    DivisionSummary,
     EdgePrediction,
     ModelManifest,
     Plan,
@@ -44,36 +45,30 @@ def choose_tier(devices: Sequence[Device]) -> Tier:
 
 @dataclass(frozen=True)
 class DevicePrices:
-    """One device's prices for every range, as a plain member and as the head."""
+    """One device's prices for every range, each as a pair indexed by role: (plain member, head)."""
 
     cost: tuple[FloatMatrix, FloatMatrix] | None  # unconstrained by memory; None in the memory tier
     fill: tuple[FloatMatrix, FloatMatrix]
-    fits: tuple[np.ndarray, np.ndarray]
+    fits: tuple[BoolMatrix, BoolMatrix]
     search: tuple[FloatMatrix, FloatMatrix]  # what the partition minimises; overfull ranges at infinity
 
 
 def price_devices(devices: Sequence[Device], prefix: ChainPrefix, tier: Tier) -> list[DevicePrices]:
     priced = []
     for device in devices:
-        roles = (False, True)
+        costs: tuple[FloatMatrix, FloatMatrix] | None
         if tier is Tier.COST_MODEL:
-            costs = tuple(cost.cost_model_matrix(device, prefix, role) for role in roles)
+            costs = (cost.cost_model_matrix(device, prefix, False), cost.cost_model_matrix(device, prefix, True))
         elif tier is Tier.THROUGHPUT:
             shared = cost.throughput_matrix(device, prefix)
             costs = (shared, shared)
         else:
             costs = None
-        fill = tuple(cost.fill_matrix(device, prefix, role) for role in roles)
-        fits = tuple(cost.fits_matrix(device, prefix, role) for role in roles)
+        fill = (cost.fill_matrix(device, prefix, False), cost.fill_matrix(device, prefix, True))
+        fits = (cost.fits_matrix(device, prefix, False), cost.fits_matrix(device, prefix, True))
         objective = costs if costs is not None else fill  # memory fill where there is no cost
-        priced.append(
-            DevicePrices(
-                cost=costs,  # type: ignore[arg-type]
-                fill=fill,  # type: ignore[arg-type]
-                fits=fits,  # type: ignore[arg-type]
-                search=tuple(cost.within_memory(objective[r], fits[r]) for r in roles),  # type: ignore[arg-type]
-            )
-        )
+        search = (cost.within_memory(objective[0], fits[0]), cost.within_memory(objective[1], fits[1]))
+        priced.append(DevicePrices(cost=costs, fill=fill, fits=fits, search=search))
     return priced
 
 
@@ -138,20 +133,20 @@ def refuse(
     best: tuple[float, list[int], Division] | None = None
     for r in range(len(ring)):
         chain = chain_from_head(ring, r)
-        last = len(chain) - 1
-        division = partition([prices[d].fill[i == last] for i, d in enumerate(chain)])
+        division = partition([prices[d].fill[is_head] for d, is_head in _roles(chain)])
         assert division is not None  # fill has no limit, so a division with one block each exists
         if best is None or division.bottleneck < best[0]:
             best = (division.bottleneck, chain, division)
     assert best is not None
     _, chain, division = best
-    spans = list(zip(division.bounds, division.bounds[1:], strict=False))
-    fullest = max(range(len(chain)), key=lambda i: prices[chain[i]].fill[i == len(chain) - 1][spans[i]])
-    device = devices[chain[fullest]]
+    roles, spans = _roles(chain), division.spans
+    fullest = max(range(len(chain)), key=lambda i: prices[roles[i][0]].fill[roles[i][1]][spans[i]])
+    d, is_head = roles[fullest]
+    device = devices[d]
     a, b = spans[fullest]
-    need = int(prefix.resident_matrix(fullest == len(chain) - 1)[a, b])
+    need = int(prefix.resident_matrix(is_head)[a, b])
     shortfall = need - device.memory_bytes
-    role = " and the head" if fullest == len(chain) - 1 else ""
+    role = " and the head" if is_head else ""
     message = (
         f"no division fits: '{device.name}' cannot hold its share (blocks {a}-{b - 1}{role}, "
         f"{need / 2**30:.2f} GiB with KV cache) in {device.memory_bytes / 2**30:.2f} GiB; "
@@ -166,8 +161,9 @@ def ring_weights(devices: Sequence[Device]) -> tuple[np.ndarray, list[list[EdgeP
     """Integer edge weights for the ring search, and whether they are priced in time."""
     m = len(devices)
     predicted = [[predict_edge(devices[i].nat, devices[j].nat) for j in range(m)] for i in range(m)]
-    if all(d.rtt_s is not None for d in devices):
-        rtt_us = [round(d.rtt_s * 1e6) for d in devices]  # type: ignore[operator]
+    rtts = [d.rtt_s for d in devices]
+    if all(r is not None for r in rtts):
+        rtt_us = [round(r * 1e6) for r in rtts if r is not None]
         primary = np.array(
             [[round(edge_cost_s(predicted[i][j], rtt_us[i], rtt_us[j])) for j in range(m)] for i in range(m)],
             dtype=np.int64,
@@ -176,6 +172,75 @@ def ring_weights(devices: Sequence[Device]) -> tuple[np.ndarray, list[list[EdgeP
         return combine(primary, separation), predicted, True
     relayed = np.array([[int(p is EdgePrediction.RELAYED) for p in row] for row in predicted], dtype=np.int64)
     return relayed, predicted, False
+
+
+def _roles(chain: Sequence[int]) -> list[tuple[int, bool]]:
+    """Each chain member with whether it is the head (the last)."""
+    return [(d, i == len(chain) - 1) for i, d in enumerate(chain)]
+
+
+def _stages(
+    devices: Sequence[Device],
+    prices: Sequence[DevicePrices],
+    prefix: ChainPrefix,
+    chain: Sequence[int],
+    division: Division,
+) -> tuple[Stage, ...]:
+    stages = []
+    for (d, is_head), (a, b) in zip(_roles(chain), division.spans, strict=True):
+        costs = prices[d].cost
+        stages.append(
+            Stage(
+                device=devices[d].name,
+                start=a,
+                end=b,
+                is_head=is_head,
+                cost_s=float(costs[is_head][a, b]) if costs is not None else None,
+                resident_bytes=int(prefix.resident_matrix(is_head)[a, b]),
+                memory_bytes=devices[d].memory_bytes,
+            )
+        )
+    return tuple(stages)
+
+
+def _edges(
+    devices: Sequence[Device],
+    ring_from_head: Sequence[int],
+    predicted: list[list[EdgePrediction]],
+    priced_in_time: bool,
+) -> tuple[RingEdge, ...]:
+    if len(ring_from_head) == 1:
+        return ()
+    edges = []
+    for d, e in zip(ring_from_head, [*ring_from_head[1:], ring_from_head[0]], strict=True):
+        rtt_d, rtt_e = devices[d].rtt_s, devices[e].rtt_s
+        edge_cost = None
+        if priced_in_time and rtt_d is not None and rtt_e is not None:
+            edge_cost = edge_cost_s(predicted[d][e], rtt_d, rtt_e)
+        edges.append(RingEdge(a=devices[d].name, b=devices[e].name, predicted=predicted[d][e], cost_s=edge_cost))
+    return tuple(edges)
+
+
+def _summaries(
+    devices: Sequence[Device],
+    prices: Sequence[DevicePrices],
+    chain: Sequence[int],
+    division: Division,
+    n_blocks: int,
+    tier: Tier,
+) -> tuple[DivisionSummary, dict[str, DivisionSummary]]:
+    """Kafila's division and the two rules of thumb, judged on the same chain by the same prices."""
+    roles = _roles(chain)
+    cost_matrices = None
+    if tier is not Tier.MEMORY:
+        cost_matrices = [costs[is_head] for d, is_head in roles if (costs := prices[d].cost) is not None]
+    fits_matrices = [prices[d].fits[is_head] for d, is_head in roles]
+    uniform = proportional_counts([1.0] * len(chain), n_blocks)
+    by_memory = proportional_counts([devices[d].memory_bytes for d in chain], n_blocks)
+    return summarise(division.counts, cost_matrices, fits_matrices), {
+        "uniform": summarise(uniform, cost_matrices, fits_matrices),
+        "memory": summarise(by_memory, cost_matrices, fits_matrices),
+    }
 
 
 def plan_session(
@@ -187,6 +252,8 @@ def plan_session(
         raise ValueError("a session needs at least one device")
     if len(set(names)) != len(names):
         raise ValueError("device names must be unique")
+    if anchor is not None and anchor not in names:
+        raise ValueError(f"anchor '{anchor}' is not one of the devices")
     anchor_index = names.index(anchor) if anchor is not None else 0
     if len(devices) > manifest.n_blocks:
         raise PlanRefused(
@@ -217,52 +284,10 @@ def plan_session(
         notes.append(head_note)
 
     chain = chain_from_head(ring, choice.head_position)
-    last = len(chain) - 1
-    spans = list(zip(choice.division.bounds, choice.division.bounds[1:], strict=False))
-    stages = []
-    for i, (d, (a, b)) in enumerate(zip(chain, spans, strict=False)):
-        costs = prices[d].cost
-        stages.append(
-            Stage(
-                device=names[d],
-                start=a,
-                end=b,
-                is_head=i == last,
-                cost_s=float(costs[i == last][a, b]) if costs is not None else None,
-                resident_bytes=int(prefix.resident_matrix(i == last)[a, b]),
-                memory_bytes=devices[d].memory_bytes,
-            )
-        )
-    ring_from_head = [*chain[-1:], *chain[:-1]]
-    edges = []
-    for i, d in enumerate(ring_from_head):
-        e = ring_from_head[(i + 1) % len(ring_from_head)]
-        if len(ring_from_head) == 1:
-            break
-        prediction = predicted[d][e]
-        edge_cost = (
-            edge_cost_s(prediction, devices[d].rtt_s, devices[e].rtt_s)  # type: ignore[arg-type]
-            if priced_in_time
-            else None
-        )
-        edges.append(RingEdge(a=names[d], b=names[e], predicted=prediction, cost_s=edge_cost))
-
-    cost_matrices = (
-        [prices[d].cost[i == last] for i, d in enumerate(chain)]  # type: ignore[index]
-        if tier is not Tier.MEMORY
-        else None
-    )
-    fits_matrices = [prices[d].fits[i == last] for i, d in enumerate(chain)]
-    counts = choice.division.counts
-    own = summarise(counts, cost_matrices, fits_matrices)
-    baselines = {
-        "uniform": summarise(proportional_counts([1.0] * len(chain), manifest.n_blocks), cost_matrices, fits_matrices),
-        "memory": summarise(
-            proportional_counts([devices[d].memory_bytes for d in chain], manifest.n_blocks),
-            cost_matrices,
-            fits_matrices,
-        ),
-    }
+    stages = _stages(devices, prices, prefix, chain, choice.division)
+    ring_from_head = [chain[-1], *chain[:-1]]
+    edges = _edges(devices, ring_from_head, predicted, priced_in_time)
+    own, baselines = _summaries(devices, prices, chain, choice.division, manifest.n_blocks, tier)
     if tier is Tier.THROUGHPUT:
         notes.append("some members have no bandwidth or overhead: stages priced by arithmetic throughput")
     elif tier is Tier.MEMORY:
@@ -271,10 +296,10 @@ def plan_session(
         tier=tier,
         ring=tuple(names[d] for d in ring_from_head),
         head=names[chain[-1]],
-        stages=tuple(stages),
+        stages=stages,
         bottleneck_s=own.bottleneck_s,
         utilisation=own.utilisation,
-        edges=tuple(edges),
+        edges=edges,
         ring_search=found.search,
         baselines=baselines,
         notes=tuple(notes),
