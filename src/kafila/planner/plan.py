@@ -78,9 +78,13 @@ def chain_from_head(ring: Sequence[int], head_position: int) -> list[int]:
     return from_head[1:] + from_head[:1]
 
 
+def _roles(chain: Sequence[int]) -> list[tuple[int, bool]]:
+    """Each chain member with whether it is the head (the last)."""
+    return [(d, i == len(chain) - 1) for i, d in enumerate(chain)]
+
+
 def _search_matrices(prices: Sequence[DevicePrices], chain: Sequence[int]) -> list[FloatMatrix]:
-    last = len(chain) - 1
-    return [prices[d].search[i == last] for i, d in enumerate(chain)]
+    return [prices[d].search[is_head] for d, is_head in _roles(chain)]
 
 
 @dataclass(frozen=True)
@@ -172,11 +176,6 @@ def ring_weights(devices: Sequence[Device]) -> tuple[np.ndarray, list[list[EdgeP
         return combine(primary, separation), predicted, True
     relayed = np.array([[int(p is EdgePrediction.RELAYED) for p in row] for row in predicted], dtype=np.int64)
     return relayed, predicted, False
-
-
-def _roles(chain: Sequence[int]) -> list[tuple[int, bool]]:
-    """Each chain member with whether it is the head (the last)."""
-    return [(d, i == len(chain) - 1) for i, d in enumerate(chain)]
 
 
 def _stages(
