@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 _LENGTH = np.dtype("<u8")
 
@@ -108,3 +108,32 @@ class FastGGUFReader(GGUFReader):
     @staticmethod
     def _key_header_size(field: Any) -> int:
         return 8 + int(field.parts[1].nbytes) + 4
+
+
+class RawValue(NamedTuple):
+    """A metadata value kept as the bytes the source file stored, so copying it decodes nothing."""
+
+    encoded: bytes
+
+
+def raw_value(reader: FastGGUFReader, key: str) -> tuple[GGUFValueType, RawValue]:
+    """The stored type and encoded bytes of a metadata value (after its key and type tag)."""
+    field = reader.fields[key]
+    start = field.offset + FastGGUFReader._key_header_size(field)
+    size = sum(int(part.nbytes) for part in field.parts[3:])
+    return field.types[0], RawValue(bytes(reader.data[start : start + size]))
+
+
+class RawCopyWriter(GGUFWriter):
+    """A GGUFWriter that can also write values given as `RawValue`, byte for byte.
+
+    The tokenizer of a large model holds hundreds of thousands of strings; re-encoding them one
+    by one is what makes slicing slow, and copying their bytes is exact.
+    """
+
+    def _pack_val(
+        self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None
+    ) -> bytes:
+        if isinstance(val, RawValue):
+            return (self._pack("I", vtype) if add_vtype else b"") + val.encoded
+        return super()._pack_val(val, vtype, add_vtype, sub_type)

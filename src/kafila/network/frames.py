@@ -1,0 +1,159 @@
+"""The activation frame: a fixed binary header and a payload, encoded and decoded without I/O.
+
+One codec serves every transport (local sockets now, QUIC streams later), so a stage never
+knows how its frames travelled. The layout is documented in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import numpy.typing as npt
+
+MAGIC = b"KF"
+VERSION = 1
+HEADER = struct.Struct("<2sBBBBHQIIII")  # magic, version, kind, dtype, flags, reserved, seq, pos, n, hidden, len
+HEADER_SIZE = HEADER.size  # 32 bytes
+MAX_TOKENS = 1 << 16
+MAX_HIDDEN = 1 << 16
+MAX_PAYLOAD = 1 << 28  # 256 MiB: a 4096-token prefill chunk of a hidden-16384 model in f32
+
+
+class Kind(IntEnum):
+    PREFILL = 1  # hidden states of a prompt chunk
+    DECODE = 2  # hidden states of one generated token (or a few, one per sequence)
+    RESULT = 3  # token ids produced for a sequence
+    CANCEL = 4  # drop a sequence's state everywhere on the ring
+    PING = 5  # keep-alive or a control message with a JSON payload
+    ERROR = 6  # a UTF-8 message: the peer rejected a frame
+
+
+class DType(IntEnum):
+    NONE = 0  # no tensor: RESULT, CANCEL, PING, ERROR
+    F32 = 1
+    F16 = 2
+    I32 = 3  # token ids
+
+
+_ITEM_SIZE = {DType.NONE: 1, DType.F32: 4, DType.F16: 2, DType.I32: 4}
+_NUMPY = {DType.F32: np.float32, DType.F16: np.float16, DType.I32: np.int32}
+HIDDEN_KINDS = (Kind.PREFILL, Kind.DECODE)
+
+
+class FrameError(ValueError):
+    """A frame that breaks the protocol: the stream that carried it cannot be trusted further."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: Kind
+    sequence_id: int
+    position: int = 0  # position of the first token in its sequence
+    n_tokens: int = 0
+    hidden: int = 0
+    dtype: DType = DType.NONE
+    payload: bytes = b""
+
+    def encode(self) -> bytes:
+        return (
+            HEADER.pack(
+                MAGIC,
+                VERSION,
+                self.kind,
+                self.dtype,
+                0,
+                0,
+                self.sequence_id,
+                self.position,
+                self.n_tokens,
+                self.hidden,
+                len(self.payload),
+            )
+            + self.payload
+        )
+
+    @classmethod
+    def of_hidden(
+        cls, kind: Kind, sequence_id: int, position: int, states: npt.NDArray[np.floating], dtype: DType = DType.F32
+    ) -> Frame:
+        rows = np.ascontiguousarray(states, dtype=_NUMPY[dtype])
+        if rows.ndim != 2:
+            raise ValueError("hidden states must be a (tokens, hidden) matrix")
+        return cls(kind, sequence_id, position, rows.shape[0], rows.shape[1], dtype, rows.tobytes())
+
+    @classmethod
+    def of_tokens(cls, sequence_id: int, position: int, tokens: list[int]) -> Frame:
+        payload = np.asarray(tokens, dtype=np.int32).tobytes()
+        return cls(Kind.RESULT, sequence_id, position, len(tokens), 0, DType.I32, payload)
+
+    def hidden_states(self) -> npt.NDArray[np.float32]:
+        """The payload as a float32 (tokens, hidden) matrix."""
+        if self.kind not in HIDDEN_KINDS:
+            raise FrameError(f"a {self.kind.name} frame carries no hidden states")
+        values = np.frombuffer(self.payload, dtype=_NUMPY[self.dtype]).reshape(self.n_tokens, self.hidden)
+        return values.astype(np.float32, copy=values.dtype != np.float32)
+
+    def tokens(self) -> list[int]:
+        if self.dtype is not DType.I32:
+            raise FrameError(f"a {self.kind.name} frame carries no token ids")
+        return np.frombuffer(self.payload, dtype=np.int32).tolist()
+
+    def text(self) -> str:
+        return self.payload.decode("utf-8", errors="replace")
+
+
+def _validate(kind: int, dtype: int, n_tokens: int, hidden: int, length: int) -> tuple[Kind, DType]:
+    try:
+        kind_, dtype_ = Kind(kind), DType(dtype)
+    except ValueError as error:
+        raise FrameError(str(error)) from None
+    if length > MAX_PAYLOAD:
+        raise FrameError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
+    if n_tokens > MAX_TOKENS or hidden > MAX_HIDDEN:
+        raise FrameError(f"frame of {n_tokens} tokens x {hidden} exceeds the limits")
+    if kind_ in HIDDEN_KINDS:
+        if dtype_ not in (DType.F32, DType.F16) or n_tokens == 0 or hidden == 0:
+            raise FrameError(f"a {kind_.name} frame needs f32 or f16 hidden states of at least one token")
+        if length != n_tokens * hidden * _ITEM_SIZE[dtype_]:
+            raise FrameError(f"payload of {length} bytes does not hold {n_tokens} x {hidden} {dtype_.name} values")
+    elif dtype_ is DType.I32 and length != 4 * n_tokens:
+        raise FrameError(f"payload of {length} bytes does not hold {n_tokens} token ids")
+    return kind_, dtype_
+
+
+class FrameDecoder:
+    """Turns a byte stream into frames; a protocol violation raises FrameError and poisons it."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._broken: FrameError | None = None
+
+    def feed(self, data: bytes) -> list[Frame]:
+        if self._broken is not None:
+            raise self._broken
+        self._buffer += data
+        frames = []
+        try:
+            while len(self._buffer) >= HEADER_SIZE:
+                magic, version, kind, dtype, _, _, seq, pos, n, hidden, length = HEADER.unpack_from(self._buffer)
+                if magic != MAGIC:
+                    raise FrameError("not a Kafila frame (bad magic)")
+                if version != VERSION:
+                    raise FrameError(f"frame version {version}; this peer speaks version {VERSION}")
+                kind_, dtype_ = _validate(kind, dtype, n, hidden, length)
+                if len(self._buffer) < HEADER_SIZE + length:
+                    break
+                payload = bytes(self._buffer[HEADER_SIZE : HEADER_SIZE + length])
+                del self._buffer[: HEADER_SIZE + length]
+                frames.append(Frame(kind_, seq, pos, n, hidden, dtype_, payload))
+        except FrameError as error:
+            self._broken = error
+            raise
+        return frames
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buffer)

@@ -1,0 +1,183 @@
+"""The thin layer over llama-cpp-python's low-level API that every stage shares.
+
+Everything that touches ctypes lives here: loading a model, a context with an optional graph
+callback, filling a batch from token ids or from hidden states, and reading a tensor out of the
+running graph. Stage logic above it sees numpy arrays only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+
+class LlamaUnavailable(RuntimeError):
+    """llama-cpp-python is missing or broken: say so plainly instead of a traceback."""
+
+
+def load_llama() -> Any:
+    try:
+        import llama_cpp
+    except Exception as error:  # an ImportError, or an OSError from a broken shared library
+        raise LlamaUnavailable(
+            f"llama.cpp is not available ({error}); install it with: python3 -m pip install llama-cpp-python"
+        ) from error
+    return llama_cpp
+
+
+_CALLBACKS: list[Any] = []  # ctypes callbacks must outlive every call that may use them
+
+
+def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if os.environ.get("KAFILA_LLAMA_LOG"):
+        print(text.decode("utf-8", errors="replace"), end="", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def llama() -> Any:
+    """llama_cpp, initialised once, with its log silenced unless KAFILA_LLAMA_LOG is set."""
+    llama_cpp = load_llama()
+    callback = llama_cpp.llama_log_callback(_log)
+    _CALLBACKS.append(callback)
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p())
+    llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class GGMLBase:
+    """The three ggml calls the graph callback needs, from the library llama_cpp ships."""
+
+    get_name: Callable[[int], bytes]
+    nbytes: Callable[[int], int]
+    tensor_get: Callable[[int, int, int, int], None]
+
+    @classmethod
+    def load(cls) -> GGMLBase:
+        llama_cpp = load_llama()
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        candidates = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("ggml-base.*"))
+        if not candidates:
+            raise LlamaUnavailable(f"no libggml-base library next to llama_cpp in {lib_dir}")
+        lib = ctypes.CDLL(str(candidates[0]))
+        lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+        lib.ggml_nbytes.argtypes, lib.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
+        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        lib.ggml_backend_tensor_get.restype = None
+        return cls(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get)
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_seq_max: int = 4
+    n_threads: int = max(1, os.cpu_count() or 1)
+    gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU
+
+
+class LlamaModel:
+    """A loaded model and one context over it; frees both when closed."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        settings: ContextSettings,
+        eval_callback: Callable[[int, bool], bool] | None = None,
+    ) -> None:
+        self._llama = llama()
+        self.settings = settings
+        model_params = self._llama.llama_model_default_params()
+        model_params.n_gpu_layers = settings.gpu_layers if self._llama.llama_supports_gpu_offload() else 0
+        self.model = self._llama.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = self._llama.llama_context_default_params()
+        params.n_ctx = settings.n_ctx
+        params.n_batch = settings.n_batch
+        params.n_ubatch = settings.n_batch  # one graph per decode, so a callback sees every row at once
+        params.n_seq_max = settings.n_seq_max
+        params.n_threads = settings.n_threads
+        params.n_threads_batch = settings.n_threads
+        params.kv_unified = True  # keeps a batch's tokens in order across sequences
+        params.no_perf = True
+        self._callback = None
+        if eval_callback is not None:
+            self._callback = self._llama.ggml_backend_sched_eval_callback(
+                lambda tensor, ask, _user: eval_callback(tensor, ask)
+            )
+            params.cb_eval = self._callback
+            params.cb_eval_user_data = None
+        self.ctx = self._llama.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            self._llama.llama_model_free(self.model)
+            raise RuntimeError(f"llama.cpp could not create a context for {path}")
+        self.vocab = self._llama.llama_model_get_vocab(self.model)
+        self.n_embd = int(self._llama.llama_model_n_embd(self.model))
+        self.n_vocab = int(self._llama.llama_vocab_n_tokens(self.vocab))
+        self._token_batch = self._llama.llama_batch_init(settings.n_batch, 0, 1)
+        self._embd_batch = self._llama.llama_batch_init(settings.n_batch, self.n_embd, 1)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self._llama.llama_batch_free(self._token_batch)
+            self._llama.llama_batch_free(self._embd_batch)
+            self._llama.llama_free(self.ctx)
+            self._llama.llama_model_free(self.model)
+            self.ctx = None
+
+    def __enter__(self) -> LlamaModel:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def decode(
+        self,
+        sequences: Sequence[int],
+        positions: Sequence[int],
+        outputs: Sequence[bool],
+        tokens: Sequence[int] | None = None,
+        states: npt.NDArray[np.float32] | None = None,
+    ) -> None:
+        """One llama_decode over a batch given row by row, as token ids or as hidden states."""
+        n = len(sequences)
+        if n == 0 or n > self.settings.n_batch:
+            raise ValueError(f"a decode takes 1 to {self.settings.n_batch} rows, not {n}")
+        if tokens is not None:
+            batch = self._token_batch
+            for i, token in enumerate(tokens):
+                batch.token[i] = token
+        else:
+            assert states is not None
+            batch = self._embd_batch
+            rows = np.ascontiguousarray(states, dtype=np.float32)  # kept alive until the copy is done
+            if rows.shape != (n, self.n_embd):
+                raise ValueError(f"hidden states of shape {rows.shape}; expected ({n}, {self.n_embd})")
+            ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
+        batch.n_tokens = n
+        for i in range(n):
+            batch.pos[i] = positions[i]
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = sequences[i]
+            batch.logits[i] = outputs[i]
+        status = self._llama.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status} (context full or batch invalid)")
+
+    def logits(self, row: int) -> npt.NDArray[np.float32]:
+        pointer = self._llama.llama_get_logits_ith(self.ctx, row)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
+
+    def forget(self, sequence: int) -> None:
+        """Drop a sequence's KV cache, when its request ends."""
+        self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, -1, -1)

@@ -1,0 +1,208 @@
+"""Cut a GGUF model into one file per stage, deterministically, without decoding its vocabulary.
+
+A stage file holds its blocks renumbered from 0, the per-layer metadata rewritten for the
+slice, and a four-token stand-in vocabulary so that no full-vocabulary tensor is stored or
+computed. The head file holds the last blocks, the output norm and projection, the token
+embedding and the full tokenizer. Files are named by their sha256, so a member can cache and
+check what it was sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFValueType
+
+from kafila.runtime.families import family_of
+from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
+
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+HEAD_ONLY_TENSORS = ("token_embd.weight", "output.weight")
+STAND_IN_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")  # SentencePiece order llama.cpp accepts
+STAND_IN_TYPES = (3, 3, 3, 2)  # control, control, control, unknown
+
+
+@dataclass(frozen=True)
+class StageFile:
+    index: int
+    first_block: int
+    end_block: int
+    is_head: bool
+    path: Path
+    sha256: str
+    n_bytes: int
+
+
+class SliceError(ValueError):
+    """The division does not fit the model, or the model cannot be cut."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_division(counts: Sequence[int], n_blocks: int) -> None:
+    if not counts or any(c < 1 for c in counts):
+        raise SliceError(f"every stage needs at least one block; got counts {list(counts)}")
+    if sum(counts) != n_blocks:
+        raise SliceError(f"the division covers {sum(counts)} blocks but the model has {n_blocks}")
+
+
+class _Slice:
+    """Everything needed to write one stage file from an open source model."""
+
+    def __init__(self, reader: FastGGUFReader, arch: str, n_blocks: int, first: int, end: int, is_head: bool):
+        self.reader, self.arch, self.n_blocks = reader, arch, n_blocks
+        self.first, self.end, self.is_head = first, end, is_head
+
+    def metadata(self, writer: RawCopyWriter) -> None:
+        count = self.end - self.first
+        pattern_key = f"{self.arch}.attention.sliding_window_pattern"
+        window_key = f"{self.arch}.attention.sliding_window"
+        sliding = self._sliding_blocks()
+        for key in self.reader.fields:
+            if key in (window_key, pattern_key) and sliding is not None and not any(sliding):
+                continue  # only global blocks: llama.cpp aborts on a window that no block uses
+            if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+                continue  # the writer adds these itself, and pads tensor data its own way
+            if not self.is_head and key.startswith("tokenizer."):
+                continue
+            vtype, value = raw_value(self.reader, key)
+            per_layer = self._per_layer_values(key)
+            if key == f"{self.arch}.block_count":
+                writer.add_uint32(key, count)
+            elif per_layer is not None:
+                sub_type = self.reader.fields[key].types[-1]
+                writer.add_key_value(key, per_layer[self.first : self.end], vtype, sub_type=sub_type)
+            elif key != pattern_key:  # a scalar pattern period is rewritten below as an array
+                writer.add_key_value(key, value, vtype)
+        if sliding is not None and any(sliding) and self._per_layer_values(pattern_key) is None:
+            writer.add_array(pattern_key, sliding)
+        if not self.is_head:
+            self._stand_in_vocabulary(writer)
+        writer.add_uint32("kafila.slice.first_block", self.first)
+        writer.add_uint32("kafila.slice.source_block_count", self.n_blocks)
+        writer.add_bool("kafila.slice.is_head", self.is_head)
+
+    def _sliding_blocks(self) -> list[bool] | None:
+        """Which of this slice's blocks use a sliding window, or None for a family without one."""
+        period = family_of(self.arch).sliding_window_period
+        pattern_key = f"{self.arch}.attention.sliding_window_pattern"
+        if period is None or f"{self.arch}.attention.sliding_window" not in self.reader.fields:
+            return None
+        stored = self._per_layer_values(pattern_key)
+        if stored is not None:
+            return [bool(v) for v in stored[self.first : self.end]]
+        if pattern_key in self.reader.fields:
+            period = int(self.reader.scalar(pattern_key))
+        return family_of(self.arch).sliding_blocks(self.first, self.end - self.first, period)
+
+    def _per_layer_values(self, key: str) -> list[object] | None:
+        """The values of a per-layer array (one entry per block of the source), else None."""
+        field = self.reader.fields.get(key)
+        if field is None or field.types[0] != GGUFValueType.ARRAY or not key.startswith(f"{self.arch}."):
+            return None
+        if field.types[-1] == GGUFValueType.STRING:
+            return None
+        values = self.reader.scalar(key)
+        return values if len(values) == self.n_blocks else None
+
+    @staticmethod
+    def _stand_in_vocabulary(writer: RawCopyWriter) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(list(STAND_IN_TOKENS))
+        writer.add_token_scores([0.0] * len(STAND_IN_TOKENS))
+        writer.add_token_types(list(STAND_IN_TYPES))
+        writer.add_pad_token_id(0)
+        writer.add_eos_token_id(1)
+        writer.add_bos_token_id(2)
+        writer.add_unk_token_id(3)
+
+    def tensors(self, writer: RawCopyWriter) -> None:
+        n_embd = None
+        for tensor in self.reader.tensors:
+            match = _BLOCK_TENSOR.match(tensor.name)
+            if match:
+                index = int(match.group(1))
+                if self.first <= index < self.end:
+                    name = f"blk.{index - self.first}.{match.group(2)}"
+                    writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
+                continue
+            if tensor.name == "token_embd.weight":
+                n_embd = int(tensor.shape[0])
+            if tensor.name in HEAD_ONLY_TENSORS and not self.is_head:
+                continue
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        if not self.is_head:
+            if n_embd is None:
+                raise SliceError("the model has no token_embd.weight")
+            # Rows for the stand-in tokens: never read, since a stage is fed hidden states.
+            writer.add_tensor("token_embd.weight", np.zeros((len(STAND_IN_TOKENS), n_embd), dtype=np.float32))
+
+
+def slice_model(
+    source: str | os.PathLike[str],
+    counts: Sequence[int],
+    out_dir: str | os.PathLike[str],
+    progress: Callable[[int, int], None] | None = None,
+) -> list[StageFile]:
+    """Write one file per stage for a division given in chain order (block 0 first, head last).
+
+    A single stage is the whole model: the original file is returned as it is.
+    """
+    source = Path(source)
+    reader = FastGGUFReader(source)
+    arch = reader.scalar("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFFormatError(f"{source} has no general.architecture")
+    n_blocks = reader.scalar(f"{arch}.block_count")
+    if not isinstance(n_blocks, int):
+        raise GGUFFormatError(f"{source} has no {arch}.block_count")
+    _check_division(counts, n_blocks)
+    if len(counts) == 1:
+        return [StageFile(0, 0, n_blocks, True, source, _sha256(source), source.stat().st_size)]
+    family = family_of(arch)  # refuse an unsupported family before writing anything
+    if n_blocks in family.unsplittable_block_counts:
+        raise SliceError(
+            f"{arch} models with {n_blocks} blocks cannot be split: llama.cpp derives a setting of theirs "
+            "from the block count, which a slice would change"
+        )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stages = []
+    first = 0
+    for index, count in enumerate(counts):
+        is_head = index == len(counts) - 1
+        piece = _Slice(reader, arch, n_blocks, first, first + count, is_head)
+        with tempfile.NamedTemporaryFile(dir=out, suffix=".partial", delete=False) as temporary:
+            partial = Path(temporary.name)
+        try:
+            writer = RawCopyWriter(partial, arch=arch)
+            piece.metadata(writer)
+            piece.tensors(writer)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+            digest = _sha256(partial)
+            final = out / f"{digest}.gguf"
+            os.replace(partial, final)
+        finally:
+            partial.unlink(missing_ok=True)
+        stages.append(StageFile(index, first, first + count, is_head, final, digest, final.stat().st_size))
+        first += count
+        if progress is not None:
+            progress(index + 1, len(counts))
+    return stages

@@ -1,0 +1,282 @@
+"""Stages: a contiguous range of blocks on llama.cpp, driven by frames of hidden states.
+
+A stage is `(sequence id, first position, hidden states) -> hidden states`, with no transport in
+sight, so the same object serves local sockets now and QUIC links later. Three kinds exist:
+
+- `BlockStage` holds blocks only. It is fed hidden states and returns the residual after its
+  last block, caught in the running graph by the eval callback (no public call returns the
+  pre-norm residual); the callback then stops the graph, so the stand-in output is never
+  computed.
+- `HeadStage` holds the last blocks and the output. It embeds token ids itself, runs its blocks
+  on the hidden states that come back round the ring, and returns logits.
+- `WholeModel` runs an unsplit model on token ids: the one-member session and the reference
+  every split is checked against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kafila.runtime.families import family_of
+from kafila.runtime.gguf_file import FastGGUFReader
+from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel
+
+FloatRows = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's rows in a step: tokens at positions position .. position + n - 1."""
+
+    sequence_id: int
+    position: int
+    states: FloatRows  # (n, hidden)
+
+
+@dataclass
+class StageTimer:
+    """Compute time spent and rows processed, so stages can report ms per token."""
+
+    seconds: float = 0.0
+    rows: int = 0
+    decode_seconds: float = 0.0
+    decode_rows: int = 0
+    by_kind: dict[str, float] = field(default_factory=dict)
+
+    def add(self, seconds: float, rows: int, decode: bool) -> None:
+        self.seconds += seconds
+        self.rows += rows
+        if decode:
+            self.decode_seconds += seconds
+            self.decode_rows += rows
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return 1e3 * self.decode_seconds / self.decode_rows if self.decode_rows else None
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A run of one step's rows that fits in a single decode."""
+
+    sequence_id: int
+    position: int
+    states: FloatRows
+    ends_step: bool
+
+
+def _decodes(steps: Sequence[StepInput], limit: int) -> list[list[_Piece]]:
+    """Group steps into decodes of at most `limit` rows; a long prompt spans several."""
+    decodes: list[list[_Piece]] = [[]]
+    room = limit
+    for step in steps:
+        n, start = step.states.shape[0], 0
+        while start < n:
+            if room == 0:
+                decodes.append([])
+                room = limit
+            take = min(room, n - start)
+            piece = _Piece(
+                step.sequence_id, step.position + start, step.states[start : start + take], start + take == n
+            )
+            decodes[-1].append(piece)
+            start += take
+            room -= take
+    return [d for d in decodes if d]
+
+
+def _rows(pieces: Sequence[_Piece]) -> tuple[list[int], list[int], FloatRows]:
+    sequences: list[int] = []
+    positions: list[int] = []
+    for piece in pieces:
+        n = piece.states.shape[0]
+        sequences += [piece.sequence_id] * n
+        positions += range(piece.position, piece.position + n)
+    states = np.concatenate([p.states for p in pieces]) if len(pieces) > 1 else pieces[0].states
+    return sequences, positions, states
+
+
+class BlockStage:
+    """Blocks only: hidden states in, the residual after the last block out."""
+
+    def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
+        self._ggml = GGMLBase.load()
+        reader = FastGGUFReader(path)
+        arch = reader.scalar("general.architecture")
+        n_layers = int(reader.scalar(f"{arch}.block_count"))
+        self.first_block = int(reader.scalar("kafila.slice.first_block", 0))
+        self.n_layers = n_layers
+        self._target = f"l_out-{n_layers - 1}".encode()
+        self._captured: list[FloatRows] = []
+        self.model = LlamaModel(path, settings, eval_callback=self._on_tensor)
+        self.hidden = self.model.n_embd
+        self.timer = StageTimer()
+
+    def _on_tensor(self, tensor: int, ask: bool) -> bool:
+        if self._ggml.get_name(tensor) != self._target:
+            return ask is False  # not ours: do not ask for it, and let the graph go on
+        if ask:
+            return True
+        nbytes = self._ggml.nbytes(tensor)
+        rows = np.empty(nbytes // 4, dtype=np.float32)
+        self._ggml.tensor_get(tensor, rows.ctypes.data, 0, nbytes)
+        self._captured.append(rows.reshape(-1, self.hidden))
+        return False  # stop here: nothing after the last block is needed
+
+    def forward(self, steps: Sequence[StepInput], decode: bool = False) -> list[FloatRows]:
+        """Hidden states after this stage's last block, one matrix per step."""
+        started = time.perf_counter()
+        rows = []
+        for pieces in _decodes(steps, self.model.settings.n_batch):
+            sequences, positions, states = _rows(pieces)
+            self._captured.clear()
+            self.model.decode(sequences, positions, [True] * len(sequences), states=states)
+            if len(self._captured) != 1 or self._captured[0].shape[0] != len(sequences):
+                raise RuntimeError("the stage's last block output was not captured whole")
+            rows.append(self._captured[0])
+        out = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        self.timer.add(time.perf_counter() - started, out.shape[0], decode)
+        bounds = np.cumsum([0] + [s.states.shape[0] for s in steps])
+        return [out[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def forget(self, sequence_id: int) -> None:
+        self.model.forget(sequence_id)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+class _Vocabulary:
+    """Tokenizer and detokenizer over a model that holds the full vocabulary."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self._model = model
+        self._llama = model._llama
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        buffer = (self._llama.llama_token * capacity)()
+        n = self._llama.llama_tokenize(self._model.vocab, data, len(data), buffer, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buffer = (self._llama.llama_token * capacity)()
+            n = self._llama.llama_tokenize(
+                self._model.vocab, data, len(data), buffer, capacity, add_special, parse_special
+            )
+        return list(buffer[:n])
+
+    def piece(self, token: int) -> bytes:
+        buffer = ctypes.create_string_buffer(64)
+        n = self._llama.llama_token_to_piece(self._model.vocab, token, buffer, 64, 0, False)
+        if n < 0:
+            buffer = ctypes.create_string_buffer(-n)
+            n = self._llama.llama_token_to_piece(self._model.vocab, token, buffer, -n, 0, False)
+        return buffer.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_end(self, token: int) -> bool:
+        return bool(self._llama.llama_vocab_is_eog(self._model.vocab, token))
+
+
+class TokenEmbedding:
+    """Rows of token_embd, dequantized as llama.cpp would, plus the family's input transform."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        reader = FastGGUFReader(path)
+        arch = str(reader.scalar("general.architecture"))
+        tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if tensor is None:
+            raise ValueError(f"{path} has no token_embd.weight")
+        self._reader = reader  # keeps the memory map open
+        self._rows = tensor.data
+        self._type = GGMLQuantizationType(tensor.tensor_type)
+        self.n_embd = int(tensor.shape[0])
+        self._scale = family_of(arch).token_input_scale(self.n_embd)
+
+    def __call__(self, tokens: Sequence[int]) -> FloatRows:
+        raw = self._rows[np.asarray(tokens, dtype=np.int64)]
+        if self._type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            rows = raw.astype(np.float32)
+        else:
+            rows = dequantize(raw, self._type).astype(np.float32, copy=False)
+        rows = rows.reshape(len(tokens), self.n_embd)
+        return rows * self._scale if self._scale is not None else rows
+
+
+class HeadStage:
+    """The last blocks and the output: hidden states in, logits out; embeds tokens itself."""
+
+    def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
+        self.model = LlamaModel(path, settings)
+        self.embed = TokenEmbedding(path)
+        self.vocabulary = _Vocabulary(self.model)
+        self.hidden = self.model.n_embd
+        self.timer = StageTimer()
+
+    def forward(self, steps: Sequence[StepInput], decode: bool = False) -> list[npt.NDArray[np.float32]]:
+        """Logits for the last row of every step."""
+        started = time.perf_counter()
+        logits = []
+        for pieces in _decodes(steps, self.model.settings.n_batch):
+            sequences, positions, states = _rows(pieces)
+            outputs = [False] * len(sequences)
+            end = 0
+            for piece in pieces:
+                end += piece.states.shape[0]
+                outputs[end - 1] = piece.ends_step
+            self.model.decode(sequences, positions, outputs, states=states)
+            logits += [self.model.logits(i) for i, wanted in enumerate(outputs) if wanted]
+        rows = sum(s.states.shape[0] for s in steps)
+        self.timer.add(time.perf_counter() - started, rows, decode)
+        return logits
+
+    def forget(self, sequence_id: int) -> None:
+        self.model.forget(sequence_id)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+class WholeModel:
+    """An unsplit model on token ids: one-member sessions, and the reference for every split."""
+
+    def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
+        self.model = LlamaModel(path, settings)
+        self.vocabulary = _Vocabulary(self.model)
+        self.timer = StageTimer()
+        self.path = Path(path)
+
+    def forward_tokens(
+        self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool = False
+    ) -> npt.NDArray[np.float32]:
+        """Logits after the last of the tokens."""
+        started = time.perf_counter()
+        limit = self.model.settings.n_batch
+        for start in range(0, len(tokens), limit):
+            piece = list(tokens[start : start + limit])
+            outputs = [False] * len(piece)
+            outputs[-1] = True
+            positions = list(range(position + start, position + start + len(piece)))
+            self.model.decode([sequence_id] * len(piece), positions, outputs, tokens=piece)
+        self.timer.add(time.perf_counter() - started, len(tokens), decode)
+        return self.model.logits(len(piece) - 1)
+
+    def forget(self, sequence_id: int) -> None:
+        self.model.forget(sequence_id)
+
+    def close(self) -> None:
+        self.model.close()
