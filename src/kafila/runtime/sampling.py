@@ -1,0 +1,85 @@
+"""Choosing the next token from logits: greedy, or llama.cpp's own sampler chain with a seed."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field
+
+from kafila.runtime.llama_backend import llama
+
+# The layout of llama_token_data: id (int32), logit (float), p (float).
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+class SamplingSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    top_k: int = Field(default=40, ge=0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repeat_last_n: int = Field(default=64, ge=0)
+    seed: int = Field(default=0, ge=0, lt=2**32)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """One sequence's sampler. Greedy is an argmax; otherwise llama.cpp's chain does the work:
+    repeat penalty, top-k, top-p, temperature, then a seeded draw."""
+
+    def __init__(self, settings: SamplingSettings, n_vocab: int) -> None:
+        self.settings = settings
+        self._chain = None
+        self._llama = None
+        if not settings.greedy:
+            self._llama = llama()
+            lib = self._llama
+            params = lib.llama_sampler_chain_default_params()
+            chain = lib.llama_sampler_chain_init(params)
+            lib.llama_sampler_chain_add(
+                chain, lib.llama_sampler_init_penalties(settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0)
+            )
+            if settings.top_k > 0:
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(settings.top_k))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(settings.top_p, 1))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(settings.temperature))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(settings.seed))
+            self._chain = chain
+            self._candidates = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+            self._ids = np.arange(n_vocab, dtype=np.int32)
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Tell the chain what the sequence holds, so the repeat penalty sees it."""
+        if self._chain is not None and self._llama is not None:
+            for token in tokens:
+                self._llama.llama_sampler_accept(self._chain, token)
+
+    def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        if self._chain is None or self._llama is None:
+            return int(np.argmax(logits))
+        candidates = self._candidates
+        candidates["id"] = self._ids
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        array = self._llama.llama_token_data_array(
+            data=candidates.ctypes.data_as(ctypes.POINTER(self._llama.llama_token_data)),
+            size=len(candidates),
+            selected=-1,
+            sorted=False,
+        )
+        self._llama.llama_sampler_apply(self._chain, ctypes.byref(array))
+        token = int(candidates["id"][array.selected])
+        self._llama.llama_sampler_accept(self._chain, token)
+        return token
+
+    def close(self) -> None:
+        if self._chain is not None and self._llama is not None:
+            self._llama.llama_sampler_free(self._chain)
+            self._chain = None
