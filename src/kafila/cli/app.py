@@ -12,7 +12,9 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from kafila import __version__
+from kafila.cli.generate_command import generate
 from kafila.cli.plan_view import render_plan
+from kafila.cli.probe_command import probe
 from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet
 from kafila.planner.report import RefusalReport, plan_report
@@ -105,6 +107,10 @@ def plan(
             highlight=False,
         )
         render_plan(report, stdout)
+
+
+app.command()(probe)
+app.command()(generate)
 
 
 def _version(value: bool) -> None:

@@ -76,6 +76,58 @@ class GGMLBase:
         return cls(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get)
 
 
+GGML_MAX_N_THREADS = 512
+
+
+class _ThreadpoolParams(ctypes.Structure):
+    _fields_ = [
+        ("cpumask", ctypes.c_bool * GGML_MAX_N_THREADS),
+        ("n_threads", ctypes.c_int),
+        ("prio", ctypes.c_int),
+        ("poll", ctypes.c_uint32),
+        ("strict_cpu", ctypes.c_bool),
+        ("paused", ctypes.c_bool),
+    ]
+
+
+class QuietThreadpool:
+    """A ggml CPU threadpool whose idle threads sleep instead of spinning.
+
+    By default ggml's threads poll for new work after each graph. With several stages of one
+    ring sharing a machine, the waiting stages' spinning threads take the cores from the one
+    that is computing; with polling off they yield them.
+    """
+
+    def __init__(self, n_threads: int) -> None:
+        llama_cpp = load_llama()
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        base = ctypes.CDLL(str(sorted(lib_dir.glob("libggml-base.*"))[0]))
+        cpu = ctypes.CDLL(str(sorted(lib_dir.glob("libggml-cpu.*"))[0]))
+        base.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
+        base.ggml_threadpool_params_default.restype = _ThreadpoolParams
+        cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
+        cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+        cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+        cpu.ggml_threadpool_free.restype = None
+        params = base.ggml_threadpool_params_default(n_threads)
+        params.poll = 0
+        self._free = cpu.ggml_threadpool_free
+        self.pointer = cpu.ggml_threadpool_new(ctypes.byref(params))
+        if not self.pointer:
+            raise RuntimeError("ggml could not create a threadpool")
+
+    def attach(self, ctx: Any) -> None:
+        attach = llama().llama_cpp._lib.llama_attach_threadpool
+        attach.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        attach.restype = None
+        attach(ctx, self.pointer, self.pointer)
+
+    def close(self) -> None:
+        if self.pointer:
+            self._free(self.pointer)
+            self.pointer = None
+
+
 @dataclass(frozen=True)
 class ContextSettings:
     n_ctx: int = 4096
@@ -83,6 +135,7 @@ class ContextSettings:
     n_seq_max: int = 4
     n_threads: int = max(1, os.cpu_count() or 1)
     gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU
+    quiet_threads: bool = True  # idle threads sleep: stages sharing a machine do not starve each other
 
 
 class LlamaModel:
@@ -121,6 +174,10 @@ class LlamaModel:
         if not self.ctx:
             self._llama.llama_model_free(self.model)
             raise RuntimeError(f"llama.cpp could not create a context for {path}")
+        self._threadpool = None
+        if settings.quiet_threads:
+            self._threadpool = QuietThreadpool(settings.n_threads)
+            self._threadpool.attach(self.ctx)
         self.vocab = self._llama.llama_model_get_vocab(self.model)
         self.n_embd = int(self._llama.llama_model_n_embd(self.model))
         self.n_vocab = int(self._llama.llama_vocab_n_tokens(self.vocab))
@@ -133,6 +190,8 @@ class LlamaModel:
             self._llama.llama_batch_free(self._embd_batch)
             self._llama.llama_free(self.ctx)
             self._llama.llama_model_free(self.model)
+            if self._threadpool is not None:
+                self._threadpool.close()
             self.ctx = None
 
     def __enter__(self) -> LlamaModel:

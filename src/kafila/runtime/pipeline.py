@@ -1,0 +1,287 @@
+"""A ring of stages on this machine: the head in this process, every other stage in its own.
+
+This is the whole data path of a session without the network: the head embeds tokens, the
+frames go round local sockets through each block stage and come back to the head, which turns
+them into logits. The QUIC ring of a later issue replaces only `LocalRing`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kafila.network.frames import DType, Frame, FrameDecoder, Kind
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.sampling import Sampler, SamplingSettings
+from kafila.runtime.slicer import StageFile, slice_model
+from kafila.runtime.stage import HeadStage, StepInput, WholeModel
+
+RING_TIMEOUT_S = 300.0
+
+
+class StageFailed(RuntimeError):
+    """A stage process died or rejected a frame: the ring cannot continue."""
+
+
+@dataclass
+class _Worker:
+    process: subprocess.Popen[str]
+    stderr: IO[str]
+    stage: StageFile
+
+    def failure(self) -> str:
+        self.stderr.seek(0)
+        tail = self.stderr.read()[-2000:].strip()
+        code = self.process.poll()
+        state = f"exited with status {code}" if code is not None else "stopped answering"
+        return f"stage holding blocks {self.stage.first_block}-{self.stage.end_block - 1} {state}: {tail}"
+
+
+class LocalRing:
+    """Block stages as worker processes joined in a ring by loopback sockets."""
+
+    def __init__(self, stages: Sequence[StageFile], settings: ContextSettings) -> None:
+        self.workers: list[_Worker] = []
+        self._decoder = FrameDecoder()
+        self._pending: list[Frame] = []
+        listener = socket.create_server(("127.0.0.1", 0))
+        try:
+            for stage in stages:
+                stderr = tempfile.TemporaryFile("w+")
+                command = [
+                    sys.executable, "-m", "kafila.runtime.worker", "--model", str(stage.path),
+                    "--n-ctx", str(settings.n_ctx), "--n-batch", str(settings.n_batch),
+                    "--n-seq", str(settings.n_seq_max), "--threads", str(settings.n_threads),
+                ]  # fmt: skip
+                process = subprocess.Popen(
+                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
+                )
+                self.workers.append(_Worker(process, stderr, stage))
+            ports = [self._ready_port(worker) for worker in self.workers]
+            nexts = [*ports[1:], listener.getsockname()[1]]
+            for worker, port in zip(self.workers, nexts, strict=True):
+                assert worker.process.stdin is not None
+                worker.process.stdin.write(f"NEXT {port}\n")
+                worker.process.stdin.flush()
+            self._out = socket.create_connection(("127.0.0.1", ports[0]), timeout=RING_TIMEOUT_S)
+            listener.settimeout(RING_TIMEOUT_S)
+            self._in, _ = listener.accept()
+            self._in.settimeout(RING_TIMEOUT_S)
+            for connection in (self._in, self._out):
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    @staticmethod
+    def _ready_port(worker: _Worker) -> int:
+        assert worker.process.stdout is not None
+        line = worker.process.stdout.readline().split()
+        if len(line) != 2 or line[0] != "READY":
+            raise StageFailed(worker.failure())
+        return int(line[1])
+
+    def send(self, frames: Sequence[Frame]) -> None:
+        try:
+            self._out.sendall(b"".join(frame.encode() for frame in frames))
+        except OSError as error:
+            raise StageFailed(self._dead_worker_report(error)) from error
+
+    def receive(self, count: int) -> list[Frame]:
+        """The next `count` frames to come back round the ring."""
+        while len(self._pending) < count:
+            try:
+                data = self._in.recv(1 << 20)
+            except OSError as error:
+                raise StageFailed(self._dead_worker_report(error)) from error
+            if not data:
+                raise StageFailed(self._dead_worker_report(None))
+            for frame in self._decoder.feed(data):
+                if frame.kind is Kind.ERROR:
+                    raise StageFailed(frame.text())
+                self._pending.append(frame)
+        frames, self._pending = self._pending[:count], self._pending[count:]
+        return frames
+
+    def _dead_worker_report(self, error: OSError | None) -> str:
+        for worker in self.workers:
+            if worker.process.poll() is not None:
+                return worker.failure()
+        return f"the ring broke: {error or 'connection closed'}"
+
+    def stats(self) -> list[dict[str, object]]:
+        self.send([Frame(Kind.PING, 0, payload=json.dumps({"stages": []}).encode())])
+        (report,) = self.receive(1)
+        stages: list[dict[str, object]] = json.loads(report.payload)["stages"]
+        return stages
+
+    def close(self) -> None:
+        for connection in (getattr(self, "_out", None), getattr(self, "_in", None)):
+            if connection is not None:
+                connection.close()
+        for worker in self.workers:
+            if worker.process.stdin is not None and not worker.process.stdin.closed:
+                worker.process.stdin.close()
+            try:
+                worker.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+            worker.stderr.close()
+
+
+class Engine(Protocol):
+    """What generation needs: logits for a sequence's next rows, and a tokenizer."""
+
+    def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]: ...
+    def tokenize(self, text: str) -> list[int]: ...
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+    def is_end(self, token: int) -> bool: ...
+    def n_vocab(self) -> int: ...
+    def forget(self, sequence_id: int) -> None: ...
+    def stage_report(self) -> list[dict[str, object]]: ...
+    def close(self) -> None: ...
+
+
+class UnsplitEngine:
+    """The original file, unchanged, on one llama.cpp context: a one-member session."""
+
+    def __init__(self, path: Path, settings: ContextSettings) -> None:
+        self.model = WholeModel(path, settings)
+        self._blocks = int(self.model.model._llama.llama_model_n_layer(self.model.model.model))
+
+    def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]:
+        return self.model.forward_tokens(sequence_id, position, tokens, decode)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.vocabulary.tokenize(text)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.model.vocabulary.detokenize(tokens)
+
+    def is_end(self, token: int) -> bool:
+        return self.model.vocabulary.is_end(token)
+
+    def n_vocab(self) -> int:
+        return self.model.model.n_vocab
+
+    def forget(self, sequence_id: int) -> None:
+        self.model.forget(sequence_id)
+
+    def stage_report(self) -> list[dict[str, object]]:
+        return [{"range": [0, self._blocks], "ms_per_token": self.model.timer.ms_per_token}]
+
+    def close(self) -> None:
+        self.model.close()
+
+
+class RingEngine:
+    """The head here, the other stages in worker processes, frames round loopback sockets."""
+
+    def __init__(self, stages: Sequence[StageFile], settings: ContextSettings, dtype: DType = DType.F32) -> None:
+        head_file = stages[-1]
+        self.head = HeadStage(head_file.path, settings)
+        self._head_range = [head_file.first_block, head_file.end_block]
+        self._dtype = dtype
+        try:
+            self.ring = LocalRing(stages[:-1], settings)
+        except BaseException:
+            self.head.close()
+            raise
+
+    def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]:
+        kind = Kind.DECODE if decode else Kind.PREFILL
+        states = self.head.embed(tokens)
+        self.ring.send([Frame.of_hidden(kind, sequence_id, position, states, self._dtype)])
+        (back,) = self.ring.receive(1)
+        if back.sequence_id != sequence_id or back.position != position:
+            raise StageFailed(f"frames came back out of order: sequence {back.sequence_id} at {back.position}")
+        return self.head.forward([StepInput(sequence_id, position, back.hidden_states())], decode)[0]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.head.vocabulary.tokenize(text)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.head.vocabulary.detokenize(tokens)
+
+    def is_end(self, token: int) -> bool:
+        return self.head.vocabulary.is_end(token)
+
+    def n_vocab(self) -> int:
+        return self.head.model.n_vocab
+
+    def forget(self, sequence_id: int) -> None:
+        self.ring.send([Frame(Kind.CANCEL, sequence_id)])
+        self.ring.receive(1)
+        self.head.forget(sequence_id)
+
+    def stage_report(self) -> list[dict[str, object]]:
+        head = {"range": self._head_range, "ms_per_token": self.head.timer.ms_per_token}
+        return [*self.ring.stats(), head]
+
+    def close(self) -> None:
+        self.ring.close()
+        self.head.close()
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: list[int]
+    text: str
+    tokens_per_s: float | None
+    stages: list[dict[str, object]]
+    prompt_tokens: int
+    finish_reason: str  # "length" or "stop"
+
+
+def generate(
+    engine: Engine, prompt: str, max_tokens: int, sampling: SamplingSettings, sequence_id: int = 0
+) -> Generation:
+    """Prefill the prompt, then decode up to `max_tokens` tokens or to an end-of-generation token."""
+    prompt_tokens = engine.tokenize(prompt)
+    if not prompt_tokens:
+        raise ValueError("the prompt is empty after tokenization")
+    sampler = Sampler(sampling, engine.n_vocab())
+    sampler.accept(prompt_tokens)
+    try:
+        logits = engine.step(sequence_id, 0, prompt_tokens, decode=False)
+        tokens: list[int] = []
+        finish = "length"
+        started = time.perf_counter()
+        while len(tokens) < max_tokens:
+            token = sampler.sample(logits)
+            if engine.is_end(token):
+                finish = "stop"
+                break
+            tokens.append(token)
+            if len(tokens) == max_tokens:
+                break
+            logits = engine.step(sequence_id, len(prompt_tokens) + len(tokens) - 1, [token], decode=True)
+        elapsed = time.perf_counter() - started
+    finally:
+        sampler.close()
+    engine.forget(sequence_id)
+    rate = (len(tokens) - 1) / elapsed if len(tokens) > 1 and elapsed > 0 else None
+    return Generation(tokens, engine.detokenize(tokens), rate, engine.stage_report(), len(prompt_tokens), finish)
+
+
+def open_engine(model: Path, counts: Sequence[int], settings: ContextSettings, cache_dir: Path | None = None) -> Engine:
+    """An engine over the model cut as `counts` (chain order, head last); one count runs it unsplit."""
+    if len(counts) == 1:
+        return UnsplitEngine(model, settings)
+    directory = cache_dir or Path(os.environ.get("KAFILA_CACHE", Path.home() / ".cache" / "kafila")) / "stages"
+    return RingEngine(slice_model(model, counts, directory), settings)

@@ -1,0 +1,105 @@
+"""A block stage in its own process: frames in from its ring predecessor, frames out to its successor.
+
+Started by the local pipeline as `python -m kafila.runtime.worker`. It loads its stage, listens,
+prints `READY <port>`, reads `NEXT <port>` on stdin, connects to its successor and serves until
+its predecessor hangs up. Frames that arrive together are run as one batched decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from collections.abc import Sequence
+
+from kafila.network.frames import HIDDEN_KINDS, Frame, FrameDecoder, FrameError, Kind
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.stage import BlockStage, StepInput
+
+
+def stage_stats(stage: BlockStage) -> dict[str, object]:
+    return {
+        "range": [stage.first_block, stage.first_block + stage.n_layers],
+        "ms_per_token": stage.timer.ms_per_token,
+        "seconds": stage.timer.seconds,
+        "rows": stage.timer.rows,
+    }
+
+
+def handle_frames(stage: BlockStage, frames: Sequence[Frame]) -> list[Frame]:
+    """Run a burst of frames through the stage, batching consecutive hidden-state frames."""
+    out: list[Frame] = []
+    batch: list[Frame] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        steps = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in batch]
+        decode = all(f.kind is Kind.DECODE for f in batch)
+        for frame, states in zip(batch, stage.forward(steps, decode=decode), strict=True):
+            out.append(Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype))
+        batch.clear()
+
+    for frame in frames:
+        if frame.kind in HIDDEN_KINDS:
+            if frame.hidden != stage.hidden:
+                raise FrameError(f"frame of hidden size {frame.hidden}; this stage takes {stage.hidden}")
+            batch.append(frame)
+            continue
+        flush()
+        if frame.kind is Kind.CANCEL:
+            stage.forget(frame.sequence_id)
+            out.append(frame)
+        elif frame.kind is Kind.PING and frame.payload:
+            report = json.loads(frame.payload)
+            report.setdefault("stages", []).append(stage_stats(stage))
+            out.append(Frame(Kind.PING, frame.sequence_id, payload=json.dumps(report).encode()))
+        else:
+            out.append(frame)
+    flush()
+    return out
+
+
+def serve(stage: BlockStage, upstream: socket.socket, downstream: socket.socket) -> None:
+    decoder = FrameDecoder()
+    while data := upstream.recv(1 << 20):
+        try:
+            frames = handle_frames(stage, decoder.feed(data))
+        except (FrameError, ValueError, RuntimeError) as error:
+            downstream.sendall(Frame(Kind.ERROR, 0, payload=f"stage {stage.first_block}: {error}".encode()).encode())
+            return
+        if frames:
+            downstream.sendall(b"".join(frame.encode() for frame in frames))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kafila.runtime.worker")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--n-batch", type=int, default=512)
+    parser.add_argument("--n-seq", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    settings = ContextSettings(n_ctx=args.n_ctx, n_batch=args.n_batch, n_seq_max=args.n_seq, n_threads=args.threads)
+    stage = BlockStage(args.model, settings)
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"READY {listener.getsockname()[1]}", flush=True)
+    command = sys.stdin.readline().split()
+    if len(command) != 2 or command[0] != "NEXT":
+        raise SystemExit(f"expected 'NEXT <port>' on stdin, got {command!r}")
+    downstream = socket.create_connection(("127.0.0.1", int(command[1])))
+    upstream, _ = listener.accept()
+    listener.close()
+    for connection in (upstream, downstream):
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        serve(stage, upstream, downstream)
+    finally:
+        downstream.close()
+        upstream.close()
+        stage.close()
+
+
+if __name__ == "__main__":
+    main()
