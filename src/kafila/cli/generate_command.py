@@ -70,7 +70,8 @@ def generate(
     from kafila.runtime.gguf_file import GGUFFormatError
     from kafila.runtime.llama_backend import ContextSettings, LlamaUnavailable, load_llama
     from kafila.runtime.manifest import read_manifest
-    from kafila.runtime.pipeline import StageFailed, generate as run_generation, open_engine
+    from kafila.runtime.pipeline import StageFailed, open_engine
+    from kafila.runtime.pipeline import generate as run_generation
     from kafila.runtime.sampling import SamplingSettings
     from kafila.runtime.slicer import SliceError
 

@@ -23,9 +23,9 @@ def cache_dir() -> Path:
 
 def this_device(progress: Callable[[str, float], None] | None = None) -> FleetDevice:
     """This machine as the probe measured it, measuring it first if no cached result fits."""
-    from kafila.runtime.probe import run_probe
-
     import llama_cpp
+
+    from kafila.runtime.probe import run_probe
 
     path = cache_dir() / "probe.json"
     try:

@@ -44,7 +44,8 @@ class Sampler:
             params = lib.llama_sampler_chain_default_params()
             chain = lib.llama_sampler_chain_init(params)
             lib.llama_sampler_chain_add(
-                chain, lib.llama_sampler_init_penalties(settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0)
+                chain,
+                lib.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0),
             )
             if settings.top_k > 0:
                 lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(settings.top_k))

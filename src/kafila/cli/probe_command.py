@@ -1,0 +1,107 @@
+"""`kafila probe`: measure this device with llama.cpp and print its entry for a fleet file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kafila.runtime.probe import DeviceProbe, ProbeError, ProgressFn, run_probe
+
+EXIT_FAILED = 1
+
+
+def _fail(message: str, as_json: bool) -> NoReturn:
+    """One line, never a traceback: on stdout as JSON for programs, on stderr for people."""
+    if as_json:
+        print(json.dumps({"error": message}))
+    else:
+        Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_FAILED)
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[ProgressFn]:
+    """A transient progress bar on stderr, so stdout carries only the result."""
+    if not enabled:
+        yield lambda _text, _fraction: None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("probing", total=1.0)
+
+        def update(text: str, fraction: float) -> None:
+            bar.update(task, description=text, completed=fraction)
+
+        yield update
+
+
+def _render(result: DeviceProbe, console: Console) -> None:
+    console.print(
+        f"[bold]{result.name}[/bold] measured with llama.cpp {result.llama_cpp_version} "
+        f"({result.backend}, {result.threads} threads, {result.weight_type} weights) in {result.elapsed_s:.1f} s",
+        highlight=False,
+    )
+    summary = Table(show_header=False)
+    summary.add_column("figure")
+    summary.add_column("value", justify="right")
+    summary.add_column("how", style="dim")
+    fit = result.fit
+    summary.add_row(
+        "memory bandwidth",
+        f"{result.bandwidth_gb_s:.2f} GB/s",
+        f"slope of decode time over weight bytes, R² {fit.r_squared:.4f}",
+    )
+    summary.add_row(
+        "per-token overhead",
+        f"{result.overhead_us:.1f} µs",
+        "intercept of the same fit" + (" (negative, read as 0)" if result.intercept_clamped else ""),
+    )
+    summary.add_row(
+        "arithmetic throughput", f"{result.tflops:.3f} TFLOPS", f"{result.prefill.tokens}-token prompt batch"
+    )
+    summary.add_row("available memory", f"{result.memory_gib:.2f} GiB", result.memory_source)
+    console.print(summary)
+
+    steps = Table(title=f"Single-token decode ({result.statistic})")
+    for column in ("width", "blocks", "weights", "step", "median", "runs"):
+        steps.add_column(column, justify="right")
+    for sample in result.decode:
+        steps.add_row(
+            str(sample.n_embd),
+            str(sample.n_blocks),
+            f"{sample.weight_bytes / 1e6:.1f} MB",
+            f"{sample.step_ms:.2f} ms",
+            f"{sample.median_ms:.2f} ms",
+            str(sample.repetitions),
+        )
+    console.print(steps)
+    if not result.steady:
+        console.print(
+            "[yellow]warning:[/yellow] this device was busy while it was measured (the step times scatter), "
+            "so these figures are pessimistic; probe again when it is idle",
+            highlight=False,
+        )
+    console.print("Fleet entry for this device:")
+    console.print_json(json.dumps(result.fleet_entry()))
+
+
+def probe(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Measure this device's memory bandwidth, overhead, throughput and memory with llama.cpp."""
+    try:
+        with _progress(enabled=not as_json) as update:
+            result = run_probe(update)
+    except ProbeError as error:
+        _fail(str(error), as_json)
+    if as_json:
+        print(json.dumps(result.report()))
+    else:
+        _render(result, Console())
