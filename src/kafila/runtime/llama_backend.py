@@ -24,27 +24,49 @@ class LlamaUnavailable(RuntimeError):
     """llama-cpp-python is missing or broken: say so plainly instead of a traceback."""
 
 
+# llama.cpp's OpenMP threads spin after each graph waiting for more work. Stages of one ring
+# that share a machine take turns, so a waiting stage's spinning threads would take the cores
+# from the one computing; a short spin keeps the barriers inside a graph fast and then sleeps.
+# Read by libgomp when it loads, so it is set before llama_cpp is first imported.
+OPENMP_SPIN_COUNT = "1000"
+
+
 def load_llama() -> Any:
+    """Import llama.cpp's binding, or say in one line what is wrong and how to fix it."""
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
     try:
         import llama_cpp
-    except Exception as error:  # an ImportError, or an OSError from a broken shared library
+    except ImportError:
         raise LlamaUnavailable(
-            f"llama.cpp is not available ({error}); install it with: python3 -m pip install llama-cpp-python"
-        ) from error
+            "llama.cpp is not installed: Kafila needs the llama_cpp module (python3 -m pip install llama-cpp-python)"
+        ) from None
+    except (OSError, RuntimeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise LlamaUnavailable(f"llama.cpp's library does not load: {first_line}") from None
     return llama_cpp
 
 
 _CALLBACKS: list[Any] = []  # ctypes callbacks must outlive every call that may use them
+_ERRORS: list[str] = []
 
 
-def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+def _log(level: int, text: bytes | None, _user: Any) -> None:
+    """llama.cpp's log: silent unless KAFILA_LLAMA_LOG is set; errors are kept to explain failures."""
+    message = text.decode("utf-8", errors="replace") if text else ""
     if os.environ.get("KAFILA_LLAMA_LOG"):
-        print(text.decode("utf-8", errors="replace"), end="", file=sys.stderr, flush=True)
+        print(message, end="", file=sys.stderr, flush=True)
+    if level == 3 and message.strip():
+        _ERRORS.append(message.strip())
+        del _ERRORS[:-5]
+
+
+def last_error(default: str = "no reason given") -> str:
+    return _ERRORS[-1] if _ERRORS else default
 
 
 @functools.cache
 def llama() -> Any:
-    """llama_cpp, initialised once, with its log silenced unless KAFILA_LLAMA_LOG is set."""
+    """llama_cpp, initialised once, with its log routed through `_log`."""
     llama_cpp = load_llama()
     callback = llama_cpp.llama_log_callback(_log)
     _CALLBACKS.append(callback)
@@ -53,9 +75,18 @@ def llama() -> Any:
     return llama_cpp
 
 
+def _library(stem: str) -> ctypes.CDLL:
+    """One of the ggml libraries llama_cpp ships next to itself."""
+    lib_dir = Path(load_llama().__file__).parent / "lib"
+    for pattern in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll", f"lib{stem}.*"):
+        for candidate in sorted(lib_dir.glob(pattern)):
+            return ctypes.CDLL(str(candidate))
+    raise LlamaUnavailable(f"no {stem} library next to llama_cpp in {lib_dir}")
+
+
 @dataclass(frozen=True)
 class GGMLBase:
-    """The three ggml calls the graph callback needs, from the library llama_cpp ships."""
+    """The three ggml calls the graph callback needs."""
 
     get_name: Callable[[int], bytes]
     nbytes: Callable[[int], int]
@@ -63,12 +94,7 @@ class GGMLBase:
 
     @classmethod
     def load(cls) -> GGMLBase:
-        llama_cpp = load_llama()
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
-        candidates = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("ggml-base.*"))
-        if not candidates:
-            raise LlamaUnavailable(f"no libggml-base library next to llama_cpp in {lib_dir}")
-        lib = ctypes.CDLL(str(candidates[0]))
+        lib = _library("ggml-base")
         lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
         lib.ggml_nbytes.argtypes, lib.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
         lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
@@ -99,10 +125,7 @@ class QuietThreadpool:
     """
 
     def __init__(self, n_threads: int) -> None:
-        llama_cpp = load_llama()
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
-        base = ctypes.CDLL(str(sorted(lib_dir.glob("libggml-base.*"))[0]))
-        cpu = ctypes.CDLL(str(sorted(lib_dir.glob("libggml-cpu.*"))[0]))
+        base, cpu = _library("ggml-base"), _library("ggml-cpu")
         base.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
         base.ggml_threadpool_params_default.restype = _ThreadpoolParams
         cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
@@ -153,7 +176,7 @@ class LlamaModel:
         model_params.n_gpu_layers = settings.gpu_layers if self._llama.llama_supports_gpu_offload() else 0
         self.model = self._llama.llama_model_load_from_file(str(path).encode(), model_params)
         if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
+            raise RuntimeError(f"llama.cpp could not load {path}: {last_error()}")
         params = self._llama.llama_context_default_params()
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
@@ -173,7 +196,7 @@ class LlamaModel:
         self.ctx = self._llama.llama_init_from_model(self.model, params)
         if not self.ctx:
             self._llama.llama_model_free(self.model)
-            raise RuntimeError(f"llama.cpp could not create a context for {path}")
+            raise RuntimeError(f"llama.cpp could not create a context for {path}: {last_error()}")
         self._threadpool = None
         if settings.quiet_threads:
             self._threadpool = QuietThreadpool(settings.n_threads)

@@ -230,7 +230,7 @@ class RingEngine:
         self.head.forget(sequence_id)
 
     def stage_report(self) -> list[dict[str, object]]:
-        head = {"range": self._head_range, "ms_per_token": self.head.timer.ms_per_token}
+        head: dict[str, object] = {"range": self._head_range, "ms_per_token": self.head.timer.ms_per_token}
         return [*self.ring.stats(), head]
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ from pydantic import Field, ValidationError
 
 from kafila.planner.fleet import FleetDevice
 from kafila.planner.types import Strict
+from kafila.runtime.llama_backend import LlamaUnavailable, last_error, llama
 
 GB = 1e9
 GIB = 2**30
@@ -378,39 +379,13 @@ def host_name() -> str:
 # llama.cpp.
 # ---------------------------------------------------------------------------------------------
 
-_log_lines: list[str] = []
-
-
-def _keep_errors(level: int, text: bytes | None, _user: Any) -> None:
-    """llama.cpp's log, silenced; errors (level 3) are kept to explain a failure in one line."""
-    if level == 3 and text:
-        _log_lines.append(text.decode("utf-8", errors="replace").strip())
-        del _log_lines[:-5]
-
-
-_log_callbacks: list[Any] = []  # the ctypes callback must outlive every llama.cpp call that may log
-
 
 def load_llama_cpp() -> Any:
-    """Import llama.cpp's binding, or say in one line what is wrong and how to fix it."""
+    """llama.cpp, initialised, or LlamaCppMissing with a one-line reason."""
     try:
-        import llama_cpp
-    except ImportError:
-        raise LlamaCppMissing(
-            "llama.cpp is not installed: the probe needs the llama_cpp module (python3 -m pip install llama-cpp-python)"
-        ) from None
-    except (OSError, RuntimeError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise LlamaCppMissing(f"llama.cpp's library does not load: {first_line}") from None
-    if not _log_callbacks:
-        _log_callbacks.append(llama_cpp.llama_log_callback(_keep_errors))
-    llama_cpp.llama_log_set(_log_callbacks[0], ctypes.c_void_p(0))
-    llama_cpp.llama_backend_init()
-    return llama_cpp
-
-
-def _last_error(default: str) -> str:
-    return _log_lines[-1] if _log_lines else default
+        return llama()
+    except LlamaUnavailable as error:
+        raise LlamaCppMissing(str(error)) from None
 
 
 def _ggml_library(llama_cpp: Any) -> ctypes.CDLL | None:
@@ -479,7 +454,7 @@ class LlamaStage:
         model_params.n_gpu_layers = 999 if gpu else 0
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
-            raise ProbeError(f"llama.cpp could not load a probe model: {_last_error('no reason given')}")
+            raise ProbeError(f"llama.cpp could not load a probe model: {last_error()}")
         context_params = llama_cpp.llama_context_default_params()
         context_params.n_ctx = CONTEXT
         context_params.n_batch = CONTEXT
@@ -491,7 +466,7 @@ class LlamaStage:
         self._ctx = llama_cpp.llama_init_from_model(self._model, context_params)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
-            raise ProbeError(f"llama.cpp could not create a context: {_last_error('no reason given')}")
+            raise ProbeError(f"llama.cpp could not create a context: {last_error()}")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._one = (llama_cpp.llama_token * 1)(3)
         self._prompt = (llama_cpp.llama_token * PREFILL_TOKENS)(*([3] * PREFILL_TOKENS))
@@ -506,7 +481,7 @@ class LlamaStage:
         ll.llama_synchronize(self._ctx)
         elapsed = time.perf_counter() - started
         if status != 0:
-            raise ProbeError(f"llama_decode failed with status {status}: {_last_error('no reason given')}")
+            raise ProbeError(f"llama_decode failed with status {status}: {last_error()}")
         return elapsed
 
     def decode_step(self) -> float:
