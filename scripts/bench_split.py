@@ -114,13 +114,11 @@ def main() -> None:
     print(f"| unsplit: llama.cpp compute | {compute_unsplit:.2f} |")
     print(f"| 2 stages: wall per token | {wall_split:.2f} |")
     print(f"| 2 stages: stage compute, both stages | {compute_split:.2f} |")
-    print(
-        f"| extra compute from splitting (a second graph per token, its fixed cost) | {compute_split - compute_unsplit:.2f} |"
-    )
+    extra_compute = compute_split - compute_unsplit
+    print(f"| extra compute from splitting (a second graph per token, its fixed cost) | {extra_compute:.2f} |")
     print(f"| of which the graph callback (block stage with vs without it) | {with_cb - without_cb:.2f} |")
-    print(
-        f"| sockets, frame encoding and copies (wall less compute) | {wall_split - compute_split - (wall_unsplit - compute_unsplit):.2f} |"
-    )
+    transport = wall_split - compute_split - (wall_unsplit - compute_unsplit)
+    print(f"| sockets, frame encoding and copies (wall less compute) | {transport:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,155 @@
+"""The slicer: deterministic stage files, rewritten per-layer metadata, clear refusals."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFValueType, GGUFWriter
+from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
+from tiny_models import write_tiny_model
+
+from kafila.runtime.families import UnsupportedFamily
+from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
+from kafila.runtime.slicer import SliceError, slice_model
+from kafila.runtime.stage import WholeModel
+
+
+def rewrite(source: Path, target: Path, overrides: dict[str, list[int]]) -> Path:
+    """A copy of a model with some metadata replaced by per-layer arrays."""
+    reader = FastGGUFReader(source)
+    writer = RawCopyWriter(target, arch=str(reader.scalar("general.architecture")))
+    for key in reader.fields:
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key in overrides:
+            writer.add_array(key, overrides[key])
+        else:
+            vtype, value = raw_value(reader, key)
+            writer.add_key_value(key, value, vtype)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def test_same_model_and_division_give_the_same_bytes(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    first = slice_model(model, [1, 2, 1], tmp_path / "a")
+    second = slice_model(model, [1, 2, 1], tmp_path / "b")
+    assert [s.sha256 for s in first] == [s.sha256 for s in second]
+    for a, b in zip(first, second, strict=True):
+        assert a.path.read_bytes() == b.path.read_bytes()
+        assert a.path.name == f"{a.sha256}.gguf"
+    assert len({s.sha256 for s in first}) == 3
+
+
+def test_stage_and_head_files_hold_what_they_should(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    source = FastGGUFReader(model)
+    stage, head = slice_model(model, [3, 1], tmp_path / "out")
+
+    reader = FastGGUFReader(stage.path)
+    names = {t.name for t in reader.tensors}
+    assert reader.scalar("llama.block_count") == 3
+    assert {n.split(".")[1] for n in names if n.startswith("blk.")} == {"0", "1", "2"}
+    assert "output.weight" not in names
+    assert reader.strings("tokenizer.ggml.tokens") == ["<pad>", "<eos>", "<bos>", "<unk>"]
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert embedding.data.shape[0] == 4
+    assert reader.scalar("kafila.slice.first_block") == 0 and reader.scalar("kafila.slice.is_head") is False
+
+    reader = FastGGUFReader(head.path)
+    assert reader.scalar("llama.block_count") == 1
+    assert reader.strings("tokenizer.ggml.tokens") == source.strings("tokenizer.ggml.tokens")
+    assert {"output.weight", "output_norm.weight", "token_embd.weight", "blk.0.attn_q.weight"} <= {
+        t.name for t in reader.tensors
+    }
+    original = next(t for t in source.tensors if t.name == "blk.3.ffn_down.weight")
+    renamed = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert original.tensor_type == renamed.tensor_type and np.array_equal(original.data, renamed.data)
+
+
+def test_per_layer_arrays_are_cut_to_the_slice(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    kv_heads = int(FastGGUFReader(model).scalar("llama.attention.head_count_kv"))
+    ffn = int(FastGGUFReader(model).scalar("llama.feed_forward_length"))
+    arrays = rewrite(
+        model,
+        tmp_path / "arrays.gguf",
+        {"llama.attention.head_count_kv": [kv_heads] * 4, "llama.feed_forward_length": [ffn] * 4},
+    )
+    stage, head = slice_model(arrays, [1, 3], tmp_path / "out")
+    assert FastGGUFReader(stage.path).scalar("llama.attention.head_count_kv") == [kv_heads]
+    assert FastGGUFReader(head.path).scalar("llama.feed_forward_length") == [ffn] * 3
+    whole = WholeModel(arrays, SETTINGS)
+    prompt = whole.vocabulary.tokenize("hello world, the kafila model is in a block of the world")
+    whole.close()
+    assert greedy_split([stage.path, head.path], prompt, 16) == greedy_unsplit(arrays, prompt, 16)
+
+
+def test_gemma_sliding_window_pattern_follows_the_original_indices(gemma_path: Path, tmp_path: Path) -> None:
+    first, middle, last = slice_model(gemma_path, [5, 12, 1], tmp_path)
+    assert FastGGUFReader(first.path).scalar("gemma3.attention.sliding_window_pattern") == [True] * 5
+    expected = [(5 + i) % 6 < 5 for i in range(12)]
+    assert FastGGUFReader(middle.path).scalar("gemma3.attention.sliding_window_pattern") == expected
+    # Block 17 is global: a slice of only global blocks carries no window at all.
+    only_global = FastGGUFReader(last.path)
+    assert "gemma3.attention.sliding_window" not in only_global.fields
+    assert "gemma3.attention.sliding_window_pattern" not in only_global.fields
+
+
+def test_slicing_gemma_is_fast_and_keeps_the_vocabulary(gemma_path: Path, tmp_path: Path) -> None:
+    started = time.perf_counter()
+    stages = slice_model(gemma_path, [6, 6, 6], tmp_path)
+    elapsed = time.perf_counter() - started
+    head = FastGGUFReader(stages[-1].path)
+    assert len(head.strings("tokenizer.ggml.tokens")) == 262_144
+    assert elapsed < 60  # a guard against a hang, not a speed claim: see docs/benchmarks.md
+
+
+def test_one_stage_is_the_original_file(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "qwen2.gguf", "qwen2", n_blocks=4)
+    (only,) = slice_model(model, [4], tmp_path / "out")
+    assert only.path == model and only.is_head and (only.first_block, only.end_block) == (0, 4)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("counts", "message"),
+    [([2, 1], "covers 3 blocks but the model has 4"), ([4, 0], "at least one block"), ([], "at least one block")],
+)
+def test_bad_divisions(tmp_path: Path, counts: list[int], message: str) -> None:
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    with pytest.raises(SliceError, match=message):
+        slice_model(model, counts, tmp_path / "out")
+
+
+def _bare_model(path: Path, arch: str, n_blocks: int) -> Path:
+    writer = GGUFWriter(str(path), arch=arch)
+    writer.add_key_value(f"{arch}.block_count", n_blocks, GGUFValueType.UINT32)
+    for i in range(n_blocks):
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unsupported_family_is_named_with_the_supported_ones(tmp_path: Path) -> None:
+    model = _bare_model(tmp_path / "mamba.gguf", "mamba", 2)
+    with pytest.raises(UnsupportedFamily, match="'mamba'.*supported: gemma3, llama, qwen2, qwen3"):
+        slice_model(model, [1, 1], tmp_path / "out")
+    assert slice_model(model, [2], tmp_path / "out")[0].path == model  # unsplit needs no support
+
+
+def test_gemma3_27b_block_count_is_refused(tmp_path: Path) -> None:
+    model = _bare_model(tmp_path / "gemma.gguf", "gemma3", 62)
+    with pytest.raises(SliceError, match="cannot be split"):
+        slice_model(model, [31, 31], tmp_path / "out")
