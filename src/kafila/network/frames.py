@@ -131,7 +131,7 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._broken: FrameError | None = None
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._broken is not None:
             raise self._broken
         self._buffer += data

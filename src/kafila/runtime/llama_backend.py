@@ -168,7 +168,7 @@ class LlamaModel:
         self,
         path: str | os.PathLike[str],
         settings: ContextSettings,
-        eval_callback: Callable[[int, bool], bool] | None = None,
+        eval_callback: Callable[[int, bool, Any], bool] | None = None,
     ) -> None:
         self._llama = llama()
         self.settings = settings
@@ -188,9 +188,7 @@ class LlamaModel:
         params.no_perf = True
         self._callback = None
         if eval_callback is not None:
-            self._callback = self._llama.ggml_backend_sched_eval_callback(
-                lambda tensor, ask, _user: eval_callback(tensor, ask)
-            )
+            self._callback = self._llama.ggml_backend_sched_eval_callback(eval_callback)
             params.cb_eval = self._callback
             params.cb_eval_user_data = None
         self.ctx = self._llama.llama_init_from_model(self.model, params)

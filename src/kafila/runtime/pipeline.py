@@ -56,6 +56,7 @@ class LocalRing:
         self.workers: list[_Worker] = []
         self._decoder = FrameDecoder()
         self._pending: list[Frame] = []
+        self._buffer = bytearray(1 << 20)  # reused across receives
         listener = socket.create_server(("127.0.0.1", 0))
         try:
             for stage in stages:
@@ -105,12 +106,12 @@ class LocalRing:
         """The next `count` frames to come back round the ring."""
         while len(self._pending) < count:
             try:
-                data = self._in.recv(1 << 20)
+                received = self._in.recv_into(self._buffer)
             except OSError as error:
                 raise StageFailed(self._dead_worker_report(error)) from error
-            if not data:
+            if not received:
                 raise StageFailed(self._dead_worker_report(None))
-            for frame in self._decoder.feed(data):
+            for frame in self._decoder.feed(memoryview(self._buffer)[:received]):
                 if frame.kind is Kind.ERROR:
                     raise StageFailed(frame.text())
                 self._pending.append(frame)

@@ -112,6 +112,7 @@ class BlockStage:
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
         self._ggml = GGMLBase.load()
+        self._get_name = self._ggml.get_name
         reader = FastGGUFReader(path)
         arch = reader.scalar("general.architecture")
         n_layers = int(reader.scalar(f"{arch}.block_count"))
@@ -123,8 +124,9 @@ class BlockStage:
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
 
-    def _on_tensor(self, tensor: int, ask: bool) -> bool:
-        if self._ggml.get_name(tensor) != self._target:
+    def _on_tensor(self, tensor: int, ask: bool, _user: object) -> bool:
+        """Called by ggml for every node of every graph: it must stay this small."""
+        if self._get_name(tensor) != self._target:
             return ask is False  # not ours: do not ask for it, and let the graph go on
         if ask:
             return True

@@ -63,9 +63,11 @@ def handle_frames(stage: BlockStage, frames: Sequence[Frame]) -> list[Frame]:
 
 def serve(stage: BlockStage, upstream: socket.socket, downstream: socket.socket) -> None:
     decoder = FrameDecoder()
-    while data := upstream.recv(1 << 20):
+    buffer = bytearray(1 << 20)  # reused: a fresh megabyte per recv costs more than the frame
+    view = memoryview(buffer)
+    while received := upstream.recv_into(buffer):
         try:
-            frames = handle_frames(stage, decoder.feed(data))
+            frames = handle_frames(stage, decoder.feed(view[:received]))
         except (FrameError, ValueError, RuntimeError) as error:
             downstream.sendall(Frame(Kind.ERROR, 0, payload=f"stage {stage.first_block}: {error}".encode()).encode())
             return
