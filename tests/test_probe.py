@@ -38,7 +38,7 @@ from kafila.runtime.probe import (
 
 FLEET_KEYS = {"name", "bandwidth_gb_s", "overhead_us", "tflops", "memory_gib"}
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
-needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
+needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")  # a dependency: runs in CI
 
 # Runs `kafila` with `import llama_cpp` failing as it does where the package is absent.
 HIDE_LLAMA_CPP = """
@@ -185,3 +185,20 @@ def test_probe_without_llama_cpp_fails_in_one_line(as_json: bool) -> None:
     assert "llama.cpp is not installed" in output and "pip install llama-cpp-python" in output
     if as_json:
         assert json.loads(result.stdout)["error"].startswith("llama.cpp is not installed")
+
+
+def test_probe_on_a_models_own_blocks(tmp_path: Path) -> None:
+    """The model-block probe times real block stages cut from the model and fits bytes to time."""
+    from tiny_models import write_tiny_model
+
+    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.probe import probe_model_blocks
+
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    result = probe_model_blocks(model)
+    blocks = read_manifest(model).block_bytes
+    assert result.ranges == [(0, 1), (0, 2), (0, 4)]
+    assert result.weight_bytes == [blocks[0], sum(blocks[:2]), sum(blocks)]
+    assert result.bandwidth_gb_s > 0 and result.overhead_us >= 0
+    assert len(result.step_ms) == 3 and all(ms > 0 for ms in result.step_ms)
+    assert not list(tmp_path.glob("kafila-probe-*"))

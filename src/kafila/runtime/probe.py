@@ -639,3 +639,97 @@ def run_probe(progress: ProgressFn = _quiet) -> DeviceProbe:
     except ValidationError as error:  # a figure outside what a fleet file accepts: say which
         raise ProbeError(f"the measurement is out of range: {error.errors()[0]['msg']}") from None
     return result
+
+
+class ModelBlockProbe(Strict):
+    """Bandwidth and overhead measured on one model's own blocks rather than on generic ones.
+
+    A block's decode time is not only its bytes over the memory bandwidth: each block runs a few
+    dozen small kernels, and for narrow models (gemma-3-270m is 640 wide) that fixed work, not
+    the bytes, dominates. Timing ranges of the model's own blocks folds it into an effective
+    bandwidth for exactly those blocks, still with nothing fitted to a stage's measured time.
+    """
+
+    model: str
+    bandwidth_gb_s: Annotated[float, Field(gt=0)]
+    overhead_us: Annotated[float, Field(ge=0)]
+    fit: LineFit
+    ranges: list[tuple[int, int]]
+    weight_bytes: list[int]
+    step_ms: list[float]
+
+
+def _time_stages(stages: Sequence[Any], progress: ProgressFn) -> list[list[float]]:
+    """Rounds of one hidden-state row through every block stage, interleaved like `_time_decode`."""
+    from kafila.runtime.stage import StepInput
+
+    row = np.random.default_rng(0).standard_normal((1, stages[0].hidden)).astype(np.float32)
+    step = StepInput(0, 0, row)
+
+    def once(stage: Any) -> float:
+        stage.forget(0)  # every step from an empty cache, as in the generic probe
+        started = time.perf_counter()
+        stage.forward([step])
+        return time.perf_counter() - started
+
+    for stage in stages:
+        once(stage)  # warm-up
+    times: list[list[float]] = [[] for _ in stages]
+    started = time.perf_counter()
+    for rounds in range(1, MAX_ROUNDS + 1):
+        for stage, samples in zip(stages, times, strict=True):
+            samples.append(once(stage))
+        spent = time.perf_counter() - started
+        progress(
+            f"timing the model's blocks ({rounds} rounds)", min(1.0, max(rounds / MAX_ROUNDS, spent / DECODE_BUDGET_S))
+        )
+        if (rounds >= MIN_ROUNDS and spent >= DECODE_BUDGET_S) or (
+            rounds >= MIN_ROUNDS_AT_DEADLINE and spent >= DECODE_DEADLINE_S
+        ):
+            break
+    return times
+
+
+def probe_model_blocks(model: Path, progress: ProgressFn = _quiet) -> ModelBlockProbe:
+    """Time block stages cut from `model` (one block, half, all) on the serving path, and fit bytes to time.
+
+    The stages are the real `BlockStage`: hidden-state input, the graph callback, Python around
+    each decode. So the intercept is the per-stage overhead a ring actually pays.
+    """
+    from kafila.runtime.llama_backend import ContextSettings
+    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.slicer import block_range_file
+    from kafila.runtime.stage import BlockStage
+
+    manifest = read_manifest(model)
+    n = manifest.n_blocks
+    ranges = sorted({(0, 1), (0, max(1, n // 2)), (0, n)})
+    if len(ranges) < 2:
+        raise ProbeError(f"{model} has one block: its blocks cannot be timed at two sizes")
+    load_llama_cpp()
+    settings = ContextSettings(n_ctx=CONTEXT, n_batch=64, n_seq_max=1, n_threads=probe_threads())
+    with tempfile.TemporaryDirectory(prefix="kafila-probe-") as folder:
+        progress("slicing the model's blocks", 0.0)
+        paths = [block_range_file(model, a, b, folder).path for a, b in ranges]
+        stages = []
+        try:
+            for path in paths:
+                stages.append(BlockStage(path, settings))
+            samples = _time_stages(stages, lambda text, fraction: progress(text, 0.1 + 0.9 * fraction))
+        finally:
+            for stage in stages:
+                stage.close()
+    weight_bytes = [sum(manifest.block_bytes[a:b]) for a, b in ranges]
+    steps = [low_quantile(s) for s in samples]
+    fit = fit_line(weight_bytes, steps)
+    if fit.slope <= 0:
+        raise ProbeError("decode time did not grow with the number of blocks; the device is too busy to measure")
+    return ModelBlockProbe(
+        model=manifest.name,
+        bandwidth_gb_s=1.0 / fit.slope / GB,
+        overhead_us=max(0.0, fit.intercept) * 1e6,
+        fit=fit,
+        ranges=ranges,
+        weight_bytes=weight_bytes,
+        step_ms=[s * 1e3 for s in steps],
+    )

@@ -151,6 +151,47 @@ class _Slice:
             writer.add_tensor("token_embd.weight", np.zeros((len(STAND_IN_TOKENS), n_embd), dtype=np.float32))
 
 
+def _open(source: Path) -> tuple[FastGGUFReader, str, int]:
+    reader = FastGGUFReader(source)
+    arch = reader.scalar("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFFormatError(f"{source} has no general.architecture")
+    n_blocks = reader.scalar(f"{arch}.block_count")
+    if not isinstance(n_blocks, int):
+        raise GGUFFormatError(f"{source} has no {arch}.block_count")
+    return reader, arch, n_blocks
+
+
+def _check_family(arch: str, n_blocks: int) -> None:
+    family = family_of(arch)  # refuse an unsupported family before writing anything
+    if n_blocks in family.unsplittable_block_counts:
+        raise SliceError(
+            f"{arch} models with {n_blocks} blocks cannot be split: llama.cpp derives a setting of theirs "
+            "from the block count, which a slice would change"
+        )
+
+
+def _write(piece: _Slice, out: Path) -> tuple[Path, str]:
+    """Write one stage file under a temporary name, then rename it to its sha256."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out, suffix=".partial", delete=False) as temporary:
+        partial = Path(temporary.name)
+    try:
+        writer = RawCopyWriter(partial, arch=piece.arch)
+        piece.metadata(writer)
+        piece.tensors(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        digest = _sha256(partial)
+        final = out / f"{digest}.gguf"
+        os.replace(partial, final)
+    finally:
+        partial.unlink(missing_ok=True)
+    return final, digest
+
+
 def slice_model(
     source: str | os.PathLike[str],
     counts: Sequence[int],
@@ -162,47 +203,30 @@ def slice_model(
     A single stage is the whole model: the original file is returned as it is.
     """
     source = Path(source)
-    reader = FastGGUFReader(source)
-    arch = reader.scalar("general.architecture")
-    if not isinstance(arch, str):
-        raise GGUFFormatError(f"{source} has no general.architecture")
-    n_blocks = reader.scalar(f"{arch}.block_count")
-    if not isinstance(n_blocks, int):
-        raise GGUFFormatError(f"{source} has no {arch}.block_count")
+    reader, arch, n_blocks = _open(source)
     _check_division(counts, n_blocks)
     if len(counts) == 1:
         return [StageFile(0, 0, n_blocks, True, source, _sha256(source), source.stat().st_size)]
-    family = family_of(arch)  # refuse an unsupported family before writing anything
-    if n_blocks in family.unsplittable_block_counts:
-        raise SliceError(
-            f"{arch} models with {n_blocks} blocks cannot be split: llama.cpp derives a setting of theirs "
-            "from the block count, which a slice would change"
-        )
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_family(arch, n_blocks)
     stages = []
     first = 0
     for index, count in enumerate(counts):
         is_head = index == len(counts) - 1
-        piece = _Slice(reader, arch, n_blocks, first, first + count, is_head)
-        with tempfile.NamedTemporaryFile(dir=out, suffix=".partial", delete=False) as temporary:
-            partial = Path(temporary.name)
-        try:
-            writer = RawCopyWriter(partial, arch=arch)
-            piece.metadata(writer)
-            piece.tensors(writer)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-            writer.close()
-            digest = _sha256(partial)
-            final = out / f"{digest}.gguf"
-            os.replace(partial, final)
-        finally:
-            partial.unlink(missing_ok=True)
-        stages.append(StageFile(index, first, first + count, is_head, final, digest, final.stat().st_size))
+        path, digest = _write(_Slice(reader, arch, n_blocks, first, first + count, is_head), Path(out_dir))
+        stages.append(StageFile(index, first, first + count, is_head, path, digest, path.stat().st_size))
         first += count
         if progress is not None:
             progress(index + 1, len(counts))
     return stages
+
+
+def block_range_file(
+    source: str | os.PathLike[str], first: int, end: int, out_dir: str | os.PathLike[str]
+) -> StageFile:
+    """A block stage for blocks [first, end) alone: what the probe times to price this model's blocks."""
+    reader, arch, n_blocks = _open(Path(source))
+    if not 0 <= first < end <= n_blocks:
+        raise SliceError(f"blocks {first}..{end} are not a range of the model's {n_blocks}")
+    _check_family(arch, n_blocks)
+    path, digest = _write(_Slice(reader, arch, n_blocks, first, end, False), Path(out_dir))
+    return StageFile(0, first, end, False, path, digest, path.stat().st_size)
