@@ -23,10 +23,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.network.frames import DType, Frame, FrameDecoder, Kind
-from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.llama_backend import ContextSettings, LlamaModel
 from kafila.runtime.sampling import Sampler, SamplingSettings
 from kafila.runtime.slicer import StageFile, slice_model
-from kafila.runtime.stage import HeadStage, StepInput, WholeModel
+from kafila.runtime.stage import HeadStage, StepInput, Vocabulary, WholeModel
 
 RING_TIMEOUT_S = 300.0
 
@@ -158,27 +158,35 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-class UnsplitEngine:
+class _Vocabulary:
+    """Tokenizer calls, answered by whichever stage holds the full vocabulary."""
+
+    vocabulary: Vocabulary
+    llama_model: LlamaModel
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.vocabulary.tokenize(text)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.vocabulary.detokenize(tokens)
+
+    def is_end(self, token: int) -> bool:
+        return self.vocabulary.is_end(token)
+
+    def n_vocab(self) -> int:
+        return self.llama_model.n_vocab
+
+
+class UnsplitEngine(_Vocabulary):
     """The original file, unchanged, on one llama.cpp context: a one-member session."""
 
     def __init__(self, path: Path, settings: ContextSettings) -> None:
         self.model = WholeModel(path, settings)
-        self._blocks = int(self.model.model._llama.llama_model_n_layer(self.model.model.model))
+        self.vocabulary, self.llama_model = self.model.vocabulary, self.model.model
+        self._blocks = int(self.llama_model._llama.llama_model_n_layer(self.llama_model.model))
 
     def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]:
         return self.model.forward_tokens(sequence_id, position, tokens, decode)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.model.vocabulary.tokenize(text)
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.model.vocabulary.detokenize(tokens)
-
-    def is_end(self, token: int) -> bool:
-        return self.model.vocabulary.is_end(token)
-
-    def n_vocab(self) -> int:
-        return self.model.model.n_vocab
 
     def forget(self, sequence_id: int) -> None:
         self.model.forget(sequence_id)
@@ -190,12 +198,13 @@ class UnsplitEngine:
         self.model.close()
 
 
-class RingEngine:
+class RingEngine(_Vocabulary):
     """The head here, the other stages in worker processes, frames round loopback sockets."""
 
     def __init__(self, stages: Sequence[StageFile], settings: ContextSettings, dtype: DType = DType.F32) -> None:
         head_file = stages[-1]
         self.head = HeadStage(head_file.path, settings)
+        self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
         self._head_range = [head_file.first_block, head_file.end_block]
         self._dtype = dtype
         try:
@@ -212,18 +221,6 @@ class RingEngine:
         if back.sequence_id != sequence_id or back.position != position:
             raise StageFailed(f"frames came back out of order: sequence {back.sequence_id} at {back.position}")
         return self.head.forward([StepInput(sequence_id, position, back.hidden_states())], decode)[0]
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.head.vocabulary.tokenize(text)
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.head.vocabulary.detokenize(tokens)
-
-    def is_end(self, token: int) -> bool:
-        return self.head.vocabulary.is_end(token)
-
-    def n_vocab(self) -> int:
-        return self.head.model.n_vocab
 
     def forget(self, sequence_id: int) -> None:
         self.ring.send([Frame(Kind.CANCEL, sequence_id)])

@@ -159,7 +159,7 @@ class BlockStage:
         self.model.close()
 
 
-class _Vocabulary:
+class Vocabulary:
     """Tokenizer and detokenizer over a model that holds the full vocabulary."""
 
     def __init__(self, model: LlamaModel) -> None:
@@ -225,7 +225,7 @@ class HeadStage:
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
         self.model = LlamaModel(path, settings)
         self.embed = TokenEmbedding(path)
-        self.vocabulary = _Vocabulary(self.model)
+        self.vocabulary = Vocabulary(self.model)
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
 
@@ -258,7 +258,7 @@ class WholeModel:
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
         self.model = LlamaModel(path, settings)
-        self.vocabulary = _Vocabulary(self.model)
+        self.vocabulary = Vocabulary(self.model)
         self.timer = StageTimer()
         self.path = Path(path)
 
