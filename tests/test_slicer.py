@@ -153,3 +153,18 @@ def test_gemma3_27b_block_count_is_refused(tmp_path: Path) -> None:
     model = _bare_model(tmp_path / "gemma.gguf", "gemma3", 62)
     with pytest.raises(SliceError, match="cannot be split"):
         slice_model(model, [31, 31], tmp_path / "out")
+
+
+def test_cached_slices_reuse_an_earlier_cut(tmp_path: Path) -> None:
+    from kafila.runtime.slicer import cached_slices
+
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    first = cached_slices(model, [2, 2], tmp_path / "cache")
+    stamps = [stage.path.stat().st_mtime_ns for stage in first]
+    again = cached_slices(model, [2, 2], tmp_path / "cache")
+    assert again == first and [s.path.stat().st_mtime_ns for s in again] == stamps
+    first[0].path.unlink()  # a missing file means the cut is made again
+    remade = cached_slices(model, [2, 2], tmp_path / "cache")
+    assert [s.sha256 for s in remade] == [s.sha256 for s in first] and remade[0].path.is_file()
+    other = cached_slices(model, [1, 3], tmp_path / "cache")
+    assert other[0].sha256 != first[0].sha256

@@ -106,7 +106,11 @@ def generate(
         settings = ContextSettings(
             n_ctx=context, n_batch=64, n_seq_max=1, n_threads=threads or max(1, os.cpu_count() or 1)
         )
-        engine = open_engine(path, counts, settings)
+        if as_json:
+            engine = open_engine(path, counts, settings)
+        else:
+            with stderr.status(f"preparing {len(counts)} stage{'s' if len(counts) > 1 else ''} of {path.name}"):
+                engine = open_engine(path, counts, settings)
         try:
             result = run_generation(engine, prompt, max_tokens, sampling)
         finally:

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from kafila.network.frames import DType, Frame, FrameDecoder, Kind
 from kafila.runtime.llama_backend import ContextSettings, LlamaModel
 from kafila.runtime.sampling import Sampler, SamplingSettings
-from kafila.runtime.slicer import StageFile, slice_model
+from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import HeadStage, StepInput, Vocabulary, WholeModel
 
 RING_TIMEOUT_S = 300.0
@@ -282,4 +282,4 @@ def open_engine(model: Path, counts: Sequence[int], settings: ContextSettings, c
     if len(counts) == 1:
         return UnsplitEngine(model, settings)
     directory = cache_dir or Path(os.environ.get("KAFILA_CACHE", Path.home() / ".cache" / "kafila")) / "stages"
-    return RingEngine(slice_model(model, counts, directory), settings)
+    return RingEngine(cached_slices(model, counts, directory), settings)

@@ -10,6 +10,7 @@ check what it was sent.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -217,6 +218,41 @@ def slice_model(
         first += count
         if progress is not None:
             progress(index + 1, len(counts))
+    return stages
+
+
+def cached_slices(
+    source: str | os.PathLike[str], counts: Sequence[int], out_dir: str | os.PathLike[str]
+) -> list[StageFile]:
+    """`slice_model`, reusing the files of an earlier cut of the same file and division.
+
+    The index is keyed by the source's path, size and modification time and by the division;
+    an entry is used only while every file it names is still there with the size it had.
+    """
+    source = Path(source)
+    out = Path(out_dir)
+    stat = source.stat()
+    key = json.dumps([str(source.resolve()), stat.st_size, stat.st_mtime_ns, list(counts)])
+    index_path = out / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    entry = index.get(key) if isinstance(index, dict) else None
+    if isinstance(entry, list):
+        try:
+            stages = [StageFile(**{**item, "path": Path(item["path"])}) for item in entry]
+            if all(stage.path.is_file() and stage.path.stat().st_size == stage.n_bytes for stage in stages):
+                return stages
+        except (TypeError, KeyError, OSError):
+            pass
+    stages = slice_model(source, counts, out)
+    if len(stages) > 1:
+        index = index if isinstance(index, dict) else {}
+        index[key] = [{**stage.__dict__, "path": str(stage.path)} for stage in stages]
+        partial = index_path.with_suffix(".partial")
+        partial.write_text(json.dumps(index))
+        os.replace(partial, index_path)
     return stages
 
 
