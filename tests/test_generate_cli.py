@@ -127,3 +127,31 @@ def test_a_stage_that_dies_is_reported_not_waited_on(tmp_path: Path) -> None:
         assert time.monotonic() - started < 10
     finally:
         engine.close()
+
+
+def test_a_malformed_frame_is_answered_with_an_error(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    stages = slice_model(model, [2, 2], tmp_path / "stages")
+    engine = RingEngine(stages, ContextSettings(n_ctx=128, n_batch=16, n_seq_max=1, n_threads=1))
+    try:
+        engine.ring._out.sendall(b"this is not a frame at all, not even close")
+        with pytest.raises(StageFailed, match="bad magic"):
+            engine.ring.receive(1)
+    finally:
+        engine.close()
+
+
+def test_frames_of_the_wrong_width_are_refused(tmp_path: Path) -> None:
+    import numpy as np
+
+    from kafila.network.frames import Frame, Kind
+
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    stages = slice_model(model, [2, 2], tmp_path / "stages")
+    engine = RingEngine(stages, ContextSettings(n_ctx=128, n_batch=16, n_seq_max=1, n_threads=1))
+    try:
+        engine.ring.send([Frame.of_hidden(Kind.DECODE, 0, 0, np.zeros((1, 3), dtype=np.float32))])
+        with pytest.raises(StageFailed, match="hidden size 3"):
+            engine.ring.receive(1)
+    finally:
+        engine.close()

@@ -1,0 +1,117 @@
+"""The activation frame codec: round trips, streaming, and every kind of malformed input."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafila.network.frames import HEADER, HEADER_SIZE, MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
+
+
+def test_hidden_states_round_trip_in_f32_and_f16() -> None:
+    states = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    for dtype in (DType.F32, DType.F16):
+        frame = Frame.of_hidden(Kind.PREFILL, 7, 12, states, dtype)
+        (decoded,) = FrameDecoder().feed(frame.encode())
+        assert (decoded.kind, decoded.sequence_id, decoded.position, decoded.n_tokens, decoded.hidden) == (
+            Kind.PREFILL, 7, 12, 3, 64,
+        )  # fmt: skip
+        expected = states if dtype is DType.F32 else states.astype(np.float16).astype(np.float32)
+        assert np.array_equal(decoded.hidden_states(), expected)
+
+
+def test_header_is_32_bytes_little_endian() -> None:
+    frame = Frame.of_tokens(5, 9, [1, 2, 3])
+    raw = frame.encode()
+    assert HEADER_SIZE == 32 and raw[:2] == b"KF" and raw[2] == 1 and raw[3] == Kind.RESULT
+    assert struct.unpack_from("<Q", raw, 8)[0] == 5 and struct.unpack_from("<I", raw, 16)[0] == 9
+    assert FrameDecoder().feed(raw)[0].tokens() == [1, 2, 3]
+
+
+def test_frames_arrive_in_any_pieces() -> None:
+    frames = [Frame.of_hidden(Kind.DECODE, i, i, np.full((1, 8), i, dtype=np.float32)) for i in range(5)] + [
+        Frame(Kind.CANCEL, 3),
+        Frame(Kind.PING, 0, payload=b'{"stages": []}'),
+    ]
+    stream = b"".join(f.encode() for f in frames)
+    decoder = FrameDecoder()
+    received = []
+    for i in range(0, len(stream), 7):
+        received += decoder.feed(stream[i : i + 7])
+    assert received == frames and decoder.pending_bytes == 0
+
+
+def _header(**fields: int | bytes) -> bytes:
+    values = {
+        "magic": b"KF",
+        "version": 1,
+        "kind": 2,
+        "dtype": 1,
+        "seq": 0,
+        "pos": 0,
+        "n": 1,
+        "hidden": 4,
+        "length": 16,
+    }
+    values.update(fields)  # type: ignore[arg-type]
+    v = values
+    return HEADER.pack(
+        v["magic"], v["version"], v["kind"], v["dtype"], 0, 0, v["seq"], v["pos"], v["n"], v["hidden"], v["length"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (_header(magic=b"XX"), "bad magic"),
+        (_header(version=9), "version 9"),
+        (_header(kind=42), "42"),
+        (_header(dtype=9), "9"),
+        (_header(length=MAX_PAYLOAD + 1), "exceeds"),
+        (_header(n=1 << 20), "exceeds the limits"),
+        (_header(length=15), "does not hold 1 x 4"),
+        (_header(dtype=3), "f32 or f16"),
+        (_header(n=0, length=0), "at least one token"),
+        (_header(kind=3, dtype=3, n=2, length=4), "2 token ids"),
+    ],
+)
+def test_malformed_headers_are_refused_before_the_payload(header: bytes, message: str) -> None:
+    decoder = FrameDecoder()
+    with pytest.raises(FrameError, match=message):
+        decoder.feed(header)  # no payload sent: the header alone must be judged
+    with pytest.raises(FrameError):
+        decoder.feed(Frame(Kind.PING, 0).encode())  # a broken stream stays broken
+
+
+def test_asking_the_wrong_thing_of_a_frame() -> None:
+    with pytest.raises(FrameError):
+        Frame(Kind.PING, 0).hidden_states()
+    with pytest.raises(FrameError):
+        Frame(Kind.CANCEL, 0).tokens()
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200), st.integers(1, 64))
+def test_random_bytes_never_crash_the_decoder(data: bytes, chunk: int) -> None:
+    decoder = FrameDecoder()
+    try:
+        for i in range(0, len(data), chunk):
+            for frame in decoder.feed(data[i : i + chunk]):
+                assert frame.kind in Kind
+    except FrameError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.integers(1, 16), st.integers(1, 16), st.data())
+def test_truncated_valid_frames_wait_for_the_rest(seq: int, pos: int, n: int, hidden: int, data: st.DataObject) -> None:
+    frame = Frame.of_hidden(Kind.PREFILL, seq, pos, np.ones((n, hidden), dtype=np.float32))
+    raw = frame.encode()
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    decoder = FrameDecoder()
+    assert decoder.feed(raw[:cut]) == []
+    assert decoder.feed(raw[cut:]) == [frame]
