@@ -13,6 +13,7 @@ from rich.console import Console
 
 from kafila import __version__
 from kafila.cli.generate_command import generate
+from kafila.cli.network_commands import nat, rendezvous
 from kafila.cli.plan_view import render_plan
 from kafila.cli.probe_command import probe
 from kafila.planner import PlanRefused, plan_session
@@ -111,6 +112,8 @@ def plan(
 
 app.command()(probe)
 app.command()(generate)
+app.command()(nat)
+app.command()(rendezvous)
 
 
 def _version(value: bool) -> None:

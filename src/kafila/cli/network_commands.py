@@ -1,0 +1,99 @@
+"""`kafila nat` and `kafila rendezvous`: NAT classification and the rendezvous's STUN service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+stderr = Console(stderr=True)
+
+
+def _fail(message: str, as_json: bool) -> NoReturn:
+    if as_json:
+        print(json.dumps({"error": message}))
+    else:
+        stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def parse_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
+    host, separator, port = text.rpartition(":")
+    if not separator:
+        if default_port is None:
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        return text, default_port
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port from 1 to 65535, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def nat(
+    rendezvous: Annotated[str, typer.Option("--rendezvous", help="The rendezvous's STUN address, HOST:PORT.")],
+    bind: Annotated[str, typer.Option("--bind", help="Local address to probe from.")] = "0.0.0.0",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Classify this machine's NAT (RFC 4787 mapping and filtering) against a rendezvous."""
+    import socket
+
+    from kafila.network.nat import probe_nat
+
+    try:
+        host, port = parse_host_port(rendezvous, 3478)
+        address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    except (ValueError, OSError) as error:
+        _fail(f"bad --rendezvous {rendezvous!r}: {error}", as_json)
+    try:
+        report = asyncio.run(probe_nat((str(address), port), bind_host=bind))
+    except (ConnectionError, OSError) as error:
+        _fail(str(error), as_json)
+    if as_json:
+        print(json.dumps(report.as_output()))
+        return
+    table = Table(title=f"NAT behaviour seen by {rendezvous}")
+    table.add_column("what")
+    table.add_column("answer")
+    for key, value in report.as_output().items():
+        if key != "notes":
+            table.add_row(key, "—" if value is None else str(value))
+    Console().print(table)
+    for note in report.notes:
+        stderr.print(f"• {note}", highlight=False)
+
+
+def rendezvous(
+    host: Annotated[str, typer.Option("--host", help="Primary address to serve on.")] = "0.0.0.0",
+    stun_port: Annotated[int, typer.Option("--stun-port", min=0, max=65535, help="STUN UDP port.")] = 3478,
+    alt_port: Annotated[int, typer.Option("--alt-port", min=0, max=65535, help="Second STUN port (0: any).")] = 0,
+    alt_address: Annotated[
+        str | None, typer.Option("--alt-address", help="A second address of this host, for RFC 5780 tests.")
+    ] = None,
+) -> None:
+    """Run the rendezvous. Today it serves STUN (RFC 5389 binding, RFC 5780 with --alt-address);
+    session signalling and the relay are not built yet."""
+    from kafila.network.stun import StunServer
+
+    async def serve() -> None:
+        try:
+            server = await StunServer.start(host, stun_port, alt_port, alt_address)
+        except OSError as error:
+            _fail(f"cannot bind the STUN sockets: {error}", False)
+        endpoints = server.endpoints
+        where = ", ".join(f"{a}:{p}" for a, p in endpoints.local())
+        stderr.print(f"STUN on {where}" + ("" if alt_address else " (one address: no RFC 5780 change of IP)"))
+        print(f"READY {endpoints.address}:{endpoints.port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            server.close()
+
+    asyncio.run(serve())

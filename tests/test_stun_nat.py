@@ -1,0 +1,192 @@
+"""The rendezvous's STUN service and NAT classification, on loopback (no NAT: the lab tests NATs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from aioice import stun
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafila.network.nat import classify, probe_nat
+from kafila.network.stun import CHANGE_IP, CHANGE_PORT, StunEndpoints, StunResponder, StunServer
+from kafila.planner.types import Mapping, NatClass
+
+EIM, ADM, APDM = Mapping.ENDPOINT_INDEPENDENT, Mapping.ADDRESS_DEPENDENT, Mapping.ADDRESS_AND_PORT_DEPENDENT
+TWO = StunEndpoints("203.0.113.1", 3478, 3479, "203.0.113.2")
+ONE = StunEndpoints("203.0.113.1", 3478, 3479)
+CLIENT = ("198.51.100.7", 40000)
+
+
+def request(change: int = 0) -> bytes:
+    message = stun.Message(stun.Method.BINDING, stun.Class.REQUEST)
+    if change:
+        message.attributes["CHANGE-REQUEST"] = change
+    return bytes(message)
+
+
+@pytest.mark.parametrize(
+    ("change", "reply_from"),
+    [
+        (0, ("203.0.113.1", 3478)),
+        (CHANGE_PORT, ("203.0.113.1", 3479)),
+        (CHANGE_IP, ("203.0.113.2", 3478)),
+        (CHANGE_IP | CHANGE_PORT, ("203.0.113.2", 3479)),
+    ],
+)
+def test_change_request_picks_the_reply_socket(change: int, reply_from: tuple[str, int]) -> None:
+    answer = StunResponder(TWO).handle(request(change), CLIENT, ("203.0.113.1", 3478))
+    assert answer is not None
+    payload, origin = answer
+    response = stun.parse_message(payload)
+    assert origin == reply_from
+    assert response.message_class == stun.Class.RESPONSE
+    assert response.attributes["XOR-MAPPED-ADDRESS"] == CLIENT
+    assert response.attributes["RESPONSE-ORIGIN"] == reply_from
+    assert response.attributes["OTHER-ADDRESS"] == ("203.0.113.2", 3479)
+
+
+def test_one_address_never_claims_another() -> None:
+    responder = StunResponder(ONE)
+    answer = responder.handle(request(), CLIENT, ("203.0.113.1", 3478))
+    assert answer is not None and "OTHER-ADDRESS" not in stun.parse_message(answer[0]).attributes
+    port_change = responder.handle(request(CHANGE_PORT), CLIENT, ("203.0.113.1", 3478))
+    assert port_change is not None and port_change[1] == ("203.0.113.1", 3479)
+    refused = responder.handle(request(CHANGE_IP), CLIENT, ("203.0.113.1", 3478))
+    assert refused is not None
+    error = stun.parse_message(refused[0])
+    assert error.message_class == stun.Class.ERROR and error.error_code == 420
+
+
+def test_only_binding_requests_are_answered() -> None:
+    responder = StunResponder(TWO)
+    response = stun.Message(stun.Method.BINDING, stun.Class.RESPONSE)
+    allocate = stun.Message(stun.Method.ALLOCATE, stun.Class.REQUEST)
+    for data in (bytes(response), bytes(allocate), b"", b"\x00\x01garbage", request()[:-1]):
+        assert responder.handle(data, CLIENT, ("203.0.113.1", 3478)) is None
+    assert responder.counts["answered"] == 0 and responder.counts["ignored"] == 5
+
+
+@given(st.binary(max_size=120))
+@settings(max_examples=400)
+def test_random_datagrams_never_raise(data: bytes) -> None:
+    StunResponder(TWO).handle(data, CLIENT, ("203.0.113.1", 3478))
+
+
+@pytest.mark.parametrize(
+    ("mapping", "filtering", "expected"),
+    [
+        (EIM, EIM, NatClass.PERMISSIVE),
+        (EIM, ADM, NatClass.ORDINARY),
+        (EIM, APDM, NatClass.ORDINARY),
+        (ADM, EIM, NatClass.RESTRICTIVE),
+        (APDM, APDM, NatClass.RESTRICTIVE),
+        (APDM, None, NatClass.RESTRICTIVE),
+        (EIM, None, None),
+        (None, APDM, None),
+    ],
+)
+def test_classes(mapping: Mapping | None, filtering: Mapping | None, expected: NatClass | None) -> None:
+    assert classify(mapping, filtering) is expected
+
+
+def test_loopback_with_two_addresses_is_open_internet() -> None:
+    async def run() -> dict:
+        server = await StunServer.start("127.0.0.1", 0, 0, "127.0.0.2")
+        try:
+            report = await probe_nat((server.endpoints.address, server.endpoints.port), bind_host="127.0.0.1")
+        finally:
+            server.close()
+        return report.as_output()
+
+    report = asyncio.run(run())
+    assert (report["mapping"], report["filtering"], report["class"]) == (EIM.value, EIM.value, "permissive")
+    assert report["behind_nat"] is False and report["mapped_address"] == report["local_address"]
+    assert report["rtt_ms"] > 0 and report["notes"] == []
+
+
+def test_loopback_with_one_address_says_what_it_cannot_tell() -> None:
+    async def run() -> dict:
+        server = await StunServer.start("127.0.0.1", 0)
+        try:
+            report = await probe_nat((server.endpoints.address, server.endpoints.port), bind_host="127.0.0.1")
+        finally:
+            server.close()
+        return report.as_output()
+
+    report = asyncio.run(run())
+    assert report["mapping"] is None and report["filtering"] is None and report["class"] is None
+    assert any("--alt-address" in note for note in report["notes"])
+
+
+def test_server_survives_garbage_and_keeps_answering() -> None:
+    async def run() -> str:
+        server = await StunServer.start("127.0.0.1", 0, 0, "127.0.0.2")
+        try:
+            target = (server.endpoints.address, server.endpoints.port)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                for data in (
+                    b"\x00" * 20,
+                    b"\x01\x01\x00\x08" + b"\x21\x12\xa4\x42" + b"x" * 12,
+                    os.urandom(600),
+                    b"\xff" * 40,
+                ):
+                    sock.sendto(data, target)
+            report = await probe_nat(target, bind_host="127.0.0.1")
+        finally:
+            server.close()
+        return str(report.nat_class)
+
+    assert asyncio.run(run()) == "permissive"
+
+
+def kafila(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kafila", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_cli_rendezvous_and_nat_together() -> None:
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kafila",
+            "rendezvous",
+            "--host",
+            "127.0.0.1",
+            "--stun-port",
+            "0",
+            "--alt-address",
+            "127.0.0.2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        ready = server.stdout.readline().split()
+        assert ready[0] == "READY"
+        result = kafila("nat", "--rendezvous", ready[1], "--bind", "127.0.0.1", "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["class"] == "permissive"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert server.returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [("127.0.0.1:9", "no STUN answer"), ("nowhere:port", "expected HOST:PORT"), ("host:0", "port from 1 to 65535")],
+)
+def test_cli_nat_errors_are_one_clear_line(target: str, message: str) -> None:
+    result = kafila("nat", "--rendezvous", target, "--json", timeout=30)
+    assert result.returncode == 1 and message in json.loads(result.stdout)["error"]
