@@ -1,0 +1,72 @@
+"""pytest fixtures for the NAT lab in scripts/natlab.py.
+
+conftest.py does not load these: a test module imports what it uses, e.g.
+`from natlab_fixtures import NatLab, natlab  # noqa: F401`. The lab's names are re-exported
+here because scripts/ is not a package: this module puts it on sys.path once, so test modules
+never import `natlab` before that has happened.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+if _SCRIPTS not in sys.path:
+    sys.path.insert(0, _SCRIPTS)
+
+from natlab import (  # noqa: E402
+    NAT_BEHAVIOUR,
+    NAT_TYPES,
+    PUBLIC_ADDRESSES,
+    Home,
+    LabError,
+    NatLab,
+    NatObservation,
+    UdpAgent,
+    lab_unavailable_reason,
+    list_namespaces,
+    nft_ruleset,
+    probe_nat,
+)
+
+__all__ = [
+    "NAT_BEHAVIOUR",
+    "NAT_TYPES",
+    "PUBLIC_ADDRESSES",
+    "Home",
+    "LabError",
+    "NatLab",
+    "NatObservation",
+    "UdpAgent",
+    "lab_unavailable_reason",
+    "list_namespaces",
+    "natlab",
+    "natlab_required",
+    "nft_ruleset",
+    "probe_nat",
+]
+
+
+@pytest.fixture(scope="session")
+def natlab_required() -> None:
+    """Skip, with the reason, where no lab can be built (not root, tools missing, no netns)."""
+    reason = lab_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def natlab(natlab_required: None) -> Iterator[NatLab]:
+    """A lab with one home per NAT type, each named after its type (`natlab.homes["symmetric"]`).
+
+    Module scope: building costs about a second of a shared machine. Tests may add homes or
+    hosts but must not change the four built here; every namespace goes at the module's end.
+    """
+    with NatLab() as lab:
+        for nat in NAT_TYPES:
+            lab.add_home(nat, nat)
+        yield lab

@@ -1,0 +1,141 @@
+"""The NAT lab (scripts/natlab.py): each home's NAT shows its RFC 4787 signature, and teardown
+leaves nothing behind.
+
+Plain UDP sockets in the lab's namespaces, driven through `UdpAgent`; every wait is bounded.
+Skipped, with the reason, where the lab cannot run (needs root, iproute2, nftables, conntrack).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from natlab_fixtures import (  # noqa: F401  (natlab and natlab_required are fixtures)
+    NAT_BEHAVIOUR,
+    NAT_TYPES,
+    NatLab,
+    NatObservation,
+    lab_unavailable_reason,
+    list_namespaces,
+    natlab,
+    natlab_required,
+    nft_ruleset,
+    probe_nat,
+)
+
+# Unsolicited packets to a fresh socket's mapping, which contacted one public endpoint only.
+EXPECTED_DELIVERY = {
+    "full-cone": {"same": True, "other-port": True, "other-address": True},
+    "restricted-cone": {"same": True, "other-port": True, "other-address": False},
+    "port-restricted": {"same": True, "other-port": False, "other-address": False},
+    "symmetric": {"same": True, "other-port": False, "other-address": False},
+}
+
+
+@pytest.fixture(scope="module")
+def observed(natlab: NatLab) -> dict[str, NatObservation]:  # noqa: F811
+    """Each home probed once (about a second each), shared by the signature tests."""
+    return {nat: probe_nat(natlab, natlab.homes[nat]) for nat in NAT_TYPES}
+
+
+@pytest.mark.parametrize("nat", NAT_TYPES)
+def test_mapping_signature(natlab: NatLab, observed: dict[str, NatObservation], nat: str) -> None:  # noqa: F811
+    seen = observed[nat]
+    home = natlab.homes[nat]
+    assert {address for address, _ in seen.mapped.values()} == {home.public_address}
+    ports = {key: port for key, (_, port) in seen.mapped.items()}
+    if nat == "symmetric":
+        # A new port per destination: both another address and another port get their own.
+        assert ports["other-address"] != ports["first"]
+        assert ports["other-port"] != ports["first"]
+    else:
+        # One external endpoint for every destination, and Linux keeps the host's port.
+        assert set(ports.values()) == {seen.local[1]}
+    assert seen.mapping == NAT_BEHAVIOUR[nat][0]
+
+
+@pytest.mark.parametrize("nat", NAT_TYPES)
+def test_filtering_signature(observed: dict[str, NatObservation], nat: str) -> None:
+    seen = observed[nat]
+    assert seen.delivered == EXPECTED_DELIVERY[nat]
+    assert seen.filtering == NAT_BEHAVIOUR[nat][1]
+
+
+def test_homes_reach_each_other_through_the_internet(natlab: NatLab) -> None:  # noqa: F811
+    """A host behind a port-restricted NAT reaches a full-cone host's mapping, and hears back."""
+    cone, other = natlab.homes["full-cone"], natlab.homes["port-restricted"]
+    with natlab.udp_agent(cone.host_ns) as a, natlab.udp_agent(other.host_ns) as b:
+        sa, (_, port_a) = a.bind()
+        a.send(sa, (natlab.public_addresses[0], 9), "open")  # opens the cone's mapping
+        sb, _ = b.bind()
+        got = None
+        for _ in range(3):
+            b.send(sb, (cone.public_address, port_a), "hello")  # mapping: the port is preserved
+            got = a.recv(sa, timeout=1.0)
+            if got is not None:
+                break
+        assert got is not None
+        assert got[0] == "hello"
+        assert got[1][0] == other.public_address
+        a.send(sa, got[1], "welcome")
+        back = b.recv(sb, timeout=3.0)
+        assert back == ("welcome", (cone.public_address, port_a))
+
+
+def test_two_hosts_share_a_home(natlab: NatLab) -> None:  # noqa: F811
+    """The same-LAN case: hosts talk directly on the LAN and share the router's public address."""
+    home = natlab.add_home("samelan", "port-restricted")
+    second = natlab.add_host(home)
+    assert [h.address for h in home.hosts] == ["192.0.2.82", "192.0.2.83"]
+    with natlab.udp_agent(home.host_ns) as a, natlab.udp_agent(second.namespace) as b:
+        sa, (_, port_a) = a.bind()
+        sb, _ = b.bind()
+        b.send(sb, (home.host_address, port_a), "neighbour")
+        got = a.recv(sa, timeout=3.0)
+        assert got is not None
+        assert got[1][0] == second.address  # no NAT between neighbours
+    seen = probe_nat(natlab, home, host=1)
+    assert seen.mapped["first"][0] == home.public_address
+
+
+def _lab_namespaces(lab_id: str) -> list[str]:
+    return [name for name in list_namespaces() if name.startswith(lab_id + "-")]
+
+
+def test_teardown_on_exception_removes_namespaces_and_processes(natlab_required: None) -> None:  # noqa: F811
+    with pytest.raises(RuntimeError, match="boom"), NatLab() as lab:
+        home = lab.add_home("one", "symmetric")
+        sleepers = [lab.run_public(["sleep", "60"]), lab.run_home(home, ["sleep", "60"])]
+        assert len(_lab_namespaces(lab.lab_id)) == 3
+        raise RuntimeError("boom")
+    assert _lab_namespaces(lab.lab_id) == []
+    assert all(proc.poll() is not None for proc in sleepers)
+
+
+def test_teardown_on_normal_exit_and_twice(natlab_required: None) -> None:  # noqa: F811
+    with NatLab(prefix="kt") as lab:
+        lab.add_home("one", "full-cone")
+        out = lab.exec(lab.homes["one"].router_ns, ["sysctl", "-n", "net.ipv4.ip_forward"])
+        assert out.strip() == "1"
+        assert lab.exec(lab.homes["one"].router_ns, ["conntrack", "-C"]).strip().isdigit()
+    assert _lab_namespaces(lab.lab_id) == []
+    lab.close()  # idempotent
+
+
+def test_run_refuses_foreign_namespaces(natlab: NatLab) -> None:  # noqa: F811
+    with pytest.raises(ValueError, match="not a namespace"):
+        natlab.run("not-a-lab-namespace", ["true"], stdout=subprocess.DEVNULL)
+
+
+def test_unknown_nat_type_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown NAT type"):
+        nft_ruleset("cone-ish")
+
+
+def test_unavailable_reason_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAFILA_NO_NATLAB", "1")
+    lab_unavailable_reason.cache_clear()
+    try:
+        assert lab_unavailable_reason() == "NAT lab disabled by KAFILA_NO_NATLAB"
+    finally:
+        lab_unavailable_reason.cache_clear()
