@@ -113,6 +113,15 @@ async def _socket(bind_host: str) -> _Client:
     return client
 
 
+def _outgoing_address(server: Address) -> str:
+    """The local address the system routes toward the server from (connecting UDP sends nothing)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(server)
+        return str(probe.getsockname()[0])
+
+
 def _mapped(response: stun.Message) -> Address:
     host, port = response.attributes.get("XOR-MAPPED-ADDRESS") or response.attributes["MAPPED-ADDRESS"]
     return str(host), int(port)
@@ -210,7 +219,8 @@ async def probe_nat(server: Address, bind_host: str = "0.0.0.0") -> NatReport:
         if client.transport is not None:
             client.transport.close()
     await _filtering_tests(bind_host, server, other is not None, findings)
-    behind_nat = first[1] != local[1] or (local[0] not in ("0.0.0.0", first[0]))
+    local = (_outgoing_address(server) if local[0] == "0.0.0.0" else local[0], local[1])
+    behind_nat = first != local
     return NatReport(
         mapping=findings.mapping,
         filtering=findings.filtering,
