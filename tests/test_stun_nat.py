@@ -165,6 +165,8 @@ def test_cli_rendezvous_and_nat_together() -> None:
             "0",
             "--alt-address",
             "127.0.0.2",
+            "--http-port",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

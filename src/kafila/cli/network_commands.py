@@ -68,25 +68,31 @@ def nat(
 
 def rendezvous(
     host: Annotated[str, typer.Option("--host", help="Primary address to serve on.")] = "0.0.0.0",
+    http_port: Annotated[
+        int, typer.Option("--http-port", min=0, max=65535, help="WebSocket signalling TCP port (0: any).")
+    ] = 8470,
     stun_port: Annotated[int, typer.Option("--stun-port", min=0, max=65535, help="STUN UDP port.")] = 3478,
     alt_port: Annotated[int, typer.Option("--alt-port", min=0, max=65535, help="Second STUN port (0: any).")] = 0,
     alt_address: Annotated[
         str | None, typer.Option("--alt-address", help="A second address of this host, for RFC 5780 tests.")
     ] = None,
 ) -> None:
-    """Run the rendezvous. Today it serves STUN (RFC 5389 binding, RFC 5780 with --alt-address);
-    session signalling and the relay are not built yet."""
-    from kafila.network.stun import StunServer
+    """Run the rendezvous: session signalling over WebSocket, STUN (RFC 5389 binding, RFC 5780
+    with --alt-address) and the UDP relay. Prints `READY <stun host:port>`, then `HTTP <host:port>`."""
+    from kafila.network.rendezvous_server import SESSION_PATH, start_rendezvous
 
     async def serve() -> None:
         try:
-            server = await StunServer.start(host, stun_port, alt_port, alt_address)
+            handle = await start_rendezvous(host, http_port, stun_port, alt_port, alt_address)
         except OSError as error:
-            _fail(f"cannot bind the STUN sockets: {error}", False)
-        endpoints = server.endpoints
+            _fail(f"cannot bind the rendezvous's sockets: {error}", False)
+        endpoints = handle.stun.endpoints
         where = ", ".join(f"{a}:{p}" for a, p in endpoints.local())
         stderr.print(f"STUN on {where}" + ("" if alt_address else " (one address: no RFC 5780 change of IP)"))
+        http_host, http_bound = handle.http_address
+        stderr.print(f"signalling on ws://{http_host}:{http_bound}{SESSION_PATH}; relay ports on {host}")
         print(f"READY {endpoints.address}:{endpoints.port}", flush=True)
+        print(f"HTTP {http_host}:{http_bound}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -94,6 +100,6 @@ def rendezvous(
         try:
             await stop.wait()
         finally:
-            server.close()
+            await handle.close()
 
     asyncio.run(serve())

@@ -1,0 +1,769 @@
+"""Rendezvous signalling: the sans-IO core (fast, many cases) and the real WebSocket service on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import pytest
+import websockets
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kafila.network.rendezvous import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    Close,
+    Ended,
+    EndReason,
+    Error,
+    ErrorCode,
+    FreeRelay,
+    Joined,
+    LeaveReason,
+    Limits,
+    MemberJoined,
+    MemberLeft,
+    Opened,
+    OpenRelay,
+    Output,
+    Pong,
+    Ready,
+    RelayGranted,
+    Rendezvous,
+    Send,
+    SignalError,
+    Wire,
+    parse_client_message,
+)
+from kafila.network.rendezvous_client import RendezvousClient, RendezvousClosed, RendezvousError
+from kafila.network.rendezvous_server import start_rendezvous
+from kafila.network.session_codes import ADJECTIVES, NOUNS, is_well_formed, normalise_code
+
+FP = "AB" * 32  # upper case on purpose: the rendezvous stores fingerprints in lower case
+T = TypeVar("T")
+
+
+def capability(name: str) -> dict[str, Any]:
+    return {"name": name, "memory_gib": 8.0, "bandwidth_gb_s": 50.0, "nat": "ordinary", "rtt_ms": 12.5}
+
+
+def open_message(expected: int = 3, name: str = "host", candidates: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "type": "open",
+        "model": "gemma-3-270m",
+        "expected_members": expected,
+        "capability": capability(name),
+        "candidates": ["192.168.1.10:40000", "203.0.113.5:40000"] if candidates is None else candidates,
+        "fingerprint": FP,
+    }
+
+
+def join_message(code: str, name: str, candidates: list[str] | None = None, fingerprint: str = FP) -> dict[str, Any]:
+    return {
+        "type": "join",
+        "code": code,
+        "capability": capability(name),
+        "candidates": [f"10.0.0.{len(name)}:5000"] if candidates is None else candidates,
+        "fingerprint": fingerprint,
+    }
+
+
+class World:
+    """One core, a clock we move by hand, and every connection's inbox."""
+
+    def __init__(self, limits: Limits | None = None, seed: int = 7) -> None:
+        self.core = Rendezvous(limits, random.Random(seed), relay_host="192.0.2.9")
+        self.now = 1_000.0
+        self.next_conn = 1
+        self.inbox: dict[int, list[Wire]] = {}
+        self.closed: dict[int, Close] = {}
+        self.opened: list[OpenRelay] = []
+        self.freed: list[str] = []
+
+    def route(self, outputs: list[Output]) -> list[Output]:
+        for output in outputs:
+            if isinstance(output, Send):
+                assert output.conn not in self.closed, "a message after a close"
+                self.inbox.setdefault(output.conn, []).append(output.message)
+            elif isinstance(output, Close):
+                self.closed[output.conn] = output
+            elif isinstance(output, OpenRelay):
+                self.opened.append(output)
+            else:
+                self.freed.append(output.relay_id)
+        return outputs
+
+    def connect(self, ip: str = "198.51.100.1") -> int:
+        conn = self.next_conn
+        self.next_conn += 1
+        self.inbox[conn] = []
+        self.route(self.core.connect(conn, ip, self.now))
+        return conn
+
+    def send(self, conn: int, message: dict[str, Any] | str | bytes) -> list[Output]:
+        data = json.dumps(message) if isinstance(message, dict) else message
+        return self.route(self.core.receive(conn, data, self.now))
+
+    def last(self, conn: int) -> Wire:
+        return self.inbox[conn][-1]
+
+    def of_type(self, conn: int, kind: type[T]) -> list[T]:
+        return [m for m in self.inbox[conn] if isinstance(m, kind)]
+
+    def open(self, expected: int = 3, ip: str = "198.51.100.1", name: str = "host") -> tuple[int, Opened]:
+        conn = self.connect(ip)
+        self.send(conn, open_message(expected, name))
+        opened = self.last(conn)
+        assert isinstance(opened, Opened), opened
+        return conn, opened
+
+    def join(self, code: str, name: str, ip: str = "198.51.100.2") -> tuple[int, Wire]:
+        conn = self.connect(ip)
+        self.send(conn, join_message(code, name))
+        return conn, self.inbox[conn][0]
+
+    def full_session(self, expected: int = 3) -> tuple[list[int], list[str]]:
+        """Connections and tokens of a ready session, host first."""
+        host, opened = self.open(expected)
+        conns, tokens = [host], [opened.token]
+        for index in range(1, expected):
+            conn, joined = self.join(opened.code, f"member{index}", ip=f"198.51.100.{10 + index}")
+            assert isinstance(joined, Joined)
+            conns.append(conn)
+            tokens.append(joined.token)
+        return conns, tokens
+
+    def error(self, conn: int) -> Error:
+        message = self.last(conn)
+        assert isinstance(message, Error), message
+        return message
+
+
+# -- codes -------------------------------------------------------------------------------------
+
+
+def test_word_lists_are_big_distinct_and_plain() -> None:
+    for words in (ADJECTIVES, NOUNS):
+        assert len(words) >= 64 and len(set(words)) == len(words)
+        assert all(w.isascii() and w.isalpha() and w.islower() for w in words)
+
+
+def test_codes_are_well_formed_and_unique() -> None:
+    world = World(Limits(max_sessions=600, max_sessions_per_ip=600, max_connections_per_ip=600))
+    codes = [world.open(2)[1].code for _ in range(500)]
+    assert len(set(codes)) == 500
+    for code in codes:
+        number, adjective, noun = code.split("-")
+        assert 2 <= int(number) <= 99 and adjective in ADJECTIVES and noun in NOUNS and is_well_formed(code)
+
+
+def test_a_code_is_forgiving_about_case_and_separators() -> None:
+    assert normalise_code("  7 Crimson_HARBOR ") == "7-crimson-harbor"
+    world = World()
+    _, opened = world.open()
+    number, adjective, noun = opened.code.split("-")
+    _, joined = world.join(f" {number} {adjective.upper()}  {noun} ", "m")
+    assert isinstance(joined, Joined) and joined.code == opened.code
+
+
+# -- joining -----------------------------------------------------------------------------------
+
+
+def test_wrong_code_is_a_clear_error_and_the_connection_may_retry() -> None:
+    world = World()
+    _, opened = world.open()
+    conn, answer = world.join("2-nothing-here", "m")
+    assert isinstance(answer, Error) and answer.code is ErrorCode.UNKNOWN_CODE and answer.request == "join"
+    assert "no session has this code" in answer.message
+    assert conn not in world.closed
+    world.send(conn, join_message(opened.code, "m"))
+    assert isinstance(world.last(conn), Joined)
+
+
+def test_expired_code_is_a_distinct_error() -> None:
+    world = World()
+    host, opened = world.open()
+    world.now += 601  # ten minutes and a second, nobody joined
+    _, answer = world.join(opened.code, "late")
+    assert isinstance(answer, Error) and answer.code is ErrorCode.CODE_EXPIRED
+    assert "expired" in answer.message and opened.code in answer.message
+    assert world.of_type(host, Ended) == [Ended(reason=EndReason.EXPIRED)] and host in world.closed
+    _, again = world.join(opened.code, "later")
+    assert isinstance(again, Error) and again.code is ErrorCode.CODE_EXPIRED
+    _, wrong = world.join("3-calm-river", "other")
+    assert isinstance(wrong, Error) and wrong.code is ErrorCode.UNKNOWN_CODE and wrong.message != answer.message
+
+
+def test_tick_expires_an_unfilled_session_and_each_join_renews_the_code() -> None:
+    world = World(Limits(idle_timeout_s=10**6))
+    host, opened = world.open(expected=3)
+    world.now += 500
+    joiner, _ = world.join(opened.code, "a")
+    world.now += 500  # 1000 s after opening, but 500 s after the last join
+    world.route(world.core.tick(world.now))
+    assert not world.of_type(host, Ended)
+    world.now += 101
+    world.route(world.core.tick(world.now))
+    for conn in (host, joiner):
+        assert world.of_type(conn, Ended) == [Ended(reason=EndReason.EXPIRED)] and conn in world.closed
+    assert world.core.sessions == {} and world.core.connections == {}
+
+
+def test_guessing_is_rate_limited_per_address_and_recovers() -> None:
+    world = World()
+    _, opened = world.open(expected=4)
+    guesser = world.connect("203.0.113.66")
+    for index in range(10):
+        world.send(guesser, join_message(f"{index + 2}-calm-river", "g"))
+        assert world.error(guesser).code is ErrorCode.UNKNOWN_CODE
+    world.now += 5
+    world.send(guesser, join_message(opened.code, "g"))  # even the right code, while locked out
+    refusal = world.error(guesser)
+    assert refusal.code is ErrorCode.RATE_LIMITED and refusal.retry_after_s == 55
+    assert refusal.message == "too many attempts, retry in 55 s"
+    _, other = world.join(opened.code, "elsewhere", ip="203.0.113.67")  # another address is not affected
+    assert isinstance(other, Joined)
+    world.now += 56
+    world.send(guesser, join_message(opened.code, "g"))
+    assert isinstance(world.last(guesser), Joined)
+
+
+def test_full_session_refuses_and_ready_comes_exactly_at_the_expected_count() -> None:
+    world = World()
+    host, opened = world.open(expected=3)
+    first, _ = world.join(opened.code, "a")
+    assert not world.of_type(host, Ready) and not world.of_type(first, Ready)
+    second, _ = world.join(opened.code, "b")
+    for conn in (host, first, second):
+        ready = world.of_type(conn, Ready)
+        assert len(ready) == 1 and [m.member_id for m in ready[0].members] == ["m1", "m2", "m3"]
+        assert ready[0].host == "m1"
+    _, late = world.join(opened.code, "c")
+    assert isinstance(late, Error) and late.code is ErrorCode.SESSION_FULL and "full" in late.message
+    world.send(first, {"type": "leave", "token": world.inbox[first][0].token})  # type: ignore[attr-defined]
+    _, still = world.join(opened.code, "d")  # a started session's code admits no one, even with a seat free
+    assert isinstance(still, Error) and still.code is ErrorCode.SESSION_FULL
+    assert len(world.of_type(host, Ready)) == 1
+
+
+def test_introductions_carry_capability_candidates_and_fingerprints() -> None:
+    world = World()
+    host, opened = world.open(expected=2)
+    conn = world.connect("198.51.100.2")
+    world.send(conn, join_message(opened.code, "laptop", ["[2001:db8::1]:6000", "10.1.2.3:6001"], "cd" * 32))
+    joined = world.inbox[conn][0]
+    assert isinstance(joined, Joined) and joined.host == "m1" and joined.model == "gemma-3-270m"
+    by_id = {m.member_id: m for m in joined.members}
+    assert by_id["m1"].candidates == ["192.168.1.10:40000", "203.0.113.5:40000"] and by_id["m1"].host
+    assert by_id["m1"].fingerprint == "ab" * 32 and by_id["m1"].capability.bandwidth_gb_s == 50.0
+    announced = world.of_type(host, MemberJoined)[0]
+    assert announced.member.name == "laptop" and announced.member.fingerprint == "cd" * 32
+    assert announced.member.candidates == ["[2001:db8::1]:6000", "10.1.2.3:6001"] and announced.count == 2
+
+
+def test_names_must_be_unique_within_a_session() -> None:
+    world = World()
+    _, opened = world.open()
+    _, answer = world.join(opened.code, "host")
+    assert isinstance(answer, Error) and answer.code is ErrorCode.NAME_TAKEN
+
+
+# -- authentication and isolation ----------------------------------------------------------------
+
+
+def test_a_member_cannot_act_on_another_session() -> None:
+    world = World()
+    (_, a_member, _), a_tokens = world.full_session(3)
+    (b_host, b_member, b_third), b_tokens = world.full_session(3)
+    before = {conn: len(world.inbox[conn]) for conn in (b_host, b_member, b_third)}
+    for message in (
+        {"type": "ping", "token": b_tokens[1]},
+        {"type": "relay_request", "token": b_tokens[1], "peer": "m1"},
+        {"type": "leave", "token": b_tokens[0]},
+    ):
+        world.send(a_member, message)
+        assert world.error(a_member).code is ErrorCode.BAD_TOKEN
+    world.send(a_member, {"type": "relay_request", "token": a_tokens[1], "peer": "m9"})
+    assert world.error(a_member).code is ErrorCode.UNKNOWN_PEER
+    world.send(a_member, join_message(world.inbox[b_host][0].code, "x"))  # type: ignore[attr-defined]
+    assert world.error(a_member).code is ErrorCode.ALREADY_JOINED
+    assert {conn: len(world.inbox[conn]) for conn in before} == before  # session B heard nothing
+    assert len(world.core.sessions) == 2 and all(len(s.members) == 3 for s in world.core.sessions.values())
+
+
+def test_messages_before_joining_are_refused() -> None:
+    world = World()
+    conn = world.connect()
+    for message in (
+        {"type": "ping", "token": "x" * 48},
+        {"type": "leave", "token": "x" * 48},
+        {"type": "relay_request", "token": "x" * 48, "peer": "m1"},
+    ):
+        world.send(conn, message)
+        assert world.error(conn).code is ErrorCode.NOT_JOINED
+
+
+def test_ping_answers_pong_with_the_nonce() -> None:
+    world = World()
+    host, opened = world.open()
+    world.send(host, {"type": "ping", "token": opened.token, "nonce": 42})
+    assert world.last(host) == Pong(nonce=42)
+
+
+# -- leaving -----------------------------------------------------------------------------------
+
+
+def test_a_member_leaving_is_announced_and_the_session_goes_on() -> None:
+    world = World()
+    (host, first, second), tokens = world.full_session(3)
+    world.send(first, {"type": "leave", "token": tokens[1]})
+    assert world.closed[first].code == CLOSE_NORMAL
+    for conn in (host, second):
+        assert world.last(conn) == MemberLeft(member_id="m2", reason=LeaveReason.LEFT)
+    world.route(world.core.disconnect(second, world.now))
+    assert world.last(host) == MemberLeft(member_id="m3", reason=LeaveReason.DISCONNECTED)
+    assert len(world.core.sessions) == 1
+
+
+def test_the_host_leaving_ends_the_session() -> None:
+    world = World()
+    (host, first, second), tokens = world.full_session(3)
+    code = world.inbox[host][0].code  # type: ignore[attr-defined]
+    world.send(host, {"type": "leave", "token": tokens[0]})
+    for conn in (first, second):
+        assert world.of_type(conn, Ended) == [Ended(reason=EndReason.HOST_LEFT)] and conn in world.closed
+    assert world.core.sessions == {} and world.core.connections == {}
+    _, answer = world.join(code, "late")
+    assert isinstance(answer, Error) and answer.code is ErrorCode.SESSION_ENDED
+
+
+def test_idle_members_time_out_and_pings_keep_them() -> None:
+    world = World()
+    (host, first, second), tokens = world.full_session(3)
+    for _ in range(3):
+        world.now += 60
+        world.send(host, {"type": "ping", "token": tokens[0]})
+        world.send(first, {"type": "ping", "token": tokens[1]})
+        world.route(world.core.tick(world.now))
+    assert second in world.closed and first not in world.closed and host not in world.closed
+    assert MemberLeft(member_id="m3", reason=LeaveReason.TIMED_OUT) in world.inbox[host]
+
+
+def test_connections_that_never_open_or_join_are_closed() -> None:
+    world = World()
+    conn = world.connect()
+    world.now += 29
+    world.route(world.core.tick(world.now))
+    assert conn not in world.closed
+    world.now += 2
+    world.route(world.core.tick(world.now))
+    assert conn in world.closed and world.core.connections == {}
+
+
+def test_sessions_have_a_lifetime() -> None:
+    world = World(Limits(session_lifetime_s=3600, idle_timeout_s=10**6))
+    (host, *_), _ = world.full_session(2)
+    world.now += 3601
+    world.route(world.core.tick(world.now))
+    assert world.of_type(host, Ended) == [Ended(reason=EndReason.LIFETIME)]
+
+
+# -- limits and garbage ------------------------------------------------------------------------
+
+
+def test_message_size_is_bounded() -> None:
+    world = World()
+    conn = world.connect()
+    world.send(conn, json.dumps(open_message() | {"model": "x" * 20_000}))
+    assert world.error(conn).code is ErrorCode.TOO_LARGE
+    world.send(conn, "é" * 9000)  # 9000 characters, 18000 bytes
+    assert world.error(conn).code is ErrorCode.TOO_LARGE
+
+
+def test_session_and_member_counts_are_bounded() -> None:
+    world = World(Limits(max_sessions=3, max_sessions_per_ip=2))
+    world.open(ip="198.51.100.1")
+    world.open(ip="198.51.100.1")
+    conn = world.connect("198.51.100.1")
+    world.send(conn, open_message())
+    assert world.error(conn).code is ErrorCode.TOO_MANY_SESSIONS and "this address" in world.error(conn).message
+    world.open(ip="198.51.100.2")
+    conn = world.connect("198.51.100.3")
+    world.send(conn, open_message())
+    assert world.error(conn).code is ErrorCode.TOO_MANY_SESSIONS and world.error(conn).retry_after_s == 60
+    for expected in (1, 33):
+        world.send(conn, open_message(expected))
+        assert world.error(conn).code is ErrorCode.INVALID_MESSAGE and "expected_members" in world.error(conn).message
+
+
+def test_connection_count_is_bounded() -> None:
+    world = World(Limits(max_connections=3, max_connections_per_ip=2))
+    a, b = world.connect("198.51.100.1"), world.connect("198.51.100.1")
+    c = world.connect("198.51.100.1")
+    assert world.error(c).code is ErrorCode.SERVER_BUSY and c in world.closed
+    world.connect("198.51.100.2")
+    d = world.connect("198.51.100.3")
+    assert d in world.closed and a not in world.closed and b not in world.closed
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"candidates": [f"10.0.0.{i}:5000" for i in range(9)]}, "candidates"),
+        ({"candidates": ["10.0.0.1:5000", "10.0.0.1:5000"]}, "candidates"),
+        ({"candidates": ["example.com:5000"]}, "candidates"),
+        ({"candidates": ["::1:5000"]}, "candidates"),
+        ({"candidates": ["10.0.0.1:0"]}, "candidates"),
+        ({"fingerprint": "ab" * 31}, "fingerprint"),
+        ({"fingerprint": "zz" * 32}, "fingerprint"),
+        ({"capability": {"name": "x", "memory_gib": -1}}, "capability"),
+        ({"capability": {"name": "x", "memory_gib": 1, "gpu": True}}, "capability"),
+        ({"expected_members": "3"}, "expected_members"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_invalid_open_messages_say_which_field(change: dict[str, Any], field: str) -> None:
+    world = World()
+    conn = world.connect()
+    world.send(conn, open_message() | change)
+    refusal = world.error(conn)
+    assert refusal.code is ErrorCode.INVALID_MESSAGE and field in refusal.message and refusal.request is None
+
+
+def test_garbage_strikes_close_the_connection_and_the_member_leaves() -> None:
+    world = World()
+    (host, first, _), _ = world.full_session(3)
+    garbage: list[str | bytes] = ["not json", b"\x00\x01binary", "[]", '{"type": "dance"}', "{" * 5000]
+    for index, data in enumerate(garbage):
+        world.send(first, data)
+        assert world.inbox[first][-1].type == "error"  # type: ignore[attr-defined]
+        assert (first in world.closed) == (index == len(garbage) - 1)
+    assert world.closed[first].code == CLOSE_POLICY
+    assert world.last(host) == MemberLeft(member_id="m2", reason=LeaveReason.PROTOCOL_ERROR)
+    assert [e.code for e in world.of_type(first, Error)] == [
+        ErrorCode.MALFORMED,
+        ErrorCode.MALFORMED,
+        ErrorCode.INVALID_MESSAGE,
+        ErrorCode.INVALID_MESSAGE,
+        ErrorCode.MALFORMED,
+    ]
+
+
+def test_message_floods_are_refused() -> None:
+    world = World()
+    host, opened = world.open()
+    for _ in range(40):
+        world.send(host, {"type": "ping", "token": opened.token})
+    world.send(host, {"type": "ping", "token": opened.token})
+    assert world.error(host).code is ErrorCode.TOO_MANY_MESSAGES
+    world.now += 1
+    world.send(host, {"type": "ping", "token": opened.token})
+    assert isinstance(world.last(host), Pong)
+
+
+# -- relay bookkeeping -------------------------------------------------------------------------
+
+
+def test_relay_is_allocated_when_both_ends_ask_and_granted_to_both() -> None:
+    world = World()
+    host, opened = world.open(expected=3)
+    first, joined = world.join(opened.code, "a")
+    world.send(first, {"type": "relay_request", "token": joined.token, "peer": "m1"})  # type: ignore[attr-defined]
+    assert world.error(first).code is ErrorCode.NOT_READY
+    second, third_joined = world.join(opened.code, "b")
+    tokens = [opened.token, joined.token, third_joined.token]  # type: ignore[attr-defined]
+    world.send(first, {"type": "relay_request", "token": tokens[1], "peer": "m3"})
+    assert world.opened == []
+    world.send(second, {"type": "relay_request", "token": tokens[2], "peer": "m2"})
+    (request,) = world.opened
+    assert len(set(request.tokens)) == 2 and all(len(t) == 16 for t in request.tokens)
+    world.route(world.core.relay_opened(request.relay_id, 40_001, world.now))
+    to_first, to_second = world.last(first), world.last(second)
+    assert isinstance(to_first, RelayGranted) and isinstance(to_second, RelayGranted)
+    assert (to_first.peer, to_second.peer) == ("m3", "m2") and to_first.port == to_second.port == 40_001
+    assert to_first.host == "192.0.2.9" and to_first.relay_id == to_second.relay_id == request.relay_id
+    assert {to_first.relay_token, to_second.relay_token} == {t.hex() for t in request.tokens}
+    world.send(first, {"type": "relay_request", "token": tokens[1], "peer": "m3"})  # asking again: same grant
+    assert world.last(first) == to_first and len(world.opened) == 1
+    assert not world.of_type(host, RelayGranted)
+    world.send(second, {"type": "leave", "token": tokens[2]})
+    assert world.freed == [request.relay_id] and world.core.relays == {}
+
+
+def test_relays_are_bounded_and_freed_when_the_session_ends() -> None:
+    world = World(Limits(relays_per_member=1))
+    conns, tokens = world.full_session(4)  # 6 possible edges, 4 relays allowed
+    edges = [(0, 1), (1, 2), (2, 3), (3, 0), (0, 2)]
+    for a, b in edges:
+        world.send(conns[a], {"type": "relay_request", "token": tokens[a], "peer": f"m{b + 1}"})
+        world.send(conns[b], {"type": "relay_request", "token": tokens[b], "peer": f"m{a + 1}"})
+    assert len(world.opened) == 4
+    assert world.error(conns[0]).code is ErrorCode.RELAY_LIMIT and world.error(conns[2]).code is ErrorCode.RELAY_LIMIT
+    assert world.error(conns[0]).peer == "m3" and world.error(conns[2]).peer == "m1"
+    late = world.opened[-1].relay_id
+    world.send(conns[0], {"type": "leave", "token": tokens[0]})  # the host: the session ends
+    assert sorted(world.freed) == sorted(r.relay_id for r in world.opened)
+    assert world.core.relay_opened(late, 40_000, world.now) == [FreeRelay(late)]  # bound too late: give it back
+
+
+def test_a_relay_that_cannot_bind_is_an_error_to_both() -> None:
+    world = World()
+    conns, tokens = world.full_session(2)
+    world.send(conns[0], {"type": "relay_request", "token": tokens[0], "peer": "m2"})
+    world.send(conns[1], {"type": "relay_request", "token": tokens[1], "peer": "m1"})
+    world.route(world.core.relay_failed(world.opened[0].relay_id, world.now))
+    assert world.error(conns[0]).code is ErrorCode.RELAY_FAILED and world.error(conns[0]).peer == "m2"
+    assert world.error(conns[1]).code is ErrorCode.RELAY_FAILED and world.core.relays == {}
+
+
+# -- logs --------------------------------------------------------------------------------------
+
+
+def test_log_events_never_contain_tokens_or_codes(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="kafila")
+    world = World()
+    conns, tokens = world.full_session(3)
+    code = world.inbox[conns[0]][0].code  # type: ignore[attr-defined]
+    world.send(conns[1], {"type": "relay_request", "token": tokens[1], "peer": "m3"})
+    world.send(conns[2], {"type": "relay_request", "token": tokens[2], "peer": "m2"})
+    world.route(world.core.relay_opened(world.opened[0].relay_id, 40_000, world.now))
+    world.send(conns[1], {"type": "ping", "token": tokens[2]})  # a wrong token is logged as refused, not shown
+    world.send(conns[2], {"type": "leave", "token": tokens[2]})
+    world.send(conns[0], {"type": "leave", "token": tokens[0]})
+    secrets = [*tokens, code, *(t.hex() for t in world.opened[0].tokens)]
+    records = [r for r in caplog.records if r.name.startswith("kafila")]
+    events = [r.kafila_event for r in records]  # type: ignore[attr-defined]
+    names = {e["event"] for e in events}
+    assert {"session_opened", "member_joined", "session_ready", "relay_granted", "member_left"} <= names
+    assert {"message_refused", "session_ended"} <= names and events == list(world.core.events)
+    for record in records:
+        text = record.getMessage() + json.dumps(record.kafila_event)  # type: ignore[attr-defined]
+        assert json.loads(record.getMessage()) == record.kafila_event  # type: ignore[attr-defined]
+        for secret in secrets:
+            assert secret not in text
+
+
+# -- garbage in, errors out --------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+near_messages = st.fixed_dictionaries(
+    {"type": st.sampled_from(["open", "join", "ping", "leave", "relay_request", "opened", ""])},
+    optional={
+        "token": st.just("<TOKEN>") | st.text(max_size=60) | st.integers(),
+        "code": st.text(max_size=30) | json_values,
+        "peer": st.sampled_from(["m1", "m2", "m99", "x"]) | json_values,
+        "nonce": st.integers() | json_values,
+        "model": st.text(max_size=10),
+        "expected_members": st.integers(-3, 40) | json_values,
+        "capability": st.fixed_dictionaries({"name": st.text(max_size=5), "memory_gib": st.floats()}) | json_values,
+        "candidates": st.lists(st.text(max_size=25), max_size=10) | json_values,
+        "fingerprint": st.text(alphabet="0123456789abcdefABCDEFg", min_size=60, max_size=66),
+    },
+)
+member_messages = st.one_of(
+    st.builds(lambda n: {"type": "ping", "token": "<TOKEN>", "nonce": n}, st.integers(0, 10)),
+    st.builds(lambda p: {"type": "relay_request", "token": "<TOKEN>", "peer": p}, st.sampled_from(["m1", "m2", "m3"])),
+    st.just({"type": "leave", "token": "<TOKEN>"}),
+)
+frames = (
+    st.just("PAIR")
+    | member_messages.map(json.dumps)
+    | st.binary(max_size=64)
+    | st.text(max_size=64)
+    | json_values.map(json.dumps)
+    | near_messages.map(json.dumps)
+    | st.builds(lambda n: "[" * n, st.integers(0, 3000))
+)
+
+
+@given(frames)
+@settings(max_examples=400, deadline=None)
+def test_parsing_garbage_raises_only_signal_errors(data: str | bytes) -> None:
+    try:
+        parse_client_message(data, 16 * 1024)
+    except SignalError as refusal:
+        assert refusal.strike and refusal.message
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), frames, st.floats(0, 200)), max_size=25))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_core_never_raises_on_any_sequence_of_frames(steps: list[tuple[int, str | bytes, float]]) -> None:
+    world = World()
+    conns, tokens = world.full_session(3)
+    conns.append(world.connect("203.0.113.1"))
+    for index, frame, advance in steps:
+        world.now += advance
+        data = frame
+        if data == "PAIR" and index < 3:  # both ends of an edge ask: a relay is allocated
+            peer = (index + 1) % 3
+            data = json.dumps({"type": "relay_request", "token": "<TOKEN>", "peer": f"m{peer + 1}"})
+            reverse = {"type": "relay_request", "token": tokens[peer], "peer": f"m{index + 1}"}
+            world.route(world.core.receive(conns[peer], json.dumps(reverse), world.now))
+        if isinstance(data, str) and index < 3:  # the placeholder becomes this member's real token
+            data = data.replace('"<TOKEN>"', f'"{tokens[index]}"')
+        before = len(world.opened)
+        world.route(world.core.receive(conns[index], data, world.now))
+        for allocation in world.opened[before:]:
+            if advance > 100:
+                world.route(world.core.relay_failed(allocation.relay_id, world.now))
+            else:
+                world.route(world.core.relay_opened(allocation.relay_id, 40_000, world.now))
+        world.route(world.core.tick(world.now))
+    for message in (m for inbox in world.inbox.values() for m in inbox):
+        assert isinstance(message, Wire)
+
+
+# -- the real service over WebSockets ---------------------------------------------------------
+
+
+def run(coroutine: Coroutine[Any, Any, T], timeout: float = 15) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coroutine, timeout)
+
+    return asyncio.run(bounded())
+
+
+async def join(url: str, code: str, name: str, **options: Any) -> RendezvousClient:
+    return await RendezvousClient.join(url, code, capability=capability(name), fingerprint=FP, **options)
+
+
+def test_service_introduces_members_and_says_ready() -> None:
+    async def scenario() -> None:
+        handle = await start_rendezvous("127.0.0.1", 0, 0)
+        try:
+            host = await RendezvousClient.open(
+                handle.url,
+                model="m",
+                expected_members=3,
+                capability=capability("host"),
+                fingerprint=FP,
+                candidates=["127.0.0.1:4000"],
+            )
+            first = await join(handle.url, host.code, "first", candidates=["127.0.0.1:4001"])
+            assert set(first.members) == {"m1", "m2"} and first.members["m1"].candidates == ["127.0.0.1:4000"]
+            second = await join(handle.url, host.code, "second")
+            readies = await asyncio.gather(*(c.wait_ready(5) for c in (host, first, second)))
+            assert all([m.name for m in r.members] == ["host", "first", "second"] for r in readies)
+            joined = await host.next_event(2)
+            assert isinstance(joined, MemberJoined) and joined.member.candidates == ["127.0.0.1:4001"]
+            assert 0 < await second.ping() < 2
+            await first.leave()
+            left = [await host.next_event(2) for _ in range(3)][-1]
+            assert left == MemberLeft(member_id="m2", reason=LeaveReason.LEFT)
+            await host.leave()
+            with pytest.raises(RendezvousClosed):
+                while True:
+                    await second.next_event(2)
+            assert second.ended == Ended(reason=EndReason.HOST_LEFT)
+        finally:
+            await handle.close()
+
+    run(scenario())
+
+
+def test_service_refuses_a_wrong_code_quickly() -> None:
+    async def scenario() -> float:
+        handle = await start_rendezvous("127.0.0.1", 0, 0)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RendezvousError) as refusal:
+                await join(handle.url, "42-no-such", "x", timeout=2)
+            assert refusal.value.code == "unknown_code" and "no session has this code" in refusal.value.message
+            return time.monotonic() - started
+        finally:
+            await handle.close()
+
+    assert run(scenario()) < 2
+
+
+def test_service_answers_garbage_and_keeps_serving_others() -> None:
+    async def scenario() -> None:
+        handle = await start_rendezvous("127.0.0.1", 0, 0)
+        try:
+            host = await RendezvousClient.open(
+                handle.url, model="m", expected_members=2, capability=capability("h"), fingerprint=FP
+            )
+            async with websockets.connect(handle.url) as raw:
+                garbage: list[tuple[str | bytes, str]] = [
+                    ("not json", "malformed"),
+                    ("x" * 100_000, "too_large"),
+                    ('{"type": "open", "expected_members": "three"}', "invalid_message"),
+                    (b"\x00\xff", "malformed"),
+                ]
+                for frame, code in garbage:
+                    await raw.send(frame)
+                    answer = json.loads(await asyncio.wait_for(raw.recv(), 2))
+                    assert (answer["type"], answer["code"]) == ("error", code)
+                await raw.send("[1, 2")
+                assert json.loads(await asyncio.wait_for(raw.recv(), 2))["code"] == "malformed"
+                with pytest.raises(websockets.ConnectionClosed):
+                    await asyncio.wait_for(raw.recv(), 2)
+                assert raw.close_code == CLOSE_POLICY
+            async with websockets.connect(handle.url, max_size=None) as huge:
+                await huge.send("y" * (2 << 20))  # past the WebSocket layer's limit: cut off there
+                with pytest.raises(websockets.ConnectionClosed):
+                    await asyncio.wait_for(huge.recv(), 2)
+            assert await host.ping() < 2
+            member = await join(handle.url, host.code, "m")
+            assert (await member.wait_ready(2)).host == "m1"
+            assert handle.core.stats()["sessions"] == 1
+        finally:
+            await handle.close()
+
+    run(scenario())
+
+
+def test_service_shutdown_tells_members() -> None:
+    async def scenario() -> None:
+        handle = await start_rendezvous("127.0.0.1", 0, 0)
+        host = await RendezvousClient.open(
+            handle.url, model="m", expected_members=2, capability=capability("h"), fingerprint=FP
+        )
+        await handle.close()
+        with pytest.raises(RendezvousClosed):
+            while True:
+                await host.next_event(2)
+        assert host.ended == Ended(reason=EndReason.SHUTDOWN)
+
+    run(scenario())
+
+
+def test_cli_rendezvous_prints_ready_then_http_and_serves_sessions() -> None:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        ready, http = server.stdout.readline().split(), server.stdout.readline().split()
+        assert ready[0] == "READY" and http[0] == "HTTP", (ready, http)
+
+        async def scenario() -> None:
+            url = f"ws://{http[1]}/v1/session"
+            host = await RendezvousClient.open(
+                url, model="m", expected_members=2, capability=capability("h"), fingerprint=FP
+            )
+            member = await join(url, host.code, "m")
+            assert (await host.wait_ready(5)).members[1].name == "m"
+            await member.close()
+            await host.close()
+
+        run(scenario())
+    finally:
+        server.terminate()
+        server.communicate(timeout=10)
+    assert server.returncode == 0
