@@ -38,7 +38,7 @@ from kafila.runtime.probe import (
 
 FLEET_KEYS = {"name", "bandwidth_gb_s", "overhead_us", "tflops", "memory_gib"}
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
-needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")  # a dependency: runs in CI
+needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
 
 # Runs `kafila` with `import llama_cpp` failing as it does where the package is absent.
 HIDE_LLAMA_CPP = """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from kafila.network.punch import ACK, PACKET, PRIMING_TTL, PROBE, PunchCore, punch
+from kafila.network.punch import ACK, PACKET, PRIMING_S, PRIMING_TTL, PROBE, PunchCore, punch
 
 PEER = ("198.51.100.9", 5000)
 SESSION = b"s" * 8
@@ -13,12 +13,13 @@ SESSION = b"s" * 8
 
 def test_start_primes_with_a_low_ttl_then_probes() -> None:
     core = PunchCore(session=SESSION, candidates=[PEER, ("192.0.2.9", 5000)])
-    packets = core.start(0.0)
-    priming = [p for p in packets if p.ttl == PRIMING_TTL]
-    probes = [p for p in packets if p.ttl is None]
-    assert len(priming) == 6 and {p.address for p in probes} == {PEER, ("192.0.2.9", 5000)}
-    assert all(PACKET.unpack(p.data)[0] == PROBE for p in packets)
-    assert core.tick(0.01) == [] and len(core.tick(0.06)) == 2  # probes are paced
+    priming = core.start(0.0)
+    assert len(priming) == 6 and all(p.ttl == PRIMING_TTL for p in priming)
+    assert all(PACKET.unpack(p.data)[0] == PROBE for p in priming)
+    assert core.tick(0.01) == []  # paced
+    assert all(p.ttl == PRIMING_TTL for p in core.tick(0.06))  # still priming
+    probes = core.tick(PRIMING_S + 0.01)
+    assert {p.address for p in probes} == {PEER, ("192.0.2.9", 5000)} and all(p.ttl is None for p in probes)
 
 
 def test_a_probe_is_answered_where_it_came_from_and_an_ack_completes() -> None:

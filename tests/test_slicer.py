@@ -144,7 +144,7 @@ def _bare_model(path: Path, arch: str, n_blocks: int) -> Path:
 
 def test_unsupported_family_is_named_with_the_supported_ones(tmp_path: Path) -> None:
     model = _bare_model(tmp_path / "mamba.gguf", "mamba", 2)
-    with pytest.raises(UnsupportedFamily, match="'mamba'.*supported: gemma3, llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedFamily, match=r"'mamba'.*supported: gemma3, llama, qwen2, qwen3"):
         slice_model(model, [1, 1], tmp_path / "out")
     assert slice_model(model, [2], tmp_path / "out")[0].path == model  # unsplit needs no support
 

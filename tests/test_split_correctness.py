@@ -101,7 +101,8 @@ def test_interleaved_sequences_equal_each_alone(tiny: tuple[str, Path, list[int]
             states = blocks.forward(steps)
             logits = head.forward([StepInput(s.sequence_id, s.position, x) for s, x in zip(steps, states, strict=True)])
             pending = []
-            for (seq, position, tokens), row in zip([(s.sequence_id, s.position, None) for s in steps], logits, strict=True):
+            for step, row in zip(steps, logits, strict=True):
+                seq, position = step.sequence_id, step.position
                 token = int(np.argmax(row))
                 outs[seq].append(token)
                 consumed = len(prompts[seq]) if position == 0 else 1

@@ -9,6 +9,7 @@ or from another port? The answers are O(1) probes per member, whatever the sessi
 from __future__ import annotations
 
 import asyncio
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -115,8 +116,6 @@ async def _socket(bind_host: str) -> _Client:
 
 def _outgoing_address(server: Address) -> str:
     """The local address the system routes toward the server from (connecting UDP sends nothing)."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect(server)
         return str(probe.getsockname()[0])
@@ -231,3 +230,31 @@ async def probe_nat(server: Address, bind_host: str = "0.0.0.0") -> NatReport:
         behind_nat=behind_nat,
         notes=findings.notes,
     )
+
+
+def reflexive_address(sock: socket.socket, server: Address, timeout: float = 3.0) -> Address:
+    """The address the rendezvous sees this socket as: its server-reflexive candidate.
+
+    Asked from the very socket the member will punch and connect from, so the mapping reported
+    is the mapping in use. Blocking, with bounded retransmissions.
+    """
+    request = stun.Message(stun.Method.BINDING, stun.Class.REQUEST)
+    previous = sock.gettimeout()
+    try:
+        for wait in (0.25, 0.5, 1.0, timeout):
+            sock.sendto(bytes(request), server)
+            sock.settimeout(wait)
+            try:
+                while True:
+                    data, _ = sock.recvfrom(2048)
+                    try:
+                        response = stun.parse_message(data)
+                    except (ValueError, KeyError, IndexError):
+                        continue
+                    if response.transaction_id == request.transaction_id:
+                        return _mapped(response)
+            except TimeoutError:
+                continue
+    finally:
+        sock.settimeout(previous)
+    raise ConnectionError(f"no STUN answer from {server[0]}:{server[1]}")

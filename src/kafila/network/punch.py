@@ -29,6 +29,7 @@ PROBE, ACK = 0x11, 0x12  # first bytes: not STUN (0-3), not QUIC (64 and above),
 PACKET = struct.Struct("!B8s8s")  # kind, session nonce, sender's nonce
 PRIMING_TTL = 2
 PRIMING_PACKETS = 3
+PRIMING_S = 0.25  # probes wait this long, so a peer that starts a little later has primed first
 PROBE_INTERVAL_S = 0.05
 
 
@@ -53,19 +54,23 @@ class PunchCore:
 
     def start(self, now: float) -> list[Outgoing]:
         self.started_at = now
-        priming = [
-            Outgoing(self._packet(PROBE), c, PRIMING_TTL) for c in self.candidates for _ in range(PRIMING_PACKETS)
-        ]
-        return priming + self.tick(now)
+        self.last_probe = now
+        return self._priming()
 
     def tick(self, now: float) -> list[Outgoing]:
         if self.started_at is None or self.path is not None or now - self.last_probe < PROBE_INTERVAL_S:
             return []
         self.last_probe = now
+        if now - self.started_at < PRIMING_S:
+            return self._priming()
         targets = list(self.candidates)
         if self.heard_from is not None and self.heard_from not in targets:
             targets.insert(0, self.heard_from)  # the peer-reflexive address, learned from its probe
         return [Outgoing(self._packet(PROBE), target) for target in targets]
+
+    def _priming(self) -> list[Outgoing]:
+        """Low-TTL packets: they open our own NAT toward each candidate and die before the peer's."""
+        return [Outgoing(self._packet(PROBE), c, PRIMING_TTL) for c in self.candidates for _ in range(PRIMING_PACKETS)]
 
     def received(self, data: bytes, source: Address) -> list[Outgoing]:
         if len(data) != PACKET.size:
