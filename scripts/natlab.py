@@ -1,19 +1,21 @@
 """NAT lab: homes behind real Linux NATs, built from network namespaces, veth pairs and nftables.
 
 Kafila must connect machines behind home NATs, so its traversal code is tested against real
-kernel NAT rather than mocks. A lab is one "public" namespace whose bridge stands for the
-internet (the rendezvous host's two addresses live on it) plus, per home, a NAT router
+kernel NAT rather than mocks. A lab is one "public" namespace that routes between the homes
+and holds the rendezvous host's two addresses, standing for the internet, plus, per home, a NAT router
 namespace and one or more host namespaces on the router's LAN. Each router's nftables ruleset
 makes it behave as one RFC 4787 NAT type (the configurations verified in
 shared/notes/nat-and-quic.md). Everything a lab builds is a namespace whose name starts with
 its unique id, so teardown deletes those namespaces (and with them every veth) and nothing else.
 
 Address plan (documentation ranges only):
-    public namespace, bridge "internet":
-        203.0.113.1/24, 203.0.113.2/24   the rendezvous host's two addresses
-        198.51.100.1/24                  the "ISP gateway" every router routes through
+    public namespace, a router (the internet is routed, not one switch: a home's packets
+    to another home cross a hop outside both NATs, where TTL-2 "priming" packets die):
+        203.0.113.1, 203.0.113.2         the rendezvous host's two addresses (on a bridge
+                                         with no ports, "internet")
+        198.51.100.(4N+1)/30, "homeN"    the ISP side of home N's link
     home N (N = 1, 2, ... in the order added, at most 15):
-        router WAN "wan"                 198.51.100.(10+N)/24, default via 198.51.100.1
+        router WAN "wan"                 198.51.100.(4N+2)/30, default via 198.51.100.(4N+1)
         router LAN bridge "lan"          192.0.2.(16N+1)/28
         host k (k = 1, 2, ...), "eth0"   192.0.2.(16N+1+k)/28, default via the router
 
@@ -59,7 +61,6 @@ NAT_BEHAVIOUR: dict[str, tuple[str, str, str]] = {
 }
 
 PUBLIC_ADDRESSES = ("203.0.113.1", "203.0.113.2")
-ISP_GATEWAY = "198.51.100.1"
 MAX_HOMES = 15  # 192.0.2.0/24 holds fifteen /28 LANs after the first
 MAX_HOSTS_PER_HOME = 13
 MAPPING_TIMEOUT_S = 120  # cone DNAT and filter entries live this long after the host's last packet
@@ -295,14 +296,15 @@ class NatLab:
             self.public_ns,
             [
                 "link set lo up",
-                "link add name internet type bridge",
+                # A bridge takes the lowest MAC of its ports unless given one: adding a home
+                # would change it and strand every router's ARP entry for the rendezvous.
+                "link add name internet address 02:00:00:00:00:01 type bridge",
                 f"addr add {a1}/24 dev internet",
                 f"addr add {a2}/24 dev internet",
-                f"addr add {ISP_GATEWAY}/24 dev internet",
                 "link set internet up",
             ],
         )
-        _ns_exec(self.public_ns, ["sh", "-c", _NO_BRIDGE_NETFILTER])
+        _ns_exec(self.public_ns, ["sh", "-c", f"{_NO_BRIDGE_NETFILTER}; echo 1 > /proc/sys/net/ipv4/ip_forward"])
         self._built = True
 
     def add_home(self, name: str, nat: str) -> Home:
@@ -321,25 +323,26 @@ class NatLab:
             nat=nat,
             index=index,
             router_ns=f"{self.lab_id}-{name}-r",
-            public_address=f"198.51.100.{10 + index}",
+            public_address=f"198.51.100.{4 * index + 2}",
             gateway=f"192.0.2.{16 * index + 1}",
         )
         self.homes[name] = home
+        isp_side = f"198.51.100.{4 * index + 1}"
         self._add_namespace(home.router_ns)
         _ip_batch(
             home.router_ns,
             [
                 "link set lo up",
                 f"link add name wan type veth peer name home{index} netns {self.public_ns}",
-                f"addr add {home.public_address}/24 dev wan",
+                f"addr add {home.public_address}/30 dev wan",
                 "link set wan up",
-                f"route add default via {ISP_GATEWAY}",
-                "link add name lan type bridge",
+                f"route add default via {isp_side}",
+                f"link add name lan address 02:00:00:00:01:{index:02x} type bridge",  # fixed, as above
                 f"addr add {home.gateway}/28 dev lan",
                 "link set lan up",
             ],
         )
-        _ip_batch(self.public_ns, [f"link set home{index} master internet", f"link set home{index} up"])
+        _ip_batch(self.public_ns, [f"addr add {isp_side}/30 dev home{index}", f"link set home{index} up"])
         # New namespaces start with forwarding off and an empty conntrack table; flush anyway so
         # the lab never depends on that.
         _ns_exec(
@@ -441,7 +444,7 @@ class NatLab:
     def describe(self) -> str:
         """What was built, for people."""
         a1, a2 = self.public_addresses
-        lines = [f"lab {self.lab_id}", f"  public  {self.public_ns}: rendezvous {a1}, {a2}; gateway {ISP_GATEWAY}"]
+        lines = [f"lab {self.lab_id}", f"  public  {self.public_ns}: rendezvous {a1}, {a2}; routes between homes"]
         for home in self.homes.values():
             lines.append(
                 f"  home {home.name} ({home.nat}): router {home.router_ns} wan {home.public_address}"
