@@ -1,21 +1,25 @@
 """One side of a hole punch, run inside a lab namespace by tests/test_nat_lab_punch.py.
 
-It learns its server-reflexive address from the rendezvous's STUN port on the socket it will
-punch from, prints its candidates as one JSON line, reads the peer's candidates and a start
-delay as one JSON line, waits, punches, and prints the outcome as one JSON line.
+All signalling goes through a real rendezvous. The agent learns its server-reflexive address
+from the rendezvous's STUN port on the socket it will punch from; the host opens a session and
+prints its code, the other joins with it; both exchange candidates and round-trip times in the
+introductions. On `ready`, which the rendezvous sends to both at once, each waits out half the
+difference between their round trips so that both start together, then punches with low-TTL
+priming. The outcome is printed as one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import socket
-import sys
 import time
 
 from kafila.network.nat import reflexive_address
 from kafila.network.punch import punch
+from kafila.network.rendezvous_client import RendezvousClient
 
 
 def address(text: str) -> tuple[str, int]:
@@ -23,12 +27,7 @@ def address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stun", required=True)
-    parser.add_argument("--session", required=True)
-    parser.add_argument("--timeout", type=float, default=5.0)
-    args = parser.parse_args()
+async def run(args: argparse.Namespace) -> dict[str, object]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("0.0.0.0", 0))
     server = address(args.stun)
@@ -37,14 +36,43 @@ def main() -> None:
         host = (probe.getsockname()[0], sock.getsockname()[1])
     started = time.perf_counter()
     srflx = reflexive_address(sock, server)
-    rtt = time.perf_counter() - started
-    print(json.dumps({"candidates": [f"{h}:{p}" for h, p in (host, srflx)], "rtt_s": rtt}), flush=True)
-    peer = json.loads(sys.stdin.readline())
-    time.sleep(max(0.0, float(peer.get("delay_s", 0.0))))
-    candidates = [address(c) for c in peer["candidates"]]
-    result = asyncio.run(punch(sock, bytes.fromhex(args.session), candidates, timeout=args.timeout))
+    rtt_ms = (time.perf_counter() - started) * 1e3
+    capability = {"name": args.name, "memory_gib": 1.0, "rtt_ms": rtt_ms}
+    candidates = [f"{h}:{p}" for h, p in (host, srflx)]
+    url = f"ws://{args.http}/v1/session"
+    introduced = time.perf_counter()
+    if args.code is None:
+        client = await RendezvousClient.open(
+            url, model="lab", expected_members=2, capability=capability, fingerprint="0" * 64, candidates=candidates
+        )
+        print(json.dumps({"code": client.code}), flush=True)
+    else:
+        client = await RendezvousClient.join(
+            url, args.code, capability=capability, fingerprint="0" * 64, candidates=candidates
+        )
+    try:
+        ready = await client.wait_ready(timeout=20)
+        introduction_s = time.perf_counter() - introduced
+        peer = next(m for m in ready.members if m.name != args.name)
+        slowest = max(rtt_ms, peer.capability.rtt_ms or 0.0)
+        await asyncio.sleep((slowest - rtt_ms) / 2e3)
+        session = hashlib.sha256(ready.host.encode()).digest()[:8]
+        result = await punch(sock, session, [address(c) for c in peer.candidates], timeout=args.timeout)
+    finally:
+        await client.close()
+        sock.close()
     path = f"{result.path[0]}:{result.path[1]}" if result.path else None
-    print(json.dumps({"path": path, "seconds": result.seconds}), flush=True)
+    return {"path": path, "seconds": result.seconds, "introduction_s": introduction_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stun", required=True)
+    parser.add_argument("--http", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--code")
+    parser.add_argument("--timeout", type=float, default=4.0)
+    print(json.dumps(asyncio.run(run(parser.parse_args()))), flush=True)
 
 
 if __name__ == "__main__":
