@@ -22,7 +22,7 @@ from natlab_fixtures import NAT_BEHAVIOUR, NAT_TYPES, PUBLIC_ADDRESSES, NatLab, 
 from kafila.planner.reachability import predict_edge
 from kafila.planner.types import EdgePrediction, Mapping, NatBehaviour
 
-AGENT = str(Path(__file__).with_name("natlab_punch_agent.py"))
+AGENT = str(Path(__file__).resolve().parents[1] / "scripts" / "natlab_punch_agent.py")
 RESULTS: dict[tuple[str, str], dict] = {}
 
 

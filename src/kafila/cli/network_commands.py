@@ -1,4 +1,4 @@
-"""`kafila nat` and `kafila rendezvous`: NAT classification and the rendezvous's STUN service."""
+"""`kafila nat` and `kafila rendezvous`: NAT classification, and the rendezvous (signalling, STUN, relay)."""
 
 from __future__ import annotations
 

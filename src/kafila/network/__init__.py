@@ -1,1 +1,2 @@
-"""Network: the activation frame protocol, and later rendezvous, NAT classification and QUIC links."""
+"""Network: activation frames, the rendezvous (signalling, STUN, relay), NAT classification and
+hole punching. QUIC ring links come next."""

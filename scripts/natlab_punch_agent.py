@@ -1,4 +1,4 @@
-"""One side of a hole punch, run inside a lab namespace by tests/test_nat_lab_punch.py.
+"""One side of a hole punch, run inside a lab namespace (tests/test_nat_lab_punch.py, scripts/bench_nat_lab.py).
 
 All signalling goes through a real rendezvous. The agent learns its server-reflexive address
 from the rendezvous's STUN port on the socket it will punch from; the host opens a session and

@@ -1,0 +1,131 @@
+"""NAT lab benchmark: classification time, join-to-introduction time, and hole punching per pair.
+
+Builds a lab with a home of every NAT type (two of each, for same-type pairs), starts a real
+`kafila rendezvous` in its public namespace, then measures, all inside the lab:
+
+- the time `kafila nat` takes to classify each home, and whether it is right;
+- for every ordered pair of NAT types, `--attempts` punches signalled through the rendezvous:
+  the success rate, the median time to a direct path, and the median time from joining to the
+  introduction (`ready`);
+- the planner's prediction for each pair next to the outcome (the paper's Table III).
+
+    python scripts/bench_nat_lab.py [--attempts 20]     (root, nftables, conntrack)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from natlab import NAT_BEHAVIOUR, NAT_TYPES, PUBLIC_ADDRESSES, NatLab, lab_unavailable_reason
+
+from kafila.planner.reachability import predict_edge
+from kafila.planner.types import Mapping, NatBehaviour
+
+AGENT = str(Path(__file__).resolve().parent / "natlab_punch_agent.py")
+KAFILA = [sys.executable, "-m", "kafila"]
+
+
+def line(process: subprocess.Popen[str]) -> dict:
+    text = process.stdout.readline() if process.stdout else ""
+    if not text:
+        process.kill()
+        raise RuntimeError(process.stderr.read() if process.stderr else "agent failed")
+    return json.loads(text)
+
+
+def punch_once(lab: NatLab, stun: str, http: str, a: str, b: str) -> dict:
+    base = [sys.executable, AGENT, "--stun", stun, "--http", http, "--timeout", "4"]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    host = lab.run_home(lab.homes[a], [*base, "--name", "a"], **pipes)
+    agents = [host]
+    try:
+        code = line(host)["code"]
+        agents.append(lab.run_home(lab.homes[b], [*base, "--name", "b", "--code", code], **pipes))
+        outcomes = [line(agent) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.wait(timeout=30)
+    return {
+        "direct": all(o["path"] is not None for o in outcomes),
+        "seconds": max(o["seconds"] for o in outcomes),
+        "introduction_s": outcomes[1]["introduction_s"],  # the joiner's: from join to ready
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--attempts", type=int, default=20)
+    args = parser.parse_args()
+    reason = lab_unavailable_reason()
+    if reason:
+        raise SystemExit(f"the NAT lab cannot run here: {reason}")
+    with NatLab(prefix="kb") as lab:
+        for nat in NAT_TYPES:
+            lab.add_home(nat, nat)
+            lab.add_home(f"{nat}-2", nat)
+        primary, alternate = PUBLIC_ADDRESSES
+        server = lab.run_public(
+            [*KAFILA, "rendezvous", "--host", primary, "--alt-address", alternate],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert server.stdout is not None
+        stun, http = server.stdout.readline().split()[1], server.stdout.readline().split()[1]
+
+        print("| NAT | classified as (mapping / filtering / class) | right | seconds |")
+        print("|---|---|---|---|")
+        for nat in NAT_TYPES:
+            started = time.monotonic()
+            out = lab.run_home(
+                lab.homes[nat], [*KAFILA, "nat", "--rendezvous", stun, "--json"], stdout=subprocess.PIPE, text=True
+            )
+            report = json.loads(out.communicate(timeout=60)[0])
+            seconds = time.monotonic() - started
+            got = (report["mapping"], report["filtering"], report["class"])
+            right = "yes" if got == NAT_BEHAVIOUR[nat] else "NO"
+            print(f"| {nat} | {' / '.join(map(str, got))} | {right} | {seconds:.2f} |")
+
+        rows = []
+        for a, b in itertools.product(NAT_TYPES, repeat=2):
+            results = [punch_once(lab, stun, http, a, b if a != b else f"{b}-2") for _ in range(args.attempts)]
+            behaviour = [
+                NatBehaviour(mapping=Mapping(NAT_BEHAVIOUR[n][0]), filtering=Mapping(NAT_BEHAVIOUR[n][1]))
+                for n in (a, b)
+            ]
+            predicted = predict_edge(*behaviour).value
+            successes = [r for r in results if r["direct"]]
+            rows.append((a, b, predicted, len(successes), results, successes))
+        server.terminate()
+        server.wait(timeout=10)
+
+    print(f"\n| from \\\\ to | {' | '.join(NAT_TYPES)} |")
+    print("|---|" + "---|" * len(NAT_TYPES))
+    for a in NAT_TYPES:
+        cells = []
+        for b in NAT_TYPES:
+            _, _, predicted, ok, results, _ = next(r for r in rows if r[0] == a and r[1] == b)
+            observed = "direct" if ok == len(results) else ("relayed" if ok == 0 else f"{ok}/{len(results)} direct")
+            mark = "✓" if (observed == predicted) else "✗"
+            cells.append(f"{mark} predicted {predicted}, {observed}")
+        print(f"| **{a}** | {' | '.join(cells)} |")
+
+    print("\n| pair | punched | median time to direct (s) | median join to introduction (s) |")
+    print("|---|---|---|---|")
+    for a, b, _, ok, results, successes in rows:
+        punch_time = f"{statistics.median(r['seconds'] for r in successes):.2f}" if successes else "—"
+        intro = statistics.median(r["introduction_s"] for r in results)
+        print(f"| {a} → {b} | {ok}/{len(results)} | {punch_time} | {intro:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
