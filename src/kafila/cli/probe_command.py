@@ -5,25 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kafila.cli.errors import fail
 from kafila.runtime.probe import DeviceProbe, ProbeError, ProgressFn, run_probe
-
-EXIT_FAILED = 1
-
-
-def _fail(message: str, as_json: bool) -> NoReturn:
-    """One line, never a traceback: on stdout as JSON for programs, on stderr for people."""
-    if as_json:
-        print(json.dumps({"error": message}))
-    else:
-        Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(EXIT_FAILED)
 
 
 @contextmanager
@@ -100,7 +90,7 @@ def probe(
         with _progress(enabled=not as_json) as update:
             result = run_probe(update)
     except ProbeError as error:
-        _fail(str(error), as_json)
+        fail(str(error), as_json)
     if as_json:
         print(json.dumps(result.report()))
     else:

@@ -41,12 +41,6 @@ class PlanReport(Strict):
     notes: list[str]
 
 
-class RefusalReport(Strict):
-    error: str
-    device: str | None
-    shortfall_bytes: int | None = None
-
-
 def plan_report(plan: Plan, planner_s: float) -> PlanReport:
     return PlanReport(
         tier=plan.tier,
