@@ -25,40 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from natlab import NAT_BEHAVIOUR, NAT_TYPES, PUBLIC_ADDRESSES, NatLab, lab_unavailable_reason
+from natlab_punch_agent import punch_pair
 
 from kafila.planner.reachability import predict_edge
 from kafila.planner.types import Mapping, NatBehaviour
 
-AGENT = str(Path(__file__).resolve().parent / "natlab_punch_agent.py")
 KAFILA = [sys.executable, "-m", "kafila"]
-
-
-def line(process: subprocess.Popen[str]) -> dict:
-    text = process.stdout.readline() if process.stdout else ""
-    if not text:
-        process.kill()
-        raise RuntimeError(process.stderr.read() if process.stderr else "agent failed")
-    return json.loads(text)
-
-
-def punch_once(lab: NatLab, stun: str, http: str, a: str, b: str) -> dict:
-    base = [sys.executable, AGENT, "--stun", stun, "--http", http, "--timeout", "4"]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    host = lab.run_home(lab.homes[a], [*base, "--name", "a"], **pipes)
-    agents = [host]
-    try:
-        code = line(host)["code"]
-        agents.append(lab.run_home(lab.homes[b], [*base, "--name", "b", "--code", code], **pipes))
-        outcomes = [line(agent) for agent in agents]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.wait(timeout=30)
-    return {
-        "direct": all(o["path"] is not None for o in outcomes),
-        "seconds": max(o["seconds"] for o in outcomes),
-        "introduction_s": outcomes[1]["introduction_s"],  # the joiner's: from join to ready
-    }
 
 
 def main() -> None:
@@ -97,7 +69,7 @@ def main() -> None:
 
         rows = []
         for a, b in itertools.product(NAT_TYPES, repeat=2):
-            results = [punch_once(lab, stun, http, a, b if a != b else f"{b}-2") for _ in range(args.attempts)]
+            results = [punch_pair(lab, stun, http, a, b if a != b else f"{b}-2") for _ in range(args.attempts)]
             behaviour = [
                 NatBehaviour(mapping=Mapping(NAT_BEHAVIOUR[n][0]), filtering=Mapping(NAT_BEHAVIOUR[n][1]))
                 for n in (a, b)

@@ -15,7 +15,10 @@ import asyncio
 import hashlib
 import json
 import socket
+import subprocess
+import sys
 import time
+from typing import Any
 
 from kafila.network.nat import reflexive_address
 from kafila.network.punch import punch
@@ -63,6 +66,42 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         sock.close()
     path = f"{result.path[0]}:{result.path[1]}" if result.path else None
     return {"path": path, "seconds": result.seconds, "introduction_s": introduction_s}
+
+
+def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
+    text = process.stdout.readline() if process.stdout else ""
+    if not text:
+        process.kill()
+        raise RuntimeError(f"punch agent failed: {process.stderr.read() if process.stderr else ''}")
+    result: dict[str, Any] = json.loads(text)
+    return result
+
+
+def punch_pair(lab: Any, stun: str, http: str, home_a: str, home_b: str) -> dict[str, Any]:
+    """Run one agent in each home of a NatLab: the first opens a session, the second joins it.
+
+    Returns whether both ended on a direct path, the slower one's punch time, and the joiner's
+    time from joining to the introduction.
+    """
+    base = [sys.executable, __file__, "--stun", stun, "--http", http, "--timeout", "4"]
+    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    host = lab.run_home(lab.homes[home_a], [*base, "--name", "a"], **pipes)
+    agents = [host]
+    try:
+        code = _line(host)["code"]
+        agents.append(lab.run_home(lab.homes[home_b], [*base, "--name", "b", "--code", code], **pipes))
+        outcomes = [_line(agent) for agent in agents]
+        for agent in agents:
+            agent.wait(timeout=30)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    return {
+        "direct": all(o["path"] is not None for o in outcomes),
+        "seconds": max(o["seconds"] for o in outcomes),
+        "introduction_s": outcomes[1]["introduction_s"],
+    }
 
 
 def main() -> None:
