@@ -21,8 +21,6 @@ from natlab_punch_agent import punch_pair
 from kafila.planner.reachability import predict_edge
 from kafila.planner.types import EdgePrediction, Mapping, NatBehaviour
 
-RESULTS: dict[tuple[str, str], dict] = {}
-
 
 @pytest.fixture(scope="module")
 def rendezvous(natlab: NatLab) -> Iterator[tuple[str, str]]:  # noqa: F811
@@ -59,6 +57,5 @@ def test_punch_matches_the_prediction(natlab: NatLab, rendezvous: tuple[str, str
             natlab.add_home(lab_b, b)
     outcome = punch_pair(natlab, *rendezvous, a, lab_b)
     expected = predicted(a, b)
-    RESULTS[(a, b)] = {**outcome, "predicted": expected.value}
     observed = EdgePrediction.DIRECT if outcome["direct"] else EdgePrediction.RELAYED
     assert observed is expected, f"{a} -> {b}: predicted {expected.value}, punched {observed.value}"
