@@ -1,0 +1,723 @@
+"""A QUIC link between two ring neighbours, carrying activation frames.
+
+Layers, sans-IO first as in aioquic itself:
+
+- `DatagramDemux` owns a member's one UDP socket (the one STUN, punching and the relay binding
+  already used, so the NAT mapping the peer knows is the one QUIC uses) and routes each
+  datagram by its first byte: 0-3 STUN, 0x10-0x12 relay and punch, 64 and above QUIC (RFC 9000
+  sets the fixed bit; aioquic never greases it). QUIC datagrams go to the link registered for
+  the source address; other ranges go to whatever handler registered for them.
+- `LinkCore` is the sans-IO link: datagrams, frames and the clock go in; datagrams, a timer and
+  events (`Up`, `Received`, `Rejected`, `Down`) come out.
+- `Link` is the asyncio shell: timers, futures and a receive queue; `open_link()` makes one.
+
+Trust: each member has a fresh self-signed certificate (`kafila.network.identity`) and learns
+the peer's SHA-256 fingerprint out of band. Both sides present certificates; neither verifies a
+chain (`CERT_NONE`), and each compares the peer's fingerprint once the handshake completes
+(aioquic still checks the handshake signature, so the peer holds the key). In TLS 1.3 the
+client finishes before the server has seen the client's certificate, so the server's first
+message, a hello on its first stream, is what makes the link up on the dialling side.
+
+Streams: one bidirectional QUIC stream per sequence id and direction. The side that sends a
+sequence's frames opens its stream on the first frame and keeps it until `finish()` or a
+CANCEL. QUIC orders bytes within a stream but not across streams, so one stream per sequence
+keeps each sequence in order while a lost packet of one sequence does not stall the others
+(no head-of-line blocking between requests). A stream's reverse half carries only replies
+about it: an ERROR frame when the receiver rejected what arrived. At most 128 sequences per
+direction can be open at once (aioquic's stream limit); more wait until one finishes.
+
+Liveness: QUIC PINGs (answered by ACKs) whenever nothing was heard for
+min(keepalive, idle timeout / 3) seconds; they also refresh NAT mappings. A link that hears
+nothing from its peer for `idle_timeout_s` is down (`LinkDead`), whatever aioquic's own idle
+timer (which restarts on our own sends) would say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from aioquic.buffer import Buffer
+from aioquic.quic import events as qe
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from cryptography.hazmat.primitives.serialization import Encoding
+from pydantic import BaseModel, ConfigDict, Field
+
+from kafila.network.frames import DType, Frame, FrameDecoder, FrameError, Kind
+from kafila.network.identity import Identity, fingerprint_of, normalize_fingerprint
+
+Address = tuple[str, int]
+Handler = Callable[[bytes, Address], None]
+log = logging.getLogger("kafila.link")
+
+ALPN = "kafila-link/1"
+STUN_BYTES = range(0, 4)
+RELAY_PUNCH_BYTES = range(0x10, 0x13)
+QUIC_BYTES = range(64, 256)
+
+# Application error codes in CONNECTION_CLOSE and STOP_SENDING.
+GOODBYE = 0
+REFUSED = 0x4B01  # the peer's certificate is not the pinned one
+DEAD = 0x4B02  # nothing heard from the peer for too long
+REJECTED = 0x4B03  # STOP_SENDING: a stream carried a malformed frame
+HELLO = b'{"hello": 1}'
+
+
+class LinkError(Exception):
+    """Why a link is not (or no longer) up."""
+
+
+class LinkRefused(LinkError):
+    """The peer is not who it was expected to be, or it said the same of us."""
+
+
+class LinkDead(LinkError):
+    """Nothing heard from the peer within the bound: it crashed, or the path is gone."""
+
+
+class LinkClosed(LinkError):
+    """Closed on purpose, by either side, or its socket went away."""
+
+
+class LinkConfig(BaseModel):
+    """Timings and sizes; defaults suit a ring over home connections."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    keepalive_s: float = Field(default=15.0, gt=0)  # NAT mappings live 30 s or less on many routers
+    idle_timeout_s: float = Field(default=5.0, gt=0)  # nothing heard this long: the link is dead
+    handshake_timeout_s: float = Field(default=10.0, gt=0)  # also how long a listener waits to be dialled
+    # aioquic's default, safe on any path (IPv6's minimum MTU); 1452 is cheaper where it fits.
+    max_datagram_size: int = Field(default=1200, ge=1200, le=65_000)
+
+    @property
+    def ping_interval_s(self) -> float:
+        """Ping often enough that a healthy idle link never looks dead."""
+        return min(self.keepalive_s, self.idle_timeout_s / 3)
+
+
+def should_dial(local_fingerprint: str, peer_fingerprint: str) -> bool:
+    """QUIC has no simultaneous open: the member whose fingerprint sorts lower dials."""
+    local, peer = normalize_fingerprint(local_fingerprint), normalize_fingerprint(peer_fingerprint)
+    if local == peer:
+        raise ValueError("a member cannot link to itself")
+    return local < peer
+
+
+def channel_of(data: bytes) -> str:
+    """Name of the protocol a datagram belongs to, by its first byte (RFC 7983 style)."""
+    if not data:
+        return "empty"
+    first = data[0]
+    if first in STUN_BYTES:
+        return "stun"
+    if first in RELAY_PUNCH_BYTES:
+        return "relay/punch"
+    if first in QUIC_BYTES:
+        return "quic"
+    return "unknown"
+
+
+def _address(addr: Any) -> Address:
+    return (str(addr[0]), int(addr[1]))  # IPv6 addresses arrive as 4-tuples
+
+
+# --- aioquic private hooks: the only code here that depends on aioquic internals. ---
+# Verified on aioquic 1.7.2. aioquic has no public way for a server to request a client
+# certificate, nor to read the peer's certificate (aioquic issue #541), so both live here.
+class _MutualTLSConnection(QuicConnection):
+    """A QuicConnection whose server side asks for the client's certificate."""
+
+    def _initialize(self, peer_cid: bytes) -> None:
+        super()._initialize(peer_cid)
+        if not self._is_client:
+            self.tls._request_client_certificate = True
+
+    def peer_certificate_der(self) -> bytes | None:
+        certificate = self.tls._peer_certificate
+        return None if certificate is None else certificate.public_bytes(Encoding.DER)
+
+
+# --- events out of the core ---
+@dataclass(frozen=True)
+class Up:
+    """Both sides have checked each other's certificate."""
+
+
+@dataclass(frozen=True)
+class Received:
+    frame: Frame
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """We refused what the peer sent on a stream (and told it so); the link goes on."""
+
+    stream_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Down:
+    error: LinkError
+
+
+Event = Up | Received | Rejected | Down
+
+
+@dataclass
+class _Inbound:
+    """A stream the peer opened: its frames, and the sequence it carries."""
+
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    sequence_id: int | None = None
+    rejected: bool = False
+
+
+class LinkCore:
+    """The link without I/O: feed it datagrams, frames and the time; drain datagrams and events."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        peer_fingerprint: str,
+        peer_address: Address,
+        dial: bool,
+        now: float,
+        config: LinkConfig | None = None,
+    ) -> None:
+        self.config = config or LinkConfig()
+        self.identity = identity
+        self.peer_fingerprint = normalize_fingerprint(peer_fingerprint)
+        self.peer_address = _address(peer_address)
+        self.dial = dial
+        self.is_up = False
+        self.error: LinkError | None = None
+        self._started = now
+        self._last_heard: float | None = None
+        self._last_ping = now
+        self._ping_uid = 0
+        self._verified = False  # we checked the peer's certificate
+        self._events: deque[Event] = deque()
+        self._outbound: dict[int, int] = {}  # sequence id -> our stream carrying it
+        self._replies: dict[int, FrameDecoder] = {}  # our stream -> decoder of the peer's replies
+        self._inbound: dict[int, _Inbound] = {}
+        self._fin_sent: set[int] = set()
+        self.quic: _MutualTLSConnection | None = None
+        if dial:
+            self.quic = _MutualTLSConnection(configuration=self._configuration(is_client=True))
+            self.quic.connect(self.peer_address, now)
+
+    def _configuration(self, is_client: bool) -> QuicConfiguration:
+        configuration = QuicConfiguration(
+            is_client=is_client,
+            alpn_protocols=[ALPN],
+            verify_mode=ssl.CERT_NONE,  # no chain to verify: we pin the fingerprint instead
+            idle_timeout=2 * self.config.idle_timeout_s,  # a backstop; our own bound comes first
+            max_datagram_size=self.config.max_datagram_size,
+            server_name="kafila" if is_client else None,
+        )
+        configuration.certificate = self.identity.certificate
+        configuration.private_key = self.identity.private_key
+        return configuration
+
+    # --- inputs ---
+    def datagram_received(self, data: bytes, address: Address, now: float) -> None:
+        if self.error is not None:
+            return
+        if self.quic is None and not self._accept(data, now):
+            return
+        assert self.quic is not None
+        self._last_heard = now
+        self.quic.receive_datagram(data, _address(address), now)
+        self._process(now)
+
+    def _accept(self, data: bytes, now: float) -> bool:
+        """The listening side creates its connection from the dialler's first Initial packet."""
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=8)
+        except ValueError:
+            return False
+        if header.packet_type != QuicPacketType.INITIAL or len(data) < 1200:
+            return False
+        self.quic = _MutualTLSConnection(
+            configuration=self._configuration(is_client=False),
+            original_destination_connection_id=header.destination_cid,
+        )
+        return True
+
+    def send_frame(self, frame: Frame) -> None:
+        """Queue a frame on its sequence's stream; a CANCEL also ends that stream."""
+        if self.error is not None:
+            raise self.error
+        if not self.is_up or self.quic is None:
+            raise LinkError("the link is not up yet")
+        stream_id = self._outbound.get(frame.sequence_id)
+        if stream_id is None:
+            stream_id = self.quic.get_next_available_stream_id()
+            self._outbound[frame.sequence_id] = stream_id
+            self._replies[stream_id] = FrameDecoder()
+        end = frame.kind is Kind.CANCEL
+        try:
+            self.quic.send_stream_data(stream_id, frame.encode(), end_stream=end)
+        except RuntimeError:  # the peer stopped this stream (it rejected something): use a new one
+            del self._outbound[frame.sequence_id]
+            self.send_frame(frame)
+            return
+        if end:
+            self._fin_sent.add(stream_id)
+            del self._outbound[frame.sequence_id]
+
+    def finish(self, sequence_id: int) -> None:
+        """End a sequence's stream without a CANCEL: the sequence is done on this edge."""
+        stream_id = self._outbound.pop(sequence_id, None)
+        if stream_id is not None:
+            self._end_stream(stream_id)
+
+    def send_raw(self, data: bytes) -> int:
+        """Write arbitrary bytes on a new stream: for tests and fault injection only."""
+        if self.quic is None or not self.is_up:
+            raise LinkError("the link is not up yet")
+        stream_id = self.quic.get_next_available_stream_id()
+        self._replies[stream_id] = FrameDecoder()
+        self.quic.send_stream_data(stream_id, data)
+        return stream_id
+
+    def close(self, now: float, reason: str = "goodbye") -> None:
+        """Say goodbye: the peer learns at once instead of waiting for its idle bound."""
+        if self.quic is not None:
+            self.quic.close(error_code=GOODBYE, reason_phrase=reason)
+        self._down(LinkClosed(f"closed locally: {reason}"))
+
+    def abort(self, error: LinkError) -> None:
+        """Give up without a word to the peer (our socket is gone)."""
+        self.quic = None  # nothing more to send, no timers to run
+        self._down(error)
+
+    def handle_timer(self, now: float) -> None:
+        if self.error is not None:
+            if self.quic is not None and (timer := self.quic.get_timer()) is not None and now >= timer:
+                self.quic.handle_timer(now)  # finish sending the goodbye
+            return
+        if self.quic is not None:
+            timer = self.quic.get_timer()
+            if timer is not None and now >= timer:
+                self.quic.handle_timer(now)
+                self._process(now)
+                if self.error is not None:
+                    return
+        if not self.is_up:
+            if now >= self._started + self.config.handshake_timeout_s:
+                what = "handshake" if self.quic is not None else "wait to be dialled"
+                self._fail(LinkDead(f"{what} with {self._peer()} timed out"), DEAD)
+            return
+        assert self._last_heard is not None and self.quic is not None
+        if now >= self._last_heard + self.config.idle_timeout_s:
+            silent = now - self._last_heard
+            self._fail(LinkDead(f"nothing heard from {self._peer()} for {silent:.1f} s"), DEAD)
+            return
+        if now >= max(self._last_heard, self._last_ping) + self.config.ping_interval_s:
+            self._ping_uid += 1
+            self.quic.send_ping(self._ping_uid)
+            self._last_ping = now
+
+    # --- outputs ---
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
+        if self.quic is None:
+            return []
+        return [(data, _address(address)) for data, address in self.quic.datagrams_to_send(now)]
+
+    def timer(self) -> float | None:
+        """When `handle_timer` must next run."""
+        quic_timer = self.quic.get_timer() if self.quic is not None else None
+        if self.error is not None:
+            return quic_timer
+        if not self.is_up:
+            own = self._started + self.config.handshake_timeout_s
+        else:
+            assert self._last_heard is not None
+            own = min(
+                self._last_heard + self.config.idle_timeout_s,
+                max(self._last_heard, self._last_ping) + self.config.ping_interval_s,
+            )
+        return own if quic_timer is None else min(own, quic_timer)
+
+    def next_event(self) -> Event | None:
+        return self._events.popleft() if self._events else None
+
+    # --- internals ---
+    def _peer(self) -> str:
+        return f"{self.peer_address[0]}:{self.peer_address[1]}"
+
+    def _local_stream(self, stream_id: int) -> bool:
+        return (stream_id & 1) == (0 if self.dial else 1)
+
+    def _process(self, now: float) -> None:
+        assert self.quic is not None
+        while (event := self.quic.next_event()) is not None and self.error is None:
+            if isinstance(event, qe.HandshakeCompleted):
+                self._check_peer()
+            elif isinstance(event, qe.StreamDataReceived):
+                self._stream_data(event.stream_id, event.data, event.end_stream)
+            elif isinstance(event, qe.StreamReset):
+                self._stream_reset(event.stream_id)
+            elif isinstance(event, qe.StopSendingReceived):
+                self._stop_sending(event.stream_id)
+            elif isinstance(event, qe.ConnectionTerminated):
+                self._down(self._termination_error(event))
+
+    def _check_peer(self) -> None:
+        assert self.quic is not None
+        der = self.quic.peer_certificate_der()
+        if der is None:
+            self._fail(LinkRefused(f"{self._peer()} presented no certificate"), REFUSED)
+            return
+        presented = fingerprint_of(der)
+        if presented != self.peer_fingerprint:
+            message = f"peer presented fingerprint {presented}, expected {self.peer_fingerprint}"
+            self._fail(LinkRefused(message), REFUSED)
+            return
+        self._verified = True
+        if not self.dial:  # the server has now checked the client: say so, which brings the client up
+            hello = self.quic.get_next_available_stream_id()
+            self.quic.send_stream_data(hello, Frame(Kind.PING, 0, payload=HELLO).encode(), end_stream=True)
+            self._fin_sent.add(hello)
+            self._replies[hello] = FrameDecoder()
+            self._go_up()
+
+    def _go_up(self) -> None:
+        self.is_up = True
+        self._events.append(Up())
+
+    def _stream_data(self, stream_id: int, data: bytes, end: bool) -> None:
+        if not self._verified or stream_id & 2:  # nothing before the pin check; no unidirectional streams
+            return
+        if not self.is_up:  # the dialler's first message from the server: its hello
+            self._go_up()
+        if self._local_stream(stream_id):
+            self._reply_data(stream_id, data, end)
+            return
+        inbound = self._inbound.setdefault(stream_id, _Inbound())
+        if not inbound.rejected:
+            try:
+                frames = inbound.decoder.feed(data)
+                for frame in frames:
+                    if inbound.sequence_id is None:
+                        inbound.sequence_id = frame.sequence_id
+                    elif frame.sequence_id != inbound.sequence_id:
+                        raise FrameError(
+                            f"frame of sequence {frame.sequence_id} on the stream of sequence {inbound.sequence_id}"
+                        )
+                    if self.dial and stream_id == 1 and frame.payload == HELLO:
+                        continue  # the server's hello is for the link, not the application
+                    self._events.append(Received(frame))
+            except FrameError as error:
+                self._reject(stream_id, inbound, str(error))
+        if end:
+            if not inbound.rejected and inbound.decoder.pending_bytes:
+                self._events.append(Rejected(stream_id, "stream ended inside a frame"))
+            del self._inbound[stream_id]
+            self._end_stream(stream_id)
+
+    def _reply_data(self, stream_id: int, data: bytes, end: bool) -> None:
+        """The peer's answer on one of our streams: an ERROR frame, delivered like any frame."""
+        decoder = self._replies.get(stream_id)
+        if decoder is not None:
+            try:
+                for frame in decoder.feed(data):
+                    self._events.append(Received(frame))
+            except FrameError as error:
+                log.warning("malformed reply on stream %d: %s", stream_id, error)
+                self._replies.pop(stream_id, None)
+        if end:
+            self._replies.pop(stream_id, None)
+            for sequence_id, sid in list(self._outbound.items()):
+                if sid == stream_id:  # the peer gave up on this stream: the next frame opens another
+                    del self._outbound[sequence_id]
+            self._end_stream(stream_id)
+
+    def _reject(self, stream_id: int, inbound: _Inbound, reason: str) -> None:
+        """Tell the sender with an ERROR frame on that stream, stop reading it, keep the link."""
+        assert self.quic is not None
+        inbound.rejected = True
+        error = Frame(Kind.ERROR, inbound.sequence_id or 0, dtype=DType.NONE, payload=reason.encode())
+        if stream_id not in self._fin_sent:
+            self.quic.send_stream_data(stream_id, error.encode(), end_stream=True)
+            self._fin_sent.add(stream_id)
+        self.quic.stop_stream(stream_id, REJECTED)
+        self._events.append(Rejected(stream_id, reason))
+        log.warning("rejected stream %d from %s: %s", stream_id, self._peer(), reason)
+
+    def _stream_reset(self, stream_id: int) -> None:
+        self._inbound.pop(stream_id, None)
+        self._replies.pop(stream_id, None)
+        self._end_stream(stream_id)
+
+    def _stop_sending(self, stream_id: int) -> None:
+        """The peer rejected one of our streams; aioquic has reset it, so drop it from the map."""
+        self._fin_sent.add(stream_id)
+        for sequence_id, sid in list(self._outbound.items()):
+            if sid == stream_id:
+                del self._outbound[sequence_id]
+
+    def _end_stream(self, stream_id: int) -> None:
+        """Send our FIN once: a stream is freed (and its credit returned) when both halves end."""
+        if stream_id not in self._fin_sent and self.quic is not None:
+            self._fin_sent.add(stream_id)
+            try:
+                self.quic.send_stream_data(stream_id, b"", end_stream=True)
+            except (RuntimeError, ValueError):
+                pass  # already reset, or never opened on our side
+        if stream_id not in self._inbound and stream_id not in self._replies:
+            self._fin_sent.discard(stream_id)
+
+    def _termination_error(self, event: qe.ConnectionTerminated) -> LinkError:
+        reason = event.reason_phrase or "no reason given"
+        if event.error_code == REFUSED:
+            return LinkRefused(f"refused by peer: {reason}")
+        if event.error_code == DEAD:
+            return LinkDead(f"peer gave up on the link: {reason}")
+        if event.reason_phrase == "Idle timeout":
+            return LinkDead(f"nothing heard from {self._peer()} (QUIC idle timeout)")
+        if not self.is_up:  # a close during the handshake loses its reason (RFC 9000 §10.2.3)
+            return LinkRefused(f"{self._peer()} closed the link during the handshake (code {event.error_code:#x})")
+        if event.error_code == GOODBYE and event.frame_type is None:
+            return LinkClosed(f"peer closed the link: {reason}")
+        return LinkClosed(f"peer closed the link (code {event.error_code:#x}): {reason}")
+
+    def _fail(self, error: LinkError, code: int) -> None:
+        if self.quic is not None:  # a no-op if aioquic is already closing
+            self.quic.close(error_code=code, reason_phrase=str(error))
+        self._down(error)
+
+    def _down(self, error: LinkError) -> None:
+        if self.error is None:
+            self.error = error
+            self.is_up = False
+            self._events.append(Down(error))
+
+
+class DatagramDemux(asyncio.DatagramProtocol):
+    """Owns one UDP socket and routes datagrams by first byte; QUIC ones by source address too.
+
+    Links attach for their peer's address; other protocols (STUN, relay binding, punch probes)
+    register for their first-byte ranges. `tap`, if set, sees every datagram in and out.
+    """
+
+    def __init__(self, tap: Callable[[str, bytes, Address], None] | None = None) -> None:
+        self.transport: asyncio.DatagramTransport | None = None
+        self.tap = tap
+        self._handlers: dict[int, Handler] = {}
+        self._links: dict[Address, Link] = {}
+        self.dropped = 0  # datagrams nobody wanted
+        self.closed = asyncio.get_running_loop().create_future()
+
+    @classmethod
+    async def over(cls, sock: Any, tap: Callable[[str, bytes, Address], None] | None = None) -> DatagramDemux:
+        """Take over a bound UDP socket, which may already have carried STUN or a punch."""
+        loop = asyncio.get_running_loop()
+        _, protocol = await loop.create_datagram_endpoint(lambda: cls(tap), sock=sock)
+        return protocol
+
+    def register(self, first_bytes: Iterable[int], handler: Handler) -> None:
+        for byte in first_bytes:
+            if byte in QUIC_BYTES:
+                raise ValueError("first bytes 64 and above are QUIC's")
+            self._handlers[byte] = handler
+
+    @property
+    def local_address(self) -> Address:
+        assert self.transport is not None
+        return _address(self.transport.get_extra_info("sockname"))
+
+    def sendto(self, data: bytes, address: Address) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.tap is not None:
+            self.tap("out", data, address)
+        self.transport.sendto(data, address)
+
+    def attach(self, address: Address, link: Link) -> None:
+        address = _address(address)
+        existing = self._links.get(address)
+        if existing is not None and not existing.closed.done():  # a closed one may still be saying goodbye
+            raise ValueError(f"a link to {address[0]}:{address[1]} already exists on this socket")
+        self._links[address] = link
+
+    def detach(self, address: Address, link: Link) -> None:
+        if self._links.get(_address(address)) is link:
+            del self._links[_address(address)]
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # --- asyncio.DatagramProtocol ---
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        address = _address(addr)
+        if self.tap is not None:
+            self.tap("in", data, address)
+        if not data:
+            self.dropped += 1
+        elif data[0] in QUIC_BYTES:
+            link = self._links.get(address)
+            if link is None:
+                self.dropped += 1
+            else:
+                link.datagram_received(data, address)
+        elif (handler := self._handlers.get(data[0])) is not None:
+            handler(data, address)
+        else:
+            self.dropped += 1
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("socket error: %s", exc)  # ICMP unreachable and the like: liveness decides
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for link in list(self._links.values()):
+            link.abort(LinkClosed("the link's socket was closed"))
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+class Link:
+    """The asyncio shell around `LinkCore`: one link to one neighbour over a shared socket."""
+
+    def __init__(self, demux: DatagramDemux, core: LinkCore) -> None:
+        self.demux = demux
+        self.core = core
+        self._loop = asyncio.get_running_loop()
+        self._up: asyncio.Future[None] = self._loop.create_future()
+        self.closed: asyncio.Future[LinkError] = self._loop.create_future()  # resolves to the reason
+        self._queue: asyncio.Queue[Frame | None] = asyncio.Queue()
+        self._timer: asyncio.TimerHandle | None = None
+        self.rejected: list[Rejected] = []
+        demux.attach(core.peer_address, self)
+
+    @property
+    def peer_address(self) -> Address:
+        return self.core.peer_address
+
+    async def wait_up(self) -> None:
+        """Return once both sides have checked each other, or raise why they did not."""
+        either: list[asyncio.Future[Any]] = [self._up, self.closed]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not self._up.done():
+            raise self.closed.result()
+
+    async def send(self, frame: Frame) -> None:
+        """Send one frame on its sequence's stream."""
+        if self.closed.done():
+            raise self.closed.result()
+        self.core.send_frame(frame)
+        self._transmit()
+
+    async def finish(self, sequence_id: int) -> None:
+        self.core.finish(sequence_id)
+        self._transmit()
+
+    async def send_raw(self, data: bytes) -> int:
+        """Arbitrary bytes on a new stream, returning its id: for tests and fault injection only."""
+        stream_id = self.core.send_raw(data)
+        self._transmit()
+        return stream_id
+
+    async def receive(self) -> Frame:
+        """The next frame from the peer; raises the link's error once it is down and drained."""
+        frame = await self._queue.get()
+        if frame is None:
+            self._queue.put_nowait(None)  # keep later callers from blocking
+            raise self.closed.result()
+        return frame
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        """Every frame until the link goes down (then the iteration just ends)."""
+        while True:
+            try:
+                yield await self.receive()
+            except LinkError:
+                return
+
+    async def close(self, reason: str = "goodbye") -> None:
+        if not self.closed.done():
+            self.core.close(self._loop.time(), reason)
+            self._transmit()
+
+    def abort(self, error: LinkError) -> None:
+        self.core.abort(error)
+        self._after_events()
+
+    # --- driven by the demux and the timer ---
+    def datagram_received(self, data: bytes, address: Address) -> None:
+        self.core.datagram_received(data, address, self._loop.time())
+        self._transmit()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.core.handle_timer(self._loop.time())
+        self._transmit()
+
+    def _transmit(self) -> None:
+        for data, address in self.core.datagrams_to_send(self._loop.time()):
+            self.demux.sendto(data, address)
+        self._after_events()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        when = self.core.timer()
+        if when is not None:
+            self._timer = self._loop.call_at(when, self._on_timer)
+
+    def _after_events(self) -> None:
+        while (event := self.core.next_event()) is not None:
+            if isinstance(event, Up):
+                if not self._up.done():
+                    self._up.set_result(None)
+            elif isinstance(event, Received):
+                self._queue.put_nowait(event.frame)
+            elif isinstance(event, Rejected):
+                self.rejected.append(event)
+            elif isinstance(event, Down):
+                if not self.closed.done():
+                    self.closed.set_result(event.error)
+                    self._queue.put_nowait(None)
+                    log.info("link to %s down: %s", self.core._peer(), event.error)
+        if self.closed.done() and self.core.timer() is None:
+            self.demux.detach(self.core.peer_address, self)
+
+
+async def open_link(
+    demux: DatagramDemux,
+    peer_address: Address,
+    local_identity: Identity,
+    peer_fingerprint: str,
+    dial: bool,
+    config: LinkConfig | None = None,
+) -> Link:
+    """Bring up a pinned link to one neighbour over the member's shared socket.
+
+    `dial` is normally `should_dial(ours, theirs)`; the other side listens for the dialler's
+    Initial from `peer_address`. Raises `LinkRefused` if either side's pin fails and `LinkDead`
+    if the handshake does not finish within `config.handshake_timeout_s`.
+    """
+    loop = asyncio.get_running_loop()
+    core = LinkCore(local_identity, peer_fingerprint, peer_address, dial, loop.time(), config)
+    link = Link(demux, core)
+    link._transmit()
+    try:
+        await link.wait_up()
+    except BaseException:
+        if not link.closed.done():
+            await link.close("open_link gave up")
+        raise
+    return link

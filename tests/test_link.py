@@ -1,0 +1,285 @@
+"""QUIC links between two members on loopback: pinning, frames, errors, liveness, encryption."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kafila.network.frames import DType, Frame, Kind
+from kafila.network.identity import Identity, create_identity, fingerprint_of
+from kafila.network.link import (
+    DatagramDemux,
+    Link,
+    LinkClosed,
+    LinkConfig,
+    LinkDead,
+    LinkRefused,
+    channel_of,
+    open_link,
+    should_dial,
+)
+from kafila.network.punch import punch
+
+HIDDEN = 640
+FAST = LinkConfig(idle_timeout_s=2.0, handshake_timeout_s=3.0)
+WAIT = 15.0  # the bound on any one await in these tests
+
+
+def bound_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock
+
+
+def run(test: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(asyncio.wait_for(test(), 45))
+
+
+async def pair(
+    sockets: tuple[socket.socket, socket.socket] | None = None,
+    identities: tuple[Identity, Identity] | None = None,
+    expect: tuple[str, str] | None = None,
+    config: LinkConfig = FAST,
+    tap: Callable[[str, bytes, tuple[str, int]], None] | None = None,
+) -> tuple[DatagramDemux, DatagramDemux, Any, Any]:
+    """Two demuxes and the results of opening a link each way (a Link or the exception)."""
+    a_sock, b_sock = sockets or (bound_socket(), bound_socket())
+    a_id, b_id = identities or (create_identity(), create_identity())
+    a_expects, b_expects = expect or (b_id.fingerprint, a_id.fingerprint)
+    a, b = await DatagramDemux.over(a_sock, tap), await DatagramDemux.over(b_sock)
+    dial = should_dial(a_id.fingerprint, b_id.fingerprint)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            open_link(a, b.local_address, a_id, a_expects, dial, config),
+            open_link(b, a.local_address, b_id, b_expects, not dial, config),
+            return_exceptions=True,
+        ),
+        WAIT,
+    )
+    return a, b, results[0], results[1]
+
+
+def activations(sequences: int, per_sequence: int, dtype: DType, seed: int) -> list[Frame]:
+    """Frames interleaved across sequences, as a stage sends them."""
+    rng = np.random.default_rng(seed)
+    frames = []
+    for step in range(per_sequence):
+        for sequence in range(sequences):
+            states = rng.standard_normal((1 + step % 3, HIDDEN)).astype(np.float32)
+            frames.append(Frame.of_hidden(Kind.DECODE, 1000 * seed + sequence, step, states, dtype))
+    return frames
+
+
+async def exchange(a: Link, b: Link, count: int, dtype: DType) -> None:
+    """Both ways at once; everything arrives, each sequence in order, bytes intact."""
+    outgoing = {a: activations(10, count // 10, dtype, seed=1), b: activations(10, count // 10, dtype, seed=2)}
+
+    async def sender(link: Link) -> None:
+        for i, frame in enumerate(outgoing[link]):
+            await link.send(frame)
+            if i % 50 == 49:
+                await asyncio.sleep(0)  # let the receiving side run, as a real stage would
+
+    async def receiver(link: Link, expected: list[Frame]) -> None:
+        got = [await asyncio.wait_for(link.receive(), WAIT) for _ in expected]
+        by_sequence: dict[int, list[Frame]] = {}
+        for frame in got:
+            by_sequence.setdefault(frame.sequence_id, []).append(frame)
+        want: dict[int, list[Frame]] = {}
+        for frame in expected:
+            want.setdefault(frame.sequence_id, []).append(frame)
+        assert by_sequence == want  # no loss, no reordering within a sequence, bytes intact
+
+    await asyncio.gather(sender(a), sender(b), receiver(a, outgoing[b]), receiver(b, outgoing[a]))
+
+
+async def shut(*things: Any) -> None:
+    for thing in things:
+        if isinstance(thing, Link):
+            await thing.close()
+    await asyncio.sleep(0.05)  # let the goodbyes leave
+    for thing in things:
+        if isinstance(thing, DatagramDemux):
+            thing.close()
+
+
+def test_identity_and_dialling_rule() -> None:
+    one, two = create_identity(), create_identity()
+    assert one.fingerprint == fingerprint_of(one.certificate) and len(one.fingerprint) == 64
+    assert one.fingerprint != two.fingerprint
+    assert should_dial(one.fingerprint, two.fingerprint) != should_dial(two.fingerprint, one.fingerprint)
+    assert should_dial(one.fingerprint.upper(), two.fingerprint) == should_dial(one.fingerprint, two.fingerprint)
+    with pytest.raises(ValueError):
+        should_dial(one.fingerprint, one.fingerprint)
+    with pytest.raises(ValueError):
+        should_dial(one.fingerprint, "abc")
+    assert [channel_of(bytes([b])) for b in (0, 3, 0x10, 0x12, 0x40, 0xC3, 0x20)] == [
+        "stun",
+        "stun",
+        "relay/punch",
+        "relay/punch",
+        "quic",
+        "quic",
+        "unknown",
+    ]
+    with pytest.raises(ValueError):
+        LinkConfig.model_validate({"idle_timeout_s": "5"})  # strict at the boundary
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16])
+def test_pinned_link_carries_a_thousand_frames_each_way(dtype: DType) -> None:
+    async def go() -> None:
+        a, b, link_a, link_b = await pair()
+        assert isinstance(link_a, Link) and isinstance(link_b, Link)
+        await exchange(link_a, link_b, 1000, dtype)
+        assert link_a.rejected == [] and link_b.rejected == []
+        await link_b.send(Frame(Kind.CANCEL, 99))
+        await link_b.close()  # a goodbye: the peer hears it at once, not after its idle bound
+        assert [frame.kind async for frame in link_a.frames()] == [Kind.CANCEL]
+        reason = await asyncio.wait_for(asyncio.shield(link_a.closed), WAIT)
+        assert isinstance(reason, LinkClosed) and "goodbye" in str(reason)
+        await shut(a, b)
+
+    run(go)
+
+
+def test_link_over_sockets_that_punched_first() -> None:
+    async def go() -> None:
+        a_sock, b_sock = bound_socket(), bound_socket()
+        session = os.urandom(8)
+        first, second = await asyncio.gather(
+            punch(a_sock, session, [b_sock.getsockname()], timeout=5, linger=0.3),
+            punch(b_sock, session, [a_sock.getsockname()], timeout=5, linger=0.3),
+        )
+        assert first.path == b_sock.getsockname() and second.path == a_sock.getsockname()
+        a, b, link_a, link_b = await pair((a_sock, b_sock))
+        assert isinstance(link_a, Link) and isinstance(link_b, Link)
+        await exchange(link_a, link_b, 1000, DType.F16)
+        await shut(link_a, link_b, a, b)
+
+    run(go)
+
+
+@pytest.mark.parametrize("wrong_side", ["dialler", "listener"])
+def test_a_wrong_fingerprint_is_refused(wrong_side: str) -> None:
+    async def go() -> None:
+        a_id, b_id = create_identity(), create_identity()
+        if not should_dial(a_id.fingerprint, b_id.fingerprint):
+            a_id, b_id = b_id, a_id  # a dials
+        impostor = create_identity().fingerprint
+        expect = (impostor, a_id.fingerprint) if wrong_side == "dialler" else (b_id.fingerprint, impostor)
+        started = time.monotonic()
+        a, b, result_a, result_b = await pair(identities=(a_id, b_id), expect=expect)
+        assert time.monotonic() - started < 5
+        checker, other = (result_a, result_b) if wrong_side == "dialler" else (result_b, result_a)
+        presented = b_id.fingerprint if wrong_side == "dialler" else a_id.fingerprint
+        assert isinstance(checker, LinkRefused)
+        assert str(checker) == f"peer presented fingerprint {presented}, expected {impostor}"
+        assert isinstance(other, LinkRefused)  # the honest side learns it was turned away
+        await shut(a, b)
+
+    run(go)
+
+
+def test_a_malformed_stream_gets_an_error_and_the_link_goes_on() -> None:
+    async def go() -> None:
+        a, b, link_a, link_b = await pair()
+        stream = await link_a.send_raw(b"\x00" + os.urandom(99))
+        error = await asyncio.wait_for(link_a.receive(), WAIT)
+        assert error.kind is Kind.ERROR and "bad magic" in error.text()
+        assert [r.stream_id for r in link_b.rejected] == [stream]
+        # an oversized header on another stream: refused before any payload is buffered
+        huge = Frame(Kind.PING, 7, payload=b"x").encode()[:28] + (1 << 30).to_bytes(4, "little")
+        await link_a.send_raw(huge)
+        error = await asyncio.wait_for(link_a.receive(), WAIT)
+        assert error.kind is Kind.ERROR and "exceeds" in error.text()
+        await exchange(link_a, link_b, 100, DType.F32)  # the link and other streams still work
+        assert not link_a.closed.done() and not link_b.closed.done()
+        await shut(link_a, link_b, a, b)
+
+    run(go)
+
+
+def test_pings_keep_an_idle_link_alive() -> None:
+    sent: list[bytes] = []
+
+    async def go() -> None:
+        config = LinkConfig(idle_timeout_s=0.6, keepalive_s=15.0)  # pings every 0.2 s
+        a, b, link_a, link_b = await pair(config=config, tap=lambda way, data, _: sent.append(data))
+        sent.clear()
+        await asyncio.sleep(2.0)  # more than three idle timeouts without a frame
+        assert not link_a.closed.done() and not link_b.closed.done()
+        await link_a.send(Frame(Kind.CANCEL, 3))
+        assert (await asyncio.wait_for(link_b.receive(), WAIT)).kind is Kind.CANCEL
+        await shut(link_a, link_b, a, b)
+
+    run(go)
+    assert 3 <= len(sent) <= 60  # a few small packets, not a flood
+
+
+def test_a_peer_that_vanishes_is_reported_dead_within_the_idle_bound() -> None:
+    async def go() -> None:
+        config = LinkConfig()  # the defaults: idle timeout 5 s
+        a, b, link_a, link_b = await pair(config=config)
+        await exchange(link_a, link_b, 20, DType.F16)
+        b.close()  # b's process "dies": no goodbye
+        killed = time.monotonic()
+        reason = await asyncio.wait_for(asyncio.shield(link_a.closed), WAIT)
+        elapsed = time.monotonic() - killed
+        assert isinstance(reason, LinkDead) and "nothing heard" in str(reason)
+        assert elapsed <= config.idle_timeout_s + 0.5  # timer slack on a busy machine
+        with pytest.raises(LinkDead):
+            await link_a.send(Frame(Kind.CANCEL, 1))
+        await shut(a)
+
+    run(go)
+
+
+def test_the_demux_routes_by_first_byte() -> None:
+    async def go() -> None:
+        got: list[tuple[str, bytes]] = []
+        demux = await DatagramDemux.over(bound_socket())
+        demux.register(range(0, 4), lambda data, _: got.append(("stun", data)))
+        demux.register(range(0x10, 0x13), lambda data, _: got.append(("relay/punch", data)))
+        with pytest.raises(ValueError):
+            demux.register([0x40], lambda data, _: None)  # QUIC's range belongs to the links
+        sender = bound_socket()
+        for data in (b"\x00\x01stun", b"\x11probe", b"\x10bind", b"\xc3unknown quic peer", b"\x20?"):
+            sender.sendto(data, demux.local_address)
+        deadline = time.monotonic() + WAIT
+        while demux.dropped < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert got == [("stun", b"\x00\x01stun"), ("relay/punch", b"\x11probe"), ("relay/punch", b"\x10bind")]
+        assert demux.dropped == 2
+        sender.close()
+        demux.close()
+
+    run(go)
+
+
+def test_payloads_never_appear_on_the_wire() -> None:
+    marker = b"KAFILA-SECRET-MARKER-7f3a"
+    seen: list[tuple[str, bytes]] = []
+
+    async def go() -> None:
+        a, b, link_a, link_b = await pair(tap=lambda way, data, _: seen.append((way, data)))
+        for sequence in range(20):
+            await link_a.send(Frame(Kind.PING, sequence, payload=marker * 40))
+            await link_b.send(Frame(Kind.PING, sequence, payload=marker * 40))
+        for link in (link_a, link_b):
+            for _ in range(20):
+                assert (await asyncio.wait_for(link.receive(), WAIT)).payload == marker * 40
+        await shut(link_a, link_b, a, b)
+
+    run(go)
+    assert {way for way, _ in seen} == {"in", "out"} and len(seen) > 20
+    assert all(data[0] >= 64 for _, data in seen)
+    assert not any(marker in data or marker[:8] in data for _, data in seen)
