@@ -35,8 +35,10 @@ timer (which restarts on our own sends) would say.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kafila.network.frames import DType, Frame, FrameDecoder, FrameError, Kind
 from kafila.network.identity import Identity, fingerprint_of, normalize_fingerprint
+from kafila.network.relay import HELLO_ACK, hello, parse_ack
 
 Address = tuple[str, int]
 Handler = Callable[[bytes, Address], None]
@@ -532,6 +535,10 @@ class DatagramDemux(asyncio.DatagramProtocol):
                 raise ValueError("first bytes 64 and above are QUIC's")
             self._handlers[byte] = handler
 
+    def unregister(self, first_bytes: Iterable[int]) -> None:
+        for byte in first_bytes:
+            self._handlers.pop(byte, None)
+
     @property
     def local_address(self) -> Address:
         assert self.transport is not None
@@ -721,3 +728,29 @@ async def open_link(
             await link.close("open_link gave up")
         raise
     return link
+
+
+async def bind_relay(demux: DatagramDemux, relay: Address, token: bytes, timeout: float = 5.0) -> None:
+    """Bind this member's socket to its end of a relay allocation, until the relay says both are.
+
+    The binding datagram is repeated every 100 ms (it is also the relay's keep-alive) until the
+    relay acknowledges both ends; a link opened to the relay's address afterwards is carried
+    verbatim, so its TLS still runs end to end and the relay sees only ciphertext.
+    """
+    paired = asyncio.get_running_loop().create_future()
+
+    def on_ack(data: bytes, source: Address) -> None:
+        if source == relay and parse_ack(data) and not paired.done():
+            paired.set_result(None)
+
+    demux.register([HELLO_ACK], on_ack)
+    deadline = time.monotonic() + timeout
+    try:
+        while not paired.done():
+            if time.monotonic() >= deadline:
+                raise LinkDead(f"the relay at {relay[0]}:{relay[1]} did not pair this edge within {timeout:.0f} s")
+            demux.sendto(hello(token), relay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(paired), 0.1)
+    finally:
+        demux.unregister([HELLO_ACK])
