@@ -20,6 +20,11 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
+from kafila.network.frames import Frame, Kind
+from kafila.network.identity import create_identity
+from kafila.network.link import DatagramDemux, Link, bind_relay, open_link, should_dial
 from kafila.network.nat import reflexive_address
 from kafila.network.punch import punch
 from kafila.network.rendezvous_client import RendezvousClient
@@ -28,6 +33,31 @@ from kafila.network.rendezvous_client import RendezvousClient
 def address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host, int(port)
+
+
+def activations(seed: int, count: int) -> list[Frame]:
+    """Deterministic frames both sides can regenerate, so the receiver can check every byte."""
+    rng = np.random.default_rng(seed)
+    return [
+        Frame.of_hidden(Kind.DECODE, seed * 100 + i % 10, i // 10, rng.standard_normal((1, 640)).astype(np.float32))
+        for i in range(count)
+    ]
+
+
+async def exchange(link: Link, mine: int, theirs: int, count: int) -> bool:
+    """Send our frames and receive theirs at once; True if theirs all arrived, in order, intact."""
+
+    async def send() -> None:
+        for frame in activations(mine, count):
+            await link.send(frame)
+
+    async def receive() -> list[Frame]:
+        return [await asyncio.wait_for(link.receive(), 20) for _ in range(count)]
+
+    _, got = await asyncio.gather(send(), receive())
+    expected = activations(theirs, count)
+    by_sequence = lambda frames: {f.sequence_id: [g for g in frames if g.sequence_id == f.sequence_id] for f in frames}  # noqa: E731
+    return by_sequence(got) == by_sequence(expected)
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
@@ -40,32 +70,58 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     started = time.perf_counter()
     srflx = reflexive_address(sock, server)
     rtt_ms = (time.perf_counter() - started) * 1e3
+    identity = create_identity(name=args.name)
     capability = {"name": args.name, "memory_gib": 1.0, "rtt_ms": rtt_ms}
     candidates = [f"{h}:{p}" for h, p in (host, srflx)]
     url = f"ws://{args.http}/v1/session"
     introduced = time.perf_counter()
     if args.code is None:
         client = await RendezvousClient.open(
-            url, model="lab", expected_members=2, capability=capability, fingerprint="0" * 64, candidates=candidates
+            url,
+            model="lab",
+            expected_members=2,
+            capability=capability,
+            fingerprint=identity.fingerprint,
+            candidates=candidates,
         )
         print(json.dumps({"code": client.code}), flush=True)
     else:
         client = await RendezvousClient.join(
-            url, args.code, capability=capability, fingerprint="0" * 64, candidates=candidates
+            url, args.code, capability=capability, fingerprint=identity.fingerprint, candidates=candidates
         )
+    outcome: dict[str, object] = {}
     try:
         ready = await client.wait_ready(timeout=20)
-        introduction_s = time.perf_counter() - introduced
+        outcome["introduction_s"] = time.perf_counter() - introduced
         peer = next(m for m in ready.members if m.name != args.name)
         slowest = max(rtt_ms, peer.capability.rtt_ms or 0.0)
         await asyncio.sleep((slowest - rtt_ms) / 2e3)
         session = hashlib.sha256(ready.host.encode()).digest()[:8]
         result = await punch(sock, session, [address(c) for c in peer.candidates], timeout=args.timeout)
+        outcome["path"] = f"{result.path[0]}:{result.path[1]}" if result.path else None
+        outcome["seconds"] = result.seconds
+        if args.frames:
+            demux = await DatagramDemux.over(sock)
+            try:
+                if result.path is not None:
+                    target, via = result.path, "direct"
+                else:
+                    grant = await client.request_relay(peer.member_id, timeout=20)
+                    target, via = client.relay_address(grant), "relayed"
+                    await bind_relay(demux, target, bytes.fromhex(grant.relay_token), timeout=10)
+                dial = should_dial(identity.fingerprint, peer.fingerprint)
+                link = await open_link(demux, target, identity, peer.fingerprint, dial)
+                mine, theirs = (1, 2) if args.code is None else (2, 1)
+                outcome["link"] = via
+                outcome["frames_ok"] = await exchange(link, mine, theirs, args.frames)
+                await asyncio.sleep(0.5)  # the peer may still be receiving
+                await link.close()
+            finally:
+                demux.close()
     finally:
         await client.close()
         sock.close()
-    path = f"{result.path[0]}:{result.path[1]}" if result.path else None
-    return {"path": path, "seconds": result.seconds, "introduction_s": introduction_s}
+    return outcome
 
 
 def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
@@ -77,13 +133,13 @@ def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
-def punch_pair(lab: Any, stun: str, http: str, home_a: str, home_b: str) -> dict[str, Any]:
+def punch_pair(lab: Any, stun: str, http: str, home_a: str, home_b: str, frames: int = 0) -> dict[str, Any]:
     """Run one agent in each home of a NatLab: the first opens a session, the second joins it.
 
     Returns whether both ended on a direct path, the slower one's punch time, and the joiner's
     time from joining to the introduction.
     """
-    base = [sys.executable, __file__, "--stun", stun, "--http", http, "--timeout", "4"]
+    base = [sys.executable, __file__, "--stun", stun, "--http", http, "--timeout", "4", "--frames", str(frames)]
     pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     host = lab.run_home(lab.homes[home_a], [*base, "--name", "a"], **pipes)
     agents = [host]
@@ -101,6 +157,8 @@ def punch_pair(lab: Any, stun: str, http: str, home_a: str, home_b: str) -> dict
         "direct": all(o["path"] is not None for o in outcomes),
         "seconds": max(o["seconds"] for o in outcomes),
         "introduction_s": outcomes[1]["introduction_s"],
+        "links": [o.get("link") for o in outcomes],
+        "frames_ok": all(o.get("frames_ok", False) for o in outcomes) if frames else None,
     }
 
 
@@ -111,6 +169,7 @@ def main() -> None:
     parser.add_argument("--name", required=True)
     parser.add_argument("--code")
     parser.add_argument("--timeout", type=float, default=4.0)
+    parser.add_argument("--frames", type=int, default=0, help="then link over QUIC and exchange this many frames")
     print(json.dumps(asyncio.run(run(parser.parse_args()))), flush=True)
 
 
