@@ -55,9 +55,15 @@ async def exchange(link: Link, mine: int, theirs: int, count: int) -> bool:
         return [await asyncio.wait_for(link.receive(), 20) for _ in range(count)]
 
     _, got = await asyncio.gather(send(), receive())
-    expected = activations(theirs, count)
-    by_sequence = lambda frames: {f.sequence_id: [g for g in frames if g.sequence_id == f.sequence_id] for f in frames}  # noqa: E731
-    return by_sequence(got) == by_sequence(expected)
+    return _by_sequence(got) == _by_sequence(activations(theirs, count))
+
+
+def _by_sequence(frames: list[Frame]) -> dict[int, list[Frame]]:
+    """Frames grouped by sequence, each group in arrival order: order only holds within one."""
+    groups: dict[int, list[Frame]] = {}
+    for frame in frames:
+        groups.setdefault(frame.sequence_id, []).append(frame)
+    return groups
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
