@@ -24,11 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from natlab import NAT_BEHAVIOUR, NAT_TYPES, PUBLIC_ADDRESSES, NatLab, lab_unavailable_reason
-from natlab_punch_agent import punch_pair
-
-from kafila.planner.reachability import predict_edge
-from kafila.planner.types import Mapping, NatBehaviour
+from natlab import NAT_BEHAVIOUR, NAT_TYPES, NatLab, lab_unavailable_reason
+from natlab_punch_agent import peer_home, predicted_edge, punch_pair, start_rendezvous
 
 KAFILA = [sys.executable, "-m", "kafila"]
 
@@ -43,16 +40,7 @@ def main() -> None:
     with NatLab(prefix="kb") as lab:
         for nat in NAT_TYPES:
             lab.add_home(nat, nat)
-            lab.add_home(f"{nat}-2", nat)
-        primary, alternate = PUBLIC_ADDRESSES
-        server = lab.run_public(
-            [*KAFILA, "rendezvous", "--host", primary, "--alt-address", alternate],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert server.stdout is not None
-        stun, http = server.stdout.readline().split()[1], server.stdout.readline().split()[1]
+        server, stun, http = start_rendezvous(lab)
 
         print("| NAT | classified as (mapping / filtering / class) | right | seconds |")
         print("|---|---|---|---|")
@@ -69,12 +57,8 @@ def main() -> None:
 
         rows = []
         for a, b in itertools.product(NAT_TYPES, repeat=2):
-            results = [punch_pair(lab, stun, http, a, b if a != b else f"{b}-2") for _ in range(args.attempts)]
-            behaviour = [
-                NatBehaviour(mapping=Mapping(NAT_BEHAVIOUR[n][0]), filtering=Mapping(NAT_BEHAVIOUR[n][1]))
-                for n in (a, b)
-            ]
-            predicted = predict_edge(*behaviour).value
+            results = [punch_pair(lab, stun, http, a, peer_home(lab, a, b)) for _ in range(args.attempts)]
+            predicted = predicted_edge(a, b).value
             successes = [r for r in results if r["direct"]]
             rows.append((a, b, predicted, len(successes), results, successes))
         server.terminate()

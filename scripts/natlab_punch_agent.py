@@ -28,6 +28,8 @@ from kafila.network.link import DatagramDemux, Link, bind_relay, open_link, shou
 from kafila.network.nat import reflexive_address
 from kafila.network.punch import punch
 from kafila.network.rendezvous_client import RendezvousClient
+from kafila.planner.reachability import predict_edge
+from kafila.planner.types import EdgePrediction, Mapping, NatBehaviour
 
 
 def address(text: str) -> tuple[str, int]:
@@ -128,6 +130,48 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         await client.close()
         sock.close()
     return outcome
+
+
+def start_rendezvous(lab: Any) -> tuple[subprocess.Popen[str], str, str]:
+    """A real `kafila rendezvous` in the lab's public namespace on both its addresses.
+
+    Returns the process, its STUN address and its HTTP address; the caller terminates it.
+    """
+    from natlab import PUBLIC_ADDRESSES
+
+    primary, alternate = PUBLIC_ADDRESSES
+    process = lab.run_public(
+        [sys.executable, "-m", "kafila", "rendezvous", "--host", primary, "--alt-address", alternate],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    ready = process.stdout.readline().split() if process.stdout else []
+    http = process.stdout.readline().split() if process.stdout else []
+    if len(ready) != 2 or ready[0] != "READY" or len(http) != 2 or http[0] != "HTTP":
+        process.kill()
+        raise RuntimeError("the lab's rendezvous did not start")
+    return process, ready[1], http[1]
+
+
+def peer_home(lab: Any, a: str, b: str) -> str:
+    """The home of type `b` to pair with home `a`: a second one of that type when both match."""
+    if a != b:
+        return b
+    second = f"{b}-2"
+    if second not in lab.homes:
+        lab.add_home(second, b)
+    return second
+
+
+def predicted_edge(a: str, b: str) -> EdgePrediction:
+    """The planner's prediction for an edge between homes of two lab NAT types."""
+    from natlab import NAT_BEHAVIOUR
+
+    a_nat, b_nat = (
+        NatBehaviour(mapping=Mapping(NAT_BEHAVIOUR[n][0]), filtering=Mapping(NAT_BEHAVIOUR[n][1])) for n in (a, b)
+    )
+    return predict_edge(a_nat, b_nat)
 
 
 def _line(process: subprocess.Popen[str]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ __all__ = [
     "NatLab",
     "NatObservation",
     "UdpAgent",
+    "lab_rendezvous",
     "lab_unavailable_reason",
     "list_namespaces",
     "natlab",
@@ -70,3 +71,14 @@ def natlab(natlab_required: None) -> Iterator[NatLab]:
         for nat in NAT_TYPES:
             lab.add_home(nat, nat)
         yield lab
+
+
+@pytest.fixture(scope="module")
+def lab_rendezvous(natlab: NatLab) -> Iterator[tuple[str, str]]:
+    """A real `kafila rendezvous` in the lab's public namespace: (STUN address, HTTP address)."""
+    from natlab_punch_agent import start_rendezvous
+
+    process, stun, http = start_rendezvous(natlab)
+    yield stun, http
+    process.terminate()
+    process.wait(timeout=10)

@@ -10,47 +10,20 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
-from natlab_fixtures import NAT_BEHAVIOUR, NAT_TYPES, PUBLIC_ADDRESSES, NatLab, natlab, natlab_required  # noqa: F401
+from natlab_fixtures import NAT_BEHAVIOUR, NAT_TYPES, NatLab, lab_rendezvous, natlab, natlab_required  # noqa: F401
 
 KAFILA = [sys.executable, "-m", "kafila"]
 
 
-@pytest.fixture(scope="module")
-def rendezvous(natlab: NatLab) -> Iterator[str]:  # noqa: F811
-    primary, alternate = PUBLIC_ADDRESSES
-    process = natlab.run_public(
-        [
-            *KAFILA,
-            "rendezvous",
-            "--host",
-            primary,
-            "--stun-port",
-            "3478",
-            "--alt-address",
-            alternate,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline().split()
-    assert line and line[0] == "READY", process.stderr.read() if process.stderr else ""
-    yield line[1]
-    process.terminate()
-    process.wait(timeout=10)
-
-
 @pytest.mark.parametrize("nat", NAT_TYPES)
-def test_each_nat_is_classified(natlab: NatLab, rendezvous: str, nat: str) -> None:  # noqa: F811
+def test_each_nat_is_classified(natlab: NatLab, lab_rendezvous: tuple[str, str], nat: str) -> None:  # noqa: F811
     home = natlab.homes[nat]
     started = time.monotonic()
     result = natlab.run_home(
         home,
-        [*KAFILA, "nat", "--rendezvous", rendezvous, "--json"],
+        [*KAFILA, "nat", "--rendezvous", lab_rendezvous[0], "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -10,52 +10,23 @@ compared with the planner's rule.
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
-from collections.abc import Iterator
 
 import pytest
-from natlab_fixtures import NAT_BEHAVIOUR, NAT_TYPES, PUBLIC_ADDRESSES, NatLab, natlab, natlab_required  # noqa: F401
-from natlab_punch_agent import punch_pair
+from natlab_fixtures import NAT_TYPES, NatLab, lab_rendezvous, natlab, natlab_required  # noqa: F401
+from natlab_punch_agent import peer_home, predicted_edge, punch_pair
 
-from kafila.planner.reachability import predict_edge
-from kafila.planner.types import EdgePrediction, Mapping, NatBehaviour
-
-
-@pytest.fixture(scope="module")
-def rendezvous(natlab: NatLab) -> Iterator[tuple[str, str]]:  # noqa: F811
-    """A real `kafila rendezvous` in the public namespace: (STUN address, HTTP address)."""
-    primary, alternate = PUBLIC_ADDRESSES
-    process = natlab.run_public(
-        [sys.executable, "-m", "kafila", "rendezvous", "--host", primary, "--alt-address", alternate],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert process.stdout is not None
-    ready, http = process.stdout.readline().split(), process.stdout.readline().split()
-    assert ready and ready[0] == "READY" and http and http[0] == "HTTP"
-    yield ready[1], http[1]
-    process.terminate()
-    process.wait(timeout=10)
-
-
-def predicted(a: str, b: str) -> EdgePrediction:
-    behaviour = {
-        nat: NatBehaviour(mapping=Mapping(NAT_BEHAVIOUR[nat][0]), filtering=Mapping(NAT_BEHAVIOUR[nat][1]))
-        for nat in (a, b)
-    }
-    return predict_edge(behaviour[a], behaviour[b])
+from kafila.planner.types import EdgePrediction
 
 
 @pytest.mark.parametrize(("a", "b"), list(itertools.product(NAT_TYPES, repeat=2)))
-def test_punch_matches_the_prediction(natlab: NatLab, rendezvous: tuple[str, str], a: str, b: str) -> None:  # noqa: F811
-    lab_b = b
-    if a == b:  # two homes of the same type: add a second one on first use
-        lab_b = f"{b}-2"
-        if lab_b not in natlab.homes:
-            natlab.add_home(lab_b, b)
-    outcome = punch_pair(natlab, *rendezvous, a, lab_b)
-    expected = predicted(a, b)
+def test_punch_matches_the_prediction(
+    natlab: NatLab,  # noqa: F811
+    lab_rendezvous: tuple[str, str],  # noqa: F811
+    a: str,
+    b: str,
+) -> None:
+    lab_b = peer_home(natlab, a, b)
+    outcome = punch_pair(natlab, *lab_rendezvous, a, lab_b)
+    expected = predicted_edge(a, b)
     observed = EdgePrediction.DIRECT if outcome["direct"] else EdgePrediction.RELAYED
     assert observed is expected, f"{a} -> {b}: predicted {expected.value}, punched {observed.value}"

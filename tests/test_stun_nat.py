@@ -96,31 +96,29 @@ def test_classes(mapping: Mapping | None, filtering: Mapping | None, expected: N
     assert classify(mapping, filtering) is expected
 
 
-def test_loopback_with_two_addresses_is_open_internet() -> None:
+def probe_on_loopback(alt_address: str | None) -> dict:
+    """`kafila nat`'s report against a real STUN server on loopback, with or without a second address."""
+
     async def run() -> dict:
-        server = await StunServer.start("127.0.0.1", 0, 0, "127.0.0.2")
+        server = await StunServer.start("127.0.0.1", 0, 0, alt_address)
         try:
             report = await probe_nat((server.endpoints.address, server.endpoints.port), bind_host="127.0.0.1")
         finally:
             server.close()
         return report.as_output()
 
-    report = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_loopback_with_two_addresses_is_open_internet() -> None:
+    report = probe_on_loopback("127.0.0.2")
     assert (report["mapping"], report["filtering"], report["class"]) == (EIM.value, EIM.value, "permissive")
     assert report["behind_nat"] is False and report["mapped_address"] == report["local_address"]
     assert report["rtt_ms"] > 0 and report["notes"] == []
 
 
 def test_loopback_with_one_address_says_what_it_cannot_tell() -> None:
-    async def run() -> dict:
-        server = await StunServer.start("127.0.0.1", 0)
-        try:
-            report = await probe_nat((server.endpoints.address, server.endpoints.port), bind_host="127.0.0.1")
-        finally:
-            server.close()
-        return report.as_output()
-
-    report = asyncio.run(run())
+    report = probe_on_loopback(None)
     assert report["mapping"] is None and report["filtering"] is None and report["class"] is None
     assert any("--alt-address" in note for note in report["notes"])
 
