@@ -14,7 +14,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,7 +197,6 @@ def slice_model(
     source: str | os.PathLike[str],
     counts: Sequence[int],
     out_dir: str | os.PathLike[str],
-    progress: Callable[[int, int], None] | None = None,
 ) -> list[StageFile]:
     """Write one file per stage for a division given in chain order (block 0 first, head last).
 
@@ -216,8 +215,6 @@ def slice_model(
         path, digest = _write(_Slice(reader, arch, n_blocks, first, first + count, is_head), Path(out_dir))
         stages.append(StageFile(index, first, first + count, is_head, path, digest, path.stat().st_size))
         first += count
-        if progress is not None:
-            progress(index + 1, len(counts))
     return stages
 
 

@@ -20,7 +20,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,6 @@ class StageTimer:
     rows: int = 0
     decode_seconds: float = 0.0
     decode_rows: int = 0
-    by_kind: dict[str, float] = field(default_factory=dict)
 
     def add(self, seconds: float, rows: int, decode: bool) -> None:
         self.seconds += seconds
