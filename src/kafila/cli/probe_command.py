@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -13,6 +14,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from kafila.cli.errors import fail
+from kafila.planner.fleet import FleetDevice
+from kafila.runtime.model_probe import ModelStageProbe, priced_for_model, probe_model_stages
 from kafila.runtime.probe import DeviceProbe, ProbeError, ProgressFn, run_probe
 
 
@@ -32,7 +35,23 @@ def _progress(enabled: bool) -> Iterator[ProgressFn]:
         yield update
 
 
-def _render(result: DeviceProbe, console: Console) -> None:
+def _render_model_stages(stages: ModelStageProbe, console: Console) -> None:
+    table = Table(title=f"{stages.model} as local rings {stages.divisions} (decode, median of runs)")
+    for column in ("blocks", "role", "ms per token"):
+        table.add_column(column, justify="right")
+    for stage in stages.stages:
+        role = "head" if stage.is_head else "blocks"
+        table.add_row(f"{stage.first_block}–{stage.end_block - 1}", role, f"{stage.ms_per_token:.2f}")
+    console.print(table)
+    head = "" if stages.head_measured else " (the head was too small to time; priced at b)"
+    console.print(
+        f"priced for this model: b = {stages.bandwidth_gb_s:.2f} GB/s, b_head = {stages.head_bandwidth_gb_s:.2f} GB/s"
+        f"{head}, o = {stages.overhead_us:.0f} µs",
+        highlight=False,
+    )
+
+
+def _render(result: DeviceProbe, entry: FleetDevice, console: Console) -> None:
     console.print(
         f"[bold]{result.name}[/bold] measured with llama.cpp {result.llama_cpp_version} "
         f"({result.backend}, {result.threads} threads, {result.weight_type} weights) in {result.elapsed_s:.1f} s",
@@ -79,19 +98,41 @@ def _render(result: DeviceProbe, console: Console) -> None:
             highlight=False,
         )
     console.print("Fleet entry for this device:")
-    console.print_json(json.dumps(result.fleet_entry()))
+    console.print_json(json.dumps(entry.model_dump(exclude_none=True)))
 
 
 def probe(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            help="Also price this GGUF model's own stages by running it as small local rings (about 30 s): "
+            "narrow models are bound by per-kernel work, not bytes, and their head streams faster than their blocks.",
+        ),
+    ] = None,
 ) -> None:
     """Measure this device's memory bandwidth, overhead, throughput and memory with llama.cpp."""
+    if model is not None and not model.is_file():
+        fail(f"no model file at {model}", as_json)
+    stages: ModelStageProbe | None = None
     try:
         with _progress(enabled=not as_json) as update:
-            result = run_probe(update)
+            result = run_probe(update if model is None else lambda text, f: update(text, f / 2))
+            if model is not None:
+                stages = probe_model_stages(model, lambda text, f: update(text, 0.5 + f / 2))
     except ProbeError as error:
         fail(str(error), as_json)
+    except (OSError, ValueError) as error:
+        fail(f"cannot price {model}: {error}", as_json)
+    entry = result.fleet_device() if stages is None else priced_for_model(result.fleet_device(), stages)
     if as_json:
-        print(json.dumps(result.report()))
+        report = {**result.report(), **entry.model_dump(exclude_none=True)}
+        if stages is not None:
+            report["model_stages"] = stages.model_dump()
+        print(json.dumps(report))
     else:
-        _render(result, Console())
+        console = Console()
+        _render(result, entry, console)
+        if stages is not None:
+            _render_model_stages(stages, console)

@@ -57,10 +57,14 @@ def _nonempty(n_blocks: int) -> BoolMatrix:
 
 
 def cost_model_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> FloatMatrix:
-    """c = o + (bytes of its blocks) / b + [head] * head_bytes / b, with nothing fitted."""
+    """c = o + (bytes of its blocks) / b + [head] * head_bytes / b_head, with nothing fitted.
+
+    b_head is the device's measured bandwidth on the output projection when it has one, else b.
+    """
     assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
     bandwidth = device.bandwidth_bytes_per_s
-    fixed = device.overhead_s + (prefix.head_bytes / bandwidth if is_head else 0.0)
+    head_bandwidth = device.head_bandwidth_bytes_per_s or bandwidth
+    fixed = device.overhead_s + (prefix.head_bytes / head_bandwidth if is_head else 0.0)
     costs = fixed + prefix.range_weight_matrix() / bandwidth
     return np.where(_nonempty(prefix.n_blocks), costs, np.inf)
 

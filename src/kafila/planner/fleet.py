@@ -49,6 +49,7 @@ class FleetDevice(Strict):
     name: str = Field(min_length=1, max_length=64)
     memory_gib: Annotated[float, Field(gt=0, le=2**20)]
     bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    head_bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None
     overhead_us: Annotated[float, Field(ge=0, le=1e7)] | None = None
     tflops: Annotated[float, Field(gt=0, le=1e6)] | None = None
     nat: NatClass | NatBehaviour | None = None
@@ -60,6 +61,7 @@ class FleetDevice(Strict):
             name=self.name,
             memory_bytes=max(1, int(self.memory_gib * 2**30)),
             bandwidth_bytes_per_s=self.bandwidth_gb_s * 1e9 if self.bandwidth_gb_s is not None else None,
+            head_bandwidth_bytes_per_s=self.head_bandwidth_gb_s * 1e9 if self.head_bandwidth_gb_s is not None else None,
             overhead_s=self.overhead_us * 1e-6 if self.overhead_us is not None else None,
             flops=self.tflops * 1e12 if self.tflops is not None else None,
             nat=nat,

@@ -98,6 +98,9 @@ class Device(Strict):
     name: str = Field(min_length=1)
     memory_bytes: Annotated[int, Field(ge=1, le=2**50)]
     bandwidth_bytes_per_s: Annotated[float, Field(gt=0, le=1e15)] | None = None
+    # The head's output projection is one wide matrix, which streams nearer peak bandwidth than
+    # a narrow model's blocks of many small kernels; when measured, it prices the head's read.
+    head_bandwidth_bytes_per_s: Annotated[float, Field(gt=0, le=1e15)] | None = None
     overhead_s: Annotated[float, Field(ge=0, le=10)] | None = None
     flops: Annotated[float, Field(gt=0, le=1e18)] | None = None
     nat: NatBehaviour | None = None

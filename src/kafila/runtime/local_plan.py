@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kafila.planner import plan_session
 from kafila.planner.fleet import FleetDevice
-from kafila.planner.types import Device, ModelManifest, SessionSpec
+from kafila.planner.types import ModelManifest, SessionSpec
 
 
 def cache_dir() -> Path:
@@ -44,15 +44,7 @@ def this_device(progress: Callable[[str, float], None] | None = None) -> FleetDe
 def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, session: SessionSpec) -> list[int]:
     """Block counts in chain order (head last) for n stages sharing this device."""
     base = device.device()
-    members = [
-        Device(
-            name=f"stage-{i}",
-            memory_bytes=max(1, base.memory_bytes // n_stages),
-            bandwidth_bytes_per_s=base.bandwidth_bytes_per_s,
-            overhead_s=base.overhead_s,
-            flops=base.flops,
-        )
-        for i in range(n_stages)
-    ]
+    share = max(1, base.memory_bytes // n_stages)
+    members = [base.model_copy(update={"name": f"stage-{i}", "memory_bytes": share}) for i in range(n_stages)]
     plan = plan_session(manifest, members, session, anchor=members[-1].name)
     return [stage.end - stage.start for stage in plan.stages]

@@ -1,0 +1,173 @@
+"""Price one model's stages on this machine by running the model itself as a small local ring.
+
+The generic probe times wide synthetic blocks, which are bandwidth-bound by design. A narrow
+model is not: gemma-3-270m's 640-wide blocks spend their time in per-kernel work, its head's
+output projection streams much nearer peak bandwidth than its blocks do, and a stage that sits
+idle between tokens (as every ring stage does) pays to wake its threads. A stage timed in a
+tight loop sees none of that, so it predicted ring stage times 30 to 60 per cent short.
+
+This probe measures on the serving path instead: it runs the model as two-stage rings over
+loopback sockets under two calibration divisions, one with a short block stage and one with
+a long one, and reads every stage's own decode time. From those it derives the planner's three
+numbers:
+- o and b, the line through the two block stages' (bytes, time) points;
+- b_head, the head's output-projection bytes over what the head stages spent beyond o + bytes / b.
+
+The derivation is pure (`derive_costs`); only `probe_model_stages` touches llama.cpp.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from kafila.planner.fleet import FleetDevice
+from kafila.planner.types import ModelManifest, Strict
+from kafila.runtime.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, significant
+
+CALIBRATION_PROMPT = "The history of the printing press begins"
+CALIBRATION_TOKENS = 48
+CALIBRATION_REPEATS = 3
+
+
+class StageTime(Strict):
+    """One stage of one calibration ring: its blocks, whether it held the head, its decode ms per token."""
+
+    first_block: Annotated[int, Field(ge=0)]
+    end_block: Annotated[int, Field(ge=1)]
+    is_head: bool
+    ms_per_token: Annotated[float, Field(gt=0)]
+
+
+class ModelStageProbe(Strict):
+    """The cost model's numbers for one model on this machine, with the measurements behind them."""
+
+    model: str
+    bandwidth_gb_s: Annotated[float, Field(gt=0)]
+    head_bandwidth_gb_s: Annotated[float, Field(gt=0)]
+    head_measured: bool  # False: the head's extra time was lost in noise and b_head is b
+    overhead_us: Annotated[float, Field(ge=0)]
+    divisions: list[list[int]]
+    stages: list[StageTime]
+
+
+def calibration_divisions(n_blocks: int) -> list[list[int]]:
+    """A short and a long block stage, each followed by the head: [k, n - k] and [n - k, k].
+
+    k is about a ninth of the model, so the two block stages span most of the range the planner
+    will price, while neither calibration ring is a division anyone is likely to check against.
+    """
+    if n_blocks < 3:
+        raise ProbeError(f"the model has {n_blocks} blocks; pricing its stages needs at least 3")
+    short = max(1, n_blocks // 9)
+    return [[short, n_blocks - short], [n_blocks - short, short]]
+
+
+def stage_times(divisions: Sequence[Sequence[int]], runs: Sequence[Sequence[float]]) -> list[StageTime]:
+    """Each run's per-stage ms per token, labelled with the blocks that stage held."""
+    out = []
+    for counts, times in zip(divisions, runs, strict=True):
+        start = 0
+        for i, (count, ms) in enumerate(zip(counts, times, strict=True)):
+            out.append(
+                StageTime(first_block=start, end_block=start + count, is_head=i == len(counts) - 1, ms_per_token=ms)
+            )
+            start += count
+    return out
+
+
+def derive_costs(manifest: ModelManifest, stages: Sequence[StageTime]) -> tuple[LineFit, float | None]:
+    """(o, 1/b) as a line through the block stages, and b_head from what the heads spent beyond it.
+
+    b_head is None when the heads took no longer than their blocks: a head too small to time
+    (a tiny vocabulary) is then priced at b, as the generic probe prices every head.
+    """
+    blocks = [s for s in stages if not s.is_head]
+    heads = [s for s in stages if s.is_head]
+    if not heads:
+        raise ProbeError("no head stage was timed")
+
+    def weight(stage: StageTime) -> int:
+        return sum(manifest.block_bytes[stage.first_block : stage.end_block])
+
+    try:
+        fit = fit_line([weight(s) for s in blocks], [s.ms_per_token * 1e-3 for s in blocks])
+    except ValueError:
+        raise ProbeError("the block stages must hold at least two different numbers of blocks") from None
+    if fit.slope <= 0:
+        raise ProbeError("stage time did not grow with the number of blocks; the device is too busy to measure")
+    overhead = max(0.0, fit.intercept)
+    extra = statistics.median(s.ms_per_token * 1e-3 - overhead - weight(s) * fit.slope for s in heads)
+    if extra <= 0 or manifest.head_bytes == 0:
+        return fit, None
+    return fit, manifest.head_bytes / extra
+
+
+def _quiet(_stage: str, _fraction: float) -> None:
+    pass
+
+
+def probe_model_stages(
+    model: Path, progress: ProgressFn = _quiet, repeats: int = CALIBRATION_REPEATS, n_threads: int | None = None
+) -> ModelStageProbe:
+    """Run the calibration rings `repeats` times, interleaved, and derive o, b and b_head from the medians."""
+    from kafila.runtime.llama_backend import ContextSettings
+    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.pipeline import generate, open_engine
+    from kafila.runtime.probe import load_llama_cpp
+    from kafila.runtime.sampling import SamplingSettings
+
+    manifest = read_manifest(model)
+    divisions = calibration_divisions(manifest.n_blocks)
+    load_llama_cpp()
+    settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1)
+    if n_threads is not None:
+        settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1, n_threads=n_threads)
+    runs: list[list[list[float]]] = [[] for _ in divisions]
+    total = repeats * len(divisions)
+    with tempfile.TemporaryDirectory(prefix="kafila-probe-") as cache:
+        for repeat in range(repeats):  # interleaved, so a change in load hits both divisions alike
+            for index, counts in enumerate(divisions):
+                progress(f"timing {counts} as a local ring", (repeat * len(divisions) + index) / total)
+                engine = open_engine(model, counts, settings, Path(cache))
+                try:
+                    generation = generate(engine, CALIBRATION_PROMPT, CALIBRATION_TOKENS, SamplingSettings())
+                finally:
+                    engine.close()
+                times = [stage["ms_per_token"] for stage in generation.stages]
+                if not all(isinstance(t, float) and t > 0 for t in times):
+                    raise ProbeError(f"a stage of {counts} reported no decode time: {times}")
+                runs[index].append([float(t) for t in times])  # type: ignore[arg-type]
+    progress("fitting", 1.0)
+    medians = [
+        [statistics.median(run[i] for run in per_division) for i in range(len(counts))]
+        for counts, per_division in zip(divisions, runs, strict=True)
+    ]
+    stages = stage_times(divisions, medians)
+    fit, head_bandwidth = derive_costs(manifest, stages)
+    bandwidth = 1.0 / fit.slope
+    return ModelStageProbe(
+        model=manifest.name,
+        bandwidth_gb_s=bandwidth / GB,
+        head_bandwidth_gb_s=(head_bandwidth or bandwidth) / GB,
+        head_measured=head_bandwidth is not None,
+        overhead_us=max(0.0, fit.intercept) * 1e6,
+        divisions=divisions,
+        stages=stages,
+    )
+
+
+def priced_for_model(device: FleetDevice, stages: ModelStageProbe) -> FleetDevice:
+    """The device's fleet entry with the model's own o, b and b_head in place of the generic o and b."""
+    return device.model_copy(
+        update={
+            "bandwidth_gb_s": significant(stages.bandwidth_gb_s),
+            "head_bandwidth_gb_s": significant(stages.head_bandwidth_gb_s),
+            "overhead_us": significant(stages.overhead_us),
+        }
+    )
