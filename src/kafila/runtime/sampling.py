@@ -23,11 +23,18 @@ class SamplingSettings(BaseModel):
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     repeat_last_n: int = Field(default=64, ge=0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int = Field(default=0, ge=0, lt=2**32)
 
     @property
+    def penalised(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """A plain argmax: temperature zero and no penalty to apply first."""
+        return self.temperature == 0.0 and not self.penalised
 
 
 class Sampler:
@@ -45,13 +52,22 @@ class Sampler:
             chain = lib.llama_sampler_chain_init(params)
             lib.llama_sampler_chain_add(
                 chain,
-                lib.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0),
+                lib.llama_sampler_init_penalties(
+                    n_vocab,
+                    settings.repeat_last_n,
+                    settings.repeat_penalty,
+                    settings.frequency_penalty,
+                    settings.presence_penalty,
+                ),
             )
-            if settings.top_k > 0:
-                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(settings.top_k))
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(settings.top_p, 1))
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(settings.temperature))
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(settings.seed))
+            if settings.temperature == 0.0:  # penalties, then the most likely token
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+            else:
+                if settings.top_k > 0:
+                    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(settings.top_k))
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(settings.top_p, 1))
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(settings.temperature))
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(settings.seed))
             self._chain = chain
             self._candidates = np.zeros(n_vocab, dtype=_TOKEN_DATA)
             self._ids = np.arange(n_vocab, dtype=np.int32)

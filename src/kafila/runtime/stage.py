@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +43,15 @@ class StepInput:
     sequence_id: int
     position: int
     states: FloatRows  # (n, hidden)
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """One sequence's token ids in a step, at positions position .. position + n - 1."""
+
+    sequence_id: int
+    position: int
+    tokens: list[int]
 
 
 @dataclass
@@ -65,21 +75,40 @@ class StageTimer:
         return 1e3 * self.decode_seconds / self.decode_rows if self.decode_rows else None
 
 
+class _Rows(Protocol):
+    """A sequence's rows at consecutive positions: hidden states, or token ids as a column."""
+
+    @property
+    def sequence_id(self) -> int: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def states(self) -> npt.NDArray[Any]: ...
+
+
 @dataclass(frozen=True)
 class _Piece:
     """A run of one step's rows that fits in a single decode."""
 
     sequence_id: int
     position: int
-    states: FloatRows
+    states: npt.NDArray[Any]
     ends_step: bool
+    step: int  # index of the step it came from
 
 
-def _decodes(steps: Sequence[StepInput], limit: int) -> list[list[_Piece]]:
+@dataclass(frozen=True)
+class _TokenRows:
+    sequence_id: int
+    position: int
+    states: npt.NDArray[np.int32]
+
+
+def _decodes(steps: Sequence[_Rows], limit: int) -> list[list[_Piece]]:
     """Group steps into decodes of at most `limit` rows; a long prompt spans several."""
     decodes: list[list[_Piece]] = [[]]
     room = limit
-    for step in steps:
+    for index, step in enumerate(steps):
         n, start = step.states.shape[0], 0
         while start < n:
             if room == 0:
@@ -87,7 +116,7 @@ def _decodes(steps: Sequence[StepInput], limit: int) -> list[list[_Piece]]:
                 room = limit
             take = min(room, n - start)
             piece = _Piece(
-                step.sequence_id, step.position + start, step.states[start : start + take], start + take == n
+                step.sequence_id, step.position + start, step.states[start : start + take], start + take == n, index
             )
             decodes[-1].append(piece)
             start += take
@@ -95,7 +124,7 @@ def _decodes(steps: Sequence[StepInput], limit: int) -> list[list[_Piece]]:
     return [d for d in decodes if d]
 
 
-def _rows(pieces: Sequence[_Piece]) -> tuple[list[int], list[int], FloatRows]:
+def _rows(pieces: Sequence[_Piece]) -> tuple[list[int], list[int], npt.NDArray[Any]]:
     sequences: list[int] = []
     positions: list[int] = []
     for piece in pieces:
@@ -104,6 +133,30 @@ def _rows(pieces: Sequence[_Piece]) -> tuple[list[int], list[int], FloatRows]:
         positions += range(piece.position, piece.position + n)
     states = np.concatenate([p.states for p in pieces]) if len(pieces) > 1 else pieces[0].states
     return sequences, positions, states
+
+
+def _logits_of_steps(
+    model: LlamaModel, steps: Sequence[_Rows], wanted: Sequence[bool] | None, as_tokens: bool
+) -> list[npt.NDArray[np.float32] | None]:
+    """Run the steps in as few decodes as the batch allows; logits after each wanted step's last row."""
+    out: list[npt.NDArray[np.float32] | None] = [None] * len(steps)
+    for pieces in _decodes(steps, model.settings.n_batch):
+        sequences, positions, rows = _rows(pieces)
+        outputs = [False] * len(sequences)
+        owners: dict[int, int] = {}
+        end = 0
+        for piece in pieces:
+            end += piece.states.shape[0]
+            if piece.ends_step and (wanted is None or wanted[piece.step]):
+                outputs[end - 1] = True
+                owners[end - 1] = piece.step
+        if as_tokens:
+            model.decode(sequences, positions, outputs, tokens=[int(t) for t in rows[:, 0]])
+        else:
+            model.decode(sequences, positions, outputs, states=rows)
+        for row, step in owners.items():
+            out[step] = model.logits(row)
+    return out
 
 
 class BlockStage:
@@ -192,6 +245,22 @@ class Vocabulary:
     def is_end(self, token: int) -> bool:
         return bool(self._llama.llama_vocab_is_eog(self._model.vocab, token))
 
+    def chat_template(self) -> str | None:
+        """The model's own Jinja chat template, from its GGUF metadata, if it has one."""
+        text = self._llama.llama_model_chat_template(self._model.model, None)
+        return text.decode("utf-8", errors="replace") if text else None
+
+    def special_text(self) -> tuple[str, str]:
+        """The beginning- and end-of-sequence tokens as text, which chat templates write out."""
+        lib, vocab = self._llama, self._model.vocab
+        bos, eos = lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab)
+        return (self.piece_special(bos) if bos >= 0 else "", self.piece_special(eos) if eos >= 0 else "")
+
+    def piece_special(self, token: int) -> str:
+        buffer = ctypes.create_string_buffer(256)
+        n = self._llama.llama_token_to_piece(self._model.vocab, token, buffer, 256, 0, True)
+        return buffer.raw[: max(0, n)].decode("utf-8", errors="replace")
+
 
 class TokenEmbedding:
     """Rows of token_embd, dequantized as llama.cpp would, plus the family's input transform."""
@@ -228,19 +297,12 @@ class HeadStage:
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
 
-    def forward(self, steps: Sequence[StepInput], decode: bool = False) -> list[npt.NDArray[np.float32]]:
-        """Logits for the last row of every step."""
+    def forward(
+        self, steps: Sequence[StepInput], decode: bool = False, wanted: Sequence[bool] | None = None
+    ) -> list[npt.NDArray[np.float32] | None]:
+        """Logits for the last row of every wanted step (all by default); None for the others."""
         started = time.perf_counter()
-        logits = []
-        for pieces in _decodes(steps, self.model.settings.n_batch):
-            sequences, positions, states = _rows(pieces)
-            outputs = [False] * len(sequences)
-            end = 0
-            for piece in pieces:
-                end += piece.states.shape[0]
-                outputs[end - 1] = piece.ends_step
-            self.model.decode(sequences, positions, outputs, states=states)
-            logits += [self.model.logits(i) for i, wanted in enumerate(outputs) if wanted]
+        logits = _logits_of_steps(self.model, steps, wanted, as_tokens=False)
         rows = sum(s.states.shape[0] for s in steps)
         self.timer.add(time.perf_counter() - started, rows, decode)
         return logits
@@ -265,16 +327,19 @@ class WholeModel:
         self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool = False
     ) -> npt.NDArray[np.float32]:
         """Logits after the last of the tokens."""
+        (logits,) = self.forward_steps([TokenStep(sequence_id, position, list(tokens))], decode)
+        assert logits is not None
+        return logits
+
+    def forward_steps(
+        self, steps: Sequence[TokenStep], decode: bool = False, wanted: Sequence[bool] | None = None
+    ) -> list[npt.NDArray[np.float32] | None]:
+        """Logits after the last token of every wanted step; the steps of many sequences share decodes."""
         started = time.perf_counter()
-        limit = self.model.settings.n_batch
-        for start in range(0, len(tokens), limit):
-            piece = list(tokens[start : start + limit])
-            outputs = [False] * len(piece)
-            outputs[-1] = True
-            positions = list(range(position + start, position + start + len(piece)))
-            self.model.decode([sequence_id] * len(piece), positions, outputs, tokens=piece)
-        self.timer.add(time.perf_counter() - started, len(tokens), decode)
-        return self.model.logits(len(piece) - 1)
+        rows = [_TokenRows(s.sequence_id, s.position, np.asarray(s.tokens, dtype=np.int32)[:, None]) for s in steps]
+        logits = _logits_of_steps(self.model, rows, wanted, as_tokens=True)
+        self.timer.add(time.perf_counter() - started, sum(len(s.tokens) for s in steps), decode)
+        return logits
 
     def forget(self, sequence_id: int) -> None:
         self.model.forget(sequence_id)

@@ -1,0 +1,132 @@
+"""The OpenAI request bodies Kafila accepts, validated strictly at the boundary.
+
+Fields the OpenAI API defines but Kafila does not implement (several choices, log
+probabilities, tools) are refused with a clear 400 rather than silently ignored; fields it does
+not know at all are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kafila.runtime.sampling import SamplingSettings
+
+MAX_STOP_STRINGS = 4
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # not OpenAI's, but llama.cpp servers take it
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] | None = None
+    logprobs: Literal[False] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def sampling(self) -> SamplingSettings:
+        """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set."""
+        return SamplingSettings(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            seed=(self.seed % 2**32) if self.seed is not None else _fresh_seed(),
+        )
+
+
+def _fresh_seed() -> int:
+    import secrets
+
+    return secrets.randbelow(2**32)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        # "developer" is OpenAI's newer name for the system role; templates know only "system".
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class ChatRequest(Request):
+    messages: list[Message] = Field(min_length=1, max_length=4096)
+    tools: list[Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tools are not supported by this server")
+        return value
+
+
+class CompletionRequest(Request):
+    prompt: str | list[str] | list[int]
+    echo: Literal[False] | None = None
+    suffix: None = None
+
+    def prompt_text(self) -> str | list[int]:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if all(isinstance(p, str) for p in self.prompt):
+            if len(self.prompt) != 1:
+                raise ValueError("one prompt per request: this server does not batch prompts in one request")
+            return str(self.prompt[0])
+        return [int(t) for t in self.prompt]
+
+
+Request.model_rebuild()
+ChatRequest.model_rebuild()
+CompletionRequest.model_rebuild()

@@ -1,0 +1,376 @@
+"""The host's HTTP API: OpenAI's `/v1` routes, `/health`, `/status` and Prometheus `/metrics`.
+
+Handlers validate, render and tokenize on the event loop, then hand a job to the engine loop
+and wait on an asyncio queue that the loop's thread feeds. Every failure a client can cause or
+meet is an OpenAI-shaped error body with the status code OpenAI would use, so SDKs raise their
+usual exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from kafila.api.chat_template import ChatTemplate, TemplateError
+from kafila.api.scheduler import Event, Failed, Finished, Job, TextDelta
+from kafila.api.schemas import ChatRequest, CompletionRequest
+from kafila.api.service import EngineLoop, EngineUnavailable
+from kafila.runtime.pipeline import Engine
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def _invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code, param)
+
+
+@dataclass
+class Serving:
+    """What the routes serve: the model's name, and once the session is ready, its engine loop."""
+
+    model_id: str
+    context_per_sequence: int
+    api_key: str | None = None
+    loop: EngineLoop | None = None
+    engine: Engine | None = None
+    template: ChatTemplate | None = None
+    waiting_for: list[str] = field(default_factory=lambda: ["the model to load"])
+    failure: str | None = None
+    session_status: Callable[[], dict[str, Any]] = dict
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
+        bos, eos = engine.special_text()
+        self.template = ChatTemplate(engine.chat_template(), bos, eos, architecture)
+        self.engine, self.loop = engine, loop
+        self.waiting_for = []
+        self.failure = None
+
+    def become_unready(self, waiting_for: list[str], failure: str | None = None) -> None:
+        self.loop, self.engine, self.waiting_for, self.failure = None, None, waiting_for, failure
+
+    @property
+    def ready(self) -> bool:
+        return self.loop is not None and self.loop.error is None
+
+
+class _Metrics:
+    def __init__(self, serving: Serving) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kafila_requests", "Requests by route and HTTP status", ["route", "status"], registry=self.registry
+        )
+        self.prompt_tokens = Counter("kafila_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self.completion_tokens = Counter("kafila_completion_tokens", "Tokens generated", registry=self.registry)
+        self.first_token = Histogram(
+            "kafila_time_to_first_token_seconds", "From request to first generated text", registry=self.registry
+        )
+        queue = Gauge("kafila_queue_depth", "Requests waiting for a slot", registry=self.registry)
+        queue.set_function(lambda: serving.loop.queued if serving.loop else 0)
+        running = Gauge("kafila_running_requests", "Requests generating now", registry=self.registry)
+        running.set_function(lambda: serving.loop.running if serving.loop else 0)
+        rate = Gauge("kafila_tokens_per_second", "Generated tokens per second, last 10 s", registry=self.registry)
+        rate.set_function(lambda: serving.loop.stats.tokens_per_s(time.monotonic()) if serving.loop else 0.0)
+        ready = Gauge("kafila_ready", "1 when every stage is ready", registry=self.registry)
+        ready.set_function(lambda: 1.0 if serving.ready else 0.0)
+
+
+def create_app(serving: Serving) -> FastAPI:
+    app = FastAPI(title="Kafila", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = _Metrics(serving)
+
+    def authorise(request: Request) -> None:
+        if serving.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), serving.api_key.encode()):
+            raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+
+    async def parse(request: Request, schema: type[BaseModel]) -> Any:
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise _invalid("We could not parse the JSON body of your request.") from None
+        if not isinstance(data, dict):
+            raise _invalid("The request body must be a JSON object.")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise _invalid(f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
+
+    def ready_loop(model: str) -> tuple[EngineLoop, Engine]:
+        if model != serving.model_id:
+            raise ApiError(
+                404, f"The model '{model}' does not exist; this server serves '{serving.model_id}'.",
+                "invalid_request_error", "model_not_found", "model",
+            )  # fmt: skip
+        loop, engine = serving.loop, serving.engine
+        if loop is None or engine is None or loop.error is not None:
+            raise ApiError(503, _not_ready_text(serving, loop), "server_error", "not_ready")
+        return loop, engine
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        response: Response = await call_next(request)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if serving.ready:
+            return JSONResponse({"status": "ready", "model": serving.model_id})
+        body: dict[str, Any] = {"status": "failed" if serving.failure else "starting", "model": serving.model_id}
+        body["waiting_for"] = serving.waiting_for
+        if serving.failure or (serving.loop and serving.loop.error):
+            body["error"] = serving.failure or (serving.loop.error if serving.loop else None)
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authorise(request)
+        return {"object": "list", "data": [_model_card(serving)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> dict[str, Any]:
+        authorise(request)
+        if model != serving.model_id:
+            raise ApiError(404, f"The model '{model}' does not exist.", "invalid_request_error", "model_not_found")
+        return _model_card(serving)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        authorise(request)
+        body: ChatRequest = await parse(request, ChatRequest)
+        loop, engine = ready_loop(body.model)
+        assert serving.template is not None
+        try:
+            rendered = serving.template.render([m.for_template() for m in body.messages])
+        except TemplateError as error:
+            raise _invalid(str(error), "messages") from None
+        prompt = engine.tokenize(rendered.text, not rendered.starts_with_bos, True)
+        return await _serve(request, body, prompt, loop, chat=True)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        authorise(request)
+        body: CompletionRequest = await parse(request, CompletionRequest)
+        loop, engine = ready_loop(body.model)
+        try:
+            text = body.prompt_text()
+        except ValueError as error:
+            raise _invalid(str(error), "prompt") from None
+        if isinstance(text, list):
+            if any(not 0 <= t < engine.n_vocab() for t in text):
+                raise _invalid(f"prompt token ids must be below the vocabulary size {engine.n_vocab()}", "prompt")
+            prompt = text
+        else:
+            prompt = engine.tokenize(text, True, False)
+        return await _serve(request, body, prompt, loop, chat=False)
+
+    async def _serve(
+        request: Request, body: ChatRequest | CompletionRequest, prompt: list[int], loop: EngineLoop, chat: bool
+    ) -> Response:
+        context = serving.context_per_sequence
+        if not prompt:
+            raise _invalid("The prompt is empty.", "prompt" if not chat else "messages")
+        limit = body.token_limit()
+        if len(prompt) >= context or (limit is not None and len(prompt) + limit > context):
+            asked = f" and {limit} for the completion" if limit is not None else ""
+            raise _invalid(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{len(prompt)} tokens in the prompt{asked}. Please reduce the length of the prompt or completion.",
+                "messages" if chat else "prompt", "context_length_exceeded",
+            )  # fmt: skip
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        job = Job(request_id, prompt, limit or context, body.sampling(), body.stop_strings())
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        event_loop = asyncio.get_running_loop()
+
+        def sink(event: Event) -> None:
+            event_loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        try:
+            loop.submit(job, sink)
+        except EngineUnavailable as error:
+            raise ApiError(503, str(error), "server_error", "not_ready") from None
+        except ValueError as error:
+            raise _invalid(str(error)) from None
+        reply = _Reply(request_id, serving.model_id, chat, time.monotonic(), metrics)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _stream(queue, reply, include_usage, lambda: loop.cancel(request_id)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            text, finished = await reply.collect(queue)
+        finally:
+            loop.cancel(request_id)  # a no-op once finished; frees the slot if the client went away
+        return JSONResponse(reply.whole(text, finished))
+
+    @app.get("/status")
+    async def status(request: Request) -> dict[str, Any]:
+        authorise(request)
+        loop = serving.loop
+        now = time.monotonic()
+        return {
+            "model": serving.model_id,
+            "ready": serving.ready,
+            "waiting_for": serving.waiting_for,
+            "error": serving.failure or (loop.error if loop else None),
+            "context_per_sequence": serving.context_per_sequence,
+            "queue_depth": loop.queued if loop else 0,
+            "running": loop.running if loop else 0,
+            "tokens_per_s": round(loop.stats.tokens_per_s(now), 3) if loop else 0.0,
+            "requests": {"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
+            "stages": loop.stage_report if loop else [],
+            **serving.session_status(),
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _not_ready_text(serving: Serving, loop: EngineLoop | None) -> str:
+    if loop is not None and loop.error is not None:
+        return f"The session cannot serve: {loop.error}"
+    if serving.failure:
+        return f"The session cannot serve: {serving.failure}"
+    return "The session is not ready yet: waiting for " + ", ".join(serving.waiting_for or ["the model"]) + "."
+
+
+def _model_card(serving: Serving) -> dict[str, Any]:
+    return {"id": serving.model_id, "object": "model", "created": serving.created, "owned_by": "kafila"}
+
+
+@dataclass
+class _Reply:
+    """Shapes one request's events as OpenAI chat or text completion objects."""
+
+    request_id: str
+    model: str
+    chat: bool
+    started: float
+    metrics: _Metrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    first_text: bool = True
+
+    async def collect(self, queue: asyncio.Queue[Event]) -> tuple[str, Finished]:
+        parts = []
+        while True:
+            event = await queue.get()
+            if isinstance(event, TextDelta):
+                self.observe_text()
+                parts.append(event.text)
+            elif isinstance(event, Finished):
+                self.observe_end(event)
+                return "".join(parts), event
+            else:
+                raise ApiError(500, event.message, "server_error", "ring_failed")
+
+    def observe_text(self) -> None:
+        if self.first_text:
+            self.first_text = False
+            self.metrics.first_token.observe(time.monotonic() - self.started)
+
+    def observe_end(self, finished: Finished) -> None:
+        self.metrics.prompt_tokens.inc(finished.prompt_tokens)
+        self.metrics.completion_tokens.inc(finished.completion_tokens)
+
+    @staticmethod
+    def usage(finished: Finished) -> dict[str, int]:
+        return {
+            "prompt_tokens": finished.prompt_tokens,
+            "completion_tokens": finished.completion_tokens,
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        }
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finished: Finished) -> dict[str, Any]:
+        if self.chat:
+            choice = {
+                "index": 0, "message": {"role": "assistant", "content": text},
+                "finish_reason": finished.reason.value, "logprobs": None,
+            }  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finished.reason.value, "logprobs": None}
+        return {**self._envelope(False), "choices": [choice], "usage": self.usage(finished)}
+
+    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, str] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {**self._envelope(True), "choices": [choice]}
+
+    def usage_chunk(self, finished: Finished) -> dict[str, Any]:
+        return {**self._envelope(True), "choices": [], "usage": self.usage(finished)}
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream(
+    queue: asyncio.Queue[Event], reply: _Reply, include_usage: bool, cancel: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """Server-sent events: a role chunk, text chunks, a finish chunk, usage if asked, then [DONE]."""
+    try:
+        if reply.chat:
+            yield _sse(reply.chunk("", None, role=True))
+        while True:
+            event = await queue.get()
+            if isinstance(event, TextDelta):
+                reply.observe_text()
+                yield _sse(reply.chunk(event.text, None))
+            elif isinstance(event, Finished):
+                reply.observe_end(event)
+                yield _sse(reply.chunk(None if reply.chat else "", event.reason.value))
+                if include_usage:
+                    yield _sse(reply.usage_chunk(event))
+                break
+            elif isinstance(event, Failed):
+                error = {"message": event.message, "type": "server_error", "param": None, "code": "ring_failed"}
+                yield _sse({"error": error})
+                break
+        yield b"data: [DONE]\n\n"
+    finally:
+        cancel()  # the client went away, or the stream ended: either way the slot is free

@@ -1,0 +1,173 @@
+"""The engine loop: one thread that owns the engine and steps every running request together.
+
+llama.cpp contexts and the ring's sockets are not thread-safe, and each step blocks for
+milliseconds, so one thread does all engine work while HTTP handlers live on the event loop.
+Handlers submit jobs with a sink; the loop calls each sink from its thread, and the server
+turns those calls into asyncio queue puts. When the engine fails (a stage dies, a link
+breaks), every request in flight fails with the engine's message and the loop stops taking
+work until it is given a new engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kafila.api.scheduler import Batcher, Event, Failed, Finished, Job, TextDelta
+from kafila.runtime.pipeline import Engine
+from kafila.runtime.sampling import Sampler
+
+Sink = Callable[[Event], None]
+STATS_REFRESH_S = 2.0
+
+
+class EngineUnavailable(RuntimeError):
+    """No engine can take work now: still starting, or broken and not yet replaced."""
+
+
+@dataclass
+class LoopStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    busy_s: float = 0.0
+    finished: int = 0
+    failed: int = 0
+    recent_tokens: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per step, last 10 s
+
+    def tokens_per_s(self, now: float) -> float:
+        recent = [(t, n) for t, n in self.recent_tokens if now - t <= 10.0]
+        self.recent_tokens = recent
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, concurrency: int, batch_rows: int, context_per_sequence: int) -> None:
+        self.engine = engine
+        self.batcher = Batcher(
+            concurrency,
+            batch_rows,
+            context_per_sequence,
+            make_sampler=lambda settings: Sampler(settings, engine.n_vocab()),
+            piece=engine.piece,
+            is_end=engine.is_end,
+        )
+        self.stats = LoopStats()
+        self.stage_report: list[dict[str, object]] = []
+        self.error: str | None = None
+        self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._report_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="kafila-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job, sink: Sink) -> None:
+        """Queue a job; raises ValueError for a prompt the batcher refuses, EngineUnavailable when broken."""
+        with self._lock:
+            if self.error is not None:
+                raise EngineUnavailable(self.error)
+            if self._stopping:
+                raise EngineUnavailable("the host is shutting down")
+            self.batcher.submit(job)
+            self._sinks[job.request_id] = sink
+            self._lock.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._sinks.pop(request_id, None)
+            self.batcher.cancel(request_id)
+            self._lock.notify()
+
+    @property
+    def queued(self) -> int:
+        return self.batcher.queued
+
+    @property
+    def running(self) -> int:
+        return self.batcher.running
+
+    def stop(self, message: str = "the host is shutting down") -> None:
+        """End the loop; requests still in flight fail with `message`."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+        with self._lock:
+            self._dispatch(self.batcher.fail_all(message))
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self.batcher.idle and not self._stopping:
+                    self._refresh_report_if_stale()
+                    self._lock.wait(timeout=STATS_REFRESH_S)
+                if self._stopping:
+                    return
+                forgotten = self.batcher.take_forgotten()
+            try:
+                for slot in forgotten:
+                    self.engine.forget(slot)
+                with self._lock:
+                    steps = self.batcher.plan()
+                started = time.perf_counter()
+                logits = self.engine.step_many(steps) if steps else []
+                elapsed = time.perf_counter() - started
+            except Exception as error:  # a stage died, a link broke, llama.cpp refused: all requests end
+                message = f"the model ring failed: {error}"
+                with self._lock:
+                    self.error = message
+                    self._dispatch(self.batcher.fail_all(message))
+                return
+            with self._lock:
+                events = self.batcher.advance(logits)
+                self._count(
+                    steps_rows=sum(len(s.tokens) for s in steps if not s.decode),
+                    elapsed=elapsed,
+                    decoded=sum(1 for s in steps if s.decode),
+                )
+                self._dispatch(events)
+
+    def _count(self, steps_rows: int, elapsed: float, decoded: int) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.busy_s += elapsed
+        stats.prompt_tokens += steps_rows
+        stats.generated_tokens += decoded
+        stats.recent_tokens.append((time.monotonic(), decoded))
+
+    def _refresh_report_if_stale(self) -> None:
+        now = time.monotonic()
+        if now - self._report_at < STATS_REFRESH_S or self.error is not None:
+            return
+        self._report_at = now
+        try:
+            self.stage_report = self.engine.stage_report()
+        except Exception as error:  # the ring broke while idle: say so before the next request finds out
+            self.error = f"the model ring failed: {error}"
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for event in events:
+            sink = self._sinks.get(event.request_id)
+            if isinstance(event, Finished | Failed):
+                self._sinks.pop(event.request_id, None)
+                if isinstance(event, Finished):
+                    self.stats.finished += 1
+                else:
+                    self.stats.failed += 1
+            if sink is not None:
+                try:
+                    sink(event)
+                except RuntimeError:  # the handler's event loop has closed: nobody is listening
+                    pass
+
+
+__all__ = ["EngineLoop", "EngineUnavailable", "Event", "Failed", "Finished", "Job", "TextDelta"]
