@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -80,6 +81,7 @@ def host(
         if not path.is_file():
             raise ValueError(f"no model file at {path}")
         counts = local_counts(path, stages, division, session)
+        _admit(path, session)
         sock = _listening_socket(bind_ip, port)
     except Exception as error:  # a bad file, division or address: one line, no traceback
         fail(str(error), False)
@@ -87,6 +89,18 @@ def host(
         asyncio.run(_serve(path, counts, session, sock, api_key, threads or max(1, os.cpu_count() or 1)))
     except KeyboardInterrupt:
         pass
+
+
+def _admit(path: Path, session: SessionSpec) -> None:
+    """Refuse, before anything loads, a session this machine cannot hold: weights plus KV cache."""
+    from kafila.planner import plan_session
+    from kafila.runtime.local_plan import this_device
+    from kafila.runtime.manifest import read_manifest
+
+    manifest = read_manifest(path)
+    with stderr.status("measuring this device for the planner (cached afterwards)"):
+        device = this_device().device()
+    plan_session(manifest, [device.model_copy(update={"name": "this machine"})], session)
 
 
 async def _serve(
@@ -124,31 +138,81 @@ async def _serve(
         n_ctx=session.context * session.concurrency, n_batch=512, n_seq_max=session.concurrency, n_threads=threads
     )
 
-    def load() -> Engine:
-        return open_engine(path, counts, settings)
+    def load(division: list[int]) -> Engine:
+        return open_engine(path, division, settings)
 
-    try:
-        engine: Engine = await asyncio.to_thread(load)
+    async def start(division: list[int]) -> None:
+        engine = await asyncio.to_thread(load, division)
         engine_holder["engine"] = engine
         loop = EngineLoop(engine, session.concurrency, settings.n_batch, session.context)
         loop.start()
         serving.become_ready(engine, loop, manifest.architecture)
+
+    try:
+        await start(counts)
         assert serving.template is not None
         stderr.print(
             f"ready: {path.stem}, {where}, context {session.context} × {session.concurrency} requests, "
             f"chat template: {serving.template.source}",
             highlight=False,
         )
+        supervisor = asyncio.create_task(_supervise(serving, manifest, session, start, engine_holder))
     except Exception as error:
         serving.become_unready([], failure=f"the model could not load: {error}")
         stderr.print(f"[red]error:[/red] the model could not load: {error}", highlight=False)
         server.should_exit = True
+        supervisor = None
     try:
         await serve
     finally:
+        if supervisor is not None:
+            supervisor.cancel()
         if serving.loop is not None:
             serving.loop.stop("the host is shutting down")
         if "engine" in engine_holder:
             engine_holder["engine"].close()
         if serving.failure:
             raise typer.Exit(1)
+
+
+async def _supervise(
+    serving: Any,
+    manifest: Any,
+    session: SessionSpec,
+    start: Callable[[list[int]], Awaitable[None]],
+    engine_holder: dict[str, Any],
+) -> None:
+    """When a stage fails, drop it and serve on what is left: here, the host alone, if the model fits.
+
+    In-flight requests have already failed with the ring's error; new ones get a 503 saying
+    what the host is doing until it serves again, or why it cannot.
+    """
+    from kafila.planner import PlanRefused, plan_session
+    from kafila.runtime.local_plan import this_device
+
+    while True:
+        await asyncio.sleep(0.2)
+        loop = serving.loop
+        if loop is None or loop.error is None:
+            continue
+        error = loop.error
+        stderr.print(f"[yellow]a stage failed:[/yellow] {error}", highlight=False)
+        serving.become_unready(["the host to replan without the failed stage"])
+        loop.stop(error)
+        old = engine_holder.pop("engine", None)
+        if old is not None:
+            await asyncio.to_thread(old.close)
+        try:
+            device = (await asyncio.to_thread(this_device)).device()
+            plan_session(manifest, [device.model_copy(update={"name": "this machine"})], session)
+            await start([manifest.n_blocks])
+        except PlanRefused as refused:
+            serving.become_unready([], failure=f"{error}; the host cannot hold the model alone: {refused}")
+            stderr.print(f"[red]cannot replan:[/red] {serving.failure}", highlight=False)
+            return
+        except Exception as failure:
+            serving.become_unready([], failure=f"{error}; replanning failed: {failure}")
+            stderr.print(f"[red]cannot replan:[/red] {serving.failure}", highlight=False)
+            return
+        serving.session_status = lambda: {"division": [manifest.n_blocks], "members": [{"name": "this machine"}]}
+        stderr.print("replanned: serving on this machine alone", highlight=False)

@@ -1,0 +1,88 @@
+"""A real `kafila host` process for tests: started on a free port, waited for, stopped cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.error import URLError
+from urllib.request import urlopen
+
+READY_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Host:
+    process: subprocess.Popen[str]
+    base_url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def workers(self) -> list[int]:
+        """Pids of the stage processes this host started."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent == self.process.pid and b"kafila.runtime.worker" in cmdline:
+                found.append(int(entry.name))
+        return found
+
+
+@contextmanager
+def running_host(*args: str | Path, api_key: str | None = None) -> Iterator[Host]:
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
+        command = [sys.executable, "-m", "kafila", "host", "--port", str(port), *map(str, args)]
+        env = {**os.environ, "COLUMNS": "200"}
+        env.pop("KAFILA_API_KEY", None)
+        if api_key is not None:
+            command += ["--api-key", api_key]
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    host = Host(process, f"http://127.0.0.1:{port}", Path(log.name))
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"kafila host exited with {process.returncode}: {host.output()}")
+            try:
+                with urlopen(f"{host.base_url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kafila host was not ready in {READY_TIMEOUT_S} s: {host.output()}")
+            time.sleep(0.2)
+        yield host
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        host.log.unlink(missing_ok=True)

@@ -1,0 +1,127 @@
+"""The continuous-batching policy, on its own: what each step carries, and when requests end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kafila.api.scheduler import Batcher, Failed, Finished, FinishReason, Job, TextDelta
+from kafila.runtime.pipeline import EngineStep
+from kafila.runtime.sampling import SamplingSettings
+
+VOCAB = 16
+END = 0
+
+
+class Argmax:
+    def accept(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        return int(np.argmax(logits))
+
+    def close(self) -> None:
+        pass
+
+
+def batcher(concurrency: int = 2, rows: int = 8, context: int = 64) -> Batcher:
+    return Batcher(concurrency, rows, context, lambda _s: Argmax(), lambda t: f"<{t}>".encode(), lambda t: t == END)
+
+
+def job(name: str, prompt: int, max_tokens: int = 10, stop: tuple[str, ...] = ()) -> Job:
+    return Job(name, list(range(1, prompt + 1)), max_tokens, SamplingSettings(), stop)
+
+
+def one_hot(token: int) -> npt.NDArray[np.float32]:
+    row = np.zeros(VOCAB, dtype=np.float32)
+    row[token] = 1.0
+    return row
+
+
+def answer(steps: Sequence[EngineStep], token: int = 5) -> list[npt.NDArray[np.float32] | None]:
+    return [one_hot(token) if s.logits else None for s in steps]
+
+
+def test_prompts_share_the_step_budget_and_extra_requests_queue() -> None:
+    b = batcher(concurrency=2, rows=8)
+    for name, length in (("a", 5), ("b", 10), ("c", 3)):
+        b.submit(job(name, length))
+    steps = b.plan()
+    assert [(s.sequence_id, s.position, len(s.tokens), s.decode, s.logits) for s in steps] == [
+        (0, 0, 5, False, True),  # a: its whole prompt, in slot 0
+        (1, 0, 3, False, False),  # b: the first 3 of 10 rows, with no output row
+    ]
+    assert b.queued == 1 and b.running == 2
+    events = b.advance(answer(steps))
+    assert events == [TextDelta("a", "<5>")]
+    steps = b.plan()
+    # a decodes one row; b's prompt continues with the 7 rows left of the budget.
+    assert [(len(s.tokens), s.decode, s.position) for s in steps] == [(1, True, 5), (7, False, 3)]
+
+
+def test_a_slot_is_reused_only_after_the_engine_forgot_it() -> None:
+    b = batcher(concurrency=1, rows=8)
+    b.submit(job("a", 2, max_tokens=1))
+    b.submit(job("b", 2))
+    steps = b.plan()
+    assert b.advance(answer(steps)) == [TextDelta("a", "<5>"), Finished("a", FinishReason.LENGTH, 2, 1)]
+    assert b.plan() == []  # b waits: slot 0 still holds a's cache
+    assert b.take_forgotten() == [0]
+    (step,) = b.plan()
+    assert step.sequence_id == 0 and step.tokens == [1, 2]
+
+
+def test_an_end_token_stops_and_a_stop_string_cuts_the_text() -> None:
+    b = batcher()
+    b.submit(job("a", 2))
+    b.submit(job("b", 2, stop=("<7>",)))
+    steps = b.plan()
+    events = b.advance([one_hot(END), one_hot(7)])
+    assert Finished("a", FinishReason.STOP, 2, 0) in events
+    assert Finished("b", FinishReason.STOP, 2, 1) in events
+    assert not [e for e in events if isinstance(e, TextDelta)]
+    assert len(steps) == 2 and b.idle
+
+
+def test_a_full_context_ends_generation_with_length() -> None:
+    b = batcher(concurrency=1, rows=8, context=6)
+    b.submit(job("a", 4, max_tokens=100))
+    finished = []
+    for _ in range(10):
+        steps = b.plan()
+        if not steps:
+            break
+        for step in steps:
+            assert step.position + len(step.tokens) <= 6
+        finished += [e for e in b.advance(answer(steps)) if isinstance(e, Finished)]
+    assert finished == [Finished("a", FinishReason.LENGTH, 4, 3)]
+
+
+def test_cancelled_requests_leave_the_queue_or_free_their_slot() -> None:
+    b = batcher(concurrency=1)
+    b.submit(job("a", 2))
+    b.submit(job("b", 2))
+    steps = b.plan()
+    assert b.cancel("b") and b.cancel("a") and not b.cancel("a")
+    assert b.advance(answer(steps)) == []  # a was cancelled while its step ran
+    assert b.take_forgotten() == [0] and b.idle
+
+
+def test_a_broken_engine_fails_every_request() -> None:
+    b = batcher(concurrency=1)
+    b.submit(job("a", 2))
+    b.submit(job("b", 2))
+    b.plan()
+    assert b.fail_all("ring broke") == [Failed("a", "ring broke"), Failed("b", "ring broke")]
+    assert b.idle
+
+
+def test_prompts_the_context_cannot_hold_are_refused() -> None:
+    b = batcher(context=4)
+    with pytest.raises(ValueError, match="context holds 4"):
+        b.submit(job("a", 4))
+    with pytest.raises(ValueError, match="empty"):
+        b.submit(Job("b", [], 1, SamplingSettings()))

@@ -1,0 +1,166 @@
+"""`kafila host` through the official `openai` client: a real server, a real ring, real llama.cpp.
+
+The host runs a tiny llama model split across two local stage processes, with an API key.
+Greedy output through it must equal the unsplit model run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.error import HTTPError
+from urllib.request import Request, urlopen
+
+import openai
+import pytest
+from serving import Host, running_host
+from tiny_models import write_tiny_model
+
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.pipeline import generate, open_engine
+from kafila.runtime.sampling import SamplingSettings
+
+KEY = "test-key-123"
+MODEL = "tiny-llama"
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("serve") / f"{MODEL}.gguf", "llama", n_blocks=4)
+
+
+@pytest.fixture(scope="module")
+def host(model: Path) -> Iterator[Host]:
+    args = ("--model", model, "--division", "2,2", "--context", "256", "--concurrency", "4", "--threads", "1")
+    with running_host(*args, api_key=KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(host: Host) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{host.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def unsplit_greedy(model: Path, prompt: str, tokens: int) -> str:
+    engine = open_engine(model, [4], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
+    try:
+        return generate(engine, prompt, tokens, SamplingSettings()).text
+    finally:
+        engine.close()
+
+
+def raw(host: Host, path: str, body: bytes | None = None, key: str | None = KEY) -> tuple[int, dict[str, object]]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = Request(f"{host.base_url}{path}", data=body, headers=headers, method="POST" if body else "GET")
+    try:
+        with urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_models_lists_the_one_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_a_greedy_completion_through_the_ring_equals_the_unsplit_model(client: openai.OpenAI, model: Path) -> None:
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    assert result.usage is not None and result.usage.completion_tokens == 12
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 12
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_a_chat_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
+    messages: list[dict[str, str]] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    content = whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant" and content
+    assert whole.usage is not None and whole.usage.prompt_tokens > 5
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_stop_strings_seed_and_penalties_are_honoured(client: openai.OpenAI) -> None:
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = free[3:6]
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == free[: free.find(stop)] and cut.choices[0].finish_reason == "stop"
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "top_p": 0.9}
+    a = client.completions.create(**kwargs, seed=7).choices[0].text  # type: ignore[call-overload]
+    b = client.completions.create(**kwargs, seed=7).choices[0].text  # type: ignore[call-overload]
+    assert a == b
+    penalised = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
+    )
+    assert penalised.usage is not None and penalised.usage.completion_tokens >= 1
+
+
+def test_four_concurrent_streams_each_equal_their_own_run(client: openai.OpenAI, model: Path) -> None:
+    prompts = ["the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog"]
+    results: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def run(prompt: str) -> None:
+        try:
+            stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+            results[prompt] = "".join(c.choices[0].text for c in stream if c.choices)
+        except BaseException as error:  # reported below, not lost in the thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(results) == 4
+    for prompt in prompts:
+        assert results[prompt] == unsplit_greedy(model, prompt, 16), prompt
+
+
+def test_openai_errors_carry_openais_status_codes(client: openai.OpenAI, host: Host) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="wrong", max_retries=0).models.list()
+    status, body = raw(host, "/v1/models", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as overflow:
+        client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=1)
+    assert overflow.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=250)  # prompt + 250 > 256
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, temperature=9)
+    for body_bytes in (b"{not json", b"[1, 2]", b'{"model": "tiny-llama"}', b"\xff\xfe"):
+        status, reply = raw(host, "/v1/chat/completions", body_bytes)
+        assert status == 400 and reply["error"]["type"] == "invalid_request_error", (body_bytes, reply)  # type: ignore[index]
+
+
+def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, host: Host) -> None:
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    status, health = raw(host, "/health", key=None)
+    assert status == 200 and health == {"status": "ready", "model": MODEL}
+    status, info = raw(host, "/status")
+    assert status == 200 and info["ready"] is True and info["division"] == [2, 2]
+    assert info["requests"]["finished"] >= 1  # type: ignore[index]
+    assert raw(host, "/status", key=None)[0] == 401
+    with urlopen(f"{host.base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert "kafila_completion_tokens_total" in text and "kafila_queue_depth" in text
+    completion_total = next(line for line in text.splitlines() if line.startswith("kafila_completion_tokens_total"))
+    assert float(completion_total.split()[-1]) >= 4

@@ -1,0 +1,106 @@
+"""`kafila host` when things go wrong: a stage killed mid-stream, and a session too big to hold."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.error import HTTPError, URLError
+from urllib.request import urlopen
+
+import openai
+import pytest
+from serving import running_host
+from tiny_models import write_tiny_model
+
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.pipeline import generate, open_engine
+from kafila.runtime.sampling import SamplingSettings
+
+
+def health(base_url: str) -> int:
+    try:
+        with urlopen(f"{base_url}/health", timeout=5) as response:
+            return int(response.status)
+    except HTTPError as error:
+        return int(error.code)
+    except (URLError, OSError):
+        return 0
+
+
+def test_a_killed_stage_ends_the_stream_with_an_error_and_the_host_serves_again(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    args = ("--model", model, "--division", "2,2", "--context", "256", "--threads", "1")
+    with running_host(*args) as host:
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=30)
+        (worker,) = host.workers()
+        os.kill(worker, signal.SIGSTOP)  # freeze the stage, so the request is surely in flight when it dies
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=100, stream=True
+        )
+        first = next(iter(stream))
+        assert first.choices[0].delta.role == "assistant"
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError) as failure:
+            for _chunk in stream:
+                pass
+        assert time.monotonic() - killed < 5.0
+        assert "ring failed" in str(failure.value) or "stage" in str(failure.value)
+
+        deadline = time.monotonic() + 60
+        while health(host.base_url) != 200:
+            assert time.monotonic() < deadline, host.output()
+            time.sleep(0.2)
+        assert host.workers() == []  # the host now holds every block itself
+        text = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
+        engine = open_engine(model, [4], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
+        try:
+            assert text.choices[0].text == generate(engine, "hello world", 8, SamplingSettings()).text
+        finally:
+            engine.close()
+        assert "replanned" in host.output()
+
+
+def test_a_session_too_big_for_this_machine_is_refused_naming_it(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    result = subprocess.run(
+        [sys.executable, "-m", "kafila", "host", "--model", str(model), "--context", "1048576", "--concurrency", "64"],
+        check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "'this machine' cannot hold" in result.stderr and "short by" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--model", "/nonexistent.gguf"), "no model file"),
+        (("--division", "1,1"), "covers 2 blocks"),
+    ],
+)
+def test_bad_host_arguments_fail_in_one_line(args: tuple[str, ...], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kafila", "host", *args], check=False, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_refused_in_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kafila", "host", "--port", str(port)], check=False, capture_output=True, text=True,
+            timeout=120, env={**os.environ, "COLUMNS": "300"},
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
