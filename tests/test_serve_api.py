@@ -15,7 +15,7 @@ from urllib.request import Request, urlopen
 
 import openai
 import pytest
-from serving import Host, running_host
+from host_process import Host, running_host
 from tiny_models import write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings

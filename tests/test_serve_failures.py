@@ -14,7 +14,7 @@ from urllib.request import urlopen
 
 import openai
 import pytest
-from serving import running_host
+from host_process import running_host
 from tiny_models import write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings
