@@ -40,12 +40,25 @@ from kafila.network.rendezvous import (
     Rendezvous,
     Send,
     SignalError,
+    SignalFrom,
     Wire,
     parse_client_message,
 )
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousClosed, RendezvousError
 from kafila.network.rendezvous_server import start_rendezvous
-from kafila.network.session_codes import ADJECTIVES, NOUNS, is_well_formed, normalise_code
+from kafila.network.session_codes import (
+    ADJECTIVES,
+    NOUNS,
+    SECRET_BITS,
+    SECRET_WORDS,
+    CodeFormatError,
+    channel_part,
+    full_code,
+    is_well_formed,
+    new_secret,
+    normalise_code,
+    split_code,
+)
 
 FP = "AB" * 32  # upper case on purpose: the rendezvous stores fingerprints in lower case
 T = TypeVar("T")
@@ -172,6 +185,37 @@ def test_a_code_is_forgiving_about_case_and_separators() -> None:
     number, adjective, noun = opened.code.split("-")
     _, joined = world.join(f" {number} {adjective.upper()}  {noun} ", "m")
     assert isinstance(joined, Joined) and joined.code == opened.code
+
+
+def test_the_secret_half_is_two_words_of_256_and_never_part_of_the_channel() -> None:
+    assert len(set(SECRET_WORDS)) == 256 and SECRET_BITS == 16
+    rng = random.Random(3)
+    secrets = {new_secret(rng) for _ in range(2000)}
+    assert len(secrets) > 1900  # 65,536 possibilities: few repeats in 2,000 draws
+    for secret in list(secrets)[:50]:
+        code = full_code("7-crimson-harbor", secret)
+        assert split_code(code) == ("7-crimson-harbor", secret) and channel_part(code) == "7-crimson-harbor"
+    assert split_code(" 7 Crimson_HARBOR  Otter.LEMON ") == ("7-crimson-harbor", "otter-lemon")
+    assert channel_part("7-crimson-harbor") == "7-crimson-harbor"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("7-crimson-harbor", "only the first half"),
+        ("7-crimson-harbor-otter", "has 1 word, not 2"),
+        ("7-crimson-harbor-otter-lemon-plum", "has 3 words, not 2"),
+        ("7-crimson-harbor-otter-zebu", "'zebu' is not one of kafila's code words"),
+        ("7-harbor-crimson-otter-lemon", "is not a session code"),
+        ("1-crimson-harbor-otter-lemon", "is not a session code"),
+        ("", "an empty code is not a session code"),
+    ],
+)
+def test_a_malformed_full_code_says_what_is_wrong(text: str, says: str) -> None:
+    with pytest.raises(CodeFormatError) as caught:
+        split_code(text)
+    assert says in str(caught.value)
+    assert isinstance(caught.value, ValueError)
 
 
 # -- joining -----------------------------------------------------------------------------------
@@ -316,6 +360,76 @@ def test_ping_answers_pong_with_the_nonce() -> None:
     host, opened = world.open()
     world.send(host, {"type": "ping", "token": opened.token, "nonce": 42})
     assert world.last(host) == Pong(nonce=42)
+
+
+# -- signals between members ------------------------------------------------------------------
+
+
+def test_a_signal_reaches_only_its_member_with_the_sender_named() -> None:
+    world = World()
+    (host, first, second), tokens = world.full_session(3)
+    before = {conn: len(world.inbox[conn]) for conn in (host, second)}
+    world.send(first, {"type": "signal", "token": tokens[1], "peer": "m1", "body": '{"kind": "pake"}'})
+    assert world.last(host) == SignalFrom(peer="m2", body='{"kind": "pake"}')
+    assert len(world.inbox[second]) == before[second] and len(world.inbox[host]) == before[host] + 1
+    assert not world.of_type(first, SignalFrom) and not world.of_type(first, Error)
+    wire = json.loads(world.last(host).model_dump_json())
+    assert wire == {"type": "signal", "peer": "m2", "body": '{"kind": "pake"}'}
+
+
+def test_signals_flow_before_the_session_is_ready() -> None:
+    world = World()
+    host, opened = world.open(expected=3)
+    conn, joined = world.join(opened.code, "a")
+    world.send(conn, {"type": "signal", "token": joined.token, "peer": "m1", "body": "x"})  # type: ignore[attr-defined]
+    assert world.last(host) == SignalFrom(peer="m2", body="x")
+    world.send(host, {"type": "signal", "token": opened.token, "peer": "m2", "body": "y"})
+    assert world.last(conn) == SignalFrom(peer="m1", body="y")
+
+
+def test_a_signal_to_no_member_of_this_session_is_a_clear_error() -> None:
+    world = World()
+    (a_host, a_member), a_tokens = world.full_session(2)
+    (b_host, _, b_third), _ = world.full_session(3)
+    before = {conn: len(world.inbox[conn]) for conn in (b_host, b_third)}
+    for peer in ("m3", "m2", "m9"):  # m3 exists only in the other session; m2 is the sender itself
+        world.send(a_member, {"type": "signal", "token": a_tokens[1], "peer": peer, "body": "x"})
+        refusal = world.error(a_member)
+        assert refusal.code is ErrorCode.UNKNOWN_PEER and refusal.peer == peer and refusal.request == "signal"
+        assert f"{peer} is not another member of this session" in refusal.message
+    assert {conn: len(world.inbox[conn]) for conn in before} == before
+    assert a_member not in world.closed  # a member that left meanwhile is bad luck, not misbehaviour
+    world.send(a_member, {"type": "signal", "token": a_tokens[0], "peer": "m1", "body": "x"})
+    assert world.error(a_member).code is ErrorCode.BAD_TOKEN
+    stranger = world.connect()
+    world.send(stranger, {"type": "signal", "token": "x" * 48, "peer": "m1", "body": "x"})
+    assert world.error(stranger).code is ErrorCode.NOT_JOINED
+    assert not world.of_type(a_host, SignalFrom)
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["", "x" * 4097, "line\nbreak", "\u00e9t\u00e9", "\u0000"],
+)
+def test_signal_bodies_are_bounded_printable_ascii(body: str) -> None:
+    world = World()
+    (host, first), tokens = world.full_session(2)
+    world.send(first, {"type": "signal", "token": tokens[1], "peer": "m1", "body": body})
+    refusal = world.error(first)
+    assert refusal.code is ErrorCode.INVALID_MESSAGE and "body" in refusal.message
+    assert not world.of_type(host, SignalFrom)
+    world.send(first, {"type": "signal", "token": tokens[1], "peer": "m1", "body": "~" * 4096})
+    assert world.last(host) == SignalFrom(peer="m2", body="~" * 4096)
+
+
+def test_signal_floods_are_refused() -> None:
+    world = World()
+    (host, first), tokens = world.full_session(2)
+    for _ in range(39):  # the burst is 40 messages, and `join` was one
+        world.send(first, {"type": "signal", "token": tokens[1], "peer": "m1", "body": "x"})
+    world.send(first, {"type": "signal", "token": tokens[1], "peer": "m1", "body": "x"})
+    assert world.error(first).code is ErrorCode.TOO_MANY_MESSAGES
+    assert len(world.of_type(host, SignalFrom)) == 39
 
 
 # -- leaving -----------------------------------------------------------------------------------
@@ -559,7 +673,7 @@ json_values = st.recursive(
     max_leaves=12,
 )
 near_messages = st.fixed_dictionaries(
-    {"type": st.sampled_from(["open", "join", "ping", "leave", "relay_request", "opened", ""])},
+    {"type": st.sampled_from(["open", "join", "ping", "leave", "relay_request", "signal", "opened", ""])},
     optional={
         "token": st.just("<TOKEN>") | st.text(max_size=60) | st.integers(),
         "code": st.text(max_size=30) | json_values,
@@ -570,12 +684,18 @@ near_messages = st.fixed_dictionaries(
         "capability": st.fixed_dictionaries({"name": st.text(max_size=5), "memory_gib": st.floats()}) | json_values,
         "candidates": st.lists(st.text(max_size=25), max_size=10) | json_values,
         "fingerprint": st.text(alphabet="0123456789abcdefABCDEFg", min_size=60, max_size=66),
+        "body": st.text(max_size=40) | json_values,
     },
 )
 member_messages = st.one_of(
     st.builds(lambda n: {"type": "ping", "token": "<TOKEN>", "nonce": n}, st.integers(0, 10)),
     st.builds(lambda p: {"type": "relay_request", "token": "<TOKEN>", "peer": p}, st.sampled_from(["m1", "m2", "m3"])),
     st.just({"type": "leave", "token": "<TOKEN>"}),
+    st.builds(
+        lambda p, b: {"type": "signal", "token": "<TOKEN>", "peer": p, "body": b},
+        st.sampled_from(["m1", "m2", "m3", "m4"]),
+        st.text(max_size=30),
+    ),
 )
 frames = (
     st.just("PAIR")
@@ -667,6 +787,39 @@ def test_service_introduces_members_and_says_ready() -> None:
                 while True:
                     await second.next_event(2)
             assert second.ended == Ended(reason=EndReason.HOST_LEFT)
+        finally:
+            await handle.close()
+
+    run(scenario())
+
+
+def test_service_carries_signals_and_joining_with_the_full_code_sends_only_its_channel() -> None:
+    async def scenario() -> None:
+        handle = await start_rendezvous("127.0.0.1", 0, 0)
+        try:
+            host = await RendezvousClient.open(
+                handle.url, model="m", expected_members=2, capability=capability("h"), fingerprint=FP
+            )
+            member = await join(handle.url, f"{host.code}-otter-lemon", "m")
+            assert member.code == host.code and set(member.members) == {"m1", "m2"}
+            await member.send_signal("m1", "hello")
+            await member.send_signal("m1", "again")
+            assert await host.next_signal("m2", 2) == "hello" and await host.next_signal("m2", 2) == "again"
+            assert host.take_signals("m2") == []
+            await host.send_signal("m2", "back")
+            assert await member.next_signal("m1", 2) == "back"
+            await host.send_signal("m9", "anyone?")
+            with pytest.raises(RendezvousError) as refusal:
+                await host.next_signal("m9", 2)
+            assert refusal.value.code == "unknown_peer" and "m9 is not another member" in refusal.value.message
+            with pytest.raises(TimeoutError):
+                await host.next_signal("m2", 0.2)
+            await member.send_signal("m1", "bye")
+            await member.leave()
+            assert await host.next_signal("m2", 2) == "bye"  # what it said before leaving comes first
+            with pytest.raises(RendezvousError, match="member_left: m2 left the session"):
+                await host.next_signal("m2", 2)
+            await host.close()
         finally:
             await handle.close()
 

@@ -1,8 +1,10 @@
 """Rendezvous signalling: session codes, introductions, relay bookkeeping. Sans-IO.
 
 A host opens a session and gets a code to read out; members join with it. The rendezvous
-introduces them (capability, candidate addresses, key fingerprint) and tells everyone when the
-expected count is reached; it never sees the session's data, which flows member to member over
+introduces them (capability, candidate addresses, key fingerprint), tells everyone when the
+expected count is reached, and forwards opaque `signal`s between members of a session (the
+trust exchange of `kafila.network.pake`, which keeps members from having to believe the
+fingerprints it reports). It never sees the session's data, which flows member to member over
 QUIC, or through the relay as ciphertext.
 
 `Rendezvous` does no I/O and reads no clock: the shell hands it connection events, raw message
@@ -36,6 +38,7 @@ from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
 
 PROTOCOL_VERSION = 1
 MAX_CANDIDATES = 8
+MAX_SIGNAL_BODY = 4096  # characters (printable ASCII, so bytes too) in a member-to-member signal
 log = logging.getLogger("kafila.rendezvous")
 
 ConnId = int
@@ -77,6 +80,8 @@ MemberToken = Annotated[str, Field(min_length=16, max_length=128)]
 ModelId = Annotated[str, Field(min_length=1, max_length=256)]
 MemberCount = Annotated[int, Field(ge=2, le=MAX_MEMBERS)]
 Nonce = Annotated[int, Field(ge=0, le=2**53)]
+# Opaque to the rendezvous; printable ASCII, so its size in bytes is its length and logs stay clean.
+SignalBody = Annotated[str, Field(min_length=1, max_length=MAX_SIGNAL_BODY, pattern=r"^[\x20-\x7e]*$")]
 
 
 # client → rendezvous
@@ -111,6 +116,15 @@ class RelayRequest(Wire):
     peer: MemberId
 
 
+class SignalTo(Wire):
+    """An opaque message for another member of this session (the trust exchange runs over these)."""
+
+    type: Literal["signal"]
+    token: MemberToken
+    peer: MemberId
+    body: SignalBody
+
+
 class Ping(Wire):
     type: Literal["ping"]
     token: MemberToken
@@ -122,7 +136,9 @@ class Leave(Wire):
     token: MemberToken
 
 
-ClientMessage = Annotated[OpenSession | JoinSession | RelayRequest | Ping | Leave, Field(discriminator="type")]
+ClientMessage = Annotated[
+    OpenSession | JoinSession | RelayRequest | SignalTo | Ping | Leave, Field(discriminator="type")
+]
 CLIENT_MESSAGE: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
 
 
@@ -202,6 +218,14 @@ class RelayGranted(Wire):
     relay_token: Annotated[str, Field(pattern=rf"^[0-9a-f]{{{2 * TOKEN_BYTES}}}$")]
 
 
+class SignalFrom(Wire):
+    """A `signal` from `peer`, forwarded verbatim: the rendezvous vouches only for who sent it."""
+
+    type: Literal["signal"] = "signal"
+    peer: MemberId
+    body: SignalBody
+
+
 class EndReason(StrEnum):
     HOST_LEFT = "host_left"
     EXPIRED = "expired"
@@ -251,7 +275,7 @@ class Pong(Wire):
 
 
 ServerMessage = Annotated[
-    Opened | Joined | MemberJoined | Ready | MemberLeft | RelayGranted | Ended | Error | Pong,
+    Opened | Joined | MemberJoined | Ready | MemberLeft | RelayGranted | SignalFrom | Ended | Error | Pong,
     Field(discriminator="type"),
 ]
 SERVER_MESSAGE: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
@@ -559,6 +583,8 @@ class Rendezvous:
             return [Send(connection.conn, Pong(nonce=message.nonce))]
         if isinstance(message, Leave):
             return self._drop(connection, LeaveReason.LEFT, (CLOSE_NORMAL, "left"), now)
+        if isinstance(message, SignalTo):
+            return self._signal(session, member, message)
         return self._relay_request(session, member, message.peer, now)
 
     def _authenticate(self, connection: _Connection, token: str) -> tuple[_Session, _Member]:
@@ -669,6 +695,15 @@ class Rendezvous:
             message = "no session has this code; check it (it looks like 7-crimson-harbor)"
         self._record_failure(connection.ip, now, reason.value, None)
         return SignalError(reason, message)
+
+    def _signal(self, session: _Session, member: _Member, message: SignalTo) -> list[Output]:
+        """Forward to a member of the same session only; the body is neither read nor logged."""
+        target = session.members.get(message.peer)
+        if target is None or target is member:
+            raise SignalError(
+                ErrorCode.UNKNOWN_PEER, f"{message.peer} is not another member of this session", peer=message.peer
+            )
+        return [Send(target.conn, SignalFrom(peer=member.member_id, body=message.body))]
 
     def _relay_request(self, session: _Session, member: _Member, peer: str, now: float) -> list[Output]:
         me = member.member_id

@@ -4,6 +4,10 @@
 rendezvous has answered, or raise `RendezvousError` with its code and message. After that the
 client keeps the member list current, keeps the connection alive with pings, and hands every
 message it receives to `events()` / `next_event()` for whoever wants the raw stream.
+
+`verify_members` (the host) and `verify_host` (a joiner) then run the trust exchange of
+`kafila.network.pake` over `signal` messages and return the roster of fingerprints that the
+session code vouches for: the ones to pin, rather than those the rendezvous reported.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -21,6 +26,16 @@ import websockets
 from pydantic import ValidationError
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
+from kafila.network.identity import normalize_fingerprint
+from kafila.network.pake import (
+    Exchange,
+    PeerRefused,
+    Role,
+    RosterMismatch,
+    TrustError,
+    abort_message,
+    check_roster,
+)
 from kafila.network.rendezvous import (
     SERVER_MESSAGE,
     Ended,
@@ -39,11 +54,15 @@ from kafila.network.rendezvous import (
     RelayGranted,
     RelayRequest,
     ServerMessage,
+    SignalFrom,
+    SignalTo,
     Wire,
 )
+from kafila.network.session_codes import channel_part, split_code
 from kafila.planner.fleet import FleetDevice
 
 MAX_MESSAGE_BYTES = 4 << 20  # a ready list of 32 members is ~25 KB; leave room
+MAX_PENDING_SIGNALS = 64  # signals kept per sender until read; a flood past this is dropped
 log = logging.getLogger("kafila.rendezvous.client")
 
 
@@ -81,6 +100,10 @@ class RendezvousClient:
         self.grants: dict[str, RelayGranted] = {}
         self.errors: list[Error] = []
         self._relay_errors: dict[str, Error] = {}
+        self._signals: dict[str, deque[str]] = {}
+        self._signal_errors: dict[str, Error] = {}
+        self._departed: set[str] = set()
+        self._changes = 0  # messages received so far: what `_wait_change` watches
         self._pongs: dict[int, float] = {}
         self._nonces = itertools.count(1)
         self._events: asyncio.Queue[ServerMessage | None] = asyncio.Queue()
@@ -127,10 +150,13 @@ class RendezvousClient:
         timeout: float = 10.0,
         ping_interval: float | None = 30.0,
     ) -> Self:
-        """Join a session by its code; `client.members` then holds everyone already in it."""
+        """Join a session by its code; `client.members` then holds everyone already in it.
+
+        `code` may be the full code: only its channel half is sent, never the secret half.
+        """
         request = JoinSession(
             type="join",
-            code=code,
+            code=channel_part(code),
             capability=FleetDevice.model_validate(capability),
             candidates=list(candidates),
             fingerprint=fingerprint,
@@ -180,6 +206,7 @@ class RendezvousClient:
                     log.warning("unreadable message from the rendezvous (%d errors)", error.error_count())
                     continue
                 self._apply(message)
+                self._changes += 1
                 self._events.put_nowait(message)
                 async with self._changed:
                     self._changed.notify_all()
@@ -199,10 +226,17 @@ class RendezvousClient:
             self.members = {m.member_id: m for m in message.members}
         elif isinstance(message, MemberLeft):
             self.members.pop(message.member_id, None)
+            self._departed.add(message.member_id)
             self.grants.pop(message.member_id, None)
         elif isinstance(message, RelayGranted):
             self.grants[message.peer] = message
             self._relay_errors.pop(message.peer, None)
+        elif isinstance(message, SignalFrom):
+            pending = self._signals.setdefault(message.peer, deque())
+            if len(pending) < MAX_PENDING_SIGNALS:
+                pending.append(message.body)
+            else:
+                log.warning("dropped a signal from %s: %d already unread", message.peer, len(pending))
         elif isinstance(message, Pong) and message.nonce is not None:
             self._pongs[message.nonce] = time.monotonic()
         elif isinstance(message, Ended):
@@ -211,6 +245,8 @@ class RendezvousClient:
             self.errors.append(message)
             if message.request == "relay_request" and message.peer is not None:
                 self._relay_errors[message.peer] = message
+            elif message.request == "signal" and message.peer is not None:
+                self._signal_errors[message.peer] = message
 
     async def next_event(self, timeout: float | None = None) -> ServerMessage:
         """The next message received; `RendezvousClosed` once the connection is over and drained."""
@@ -239,6 +275,10 @@ class RendezvousClient:
         if self.ready is None:
             raise RendezvousClosed(ended=self.ended)
         return self.ready
+
+    async def _wait_change(self, seen: int, timeout: float | None) -> None:
+        """Until a message arrives after the `seen`-th (or the connection closes); TimeoutError after `timeout`."""
+        await self._until(lambda: self._changes != seen, timeout)
 
     async def wait_for_members(self, count: int, timeout: float | None = None) -> dict[str, MemberInfo]:
         await self._until(lambda: len(self.members) >= count, timeout)
@@ -269,6 +309,39 @@ class RendezvousClient:
         if refusal is not None:
             raise RendezvousError(refusal.code.value, refusal.message, refusal.retry_after_s)
         raise RendezvousClosed(ended=self.ended)
+
+    async def send_signal(self, peer: str, body: str) -> None:
+        """An opaque message (printable ASCII, at most 4096 characters) to another member of the session."""
+        self._signal_errors.pop(peer, None)
+        await self._send(SignalTo(type="signal", token=self.token, peer=peer, body=body))
+
+    def take_signals(self, peer: str) -> list[str]:
+        """Every signal from `peer` received and not yet taken, oldest first."""
+        pending = self._signals.pop(peer, None)
+        return list(pending) if pending else []
+
+    async def next_signal(self, peer: str, timeout: float | None = None) -> str:
+        """The next signal from `peer`.
+
+        `RendezvousError` if the rendezvous refused a signal to `peer` (not a member of this
+        session) or `peer` left; `RendezvousClosed` when the connection ends; TimeoutError after
+        `timeout`. Signals `peer` sent before leaving are still returned first.
+        """
+        await self._until(
+            lambda: bool(self._signals.get(peer)) or peer in self._signal_errors or peer in self._departed, timeout
+        )
+        pending = self._signals.get(peer)
+        if pending:
+            body = pending.popleft()
+            if not pending:
+                del self._signals[peer]
+            return body
+        refusal = self._signal_errors.pop(peer, None)
+        if refusal is not None:
+            raise RendezvousError(refusal.code.value, refusal.message, refusal.retry_after_s)
+        if self._closed:
+            raise RendezvousClosed(ended=self.ended)
+        raise RendezvousError("member_left", f"{peer} left the session")
 
     def relay_address(self, grant: RelayGranted) -> tuple[str, int]:
         """Where to send relay datagrams: the grant's host, or the host this client reached."""
@@ -313,3 +386,185 @@ class RendezvousClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The trust exchange (`kafila.network.pake`) over signals
+
+
+class TrustTimeout(TrustError):
+    """The other side did not complete its part of the trust exchange in time."""
+
+
+def _check_session(client: RendezvousClient, code: str, *, host: bool) -> None:
+    channel, _ = split_code(code)
+    if channel != client.code:
+        raise ValueError(f"the code's channel half is {channel}, but this session's is {client.code}")
+    if (client.member_id == client.host_id) != host:
+        raise ValueError("verify_members is the host's side, verify_host a joiner's")
+
+
+async def _send_abort(client: RendezvousClient, peers: Sequence[str], error: TrustError) -> None:
+    """Best effort: tell each peer why, so it does not wait for a timeout."""
+    body = abort_message(error)
+    for peer in peers:
+        with contextlib.suppress(RendezvousError, ValidationError):
+            await client.send_signal(peer, body)
+
+
+async def verify_host(
+    client: RendezvousClient,
+    code: str,
+    fingerprint: str,
+    *,
+    exchange_timeout: float = 30.0,
+    ready_timeout: float | None = None,
+) -> dict[str, str]:
+    """A joiner's side: prove the full `code` with the host, then take the host's roster.
+
+    Returns member id → certificate fingerprint for every member, checked against what the
+    rendezvous reported. `fingerprint` is this member's own. The host must confirm within
+    `exchange_timeout`; the roster comes once the session is full, within `ready_timeout`
+    (None: as long as the session lives). Raises a `TrustError` (the host is told why), or
+    `RendezvousError` / `RendezvousClosed` if the session itself fails.
+    """
+    _check_session(client, code, host=False)
+    host_id = client.host_id
+    host = client.members.get(host_id)
+    if host is None:
+        error = RosterMismatch(f"the rendezvous did not introduce the host ({host_id}) to this member", host_id)
+        await _send_abort(client, [host_id], error)
+        raise error
+    exchange = Exchange(
+        Role.JOINER,
+        code,
+        host_id=host_id,
+        joiner_id=client.member_id,
+        own_fingerprint=normalize_fingerprint(fingerprint),
+        peer_fingerprint=host.fingerprint,
+    )
+
+    async def drive(done: Callable[[], bool], timeout: float | None, what: str) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                while not done():
+                    body = await client.next_signal(host_id)
+                    for reply in exchange.receive(body):
+                        await client.send_signal(host_id, reply)
+        except TimeoutError:
+            raise TrustTimeout(f"the host ({host_id}) did not {what} within {timeout} s", host_id) from None
+
+    try:
+        await client.send_signal(host_id, exchange.start())
+        await drive(lambda: exchange.confirmed, exchange_timeout, "prove the session code")
+        await drive(lambda: exchange.roster is not None, ready_timeout, "send the verified member list")
+        try:
+            ready = await client.wait_ready(exchange_timeout)
+        except TimeoutError:
+            raise TrustTimeout("the rendezvous sent the host's roster but never said the session is ready") from None
+        assert exchange.roster is not None
+        roster = check_roster(
+            exchange.roster,
+            {m.member_id: m.fingerprint for m in ready.members},
+            host_id=host_id,
+            host_fingerprint=exchange.peer_fingerprint,
+            self_id=client.member_id,
+            self_fingerprint=exchange.own_fingerprint,
+        )
+        await client.send_signal(host_id, exchange.accept())
+        return roster
+    except TrustError as error:
+        if not isinstance(error, PeerRefused):  # the host already knows
+            await _send_abort(client, [host_id], error)
+        raise
+
+
+async def verify_members(
+    client: RendezvousClient,
+    code: str,
+    fingerprint: str,
+    *,
+    exchange_timeout: float = 30.0,
+    ready_timeout: float | None = None,
+) -> dict[str, str]:
+    """The host's side: prove the full `code` to each joiner as it arrives and check its fingerprint;
+    once the session is full, send each joiner the roster, and return it once every joiner has
+    accepted it.
+
+    Each joiner must confirm within `exchange_timeout` of being introduced, and accept the roster
+    within `exchange_timeout` of its sending; the session must fill within `ready_timeout` (None:
+    as long as it lives). A joiner that leaves before the session is full is forgotten. On the
+    first `TrustError` every joiner is told why and the error is raised: the caller should then
+    end the session, since each failed exchange may be a guess at the code's secret half, and a
+    new code bounds an attacker to one guess.
+    """
+    _check_session(client, code, host=True)
+    own = normalize_fingerprint(fingerprint)
+    loop = asyncio.get_running_loop()
+    give_up = None if ready_timeout is None else loop.time() + ready_timeout
+    exchanges: dict[str, Exchange] = {}
+    deadlines: dict[str, float] = {}
+    roster: dict[str, str] | None = None  # once sent
+    try:
+        while True:
+            seen = client._changes
+            for member_id, info in list(client.members.items()):
+                if member_id == client.member_id or member_id in exchanges:
+                    continue
+                exchange = Exchange(
+                    Role.HOST,
+                    code,
+                    host_id=client.member_id,
+                    joiner_id=member_id,
+                    own_fingerprint=own,
+                    peer_fingerprint=info.fingerprint,
+                )
+                exchanges[member_id] = exchange
+                deadlines[member_id] = loop.time() + exchange_timeout
+                await client.send_signal(member_id, exchange.start())
+            final = {m.member_id for m in client.ready.members} if client.ready is not None else set()
+            for member_id, exchange in list(exchanges.items()):
+                if member_id not in client.members and member_id not in final:
+                    del exchanges[member_id]  # left before the session filled (its seat is free again)
+                    deadlines.pop(member_id, None)
+                    continue
+                for body in client.take_signals(member_id):
+                    for reply in exchange.receive(body):
+                        await client.send_signal(member_id, reply)
+                if exchange.accepted if roster is not None else exchange.confirmed:
+                    deadlines.pop(member_id, None)
+                refusal = client._signal_errors.pop(member_id, None)
+                if refusal is not None and member_id in client.members:  # one that left is told apart by member_left
+                    raise TrustError(
+                        f"the rendezvous introduced member {member_id} but will not carry messages to it "
+                        f"({refusal.message}), so it cannot prove the session code: refused",
+                        member_id,
+                    )
+            if client.closed:
+                raise RendezvousClosed(ended=client.ended)
+            if client.ready is not None:
+                joiners = [m.member_id for m in client.ready.members if m.member_id != client.member_id]
+                gone = [m for m in joiners if m not in client.members]
+                if gone:
+                    raise RendezvousError("member_left", f"{', '.join(gone)} left before the trust exchange finished")
+                if roster is None and all(m in exchanges and exchanges[m].confirmed for m in joiners):
+                    roster = {client.member_id: own} | {m: exchanges[m].peer_fingerprint for m in joiners}
+                    for member_id in joiners:
+                        await client.send_signal(member_id, exchanges[member_id].seal_roster(roster))
+                        deadlines[member_id] = loop.time() + exchange_timeout
+                    continue  # acceptances may already be here
+                if roster is not None and all(exchanges[m].accepted for m in joiners):
+                    return roster
+            now = loop.time()
+            late = sorted(m for m, deadline in deadlines.items() if deadline <= now)
+            if late:
+                what = "accept the member list" if roster is not None else "prove the session code"
+                raise TrustTimeout(f"member {', '.join(late)} did not {what} within {exchange_timeout} s", late[0])
+            if roster is None and give_up is not None and now >= give_up:
+                raise TrustTimeout(f"the session did not fill within {ready_timeout} s")
+            wake = min([*deadlines.values(), *([give_up] if give_up is not None else [])], default=None)
+            with contextlib.suppress(TimeoutError):
+                await client._wait_change(seen, None if wake is None else max(0.0, wake - now))
+    except TrustError as error:
+        await _send_abort(client, list(exchanges), error)
+        raise

@@ -1,9 +1,16 @@
-"""Session codes people can read aloud: `7-crimson-harbor`.
+"""Session codes people can read aloud: `7-crimson-harbor-otter-lemon`.
 
-A code is a number from 2 to 99 and two words from fixed lists of 128 each: 98 × 128 × 128 ≈ 1.6
-million codes. That is too few to be a secret on its own, and it need not be one: a code admits
-joins only while its session is filling, guesses are rate-limited per address, and every member
-is introduced to the others with its key fingerprint before any data flows.
+A full code has two halves:
+
+- the channel, `7-crimson-harbor`: a number from 2 to 99 and two words from fixed lists of 128
+  each (98 × 128 × 128 ≈ 1.6 million). The rendezvous draws it and keys the session with it; it
+  is no secret, and need not be one: it admits joins only while its session is filling, and
+  guesses are rate-limited per address.
+- the secret, `otter-lemon`: two words drawn by the host from both lists together (256 words),
+  so 256 × 256 = 65,536 possibilities, 16 bits. It never goes to the rendezvous. Members use
+  the whole code as the password of a SPAKE2 exchange (`kafila.network.pake`), which lets no one
+  test guesses offline: each guess costs an exchange that the host sees fail and answers by
+  ending the session, so an attacker, the rendezvous included, gets one try in 65,536.
 """
 
 from __future__ import annotations
@@ -37,9 +44,19 @@ NOUNS: tuple[str, ...] = tuple(
     """.split()
 )
 
+SECRET_WORDS: tuple[str, ...] = ADJECTIVES + NOUNS  # disjoint lists: 256 distinct words
+SECRET_LENGTH = 2  # words
+SECRET_BITS = SECRET_LENGTH * 8  # log2(256) bits a word
+
 MIN_NUMBER, MAX_NUMBER = 2, 99  # 0 and 1 read like letters; two digits stay short
 CODE_PATTERN = re.compile(r"^([2-9]|[1-9][0-9])-([a-z]+)-([a-z]+)$")
 _SEPARATORS = re.compile(r"[\s_.\-]+")
+_CHANNEL_WORDS = 3  # the number and two words
+EXAMPLE = "7-crimson-harbor-otter-lemon"
+
+
+class CodeFormatError(ValueError):
+    """A full session code that cannot be used; the message says what is wrong with it."""
 
 
 def new_code(rng: random.Random) -> str:
@@ -54,5 +71,53 @@ def normalise_code(text: str) -> str:
 
 
 def is_well_formed(code: str) -> bool:
+    """Whether `code` is a channel code (the half the rendezvous sees)."""
     match = CODE_PATTERN.match(code)
     return match is not None and match[2] in ADJECTIVES and match[3] in NOUNS
+
+
+def new_secret(rng: random.Random) -> str:
+    """The secret half, drawn by the host from `rng` (a `random.SystemRandom` in service)."""
+    return "-".join(rng.choice(SECRET_WORDS) for _ in range(SECRET_LENGTH))
+
+
+def full_code(channel: str, secret: str) -> str:
+    """The code the host reads out: channel and secret; `CodeFormatError` if either is malformed."""
+    code = f"{normalise_code(channel)}-{normalise_code(secret)}"
+    split_code(code)
+    return code
+
+
+def channel_part(text: str) -> str:
+    """The channel half of what a person typed (full code or not): all the rendezvous may see."""
+    return "-".join(normalise_code(text).split("-")[:_CHANNEL_WORDS])
+
+
+def split_code(text: str) -> tuple[str, str]:
+    """A full code as (channel, secret), normalised; `CodeFormatError` saying what is wrong."""
+    code = normalise_code(text)
+    words = code.split("-") if code else []
+    channel = "-".join(words[:_CHANNEL_WORDS])
+    secret_words = words[_CHANNEL_WORDS:]
+    if len(words) < _CHANNEL_WORDS or not is_well_formed(channel):
+        raise CodeFormatError(
+            f"{repr(code) if code else 'an empty code'} is not a session code: it looks like {EXAMPLE} "
+            "(a number, then four words from kafila's word lists)"
+        )
+    if not secret_words:
+        raise CodeFormatError(
+            f"{channel} is only the first half of the session code: the host's full code has "
+            f"{SECRET_LENGTH} more words (like {EXAMPLE}); ask the host for all of it"
+        )
+    if len(secret_words) != SECRET_LENGTH:
+        raise CodeFormatError(
+            f"the secret half of the code has {len(secret_words)} word{'s' * (len(secret_words) != 1)}, "
+            f"not {SECRET_LENGTH} "
+            f"(a full code looks like {EXAMPLE}); check the code with the host"
+        )
+    unknown = [w for w in secret_words if w not in SECRET_WORDS]
+    if unknown:
+        raise CodeFormatError(
+            f"{', '.join(repr(w) for w in unknown)} is not one of kafila's code words; check the code with the host"
+        )
+    return channel, "-".join(secret_words)
