@@ -130,3 +130,19 @@ def test_a_measured_head_bandwidth_prices_the_heads_read_and_only_that() -> None
     assert cost_model_matrix(plain, prefix, True)[1, 3] == pytest.approx(1 + 500 / 100 + 1000 / 100)
     assert cost_model_matrix(fast_head, prefix, True)[1, 3] == pytest.approx(1 + 500 / 100 + 1000 / 500)
     assert cost_model_matrix(fast_head, prefix, False)[1, 3] == cost_model_matrix(plain, prefix, False)[1, 3]
+
+
+def test_a_pinned_head_stays_on_the_anchor_even_when_another_member_is_faster() -> None:
+    manifest = ModelManifest(name="m", block_bytes=(100,) * 8, head_bytes=400, kv_bytes_per_token=(0,) * 8)
+    slow = Device(name="host", memory_bytes=10**6, bandwidth_bytes_per_s=100.0, overhead_s=0.0)
+    fast = Device(name="gpu", memory_bytes=10**6, bandwidth_bytes_per_s=10_000.0, overhead_s=0.0)
+    free = plan_session(manifest, [slow, fast], SessionSpec(), anchor="host")
+    assert free.head == "gpu"
+    pinned = plan_session(manifest, [slow, fast], SessionSpec(), anchor="host", pin_head=True)
+    assert pinned.head == "host" and pinned.stages[-1].device == "host" and pinned.stages[-1].is_head
+    tiny = slow.model_copy(update={"memory_bytes": 300})
+    with pytest.raises(PlanRefused) as refused:
+        plan_session(manifest, [tiny, fast], SessionSpec(), anchor="host", pin_head=True)
+    assert refused.value.device == "host"
+    with pytest.raises(ValueError, match="anchor"):
+        plan_session(manifest, [slow, fast], SessionSpec(), pin_head=True)

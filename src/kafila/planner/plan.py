@@ -93,13 +93,16 @@ class HeadChoice:
     division: Division
 
 
-def place_head(prices: Sequence[DevicePrices], ring: Sequence[int], tier: Tier) -> tuple[HeadChoice | None, str | None]:
+def place_head(
+    prices: Sequence[DevicePrices], ring: Sequence[int], tier: Tier, pinned: bool = False
+) -> tuple[HeadChoice | None, str | None]:
     """Solve every rotation of the ring; keep the anchor unless another head is clearly better.
 
     Only the full cost model can price the head, so the lower tiers keep it at the anchor and
-    move it only when the anchor cannot hold it at all.
+    move it only when the anchor cannot hold it at all. `pinned` keeps it at the anchor always
+    (a host that serves the API holds the head itself).
     """
-    chains = [chain_from_head(ring, r) for r in range(len(ring))]
+    chains = [chain_from_head(ring, r) for r in range(1 if pinned else len(ring))]
     matrices = [_search_matrices(prices, chain) for chain in chains]
     if tier is not Tier.COST_MODEL:
         for r, chain_matrices in enumerate(matrices):
@@ -112,7 +115,7 @@ def place_head(prices: Sequence[DevicePrices], ring: Sequence[int], tier: Tier) 
     anchor = partition(matrices[0], candidates)
     best = HeadChoice(0, anchor) if anchor is not None else None
     below = anchor.bottleneck * (1 - HEAD_MARGIN) if anchor is not None else np.inf
-    for r in range(1, len(ring)):
+    for r in range(1, len(chains)):
         division = partition(matrices[r], candidates, below=below)
         if division is not None:
             best, below = HeadChoice(r, division), division.bottleneck
@@ -127,7 +130,11 @@ def place_head(prices: Sequence[DevicePrices], ring: Sequence[int], tier: Tier) 
 
 
 def refuse(
-    devices: Sequence[Device], prices: Sequence[DevicePrices], ring: Sequence[int], prefix: ChainPrefix
+    devices: Sequence[Device],
+    prices: Sequence[DevicePrices],
+    ring: Sequence[int],
+    prefix: ChainPrefix,
+    pinned: bool = False,
 ) -> PlanRefused:
     """Name the member that cannot hold its share in the most even division there is.
 
@@ -135,7 +142,7 @@ def refuse(
     fullest member; that member, and by how much it is over, is what the user has to change.
     """
     best: tuple[float, list[int], Division] | None = None
-    for r in range(len(ring)):
+    for r in range(1 if pinned else len(ring)):
         chain = chain_from_head(ring, r)
         division = partition([prices[d].fill[is_head] for d, is_head in _roles(chain)])
         assert division is not None  # fill has no limit, so a division with one block each exists
@@ -243,9 +250,16 @@ def _summaries(
 
 
 def plan_session(
-    manifest: ModelManifest, devices: Sequence[Device], session: SessionSpec, anchor: str | None = None
+    manifest: ModelManifest,
+    devices: Sequence[Device],
+    session: SessionSpec,
+    anchor: str | None = None,
+    pin_head: bool = False,
 ) -> Plan:
-    """Decide ring, head, division and admission before a single weight is loaded."""
+    """Decide ring, head, division and admission before a single weight is loaded.
+
+    `pin_head` keeps the head on the anchor (the serving host) instead of wherever is fastest.
+    """
     names = [d.name for d in devices]
     if not devices:
         raise ValueError("a session needs at least one device")
@@ -276,9 +290,11 @@ def plan_session(
     ring = found.order
     prefix = ChainPrefix.of(manifest, session)
     prices = price_devices(devices, prefix, tier)
-    choice, head_note = place_head(prices, ring, tier)
+    if pin_head and anchor is None:
+        raise ValueError("pin_head needs an anchor: the device that must hold the head")
+    choice, head_note = place_head(prices, ring, tier, pin_head)
     if choice is None:
-        raise refuse(devices, prices, ring, prefix)
+        raise refuse(devices, prices, ring, prefix, pin_head)
     if head_note:
         notes.append(head_note)
 
