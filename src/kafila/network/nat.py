@@ -18,7 +18,7 @@ from typing import Any, cast
 from aioice import stun
 from pydantic import BaseModel, ConfigDict
 
-from kafila.network.stun import CHANGE_IP, CHANGE_PORT, Address
+from kafila.network.stun import CHANGE_IP, CHANGE_PORT, MALFORMED, Address
 from kafila.planner.types import Mapping, NatClass
 
 RETRANSMISSIONS = 2  # 0.5 + 1 + 2 s: a silent filter costs 3.5 s, not aioice's default 31 s
@@ -77,7 +77,7 @@ class _Client(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str | Any, ...]) -> None:
         try:
             message = stun.parse_message(data)
-        except (ValueError, KeyError, IndexError):
+        except MALFORMED:
             return
         transaction = self._pending.get(message.transaction_id)
         if transaction is not None:
@@ -249,7 +249,7 @@ def reflexive_address(sock: socket.socket, server: Address, timeout: float = 3.0
                     data, _ = sock.recvfrom(2048)
                     try:
                         response = stun.parse_message(data)
-                    except (ValueError, KeyError, IndexError):
+                    except MALFORMED:
                         continue
                     if response.transaction_id == request.transaction_id:
                         return _mapped(response)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -20,6 +21,9 @@ Address = tuple[str, int]
 CHANGE_IP = 0x04
 CHANGE_PORT = 0x02
 MAX_DATAGRAM = 2048
+# What aioice's parser raises on malformed input: an attribute of the wrong size (CHANGE-REQUEST
+# in 3 bytes, say) fails in `struct.unpack`, whose error is not a ValueError.
+MALFORMED = (ValueError, KeyError, IndexError, struct.error)
 log = logging.getLogger("kafila.stun")
 
 
@@ -62,7 +66,7 @@ class StunResponder:
     def handle(self, data: bytes, source: Address, received_on: Address) -> tuple[bytes, Address] | None:
         try:
             request = stun.parse_message(data)
-        except (ValueError, KeyError, IndexError) as error:  # malformed: never answered
+        except MALFORMED as error:  # malformed: never answered
             log.debug("malformed STUN datagram from %s: %s", source[0], error)
             self.counts["ignored"] += 1
             return None
