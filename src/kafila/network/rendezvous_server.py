@@ -168,8 +168,13 @@ class RendezvousService:
             task.cancel()
 
 
-def create_app(service: RendezvousService) -> FastAPI:
+def create_app(service: RendezvousService, stun_port: int | None = None) -> FastAPI:
     app = FastAPI(title="kafila rendezvous", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/v1/info")
+    async def info() -> dict[str, Any]:
+        """What a member needs beyond this address: where to ask STUN, so `kafila join` takes one address."""
+        return {"session_path": SESSION_PATH, "stun_port": stun_port}
 
     @app.websocket(SESSION_PATH)
     async def session(websocket: WebSocket) -> None:
@@ -281,7 +286,7 @@ async def start_rendezvous(
     core = Rendezvous(limits, rng, advertised)
     service = RendezvousService(core, relay, clock)
     config = uvicorn.Config(
-        create_app(service),
+        create_app(service, stun.endpoints.port),
         lifespan="off",
         log_config=None,
         access_log=False,

@@ -235,17 +235,33 @@ class UnsplitEngine(_Vocabulary):
         self.model.close()
 
 
-class RingEngine(_Vocabulary):
-    """The head here, the other stages in worker processes, frames round loopback sockets."""
+class RingTransport(Protocol):
+    """How the head reaches the other stages: local processes (`LocalRing`) or QUIC links."""
 
-    def __init__(self, stages: Sequence[StageFile], settings: ContextSettings, dtype: DType = DType.F32) -> None:
+    def send(self, frames: Sequence[Frame]) -> None: ...
+    def receive(self, count: int) -> list[Frame]: ...
+    def stats(self) -> list[dict[str, object]]: ...
+    def close(self) -> None: ...
+
+
+class RingEngine(_Vocabulary):
+    """The head here, the other stages elsewhere, frames round a ring transport."""
+
+    def __init__(
+        self,
+        stages: Sequence[StageFile],
+        settings: ContextSettings,
+        dtype: DType = DType.F32,
+        ring: RingTransport | None = None,
+    ) -> None:
+        """`stages` in chain order, head last; without `ring`, the others start as local processes."""
         head_file = stages[-1]
         self.head = HeadStage(head_file.path, settings)
         self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
         self._head_range = [head_file.first_block, head_file.end_block]
         self._dtype = dtype
         try:
-            self.ring = LocalRing(stages[:-1], settings)
+            self.ring: RingTransport = ring if ring is not None else LocalRing(stages[:-1], settings)
         except BaseException:
             self.head.close()
             raise

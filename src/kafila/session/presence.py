@@ -1,0 +1,101 @@
+"""What a machine brings to a session before it joins: an identity, a socket, candidates, a profile.
+
+Both `kafila host` and `kafila join` do the same first steps: find the rendezvous's STUN port,
+bind the one UDP socket every link will use, learn its server-reflexive address from that very
+socket, classify the NAT, and describe the device (the cached probe) for the planner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from dataclasses import dataclass
+from urllib.error import URLError
+from urllib.request import urlopen
+
+from kafila.network.identity import Identity, create_identity
+from kafila.network.nat import probe_nat, reflexive_address
+from kafila.planner.fleet import FleetDevice
+from kafila.planner.types import NatBehaviour
+
+Address = tuple[str, int]
+INFO_TIMEOUT_S = 5.0
+
+
+class RendezvousUnreachable(RuntimeError):
+    pass
+
+
+def parse_address(text: str, default_port: int) -> Address:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        host, port = text.strip(), str(default_port)
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def rendezvous_endpoints(address: Address) -> tuple[str, Address]:
+    """The signalling URL and the STUN address of the rendezvous at `address` (its HTTP port)."""
+    host, port = address
+    try:
+        with urlopen(f"http://{_url_host(host)}:{port}/v1/info", timeout=INFO_TIMEOUT_S) as response:
+            info = json.loads(response.read())
+        path, stun_port = str(info["session_path"]), int(info["stun_port"])
+    except (URLError, OSError, ValueError, KeyError, TypeError) as error:
+        raise RendezvousUnreachable(f"no kafila rendezvous answers at {host}:{port}: {error}") from None
+    return f"ws://{_url_host(host)}:{port}{path}", (host, stun_port)
+
+
+@dataclass
+class Presence:
+    identity: Identity
+    sock: socket.socket
+    candidates: list[str]
+    capability: FleetDevice
+    url: str
+    stun: Address
+
+
+def _local_address_toward(server: Address) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(server)
+        return str(probe.getsockname()[0])
+
+
+async def present(name: str, rendezvous: Address, device: FleetDevice, bind_ip: str = "0.0.0.0") -> Presence:
+    """Bind, learn our addresses and NAT, and describe ourselves; raises RendezvousUnreachable."""
+    url, stun = await asyncio.to_thread(rendezvous_endpoints, rendezvous)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((bind_ip, 0))
+        port = sock.getsockname()[1]
+        host_candidate = (_local_address_toward(stun) if bind_ip == "0.0.0.0" else bind_ip, port)
+        started = time.perf_counter()
+        try:
+            mapped = await asyncio.to_thread(reflexive_address, sock, stun)
+        except (OSError, TimeoutError, ValueError) as error:
+            raise RendezvousUnreachable(
+                f"the rendezvous's STUN port {stun[0]}:{stun[1]} did not answer: {error}"
+            ) from None
+        rtt_ms = (time.perf_counter() - started) * 1e3
+        nat: NatBehaviour | None = None
+        try:
+            report = await probe_nat(stun)
+            if report.mapping is not None and report.filtering is not None:
+                nat = NatBehaviour(mapping=report.mapping, filtering=report.filtering)
+        except Exception:  # a NAT we cannot classify is planned as unknown, not refused
+            nat = None
+        candidates = [f"{h}:{p}" for h, p in dict.fromkeys([host_candidate, mapped])]
+        capability = device.model_copy(update={"name": name[:64], "rtt_ms": round(rtt_ms, 3), "nat": nat})
+        return Presence(create_identity(name=name), sock, candidates, capability, url, stun)
+    except BaseException:
+        sock.close()
+        raise

@@ -1,0 +1,98 @@
+"""Control messages between the host and each member, as JSON in PING frames on one reserved stream.
+
+The host decides everything (plan, stage files, context sizes); members report what they have
+and what they did. Every message is a strict pydantic model: a member or host that receives
+anything else gets a `ControlError` naming what was wrong, never a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from kafila.network.frames import Frame, Kind
+
+CONTROL_SEQUENCE = 2**64 - 1  # the control stream's sequence id: request slots are small numbers
+MAX_CONTROL_BYTES = 64 * 1024
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+MemberId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class ControlError(ValueError):
+    """A control message that breaks the protocol."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Hello(_Message):
+    """member → host, once its links are up: what it already holds, so nothing is sent twice."""
+
+    type: Literal["hello"] = "hello"
+    model_sha256: Sha256 | None = None  # of the whole model file it was started with (`--model`)
+    cached_stages: list[Sha256] = Field(default_factory=list, max_length=1024)
+
+
+class Assign(_Message):
+    """host → member: the stage to load, where its bytes come from, and its ring neighbours."""
+
+    type: Literal["assign"] = "assign"
+    epoch: Annotated[int, Field(ge=0)]  # bumps on every replan; messages of older epochs are stale
+    stage_index: Annotated[int, Field(ge=0)]
+    first_block: Annotated[int, Field(ge=0)]
+    end_block: Annotated[int, Field(ge=1)]
+    sha256: Sha256
+    size: Annotated[int, Field(ge=1)]
+    source: Literal["cache", "transfer", "slice"]  # slice: cut it from the member's own copy of the model
+    predecessor: MemberId
+    successor: MemberId
+    n_ctx: Annotated[int, Field(ge=16, le=1 << 24)]
+    n_batch: Annotated[int, Field(ge=1, le=1 << 16)]
+    n_seq_max: Annotated[int, Field(ge=1, le=256)]
+
+
+class Loaded(_Message):
+    """member → host: the assigned stage is loaded and serving."""
+
+    type: Literal["loaded"] = "loaded"
+    epoch: Annotated[int, Field(ge=0)]
+    stage_index: Annotated[int, Field(ge=0)]
+    seconds: Annotated[float, Field(ge=0)]
+
+
+class Failed(_Message):
+    """member → host: the assignment could not be carried out, and why."""
+
+    type: Literal["failed"] = "failed"
+    epoch: Annotated[int, Field(ge=0)]
+    message: Annotated[str, Field(max_length=4000)]
+
+
+class End(_Message):
+    """host → member: the session is over."""
+
+    type: Literal["end"] = "end"
+    reason: Annotated[str, Field(max_length=1000)]
+
+
+ControlMessage = Annotated[Hello | Assign | Loaded | Failed | End, Field(discriminator="type")]
+_ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
+
+
+def control_frame(message: ControlMessage) -> Frame:
+    return Frame(Kind.PING, CONTROL_SEQUENCE, payload=message.model_dump_json().encode())
+
+
+def parse_control(frame: Frame) -> ControlMessage:
+    if frame.sequence_id != CONTROL_SEQUENCE or frame.kind is not Kind.PING:
+        raise ControlError(f"a {frame.kind.name} frame on sequence {frame.sequence_id} is not a control message")
+    if len(frame.payload) > MAX_CONTROL_BYTES:
+        raise ControlError(f"a control message of {len(frame.payload)} bytes; the limit is {MAX_CONTROL_BYTES}")
+    try:
+        return _ADAPTER.validate_json(frame.payload)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ControlError(f"malformed control message ({where}: {first['msg']})") from None

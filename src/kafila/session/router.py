@@ -1,0 +1,110 @@
+"""One link's frames, split by sequence id into control, file and activation traffic.
+
+A link between the host and a member carries three things at once: control messages on one
+reserved stream, stage files on reserved transfer streams, and activations for request slots.
+Each gets its own queue, so a 200 MB transfer never delays a control message and a stage
+never sees a frame that is not an activation. A `Channel` looks like a link to its user
+(`send`, `receive`, `finish`), so code written for a link runs unchanged on one kind of its
+traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Literal
+
+from kafila.network.frames import Frame
+from kafila.network.link import Link, LinkClosed, LinkError
+from kafila.session.protocol import CONTROL_SEQUENCE, ControlMessage, parse_control
+
+TRANSFER_SEQUENCES = range(2**63, 2**64 - 1)  # below the control stream, above any request slot
+Traffic = Literal["control", "transfer", "activation"]
+
+
+def traffic_of(frame: Frame) -> Traffic:
+    if frame.sequence_id == CONTROL_SEQUENCE:
+        return "control"
+    if frame.sequence_id in TRANSFER_SEQUENCES:
+        return "transfer"
+    return "activation"
+
+
+class Channel:
+    """One kind of a link's traffic, with the link's interface."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self._queue: asyncio.Queue[Frame | None] = asyncio.Queue()
+
+    @property
+    def closed(self) -> asyncio.Future[LinkError]:
+        return self.link.closed
+
+    async def send(self, frame: Frame) -> None:
+        await self.link.send(frame)
+
+    async def finish(self, sequence_id: int) -> None:
+        await self.link.finish(sequence_id)
+
+    async def receive(self) -> Frame:
+        frame = await self._queue.get()
+        if frame is None:
+            self._queue.put_nowait(None)
+            raise self.link.closed.result() if self.link.closed.done() else LinkClosed("the router stopped")
+        return frame
+
+    def receive_nowait(self) -> Frame | None:
+        """A frame already here, or None: how a stage gathers what arrived together into one batch."""
+        try:
+            frame = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if frame is None:
+            self._queue.put_nowait(None)
+        return frame
+
+    def drain(self) -> int:
+        """Discard frames already here (a broken ring's leftovers); the link's end marker stays."""
+        dropped = 0
+        while self.receive_nowait() is not None:
+            dropped += 1
+        return dropped
+
+    def _put(self, frame: Frame | None) -> None:
+        self._queue.put_nowait(frame)
+
+
+class LinkRouter:
+    def __init__(self, link: Link, peer_id: str) -> None:
+        self.link, self.peer_id = link, peer_id
+        self.control = Channel(link)
+        self.transfer = Channel(link)
+        self.activation = Channel(link)
+        self._task = asyncio.create_task(self._route(), name=f"router-{peer_id}")
+
+    async def _route(self) -> None:
+        try:
+            async for frame in self.link.frames():
+                {"control": self.control, "transfer": self.transfer, "activation": self.activation}[
+                    traffic_of(frame)
+                ]._put(frame)
+        finally:
+            for channel in (self.control, self.transfer, self.activation):
+                channel._put(None)
+
+    async def send_control(self, message: ControlMessage) -> None:
+        from kafila.session.protocol import control_frame
+
+        await self.link.send(control_frame(message))
+
+    async def next_control(self, timeout: float | None = None) -> ControlMessage:
+        """The next control message; LinkError once the link is down, ControlError if malformed."""
+        frame = await asyncio.wait_for(self.control.receive(), timeout)
+        return parse_control(frame)
+
+    async def close(self, reason: str = "goodbye") -> None:
+        await self.link.close(reason)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
