@@ -1,0 +1,134 @@
+"""The session's data plane over real QUIC links: a member's stage served by `serve_stage`, the
+head's `RingEngine` driving it through `QuicRing`, and greedy output equal to the unsplit model."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from tiny_models import write_tiny_model
+
+from kafila.network.frames import Frame, Kind
+from kafila.network.identity import create_identity
+from kafila.network.link import DatagramDemux, LinkConfig, open_link, should_dial
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.pipeline import RingEngine, StageFailed, generate, open_engine
+from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.slicer import cached_slices
+from kafila.runtime.stage import BlockStage
+from kafila.session.member import serve_stage
+from kafila.session.protocol import (
+    CONTROL_SEQUENCE,
+    Assign,
+    ControlError,
+    End,
+    Hello,
+    control_frame,
+    parse_control,
+)
+from kafila.session.quic_ring import QuicRing
+from kafila.session.router import LinkRouter, traffic_of
+
+SETTINGS = ContextSettings(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=1)
+FAST = LinkConfig(idle_timeout_s=2.0, handshake_timeout_s=3.0)
+PROMPT = "the quick brown fox"
+
+
+def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
+    sha = "ab" * 32
+    assign = Assign(
+        epoch=1, stage_index=0, first_block=0, end_block=2, sha256=sha, size=10, source="transfer",
+        predecessor="h", successor="h", n_ctx=256, n_batch=32, n_seq_max=2,
+    )  # fmt: skip
+    for message in (Hello(model_sha256=sha, cached_stages=[sha]), assign, End(reason="bye")):
+        assert parse_control(control_frame(message)) == message
+    bad = [
+        Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"{not json"),
+        Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "assign"}'),
+        Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "hello", "model_sha256": "xyz"}'),
+        Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "launch"}'),
+        Frame(Kind.PING, 3, payload=b'{"type": "end", "reason": "x"}'),
+        Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"x" * 70_000),
+    ]
+    for frame in bad:
+        with pytest.raises(ControlError):
+            parse_control(frame)
+    assert traffic_of(Frame(Kind.PING, CONTROL_SEQUENCE)) == "control"
+    assert traffic_of(Frame(Kind.FILE, 2**63 + 5)) == "transfer"
+    assert traffic_of(Frame(Kind.DECODE, 3)) == "activation"
+
+
+def _socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock
+
+
+async def _linked_routers() -> tuple[LinkRouter, LinkRouter, list[DatagramDemux]]:
+    host_id, member_id = create_identity(), create_identity()
+    a, b = await DatagramDemux.over(_socket()), await DatagramDemux.over(_socket())
+    dial = should_dial(host_id.fingerprint, member_id.fingerprint)
+    host_link, member_link = await asyncio.gather(
+        open_link(a, b.local_address, host_id, member_id.fingerprint, dial, FAST),
+        open_link(b, a.local_address, member_id, host_id.fingerprint, not dial, FAST),
+    )
+    return LinkRouter(host_link, "member"), LinkRouter(member_link, "host"), [a, b]
+
+
+def test_a_ring_over_quic_generates_what_the_unsplit_model_does(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    stages = cached_slices(model, [2, 2], tmp_path / "stages")
+    unsplit = open_engine(model, [4], SETTINGS)
+    try:
+        expected = generate(unsplit, PROMPT, 12, SamplingSettings()).text
+    finally:
+        unsplit.close()
+
+    async def scenario() -> tuple[str, list[dict[str, object]]]:
+        host, member, demuxes = await _linked_routers()
+        executor = ThreadPoolExecutor(1)
+        stage = BlockStage(stages[0].path, SETTINGS)
+        serving = asyncio.create_task(serve_stage(stage, member.activation, member.activation, executor))
+        ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
+        engine = await asyncio.to_thread(RingEngine, [stages[1]], SETTINGS, ring=ring)
+        try:
+            text = (await asyncio.to_thread(generate, engine, PROMPT, 12, SamplingSettings())).text
+            report = await asyncio.to_thread(engine.stage_report)
+        finally:
+            await asyncio.to_thread(engine.close)
+            serving.cancel()
+            stage.close()
+            executor.shutdown()
+            for demux in demuxes:
+                demux.close()
+        return text, report
+
+    text, report = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert text and text == expected
+    assert [stage["range"] for stage in report] == [[0, 2], [2, 4]]
+
+
+def test_a_member_that_vanishes_fails_the_ring_step_quickly(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    stages = cached_slices(model, [2, 2], tmp_path / "stages")
+
+    async def scenario() -> float:
+        host, _member, demuxes = await _linked_routers()
+        ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
+        engine = await asyncio.to_thread(RingEngine, [stages[1]], SETTINGS, ring=ring)
+        demuxes[1].close()  # the member's socket is gone: no goodbye, no more packets
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            with pytest.raises(StageFailed, match="link to member is down"):
+                await asyncio.to_thread(generate, engine, PROMPT, 4, SamplingSettings())
+        finally:
+            await asyncio.to_thread(engine.close)
+            demuxes[0].close()
+        return loop.time() - started
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) < 5.0
