@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from natlab import NAT_BEHAVIOUR, NAT_TYPES, NatLab, lab_unavailable_reason
-from natlab_punch_agent import peer_home, predicted_edge, punch_pair, start_rendezvous
+from natlab import NAT_BEHAVIOUR, NAT_TYPES
+from natlab_punch_agent import lab_with_rendezvous, peer_home, predicted_edge, punch_pair
 
 KAFILA = [sys.executable, "-m", "kafila"]
 
@@ -34,14 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--attempts", type=int, default=20)
     args = parser.parse_args()
-    reason = lab_unavailable_reason()
-    if reason:
-        raise SystemExit(f"the NAT lab cannot run here: {reason}")
-    with NatLab(prefix="kb") as lab:
-        for nat in NAT_TYPES:
-            lab.add_home(nat, nat)
-        server, stun, http = start_rendezvous(lab)
-
+    with lab_with_rendezvous("kb") as (lab, stun, http):
         print("| NAT | classified as (mapping / filtering / class) | right | seconds |")
         print("|---|---|---|---|")
         for nat in NAT_TYPES:
@@ -61,8 +54,6 @@ def main() -> None:
             predicted = predicted_edge(a, b).value
             successes = [r for r in results if r["direct"]]
             rows.append((a, b, predicted, len(successes), results, successes))
-        server.terminate()
-        server.wait(timeout=10)
 
     print(f"\n| from \\\\ to | {' | '.join(NAT_TYPES)} |")
     print("|---|" + "---|" * len(NAT_TYPES))

@@ -1,4 +1,4 @@
-"""One side of a hole punch, run inside a lab namespace (tests/test_nat_lab_punch.py, scripts/bench_nat_lab.py).
+"""One side of a hole punch, run inside a lab namespace (tests/test_nat_lab_*.py, scripts/bench_*_lab.py).
 
 All signalling goes through a real rendezvous. The agent learns its server-reflexive address
 from the rendezvous's STUN port on the socket it will punch from; the host opens a session and
@@ -6,30 +6,49 @@ prints its code, the other joins with it; both exchange candidates and round-tri
 introductions. On `ready`, which the rendezvous sends to both at once, each waits out half the
 difference between their round trips so that both start together, then punches with low-TTL
 priming. The outcome is printed as one JSON line.
+
+With `--frames`, `--rtt` or `--hold` it then opens a pinned QUIC link on the same socket, direct
+if the punch worked and through a relay the rendezvous grants if not, and:
+
+- `--frames N`: both sides send N activation frames and check every frame of the other's;
+- `--rtt N`: the session's host times N round trips of one activation frame per hidden size and
+  dtype, which the joiner echoes, then as many raw UDP datagrams of the same size over the
+  same path (the floor);
+- `--hold S`: after printing the outcome, keeps the link up for at most S seconds. If it goes
+  down (a killed neighbour), prints `{"down": <error class>, "reason": ...}` and exits with
+  status 3; otherwise closes it and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from kafila.network.frames import Frame, Kind
+from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import create_identity
-from kafila.network.link import DatagramDemux, Link, bind_relay, open_link, should_dial
+from kafila.network.link import DatagramDemux, Link, LinkError, bind_relay, open_link, should_dial
 from kafila.network.nat import reflexive_address
 from kafila.network.punch import punch
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.planner.reachability import predict_edge
 from kafila.planner.types import EdgePrediction, Mapping, NatBehaviour
+
+LINK_DOWN_EXIT = 3  # the agent's exit status when its link went down while held
+RTT_SIZES = [(hidden, dtype) for hidden in (640, 2048, 4096) for dtype in (DType.F32, DType.F16)]
+RTT_WARMUP = 20  # round trips per size before timing starts
+PROBE = 0x20  # first byte of raw UDP floor probes: no protocol on the member socket uses it
+Address = tuple[str, int]
 
 
 def address(text: str) -> tuple[str, int]:
@@ -46,18 +65,102 @@ def activations(seed: int, count: int) -> list[Frame]:
     ]
 
 
-async def exchange(link: Link, mine: int, theirs: int, count: int) -> bool:
-    """Send our frames and receive theirs at once; True if theirs all arrived, in order, intact."""
+async def exchange(link: Link, mine: int, theirs: int, count: int) -> tuple[int, bool]:
+    """Send our frames and receive theirs at once: how many of theirs arrived, and whether all
+    did, each sequence in order and every byte intact."""
 
     async def send() -> None:
         for frame in activations(mine, count):
             await link.send(frame)
 
     async def receive() -> list[Frame]:
-        return [await asyncio.wait_for(link.receive(), 20) for _ in range(count)]
+        got: list[Frame] = []
+        with contextlib.suppress(TimeoutError, LinkError):
+            while len(got) < count:
+                got.append(await asyncio.wait_for(link.receive(), 20))
+        return got
 
     _, got = await asyncio.gather(send(), receive())
-    return _by_sequence(got) == _by_sequence(activations(theirs, count))
+    return len(got), _by_sequence(got) == _by_sequence(activations(theirs, count))
+
+
+def _size_name(hidden: int, dtype: DType) -> str:
+    return f"{hidden} {dtype.name.lower()}"
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 4)
+
+
+async def time_round_trips(link: Link, demux: DatagramDemux, target: Address, count: int) -> dict[str, Any]:
+    """The measuring side: per size, `count` frame round trips over the link, then raw UDP ones.
+
+    Raw probes go to the link's own target (the peer, or the relay, which forwards them
+    verbatim) from the same socket, so they take exactly the link's path. A probe not echoed
+    within a second counts as lost. All frame round trips come first: back-to-back probes of
+    several KiB exceed the relay's per-session byte rate, and would leave its budget empty for
+    the frames that followed.
+    """
+    loop = asyncio.get_running_loop()
+    echoed: list[asyncio.Future[None]] = []
+
+    def on_echo(data: bytes, source: Address) -> None:
+        if echoed and not echoed[-1].done():
+            echoed[-1].set_result(None)
+
+    results: dict[str, dict[str, Any]] = {}
+    for index, (hidden, dtype) in enumerate(RTT_SIZES):
+        frame = Frame.of_hidden(Kind.DECODE, 10 + index, 0, np.ones((1, hidden), dtype=np.float32), dtype)
+        quic = []
+        for i in range(RTT_WARMUP + count):
+            started = time.perf_counter()
+            await link.send(frame)
+            await asyncio.wait_for(link.receive(), 20)
+            if i >= RTT_WARMUP:
+                quic.append(_ms(time.perf_counter() - started))
+        results[_size_name(hidden, dtype)] = {"bytes": len(frame.encode()), "quic_ms": quic}
+    demux.register([PROBE], on_echo)
+    try:
+        for result in results.values():
+            probe = bytes([PROBE]) + bytes(result["bytes"] - 1)
+            udp, lost = [], 0
+            for i in range(RTT_WARMUP + count):
+                echoed.append(loop.create_future())
+                started = time.perf_counter()
+                demux.sendto(probe, target)
+                try:
+                    await asyncio.wait_for(echoed[-1], 1.0)
+                except TimeoutError:
+                    lost += 1
+                    continue
+                if i >= RTT_WARMUP:
+                    udp.append(_ms(time.perf_counter() - started))
+            result.update(udp_ms=udp, udp_lost=lost)
+        await link.send(Frame(Kind.CANCEL, 99))  # tells the echoing side we are done
+    finally:
+        demux.unregister([PROBE])
+    return results
+
+
+async def echo_round_trips(link: Link, demux: DatagramDemux) -> None:
+    """The echoing side of `time_round_trips`: frames back over the link, probes back to their source."""
+    demux.register([PROBE], demux.sendto)  # each probe straight back where it came from
+    try:
+        while (frame := await asyncio.wait_for(link.receive(), 60)).kind is not Kind.CANCEL:
+            await link.send(frame)
+    finally:
+        demux.unregister([PROBE])
+
+
+async def hold(link: Link, seconds: float) -> int:
+    """Keep the link up for at most `seconds`; report it and return LINK_DOWN_EXIT if it goes down."""
+    try:
+        error = await asyncio.wait_for(asyncio.shield(link.closed), seconds)
+    except TimeoutError:
+        return 0
+    print(json.dumps({"down": type(error).__name__, "reason": str(error)}), flush=True)
+    print(f"link to {link.peer_address[0]}:{link.peer_address[1]} is down: {error}", file=sys.stderr, flush=True)
+    return LINK_DOWN_EXIT
 
 
 def _by_sequence(frames: list[Frame]) -> dict[int, list[Frame]]:
@@ -68,7 +171,8 @@ def _by_sequence(frames: list[Frame]) -> dict[int, list[Frame]]:
     return groups
 
 
-async def run(args: argparse.Namespace) -> dict[str, object]:
+async def run(args: argparse.Namespace) -> int:
+    """Punch, then link and use the link as the arguments say; print the outcome; the exit status."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("0.0.0.0", 0))
     server = address(args.stun)
@@ -98,6 +202,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             url, args.code, capability=capability, fingerprint=identity.fingerprint, candidates=candidates
         )
     outcome: dict[str, object] = {}
+    status = 0
     try:
         ready = await client.wait_ready(timeout=20)
         outcome["introduction_s"] = time.perf_counter() - introduced
@@ -108,7 +213,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         result = await punch(sock, session, [address(c) for c in peer.candidates], timeout=args.timeout)
         outcome["path"] = f"{result.path[0]}:{result.path[1]}" if result.path else None
         outcome["seconds"] = result.seconds
-        if args.frames:
+        if args.frames or args.rtt or args.hold:
             demux = await DatagramDemux.over(sock)
             try:
                 if result.path is not None:
@@ -119,17 +224,30 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     await bind_relay(demux, target, bytes.fromhex(grant.relay_token), timeout=10)
                 dial = should_dial(identity.fingerprint, peer.fingerprint)
                 link = await open_link(demux, target, identity, peer.fingerprint, dial)
-                mine, theirs = (1, 2) if args.code is None else (2, 1)
+                host = args.code is None
+                mine, theirs = (1, 2) if host else (2, 1)
                 outcome["link"] = via
-                outcome["frames_ok"] = await exchange(link, mine, theirs, args.frames)
-                await asyncio.sleep(0.5)  # the peer may still be receiving
-                await link.close()
+                if args.frames:
+                    outcome["frames_received"], outcome["frames_ok"] = await exchange(link, mine, theirs, args.frames)
+                if args.rtt and host:
+                    outcome["rtt"] = await time_round_trips(link, demux, target, args.rtt)
+                elif args.rtt:
+                    await echo_round_trips(link, demux)
+                if args.hold:
+                    print(json.dumps(outcome), flush=True)
+                    outcome = {}
+                    status = await hold(link, args.hold)
+                if not link.closed.done():
+                    await asyncio.sleep(0.5)  # the peer may still be receiving
+                    await link.close()
             finally:
                 demux.close()
     finally:
         await client.close()
         sock.close()
-    return outcome
+    if outcome:
+        print(json.dumps(outcome), flush=True)
+    return status
 
 
 def start_rendezvous(lab: Any) -> tuple[subprocess.Popen[str], str, str]:
@@ -152,6 +270,29 @@ def start_rendezvous(lab: Any) -> tuple[subprocess.Popen[str], str, str]:
         process.kill()
         raise RuntimeError("the lab's rendezvous did not start")
     return process, ready[1], http[1]
+
+
+@contextlib.contextmanager
+def lab_with_rendezvous(prefix: str) -> Iterator[tuple[Any, str, str]]:
+    """For the lab benchmarks: a NatLab with a home of each NAT type and a real rendezvous.
+
+    Yields the lab, the rendezvous's STUN address and its HTTP address; exits with the reason
+    where no lab can be built.
+    """
+    from natlab import NAT_TYPES, NatLab, lab_unavailable_reason
+
+    reason = lab_unavailable_reason()
+    if reason:
+        raise SystemExit(f"the NAT lab cannot run here: {reason}")
+    with NatLab(prefix=prefix) as lab:
+        for nat in NAT_TYPES:
+            lab.add_home(nat, nat)
+        server, stun, http = start_rendezvous(lab)
+        try:
+            yield lab, stun, http
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
 
 
 def peer_home(lab: Any, a: str, b: str) -> str:
@@ -183,32 +324,83 @@ def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
-def punch_pair(lab: Any, stun: str, http: str, home_a: str, home_b: str, frames: int = 0) -> dict[str, Any]:
-    """Run one agent in each home of a NatLab: the first opens a session, the second joins it.
+def start_pair(lab: Any, stun: str, http: str, home_a: str, home_b: str, *options: str) -> list[subprocess.Popen[str]]:
+    """Start one agent in each home of a NatLab: the first opens a session, the second joins it.
 
-    Returns whether both ended on a direct path, the slower one's punch time, and the joiner's
-    time from joining to the introduction.
+    Both get `options` (e.g. `--frames 100`); the caller reads their lines and stops them.
     """
-    base = [sys.executable, __file__, "--stun", stun, "--http", http, "--timeout", "4", "--frames", str(frames)]
+    base = [sys.executable, __file__, "--stun", stun, "--http", http, "--timeout", "4", *options]
     pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    host = lab.run_home(lab.homes[home_a], [*base, "--name", "a"], **pipes)
-    agents = [host]
+    agents = [lab.run_home(lab.homes[home_a], [*base, "--name", "a"], **pipes)]
     try:
-        code = _line(host)["code"]
+        code = _line(agents[0])["code"]
         agents.append(lab.run_home(lab.homes[home_b], [*base, "--name", "b", "--code", code], **pipes))
+    except BaseException:
+        stop(agents)
+        raise
+    return agents
+
+
+def stop(agents: list[subprocess.Popen[str]]) -> None:
+    for agent in agents:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
+def punch_pair(
+    lab: Any, stun: str, http: str, home_a: str, home_b: str, frames: int = 0, rtt: int = 0
+) -> dict[str, Any]:
+    """Punch between one agent in each home (then link, with `frames` or `rtt`).
+
+    Returns whether both ended on a direct path, the slower one's punch time, the joiner's time
+    from joining to the introduction, each side's link path and, if linked, whether every frame
+    arrived (how many each side received) and the session host's round trips (`rtt`).
+    """
+    agents = start_pair(lab, stun, http, home_a, home_b, "--frames", str(frames), "--rtt", str(rtt))
+    try:
         outcomes = [_line(agent) for agent in agents]
         for agent in agents:
-            agent.wait(timeout=30)
+            agent.wait(timeout=60)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
+        stop(agents)
     return {
         "direct": all(o["path"] is not None for o in outcomes),
         "seconds": max(o["seconds"] for o in outcomes),
         "introduction_s": outcomes[1]["introduction_s"],
         "links": [o.get("link") for o in outcomes],
         "frames_ok": all(o.get("frames_ok", False) for o in outcomes) if frames else None,
+        "frames_received": [o.get("frames_received") for o in outcomes],
+        "rtt": outcomes[0].get("rtt"),
+    }
+
+
+def kill_one(
+    lab: Any, stun: str, http: str, home_a: str, home_b: str, victim: int, frames: int = 100, hold: float = 20.0
+) -> dict[str, Any]:
+    """Link one agent in each home, exchange frames, SIGKILL one (0: the session's host, 1: the
+    joiner) and time, from the kill, how long the other takes to report the broken link.
+
+    Returns each side's path, whether the frames arrived, the survivor's report (None if it
+    reported nothing within `hold` seconds), the seconds to it, and the survivor's exit status.
+    """
+    agents = start_pair(lab, stun, http, home_a, home_b, "--frames", str(frames), "--hold", str(hold))
+    try:
+        outcomes = [_line(agent) for agent in agents]
+        survivor = agents[1 - victim]
+        agents[victim].kill()  # SIGKILL: no goodbye, no chance to clean up
+        killed = time.monotonic()
+        line = survivor.stdout.readline() if survivor.stdout else ""
+        reported_s = time.monotonic() - killed
+        status = survivor.wait(timeout=10)
+    finally:
+        stop(agents)
+    return {
+        "links": [o.get("link") for o in outcomes],
+        "frames_ok": all(o.get("frames_ok", False) for o in outcomes),
+        "report": json.loads(line) if line else None,
+        "reported_s": reported_s,
+        "status": status,
     }
 
 
@@ -220,7 +412,9 @@ def main() -> None:
     parser.add_argument("--code")
     parser.add_argument("--timeout", type=float, default=4.0)
     parser.add_argument("--frames", type=int, default=0, help="then link over QUIC and exchange this many frames")
-    print(json.dumps(asyncio.run(run(parser.parse_args()))), flush=True)
+    parser.add_argument("--rtt", type=int, default=0, help="then time this many frame round trips per size")
+    parser.add_argument("--hold", type=float, default=0.0, help="then keep the link up this long, reporting its end")
+    raise SystemExit(asyncio.run(run(parser.parse_args())))
 
 
 if __name__ == "__main__":

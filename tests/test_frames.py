@@ -9,7 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.network.frames import HEADER, HEADER_SIZE, MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
+from kafila.network.frames import (
+    CONTROL_SEQUENCE_BASE,
+    HEADER,
+    HEADER_SIZE,
+    MAX_PAYLOAD,
+    DType,
+    Frame,
+    FrameDecoder,
+    FrameError,
+    Kind,
+    is_control_sequence,
+)
 
 
 def test_hidden_states_round_trip_in_f32_and_f16() -> None:
@@ -115,3 +126,13 @@ def test_truncated_valid_frames_wait_for_the_rest(seq: int, pos: int, n: int, hi
     decoder = FrameDecoder()
     assert decoder.feed(raw[:cut]) == []
     assert decoder.feed(raw[cut:]) == [frame]
+
+
+def test_file_chunks_round_trip_only_in_the_control_range() -> None:
+    frame = Frame(Kind.FILE, CONTROL_SEQUENCE_BASE + 3, 41, payload=b"\x00\xffraw bytes")
+    (decoded,) = FrameDecoder().feed(frame.encode())
+    assert decoded == frame and is_control_sequence(decoded.sequence_id)
+    with pytest.raises(FrameError, match="outside the control range"):
+        FrameDecoder().feed(Frame(Kind.FILE, 7, payload=b"x").encode())  # a request slot's sequence
+    with pytest.raises(FrameError, match="raw bytes"):
+        FrameDecoder().feed(_header(kind=Kind.FILE, seq=CONTROL_SEQUENCE_BASE))  # a tensor header

@@ -225,17 +225,17 @@ def test_pings_keep_an_idle_link_alive() -> None:
     assert 3 <= len(sent) <= 60  # a few small packets, not a flood
 
 
-def test_a_peer_that_vanishes_is_reported_dead_within_the_idle_bound() -> None:
+def test_a_peer_that_vanishes_is_reported_dead_within_5_s() -> None:
     async def go() -> None:
-        config = LinkConfig()  # the defaults: idle timeout 5 s
+        config = LinkConfig()  # the defaults: idle timeout 4 s
         a, b, link_a, link_b = await pair(config=config)
         await exchange(link_a, link_b, 20, DType.F16)
-        b.close()  # b's process "dies": no goodbye
+        b.close()  # b's process "dies" right after its last packet (the worst case): no goodbye
         killed = time.monotonic()
         reason = await asyncio.wait_for(asyncio.shield(link_a.closed), WAIT)
         elapsed = time.monotonic() - killed
         assert isinstance(reason, LinkDead) and "nothing heard" in str(reason)
-        assert elapsed <= config.idle_timeout_s + 0.5  # timer slack on a busy machine
+        assert config.idle_timeout_s - 0.5 <= elapsed < 5.0  # issue 5's bound; the NAT lab kills real processes
         with pytest.raises(LinkDead):
             await link_a.send(Frame(Kind.CANCEL, 1))
         await shut(a)

@@ -4,6 +4,9 @@ For every ordered pair of NAT types, two agents signal through a real rendezvous
 fingerprints they pin come from its introductions), punch, then open a mutually pinned QUIC
 link on the same socket, directly or through a relay allocation the rendezvous grants, and
 exchange 1,000 activation frames each way. The path taken must be the planner's prediction.
+
+A killed neighbour: on direct and relayed edges, one agent process is SIGKILLed right after
+an exchange (no goodbye) and the survivor must report the broken link within 5 s.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import itertools
 
 import pytest
 from natlab_fixtures import NAT_TYPES, NatLab, lab_rendezvous, natlab, natlab_required  # noqa: F401
-from natlab_punch_agent import peer_home, predicted_edge, punch_pair
+from natlab_punch_agent import LINK_DOWN_EXIT, kill_one, peer_home, predicted_edge, punch_pair
 
 from kafila.planner.types import EdgePrediction
+
+
+def predicted_link(a: str, b: str) -> str:
+    return "direct" if predicted_edge(a, b) is EdgePrediction.DIRECT else "relayed"
 
 
 @pytest.mark.parametrize(("a", "b"), list(itertools.product(NAT_TYPES, repeat=2)))
@@ -26,6 +33,34 @@ def test_link_takes_the_predicted_path_and_carries_frames(
 ) -> None:
     lab_b = peer_home(natlab, a, b)
     outcome = punch_pair(natlab, *lab_rendezvous, a, lab_b, frames=1000)
-    want = "direct" if predicted_edge(a, b) is EdgePrediction.DIRECT else "relayed"
+    want = predicted_link(a, b)
     assert outcome["links"] == [want, want], f"{a} -> {b}: predicted {want}, links {outcome['links']}"
+    assert outcome["frames_received"] == [1000, 1000]
     assert outcome["frames_ok"] is True
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "victim"),
+    [
+        ("port-restricted", "port-restricted", 1),  # direct
+        ("full-cone", "symmetric", 0),  # direct, to a peer-reflexive address
+        ("symmetric", "symmetric", 0),  # relayed
+        ("port-restricted", "symmetric", 1),  # relayed
+    ],
+    ids=["direct-joiner-killed", "direct-host-killed", "relayed-host-killed", "relayed-joiner-killed"],
+)
+def test_a_killed_neighbour_is_reported_within_5_s(
+    natlab: NatLab,  # noqa: F811
+    lab_rendezvous: tuple[str, str],  # noqa: F811
+    a: str,
+    b: str,
+    victim: int,
+) -> None:
+    outcome = kill_one(natlab, *lab_rendezvous, a, peer_home(natlab, a, b), victim)
+    want = predicted_link(a, b)
+    assert outcome["links"] == [want, want] and outcome["frames_ok"] is True
+    report = outcome["report"]
+    assert report is not None, "the survivor never reported the broken link"
+    assert report["down"] == "LinkDead" and "nothing heard" in report["reason"], report
+    assert outcome["status"] == LINK_DOWN_EXIT
+    assert outcome["reported_s"] < 5.0, f"{want} edge: reported {outcome['reported_s']:.2f} s after the kill"

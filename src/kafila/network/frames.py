@@ -20,6 +20,11 @@ HEADER_SIZE = HEADER.size  # 32 bytes
 MAX_TOKENS = 1 << 16
 MAX_HIDDEN = 1 << 16
 MAX_PAYLOAD = 1 << 28  # 256 MiB: a 4096-token prefill chunk of a hidden-16384 model in f32
+# Sequence ids from 2**63 up are reserved for control streams, never request slots, so their
+# streams cannot collide with a request's: stage-file transfers (`kafila.network.transfer`) use
+# [2**63, 2**63 + 2**32), the session's control stream 2**64 - 1 (`kafila.session.protocol`).
+# FILE frames are refused outside this range.
+CONTROL_SEQUENCE_BASE = 1 << 63
 
 
 class Kind(IntEnum):
@@ -29,10 +34,11 @@ class Kind(IntEnum):
     CANCEL = 4  # drop a sequence's state everywhere on the ring
     PING = 5  # keep-alive or a control message with a JSON payload
     ERROR = 6  # a UTF-8 message: the peer rejected a frame
+    FILE = 7  # raw bytes of a file in transfer; `position` is the chunk's index (kafila.network.transfer)
 
 
 class DType(IntEnum):
-    NONE = 0  # no tensor: RESULT, CANCEL, PING, ERROR
+    NONE = 0  # no tensor: RESULT, CANCEL, PING, ERROR, FILE
     F32 = 1
     F16 = 2
     I32 = 3  # token ids
@@ -41,6 +47,11 @@ class DType(IntEnum):
 _ITEM_SIZE = {DType.NONE: 1, DType.F32: 4, DType.F16: 2, DType.I32: 4}
 _NUMPY = {DType.F32: np.float32, DType.F16: np.float16, DType.I32: np.int32}
 HIDDEN_KINDS = (Kind.PREFILL, Kind.DECODE)
+
+
+def is_control_sequence(sequence_id: int) -> bool:
+    """Whether a sequence id is in the range reserved for control streams (stage-file transfers)."""
+    return sequence_id >= CONTROL_SEQUENCE_BASE
 
 
 class FrameError(ValueError):
@@ -105,7 +116,7 @@ class Frame:
         return self.payload.decode("utf-8", errors="replace")
 
 
-def _validate(kind: int, dtype: int, n_tokens: int, hidden: int, length: int) -> tuple[Kind, DType]:
+def _validate(kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, length: int) -> tuple[Kind, DType]:
     try:
         kind_, dtype_ = Kind(kind), DType(dtype)
     except ValueError as error:
@@ -119,6 +130,11 @@ def _validate(kind: int, dtype: int, n_tokens: int, hidden: int, length: int) ->
             raise FrameError(f"a {kind_.name} frame needs f32 or f16 hidden states of at least one token")
         if length != n_tokens * hidden * _ITEM_SIZE[dtype_]:
             raise FrameError(f"payload of {length} bytes does not hold {n_tokens} x {hidden} {dtype_.name} values")
+    elif kind_ is Kind.FILE:
+        if dtype_ is not DType.NONE or n_tokens or hidden:
+            raise FrameError("a FILE frame carries raw bytes: dtype none, no tokens, hidden size 0")
+        if not is_control_sequence(seq):
+            raise FrameError(f"a FILE frame on sequence {seq}, outside the control range (2**63 and up)")
     elif dtype_ is DType.I32 and length != 4 * n_tokens:
         raise FrameError(f"payload of {length} bytes does not hold {n_tokens} token ids")
     return kind_, dtype_
@@ -143,7 +159,7 @@ class FrameDecoder:
                     raise FrameError("not a Kafila frame (bad magic)")
                 if version != VERSION:
                     raise FrameError(f"frame version {version}; this peer speaks version {VERSION}")
-                kind_, dtype_ = _validate(kind, dtype, n, hidden, length)
+                kind_, dtype_ = _validate(kind, dtype, seq, n, hidden, length)
                 if len(self._buffer) < HEADER_SIZE + length:
                     break
                 payload = bytes(self._buffer[HEADER_SIZE : HEADER_SIZE + length])

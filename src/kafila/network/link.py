@@ -47,7 +47,7 @@ from typing import Any, cast
 from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from cryptography.hazmat.primitives.serialization import Encoding
 from pydantic import BaseModel, ConfigDict, Field
@@ -95,7 +95,10 @@ class LinkConfig(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
 
     keepalive_s: float = Field(default=15.0, gt=0)  # NAT mappings live 30 s or less on many routers
-    idle_timeout_s: float = Field(default=5.0, gt=0)  # nothing heard this long: the link is dead
+    # Nothing heard this long: the link is dead. A neighbour that dies just after its last packet
+    # is reported this long after; 4 s leaves a second of timer and scheduling slack under the
+    # 5 s that issue 5 allows. Pings go every idle/3 = 1.3 s, so three lost in a row kill it.
+    idle_timeout_s: float = Field(default=4.0, gt=0)
     handshake_timeout_s: float = Field(default=10.0, gt=0)  # also how long a listener waits to be dialled
     # aioquic's default, safe on any path (IPv6's minimum MTU); 1452 is cheaper where it fits.
     max_datagram_size: int = Field(default=1200, ge=1200, le=65_000)
@@ -134,7 +137,8 @@ def _address(addr: Any) -> Address:
 
 # --- aioquic private hooks: the only code here that depends on aioquic internals. ---
 # Verified on aioquic 1.7.2. aioquic has no public way for a server to request a client
-# certificate, nor to read the peer's certificate (aioquic issue #541), so both live here.
+# certificate, nor to read the peer's certificate (aioquic issue #541), so both live here, with
+# a way to tell whether a server connection has decrypted anything from its peer yet.
 class _MutualTLSConnection(QuicConnection):
     """A QuicConnection whose server side asks for the client's certificate."""
 
@@ -146,6 +150,10 @@ class _MutualTLSConnection(QuicConnection):
     def peer_certificate_der(self) -> bytes | None:
         certificate = self.tls._peer_certificate
         return None if certificate is None else certificate.public_bytes(Encoding.DER)
+
+    def heard_peer(self) -> bool:
+        """Whether a packet from the peer has decrypted yet (aioquic leaves its first flight then)."""
+        return self._state != QuicConnectionState.FIRSTFLIGHT
 
 
 # --- events out of the core ---
@@ -240,6 +248,9 @@ class LinkCore:
         assert self.quic is not None
         self._last_heard = now
         self.quic.receive_datagram(data, _address(address), now)
+        if not self.dial and not self.quic.heard_peer():  # shaped like an Initial, but garbage: the
+            self.quic = None  # connection it made would carry its bogus ids; wait for the real one
+            return
         self._process(now)
 
     def _accept(self, data: bytes, now: float) -> bool:
@@ -284,13 +295,15 @@ class LinkCore:
         if stream_id is not None:
             self._end_stream(stream_id)
 
-    def send_raw(self, data: bytes) -> int:
-        """Write arbitrary bytes on a new stream: for tests and fault injection only."""
+    def send_raw(self, data: bytes, end: bool = False) -> int:
+        """Write arbitrary bytes on a new stream (and end it if `end`): for tests and fault injection only."""
         if self.quic is None or not self.is_up:
             raise LinkError("the link is not up yet")
         stream_id = self.quic.get_next_available_stream_id()
         self._replies[stream_id] = FrameDecoder()
-        self.quic.send_stream_data(stream_id, data)
+        self.quic.send_stream_data(stream_id, data, end_stream=end)
+        if end:
+            self._fin_sent.add(stream_id)
         return stream_id
 
     def close(self, now: float, reason: str = "goodbye") -> None:
@@ -424,8 +437,8 @@ class LinkCore:
             except FrameError as error:
                 self._reject(stream_id, inbound, str(error))
         if end:
-            if not inbound.rejected and inbound.decoder.pending_bytes:
-                self._events.append(Rejected(stream_id, "stream ended inside a frame"))
+            if not inbound.rejected and inbound.decoder.pending_bytes:  # the sender hears of it too
+                self._reject(stream_id, inbound, "stream ended inside a frame", stop=False)
             del self._inbound[stream_id]
             self._end_stream(stream_id)
 
@@ -435,10 +448,17 @@ class LinkCore:
         if decoder is not None:
             try:
                 for frame in decoder.feed(data):
+                    if frame.kind is not Kind.ERROR:
+                        raise FrameError(f"a {frame.kind.name} frame where only an ERROR reply may come")
                     self._events.append(Received(frame))
-            except FrameError as error:
-                log.warning("malformed reply on stream %d: %s", stream_id, error)
+                if end and decoder.pending_bytes:
+                    raise FrameError("stream ended inside a frame")
+            except FrameError as error:  # stop reading this half; our frames on the other go on
                 self._replies.pop(stream_id, None)
+                if not end and self.quic is not None:
+                    self.quic.stop_stream(stream_id, REJECTED)
+                self._events.append(Rejected(stream_id, f"malformed reply: {error}"))
+                log.warning("malformed reply on stream %d: %s", stream_id, error)
         if end:
             self._replies.pop(stream_id, None)
             for sequence_id, sid in list(self._outbound.items()):
@@ -446,21 +466,25 @@ class LinkCore:
                     del self._outbound[sequence_id]
             self._end_stream(stream_id)
 
-    def _reject(self, stream_id: int, inbound: _Inbound, reason: str) -> None:
-        """Tell the sender with an ERROR frame on that stream, stop reading it, keep the link."""
+    def _reject(self, stream_id: int, inbound: _Inbound, reason: str, stop: bool = True) -> None:
+        """Tell the sender with an ERROR frame on that stream, stop reading it (if `stop`), keep the link."""
         assert self.quic is not None
         inbound.rejected = True
         error = Frame(Kind.ERROR, inbound.sequence_id or 0, dtype=DType.NONE, payload=reason.encode())
         if stream_id not in self._fin_sent:
             self.quic.send_stream_data(stream_id, error.encode(), end_stream=True)
             self._fin_sent.add(stream_id)
-        self.quic.stop_stream(stream_id, REJECTED)
+        if stop:
+            self.quic.stop_stream(stream_id, REJECTED)
         self._events.append(Rejected(stream_id, reason))
         log.warning("rejected stream %d from %s: %s", stream_id, self._peer(), reason)
 
     def _stream_reset(self, stream_id: int) -> None:
         self._inbound.pop(stream_id, None)
         self._replies.pop(stream_id, None)
+        for sequence_id, sid in list(self._outbound.items()):
+            if sid == stream_id:  # our half is ended below: the sequence's next frame opens another
+                del self._outbound[sequence_id]
         self._end_stream(stream_id)
 
     def _stop_sending(self, stream_id: int) -> None:
@@ -633,9 +657,9 @@ class Link:
         self.core.finish(sequence_id)
         self._transmit()
 
-    async def send_raw(self, data: bytes) -> int:
+    async def send_raw(self, data: bytes, end: bool = False) -> int:
         """Arbitrary bytes on a new stream, returning its id: for tests and fault injection only."""
-        stream_id = self.core.send_raw(data)
+        stream_id = self.core.send_raw(data, end)
         self._transmit()
         return stream_id
 
