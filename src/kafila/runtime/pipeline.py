@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.network.frames import DType, Frame, FrameDecoder, Kind
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel
+from kafila.runtime.llama_backend import ContextSettings, LlamaModel, shares_cores_env
 from kafila.runtime.sampling import Sampler, SamplingSettings
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import HeadStage, StepInput, TokenStep, Vocabulary, WholeModel
@@ -67,8 +67,9 @@ class LocalRing:
                     "--n-seq", str(settings.n_seq_max), "--threads", str(settings.n_threads),
                 ]  # fmt: skip
                 process = subprocess.Popen(
-                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
-                )
+                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                    env={**os.environ, **shares_cores_env()},  # local stages take turns on these cores
+                )  # fmt: skip
                 self.workers.append(_Worker(process, stderr, stage))
             ports = [self._ready_port(worker) for worker in self.workers]
             nexts = [*ports[1:], listener.getsockname()[1]]
