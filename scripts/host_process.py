@@ -50,9 +50,46 @@ class Host:
                 found.append(int(entry.name))
         return found
 
+    def join_line(self, timeout: float = 60.0) -> tuple[str, str]:
+        """The session code and rendezvous address the host printed for its members."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            words = self.output().replace("\n", " ").split()
+            if "join" in words:
+                at = words.index("join")
+                if "--rendezvous" in words[at:]:
+                    return words[at + 1], words[words.index("--rendezvous", at) + 1]
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"the host printed no join line: {self.output()}")
+
+
+def start_member(code: str, rendezvous: str, name: str, cache: Path, *extra: str) -> subprocess.Popen[str]:
+    """A real `kafila join` with its own cache, as if on another machine; its output is piped."""
+    command = [sys.executable, "-m", "kafila", "join", code, "--rendezvous", rendezvous, "--name", name, *extra]
+    env = {**os.environ, "KAFILA_CACHE": str(cache), "COLUMNS": "200"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait_ready(host: Host, timeout: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if host.process.poll() is not None:
+            raise RuntimeError(f"kafila host exited with {host.process.returncode}: {host.output()}")
+        try:
+            with urlopen(f"{host.base_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"kafila host was not ready in {timeout} s: {host.output()}")
+        time.sleep(0.2)
+
 
 @contextmanager
-def running_host(*args: str | Path, api_key: str | None = None) -> Iterator[Host]:
+def running_host(*args: str | Path, api_key: str | None = None, ready: bool = True) -> Iterator[Host]:
     port = free_port()
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
         command = [sys.executable, "-m", "kafila", "host", "--port", str(port), *map(str, args)]
@@ -63,19 +100,8 @@ def running_host(*args: str | Path, api_key: str | None = None) -> Iterator[Host
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     host = Host(process, f"http://127.0.0.1:{port}", Path(log.name))
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"kafila host exited with {process.returncode}: {host.output()}")
-            try:
-                with urlopen(f"{host.base_url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kafila host was not ready in {READY_TIMEOUT_S} s: {host.output()}")
-            time.sleep(0.2)
+        if ready:
+            wait_ready(host)
         yield host
     finally:
         if process.poll() is None:

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -269,10 +269,11 @@ class _Host:
 
             self.rendezvous = await start_rendezvous(config.rendezvous_bind, config.rendezvous_port, config.stun_port)
             bound = self.rendezvous.http_address
-            reachable = "127.0.0.1" if bound[0] in ("0.0.0.0", "::") else bound[0]
+            # The host reaches its own rendezvous at the address it gives members, so that every
+            # member's candidates are on the same network and punches between them line up.
+            reachable = _lan_address() if bound[0] in ("0.0.0.0", "::") else bound[0]
             address = (reachable, bound[1])
-            lan = _lan_address() if bound[0] in ("0.0.0.0", "::") else bound[0]
-            advertised = f"{lan}:{bound[1]}"
+            advertised = f"{reachable}:{bound[1]}"
         else:
             address = config.rendezvous
             advertised = f"{address[0]}:{address[1]}"
@@ -369,6 +370,18 @@ class _Host:
             await self.rendezvous.close()
 
 
+def _supervised(coroutine: Coroutine[Any, Any, None], host: _Host) -> asyncio.Task[None]:
+    """A watcher task whose own failure is reported, not lost: the host would stop recovering."""
+    task = asyncio.create_task(coroutine)
+
+    def reported(done: asyncio.Task[None]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            host._fail(f"the host stopped watching its session: {done.exception()!r}")
+
+    task.add_done_callback(reported)
+    return task
+
+
 def _say(text: str) -> None:
     stderr.print(text, highlight=False)
 
@@ -442,10 +455,10 @@ async def _serve(config: HostConfig) -> None:
         try:
             if config.members == 1:
                 await host.start_local()
-                watcher = asyncio.create_task(host.watch_local())
+                watcher = _supervised(host.watch_local(), host)
             else:
                 await host.start_network()
-                watcher = asyncio.create_task(host.watch_network())
+                watcher = _supervised(host.watch_network(), host)
         except PlanRefused as refused:
             host._fail(f"the model does not fit: {refused}")
             server.should_exit = True
@@ -462,6 +475,6 @@ async def _serve(config: HostConfig) -> None:
             await starting
         if watcher is not None:
             watcher.cancel()
-        await host.stop("the host is shutting down")
+        await host.stop(serving.failure or "the host is shutting down")
         if serving.failure:
             raise typer.Exit(1)

@@ -76,6 +76,7 @@ class HostSession:
     deployment: Deployment | None = None
     demux: Any = None
     model_sha256: str | None = None
+    known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
 
     # --- gathering ---------------------------------------------------------------------------
 
@@ -104,8 +105,9 @@ class HostSession:
 
     def member_name(self, member_id: str) -> str:
         """Unique, readable names for the planner's table: the member's own, with its id if shared."""
-        info = self.client.members[member_id]
-        names = [m.name for m in self.client.members.values()]
+        known = self.known or self.client.members
+        info = known[member_id]
+        names = [m.name for m in known.values()]
         return info.name if names.count(info.name) == 1 else f"{info.name} ({member_id[:6]})"
 
     @property
@@ -121,6 +123,7 @@ class HostSession:
         from kafila.network.link import DatagramDemux
 
         await verify_members(self.client, self.code, self.presence.identity.fingerprint, ready_timeout=ready_timeout)
+        self.known = dict(self.client.members)
         self.say(f"all {len(self.client.members)} members verified; connecting")
         self.demux = await DatagramDemux.over(self.presence.sock)
         edges = await connect_edges(self.client, self.demux, self.presence.identity, self.client.code, self.others())
@@ -147,9 +150,7 @@ class HostSession:
 
     def devices(self, members: Sequence[str]) -> list[Device]:
         host = self.presence.capability.device().model_copy(update={"name": self.member_name(self.me)})
-        others = [
-            self.client.members[m].capability.device().model_copy(update={"name": self.member_name(m)}) for m in members
-        ]
+        others = [self.known[m].capability.device().model_copy(update={"name": self.member_name(m)}) for m in members]
         return [host, *others]
 
     def plan(self, members: Sequence[str]) -> Plan:
@@ -232,7 +233,7 @@ class HostSession:
     def status(self) -> dict[str, Any]:
         deployment = self.deployment
         members = []
-        for member_id, info in self.client.members.items():
+        for member_id, info in (self.known or self.client.members).items():
             entry: dict[str, Any] = {"id": member_id, "name": self.member_name(member_id), "host": info.host}
             if member_id in self.routers:
                 router = self.routers[member_id]

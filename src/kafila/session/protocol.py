@@ -48,7 +48,7 @@ class Assign(_Message):
     source: Literal["cache", "transfer", "slice"]  # slice: cut it from the member's own copy of the model
     predecessor: MemberId
     successor: MemberId
-    n_ctx: Annotated[int, Field(ge=16, le=1 << 24)]
+    n_ctx: Annotated[int, Field(ge=16, le=1 << 30)]
     n_batch: Annotated[int, Field(ge=1, le=1 << 16)]
     n_seq_max: Annotated[int, Field(ge=1, le=256)]
 

@@ -1,0 +1,146 @@
+"""Whole sessions on loopback: `kafila host --members N` and real `kafila join` processes, introduced
+by the host's embedded rendezvous, verified with the code's secret, linked over QUIC, served
+through the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.request import urlopen
+
+import openai
+import pytest
+from host_process import Host, running_host, start_member, wait_ready
+from tiny_models import write_tiny_model
+
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.pipeline import generate, open_engine
+from kafila.runtime.sampling import SamplingSettings
+
+PROMPT = "the quick brown fox"
+COMMON = ("--context", "256", "--concurrency", "4", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
+
+
+def unsplit_greedy(model: Path, prompt: str, tokens: int) -> str:
+    engine = open_engine(model, [4], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
+    try:
+        return generate(engine, prompt, tokens, SamplingSettings()).text
+    finally:
+        engine.close()
+
+
+def stop(process: subprocess.Popen[str]) -> str:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.stdout.read() if process.stdout else ""
+
+
+@contextmanager
+def session(
+    tmp_path: Path, model: Path, members: int, *extra: str, outputs: list[str] | None = None
+) -> Iterator[tuple[Host, list[subprocess.Popen[str]]]]:
+    """A host and its joiners; after the host has stopped, the joiners' outputs land in `outputs`."""
+    joiners: list[subprocess.Popen[str]] = []
+    try:
+        with running_host("--model", model, "--members", str(members), *COMMON, *extra, ready=False) as host:
+            code, rendezvous = host.join_line()
+            joiners += [
+                start_member(code, rendezvous, f"member-{i}", tmp_path / f"cache-{i}", "--threads", "1")
+                for i in range(members - 1)
+            ]
+            yield host, joiners
+    finally:
+        for joiner in joiners:
+            text = stop(joiner)
+            if outputs is not None:
+                outputs.append(text)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("session") / "tiny.gguf", "llama", n_blocks=4)
+
+
+def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path) -> None:
+    outputs: list[str] = []
+    with session(tmp_path, model, 3, outputs=outputs) as (host, _joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        messages = [{"role": "user", "content": "hello"}]
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+        streamed = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
+        )
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        assert len(status["members"]) == 3
+        assert {m.get("path") for m in status["members"] if not m["host"]} == {"direct"}
+        assert sum(b - a for a, b in (m["blocks"] for m in status["members"])) == 4
+    assert len(outputs) == 2
+    assert all("receiving stage" in out for out in outputs), outputs  # separate caches: the host sent each its file
+    assert all("the session ended" in out for out in outputs), outputs
+
+
+def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(tmp_path: Path, model: Path) -> None:
+    with session(tmp_path, model, 2) as (host, joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        (member,) = joiners
+        member.send_signal(signal.SIGSTOP)  # frozen: the request below is surely in flight when it dies
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100, stream=True
+        )
+        assert next(iter(stream)).choices[0].delta.role == "assistant"
+        member.kill()
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _chunk in stream:
+                pass
+        assert time.monotonic() - killed < 5.0
+        wait_ready(host, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+        assert "serving on this machine alone" in host.output()
+
+
+def test_a_wrong_session_code_is_refused(tmp_path: Path, model: Path) -> None:
+    with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
+        code, rendezvous = host.join_line()
+        channel = "-".join(code.split("-")[:3])
+        secret = code.split("-")[3:]
+        wrong = f"{channel}-{'-'.join(reversed(secret)) if secret[0] != secret[1] else 'zebra-zebra'}"
+        joiner = start_member(wrong, rendezvous, "intruder", tmp_path / "cache")
+        output = joiner.communicate(timeout=90)[0]
+        assert joiner.returncode == 1
+        assert "code" in output.lower() and "Traceback" not in output
+        host.process.wait(timeout=30)
+        assert "code" in host.output().lower()
+
+
+def test_a_model_too_big_for_the_members_is_refused_naming_the_device(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "deep.gguf", "llama", n_blocks=8)  # 64 M tokens of its KV: about 68 GB
+    outputs: list[str] = []
+    with session(tmp_path, model, 2, "--context", "1048576", "--concurrency", "64", outputs=outputs) as (host, _):
+        host.process.wait(timeout=120)
+        assert host.process.returncode == 1
+        assert "cannot hold" in host.output() and "short by" in host.output()
+    assert "the session ended" in outputs[0] and "cannot hold" in outputs[0]
