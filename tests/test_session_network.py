@@ -5,6 +5,7 @@ through the official `openai` client."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -122,18 +123,33 @@ def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(
         assert "serving on this machine alone" in host.output()
 
 
-def test_a_wrong_session_code_is_refused(tmp_path: Path, model: Path) -> None:
+def test_a_wrong_session_code_is_refused_and_the_host_issues_a_new_one(tmp_path: Path, model: Path) -> None:
     with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
         code, rendezvous = host.join_line()
-        channel = "-".join(code.split("-")[:3])
-        secret = code.split("-")[3:]
+        channel, secret = "-".join(code.split("-")[:3]), code.split("-")[3:]
         wrong = f"{channel}-{'-'.join(reversed(secret)) if secret[0] != secret[1] else 'zebra-zebra'}"
-        joiner = start_member(wrong, rendezvous, "intruder", tmp_path / "cache")
-        output = joiner.communicate(timeout=90)[0]
-        assert joiner.returncode == 1
+        intruder = start_member(wrong, rendezvous, "intruder", tmp_path / "cache-x")
+        output = intruder.communicate(timeout=90)[0]
+        assert intruder.returncode == 1
         assert "code" in output.lower() and "Traceback" not in output
-        host.process.wait(timeout=30)
-        assert "code" in host.output().lower()
+        deadline = time.monotonic() + 30
+        while len(re.findall(r"^session code: (\S+)", host.output(), re.M)) < 2:
+            assert time.monotonic() < deadline and host.process.poll() is None, host.output()
+            time.sleep(0.2)
+        assert "refused a member" in host.output()
+        new_code = re.findall(r"^session code: (\S+)", host.output(), re.M)[-1]
+        assert new_code != code
+        member = start_member(new_code, rendezvous, "member", tmp_path / "cache-0", "--threads", "1")
+        try:
+            wait_ready(host, timeout=90)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 6)
+        except BaseException:
+            print("member:", stop(member))
+            raise
+        finally:
+            stop(member)
 
 
 def test_a_model_too_big_for_the_members_is_refused_naming_the_device(tmp_path: Path) -> None:

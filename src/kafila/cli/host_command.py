@@ -259,6 +259,7 @@ class _Host:
 
     # --- several machines ---
     async def start_network(self) -> None:
+        from kafila.network.pake import TrustError
         from kafila.runtime.local_plan import this_device
         from kafila.session.host import HostSession
         from kafila.session.presence import present
@@ -279,21 +280,30 @@ class _Host:
             advertised = f"{address[0]}:{address[1]}"
         self.serving.waiting_for = ["this machine to be measured"]
         device = await asyncio.to_thread(this_device)
-        presence = await present(config.name, address, device)
-        self.network = await HostSession.open(
-            presence, config.members, self.manifest, config.path, config.session, config.settings,
-            cache_dir() / "stages", _say,
-        )  # fmt: skip
-        network = self.network
         others = config.members - 1
-        join = f"kafila join {network.code} --rendezvous {advertised}"
-        stderr.print(f"session code: [bold]{network.code}[/bold]", highlight=False)
-        stderr.print(f"on each of the other {others} machine{'s' if others > 1 else ''}: {join}", highlight=False)
-        self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
-        self.serving.session_status = network.status
-        if config.demo:
-            self.joiners = [_start_joiner(network.code, f"{address[0]}:{address[1]}", i + 1) for i in range(others)]
-        await network.gather(ready_timeout=None)
+        while True:
+            presence = await present(config.name, address, device)
+            self.network = await HostSession.open(
+                presence, config.members, self.manifest, config.path, config.session, config.settings,
+                cache_dir() / "stages", _say,
+            )  # fmt: skip
+            network = self.network
+            join = f"kafila join {network.code} --rendezvous {advertised}"
+            stderr.print(f"session code: [bold]{network.code}[/bold]", highlight=False)
+            stderr.print(f"on each of the other {others} machine{'s' if others > 1 else ''}: {join}", highlight=False)
+            self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
+            self.serving.session_status = network.status
+            if config.demo and not self.joiners:
+                self.joiners = [_start_joiner(network.code, f"{address[0]}:{address[1]}", i + 1) for i in range(others)]
+            try:
+                await network.gather(ready_timeout=None)
+                break
+            except TrustError as error:
+                # Each failed exchange may be a guess at the secret: this code is spent. A new
+                # one bounds anyone guessing to one try per code; members who had joined rejoin.
+                stderr.print(f"[yellow]refused a member:[/yellow] {error}", highlight=False)
+                stderr.print("that code is void now; a new one follows", highlight=False)
+                await network.end(f"the session was closed: {error}")
         await self._deploy(network.alive())
 
     async def _deploy(self, members: list[str]) -> None:
