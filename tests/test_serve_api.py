@@ -7,7 +7,6 @@ Greedy output through it must equal the unsplit model run in this process.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.error import HTTPError
@@ -16,6 +15,7 @@ from urllib.request import Request, urlopen
 import openai
 import pytest
 from host_process import Host, running_host
+from serving_checks import check_concurrent_streams
 from tiny_models import write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings
@@ -107,26 +107,8 @@ def test_stop_strings_seed_and_penalties_are_honoured(client: openai.OpenAI) -> 
     assert penalised.usage is not None and penalised.usage.completion_tokens >= 1
 
 
-def test_four_concurrent_streams_each_equal_their_own_run(client: openai.OpenAI, model: Path) -> None:
-    prompts = ["the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog"]
-    results: dict[str, str] = {}
-    errors: list[BaseException] = []
-
-    def run(prompt: str) -> None:
-        try:
-            stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
-            results[prompt] = "".join(c.choices[0].text for c in stream if c.choices)
-        except BaseException as error:  # reported below, not lost in the thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not errors and len(results) == 4
-    for prompt in prompts:
-        assert results[prompt] == unsplit_greedy(model, prompt, 16), prompt
+def test_four_concurrent_streams_all_complete_with_their_own_text(client: openai.OpenAI, model: Path) -> None:
+    check_concurrent_streams(client, MODEL, lambda prompt, n: unsplit_greedy(model, prompt, n))
 
 
 def test_openai_errors_carry_openais_status_codes(client: openai.OpenAI, host: Host) -> None:

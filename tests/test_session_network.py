@@ -17,6 +17,7 @@ from urllib.request import urlopen
 import openai
 import pytest
 from host_process import Host, running_host, start_member, wait_ready
+from serving_checks import check_concurrent_streams
 from tiny_models import write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings
@@ -91,6 +92,7 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         assert (
             "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
         )
+        check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(model, prompt, n))
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
         assert len(status["members"]) == 3

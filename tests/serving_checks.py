@@ -1,0 +1,48 @@
+"""Checks shared by the serving tests, on whatever host they run against."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import openai
+
+PROMPTS = ("the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog")
+
+
+def check_concurrent_streams(client: openai.OpenAI, model: str, alone: Callable[[str, int], str]) -> None:
+    """Four streams batched together each finish, each with its own prompt's continuation.
+
+    Batched decodes take other kernels than one-row ones, so after some tokens a greedy run in
+    a batch may break a near-tie the other way (llama.cpp's own server does the same); what must
+    hold is that no stream gets another's tokens: each starts as its prompt alone does
+    (`alone(prompt, n)`: the first n greedy tokens' text).
+    """
+    results: dict[str, tuple[str, str | None, int]] = {}
+    errors: list[BaseException] = []
+
+    def run(prompt: str) -> None:
+        try:
+            stream = client.completions.create(
+                model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            chunks = list(stream)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+            results[prompt] = (text, finish, usage.completion_tokens if usage else -1)
+        except BaseException as error:  # reported below, not lost in the thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(results) == len(PROMPTS), errors
+    starts = {prompt: alone(prompt, 3) for prompt in PROMPTS}
+    assert len(set(starts.values())) == len(PROMPTS)  # the check below can tell the prompts apart
+    for prompt, (text, finish, tokens) in results.items():
+        assert finish == "length" and tokens == 16, prompt
+        assert text.startswith(starts[prompt]), prompt
