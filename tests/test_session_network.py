@@ -5,9 +5,11 @@ through the official `openai` client."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -98,6 +100,11 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         assert len(status["members"]) == 3
         assert {m.get("path") for m in status["members"] if not m["host"]} == {"direct"}
         assert sum(b - a for a, b in (m["blocks"] for m in status["members"])) == 4
+        table = subprocess.run(
+            [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
+            timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
+        ).stdout  # fmt: skip
+        assert "ready" in table and "member-0" in table and "member-1" in table and "host (head)" in table
     assert len(outputs) == 2
     assert all("receiving stage" in out for out in outputs), outputs  # separate caches: the host sent each its file
     assert all("the session ended" in out for out in outputs), outputs

@@ -19,6 +19,7 @@ from kafila.cli.join_command import join
 from kafila.cli.network_commands import nat, rendezvous
 from kafila.cli.plan_view import render_plan
 from kafila.cli.probe_command import probe
+from kafila.cli.status_command import status
 from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet
 from kafila.planner.report import plan_report
@@ -110,6 +111,7 @@ app.command()(nat)
 app.command()(rendezvous)
 app.command()(host)
 app.command()(join)
+app.command()(status)
 
 
 def _version(value: bool) -> None:

@@ -315,8 +315,12 @@ class _Host:
         started = time.perf_counter()
         plan = network.plan(members)  # refusals surface here, before anything is sent
         render_plan(plan_report(plan, (time.perf_counter() - started) * 1e3), stderr)
+
+        def pending(names: list[str]) -> None:
+            self.serving.waiting_for = [f"{name} to load its stage" for name in names] or ["the head to load"]
+
         with _transfer_bars() as progress:
-            deployment = await network.deploy(members, progress)
+            deployment = await network.deploy(members, progress, pending)
         loop = asyncio.get_running_loop()
         engine = await asyncio.to_thread(network.engine, deployment, loop)
         self._activate(engine)

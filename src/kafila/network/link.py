@@ -42,7 +42,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
@@ -64,6 +64,8 @@ ALPN = "kafila-link/1"
 STUN_BYTES = range(0, 4)
 RELAY_PUNCH_BYTES = range(0x10, 0x13)
 QUIC_BYTES = range(64, 256)
+# Datagrams read from the socket per wake-up before the links answer (see `DatagramDemux`).
+RECEIVE_BATCH = 32
 
 # Application error codes in CONNECTION_CLOSE and STOP_SENDING.
 GOODBYE = 0
@@ -102,6 +104,11 @@ class LinkConfig(BaseModel):
     handshake_timeout_s: float = Field(default=10.0, gt=0)  # also how long a listener waits to be dialled
     # aioquic's default, safe on any path (IPv6's minimum MTU); 1452 is cheaper where it fits.
     max_datagram_size: int = Field(default=1200, ge=1200, le=65_000)
+    congestion_control: Literal["reno", "cubic"] = "reno"
+    # Initial flow-control credit, per stream and for the connection; aioquic doubles both as
+    # they are used, so these only bound the first round trips of a bulk transfer.
+    max_stream_data: int = Field(default=1 << 20, ge=1 << 16)
+    max_data: int = Field(default=1 << 20, ge=1 << 16)
 
     @property
     def ping_interval_s(self) -> float:
@@ -233,6 +240,9 @@ class LinkCore:
             verify_mode=ssl.CERT_NONE,  # no chain to verify: we pin the fingerprint instead
             idle_timeout=2 * self.config.idle_timeout_s,  # a backstop; our own bound comes first
             max_datagram_size=self.config.max_datagram_size,
+            congestion_control_algorithm=self.config.congestion_control,
+            max_stream_data=self.config.max_stream_data,
+            max_data=self.config.max_data,
             server_name="kafila" if is_client else None,
         )
         configuration.certificate = self.identity.certificate
@@ -536,6 +546,12 @@ class DatagramDemux(asyncio.DatagramProtocol):
 
     Links attach for their peer's address; other protocols (STUN, relay binding, punch probes)
     register for their first-byte ranges. `tap`, if set, sees every datagram in and out.
+
+    asyncio's datagram transport reads one datagram per turn of the event loop. When the demux
+    owns the socket (`over`), each wake-up also reads whatever else is already queued, up to
+    `RECEIVE_BATCH` datagrams, and only then lets each link that received some answer once:
+    one `datagrams_to_send` per batch instead of one per datagram. Under load that halves the
+    receiver's work per datagram; an idle link sees batches of one, so latency is unchanged.
     """
 
     def __init__(self, tap: Callable[[str, bytes, Address], None] | None = None) -> None:
@@ -543,6 +559,8 @@ class DatagramDemux(asyncio.DatagramProtocol):
         self.tap = tap
         self._handlers: dict[int, Handler] = {}
         self._links: dict[Address, Link] = {}
+        self._sock: Any = None  # the socket itself, to read a batch per wake-up (only with `over`)
+        self._fed: dict[Link, None] = {}  # links that received datagrams in this batch, in order
         self.dropped = 0  # datagrams nobody wanted
         self.closed = asyncio.get_running_loop().create_future()
 
@@ -551,6 +569,7 @@ class DatagramDemux(asyncio.DatagramProtocol):
         """Take over a bound UDP socket, which may already have carried STUN or a punch."""
         loop = asyncio.get_running_loop()
         _, protocol = await loop.create_datagram_endpoint(lambda: cls(tap), sock=sock)
+        protocol._sock = sock
         return protocol
 
     def register(self, first_bytes: Iterable[int], handler: Handler) -> None:
@@ -595,6 +614,27 @@ class DatagramDemux(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            self._route(data, addr)
+            sock, transport = self._sock, self.transport
+            for _ in range(RECEIVE_BATCH - 1):  # the rest of the batch, if any is queued already
+                if sock is None or transport is None or transport.is_closing():
+                    break
+                try:
+                    data, addr = sock.recvfrom(65_536)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    self.error_received(exc)
+                    break
+                self._route(data, addr)
+        finally:
+            while self._fed:  # each link that received something answers once for the whole batch
+                link = next(iter(self._fed))
+                del self._fed[link]
+                link._transmit()
+
+    def _route(self, data: bytes, addr: Any) -> None:
         address = _address(addr)
         if self.tap is not None:
             self.tap("in", data, address)
@@ -605,7 +645,8 @@ class DatagramDemux(asyncio.DatagramProtocol):
             if link is None:
                 self.dropped += 1
             else:
-                link.datagram_received(data, address)
+                link._feed(data, address)
+                self._fed[link] = None
         elif (handler := self._handlers.get(data[0])) is not None:
             handler(data, address)
         else:
@@ -632,6 +673,7 @@ class Link:
         self.closed: asyncio.Future[LinkError] = self._loop.create_future()  # resolves to the reason
         self._queue: asyncio.Queue[Frame | None] = asyncio.Queue()
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None  # when `_timer` fires
         self.rejected: list[Rejected] = []
         demux.attach(core.peer_address, self)
 
@@ -690,11 +732,15 @@ class Link:
 
     # --- driven by the demux and the timer ---
     def datagram_received(self, data: bytes, address: Address) -> None:
-        self.core.datagram_received(data, address, self._loop.time())
+        self._feed(data, address)
         self._transmit()
 
+    def _feed(self, data: bytes, address: Address) -> None:
+        """Take in one datagram; the demux calls `_transmit` once its batch is read."""
+        self.core.datagram_received(data, address, self._loop.time())
+
     def _on_timer(self) -> None:
-        self._timer = None
+        self._timer = self._timer_at = None
         self.core.handle_timer(self._loop.time())
         self._transmit()
 
@@ -702,12 +748,12 @@ class Link:
         for data, address in self.core.datagrams_to_send(self._loop.time()):
             self.demux.sendto(data, address)
         self._after_events()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         when = self.core.timer()
-        if when is not None:
-            self._timer = self._loop.call_at(when, self._on_timer)
+        if when != self._timer_at:  # most calls leave it where it was: keep the handle then
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = None if when is None else self._loop.call_at(when, self._on_timer)
+            self._timer_at = when
 
     def _after_events(self) -> None:
         while (event := self.core.next_event()) is not None:

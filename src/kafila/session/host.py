@@ -158,8 +158,16 @@ class HostSession:
         devices = self.devices(members)
         return plan_session(self.manifest, devices, self.session, anchor=devices[0].name, pin_head=True)
 
-    async def deploy(self, members: Sequence[str], progress: Callable[[str, int, int], None]) -> Deployment:
-        """Plan, assign, deliver and wait for every member's stage; raises SessionFailed or PlanRefused."""
+    async def deploy(
+        self,
+        members: Sequence[str],
+        progress: Callable[[str, int, int], None],
+        pending: Callable[[list[str]], None] = lambda _names: None,
+    ) -> Deployment:
+        """Plan, assign, deliver and wait for every member's stage; raises SessionFailed or PlanRefused.
+
+        `pending` hears the names of the members whose stages are not loaded yet, as that shrinks.
+        """
         plan = self.plan(members)
         by_name = {self.member_name(m): m for m in [self.me, *members]}
         chain = [by_name[stage.device] for stage in plan.stages]
@@ -185,7 +193,15 @@ class HostSession:
             router.activation.drain()  # frames of a broken ring must not reach the new one
         for member, assign in assigns.items():
             await self.routers[member].send_control(assign)
-        await asyncio.gather(*(self._deliver(m, a, stages[a.stage_index], progress) for m, a in assigns.items()))
+        waiting = {self.member_name(m) for m in assigns}
+        pending(sorted(waiting))
+
+        async def deliver(member: str, assign: Assign) -> None:
+            await self._deliver(member, assign, stages[assign.stage_index], progress)
+            waiting.discard(self.member_name(member))
+            pending(sorted(waiting))
+
+        await asyncio.gather(*(deliver(m, a) for m, a in assigns.items()))
         self.deployment = Deployment(self.epoch, plan, chain, counts, stages)
         return self.deployment
 

@@ -1,0 +1,80 @@
+"""`kafila status`: the host's `/status` as tables, for a person at a terminal."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+from urllib.error import HTTPError, URLError
+from urllib.request import Request, urlopen
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kafila.cli.errors import fail
+
+
+def _number(value: object, digits: int = 2) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "—"
+
+
+def render_status(status: dict[str, Any], console: Console) -> None:
+    ready = "[green]ready[/green]" if status.get("ready") else "[yellow]not ready[/yellow]"
+    console.print(f"[bold]{status.get('model')}[/bold]: {ready}", highlight=False)
+    for line in status.get("waiting_for") or []:
+        console.print(f"  waiting for {line}", highlight=False)
+    if status.get("error"):
+        console.print(f"  [red]error:[/red] {status['error']}", highlight=False)
+    console.print(
+        f"tokens/s {_number(status.get('tokens_per_s'), 1)}, running {status.get('running', 0)}, "
+        f"queued {status.get('queue_depth', 0)}, context {status.get('context_per_sequence')} per request",
+        highlight=False,
+    )
+    measured = {tuple(s["range"]): s.get("ms_per_token") for s in status.get("stages") or [] if "range" in s}
+    members = status.get("members") or []
+    if members:
+        table = Table(title="Members")
+        for column in ("member", "role", "blocks", "link", "predicted ms/token", "measured ms/token"):
+            table.add_column(column, justify="left" if column in ("member", "role", "link") else "right")
+        for member in members:
+            blocks = member.get("blocks") or member.get("stages")
+            span = tuple(blocks) if isinstance(blocks, list) and len(blocks) == 2 else None
+            link = "—" if member.get("host") else f"{member.get('path', '?')}, {member.get('link', '?')}"
+            if "rtt_ms" in member:
+                link += f", {_number(member['rtt_ms'])} ms"
+            table.add_row(
+                str(member.get("name")),
+                "host (head)" if member.get("host") else "member",
+                f"{span[0]}–{span[1] - 1}" if span else "—",
+                link,
+                _number(member.get("predicted_ms_per_token")),
+                _number(measured.get(span)) if span else "—",
+            )
+        console.print(table)
+    plan = status.get("plan")
+    if plan:
+        console.print(
+            f"plan (epoch {status.get('epoch')}): tier {plan.get('tier')}, ring {' → '.join(plan.get('ring', []))}, "
+            f"division {plan.get('division')}, predicted bottleneck {_number(plan.get('predicted_bottleneck_ms'))} ms",
+            highlight=False,
+        )
+
+
+def status(
+    url: Annotated[str, typer.Option("--url", help="The host's API address.")] = "http://127.0.0.1:8080",
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KAFILA_API_KEY")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print /status as it came.")] = False,
+) -> None:
+    """Show a running host's session: members, links, the plan, stage times, load."""
+    request = Request(url.rstrip("/") + "/status", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urlopen(request, timeout=10) as response:
+            body = json.loads(response.read())
+    except HTTPError as error:
+        fail(f"{url} answered {error.code}" + (" (pass --api-key)" if error.code == 401 else ""), as_json)
+    except (URLError, OSError, ValueError) as error:
+        fail(f"no kafila host answers at {url}: {getattr(error, 'reason', error)}", as_json)
+    if as_json:
+        print(json.dumps(body))
+    else:
+        render_status(body, Console())
