@@ -110,6 +110,22 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
     assert all("the session ended" in out for out in outputs), outputs
 
 
+def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(tmp_path: Path, model: Path) -> None:
+    own_copy = tmp_path / "copy.gguf"
+    own_copy.write_bytes(model.read_bytes())
+    with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
+        code, rendezvous = host.join_line()
+        member = start_member(code, rendezvous, "member", tmp_path / "cache", "--model", str(own_copy))
+        try:
+            wait_ready(host)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+        finally:
+            output = stop(member)
+    assert "slicing blocks" in output and "receiving stage" not in output, output
+
+
 def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(tmp_path: Path, model: Path) -> None:
     with session(tmp_path, model, 2) as (host, joiners):
         wait_ready(host)
