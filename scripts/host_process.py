@@ -65,6 +65,18 @@ class Host:
         raise RuntimeError(f"the host printed no join line: {self.output()}")
 
 
+def stop(process: subprocess.Popen[str], timeout: float = 20.0) -> str:
+    """Ctrl-C, as a person would; a kill if it does not end in time. Returns its piped output."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.stdout.read() if process.stdout else ""
+
+
 def start_member(code: str, rendezvous: str, name: str, cache: Path, *extra: str) -> subprocess.Popen[str]:
     """A real `kafila join` with its own cache, as if on another machine; its output is piped."""
     command = [sys.executable, "-m", "kafila", "join", code, "--rendezvous", rendezvous, "--name", name, *extra]
@@ -104,11 +116,5 @@ def running_host(*args: str | Path, api_key: str | None = None, ready: bool = Tr
             wait_ready(host)
         yield host
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(process, timeout=30)
         host.log.unlink(missing_ok=True)

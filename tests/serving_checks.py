@@ -4,10 +4,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import openai
 
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.manifest import read_manifest
+from kafila.runtime.pipeline import generate, open_engine
+from kafila.runtime.sampling import SamplingSettings
+
 PROMPTS = ("the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog")
+
+
+def unsplit_greedy(model: Path, prompt: str, tokens: int) -> str:
+    """The model's greedy continuation in one process, unsplit: what every split must give."""
+    engine = open_engine(
+        model, [read_manifest(model).n_blocks], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1)
+    )
+    try:
+        return generate(engine, prompt, tokens, SamplingSettings()).text
+    finally:
+        engine.close()
 
 
 def check_concurrent_streams(client: openai.OpenAI, model: str, alone: Callable[[str, int], str]) -> None:

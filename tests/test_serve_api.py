@@ -15,12 +15,8 @@ from urllib.request import Request, urlopen
 import openai
 import pytest
 from host_process import Host, running_host
-from serving_checks import check_concurrent_streams
+from serving_checks import check_concurrent_streams, unsplit_greedy
 from tiny_models import write_tiny_model
-
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.sampling import SamplingSettings
 
 KEY = "test-key-123"
 MODEL = "tiny-llama"
@@ -42,14 +38,6 @@ def host(model: Path) -> Iterator[Host]:
 @pytest.fixture(scope="module")
 def client(host: Host) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{host.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-def unsplit_greedy(model: Path, prompt: str, tokens: int) -> str:
-    engine = open_engine(model, [4], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
-    try:
-        return generate(engine, prompt, tokens, SamplingSettings()).text
-    finally:
-        engine.close()
 
 
 def raw(host: Host, path: str, body: bytes | None = None, key: str | None = KEY) -> tuple[int, dict[str, object]]:

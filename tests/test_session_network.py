@@ -18,34 +18,12 @@ from urllib.request import urlopen
 
 import openai
 import pytest
-from host_process import Host, running_host, start_member, wait_ready
-from serving_checks import check_concurrent_streams
+from host_process import Host, running_host, start_member, stop, wait_ready
+from serving_checks import check_concurrent_streams, unsplit_greedy
 from tiny_models import write_tiny_model
-
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.sampling import SamplingSettings
 
 PROMPT = "the quick brown fox"
 COMMON = ("--context", "256", "--concurrency", "4", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
-
-
-def unsplit_greedy(model: Path, prompt: str, tokens: int) -> str:
-    engine = open_engine(model, [4], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
-    try:
-        return generate(engine, prompt, tokens, SamplingSettings()).text
-    finally:
-        engine.close()
-
-
-def stop(process: subprocess.Popen[str]) -> str:
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    return process.stdout.read() if process.stdout else ""
 
 
 @contextmanager

@@ -126,10 +126,7 @@ class LocalRing:
         return f"the ring broke: {error or 'connection closed'}"
 
     def stats(self) -> list[dict[str, object]]:
-        self.send([Frame(Kind.PING, 0, payload=json.dumps({"stages": []}).encode())])
-        (report,) = self.receive(1)
-        stages: list[dict[str, object]] = json.loads(report.payload)["stages"]
-        return stages
+        return ring_stats(self)
 
     def close(self) -> None:
         for connection in (getattr(self, "_out", None), getattr(self, "_in", None)):
@@ -234,6 +231,14 @@ class UnsplitEngine(_Vocabulary):
 
     def close(self) -> None:
         self.model.close()
+
+
+def ring_stats(ring: RingTransport) -> list[dict[str, object]]:
+    """Every block stage's report: a PING goes round the ring, each stage appends its own."""
+    ring.send([Frame(Kind.PING, 0, payload=json.dumps({"stages": []}).encode())])
+    (report,) = ring.receive(1)
+    stages: list[dict[str, object]] = json.loads(report.payload)["stages"]
+    return stages
 
 
 class RingTransport(Protocol):

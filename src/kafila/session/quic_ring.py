@@ -9,14 +9,13 @@ answering, surfaces as `StageFailed` naming the member, which fails the requests
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from kafila.network.frames import Frame, Kind
 from kafila.network.link import LinkError
-from kafila.runtime.pipeline import StageFailed
+from kafila.runtime.pipeline import StageFailed, ring_stats
 from kafila.session.router import Channel
 
 T = TypeVar("T")
@@ -63,10 +62,7 @@ class QuicRing:
         return self._run(receive(), "receive")
 
     def stats(self) -> list[dict[str, object]]:
-        self.send([Frame(Kind.PING, 0, payload=json.dumps({"stages": []}).encode())])
-        (report,) = self.receive(1)
-        stages: list[dict[str, object]] = json.loads(report.payload)["stages"]
-        return stages
+        return ring_stats(self)
 
     def close(self) -> None:
         """The links belong to the session, which closes them; nothing is owned here."""
