@@ -27,9 +27,10 @@ class LlamaUnavailable(RuntimeError):
 # llama.cpp's OpenMP threads spin at every barrier waiting for more work. Stages of one ring
 # that share a machine take turns, so a waiting stage's spinning threads would take the cores
 # from the one computing: there a short spin, then sleep, is far better (a 3-stage split on 2
-# cores went from 40% to 80% of unsplit). A process alone on its machine wants the default
-# long spin instead: sleeping at each of a token's hundreds of barriers made one-process decode
-# of gemma-3-270m 2.4 times slower. libgomp reads this when it loads, before llama_cpp imports.
+# cores went from 40% to 80% of unsplit). A process alone on its machine keeps libgomp's
+# default: on a quiet machine the two give the same one-process speed (78 and 77 tokens/s on
+# gemma-3-270m here), and a dedicated member has no one to yield its cores to. libgomp reads
+# this when it loads, so it is set before llama_cpp is first imported.
 OPENMP_SPIN_COUNT = "1000"
 
 
