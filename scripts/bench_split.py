@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel
+from kafila.runtime.llama_backend import ContextSettings, LlamaModel, load_llama
 from kafila.runtime.pipeline import generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
 from kafila.runtime.slicer import slice_model
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
+    load_llama(shared_machine=True)  # this process is the rings' head: its threads must yield the cores
     model = gemma()
     settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1)
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -115,6 +116,11 @@ def probe(
     """Measure this device's memory bandwidth, overhead, throughput and memory with llama.cpp."""
     if model is not None and not model.is_file():
         fail(f"no model file at {model}", as_json)
+    if model is not None:
+        from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
+
+        with contextlib.suppress(LlamaUnavailable):  # run_probe says it in its own words
+            load_llama(shared_machine=True)  # the model's rings run their head in this process
     stages: ModelStageProbe | None = None
     try:
         with _progress(enabled=not as_json) as update:

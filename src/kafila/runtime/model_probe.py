@@ -115,7 +115,11 @@ def _quiet(_stage: str, _fraction: float) -> None:
 def probe_model_stages(
     model: Path, progress: ProgressFn = _quiet, repeats: int = CALIBRATION_REPEATS, n_threads: int | None = None
 ) -> ModelStageProbe:
-    """Run the calibration rings `repeats` times, interleaved, and derive o, b and b_head from the medians."""
+    """Run the calibration rings `repeats` times, interleaved, and derive o, b and b_head from the medians.
+
+    This process is the rings' head: load llama.cpp with `load_llama(shared_machine=True)` before
+    anything else does, or its threads keep spinning while the other stage computes.
+    """
     from kafila.runtime.llama_backend import ContextSettings
     from kafila.runtime.manifest import read_manifest
     from kafila.runtime.pipeline import generate, open_engine
