@@ -1,9 +1,11 @@
 """Stage-file transfer on loopback: `send_stage_file` over a QUIC link against plain TCP.
 
-Both runs move the same random file from one side of this process to the other and do the same
-work at the receiving end (write to disk, sha256); both ends share one event loop, so one core
-pays both sides' Python work, as in `bench_link.py`. Peak memory is sampled during each run
-from /proc/self/statm: a transfer must stream with bounded memory, whatever the file's size.
+The runs move the same random file and do the same work at the receiving end (write to disk,
+sha256). The QUIC link is measured twice: with both ends in this process and one event loop
+(one core pays both sides' Python work), and with the receiver in a child process (this script
+with `--receiver`), as on a real ring. Peak memory is sampled during each run from
+/proc/self/statm (each side's, in the two-process run): a transfer must stream with bounded
+memory, whatever the file's size.
 
     python scripts/bench_transfer.py [--size-mb 200] [--datagram-size 1200]
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -100,6 +104,64 @@ async def over_quic(path: Path, sha: str, cache: Path, datagram_size: int) -> tu
     return elapsed, memory.grew_mb
 
 
+async def receiver() -> None:
+    """The child of a two-process run: receive one stage file, then say how long it took."""
+    order = json.loads(sys.stdin.readline())
+    demux = await DatagramDemux.over(bound())
+    identity = create_identity()
+    print(json.dumps({"fingerprint": identity.fingerprint, "address": demux.local_address}), flush=True)
+    dial = should_dial(identity.fingerprint, order["fingerprint"])
+    config = LinkConfig(**order["config"])
+    link = await open_link(demux, tuple(order["address"]), identity, order["fingerprint"], dial, config)
+    async with PeakRss() as memory:
+        cpu = time.process_time()
+        path = await receive_stage_file(link, Path(order["cache"]))
+        cpu = time.process_time() - cpu
+    print(json.dumps({"path": str(path), "cpu_s": cpu, "grew_mb": memory.grew_mb}), flush=True)
+    async for _ in link.frames():  # until the sender closes the link
+        pass
+    demux.close()
+
+
+async def over_quic_two_processes(path: Path, sha: str, cache: Path, datagram_size: int) -> tuple[float, str, str]:
+    """The receiver in a child process; returns seconds, RSS growth and CPU use per side.
+
+    The receiver's RSS growth is from a fresh process; the sender's is this process's, whose
+    heap the one-process run before it already grew, so it reads low.
+    """
+    demux = await DatagramDemux.over(bound())
+    identity = create_identity()
+    config = LinkConfig(idle_timeout_s=30, keepalive_s=15, max_datagram_size=datagram_size)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--receiver", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdin is not None and child.stdout is not None
+    order = {
+        "fingerprint": identity.fingerprint,
+        "address": demux.local_address,
+        "config": config.model_dump(),
+        "cache": str(cache),
+    }
+    child.stdin.write(json.dumps(order).encode() + b"\n")
+    await child.stdin.drain()
+    answer = json.loads(await child.stdout.readline())
+    dial = should_dial(identity.fingerprint, answer["fingerprint"])
+    link = await open_link(demux, tuple(answer["address"]), identity, answer["fingerprint"], dial, config)
+    async with PeakRss() as memory:
+        cpu, started = time.process_time(), time.perf_counter()
+        sent = await send_stage_file(link, path, sha, 0)  # returns once the receiver has checked the hash
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    report = json.loads(await child.stdout.readline())
+    received = Path(report["path"])
+    assert sent == path.stat().st_size and received.stat().st_size == sent
+    await link.close()
+    await asyncio.wait_for(child.wait(), 10)
+    demux.close()
+    received.unlink()
+    grew = f"+{memory.grew_mb:.0f} / +{report['grew_mb']:.0f} MB"
+    return elapsed, grew, f"{cpu / elapsed:.2f} / {report['cpu_s'] / elapsed:.2f}"
+
+
 async def over_tcp(path: Path, sha: str, out: Path) -> tuple[float, float]:
     """The same bytes through a plain TCP socket: read, send, receive, write and hash."""
     done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -134,24 +196,32 @@ async def over_tcp(path: Path, sha: str, out: Path) -> tuple[float, float]:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)  # the child's role
     parser.add_argument("--size-mb", type=int, default=200)
     parser.add_argument("--datagram-size", type=int, default=LinkConfig().max_datagram_size, help="QUIC datagram bytes")
     args = parser.parse_args()
+    if args.receiver:
+        await receiver()
+        return
     size = args.size_mb * 1_000_000
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         path = root / "stage.gguf"
         sha = make_file(path, size)
-        quic_s, quic_mb = await over_quic(path, sha, root / "cache", args.datagram_size)
+        one_s, one_mb = await over_quic(path, sha, root / "cache", args.datagram_size)
+        two_s, two_mb, two_cpu = await over_quic_two_processes(path, sha, root / "cache", args.datagram_size)
         tcp_s, tcp_mb = await over_tcp(path, sha, root / "tcp.out")
-    quic_rate, tcp_rate = size / quic_s / 1e6, size / tcp_s / 1e6
-    print(
-        f"{args.size_mb} MB stage file on loopback, both ends in one process: "
-        f"QUIC link ({args.datagram_size}-byte datagrams) {quic_rate:.1f} MB/s "
-        f"({quic_s:.1f} s, peak RSS +{quic_mb:.0f} MB), "
-        f"plain TCP {tcp_rate:.0f} MB/s ({tcp_s:.2f} s, peak RSS +{tcp_mb:.0f} MB): "
-        f"QUIC at {quic_rate / tcp_rate:.1%} of TCP"
-    )
+    one, two, tcp = size / one_s / 1e6, size / two_s / 1e6, size / tcp_s / 1e6
+    print(f"{args.size_mb} MB stage file on loopback, QUIC link with {args.datagram_size}-byte datagrams:\n")
+    print("| path | MB/s | seconds | peak RSS growth (sender / receiver) | CPU s per s (sender / receiver) | of TCP |")
+    print("|---|---|---|---|---|---|")
+    rows = [
+        ("QUIC, both ends in one process", f"{one:.1f}", f"{one_s:.1f}", f"+{one_mb:.0f} MB", "1 process", one / tcp),
+        ("QUIC, receiver in a child process", f"{two:.1f}", f"{two_s:.1f}", two_mb, two_cpu, two / tcp),
+        ("plain TCP, one process", f"{tcp:.0f}", f"{tcp_s:.2f}", f"+{tcp_mb:.0f} MB", "1 process", 1.0),
+    ]
+    for name, rate, seconds, grew, cpu, share in rows:
+        print(f"| {name} | {rate} | {seconds} | {grew} | {cpu} | {share:.1%} |")
 
 
 if __name__ == "__main__":

@@ -68,23 +68,24 @@ class Frame:
     dtype: DType = DType.NONE
     payload: bytes = b""
 
-    def encode(self) -> bytes:
-        return (
-            HEADER.pack(
-                MAGIC,
-                VERSION,
-                self.kind,
-                self.dtype,
-                0,
-                0,
-                self.sequence_id,
-                self.position,
-                self.n_tokens,
-                self.hidden,
-                len(self.payload),
-            )
-            + self.payload
+    def header(self) -> bytes:
+        """The 32-byte header alone: a sender can write it and then the payload, uncopied."""
+        return HEADER.pack(
+            MAGIC,
+            VERSION,
+            self.kind,
+            self.dtype,
+            0,
+            0,
+            self.sequence_id,
+            self.position,
+            self.n_tokens,
+            self.hidden,
+            len(self.payload),
         )
+
+    def encode(self) -> bytes:
+        return self.header() + self.payload
 
     @classmethod
     def of_hidden(
@@ -141,29 +142,41 @@ def _validate(kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, lengt
 
 
 class FrameDecoder:
-    """Turns a byte stream into frames; a protocol violation raises FrameError and poisons it."""
+    """Turns a byte stream into frames; a protocol violation raises FrameError and poisons it.
+
+    A frame's header is checked once, as soon as it is whole; the payload then accumulates
+    without being looked at again until it is complete (a 256 KiB frame arrives in some 200
+    pieces), and is copied out of the buffer once.
+    """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._broken: FrameError | None = None
+        self._header: tuple[Kind, DType, int, int, int, int, int] | None = None  # of the frame in progress
+        self._need = HEADER_SIZE  # bytes the buffer must hold before there is anything to decode
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._broken is not None:
             raise self._broken
         self._buffer += data
-        frames = []
+        frames: list[Frame] = []
         try:
-            while len(self._buffer) >= HEADER_SIZE:
-                magic, version, kind, dtype, _, _, seq, pos, n, hidden, length = HEADER.unpack_from(self._buffer)
-                if magic != MAGIC:
-                    raise FrameError("not a Kafila frame (bad magic)")
-                if version != VERSION:
-                    raise FrameError(f"frame version {version}; this peer speaks version {VERSION}")
-                kind_, dtype_ = _validate(kind, dtype, seq, n, hidden, length)
-                if len(self._buffer) < HEADER_SIZE + length:
-                    break
-                payload = bytes(self._buffer[HEADER_SIZE : HEADER_SIZE + length])
-                del self._buffer[: HEADER_SIZE + length]
+            while len(self._buffer) >= self._need:
+                if self._header is None:
+                    magic, version, kind, dtype, _, _, seq, pos, n, hidden, length = HEADER.unpack_from(self._buffer)
+                    if magic != MAGIC:
+                        raise FrameError("not a Kafila frame (bad magic)")
+                    if version != VERSION:
+                        raise FrameError(f"frame version {version}; this peer speaks version {VERSION}")
+                    kind_, dtype_ = _validate(kind, dtype, seq, n, hidden, length)
+                    self._header = (kind_, dtype_, seq, pos, n, hidden, length)
+                    self._need = HEADER_SIZE + length
+                    continue
+                kind_, dtype_, seq, pos, n, hidden, length = self._header
+                with memoryview(self._buffer) as view:
+                    payload = bytes(view[HEADER_SIZE : self._need])
+                del self._buffer[: self._need]
+                self._header, self._need = None, HEADER_SIZE
                 frames.append(Frame(kind_, seq, pos, n, hidden, dtype_, payload))
         except FrameError as error:
             self._broken = error

@@ -65,7 +65,7 @@ STUN_BYTES = range(0, 4)
 RELAY_PUNCH_BYTES = range(0x10, 0x13)
 QUIC_BYTES = range(64, 256)
 # Datagrams read from the socket per wake-up before the links answer (see `DatagramDemux`).
-RECEIVE_BATCH = 32
+RECEIVE_BATCH = 16
 
 # Application error codes in CONNECTION_CLOSE and STOP_SENDING.
 GOODBYE = 0
@@ -104,11 +104,8 @@ class LinkConfig(BaseModel):
     handshake_timeout_s: float = Field(default=10.0, gt=0)  # also how long a listener waits to be dialled
     # aioquic's default, safe on any path (IPv6's minimum MTU); 1452 is cheaper where it fits.
     max_datagram_size: int = Field(default=1200, ge=1200, le=65_000)
+    # aioquic's two; on loopback (no loss) they measure the same (docs/benchmarks.md).
     congestion_control: Literal["reno", "cubic"] = "reno"
-    # Initial flow-control credit, per stream and for the connection; aioquic doubles both as
-    # they are used, so these only bound the first round trips of a bulk transfer.
-    max_stream_data: int = Field(default=1 << 20, ge=1 << 16)
-    max_data: int = Field(default=1 << 20, ge=1 << 16)
 
     @property
     def ping_interval_s(self) -> float:
@@ -241,8 +238,6 @@ class LinkCore:
             idle_timeout=2 * self.config.idle_timeout_s,  # a backstop; our own bound comes first
             max_datagram_size=self.config.max_datagram_size,
             congestion_control_algorithm=self.config.congestion_control,
-            max_stream_data=self.config.max_stream_data,
-            max_data=self.config.max_data,
             server_name="kafila" if is_client else None,
         )
         configuration.certificate = self.identity.certificate
@@ -289,8 +284,10 @@ class LinkCore:
             self._outbound[frame.sequence_id] = stream_id
             self._replies[stream_id] = FrameDecoder()
         end = frame.kind is Kind.CANCEL
-        try:
-            self.quic.send_stream_data(stream_id, frame.encode(), end_stream=end)
+        try:  # the header, then the payload as it is: aioquic copies it into its buffer anyway
+            self.quic.send_stream_data(stream_id, frame.header(), end_stream=end and not frame.payload)
+            if frame.payload:
+                self.quic.send_stream_data(stream_id, frame.payload, end_stream=end)
         except RuntimeError:  # the peer stopped this stream (it rejected something): use a new one
             del self._outbound[frame.sequence_id]
             self.send_frame(frame)
@@ -550,8 +547,9 @@ class DatagramDemux(asyncio.DatagramProtocol):
     asyncio's datagram transport reads one datagram per turn of the event loop. When the demux
     owns the socket (`over`), each wake-up also reads whatever else is already queued, up to
     `RECEIVE_BATCH` datagrams, and only then lets each link that received some answer once:
-    one `datagrams_to_send` per batch instead of one per datagram. Under load that halves the
-    receiver's work per datagram; an idle link sees batches of one, so latency is unchanged.
+    one `datagrams_to_send` (and one timer) per batch instead of per datagram, and no turn of
+    the loop per datagram. A bulk receiver sees batches of about 14 (docs/benchmarks.md); an
+    idle link sees batches of one, so latency is unchanged.
     """
 
     def __init__(self, tap: Callable[[str, bytes, Address], None] | None = None) -> None:
@@ -673,7 +671,6 @@ class Link:
         self.closed: asyncio.Future[LinkError] = self._loop.create_future()  # resolves to the reason
         self._queue: asyncio.Queue[Frame | None] = asyncio.Queue()
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None  # when `_timer` fires
         self.rejected: list[Rejected] = []
         demux.attach(core.peer_address, self)
 
@@ -740,7 +737,7 @@ class Link:
         self.core.datagram_received(data, address, self._loop.time())
 
     def _on_timer(self) -> None:
-        self._timer = self._timer_at = None
+        self._timer = None
         self.core.handle_timer(self._loop.time())
         self._transmit()
 
@@ -748,12 +745,12 @@ class Link:
         for data, address in self.core.datagrams_to_send(self._loop.time()):
             self.demux.sendto(data, address)
         self._after_events()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         when = self.core.timer()
-        if when != self._timer_at:  # most calls leave it where it was: keep the handle then
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = None if when is None else self._loop.call_at(when, self._on_timer)
-            self._timer_at = when
+        if when is not None:
+            self._timer = self._loop.call_at(when, self._on_timer)
 
     def _after_events(self) -> None:
         while (event := self.core.next_event()) is not None:
