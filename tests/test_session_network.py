@@ -77,6 +77,7 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
             status = json.loads(response.read())
         assert len(status["members"]) == 3
         assert {m.get("path") for m in status["members"] if not m["host"]} == {"direct"}
+        assert all(0 < m["rtt_ms"] < 1000 for m in status["members"] if not m["host"])
         assert sum(b - a for a, b in (m["blocks"] for m in status["members"])) == 4
         table = subprocess.run(
             [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,

@@ -132,3 +132,40 @@ def test_a_member_that_vanishes_fails_the_ring_step_quickly(tmp_path: Path) -> N
         return loop.time() - started
 
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) < 5.0
+
+
+def test_a_member_answers_out_of_order_and_malformed_frames_with_errors_and_carries_on(tmp_path: Path) -> None:
+    """A frame at a position its sequence has not reached, or of the wrong width, gets an ERROR
+    frame round the ring naming the stage; the member keeps serving the next, well-formed one."""
+    import numpy as np
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    stages = cached_slices(model, [2, 2], tmp_path / "stages")
+
+    async def scenario() -> list[Frame]:
+        host, member, demuxes = await _linked_routers()
+        executor = ThreadPoolExecutor(1)
+        stage = BlockStage(stages[0].path, SETTINGS)
+        serving = asyncio.create_task(serve_stage(stage, member.activation, member.activation, executor))
+        rows = np.ones((1, stage.hidden), dtype=np.float32)
+        try:
+            replies = []
+            for frame in (
+                Frame.of_hidden(Kind.DECODE, 1, 50, rows),  # sequence 1 has no position 0..49
+                Frame.of_hidden(Kind.DECODE, 0, 0, np.ones((1, stage.hidden + 3), dtype=np.float32)),
+                Frame.of_hidden(Kind.PREFILL, 0, 0, rows),  # well formed: served
+            ):
+                await host.activation.send(frame)
+                replies.append(await asyncio.wait_for(host.activation.receive(), 30))
+            return replies
+        finally:
+            serving.cancel()
+            stage.close()
+            executor.shutdown()
+            for demux in demuxes:
+                demux.close()
+
+    out_of_order, too_wide, served = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert out_of_order.kind is Kind.ERROR and out_of_order.sequence_id == 1 and "stage 0" in out_of_order.text()
+    assert too_wide.kind is Kind.ERROR and too_wide.sequence_id == 0
+    assert served.kind is Kind.PREFILL and served.sequence_id == 0 and served.hidden_states().shape == (1, 64)

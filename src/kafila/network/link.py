@@ -357,6 +357,14 @@ class LinkCore:
             return []
         return [(data, _address(address)) for data, address in self.quic.datagrams_to_send(now)]
 
+    @property
+    def rtt_ms(self) -> float | None:
+        """aioquic's smoothed round-trip estimate (private, like the hooks above), once it has one."""
+        recovery = getattr(self.quic, "_loss", None)
+        if recovery is None or not getattr(recovery, "_rtt_initialized", False):
+            return None
+        return round(float(recovery._rtt_smoothed) * 1e3, 3)
+
     def timer(self) -> float | None:
         """When `handle_timer` must next run."""
         quic_timer = self.quic.get_timer() if self.quic is not None else None

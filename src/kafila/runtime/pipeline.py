@@ -285,10 +285,18 @@ class RingEngine(_Vocabulary):
             for s in steps
         ]
         self.ring.send(frames)
-        back = self.ring.receive(len(frames))
-        for sent, came in zip(frames, back, strict=True):
-            if came.sequence_id != sent.sequence_id or came.position != sent.position:
-                raise StageFailed(f"frames came back out of order: sequence {came.sequence_id} at {came.position}")
+        # Each sequence keeps its order, but sequences may overtake one another (a QUIC stream
+        # per sequence): match what came back to what was sent by sequence, not by arrival.
+        arrived = {frame.sequence_id: frame for frame in self.ring.receive(len(frames))}
+        back = []
+        for sent in frames:
+            came = arrived.get(sent.sequence_id)
+            if came is None or came.position != sent.position or came.n_tokens != sent.n_tokens:
+                got = "nothing" if came is None else f"position {came.position}, {came.n_tokens} rows"
+                raise StageFailed(
+                    f"the ring returned {got} for sequence {sent.sequence_id}, sent at position {sent.position}"
+                )
+            back.append(came)
         inputs = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in back]
         return self.head.forward(inputs, all(s.decode for s in steps), [s.logits for s in steps])
 

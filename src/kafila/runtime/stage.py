@@ -175,6 +175,7 @@ class BlockStage:
         self.model = LlamaModel(path, settings, eval_callback=self._on_tensor)
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
+        self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
 
     def _on_tensor(self, tensor: int, ask: bool, _user: object) -> bool:
         """Called by ggml for every node of every graph: it must stay this small."""
@@ -189,7 +190,21 @@ class BlockStage:
         return False  # stop here: nothing after the last block is needed
 
     def forward(self, steps: Sequence[StepInput], decode: bool = False) -> list[FloatRows]:
-        """Hidden states after this stage's last block, one matrix per step."""
+        """Hidden states after this stage's last block, one matrix per step.
+
+        Each sequence's rows must continue where its last ones ended (from 0 after `forget`):
+        llama.cpp would take a gap or a repeat silently and corrupt that sequence's cache, so a
+        frame out of order is refused with ValueError before anything runs.
+        """
+        following = dict(self._next_position)
+        for step in steps:
+            expected = following.get(step.sequence_id, 0)
+            if step.position != expected:
+                raise ValueError(
+                    f"sequence {step.sequence_id} sent rows at position {step.position}; "
+                    f"this stage holds it up to position {expected}"
+                )
+            following[step.sequence_id] = step.position + step.states.shape[0]
         started = time.perf_counter()
         rows = []
         for pieces in _decodes(steps, self.model.settings.n_batch):
@@ -200,11 +215,13 @@ class BlockStage:
                 raise RuntimeError("the stage's last block output was not captured whole")
             rows.append(self._captured[0])
         out = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        self._next_position = following
         self.timer.add(time.perf_counter() - started, out.shape[0], decode)
         bounds = np.cumsum([0] + [s.states.shape[0] for s in steps])
         return [out[a:b] for a, b in itertools.pairwise(bounds)]
 
     def forget(self, sequence_id: int) -> None:
+        self._next_position.pop(sequence_id, None)
         self.model.forget(sequence_id)
 
     def close(self) -> None:

@@ -255,7 +255,7 @@ class HostSession:
                 router = self.routers[member_id]
                 entry["path"] = self.paths.get(member_id)
                 entry["link"] = "down" if router.link.closed.done() else "up"
-                rtt = getattr(router.link.core, "smoothed_rtt_ms", None)
+                rtt = router.link.core.rtt_ms
                 if rtt is not None:
                     entry["rtt_ms"] = rtt
             if deployment is not None and member_id in deployment.chain:
