@@ -21,34 +21,24 @@ import argparse
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from natlab_punch_agent import address, exchange, stop
+from natlab_punch_agent import exchange, member_socket, stop
 
 from kafila.network.edges import EdgeError, connect_edges
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux
-from kafila.network.nat import reflexive_address
 from kafila.network.rendezvous_client import RendezvousClient
 
 AGENT = str(Path(__file__).resolve())
 
 
 async def run(args: argparse.Namespace) -> int:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("0.0.0.0", 0))
-    server = address(args.stun)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(server)
-        host = (probe.getsockname()[0], sock.getsockname()[1])
-    started = time.perf_counter()
-    srflx = reflexive_address(sock, server)
-    rtt_ms = (time.perf_counter() - started) * 1e3
+    sock, host, srflx, rtt_ms = member_socket(args.stun)
     identity = create_identity(name=args.name)
     options: dict[str, Any] = {
         "capability": {"name": args.name, "memory_gib": 1.0, "rtt_ms": rtt_ms},

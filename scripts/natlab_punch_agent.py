@@ -171,17 +171,22 @@ def _by_sequence(frames: list[Frame]) -> dict[int, list[Frame]]:
     return groups
 
 
-async def run(args: argparse.Namespace) -> int:
-    """Punch, then link and use the link as the arguments say; print the outcome; the exit status."""
+def member_socket(stun: str) -> tuple[socket.socket, Address, Address, float]:
+    """A member's one UDP socket, its host and server-reflexive candidates, and the STUN round trip."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("0.0.0.0", 0))
-    server = address(args.stun)
+    server = address(stun)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect(server)
         host = (probe.getsockname()[0], sock.getsockname()[1])
     started = time.perf_counter()
     srflx = reflexive_address(sock, server)
-    rtt_ms = (time.perf_counter() - started) * 1e3
+    return sock, host, srflx, (time.perf_counter() - started) * 1e3
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Punch, then link and use the link as the arguments say; print the outcome; the exit status."""
+    sock, host, srflx, rtt_ms = member_socket(args.stun)
     identity = create_identity(name=args.name)
     capability = {"name": args.name, "memory_gib": 1.0, "rtt_ms": rtt_ms}
     candidates = [f"{h}:{p}" for h, p in (host, srflx)]
