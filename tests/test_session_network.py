@@ -129,6 +129,23 @@ def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(
         assert "serving on this machine alone" in host.output()
 
 
+def test_a_member_that_leaves_a_three_member_ring_is_planned_around(tmp_path: Path, model: Path) -> None:
+    with session(tmp_path, model, 3) as (host, joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        joiners[0].kill()
+        deadline = time.monotonic() + 60
+        while "replanned with 2 members" not in host.output():
+            assert time.monotonic() < deadline and host.process.poll() is None, host.output()
+            time.sleep(0.2)
+        wait_ready(host)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        assert status["epoch"] == 2 and len(status["plan"]["division"]) == 2
+
+
 def test_a_wrong_session_code_is_refused_and_the_host_issues_a_new_one(tmp_path: Path, model: Path) -> None:
     with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
         code, rendezvous = host.join_line()
