@@ -77,6 +77,7 @@ class HostSession:
     demux: Any = None
     model_sha256: str | None = None
     known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
+    ring: QuicRing | None = None
 
     # --- gathering ---------------------------------------------------------------------------
 
@@ -237,14 +238,22 @@ class HostSession:
     def engine(self, deployment: Deployment, loop: asyncio.AbstractEventLoop) -> RingEngine:
         """The head's engine over the links (blocking: loads the head stage; run it in a thread)."""
         first, last = deployment.chain[0], deployment.chain[-2]
+        members = {self.member_name(m): self.routers[m].link.closed for m in deployment.chain[:-1]}
         ring = QuicRing(
             loop,
             self.routers[first].activation,
             self.member_name(first),
             self.routers[last].activation,
             self.member_name(last),
+            members,
         )
+        self.ring = ring
         return RingEngine([deployment.stages[-1]], self.settings, ring=ring)
+
+    def abandon_ring(self) -> None:
+        """End every wait of the current ring at once, before its engine is retired for a new plan."""
+        if self.ring is not None:
+            self.ring.abandon()
 
     def status(self) -> dict[str, Any]:
         deployment = self.deployment

@@ -1,0 +1,320 @@
+"""The host's lifecycle: load the model or gather members, serve, replan when a stage fails, stop.
+
+Presentation is the caller's: every message, the plan table and the transfer progress go
+through a `HostUi`, so the CLI renders them with rich and tests or other front ends need not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kafila.planner import PlanRefused
+from kafila.planner.report import PlanReport, plan_report
+from kafila.planner.types import SessionSpec
+from kafila.runtime.local_plan import cache_dir
+
+if TYPE_CHECKING:
+    from kafila.api.server import Serving
+    from kafila.runtime.llama_backend import ContextSettings
+    from kafila.runtime.pipeline import Engine
+    from kafila.session.host import HostSession
+
+
+class HostUi(Protocol):
+    """What a person at the host sees."""
+
+    def say(self, text: str) -> None: ...
+    def warn(self, what: str, detail: str) -> None: ...
+    def error(self, message: str) -> None: ...
+    def announce_code(self, code: str, join_line: str) -> None: ...
+    def show_plan(self, report: PlanReport) -> None: ...
+    def transfer_progress(self) -> AbstractContextManager[Callable[[str, int, int], None]]: ...
+
+
+@dataclass
+class HostConfig:
+    path: Path
+    counts: list[int]  # the local division, for a session of one member
+    session: SessionSpec
+    sock: socket.socket
+    api_key: str | None
+    threads: int
+    members: int
+    rendezvous: tuple[str, int] | None  # an external one; None: embedded
+    rendezvous_bind: str
+    rendezvous_port: int
+    stun_port: int
+    demo: bool
+    name: str
+
+    @property
+    def settings(self) -> ContextSettings:
+        from kafila.runtime.llama_backend import ContextSettings
+
+        n = self.session.concurrency
+        return ContextSettings(n_ctx=self.session.context * n, n_batch=512, n_seq_max=n, n_threads=self.threads)
+
+
+class HostRunner:
+    """The host's lifecycle around the HTTP server: load or gather, serve, replan on failure, stop."""
+
+    def __init__(self, config: HostConfig, serving: Serving, ui: HostUi) -> None:
+        from kafila.runtime.manifest import read_manifest
+
+        self.config, self.serving, self.ui = config, serving, ui
+        self.manifest = read_manifest(config.path)
+        self.engine: Engine | None = None
+        self.network: HostSession | None = None
+        self.rendezvous: Any = None
+        self.joiners: list[subprocess.Popen[bytes]] = []
+        self.stopping = False
+
+    # --- engines ---
+    def _activate(self, engine: Engine) -> None:
+        from kafila.api.service import EngineLoop
+
+        self.engine = engine
+        loop = EngineLoop(
+            engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
+        )
+        loop.start()
+        self.serving.become_ready(engine, loop, self.manifest.architecture)
+
+    def interrupt(self, reason: str) -> None:
+        """End the requests in flight now, without blocking the event loop (a signal handler calls it)."""
+        if self.network is not None:
+            self.network.abandon_ring()  # a step waiting on the ring ends at once
+        loop = self.serving.loop
+        if loop is not None:
+            threading.Thread(target=loop.stop, args=(reason,), daemon=True).start()
+
+    async def _retire(self, reason: str) -> None:
+        """Stop the engine loop and close the engine. The ring is abandoned first: its engine thread
+        may be waiting on the event loop, and a stale wait would steal the next ring's frames."""
+        if self.network is not None:
+            self.network.abandon_ring()
+        if self.serving.loop is not None:
+            await asyncio.to_thread(self.serving.loop.stop, reason)
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
+
+    async def _serve_alone(self, why: str) -> None:
+        """Every block on this machine, if it can hold them: where a session falls back to."""
+        from kafila.planner import plan_session
+        from kafila.runtime.local_plan import this_device
+        from kafila.runtime.pipeline import open_engine
+
+        device = (await asyncio.to_thread(this_device)).device()
+        plan_session(self.manifest, [device.model_copy(update={"name": "this machine"})], self.config.session)
+        engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
+        self._activate(engine)
+        self.serving.session_status = lambda: {
+            "division": [self.manifest.n_blocks],
+            "members": [{"name": "this machine"}],
+        }
+        self.ui.say(f"{why}: serving on this machine alone")
+
+    # --- one machine ---
+    async def start_local(self) -> None:
+        from kafila.runtime.pipeline import open_engine
+
+        counts = self.config.counts
+        where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
+        self.serving.waiting_for = [f"{self.config.path.name} to load {where}"]
+        self.serving.session_status = lambda: {
+            "division": counts,
+            "members": [{"name": "this machine", "stages": counts}],
+        }
+        engine = await asyncio.to_thread(open_engine, self.config.path, counts, self.config.settings)
+        self._activate(engine)
+        self._announce_ready(where)
+
+    async def watch_local(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            loop = self.serving.loop
+            if loop is None or loop.error is None:
+                continue
+            error = loop.error
+            self.ui.warn("a stage failed", error)
+            self.serving.become_unready(["the host to replan without the failed stage"])
+            await self._retire(error)
+            try:
+                await self._serve_alone("replanned")
+            except Exception as failure:
+                self._fail(f"{error}; the host cannot serve alone: {failure}")
+                return
+
+    # --- several machines ---
+    async def start_network(self) -> None:
+        from kafila.network.pake import TrustError
+        from kafila.runtime.local_plan import this_device
+        from kafila.session.host import HostSession
+        from kafila.session.presence import present
+
+        config = self.config
+        if config.rendezvous is None:
+            from kafila.network.rendezvous_server import start_rendezvous
+
+            self.rendezvous = await start_rendezvous(config.rendezvous_bind, config.rendezvous_port, config.stun_port)
+            bound = self.rendezvous.http_address
+            # The host reaches its own rendezvous at the address it gives members, so that every
+            # member's candidates are on the same network and punches between them line up.
+            reachable = lan_address() if bound[0] in ("0.0.0.0", "::") else bound[0]
+            address = (reachable, bound[1])
+            advertised = f"{reachable}:{bound[1]}"
+        else:
+            address = config.rendezvous
+            advertised = f"{address[0]}:{address[1]}"
+        self.serving.waiting_for = ["this machine to be measured"]
+        device = await asyncio.to_thread(this_device)
+        others = config.members - 1
+        while True:
+            presence = await present(config.name, address, device)
+            self.network = await HostSession.open(
+                presence, config.members, self.manifest, config.path, config.session, config.settings,
+                cache_dir() / "stages", self.ui.say,
+            )  # fmt: skip
+            network = self.network
+            join = f"kafila join {network.code} --rendezvous {advertised}"
+            machines = f"{others} machine{'s' if others > 1 else ''}"
+            self.ui.announce_code(network.code, f"on each of the other {machines}: {join}")
+            self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
+            self.serving.session_status = network.status
+            if config.demo and not self.joiners:
+                self.joiners = [start_joiner(network.code, f"{address[0]}:{address[1]}", i + 1) for i in range(others)]
+            try:
+                await network.gather(ready_timeout=None)
+                break
+            except TrustError as error:
+                # Each failed exchange may be a guess at the secret: this code is spent. A new
+                # one bounds anyone guessing to one try per code; members who had joined rejoin.
+                self.ui.warn("refused a member", str(error))
+                self.ui.say("that code is void now; a new one follows")
+                await network.end(f"the session was closed: {error}")
+        await self._deploy(network.alive())
+
+    async def _deploy(self, members: list[str]) -> None:
+
+        network = self.network
+        assert network is not None
+        self.serving.waiting_for = ["the members to load their stages"]
+        started = time.perf_counter()
+        plan = network.plan(members)  # refusals surface here, before anything is sent
+        self.ui.show_plan(plan_report(plan, (time.perf_counter() - started) * 1e3))
+
+        def pending(names: list[str]) -> None:
+            self.serving.waiting_for = [f"{name} to load its stage" for name in names] or ["the head to load"]
+
+        with self.ui.transfer_progress() as progress:
+            deployment = await network.deploy(members, progress, pending)
+        loop = asyncio.get_running_loop()
+        engine = await asyncio.to_thread(network.engine, deployment, loop)
+        self._activate(engine)
+        self._announce_ready(f"as {len(deployment.chain)} stages {deployment.counts} across the ring")
+
+    async def watch_network(self) -> None:
+        network = self.network
+        assert network is not None
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            deployment = network.deployment
+            loop = self.serving.loop
+            lost = [m for m in (deployment.chain[:-1] if deployment else []) if m not in network.alive()]
+            if not lost and (loop is None or loop.error is None):
+                continue
+            names = ", ".join(network.member_name(m) for m in lost)
+            error = (loop.error if loop and loop.error else None) or f"lost {names}"
+            self.ui.warn("the ring broke", error)
+            self.serving.become_unready(["the host to replan with the members that are left"])
+            await self._retire(error)
+            alive = network.alive()
+            try:
+                if alive:
+                    await self._deploy(alive)
+                    self.ui.say(f"replanned with {len(alive) + 1} members")
+                else:
+                    await self._serve_alone("replanned: no member is left")
+                    return
+            except PlanRefused as refused:
+                self._fail(f"{error}; the members that are left cannot hold the model: {refused}")
+                return
+            except Exception as failure:
+                self._fail(f"{error}; replanning failed: {failure}")
+                return
+
+    # --- both ---
+    def _announce_ready(self, where: str) -> None:
+        assert self.serving.template is not None
+        session = self.config.session
+        self.ui.say(
+            f"ready: {self.config.path.stem}, {where}, context {session.context} × {session.concurrency} requests, "
+            f"chat template: {self.serving.template.source}"
+        )
+
+    def _fail(self, message: str) -> None:
+        self.serving.become_unready([], failure=message)
+        self.ui.error(message)
+
+    async def stop(self, reason: str) -> None:
+        self.stopping = True
+        await self._retire(reason)
+        if self.network is not None:
+            await self.network.end(reason)
+        for joiner in self.joiners:
+            with contextlib.suppress(Exception):
+                joiner.wait(timeout=10)
+            if joiner.poll() is None:
+                joiner.terminate()
+        if self.rendezvous is not None:
+            await self.rendezvous.close()
+
+
+def supervised(coroutine: Coroutine[Any, Any, None], host: HostRunner) -> asyncio.Task[None]:
+    """A watcher task whose own failure is reported, not lost: the host would stop recovering."""
+    task = asyncio.create_task(coroutine)
+
+    def reported(done: asyncio.Task[None]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            host._fail(f"the host stopped watching its session: {done.exception()!r}")
+
+    task.add_done_callback(reported)
+    return task
+
+
+def lan_address() -> str:
+    """This machine's address on its default route, for the join line a person copies."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET: nothing is sent
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def start_joiner(code: str, rendezvous: str, number: int) -> subprocess.Popen[bytes]:
+    """A local `kafila join` for the demo, as a person would run it on another machine."""
+    command = [
+        sys.executable,
+        "-m",
+        "kafila",
+        "join",
+        code,
+        "--rendezvous",
+        rendezvous,
+        "--name",
+        f"demo-member-{number}",
+    ]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL)
