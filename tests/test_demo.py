@@ -40,3 +40,4 @@ def test_the_demo_serves_gemma_on_three_members_and_ends_cleanly() -> None:
             time.sleep(0.2)
         assert demo_members() == []
         assert "3 stages" in host.output()
+        assert "Traceback" not in host.output() and "the ring broke" not in host.output()

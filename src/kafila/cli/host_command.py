@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -199,6 +200,23 @@ async def _serve(config: HostConfig) -> None:
             host.stopping = True
             host.interrupt("the host is shutting down")
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            """Ctrl-C and SIGTERM end the server through `handle_exit`, on the event loop. uvicorn's
+            own capture re-raises the signal once `serve()` returns, which would interrupt the
+            session's orderly end (telling members, closing the rendezvous) half-way."""
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, self.handle_exit, signum, None)
+            try:
+                yield
+            finally:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(signum)
+
+        def install_signal_handlers(self) -> None:  # the name before uvicorn 0.29
+            return
 
     uvicorn_config = uvicorn.Config(
         create_app(serving), log_level="warning", lifespan="off", timeout_graceful_shutdown=5, access_log=False

@@ -144,6 +144,8 @@ class HostRunner:
     async def watch_local(self) -> None:
         while not self.stopping:
             await asyncio.sleep(0.2)
+            if self.stopping:  # members leave when the session ends: that is not a failure
+                return
             loop = self.serving.loop
             if loop is None or loop.error is None:
                 continue
@@ -230,6 +232,8 @@ class HostRunner:
         assert network is not None
         while not self.stopping:
             await asyncio.sleep(0.2)
+            if self.stopping:  # members leave when the session ends: that is not a failure
+                return
             deployment = network.deployment
             loop = self.serving.loop
             lost = [m for m in (deployment.chain[:-1] if deployment else []) if m not in network.alive()]
