@@ -21,6 +21,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
+from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
@@ -96,7 +97,6 @@ def host(
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
     from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
-    from kafila.session.presence import parse_address
 
     n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
     local_split = (stages or 1) > 1 or (division is not None and "," in division)
@@ -122,7 +122,7 @@ def host(
         if n_members == 1:
             _admit(path, session)
         sock = _listening_socket(bind_ip, port)
-        external = parse_address(rendezvous, 8470) if rendezvous is not None else None
+        external = parse_host_port(rendezvous.strip(), 8470) if rendezvous is not None else None
     except Exception as error:  # a bad file, division or address: one line, no traceback
         fail(str(error), False)
     config = HostConfig(
@@ -140,14 +140,12 @@ def host(
 
 def _admit(path: Path, session: SessionSpec) -> None:
     """Refuse, before anything loads, a session this machine cannot hold: weights plus KV cache."""
-    from kafila.planner import plan_session
-    from kafila.runtime.local_plan import this_device
+    from kafila.runtime.local_plan import admit_alone, this_device
     from kafila.runtime.manifest import read_manifest
 
-    manifest = read_manifest(path)
     with stderr.status("measuring this device for the planner (cached afterwards)"):
-        device = this_device().device()
-    plan_session(manifest, [device.model_copy(update={"name": "this machine"})], session)
+        device = this_device()
+    admit_alone(read_manifest(path), device, session)
 
 
 class RichUi:

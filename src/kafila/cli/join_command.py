@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from kafila.cli.errors import fail, stderr
+from kafila.cli.network_commands import parse_host_port
 
 
 def join(
@@ -29,7 +30,6 @@ def join(
     """Join a session: this machine runs the blocks the host assigns it, until the host ends the session."""
     from kafila.network.session_codes import CodeFormatError, split_code
     from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
-    from kafila.session.presence import parse_address
 
     try:
         load_llama()
@@ -44,7 +44,7 @@ def join(
     if model is not None and not model.is_file():
         fail(f"no model file at {model}", False)
     try:
-        address = parse_address(rendezvous, 8470)
+        address = parse_host_port(rendezvous.strip(), 8470)
     except ValueError as error:
         fail(str(error), False)
     member = name or f"{socket.gethostname()}"[:64]
@@ -64,7 +64,8 @@ async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name
     from kafila.network.rendezvous_client import RendezvousClient, verify_host
     from kafila.network.session_codes import channel_part
     from kafila.runtime.local_plan import cache_dir, this_device
-    from kafila.session.member import MemberState, file_sha256, follow_host
+    from kafila.runtime.slicer import file_sha256
+    from kafila.session.member import MemberState, follow_host
     from kafila.session.presence import present
     from kafila.session.router import LinkRouter
 

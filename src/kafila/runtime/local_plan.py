@@ -48,3 +48,8 @@ def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, 
     members = [base.model_copy(update={"name": f"stage-{i}", "memory_bytes": share}) for i in range(n_stages)]
     plan = plan_session(manifest, members, session, anchor=members[-1].name)
     return [stage.end - stage.start for stage in plan.stages]
+
+
+def admit_alone(manifest: ModelManifest, device: FleetDevice, session: SessionSpec) -> None:
+    """PlanRefused naming "this machine" unless it can hold every block, the head and the KV cache."""
+    plan_session(manifest, [device.device().model_copy(update={"name": "this machine"})], session)

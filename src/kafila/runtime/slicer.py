@@ -45,7 +45,8 @@ class SliceError(ValueError):
     """The division does not fit the model, or the model cannot be cut."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """A file's sha256, read in 4 MiB pieces: what stage files are named and checked by."""
     digest = hashlib.sha256()
     with path.open("rb") as stream:
         while chunk := stream.read(1 << 22):
@@ -185,7 +186,7 @@ def _write(piece: _Slice, out: Path) -> tuple[Path, str]:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        digest = _sha256(partial)
+        digest = file_sha256(partial)
         final = out / f"{digest}.gguf"
         os.replace(partial, final)
     finally:
@@ -206,7 +207,7 @@ def slice_model(
     reader, arch, n_blocks = _open(source)
     _check_division(counts, n_blocks)
     if len(counts) == 1:
-        return [StageFile(0, 0, n_blocks, True, source, _sha256(source), source.stat().st_size)]
+        return [StageFile(0, 0, n_blocks, True, source, file_sha256(source), source.stat().st_size)]
     _check_family(arch, n_blocks)
     stages = []
     first = 0

@@ -31,8 +31,7 @@ from kafila.planner import plan_session
 from kafila.planner.types import Device, ModelManifest, Plan, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine
-from kafila.runtime.slicer import StageFile, cached_slices
-from kafila.session.member import file_sha256
+from kafila.runtime.slicer import StageFile, cached_slices, file_sha256
 from kafila.session.presence import Presence
 from kafila.session.protocol import Assign, End, Failed, Hello, Loaded
 from kafila.session.quic_ring import QuicRing

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from pathlib import Path
 from kafila.network.frames import Frame, Kind
 from kafila.network.link import LinkError
 from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.slicer import file_sha256
 from kafila.runtime.stage import BlockStage
 from kafila.runtime.worker import handle_frames
 from kafila.session.protocol import Assign, End, Failed, Hello, Loaded
@@ -31,14 +31,6 @@ Say = Callable[[str], None]
 
 class SessionEnded(Exception):
     """The host ended the session (cleanly, with a reason) or vanished."""
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def cached_stage_hashes(cache: Path, limit: int = 1024) -> list[str]:

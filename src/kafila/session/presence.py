@@ -28,16 +28,6 @@ class RendezvousUnreachable(RuntimeError):
     pass
 
 
-def parse_address(text: str, default_port: int) -> Address:
-    host, sep, port = text.strip().rpartition(":")
-    if not sep:
-        host, port = text.strip(), str(default_port)
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{text!r} is not HOST:PORT")
-    return host, int(port)
-
-
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 

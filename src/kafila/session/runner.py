@@ -112,12 +112,10 @@ class HostRunner:
 
     async def _serve_alone(self, why: str) -> None:
         """Every block on this machine, if it can hold them: where a session falls back to."""
-        from kafila.planner import plan_session
-        from kafila.runtime.local_plan import this_device
+        from kafila.runtime.local_plan import admit_alone, this_device
         from kafila.runtime.pipeline import open_engine
 
-        device = (await asyncio.to_thread(this_device)).device()
-        plan_session(self.manifest, [device.model_copy(update={"name": "this machine"})], self.config.session)
+        admit_alone(self.manifest, await asyncio.to_thread(this_device), self.config.session)
         engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
         self._activate(engine)
         self.serving.session_status = lambda: {
