@@ -81,6 +81,8 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         assert {m.get("path") for m in status["members"] if not m["host"]} == {"direct"}
         assert all(0 < m["rtt_ms"] < 1000 for m in status["members"] if not m["host"])
         assert sum(b - a for a, b in (m["blocks"] for m in status["members"])) == 4
+        assert [e["path"] for e in status["edges"]] == ["direct"] * 3  # host → m → m → host
+        assert all(e["rtt_ms"] is not None and 0 < e["rtt_ms"] < 1000 for e in status["edges"])
         table = subprocess.run(
             [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
             timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
@@ -89,6 +91,25 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
     assert len(outputs) == 2
     assert all("receiving stage" in out for out in outputs), outputs  # separate caches: the host sent each its file
     assert all("the session ended" in out for out in outputs), outputs
+
+
+def test_only_the_planned_ring_edges_come_up_and_stages_load_downstream_first(tmp_path: Path, model: Path) -> None:
+    outputs: list[str] = []
+    with session(tmp_path, model, 4, outputs=outputs) as (host, _joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        edges = status["edges"]
+        assert len(edges) == 4 and all(e["path"] == "direct" for e in edges), edges
+        assert [e["to"] for e in edges] == [e["from"] for e in edges[1:] + edges[:1]]  # a closed ring
+        loaded = [int(a) for a in re.findall(r"loaded blocks (\d+)-\d+", host.output())]
+    # Three members in a ring with the host: two edges between members, not the mesh's three,
+    # each brought up by both of its ends; and the stages loaded from the last block's back.
+    assert sum(out.count("linked to ring neighbour") for out in outputs) == 4, outputs
+    assert loaded == sorted(loaded, reverse=True) and len(loaded) == 3, loaded
 
 
 def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(tmp_path: Path, model: Path) -> None:

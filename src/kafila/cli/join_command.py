@@ -18,8 +18,22 @@ def join(
     code: Annotated[str, typer.Argument(help="The session code the host printed, e.g. 7-crimson-harbor-otter-lemon.")],
     rendezvous: Annotated[
         str | None,
-        typer.Option("--rendezvous", envvar="KAFILA_RENDEZVOUS", help="HOST:PORT of the rendezvous the host printed."),
+        typer.Option(
+            "--rendezvous",
+            envvar="KAFILA_RENDEZVOUS",
+            help="HOST:PORT of the rendezvous the host printed; default: find the host on this LAN.",
+        ),
     ] = None,
+    discovery_port: Annotated[
+        int,
+        typer.Option(
+            "--discovery-port",
+            envvar="KAFILA_DISCOVERY_PORT",
+            min=1,
+            max=65535,
+            help="UDP port to find the host on, without --rendezvous.",
+        ),
+    ] = 8470,
     model: Annotated[
         Path | None,
         typer.Option("--model", help="This machine's own copy of the model: its stage is cut from it, not sent."),
@@ -28,6 +42,7 @@ def join(
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
 ) -> None:
     """Join a session: this machine runs the blocks the host assigns it, until the host ends the session."""
+    from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
     from kafila.network.session_codes import CodeFormatError, split_code
     from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
 
@@ -36,17 +51,25 @@ def join(
     except LlamaUnavailable as error:
         fail(str(error), False)
     try:
-        split_code(code)
+        channel, _ = split_code(code)
     except CodeFormatError as error:
         fail(f"that is not a session code: {error}", False)
-    if rendezvous is None:
-        fail("where is the rendezvous? pass --rendezvous HOST:PORT as the host printed it", False)
     if model is not None and not model.is_file():
         fail(f"no model file at {model}", False)
-    try:
-        address = parse_host_port(rendezvous.strip(), 8470)
-    except ValueError as error:
-        fail(str(error), False)
+    if rendezvous is None:  # the host's embedded rendezvous answers for its channel on the LAN
+        stderr.print(f"looking for the host of {channel} on this network", highlight=False)
+        try:
+            address = asyncio.run(discover(channel, discovery_port, DEFAULT_DISCOVERY_TIMEOUT_S))
+        except KeyboardInterrupt:
+            return
+        except (DiscoveryError, OSError) as error:
+            fail(str(error), False)
+        stderr.print(f"found its rendezvous at {address[0]}:{address[1]}", highlight=False)
+    else:
+        try:
+            address = parse_host_port(rendezvous.strip(), 8470)
+        except ValueError as error:
+            fail(str(error), False)
     member = name or f"{socket.gethostname()}"[:64]
     try:
         reason = asyncio.run(_join(code, address, model, member, threads or max(1, os.cpu_count() or 1)))
@@ -65,7 +88,7 @@ async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name
     from kafila.network.session_codes import channel_part
     from kafila.runtime.local_plan import cache_dir, this_device
     from kafila.runtime.slicer import file_sha256
-    from kafila.session.member import MemberState, follow_host
+    from kafila.session.member import MemberState, RingLinks, edge_connector, follow_host
     from kafila.session.presence import present
     from kafila.session.router import LinkRouter
 
@@ -81,25 +104,22 @@ async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name
         fingerprint=presence.identity.fingerprint, candidates=presence.candidates,
     )  # fmt: skip
     demux = None
-    routers: dict[str, LinkRouter] = {}
+    links: RingLinks | None = None
     try:
         say(f"joined; proving the code with the host ({len(client.members)} of {client.expected_members} here)")
         await verify_host(client, code, presence.identity.fingerprint)
-        peers = [m for m in client.members.values() if m.member_id != client.member_id]
         demux = await DatagramDemux.over(presence.sock)
-        edges = await connect_edges(client, demux, presence.identity, client.code, peers)
-        for member_id, edge in edges.items():
-            routers[member_id] = LinkRouter(edge.link, member_id)
-        paths = ", ".join(f"{client.members[m].name} {e.path}" for m, e in edges.items())
-        say(f"linked: {paths}")
+        edges = await connect_edges(client, demux, presence.identity, client.code, [client.members[client.host_id]])
+        host_edge = edges[client.host_id]
+        say(f"linked to the host ({host_edge.path})")
+        links = RingLinks(
+            LinkRouter(host_edge.link, client.host_id), edge_connector(client, demux, presence.identity), say
+        )
         state = MemberState(cache=cache_dir() / "stages", model=model, threads=threads, say=say)
-        return await follow_host(routers[client.host_id], routers, state, model_sha)
+        return await follow_host(links, state, model_sha)
     finally:
-        for router in routers.values():
-            try:
-                await router.close("leaving")
-            except Exception:
-                pass
+        if links is not None:
+            await links.close("leaving")
         await client.close()
         if demux is not None:
             demux.close()

@@ -6,11 +6,13 @@ The order, and why:
 3. bring up a pinned QUIC link to each member, punched where possible, relayed where not;
 4. hear what each member already holds (`Hello`), then plan with every member's probe, the
    head pinned here, refusing before anything loads if the model does not fit;
-5. assign each member its stage: from its cache, sliced from its own copy of the model, or
-   streamed over its link; wait until every stage reports loaded;
-6. only then build the head's engine over the links and serve.
+5. assign each member its stage and ring neighbours: members link to their neighbours (only the
+   planned edges come up) while their stage files arrive from their cache, from their own copy
+   of the model, or over their link; each answers `Staged`;
+6. have the stages load downstream-first (`Load`, `Loaded`), the head's own last, and serve.
 
-When a member's link goes down, the same steps 4-6 run again with the members that are left.
+When a member's link goes down, or a serving member reports that its stage stopped (a ring link
+between members went down), steps 4-6 run again with the members that are left.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient, verify_members
@@ -33,17 +35,31 @@ from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine
 from kafila.runtime.slicer import StageFile, cached_slices, file_sha256
 from kafila.session.presence import Presence
-from kafila.session.protocol import Assign, End, Failed, Hello, Loaded
+from kafila.session.protocol import Assign, End, Failed, Hello, Load, Loaded, RingEdge, Staged
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import LinkRouter
 
 Say = Callable[[str], None]
+Reply = TypeVar("Reply", Staged, Loaded)
+T = TypeVar("T")
 HELLO_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
 
 
 class SessionFailed(RuntimeError):
     """The session cannot go on; the message says why, for the person at the host."""
+
+
+async def all_or_none(work: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, or the first failure with the rest cancelled: a waiter left behind would
+    read, and drop, the control messages of the next deployment."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass
@@ -77,6 +93,9 @@ class HostSession:
     model_sha256: str | None = None
     known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
     ring: QuicRing | None = None
+    ring_edges: dict[str, dict[str, RingEdge]] = field(default_factory=dict)  # member → neighbour → edge
+    broken: str | None = None  # a serving member's report that its stage stopped
+    _listeners: list[asyncio.Task[None]] = field(default_factory=list)
 
     # --- gathering ---------------------------------------------------------------------------
 
@@ -130,7 +149,7 @@ class HostSession:
         for member_id, edge in edges.items():
             self.routers[member_id] = LinkRouter(edge.link, member_id)
             self.paths[member_id] = edge.path
-        hellos = await asyncio.gather(*(self._hello(m) for m in self.routers))
+        hellos = await all_or_none([self._hello(m) for m in self.routers])
         self.hellos = dict(zip(self.routers, hellos, strict=True))
         self.model_sha256 = await asyncio.to_thread(file_sha256, self.model)
 
@@ -166,9 +185,10 @@ class HostSession:
     ) -> Deployment:
         """Plan, assign, deliver and wait for every member's stage; raises SessionFailed or PlanRefused.
 
-        `pending` hears the names of the members whose stages are not loaded yet, as that shrinks.
+        `pending` hears what the ring still waits for, member by member, as that shrinks.
         """
         plan = self.plan(members)
+        await self.stop_listening()  # the replies to this deployment are read below
         by_name = {self.member_name(m): m for m in [self.me, *members]}
         chain = [by_name[stage.device] for stage in plan.stages]
         counts = [stage.end - stage.start for stage in plan.stages]
@@ -193,46 +213,88 @@ class HostSession:
             router.activation.drain()  # frames of a broken ring must not reach the new one
         for member, assign in assigns.items():
             await self.routers[member].send_control(assign)
-        waiting = {self.member_name(m) for m in assigns}
-        pending(sorted(waiting))
+        # Every member links to its neighbours and gets its file at once; they load one by one.
+        preparing = {self.member_name(m): "to link and get its stage" for m in assigns}
+        pending([f"{name} {what}" for name, what in sorted(preparing.items())])
 
-        async def deliver(member: str, assign: Assign) -> None:
-            await self._deliver(member, assign, stages[assign.stage_index], progress)
-            waiting.discard(self.member_name(member))
-            pending(sorted(waiting))
+        async def prepared(member: str, assign: Assign) -> Staged:
+            staged = await self._stage(member, assign, stages[assign.stage_index], progress)
+            preparing[self.member_name(member)] = "to load its stage"
+            pending([f"{name} {what}" for name, what in sorted(preparing.items())])
+            return staged
 
-        await asyncio.gather(*(deliver(m, a) for m, a in assigns.items()))
+        staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
+        self.ring_edges = {m: {e.peer: e for e in s.edges} for m, s in zip(assigns, staged, strict=True)}
+        for member in reversed(chain[:-1]):  # downstream first: a stage serves only once its successor does
+            assign = assigns[member]
+            await self.routers[member].send_control(Load(epoch=assign.epoch))
+            loaded = await self._expect(member, assign.epoch, Loaded, "load its stage")
+            self.say(
+                f"{self.member_name(member)} loaded blocks {assign.first_block}-{assign.end_block - 1} "
+                f"in {loaded.seconds:.1f} s"
+            )
+            del preparing[self.member_name(member)]
+            pending([f"{name} {what}" for name, what in sorted(preparing.items())])
         self.deployment = Deployment(self.epoch, plan, chain, counts, stages)
+        self._listen(chain[:-1], self.epoch)
         return self.deployment
 
-    async def _deliver(
+    async def _stage(
         self, member: str, assign: Assign, stage: StageFile, progress: Callable[[str, int, int], None]
-    ) -> None:
-        name = self.member_name(member)
-        router = self.routers[member]
+    ) -> Staged:
+        """Stream the stage file if the member needs it, then wait until it has linked and verified."""
         if assign.source == "transfer":
             from kafila.network.transfer import send_stage_file
 
+            name = self.member_name(member)
             await send_stage_file(
-                router.transfer,
+                self.routers[member].transfer,
                 stage.path,
                 stage.sha256,
                 assign.stage_index,
                 lambda done, total: progress(name, done, total),
             )
+        return await self._expect(member, assign.epoch, Staged, "link to its neighbours and get its stage")
+
+    async def _expect(self, member: str, epoch: int, kind: type[Reply], what: str) -> Reply:
+        """The member's next `kind` message of this epoch; SessionFailed if it fails, leaves or stalls."""
+        name = self.member_name(member)
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while True:
             try:
-                message = await router.next_control(max(0.1, deadline - time.monotonic()))
+                message = await self.routers[member].next_control(max(0.1, deadline - time.monotonic()))
             except TimeoutError:
-                raise SessionFailed(f"{name} did not load its stage in {LOAD_TIMEOUT_S:.0f} s") from None
+                raise SessionFailed(f"{name} did not {what} in {LOAD_TIMEOUT_S:.0f} s") from None
             except Exception as error:
-                raise SessionFailed(f"{name} left while loading its stage: {error}") from None
-            if isinstance(message, Loaded) and message.epoch == assign.epoch:
-                self.say(f"{name} loaded blocks {assign.first_block}-{assign.end_block - 1} in {message.seconds:.1f} s")
+                raise SessionFailed(f"{name} left before it could {what}: {error}") from None
+            if isinstance(message, kind) and message.epoch == epoch:
+                return message
+            if isinstance(message, Failed) and message.epoch == epoch:
+                raise SessionFailed(f"{name} could not {what}: {message.message}")
+
+    # --- while serving ---------------------------------------------------------------------
+
+    def _listen(self, members: Sequence[str], epoch: int) -> None:
+        """Hear members while the ring serves: a stage that lost a ring link says so, and the host replans."""
+        self.broken = None
+        self._listeners = [asyncio.create_task(self._listen_to(m, epoch)) for m in members]
+
+    async def _listen_to(self, member: str, epoch: int) -> None:
+        router = self.routers[member]
+        while True:
+            try:
+                message = await router.next_control()
+            except Exception:  # its link went down: the host's watcher sees that by itself
                 return
-            if isinstance(message, Failed) and message.epoch == assign.epoch:
-                raise SessionFailed(f"{name} could not load its stage: {message.message}")
+            if isinstance(message, Failed) and message.epoch == epoch:
+                self.broken = f"{self.member_name(member)}: {message.message}"
+                return
+
+    async def stop_listening(self) -> None:
+        listeners, self._listeners = self._listeners, []
+        for task in listeners:
+            task.cancel()
+        await asyncio.gather(*listeners, return_exceptions=True)
 
     def engine(self, deployment: Deployment, loop: asyncio.AbstractEventLoop) -> RingEngine:
         """The head's engine over the links (blocking: loads the head stage; run it in a thread)."""
@@ -273,10 +335,12 @@ class HostSession:
                 entry["predicted_ms_per_token"] = round(stage.cost_s * 1e3, 3) if stage.cost_s is not None else None
             members.append(entry)
         plan = deployment.plan if deployment else None
+        edges = self.chain_edges(deployment.chain) if deployment is not None else []
         return {
             "code": self.code,
             "members": members,
             "epoch": self.epoch,
+            "edges": edges,
             "plan": None if plan is None else {
                 "tier": plan.tier.value, "ring": list(plan.ring), "head": plan.head,
                 "division": deployment.counts if deployment else None,
@@ -284,8 +348,27 @@ class HostSession:
             },
         }  # fmt: skip
 
+    def chain_edges(self, chain: Sequence[str]) -> list[dict[str, Any]]:
+        """The ring's links in chain order: how each goes (direct or relayed) and its round trip."""
+        edges = []
+        for index, member in enumerate(chain):
+            successor = chain[(index + 1) % len(chain)]
+            entry: dict[str, Any] = {"from": self.member_name(member), "to": self.member_name(successor)}
+            if self.me in (member, successor):
+                other = successor if member == self.me else member
+                router = self.routers.get(other)
+                entry["path"] = self.paths.get(other)
+                entry["rtt_ms"] = router.link.core.rtt_ms if router is not None else None
+            else:
+                edge = self.ring_edges.get(member, {}).get(successor)
+                entry["path"] = edge.path if edge else None
+                entry["rtt_ms"] = edge.rtt_ms if edge else None
+            edges.append(entry)
+        return edges
+
     async def end(self, reason: str) -> None:
         """Tell every member the session is over, then close links, the rendezvous session and the socket."""
+        await self.stop_listening()
         for router in self.routers.values():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(router.send_control(End(reason=reason)), 1.0)

@@ -1,8 +1,10 @@
 """`kafila join`: one member's side of a session.
 
-After the trust exchange and its links are up, a member does only what the host's control
-messages say: obtain a stage file (already cached, sliced from its own copy of the model, or
-received over the link), load it, and run it between its ring neighbours until the host
+After the trust exchange and its link to the host is up, a member does only what the host's
+control messages say. An `Assign` names its stage and ring neighbours: it links to those
+neighbours (only the edges the plan uses ever come up) while it obtains the stage file (already
+cached, sliced from its own copy of the model, or received over the link), then answers
+`Staged`. On `Load` it loads the stage and runs it between its neighbours until the host
 reassigns or ends the session. The stage runs in a worker thread, so the links' event loop keeps
 answering keep-alives while llama.cpp computes.
 """
@@ -12,18 +14,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kafila.network.frames import Frame, Kind
-from kafila.network.link import LinkError
+from kafila.network.identity import Identity
+from kafila.network.link import DatagramDemux, LinkError
+from kafila.network.rendezvous_client import RendezvousClient
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.slicer import file_sha256
 from kafila.runtime.stage import BlockStage
 from kafila.runtime.worker import handle_frames
-from kafila.session.protocol import Assign, End, Failed, Hello, Loaded
+from kafila.session.protocol import Assign, EdgePath, End, Failed, Hello, Load, Loaded, RingEdge, Staged
 from kafila.session.router import Channel, LinkRouter
 
 Say = Callable[[str], None]
@@ -70,6 +74,7 @@ class MemberState:
     stage: BlockStage | None = None
     serving: asyncio.Task[None] | None = None
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="stage"))
+    reports: list[asyncio.Future[None]] = field(default_factory=list)  # failures on their way to the host
 
     async def drop_stage(self) -> None:
         if self.serving is not None:
@@ -106,11 +111,77 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
     return path
 
 
-async def follow_host(
-    host: LinkRouter, routers: dict[str, LinkRouter], state: MemberState, model_sha: str | None
-) -> str:
+Connect = Callable[[list[str]], Awaitable[dict[str, tuple[LinkRouter, EdgePath]]]]
+
+
+def edge_connector(client: RendezvousClient, demux: DatagramDemux, identity: Identity) -> Connect:
+    """How a member links to ring neighbours the host names: punched, else relayed (`connect_edges`)."""
+
+    async def connect(peer_ids: list[str]) -> dict[str, tuple[LinkRouter, EdgePath]]:
+        from kafila.network.edges import connect_edges
+
+        unknown = [p for p in peer_ids if p not in client.members]
+        if unknown:
+            raise ValueError(f"the host named {', '.join(unknown)}, who is not in this session")
+        peers = [client.members[p] for p in peer_ids]
+        edges = await connect_edges(client, demux, identity, client.code, peers)
+        return {m: (LinkRouter(edge.link, m), edge.path) for m, edge in edges.items()}
+
+    return connect
+
+
+@dataclass
+class RingLinks:
+    """This member's links: the host's, always, and those to its current ring neighbours.
+
+    Links come up only for the edges the plan uses, when an assignment names them, and links
+    the new plan no longer uses are closed: a ring of n members holds n links between members,
+    not n(n-1)/2, and relays carry only what the ring needs.
+    """
+
+    host: LinkRouter
+    connect: Connect
+    say: Say
+    routers: dict[str, LinkRouter] = field(default_factory=dict)
+    paths: dict[str, EdgePath] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.routers.setdefault(self.host.peer_id, self.host)
+
+    async def for_assignment(self, assign: Assign) -> list[RingEdge]:
+        """Links to `assign`'s neighbours (new ones punched together with theirs), others closed."""
+        wanted = {assign.predecessor, assign.successor} - {self.host.peer_id}
+        for peer, router in list(self.routers.items()):
+            if peer == self.host.peer_id:
+                continue
+            if peer not in wanted or router.link.closed.done():
+                del self.routers[peer]
+                self.paths.pop(peer, None)
+                with contextlib.suppress(Exception):
+                    await router.close("not a ring neighbour in the new plan")
+        missing = sorted(wanted - set(self.routers))
+        if missing:
+            for peer, (router, path) in (await self.connect(missing)).items():
+                self.routers[peer], self.paths[peer] = router, path
+                self.say(f"linked to ring neighbour {peer[:6]} ({path})")
+        for router in self.routers.values():
+            router.activation.drain()  # frames of a broken ring must not reach the new one
+        return [
+            RingEdge(peer=peer, path=self.paths[peer], rtt_ms=self.routers[peer].link.core.rtt_ms)
+            for peer in sorted(wanted)
+        ]
+
+    async def close(self, reason: str) -> None:
+        for router in self.routers.values():
+            with contextlib.suppress(Exception):
+                await router.close(reason)
+
+
+async def follow_host(links: RingLinks, state: MemberState, model_sha: str | None) -> str:
     """Carry out the host's control messages until it ends the session; returns its reason."""
+    host = links.host
     await host.send_control(Hello(model_sha256=model_sha, cached_stages=cached_stage_hashes(state.cache)))
+    staged: tuple[Assign, Path] | None = None
     try:
         while True:
             try:
@@ -119,32 +190,64 @@ async def follow_host(
                 raise SessionEnded(f"lost the host: {error}") from None
             if isinstance(message, End):
                 return message.reason
-            if not isinstance(message, Assign):
-                continue
-            await state.drop_stage()
-            for router in routers.values():
-                router.activation.drain()  # frames of a broken ring must not reach the new one
-            started = time.perf_counter()
-            try:
-                missing = [p for p in (message.predecessor, message.successor) if p not in routers]
-                if missing:
-                    raise ValueError(f"no link to {', '.join(missing)}")
-                path = await obtain_stage_file(message, host, state)
-                settings = ContextSettings(
-                    n_ctx=message.n_ctx, n_batch=message.n_batch, n_seq_max=message.n_seq_max, n_threads=state.threads
-                )
-                loop = asyncio.get_running_loop()
-                state.stage = await loop.run_in_executor(state.executor, BlockStage, path, settings)
-            except Exception as error:
-                state.say(f"cannot load stage {message.stage_index}: {error}")
-                await host.send_control(Failed(epoch=message.epoch, message=str(error)))
-                continue
-            inbound = routers[message.predecessor].activation
-            outbound = routers[message.successor].activation
-            state.serving = asyncio.create_task(serve_stage(state.stage, inbound, outbound, state.executor))
-            seconds = time.perf_counter() - started
-            state.say(f"serving blocks {message.first_block}-{message.end_block - 1} (ready in {seconds:.1f} s)")
-            await host.send_control(Loaded(epoch=message.epoch, stage_index=message.stage_index, seconds=seconds))
+            if isinstance(message, Assign):
+                staged = None
+                await state.drop_stage()
+                try:
+                    edges, path = await _prepare(message, links, state)
+                except Exception as error:
+                    state.say(f"cannot take stage {message.stage_index}: {error}")
+                    await host.send_control(Failed(epoch=message.epoch, message=str(error)))
+                    continue
+                staged = (message, path)
+                await host.send_control(Staged(epoch=message.epoch, edges=edges))
+            elif isinstance(message, Load) and staged is not None and staged[0].epoch == message.epoch:
+                assign, path = staged
+                staged = None
+                await _load_and_serve(assign, path, links, state)
     finally:
         await state.drop_stage()
         state.executor.shutdown(wait=False)
+
+
+async def _prepare(assign: Assign, links: RingLinks, state: MemberState) -> tuple[list[RingEdge], Path]:
+    """Link to the neighbours and get the stage file at the same time; if one fails, both stop."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            edges = group.create_task(links.for_assignment(assign))
+            path = group.create_task(obtain_stage_file(assign, links.host, state))
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return edges.result(), path.result()
+
+
+async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: MemberState) -> None:
+    """Load the staged file and serve it between the neighbours; a lost ring link is reported to the host."""
+    host = links.host
+    started = time.perf_counter()
+    settings = ContextSettings(
+        n_ctx=assign.n_ctx, n_batch=assign.n_batch, n_seq_max=assign.n_seq_max, n_threads=state.threads
+    )
+    try:
+        loop = asyncio.get_running_loop()
+        state.stage = await loop.run_in_executor(state.executor, BlockStage, path, settings)
+    except Exception as error:
+        state.say(f"cannot load stage {assign.stage_index}: {error}")
+        await host.send_control(Failed(epoch=assign.epoch, message=str(error)))
+        return
+    inbound = links.routers[assign.predecessor].activation
+    outbound = links.routers[assign.successor].activation
+    state.serving = asyncio.create_task(serve_stage(state.stage, inbound, outbound, state.executor))
+    state.serving.add_done_callback(lambda task: _report_stopped(task, assign, host, state))
+    seconds = time.perf_counter() - started
+    state.say(f"serving blocks {assign.first_block}-{assign.end_block - 1} (ready in {seconds:.1f} s)")
+    await host.send_control(Loaded(epoch=assign.epoch, stage_index=assign.stage_index, seconds=seconds))
+
+
+def _report_stopped(task: asyncio.Task[None], assign: Assign, host: LinkRouter, state: MemberState) -> None:
+    """A stage that stopped by itself (a ring link went down) tells the host, which replans at once."""
+    if task.cancelled() or task.exception() is None or host.link.closed.done():
+        return
+    reason = f"stage {assign.stage_index} stopped: {task.exception()}"
+    state.say(reason)
+    state.reports.append(asyncio.ensure_future(host.send_control(Failed(epoch=assign.epoch, message=reason))))

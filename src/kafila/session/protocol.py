@@ -36,7 +36,11 @@ class Hello(_Message):
 
 
 class Assign(_Message):
-    """host → member: the stage to load, where its bytes come from, and its ring neighbours."""
+    """host → member: the stage to hold, where its bytes come from, and its ring neighbours.
+
+    The member links to its neighbours and gets the file at once, answers `Staged`, and loads
+    only when the host says `Load`: the host has stages load downstream-first.
+    """
 
     type: Literal["assign"] = "assign"
     epoch: Annotated[int, Field(ge=0)]  # bumps on every replan; messages of older epochs are stale
@@ -53,6 +57,32 @@ class Assign(_Message):
     n_seq_max: Annotated[int, Field(ge=1, le=256)]
 
 
+EdgePath = Literal["direct", "relayed"]
+
+
+class RingEdge(_Message):
+    """How one of a member's ring links goes, for the host's status."""
+
+    peer: MemberId
+    path: EdgePath
+    rtt_ms: Annotated[float, Field(ge=0, le=600_000)] | None = None
+
+
+class Staged(_Message):
+    """member → host: links to both ring neighbours are up and the stage file is here, verified."""
+
+    type: Literal["staged"] = "staged"
+    epoch: Annotated[int, Field(ge=0)]
+    edges: list[RingEdge] = Field(default_factory=list, max_length=2)
+
+
+class Load(_Message):
+    """host → member: load the staged file and start serving (its successor is ready)."""
+
+    type: Literal["load"] = "load"
+    epoch: Annotated[int, Field(ge=0)]
+
+
 class Loaded(_Message):
     """member → host: the assigned stage is loaded and serving."""
 
@@ -63,7 +93,7 @@ class Loaded(_Message):
 
 
 class Failed(_Message):
-    """member → host: the assignment could not be carried out, and why."""
+    """member → host: the assignment could not be carried out, or a serving stage lost a ring link."""
 
     type: Literal["failed"] = "failed"
     epoch: Annotated[int, Field(ge=0)]
@@ -77,7 +107,7 @@ class End(_Message):
     reason: Annotated[str, Field(max_length=1000)]
 
 
-ControlMessage = Annotated[Hello | Assign | Loaded | Failed | End, Field(discriminator="type")]
+ControlMessage = Annotated[Hello | Assign | Staged | Load | Loaded | Failed | End, Field(discriminator="type")]
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 
 

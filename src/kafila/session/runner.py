@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.planner import PlanRefused
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
@@ -57,6 +58,7 @@ class HostConfig:
     stun_port: int
     demo: bool
     name: str
+    discovery_port: int | None = DEFAULT_DISCOVERY_PORT  # LAN discovery by the embedded rendezvous; None: off
 
     @property
     def settings(self) -> ContextSettings:
@@ -168,7 +170,9 @@ class HostRunner:
         if config.rendezvous is None:
             from kafila.network.rendezvous_server import start_rendezvous
 
-            self.rendezvous = await start_rendezvous(config.rendezvous_bind, config.rendezvous_port, config.stun_port)
+            self.rendezvous = await start_rendezvous(
+                config.rendezvous_bind, config.rendezvous_port, config.stun_port, discovery_port=config.discovery_port
+            )
             bound = self.rendezvous.http_address
             # The host reaches its own rendezvous at the address it gives members, so that every
             # member's candidates are on the same network and punches between them line up.
@@ -215,8 +219,8 @@ class HostRunner:
         plan = network.plan(members)  # refusals surface here, before anything is sent
         self.ui.show_plan(plan_report(plan, (time.perf_counter() - started) * 1e3))
 
-        def pending(names: list[str]) -> None:
-            self.serving.waiting_for = [f"{name} to load its stage" for name in names] or ["the head to load"]
+        def pending(waits: list[str]) -> None:
+            self.serving.waiting_for = waits or ["the head to load"]
 
         with self.ui.transfer_progress() as progress:
             deployment = await network.deploy(members, progress, pending)
@@ -235,10 +239,10 @@ class HostRunner:
             deployment = network.deployment
             loop = self.serving.loop
             lost = [m for m in (deployment.chain[:-1] if deployment else []) if m not in network.alive()]
-            if not lost and (loop is None or loop.error is None):
+            if not lost and network.broken is None and (loop is None or loop.error is None):
                 continue
             names = ", ".join(network.member_name(m) for m in lost)
-            error = (loop.error if loop and loop.error else None) or f"lost {names}"
+            error = (loop.error if loop and loop.error else None) or network.broken or f"lost {names}"
             self.ui.warn("the ring broke", error)
             self.serving.become_unready(["the host to replan with the members that are left"])
             await self._retire(error)
