@@ -88,6 +88,7 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
             timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
         ).stdout  # fmt: skip
         assert "ready" in table and "member-0" in table and "member-1" in table and "host (head)" in table
+        assert "Ring edges" in table and table.count("direct") >= 3
     assert len(outputs) == 2
     assert all("receiving stage" in out for out in outputs), outputs  # separate caches: the host sent each its file
     assert all("the session ended" in out for out in outputs), outputs

@@ -51,6 +51,16 @@ def render_status(status: dict[str, Any], console: Console) -> None:
                 _number(measured.get(span)) if span else "—",
             )
         console.print(table)
+    edges = status.get("edges") or []
+    if edges:
+        ring = Table(title="Ring edges")
+        for column in ("from", "to", "path", "rtt ms"):
+            ring.add_column(column, justify="right" if column == "rtt ms" else "left")
+        for edge in edges:
+            ring.add_row(
+                str(edge.get("from")), str(edge.get("to")), str(edge.get("path") or "—"), _number(edge.get("rtt_ms"))
+            )
+        console.print(ring)
     plan = status.get("plan")
     if plan:
         console.print(
