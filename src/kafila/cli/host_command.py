@@ -23,6 +23,7 @@ from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
+from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
 from kafila.session.runner import HostConfig, HostRunner, supervised
@@ -67,6 +68,15 @@ def host(
     stun_port: Annotated[
         int, typer.Option("--stun-port", min=0, max=65535, help="The embedded rendezvous's STUN port.")
     ] = 3478,
+    discovery_port: Annotated[
+        int,
+        typer.Option(
+            "--discovery-port",
+            min=0,
+            max=65535,
+            help="UDP port on which the embedded rendezvous answers `kafila join CODE` on this LAN (0: off).",
+        ),
+    ] = DEFAULT_DISCOVERY_PORT,
     demo: Annotated[
         bool,
         typer.Option(
@@ -130,7 +140,7 @@ def host(
         threads=threads or max(1, os.cpu_count() or 1), members=n_members, rendezvous=external,
         rendezvous_bind="127.0.0.1" if demo else "0.0.0.0",
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
-        demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]),
+        demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
     )  # fmt: skip
     try:
         asyncio.run(_serve(config))
@@ -149,7 +159,13 @@ def _admit(path: Path, session: SessionSpec) -> None:
 
 
 class RichUi:
-    """The host's messages on stderr, with rich: stdout stays free for programs."""
+    """The host's messages on stderr, with rich: stdout stays free for programs.
+
+    `lan_hint`: the embedded rendezvous answers LAN discovery, so say that the code alone will do.
+    """
+
+    def __init__(self, lan_hint: bool = False) -> None:
+        self.lan_hint = lan_hint
 
     def say(self, text: str) -> None:
         stderr.print(text, highlight=False)
@@ -163,6 +179,11 @@ class RichUi:
     def announce_code(self, code: str, join_line: str) -> None:
         stderr.print(f"session code: [bold]{code}[/bold]", highlight=False)
         stderr.print(join_line, highlight=False)
+        if self.lan_hint:
+            stderr.print(
+                f"on this network `kafila join {code}` finds this host by itself; --rendezvous is for the others",
+                highlight=False,
+            )
 
     def show_plan(self, report: PlanReport) -> None:
         render_plan(report, stderr)
@@ -191,7 +212,8 @@ async def _serve(config: HostConfig) -> None:
     from kafila.api.server import Serving, create_app
 
     serving = Serving(model_id=config.path.stem, context_per_sequence=config.session.context, api_key=config.api_key)
-    host = HostRunner(config, serving, RichUi())
+    lan_hint = config.rendezvous is None and config.discovery_port is not None and not config.demo
+    host = HostRunner(config, serving, RichUi(lan_hint))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -457,6 +457,10 @@ class Rendezvous:
         self.events: deque[dict[str, Any]] = deque(maxlen=1024)
         self._per_ip: dict[str, int] = {}
 
+    def holds(self, channel: str) -> bool:
+        """Whether a live session has this channel: what LAN discovery may answer for. Read-only."""
+        return normalise_code(channel) in self.by_code
+
     # -- connections ---------------------------------------------------------------------------
 
     def connect(self, conn: ConnId, ip: str, now: float) -> list[Output]:

@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 
+from kafila.network.discovery import DiscoveryResponder, DiscoveryServer
 from kafila.network.relay import RelayLimits, RelayServer
 from kafila.network.rendezvous import (
     Close,
@@ -215,7 +216,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 @dataclass
 class RendezvousHandle:
-    """A running rendezvous; `await close()` stops all three services."""
+    """A running rendezvous; `await close()` stops all three services (and LAN discovery, if any)."""
 
     service: RendezvousService
     stun: StunServer
@@ -225,6 +226,7 @@ class RendezvousHandle:
     _serving: asyncio.Task[None]
     _ticking: asyncio.Task[None]
     _closed: bool = False
+    discovery: DiscoveryServer | None = None  # the LAN discovery responder, when started with a port
 
     @property
     def core(self) -> Rendezvous:
@@ -252,6 +254,8 @@ class RendezvousHandle:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError, SystemExit):
                 await asyncio.wait_for(self._serving, 10)
         finally:
+            if self.discovery is not None:
+                self.discovery.close()
             self.relay.close()
             self.stun.close()
 
@@ -269,11 +273,14 @@ async def start_rendezvous(
     rng: random.Random | None = None,
     clock: Callable[[], float] = time.monotonic,
     tick_interval: float = 1.0,
+    discovery_port: int | None = None,
 ) -> RendezvousHandle:
     """Start STUN, WebSocket signalling and the relay on `host`; OSError if a port cannot be bound.
 
     A port of 0 picks a free one. `relay_host` is the address relay grants advertise; by default
     `host`, or, for a wildcard `host`, nothing (members then use the address they reached us on).
+    `discovery_port` also answers LAN discovery (`kafila.network.discovery`) for the sessions
+    held here, on that UDP port; one that cannot be bound costs a warning, not the rendezvous.
     """
     stun = await StunServer.start(host, stun_port, alt_port, alt_address)
     try:
@@ -312,4 +319,20 @@ async def start_rendezvous(
         raise
     bound = listener.getsockname()
     ticking = asyncio.create_task(service.tick_forever(tick_interval))
-    return RendezvousHandle(service, stun, relay, (str(bound[0]), int(bound[1])), server, serving, ticking)
+    handle = RendezvousHandle(service, stun, relay, (str(bound[0]), int(bound[1])), server, serving, ticking)
+    if discovery_port is not None:
+        handle.discovery = await _start_discovery(core, handle.http_address, discovery_port, clock)
+    return handle
+
+
+async def _start_discovery(
+    core: Rendezvous, http_address: tuple[str, int], port: int, clock: Callable[[], float]
+) -> DiscoveryServer | None:
+    """LAN discovery is a convenience: members can still be given the address, so failing to
+    bind it (another program on the port) is a warning, not a rendezvous that will not start."""
+    try:
+        responder = DiscoveryResponder(core.holds, http_address[1], http_address[0])
+        return await DiscoveryServer.start(responder, port, clock)
+    except (OSError, ValueError) as error:
+        log.warning("LAN discovery is off: cannot listen on UDP port %d (%s); members need --rendezvous", port, error)
+        return None
