@@ -9,7 +9,7 @@ import numpy.typing as npt
 import pytest
 
 from kafila.api.scheduler import Batcher, Failed, Finished, FinishReason, Job, TextDelta
-from kafila.runtime.pipeline import EngineStep
+from kafila.runtime.pipeline import EngineStep, SequenceFailed
 from kafila.runtime.sampling import SamplingSettings
 
 VOCAB = 16
@@ -117,6 +117,23 @@ def test_a_broken_engine_fails_every_request() -> None:
     b.plan()
     assert b.fail_all("ring broke") == [Failed("a", "ring broke"), Failed("b", "ring broke")]
     assert b.idle
+
+
+def test_a_sequence_a_stage_refused_fails_alone_and_frees_its_slot() -> None:
+    b = batcher(concurrency=2)
+    b.submit(job("a", 2))
+    b.submit(job("b", 2))
+    b.submit(job("c", 2))
+    steps = b.plan()
+    refused = SequenceFailed(steps[1].sequence_id, "the stage holding blocks 0-1 refused sequence 0: no room")
+    events = b.advance([one_hot(5), refused])
+    assert events == [
+        TextDelta("a", "<5>"),
+        Failed("b", "this request failed: the stage holding blocks 0-1 refused sequence 0: no room", "stage_error"),
+    ]
+    assert b.running == 1 and b.queued == 1
+    assert b.forgetting and b.take_forgotten() == [steps[1].sequence_id]
+    assert [s.decode for s in b.plan()] == [True, False]  # a decodes on; c takes b's slot, forgotten first
 
 
 def test_prompts_the_context_cannot_hold_are_refused() -> None:

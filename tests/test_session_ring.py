@@ -166,6 +166,47 @@ def test_a_member_answers_out_of_order_and_malformed_frames_with_errors_and_carr
                 demux.close()
 
     out_of_order, too_wide, served = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert out_of_order.kind is Kind.ERROR and out_of_order.sequence_id == 1 and "stage 0" in out_of_order.text()
+    assert out_of_order.kind is Kind.ERROR and out_of_order.sequence_id == 1 and "blocks 0-1" in out_of_order.text()
     assert too_wide.kind is Kind.ERROR and too_wide.sequence_id == 0
     assert served.kind is Kind.PREFILL and served.sequence_id == 0 and served.hidden_states().shape == (1, 64)
+
+
+def test_a_sequence_a_member_refuses_fails_alone_over_quic(tmp_path: Path) -> None:
+    """Over a real QUIC link, a member's stage refuses one sequence of a batch (rows at a position
+    its cache has not reached): `QuicRing` returns the ERROR frame as that sequence's answer, the
+    other sequence gets the logits it gets alone, and the ring serves on."""
+    import numpy as np
+
+    from kafila.runtime.pipeline import EngineStep, SequenceFailed
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    stages = cached_slices(model, [2, 2], tmp_path / "stages")
+
+    async def scenario() -> tuple[object, object, object, list[dict[str, object]]]:
+        host, member, demuxes = await _linked_routers()
+        executor = ThreadPoolExecutor(1)
+        stage = BlockStage(stages[0].path, SETTINGS)
+        serving = asyncio.create_task(serve_stage(stage, member.activation, member.activation, executor))
+        ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
+        engine = await asyncio.to_thread(RingEngine, [stages[1]], SETTINGS, ring=ring)
+        try:
+            prompt = engine.tokenize(PROMPT)
+            (alone,) = await asyncio.to_thread(engine.step_many, [EngineStep(0, 0, prompt, decode=False)])
+            await asyncio.to_thread(engine.forget, 0)
+            both = [EngineStep(0, 0, prompt, decode=False), EngineStep(1, 9, [5], decode=True)]
+            ok, failed = await asyncio.to_thread(engine.step_many, both)
+            await asyncio.to_thread(engine.forget, 1)
+            report = await asyncio.to_thread(engine.stage_report)
+        finally:
+            await asyncio.to_thread(engine.close)
+            serving.cancel()
+            stage.close()
+            executor.shutdown()
+            for demux in demuxes:
+                demux.close()
+        return alone, ok, failed, report
+
+    alone, ok, failed, report = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert isinstance(failed, SequenceFailed) and failed.sequence_id == 1 and "position 9" in failed.message
+    assert isinstance(ok, np.ndarray) and isinstance(alone, np.ndarray) and np.array_equal(ok, alone)
+    assert [stage["range"] for stage in report] == [[0, 2], [2, 4]]

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.api.text import StopAwareText
-from kafila.runtime.pipeline import EngineStep
+from kafila.runtime.pipeline import EngineStep, SequenceFailed, StepResult
 from kafila.runtime.sampling import SamplingSettings
 
 
@@ -57,6 +57,7 @@ class Finished:
 class Failed:
     request_id: str
     message: str
+    code: str = "ring_failed"  # the API's error code: the whole ring, or "stage_error" for this request alone
 
 
 Event = TextDelta | Finished | Failed
@@ -152,6 +153,11 @@ class Batcher:
     def idle(self) -> bool:
         return not self._queue and not self._active
 
+    @property
+    def forgetting(self) -> bool:
+        """Whether ended requests' slots wait to be forgotten by the engine."""
+        return bool(self._to_forget)
+
     def take_forgotten(self) -> list[int]:
         """Slots whose KV cache the engine must drop before the next step."""
         slots, self._to_forget = self._to_forget, []
@@ -184,14 +190,21 @@ class Batcher:
                 budget -= len(chunk)
         return [step for _, step, _ in self._planned]
 
-    def advance(self, logits: Sequence[npt.NDArray[np.float32] | None]) -> list[Event]:
-        """Sample from the step's logits; return the text it released and the requests it ended."""
+    def advance(self, logits: Sequence[StepResult]) -> list[Event]:
+        """Sample from the step's logits; return the text it released and the requests it ended.
+
+        A sequence that a stage refused (`SequenceFailed`) ends its request with the stage's
+        reason and gives up its slot; the others carry on.
+        """
         if len(logits) != len(self._planned):
             raise ValueError(f"{len(logits)} results for a step of {len(self._planned)} sequences")
         events: list[Event] = []
         for (sequence, step, wanted), row in zip(self._planned, logits, strict=True):
             if self._active.get(sequence.job.request_id) is not sequence:
                 continue  # cancelled while the step ran
+            if isinstance(row, SequenceFailed):
+                events.append(self._fail(sequence, f"this request failed: {row.message}"))
+                continue
             if not step.decode:
                 sequence.fed += len(step.tokens)
             if not wanted:
@@ -223,6 +236,11 @@ class Batcher:
         self._release(sequence)
         events.append(Finished(sequence.job.request_id, reason, len(sequence.job.prompt), len(sequence.generated)))
         return events
+
+    def _fail(self, sequence: _Sequence, message: str) -> Failed:
+        del self._active[sequence.job.request_id]
+        self._release(sequence)  # forgotten everywhere before its slot is used again
+        return Failed(sequence.job.request_id, message, "stage_error")
 
     def _release(self, sequence: _Sequence) -> None:
         sequence.sampler.close()

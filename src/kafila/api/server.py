@@ -298,7 +298,7 @@ class _Reply:
                 self.observe_end(event)
                 return "".join(parts), event
             else:
-                raise ApiError(500, event.message, "server_error", "ring_failed")
+                raise ApiError(500, event.message, "server_error", event.code)
 
     def observe_text(self) -> None:
         if self.first_text:
@@ -368,7 +368,7 @@ async def _stream(
                     yield _sse(reply.usage_chunk(event))
                 break
             elif isinstance(event, Failed):
-                error = {"message": event.message, "type": "server_error", "param": None, "code": "ring_failed"}
+                error = {"message": event.message, "type": "server_error", "param": None, "code": event.code}
                 yield _sse({"error": error})
                 break
         yield b"data: [DONE]\n\n"

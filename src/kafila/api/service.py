@@ -5,7 +5,9 @@ milliseconds, so one thread does all engine work while HTTP handlers live on the
 Handlers submit jobs with a sink; the loop calls each sink from its thread, and the server
 turns those calls into asyncio queue puts. When the engine fails (a stage dies, a link
 breaks), every request in flight fails with the engine's message and the loop stops taking
-work until it is given a new engine.
+work until it is given a new engine. When a stage refuses one sequence's rows (the engine
+returns `SequenceFailed` for it), only that request fails; its slot is forgotten round the
+ring and the others carry on, with `error` left unset: the ring is not broken.
 """
 
 from __future__ import annotations
@@ -113,28 +115,32 @@ class EngineLoop:
         """
         while True:
             with self._lock:
-                while self.batcher.idle and not self._stopping and not self._report_due():
+                while self.batcher.idle and not self.batcher.forgetting and not self._stopping:
+                    if self._report_due():
+                        break
                     self._lock.wait(timeout=STATS_REFRESH_S)
                 if self._stopping:
                     return
                 idle = self.batcher.idle
-                forgotten = [] if idle else self.batcher.take_forgotten()
-            if idle:
-                self._refresh_report()
-                continue
+                forgotten = self.batcher.take_forgotten()  # before any step: a slot is reused only after
             try:
                 for slot in forgotten:
                     self.engine.forget(slot)
+            except Exception as error:  # the ring broke while dropping a finished request's cache
+                self._break(error)
+                return
+            if idle:
+                if self._report_due():
+                    self._refresh_report()
+                continue
+            try:
                 with self._lock:
                     steps = self.batcher.plan()
                 started = time.perf_counter()
                 logits = self.engine.step_many(steps) if steps else []
                 elapsed = time.perf_counter() - started
-            except Exception as error:  # a stage died, a link broke, llama.cpp refused: all requests end
-                message = f"the model ring failed: {error}"
-                with self._lock:
-                    self.error = message
-                    self._dispatch(self.batcher.fail_all(message))
+            except Exception as error:  # a stage died, a link broke: all requests end
+                self._break(error)
                 return
             with self._lock:
                 events = self.batcher.advance(logits)
@@ -144,6 +150,13 @@ class EngineLoop:
                     decoded=sum(1 for s in steps if s.decode),
                 )
                 self._dispatch(events)
+
+    def _break(self, error: Exception) -> None:
+        """The engine failed as a whole: every request ends, and the loop takes no more work."""
+        message = f"the model ring failed: {error}"
+        with self._lock:
+            self.error = message
+            self._dispatch(self.batcher.fail_all(message))
 
     def _count(self, steps_rows: int, elapsed: float, decoded: int) -> None:
         stats = self.stats

@@ -175,6 +175,9 @@ class ContextSettings:
     quiet_threads: bool = True  # idle threads sleep: stages sharing a machine do not starve each other
 
 
+_DECODE_FAILURES = {-1: "invalid batch", 2: "aborted", -2: "out of memory", -3: "compute failed"}
+
+
 class LlamaModel:
     """A loaded model and one context over it; frees both when closed."""
 
@@ -265,13 +268,38 @@ class LlamaModel:
             batch.seq_id[i][0] = sequences[i]
             batch.logits[i] = outputs[i]
         status = self._llama.llama_decode(self.ctx, batch)
+        if status == 1:
+            raise RuntimeError(f"the KV cache has no room for {n} more rows (llama_decode status 1)")
         if status != 0:
-            raise RuntimeError(f"llama_decode failed with status {status} (context full or batch invalid)")
+            why = _DECODE_FAILURES.get(status, "unknown failure")
+            raise RuntimeError(f"llama_decode failed with status {status} ({why})")
 
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         pointer = self._llama.llama_get_logits_ith(self.ctx, row)
         return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
 
+    def check_sequence(self, sequence: int) -> None:
+        """Refuse a sequence id this context has no slot for: llama.cpp's cache calls abort the whole
+        process on one out of their range (and -1, which a large id can wrap to, means every sequence)."""
+        if not 0 <= sequence < self.settings.n_seq_max:
+            raise ValueError(f"sequence {sequence} is outside this context's {self.settings.n_seq_max} slots")
+
+    def next_position(self, sequence: int) -> int:
+        """Where a sequence's next row goes: one past the last position its cache holds (0 when empty)."""
+        self.check_sequence(sequence)
+        return int(self._llama.llama_memory_seq_pos_max(self._llama.llama_get_memory(self.ctx), sequence)) + 1
+
+    def truncate(self, sequence: int, position: int) -> None:
+        """Drop a sequence's rows from `position` on: what undoes a failed forward."""
+        self.check_sequence(sequence)
+        self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, position, -1)
+
+    @property
+    def sliding_window(self) -> int:
+        """The model's attention window (0: none), whose cache reuses cells that fall out of it."""
+        return int(self._llama.llama_model_n_swa(self.model))
+
     def forget(self, sequence: int) -> None:
-        """Drop a sequence's KV cache, when its request ends."""
-        self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, -1, -1)
+        """Drop a sequence's KV cache, when its request ends (an id with no slot holds nothing)."""
+        if 0 <= sequence < self.settings.n_seq_max:
+            self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, -1, -1)

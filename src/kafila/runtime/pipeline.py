@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
@@ -22,17 +22,26 @@ from typing import IO, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kafila.network.frames import DType, Frame, FrameDecoder, Kind
+from kafila.network.frames import DType, Frame, FrameDecoder, Kind, is_control_sequence
 from kafila.runtime.llama_backend import ContextSettings, LlamaModel, shares_cores_env
 from kafila.runtime.sampling import Sampler, SamplingSettings
 from kafila.runtime.slicer import StageFile, cached_slices
-from kafila.runtime.stage import HeadStage, StepInput, TokenStep, Vocabulary, WholeModel
+from kafila.runtime.stage import HeadStage, StepInput, TokenStep, Vocabulary, WholeModel, run_isolating
 
 RING_TIMEOUT_S = 300.0
 
 
 class StageFailed(RuntimeError):
-    """A stage process died or rejected a frame: the ring cannot continue."""
+    """A stage process died, a link broke, or a stage gave up its stream: the ring cannot continue."""
+
+
+def check_ring_error(frame: Frame, where: str = "") -> Frame:
+    """The frame, unless it is an ERROR that names no request (a control-range sequence id): a stage
+    that gave up its whole stream, which fails the ring. An ERROR on a request's sequence is
+    returned like any frame: it fails only that sequence (`RingEngine.step_many`)."""
+    if frame.kind is Kind.ERROR and is_control_sequence(frame.sequence_id):
+        raise StageFailed(f"{where}{frame.text()}")
+    return frame
 
 
 @dataclass
@@ -104,7 +113,7 @@ class LocalRing:
             raise StageFailed(self._dead_worker_report(error)) from error
 
     def receive(self, count: int) -> list[Frame]:
-        """The next `count` frames to come back round the ring."""
+        """The next `count` frames to come back round the ring, a stage's ERROR for one sequence among them."""
         while len(self._pending) < count:
             try:
                 received = self._in.recv_into(self._buffer)
@@ -113,9 +122,7 @@ class LocalRing:
             if not received:
                 raise StageFailed(self._dead_worker_report(None))
             for frame in self._decoder.feed(memoryview(self._buffer)[:received]):
-                if frame.kind is Kind.ERROR:
-                    raise StageFailed(frame.text())
-                self._pending.append(frame)
+                self._pending.append(check_ring_error(frame))
         frames, self._pending = self._pending[:count], self._pending[count:]
         return frames
 
@@ -157,10 +164,25 @@ class EngineStep:
 Logits = npt.NDArray[np.float32]
 
 
+@dataclass(frozen=True)
+class SequenceFailed:
+    """A stage could not run this sequence's rows; the other sequences of the step went on.
+
+    The sequence's request must end with `message`, and its slot be forgotten: its caches on
+    the stages that did run its rows are ahead of those that did not.
+    """
+
+    sequence_id: int
+    message: str
+
+
+StepResult = Logits | SequenceFailed | None  # None: a step that asked for no logits
+
+
 class Engine(Protocol):
     """What generation needs: logits for many sequences' next rows at once, and a tokenizer."""
 
-    def step_many(self, steps: Sequence[EngineStep]) -> list[Logits | None]: ...
+    def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]: ...
     def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]: ...
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
     def detokenize(self, tokens: Sequence[int]) -> str: ...
@@ -203,11 +225,24 @@ class _Vocabulary:
 
     def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> Logits:
         (logits,) = self.step_many([EngineStep(sequence_id, position, list(tokens), decode)])
+        if isinstance(logits, SequenceFailed):
+            raise StageFailed(logits.message)
         assert logits is not None
         return logits
 
-    def step_many(self, steps: Sequence[EngineStep]) -> list[Logits | None]:
+    def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
         raise NotImplementedError
+
+
+def _failure(where: str) -> Callable[[EngineStep, Exception], StepResult]:
+    def fail(step: EngineStep, error: Exception) -> StepResult:
+        return SequenceFailed(step.sequence_id, f"{where} refused sequence {step.sequence_id}: {error}")
+
+    return fail
+
+
+def _sequence(step: EngineStep) -> int:
+    return step.sequence_id
 
 
 class UnsplitEngine(_Vocabulary):
@@ -218,10 +253,14 @@ class UnsplitEngine(_Vocabulary):
         self.vocabulary, self.llama_model = self.model.vocabulary, self.model.model
         self._blocks = int(self.llama_model._llama.llama_model_n_layer(self.llama_model.model))
 
-    def step_many(self, steps: Sequence[EngineStep]) -> list[Logits | None]:
+    def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
+        """All the steps in one decode; if that fails, each alone, so a fault fails only its sequence."""
+        return run_isolating(steps, self._forward, _failure("the model"), _sequence)
+
+    def _forward(self, steps: Sequence[EngineStep]) -> list[StepResult]:
         decode = all(s.decode for s in steps)
         token_steps = [TokenStep(s.sequence_id, s.position, s.tokens) for s in steps]
-        return self.model.forward_steps(token_steps, decode, [s.logits for s in steps])
+        return list(self.model.forward_steps(token_steps, decode, [s.logits for s in steps]))
 
     def forget(self, sequence_id: int) -> None:
         self.model.forget(sequence_id)
@@ -237,6 +276,8 @@ def ring_stats(ring: RingTransport) -> list[dict[str, object]]:
     """Every block stage's report: a PING goes round the ring, each stage appends its own."""
     ring.send([Frame(Kind.PING, 0, payload=json.dumps({"stages": []}).encode())])
     (report,) = ring.receive(1)
+    if report.kind is not Kind.PING:
+        raise StageFailed(f"the ring answered a stage report with {report.kind.name}: {report.text()}")
     stages: list[dict[str, object]] = json.loads(report.payload)["stages"]
     return stages
 
@@ -272,8 +313,13 @@ class RingEngine(_Vocabulary):
             self.head.close()
             raise
 
-    def step_many(self, steps: Sequence[EngineStep]) -> list[Logits | None]:
-        """One frame per sequence round the ring; stages run frames that arrive together as one decode."""
+    def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
+        """One frame per sequence round the ring; stages run frames that arrive together as one decode.
+
+        A sequence that a stage refused comes back as an ERROR frame and fails alone
+        (`SequenceFailed`); the head runs only the sequences that came back whole, and a fault in
+        its own forward fails only its sequence too. A ring that breaks raises StageFailed.
+        """
         frames = [
             Frame.of_hidden(
                 Kind.DECODE if s.decode else Kind.PREFILL,
@@ -288,19 +334,38 @@ class RingEngine(_Vocabulary):
         # Each sequence keeps its order, but sequences may overtake one another (a QUIC stream
         # per sequence): match what came back to what was sent by sequence, not by arrival.
         arrived = {frame.sequence_id: frame for frame in self.ring.receive(len(frames))}
-        back = []
-        for sent in frames:
+        results: list[StepResult] = [None] * len(steps)
+        whole: list[int] = []  # indices of the steps that came back to run at the head
+        inputs: dict[int, StepInput] = {}
+        for index, sent in enumerate(frames):
             came = arrived.get(sent.sequence_id)
+            if came is not None and came.kind is Kind.ERROR:
+                results[index] = SequenceFailed(sent.sequence_id, came.text())
+                continue
             if came is None or came.position != sent.position or came.n_tokens != sent.n_tokens:
                 got = "nothing" if came is None else f"position {came.position}, {came.n_tokens} rows"
                 raise StageFailed(
                     f"the ring returned {got} for sequence {sent.sequence_id}, sent at position {sent.position}"
                 )
-            back.append(came)
-        inputs = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in back]
-        return self.head.forward(inputs, all(s.decode for s in steps), [s.logits for s in steps])
+            whole.append(index)
+            inputs[index] = StepInput(came.sequence_id, came.position, came.hidden_states())
+
+        def head(indices: Sequence[int]) -> list[StepResult]:
+            decode = all(steps[i].decode for i in indices)
+            wanted = [steps[i].logits for i in indices]
+            return list(self.head.forward([inputs[i] for i in indices], decode, wanted))
+
+        head_range = f"the head (blocks {self._head_range[0]}-{self._head_range[1] - 1})"
+        if whole:
+            fail = _failure(head_range)
+            done = run_isolating(whole, head, lambda i, e: fail(steps[i], e), lambda i: steps[i].sequence_id)
+            for index, result in zip(whole, done, strict=True):
+                results[index] = result
+        return results
 
     def forget(self, sequence_id: int) -> None:
+        """Drop a sequence everywhere: a CANCEL round the ring. A stage that answers it with an ERROR
+        cannot hold the sequence either, so that answer is as good as the CANCEL coming back."""
         self.ring.send([Frame(Kind.CANCEL, sequence_id)])
         self.ring.receive(1)
         self.head.forget(sequence_id)

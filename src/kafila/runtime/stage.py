@@ -19,10 +19,10 @@ import ctypes
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +34,60 @@ from kafila.runtime.gguf_file import FastGGUFReader
 from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel
 
 FloatRows = npt.NDArray[np.float32]
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BatchFailed(RuntimeError):
+    """A forward failed; every row it wrote is out of the cache again, so each sequence can be retried alone.
+
+    `spoiled`: sequences that must not be, because their cache may not be as it was. llama.cpp
+    writes a decode whole or not at all, and the rows of the decodes that did complete are
+    removed again, but a sliding-window cache reuses cells that fell out of a sequence's window:
+    when one forward spans several decodes, a later decode may reuse cells that the sequence's
+    original position still needs. Only then (a window, and a sequence with rows in a decode
+    that completed) is a sequence spoiled; the host's steps fit one decode, so it never is there.
+    """
+
+    def __init__(self, message: str, spoiled: frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.spoiled = spoiled
+
+
+def run_isolating(
+    items: Sequence[T],
+    run: Callable[[Sequence[T]], list[R]],
+    refuse: Callable[[T, Exception], R],
+    sequence_of: Callable[[T], int],
+) -> list[R]:
+    """`run` over all the items as one batch; if it fails, over each item alone, so that a fault in
+    one sequence's rows fails only that sequence (`refuse` makes its answer) and the others go on.
+    `run` must leave the cache as it found it when it raises, as every stage's forward does."""
+    try:
+        return run(items)
+    except Exception as error:
+        if len(items) == 1:
+            return [refuse(items[0], error)]
+        failed = error
+    spoiled = failed.spoiled if isinstance(failed, BatchFailed) else frozenset()
+    out: list[R] = []
+    for item in items:
+        if sequence_of(item) in spoiled:
+            out.append(refuse(item, failed))
+            continue
+        try:
+            out += run([item])
+        except Exception as error:
+            out.append(refuse(item, error))
+    return out
+
+
+def _undo(model: LlamaModel, starts: dict[int, int], completed: set[int], error: Exception) -> BatchFailed:
+    """Take a failed forward's rows out of the cache: each sequence back to where it started."""
+    for sequence, start in starts.items():
+        model.truncate(sequence, start)
+    spoiled = frozenset(completed) if model.sliding_window else frozenset()
+    return BatchFailed(str(error), spoiled)
 
 
 @dataclass(frozen=True)
@@ -140,22 +194,28 @@ def _logits_of_steps(
 ) -> list[npt.NDArray[np.float32] | None]:
     """Run the steps in as few decodes as the batch allows; logits after each wanted step's last row."""
     out: list[npt.NDArray[np.float32] | None] = [None] * len(steps)
-    for pieces in _decodes(steps, model.settings.n_batch):
-        sequences, positions, rows = _rows(pieces)
-        outputs = [False] * len(sequences)
-        owners: dict[int, int] = {}
-        end = 0
-        for piece in pieces:
-            end += piece.states.shape[0]
-            if piece.ends_step and (wanted is None or wanted[piece.step]):
-                outputs[end - 1] = True
-                owners[end - 1] = piece.step
-        if as_tokens:
-            model.decode(sequences, positions, outputs, tokens=[int(t) for t in rows[:, 0]])
-        else:
-            model.decode(sequences, positions, outputs, states=rows)
-        for row, step in owners.items():
-            out[step] = model.logits(row)
+    starts = {s.sequence_id: model.next_position(s.sequence_id) for s in steps}
+    completed: set[int] = set()
+    try:
+        for pieces in _decodes(steps, model.settings.n_batch):
+            sequences, positions, rows = _rows(pieces)
+            outputs = [False] * len(sequences)
+            owners: dict[int, int] = {}
+            end = 0
+            for piece in pieces:
+                end += piece.states.shape[0]
+                if piece.ends_step and (wanted is None or wanted[piece.step]):
+                    outputs[end - 1] = True
+                    owners[end - 1] = piece.step
+            if as_tokens:
+                model.decode(sequences, positions, outputs, tokens=[int(t) for t in rows[:, 0]])
+            else:
+                model.decode(sequences, positions, outputs, states=rows)
+            completed.update(sequences)
+            for row, step in owners.items():
+                out[step] = model.logits(row)
+    except Exception as error:
+        raise _undo(model, starts, completed, error) from error
     return out
 
 
@@ -175,6 +235,7 @@ class BlockStage:
         self.model = LlamaModel(path, settings, eval_callback=self._on_tensor)
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
+        self.name = f"the stage holding blocks {self.first_block}-{self.first_block + n_layers - 1}"
         self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
 
     def _on_tensor(self, tensor: int, ask: bool, _user: object) -> bool:
@@ -194,10 +255,12 @@ class BlockStage:
 
         Each sequence's rows must continue where its last ones ended (from 0 after `forget`):
         llama.cpp would take a gap or a repeat silently and corrupt that sequence's cache, so a
-        frame out of order is refused with ValueError before anything runs.
+        frame out of order is refused with ValueError before anything runs. A forward that fails
+        once running raises BatchFailed, with what it wrote taken out of the cache again.
         """
         following = dict(self._next_position)
         for step in steps:
+            self.model.check_sequence(step.sequence_id)
             expected = following.get(step.sequence_id, 0)
             if step.position != expected:
                 raise ValueError(
@@ -207,13 +270,19 @@ class BlockStage:
             following[step.sequence_id] = step.position + step.states.shape[0]
         started = time.perf_counter()
         rows = []
-        for pieces in _decodes(steps, self.model.settings.n_batch):
-            sequences, positions, states = _rows(pieces)
-            self._captured.clear()
-            self.model.decode(sequences, positions, [True] * len(sequences), states=states)
-            if len(self._captured) != 1 or self._captured[0].shape[0] != len(sequences):
-                raise RuntimeError("the stage's last block output was not captured whole")
-            rows.append(self._captured[0])
+        completed: set[int] = set()
+        try:
+            for pieces in _decodes(steps, self.model.settings.n_batch):
+                sequences, positions, states = _rows(pieces)
+                self._captured.clear()
+                self.model.decode(sequences, positions, [True] * len(sequences), states=states)
+                if len(self._captured) != 1 or self._captured[0].shape[0] != len(sequences):
+                    raise RuntimeError("the stage's last block output was not captured whole")
+                completed.update(sequences)
+                rows.append(self._captured[0])
+        except Exception as error:
+            starts = {s.sequence_id: self._next_position.get(s.sequence_id, 0) for s in steps}
+            raise _undo(self.model, starts, completed, error) from error
         out = np.concatenate(rows) if len(rows) > 1 else rows[0]
         self._next_position = following
         self.timer.add(time.perf_counter() - started, out.shape[0], decode)

@@ -15,7 +15,13 @@ from collections.abc import Sequence
 
 from kafila.network.frames import HIDDEN_KINDS, Frame, FrameDecoder, FrameError, Kind
 from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.stage import BlockStage, StepInput
+from kafila.runtime.stage import BlockStage, StepInput, run_isolating
+
+# The sequence id of a worker's last ERROR frame when it gives up its stream (a frame it cannot
+# decode poisons everything after it): in the control range, so it names no request, and the
+# head takes it for the whole ring failing, not one sequence.
+STREAM_ERROR_SEQUENCE = (1 << 64) - 1
+MAX_ERROR_TEXT = 4000
 
 
 def stage_stats(stage: BlockStage) -> dict[str, object]:
@@ -27,25 +33,47 @@ def stage_stats(stage: BlockStage) -> dict[str, object]:
     }
 
 
+def refusal(stage: BlockStage, frame: Frame, error: Exception) -> Frame:
+    """The ERROR frame that answers a frame this stage could not run: on its sequence, with the reason."""
+    text = f"{stage.name} refused sequence {frame.sequence_id}: {error}"
+    return Frame(Kind.ERROR, frame.sequence_id, payload=text.encode()[:MAX_ERROR_TEXT])
+
+
+def _run(stage: BlockStage, batch: Sequence[Frame]) -> list[Frame]:
+    """Hidden-state frames through the stage as one batched decode."""
+    steps = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in batch]
+    decode = all(f.kind is Kind.DECODE for f in batch)
+    return [
+        Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype)
+        for frame, states in zip(batch, stage.forward(steps, decode=decode), strict=True)
+    ]
+
+
 def handle_frames(stage: BlockStage, frames: Sequence[Frame]) -> list[Frame]:
-    """Run a burst of frames through the stage, batching consecutive hidden-state frames."""
+    """Run a burst of frames through the stage, batching consecutive hidden-state frames.
+
+    Every hidden-state frame gets exactly one frame back: its output, or an ERROR frame on its
+    sequence when this stage cannot run it (out of position order, the wrong width, llama.cpp
+    refusing it). When a batch fails, its frames are run again one at a time (the failed forward
+    has taken its rows out of the cache), so one sequence's fault fails only that sequence. An
+    ERROR frame from upstream is passed on unchanged, so that it reaches the head.
+    """
     out: list[Frame] = []
     batch: list[Frame] = []
 
     def flush() -> None:
-        if not batch:
-            return
-        steps = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in batch]
-        decode = all(f.kind is Kind.DECODE for f in batch)
-        for frame, states in zip(batch, stage.forward(steps, decode=decode), strict=True):
-            out.append(Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype))
-        batch.clear()
+        if batch:
+            out.extend(run_isolating(batch, lambda b: _run(stage, b), lambda f, e: refusal(stage, f, e), _sequence))
+            batch.clear()
 
     for frame in frames:
         if frame.kind in HIDDEN_KINDS:
-            if frame.hidden != stage.hidden:
-                raise FrameError(f"frame of hidden size {frame.hidden}; this stage takes {stage.hidden}")
-            batch.append(frame)
+            if frame.hidden != stage.hidden:  # refused alone: it would only fail the batch it joined
+                flush()
+                error = FrameError(f"frame of hidden size {frame.hidden}; this stage takes {stage.hidden}")
+                out.append(refusal(stage, frame, error))
+            else:
+                batch.append(frame)
             continue
         flush()
         if frame.kind is Kind.CANCEL:
@@ -61,6 +89,10 @@ def handle_frames(stage: BlockStage, frames: Sequence[Frame]) -> list[Frame]:
     return out
 
 
+def _sequence(frame: Frame) -> int:
+    return frame.sequence_id
+
+
 def serve(stage: BlockStage, upstream: socket.socket, downstream: socket.socket) -> None:
     decoder = FrameDecoder()
     buffer = bytearray(1 << 20)  # reused: a fresh megabyte per recv costs more than the frame
@@ -68,8 +100,9 @@ def serve(stage: BlockStage, upstream: socket.socket, downstream: socket.socket)
     while received := upstream.recv_into(buffer):
         try:
             frames = handle_frames(stage, decoder.feed(view[:received]))
-        except (FrameError, ValueError, RuntimeError) as error:
-            downstream.sendall(Frame(Kind.ERROR, 0, payload=f"stage {stage.first_block}: {error}".encode()).encode())
+        except (FrameError, ValueError, RuntimeError) as error:  # a stream this stage can no longer follow
+            text = f"{stage.name} gave up its stream: {error}".encode()[:MAX_ERROR_TEXT]
+            downstream.sendall(Frame(Kind.ERROR, STREAM_ERROR_SEQUENCE, payload=text).encode())
             return
         if frames:
             downstream.sendall(b"".join(frame.encode() for frame in frames))

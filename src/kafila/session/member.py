@@ -48,8 +48,10 @@ def cached_stage_hashes(cache: Path, limit: int = 1024) -> list[str]:
 async def serve_stage(stage: BlockStage, inbound: Channel, outbound: Channel, executor: ThreadPoolExecutor) -> None:
     """Frames from the predecessor through the stage to the successor, batching what arrives together.
 
-    A frame the stage rejects (wrong hidden size, bad shape) becomes an ERROR frame sent on
-    round the ring, so the host fails that request with the reason and this member carries on.
+    A frame the stage rejects (wrong hidden size, bad shape, no room in its cache) becomes an
+    ERROR frame for that sequence sent on round the ring (`handle_frames`), so the host fails that
+    request with the reason and this member carries on. Every frame gets exactly one answer,
+    even when something unforeseen fails: the host counts them.
     """
     loop = asyncio.get_running_loop()
     while True:
@@ -58,9 +60,9 @@ async def serve_stage(stage: BlockStage, inbound: Channel, outbound: Channel, ex
             frames.append(more)
         try:
             out = await loop.run_in_executor(executor, handle_frames, stage, frames)
-        except Exception as error:
-            sequence = next((f.sequence_id for f in frames if f.kind in (Kind.PREFILL, Kind.DECODE)), 0)
-            out = [Frame(Kind.ERROR, sequence, payload=f"stage {stage.first_block}: {error}".encode()[:4000])]
+        except Exception as error:  # a bug, not a bad frame (handle_frames answers those one by one)
+            reason = f"{stage.name} failed: {error}"
+            out = [Frame(Kind.ERROR, f.sequence_id, payload=reason.encode()[:4000]) for f in frames]
         for frame in out:
             await outbound.send(frame)
 

@@ -3,7 +3,8 @@
 The engine loop thread owns llama.cpp and blocks on each step; the links live on the asyncio
 loop. `QuicRing` bridges them with `run_coroutine_threadsafe`, so `RingEngine` drives a ring of
 machines exactly as it drives local processes. A link that goes down, or a ring that stops
-answering, surfaces as `StageFailed` naming the member, which fails the requests in flight.
+answering, surfaces as `StageFailed` naming the member, which fails the requests in flight; a
+stage's ERROR frame about one sequence is returned like any frame and fails only that request.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from kafila.network.frames import Frame, Kind
+from kafila.network.frames import Frame
 from kafila.network.link import LinkError
-from kafila.runtime.pipeline import StageFailed, ring_stats
+from kafila.runtime.pipeline import StageFailed, check_ring_error, ring_stats
 from kafila.session.router import Channel
 
 T = TypeVar("T")
@@ -100,11 +101,8 @@ class QuicRing:
     def receive(self, count: int) -> list[Frame]:
         async def receive() -> list[Frame]:
             got: list[Frame] = []
-            while len(got) < count:
-                frame = await self._last.receive()
-                if frame.kind is Kind.ERROR:
-                    raise StageFailed(f"{self._last_name} reported: {frame.text()}")
-                got.append(frame)
+            while len(got) < count:  # an ERROR for one sequence counts: it fails only that sequence
+                got.append(check_ring_error(await self._last.receive(), f"{self._last_name} reported: "))
             return got
 
         return self._run(receive(), "receive")

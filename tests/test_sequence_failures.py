@@ -1,0 +1,306 @@
+"""A fault in one sequence fails only that sequence's request; the ring and the others go on.
+
+Real parts throughout: tiny models the tests write, real llama.cpp stages, real worker processes
+and sockets, and the real HTTP server under uvicorn with the official `openai` client. The
+faults are real ones a stage meets: rows at a position their sequence's cache has not reached,
+and a prompt longer than a stage's KV cache can hold (a stage given less context than the
+host planned for), which llama.cpp itself refuses part-way through a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.request import urlopen
+
+import numpy as np
+import openai
+import pytest
+from serving_checks import unsplit_greedy
+from tiny_models import write_tiny_model
+
+from kafila.api.server import Serving, create_app
+from kafila.api.service import EngineLoop
+from kafila.network.frames import Frame, Kind
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.pipeline import EngineStep, LocalRing, RingEngine, SequenceFailed
+from kafila.runtime.slicer import slice_model
+from kafila.runtime.stage import BatchFailed, BlockStage, StepInput, run_isolating
+from kafila.runtime.worker import handle_frames
+
+SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_seq_max=4, n_threads=1)
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("faults") / "tiny.gguf", "llama", n_blocks=4)
+
+
+def greedy(engine: RingEngine, sequence: int, prompt: list[int], logits: np.ndarray, steps: int) -> list[int]:
+    """Continue a sequence whose prompt is in the cache (`logits` after it) for `steps` greedy tokens."""
+    out = [int(np.argmax(logits))]
+    for _ in range(steps - 1):
+        (row,) = engine.step_many([EngineStep(sequence, len(prompt) + len(out) - 1, out[-1:], decode=True)])
+        assert isinstance(row, np.ndarray)
+        out.append(int(np.argmax(row)))
+    return out
+
+
+def test_a_frame_out_of_position_fails_its_sequence_alone_in_a_local_ring(model: Path, tmp_path: Path) -> None:
+    """Three stages in worker processes: stage 0 refuses sequence 1's rows (its cache has no
+    position 5), the stage after it passes the ERROR on, and sequence 0 of the same batch gets
+    exactly the logits it gets alone, then decodes on as it does alone."""
+    stages = slice_model(model, [1, 1, 2], tmp_path / "stages")
+    engine = RingEngine(stages, SETTINGS)
+    try:
+        prompt = engine.tokenize(PROMPT)
+        (alone,) = engine.step_many([EngineStep(0, 0, prompt, decode=False)])
+        assert isinstance(alone, np.ndarray)
+        expected = greedy(engine, 0, prompt, alone, 6)
+        engine.forget(0)
+
+        ok, failed = engine.step_many([EngineStep(0, 0, prompt, decode=False), EngineStep(1, 5, [7, 8], decode=False)])
+        assert isinstance(failed, SequenceFailed) and failed.sequence_id == 1
+        assert "blocks 0-0" in failed.message and "position 5" in failed.message, failed.message
+        assert isinstance(ok, np.ndarray) and np.array_equal(ok, alone)
+        assert greedy(engine, 0, prompt, ok, 6) == expected  # its cache on every stage is whole
+
+        engine.forget(1)  # the failed slot is dropped round the ring and serves the next request
+        (again,) = engine.step_many([EngineStep(1, 0, prompt, decode=False)])
+        assert isinstance(again, np.ndarray) and np.array_equal(again, alone)
+
+        # an ERROR frame from upstream is passed on unchanged by every stage, and not run
+        error = Frame(Kind.ERROR, 2, payload=b"refused upstream")
+        engine.ring.send([error])
+        assert engine.ring.receive(1) == [error]
+        assert [s["range"] for s in engine.ring.stats()] == [[0, 1], [1, 2]]  # the ring is whole
+    finally:
+        engine.close()
+
+
+def test_a_failed_batch_leaves_every_cache_as_it_was(model: Path, tmp_path: Path) -> None:
+    """A batch that llama.cpp refuses part-way (a prompt larger than the stage's KV cache, after
+    some of its decodes went in) is taken out of the cache again: the sequence batched with it
+    is run alone and gives, then and afterwards, what a stage that never saw the failure gives."""
+    first, _ = slice_model(model, [2, 2], tmp_path / "stages")
+    stage, reference = BlockStage(first.path, SETTINGS), BlockStage(first.path, SETTINGS)
+    rng = np.random.default_rng(7)
+    short = rng.standard_normal((10, stage.hidden)).astype(np.float32)
+    long = rng.standard_normal((300, stage.hidden)).astype(np.float32)  # the cache holds 256 rows
+    try:
+        stage.forward([StepInput(0, 0, short)])
+        reference.forward([StepInput(0, 0, short)])
+        row = rng.standard_normal((1, stage.hidden)).astype(np.float32)
+        with pytest.raises(BatchFailed, match="no room"):
+            stage.forward([StepInput(0, 10, row), StepInput(1, 0, long)])
+        assert (stage.model.next_position(0), stage.model.next_position(1)) == (10, 0)
+
+        frames = [Frame.of_hidden(Kind.DECODE, 0, 10, row), Frame.of_hidden(Kind.PREFILL, 1, 0, long)]
+        served, refused = handle_frames(stage, frames)
+        assert refused.kind is Kind.ERROR and refused.sequence_id == 1 and "no room" in refused.text()
+        assert served.kind is Kind.DECODE and served.sequence_id == 0
+        (want,) = reference.forward([StepInput(0, 10, row)])
+        assert np.array_equal(served.hidden_states(), want)
+        for position in range(11, 14):
+            row = rng.standard_normal((1, stage.hidden)).astype(np.float32)
+            (got,), (want,) = (
+                stage.forward([StepInput(0, position, row)]),
+                reference.forward([StepInput(0, position, row)]),
+            )
+            assert np.array_equal(got, want)
+        assert stage.model.next_position(1) == 0
+        (got,), (want,) = stage.forward([StepInput(1, 0, short)]), reference.forward([StepInput(1, 0, short)])
+        assert np.array_equal(got, want)  # the failed sequence's slot starts afresh
+    finally:
+        stage.close()
+        reference.close()
+
+
+def test_with_a_sliding_window_a_sequence_a_failed_batch_may_have_spoiled_is_not_retried(tmp_path: Path) -> None:
+    """gemma3's windowed cache reuses cells that fall out of a sequence's window, so undoing a
+    forward of several decodes cannot restore a sequence that had rows in one that completed:
+    such a sequence is refused with the batch's reason, though alone it would fit, while one the
+    failure never reached is retried alone and gives what a stage that never saw it gives."""
+    gemma = write_tiny_model(tmp_path / "gemma.gguf", "gemma3", n_blocks=6)
+    first, _ = slice_model(gemma, [3, 3], tmp_path / "stages")
+    stage, reference = BlockStage(first.path, SETTINGS), BlockStage(first.path, SETTINGS)
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((301, stage.hidden)).astype(np.float32) * 0.01
+    try:
+        assert stage.model.sliding_window > 0
+        frames = [  # 301 rows in decodes of 64 into a 256-row cache: the fifth decode fails
+            Frame.of_hidden(Kind.PREFILL, 1, 0, rows[:200]),  # in decodes 1-4
+            Frame.of_hidden(Kind.PREFILL, 3, 0, rows[200:300]),  # in decodes 4 and 5
+            Frame.of_hidden(Kind.PREFILL, 2, 0, rows[300:]),  # in decode 5 only
+        ]
+        first_spoiled, second_spoiled, served = handle_frames(stage, frames)
+        for refused, sequence in ((first_spoiled, 1), (second_spoiled, 3)):
+            assert refused.kind is Kind.ERROR and refused.sequence_id == sequence and "no room" in refused.text()
+        assert served.kind is Kind.PREFILL and served.sequence_id == 2
+        assert np.array_equal(served.hidden_states(), reference.forward([StepInput(2, 0, rows[300:])])[0])
+        assert [stage.model.next_position(s) for s in (1, 2, 3)] == [0, 1, 0]
+        assert stage.forward([StepInput(1, 0, rows[:200])])  # alone, what was refused fits
+    finally:
+        stage.close()
+        reference.close()
+
+
+def test_a_sequence_id_without_a_slot_is_refused_not_fatal(model: Path, tmp_path: Path) -> None:
+    """llama.cpp aborts the process on a cache call for a sequence id out of its range; a stage
+    refuses such a frame as that sequence's error, and a CANCEL for it is a no-op."""
+    first, _ = slice_model(model, [2, 2], tmp_path / "stages")
+    stage = BlockStage(first.path, SETTINGS)
+    rows = np.ones((1, stage.hidden), dtype=np.float32)
+    try:
+        frames = [
+            Frame.of_hidden(Kind.PREFILL, 0, 0, rows),
+            Frame.of_hidden(Kind.PREFILL, (1 << 32) - 1, 0, rows),  # -1 to llama.cpp: every sequence
+            Frame(Kind.CANCEL, 1 << 40),
+        ]
+        served, refused, cancel = handle_frames(stage, frames)
+        assert served.kind is Kind.PREFILL and refused.kind is Kind.ERROR and "slots" in refused.text()
+        assert cancel.kind is Kind.CANCEL and stage.model.next_position(0) == 1
+    finally:
+        stage.close()
+
+
+@dataclass
+class InProcessHost:
+    base_url: str
+    loop: EngineLoop
+    engine: RingEngine
+
+
+@pytest.fixture
+def small_stage_host(model: Path, tmp_path: Path) -> Iterator[InProcessHost]:
+    """The real API server, engine loop and local ring, but with the stage process given a 256-row
+    KV cache while the host plans 512 tokens a request: a long prompt overflows that stage."""
+    stages = slice_model(model, [2, 2], tmp_path / "stages")
+    head = ContextSettings(n_ctx=512 * 4, n_batch=512, n_seq_max=4, n_threads=1)
+    engine = RingEngine(stages, head, ring=LocalRing(stages[:-1], SETTINGS))
+    loop = EngineLoop(engine, concurrency=4, batch_rows=head.n_batch, context_per_sequence=512)
+    loop.start()
+    serving = Serving(model_id="tiny", context_per_sequence=512)
+    serving.become_ready(engine, loop, "llama")
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(create_app(serving), log_level="warning", lifespan="off"))
+    sock = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.05)
+    try:
+        yield InProcessHost(f"http://127.0.0.1:{sock.getsockname()[1]}", loop, engine)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+        loop.stop()
+        engine.close()
+
+
+def test_one_request_a_stage_cannot_hold_fails_alone_and_the_server_serves_on(
+    small_stage_host: InProcessHost, model: Path
+) -> None:
+    """Three streams are generating when a fourth request's prompt, too long for the stage's KV
+    cache, joins their batch: that request gets an OpenAI-shaped error naming the stage and the
+    reason, the three finish with their own text, and the server stays ready."""
+    host = small_stage_host
+    client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    prompts = ("the quick brown fox", "a b c d", "hello world")
+    long_prompt = "hello world " * 150
+    assert 256 < len(host.engine.tokenize(long_prompt)) < 400
+    results: dict[str, str] = {}
+    failures: dict[str, BaseException] = {}
+    streaming = threading.Barrier(len(prompts) + 1)
+
+    def short(prompt: str) -> None:
+        try:
+            stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0, stream=True)
+            chunks = iter(stream)
+            parts = [next(chunks).choices[0].text]
+            streaming.wait(timeout=60)
+            parts += [c.choices[0].text for c in chunks if c.choices]
+            results[prompt] = "".join(parts)
+        except BaseException as error:  # reported below, not lost in the thread
+            failures[prompt] = error
+            streaming.abort()
+
+    def too_long() -> None:
+        try:
+            client.completions.create(model="tiny", prompt=long_prompt, max_tokens=8, temperature=0)
+        except BaseException as error:
+            failures["long"] = error
+
+    threads = [threading.Thread(target=short, args=(p,)) for p in prompts]
+    for thread in threads:
+        thread.start()
+    streaming.wait(timeout=60)
+    # Hold the stage while the long request queues, so that it surely joins the three streams'
+    # next step (each has at most a few of its 60 tokens by now).
+    ring = host.engine.ring
+    assert isinstance(ring, LocalRing)
+    stage = ring.workers[0].process
+    stage.send_signal(signal.SIGSTOP)
+    try:
+        long_thread = threading.Thread(target=too_long)
+        long_thread.start()
+        deadline = time.monotonic() + 30
+        while host.loop.queued < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert host.loop.running == len(prompts)
+    finally:
+        stage.send_signal(signal.SIGCONT)
+    for thread in [*threads, long_thread]:
+        thread.join(timeout=120)
+
+    refused = failures.pop("long")
+    assert not failures and set(results) == set(prompts), failures
+    for prompt, text in results.items():  # batched kernels may break a late near-tie: compare the start
+        assert text.startswith(unsplit_greedy(model, prompt, 3)), prompt
+    assert isinstance(refused, openai.InternalServerError) and refused.code == "stage_error"
+    assert "blocks 0-1" in str(refused) and "no room" in str(refused), str(refused)
+
+    stream = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=8, temperature=0, stream=True)
+    with pytest.raises(openai.APIError, match="blocks 0-1") as refused_stream:
+        list(stream)  # streamed: an error event, then the end of the stream
+    assert "no room" in str(refused_stream.value)
+
+    assert host.loop.error is None  # a fault of one request does not mark the ring broken
+    with urlopen(f"{host.base_url}/health", timeout=10) as response:
+        assert response.status == 200
+    after = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert after.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+    with urlopen(f"{host.base_url}/status", timeout=10) as response:
+        requests = json.loads(response.read())["requests"]
+    assert requests == {"finished": len(prompts) + 1, "failed": 2}
+
+
+def test_only_a_spoiled_sequence_is_not_retried() -> None:
+    """`run_isolating`: a failed batch is retried item by item, except the sequences the failure
+    says it could not restore, which are refused with its reason."""
+    runs: list[list[int]] = []
+
+    def run(items: Sequence[int]) -> list[str]:
+        runs.append(list(items))
+        if len(items) > 1:
+            raise BatchFailed("the batch failed", spoiled=frozenset({1}))
+        if items[0] == 2:
+            raise ValueError("two is refused")
+        return [f"ran {items[0]}"]
+
+    out = run_isolating([0, 1, 2, 3], run, lambda item, error: f"refused {item}: {error}", lambda item: item)
+    assert out == ["ran 0", "refused 1: the batch failed", "refused 2: two is refused", "ran 3"]
+    assert runs == [[0, 1, 2, 3], [0], [2], [3]]
