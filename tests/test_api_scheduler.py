@@ -142,3 +142,34 @@ def test_prompts_the_context_cannot_hold_are_refused() -> None:
         b.submit(job("a", 4))
     with pytest.raises(ValueError, match="empty"):
         b.submit(Job("b", [], 1, SamplingSettings()))
+
+
+def test_running_requests_split_into_waves_that_land_in_order() -> None:
+    b = batcher(concurrency=4, rows=16)
+    for name in "abcd":
+        b.submit(job(name, 2, max_tokens=3))
+    first = b.plan(waves=2)
+    second = b.plan(waves=2)
+    assert [s.sequence_id for s in first] != [s.sequence_id for s in second]
+    assert len(first) == len(second) == 2 and b.in_flight == 2
+    assert b.plan(waves=2) == []  # every sequence is out in a wave
+    events = b.advance(answer(first))  # the oldest wave lands first
+    assert {e.request_id for e in events} == {"a", "b"} and b.in_flight == 1
+    again = b.plan(waves=2)  # a and b go round again while c and d are still out
+    assert {s.sequence_id for s in again} == {s.sequence_id for s in first} and all(s.decode for s in again)
+    assert {e.request_id for e in b.advance(answer(second))} == {"c", "d"}
+    assert {e.request_id for e in b.advance(answer(again))} == {"a", "b"}
+    with pytest.raises(ValueError):
+        b.advance(answer(again))  # nothing is out any more
+
+
+def test_a_request_cancelled_while_its_wave_is_out_gives_up_its_slot_when_the_wave_lands() -> None:
+    b = batcher(concurrency=2, rows=8)
+    b.submit(job("a", 2))
+    b.submit(job("b", 2))
+    wave = b.plan()
+    assert b.cancel("a") and b.take_forgotten() == [wave[0].sequence_id]
+    b.submit(job("c", 2))
+    (reused,) = b.plan()  # b is still out; c may take a's slot: the engine orders it after a's rows and their CANCEL
+    assert reused.sequence_id == wave[0].sequence_id and reused.position == 0
+    assert [e.request_id for e in b.advance(answer(wave))] == ["b"]  # a's row lands unused

@@ -5,6 +5,11 @@ the batch on prompt chunks of newly admitted requests, so a long prompt neither 
 others nor waits for them to finish. Requests beyond the concurrency limit queue in order.
 Each admitted request holds one KV slot (a llama.cpp sequence id) until it ends.
 
+Steps go out in waves. On a ring of n stages one wave keeps one stage busy at a time, so the
+engine loop keeps up to n waves in flight, each with a share of the running requests: while
+one wave is at the second stage the next is at the first. A sequence is in at most one wave
+at a time (its next row needs its last token), and waves land in the order they left.
+
 Pure: the engine and the samplers are passed in as callables, and nothing here blocks, so the
 whole policy is testable without a model.
 """
@@ -77,6 +82,7 @@ class _Sequence:
     text: StopAwareText
     fed: int = 0  # prompt tokens already in the KV cache
     generated: list[int] = field(default_factory=list)
+    in_flight: bool = False  # its rows are out in a wave that has not landed yet
 
     @property
     def position(self) -> int:
@@ -106,7 +112,7 @@ class Batcher:
         self._active: dict[str, _Sequence] = {}
         self._free_slots = list(range(concurrency - 1, -1, -1))
         self._to_forget: list[int] = []
-        self._planned: list[tuple[_Sequence, EngineStep, bool]] = []
+        self._waves: deque[list[tuple[_Sequence, EngineStep, bool]]] = deque()  # planned, not landed, oldest first
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -137,6 +143,7 @@ class Batcher:
             sequence.sampler.close()
         self._active.clear()
         self._queue.clear()
+        self._waves.clear()
         self._free_slots = list(range(self.concurrency - 1, -1, -1))
         self._to_forget.clear()
         return events
@@ -166,40 +173,60 @@ class Batcher:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def plan(self) -> list[EngineStep]:
-        """Admit what fits, then one row per generating sequence and prompt chunks in the rest."""
+    @property
+    def in_flight(self) -> int:
+        """Waves planned and not landed yet."""
+        return len(self._waves)
+
+    def plan(self, waves: int = 1) -> list[EngineStep]:
+        """The next wave: admit what fits, then one row per generating sequence and prompt chunks in the rest.
+
+        Only sequences with no rows in flight take part, at most 1/`waves` of the running ones
+        (rounded up), so that on a ring of several stages the running requests split into
+        `waves` waves that follow one another round it and keep every stage busy. An empty wave
+        is not recorded.
+        """
         while self._queue and self._free_slots:
             job = self._queue.popleft()
             sampler = self._make_sampler(job.sampling)
             sampler.accept(job.prompt)
             self._active[job.request_id] = _Sequence(job, self._free_slots.pop(), sampler, StopAwareText(job.stop))
-        self._planned = []
+        ready = [s for s in self._active.values() if not s.in_flight][: -(-len(self._active) // max(1, waves))]
+        planned: list[tuple[_Sequence, EngineStep, bool]] = []
         budget = self.batch_rows
-        for sequence in self._active.values():
+        for sequence in ready:
             if not sequence.prefilling:
                 token = sequence.generated[-1]
                 step = EngineStep(sequence.slot, sequence.position, [token], decode=True)
-                self._planned.append((sequence, step, True))
+                planned.append((sequence, step, True))
                 budget -= 1
-        for sequence in self._active.values():
+        for sequence in ready:
             if sequence.prefilling and budget > 0:
                 chunk = sequence.job.prompt[sequence.fed : sequence.fed + budget]
                 ends = sequence.fed + len(chunk) == len(sequence.job.prompt)
                 step = EngineStep(sequence.slot, sequence.fed, chunk, decode=False, logits=ends)
-                self._planned.append((sequence, step, ends))
+                planned.append((sequence, step, ends))
                 budget -= len(chunk)
-        return [step for _, step, _ in self._planned]
+        if planned:
+            self._waves.append(planned)
+            for sequence, _, _ in planned:
+                sequence.in_flight = True
+        return [step for _, step, _ in planned]
 
     def advance(self, logits: Sequence[StepResult]) -> list[Event]:
-        """Sample from the step's logits; return the text it released and the requests it ended.
+        """Land the oldest wave: sample from its logits; return the text it released and the requests it ended.
 
         A sequence that a stage refused (`SequenceFailed`) ends its request with the stage's
         reason and gives up its slot; the others carry on.
         """
-        if len(logits) != len(self._planned):
-            raise ValueError(f"{len(logits)} results for a step of {len(self._planned)} sequences")
+        planned = self._waves[0] if self._waves else []
+        if len(logits) != len(planned):
+            raise ValueError(f"{len(logits)} results for a wave of {len(planned)} sequences")
+        if self._waves:
+            self._waves.popleft()
         events: list[Event] = []
-        for (sequence, step, wanted), row in zip(self._planned, logits, strict=True):
+        for (sequence, step, wanted), row in zip(planned, logits, strict=True):
+            sequence.in_flight = False
             if self._active.get(sequence.job.request_id) is not sequence:
                 continue  # cancelled while the step ran
             if isinstance(row, SequenceFailed):
@@ -212,7 +239,6 @@ class Batcher:
             if row is None:
                 raise ValueError(f"the engine returned no logits for sequence {step.sequence_id}")
             events += self._next_token(sequence, sequence.sampler.sample(row))
-        self._planned = []
         return events
 
     def _next_token(self, sequence: _Sequence, token: int) -> list[Event]:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kafila.api.scheduler import Batcher, Event, Failed, Finished, Job, TextDelta
-from kafila.runtime.pipeline import Engine
+from kafila.runtime.pipeline import Engine, EngineStep, Launched
 from kafila.runtime.sampling import Sampler
 
 Sink = Callable[[Event], None]
@@ -107,21 +108,24 @@ class EngineLoop:
             self._dispatch(self.batcher.fail_all(message))
 
     def _run(self) -> None:
-        """Step while there is work; when idle, refresh the stage report now and then.
+        """Keep up to `engine.depth` waves in the ring, landing the oldest; when idle, refresh the
+        stage report now and then.
 
         Nothing that calls the engine runs under the lock: on a QUIC ring an engine call waits
         on the event loop, and the event loop takes the lock to submit and cancel, so holding
         it there would deadlock the two.
         """
+        in_flight: deque[tuple[Launched, list[EngineStep], float]] = deque()
+        depth = max(1, self.engine.depth)
         while True:
             with self._lock:
-                while self.batcher.idle and not self.batcher.forgetting and not self._stopping:
+                while not in_flight and self.batcher.idle and not self.batcher.forgetting and not self._stopping:
                     if self._report_due():
                         break
                     self._lock.wait(timeout=STATS_REFRESH_S)
                 if self._stopping:
                     return
-                idle = self.batcher.idle
+                idle = self.batcher.idle and not in_flight
                 forgotten = self.batcher.take_forgotten()  # before any step: a slot is reused only after
             try:
                 for slot in forgotten:
@@ -134,16 +138,24 @@ class EngineLoop:
                     self._refresh_report()
                 continue
             try:
-                with self._lock:
-                    steps = self.batcher.plan()
-                started = time.perf_counter()
-                logits = self.engine.step_many(steps) if steps else []
+                while len(in_flight) < depth:
+                    with self._lock:
+                        steps = self.batcher.plan(depth)
+                    if not steps:
+                        break
+                    in_flight.append((self.engine.launch(steps), steps, time.perf_counter()))
+                if not in_flight:  # every running request waits on a slot being forgotten
+                    with self._lock:
+                        self._lock.wait(timeout=0.01)
+                    continue
+                launched, steps, started = in_flight.popleft()
+                results = self.engine.land(launched)
                 elapsed = time.perf_counter() - started
             except Exception as error:  # a stage died, a link broke: all requests end
                 self._break(error)
                 return
             with self._lock:
-                events = self.batcher.advance(logits)
+                events = self.batcher.advance(results)
                 self._count(
                     steps_rows=sum(len(s.tokens) for s in steps if not s.decode),
                     elapsed=elapsed,

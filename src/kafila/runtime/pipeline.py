@@ -7,6 +7,7 @@ them into logits. The QUIC ring of a later issue replaces only `LocalRing`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,9 +181,26 @@ class SequenceFailed:
 StepResult = Logits | SequenceFailed | None  # None: a step that asked for no logits
 
 
-class Engine(Protocol):
-    """What generation needs: logits for many sequences' next rows at once, and a tokenizer."""
+@dataclass(frozen=True)
+class Launched:
+    """A wave of steps on its way: what `Engine.land` collects, in the order waves were launched."""
 
+    steps: tuple[EngineStep, ...]
+    wave: int = 0
+    frames: tuple[Frame, ...] = ()
+
+
+class Engine(Protocol):
+    """What generation needs: logits for many sequences' next rows at once, and a tokenizer.
+
+    `launch` sends a wave of steps on its way and `land` waits for its results, oldest wave
+    first; up to `depth` waves may be in flight at once (1 where nothing overlaps).
+    """
+
+    depth: int
+
+    def launch(self, steps: Sequence[EngineStep]) -> Launched: ...
+    def land(self, launched: Launched) -> list[StepResult]: ...
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]: ...
     def step(self, sequence_id: int, position: int, tokens: Sequence[int], decode: bool) -> npt.NDArray[np.float32]: ...
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
@@ -201,6 +220,14 @@ class _Vocabulary:
 
     vocabulary: Vocabulary
     llama_model: LlamaModel
+    depth = 1
+
+    def launch(self, steps: Sequence[EngineStep]) -> Launched:
+        """Nothing overlaps in one process: the wave runs when it lands."""
+        return Launched(tuple(steps))
+
+    def land(self, launched: Launched) -> list[StepResult]:
+        return self.step_many(launched.steps)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         return self.vocabulary.tokenize(text, add_special, parse_special)
@@ -291,6 +318,15 @@ class RingTransport(Protocol):
     def close(self) -> None: ...
 
 
+def pipeline_depth(stages: int) -> int:
+    """Waves in flight on a ring of `stages`: one per stage keeps each busy. KAFILA_PIPELINE_WAVES
+    overrides it (1: every running request in one wave), for benchmarks that compare the two."""
+    override = os.environ.get("KAFILA_PIPELINE_WAVES", "").strip()
+    if override.isdigit() and int(override) >= 1:
+        return int(override)
+    return max(1, stages)
+
+
 class RingEngine(_Vocabulary):
     """The head here, the other stages elsewhere, frames round a ring transport."""
 
@@ -307,6 +343,11 @@ class RingEngine(_Vocabulary):
         self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
         self._head_range = [head_file.first_block, head_file.end_block]
         self._dtype = dtype
+        self.depth = pipeline_depth(len(stages))
+        self._waves = itertools.count()
+        self._expected: defaultdict[int, deque[int | None]] = defaultdict(deque)  # per sequence: wave or CANCEL out
+        self._arrived: dict[tuple[int, int], Frame] = {}  # (wave, sequence) → its frame, until the wave lands
+        self._forgotten_at: dict[int, int] = {}  # sequence → first wave after it was forgotten mid-flight
         try:
             self.ring: RingTransport = ring if ring is not None else LocalRing(stages[:-1], settings)
         except BaseException:
@@ -314,13 +355,13 @@ class RingEngine(_Vocabulary):
             raise
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
-        """One frame per sequence round the ring; stages run frames that arrive together as one decode.
+        return self.land(self.launch(steps))
 
-        A sequence that a stage refused comes back as an ERROR frame and fails alone
-        (`SequenceFailed`); the head runs only the sequences that came back whole, and a fault in
-        its own forward fails only its sequence too. A ring that breaks raises StageFailed.
-        """
-        frames = [
+    def launch(self, steps: Sequence[EngineStep]) -> Launched:
+        """Embed the wave and send one frame per sequence round the ring; stages run frames that
+        arrive together as one decode, so while this wave is at one stage the next can be at another."""
+        wave = next(self._waves)
+        frames = tuple(
             Frame.of_hidden(
                 Kind.DECODE if s.decode else Kind.PREFILL,
                 s.sequence_id,
@@ -329,23 +370,38 @@ class RingEngine(_Vocabulary):
                 self._dtype,
             )
             for s in steps
-        ]
+        )
         self.ring.send(frames)
-        # Each sequence keeps its order, but sequences may overtake one another (a QUIC stream
-        # per sequence): match what came back to what was sent by sequence, not by arrival.
-        arrived = {frame.sequence_id: frame for frame in self.ring.receive(len(frames))}
+        for frame in frames:
+            self._expected[frame.sequence_id].append(wave)
+        return Launched(tuple(steps), wave, frames)
+
+    def land(self, launched: Launched) -> list[StepResult]:
+        """The wave's frames back from the ring, through the head: logits, or a sequence's failure.
+
+        A sequence that a stage refused comes back as an ERROR frame and fails alone
+        (`SequenceFailed`); the head runs only the sequences that came back whole, and a fault in
+        its own forward fails only its sequence too. A ring that breaks raises StageFailed.
+        """
+        steps, frames, wave = launched.steps, launched.frames, launched.wave
+        while left := sum((wave, f.sequence_id) not in self._arrived for f in frames):
+            self._take(left)
+        arrived = {f.sequence_id: self._arrived.pop((wave, f.sequence_id)) for f in frames}
         results: list[StepResult] = [None] * len(steps)
         whole: list[int] = []  # indices of the steps that came back to run at the head
         inputs: dict[int, StepInput] = {}
         for index, sent in enumerate(frames):
-            came = arrived.get(sent.sequence_id)
-            if came is not None and came.kind is Kind.ERROR:
+            came = arrived[sent.sequence_id]
+            if wave < self._forgotten_at.get(sent.sequence_id, -1):
+                results[index] = SequenceFailed(sent.sequence_id, "the request ended while its rows were in the ring")
+                continue  # its cache is gone everywhere: the head must not write it again
+            if came.kind is Kind.ERROR:
                 results[index] = SequenceFailed(sent.sequence_id, came.text())
                 continue
-            if came is None or came.position != sent.position or came.n_tokens != sent.n_tokens:
-                got = "nothing" if came is None else f"position {came.position}, {came.n_tokens} rows"
+            if came.position != sent.position or came.n_tokens != sent.n_tokens:
                 raise StageFailed(
-                    f"the ring returned {got} for sequence {sent.sequence_id}, sent at position {sent.position}"
+                    f"the ring returned position {came.position}, {came.n_tokens} rows for sequence "
+                    f"{sent.sequence_id}, sent at position {sent.position}"
                 )
             whole.append(index)
             inputs[index] = StepInput(came.sequence_id, came.position, came.hidden_states())
@@ -363,14 +419,39 @@ class RingEngine(_Vocabulary):
                 results[index] = result
         return results
 
+    def _take(self, count: int) -> None:
+        """Receive `count` frames and file each under the wave that sent it. Each sequence's frames
+        come back in the order they left (one stream per sequence, stages in order), while
+        sequences may overtake one another: so the next frame of a sequence answers the oldest
+        thing still out for it, a wave's rows or a CANCEL."""
+        for frame in self.ring.receive(count):
+            expected = self._expected.get(frame.sequence_id)
+            if not expected:
+                raise StageFailed(f"the ring returned a {frame.kind.name} frame for sequence {frame.sequence_id}, "
+                                  "which has nothing out")  # fmt: skip
+            wave = expected.popleft()
+            if wave is not None:
+                self._arrived[(wave, frame.sequence_id)] = frame
+
     def forget(self, sequence_id: int) -> None:
-        """Drop a sequence everywhere: a CANCEL round the ring. A stage that answers it with an ERROR
-        cannot hold the sequence either, so that answer is as good as the CANCEL coming back."""
+        """Drop a sequence everywhere: a CANCEL round the ring, after any of its rows still out.
+        Its answer (the CANCEL back, or an ERROR from a stage that cannot hold the sequence
+        either) is taken with the waves that follow, so forgetting never stalls the pipeline."""
         self.ring.send([Frame(Kind.CANCEL, sequence_id)])
-        self.ring.receive(1)
+        if any(w is not None for w in self._expected[sequence_id]):
+            self._forgotten_at[sequence_id] = next(self._waves)  # waves before this one are stale for it
+        self._expected[sequence_id].append(None)
         self.head.forget(sequence_id)
 
+    def _settle(self) -> None:
+        """Take every CANCEL's answer still out; only between waves."""
+        while out := sum(len(q) for q in self._expected.values()):
+            if any(w is not None for q in self._expected.values() for w in q):
+                raise RuntimeError("a stage report was asked for while a wave was in the ring")
+            self._take(out)
+
     def stage_report(self) -> list[dict[str, object]]:
+        self._settle()
         head: dict[str, object] = {"range": self._head_range, "ms_per_token": self.head.timer.ms_per_token}
         return [*self.ring.stats(), head]
 
