@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import devices, manifests, sessions
 
-from kafila.planner import PlanRefused, plan_session
+from kafila.planner import PlanRefused, plan_serving_host, plan_session
 from kafila.planner.types import Device, ModelManifest, SessionSpec
 
 
@@ -146,3 +146,18 @@ def test_a_pinned_head_stays_on_the_anchor_even_when_another_member_is_faster() 
     assert refused.value.device == "host"
     with pytest.raises(ValueError, match="anchor"):
         plan_session(manifest, [slow, fast], SessionSpec(), pin_head=True)
+
+
+def test_a_host_that_cannot_hold_the_head_is_told_where_to_host_instead() -> None:
+    manifest = ModelManifest(name="m", block_bytes=(100,) * 4, head_bytes=1000, kv_bytes_per_token=(0,) * 4)
+    small = _device("laptop", 1000.0, 0.0, memory=500)
+    big = _device("workstation", 100.0, 0.0, memory=5000)
+    with pytest.raises(PlanRefused) as refused:
+        plan_serving_host(manifest, [small, big], SessionSpec(context=1))
+    assert refused.value.device == "laptop"
+    assert "with the head on 'workstation' the model would fit" in str(refused.value)
+    nowhere = big.model_copy(update={"memory_bytes": 1000})
+    with pytest.raises(PlanRefused) as refused:
+        plan_serving_host(manifest, [small, nowhere], SessionSpec(context=1))
+    assert "would fit" not in str(refused.value)  # no advice where no machine would do
+    assert plan_serving_host(manifest, [big, small], SessionSpec(context=1)).head == "workstation"

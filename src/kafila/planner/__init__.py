@@ -4,7 +4,7 @@ Nothing here touches a file, a socket or a clock, so every decision is reproduci
 inputs and testable against brute force.
 """
 
-from kafila.planner.plan import plan_session
+from kafila.planner.plan import plan_serving_host, plan_session
 from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec, Tier
 
-__all__ = ["Device", "ModelManifest", "Plan", "PlanRefused", "SessionSpec", "Tier", "plan_session"]
+__all__ = ["Device", "ModelManifest", "Plan", "PlanRefused", "SessionSpec", "Tier", "plan_serving_host", "plan_session"]

@@ -319,3 +319,25 @@ def plan_session(
         baselines=baselines,
         notes=tuple(notes),
     )
+
+
+def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], session: SessionSpec) -> Plan:
+    """The plan with the head on `devices[0]`, the host that serves the API and samples.
+
+    When that is refused but the head elsewhere would fit, the refusal says so and names the
+    machine to host from instead: that is the change the person can make.
+    """
+    host = devices[0].name
+    try:
+        return plan_session(manifest, devices, session, anchor=host, pin_head=True)
+    except PlanRefused as refused:
+        try:
+            elsewhere = plan_session(manifest, devices, session, anchor=host)
+        except PlanRefused:
+            raise refused from None
+        raise PlanRefused(
+            f"{refused}. The host holds the head (embedding and output) because it serves the API; with the "
+            f"head on '{elsewhere.head}' the model would fit: run `kafila host` there instead",
+            refused.device,
+            refused.shortfall_bytes,
+        ) from None

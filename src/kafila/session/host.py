@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient, verify_members
 from kafila.network.session_codes import full_code, new_secret
-from kafila.planner import plan_session
+from kafila.planner import plan_serving_host
 from kafila.planner.types import Device, ModelManifest, Plan, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine
@@ -175,7 +175,7 @@ class HostSession:
     def plan(self, members: Sequence[str]) -> Plan:
         """The plan over this host and `members`, head here; PlanRefused names who cannot hold its share."""
         devices = self.devices(members)
-        return plan_session(self.manifest, devices, self.session, anchor=devices[0].name, pin_head=True)
+        return plan_serving_host(self.manifest, devices, self.session)
 
     async def deploy(
         self,
