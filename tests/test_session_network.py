@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +112,52 @@ def test_only_the_planned_ring_edges_come_up_and_stages_load_downstream_first(tm
     # each brought up by both of its ends; and the stages loaded from the last block's back.
     assert sum(out.count("linked to ring neighbour") for out in outputs) == 4, outputs
     assert loaded == sorted(loaded, reverse=True) and len(loaded) == 3, loaded
+
+
+def udp_ports(pid: int) -> set[int]:
+    """The UDP ports a process has bound (`ss`), for dropping one link's packets between two."""
+    listing = subprocess.run(["ss", "-uanpH"], capture_output=True, text=True, check=True).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in listing.splitlines() if f"pid={pid}," in line}
+
+
+@contextmanager
+def dropped_between(ports_a: set[int], ports_b: set[int]) -> Iterator[None]:
+    """Drop every UDP packet between two sets of local ports, both ways, with nftables."""
+    table = f"kafila_test_{os.getpid()}"
+
+    def drop(a: set[int], b: set[int]) -> str:
+        return f"udp sport {{ {', '.join(map(str, a))} }} udp dport {{ {', '.join(map(str, b))} }} drop"
+
+    chain = f"type filter hook output priority 0\n{drop(ports_a, ports_b)}\n{drop(ports_b, ports_a)}\n"
+    rules = f"table inet {table} {{\nchain out {{\n{chain}}}\n}}\n"
+    subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["nft", "delete", "table", "inet", table], check=False)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("nft", "ss")), reason="needs root, nft and ss"
+)
+def test_a_ring_link_that_breaks_between_members_is_rebuilt_through_the_relay(tmp_path: Path, model: Path) -> None:
+    with session(tmp_path, model, 3) as (host, joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        ports = [udp_ports(j.pid) for j in joiners]
+        assert all(ports), ports
+        with dropped_between(*ports):  # the two members' sockets: their direct edge, and only it
+            deadline = time.monotonic() + 60
+            while "replanned with 3 members" not in host.output():
+                assert time.monotonic() < deadline and host.process.poll() is None, host.output()
+                time.sleep(0.2)
+            wait_ready(host, timeout=60)
+            with urlopen(f"{host.base_url}/status", timeout=10) as response:
+                edges = json.loads(response.read())["edges"]
+            between = [e for e in edges if "member" in e["from"] and "member" in e["to"]]
+            assert [e["path"] for e in between] == ["relayed"], edges
+            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
 
 
 def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(tmp_path: Path, model: Path) -> None:

@@ -95,6 +95,7 @@ class HostSession:
     ring: QuicRing | None = None
     ring_edges: dict[str, dict[str, RingEdge]] = field(default_factory=dict)  # member → neighbour → edge
     broken: str | None = None  # a serving member's report that its stage stopped
+    broken_edges: set[frozenset[str]] = field(default_factory=set)  # member pairs whose ring link broke
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
 
     # --- gathering ---------------------------------------------------------------------------
@@ -208,6 +209,10 @@ class HostSession:
                 sha256=stage.sha256, size=stage.n_bytes, source=source,
                 predecessor=chain[index - 1] if index > 0 else self.me, successor=chain[index + 1],
                 n_ctx=self.settings.n_ctx, n_batch=self.settings.n_batch, n_seq_max=self.settings.n_seq_max,
+                relink=sorted(
+                    p for p in {chain[index - 1] if index > 0 else self.me, chain[index + 1]}
+                    if frozenset((member, p)) in self.broken_edges
+                ),
             )  # fmt: skip
         for router in self.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
@@ -236,6 +241,7 @@ class HostSession:
             del preparing[self.member_name(member)]
             pending([f"{name} {what}" for name, what in sorted(preparing.items())])
         self.deployment = Deployment(self.epoch, plan, chain, counts, stages)
+        self.broken_edges.clear()  # rebuilt, or no longer in the ring
         self._listen(chain[:-1], self.epoch)
         return self.deployment
 
@@ -288,6 +294,8 @@ class HostSession:
                 return
             if isinstance(message, Failed) and message.epoch == epoch:
                 self.broken = f"{self.member_name(member)}: {message.message}"
+                if message.lost_peer is not None:  # both ends rebuild it if the next plan keeps it
+                    self.broken_edges.add(frozenset((member, message.lost_peer)))
                 return
 
     async def stop_listening(self) -> None:

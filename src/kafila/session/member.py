@@ -156,7 +156,9 @@ class RingLinks:
         for peer, router in list(self.routers.items()):
             if peer == self.host.peer_id:
                 continue
-            if peer not in wanted or router.link.closed.done():
+            # A link the host says broke is rebuilt even if this end has not noticed yet: both
+            # ends must punch again together.
+            if peer not in wanted or peer in assign.relink or router.link.closed.done():
                 del self.routers[peer]
                 self.paths.pop(peer, None)
                 with contextlib.suppress(Exception):
@@ -240,16 +242,20 @@ async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: M
     inbound = links.routers[assign.predecessor].activation
     outbound = links.routers[assign.successor].activation
     state.serving = asyncio.create_task(serve_stage(state.stage, inbound, outbound, state.executor))
-    state.serving.add_done_callback(lambda task: _report_stopped(task, assign, host, state))
+    state.serving.add_done_callback(lambda task: _report_stopped(task, assign, links, state))
     seconds = time.perf_counter() - started
     state.say(f"serving blocks {assign.first_block}-{assign.end_block - 1} (ready in {seconds:.1f} s)")
     await host.send_control(Loaded(epoch=assign.epoch, stage_index=assign.stage_index, seconds=seconds))
 
 
-def _report_stopped(task: asyncio.Task[None], assign: Assign, host: LinkRouter, state: MemberState) -> None:
+def _report_stopped(task: asyncio.Task[None], assign: Assign, links: RingLinks, state: MemberState) -> None:
     """A stage that stopped by itself (a ring link went down) tells the host, which replans at once."""
+    host = links.host
     if task.cancelled() or task.exception() is None or host.link.closed.done():
         return
+    neighbours = (assign.predecessor, assign.successor)
+    lost = next((p for p in neighbours if p in links.routers and links.routers[p].link.closed.done()), None)
     reason = f"stage {assign.stage_index} stopped: {task.exception()}"
     state.say(reason)
-    state.reports.append(asyncio.ensure_future(host.send_control(Failed(epoch=assign.epoch, message=reason))))
+    report = Failed(epoch=assign.epoch, message=reason, lost_peer=lost)
+    state.reports.append(asyncio.ensure_future(host.send_control(report)))

@@ -55,6 +55,7 @@ class Assign(_Message):
     n_ctx: Annotated[int, Field(ge=16, le=1 << 30)]
     n_batch: Annotated[int, Field(ge=1, le=1 << 16)]
     n_seq_max: Annotated[int, Field(ge=1, le=256)]
+    relink: list[MemberId] = Field(default_factory=list, max_length=2)  # neighbours whose old link broke
 
 
 EdgePath = Literal["direct", "relayed"]
@@ -98,6 +99,7 @@ class Failed(_Message):
     type: Literal["failed"] = "failed"
     epoch: Annotated[int, Field(ge=0)]
     message: Annotated[str, Field(max_length=4000)]
+    lost_peer: MemberId | None = None  # while serving: the neighbour whose link went down
 
 
 class End(_Message):
