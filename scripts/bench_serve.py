@@ -56,14 +56,14 @@ def plain(model: Path, tokens: int) -> Callable[[], Sample]:
     return run
 
 
-def through_api(base_url: str, tokens: int) -> Sample:
+def through_api(base_url: str, tokens: int, messages: list[dict[str, str]] = MESSAGES) -> Sample:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     started = time.perf_counter()
     first = last = None
     count = 0
-    stream = client.chat.completions.create(
-        model=model, messages=MESSAGES, max_tokens=tokens, temperature=0, stream=True,  # type: ignore[arg-type]
+    stream = client.chat.completions.create(  # type: ignore[call-overload]
+        model=model, messages=messages, max_tokens=tokens, temperature=0, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
     for chunk in stream:
@@ -77,11 +77,13 @@ def through_api(base_url: str, tokens: int) -> Sample:
     return Sample(first - started, (count - 1) / (last - first), count)
 
 
-def concurrent(base_url: str, tokens: int, users: int) -> float:
+def concurrent(base_url: str, tokens: int, users: int, messages: list[dict[str, str]] = MESSAGES) -> float:
     """Aggregate generated tokens per second with `users` streaming at once."""
     results: list[Sample] = []
     started = time.perf_counter()
-    threads = [threading.Thread(target=lambda: results.append(through_api(base_url, tokens))) for _ in range(users)]
+    threads = [
+        threading.Thread(target=lambda: results.append(through_api(base_url, tokens, messages))) for _ in range(users)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -90,13 +92,16 @@ def concurrent(base_url: str, tokens: int, users: int) -> float:
     return sum(r.tokens for r in results) / elapsed
 
 
-def step_cost(model: Path, rounds: int = 20) -> dict[int, float]:
+def step_cost(model: Path, threads: int = THREADS, rounds: int = 20) -> dict[int, float]:
     """ms for one engine step decoding 1, 2 and 4 sequences at once, unsplit, in this process:
-    how much a batch row costs on this machine, which bounds what concurrency can gain."""
+    how much a batch row costs on this machine, which bounds what concurrency can gain.
+    Also used by scripts/bench_concurrency.py."""
     from kafila.runtime.llama_backend import ContextSettings
     from kafila.runtime.pipeline import EngineStep, open_engine
 
-    engine = open_engine(model, [read_blocks(model)], ContextSettings(n_ctx=4096, n_batch=512, n_seq_max=4))
+    engine = open_engine(
+        model, [read_blocks(model)], ContextSettings(n_ctx=4096, n_batch=512, n_seq_max=4, n_threads=threads)
+    )
     try:
         prompt = engine.tokenize("The history of the printing press")
         for sequence in range(4):

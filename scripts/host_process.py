@@ -101,15 +101,17 @@ def wait_ready(host: Host, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 @contextmanager
-def running_host(*args: str | Path, api_key: str | None = None, ready: bool = True) -> Iterator[Host]:
+def running_host(
+    *args: str | Path, api_key: str | None = None, ready: bool = True, env: dict[str, str] | None = None
+) -> Iterator[Host]:
     port = free_port()
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
         command = [sys.executable, "-m", "kafila", "host", "--port", str(port), *map(str, args)]
-        env = {**os.environ, "COLUMNS": "200"}
-        env.pop("KAFILA_API_KEY", None)
+        environment = {**os.environ, "COLUMNS": "200", **(env or {})}
+        environment.pop("KAFILA_API_KEY", None)
         if api_key is not None:
             command += ["--api-key", api_key]
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=environment)
     host = Host(process, f"http://127.0.0.1:{port}", Path(log.name))
     try:
         if ready:

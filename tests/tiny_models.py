@@ -24,8 +24,12 @@ _FFN_TYPES: tuple[GGMLQuantizationType, ...] = (Q8_0, F16, F32)
 
 
 @dataclass(frozen=True)
-class _Shape:
-    """What one architecture needs: sizes, and which optional tensors llama.cpp expects."""
+class ModelShape:
+    """What one architecture needs: sizes, and which optional tensors llama.cpp expects.
+
+    `_SHAPES` holds the tiny default of each architecture; a caller may pass its own (larger,
+    all-Q8_0) shape to `write_tiny_model`, as scripts/bench_concurrency.py does.
+    """
 
     n_embd: int
     n_head: int
@@ -42,14 +46,16 @@ class _Shape:
     # whose logit then wins every step; a small embedding lets the blocks steer.
     init_gain: float = 2.0  # multiplies 1/sqrt(fan_in)
     embd_std: float = 0.1
+    ffn_types: tuple[GGMLQuantizationType, ...] = _FFN_TYPES  # cycled by block index
+    attn_v_type: GGMLQuantizationType = F16
 
 
-_SHAPES: dict[str, _Shape] = {
-    "llama": _Shape(n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied_output=False, embd_std=1.0),
-    "qwen2": _Shape(n_embd=96, n_head=6, n_head_kv=2, head_dim=16, n_ff=160, tied_output=False, qkv_bias=True),
+_SHAPES: dict[str, ModelShape] = {
+    "llama": ModelShape(n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied_output=False, embd_std=1.0),
+    "qwen2": ModelShape(n_embd=96, n_head=6, n_head_kv=2, head_dim=16, n_ff=160, tied_output=False, qkv_bias=True),
     # head_dim * n_head != n_embd here, so key_length is what sizes the KV cache
-    "qwen3": _Shape(n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied_output=True, qk_norm=True),
-    "gemma3": _Shape(
+    "qwen3": ModelShape(n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied_output=True, qk_norm=True),
+    "gemma3": ModelShape(
         n_embd=128,
         n_head=4,
         n_head_kv=1,
@@ -93,17 +99,31 @@ def _vocab(arch: str) -> tuple[list[str], list[float], list[int], dict[str, int]
     return tokens, scores, [int(t) for t in types], ids
 
 
-def write_tiny_model(path: Path, arch: str, n_blocks: int = 4, seed: int = 0) -> Path:
+def write_tiny_model(
+    path: Path,
+    arch: str,
+    n_blocks: int = 4,
+    seed: int = 0,
+    shape: ModelShape | None = None,
+    chat_template: str | None = None,
+) -> Path:
     """Write a tiny random `arch` model to `path`; the same arguments give the same bytes.
 
     FFN storage cycles Q8_0 / F16 / F32 by block so block sizes differ; llama and qwen2
-    carry their own output.weight, qwen3 and gemma3 tie it to token_embd.
+    carry their own output.weight, qwen3 and gemma3 tie it to token_embd. `shape` replaces
+    the architecture's tiny default (and its limit of 8 blocks); `chat_template` (Jinja) is
+    stored as tokenizer.chat_template, without which servers use their built-in one. Tensors
+    are written through a temporary file as they are made, so a model of a gigabyte needs
+    little memory to write.
     """
     if arch not in _SHAPES:
         raise ValueError(f"no tiny model for architecture {arch!r}; choose from {SUPPORTED_TINY_ARCHS}")
-    if not 1 <= n_blocks <= 8:
-        raise ValueError(f"n_blocks is {n_blocks}; tiny models have 1 to 8")
-    shape = _SHAPES[arch]
+    if shape is None:
+        if not 1 <= n_blocks <= 8:
+            raise ValueError(f"n_blocks is {n_blocks}; tiny models have 1 to 8")
+        shape = _SHAPES[arch]
+    elif n_blocks < 1:
+        raise ValueError(f"n_blocks is {n_blocks}; a model needs at least 1")
     arch_index = SUPPORTED_TINY_ARCHS.index(arch)
     rng = np.random.default_rng([seed, arch_index])
     tokens, scores, types, special_ids = _vocab(arch)
@@ -112,7 +132,7 @@ def write_tiny_model(path: Path, arch: str, n_blocks: int = 4, seed: int = 0) ->
     n_q, n_kv = shape.n_head * head_dim, shape.n_head_kv * head_dim
 
     path = Path(path)
-    writer = GGUFWriter(str(path), arch=arch)
+    writer = GGUFWriter(str(path), arch=arch, use_temp_file=True)
     writer.add_name(f"tiny-{arch}")
     writer.add_block_count(n_blocks)
     writer.add_context_length(256)
@@ -137,6 +157,8 @@ def write_tiny_model(path: Path, arch: str, n_blocks: int = 4, seed: int = 0) ->
         writer.add_pad_token_id(special_ids["<pad>"])
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         """A (rows, cols) weight; GGUF's ne is (cols, rows), cols being the input size."""
@@ -166,12 +188,12 @@ def write_tiny_model(path: Path, arch: str, n_blocks: int = 4, seed: int = 0) ->
         add("output.weight", out, Q8_0)
 
     for i in range(n_blocks):
-        ffn_type = _FFN_TYPES[i % len(_FFN_TYPES)]
+        ffn_type = shape.ffn_types[i % len(shape.ffn_types)]
         blk = f"blk.{i}"
         add(f"{blk}.attn_norm.weight", ones(n_embd), F32)
         add(f"{blk}.attn_q.weight", matrix(n_q, n_embd), Q8_0)
         add(f"{blk}.attn_k.weight", matrix(n_kv, n_embd), Q8_0)
-        add(f"{blk}.attn_v.weight", matrix(n_kv, n_embd), F16)
+        add(f"{blk}.attn_v.weight", matrix(n_kv, n_embd), shape.attn_v_type)
         if shape.qkv_bias:
             add(f"{blk}.attn_q.bias", (rng.standard_normal(n_q) * 0.1).astype(np.float32), F32)
             add(f"{blk}.attn_k.bias", (rng.standard_normal(n_kv) * 0.1).astype(np.float32), F32)
