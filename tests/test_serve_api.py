@@ -31,7 +31,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def host(model: Path) -> Iterator[Host]:
     args = ("--model", model, "--division", "2,2", "--context", "256", "--concurrency", "4", "--threads", "1")
-    with running_host(*args, api_key=KEY) as running:
+    # Two waves in flight: local stages keep one by default (they share this machine's cores),
+    # but the serving path must be right with several, as on a ring of machines.
+    with running_host(*args, api_key=KEY, env={"KAFILA_PIPELINE_WAVES": "2"}) as running:
         yield running
 
 
@@ -127,6 +129,7 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     assert status == 200 and health == {"status": "ready", "model": MODEL}
     status, info = raw(host, "/status")
     assert status == 200 and info["ready"] is True and info["division"] == [2, 2]
+    assert info["pipeline_waves"] == 2
     assert info["requests"]["finished"] >= 1  # type: ignore[index]
     assert raw(host, "/status", key=None)[0] == 401
     with urlopen(f"{host.base_url}/metrics", timeout=10) as response:

@@ -83,6 +83,7 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         assert all(0 < m["rtt_ms"] < 1000 for m in status["members"] if not m["host"])
         assert sum(b - a for a, b in (m["blocks"] for m in status["members"])) == 4
         assert [e["path"] for e in status["edges"]] == ["direct"] * 3  # host → m → m → host
+        assert status["pipeline_waves"] == 1  # three members, one machine: overlapping stages would contend
         assert all(e["rtt_ms"] is not None and 0 < e["rtt_ms"] < 1000 for e in status["edges"])
         table = subprocess.run(
             [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,

@@ -210,3 +210,11 @@ def test_a_sequence_a_member_refuses_fails_alone_over_quic(tmp_path: Path) -> No
     assert isinstance(failed, SequenceFailed) and failed.sequence_id == 1 and "position 9" in failed.message
     assert isinstance(ok, np.ndarray) and isinstance(alone, np.ndarray) and np.array_equal(ok, alone)
     assert [stage["range"] for stage in report] == [[0, 2], [2, 4]]
+
+
+def test_a_machine_tag_is_stable_in_a_session_and_differs_between_sessions() -> None:
+    from kafila.session.presence import machine_tag
+
+    tag = machine_tag("7-crimson-harbor")
+    assert tag == machine_tag("7-crimson-harbor") and tag != machine_tag("8-crimson-harbor")
+    assert Hello(machine=tag).machine == tag  # what members send the host, which counts machines

@@ -250,6 +250,7 @@ def create_app(serving: Serving) -> FastAPI:
             "context_per_sequence": serving.context_per_sequence,
             "queue_depth": loop.queued if loop else 0,
             "running": loop.running if loop else 0,
+            "pipeline_waves": loop.engine.depth if loop else None,
             "tokens_per_s": round(loop.stats.tokens_per_s(now), 3) if loop else 0.0,
             "requests": {"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
             "stages": loop.stage_report if loop else [],

@@ -89,7 +89,7 @@ async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name
     from kafila.runtime.local_plan import cache_dir, this_device
     from kafila.runtime.slicer import file_sha256
     from kafila.session.member import MemberState, RingLinks, edge_connector, follow_host
-    from kafila.session.presence import present
+    from kafila.session.presence import machine_tag, present
     from kafila.session.router import LinkRouter
 
     def say(text: str) -> None:
@@ -116,7 +116,7 @@ async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name
             LinkRouter(host_edge.link, client.host_id), edge_connector(client, demux, presence.identity), say
         )
         state = MemberState(cache=cache_dir() / "stages", model=model, threads=threads, say=say)
-        return await follow_host(links, state, model_sha)
+        return await follow_host(links, state, model_sha, machine_tag(client.code))
     finally:
         if links is not None:
             await links.close("leaving")

@@ -318,13 +318,15 @@ class RingTransport(Protocol):
     def close(self) -> None: ...
 
 
-def pipeline_depth(stages: int) -> int:
-    """Waves in flight on a ring of `stages`: one per stage keeps each busy. KAFILA_PIPELINE_WAVES
-    overrides it (1: every running request in one wave), for benchmarks that compare the two."""
+def pipeline_depth(machines: int) -> int:
+    """Waves to keep in flight on a ring over `machines` distinct machines: one per machine keeps
+    each busy, while stages that share a machine share its cores, where overlapping them only
+    makes them contend (measured: docs/benchmarks.md). KAFILA_PIPELINE_WAVES overrides it, for
+    benchmarks and tests that compare the two."""
     override = os.environ.get("KAFILA_PIPELINE_WAVES", "").strip()
     if override.isdigit() and int(override) >= 1:
         return int(override)
-    return max(1, stages)
+    return max(1, machines)
 
 
 class RingEngine(_Vocabulary):
@@ -336,14 +338,16 @@ class RingEngine(_Vocabulary):
         settings: ContextSettings,
         dtype: DType = DType.F32,
         ring: RingTransport | None = None,
+        depth: int = 1,
     ) -> None:
-        """`stages` in chain order, head last; without `ring`, the others start as local processes."""
+        """`stages` in chain order, head last; without `ring`, the others start as local processes.
+        `depth`: the distinct machines the ring spans (local processes: this one)."""
         head_file = stages[-1]
         self.head = HeadStage(head_file.path, settings)
         self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
         self._head_range = [head_file.first_block, head_file.end_block]
         self._dtype = dtype
-        self.depth = pipeline_depth(len(stages))
+        self.depth = pipeline_depth(depth)
         self._waves = itertools.count()
         self._expected: defaultdict[int, deque[int | None]] = defaultdict(deque)  # per sequence: wave or CANCEL out
         self._arrived: dict[tuple[int, int], Frame] = {}  # (wave, sequence) → its frame, until the wave lands

@@ -34,7 +34,7 @@ from kafila.planner.types import Device, ModelManifest, Plan, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine
 from kafila.runtime.slicer import StageFile, cached_slices, file_sha256
-from kafila.session.presence import Presence
+from kafila.session.presence import Presence, machine_tag
 from kafila.session.protocol import Assign, End, Failed, Hello, Load, Loaded, RingEdge, Staged
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import LinkRouter
@@ -317,7 +317,13 @@ class HostSession:
             members,
         )
         self.ring = ring
-        return RingEngine([deployment.stages[-1]], self.settings, ring=ring)
+        return RingEngine([deployment.stages[-1]], self.settings, ring=ring, depth=self.machines(deployment.chain))
+
+    def machines(self, chain: Sequence[str]) -> int:
+        """Distinct machines in the ring: the waves worth keeping in flight (stages sharing a
+        machine share its cores, and overlapping them there only makes them contend)."""
+        own = machine_tag(self.client.code)
+        return len({own if m == self.me else (self.hellos[m].machine or m) for m in chain})
 
     def abandon_ring(self) -> None:
         """End every wait of the current ring at once, before its engine is retired for a new plan."""

@@ -181,10 +181,11 @@ class RingLinks:
                 await router.close(reason)
 
 
-async def follow_host(links: RingLinks, state: MemberState, model_sha: str | None) -> str:
+async def follow_host(links: RingLinks, state: MemberState, model_sha: str | None, machine: str | None = None) -> str:
     """Carry out the host's control messages until it ends the session; returns its reason."""
     host = links.host
-    await host.send_control(Hello(model_sha256=model_sha, cached_stages=cached_stage_hashes(state.cache)))
+    hello = Hello(model_sha256=model_sha, cached_stages=cached_stage_hashes(state.cache), machine=machine)
+    await host.send_control(hello)
     staged: tuple[Assign, Path] | None = None
     try:
         while True:

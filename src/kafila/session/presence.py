@@ -8,10 +8,12 @@ socket, classify the NAT, and describe the device (the cached probe) for the pla
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.error import URLError
 from urllib.request import urlopen
 
@@ -89,3 +91,24 @@ async def present(name: str, rendezvous: Address, device: FleetDevice, bind_ip: 
     except BaseException:
         sock.close()
         raise
+
+
+def machine_tag(session: str) -> str:
+    """This machine, as 16 hex digits that differ between sessions.
+
+    The host counts distinct machines in its ring (stages on one machine share its cores, and
+    overlapping them only makes them contend). The tag is a hash of the OS's machine id (or the
+    host name and MAC address) salted with the session, so it cannot follow a machine from one
+    session to the next.
+    """
+    import hashlib
+    import uuid
+
+    identity = ""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        with contextlib.suppress(OSError):
+            identity = Path(path).read_text().strip()
+        if identity:
+            break
+    identity = identity or f"{socket.gethostname()}/{uuid.getnode():012x}"
+    return hashlib.sha256(f"kafila-machine/1\0{session}\0{identity}".encode()).hexdigest()[:16]

@@ -33,6 +33,7 @@ class Hello(_Message):
     type: Literal["hello"] = "hello"
     model_sha256: Sha256 | None = None  # of the whole model file it was started with (`--model`)
     cached_stages: list[Sha256] = Field(default_factory=list, max_length=1024)
+    machine: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")] | None = None  # `presence.machine_tag`
 
 
 class Assign(_Message):
