@@ -4,7 +4,9 @@ head's `RingEngine` driving it through `QuicRing`, and greedy output equal to th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from kafila.network.link import DatagramDemux, LinkConfig, open_link, should_dia
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine, StageFailed, generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.slicer import cached_slices
+from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
 from kafila.session.member import serve_stage
 from kafila.session.protocol import (
@@ -35,6 +37,26 @@ from kafila.session.router import LinkRouter, traffic_of
 SETTINGS = ContextSettings(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=1)
 FAST = LinkConfig(idle_timeout_s=2.0, handshake_timeout_s=3.0)
 PROMPT = "the quick brown fox"
+
+
+@contextlib.asynccontextmanager
+async def quic_ring_engine(stages: list[StageFile]) -> AsyncIterator[RingEngine]:
+    """The head's engine in this process, its one block stage served by `serve_stage` over a real link."""
+    host, member, demuxes = await _linked_routers()
+    executor = ThreadPoolExecutor(1)
+    stage = BlockStage(stages[0].path, SETTINGS)
+    serving = asyncio.create_task(serve_stage(stage, member.activation, member.activation, executor))
+    ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
+    engine = await asyncio.to_thread(RingEngine, [stages[1]], SETTINGS, ring=ring)
+    try:
+        yield engine
+    finally:
+        await asyncio.to_thread(engine.close)
+        serving.cancel()
+        stage.close()
+        executor.shutdown()
+        for demux in demuxes:
+            demux.close()
 
 
 def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
@@ -89,22 +111,9 @@ def test_a_ring_over_quic_generates_what_the_unsplit_model_does(tmp_path: Path) 
         unsplit.close()
 
     async def scenario() -> tuple[str, list[dict[str, object]]]:
-        host, member, demuxes = await _linked_routers()
-        executor = ThreadPoolExecutor(1)
-        stage = BlockStage(stages[0].path, SETTINGS)
-        serving = asyncio.create_task(serve_stage(stage, member.activation, member.activation, executor))
-        ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
-        engine = await asyncio.to_thread(RingEngine, [stages[1]], SETTINGS, ring=ring)
-        try:
+        async with quic_ring_engine(stages) as engine:
             text = (await asyncio.to_thread(generate, engine, PROMPT, 12, SamplingSettings())).text
             report = await asyncio.to_thread(engine.stage_report)
-        finally:
-            await asyncio.to_thread(engine.close)
-            serving.cancel()
-            stage.close()
-            executor.shutdown()
-            for demux in demuxes:
-                demux.close()
         return text, report
 
     text, report = asyncio.run(asyncio.wait_for(scenario(), 120))
@@ -183,13 +192,7 @@ def test_a_sequence_a_member_refuses_fails_alone_over_quic(tmp_path: Path) -> No
     stages = cached_slices(model, [2, 2], tmp_path / "stages")
 
     async def scenario() -> tuple[object, object, object, list[dict[str, object]]]:
-        host, member, demuxes = await _linked_routers()
-        executor = ThreadPoolExecutor(1)
-        stage = BlockStage(stages[0].path, SETTINGS)
-        serving = asyncio.create_task(serve_stage(stage, member.activation, member.activation, executor))
-        ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
-        engine = await asyncio.to_thread(RingEngine, [stages[1]], SETTINGS, ring=ring)
-        try:
+        async with quic_ring_engine(stages) as engine:
             prompt = engine.tokenize(PROMPT)
             (alone,) = await asyncio.to_thread(engine.step_many, [EngineStep(0, 0, prompt, decode=False)])
             await asyncio.to_thread(engine.forget, 0)
@@ -197,13 +200,6 @@ def test_a_sequence_a_member_refuses_fails_alone_over_quic(tmp_path: Path) -> No
             ok, failed = await asyncio.to_thread(engine.step_many, both)
             await asyncio.to_thread(engine.forget, 1)
             report = await asyncio.to_thread(engine.stage_report)
-        finally:
-            await asyncio.to_thread(engine.close)
-            serving.cancel()
-            stage.close()
-            executor.shutdown()
-            for demux in demuxes:
-                demux.close()
         return alone, ok, failed, report
 
     alone, ok, failed, report = asyncio.run(asyncio.wait_for(scenario(), 120))
