@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
 from kafila.cli.network_commands import parse_host_port
@@ -194,16 +194,8 @@ class RichUi:
 
 @contextlib.contextmanager
 def _transfer_bars() -> Iterator[Callable[[str, int, int], None]]:
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, console=stderr, transient=True) as bars:
-        tasks: dict[str, Any] = {}
-
-        def update(name: str, done: int, total: int) -> None:
-            if name not in tasks:
-                tasks[name] = bars.add_task(f"stage file to {name}", total=total)
-            bars.update(tasks[name], completed=done)
-
-        yield update
+    with transfer_bars() as update:
+        yield lambda name, done, total: update(f"stage file to {name}", done, total)
 
 
 async def _serve(config: HostConfig) -> None:

@@ -82,6 +82,7 @@ def join(
 
 
 async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name: str, threads: int) -> str:
+    from kafila.cli.bars import transfer_bars
     from kafila.network.edges import connect_edges
     from kafila.network.link import DatagramDemux
     from kafila.network.rendezvous_client import RendezvousClient, verify_host
@@ -115,7 +116,7 @@ async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name
         links = RingLinks(
             LinkRouter(host_edge.link, client.host_id), edge_connector(client, demux, presence.identity), say
         )
-        state = MemberState(cache=cache_dir() / "stages", model=model, threads=threads, say=say)
+        state = MemberState(cache=cache_dir() / "stages", model=model, threads=threads, say=say, bars=transfer_bars)
         return await follow_host(links, state, model_sha, machine_tag(client.code))
     finally:
         if links is not None:

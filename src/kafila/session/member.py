@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class MemberState:
     serving: asyncio.Task[None] | None = None
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="stage"))
     reports: list[asyncio.Future[None]] = field(default_factory=list)  # failures on their way to the host
+    bars: Callable[[], AbstractContextManager[Callable[[str, int, int], None]]] | None = None  # transfer progress
 
     async def drop_stage(self) -> None:
         if self.serving is not None:
@@ -104,7 +106,10 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
         from kafila.network.transfer import receive_stage_file
 
         state.say(f"receiving stage {assign.stage_index} ({assign.size / 1e6:.1f} MB) from the host")
-        path = Path(await receive_stage_file(host.transfer, state.cache))
+        with state.bars() if state.bars is not None else contextlib.nullcontext(None) as update:
+            what = f"stage {assign.stage_index} from the host"
+            progress = None if update is None else lambda done, total: update(what, done, total)
+            path = Path(await receive_stage_file(host.transfer, state.cache, progress))
     if not path.is_file():
         raise ValueError(f"stage file {assign.sha256[:12]}… is not in the cache at {state.cache}")
     digest = await asyncio.to_thread(file_sha256, path)
