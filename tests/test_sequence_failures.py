@@ -304,3 +304,20 @@ def test_only_a_spoiled_sequence_is_not_retried() -> None:
     out = run_isolating([0, 1, 2, 3], run, lambda item, error: f"refused {item}: {error}", lambda item: item)
     assert out == ["ran 0", "refused 1: the batch failed", "refused 2: two is refused", "ran 3"]
     assert runs == [[0, 1, 2, 3], [0], [2], [3]]
+
+
+def test_a_stage_that_refuses_request_after_request_marks_the_ring_broken(small_stage_host: InProcessHost) -> None:
+    """One refusal is that request's; eight in a row with nothing served between is a broken stage,
+    and the loop says so (the host's watcher then replans), failing what is in flight."""
+    from kafila.api.service import REFUSALS_TO_BREAK
+
+    client = openai.OpenAI(base_url=f"{small_stage_host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    for _ in range(REFUSALS_TO_BREAK - 1):
+        with pytest.raises(openai.InternalServerError, match="no room"):
+            client.completions.create(model="tiny", prompt="hello world " * 150, max_tokens=4)
+    assert small_stage_host.loop.error is None
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)  # one served: the count starts again
+    for _ in range(REFUSALS_TO_BREAK):
+        with pytest.raises(openai.APIError):
+            client.completions.create(model="tiny", prompt="hello world " * 150, max_tokens=4)
+    assert small_stage_host.loop.error is not None and "8 requests' rows in a row" in small_stage_host.loop.error

@@ -19,11 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kafila.api.scheduler import Batcher, Event, Failed, Finished, Job, TextDelta
-from kafila.runtime.pipeline import Engine, EngineStep, Launched
+from kafila.runtime.pipeline import Engine, EngineStep, Launched, SequenceFailed, StageFailed, StepResult
 from kafila.runtime.sampling import Sampler
 
 Sink = Callable[[Event], None]
 STATS_REFRESH_S = 2.0
+REFUSALS_TO_BREAK = 8  # requests failed by stages in a row, none served between: the ring is broken
 
 
 class EngineUnavailable(RuntimeError):
@@ -67,6 +68,7 @@ class EngineLoop:
         self._lock = threading.Condition()
         self._stopping = False
         self._report_at = 0.0
+        self._refusals = 0
         self._thread = threading.Thread(target=self._run, name="kafila-engine", daemon=True)
 
     def start(self) -> None:
@@ -154,6 +156,10 @@ class EngineLoop:
             except Exception as error:  # a stage died, a link broke: all requests end
                 self._break(error)
                 return
+            if self._refused_in_a_row(results) >= REFUSALS_TO_BREAK:
+                last = next(r.message for r in reversed(results) if isinstance(r, SequenceFailed))
+                self._break(StageFailed(f"the ring refused {self._refusals} requests' rows in a row, the last: {last}"))
+                return
             with self._lock:
                 events = self.batcher.advance(results)
                 self._count(
@@ -162,6 +168,16 @@ class EngineLoop:
                     decoded=sum(1 for s in steps if s.decode),
                 )
                 self._dispatch(events)
+
+    def _refused_in_a_row(self, results: list[StepResult]) -> int:
+        """Sequences refused by a stage with none served since: a stage that refuses everything
+        (a dead GPU context, say) is as broken as a dead link, and the host should replan."""
+        for result in results:
+            if not isinstance(result, SequenceFailed):
+                self._refusals = 0
+            elif not result.cancelled:
+                self._refusals += 1
+        return self._refusals
 
     def _break(self, error: Exception) -> None:
         """The engine failed as a whole: every request ends, and the loop takes no more work."""

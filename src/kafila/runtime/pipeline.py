@@ -176,6 +176,7 @@ class SequenceFailed:
 
     sequence_id: int
     message: str
+    cancelled: bool = False  # its request had ended: dropped by the head, no stage's fault
 
 
 StepResult = Logits | SequenceFailed | None  # None: a step that asked for no logits
@@ -397,7 +398,8 @@ class RingEngine(_Vocabulary):
         for index, sent in enumerate(frames):
             came = arrived[sent.sequence_id]
             if wave < self._forgotten_at.get(sent.sequence_id, -1):
-                results[index] = SequenceFailed(sent.sequence_id, "the request ended while its rows were in the ring")
+                ended = "the request ended while its rows were in the ring"
+                results[index] = SequenceFailed(sent.sequence_id, ended, cancelled=True)
                 continue  # its cache is gone everywhere: the head must not write it again
             if came.kind is Kind.ERROR:
                 results[index] = SequenceFailed(sent.sequence_id, came.text())
