@@ -167,7 +167,7 @@ class RingLinks:
                 del self.routers[peer]
                 self.paths.pop(peer, None)
                 with contextlib.suppress(Exception):
-                    await router.close("not a ring neighbour in the new plan")
+                    await router.close("the new plan drops or rebuilds this link")
         missing = sorted(wanted - set(self.routers))
         if missing:
             for peer, (router, path) in (await self.connect(missing)).items():
