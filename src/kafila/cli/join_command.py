@@ -114,7 +114,10 @@ async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name
         host_edge = edges[client.host_id]
         say(f"linked to the host ({host_edge.path})")
         links = RingLinks(
-            LinkRouter(host_edge.link, client.host_id), edge_connector(client, demux, presence.identity), say
+            LinkRouter(host_edge.link, client.host_id),
+            edge_connector(client, demux, presence.identity),
+            say,
+            name_of=lambda m: client.members[m].name if m in client.members else m[:6],
         )
         state = MemberState(cache=cache_dir() / "stages", model=model, threads=threads, say=say, bars=transfer_bars)
         return await follow_host(links, state, model_sha, machine_tag(client.code))

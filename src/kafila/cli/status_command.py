@@ -27,7 +27,8 @@ def render_status(status: dict[str, Any], console: Console) -> None:
         console.print(f"  [red]error:[/red] {status['error']}", highlight=False)
     console.print(
         f"tokens/s {_number(status.get('tokens_per_s'), 1)}, running {status.get('running', 0)}, "
-        f"queued {status.get('queue_depth', 0)}, context {status.get('context_per_sequence')} per request",
+        f"queued {status.get('queue_depth', 0)}, context {status.get('context_per_sequence')} per request, "
+        f"waves in flight up to {status.get('pipeline_waves') or '—'}",
         highlight=False,
     )
     measured = {tuple(s["range"]): s.get("ms_per_token") for s in status.get("stages") or [] if "range" in s}

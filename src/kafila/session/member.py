@@ -149,6 +149,7 @@ class RingLinks:
     host: LinkRouter
     connect: Connect
     say: Say
+    name_of: Callable[[str], str] = lambda member_id: member_id[:6]
     routers: dict[str, LinkRouter] = field(default_factory=dict)
     paths: dict[str, EdgePath] = field(default_factory=dict)
 
@@ -172,7 +173,7 @@ class RingLinks:
         if missing:
             for peer, (router, path) in (await self.connect(missing)).items():
                 self.routers[peer], self.paths[peer] = router, path
-                self.say(f"linked to ring neighbour {peer[:6]} ({path})")
+                self.say(f"linked to ring neighbour {self.name_of(peer)} ({path})")
         for router in self.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
         return [
