@@ -204,15 +204,13 @@ class HostSession:
                 else "slice" if hello.model_sha256 is not None and hello.model_sha256 == self.model_sha256
                 else "transfer"
             )  # fmt: skip
+            predecessor, successor = chain[index - 1], chain[index + 1]  # block 0's predecessor: the head, last
             assigns[member] = Assign(
                 epoch=self.epoch, stage_index=index, first_block=stage.first_block, end_block=stage.end_block,
                 sha256=stage.sha256, size=stage.n_bytes, source=source,
-                predecessor=chain[index - 1] if index > 0 else self.me, successor=chain[index + 1],
+                predecessor=predecessor, successor=successor,
                 n_ctx=self.settings.n_ctx, n_batch=self.settings.n_batch, n_seq_max=self.settings.n_seq_max,
-                relink=sorted(
-                    p for p in {chain[index - 1] if index > 0 else self.me, chain[index + 1]}
-                    if frozenset((member, p)) in self.broken_edges
-                ),
+                relink=sorted({p for p in (predecessor, successor) if frozenset((member, p)) in self.broken_edges}),
             )  # fmt: skip
         for router in self.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
@@ -220,13 +218,17 @@ class HostSession:
             await self.routers[member].send_control(assign)
         # Every member links to its neighbours and gets its file at once; they load one by one.
         preparing = {self.member_name(m): "to link and get its stage" for m in assigns}
-        pending([f"{name} {what}" for name, what in sorted(preparing.items())])
+
+        def report() -> None:
+            pending([f"{name} {what}" for name, what in sorted(preparing.items())])
 
         async def prepared(member: str, assign: Assign) -> Staged:
             staged = await self._stage(member, assign, stages[assign.stage_index], progress)
             preparing[self.member_name(member)] = "to load its stage"
-            pending([f"{name} {what}" for name, what in sorted(preparing.items())])
+            report()
             return staged
+
+        report()
 
         staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
         self.ring_edges = {m: {e.peer: e for e in s.edges} for m, s in zip(assigns, staged, strict=True)}
@@ -239,7 +241,7 @@ class HostSession:
                 f"in {loaded.seconds:.1f} s"
             )
             del preparing[self.member_name(member)]
-            pending([f"{name} {what}" for name, what in sorted(preparing.items())])
+            report()
         self.deployment = Deployment(self.epoch, plan, chain, counts, stages)
         self.broken_edges.clear()  # rebuilt, or no longer in the ring
         self._listen(chain[:-1], self.epoch)
