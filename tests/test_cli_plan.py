@@ -215,3 +215,18 @@ def test_non_utf8_fleet_file(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfe{}")
     result = kafila("plan", path)
     assert result.returncode == 1 and "cannot read fleet file" in result.stderr
+
+
+def test_memory_sizes_people_type_and_what_a_device_then_lends() -> None:
+    from kafila.cli.sizes import parse_memory
+    from kafila.planner.fleet import FleetDevice
+
+    assert parse_memory(None) is None
+    assert parse_memory("8G") == 8 * 10**9 and parse_memory("12GiB") == 12 * 2**30 and parse_memory(" 512MB ") == 512e6
+    for bad in ("lots", "512", "-1G"):
+        with pytest.raises(ValueError, match="--memory"):
+            parse_memory(bad)
+    device = FleetDevice(name="pc", memory_gib=16.0)
+    assert device.lending(None) is device
+    assert device.lending(4 * 2**30).device().memory_bytes == 4 * 2**30
+    assert device.lending(64 * 2**30).memory_gib == 16.0  # lending more than is free lends what is free

@@ -253,3 +253,28 @@ def test_a_model_too_big_for_the_members_is_refused_naming_the_device(tmp_path: 
         assert host.process.returncode == 1
         assert "cannot hold" in host.output() and "short by" in host.output()
     assert "the session ended" in outputs[0] and "cannot hold" in outputs[0]
+
+
+def test_a_member_lending_too_little_memory_is_refused_by_name(tmp_path: Path, model: Path) -> None:
+    """`kafila join --memory` caps what a member offers; the plan that needs more from it is refused
+    before anything loads, naming that member, and every member hears why."""
+    outputs: list[str] = []
+    with running_host("--model", model, "--members", "2", *COMMON, "--context", "65536", ready=False) as host:
+        code, rendezvous = host.join_line()
+        member = start_member(code, rendezvous, "frugal", tmp_path / "cache", "--threads", "1", "--memory", "16MiB")
+        try:
+            host.process.wait(timeout=120)
+        finally:
+            outputs.append(stop(member))
+        assert host.process.returncode == 1
+        assert "'frugal' cannot hold" in host.output(), host.output()
+    assert "cannot hold" in outputs[0] and "receiving stage" not in outputs[0], outputs[0]
+
+
+@pytest.mark.parametrize("bad", ["lots", "-5G", "512"])
+def test_kafila_join_refuses_a_memory_that_is_no_size(bad: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kafila", "join", "7-crimson-harbor-otter-lemon", "--rendezvous", "127.0.0.1:9",
+         "--memory", bad], check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "--memory" in done.stderr and "Traceback" not in done.stderr, done.stderr

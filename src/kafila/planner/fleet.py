@@ -55,6 +55,12 @@ class FleetDevice(Strict):
     nat: NatClass | NatBehaviour | None = None
     rtt_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
 
+    def lending(self, memory_bytes: int | None) -> FleetDevice:
+        """This device with at most `memory_bytes` of its memory offered (`--memory`), or as it is."""
+        if memory_bytes is None:
+            return self
+        return self.model_copy(update={"memory_gib": min(self.memory_gib, max(1, memory_bytes) / 2**30)})
+
     def device(self) -> Device:
         nat = NatBehaviour.from_class(self.nat) if isinstance(self.nat, NatClass) else self.nat
         return Device(

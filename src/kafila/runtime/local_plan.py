@@ -21,8 +21,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KAFILA_CACHE", Path.home() / ".cache" / "kafila"))
 
 
-def this_device(progress: Callable[[str, float], None] | None = None) -> FleetDevice:
-    """This machine as the probe measured it, measuring it first if no cached result fits."""
+def this_device(progress: Callable[[str, float], None] | None = None, memory: int | None = None) -> FleetDevice:
+    """This machine as the probe measured it, measuring it first if no cached result fits;
+    with `memory`, offering at most that many bytes of it (what `--memory` lends)."""
+    return _measured(progress).lending(memory)
+
+
+def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
     import llama_cpp
 
     from kafila.runtime.probe import run_probe

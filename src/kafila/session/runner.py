@@ -58,6 +58,7 @@ class HostConfig:
     stun_port: int
     demo: bool
     name: str
+    memory: int | None = None  # bytes this machine lends (`--memory`); None: what is free
     discovery_port: int | None = DEFAULT_DISCOVERY_PORT  # LAN discovery by the embedded rendezvous; None: off
 
     @property
@@ -117,7 +118,8 @@ class HostRunner:
         from kafila.runtime.local_plan import admit_alone, this_device
         from kafila.runtime.pipeline import open_engine
 
-        admit_alone(self.manifest, await asyncio.to_thread(this_device), self.config.session)
+        device = await asyncio.to_thread(this_device, None, self.config.memory)
+        admit_alone(self.manifest, device, self.config.session)
         engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
         self._activate(engine)
         self.serving.session_status = lambda: {
@@ -183,7 +185,7 @@ class HostRunner:
             address = config.rendezvous
             advertised = f"{address[0]}:{address[1]}"
         self.serving.waiting_for = ["this machine to be measured"]
-        device = await asyncio.to_thread(this_device)
+        device = await asyncio.to_thread(this_device, None, config.memory)
         others = config.members - 1
         while True:
             presence = await present(config.name, address, device)
