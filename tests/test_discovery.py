@@ -406,3 +406,28 @@ def test_kafila_join_finds_a_real_host_on_this_machine(tmp_path: Path) -> None:
             output = stop(member)
     assert f"looking for the host of {'-'.join(code.split('-')[:3])} on this network" in output
     assert "found its rendezvous at" in output
+
+
+def test_a_standalone_kafila_rendezvous_answers_discovery_when_asked_to() -> None:
+    """`kafila rendezvous --discovery-port P`, a real process: found for a session opened on it."""
+    port = free_udp_port()
+    command = [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--http-port", "0",
+               "--stun-port", "0", "--discovery-port", str(port)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().startswith("READY ")
+        http = process.stdout.readline().split()[1]
+
+        async def scenario() -> tuple[str, int]:
+            host = await open_session(f"ws://{http}/v1/session")
+            try:
+                return await discover(host.code, port, timeout=3)
+            finally:
+                await host.close()
+
+        found = run(scenario())
+        assert f"{found[0]}:{found[1]}" == http
+    finally:
+        process.terminate()
+        process.wait(timeout=20)

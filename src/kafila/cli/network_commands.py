@@ -68,14 +68,21 @@ def rendezvous(
     alt_address: Annotated[
         str | None, typer.Option("--alt-address", help="A second address of this host, for RFC 5780 tests.")
     ] = None,
+    discovery_port: Annotated[
+        int,
+        typer.Option("--discovery-port", min=0, max=65535, help="Answer LAN discovery on this UDP port (0: off)."),
+    ] = 0,
 ) -> None:
     """Run the rendezvous: session signalling over WebSocket, STUN (RFC 5389 binding, RFC 5780
-    with --alt-address) and the UDP relay. Prints `READY <stun host:port>`, then `HTTP <host:port>`."""
+    with --alt-address) and the UDP relay; with --discovery-port, `kafila join CODE` on its LAN
+    finds it without --rendezvous. Prints `READY <stun host:port>`, then `HTTP <host:port>`."""
     from kafila.network.rendezvous_server import SESSION_PATH, start_rendezvous
 
     async def serve() -> None:
         try:
-            handle = await start_rendezvous(host, http_port, stun_port, alt_port, alt_address)
+            handle = await start_rendezvous(
+                host, http_port, stun_port, alt_port, alt_address, discovery_port=discovery_port or None
+            )
         except OSError as error:
             fail(f"cannot bind the rendezvous's sockets: {error}", False)
         endpoints = handle.stun.endpoints
