@@ -142,8 +142,9 @@ class RingLinks:
     """This member's links: the host's, always, and those to its current ring neighbours.
 
     Links come up only for the edges the plan uses, when an assignment names them, and links
-    the new plan no longer uses are closed: a ring of n members holds n links between members,
-    not n(n-1)/2, and relays carry only what the ring needs.
+    the new plan no longer uses are closed: a member holds at most three links (the host and
+    its two neighbours) however large the ring, where a mesh needs one to every other member,
+    and relays carry only what the ring needs.
     """
 
     host: LinkRouter
