@@ -163,13 +163,7 @@ def _admit(path: Path, session: SessionSpec, memory: int | None) -> None:
 
 
 class RichUi:
-    """The host's messages on stderr, with rich: stdout stays free for programs.
-
-    `lan_hint`: the embedded rendezvous answers LAN discovery, so say that the code alone will do.
-    """
-
-    def __init__(self, lan_hint: bool = False) -> None:
-        self.lan_hint = lan_hint
+    """The host's messages on stderr, with rich: stdout stays free for programs."""
 
     def say(self, text: str) -> None:
         stderr.print(text, highlight=False)
@@ -180,10 +174,10 @@ class RichUi:
     def error(self, message: str) -> None:
         stderr.print(f"[red]error:[/red] {message}", highlight=False)
 
-    def announce_code(self, code: str, join_line: str) -> None:
+    def announce_code(self, code: str, join_line: str, discoverable: bool = False) -> None:
         stderr.print(f"session code: [bold]{code}[/bold]", highlight=False)
         stderr.print(join_line, highlight=False)
-        if self.lan_hint:
+        if discoverable:
             stderr.print(
                 f"on this network `kafila join {code}` finds this host by itself; --rendezvous is for the others",
                 highlight=False,
@@ -208,8 +202,7 @@ async def _serve(config: HostConfig) -> None:
     from kafila.api.server import Serving, create_app
 
     serving = Serving(model_id=config.path.stem, context_per_sequence=config.session.context, api_key=config.api_key)
-    lan_hint = config.rendezvous is None and config.discovery_port is not None and not config.demo
-    host = HostRunner(config, serving, RichUi(lan_hint))
+    host = HostRunner(config, serving, RichUi())
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -38,7 +38,9 @@ class HostUi(Protocol):
     def say(self, text: str) -> None: ...
     def warn(self, what: str, detail: str) -> None: ...
     def error(self, message: str) -> None: ...
-    def announce_code(self, code: str, join_line: str) -> None: ...
+    def announce_code(self, code: str, join_line: str, discoverable: bool = False) -> None:
+        """`discoverable`: members on this network can join with the code alone (LAN discovery)."""
+
     def show_plan(self, report: PlanReport) -> None: ...
     def transfer_progress(self) -> AbstractContextManager[Callable[[str, int, int], None]]: ...
 
@@ -196,7 +198,8 @@ class HostRunner:
             network = self.network
             join = f"kafila join {network.code} --rendezvous {advertised}"
             machines = f"{others} machine{'s' if others > 1 else ''}"
-            self.ui.announce_code(network.code, f"on each of the other {machines}: {join}")
+            discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
+            self.ui.announce_code(network.code, f"on each of the other {machines}: {join}", discoverable)
             self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
             self.serving.session_status = network.status
             if config.demo and not self.joiners:
