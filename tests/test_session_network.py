@@ -278,3 +278,40 @@ def test_kafila_join_refuses_a_memory_that_is_no_size(bad: str) -> None:
          "--memory", bad], check=False, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 1 and "--memory" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_member_that_cannot_take_its_stage_is_left_out_and_the_rest_serve(tmp_path: Path, model: Path) -> None:
+    """One member's stage cache is a file, not a folder, so no stage file can land there: it
+    reports failure, the host sends it home saying why and plans again with the other member."""
+    broken = tmp_path / "broken-cache"
+    broken.mkdir()
+    (broken / "stages").write_text("not a folder")
+    members: list[subprocess.Popen[str]] = []
+    try:
+        with running_host("--model", model, "--members", "3", *COMMON, ready=False) as host:
+            code, rendezvous = host.join_line()
+            members.append(start_member(code, rendezvous, "good", tmp_path / "cache", "--threads", "1"))
+            members.append(start_member(code, rendezvous, "unlucky", broken, "--threads", "1"))
+            wait_ready(host, timeout=120)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+            with urlopen(f"{host.base_url}/status", timeout=10) as response:
+                chain = [m["name"] for m in json.loads(response.read())["members"] if "blocks" in m]
+            assert "good" in chain and "unlucky" not in chain, chain
+            members[1].wait(timeout=30)  # sent home
+    finally:
+        outputs = [stop(member) for member in members]
+    assert "the host left this member out" in outputs[1], outputs[1]
+    assert "the session ended" in outputs[0], outputs[0]
+
+
+def test_a_joiner_stopped_with_ctrl_c_leaves_without_a_traceback(tmp_path: Path, model: Path) -> None:
+    with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
+        code, rendezvous = host.join_line()
+        member = start_member(code, rendezvous, "member", tmp_path / "cache", "--threads", "1")
+        try:
+            wait_ready(host)
+        finally:
+            output = stop(member)
+    assert "left the session" in output and "Traceback" not in output, output

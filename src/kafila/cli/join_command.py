@@ -79,7 +79,7 @@ def join(
     member = name or f"{socket.gethostname()}"[:64]
     try:
         reason = asyncio.run(_join(code, address, model, member, threads or max(1, os.cpu_count() or 1), lent))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run may raise either
         stderr.print("left the session", highlight=False)
         return
     except Exception as error:  # every failure a person can meet: one line, no traceback

@@ -47,7 +47,15 @@ LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
 
 
 class SessionFailed(RuntimeError):
-    """The session cannot go on; the message says why, for the person at the host."""
+    """The session cannot go on as planned; the message says why, for the person at the host.
+
+    `member`: the member that failed its part (stalled, left, or could not take its stage), if
+    one did; the host can then leave it out and plan again with the others.
+    """
+
+    def __init__(self, message: str, member: str | None = None) -> None:
+        super().__init__(message)
+        self.member = member
 
 
 async def all_or_none(work: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -255,13 +263,16 @@ class HostSession:
             from kafila.network.transfer import send_stage_file
 
             name = self.member_name(member)
-            await send_stage_file(
-                self.routers[member].transfer,
-                stage.path,
-                stage.sha256,
-                assign.stage_index,
-                lambda done, total: progress(name, done, total),
-            )
+            try:
+                await send_stage_file(
+                    self.routers[member].transfer,
+                    stage.path,
+                    stage.sha256,
+                    assign.stage_index,
+                    lambda done, total: progress(name, done, total),
+                )
+            except Exception as error:  # its side gave up, or its link went down
+                raise SessionFailed(f"{name} could not receive its stage: {error}", member) from None
         return await self._expect(member, assign.epoch, Staged, "link to its neighbours and get its stage")
 
     async def _expect(self, member: str, epoch: int, kind: type[Reply], what: str) -> Reply:
@@ -272,13 +283,13 @@ class HostSession:
             try:
                 message = await self.routers[member].next_control(max(0.1, deadline - time.monotonic()))
             except TimeoutError:
-                raise SessionFailed(f"{name} did not {what} in {LOAD_TIMEOUT_S:.0f} s") from None
+                raise SessionFailed(f"{name} did not {what} in {LOAD_TIMEOUT_S:.0f} s", member) from None
             except Exception as error:
-                raise SessionFailed(f"{name} left before it could {what}: {error}") from None
+                raise SessionFailed(f"{name} left before it could {what}: {error}", member) from None
             if isinstance(message, kind) and message.epoch == epoch:
                 return message
             if isinstance(message, Failed) and message.epoch == epoch:
-                raise SessionFailed(f"{name} could not {what}: {message.message}")
+                raise SessionFailed(f"{name} could not {what}: {message.message}", member)
 
     # --- while serving ---------------------------------------------------------------------
 
@@ -381,6 +392,17 @@ class HostSession:
                 entry["rtt_ms"] = edge.rtt_ms if edge else None
             edges.append(entry)
         return edges
+
+    async def dismiss(self, member: str, reason: str) -> None:
+        """Send one member home (it failed its part): it hears why, and its link closes."""
+        router = self.routers.get(member)
+        if router is None:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(router.send_control(End(reason=reason)), 1.0)
+        await asyncio.sleep(0.2)  # let the End frame leave before the goodbye
+        with contextlib.suppress(Exception):
+            await router.close(reason)
 
     async def end(self, reason: str) -> None:
         """Tell every member the session is over, then close links, the rendezvous session and the socket."""

@@ -213,7 +213,27 @@ class HostRunner:
                 self.ui.warn("refused a member", str(error))
                 self.ui.say("that code is void now; a new one follows")
                 await network.end(f"the session was closed: {error}")
-        await self._deploy(network.alive())
+        if not await self._deploy_leaving_out_failures(network.alive()):
+            await self._serve_alone("every member failed its part")
+
+    async def _deploy_leaving_out_failures(self, members: list[str]) -> bool:
+        """Deploy over `members`; a member that fails its part is sent home and the rest are
+        planned again. False when nobody is left (the caller decides what then)."""
+        from kafila.session.host import SessionFailed
+
+        network = self.network
+        assert network is not None
+        while members:
+            try:
+                await self._deploy(members)
+                return True
+            except SessionFailed as failure:
+                if failure.member is None or failure.member not in members:
+                    raise
+                self.ui.warn("leaving a member out", str(failure))
+                await network.dismiss(failure.member, f"the host left this member out: {failure}")
+                members = [m for m in network.alive() if m != failure.member]
+        return False
 
     async def _deploy(self, members: list[str]) -> None:
 
@@ -253,9 +273,8 @@ class HostRunner:
             await self._retire(error)
             alive = network.alive()
             try:
-                if alive:
-                    await self._deploy(alive)
-                    self.ui.say(f"replanned with {len(alive) + 1} members")
+                if alive and await self._deploy_leaving_out_failures(alive):
+                    self.ui.say(f"replanned with {len(network.deployment.chain) if network.deployment else 1} members")
                 else:
                     await self._serve_alone("replanned: no member is left")
                     return
