@@ -16,6 +16,7 @@ whole policy is testable without a model.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -191,7 +192,8 @@ class Batcher:
             sampler = self._make_sampler(job.sampling)
             sampler.accept(job.prompt)
             self._active[job.request_id] = _Sequence(job, self._free_slots.pop(), sampler, StopAwareText(job.stop))
-        ready = [s for s in self._active.values() if not s.in_flight][: -(-len(self._active) // max(1, waves))]
+        share = math.ceil(len(self._active) / max(1, waves))  # this wave's part of the running requests
+        ready = [s for s in self._active.values() if not s.in_flight][:share]
         planned: list[tuple[_Sequence, EngineStep, bool]] = []
         budget = self.batch_rows
         for sequence in ready:

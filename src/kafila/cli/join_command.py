@@ -105,7 +105,7 @@ async def _join(
         stderr.print(f"[dim]{name}:[/dim] {text}", highlight=False)
 
     say("measuring this device (cached afterwards)")
-    device = await asyncio.to_thread(this_device, None, memory)
+    device = await asyncio.to_thread(this_device, memory=memory)
     presence = await present(name, rendezvous, device)
     model_sha = await asyncio.to_thread(file_sha256, model) if model is not None else None
     client = await RendezvousClient.join(

@@ -120,7 +120,7 @@ class HostRunner:
         from kafila.runtime.local_plan import admit_alone, this_device
         from kafila.runtime.pipeline import open_engine
 
-        device = await asyncio.to_thread(this_device, None, self.config.memory)
+        device = await asyncio.to_thread(this_device, memory=self.config.memory)
         admit_alone(self.manifest, device, self.config.session)
         engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
         self._activate(engine)
@@ -187,7 +187,7 @@ class HostRunner:
             address = config.rendezvous
             advertised = f"{address[0]}:{address[1]}"
         self.serving.waiting_for = ["this machine to be measured"]
-        device = await asyncio.to_thread(this_device, None, config.memory)
+        device = await asyncio.to_thread(this_device, memory=config.memory)
         others = config.members - 1
         while True:
             presence = await present(config.name, address, device)
