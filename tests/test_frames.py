@@ -88,6 +88,11 @@ def _header(**fields: int | bytes) -> bytes:
         (_header(dtype=3), "f32 or f16"),
         (_header(n=0, length=0), "at least one token"),
         (_header(kind=3, dtype=3, n=2, length=4), "2 token ids"),
+        (_header(kind=8, n=2, hidden=4, length=32), "one f32 row"),
+        (_header(kind=8, dtype=2, hidden=4, length=8), "one f32 row"),
+        (_header(kind=8, hidden=4, length=12), "4 f32 logits"),
+        (_header(kind=8, hidden=(1 << 21) + 1, length=4 * ((1 << 21) + 1)), "exceeds the limits"),
+        (_header(kind=2, hidden=(1 << 16) + 1, length=4 * ((1 << 16) + 1)), "exceeds the limits"),
     ],
 )
 def test_malformed_headers_are_refused_before_the_payload(header: bytes, message: str) -> None:
@@ -98,7 +103,21 @@ def test_malformed_headers_are_refused_before_the_payload(header: bytes, message
         decoder.feed(Frame(Kind.PING, 0).encode())  # a broken stream stays broken
 
 
+def test_a_logits_row_of_a_large_vocabulary_round_trips_exactly() -> None:
+    """A head on a member sends the host a row per step: wider than any hidden state (gemma's
+    vocabulary has 262,144 entries), and in f32, so a greedy pick cannot change on the way."""
+    row = np.random.default_rng(1).standard_normal(262_144).astype(np.float32)
+    frame = Frame.of_logits(9, 40, row)
+    (decoded,) = FrameDecoder().feed(frame.encode())
+    assert (decoded.kind, decoded.sequence_id, decoded.position, decoded.n_tokens, decoded.hidden) == (
+        Kind.LOGITS, 9, 40, 1, 262_144,
+    )  # fmt: skip
+    assert np.array_equal(decoded.logits(), row) and decoded.logits().flags.writeable
+
+
 def test_asking_the_wrong_thing_of_a_frame() -> None:
+    with pytest.raises(FrameError):
+        Frame(Kind.DECODE, 0).logits()
     with pytest.raises(FrameError):
         Frame(Kind.PING, 0).hidden_states()
     with pytest.raises(FrameError):

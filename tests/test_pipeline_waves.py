@@ -80,3 +80,46 @@ def test_a_sequence_forgotten_while_its_rows_are_out_starts_clean_in_its_slot(mo
         assert engine.stage_report()
     finally:
         engine.close()
+
+
+def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp_path: Path) -> None:
+    """The head as a ring stage of its own (a worker answering with LOGITS frames), this engine
+    holding only the vocabulary and embedding from the whole file: the same logits, waves,
+    forgetting and stage report as with the head here."""
+    from kafila.runtime.slicer import cached_slices
+
+    stages = cached_slices(model, [2, 1, 1], tmp_path)
+    remote = RingEngine(stages, SETTINGS, model=model)
+    try:
+        whole = open_engine(model, [4], SETTINGS)
+        assert remote.head is None and remote.n_vocab() == whole.n_vocab()
+        assert remote.tokenize(PROMPTS[0]) == whole.tokenize(PROMPTS[0]) and remote.is_end(2) == whole.is_end(2)
+        assert remote.chat_template() == whole.chat_template()
+        whole.close()
+        prompts = [remote.tokenize(p) for p in PROMPTS[:2]]
+        outs: list[list[int]] = [[], []]
+        for _ in range(5):
+            steps = [
+                EngineStep(s, 0, prompts[s], decode=False)
+                if not outs[s]
+                else EngineStep(s, len(prompts[s]) + len(outs[s]) - 1, outs[s][-1:], decode=True)
+                for s in (0, 1)
+            ]
+            launched = [remote.launch([step]) for step in steps]  # two waves out at once
+            for sequence, wave in enumerate(launched):
+                (logits,) = remote.land(wave)
+                assert isinstance(logits, np.ndarray) and logits.dtype == np.float32
+                outs[sequence].append(int(np.argmax(logits)))
+        assert outs == [greedy_alone(model, p, 5) for p in PROMPTS[:2]]
+        (unwanted,) = remote.step_many([EngineStep(2, 0, prompts[0], decode=False, logits=False)])
+        assert unwanted is None
+        remote.forget(2)
+        remote.forget(0)
+        report = remote.stage_report()
+        assert [stage["range"] for stage in report] == [[0, 2], [2, 3], [3, 4]]  # the head's own among them
+        assert all(stage["ms_per_token"] is not None for stage in report)
+        stale = remote.launch([EngineStep(1, 99, [1], decode=True)])  # a gap: the stages refuse it
+        (failed,) = remote.land(stale)
+        assert isinstance(failed, SequenceFailed) and "position 99" in failed.message
+    finally:
+        remote.close()

@@ -19,6 +19,7 @@ HEADER = struct.Struct("<2sBBBBHQIIII")  # magic, version, kind, dtype, flags, r
 HEADER_SIZE = HEADER.size  # 32 bytes
 MAX_TOKENS = 1 << 16
 MAX_HIDDEN = 1 << 16
+MAX_VOCAB = 1 << 21  # a LOGITS row: the largest vocabularies in use hold some 262,000 entries
 MAX_PAYLOAD = 1 << 28  # 256 MiB: a 4096-token prefill chunk of a hidden-16384 model in f32
 # Sequence ids from 2**63 up are reserved for control streams, never request slots, so their
 # streams cannot collide with a request's: stage-file transfers (`kafila.network.transfer`) use
@@ -35,10 +36,11 @@ class Kind(IntEnum):
     PING = 5  # keep-alive or a control message with a JSON payload
     ERROR = 6  # a UTF-8 message: the peer rejected a frame
     FILE = 7  # raw bytes of a file in transfer; `position` is the chunk's index (kafila.network.transfer)
+    LOGITS = 8  # a head on a member answers the host: f32 logits after a step's last row, `hidden` = vocabulary
 
 
 class DType(IntEnum):
-    NONE = 0  # no tensor: RESULT, CANCEL, PING, ERROR, FILE
+    NONE = 0  # no tensor: CANCEL, PING, ERROR, FILE
     F32 = 1
     F16 = 2
     I32 = 3  # token ids
@@ -97,6 +99,13 @@ class Frame:
         return cls(kind, sequence_id, position, rows.shape[0], rows.shape[1], dtype, rows.tobytes())
 
     @classmethod
+    def of_logits(cls, sequence_id: int, position: int, logits: npt.NDArray[np.floating]) -> Frame:
+        """One row of logits, answering the step that started at `position`: kept in f32, since
+        rounding them could change which token a greedy request picks."""
+        row = np.ascontiguousarray(logits, dtype=np.float32).reshape(1, -1)
+        return cls(Kind.LOGITS, sequence_id, position, 1, row.shape[1], DType.F32, row.tobytes())
+
+    @classmethod
     def of_tokens(cls, sequence_id: int, position: int, tokens: list[int]) -> Frame:
         payload = np.asarray(tokens, dtype=np.int32).tobytes()
         return cls(Kind.RESULT, sequence_id, position, len(tokens), 0, DType.I32, payload)
@@ -107,6 +116,12 @@ class Frame:
             raise FrameError(f"a {self.kind.name} frame carries no hidden states")
         values = np.frombuffer(self.payload, dtype=_NUMPY[self.dtype]).reshape(self.n_tokens, self.hidden)
         return values.astype(np.float32, copy=values.dtype != np.float32)
+
+    def logits(self) -> npt.NDArray[np.float32]:
+        """A LOGITS frame's row, as a vector over the vocabulary."""
+        if self.kind is not Kind.LOGITS:
+            raise FrameError(f"a {self.kind.name} frame carries no logits")
+        return np.frombuffer(self.payload, dtype=np.float32).copy()
 
     def tokens(self) -> list[int]:
         if self.dtype is not DType.I32:
@@ -124,9 +139,15 @@ def _validate(kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, lengt
         raise FrameError(str(error)) from None
     if length > MAX_PAYLOAD:
         raise FrameError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
-    if n_tokens > MAX_TOKENS or hidden > MAX_HIDDEN:
+    width_limit = MAX_VOCAB if kind_ is Kind.LOGITS else MAX_HIDDEN
+    if n_tokens > MAX_TOKENS or hidden > width_limit:
         raise FrameError(f"frame of {n_tokens} tokens x {hidden} exceeds the limits")
-    if kind_ in HIDDEN_KINDS:
+    if kind_ is Kind.LOGITS:
+        if dtype_ is not DType.F32 or n_tokens != 1 or hidden == 0:
+            raise FrameError("a LOGITS frame carries one f32 row over a non-empty vocabulary")
+        if length != 4 * hidden:
+            raise FrameError(f"payload of {length} bytes does not hold {hidden} f32 logits")
+    elif kind_ in HIDDEN_KINDS:
         if dtype_ not in (DType.F32, DType.F16) or n_tokens == 0 or hidden == 0:
             raise FrameError(f"a {kind_.name} frame needs f32 or f16 hidden states of at least one token")
         if length != n_tokens * hidden * _ITEM_SIZE[dtype_]:

@@ -175,6 +175,26 @@ class ContextSettings:
     quiet_threads: bool = True  # idle threads sleep: stages sharing a machine do not starve each other
 
 
+class VocabularyOnly:
+    """A model's tokenizer and chat template without its weights: a host whose head is on a member
+    tokenizes, detokenizes and samples with this, and holds none of the output projection."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._llama = llama()
+        params = self._llama.llama_model_default_params()
+        params.vocab_only = True
+        self.model = self._llama.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not read the vocabulary of {path}: {last_error()}")
+        self.vocab = self._llama.llama_model_get_vocab(self.model)
+        self.n_vocab = int(self._llama.llama_vocab_n_tokens(self.vocab))
+
+    def close(self) -> None:
+        if getattr(self, "model", None):
+            self._llama.llama_model_free(self.model)
+            self.model = None
+
+
 _DECODE_FAILURES = {-1: "invalid batch", 2: "aborted", -2: "out of memory", -3: "compute failed"}
 
 

@@ -25,10 +25,18 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.network.frames import DType, Frame, FrameDecoder, Kind, is_control_sequence
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel, shares_cores_env
+from kafila.runtime.llama_backend import ContextSettings, LlamaModel, VocabularyOnly, shares_cores_env
 from kafila.runtime.sampling import Sampler, SamplingSettings
 from kafila.runtime.slicer import StageFile, cached_slices
-from kafila.runtime.stage import HeadStage, StepInput, TokenStep, Vocabulary, WholeModel, run_isolating
+from kafila.runtime.stage import (
+    HeadStage,
+    StepInput,
+    TokenEmbedding,
+    TokenStep,
+    Vocabulary,
+    WholeModel,
+    run_isolating,
+)
 
 RING_TIMEOUT_S = 300.0
 
@@ -61,7 +69,8 @@ class _Worker:
 
 
 class LocalRing:
-    """Block stages as worker processes joined in a ring by loopback sockets."""
+    """Stages as worker processes joined in a ring by loopback sockets (a head file among them
+    answers with logits: the head on a member, without the network)."""
 
     def __init__(self, stages: Sequence[StageFile], settings: ContextSettings) -> None:
         self.workers: list[_Worker] = []
@@ -76,6 +85,7 @@ class LocalRing:
                     sys.executable, "-m", "kafila.runtime.worker", "--model", str(stage.path),
                     "--n-ctx", str(settings.n_ctx), "--n-batch", str(settings.n_batch),
                     "--n-seq", str(settings.n_seq_max), "--threads", str(settings.n_threads),
+                    *(["--head"] if stage.is_head else []),
                 ]  # fmt: skip
                 process = subprocess.Popen(
                     command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -220,7 +230,7 @@ class _Vocabulary:
     """Tokenizer calls, answered by whichever stage holds the full vocabulary."""
 
     vocabulary: Vocabulary
-    llama_model: LlamaModel
+    llama_model: LlamaModel | VocabularyOnly
     depth = 1
 
     def launch(self, steps: Sequence[EngineStep]) -> Launched:
@@ -279,7 +289,7 @@ class UnsplitEngine(_Vocabulary):
     def __init__(self, path: Path, settings: ContextSettings) -> None:
         self.model = WholeModel(path, settings)
         self.vocabulary, self.llama_model = self.model.vocabulary, self.model.model
-        self._blocks = int(self.llama_model._llama.llama_model_n_layer(self.llama_model.model))
+        self._blocks = int(self.model.model._llama.llama_model_n_layer(self.model.model.model))
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
         """All the steps in one decode; if that fails, each alone, so a fault fails only its sequence."""
@@ -331,7 +341,14 @@ def pipeline_depth(machines: int) -> int:
 
 
 class RingEngine(_Vocabulary):
-    """The head here, the other stages elsewhere, frames round a ring transport."""
+    """Frames round a ring transport, with the head here or on the ring itself.
+
+    With the head here, this engine embeds each step's tokens, sends the rows round the ring and
+    runs the head's blocks and output on what comes back. With the head on the ring (`model`
+    given: a host that cannot hold the head), it embeds from the whole model's file, which it
+    reads only row by row, and the ring's last stage answers each step with a LOGITS frame; this
+    engine keeps only the vocabulary, to tokenize and sample.
+    """
 
     def __init__(
         self,
@@ -340,13 +357,24 @@ class RingEngine(_Vocabulary):
         dtype: DType = DType.F32,
         ring: RingTransport | None = None,
         depth: int = 1,
+        model: Path | None = None,
     ) -> None:
-        """`stages` in chain order, head last; without `ring`, the others start as local processes.
-        `depth`: the distinct machines the ring spans (local processes: this one)."""
-        head_file = stages[-1]
-        self.head = HeadStage(head_file.path, settings)
-        self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
-        self._head_range = [head_file.first_block, head_file.end_block]
+        """`stages` in chain order, head last; without `ring`, the others start as local processes
+        (with `model`, the head among them). `depth`: the distinct machines the ring spans (local
+        processes: this one). `model`: the whole model, whose head is on the ring."""
+        self.head: HeadStage | None = None
+        self._vocabulary_only: VocabularyOnly | None = None
+        if model is None:
+            self.head = HeadStage(stages[-1].path, settings)
+            self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
+            self._embed: Callable[[Sequence[int]], npt.NDArray[np.float32]] = self.head.embed
+            ring_stages = stages[:-1]
+        else:
+            self._vocabulary_only = VocabularyOnly(model)
+            self.vocabulary, self.llama_model = Vocabulary(self._vocabulary_only), self._vocabulary_only
+            self._embed = TokenEmbedding(model)
+            ring_stages = stages
+        self._head_range = [stages[-1].first_block, stages[-1].end_block]
         self._dtype = dtype
         self.depth = pipeline_depth(depth)
         self._waves = itertools.count()
@@ -354,9 +382,9 @@ class RingEngine(_Vocabulary):
         self._arrived: dict[tuple[int, int], Frame] = {}  # (wave, sequence) → its frame, until the wave lands
         self._forgotten_at: dict[int, int] = {}  # sequence → first wave after it was forgotten mid-flight
         try:
-            self.ring: RingTransport = ring if ring is not None else LocalRing(stages[:-1], settings)
+            self.ring: RingTransport = ring if ring is not None else LocalRing(ring_stages, settings)
         except BaseException:
-            self.head.close()
+            self._close_head()
             raise
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
@@ -371,7 +399,7 @@ class RingEngine(_Vocabulary):
                 Kind.DECODE if s.decode else Kind.PREFILL,
                 s.sequence_id,
                 s.position,
-                self.head.embed(s.tokens),
+                self._embed(s.tokens),
                 self._dtype,
             )
             for s in steps
@@ -404,6 +432,9 @@ class RingEngine(_Vocabulary):
             if came.kind is Kind.ERROR:
                 results[index] = SequenceFailed(sent.sequence_id, came.text())
                 continue
+            if self.head is None:
+                results[index] = self._remote_logits(came, sent, steps[index])
+                continue
             if came.position != sent.position or came.n_tokens != sent.n_tokens:
                 raise StageFailed(
                     f"the ring returned position {came.position}, {came.n_tokens} rows for sequence "
@@ -412,10 +443,13 @@ class RingEngine(_Vocabulary):
             whole.append(index)
             inputs[index] = StepInput(came.sequence_id, came.position, came.hidden_states())
 
+        local_head = self.head
+
         def head(indices: Sequence[int]) -> list[StepResult]:
+            assert local_head is not None
             decode = all(steps[i].decode for i in indices)
             wanted = [steps[i].logits for i in indices]
-            return list(self.head.forward([inputs[i] for i in indices], decode, wanted))
+            return list(local_head.forward([inputs[i] for i in indices], decode, wanted))
 
         head_range = f"the head (blocks {self._head_range[0]}-{self._head_range[1] - 1})"
         if whole:
@@ -424,6 +458,16 @@ class RingEngine(_Vocabulary):
             for index, result in zip(whole, done, strict=True):
                 results[index] = result
         return results
+
+    def _remote_logits(self, came: Frame, sent: Frame, step: EngineStep) -> StepResult:
+        """A step's answer from a head on the ring: its LOGITS row (or None, if the step asked for none)."""
+        if came.kind is not Kind.LOGITS or came.position != sent.position or came.hidden != self.llama_model.n_vocab:
+            raise StageFailed(
+                f"the ring's head answered sequence {sent.sequence_id} at position {sent.position} with a "
+                f"{came.kind.name} frame at position {came.position} of width {came.hidden}, not "
+                f"{self.llama_model.n_vocab} logits"
+            )
+        return came.logits() if step.logits else None
 
     def _take(self, count: int) -> None:
         """Receive `count` frames and file each under the wave that sent it. Each sequence's frames
@@ -447,7 +491,8 @@ class RingEngine(_Vocabulary):
         if any(w is not None for w in self._expected[sequence_id]):
             self._forgotten_at[sequence_id] = next(self._waves)  # waves before this one are stale for it
         self._expected[sequence_id].append(None)
-        self.head.forget(sequence_id)
+        if self.head is not None:
+            self.head.forget(sequence_id)
 
     def _settle(self) -> None:
         """Take every CANCEL's answer still out; only between waves."""
@@ -458,12 +503,20 @@ class RingEngine(_Vocabulary):
 
     def stage_report(self) -> list[dict[str, object]]:
         self._settle()
+        if self.head is None:
+            return self.ring.stats()  # the head's own report comes round with the others
         head: dict[str, object] = {"range": self._head_range, "ms_per_token": self.head.timer.ms_per_token}
         return [*self.ring.stats(), head]
 
+    def _close_head(self) -> None:
+        if self.head is not None:
+            self.head.close()
+        if self._vocabulary_only is not None:
+            self._vocabulary_only.close()
+
     def close(self) -> None:
         self.ring.close()
-        self.head.close()
+        self._close_head()
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from gguf.quants import dequantize
 
 from kafila.runtime.families import family_of
 from kafila.runtime.gguf_file import FastGGUFReader
-from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel
+from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel, VocabularyOnly
 
 FloatRows = npt.NDArray[np.float32]
 T = TypeVar("T")
@@ -219,16 +219,37 @@ def _logits_of_steps(
     return out
 
 
+def _following_positions(model: LlamaModel, held: dict[int, int], steps: Sequence[StepInput]) -> dict[int, int]:
+    """Where each sequence's rows will end once `steps` run, refusing (ValueError, before anything
+    runs) rows that do not continue where the sequence's last ones ended: llama.cpp would take a
+    gap or a repeat silently and corrupt that sequence's cache."""
+    following = dict(held)
+    for step in steps:
+        model.check_sequence(step.sequence_id)
+        expected = following.get(step.sequence_id, 0)
+        if step.position != expected:
+            raise ValueError(
+                f"sequence {step.sequence_id} sent rows at position {step.position}; "
+                f"this stage holds it up to position {expected}"
+            )
+        following[step.sequence_id] = step.position + step.states.shape[0]
+    return following
+
+
+def _slice_range(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """The first block a stage file holds, in the whole model's numbering, and how many it holds."""
+    reader = FastGGUFReader(path)
+    arch = reader.scalar("general.architecture")
+    return int(reader.scalar("kafila.slice.first_block", 0)), int(reader.scalar(f"{arch}.block_count"))
+
+
 class BlockStage:
     """Blocks only: hidden states in, the residual after the last block out."""
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
         self._ggml = GGMLBase.load()
         self._get_name = self._ggml.get_name
-        reader = FastGGUFReader(path)
-        arch = reader.scalar("general.architecture")
-        n_layers = int(reader.scalar(f"{arch}.block_count"))
-        self.first_block = int(reader.scalar("kafila.slice.first_block", 0))
+        self.first_block, n_layers = _slice_range(path)
         self.n_layers = n_layers
         self._target = f"l_out-{n_layers - 1}".encode()
         self._captured: list[FloatRows] = []
@@ -258,16 +279,7 @@ class BlockStage:
         frame out of order is refused with ValueError before anything runs. A forward that fails
         once running raises BatchFailed, with what it wrote taken out of the cache again.
         """
-        following = dict(self._next_position)
-        for step in steps:
-            self.model.check_sequence(step.sequence_id)
-            expected = following.get(step.sequence_id, 0)
-            if step.position != expected:
-                raise ValueError(
-                    f"sequence {step.sequence_id} sent rows at position {step.position}; "
-                    f"this stage holds it up to position {expected}"
-                )
-            following[step.sequence_id] = step.position + step.states.shape[0]
+        following = _following_positions(self.model, self._next_position, steps)
         started = time.perf_counter()
         rows = []
         completed: set[int] = set()
@@ -300,7 +312,7 @@ class BlockStage:
 class Vocabulary:
     """Tokenizer and detokenizer over a model that holds the full vocabulary."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel | VocabularyOnly) -> None:
         self._model = model
         self._llama = model._llama
 
@@ -382,18 +394,28 @@ class HeadStage:
         self.vocabulary = Vocabulary(self.model)
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
+        self.first_block, self.n_layers = _slice_range(path)
+        self.name = f"the head (blocks {self.first_block}-{self.first_block + self.n_layers - 1})"
+        self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
 
     def forward(
         self, steps: Sequence[StepInput], decode: bool = False, wanted: Sequence[bool] | None = None
     ) -> list[npt.NDArray[np.float32] | None]:
-        """Logits for the last row of every wanted step (all by default); None for the others."""
+        """Logits for the last row of every wanted step (all by default); None for the others.
+
+        Rows out of position order are refused with ValueError before anything runs, as a
+        block stage refuses them: on a member, the head is fed by the ring, not by the engine.
+        """
+        following = _following_positions(self.model, self._next_position, steps)
         started = time.perf_counter()
         logits = _logits_of_steps(self.model, steps, wanted, as_tokens=False)
+        self._next_position = following
         rows = sum(s.states.shape[0] for s in steps)
         self.timer.add(time.perf_counter() - started, rows, decode)
         return logits
 
     def forget(self, sequence_id: int) -> None:
+        self._next_position.pop(sequence_id, None)
         self.model.forget(sequence_id)
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kafila.network.frames import HIDDEN_KINDS, Frame, FrameDecoder, FrameError, Kind
 from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.stage import BlockStage, StepInput, run_isolating
+from kafila.runtime.stage import BlockStage, HeadStage, StepInput, run_isolating
 
 # The sequence id of a worker's last ERROR frame when it gives up its stream (a frame it cannot
 # decode poisons everything after it): in the control range, so it names no request, and the
@@ -24,7 +24,10 @@ STREAM_ERROR_SEQUENCE = (1 << 64) - 1
 MAX_ERROR_TEXT = 4000
 
 
-def stage_stats(stage: BlockStage) -> dict[str, object]:
+RingStage = BlockStage | HeadStage  # what a ring member serves: blocks, or the last blocks and the output
+
+
+def stage_stats(stage: RingStage) -> dict[str, object]:
     return {
         "range": [stage.first_block, stage.first_block + stage.n_layers],
         "ms_per_token": stage.timer.ms_per_token,
@@ -33,30 +36,37 @@ def stage_stats(stage: BlockStage) -> dict[str, object]:
     }
 
 
-def refusal(stage: BlockStage, frame: Frame, error: Exception) -> Frame:
+def refusal(stage: RingStage, frame: Frame, error: Exception) -> Frame:
     """The ERROR frame that answers a frame this stage could not run: on its sequence, with the reason."""
     text = f"{stage.name} refused sequence {frame.sequence_id}: {error}"
     return Frame(Kind.ERROR, frame.sequence_id, payload=text.encode()[:MAX_ERROR_TEXT])
 
 
-def _run(stage: BlockStage, batch: Sequence[Frame]) -> list[Frame]:
-    """Hidden-state frames through the stage as one batched decode."""
+def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
+    """Hidden-state frames through the stage as one batched decode: hidden states out of a block
+    stage, a LOGITS row (after each frame's last row) out of a head."""
     steps = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in batch]
     decode = all(f.kind is Kind.DECODE for f in batch)
+    if isinstance(stage, HeadStage):
+        logits = []
+        for frame, row in zip(batch, stage.forward(steps, decode=decode), strict=True):
+            assert row is not None  # every step's last row is asked for
+            logits.append(Frame.of_logits(frame.sequence_id, frame.position, row))
+        return logits
     return [
         Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype)
         for frame, states in zip(batch, stage.forward(steps, decode=decode), strict=True)
     ]
 
 
-def handle_frames(stage: BlockStage, frames: Sequence[Frame]) -> list[Frame]:
+def handle_frames(stage: RingStage, frames: Sequence[Frame]) -> list[Frame]:
     """Run a burst of frames through the stage, batching consecutive hidden-state frames.
 
     Every hidden-state frame gets exactly one frame back: its output, or an ERROR frame on its
     sequence when this stage cannot run it (out of position order, the wrong width, llama.cpp
     refusing it). When a batch fails, its frames are run again one at a time (the failed forward
     has taken its rows out of the cache), so one sequence's fault fails only that sequence. An
-    ERROR frame from upstream is passed on unchanged, so that it reaches the head.
+    ERROR frame from upstream is passed on unchanged, so that it reaches the host.
     """
     out: list[Frame] = []
     batch: list[Frame] = []
@@ -93,7 +103,7 @@ def _sequence(frame: Frame) -> int:
     return frame.sequence_id
 
 
-def serve(stage: BlockStage, upstream: socket.socket, downstream: socket.socket) -> None:
+def serve(stage: RingStage, upstream: socket.socket, downstream: socket.socket) -> None:
     decoder = FrameDecoder()
     buffer = bytearray(1 << 20)  # reused: a fresh megabyte per recv costs more than the frame
     view = memoryview(buffer)
@@ -115,9 +125,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--n-seq", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--head", action="store_true", help="the file is the head's: answer with logits")
     args = parser.parse_args(argv)
     settings = ContextSettings(n_ctx=args.n_ctx, n_batch=args.n_batch, n_seq_max=args.n_seq, n_threads=args.threads)
-    stage = BlockStage(args.model, settings)
+    stage: RingStage = HeadStage(args.model, settings) if args.head else BlockStage(args.model, settings)
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"READY {listener.getsockname()[1]}", flush=True)
     command = sys.stdin.readline().split()
