@@ -148,16 +148,19 @@ def test_a_pinned_head_stays_on_the_anchor_even_when_another_member_is_faster() 
         plan_session(manifest, [slow, fast], SessionSpec(), pin_head=True)
 
 
-def test_a_host_that_cannot_hold_the_head_is_told_where_to_host_instead() -> None:
+def test_the_head_leaves_the_serving_host_only_when_the_host_cannot_hold_it() -> None:
     manifest = ModelManifest(name="m", block_bytes=(100,) * 4, head_bytes=1000, kv_bytes_per_token=(0,) * 4)
     small = _device("laptop", 1000.0, 0.0, memory=500)
     big = _device("workstation", 100.0, 0.0, memory=5000)
-    with pytest.raises(PlanRefused) as refused:
-        plan_serving_host(manifest, [small, big], SessionSpec(context=1))
-    assert refused.value.device == "laptop"
-    assert "with the head on 'workstation' the model would fit" in str(refused.value)
+    moved = plan_serving_host(manifest, [small, big], SessionSpec(context=1))
+    assert moved.head == "workstation" and moved.stages[-1].device == "workstation"
+    assert [s.device for s in moved.stages if not s.is_head] == ["laptop"]  # the host keeps blocks of its own
+    assert any("cannot hold the head" in note for note in moved.notes)
     nowhere = big.model_copy(update={"memory_bytes": 1000})
     with pytest.raises(PlanRefused) as refused:
         plan_serving_host(manifest, [small, nowhere], SessionSpec(context=1))
-    assert "would fit" not in str(refused.value)  # no advice where no machine would do
-    assert plan_serving_host(manifest, [big, small], SessionSpec(context=1)).head == "workstation"
+    assert refused.value.device in ("laptop", "workstation") and "cannot hold" in str(refused.value)
+    # A faster member does not take the head from a host that can hold it (see plan_serving_host).
+    fast = _device("gpu", 100_000.0, 0.0, memory=5000)
+    assert plan_serving_host(manifest, [big, fast], SessionSpec(context=1)).head == "workstation"
+    assert plan_session(manifest, [big, fast], SessionSpec(context=1), anchor="workstation").head == "gpu"

@@ -161,10 +161,25 @@ def test_a_ring_link_that_breaks_between_members_is_rebuilt_through_the_relay(tm
             assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
 
 
-def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(tmp_path: Path, model: Path) -> None:
+def head_elsewhere(model: Path) -> tuple[str, ...]:
+    """Host options that leave it room for any one block and its cache, but never with the head too."""
+    from kafila.runtime.manifest import read_manifest
+
+    manifest = read_manifest(model)
+    context, concurrency = 2048, 4  # a cache of 1 MiB a block: what makes --memory's 1 MiB floor fit
+    cache = manifest.kv_bytes_per_token[0] * context * concurrency
+    lend = min(manifest.block_bytes) + cache + manifest.head_bytes - 1
+    return ("--context", str(context), "--concurrency", str(concurrency), "--memory", f"{lend}B")
+
+
+@pytest.mark.parametrize("role", ["blocks", "head"])
+def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(
+    tmp_path: Path, model: Path, role: str
+) -> None:
     own_copy = tmp_path / "copy.gguf"
     own_copy.write_bytes(model.read_bytes())
-    with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
+    extra = head_elsewhere(model) if role == "head" else ()
+    with running_host("--model", model, "--members", "2", *COMMON, *extra, ready=False) as host:
         code, rendezvous = host.join_line()
         member = start_member(code, rendezvous, "member", tmp_path / "cache", "--model", str(own_copy))
         try:
@@ -175,6 +190,7 @@ def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(tmp_
         finally:
             output = stop(member)
     assert "slicing blocks" in output and "receiving stage" not in output, output
+    assert ("and the head" in output) == (role == "head"), output
 
 
 def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(tmp_path: Path, model: Path) -> None:
@@ -315,3 +331,67 @@ def test_a_joiner_stopped_with_ctrl_c_leaves_without_a_traceback(tmp_path: Path,
         finally:
             output = stop(member)
     assert "left the session" in output and "Traceback" not in output, output
+
+
+def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path: Path) -> None:
+    """`--memory` on the host leaves room for a block and its cache but not for the head as well:
+    the plan puts the head on a member, which answers each step with logits; the host embeds,
+    serves its own blocks as a plain stage and samples. Output is the unsplit model's, and when
+    the head member leaves, the head moves to the member that is left.
+
+    Six blocks of sizes S M L S M L make the host's stage fall in the middle of the first ring
+    (it takes one S or M block; both rotations that keep the head off it tie, and the first is
+    kept), and at block 0 of the second, so both ways of feeding it are exercised."""
+    (tmp_path / "six").mkdir()
+    model = write_tiny_model(tmp_path / "six" / "tiny.gguf", "llama", n_blocks=6)
+    outputs: list[str] = []
+    with session(tmp_path, model, 3, *head_elsewhere(model), outputs=outputs) as (host, joiners):
+        wait_ready(host, timeout=120)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        messages = [{"role": "user", "content": "hello"}]
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+        streamed = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == whole.choices[0].message.content
+        check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(model, prompt, n))
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        host_entry = next(m for m in status["members"] if m["host"])
+        head = status["plan"]["head"]
+        assert head != host_entry["name"] and head.startswith("member-"), status["plan"]
+        assert 0 < host_entry["blocks"][0] < host_entry["blocks"][1] < 6, status  # fed by a member, feeding one
+        hops = [(e["from"], e["to"]) for e in status["edges"]]
+        assert (head, host_entry["name"]) in hops and len(hops) >= 3, hops  # the logits come back to the host
+        assert [b for _a, b in hops] == [a for a, _b in hops[1:] + hops[:1]], hops  # a closed ring
+        assert all(e["path"] == "direct" for e in status["edges"]), status["edges"]
+        assert sorted(tuple(s["range"]) for s in status["stages"]) == sorted(
+            tuple(m["blocks"]) for m in status["members"]
+        )  # every stage reports, the host's and the head's among them
+        assert f"the head on {head}" in host.output()
+        table = subprocess.run(
+            [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
+            timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
+        ).stdout  # fmt: skip
+        assert "member (head)" in table and "host (head)" not in table, table
+        heads = [j for j, name in zip(joiners, ("member-0", "member-1"), strict=True) if name == head]
+        heads[0].kill()
+        deadline = time.monotonic() + 90
+        while "replanned with 2 members" not in host.output():
+            assert time.monotonic() < deadline and host.process.poll() is None, host.output()
+            time.sleep(0.2)
+        wait_ready(host, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        assert status["plan"]["head"] != head and status["plan"]["head"].startswith("member-"), status
+        assert next(m for m in status["members"] if m["host"])["blocks"][0] == 0, status  # fed by its own engine
+    assert any("and the head" in out for out in outputs), outputs

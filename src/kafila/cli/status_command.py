@@ -33,6 +33,7 @@ def render_status(status: dict[str, Any], console: Console) -> None:
     )
     measured = {tuple(s["range"]): s.get("ms_per_token") for s in status.get("stages") or [] if "range" in s}
     members = status.get("members") or []
+    head = (status.get("plan") or {}).get("head")  # none planned: one machine, which holds it
     if members:
         table = Table(title="Members")
         for column in ("member", "role", "blocks", "link", "predicted ms/token", "measured ms/token"):
@@ -45,7 +46,8 @@ def render_status(status: dict[str, Any], console: Console) -> None:
                 link += f", {_number(member['rtt_ms'])} ms"
             table.add_row(
                 str(member.get("name")),
-                "host (head)" if member.get("host") else "member",
+                ("host" if member.get("host") else "member")
+                + (" (head)" if member.get("name") == head or (head is None and member.get("host")) else ""),
                 f"{span[0]}–{span[1] - 1}" if span else "—",
                 link,
                 _number(member.get("predicted_ms_per_token")),

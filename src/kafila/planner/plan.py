@@ -322,22 +322,16 @@ def plan_session(
 
 
 def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], session: SessionSpec) -> Plan:
-    """The plan with the head on `devices[0]`, the host that serves the API and samples.
+    """The plan for a session served from `devices[0]`: the head there if it can hold it, else
+    wherever it fits.
 
-    When that is refused but the head elsewhere would fit, the refusal says so and names the
-    machine to host from instead: that is the change the person can make.
+    The host serves the API and samples, so a head on a member sends the host a row of logits per
+    token (a megabyte for a 262k vocabulary), a cost the model of Section V does not price; the
+    paper finds a head moved for speed alone within run-to-run noise. So the head leaves the host
+    only for capacity: when the host cannot hold it, and another machine can.
     """
     host = devices[0].name
     try:
         return plan_session(manifest, devices, session, anchor=host, pin_head=True)
-    except PlanRefused as refused:
-        try:
-            elsewhere = plan_session(manifest, devices, session, anchor=host)
-        except PlanRefused:
-            raise refused from None
-        raise PlanRefused(
-            f"{refused}. The host holds the head (embedding and output) because it serves the API; with the "
-            f"head on '{elsewhere.head}' the model would fit: run `kafila host` there instead",
-            refused.device,
-            refused.shortfall_bytes,
-        ) from None
+    except PlanRefused:
+        return plan_session(manifest, devices, session, anchor=host)  # its refusal weighs every head

@@ -255,12 +255,16 @@ def cached_slices(
 
 
 def block_range_file(
-    source: str | os.PathLike[str], first: int, end: int, out_dir: str | os.PathLike[str]
+    source: str | os.PathLike[str], first: int, end: int, out_dir: str | os.PathLike[str], is_head: bool = False
 ) -> StageFile:
-    """A block stage for blocks [first, end) alone: what the probe times to price this model's blocks."""
+    """The stage file for blocks [first, end) alone, byte for byte what `slice_model` writes for that
+    stage (`is_head`: the last blocks with the head): a member with its own copy of the model cuts
+    its stage itself."""
     reader, arch, n_blocks = _open(Path(source))
     if not 0 <= first < end <= n_blocks:
         raise SliceError(f"blocks {first}..{end} are not a range of the model's {n_blocks}")
     _check_family(arch, n_blocks)
-    path, digest = _write(_Slice(reader, arch, n_blocks, first, end, False), Path(out_dir))
-    return StageFile(0, first, end, False, path, digest, path.stat().st_size)
+    if is_head and end != n_blocks:
+        raise SliceError(f"the head holds the last blocks; blocks {first}..{end} stop short of {n_blocks}")
+    path, digest = _write(_Slice(reader, arch, n_blocks, first, end, is_head), Path(out_dir))
+    return StageFile(0, first, end, is_head, path, digest, path.stat().st_size)

@@ -5,11 +5,18 @@ The order, and why:
 2. prove the code to every joiner and pin their certificates (SPAKE2, `verify_members`);
 3. bring up a pinned QUIC link to each member, punched where possible, relayed where not;
 4. hear what each member already holds (`Hello`), then plan with every member's probe, the
-   head pinned here, refusing before anything loads if the model does not fit;
+   head here unless this machine cannot hold it, refusing before anything loads if the model
+   does not fit;
 5. assign each member its stage and ring neighbours: members link to their neighbours (only the
    planned edges come up) while their stage files arrive from their cache, from their own copy
    of the model, or over their link; each answers `Staged`;
-6. have the stages load downstream-first (`Load`, `Loaded`), the head's own last, and serve.
+6. have the stages load downstream-first (`Load`, `Loaded`), this machine's own in its turn
+   (the head's, if it holds the head, last), and serve.
+
+With the head here, the ring runs host → block 0 … → host. With the head on a member, the host
+embeds each step's tokens from the model file and serves its own block range as a plain stage;
+the head member sends each step's logits back to the host, which samples: host → block 0 … →
+head → host, the host's own stage somewhere along the way.
 
 When a member's link goes down, or a serving member reports that its stage stopped (a ring link
 between members went down), steps 4-6 run again with the members that are left.
@@ -19,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -34,10 +43,12 @@ from kafila.planner.types import Device, ModelManifest, Plan, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine
 from kafila.runtime.slicer import StageFile, cached_slices, file_sha256
+from kafila.runtime.stage import BlockStage
+from kafila.session.member import serve_stage
 from kafila.session.presence import Presence, machine_tag
 from kafila.session.protocol import Assign, End, Failed, Hello, Load, Loaded, RingEdge, Staged
 from kafila.session.quic_ring import QuicRing
-from kafila.session.router import LinkRouter
+from kafila.session.router import FrameSink, LinkRouter, LocalChannel
 
 Say = Callable[[str], None]
 Reply = TypeVar("Reply", Staged, Loaded)
@@ -76,9 +87,36 @@ class Deployment:
 
     epoch: int
     plan: Plan
-    chain: list[str]  # member ids in chain order, this host last
+    chain: list[str]  # member ids in chain order, the head last (this host, unless it cannot hold it)
     counts: list[int]
     stages: list[StageFile]
+    host: str  # this host's member id
+
+    @property
+    def members(self) -> list[str]:
+        """The other machines of the ring, in chain order."""
+        return [m for m in self.chain if m != self.host]
+
+    @property
+    def head_here(self) -> bool:
+        return self.chain[-1] == self.host
+
+
+@dataclass
+class OwnStage:
+    """This host's block range, served as a member serves one, when the head is on a member."""
+
+    stage: BlockStage
+    task: asyncio.Task[None]
+    inbound: LocalChannel | None  # what the engine sends it, when it holds block 0
+    executor: ThreadPoolExecutor
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.task
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.stage.close)
+        self.executor.shutdown(wait=False)
 
 
 @dataclass
@@ -104,6 +142,7 @@ class HostSession:
     ring_edges: dict[str, dict[str, RingEdge]] = field(default_factory=dict)  # member → neighbour → edge
     broken: str | None = None  # a serving member's report that its stage stopped
     broken_edges: set[frozenset[str]] = field(default_factory=set)  # member pairs whose ring link broke
+    own_stage: OwnStage | None = None
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
 
     # --- gathering ---------------------------------------------------------------------------
@@ -182,7 +221,8 @@ class HostSession:
         return [host, *others]
 
     def plan(self, members: Sequence[str]) -> Plan:
-        """The plan over this host and `members`, head here; PlanRefused names who cannot hold its share."""
+        """The plan over this host and `members`, the head here if it fits (`plan_serving_host`);
+        PlanRefused names who cannot hold its share."""
         devices = self.devices(members)
         return plan_serving_host(self.manifest, devices, self.session)
 
@@ -198,13 +238,17 @@ class HostSession:
         """
         plan = self.plan(members)
         await self.stop_listening()  # the replies to this deployment are read below
+        await self.drop_own_stage()  # its memory is the new plan's, and its frames must not reach the new ring
         by_name = {self.member_name(m): m for m in [self.me, *members]}
         chain = [by_name[stage.device] for stage in plan.stages]
         counts = [stage.end - stage.start for stage in plan.stages]
         self.epoch += 1
         stages = await asyncio.to_thread(cached_slices, self.model, counts, self.cache)
         assigns: dict[str, Assign] = {}
-        for index, member in enumerate(chain[:-1]):
+        last = len(chain) - 1
+        for index, member in enumerate(chain):
+            if member == self.me:
+                continue
             stage = stages[index]
             hello = self.hellos[member]
             source: Literal["cache", "slice", "transfer"] = (
@@ -212,13 +256,16 @@ class HostSession:
                 else "slice" if hello.model_sha256 is not None and hello.model_sha256 == self.model_sha256
                 else "transfer"
             )  # fmt: skip
-            predecessor, successor = chain[index - 1], chain[index + 1]  # block 0's predecessor: the head, last
+            # Block 0 is fed by the host (the embedding), and the head answers the host (the logits).
+            predecessor = chain[index - 1] if index > 0 else self.me
+            successor = chain[index + 1] if index < last else self.me
             assigns[member] = Assign(
                 epoch=self.epoch, stage_index=index, first_block=stage.first_block, end_block=stage.end_block,
                 sha256=stage.sha256, size=stage.n_bytes, source=source,
                 predecessor=predecessor, successor=successor,
                 n_ctx=self.settings.n_ctx, n_batch=self.settings.n_batch, n_seq_max=self.settings.n_seq_max,
                 relink=sorted({p for p in (predecessor, successor) if frozenset((member, p)) in self.broken_edges}),
+                head=index == last,
             )  # fmt: skip
         for router in self.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
@@ -240,7 +287,12 @@ class HostSession:
 
         staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
         self.ring_edges = {m: {e.peer: e for e in s.edges} for m, s in zip(assigns, staged, strict=True)}
-        for member in reversed(chain[:-1]):  # downstream first: a stage serves only once its successor does
+        for index in reversed(range(len(chain))):  # downstream first: a stage serves only once its successor does
+            member = chain[index]
+            if member == self.me:
+                if index < last:  # the head's own stage loads with the engine, last of all
+                    await self._load_own_stage(chain, index, stages[index])
+                continue
             assign = assigns[member]
             await self.routers[member].send_control(Load(epoch=assign.epoch))
             loaded = await self._expect(member, assign.epoch, Loaded, "load its stage")
@@ -250,10 +302,41 @@ class HostSession:
             )
             del preparing[self.member_name(member)]
             report()
-        self.deployment = Deployment(self.epoch, plan, chain, counts, stages)
+        self.deployment = Deployment(self.epoch, plan, chain, counts, stages, self.me)
         self.broken_edges.clear()  # rebuilt, or no longer in the ring
-        self._listen(chain[:-1], self.epoch)
+        self._listen(self.deployment.members, self.epoch)
         return self.deployment
+
+    async def _load_own_stage(self, chain: Sequence[str], index: int, stage_file: StageFile) -> None:
+        """Load this host's block range and serve it between its ring neighbours, as a member would;
+        the engine feeds it directly when it holds block 0."""
+        what = f"blocks {stage_file.first_block}-{stage_file.end_block - 1}"
+        started = time.perf_counter()
+        executor = ThreadPoolExecutor(1, thread_name_prefix="own-stage")
+        try:
+            loop = asyncio.get_running_loop()
+            stage = await loop.run_in_executor(executor, BlockStage, stage_file.path, self.settings)
+        except Exception as error:
+            executor.shutdown(wait=False)
+            raise SessionFailed(f"this machine could not load its {what}: {error}") from None
+        local = LocalChannel() if index == 0 else None
+        inbound = local if local is not None else self.routers[chain[index - 1]].activation
+        outbound = self.routers[chain[index + 1]].activation
+        task = asyncio.create_task(serve_stage(stage, inbound, outbound, executor), name="own-stage")
+        task.add_done_callback(self._own_stage_stopped)
+        self.own_stage = OwnStage(stage, task, local, executor)
+        self.say(f"this machine loaded {what} in {time.perf_counter() - started:.1f} s")
+
+    def _own_stage_stopped(self, task: asyncio.Task[None]) -> None:
+        """This host's stage stopped by itself (a ring link it serves went down): replan."""
+        if not task.cancelled() and task.exception() is not None:
+            self.broken = f"this machine's stage stopped: {task.exception()}"
+
+    async def drop_own_stage(self) -> None:
+        """Stop serving this host's block range and free it: before a new plan, or alone, or at the end."""
+        own, self.own_stage = self.own_stage, None
+        if own is not None:
+            await own.close()
 
     async def _stage(
         self, member: str, assign: Assign, stage: StageFile, progress: Callable[[str, int, int], None]
@@ -318,19 +401,25 @@ class HostSession:
         await asyncio.gather(*listeners, return_exceptions=True)
 
     def engine(self, deployment: Deployment, loop: asyncio.AbstractEventLoop) -> RingEngine:
-        """The head's engine over the links (blocking: loads the head stage; run it in a thread)."""
-        first, last = deployment.chain[0], deployment.chain[-2]
-        members = {self.member_name(m): self.routers[m].link.closed for m in deployment.chain[:-1]}
-        ring = QuicRing(
-            loop,
-            self.routers[first].activation,
-            self.member_name(first),
-            self.routers[last].activation,
-            self.member_name(last),
-            members,
-        )
+        """The engine over the links (blocking: loads the head, or the vocabulary; run it in a thread).
+
+        With the head here, frames come back from the last member as hidden states; with the head
+        on a member, they come back from it as logits, and this engine holds only the vocabulary.
+        """
+        chain, depth = deployment.chain, self.machines(deployment.chain)
+        members = {self.member_name(m): self.routers[m].link.closed for m in deployment.members}
+        back = chain[-2] if deployment.head_here else chain[-1]
+        first: FrameSink
+        if chain[0] == self.me and not deployment.head_here:
+            assert self.own_stage is not None and self.own_stage.inbound is not None
+            first, first_name = self.own_stage.inbound, "this machine's stage"
+        else:
+            first, first_name = self.routers[chain[0]].activation, self.member_name(chain[0])
+        ring = QuicRing(loop, first, first_name, self.routers[back].activation, self.member_name(back), members)
         self.ring = ring
-        return RingEngine([deployment.stages[-1]], self.settings, ring=ring, depth=self.machines(deployment.chain))
+        if deployment.head_here:
+            return RingEngine([deployment.stages[-1]], self.settings, ring=ring, depth=depth)
+        return RingEngine(deployment.stages, self.settings, ring=ring, depth=depth, model=self.model)
 
     def machines(self, chain: Sequence[str]) -> int:
         """Distinct machines in the ring: the waves worth keeping in flight (stages sharing a
@@ -376,10 +465,14 @@ class HostSession:
         }  # fmt: skip
 
     def chain_edges(self, chain: Sequence[str]) -> list[dict[str, Any]]:
-        """The ring's links in chain order: how each goes (direct or relayed) and its round trip."""
+        """The ring's links in the order a token crosses them: how each goes (direct or relayed) and
+        its round trip. A head on a member answers the host, which feeds block 0."""
+        path = [*chain, self.me] if chain[-1] != self.me else list(chain)
+        hops = list(itertools.pairwise(path))
+        if path[0] != path[-1]:
+            hops.append((path[-1], path[0]))
         edges = []
-        for index, member in enumerate(chain):
-            successor = chain[(index + 1) % len(chain)]
+        for member, successor in hops:
             entry: dict[str, Any] = {"from": self.member_name(member), "to": self.member_name(successor)}
             if self.me in (member, successor):
                 other = successor if member == self.me else member
@@ -407,6 +500,7 @@ class HostSession:
     async def end(self, reason: str) -> None:
         """Tell every member the session is over, then close links, the rendezvous session and the socket."""
         await self.stop_listening()
+        await self.drop_own_stage()
         for router in self.routers.values():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(router.send_control(End(reason=reason)), 1.0)

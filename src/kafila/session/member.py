@@ -26,10 +26,10 @@ from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.slicer import file_sha256
-from kafila.runtime.stage import BlockStage
-from kafila.runtime.worker import handle_frames
+from kafila.runtime.stage import BlockStage, HeadStage
+from kafila.runtime.worker import RingStage, handle_frames
 from kafila.session.protocol import Assign, EdgePath, End, Failed, Hello, Load, Loaded, RingEdge, Staged
-from kafila.session.router import Channel, LinkRouter
+from kafila.session.router import FrameSink, FrameSource, LinkRouter
 
 Say = Callable[[str], None]
 
@@ -46,8 +46,12 @@ def cached_stage_hashes(cache: Path, limit: int = 1024) -> list[str]:
     return [n for n in names if all(c in "0123456789abcdef" for c in n)][:limit]
 
 
-async def serve_stage(stage: BlockStage, inbound: Channel, outbound: Channel, executor: ThreadPoolExecutor) -> None:
+async def serve_stage(
+    stage: RingStage, inbound: FrameSource, outbound: FrameSink, executor: ThreadPoolExecutor
+) -> None:
     """Frames from the predecessor through the stage to the successor, batching what arrives together.
+
+    A head answers each step with its logits, to the host.
 
     A frame the stage rejects (wrong hidden size, bad shape, no room in its cache) becomes an
     ERROR frame for that sequence sent on round the ring (`handle_frames`), so the host fails that
@@ -74,7 +78,7 @@ class MemberState:
     model: Path | None
     threads: int
     say: Say
-    stage: BlockStage | None = None
+    stage: RingStage | None = None
     serving: asyncio.Task[None] | None = None
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="stage"))
     reports: list[asyncio.Future[None]] = field(default_factory=list)  # failures on their way to the host
@@ -100,7 +104,9 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
         from kafila.runtime.slicer import block_range_file
 
         state.say(f"slicing blocks {assign.first_block}-{assign.end_block - 1} from {state.model.name}")
-        made = await asyncio.to_thread(block_range_file, state.model, assign.first_block, assign.end_block, state.cache)
+        made = await asyncio.to_thread(
+            block_range_file, state.model, assign.first_block, assign.end_block, state.cache, assign.head
+        )
         path = Path(made.path)
     elif assign.source == "transfer":
         from kafila.network.transfer import receive_stage_file
@@ -242,17 +248,21 @@ async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: M
     )
     try:
         loop = asyncio.get_running_loop()
-        state.stage = await loop.run_in_executor(state.executor, BlockStage, path, settings)
+        stage: RingStage = await loop.run_in_executor(
+            state.executor, HeadStage if assign.head else BlockStage, path, settings
+        )
+        state.stage = stage
     except Exception as error:
         state.say(f"cannot load stage {assign.stage_index}: {error}")
         await host.send_control(Failed(epoch=assign.epoch, message=str(error)))
         return
     inbound = links.routers[assign.predecessor].activation
     outbound = links.routers[assign.successor].activation
-    state.serving = asyncio.create_task(serve_stage(state.stage, inbound, outbound, state.executor))
+    state.serving = asyncio.create_task(serve_stage(stage, inbound, outbound, state.executor))
     state.serving.add_done_callback(lambda task: _report_stopped(task, assign, links, state))
     seconds = time.perf_counter() - started
-    state.say(f"serving blocks {assign.first_block}-{assign.end_block - 1} (ready in {seconds:.1f} s)")
+    role = " and the head" if assign.head else ""
+    state.say(f"serving blocks {assign.first_block}-{assign.end_block - 1}{role} (ready in {seconds:.1f} s)")
     await host.send_control(Loaded(epoch=assign.epoch, stage_index=assign.stage_index, seconds=seconds))
 
 

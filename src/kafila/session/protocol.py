@@ -57,6 +57,9 @@ class Assign(_Message):
     n_batch: Annotated[int, Field(ge=1, le=1 << 16)]
     n_seq_max: Annotated[int, Field(ge=1, le=256)]
     relink: list[MemberId] = Field(default_factory=list, max_length=2)  # neighbours whose old link broke
+    # The head: the model's last blocks and its output. It answers each step with a LOGITS row,
+    # to its successor, the host (which cannot hold the head itself, or the plan put it here).
+    head: bool = False
 
 
 EdgePath = Literal["direct", "relayed"]

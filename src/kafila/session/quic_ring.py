@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from kafila.network.frames import Frame
 from kafila.network.link import LinkError
 from kafila.runtime.pipeline import StageFailed, check_ring_error, ring_stats
-from kafila.session.router import Channel
+from kafila.session.router import Channel, FrameSink
 
 T = TypeVar("T")
 STEP_TIMEOUT_S = 120.0  # a long prompt on a slow member; a dead one is caught sooner by its link
@@ -28,13 +28,14 @@ class QuicRing:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        first: Channel,
+        first: FrameSink,
         first_name: str,
         last: Channel,
         last_name: str,
         members: Mapping[str, asyncio.Future[LinkError]] | None = None,
     ) -> None:
-        """`first`: activations to the member holding block 0; `last`: activations back from the last one;
+        """`first`: activations to the stage holding block 0 (a member's link, or this host's own stage);
+        `last`: what comes back from the last stage (hidden states, or a head's logits);
         `members`: every ring member's link-closed future, by name, so a step waiting on the ring
         ends as soon as any member's link goes down, not when the step times out."""
         self._loop = loop

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Literal
+from typing import Literal, Protocol
 
 from kafila.network.frames import Frame
 from kafila.network.link import Link, LinkClosed, LinkError
@@ -28,6 +28,36 @@ def traffic_of(frame: Frame) -> Traffic:
     if frame.sequence_id in TRANSFER_SEQUENCES:
         return "transfer"
     return "activation"
+
+
+class FrameSource(Protocol):
+    """Where a stage's frames come from: a link's activations, or this process itself."""
+
+    async def receive(self) -> Frame: ...
+    def receive_nowait(self) -> Frame | None: ...
+
+
+class FrameSink(Protocol):
+    async def send(self, frame: Frame) -> None: ...
+
+
+class LocalChannel:
+    """Frames this process hands to itself: a host's engine feeding the host's own stage."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Frame] = asyncio.Queue()
+
+    async def send(self, frame: Frame) -> None:
+        self._queue.put_nowait(frame)
+
+    async def receive(self) -> Frame:
+        return await self._queue.get()
+
+    def receive_nowait(self) -> Frame | None:
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
 
 
 class Channel:

@@ -114,6 +114,8 @@ class HostRunner:
         engine, self.engine = self.engine, None
         if engine is not None:
             await asyncio.to_thread(engine.close)
+        if self.network is not None:
+            await self.network.drop_own_stage()  # its memory may be needed to serve alone
 
     async def _serve_alone(self, why: str) -> None:
         """Every block on this machine, if it can hold them: where a session falls back to."""
@@ -252,7 +254,8 @@ class HostRunner:
         loop = asyncio.get_running_loop()
         engine = await asyncio.to_thread(network.engine, deployment, loop)
         self._activate(engine)
-        self._announce_ready(f"as {len(deployment.chain)} stages {deployment.counts} across the ring")
+        head = "" if deployment.head_here else f", the head on {network.member_name(deployment.chain[-1])}"
+        self._announce_ready(f"as {len(deployment.chain)} stages {deployment.counts} across the ring{head}")
 
     async def watch_network(self) -> None:
         network = self.network
@@ -263,7 +266,7 @@ class HostRunner:
                 return
             deployment = network.deployment
             loop = self.serving.loop
-            lost = [m for m in (deployment.chain[:-1] if deployment else []) if m not in network.alive()]
+            lost = [m for m in (deployment.members if deployment else []) if m not in network.alive()]
             if not lost and network.broken is None and (loop is None or loop.error is None):
                 continue
             names = ", ".join(network.member_name(m) for m in lost)
