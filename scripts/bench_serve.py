@@ -5,7 +5,9 @@ llama-cpp-python (`Llama.create_chat_completion`) on the same model, threads and
 
 Rows: plain llama-cpp-python; `kafila host` with one member; the model split across 2 and 3
 stages (local stage processes, or with --members, real `kafila join` members over QUIC on
-loopback); and 1 against 4 concurrent users on the 2-stage ring. Every configuration runs once
+loopback, and then also 2 stages with the head on the member: a host lending too little memory
+for the head, which receives a row of logits per token); and 1 against 4 concurrent users on
+the 2-stage ring. Every configuration runs once
 per round, rounds interleaved, medians reported with ratios to plain llama-cpp-python.
 """
 
@@ -128,6 +130,15 @@ def read_blocks(model: Path) -> int:
     return read_manifest(model).n_blocks
 
 
+def head_elsewhere(model: Path, cached_tokens: int) -> int:
+    """Bytes a host can lend to hold any one block and its cache, but never the head as well."""
+    from kafila.runtime.manifest import read_manifest
+
+    manifest = read_manifest(model)
+    blocks = zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
+    return min(weights + kv * cached_tokens for weights, kv in blocks) + manifest.head_bytes - 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -143,6 +154,8 @@ def main() -> None:
         return (*common, "--members", str(n), "--demo") if args.members else (*common, "--stages", str(n))
 
     configs: dict[str, tuple[str | Path, ...]] = {"1 member": common, "2 stages": split(2), "3 stages": split(3)}
+    if args.members:  # the host lends too little for the head: it goes to the member, which sends logits back
+        configs["2 stages, head on the member"] = (*split(2), "--memory", f"{head_elsewhere(model, 2048 * 4)}B")
     samples: dict[str, list[Sample]] = {"llama-cpp-python": [], **{k: [] for k in configs}}
     rates: dict[str, list[float]] = {"1 user": [], "4 users": []}
     reference = plain(model, args.tokens)

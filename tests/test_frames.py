@@ -155,3 +155,47 @@ def test_file_chunks_round_trip_only_in_the_control_range() -> None:
         FrameDecoder().feed(Frame(Kind.FILE, 7, payload=b"x").encode())  # a request slot's sequence
     with pytest.raises(FrameError, match="raw bytes"):
         FrameDecoder().feed(_header(kind=Kind.FILE, seq=CONTROL_SEQUENCE_BASE))  # a tensor header
+
+
+def test_the_top_logits_of_a_row_are_all_a_sampler_keeping_that_many_needs() -> None:
+    """A head on a member sends the host only the entries its sampler can pick from: the argmax
+    for greedy, the top k for top-k sampling. The row rebuilt from them is -inf elsewhere, and
+    llama.cpp's chain draws exactly what it draws from the whole row."""
+    from kafila.runtime.sampling import Sampler, SamplingSettings
+
+    rng = np.random.default_rng(3)
+    row = rng.standard_normal(5000).astype(np.float32)
+    row[[7, 4000]] = row.max() + 1  # a tie for the largest: the lowest index wins, as np.argmax picks
+    greedy = FrameDecoder().feed(Frame.of_logits(2, 11, row, top=1).encode())[0]
+    assert (greedy.dtype, greedy.n_tokens, len(greedy.payload)) == (DType.I32, 1, 8)
+    assert int(np.argmax(greedy.logits())) == int(np.argmax(row)) == 7
+    sampled = SamplingSettings(temperature=0.9, top_k=40, top_p=0.9, seed=5)
+    assert sampled.top_logits == 40 and SamplingSettings().top_logits == 1
+    assert SamplingSettings(temperature=0.9, presence_penalty=0.5).top_logits == 0  # a penalty: every entry
+    assert SamplingSettings(temperature=0.0, repeat_penalty=1.2).top_logits == 0
+    assert SamplingSettings(temperature=0.9, top_k=0).top_logits == 0
+    frames = [Frame.of_logits(2, 11 + i, rng.standard_normal(5000), top=40) for i in range(30)]
+    sparse = [FrameDecoder().feed(f.encode())[0].logits() for f in frames]
+    assert all(np.isfinite(r).sum() == 40 for r in sparse)
+    dense = [np.where(np.isfinite(r), r, rng.standard_normal(5000) - 100).astype(np.float32) for r in sparse]
+    whole, kept = Sampler(sampled, 5000), Sampler(sampled, 5000)
+    assert [whole.sample(r) for r in dense] == [kept.sample(r) for r in sparse]
+    whole.close()
+    kept.close()
+    assert Frame.of_logits(0, 0, row, top=5000).dtype is DType.F32  # all of them: the plain row
+
+
+def test_top_travels_on_hidden_frames_only_and_a_top_k_frame_is_checked() -> None:
+    frame = Frame.of_hidden(Kind.DECODE, 1, 2, np.ones((1, 4), dtype=np.float32), top=40)
+    assert FrameDecoder().feed(frame.encode())[0].top == 40
+    with pytest.raises(ValueError):
+        Frame.of_hidden(Kind.DECODE, 1, 2, np.ones((1, 4), dtype=np.float32), top=1 << 16)
+    cancel = bytearray(Frame(Kind.CANCEL, 3).encode())
+    struct.pack_into("<H", cancel, 6, 5)
+    with pytest.raises(FrameError, match="only prefill and decode"):
+        FrameDecoder().feed(bytes(cancel))
+    with pytest.raises(FrameError, match="top 3 of 4"):
+        FrameDecoder().feed(_header(kind=8, dtype=3, n=3, hidden=4, length=20))
+    outside = Frame(Kind.LOGITS, 0, 0, 1, 4, DType.I32, np.array([9], np.int32).tobytes() + b"\0\0\0\0")
+    with pytest.raises(FrameError, match="outside"):
+        FrameDecoder().feed(outside.encode())[0].logits()

@@ -99,16 +99,17 @@ def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp
         prompts = [remote.tokenize(p) for p in PROMPTS[:2]]
         outs: list[list[int]] = [[], []]
         for _ in range(5):
-            steps = [
-                EngineStep(s, 0, prompts[s], decode=False)
+            steps = [  # sequence 0 asks for its argmax alone (a greedy request), 1 for the whole row
+                EngineStep(s, 0, prompts[s], decode=False, top=1 - s)
                 if not outs[s]
-                else EngineStep(s, len(prompts[s]) + len(outs[s]) - 1, outs[s][-1:], decode=True)
+                else EngineStep(s, len(prompts[s]) + len(outs[s]) - 1, outs[s][-1:], decode=True, top=1 - s)
                 for s in (0, 1)
             ]
             launched = [remote.launch([step]) for step in steps]  # two waves out at once
             for sequence, wave in enumerate(launched):
                 (logits,) = remote.land(wave)
                 assert isinstance(logits, np.ndarray) and logits.dtype == np.float32
+                assert np.isfinite(logits).sum() == (1 if sequence == 0 else remote.n_vocab())
                 outs[sequence].append(int(np.argmax(logits)))
         assert outs == [greedy_alone(model, p, 5) for p in PROMPTS[:2]]
         (unwanted,) = remote.step_many([EngineStep(2, 0, prompts[0], decode=False, logits=False)])

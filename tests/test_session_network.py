@@ -167,8 +167,8 @@ def head_elsewhere(model: Path) -> tuple[str, ...]:
 
     manifest = read_manifest(model)
     context, concurrency = 2048, 4  # a cache of 1 MiB a block: what makes --memory's 1 MiB floor fit
-    cache = manifest.kv_bytes_per_token[0] * context * concurrency
-    lend = min(manifest.block_bytes) + cache + manifest.head_bytes - 1
+    blocks = zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
+    lend = min(weights + kv * context * concurrency for weights, kv in blocks) + manifest.head_bytes - 1
     return ("--context", str(context), "--concurrency", str(concurrency), "--memory", f"{lend}B")
 
 

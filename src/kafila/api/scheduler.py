@@ -199,14 +199,16 @@ class Batcher:
         for sequence in ready:
             if not sequence.prefilling:
                 token = sequence.generated[-1]
-                step = EngineStep(sequence.slot, sequence.position, [token], decode=True)
+                top = sequence.job.sampling.top_logits
+                step = EngineStep(sequence.slot, sequence.position, [token], decode=True, top=top)
                 planned.append((sequence, step, True))
                 budget -= 1
         for sequence in ready:
             if sequence.prefilling and budget > 0:
                 chunk = sequence.job.prompt[sequence.fed : sequence.fed + budget]
                 ends = sequence.fed + len(chunk) == len(sequence.job.prompt)
-                step = EngineStep(sequence.slot, sequence.fed, chunk, decode=False, logits=ends)
+                top = sequence.job.sampling.top_logits
+                step = EngineStep(sequence.slot, sequence.fed, chunk, decode=False, logits=ends, top=top)
                 planned.append((sequence, step, ends))
                 budget -= len(chunk)
         if planned:

@@ -15,11 +15,12 @@ import numpy.typing as npt
 
 MAGIC = b"KF"
 VERSION = 1
-HEADER = struct.Struct("<2sBBBBHQIIII")  # magic, version, kind, dtype, flags, reserved, seq, pos, n, hidden, len
+HEADER = struct.Struct("<2sBBBBHQIIII")  # magic, version, kind, dtype, flags, top, seq, pos, n, hidden, len
 HEADER_SIZE = HEADER.size  # 32 bytes
 MAX_TOKENS = 1 << 16
 MAX_HIDDEN = 1 << 16
 MAX_VOCAB = 1 << 21  # a LOGITS row: the largest vocabularies in use hold some 262,000 entries
+MAX_TOP = (1 << 16) - 1  # the header's `top` field
 MAX_PAYLOAD = 1 << 28  # 256 MiB: a 4096-token prefill chunk of a hidden-16384 model in f32
 # Sequence ids from 2**63 up are reserved for control streams, never request slots, so their
 # streams cannot collide with a request's: stage-file transfers (`kafila.network.transfer`) use
@@ -36,14 +37,14 @@ class Kind(IntEnum):
     PING = 5  # keep-alive or a control message with a JSON payload
     ERROR = 6  # a UTF-8 message: the peer rejected a frame
     FILE = 7  # raw bytes of a file in transfer; `position` is the chunk's index (kafila.network.transfer)
-    LOGITS = 8  # a head on a member answers the host: f32 logits after a step's last row, `hidden` = vocabulary
+    LOGITS = 8  # a head on a member answers the host: logits after a step's last row, `hidden` = vocabulary
 
 
 class DType(IntEnum):
     NONE = 0  # no tensor: CANCEL, PING, ERROR, FILE
     F32 = 1
     F16 = 2
-    I32 = 3  # token ids
+    I32 = 3  # token ids; in a LOGITS frame, the top entries: `n_tokens` int32 ids, then as many f32 values
 
 
 _ITEM_SIZE = {DType.NONE: 1, DType.F32: 4, DType.F16: 2, DType.I32: 4}
@@ -69,6 +70,9 @@ class Frame:
     hidden: int = 0
     dtype: DType = DType.NONE
     payload: bytes = b""
+    # On PREFILL/DECODE frames: how many of the largest logits the host's sampler needs after this
+    # step (0: all). Every stage passes it on; a head on a member then sends only those.
+    top: int = 0
 
     def header(self) -> bytes:
         """The 32-byte header alone: a sender can write it and then the payload, uncopied."""
@@ -78,7 +82,7 @@ class Frame:
             self.kind,
             self.dtype,
             0,
-            0,
+            self.top,
             self.sequence_id,
             self.position,
             self.n_tokens,
@@ -91,19 +95,35 @@ class Frame:
 
     @classmethod
     def of_hidden(
-        cls, kind: Kind, sequence_id: int, position: int, states: npt.NDArray[np.floating], dtype: DType = DType.F32
+        cls,
+        kind: Kind,
+        sequence_id: int,
+        position: int,
+        states: npt.NDArray[np.floating],
+        dtype: DType = DType.F32,
+        top: int = 0,
     ) -> Frame:
         rows = np.ascontiguousarray(states, dtype=_NUMPY[dtype])
         if rows.ndim != 2:
             raise ValueError("hidden states must be a (tokens, hidden) matrix")
-        return cls(kind, sequence_id, position, rows.shape[0], rows.shape[1], dtype, rows.tobytes())
+        if not 0 <= top <= MAX_TOP:
+            raise ValueError(f"top {top} is outside 0..{MAX_TOP}")
+        return cls(kind, sequence_id, position, rows.shape[0], rows.shape[1], dtype, rows.tobytes(), top)
 
     @classmethod
-    def of_logits(cls, sequence_id: int, position: int, logits: npt.NDArray[np.floating]) -> Frame:
-        """One row of logits, answering the step that started at `position`: kept in f32, since
-        rounding them could change which token a greedy request picks."""
-        row = np.ascontiguousarray(logits, dtype=np.float32).reshape(1, -1)
-        return cls(Kind.LOGITS, sequence_id, position, 1, row.shape[1], DType.F32, row.tobytes())
+    def of_logits(cls, sequence_id: int, position: int, logits: npt.NDArray[np.floating], top: int = 0) -> Frame:
+        """A row of logits answering the step that started at `position`, in f32, since rounding
+        them could change which token a greedy request picks. With `top`, only the `top` largest
+        (ids and values): what a sampler that keeps no more than those needs, at a fraction of the
+        bytes (a 262k vocabulary's row is 1 MiB). `top` 1 is the lowest index of the largest
+        value, as `np.argmax` of the whole row picks."""
+        row = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
+        if not 0 < top < row.shape[0]:
+            return cls(Kind.LOGITS, sequence_id, position, 1, row.shape[0], DType.F32, row.tobytes())
+        ids = np.array([np.argmax(row)]) if top == 1 else np.argpartition(row, -top)[-top:]
+        ids = ids.astype(np.int32)
+        payload = ids.tobytes() + row[ids].astype(np.float32).tobytes()
+        return cls(Kind.LOGITS, sequence_id, position, top, row.shape[0], DType.I32, payload)
 
     @classmethod
     def of_tokens(cls, sequence_id: int, position: int, tokens: list[int]) -> Frame:
@@ -118,10 +138,18 @@ class Frame:
         return values.astype(np.float32, copy=values.dtype != np.float32)
 
     def logits(self) -> npt.NDArray[np.float32]:
-        """A LOGITS frame's row, as a vector over the vocabulary."""
+        """A LOGITS frame's row as a vector over the vocabulary: the entries a top-k frame leaves
+        out are -inf, which no sampler that keeps at most k candidates would have picked."""
         if self.kind is not Kind.LOGITS:
             raise FrameError(f"a {self.kind.name} frame carries no logits")
-        return np.frombuffer(self.payload, dtype=np.float32).copy()
+        if self.dtype is DType.F32:
+            return np.frombuffer(self.payload, dtype=np.float32).copy()
+        ids = np.frombuffer(self.payload, dtype=np.int32, count=self.n_tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.hidden):
+            raise FrameError(f"a top-{self.n_tokens} LOGITS frame names a token outside its {self.hidden} entries")
+        row = np.full(self.hidden, -np.inf, dtype=np.float32)
+        row[ids] = np.frombuffer(self.payload, dtype=np.float32, offset=4 * self.n_tokens)
+        return row
 
     def tokens(self) -> list[int]:
         if self.dtype is not DType.I32:
@@ -132,7 +160,7 @@ class Frame:
         return self.payload.decode("utf-8", errors="replace")
 
 
-def _validate(kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, length: int) -> tuple[Kind, DType]:
+def _validate(kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, length: int, top: int) -> tuple[Kind, DType]:
     try:
         kind_, dtype_ = Kind(kind), DType(dtype)
     except ValueError as error:
@@ -142,11 +170,21 @@ def _validate(kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, lengt
     width_limit = MAX_VOCAB if kind_ is Kind.LOGITS else MAX_HIDDEN
     if n_tokens > MAX_TOKENS or hidden > width_limit:
         raise FrameError(f"frame of {n_tokens} tokens x {hidden} exceeds the limits")
+    if top and kind_ not in HIDDEN_KINDS:
+        raise FrameError(f"a {kind_.name} frame with top {top}: only prefill and decode frames carry one")
     if kind_ is Kind.LOGITS:
-        if dtype_ is not DType.F32 or n_tokens != 1 or hidden == 0:
-            raise FrameError("a LOGITS frame carries one f32 row over a non-empty vocabulary")
-        if length != 4 * hidden:
-            raise FrameError(f"payload of {length} bytes does not hold {hidden} f32 logits")
+        if hidden == 0:
+            raise FrameError("a LOGITS frame over an empty vocabulary")
+        if dtype_ is DType.F32:
+            if n_tokens != 1:
+                raise FrameError("a LOGITS frame carries one f32 row, or the top entries as i32 ids and values")
+            if length != 4 * hidden:
+                raise FrameError(f"payload of {length} bytes does not hold {hidden} f32 logits")
+        elif dtype_ is DType.I32:
+            if not 0 < n_tokens <= hidden or length != 8 * n_tokens:
+                raise FrameError(f"payload of {length} bytes does not hold the top {n_tokens} of {hidden} logits")
+        else:
+            raise FrameError("a LOGITS frame carries one f32 row, or the top entries as i32 ids and values")
     elif kind_ in HIDDEN_KINDS:
         if dtype_ not in (DType.F32, DType.F16) or n_tokens == 0 or hidden == 0:
             raise FrameError(f"a {kind_.name} frame needs f32 or f16 hidden states of at least one token")
@@ -173,7 +211,7 @@ class FrameDecoder:
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._broken: FrameError | None = None
-        self._header: tuple[Kind, DType, int, int, int, int, int] | None = None  # of the frame in progress
+        self._header: tuple[Kind, DType, int, int, int, int, int, int] | None = None  # of the frame in progress
         self._need = HEADER_SIZE  # bytes the buffer must hold before there is anything to decode
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
@@ -184,21 +222,21 @@ class FrameDecoder:
         try:
             while len(self._buffer) >= self._need:
                 if self._header is None:
-                    magic, version, kind, dtype, _, _, seq, pos, n, hidden, length = HEADER.unpack_from(self._buffer)
+                    magic, version, kind, dtype, _, top, seq, pos, n, hidden, length = HEADER.unpack_from(self._buffer)
                     if magic != MAGIC:
                         raise FrameError("not a Kafila frame (bad magic)")
                     if version != VERSION:
                         raise FrameError(f"frame version {version}; this peer speaks version {VERSION}")
-                    kind_, dtype_ = _validate(kind, dtype, seq, n, hidden, length)
-                    self._header = (kind_, dtype_, seq, pos, n, hidden, length)
+                    kind_, dtype_ = _validate(kind, dtype, seq, n, hidden, length, top)
+                    self._header = (kind_, dtype_, seq, pos, n, hidden, length, top)
                     self._need = HEADER_SIZE + length
                     continue
-                kind_, dtype_, seq, pos, n, hidden, length = self._header
+                kind_, dtype_, seq, pos, n, hidden, length, top = self._header
                 with memoryview(self._buffer) as view:
                     payload = bytes(view[HEADER_SIZE : self._need])
                 del self._buffer[: self._need]
                 self._header, self._need = None, HEADER_SIZE
-                frames.append(Frame(kind_, seq, pos, n, hidden, dtype_, payload))
+                frames.append(Frame(kind_, seq, pos, n, hidden, dtype_, payload, top))
         except FrameError as error:
             self._broken = error
             raise

@@ -171,6 +171,7 @@ class EngineStep:
     tokens: list[int]
     decode: bool
     logits: bool = True  # False for a prompt chunk that does not end its prompt: no output row
+    top: int = 0  # how many of the largest logits the sampler needs (`SamplingSettings.top_logits`); 0: all
 
 
 Logits = npt.NDArray[np.float32]
@@ -401,6 +402,7 @@ class RingEngine(_Vocabulary):
                 s.position,
                 self._embed(s.tokens),
                 self._dtype,
+                s.top,
             )
             for s in steps
         )

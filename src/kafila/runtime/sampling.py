@@ -32,6 +32,17 @@ class SamplingSettings(BaseModel):
         return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
+    def top_logits(self) -> int:
+        """How many of the largest logits this sampler can pick from: 1 for a plain argmax, top_k when
+        top-k comes first in the chain, else 0 (all of them: a penalty can lift any token into
+        the running). A head on a member sends the host only these."""
+        if self.greedy:
+            return 1
+        if not self.penalised and 0 < self.top_k < 1 << 16:
+            return self.top_k
+        return 0
+
+    @property
     def greedy(self) -> bool:
         """A plain argmax: temperature zero and no penalty to apply first."""
         return self.temperature == 0.0 and not self.penalised

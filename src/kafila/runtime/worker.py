@@ -51,10 +51,10 @@ def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
         logits = []
         for frame, row in zip(batch, stage.forward(steps, decode=decode), strict=True):
             assert row is not None  # every step's last row is asked for
-            logits.append(Frame.of_logits(frame.sequence_id, frame.position, row))
+            logits.append(Frame.of_logits(frame.sequence_id, frame.position, row, frame.top))
         return logits
     return [
-        Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype)
+        Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype, frame.top)
         for frame, states in zip(batch, stage.forward(steps, decode=decode), strict=True)
     ]
 
