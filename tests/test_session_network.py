@@ -53,26 +53,29 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("session") / "tiny.gguf", "llama", n_blocks=4)
 
 
+def serves_like_one_process(client: openai.OpenAI, model: Path) -> None:
+    """A greedy completion is the unsplit model's, and a streamed chat completion the whole one's."""
+    result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    streamed = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
+
+
 def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path) -> None:
     outputs: list[str] = []
     with session(tmp_path, model, 3, outputs=outputs) as (host, _joiners):
         wait_ready(host)
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == ["tiny"]
-        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-        assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
-        messages = [{"role": "user", "content": "hello"}]
-        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
-        streamed = client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=8,
-            temperature=0,
-            stream=True,  # type: ignore[arg-type]
-        )
-        assert (
-            "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
-        )
+        serves_like_one_process(client, model)
         for _round in range(3):  # streams ending while the idle engine refreshes its stage report
             check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(model, prompt, n))
             time.sleep(2.1)
@@ -348,19 +351,7 @@ def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path
     with session(tmp_path, model, 3, *head_elsewhere(model), outputs=outputs) as (host, joiners):
         wait_ready(host, timeout=120)
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-        assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
-        messages = [{"role": "user", "content": "hello"}]
-        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
-        streamed = client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=8,
-            temperature=0,
-            stream=True,  # type: ignore[arg-type]
-        )
-        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-        assert text == whole.choices[0].message.content
+        serves_like_one_process(client, model)
         check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(model, prompt, n))
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
