@@ -1,7 +1,7 @@
 """Concurrency benchmark in the regime the target names: 4 users against 1 on a 2-stage ring,
 on a model whose decode at batch one is bound by memory bandwidth rather than arithmetic.
 
-    python scripts/bench_concurrency.py [--rounds 3] [--tokens 32] [--threads N] [--small]
+    python scripts/bench_concurrency.py [--rounds 3] [--tokens 32] [--threads N] [--small] [--weights f16]
 
 Why this model. The target ("with 4 concurrent users on a 2-stage ring, aggregate tokens/s at
 least 3× one user's") rests on decode at batch one being bandwidth-bound: every token streams
@@ -17,6 +17,11 @@ weights (about 1.03 GB) are nearly all of each token's work and the head is negl
 file is written once under $KAFILA_CACHE/bench (default ~/.cache/kafila/bench) and reused
 while the shape is the same. --small writes a 4-block, n_embd 256 model instead, for a quick
 check that the script works; its numbers mean nothing.
+
+--weights f16 stores the feed-forward matrices and attn_v in f16 (the writer keeps attention's
+q, k and output in Q8_0): about 1.7 GB. On a CPU, f16 weights are where the target's premise
+holds best: each weight costs twice the bytes of Q8_0 to read, and a row's arithmetic on it is
+no dearer, so a step of 4 rows is nearer the cost of one.
 
 What it measures, all in one run, rounds interleaved, medians:
 1. one engine step decoding 1, 2 and 4 sequences at once on the unsplit model, in this process
@@ -36,6 +41,7 @@ Both hosts stay up for the whole run, idle while the other is measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -53,7 +59,7 @@ from bench_serve import concurrent, step_cost, through_api
 from host_process import Host, running_host, start_member, stop, wait_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny_models import Q8_0, ModelShape, write_tiny_model
+from tiny_models import F16, F32, Q8_0, ModelShape, write_tiny_model
 
 # Words the tiny vocabulary holds, about one token each: 13 prompt tokens with BOS and the newline.
 MESSAGES = [{"role": "user", "content": "hello world, the model is in the block of kafila"}]
@@ -80,6 +86,21 @@ def _llama(n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int) -
     )  # fmt: skip
 
 
+WEIGHTS = {"q8_0": Q8_0, "f16": F16, "f32": F32}
+
+
+def with_weights(size: Size, weights: str) -> Size:
+    """The same shape with the feed-forward matrices and attn_v stored as `weights`."""
+    if weights == "q8_0":
+        return size
+    shape = dataclasses.replace(size.shape, ffn_types=(WEIGHTS[weights],), attn_v_type=WEIGHTS[weights])
+    return Size(f"{size.label}, {weights} feed-forward", shape, size.n_blocks)
+
+
+def weights_of(shape: ModelShape) -> str:
+    return next(name for name, kind in WEIGHTS.items() if shape.ffn_types == (kind,))
+
+
 FULL = Size("TinyLlama-1.1B-shaped llama", _llama(2048, 32, 4, 64, 5632), n_blocks=22)
 SMALL = Size("small llama (--small: a smoke test, not a measurement)", _llama(256, 4, 2, 64, 704), n_blocks=4)
 
@@ -92,7 +113,9 @@ def ensure_model(size: Size, seed: int = 0) -> Path:
     """The model file for `size`: reused if one with the same shape is there, written otherwise."""
     s = size.shape
     digest = hashlib.sha256(repr((s, size.n_blocks, seed, CHAT_TEMPLATE)).encode()).hexdigest()[:10]
-    name = f"random-llama-{size.n_blocks}x{s.n_embd}-ff{s.n_ff}-h{s.n_head}kv{s.n_head_kv}-q8_0-{digest}.gguf"
+    name = (
+        f"random-llama-{size.n_blocks}x{s.n_embd}-ff{s.n_ff}-h{s.n_head}kv{s.n_head_kv}-{weights_of(s)}-{digest}.gguf"
+    )
     path = cache_dir() / name
     if path.exists():
         print(f"model: {path} (reused, {path.stat().st_size / 1e9:.3f} GB)", flush=True)
@@ -170,8 +193,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1), help="per stage process")
     parser.add_argument("--small", action="store_true", help="a much smaller model: a quick smoke run")
     parser.add_argument("--no-pinned", action="store_true", help="skip the two pinned one-core machines")
+    parser.add_argument("--weights", choices=tuple(WEIGHTS), default="q8_0", help="feed-forward and attn_v storage")
     args = parser.parse_args()
-    size = SMALL if args.small else FULL
+    size = with_weights(SMALL if args.small else FULL, args.weights)
     model = ensure_model(size)
     weight_gb = model.stat().st_size / 1e9
     threads = str(args.threads)
@@ -217,7 +241,9 @@ def main() -> None:
     s = size.shape
     print(
         f"\n{size.label}: {size.n_blocks} blocks, n_embd {s.n_embd}, n_ff {s.n_ff}, {s.n_head} heads / "
-        f"{s.n_head_kv} KV heads of {s.head_dim}, all matrices Q8_0, random weights; {weight_gb:.3f} GB file; "
+        f"{s.n_head_kv} KV heads of {s.head_dim}, "
+        f"{weights_of(s)} feed-forward and attn_v, other matrices Q8_0, "
+        f"random weights; {weight_gb:.3f} GB file; "
         f"{args.threads} threads per stage; {args.tokens} tokens per user, a {n_prompt}-token prompt; "
         f"{args.rounds} rounds interleaved, medians\n"
     )
