@@ -124,3 +124,37 @@ def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp
         assert isinstance(failed, SequenceFailed) and "position 99" in failed.message
     finally:
         remote.close()
+
+
+def test_a_ring_that_answers_hidden_states_with_logits_is_broken_not_misread(model: Path, tmp_path: Path) -> None:
+    """A member that sends the head here a LOGITS frame where hidden states belong (a peer
+    speaking out of turn) fails the ring with what it sent, never reaching the head's forward."""
+    from kafila.network.frames import Frame
+    from kafila.runtime.pipeline import StageFailed
+    from kafila.runtime.slicer import cached_slices
+
+    class SpeaksOutOfTurn:
+        def __init__(self) -> None:
+            self.sent: list[Frame] = []
+
+        def send(self, frames: list[Frame]) -> None:
+            self.sent += frames
+
+        def receive(self, count: int) -> list[Frame]:
+            answers = [Frame.of_logits(f.sequence_id, f.position, np.zeros(8, np.float32)) for f in self.sent[:count]]
+            del self.sent[:count]
+            return answers
+
+        def stats(self) -> list[dict[str, object]]:
+            return []
+
+        def close(self) -> None:
+            pass
+
+    stages = cached_slices(model, [2, 2], tmp_path)
+    engine = RingEngine(stages, SETTINGS, ring=SpeaksOutOfTurn())
+    try:
+        with pytest.raises(StageFailed, match="LOGITS frame"):
+            engine.step_many([EngineStep(0, 0, [1], decode=True)])
+    finally:
+        engine.close()

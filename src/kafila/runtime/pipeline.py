@@ -437,10 +437,10 @@ class RingEngine(_Vocabulary):
             if self.head is None:
                 results[index] = self._remote_logits(came, sent, steps[index])
                 continue
-            if came.position != sent.position or came.n_tokens != sent.n_tokens:
+            if came.kind is not sent.kind or came.position != sent.position or came.n_tokens != sent.n_tokens:
                 raise StageFailed(
-                    f"the ring returned position {came.position}, {came.n_tokens} rows for sequence "
-                    f"{sent.sequence_id}, sent at position {sent.position}"
+                    f"the ring returned a {came.kind.name} frame at position {came.position}, {came.n_tokens} rows "
+                    f"for sequence {sent.sequence_id}, sent as {sent.kind.name} at position {sent.position}"
                 )
             whole.append(index)
             inputs[index] = StepInput(came.sequence_id, came.position, came.hidden_states())
