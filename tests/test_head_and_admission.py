@@ -160,6 +160,15 @@ def test_the_head_leaves_the_serving_host_only_when_the_host_cannot_hold_it() ->
     with pytest.raises(PlanRefused) as refused:
         plan_serving_host(manifest, [small, nowhere], SessionSpec(context=1))
     assert refused.value.device in ("laptop", "workstation") and "cannot hold" in str(refused.value)
+    # A host that cannot hold even one block with its cache holds no stage: the members hold it all.
+    bare = _device("laptop", 1000.0, 0.0, memory=99)
+    desktop = big.model_copy(update={"name": "desktop"})
+    without = plan_serving_host(manifest, [bare, big, desktop], SessionSpec(context=1))
+    assert "laptop" not in [s.device for s in without.stages] and sum(s.end - s.start for s in without.stages) == 4
+    assert any("holds no stage" in note for note in without.notes)
+    with pytest.raises(PlanRefused) as refused:  # and when the members cannot, one of them is named
+        plan_serving_host(manifest, [bare, nowhere], SessionSpec(context=1))
+    assert refused.value.device == "workstation"
     # A faster member does not take the head from a host that can hold it (see plan_serving_host).
     fast = _device("gpu", 100_000.0, 0.0, memory=5000)
     assert plan_serving_host(manifest, [big, fast], SessionSpec(context=1)).head == "workstation"

@@ -386,3 +386,24 @@ def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path
         assert status["plan"]["head"] != head and status["plan"]["head"].startswith("member-"), status
         assert next(m for m in status["members"] if m["host"])["blocks"][0] == 0, status  # fed by its own engine
     assert any("and the head" in out for out in outputs), outputs
+
+
+def test_a_host_that_holds_no_block_embeds_samples_and_serves_while_members_hold_the_model(tmp_path: Path) -> None:
+    """`--memory 1MiB` with a cache of 2 MiB a block: the host cannot hold any block, so it takes no
+    stage; the members hold every block and the head, and the host only embeds, samples and
+    serves. The ring runs host → member → member → host."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    extra = ("--context", "4096", "--concurrency", "4", "--memory", "1MiB")  # 128 B a token a block: 2 MiB each
+    with session(tmp_path, model, 3, *extra) as (host, _joiners):
+        wait_ready(host, timeout=120)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        serves_like_one_process(client, model)
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        host_entry = next(m for m in status["members"] if m["host"])
+        assert "blocks" not in host_entry and status["plan"]["head"].startswith("member-"), status
+        assert sorted(b for m in status["members"] if "blocks" in m for b in m["blocks"]) == [0, 2, 2, 4], status
+        hops = [(e["from"], e["to"]) for e in status["edges"]]
+        assert len(hops) == 3 and [b for _a, b in hops] == [a for a, _b in hops[1:] + hops[:1]], hops  # closed
+        assert (status["plan"]["head"], host_entry["name"]) in hops, hops  # the head answers the host
+        assert "holds no stage" in host.output()

@@ -325,13 +325,28 @@ def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], sessio
     """The plan for a session served from `devices[0]`: the head there if it can hold it, else
     wherever it fits.
 
-    The host serves the API and samples, so a head on a member sends the host a row of logits per
-    token (a megabyte for a 262k vocabulary), a cost the model of Section V does not price; the
-    paper finds a head moved for speed alone within run-to-run noise. So the head leaves the host
+    The host serves the API and samples, so a head on a member sends the host logits every token
+    (the top k a request's sampler keeps, or with a penalty the whole row: a megabyte for a 262k
+    vocabulary), a cost the model of Section V does not price; the paper finds a head moved for
+    speed alone within run-to-run noise. So the head leaves the host
     only for capacity: when the host cannot hold it, and another machine can.
+
+    A host that cannot hold even one block with its cache takes no stage at all: the members hold
+    every block and the head, and the host only embeds, samples and serves the API.
     """
-    host = devices[0].name
+    host = devices[0]
+    if len(devices) > 1 and not _holds_a_block(manifest, host, session):
+        plan = plan_session(manifest, devices[1:], session)
+        note = f"'{host.name}' cannot hold a single block with its cache: it holds no stage, and embeds and samples"
+        return plan.model_copy(update={"notes": (*plan.notes, note)})
     try:
-        return plan_session(manifest, devices, session, anchor=host, pin_head=True)
+        return plan_session(manifest, devices, session, anchor=host.name, pin_head=True)
     except PlanRefused:
-        return plan_session(manifest, devices, session, anchor=host)  # its refusal weighs every head
+        return plan_session(manifest, devices, session, anchor=host.name)  # its refusal weighs every head
+
+
+def _holds_a_block(manifest: ModelManifest, device: Device, session: SessionSpec) -> bool:
+    """Whether the device can hold the smallest block and that block's KV cache."""
+    tokens = session.context * session.concurrency
+    blocks = zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
+    return min(weights + kv * tokens for weights, kv in blocks) <= device.memory_bytes
