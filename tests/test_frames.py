@@ -171,8 +171,9 @@ def test_the_top_logits_of_a_row_are_all_a_sampler_keeping_that_many_needs() -> 
     assert int(np.argmax(greedy.logits())) == int(np.argmax(row)) == 7
     sampled = SamplingSettings(temperature=0.9, top_k=40, top_p=0.9, seed=5)
     assert sampled.top_logits == 40 and SamplingSettings().top_logits == 1
-    assert SamplingSettings(temperature=0.9, presence_penalty=0.5).top_logits == 0  # a penalty: every entry
-    assert SamplingSettings(temperature=0.0, repeat_penalty=1.2).top_logits == 0
+    assert SamplingSettings(temperature=0.9, presence_penalty=0.5).top_logits == 40 + 64  # and the penalised
+    assert SamplingSettings(temperature=0.0, repeat_penalty=1.2, repeat_last_n=16).top_logits == 1 + 16
+    assert SamplingSettings(temperature=0.9, frequency_penalty=-0.5).top_logits == 0  # raises some: every entry
     assert SamplingSettings(temperature=0.9, top_k=0).top_logits == 0
     frames = [Frame.of_logits(2, 11 + i, rng.standard_normal(5000), top=40) for i in range(30)]
     sparse = [FrameDecoder().feed(f.encode())[0].logits() for f in frames]
@@ -199,3 +200,33 @@ def test_top_travels_on_hidden_frames_only_and_a_top_k_frame_is_checked() -> Non
     outside = Frame(Kind.LOGITS, 0, 0, 1, 4, DType.I32, np.array([9], np.int32).tobytes() + b"\0\0\0\0")
     with pytest.raises(FrameError, match="outside"):
         FrameDecoder().feed(outside.encode())[0].logits()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": 0.9, "top_k": 20, "presence_penalty": 1.5, "frequency_penalty": 1.0, "repeat_last_n": 32},
+        {"temperature": 0.0, "repeat_penalty": 3.0, "presence_penalty": 2.0, "repeat_last_n": 32},
+    ],
+)
+def test_with_penalties_the_top_k_plus_the_window_give_the_draws_the_whole_row_does(settings: dict) -> None:
+    """The history is drawn from the very tokens at the top, so the penalties push some of them out
+    of the k kept and let lower ones in: those must have come across too."""
+    from kafila.runtime.sampling import Sampler, SamplingSettings
+
+    sampling = SamplingSettings(**settings, seed=9)
+    rng = np.random.default_rng(4)
+    base = rng.standard_normal(4000).astype(np.float32) * 3
+    history = rng.choice(np.argsort(base)[-40:], size=100).tolist()
+    whole, kept = Sampler(sampling, 4000), Sampler(sampling, 4000)
+    whole.accept(history)
+    kept.accept(history)
+    draws: list[tuple[int, int]] = []
+    for _ in range(40):
+        row = base + rng.standard_normal(4000).astype(np.float32) * 0.1
+        sparse = FrameDecoder().feed(Frame.of_logits(0, 0, row, top=sampling.top_logits).encode())[0].logits()
+        draws.append((whole.sample(row), kept.sample(sparse)))
+    whole.close()
+    kept.close()
+    assert all(a == b for a, b in draws), draws
+    assert len({a for a, _ in draws} - set(np.argsort(base)[-1:].tolist())) > 0  # penalties moved the choice

@@ -326,10 +326,10 @@ def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], sessio
     wherever it fits.
 
     The host serves the API and samples, so a head on a member sends the host logits every token
-    (the top k a request's sampler keeps, or with a penalty the whole row: a megabyte for a 262k
-    vocabulary), a cost the model of Section V does not price; the paper finds a head moved for
-    speed alone within run-to-run noise. So the head leaves the host
-    only for capacity: when the host cannot hold it, and another machine can.
+    (the few its sampler can pick from, at worst the whole row: a megabyte for a 262k vocabulary),
+    a cost the model of Section V does not price; the paper finds a head moved for speed alone
+    within run-to-run noise. So the head leaves the host only for capacity: when the host cannot
+    hold it, and another machine can.
 
     A host that cannot hold even one block with its cache takes no stage at all: the members hold
     every block and the head, and the host only embeds, samples and serves the API.

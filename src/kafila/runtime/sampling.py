@@ -33,14 +33,23 @@ class SamplingSettings(BaseModel):
 
     @property
     def top_logits(self) -> int:
-        """How many of the largest logits this sampler can pick from: 1 for a plain argmax, top_k when
-        top-k comes first in the chain, else 0 (all of them: a penalty can lift any token into
-        the running). A head on a member sends the host only these."""
-        if self.greedy:
-            return 1
-        if not self.penalised and 0 < self.top_k < 1 << 16:
-            return self.top_k
-        return 0
+        """How many of the largest logits this sampler can pick from, or 0 for all of them: a head on
+        a member sends the host only these.
+
+        The chain keeps k tokens (1 for greedy, else top_k) after the penalties. Penalties that
+        only lower a logit (repeat ≥ 1, frequency and presence ≥ 0) touch at most `repeat_last_n`
+        distinct tokens, so the k kept are among the k + repeat_last_n largest before them: for
+        a token outside those, at least k unpenalised tokens stay above it. A penalty that raises
+        logits, or top_k 0 with a temperature, needs the whole row.
+        """
+        keep = 1 if self.temperature == 0.0 else self.top_k
+        if keep == 0:
+            return 0
+        if self.penalised and self.repeat_last_n > 0:
+            if self.repeat_penalty < 1.0 or self.frequency_penalty < 0.0 or self.presence_penalty < 0.0:
+                return 0
+            keep += self.repeat_last_n
+        return keep if keep < 1 << 16 else 0
 
     @property
     def greedy(self) -> bool:
