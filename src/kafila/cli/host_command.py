@@ -104,7 +104,14 @@ def host(
         str | None, typer.Option("--api-key", envvar="KAFILA_API_KEY", help="Require this bearer token on /v1.")
     ] = None,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
-    memory: Annotated[str | None, typer.Option("--memory", help=MEMORY_HELP)] = None,
+    memory: Annotated[
+        str | None,
+        typer.Option(
+            "--memory",
+            help=f"{MEMORY_HELP} A host too small for the head leaves it to a member; one too small for any "
+            "block holds no stage and only serves.",
+        ),
+    ] = None,
 ) -> None:
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
