@@ -371,9 +371,9 @@ class RingEngine(_Vocabulary):
             self._embed: Callable[[Sequence[int]], npt.NDArray[np.float32]] = self.head.embed
             ring_stages = stages[:-1]
         else:
+            self._embed = TokenEmbedding(model)  # first: it holds nothing to free if the vocabulary fails
             self._vocabulary_only = VocabularyOnly(model)
             self.vocabulary, self.llama_model = Vocabulary(self._vocabulary_only), self._vocabulary_only
-            self._embed = TokenEmbedding(model)
             ring_stages = stages
         self._head_range = [stages[-1].first_block, stages[-1].end_block]
         self._dtype = dtype
@@ -402,7 +402,7 @@ class RingEngine(_Vocabulary):
                 s.position,
                 self._embed(s.tokens),
                 self._dtype,
-                s.top,
+                s.top if s.logits else 1,  # a head on the ring answers every step: the least it can
             )
             for s in steps
         )

@@ -489,25 +489,25 @@ class HostSession:
     async def dismiss(self, member: str, reason: str) -> None:
         """Send one member home (it failed its part): it hears why, and its link closes."""
         router = self.routers.get(member)
-        if router is None:
-            return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(router.send_control(End(reason=reason)), 1.0)
-        await asyncio.sleep(0.2)  # let the End frame leave before the goodbye
-        with contextlib.suppress(Exception):
-            await router.close(reason)
+        if router is not None:
+            await self._send_home([router], reason)
+
+    @staticmethod
+    async def _send_home(routers: Sequence[LinkRouter], reason: str) -> None:
+        """Tell each member why it is done, then close its link."""
+        for router in routers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(router.send_control(End(reason=reason)), 1.0)
+        await asyncio.sleep(0.2)  # let the End frames leave before the goodbyes
+        for router in routers:
+            with contextlib.suppress(Exception):
+                await router.close(reason)
 
     async def end(self, reason: str) -> None:
         """Tell every member the session is over, then close links, the rendezvous session and the socket."""
         await self.stop_listening()
         await self.drop_own_stage()
-        for router in self.routers.values():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(router.send_control(End(reason=reason)), 1.0)
-        await asyncio.sleep(0.2)  # let the End frames leave before the goodbyes
-        for router in self.routers.values():
-            with contextlib.suppress(Exception):
-                await router.close(reason)
+        await self._send_home(list(self.routers.values()), reason)
         with contextlib.suppress(Exception):
             await self.client.close()
         if self.demux is not None:

@@ -277,7 +277,8 @@ class HostRunner:
             alive = network.alive()
             try:
                 if alive and await self._deploy_leaving_out_failures(alive):
-                    self.ui.say(f"replanned with {len(network.deployment.chain) if network.deployment else 1} members")
+                    machines = len(network.deployment.members) + 1 if network.deployment else 1  # the host too
+                    self.ui.say(f"replanned with {machines} members")
                 else:
                     await self._serve_alone("replanned: no member is left")
                     return
