@@ -402,7 +402,8 @@ def test_a_host_that_holds_no_block_embeds_samples_and_serves_while_members_hold
             status = json.loads(response.read())
         host_entry = next(m for m in status["members"] if m["host"])
         assert "blocks" not in host_entry and status["plan"]["head"].startswith("member-"), status
-        assert sorted(b for m in status["members"] if "blocks" in m for b in m["blocks"]) == [0, 2, 2, 4], status
+        spans = sorted(tuple(m["blocks"]) for m in status["members"] if "blocks" in m)  # as the probes divide them
+        assert len(spans) == 2 and spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == 4, status
         hops = [(e["from"], e["to"]) for e in status["edges"]]
         assert len(hops) == 3 and [b for _a, b in hops] == [a for a, _b in hops[1:] + hops[:1]], hops  # closed
         assert (status["plan"]["head"], host_entry["name"]) in hops, hops  # the head answers the host
