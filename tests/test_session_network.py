@@ -336,6 +336,18 @@ def test_a_joiner_stopped_with_ctrl_c_leaves_without_a_traceback(tmp_path: Path,
     assert "left the session" in output and "Traceback" not in output, output
 
 
+def share_this_machines_probe(tmp_path: Path, members: int) -> None:
+    """Give each member of `session` the host's own probe of this machine, as members on identical
+    hardware would measure: otherwise each measures itself while the others do, and their noisy
+    numbers, not the layout a test means, decide the division."""
+    from kafila.runtime.local_plan import cache_dir, this_device
+
+    this_device()  # measured once, or read from the cache the host reads too
+    for i in range(members):
+        (tmp_path / f"cache-{i}").mkdir(parents=True, exist_ok=True)
+        shutil.copy(cache_dir() / "probe.json", tmp_path / f"cache-{i}" / "probe.json")
+
+
 def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path: Path) -> None:
     """`--memory` on the host leaves room for a block and its cache but not for the head as well:
     the plan puts the head on a member, which answers each step with logits; the host embeds,
@@ -344,9 +356,11 @@ def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path
 
     Six blocks of sizes S M L S M L make the host's stage fall in the middle of the first ring
     (it takes one S or M block; both rotations that keep the head off it tie, and the first is
-    kept), and at block 0 of the second, so both ways of feeding it are exercised."""
+    kept: the three machines share one probe), and at block 0 of the second, so both ways of
+    feeding it are exercised."""
     (tmp_path / "six").mkdir()
     model = write_tiny_model(tmp_path / "six" / "tiny.gguf", "llama", n_blocks=6)
+    share_this_machines_probe(tmp_path, 2)
     outputs: list[str] = []
     with session(tmp_path, model, 3, *head_elsewhere(model), outputs=outputs) as (host, joiners):
         wait_ready(host, timeout=120)
