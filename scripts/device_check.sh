@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared run on a lent GPU machine (no network, minutes of time):
+#
+#     bash scripts/device_kit.sh --cuda        # here, once: packs .devkit/ (see that script)
+#     device run, carry [".devkit"], timeout 600:  bash scripts/device_check.sh
+#
+# Phases, each under its own time limit, each writing its log under $OUT (or /tmp/kafila-device):
+#   1. install the kit's wheels into /tmp/site, and llama-cpp-python: the kit's CUDA wheel, or
+#      else a build of the kit's slimmed source there (CUDA, sm_90, all cores);
+#   2. refuse to go on unless llama.cpp offloads to the GPU;
+#   3. the split-correctness tests: every split's greedy tokens equal the unsplit model's, now
+#      with the blocks on the GPU (hidden states are read out of device memory by the graph
+#      callback);
+#   4. scripts/bench_concurrency.py: 4 users against 1 on a 2-stage ring, the target's regime.
+# KAFILA_DEVICE_BENCH_ARGS replaces the benchmark's arguments (default: --rounds 3 --no-pinned).
+# KAFILA_DEVICE_CPU_OK=1 goes on without a GPU: for trying this script on a machine without one.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kafila-device}
+mkdir -p "$OUT"
+KIT=.devkit
+SITE=/tmp/site
+export PYTHONUNBUFFERED=1 KAFILA_CACHE=/tmp/kafila-cache
+started=$SECONDS
+say() { echo "[$((SECONDS - started)) s] $*" | tee -a "$OUT/summary.txt"; }
+
+say "machine: $(nproc) cores; $(python3 --version 2>&1); $(nvidia-smi -L 2>&1 | head -1)"
+[ -d "$KIT/wheels" ] || { say "no $KIT/wheels: run scripts/device_kit.sh here and carry .devkit"; exit 1; }
+
+say "1. installing the kit's wheels"
+timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$SITE" "$KIT"/wheels/*.whl > "$OUT/install.log" 2>&1 || { say "wheels failed (install.log)"; exit 1; }
+export PYTHONPATH="$SITE:$PWD/src"
+# CUDA's runtime and cuBLAS: the toolkit's, and the copies PyTorch's pip packages carry.
+LIBRARIES=$(python3 - <<'EOF'
+import glob, os, site
+roots = site.getsitepackages() + ["/usr/local/cuda"]
+folders = {os.path.dirname(p) for root in roots for pattern in ("nvidia/*/lib/libcu*.so*", "nvidia/*/*/lib/libcu*.so*", "lib64/libcudart.so*") for p in glob.glob(os.path.join(root, pattern))}
+print(":".join(sorted(folders)))
+EOF
+)
+export LD_LIBRARY_PATH="$LIBRARIES${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+say "library path for CUDA: $LD_LIBRARY_PATH"
+WHEEL=$(ls "$KIT"/cuda/llama_cpp_python-*.whl 2>/dev/null | head -1)
+if [ -n "$WHEEL" ]; then
+  say "llama-cpp-python from the kit's CUDA wheel $(basename "$WHEEL")"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEEL" \
+    >> "$OUT/install.log" 2>&1 || say "the CUDA wheel did not install (install.log)"
+fi
+offload() { python3 -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" 2>> "$OUT/install.log"; }
+if ! offload && [ -z "${KAFILA_DEVICE_CPU_OK:-}" ]; then
+  SLIM=$(ls "$KIT"/llama_cpp_python-*-slim.tar.gz | head -1)
+  say "building llama-cpp-python from $SLIM with CUDA (sm_90) on $(nproc) cores"
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" \
+    timeout 480 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
+    --target "$SITE" "$SLIM" > "$OUT/build.log" 2>&1 || say "the build failed or ran out of time (build.log)"
+fi
+if [ -n "${KAFILA_DEVICE_CPU_OK:-}" ]; then
+  say "2. KAFILA_DEVICE_CPU_OK: going on whether llama.cpp offloads or not"
+elif ! offload; then
+  say "2. llama.cpp does not offload to the GPU here: stopping (install.log, build.log)"
+  exit 1
+else
+  say "2. llama.cpp offloads to the GPU"
+fi
+
+say "3. split correctness on the GPU"
+timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_split_correctness.py > "$OUT/tests.log" 2>&1
+say "tests: rc $? — $(tail -1 "$OUT/tests.log")"
+
+read -r -a BENCH_ARGS <<< "${KAFILA_DEVICE_BENCH_ARGS:---rounds 3 --no-pinned}"
+say "4. python scripts/bench_concurrency.py ${BENCH_ARGS[*]}"
+timeout 420 python3 scripts/bench_concurrency.py "${BENCH_ARGS[@]}" > "$OUT/bench_concurrency.txt" 2>&1
+say "bench: rc $?"
+grep -E "^(target|one row|\|)" "$OUT/bench_concurrency.txt" | tee -a "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/summary.txt" 2>&1
+say "done"
