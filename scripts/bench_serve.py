@@ -58,8 +58,10 @@ def plain(model: Path, tokens: int) -> Callable[[], Sample]:
     return run
 
 
-def through_api(base_url: str, tokens: int, messages: list[dict[str, str]] = MESSAGES) -> Sample:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+def through_api(
+    base_url: str, tokens: int, messages: list[dict[str, str]] = MESSAGES, client: openai.OpenAI | None = None
+) -> Sample:
+    client = client or openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     started = time.perf_counter()
     first = last = None
@@ -80,18 +82,39 @@ def through_api(base_url: str, tokens: int, messages: list[dict[str, str]] = MES
 
 
 def concurrent(base_url: str, tokens: int, users: int, messages: list[dict[str, str]] = MESSAGES) -> float:
-    """Aggregate generated tokens per second with `users` streaming at once."""
-    results: list[Sample] = []
-    started = time.perf_counter()
-    threads = [
-        threading.Thread(target=lambda: results.append(through_api(base_url, tokens, messages))) for _ in range(users)
-    ]
+    """Aggregate generated tokens per second with `users` streaming at once.
+
+    Each user's client is made and has asked for the model list before the clock starts, and
+    all start together: where a step takes a millisecond (a GPU), the harness's own set-up would
+    otherwise weigh on one user's rate more than on four users'.
+    """
+    clients = [openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)]
+    clients += [clients[0].copy() for _ in range(users - 1)]
+    model = clients[0].models.list().data[0].id
+    counts: list[int] = []
+    start = threading.Barrier(users + 1)
+
+    def user(client: openai.OpenAI) -> None:
+        start.wait()
+        stream = client.chat.completions.create(  # type: ignore[call-overload]
+            model=model, messages=messages, max_tokens=tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        counts.extend(chunk.usage.completion_tokens for chunk in stream if chunk.usage is not None)
+
+    threads = [threading.Thread(target=user, args=(client,)) for client in clients]
     for thread in threads:
         thread.start()
+    start.wait()
+    started = time.perf_counter()
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    return sum(r.tokens for r in results) / elapsed
+    for client in clients:
+        client.close()
+    if len(counts) != users:
+        raise RuntimeError(f"{users - len(counts)} of {users} users got no usage back")
+    return sum(counts) / elapsed
 
 
 def step_cost(model: Path, threads: int = THREADS, rounds: int = 20) -> dict[int, float]:

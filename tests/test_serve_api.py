@@ -137,3 +137,9 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     assert "kafila_completion_tokens_total" in text and "kafila_queue_depth" in text
     completion_total = next(line for line in text.splitlines() if line.startswith("kafila_completion_tokens_total"))
     assert float(completion_total.split()[-1]) >= 4
+    # Requests are counted by route and status; a path that is no route counts as "other".
+    assert 'kafila_requests_total{route="/v1/completions",status="200"}' in text
+    raw(host, "/v1/no-such-route-1234", key=None)
+    with urlopen(f"{host.base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert 'kafila_requests_total{route="other",status="404"}' in text and "no-such-route" not in text

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.chat_template import ChatTemplate, TemplateError
 from kafila.api.scheduler import Event, Failed, Finished, Job, TextDelta
@@ -136,12 +137,6 @@ def create_app(serving: Serving) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
         return error.response()
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        response: Response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -261,7 +256,42 @@ def create_app(serving: Serving) -> FastAPI:
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(_CountRequests, requests=metrics.requests, routes=frozenset(_route_paths(app)))
     return app
+
+
+def _route_paths(app: FastAPI) -> list[str]:
+    return [path for route in app.routes if isinstance(path := getattr(route, "path", None), str)]
+
+
+class _CountRequests:
+    """Counts responses by route and status for /metrics.
+
+    Plain ASGI rather than `@app.middleware("http")`: that wrapper passes every chunk of a
+    streamed response through a memory stream and another task, a cost paid on every token.
+    Paths that are no route count as "other", so random URLs cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, requests: Counter, routes: frozenset[str]) -> None:
+        self.app, self.requests, self.routes = app, requests, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            self.requests.labels(route, str(status)).inc()
 
 
 def _not_ready_text(serving: Serving, loop: EngineLoop | None) -> str:
