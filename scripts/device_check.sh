@@ -12,7 +12,9 @@
 #      with the blocks on the GPU (hidden states are read out of device memory by the graph
 #      callback);
 #   4. scripts/bench_concurrency.py: 4 users against 1 on a 2-stage ring, the target's regime.
-# KAFILA_DEVICE_BENCH_ARGS replaces the benchmark's arguments (default: --rounds 3 --no-pinned).
+# KAFILA_DEVICE_BENCH_ARGS replaces the benchmark's arguments. The default is
+# --rounds 3 --no-pinned --tokens 128: on a GPU a step takes milliseconds, so longer answers keep
+# each request's fixed costs from weighing on one user more than on four.
 # KAFILA_DEVICE_CPU_OK=1 goes on without a GPU: for trying this script on a machine without one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +71,7 @@ say "3. split correctness on the GPU"
 timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_split_correctness.py > "$OUT/tests.log" 2>&1
 say "tests: rc $? — $(tail -1 "$OUT/tests.log")"
 
-read -r -a BENCH_ARGS <<< "${KAFILA_DEVICE_BENCH_ARGS:---rounds 3 --no-pinned}"
+read -r -a BENCH_ARGS <<< "${KAFILA_DEVICE_BENCH_ARGS:---rounds 3 --no-pinned --tokens 128}"
 say "4. python scripts/bench_concurrency.py ${BENCH_ARGS[*]}"
 timeout 420 python3 scripts/bench_concurrency.py "${BENCH_ARGS[@]}" > "$OUT/bench_concurrency.txt" 2>&1
 say "bench: rc $?"
