@@ -96,12 +96,14 @@ if [ "${1:-}" = "--cuda" ]; then
     done
   fi
   rm -rf "$KIT/cuda"
+  echo "   compiling (progress: the [n/total] lines of $KIT/cuda-build.log)"
   # No VMM: that would link libcuda.so, which a machine without a GPU driver lacks. AVX2 and
   # FMA, not -march=native: the CPU part must run on the GPU machine's processor.
   CUDAToolkit_ROOT="$MERGED" PATH="$MERGED/bin:$PATH" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
   CMAKE_ARGS="-DGGML_CUDA=on -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCUDAToolkit_ROOT=$MERGED \
 -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" \
-    python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$KIT/cuda" "$SLIM"
+    python3 -m pip wheel -v --disable-pip-version-check --no-deps -w "$KIT/cuda" "$SLIM" > "$KIT/cuda-build.log" 2>&1 \
+    || { tail -30 "$KIT/cuda-build.log" >&2; echo "the CUDA build failed: $KIT/cuda-build.log" >&2; exit 1; }
   ls -la "$KIT/cuda"
 fi
 du -sh "$KIT"
