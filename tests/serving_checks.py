@@ -18,11 +18,16 @@ PROMPTS = ("the quick brown fox", "a b c d", "hello world", "jumps over the lazy
 
 def unsplit_greedy(model: Path, prompt: str, tokens: int) -> str:
     """The model's greedy continuation in one process, unsplit: what every split must give."""
+    return unsplit_text(model, prompt, tokens, SamplingSettings())
+
+
+def unsplit_text(model: Path, prompt: str, tokens: int, sampling: SamplingSettings) -> str:
+    """The model's continuation in one process, unsplit, drawn by the host's own sampler."""
     engine = open_engine(
         model, [read_manifest(model).n_blocks], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1)
     )
     try:
-        return generate(engine, prompt, tokens, SamplingSettings()).text
+        return generate(engine, prompt, tokens, sampling).text
     finally:
         engine.close()
 

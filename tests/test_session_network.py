@@ -20,8 +20,10 @@ from urllib.request import urlopen
 import openai
 import pytest
 from host_process import Host, running_host, start_member, stop, wait_ready
-from serving_checks import check_concurrent_streams, unsplit_greedy
+from serving_checks import check_concurrent_streams, unsplit_greedy, unsplit_text
 from tiny_models import write_tiny_model
+
+from kafila.runtime.sampling import SamplingSettings
 
 PROMPT = "the quick brown fox"
 COMMON = ("--context", "256", "--concurrency", "4", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
@@ -367,6 +369,11 @@ def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         serves_like_one_process(client, model)
         check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(model, prompt, n))
+        # OpenAI's default sampling (top_p 1, no top-k) needs the whole row: the head samples it
+        # itself, with the request's seed, and draws what the host's sampler would have.
+        sampled = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11)
+        drawn = unsplit_text(model, PROMPT, 12, SamplingSettings(temperature=0.9, top_k=0, top_p=1.0, seed=11))
+        assert sampled.choices[0].text == drawn != unsplit_greedy(model, PROMPT, 12)
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
         host_entry = next(m for m in status["members"] if m["host"])

@@ -21,14 +21,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
-
-import numpy as np
-import numpy.typing as npt
 
 from kafila.api.text import StopAwareText
 from kafila.runtime.pipeline import EngineStep, SequenceFailed, StepResult
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.sampling import SamplerStart, SamplingSettings, TokenSampler
 
 
 class FinishReason(StrEnum):
@@ -67,12 +63,6 @@ class Failed:
 
 
 Event = TextDelta | Finished | Failed
-
-
-class TokenSampler(Protocol):
-    def accept(self, tokens: Sequence[int]) -> None: ...
-    def sample(self, logits: npt.NDArray[np.float32]) -> int: ...
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -207,8 +197,12 @@ class Batcher:
             if sequence.prefilling and budget > 0:
                 chunk = sequence.job.prompt[sequence.fed : sequence.fed + budget]
                 ends = sequence.fed + len(chunk) == len(sequence.job.prompt)
-                top = sequence.job.sampling.top_logits
-                step = EngineStep(sequence.slot, sequence.fed, chunk, decode=False, logits=ends, top=top)
+                sampling = sequence.job.sampling
+                start = None  # a head on a member samples a request that needs the whole row itself
+                if sequence.fed == 0 and sampling.needs_whole_row:
+                    start = SamplerStart(settings=sampling, prompt=list(sequence.job.prompt))
+                top = sampling.top_logits
+                step = EngineStep(sequence.slot, sequence.fed, chunk, False, logits=ends, top=top, sampler=start)
                 planned.append((sequence, step, ends))
                 budget -= len(chunk)
         if planned:

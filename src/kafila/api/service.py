@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from kafila.api.scheduler import Batcher, Event, Failed, Finished, Job, TextDelta
 from kafila.runtime.pipeline import Engine, EngineStep, Launched, SequenceFailed, StageFailed, StepResult
-from kafila.runtime.sampling import Sampler
 
 Sink = Callable[[Event], None]
 STATS_REFRESH_S = 2.0
@@ -57,7 +56,7 @@ class EngineLoop:
             concurrency,
             batch_rows,
             context_per_sequence,
-            make_sampler=lambda settings: Sampler(settings, engine.n_vocab()),
+            make_sampler=engine.sampler,
             piece=engine.piece,
             is_end=engine.is_end,
         )

@@ -21,6 +21,11 @@ MAX_TOKENS = 1 << 16
 MAX_HIDDEN = 1 << 16
 MAX_VOCAB = 1 << 21  # a LOGITS row: the largest vocabularies in use hold some 262,000 entries
 MAX_TOP = (1 << 16) - 1  # the header's `top` field
+# The `top` value that asks a head on a member to sample the row itself, with the sampler a
+# SAMPLER frame started for the sequence, and answer with the chosen token alone (a top-1 LOGITS
+# frame). `SamplingSettings.top_logits` never asks for this many.
+SAMPLE_ON_HEAD = MAX_TOP
+MAX_SAMPLER_START_BYTES = 1 << 23  # a SAMPLER frame's JSON: the settings and a prompt of ~10^6 token ids
 MAX_PAYLOAD = 1 << 28  # 256 MiB: a 4096-token prefill chunk of a hidden-16384 model in f32
 # Sequence ids from 2**63 up are reserved for control streams, never request slots, so their
 # streams cannot collide with a request's: stage-file transfers (`kafila.network.transfer`) use
@@ -38,10 +43,11 @@ class Kind(IntEnum):
     ERROR = 6  # a UTF-8 message: the peer rejected a frame
     FILE = 7  # raw bytes of a file in transfer; `position` is the chunk's index (kafila.network.transfer)
     LOGITS = 8  # a head on a member answers the host: logits after a step's last row, `hidden` = vocabulary
+    SAMPLER = 9  # the host starts a sequence's sampler on a head on a member: JSON settings and prompt
 
 
 class DType(IntEnum):
-    NONE = 0  # no tensor: CANCEL, PING, ERROR, FILE
+    NONE = 0  # no tensor: CANCEL, PING, ERROR, FILE, SAMPLER
     F32 = 1
     F16 = 2
     I32 = 3  # token ids; in a LOGITS frame, the top entries: `n_tokens` int32 ids, then as many f32 values
@@ -126,6 +132,12 @@ class Frame:
         return cls(Kind.LOGITS, sequence_id, position, top, row.shape[0], DType.I32, payload)
 
     @classmethod
+    def of_choice(cls, sequence_id: int, position: int, token: int, logit: float, vocabulary: int) -> Frame:
+        """A head's answer to a row it sampled itself: the chosen token alone, as a top-1 frame."""
+        payload = np.array([token], dtype=np.int32).tobytes() + np.array([logit], dtype=np.float32).tobytes()
+        return cls(Kind.LOGITS, sequence_id, position, 1, vocabulary, DType.I32, payload)
+
+    @classmethod
     def of_tokens(cls, sequence_id: int, position: int, tokens: list[int]) -> Frame:
         payload = np.asarray(tokens, dtype=np.int32).tobytes()
         return cls(Kind.RESULT, sequence_id, position, len(tokens), 0, DType.I32, payload)
@@ -190,6 +202,11 @@ def _validate(kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, lengt
             raise FrameError(f"a {kind_.name} frame needs f32 or f16 hidden states of at least one token")
         if length != n_tokens * hidden * _ITEM_SIZE[dtype_]:
             raise FrameError(f"payload of {length} bytes does not hold {n_tokens} x {hidden} {dtype_.name} values")
+    elif kind_ is Kind.SAMPLER:
+        if dtype_ is not DType.NONE or n_tokens or hidden:
+            raise FrameError("a SAMPLER frame carries JSON: dtype none, no tokens, hidden size 0")
+        if length > MAX_SAMPLER_START_BYTES:
+            raise FrameError(f"a SAMPLER frame of {length} bytes exceeds the {MAX_SAMPLER_START_BYTES}-byte limit")
     elif kind_ is Kind.FILE:
         if dtype_ is not DType.NONE or n_tokens or hidden:
             raise FrameError("a FILE frame carries raw bytes: dtype none, no tokens, hidden size 0")

@@ -24,9 +24,9 @@ from typing import IO, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kafila.network.frames import DType, Frame, FrameDecoder, Kind, is_control_sequence
+from kafila.network.frames import SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 from kafila.runtime.llama_backend import ContextSettings, LlamaModel, VocabularyOnly, shares_cores_env
-from kafila.runtime.sampling import Sampler, SamplingSettings
+from kafila.runtime.sampling import Sampler, SamplerStart, SamplingSettings, TokenChosenOnHead, TokenSampler
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import (
     HeadStage,
@@ -172,6 +172,9 @@ class EngineStep:
     decode: bool
     logits: bool = True  # False for a prompt chunk that does not end its prompt: no output row
     top: int = 0  # how many of the largest logits the sampler needs (`SamplingSettings.top_logits`); 0: all
+    # On a request's first prompt chunk: its sampler's settings and prompt, for an engine whose
+    # head is on a member to start the sampler there (`RingEngine`); other engines ignore it.
+    sampler: SamplerStart | None = None
 
 
 Logits = npt.NDArray[np.float32]
@@ -220,6 +223,7 @@ class Engine(Protocol):
     def piece(self, token: int) -> bytes: ...
     def is_end(self, token: int) -> bool: ...
     def n_vocab(self) -> int: ...
+    def sampler(self, settings: SamplingSettings) -> TokenSampler: ...
     def chat_template(self) -> str | None: ...
     def special_text(self) -> tuple[str, str]: ...
     def forget(self, sequence_id: int) -> None: ...
@@ -255,6 +259,10 @@ class _Vocabulary:
 
     def n_vocab(self) -> int:
         return self.llama_model.n_vocab
+
+    def sampler(self, settings: SamplingSettings) -> TokenSampler:
+        """The host's sampler for one request: llama.cpp's chain on the logits that come back."""
+        return Sampler(settings, self.n_vocab())
 
     def chat_template(self) -> str | None:
         return self.vocabulary.chat_template()
@@ -382,6 +390,7 @@ class RingEngine(_Vocabulary):
         self._expected: defaultdict[int, deque[int | None]] = defaultdict(deque)  # per sequence: wave or CANCEL out
         self._arrived: dict[tuple[int, int], Frame] = {}  # (wave, sequence) → its frame, until the wave lands
         self._forgotten_at: dict[int, int] = {}  # sequence → first wave after it was forgotten mid-flight
+        self._sampled_on_head: set[int] = set()  # sequences whose sampler runs on the head (a member)
         try:
             self.ring: RingTransport = ring if ring is not None else LocalRing(ring_stages, settings)
         except BaseException:
@@ -395,6 +404,7 @@ class RingEngine(_Vocabulary):
         """Embed the wave and send one frame per sequence round the ring; stages run frames that
         arrive together as one decode, so while this wave is at one stage the next can be at another."""
         wave = next(self._waves)
+        starts = self._sampler_starts(steps)
         frames = tuple(
             Frame.of_hidden(
                 Kind.DECODE if s.decode else Kind.PREFILL,
@@ -402,14 +412,41 @@ class RingEngine(_Vocabulary):
                 s.position,
                 self._embed(s.tokens),
                 self._dtype,
-                s.top if s.logits else 1,  # a head on the ring answers every step: the least it can
+                self._top(s),
             )
             for s in steps
         )
-        self.ring.send(frames)
+        self.ring.send([*starts, *frames])  # a start goes ahead of its sequence's rows; it has no answer
         for frame in frames:
             self._expected[frame.sequence_id].append(wave)
         return Launched(tuple(steps), wave, frames)
+
+    def _sampler_starts(self, steps: Sequence[EngineStep]) -> list[Frame]:
+        """SAMPLER frames for the requests this wave starts whose sampler needs the whole row,
+        when the head is on the ring: from then on the head samples them."""
+        if self.head is not None:
+            return []
+        starts = []
+        for step in steps:
+            if step.sampler is not None and step.sampler.settings.needs_whole_row:
+                starts.append(Frame(Kind.SAMPLER, step.sequence_id, payload=step.sampler.payload()))
+                self._sampled_on_head.add(step.sequence_id)
+        return starts
+
+    def _top(self, step: EngineStep) -> int:
+        """The `top` a step's frame carries. A head on the ring answers every step, with the least
+        it can where the step wants no logits, and samples itself where the sampler needs the
+        whole row: one token back instead of the row (`TokenChosenOnHead` takes it)."""
+        if not step.logits:
+            return 1
+        if step.top == 0 and step.sequence_id in self._sampled_on_head:
+            return SAMPLE_ON_HEAD
+        return step.top
+
+    def sampler(self, settings: SamplingSettings) -> TokenSampler:
+        if self.head is None and settings.needs_whole_row:
+            return TokenChosenOnHead()
+        return Sampler(settings, self.n_vocab())
 
     def land(self, launched: Launched) -> list[StepResult]:
         """The wave's frames back from the ring, through the head: logits, or a sequence's failure.
@@ -490,6 +527,7 @@ class RingEngine(_Vocabulary):
         Its answer (the CANCEL back, or an ERROR from a stage that cannot hold the sequence
         either) is taken with the waves that follow, so forgetting never stalls the pipeline."""
         self.ring.send([Frame(Kind.CANCEL, sequence_id)])
+        self._sampled_on_head.discard(sequence_id)
         if any(w is not None for w in self._expected[sequence_id]):
             self._forgotten_at[sequence_id] = next(self._waves)  # waves before this one are stale for it
         self._expected[sequence_id].append(None)

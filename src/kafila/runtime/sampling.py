@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
+from typing import Annotated, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kafila.network.frames import MAX_SAMPLER_START_BYTES, SAMPLE_ON_HEAD
 from kafila.runtime.llama_backend import llama
 
 # The layout of llama_token_data: id (int32), logit (float), p (float).
@@ -49,12 +51,25 @@ class SamplingSettings(BaseModel):
             if self.repeat_penalty < 1.0 or self.frequency_penalty < 0.0 or self.presence_penalty < 0.0:
                 return 0
             keep += self.repeat_last_n
-        return keep if keep < 1 << 16 else 0
+        return keep if keep < SAMPLE_ON_HEAD else 0
+
+    @property
+    def needs_whole_row(self) -> bool:
+        """Whether only the whole row of logits will do: a head on a member then samples itself."""
+        return self.top_logits == 0
 
     @property
     def greedy(self) -> bool:
         """A plain argmax: temperature zero and no penalty to apply first."""
         return self.temperature == 0.0 and not self.penalised
+
+
+class TokenSampler(Protocol):
+    """One request's sampler on the host: what the scheduler calls for each token."""
+
+    def accept(self, tokens: Iterable[int]) -> None: ...
+    def sample(self, logits: npt.NDArray[np.float32]) -> int: ...
+    def close(self) -> None: ...
 
 
 class Sampler:
@@ -120,3 +135,46 @@ class Sampler:
         if self._chain is not None and self._llama is not None:
             self._llama.llama_sampler_free(self._chain)
             self._chain = None
+
+
+class SamplerStart(BaseModel):
+    """What a head on a member needs to sample a sequence exactly as the host would: the settings
+    (the seed among them) and the prompt, which the repeat penalty looks back on.
+
+    Sent once per request, before its first prompt chunk, when the request needs the whole row
+    of logits (top_k 0 with a temperature, or a penalty that raises logits): a 262k vocabulary's
+    row is 1 MiB a token, the chosen token 8 bytes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    settings: SamplingSettings
+    prompt: list[Annotated[int, Field(ge=0, lt=1 << 31)]]
+
+    def payload(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> SamplerStart:
+        """Raises ValueError (pydantic's ValidationError is one) on anything but a valid start."""
+        if len(payload) > MAX_SAMPLER_START_BYTES:
+            raise ValueError(f"a sampler start of {len(payload)} bytes exceeds {MAX_SAMPLER_START_BYTES}")
+        try:
+            return cls.model_validate_json(payload)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+
+
+class TokenChosenOnHead:
+    """The host's side of a sequence that a head on a member samples: the row that comes back
+    holds the chosen token alone (every other entry -inf), so taking it is an argmax."""
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """The head's sampler has seen the prompt and every token it chose."""
+
+    def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        return int(np.argmax(logits))
+
+    def close(self) -> None:
+        pass

@@ -32,6 +32,7 @@ from gguf.quants import dequantize
 from kafila.runtime.families import family_of
 from kafila.runtime.gguf_file import FastGGUFReader
 from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel, VocabularyOnly
+from kafila.runtime.sampling import Sampler, SamplerStart
 
 FloatRows = npt.NDArray[np.float32]
 T = TypeVar("T")
@@ -397,6 +398,41 @@ class HeadStage:
         self.first_block, self.n_layers = _slice_range(path)
         self.name = f"the head (blocks {self.first_block}-{self.first_block + self.n_layers - 1})"
         self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
+        self._samplers: dict[int, Sampler] = {}  # sequences the host has this head sample (on a member)
+        self._refused_samplers: dict[int, str] = {}  # sequences whose sampler could not start: why
+
+    def start_sampling(self, sequence_id: int, start: SamplerStart) -> None:
+        """Sample this sequence here from now on, as the host would have: same chain, same seed,
+        the prompt accepted first. Replaces any sampler the slot had."""
+        n_vocab = self.model.n_vocab
+        if any(token >= n_vocab for token in start.prompt):
+            raise ValueError(f"the prompt names a token outside this model's {n_vocab}")
+        self.stop_sampling(sequence_id)
+        self._refused_samplers.pop(sequence_id, None)
+        sampler = Sampler(start.settings, n_vocab)
+        sampler.accept(start.prompt)
+        self._samplers[sequence_id] = sampler
+
+    def refuse_sampling(self, sequence_id: int, reason: str) -> None:
+        """A start that could not be honoured: the sequence's rows are refused, with `reason`."""
+        self.stop_sampling(sequence_id)
+        self._refused_samplers[sequence_id] = reason
+
+    def samples(self, sequence_id: int) -> bool:
+        return sequence_id in self._samplers
+
+    def why_not_sampling(self, sequence_id: int) -> str:
+        reason = self._refused_samplers.get(sequence_id)
+        return f"its sampler could not start: {reason}" if reason else "no sampler was started for it"
+
+    def sample(self, sequence_id: int, logits: npt.NDArray[np.float32]) -> int:
+        """The next token of a sequence sampled here; the sampler remembers it for its penalties."""
+        return self._samplers[sequence_id].sample(logits)
+
+    def stop_sampling(self, sequence_id: int) -> None:
+        sampler = self._samplers.pop(sequence_id, None)
+        if sampler is not None:
+            sampler.close()
 
     def forward(
         self, steps: Sequence[StepInput], decode: bool = False, wanted: Sequence[bool] | None = None
@@ -416,9 +452,13 @@ class HeadStage:
 
     def forget(self, sequence_id: int) -> None:
         self._next_position.pop(sequence_id, None)
+        self.stop_sampling(sequence_id)
+        self._refused_samplers.pop(sequence_id, None)
         self.model.forget(sequence_id)
 
     def close(self) -> None:
+        for sequence_id in list(self._samplers):
+            self.stop_sampling(sequence_id)
         self.model.close()
 
 

@@ -13,8 +13,9 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from kafila.network.frames import HIDDEN_KINDS, Frame, FrameDecoder, FrameError, Kind
+from kafila.network.frames import HIDDEN_KINDS, SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.sampling import SamplerStart
 from kafila.runtime.stage import BlockStage, HeadStage, StepInput, run_isolating
 
 # The sequence id of a worker's last ERROR frame when it gives up its stream (a frame it cannot
@@ -51,7 +52,11 @@ def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
         logits = []
         for frame, row in zip(batch, stage.forward(steps, decode=decode), strict=True):
             assert row is not None  # every step's last row is asked for
-            logits.append(Frame.of_logits(frame.sequence_id, frame.position, row, frame.top))
+            if frame.top == SAMPLE_ON_HEAD:  # handle_frames has checked that the sequence has a sampler
+                token = stage.sample(frame.sequence_id, row)
+                logits.append(Frame.of_choice(frame.sequence_id, frame.position, token, row[token], row.shape[0]))
+            else:
+                logits.append(Frame.of_logits(frame.sequence_id, frame.position, row, frame.top))
         return logits
     return [
         Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype, frame.top)
@@ -78,15 +83,20 @@ def handle_frames(stage: RingStage, frames: Sequence[Frame]) -> list[Frame]:
 
     for frame in frames:
         if frame.kind in HIDDEN_KINDS:
-            if frame.hidden != stage.hidden:  # refused alone: it would only fail the batch it joined
+            error = _unrunnable(stage, frame)
+            if error is not None:  # refused alone: it would only fail the batch it joined
                 flush()
-                error = FrameError(f"frame of hidden size {frame.hidden}; this stage takes {stage.hidden}")
                 out.append(refusal(stage, frame, error))
             else:
                 batch.append(frame)
             continue
         flush()
-        if frame.kind is Kind.CANCEL:
+        if frame.kind is Kind.SAMPLER and isinstance(stage, HeadStage):
+            try:
+                stage.start_sampling(frame.sequence_id, SamplerStart.from_payload(frame.payload))
+            except ValueError as error:  # no answer: the sequence's rows are refused, with this reason
+                stage.refuse_sampling(frame.sequence_id, str(error))
+        elif frame.kind is Kind.CANCEL:
             stage.forget(frame.sequence_id)
             out.append(frame)
         elif frame.kind is Kind.PING and frame.payload:
@@ -97,6 +107,15 @@ def handle_frames(stage: RingStage, frames: Sequence[Frame]) -> list[Frame]:
             out.append(frame)
     flush()
     return out
+
+
+def _unrunnable(stage: RingStage, frame: Frame) -> Exception | None:
+    """Why this stage cannot run a hidden-state frame at all, found before it joins a batch."""
+    if frame.hidden != stage.hidden:
+        return FrameError(f"frame of hidden size {frame.hidden}; this stage takes {stage.hidden}")
+    if frame.top == SAMPLE_ON_HEAD and isinstance(stage, HeadStage) and not stage.samples(frame.sequence_id):
+        return ValueError(stage.why_not_sampling(frame.sequence_id))
+    return None
 
 
 def _sequence(frame: Frame) -> int:

@@ -67,7 +67,8 @@ async def serve_stage(
             out = await loop.run_in_executor(executor, handle_frames, stage, frames)
         except Exception as error:  # a bug, not a bad frame (handle_frames answers those one by one)
             reason = f"{stage.name} failed: {error}"
-            out = [Frame(Kind.ERROR, f.sequence_id, payload=reason.encode()[:4000]) for f in frames]
+            answered = [f for f in frames if f.kind is not Kind.SAMPLER]  # a sampler start has no answer
+            out = [Frame(Kind.ERROR, f.sequence_id, payload=reason.encode()[:4000]) for f in answered]
         for frame in out:
             await outbound.send(frame)
 
