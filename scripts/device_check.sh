@@ -2,11 +2,11 @@
 # The GPU checks, as one prepared run on a lent GPU machine (no network, minutes of time):
 #
 #     bash scripts/device_kit.sh --cuda        # here, once: packs .devkit/ (see that script)
-#     device run, carry [".devkit"], timeout 600:  bash scripts/device_check.sh
+#     device run, carry [".devkit/wheels", ".devkit/cuda"], timeout 600:  bash scripts/device_check.sh
 #
 # Phases, each under its own time limit, each writing its log under $OUT (or /tmp/kafila-device):
-#   1. install the kit's wheels into /tmp/site, and llama-cpp-python: the kit's CUDA wheel, or
-#      else a build of the kit's slimmed source there (CUDA, sm_90, all cores);
+#   1. install the kit's wheels into /tmp/site, and llama-cpp-python: the kit's CUDA build, or
+#      else (.devkit/source carried instead) a build of the slimmed source there (all cores);
 #   2. refuse to go on unless llama.cpp offloads to the GPU;
 #   3. the split-correctness tests: every split's greedy tokens equal the unsplit model's, now
 #      with the blocks on the GPU (hidden states are read out of device memory by the graph
@@ -27,7 +27,7 @@ started=$SECONDS
 say() { echo "[$((SECONDS - started)) s] $*" | tee -a "$OUT/summary.txt"; }
 
 say "machine: $(nproc) cores; $(python3 --version 2>&1); $(nvidia-smi -L 2>&1 | head -1)"
-[ -d "$KIT/wheels" ] || { say "no $KIT/wheels: run scripts/device_kit.sh here and carry .devkit"; exit 1; }
+[ -d "$KIT/wheels" ] || { say "no $KIT/wheels: run scripts/device_kit.sh here and carry what it says"; exit 1; }
 
 say "1. installing the kit's wheels"
 timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -43,25 +43,30 @@ EOF
 )
 export LD_LIBRARY_PATH="$LIBRARIES${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 say "library path for CUDA: $LD_LIBRARY_PATH"
-WHEEL=$(ls "$KIT"/cuda/llama_cpp_python-*.whl 2>/dev/null | head -1)
-if [ -n "$WHEEL" ]; then
-  say "llama-cpp-python from the kit's CUDA wheel $(basename "$WHEEL")"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEEL" \
-    >> "$OUT/install.log" 2>&1 || say "the CUDA wheel did not install (install.log)"
+if [ -e "$KIT/cuda/llama_cpp-cuda.tar.xz" ]; then
+  say "llama-cpp-python from the kit's CUDA build"
+  tar xJf "$KIT/cuda/llama_cpp-cuda.tar.xz" -C "$SITE" || say "the kit's CUDA build did not unpack"
 fi
 offload() { python3 -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" 2>> "$OUT/install.log"; }
 if ! offload && [ -z "${KAFILA_DEVICE_CPU_OK:-}" ]; then
-  SLIM=$(ls "$KIT"/llama_cpp_python-*-slim.tar.gz | head -1)
-  say "building llama-cpp-python from $SLIM with CUDA (sm_90) on $(nproc) cores"
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" \
-    timeout 480 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
-    --target "$SITE" "$SLIM" > "$OUT/build.log" 2>&1 || say "the build failed or ran out of time (build.log)"
+  SLIM=$(ls "$KIT"/source/llama_cpp_python-*-slim.tar.gz 2>/dev/null | head -1)
+  if [ -z "$SLIM" ]; then
+    say "no CUDA build offloads here and no source travelled (carry .devkit/source to build one)"
+  else
+    say "building llama-cpp-python from $SLIM with CUDA (sm_90) on $(nproc) cores"
+    rm -rf "$SITE/llama_cpp"
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" \
+      timeout 480 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
+      --target "$SITE" "$SLIM" > "$OUT/build.log" 2>&1 || say "the build failed or ran out of time (build.log)"
+  fi
 fi
 if [ -n "${KAFILA_DEVICE_CPU_OK:-}" ]; then
   say "2. KAFILA_DEVICE_CPU_OK: going on whether llama.cpp offloads or not"
 elif ! offload; then
   say "2. llama.cpp does not offload to the GPU here: stopping (install.log, build.log)"
+  ldd "$SITE"/llama_cpp/lib/libggml-cuda.so 2>&1 | grep -i "not found" | tee -a "$OUT/summary.txt"
+  tail -5 "$OUT/install.log" | tee -a "$OUT/summary.txt"
   exit 1
 else
   say "2. llama.cpp offloads to the GPU"
