@@ -155,7 +155,7 @@ class SamplerStart(BaseModel):
 
     @classmethod
     def from_payload(cls, payload: bytes) -> SamplerStart:
-        """Raises ValueError (pydantic's ValidationError is one) on anything but a valid start."""
+        """Raises ValueError, naming the first field at fault, on anything but a valid start."""
         if len(payload) > MAX_SAMPLER_START_BYTES:
             raise ValueError(f"a sampler start of {len(payload)} bytes exceeds {MAX_SAMPLER_START_BYTES}")
         try:
