@@ -55,7 +55,7 @@ def join(
     try:
         channel, _ = split_code(code)
     except CodeFormatError as error:
-        fail(f"that is not a session code: {error}", False)
+        fail(str(error), False)
     if model is not None and not model.is_file():
         fail(f"no model file at {model}", False)
     try:
