@@ -15,6 +15,8 @@ from urllib.request import Request, urlopen
 import openai
 import pytest
 from host_process import Host, running_host
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.shared_params import ResponseFormatText
 from serving_checks import check_concurrent_streams, unsplit_greedy
 from tiny_models import write_tiny_model
 
@@ -121,6 +123,20 @@ def test_openai_errors_carry_openais_status_codes(client: openai.OpenAI, host: H
     for body_bytes in (b"{not json", b"[1, 2]", b'{"model": "tiny-llama"}', b"\xff\xfe"):
         status, reply = raw(host, "/v1/chat/completions", body_bytes)
         assert status == 400 and reply["error"]["type"] == "invalid_request_error", (body_bytes, reply)  # type: ignore[index]
+    lone_surrogate = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "a\\ud800b"}}]}}'.encode()
+    status, reply = raw(host, "/v1/chat/completions", lone_surrogate)
+    assert status == 400 and "surrogate" in reply["error"]["message"], reply  # type: ignore[index]
+    for prompt, says in (([], "empty"), ([-1], "from 0 to"), ([5, 1 << 20], "from 0 to")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logit_bias={"5": 10})
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"})
+    text_format: ResponseFormatText = {"type": "text"}
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, response_format=text_format)
+    assert plain.choices[0].finish_reason in ("length", "stop")
 
 
 def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, host: Host) -> None:

@@ -33,7 +33,16 @@ class Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
     logprobs: Literal[False] | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +75,14 @@ def _fresh_seed() -> int:
     import secrets
 
     return secrets.randbelow(2**32)
+
+
+class ResponseFormat(BaseModel):
+    """Plain text only: this server cannot constrain output to JSON or a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
 
 
 class StreamOptions(BaseModel):
@@ -120,6 +137,8 @@ class CompletionRequest(Request):
     def prompt_text(self) -> str | list[int]:
         if isinstance(self.prompt, str):
             return self.prompt
+        if not self.prompt:
+            raise ValueError("the prompt is empty")
         if all(isinstance(p, str) for p in self.prompt):
             if len(self.prompt) != 1:
                 raise ValueError("one prompt per request: this server does not batch prompts in one request")

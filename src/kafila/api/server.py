@@ -116,6 +116,10 @@ def create_app(serving: Serving) -> FastAPI:
             raise _invalid("We could not parse the JSON body of your request.") from None
         if not isinstance(data, dict):
             raise _invalid("The request body must be a JSON object.")
+        try:  # JSON may escape a lone UTF-16 surrogate, which no tokenizer or template can take
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise _invalid("The request body holds a lone UTF-16 surrogate (such as \\ud800), not text.") from None
         try:
             return schema.model_validate(data)
         except ValidationError as error:
@@ -184,7 +188,8 @@ def create_app(serving: Serving) -> FastAPI:
             raise _invalid(str(error), "prompt") from None
         if isinstance(text, list):
             if any(not 0 <= t < engine.n_vocab() for t in text):
-                raise _invalid(f"prompt token ids must be below the vocabulary size {engine.n_vocab()}", "prompt")
+                last = engine.n_vocab() - 1
+                raise _invalid(f"prompt token ids must be from 0 to {last}, this model's vocabulary", "prompt")
             prompt = text
         else:
             prompt = engine.tokenize(text, True, False)
