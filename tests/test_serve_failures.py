@@ -104,3 +104,39 @@ def test_a_port_in_use_is_refused_in_one_line() -> None:
         )  # fmt: skip
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_slot(tmp_path: Path) -> None:
+    """A non-streamed request whose client goes away is cancelled, not generated to its end for
+    nobody: its slot is free at once, and it never counts as finished. (4000 tokens would take
+    this host seconds; the client hangs up after a fraction of one.)"""
+    import json
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=2)
+    with running_host("--model", model, "--context", "4096", "--concurrency", "1", "--threads", "1") as host:
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4000, "temperature": 0}).encode()
+        port = int(host.base_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as connection:
+            head = (
+                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            connection.sendall(head.encode() + body)
+            deadline = time.monotonic() + 10
+            while status(host.base_url)["running"] != 1:  # it is generating
+                assert time.monotonic() < deadline, status(host.base_url)
+                time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while status(host.base_url)["running"] != 0:
+            assert time.monotonic() < deadline, "the abandoned request still holds its slot"
+            time.sleep(0.05)
+        assert status(host.base_url)["requests"] == {"finished": 0, "failed": 0}  # cancelled, not finished
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=30)
+        assert client.completions.create(model="tiny", prompt="hello", max_tokens=3).usage.completion_tokens == 3  # type: ignore[union-attr]
+
+
+def status(base_url: str) -> dict[str, object]:
+    import json
+
+    with urlopen(f"{base_url}/status", timeout=5) as response:
+        return dict(json.loads(response.read()))

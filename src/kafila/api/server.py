@@ -231,10 +231,17 @@ def create_app(serving: Serving) -> FastAPI:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
+        collecting = asyncio.ensure_future(reply.collect(queue))
+        gone = asyncio.ensure_future(_client_gone(request))
         try:
-            text, finished = await reply.collect(queue)
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            gone.cancel()
             loop.cancel(request_id)  # a no-op once finished; frees the slot if the client went away
+        if not collecting.done():  # nobody is left to read the answer: stop making it
+            collecting.cancel()
+            return Response(status_code=499)
+        text, finished = collecting.result()
         return JSONResponse(reply.whole(text, finished))
 
     @app.get("/status")
@@ -297,6 +304,14 @@ class _CountRequests:
         finally:
             route = scope["path"] if scope["path"] in self.routes else "other"
             self.requests.labels(route, str(status)).inc()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client hangs up. The body has been read, so the server's next message is
+    the disconnect; without this, a request whose client gave up would generate to its last token
+    (to the whole context, without max_tokens), holding a slot that others queue for."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)
 
 
 def _not_ready_text(serving: Serving, loop: EngineLoop | None) -> str:
