@@ -140,3 +140,19 @@ def status(base_url: str) -> dict[str, object]:
 
     with urlopen(f"{base_url}/status", timeout=5) as response:
         return dict(json.loads(response.read()))
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("notaurl", "is not an address"),
+        ("http://127.0.0.1:1", "no kafila host answers"),
+    ],
+)
+def test_kafila_status_says_what_is_wrong_with_its_url(url: str, message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kafila", "status", "--url", url], check=False, capture_output=True, text=True,
+        timeout=60, env={**os.environ, "COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert message in result.stderr and "Traceback" not in result.stderr

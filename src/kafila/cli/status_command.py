@@ -79,12 +79,15 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print /status as it came.")] = False,
 ) -> None:
     """Show a running host's session: members, links, the plan, stage times, load."""
+    if not url.startswith(("http://", "https://")):
+        fail(f"--url {url!r} is not an address: write it like http://127.0.0.1:8080", as_json)
     request = Request(url.rstrip("/") + "/status", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
         with urlopen(request, timeout=10) as response:
             body = json.loads(response.read())
     except HTTPError as error:
-        fail(f"{url} answered {error.code}" + (" (pass --api-key)" if error.code == 401 else ""), as_json)
+        hint = {401: " (pass --api-key)", 404: " (is it a kafila host?)"}.get(error.code, "")
+        fail(f"{url} answered {error.code}{hint}", as_json)
     except (URLError, OSError, ValueError) as error:
         fail(f"no kafila host answers at {url}: {getattr(error, 'reason', error)}", as_json)
     if as_json:
