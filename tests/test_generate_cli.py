@@ -102,6 +102,17 @@ def test_bad_divisions_are_refused(tmp_path: Path, args: tuple[str, ...], messag
     assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_generation_stops_where_the_context_ends(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """More tokens asked for than the context holds: they stop at its end, as a length finish,
+    rather than failing once the cache is full; a prompt that fills it is refused up front."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
+    args = ("--model", model, "--stages", "1", "--context", "32")
+    out = run_json(*args, "--prompt", "hello world", "--max-tokens", "1000", env=cache_env)
+    assert out["finish_reason"] == "length" and out["prompt_tokens"] + len(out["tokens"]) == 32
+    result = kafila("generate", *args, "--prompt", "hello " * 40)
+    assert result.returncode == 1 and "the context holds 32" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_missing_and_broken_models(tmp_path: Path) -> None:
     missing = kafila("generate", "--model", tmp_path / "none.gguf", "--prompt", "hi")
     assert missing.returncode == 1 and "no model file" in missing.stderr

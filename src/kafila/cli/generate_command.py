@@ -110,7 +110,7 @@ def generate(
             with stderr.status(f"preparing {len(counts)} stage{'s' if len(counts) > 1 else ''} of {path.name}"):
                 engine = open_engine(path, counts, settings)
         try:
-            result = run_generation(engine, prompt, max_tokens, sampling)
+            result = run_generation(engine, prompt, max_tokens, sampling, context=context)
         finally:
             engine.close()
     except (

@@ -570,12 +570,22 @@ class Generation:
 
 
 def generate(
-    engine: Engine, prompt: str, max_tokens: int, sampling: SamplingSettings, sequence_id: int = 0
+    engine: Engine,
+    prompt: str,
+    max_tokens: int,
+    sampling: SamplingSettings,
+    sequence_id: int = 0,
+    context: int | None = None,
 ) -> Generation:
-    """Prefill the prompt, then decode up to `max_tokens` tokens or to an end-of-generation token."""
+    """Prefill the prompt, then decode up to `max_tokens` tokens or to an end-of-generation token;
+    with `context` (the engine's tokens per sequence), no further than the context holds."""
     prompt_tokens = engine.tokenize(prompt)
     if not prompt_tokens:
         raise ValueError("the prompt is empty after tokenization")
+    if context is not None:
+        if len(prompt_tokens) >= context:
+            raise ValueError(f"the prompt has {len(prompt_tokens)} tokens; the context holds {context}")
+        max_tokens = min(max_tokens, context - len(prompt_tokens))
     sampler = Sampler(sampling, engine.n_vocab())
     sampler.accept(prompt_tokens)
     try:
