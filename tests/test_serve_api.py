@@ -6,6 +6,7 @@ Greedy output through it must equal the unsplit model run in this process.
 
 from __future__ import annotations
 
+import http.client
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,6 +124,15 @@ def test_openai_errors_carry_openais_status_codes(client: openai.OpenAI, host: H
     for body_bytes in (b"{not json", b"[1, 2]", b'{"model": "tiny-llama"}', b"\xff\xfe"):
         status, reply = raw(host, "/v1/chat/completions", body_bytes)
         assert status == 400 and reply["error"]["type"] == "invalid_request_error", (body_bytes, reply)  # type: ignore[index]
+    oversized = b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"a" * (17 << 20) + b'"}'
+    status, reply = raw(host, "/v1/completions", oversized)
+    assert status == 413 and reply["error"]["code"] == "request_too_large", reply  # type: ignore[index]
+    connection = http.client.HTTPConnection(host.base_url.removeprefix("http://"), timeout=30)
+    pieces = (oversized[i : i + (1 << 20)] for i in range(0, len(oversized), 1 << 20))  # no length declared
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    connection.request("POST", "/v1/completions", body=pieces, headers=headers, encode_chunked=True)
+    assert connection.getresponse().status == 413
+    connection.close()
     lone_surrogate = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "a\\ud800b"}}]}}'.encode()
     status, reply = raw(host, "/v1/chat/completions", lone_surrogate)
     assert status == 400 and "surrogate" in reply["error"]["message"], reply  # type: ignore[index]

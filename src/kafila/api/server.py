@@ -29,6 +29,11 @@ from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.service import EngineLoop, EngineUnavailable
 from kafila.runtime.pipeline import Engine
 
+# A whole context of text (a token is a few bytes) with room to spare: 131,072 tokens of chat
+# take about half a MiB of JSON.
+MAX_BODY_BYTES = 16 << 20
+MAX_DRAINED_BYTES = 1 << 30
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
@@ -109,7 +114,7 @@ def create_app(serving: Serving) -> FastAPI:
             raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
 
     async def parse(request: Request, schema: type[BaseModel]) -> Any:
-        body = await request.body()
+        body = await _bounded_body(request)
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError):
@@ -304,6 +309,25 @@ class _CountRequests:
         finally:
             route = scope["path"] if scope["path"] in self.routes else "other"
             self.requests.labels(route, str(status)).inc()
+
+
+async def _bounded_body(request: Request) -> bytes:
+    """The request body, refused with a 413 past MAX_BODY_BYTES: a prompt is tokenized whole
+    before its length can be checked against the context. The rest of an oversized body is read
+    and dropped (up to MAX_DRAINED_BYTES), so that a client still sending it gets the 413 rather
+    than a reset connection."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY_BYTES:
+            chunks.append(chunk)
+        elif size > MAX_DRAINED_BYTES:
+            break
+    if size > MAX_BODY_BYTES:
+        raise ApiError(
+            413, f"The request body exceeds {MAX_BODY_BYTES >> 20} MiB.", "invalid_request_error", "request_too_large"
+        )
+    return b"".join(chunks)
 
 
 async def _client_gone(request: Request) -> None:
