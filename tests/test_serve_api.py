@@ -133,6 +133,12 @@ def test_openai_errors_carry_openais_status_codes(client: openai.OpenAI, host: H
     connection.request("POST", "/v1/completions", body=pieces, headers=headers, encode_chunked=True)
     assert connection.getresponse().status == 413
     connection.close()
+    with pytest.raises(openai.BadRequestError, match="characters, more than") as beyond:  # refused untokenized
+        client.completions.create(model=MODEL, prompt="a" * (256 * 1024 + 1), max_tokens=1)
+    assert beyond.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="tokens in the prompt") as long:  # tokenized off the loop
+        client.completions.create(model=MODEL, prompt="word " * 20_000, max_tokens=1)
+    assert long.value.code == "context_length_exceeded"
     lone_surrogate = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "a\\ud800b"}}]}}'.encode()
     status, reply = raw(host, "/v1/chat/completions", lone_surrogate)
     assert status == 400 and "surrogate" in reply["error"]["message"], reply  # type: ignore[index]

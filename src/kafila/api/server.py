@@ -33,6 +33,11 @@ from kafila.runtime.pipeline import Engine
 # take about half a MiB of JSON.
 MAX_BODY_BYTES = 16 << 20
 MAX_DRAINED_BYTES = 1 << 30
+# No tokenizer in use has a token longer than this many characters (the longest are runs of
+# spaces or symbols, up to a few hundred bytes), so a longer text than the context times this
+# cannot fit, whatever it holds.
+MAX_TOKEN_CHARACTERS = 1024
+TOKENIZE_IN_THREAD_CHARACTERS = 1 << 15
 
 
 class ApiError(Exception):
@@ -179,7 +184,7 @@ def create_app(serving: Serving) -> FastAPI:
             rendered = serving.template.render([m.for_template() for m in body.messages])
         except TemplateError as error:
             raise _invalid(str(error), "messages") from None
-        prompt = engine.tokenize(rendered.text, not rendered.starts_with_bos, True)
+        prompt = await tokenize(engine, rendered.text, not rendered.starts_with_bos, True, "messages")
         return await _serve(request, body, prompt, loop, chat=True)
 
     @app.post("/v1/completions", response_model=None)
@@ -197,8 +202,22 @@ def create_app(serving: Serving) -> FastAPI:
                 raise _invalid(f"prompt token ids must be from 0 to {last}, this model's vocabulary", "prompt")
             prompt = text
         else:
-            prompt = engine.tokenize(text, True, False)
+            prompt = await tokenize(engine, text, True, False, "prompt")
         return await _serve(request, body, prompt, loop, chat=False)
+
+    async def tokenize(engine: Engine, text: str, add_special: bool, parse_special: bool, param: str) -> list[int]:
+        """Token ids, off the event loop for long texts (8 MB takes seconds, and every stream
+        would stall meanwhile); a text too long to fit the context at any tokenizer's longest
+        token is refused without tokenizing it at all."""
+        context = serving.context_per_sequence
+        if len(text) > context * MAX_TOKEN_CHARACTERS:
+            raise _invalid(
+                f"This model's maximum context length is {context} tokens. However, your {param} holds "
+                f"{len(text)} characters, more than that many tokens can hold.", param, "context_length_exceeded",
+            )  # fmt: skip
+        if len(text) <= TOKENIZE_IN_THREAD_CHARACTERS:
+            return engine.tokenize(text, add_special, parse_special)
+        return await asyncio.to_thread(engine.tokenize, text, add_special, parse_special)
 
     async def _serve(
         request: Request, body: ChatRequest | CompletionRequest, prompt: list[int], loop: EngineLoop, chat: bool
