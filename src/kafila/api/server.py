@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,7 @@ MAX_DRAINED_BYTES = 1 << 30
 # cannot fit, whatever it holds.
 MAX_TOKEN_CHARACTERS = 1024
 TOKENIZE_IN_THREAD_CHARACTERS = 1 << 15
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class ApiError(Exception):
@@ -127,7 +129,8 @@ def create_app(serving: Serving) -> FastAPI:
         if not isinstance(data, dict):
             raise _invalid("The request body must be a JSON object.")
         try:  # JSON may escape a lone UTF-16 surrogate, which no tokenizer or template can take
-            json.dumps(data, ensure_ascii=False).encode()
+            if _SURROGATE_ESCAPE.search(body):  # only an escape can make one: check the text then
+                json.dumps(data, ensure_ascii=False).encode()
         except UnicodeEncodeError:
             raise _invalid("The request body holds a lone UTF-16 surrogate (such as \\ud800), not text.") from None
         try:
