@@ -402,6 +402,8 @@ def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path
         wait_ready(host, timeout=60)
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        sampled = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11)
+        assert sampled.choices[0].text == drawn  # the new head samples it, as the first did
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
         assert status["plan"]["head"] != head and status["plan"]["head"].startswith("member-"), status
