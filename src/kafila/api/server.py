@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.chat_template import ChatTemplate, TemplateError
-from kafila.api.scheduler import Event, Failed, Finished, Job, TextDelta
+from kafila.api.scheduler import Event, Finished, Job, TextDelta
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.service import EngineLoop, EngineUnavailable
 from kafila.runtime.pipeline import Engine
@@ -449,25 +449,36 @@ def _sse(payload: dict[str, Any]) -> bytes:
 async def _stream(
     queue: asyncio.Queue[Event], reply: _Reply, include_usage: bool, cancel: Callable[[], None]
 ) -> AsyncIterator[bytes]:
-    """Server-sent events: a role chunk, text chunks, a finish chunk, usage if asked, then [DONE]."""
+    """Server-sent events: a role chunk, text chunks, a finish chunk, usage if asked, then [DONE].
+
+    Events that queued up while the last write went out leave in one write: each is still its
+    own SSE event, but a busy loop pays the response machinery once for them, not per token."""
     try:
         if reply.chat:
             yield _sse(reply.chunk("", None, role=True))
-        while True:
-            event = await queue.get()
-            if isinstance(event, TextDelta):
-                reply.observe_text()
-                yield _sse(reply.chunk(event.text, None))
-            elif isinstance(event, Finished):
-                reply.observe_end(event)
-                yield _sse(reply.chunk(None if reply.chat else "", event.reason.value))
-                if include_usage:
-                    yield _sse(reply.usage_chunk(event))
+        ended = False
+        while not ended:
+            events = [await queue.get()]
+            while not queue.empty():
+                events.append(queue.get_nowait())
+            out: list[bytes] = []
+            for event in events:
+                if isinstance(event, TextDelta):
+                    reply.observe_text()
+                    out.append(_sse(reply.chunk(event.text, None)))
+                    continue
+                if isinstance(event, Finished):
+                    reply.observe_end(event)
+                    out.append(_sse(reply.chunk(None if reply.chat else "", event.reason.value)))
+                    if include_usage:
+                        out.append(_sse(reply.usage_chunk(event)))
+                else:
+                    error = {"message": event.message, "type": "server_error", "param": None, "code": event.code}
+                    out.append(_sse({"error": error}))
+                ended = True
                 break
-            elif isinstance(event, Failed):
-                error = {"message": event.message, "type": "server_error", "param": None, "code": event.code}
-                yield _sse({"error": error})
-                break
-        yield b"data: [DONE]\n\n"
+            if ended:
+                out.append(b"data: [DONE]\n\n")
+            yield b"".join(out)
     finally:
         cancel()  # the client went away, or the stream ended: either way the slot is free
