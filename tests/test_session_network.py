@@ -198,6 +198,22 @@ def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(
     assert ("and the head" in output) == (role == "head"), output
 
 
+def test_a_member_with_another_model_file_receives_its_stage_and_says_why(tmp_path: Path, model: Path) -> None:
+    other = write_tiny_model(tmp_path / "other.gguf", "llama", n_blocks=4, seed=99)  # same shape, other weights
+    with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
+        code, rendezvous = host.join_line()
+        member = start_member(code, rendezvous, "member", tmp_path / "cache", "--model", str(other))
+        try:
+            wait_ready(host)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)  # the host's model, not the member's
+        finally:
+            output = stop(member)
+    assert "receiving stage" in output and "other.gguf is not the host's model file" in output, output
+    assert "slicing blocks" not in output, output
+
+
 def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(tmp_path: Path, model: Path) -> None:
     with session(tmp_path, model, 2) as (host, joiners):
         wait_ready(host)

@@ -112,7 +112,8 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
     elif assign.source == "transfer":
         from kafila.network.transfer import receive_stage_file
 
-        state.say(f"receiving stage {assign.stage_index} ({assign.size / 1e6:.1f} MB) from the host")
+        why = f" (--model {state.model.name} is not the host's model file)" if state.model is not None else ""
+        state.say(f"receiving stage {assign.stage_index} ({assign.size / 1e6:.1f} MB) from the host{why}")
         with state.bars() if state.bars is not None else contextlib.nullcontext(None) as update:
             what = f"stage {assign.stage_index} from the host"
             progress = None if update is None else lambda done, total: update(what, done, total)
