@@ -177,16 +177,12 @@ def head_elsewhere(model: Path) -> tuple[str, ...]:
     return ("--context", str(context), "--concurrency", str(concurrency), "--memory", f"{lend}B")
 
 
-@pytest.mark.parametrize("role", ["blocks", "head"])
-def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(
-    tmp_path: Path, model: Path, role: str
-) -> None:
-    own_copy = tmp_path / "copy.gguf"
-    own_copy.write_bytes(model.read_bytes())
-    extra = head_elsewhere(model) if role == "head" else ()
-    with running_host("--model", model, "--members", "2", *COMMON, *extra, ready=False) as host:
+def serve_with_a_member_model(tmp_path: Path, model: Path, member_model: Path, *host_args: str) -> str:
+    """A host and one member started with `--model member_model`; the session must serve the
+    host's model exactly. Returns what the member printed."""
+    with running_host("--model", model, "--members", "2", *COMMON, *host_args, ready=False) as host:
         code, rendezvous = host.join_line()
-        member = start_member(code, rendezvous, "member", tmp_path / "cache", "--model", str(own_copy))
+        member = start_member(code, rendezvous, "member", tmp_path / "cache", "--model", str(member_model))
         try:
             wait_ready(host)
             client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
@@ -194,22 +190,24 @@ def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(
             assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
         finally:
             output = stop(member)
+    return output
+
+
+@pytest.mark.parametrize("role", ["blocks", "head"])
+def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(
+    tmp_path: Path, model: Path, role: str
+) -> None:
+    own_copy = tmp_path / "copy.gguf"
+    own_copy.write_bytes(model.read_bytes())
+    extra = head_elsewhere(model) if role == "head" else ()
+    output = serve_with_a_member_model(tmp_path, model, own_copy, *extra)
     assert "slicing blocks" in output and "receiving stage" not in output, output
     assert ("and the head" in output) == (role == "head"), output
 
 
 def test_a_member_with_another_model_file_receives_its_stage_and_says_why(tmp_path: Path, model: Path) -> None:
     other = write_tiny_model(tmp_path / "other.gguf", "llama", n_blocks=4, seed=99)  # same shape, other weights
-    with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
-        code, rendezvous = host.join_line()
-        member = start_member(code, rendezvous, "member", tmp_path / "cache", "--model", str(other))
-        try:
-            wait_ready(host)
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
-            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)  # the host's model, not the member's
-        finally:
-            output = stop(member)
+    output = serve_with_a_member_model(tmp_path, model, other)
     assert "receiving stage" in output and "other.gguf is not the host's model file" in output, output
     assert "slicing blocks" not in output, output
 
