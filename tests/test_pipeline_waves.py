@@ -158,3 +158,24 @@ def test_a_ring_that_answers_hidden_states_with_logits_is_broken_not_misread(mod
             engine.step_many([EngineStep(0, 0, [1], decode=True)])
     finally:
         engine.close()
+
+
+def test_closing_an_engine_waits_out_a_tokenization_and_refuses_later_ones(model: Path) -> None:
+    """The server tokenizes long prompts on worker threads while the host may close the engine to
+    replan: close waits until no thread is inside the vocabulary, and a tokenization after it is
+    refused with StageFailed rather than reading freed memory."""
+    import threading
+
+    from kafila.runtime.pipeline import StageFailed
+
+    engine = open_engine(model, [4], SETTINGS)
+    closed = threading.Event()
+    with engine._readers.reading():  # a tokenization in flight on another thread, held open
+        assert engine.tokenize("hello world")  # others still read meanwhile
+        closing = threading.Thread(target=lambda: (engine.close(), closed.set()))
+        closing.start()
+        assert not closed.wait(0.3)  # close waits for the reader to leave
+    closing.join(timeout=10)
+    assert closed.is_set()
+    with pytest.raises(StageFailed, match="closed"):
+        engine.tokenize("hello world")

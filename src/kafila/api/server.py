@@ -28,7 +28,7 @@ from kafila.api.chat_template import ChatTemplate, TemplateError
 from kafila.api.scheduler import Event, Finished, Job, TextDelta
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.service import EngineLoop, EngineUnavailable
-from kafila.runtime.pipeline import Engine
+from kafila.runtime.pipeline import Engine, StageFailed
 
 # A whole context of text (a token is a few bytes) with room to spare: 131,072 tokens of chat
 # take about half a MiB of JSON.
@@ -218,9 +218,12 @@ def create_app(serving: Serving) -> FastAPI:
                 f"This model's maximum context length is {context} tokens. However, your {param} holds "
                 f"{len(text)} characters, more than that many tokens can hold.", param, "context_length_exceeded",
             )  # fmt: skip
-        if len(text) <= TOKENIZE_IN_THREAD_CHARACTERS:
-            return engine.tokenize(text, add_special, parse_special)
-        return await asyncio.to_thread(engine.tokenize, text, add_special, parse_special)
+        try:
+            if len(text) <= TOKENIZE_IN_THREAD_CHARACTERS:
+                return engine.tokenize(text, add_special, parse_special)
+            return await asyncio.to_thread(engine.tokenize, text, add_special, parse_special)
+        except StageFailed:  # the host closed this engine meanwhile, to replan
+            raise ApiError(503, _not_ready_text(serving, serving.loop), "server_error", "not_ready") from None
 
     async def _serve(
         request: Request, body: ChatRequest | CompletionRequest, prompt: list[int], loop: EngineLoop, chat: bool

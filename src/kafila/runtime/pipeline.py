@@ -14,9 +14,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
@@ -231,12 +233,45 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class _Readers:
+    """Threads inside the vocabulary, which `close` waits out before the model is freed.
+
+    The HTTP server tokenizes long prompts on worker threads while the host may be closing this
+    engine to replan; freeing llama.cpp's vocabulary under a running tokenization would crash
+    the process. Readers do not exclude one another (the engine's thread detokenizes while a
+    long prompt is tokenized), and once closed, a reader is refused with StageFailed."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._inside = 0
+        self._closed = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._changed:
+            if self._closed:
+                raise StageFailed("the model has been closed (the host is replanning or stopping)")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._inside -= 1
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.wait_for(lambda: self._inside == 0)
+
+
 class _Vocabulary:
     """Tokenizer calls, answered by whichever stage holds the full vocabulary."""
 
     vocabulary: Vocabulary
     llama_model: LlamaModel | VocabularyOnly
     depth = 1
+    _readers: _Readers
 
     def launch(self, steps: Sequence[EngineStep]) -> Launched:
         """Nothing overlaps in one process: the wave runs when it lands."""
@@ -246,7 +281,9 @@ class _Vocabulary:
         return self.step_many(launched.steps)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        return self.vocabulary.tokenize(text, add_special, parse_special)
+        """Safe on any thread, even while the engine is being closed (it then raises StageFailed)."""
+        with self._readers.reading():
+            return self.vocabulary.tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.vocabulary.detokenize(tokens)
@@ -296,6 +333,7 @@ class UnsplitEngine(_Vocabulary):
     """The original file, unchanged, on one llama.cpp context: a one-member session."""
 
     def __init__(self, path: Path, settings: ContextSettings) -> None:
+        self._readers = _Readers()
         self.model = WholeModel(path, settings)
         self.vocabulary, self.llama_model = self.model.vocabulary, self.model.model
         self._blocks = int(self.model.model._llama.llama_model_n_layer(self.model.model.model))
@@ -316,6 +354,7 @@ class UnsplitEngine(_Vocabulary):
         return [{"range": [0, self._blocks], "ms_per_token": self.model.timer.ms_per_token}]
 
     def close(self) -> None:
+        self._readers.close()
         self.model.close()
 
 
@@ -371,6 +410,7 @@ class RingEngine(_Vocabulary):
         """`stages` in chain order, head last; without `ring`, the others start as local processes
         (with `model`, the head among them). `depth`: the distinct machines the ring spans (local
         processes: this one). `model`: the whole model, whose head is on the ring."""
+        self._readers = _Readers()
         self.head: HeadStage | None = None
         self._vocabulary_only: VocabularyOnly | None = None
         if model is None:
@@ -555,6 +595,7 @@ class RingEngine(_Vocabulary):
             self._vocabulary_only.close()
 
     def close(self) -> None:
+        self._readers.close()
         self.ring.close()
         self._close_head()
 
