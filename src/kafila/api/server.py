@@ -267,10 +267,11 @@ def create_app(serving: Serving) -> FastAPI:
             await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
+            if not collecting.done():  # the client hung up (or the server is stopping): stop making it
+                collecting.cancel()
             loop.cancel(request_id)  # a no-op once finished; frees the slot if the client went away
-        if not collecting.done():  # nobody is left to read the answer: stop making it
-            collecting.cancel()
-            return Response(status_code=499)
+        if collecting.cancelled():
+            return Response(status_code=499)  # nobody is left to read it
         text, finished = collecting.result()
         return JSONResponse(reply.whole(text, finished))
 
