@@ -106,6 +106,27 @@ def test_a_port_in_use_is_refused_in_one_line() -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_rendezvous_port_in_use_is_refused_saying_how_to_take_free_ones(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=2)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            api_port = free.getsockname()[1]
+        command = [
+            sys.executable, "-m", "kafila", "host", "--model", str(model), "--members", "2", "--port", str(api_port),
+            "--rendezvous-port", str(port), "--stun-port", "0", "--discovery-port", "0",
+        ]  # fmt: skip
+        result = subprocess.run(
+            command, check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"}
+        )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"the embedded rendezvous cannot listen on 0.0.0.0 (port {port}" in result.stderr, result.stderr
+    assert "--rendezvous-port 0" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_slot(tmp_path: Path) -> None:
     """A non-streamed request whose client goes away is cancelled, not generated to its end for
     nobody: its slot is free at once, and it never counts as finished. (4000 tokens would take

@@ -176,9 +176,16 @@ class HostRunner:
         if config.rendezvous is None:
             from kafila.network.rendezvous_server import start_rendezvous
 
-            self.rendezvous = await start_rendezvous(
-                config.rendezvous_bind, config.rendezvous_port, config.stun_port, discovery_port=config.discovery_port
-            )
+            try:
+                bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
+                self.rendezvous = await start_rendezvous(bind, *ports, discovery_port=config.discovery_port)
+            except OSError as error:
+                raise OSError(
+                    f"the embedded rendezvous cannot listen on {config.rendezvous_bind} (port "
+                    f"{config.rendezvous_port}, STUN port {config.stun_port}): {error.strerror or error}. Is another "
+                    "kafila host running here? `--rendezvous-port 0 --stun-port 0` take free ports (the join line "
+                    "says which)"
+                ) from None
             bound = self.rendezvous.http_address
             # The host reaches its own rendezvous at the address it gives members, so that every
             # member's candidates are on the same network and punches between them line up.
