@@ -29,6 +29,7 @@ from kafila.api.scheduler import Event, Finished, Job, TextDelta
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.service import EngineLoop, EngineUnavailable
 from kafila.runtime.pipeline import Engine, StageFailed
+from kafila.validation import first_problem, one_line
 
 # A whole context of text (a token is a few bytes) with room to spare: 131,072 tokens of chat
 # take about half a MiB of JSON.
@@ -136,9 +137,8 @@ def create_app(serving: Serving) -> FastAPI:
         try:
             return schema.model_validate(data)
         except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise _invalid(f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
+            where, _ = first_problem(error)
+            raise _invalid(one_line(error), param=where or None) from None
 
     def ready_loop(model: str) -> tuple[EngineLoop, Engine]:
         if model != serving.model_id:

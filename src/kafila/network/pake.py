@@ -44,6 +44,7 @@ from spake2 import SPAKE2_Symmetric  # type: ignore[import-untyped]
 from kafila.network.rendezvous import Fingerprint, MemberId, Wire
 from kafila.network.session_codes import split_code
 from kafila.planner.fleet import MAX_MEMBERS
+from kafila.validation import first_problem
 
 PROTOCOL = b"kafila-trust-v1"
 _MEMBER_ID = re.compile(r"^m[1-9][0-9]{0,3}$")
@@ -178,10 +179,9 @@ def parse_message(body: str | bytes, sender: str) -> TrustMessage:
     try:
         return TRUST_MESSAGE.validate_json(body)
     except ValidationError as error:
-        first = error.errors()[0] if error.error_count() else {"loc": (), "msg": "unreadable"}
-        where = ".".join(str(p) for p in first["loc"]) or "message"
+        where, what = first_problem(error)
         raise TrustProtocolError(
-            f"{sender} sent an unreadable trust message ({where}: {first['msg']}); refused", sender
+            f"{sender} sent an unreadable trust message ({where or 'message'}: {what}); refused", sender
         ) from None
     except (ValueError, TypeError, UnicodeError, RecursionError):
         raise TrustProtocolError(f"{sender} sent an unreadable trust message; refused", sender) from None

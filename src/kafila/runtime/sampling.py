@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kafila.network.frames import MAX_SAMPLER_START_BYTES, SAMPLE_ON_HEAD
 from kafila.runtime.llama_backend import llama
+from kafila.validation import one_line
 
 # The layout of llama_token_data: id (int32), logit (float), p (float).
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -161,9 +162,7 @@ class SamplerStart(BaseModel):
         try:
             return cls.model_validate_json(payload)
         except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise ValueError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+            raise ValueError(one_line(error)) from None
 
 
 class TokenChosenOnHead:

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from kafila.network.frames import Frame, Kind
+from kafila.validation import first_problem
 
 CONTROL_SEQUENCE = 2**64 - 1  # the control stream's sequence id: request slots are small numbers
 MAX_CONTROL_BYTES = 64 * 1024
@@ -129,6 +130,5 @@ def parse_control(frame: Frame) -> ControlMessage:
     try:
         return _ADAPTER.validate_json(frame.payload)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ControlError(f"malformed control message ({where}: {first['msg']})") from None
+        where, what = first_problem(error)
+        raise ControlError(f"malformed control message ({where}: {what})") from None
