@@ -59,10 +59,16 @@ def plain(model: Path, tokens: int) -> Callable[[], Sample]:
 
 
 def through_api(
-    base_url: str, tokens: int, messages: list[dict[str, str]] = MESSAGES, client: openai.OpenAI | None = None
+    base_url: str,
+    tokens: int,
+    messages: list[dict[str, str]] = MESSAGES,
+    client: openai.OpenAI | None = None,
+    model: str | None = None,
 ) -> Sample:
+    """One streamed chat completion; the clock starts at the request (a given `model` spares the
+    model list before it)."""
     client = client or openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
-    model = client.models.list().data[0].id
+    model = model or client.models.list().data[0].id
     started = time.perf_counter()
     first = last = None
     count = 0
@@ -78,7 +84,7 @@ def through_api(
         if chunk.usage is not None:
             count = chunk.usage.completion_tokens
     assert first is not None and last is not None
-    return Sample(first - started, (count - 1) / (last - first), count)
+    return Sample(first - started, (count - 1) / (last - first) if last > first else 0.0, count)
 
 
 def concurrent(base_url: str, tokens: int, users: int, messages: list[dict[str, str]] = MESSAGES) -> float:
@@ -96,11 +102,7 @@ def concurrent(base_url: str, tokens: int, users: int, messages: list[dict[str, 
 
     def user(client: openai.OpenAI) -> None:
         start.wait()
-        stream = client.chat.completions.create(  # type: ignore[call-overload]
-            model=model, messages=messages, max_tokens=tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-        )  # fmt: skip
-        counts.extend(chunk.usage.completion_tokens for chunk in stream if chunk.usage is not None)
+        counts.append(through_api(base_url, tokens, messages, client, model).tokens)
 
     threads = [threading.Thread(target=user, args=(client,)) for client in clients]
     for thread in threads:
@@ -113,7 +115,7 @@ def concurrent(base_url: str, tokens: int, users: int, messages: list[dict[str, 
     for client in clients:
         client.close()
     if len(counts) != users:
-        raise RuntimeError(f"{users - len(counts)} of {users} users got no usage back")
+        raise RuntimeError(f"{users - len(counts)} of {users} users did not finish")
     return sum(counts) / elapsed
 
 
