@@ -4,6 +4,7 @@ serves a new request from scratch."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -179,3 +180,56 @@ def test_closing_an_engine_waits_out_a_tokenization_and_refuses_later_ones(model
     assert closed.is_set()
     with pytest.raises(StageFailed, match="closed"):
         engine.tokenize("hello world")
+
+
+def test_the_stage_report_stays_current_while_the_ring_is_never_idle(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under steady load (more requests queued than run, two waves out) the loop still lets the
+    ring empty now and then to ask the stages for their times, so /status measures the load and
+    not the last idle moment; the requests still run to their last token."""
+    import threading
+
+    from kafila.api import service
+    from kafila.api.scheduler import Finished, Job, TextDelta
+    from kafila.runtime.sampling import SamplingSettings
+
+    monkeypatch.setattr(service, "STATS_REFRESH_S", 0.02)
+    settings = ContextSettings(n_ctx=4 * 512, n_batch=64, n_seq_max=4, n_threads=1)
+    engine = open_engine(model, [2, 2], settings, tmp_path)
+    assert isinstance(engine, RingEngine)
+    engine.depth = 2
+    loop = service.EngineLoop(engine, concurrency=4, batch_rows=64, context_per_sequence=512)
+    texts: dict[str, list[str]] = {}
+    lengths: list[int] = []
+    done = threading.Semaphore(0)
+
+    def sink(event: service.Event) -> None:
+        if isinstance(event, TextDelta):
+            texts.setdefault(event.request_id, []).append(event.text)
+        elif isinstance(event, Finished):
+            lengths.append(event.completion_tokens)
+            done.release()
+        else:
+            raise AssertionError(event)
+
+    loop.start()
+    try:
+        prompt = engine.tokenize(PROMPTS[0])
+        for n in range(8):
+            loop.submit(Job(f"r{n}", prompt, 400, SamplingSettings(top_k=1)), sink)
+        rows_seen_busy: set[int] = set()
+        while loop.running or loop.queued:
+            report = loop.stage_report
+            if report and loop.running:
+                rows_seen_busy.add(int(report[0]["rows"]))  # type: ignore[call-overload]
+            time.sleep(0.01)
+        for _ in range(8):
+            assert done.acquire(timeout=120)
+        assert len(rows_seen_busy - {0}) >= 3, rows_seen_busy  # the report moved while requests ran
+        assert sorted(lengths) == [400] * 8
+        start = engine.detokenize(greedy_alone(model, PROMPTS[0], 3))  # batches may break a later near-tie
+        assert all("".join(parts).startswith(start) for parts in texts.values())
+    finally:
+        loop.stop()
+        engine.close()

@@ -109,8 +109,9 @@ class EngineLoop:
             self._dispatch(self.batcher.fail_all(message))
 
     def _run(self) -> None:
-        """Keep up to `engine.depth` waves in the ring, landing the oldest; when idle, refresh the
-        stage report now and then.
+        """Keep up to `engine.depth` waves in the ring, landing the oldest; every STATS_REFRESH_S,
+        let the ring empty and refresh the stage report (a PING round it costs a few ms, and under
+        steady load the ring would otherwise never be empty to ask).
 
         Nothing that calls the engine runs under the lock: on a QUIC ring an engine call waits
         on the event loop, and the event loop takes the lock to submit and cancel, so holding
@@ -134,12 +135,16 @@ class EngineLoop:
             except Exception as error:  # the ring broke while dropping a finished request's cache
                 self._break(error)
                 return
-            if idle:
-                if self._report_due():
+            if not in_flight and self._report_due():  # between waves, busy or not: /status stays current
+                try:
                     self._refresh_report()
+                except Exception as error:  # the ring broke: say so before the next request finds out
+                    self._break(error)
+                    return
+            if idle:
                 continue
             try:
-                while len(in_flight) < depth:
+                while len(in_flight) < depth and not (in_flight and self._report_due()):
                     with self._lock:
                         steps = self.batcher.plan(depth)
                     if not steps:
@@ -199,12 +204,7 @@ class EngineLoop:
     def _refresh_report(self) -> None:
         """The stages' own timings for /status (on a ring, a PING round it); called without the lock."""
         self._report_at = time.monotonic()
-        try:
-            report = self.engine.stage_report()
-        except Exception as error:  # the ring broke while idle: say so before the next request finds out
-            with self._lock:
-                self.error = f"the model ring failed: {error}"
-            return
+        report = self.engine.stage_report()
         with self._lock:
             self.stage_report = report
 
