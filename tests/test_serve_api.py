@@ -155,6 +155,26 @@ def test_openai_errors_carry_openais_status_codes(client: openai.OpenAI, host: H
     assert plain.choices[0].finish_reason in ("length", "stop")
 
 
+def test_what_this_server_cannot_take_is_named(client: openai.OpenAI, host: Host, model: Path) -> None:
+    """A route it does not serve, a part that is not text, several prompts in one: each refusal
+    says what was asked and what is served, in OpenAI's shape."""
+    with pytest.raises(openai.NotFoundError, match="Invalid URL") as unknown:
+        client.responses.create(model=MODEL, input="hello")
+    assert unknown.value.code == "unknown_url" and "/v1/chat/completions" in str(unknown.value)
+    status, reply = raw(host, "/v1/models", b"{}")  # POST where only GET is served
+    assert status == 405 and reply["error"]["code"] == "method_not_allowed", reply  # type: ignore[index]
+    image: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}
+    ]
+    with pytest.raises(openai.BadRequestError, match="'image_url' part") as part:
+        client.chat.completions.create(model=MODEL, messages=image, max_tokens=1)
+    assert "Value error" not in str(part.value)
+    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
+        client.completions.create(model=MODEL, prompt=[[5, 6], [7]], max_tokens=1)
+    ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7]], max_tokens=6, temperature=0).choices[0].text
+    assert ids == client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0).choices[0].text
+
+
 def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, host: Host) -> None:
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     status, health = raw(host, "/health", key=None)

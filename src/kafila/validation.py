@@ -13,7 +13,10 @@ def first_problem(error: ValidationError) -> tuple[str, str]:
     if not error.error_count():
         return "", "unreadable"
     first = error.errors()[0]
-    return ".".join(str(part) for part in first["loc"]), first["msg"]
+    what = first["msg"]
+    if first["type"] == "value_error" and "error" in first.get("ctx", {}):  # a validator's own words
+        what = str(first["ctx"]["error"])
+    return ".".join(str(part) for part in first["loc"]), what
 
 
 def one_line(error: ValidationError) -> str:

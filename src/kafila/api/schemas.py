@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kafila.runtime.sampling import SamplingSettings
 
 MAX_STOP_STRINGS = 4
+ONE_PROMPT = "one prompt per request: this server does not batch prompts in one request"
 
 
 class Request(BaseModel):
@@ -105,6 +106,17 @@ class Message(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Say which part cannot be taken (an image, audio), not that the content is not a string."""
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"only text parts are supported; this server cannot take a '{kind[:40]}' part")
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -134,6 +146,16 @@ class CompletionRequest(Request):
     echo: Literal[False] | None = None
     suffix: None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """A list of token lists is one prompt per list: take one, refuse several as for strings."""
+        if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
+            if len(value) != 1:
+                raise ValueError(ONE_PROMPT)
+            return value[0]
+        return value
+
     def prompt_text(self) -> str | list[int]:
         if isinstance(self.prompt, str):
             return self.prompt
@@ -141,7 +163,7 @@ class CompletionRequest(Request):
             raise ValueError("the prompt is empty")
         if all(isinstance(p, str) for p in self.prompt):
             if len(self.prompt) != 1:
-                raise ValueError("one prompt per request: this server does not batch prompts in one request")
+                raise ValueError(ONE_PROMPT)
             return str(self.prompt[0])
         return [int(t) for t in self.prompt]
 

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.chat_template import ChatTemplate, TemplateError
@@ -41,6 +42,7 @@ MAX_DRAINED_BYTES = 1 << 30
 MAX_TOKEN_CHARACTERS = 1024
 TOKENIZE_IN_THREAD_CHARACTERS = 1 << 15
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+SERVED_ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /status and /metrics"
 
 
 class ApiError(Exception):
@@ -154,6 +156,19 @@ def create_app(serving: Serving) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _no_such_route(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """An unknown path or method in OpenAI's shape, naming what is served here (a newer SDK
+        call such as `responses.create` otherwise fails with a bare "Not Found")."""
+        if error.status_code not in (404, 405):
+            return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=error.headers)
+        what = "Invalid URL" if error.status_code == 404 else "Method not allowed"
+        message = f"{what} ({request.method} {request.url.path[:200]}); this server serves {SERVED_ROUTES}."
+        code = "unknown_url" if error.status_code == 404 else "method_not_allowed"
+        response = ApiError(error.status_code, message, "invalid_request_error", code).response()
+        response.headers.update(error.headers or {})  # 405's Allow
+        return response
 
     @app.get("/health")
     async def health() -> JSONResponse:
