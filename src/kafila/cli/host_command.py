@@ -173,21 +173,22 @@ class RichUi:
     """The host's messages on stderr, with rich: stdout stays free for programs."""
 
     def say(self, text: str) -> None:
-        stderr.print(text, highlight=False)
+        stderr.print(text, highlight=False, soft_wrap=True)
 
     def warn(self, what: str, detail: str) -> None:
-        stderr.print(f"[yellow]{what}:[/yellow] {detail}", highlight=False)
+        stderr.print(f"[yellow]{what}:[/yellow] {detail}", highlight=False, soft_wrap=True)
 
     def error(self, message: str) -> None:
-        stderr.print(f"[red]error:[/red] {message}", highlight=False)
+        stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
 
     def announce_code(self, code: str, join_line: str, discoverable: bool = False) -> None:
-        stderr.print(f"session code: [bold]{code}[/bold]", highlight=False)
-        stderr.print(join_line, highlight=False)
+        stderr.print(f"session code: [bold]{code}[/bold]", highlight=False, soft_wrap=True)
+        stderr.print(join_line, highlight=False, soft_wrap=True)
         if discoverable:
             stderr.print(
                 f"on this network `kafila join {code}` finds this host by itself; --rendezvous is for the others",
                 highlight=False,
+                soft_wrap=True,
             )
 
     def show_plan(self, report: PlanReport) -> None:

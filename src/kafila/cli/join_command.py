@@ -80,11 +80,11 @@ def join(
     try:
         reason = asyncio.run(_join(code, address, model, member, threads or max(1, os.cpu_count() or 1), lent))
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run may raise either
-        stderr.print("left the session", highlight=False)
+        stderr.print(f"[dim]{member}:[/dim] left the session", highlight=False)
         return
     except Exception as error:  # every failure a person can meet: one line, no traceback
-        fail(str(error), False)
-    stderr.print(f"the session ended: {reason}", highlight=False)
+        fail(f"{member}: {error}", False)  # named like its other lines: a demo runs several here
+    stderr.print(f"[dim]{member}:[/dim] the session ended: {reason}", highlight=False)
 
 
 async def _join(
@@ -102,7 +102,7 @@ async def _join(
     from kafila.session.router import LinkRouter
 
     def say(text: str) -> None:
-        stderr.print(f"[dim]{name}:[/dim] {text}", highlight=False)
+        stderr.print(f"[dim]{name}:[/dim] {text}", highlight=False, soft_wrap=True)
 
     say("measuring this device (cached afterwards)")
     device = await asyncio.to_thread(this_device, memory=memory)
