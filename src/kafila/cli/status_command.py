@@ -20,16 +20,17 @@ def _number(value: object, digits: int = 2) -> str:
 
 def render_status(status: dict[str, Any], console: Console) -> None:
     ready = "[green]ready[/green]" if status.get("ready") else "[yellow]not ready[/yellow]"
-    console.print(f"[bold]{status.get('model')}[/bold]: {ready}", highlight=False)
+    console.print(f"[bold]{status.get('model')}[/bold]: {ready}", highlight=False, soft_wrap=True)
     for line in status.get("waiting_for") or []:
-        console.print(f"  waiting for {line}", highlight=False)
+        console.print(f"  waiting for {line}", highlight=False, soft_wrap=True)
     if status.get("error"):
-        console.print(f"  [red]error:[/red] {status['error']}", highlight=False)
+        console.print(f"  [red]error:[/red] {status['error']}", highlight=False, soft_wrap=True)
     console.print(
         f"tokens/s {_number(status.get('tokens_per_s'), 1)}, running {status.get('running', 0)}, "
         f"queued {status.get('queue_depth', 0)}, context {status.get('context_per_sequence')} per request, "
         f"waves in flight up to {status.get('pipeline_waves') or '—'}",
         highlight=False,
+        soft_wrap=True,
     )
     measured = {tuple(s["range"]): s.get("ms_per_token") for s in status.get("stages") or [] if "range" in s}
     members = status.get("members") or []
@@ -70,6 +71,7 @@ def render_status(status: dict[str, Any], console: Console) -> None:
             f"plan (epoch {status.get('epoch')}): tier {plan.get('tier')}, ring {' → '.join(plan.get('ring', []))}, "
             f"division {plan.get('division')}, predicted bottleneck {_number(plan.get('predicted_bottleneck_ms'))} ms",
             highlight=False,
+            soft_wrap=True,
         )
 
 

@@ -206,9 +206,9 @@ class HostRunner:
             )  # fmt: skip
             network = self.network
             join = f"kafila join {network.code} --rendezvous {advertised}"
-            machines = f"{others} machine{'s' if others > 1 else ''}"
+            where = f"on each of the other {others} machines" if others > 1 else "on the other machine"
             discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
-            self.ui.announce_code(network.code, f"on each of the other {machines}: {join}", discoverable)
+            self.ui.announce_code(network.code, f"{where}: {join}", discoverable)
             self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
             self.serving.session_status = network.status
             if config.demo and not self.joiners:
