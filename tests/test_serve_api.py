@@ -85,6 +85,12 @@ def test_a_chat_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_a_completion_without_max_tokens_stops_at_openais_default_of_16(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0)
+    assert result.usage is not None and result.usage.completion_tokens == 16
+    assert result.choices[0].finish_reason == "length"
+
+
 def test_stop_strings_seed_and_penalties_are_honoured(client: openai.OpenAI) -> None:
     free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     stop = free[3:6]

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kafila.runtime.sampling import SamplingSettings
 
 MAX_STOP_STRINGS = 4
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 ONE_PROMPT = "one prompt per request: this server does not batch prompts in one request"
 
 
@@ -155,6 +156,10 @@ class CompletionRequest(Request):
                 raise ValueError(ONE_PROMPT)
             return value[0]
         return value
+
+    def token_limit(self) -> int | None:
+        """OpenAI's legacy completions stop at 16 tokens unless told otherwise (chat runs to the end)."""
+        return super().token_limit() or COMPLETION_DEFAULT_MAX_TOKENS
 
     def prompt_text(self) -> str | list[int]:
         if isinstance(self.prompt, str):
