@@ -90,6 +90,15 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         assert [e["path"] for e in status["edges"]] == ["direct"] * 3  # host → m → m → host
         assert status["pipeline_waves"] == 1  # three members, one machine: overlapping stages would contend
         assert all(e["rtt_ms"] is not None and 0 < e["rtt_ms"] < 1000 for e in status["edges"])
+        with urlopen(f"{host.base_url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        for member in status["members"]:  # measured, predicted and round trip, as /status has them
+            first, end = member["blocks"]
+            blocks = f'blocks="{first}-{end - 1}"'
+            assert f"kafila_stage_ms_per_token{{{blocks}}}" in metrics, metrics
+            assert f'kafila_stage_predicted_ms_per_token{{{blocks},member="{member["name"]}"}}' in metrics, metrics
+            if not member["host"]:
+                assert f'kafila_link_rtt_ms{{member="{member["name"]}",path="direct"}}' in metrics, metrics
         table = subprocess.run(
             [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
             timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},

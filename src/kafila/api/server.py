@@ -14,13 +14,15 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -109,6 +111,47 @@ class _Metrics:
         rate.set_function(lambda: serving.loop.stats.tokens_per_s(time.monotonic()) if serving.loop else 0.0)
         ready = Gauge("kafila_ready", "1 when every stage is ready", registry=self.registry)
         ready.set_function(lambda: 1.0 if serving.ready else 0.0)
+        self.registry.register(_RingCollector(serving))
+
+
+def _blocks(span: object) -> str | None:
+    """A [first, end) block range as the "first-last" label /status and the plan table use."""
+    if isinstance(span, list | tuple) and len(span) == 2 and all(isinstance(b, int) for b in span):
+        return f"{span[0]}-{span[1] - 1}"
+    return None
+
+
+class _RingCollector(Collector):
+    """The ring's measured and predicted stage times and its links' round trips, read from the
+    same reports as /status at each scrape, so a dashboard can set measurement against plan."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    def collect(self) -> Iterator[Metric]:
+        measured = GaugeMetricFamily(
+            "kafila_stage_ms_per_token", "Measured decode ms per token of each stage", labels=["blocks"]
+        )
+        for stage in self.serving.loop.stage_report if self.serving.loop else []:
+            span, ms = _blocks(stage.get("range")), stage.get("ms_per_token")
+            if span is not None and isinstance(ms, int | float):
+                measured.add_metric([span], float(ms))
+        predicted = GaugeMetricFamily(
+            "kafila_stage_predicted_ms_per_token", "The plan's decode ms per token of each member's stage",
+            labels=["member", "blocks"],
+        )  # fmt: skip
+        rtt = GaugeMetricFamily(
+            "kafila_link_rtt_ms", "Round trip of the host's link to each member", labels=["member", "path"]
+        )
+        for member in self.serving.session_status().get("members") or []:
+            name, span = str(member.get("name", "")), _blocks(member.get("blocks"))
+            if span is not None and isinstance(member.get("predicted_ms_per_token"), int | float):
+                predicted.add_metric([name, span], float(member["predicted_ms_per_token"]))
+            if isinstance(member.get("rtt_ms"), int | float):
+                rtt.add_metric([name, str(member.get("path", ""))], float(member["rtt_ms"]))
+        yield measured
+        yield predicted
+        yield rtt
 
 
 def create_app(serving: Serving) -> FastAPI:
