@@ -51,6 +51,7 @@ from kafila.network.rendezvous_client import (
     TrustTimeout,
     verify_host,
     verify_members,
+    verify_newcomer,
 )
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.network.session_codes import CodeFormatError
@@ -619,3 +620,61 @@ def test_silence_is_a_timeout_not_a_hang() -> None:
             await handle.close()
 
     run(scenario())
+
+
+def test_a_newcomer_to_a_left_seat_proves_the_code_and_gets_who_is_here() -> None:
+    """Host and two members verify; one leaves; a newcomer takes its seat and the host verifies it
+    alone: its roster lists the host, the member still here and itself, as the rendezvous does.
+    A second newcomer with a wrong secret is refused on both sides, the host told it was a guess."""
+    fingerprints = [create_identity(f"member {i}").fingerprint for i in range(4)]
+
+    async def scenario() -> tuple[str, dict[str, str], BaseException, BaseException]:
+        handle, _ = await serve()
+        try:
+            host = await RendezvousClient.open(
+                handle.url, model="m", expected_members=3, capability=capability("host"), fingerprint=fingerprints[0]
+            )
+            code = CODE.replace("7-crimson-harbor", host.code)
+            joiners = [
+                await RendezvousClient.join(handle.url, code, capability=capability(f"j{i}"), fingerprint=fp)
+                for i, fp in enumerate(fingerprints[1:3])
+            ]
+            trusted, *_ = await asyncio.gather(
+                verify_members(host, code, fingerprints[0]),
+                *(verify_host(j, code, fp) for j, fp in zip(joiners, fingerprints[1:3], strict=True)),
+            )
+            await joiners[0].close()  # m2 leaves
+            await host._until(lambda: "m2" not in host.members, 5)
+            newcomer = await RendezvousClient.join(
+                handle.url, code, capability=capability("new"), fingerprint=fingerprints[3]
+            )
+            await host._until(lambda: "m4" in host.members, 5)
+            proved, roster = await asyncio.gather(
+                verify_newcomer(host, code, fingerprints[0], "m4", trusted),
+                verify_host(newcomer, code, fingerprints[3]),
+            )
+            await newcomer.close()
+            await host._until(lambda: "m4" not in host.members, 5)
+            guesser_code = WRONG.replace("7-crimson-harbor", host.code)
+            guesser = await RendezvousClient.join(
+                handle.url, guesser_code, capability=capability("guess"), fingerprint=fingerprints[3]
+            )
+            await host._until(lambda: "m5" in host.members, 5)
+            at_host, at_guesser = await asyncio.gather(
+                verify_newcomer(host, code, fingerprints[0], "m5", trusted, exchange_timeout=5),
+                verify_host(guesser, guesser_code, fingerprints[3], exchange_timeout=5),
+                return_exceptions=True,
+            )
+            for client in (host, joiners[1], guesser):
+                await client.close()
+            assert isinstance(proved, str) and isinstance(roster, dict)
+            assert isinstance(at_host, BaseException) and isinstance(at_guesser, BaseException)
+            return proved, roster, at_host, at_guesser
+        finally:
+            await handle.close()
+
+    proved, roster, at_host, at_guesser = run(scenario())
+    assert proved == fingerprints[3]
+    assert roster == {"m1": fingerprints[0], "m3": fingerprints[2], "m4": fingerprints[3]}
+    assert isinstance(at_host, CodeMismatch) and at_host.member == "m5"
+    assert isinstance(at_guesser, CodeMismatch) and at_guesser.member == "m1"

@@ -280,7 +280,7 @@ def test_guessing_is_rate_limited_per_address_and_recovers() -> None:
     assert isinstance(world.last(guesser), Joined)
 
 
-def test_full_session_refuses_and_ready_comes_exactly_at_the_expected_count() -> None:
+def test_full_session_refuses_ready_comes_at_the_expected_count_and_a_left_seat_admits_one() -> None:
     world = World()
     host, opened = world.open(expected=3)
     first, _ = world.join(opened.code, "a")
@@ -293,9 +293,16 @@ def test_full_session_refuses_and_ready_comes_exactly_at_the_expected_count() ->
     _, late = world.join(opened.code, "c")
     assert isinstance(late, Error) and late.code is ErrorCode.SESSION_FULL and "full" in late.message
     world.send(first, {"type": "leave", "token": world.inbox[first][0].token})  # type: ignore[attr-defined]
-    _, still = world.join(opened.code, "d")  # a started session's code admits no one, even with a seat free
-    assert isinstance(still, Error) and still.code is ErrorCode.SESSION_FULL
-    assert len(world.of_type(host, Ready)) == 1
+    # A seat a member left admits one newcomer (the host decides whether to trust it): it gets
+    # its own ready with who is here now; the others hear it joined, and no second ready.
+    newcomer, joined = world.join(opened.code, "d")
+    assert isinstance(joined, Joined) and joined.member_id == "m4"
+    (ready,) = world.of_type(newcomer, Ready)
+    assert [m.member_id for m in ready.members] == ["m1", "m3", "m4"] and ready.host == "m1"
+    assert world.of_type(host, MemberJoined)[-1].member.member_id == "m4"
+    assert len(world.of_type(host, Ready)) == 1 and len(world.of_type(second, Ready)) == 1
+    _, full = world.join(opened.code, "e")
+    assert isinstance(full, Error) and full.code is ErrorCode.SESSION_FULL
 
 
 def test_introductions_carry_capability_candidates_and_fingerprints() -> None:

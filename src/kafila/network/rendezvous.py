@@ -2,10 +2,10 @@
 
 A host opens a session and gets a code to read out; members join with it. The rendezvous
 introduces them (capability, candidate addresses, key fingerprint), tells everyone when the
-expected count is reached, and forwards opaque `signal`s between members of a session (the
-trust exchange of `kafila.network.pake`, which keeps members from having to believe the
-fingerprints it reports). It never sees the session's data, which flows member to member over
-QUIC, or through the relay as ciphertext.
+expected count is reached (and admits a newcomer to a seat a member has left), and forwards
+opaque `signal`s between members of a session (the trust exchange of `kafila.network.pake`,
+which keeps members from having to believe the fingerprints it reports). It never sees the
+session's data, which flows member to member over QUIC, or through the relay as ciphertext.
 
 `Rendezvous` does no I/O and reads no clock: the shell hands it connection events, raw message
 text and the current time, and carries out the `Output`s it returns (send, close, open or free
@@ -185,7 +185,8 @@ class MemberJoined(Wire):
 
 
 class Ready(Wire):
-    """Sent once to every member when the expected count is reached: the final member list."""
+    """Sent once to every member when the expected count is reached: the member list. A member
+    that later takes a seat another left gets its own, listing who is in the session then."""
 
     type: Literal["ready"] = "ready"
     host: MemberId
@@ -657,7 +658,7 @@ class Rendezvous:
             return ended + self._refuse(connection, refusal, now)
         if session is None:
             raise self._join_failed(connection, code, now)
-        if session.ready or len(session.members) >= session.expected:
+        if len(session.members) >= session.expected:
             self._record_failure(connection.ip, now, "session_full", session.session_id)
             raise SignalError(ErrorCode.SESSION_FULL, f"session {code} is full: its code admits no more members")
         if any(m.info.name == message.capability.name for m in session.members.values()):
@@ -681,7 +682,10 @@ class Rendezvous:
         outputs: list[Output] = [Send(connection.conn, joined)]
         announcement = MemberJoined(member=member.info, count=len(members), expected_members=session.expected)
         outputs += [Send(m.conn, announcement) for m in session.members.values() if m is not member]
-        if len(members) == session.expected:
+        if session.ready:  # a seat a member left: the newcomer alone learns who is here
+            self._event("member_rejoined", session=session.session_id, member=member.member_id)
+            outputs.append(Send(connection.conn, Ready(host=session.host_id, members=members)))
+        elif len(members) == session.expected:
             session.ready = True
             self._event("session_ready", session=session.session_id, members=len(members))
             ready = Ready(host=session.host_id, members=members)

@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Self
 from urllib.parse import urlsplit
 
@@ -567,4 +567,57 @@ async def verify_members(
                 await client._wait_change(seen, None if wake is None else max(0.0, wake - now))
     except TrustError as error:
         await _send_abort(client, list(exchanges), error)
+        raise
+
+
+async def verify_newcomer(
+    client: RendezvousClient,
+    code: str,
+    fingerprint: str,
+    member_id: str,
+    trusted: Mapping[str, str],
+    *,
+    exchange_timeout: float = 30.0,
+) -> str:
+    """The host's side for a member that takes a seat another left while the session runs: the
+    exchange of `verify_members` with this one joiner, whose roster lists the host, the members
+    verified earlier (`trusted`, id → fingerprint) that the rendezvous still lists, and itself.
+
+    Returns the fingerprint the newcomer proved. Raises a `TrustError` (the newcomer is told
+    why; a `CodeMismatch` may be a guess at the secret, so the caller should admit no one after
+    it), or `RendezvousError` if the newcomer leaves first.
+    """
+    _check_session(client, code, host=True)
+    info = client.members.get(member_id)
+    if info is None:
+        raise RendezvousError("member_left", f"{member_id} left before the trust exchange began")
+    exchange = Exchange(
+        Role.HOST,
+        code,
+        host_id=client.member_id,
+        joiner_id=member_id,
+        own_fingerprint=normalize_fingerprint(fingerprint),
+        peer_fingerprint=info.fingerprint,
+    )
+
+    async def drive(done: Callable[[], bool], what: str) -> None:
+        try:
+            async with asyncio.timeout(exchange_timeout):
+                while not done():
+                    for reply in exchange.receive(await client.next_signal(member_id)):
+                        await client.send_signal(member_id, reply)
+        except TimeoutError:
+            raise TrustTimeout(f"member {member_id} did not {what} within {exchange_timeout} s", member_id) from None
+
+    try:
+        await client.send_signal(member_id, exchange.start())
+        await drive(lambda: exchange.confirmed, "prove the session code")
+        here = {m: trusted[m] for m in client.members if m in trusted and m not in (client.member_id, member_id)}
+        roster = {client.member_id: exchange.own_fingerprint, **here, member_id: exchange.peer_fingerprint}
+        await client.send_signal(member_id, exchange.seal_roster(roster))
+        await drive(lambda: exchange.accepted, "accept the member list")
+        return exchange.peer_fingerprint
+    except TrustError as error:
+        if not isinstance(error, PeerRefused):  # the newcomer already knows
+            await _send_abort(client, [member_id], error)
         raise
