@@ -454,3 +454,52 @@ def test_a_host_that_holds_no_block_embeds_samples_and_serves_while_members_hold
         assert len(hops) == 3 and [b for _a, b in hops] == [a for a, _b in hops[1:] + hops[:1]], hops  # closed
         assert (status["plan"]["head"], host_entry["name"]) in hops, hops  # the head answers the host
         assert "holds no stage" in host.output()
+
+
+def wait_for_output(host: Host, text: str, timeout: float = 90, times: int = 1) -> None:
+    deadline = time.monotonic() + timeout
+    while host.output().count(text) < times:
+        assert time.monotonic() < deadline and host.process.poll() is None, host.output()
+        time.sleep(0.2)
+
+
+def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_session(
+    tmp_path: Path, model: Path
+) -> None:
+    """A member dies and the host replans with two; a new `kafila join` with the same code takes
+    the free seat: the host verifies it, links it, and at a moment without requests replans with
+    three, serving what one process does. A newcomer with a wrong secret is refused, and after
+    that the session admits no one, not even with the right code."""
+    outputs: list[str] = []
+    with session(tmp_path, model, 3, outputs=outputs) as (host, joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        joiners[1].kill()
+        wait_for_output(host, "replanned with 2 members")
+        code, rendezvous = host.join_line()
+        newcomer = start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1")
+        joiners.append(newcomer)
+        wait_for_output(host, "replanned with 3 members, taking in newcomer")
+        wait_ready(host, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        serving = {m["name"] for m in status["members"] if "blocks" in m}
+        assert serving == {status["plan"]["ring"][0], "member-0", "newcomer"}, status
+        assert sum(b - a for a, b in (m["blocks"] for m in status["members"] if "blocks" in m)) == 4
+
+        joiners[0].kill()  # a seat for a guesser
+        wait_for_output(host, "replanned with 2 members", times=2)
+        guess = code.rsplit("-", 1)[0] + ("-lemon" if not code.endswith("-lemon") else "-otter")
+        guesser = start_member(guess, rendezvous, "guesser", tmp_path / "cache-guess", "--threads", "1")
+        assert guesser.wait(timeout=60) != 0
+        wait_for_output(host, "this session admits no more members")
+        late = start_member(code, rendezvous, "late", tmp_path / "cache-late", "--threads", "1")
+        assert late.wait(timeout=60) != 0
+        refused = stop(late)
+        assert "admits no more members" in refused, refused
+        assert "taking in late" not in host.output()
+        again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert again.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        assert "did not admit guesser" in host.output() and "Traceback" not in host.output()

@@ -404,7 +404,7 @@ def _check_session(client: RendezvousClient, code: str, *, host: bool) -> None:
         raise ValueError("verify_members is the host's side, verify_host a joiner's")
 
 
-async def _send_abort(client: RendezvousClient, peers: Sequence[str], error: TrustError) -> None:
+async def send_abort(client: RendezvousClient, peers: Sequence[str], error: TrustError) -> None:
     """Best effort: tell each peer why, so it does not wait for a timeout."""
     body = abort_message(error)
     for peer in peers:
@@ -433,7 +433,7 @@ async def verify_host(
     host = client.members.get(host_id)
     if host is None:
         error = RosterMismatch(f"the rendezvous did not introduce the host ({host_id}) to this member", host_id)
-        await _send_abort(client, [host_id], error)
+        await send_abort(client, [host_id], error)
         raise error
     exchange = Exchange(
         Role.JOINER,
@@ -475,7 +475,7 @@ async def verify_host(
         return roster
     except TrustError as error:
         if not isinstance(error, PeerRefused):  # the host already knows
-            await _send_abort(client, [host_id], error)
+            await send_abort(client, [host_id], error)
         raise
 
 
@@ -566,7 +566,7 @@ async def verify_members(
             with contextlib.suppress(TimeoutError):
                 await client._wait_change(seen, None if wake is None else max(0.0, wake - now))
     except TrustError as error:
-        await _send_abort(client, list(exchanges), error)
+        await send_abort(client, list(exchanges), error)
         raise
 
 
@@ -619,5 +619,5 @@ async def verify_newcomer(
         return exchange.peer_fingerprint
     except TrustError as error:
         if not isinstance(error, PeerRefused):  # the newcomer already knows
-            await _send_abort(client, [member_id], error)
+            await send_abort(client, [member_id], error)
         raise

@@ -143,6 +143,9 @@ class HostSession:
     broken: str | None = None  # a serving member's report that its stage stopped
     broken_edges: set[frozenset[str]] = field(default_factory=set)  # member pairs whose ring link broke
     own_stage: OwnStage | None = None
+    newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
+    admitting: bool = True  # until a newcomer fails the trust exchange (maybe a guess at the secret)
+    _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
 
     # --- gathering ---------------------------------------------------------------------------
@@ -171,11 +174,52 @@ class HostSession:
         return cls(presence, client, code, manifest, model, session, settings, cache, say)
 
     def member_name(self, member_id: str) -> str:
-        """Unique, readable names for the planner's table: the member's own, with its id if shared."""
+        """Unique, readable names for the planner's table: the member's own, with its id if shared
+        (a newcomer may take the name of a member that left)."""
         known = self.known or self.client.members
         info = known[member_id]
         names = [m.name for m in known.values()]
         return info.name if names.count(info.name) == 1 else f"{info.name} ({member_id[:6]})"
+
+    # --- newcomers: a member that takes a seat another left ---------------------------------------
+
+    def arrivals(self) -> list[str]:
+        """Members the rendezvous introduced after the session formed, not yet being admitted."""
+        return [m for m in self.client.members if m != self.me and m not in self.known and m not in self._admissions]
+
+    def admit(self, member_id: str, done: Callable[[str, BaseException | None], None]) -> None:
+        """Verify, link and hear from a newcomer in the background; `done(member, error)` says how it
+        went. A verified newcomer joins `newcomers`, for the next plan. After a failed exchange the
+        session admits no one: each may be a guess at the code's secret, and this bounds guessers
+        to one, as a new code does while the session forms."""
+        task = asyncio.create_task(self._admit(member_id))
+        self._admissions[member_id] = task
+        task.add_done_callback(lambda t: done(member_id, None if t.cancelled() else t.exception()))
+
+    async def _admit(self, member_id: str) -> None:
+        from kafila.network.edges import connect_edges
+        from kafila.network.pake import TrustError
+        from kafila.network.rendezvous_client import RendezvousError, send_abort, verify_newcomer
+
+        if not self.admitting:
+            refusal = TrustError("this session admits no more members; the host must start over with a new code")
+            await send_abort(self.client, [member_id], refusal)
+            raise refusal
+        trusted = {m: info.fingerprint for m, info in self.known.items()}
+        try:
+            await verify_newcomer(self.client, self.code, self.presence.identity.fingerprint, member_id, trusted)
+        except TrustError:
+            self.admitting = False
+            raise
+        info = self.client.members.get(member_id)
+        if info is None:
+            raise RendezvousError("member_left", f"{member_id} left after proving the code")
+        self.known[member_id] = info
+        edges = await connect_edges(self.client, self.demux, self.presence.identity, self.client.code, [info])
+        self.routers[member_id] = LinkRouter(edges[member_id].link, member_id)
+        self.paths[member_id] = edges[member_id].path
+        self.hellos[member_id] = await self._hello(member_id)
+        self.newcomers.add(member_id)
 
     @property
     def me(self) -> str:
@@ -237,6 +281,7 @@ class HostSession:
         `pending` hears what the ring still waits for, member by member, as that shrinks.
         """
         plan = self.plan(members)
+        self.newcomers -= set(members)
         await self.stop_listening()  # the replies to this deployment are read below
         await self.drop_own_stage()  # its memory is the new plan's, and its frames must not reach the new ring
         by_name = {self.member_name(m): m for m in [self.me, *members]}
@@ -265,6 +310,7 @@ class HostSession:
                 predecessor=predecessor, successor=successor,
                 n_ctx=self.settings.n_ctx, n_batch=self.settings.n_batch, n_seq_max=self.settings.n_seq_max,
                 relink=sorted({p for p in (predecessor, successor) if frozenset((member, p)) in self.broken_edges}),
+                fingerprints={p: self.known[p].fingerprint for p in (predecessor, successor) if p != self.me},
                 head=index == last,
             )  # fmt: skip
         for router in self.routers.values():
@@ -505,6 +551,8 @@ class HostSession:
 
     async def end(self, reason: str) -> None:
         """Tell every member the session is over, then close links, the rendezvous session and the socket."""
+        for admission in self._admissions.values():
+            admission.cancel()
         await self.stop_listening()
         await self.drop_own_stage()
         await self._send_home(list(self.routers.values()), reason)

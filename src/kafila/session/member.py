@@ -126,19 +126,26 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
     return path
 
 
-Connect = Callable[[list[str]], Awaitable[dict[str, tuple[LinkRouter, EdgePath]]]]
+Connect = Callable[[dict[str, str]], Awaitable[dict[str, tuple[LinkRouter, EdgePath]]]]
 
 
 def edge_connector(client: RendezvousClient, demux: DatagramDemux, identity: Identity) -> Connect:
-    """How a member links to ring neighbours the host names: punched, else relayed (`connect_edges`)."""
+    """How a member links to ring neighbours the host names, each pinned to the fingerprint the host
+    vouched for: punched, else relayed (`connect_edges`)."""
 
-    async def connect(peer_ids: list[str]) -> dict[str, tuple[LinkRouter, EdgePath]]:
+    async def connect(vouched: dict[str, str]) -> dict[str, tuple[LinkRouter, EdgePath]]:
         from kafila.network.edges import connect_edges
 
-        unknown = [p for p in peer_ids if p not in client.members]
+        unknown = [p for p in vouched if p not in client.members]
         if unknown:
             raise ValueError(f"the host named {', '.join(unknown)}, who is not in this session")
-        peers = [client.members[p] for p in peer_ids]
+        for peer, fingerprint in vouched.items():
+            if client.members[peer].fingerprint.lower() != fingerprint.lower():
+                raise ValueError(
+                    f"the rendezvous reports another certificate for {client.members[peer].name} ({peer}) than the "
+                    "host verified: refused (the rendezvous may be tampering)"
+                )
+        peers = [client.members[p].model_copy(update={"fingerprint": vouched[p]}) for p in vouched]
         edges = await connect_edges(client, demux, identity, client.code, peers)
         return {m: (LinkRouter(edge.link, m), edge.path) for m, edge in edges.items()}
 
@@ -179,8 +186,11 @@ class RingLinks:
                 with contextlib.suppress(Exception):
                     await router.close("the new plan drops or rebuilds this link")
         missing = sorted(wanted - set(self.routers))
+        unvouched = [p for p in missing if p not in assign.fingerprints]
+        if unvouched:
+            raise ValueError(f"the host named ring neighbour {', '.join(unvouched)} without its verified fingerprint")
         if missing:
-            for peer, (router, path) in (await self.connect(missing)).items():
+            for peer, (router, path) in (await self.connect({p: assign.fingerprints[p] for p in missing})).items():
                 self.routers[peer], self.paths[peer] = router, path
                 self.say(f"linked to ring neighbour {self.name_of(peer)} ({path})")
         for router in self.routers.values():

@@ -18,6 +18,7 @@ CONTROL_SEQUENCE = 2**64 - 1  # the control stream's sequence id: request slots 
 MAX_CONTROL_BYTES = 64 * 1024
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 MemberId = Annotated[str, Field(min_length=1, max_length=64)]
+Fingerprint = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
 class ControlError(ValueError):
@@ -58,6 +59,9 @@ class Assign(_Message):
     n_batch: Annotated[int, Field(ge=1, le=1 << 16)]
     n_seq_max: Annotated[int, Field(ge=1, le=256)]
     relink: list[MemberId] = Field(default_factory=list, max_length=2)  # neighbours whose old link broke
+    # The certificate fingerprints the host verified for the ring neighbours other than itself:
+    # the member pins these, not the rendezvous's word (a newcomer was never in its roster).
+    fingerprints: dict[MemberId, Fingerprint] = Field(default_factory=dict, max_length=2)
     # The head: the model's last blocks and its output. It answers each step with a LOGITS row,
     # to its successor, the host (which cannot hold the head itself, or the plan put it here).
     head: bool = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import subprocess
 import sys
@@ -252,6 +253,7 @@ class HostRunner:
         started = time.perf_counter()
         plan = network.plan(members)  # refusals surface here, before anything is sent
         self.ui.show_plan(plan_report(plan, (time.perf_counter() - started) * 1e3))
+        self.serving.session_status = network.status  # after serving alone, the ring's again
 
         def pending(waits: list[str]) -> None:
             self.serving.waiting_for = waits or ["the head to load"]
@@ -265,36 +267,81 @@ class HostRunner:
         self._announce_ready(f"as {len(deployment.chain)} stages {deployment.counts} across the ring{head}")
 
     async def watch_network(self) -> None:
+        """Replan when the ring breaks (with the members left), and when newcomers have been admitted
+        (at a quiet moment, so no request in flight is lost); admit members that take a left seat."""
         network = self.network
         assert network is not None
         while not self.stopping:
             await asyncio.sleep(0.2)
             if self.stopping:  # members leave when the session ends: that is not a failure
                 return
+            for member in network.arrivals():
+                name = network.client.members[member].name
+                self.ui.say(f"{name} joined; checking its code")
+                network.admit(member, functools.partial(self._admitted, name))
             deployment = network.deployment
             loop = self.serving.loop
             lost = [m for m in (deployment.members if deployment else []) if m not in network.alive()]
-            if not lost and network.broken is None and (loop is None or loop.error is None):
-                continue
-            names = ", ".join(network.member_name(m) for m in lost)
-            error = (loop.error if loop and loop.error else None) or network.broken or f"lost {names}"
-            self.ui.warn("the ring broke", error)
-            self.serving.become_unready(["the host to replan with the members that are left"])
-            await self._retire(error)
-            alive = network.alive()
-            try:
-                if alive and await self._deploy_leaving_out_failures(alive):
-                    machines = len(network.deployment.members) + 1 if network.deployment else 1  # the host too
-                    self.ui.say(f"replanned with {machines} members")
-                else:
-                    await self._serve_alone("replanned: no member is left")
+            if lost or network.broken is not None or (loop is not None and loop.error is not None):
+                if not await self._replan_after_break(lost):
                     return
-            except PlanRefused as refused:
-                self._fail(f"{error}; the members that are left cannot hold the model: {refused}")
-                return
-            except Exception as failure:
-                self._fail(f"{error}; replanning failed: {failure}")
-                return
+            elif network.newcomers and (loop is None or (loop.running == 0 and loop.queued == 0)):
+                if not await self._replan_with_newcomers():
+                    return
+
+    def _admitted(self, name: str, _member: str, error: BaseException | None) -> None:
+        network = self.network
+        assert network is not None
+        if error is None:
+            self.ui.say(f"{name} verified and linked; it joins the ring once no request is running")
+        else:
+            self.ui.warn(f"did not admit {name}", str(error) or type(error).__name__)
+            if not network.admitting:
+                self.ui.say("this session admits no more members (a failed code may be a guess at its secret)")
+
+    async def _replan_after_break(self, lost: list[str]) -> bool:
+        """The ring broke: replan with the members left, or serve alone. False when the host cannot go on."""
+        network = self.network
+        assert network is not None
+        loop = self.serving.loop
+        if network.deployment is None:  # serving alone, and that engine failed
+            self._fail(f"serving alone failed: {loop.error if loop else 'no engine'}")
+            return False
+        names = ", ".join(network.member_name(m) for m in lost)
+        error = (loop.error if loop and loop.error else None) or network.broken or f"lost {names}"
+        self.ui.warn("the ring broke", error)
+        self.serving.become_unready(["the host to replan with the members that are left"])
+        await self._retire(error)
+        return await self._redeploy(error)
+
+    async def _replan_with_newcomers(self) -> bool:
+        """Newcomers were admitted and no request is in flight: plan again with them in."""
+        network = self.network
+        assert network is not None
+        names = ", ".join(network.member_name(m) for m in sorted(network.newcomers))
+        why = f"taking in {names}"
+        self.serving.become_unready([f"the host to replan, {why}"])
+        await self._retire(f"the host is replanning, {why}")
+        return await self._redeploy(why, f", {why}")
+
+    async def _redeploy(self, error: str, why: str = "") -> bool:
+        """Deploy over every member still linked; serve alone when none is left."""
+        network = self.network
+        assert network is not None
+        alive = network.alive()
+        try:
+            if alive and await self._deploy_leaving_out_failures(alive):
+                machines = len(network.deployment.members) + 1 if network.deployment else 1  # the host too
+                self.ui.say(f"replanned with {machines} members{why}")
+            else:
+                network.deployment = None
+                await self._serve_alone(f"replanned{why}: no member is left")
+            return True
+        except PlanRefused as refused:
+            self._fail(f"{error}; the members that are left cannot hold the model: {refused}")
+        except Exception as failure:
+            self._fail(f"{error}; replanning failed: {failure}")
+        return False
 
     # --- both ---
     def _announce_ready(self, where: str) -> None:
