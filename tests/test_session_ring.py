@@ -214,3 +214,37 @@ def test_a_machine_tag_is_stable_in_a_session_and_differs_between_sessions() -> 
     tag = machine_tag("7-crimson-harbor")
     assert tag == machine_tag("7-crimson-harbor") and tag != machine_tag("8-crimson-harbor")
     assert Hello(machine=tag).machine == tag  # what members send the host, which counts machines
+
+
+def test_a_member_links_only_to_neighbours_with_the_fingerprint_the_host_verified() -> None:
+    """A newcomer was never in a member's roster, so the host's assignment names each neighbour's
+    verified fingerprint: a neighbour without one, or one the rendezvous reports differently (it
+    may be tampering), is refused before any packet is sent."""
+    from types import SimpleNamespace
+
+    from kafila.network.rendezvous import MemberInfo
+    from kafila.planner.fleet import FleetDevice
+    from kafila.session.member import RingLinks, edge_connector
+
+    verified, other = "ab" * 32, "cd" * 32
+    info = MemberInfo(
+        member_id="m4", name="newcomer", host=False, capability=FleetDevice(name="newcomer", memory_gib=8.0),
+        candidates=[], fingerprint=verified,
+    )  # fmt: skip
+    client = SimpleNamespace(members={"m4": info}, code="7-crimson-harbor")
+    connect = edge_connector(client, None, None)  # type: ignore[arg-type]  # refused before the network
+
+    async def link(vouched: dict[str, str]) -> object:
+        return await connect(vouched)
+
+    with pytest.raises(ValueError, match="another certificate for newcomer"):
+        asyncio.run(link({"m4": other}))
+    with pytest.raises(ValueError, match="not in this session"):
+        asyncio.run(link({"m9": verified}))
+    links = RingLinks(SimpleNamespace(peer_id="m1"), connect, print)  # type: ignore[arg-type]
+    assign = Assign(
+        epoch=2, stage_index=0, first_block=0, end_block=2, sha256="ab" * 32, size=10, source="transfer",
+        predecessor="m1", successor="m4", n_ctx=256, n_batch=32, n_seq_max=2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="without its verified fingerprint"):
+        asyncio.run(links.for_assignment(assign))
