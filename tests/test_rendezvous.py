@@ -297,8 +297,8 @@ def test_full_session_refuses_ready_comes_at_the_expected_count_and_a_left_seat_
     # its own ready with who is here now; the others hear it joined, and no second ready.
     newcomer, joined = world.join(opened.code, "d")
     assert isinstance(joined, Joined) and joined.member_id == "m4"
-    (ready,) = world.of_type(newcomer, Ready)
-    assert [m.member_id for m in ready.members] == ["m1", "m3", "m4"] and ready.host == "m1"
+    (own,) = world.of_type(newcomer, Ready)
+    assert [m.member_id for m in own.members] == ["m1", "m3", "m4"] and own.host == "m1"
     assert world.of_type(host, MemberJoined)[-1].member.member_id == "m4"
     assert len(world.of_type(host, Ready)) == 1 and len(world.of_type(second, Ready)) == 1
     _, full = world.join(opened.code, "e")
