@@ -11,33 +11,46 @@ import openai
 from host_process import running_host
 
 
-def demo_members() -> list[int]:
+def demo_members(host: int) -> list[int]:
+    """The `kafila join` processes this host started (other demos on the machine are not ours)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
+                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            if b"kafila" in cmdline and b"demo-member-" in cmdline:
+            if parent == host and b"kafila" in cmdline and b"demo-member-" in cmdline:
                 found.append(int(entry.name))
     return found
+
+
+def running(pid: int) -> bool:
+    """Still alive, and still a `kafila join` (a reaped pid may be reused); a zombie has ended."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0]
+        return state != "Z" and b"demo-member-" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
 
 
 def test_the_demo_serves_gemma_on_three_members_and_ends_cleanly() -> None:
     with running_host("--demo", "--context", "1024", "--concurrency", "2") as host:
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        pid = host.process.pid
         (model,) = [m.id for m in client.models.list()]
         reply = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16
         )
         assert reply.choices[0].message.content and reply.usage and reply.usage.completion_tokens > 0
-        assert len(demo_members()) == 2
+        members = demo_members(pid)
+        assert len(members) == 2
         host.process.send_signal(signal.SIGINT)
         assert host.process.wait(timeout=60) == 0, host.output()
         deadline = time.monotonic() + 20
-        while demo_members() and time.monotonic() < deadline:
+        while any(running(m) for m in members) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert demo_members() == []
+        assert not any(running(m) for m in members)
         assert "3 stages" in host.output()
         assert "Traceback" not in host.output() and "the ring broke" not in host.output()
