@@ -503,3 +503,23 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
         again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
         assert again.choices[0].text == unsplit_greedy(model, PROMPT, 12)
         assert "did not admit guesser" in host.output() and "Traceback" not in host.output()
+
+
+def test_a_host_serving_alone_takes_a_newcomer_back_into_a_ring(tmp_path: Path, model: Path) -> None:
+    """Its only member gone, the host serves alone; a newcomer with the code makes it a ring again,
+    and /status describes the ring, not the machine alone."""
+    with session(tmp_path, model, 2) as (host, joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        joiners[0].kill()
+        wait_for_output(host, "serving on this machine alone")
+        code, rendezvous = host.join_line()
+        joiners.append(start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1"))
+        wait_for_output(host, "replanned with 2 members, taking in newcomer")
+        wait_ready(host, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        assert [m["name"] for m in status["members"] if "blocks" in m and not m["host"]] == ["newcomer"], status
+        assert status["plan"] is not None and len(status["edges"]) == 2, status

@@ -194,7 +194,12 @@ class HostSession:
         to one, as a new code does while the session forms."""
         task = asyncio.create_task(self._admit(member_id))
         self._admissions[member_id] = task
-        task.add_done_callback(lambda t: done(member_id, None if t.cancelled() else t.exception()))
+        task.add_done_callback(lambda t: None if t.cancelled() else done(member_id, t.exception()))
+
+    def waiting_newcomers(self) -> list[str]:
+        """Admitted newcomers still linked, for the next plan; one whose link went down is forgotten."""
+        self.newcomers &= set(self.alive())
+        return sorted(self.newcomers)
 
     async def _admit(self, member_id: str) -> None:
         from kafila.network.edges import connect_edges

@@ -285,7 +285,7 @@ class HostRunner:
             if lost or network.broken is not None or (loop is not None and loop.error is not None):
                 if not await self._replan_after_break(lost):
                     return
-            elif network.newcomers and (loop is None or (loop.running == 0 and loop.queued == 0)):
+            elif network.waiting_newcomers() and (loop is None or (loop.running == 0 and loop.queued == 0)):
                 if not await self._replan_with_newcomers():
                     return
 
@@ -318,7 +318,7 @@ class HostRunner:
         """Newcomers were admitted and no request is in flight: plan again with them in."""
         network = self.network
         assert network is not None
-        names = ", ".join(network.member_name(m) for m in sorted(network.newcomers))
+        names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
         why = f"taking in {names}"
         self.serving.become_unready([f"the host to replan, {why}"])
         await self._retire(f"the host is replanning, {why}")
