@@ -523,3 +523,71 @@ def test_a_host_serving_alone_takes_a_newcomer_back_into_a_ring(tmp_path: Path, 
             status = json.loads(response.read())
         assert [m["name"] for m in status["members"] if "blocks" in m and not m["host"]] == ["newcomer"], status
         assert status["plan"] is not None and len(status["edges"]) == 2, status
+
+
+def test_under_steady_load_a_newcomer_waits_for_the_running_requests_not_for_silence(
+    tmp_path: Path, model: Path
+) -> None:
+    """Two clients keep the host busy without a pause. After the patience (here 1 s) the host turns
+    new requests away with 503, lets those running finish, and replans with the newcomer: every
+    stream that started ends whole, and the ring then serves what one process does."""
+    import threading
+
+    joiners: list[subprocess.Popen[str]] = []
+    env = {"KAFILA_NEWCOMER_PATIENCE_S": "1"}
+    try:
+        with running_host("--model", model, "--members", "3", *COMMON, ready=False, env=env) as host:
+            code, rendezvous = host.join_line()
+            joiners += [
+                start_member(code, rendezvous, f"member-{i}", tmp_path / f"cache-{i}", "--threads", "1")
+                for i in range(2)
+            ]
+            wait_ready(host)
+            joiners[1].kill()
+            wait_for_output(host, "replanned with 2 members")
+            wait_ready(host, timeout=60)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            start = unsplit_greedy(model, PROMPT, 3)
+            stop_load = threading.Event()
+            finished: list[tuple[str, str | None]] = []
+            turned_away: list[int] = []
+            broken: list[BaseException] = []
+
+            def load() -> None:
+                while not stop_load.is_set():
+                    try:
+                        stream = client.completions.create(
+                            model="tiny", prompt=PROMPT, max_tokens=200, temperature=0, stream=True
+                        )
+                    except openai.APIStatusError as refused:
+                        turned_away.append(refused.status_code)
+                        time.sleep(0.05)
+                        continue
+                    try:
+                        chunks = [c.choices[0] for c in stream if c.choices]
+                        finished.append(("".join(c.text for c in chunks), chunks[-1].finish_reason))
+                    except BaseException as error:  # a stream that started and broke: what must not happen
+                        broken.append(error)
+
+            users = [threading.Thread(target=load) for _ in range(2)]
+            for user in users:
+                user.start()
+            time.sleep(1)
+            joiners.append(start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1"))
+            try:
+                wait_for_output(host, "replanned with 3 members, taking in newcomer")
+            finally:
+                stop_load.set()
+                for user in users:
+                    user.join(timeout=120)
+            assert "new ones wait for the replan taking in newcomer" in host.output()
+            assert not broken, broken
+            # whole: to their length, each as the model begins it (batches may break a late near-tie)
+            assert finished and all(text.startswith(start) and why == "length" for text, why in finished), finished
+            assert turned_away and set(turned_away) == {503}
+            wait_ready(host, timeout=60)
+            again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert again.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    finally:
+        for joiner in joiners:
+            stop(joiner)

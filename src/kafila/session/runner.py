@@ -1,4 +1,5 @@
-"""The host's lifecycle: load the model or gather members, serve, replan when a stage fails, stop.
+"""The host's lifecycle: load the model or gather members, serve, replan when a stage fails or a
+newcomer is admitted, stop.
 
 Presentation is the caller's: every message, the plan table and the transfer progress go
 through a `HostUi`, so the CLI renders them with rich and tests or other front ends need not.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import socket
 import subprocess
 import sys
@@ -26,8 +28,22 @@ from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
 from kafila.runtime.local_plan import cache_dir
 
+# How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
+# so that the running ones can finish and the ring be replanned with them.
+NEWCOMER_PATIENCE_S = 30.0
+
+
+def newcomer_patience_s() -> float:
+    """NEWCOMER_PATIENCE_S, or KAFILA_NEWCOMER_PATIENCE_S (tests use a short one)."""
+    try:
+        return max(0.0, float(os.environ.get("KAFILA_NEWCOMER_PATIENCE_S", NEWCOMER_PATIENCE_S)))
+    except ValueError:
+        return NEWCOMER_PATIENCE_S
+
+
 if TYPE_CHECKING:
     from kafila.api.server import Serving
+    from kafila.api.service import EngineLoop
     from kafila.runtime.llama_backend import ContextSettings
     from kafila.runtime.pipeline import Engine
     from kafila.session.host import HostSession
@@ -81,6 +97,8 @@ class HostRunner:
         self.config, self.serving, self.ui = config, serving, ui
         self.manifest = read_manifest(config.path)
         self.engine: Engine | None = None
+        self.engine_loop: EngineLoop | None = None  # the one serving, even while /v1 turns requests away
+        self._newcomers_waiting_since: float | None = None
         self.network: HostSession | None = None
         self.rendezvous: Any = None
         self.joiners: list[subprocess.Popen[bytes]] = []
@@ -95,13 +113,14 @@ class HostRunner:
             engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
         )
         loop.start()
+        self.engine_loop = loop
         self.serving.become_ready(engine, loop, self.manifest.architecture)
 
     def interrupt(self, reason: str) -> None:
         """End the requests in flight now, without blocking the event loop (a signal handler calls it)."""
         if self.network is not None:
             self.network.abandon_ring()  # a step waiting on the ring ends at once
-        loop = self.serving.loop
+        loop = self.engine_loop
         if loop is not None:
             threading.Thread(target=loop.stop, args=(reason,), daemon=True).start()
 
@@ -110,8 +129,9 @@ class HostRunner:
         may be waiting on the event loop, and a stale wait would steal the next ring's frames."""
         if self.network is not None:
             self.network.abandon_ring()
-        if self.serving.loop is not None:
-            await asyncio.to_thread(self.serving.loop.stop, reason)
+        loop, self.engine_loop = self.engine_loop, None
+        if loop is not None:  # also when /v1 already turns requests away: its thread must end
+            await asyncio.to_thread(loop.stop, reason)
         engine, self.engine = self.engine, None
         if engine is not None:
             await asyncio.to_thread(engine.close)
@@ -153,7 +173,7 @@ class HostRunner:
             await asyncio.sleep(0.2)
             if self.stopping:  # members leave when the session ends: that is not a failure
                 return
-            loop = self.serving.loop
+            loop = self.engine_loop
             if loop is None or loop.error is None:
                 continue
             error = loop.error
@@ -280,14 +300,17 @@ class HostRunner:
                 self.ui.say(f"{name} joined; checking its code")
                 network.admit(member, functools.partial(self._admitted, name))
             deployment = network.deployment
-            loop = self.serving.loop
+            loop = self.engine_loop
             lost = [m for m in (deployment.members if deployment else []) if m not in network.alive()]
             if lost or network.broken is not None or (loop is not None and loop.error is not None):
                 if not await self._replan_after_break(lost):
                     return
-            elif network.waiting_newcomers() and (loop is None or (loop.running == 0 and loop.queued == 0)):
-                if not await self._replan_with_newcomers():
-                    return
+            elif network.waiting_newcomers():
+                if loop is None or (loop.running == 0 and loop.queued == 0):
+                    if not await self._replan_with_newcomers():
+                        return
+                else:
+                    self._hold_requests_for_newcomers()
 
     def _admitted(self, name: str, _member: str, error: BaseException | None) -> None:
         network = self.network
@@ -303,7 +326,7 @@ class HostRunner:
         """The ring broke: replan with the members left, or serve alone. False when the host cannot go on."""
         network = self.network
         assert network is not None
-        loop = self.serving.loop
+        loop = self.engine_loop
         if network.deployment is None:  # serving alone, and that engine failed
             self._fail(f"serving alone failed: {loop.error if loop else 'no engine'}")
             return False
@@ -314,12 +337,27 @@ class HostRunner:
         await self._retire(error)
         return await self._redeploy(error)
 
+    def _hold_requests_for_newcomers(self) -> None:
+        """Under steady load a moment without requests may never come: after NEWCOMER_PATIENCE_S,
+        /v1 turns new requests away (503) while those running and queued finish, so the newcomers
+        get their replan and nothing in flight is lost."""
+        network = self.network
+        assert network is not None
+        now = time.monotonic()
+        if self._newcomers_waiting_since is None:
+            self._newcomers_waiting_since = now
+        elif now - self._newcomers_waiting_since >= newcomer_patience_s() and self.serving.ready:
+            names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
+            self.ui.say(f"the requests running finish first; new ones wait for the replan taking in {names}")
+            self.serving.become_unready([f"the requests running to finish, then the host to replan taking in {names}"])
+
     async def _replan_with_newcomers(self) -> bool:
         """Newcomers were admitted and no request is in flight: plan again with them in."""
         network = self.network
         assert network is not None
         names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
         why = f"taking in {names}"
+        self._newcomers_waiting_since = None
         self.serving.become_unready([f"the host to replan, {why}"])
         await self._retire(f"the host is replanning, {why}")
         return await self._redeploy(why, f", {why}")
