@@ -466,7 +466,7 @@ def wait_for_output(host: Host, text: str, timeout: float = 90, times: int = 1) 
 def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_session(
     tmp_path: Path, model: Path
 ) -> None:
-    """A member dies and the host replans with two; a new `kafila join` with the same code takes
+    """A member dies and the host replans with two; `kafila join` again with the same code takes
     the free seat: the host verifies it, links it, and at a moment without requests replans with
     three, serving what one process does. A newcomer with a wrong secret is refused, and after
     that the session admits no one, not even with the right code."""
@@ -477,16 +477,17 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
         joiners[1].kill()
         wait_for_output(host, "replanned with 2 members")
         code, rendezvous = host.join_line()
-        newcomer = start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1")
+        # The same machine comes back (its name, its cache): a newcomer to the rendezvous and the host.
+        newcomer = start_member(code, rendezvous, "member-1", tmp_path / "cache-1", "--threads", "1")
         joiners.append(newcomer)
-        wait_for_output(host, "replanned with 3 members, taking in newcomer")
+        wait_for_output(host, "replanned with 3 members, taking in member-1")
         wait_ready(host, timeout=60)
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
         serving = {m["name"] for m in status["members"] if "blocks" in m}
-        assert serving == {status["plan"]["ring"][0], "member-0", "newcomer"}, status
+        assert serving == {status["plan"]["ring"][0], "member-0", "member-1"}, status  # named plainly again
         assert sum(b - a for a, b in (m["blocks"] for m in status["members"] if "blocks" in m)) == 4
 
         joiners[0].kill()  # a seat for a guesser

@@ -174,11 +174,13 @@ class HostSession:
         return cls(presence, client, code, manifest, model, session, settings, cache, say)
 
     def member_name(self, member_id: str) -> str:
-        """Unique, readable names for the planner's table: the member's own, with its id if shared
-        (a newcomer may take the name of a member that left)."""
+        """Unique, readable names for the planner's table: the member's own, with its id if shared."""
         known = self.known or self.client.members
         info = known[member_id]
-        names = [m.name for m in known.values()]
+        # The rendezvous keeps names unique among those present, so a present member is named
+        # plainly even where one that left had its name (a machine that rejoins keeps its own).
+        among = self.client.members if member_id in self.client.members else known
+        names = [m.name for m in among.values()]
         return info.name if names.count(info.name) == 1 else f"{info.name} ({member_id[:6]})"
 
     # --- newcomers: a member that takes a seat another left ---------------------------------------
