@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.request import urlopen
 
 import openai
@@ -463,6 +464,28 @@ def wait_for_output(host: Host, text: str, timeout: float = 90, times: int = 1) 
         time.sleep(0.2)
 
 
+def take_in(
+    host: Host,
+    client: openai.OpenAI,
+    model: Path,
+    joiners: list[subprocess.Popen[str]],
+    name: str,
+    cache: Path,
+    members: int,
+) -> dict[str, Any]:
+    """`kafila join` with the host's code as `name`; once the host has replanned to take it in,
+    the ring serves what one process does. Returns the host's /status."""
+    code, rendezvous = host.join_line()
+    joiners.append(start_member(code, rendezvous, name, cache, "--threads", "1"))
+    wait_for_output(host, f"replanned with {members} members, taking in {name}")
+    wait_ready(host, timeout=60)
+    result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    with urlopen(f"{host.base_url}/status", timeout=10) as response:
+        status: dict[str, Any] = json.loads(response.read())
+    return status
+
+
 def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_session(
     tmp_path: Path, model: Path
 ) -> None:
@@ -476,16 +499,9 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         joiners[1].kill()
         wait_for_output(host, "replanned with 2 members")
-        code, rendezvous = host.join_line()
         # The same machine comes back (its name, its cache): a newcomer to the rendezvous and the host.
-        newcomer = start_member(code, rendezvous, "member-1", tmp_path / "cache-1", "--threads", "1")
-        joiners.append(newcomer)
-        wait_for_output(host, "replanned with 3 members, taking in member-1")
-        wait_ready(host, timeout=60)
-        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
-        with urlopen(f"{host.base_url}/status", timeout=10) as response:
-            status = json.loads(response.read())
+        status = take_in(host, client, model, joiners, "member-1", tmp_path / "cache-1", 3)
+        code, rendezvous = host.join_line()
         serving = {m["name"] for m in status["members"] if "blocks" in m}
         assert serving == {status["plan"]["ring"][0], "member-0", "member-1"}, status  # named plainly again
         assert sum(b - a for a, b in (m["blocks"] for m in status["members"] if "blocks" in m)) == 4
@@ -514,14 +530,7 @@ def test_a_host_serving_alone_takes_a_newcomer_back_into_a_ring(tmp_path: Path, 
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         joiners[0].kill()
         wait_for_output(host, "serving on this machine alone")
-        code, rendezvous = host.join_line()
-        joiners.append(start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1"))
-        wait_for_output(host, "replanned with 2 members, taking in newcomer")
-        wait_ready(host, timeout=60)
-        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
-        with urlopen(f"{host.base_url}/status", timeout=10) as response:
-            status = json.loads(response.read())
+        status = take_in(host, client, model, joiners, "newcomer", tmp_path / "cache-new", 2)
         assert [m["name"] for m in status["members"] if "blocks" in m and not m["host"]] == ["newcomer"], status
         assert status["plan"] is not None and len(status["edges"]) == 2, status
 
