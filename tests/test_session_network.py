@@ -601,3 +601,28 @@ def test_under_steady_load_a_newcomer_waits_for_the_running_requests_not_for_sil
     finally:
         for joiner in joiners:
             stop(joiner)
+
+
+def test_a_member_that_slept_joins_again_by_itself_and_a_lost_host_ends_it(tmp_path: Path, model: Path) -> None:
+    """A member stopped for longer than the links' idle bound (a laptop that slept): the host
+    replans without it. Woken, it finds its host link gone, joins again with the same code, and
+    the host takes it back. When the host itself is killed, the member's join again fails, and it
+    exits saying why."""
+    with session(tmp_path, model, 3) as (host, joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        sleeper = joiners[1]
+        sleeper.send_signal(signal.SIGSTOP)
+        try:
+            wait_for_output(host, "replanned with 2 members")
+        finally:
+            sleeper.send_signal(signal.SIGCONT)
+        wait_for_output(host, "replanned with 3 members, taking in member-1")
+        wait_ready(host, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        host.process.kill()
+        assert sleeper.wait(timeout=60) != 0
+        output = stop(sleeper)
+        assert "lost the host" in output and "joining the session again" in output, output
+        assert "Traceback" not in output, output

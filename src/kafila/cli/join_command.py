@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,12 @@ import typer
 from kafila.cli.errors import fail, stderr
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
+
+# After losing the host's link (not its goodbye), join again: the host takes the machine back in.
+# A join that lasted STEADY_S counts as a success, so only rejoins in quick succession run out.
+REJOINS = 3
+REJOIN_PAUSE_S = 1.0
+STEADY_S = 60.0
 
 
 def join(
@@ -76,15 +83,28 @@ def join(
             address = parse_host_port(rendezvous.strip(), 8470)
         except ValueError as error:
             fail(str(error), False)
+    from kafila.session.member import LostHost
+
     member = name or f"{socket.gethostname()}"[:64]
-    try:
-        reason = asyncio.run(_join(code, address, model, member, threads or max(1, os.cpu_count() or 1), lent))
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run may raise either
-        stderr.print(f"[dim]{member}:[/dim] left the session", highlight=False)
+    rejoins = 0
+    while True:
+        started = time.monotonic()
+        try:
+            reason = asyncio.run(_join(code, address, model, member, threads or max(1, os.cpu_count() or 1), lent))
+        except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run may raise either
+            stderr.print(f"[dim]{member}:[/dim] left the session", highlight=False)
+            return
+        except LostHost as lost:  # the host may still serve: its seat for this machine is open
+            rejoins = 1 if time.monotonic() - started >= STEADY_S else rejoins + 1
+            if rejoins > REJOINS:
+                fail(f"{member}: {lost} ({REJOINS} joins again did not last)", False)
+            stderr.print(f"[dim]{member}:[/dim] {lost}; joining the session again", highlight=False, soft_wrap=True)
+            time.sleep(REJOIN_PAUSE_S)
+            continue
+        except Exception as error:  # every failure a person can meet: one line, no traceback
+            fail(f"{member}: {error}", False)  # named like its other lines: a demo runs several here
+        stderr.print(f"[dim]{member}:[/dim] the session ended: {reason}", highlight=False)
         return
-    except Exception as error:  # every failure a person can meet: one line, no traceback
-        fail(f"{member}: {error}", False)  # named like its other lines: a demo runs several here
-    stderr.print(f"[dim]{member}:[/dim] the session ended: {reason}", highlight=False)
 
 
 async def _join(

@@ -38,6 +38,11 @@ class SessionEnded(Exception):
     """The host ended the session (cleanly, with a reason) or vanished."""
 
 
+class LostHost(SessionEnded):
+    """The link to the host went down without its goodbye: the session may live on without this
+    member (a network blip, a machine that slept), and a join with the same code may take it back."""
+
+
 def cached_stage_hashes(cache: Path, limit: int = 1024) -> list[str]:
     """Stage files already here, by the hash they are named after (the slicer's naming)."""
     if not cache.is_dir():
@@ -217,7 +222,7 @@ async def follow_host(links: RingLinks, state: MemberState, model_sha: str | Non
             try:
                 message = await host.next_control()
             except LinkError as error:
-                raise SessionEnded(f"lost the host: {error}") from None
+                raise LostHost(f"lost the host: {error}") from None
             if isinstance(message, End):
                 return message.reason
             if isinstance(message, Assign):
