@@ -47,6 +47,7 @@ from kafila.network.rendezvous import (
     Wire,
 )
 from kafila.network.rendezvous_client import (
+    ProvenButRefused,
     RendezvousClient,
     TrustTimeout,
     verify_host,
@@ -678,3 +679,52 @@ def test_a_newcomer_to_a_left_seat_proves_the_code_and_gets_who_is_here() -> Non
     assert roster == {"m1": fingerprints[0], "m3": fingerprints[2], "m4": fingerprints[3]}
     assert isinstance(at_host, CodeMismatch) and at_host.member == "m5"
     assert isinstance(at_guesser, CodeMismatch) and at_guesser.member == "m1"
+
+
+def test_a_newcomer_that_proves_the_code_but_refuses_the_roster_is_no_guess() -> None:
+    """A rendezvous hides a member from the newcomer's ready list: the newcomer refuses the host's
+    roster (`RosterMismatch`), and the host hears a refusal after proof, not a possible guess."""
+
+    def hide_m3_from_m4(recipient: str | None, message: Wire) -> list[Wire]:
+        if recipient == "m4" and isinstance(message, Joined | Ready):
+            return [message.model_copy(update={"members": [m for m in message.members if m.member_id != "m3"]})]
+        return [message]
+
+    fingerprints = [create_identity(f"member {i}").fingerprint for i in range(4)]
+
+    async def scenario() -> tuple[BaseException, BaseException]:
+        handle, _ = await serve(hide_m3_from_m4)
+        try:
+            host = await RendezvousClient.open(
+                handle.url, model="m", expected_members=3, capability=capability("host"), fingerprint=fingerprints[0]
+            )
+            code = CODE.replace("7-crimson-harbor", host.code)
+            joiners = [
+                await RendezvousClient.join(handle.url, code, capability=capability(f"j{i}"), fingerprint=fp)
+                for i, fp in enumerate(fingerprints[1:3])
+            ]
+            trusted, *_ = await asyncio.gather(
+                verify_members(host, code, fingerprints[0]),
+                *(verify_host(j, code, fp) for j, fp in zip(joiners, fingerprints[1:3], strict=True)),
+            )
+            await joiners[0].close()
+            await host._until(lambda: "m2" not in host.members, 5)
+            newcomer = await RendezvousClient.join(
+                handle.url, code, capability=capability("new"), fingerprint=fingerprints[3]
+            )
+            await host._until(lambda: "m4" in host.members, 5)
+            at_host, at_newcomer = await asyncio.gather(
+                verify_newcomer(host, code, fingerprints[0], "m4", trusted, exchange_timeout=5),
+                verify_host(newcomer, code, fingerprints[3], exchange_timeout=5),
+                return_exceptions=True,
+            )
+            for client in (host, joiners[1], newcomer):
+                await client.close()
+            assert isinstance(at_host, BaseException) and isinstance(at_newcomer, BaseException)
+            return at_host, at_newcomer
+        finally:
+            await handle.close()
+
+    at_host, at_newcomer = run(scenario())
+    assert isinstance(at_newcomer, RosterMismatch) and "hiding" in str(at_newcomer)
+    assert isinstance(at_host, ProvenButRefused) and at_host.member == "m4"

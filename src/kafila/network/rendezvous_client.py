@@ -396,6 +396,11 @@ class TrustTimeout(TrustError):
     """The other side did not complete its part of the trust exchange in time."""
 
 
+class ProvenButRefused(TrustError):
+    """A newcomer proved the code, then the exchange failed (it refused the member list, or went
+    silent): no guess at the secret, so no reason to stop admitting others."""
+
+
 def _check_session(client: RendezvousClient, code: str, *, host: bool) -> None:
     channel, _ = split_code(code)
     if channel != client.code:
@@ -584,8 +589,8 @@ async def verify_newcomer(
     verified earlier (`trusted`, id → fingerprint) that the rendezvous still lists, and itself.
 
     Returns the fingerprint the newcomer proved. Raises a `TrustError` (the newcomer is told
-    why; a `CodeMismatch` may be a guess at the secret, so the caller should admit no one after
-    it), or `RendezvousError` if the newcomer leaves first.
+    why): `ProvenButRefused` once it had proved the code; any other may be a guess at the secret,
+    so the caller should admit no one after it. `RendezvousError` if the newcomer leaves first.
     """
     _check_session(client, code, host=True)
     info = client.members.get(member_id)
@@ -620,4 +625,6 @@ async def verify_newcomer(
     except TrustError as error:
         if not isinstance(error, PeerRefused):  # the newcomer already knows
             await send_abort(client, [member_id], error)
+        if exchange.confirmed:
+            raise ProvenButRefused(str(error), member_id) from error
         raise

@@ -206,7 +206,7 @@ class HostSession:
     async def _admit(self, member_id: str) -> None:
         from kafila.network.edges import connect_edges
         from kafila.network.pake import TrustError
-        from kafila.network.rendezvous_client import RendezvousError, send_abort, verify_newcomer
+        from kafila.network.rendezvous_client import ProvenButRefused, RendezvousError, send_abort, verify_newcomer
 
         if not self.admitting:
             refusal = TrustError("this session admits no more members; the host must start over with a new code")
@@ -215,6 +215,8 @@ class HostSession:
         trusted = {m: info.fingerprint for m, info in self.known.items()}
         try:
             await verify_newcomer(self.client, self.code, self.presence.identity.fingerprint, member_id, trusted)
+        except ProvenButRefused:
+            raise
         except TrustError:
             self.admitting = False
             raise
