@@ -147,7 +147,7 @@ class _RingCollector(Collector):
             name, span = str(member.get("name", "")), _blocks(member.get("blocks"))
             if span is not None and isinstance(member.get("predicted_ms_per_token"), int | float):
                 predicted.add_metric([name, span], float(member["predicted_ms_per_token"]))
-            if isinstance(member.get("rtt_ms"), int | float):
+            if isinstance(member.get("rtt_ms"), int | float) and member.get("link") == "up":  # not one that left
                 rtt.add_metric([name, str(member.get("path", ""))], float(member["rtt_ms"]))
         yield measured
         yield predicted
