@@ -117,7 +117,7 @@ async def _join(
     from kafila.network.session_codes import channel_part
     from kafila.runtime.local_plan import cache_dir, this_device
     from kafila.runtime.slicer import file_sha256
-    from kafila.session.member import MemberState, RingLinks, edge_connector, follow_host
+    from kafila.session.member import MemberState, RingLinks, SessionEnded, edge_connector, follow_host
     from kafila.session.presence import machine_tag, present
     from kafila.session.router import LinkRouter
 
@@ -136,9 +136,14 @@ async def _join(
     links: RingLinks | None = None
     try:
         say(f"joined; proving the code with the host ({len(client.members)} of {client.expected_members} here)")
-        await verify_host(client, code, presence.identity.fingerprint)
+        roster = await verify_host(client, code, presence.identity.fingerprint)
+        # Pin the host's proved certificate, whatever the rendezvous has said of it since.
+        host_info = client.members.get(client.host_id)
+        if host_info is None:
+            raise SessionEnded("the host left the session")
+        host_info = host_info.model_copy(update={"fingerprint": roster[client.host_id]})
         demux = await DatagramDemux.over(presence.sock)
-        edges = await connect_edges(client, demux, presence.identity, client.code, [client.members[client.host_id]])
+        edges = await connect_edges(client, demux, presence.identity, client.code, [host_info])
         host_edge = edges[client.host_id]
         say(f"linked to the host ({host_edge.path})")
         links = RingLinks(

@@ -214,7 +214,9 @@ class HostSession:
             raise refusal
         trusted = {m: info.fingerprint for m, info in self.known.items()}
         try:
-            await verify_newcomer(self.client, self.code, self.presence.identity.fingerprint, member_id, trusted)
+            proved = await verify_newcomer(
+                self.client, self.code, self.presence.identity.fingerprint, member_id, trusted
+            )
         except ProvenButRefused:
             raise
         except TrustError:
@@ -223,6 +225,9 @@ class HostSession:
         info = self.client.members.get(member_id)
         if info is None:
             raise RendezvousError("member_left", f"{member_id} left after proving the code")
+        # What it proved, not what the rendezvous says now: this is what its link and its ring
+        # neighbours pin.
+        info = info.model_copy(update={"fingerprint": proved})
         self.known[member_id] = info
         edges = await connect_edges(self.client, self.demux, self.presence.identity, self.client.code, [info])
         self.routers[member_id] = LinkRouter(edges[member_id].link, member_id)
@@ -235,16 +240,24 @@ class HostSession:
         return self.client.member_id
 
     def others(self) -> list[MemberInfo]:
-        return [m for m in self.client.members.values() if m.member_id != self.me]
+        """The verified members other than this host, with the fingerprints they proved."""
+        return [m for m in self.known.values() if m.member_id != self.me]
 
     async def gather(self, ready_timeout: float | None) -> None:
         """Trust, links, hellos: after this every member is verified, linked and has said what it holds."""
         from kafila.network.edges import connect_edges
         from kafila.network.link import DatagramDemux
 
-        await verify_members(self.client, self.code, self.presence.identity.fingerprint, ready_timeout=ready_timeout)
-        self.known = dict(self.client.members)
-        self.say(f"all {len(self.client.members)} members verified; connecting")
+        roster = await verify_members(
+            self.client, self.code, self.presence.identity.fingerprint, ready_timeout=ready_timeout
+        )
+        # Pin what each proved, whatever the rendezvous has said of them since.
+        self.known = {
+            m: info.model_copy(update={"fingerprint": roster[m]})
+            for m, info in self.client.members.items()
+            if m in roster
+        }
+        self.say(f"all {len(self.known)} members verified; connecting")
         self.demux = await DatagramDemux.over(self.presence.sock)
         edges = await connect_edges(self.client, self.demux, self.presence.identity, self.client.code, self.others())
         for member_id, edge in edges.items():
