@@ -50,7 +50,9 @@ def join(
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
     memory: Annotated[str | None, typer.Option("--memory", help=MEMORY_HELP)] = None,
 ) -> None:
-    """Join a session: this machine runs the blocks the host assigns it, until the host ends the session."""
+    """Join a session: this machine runs the blocks the host assigns it, until the host ends the session.
+
+    If its link to the host drops (a network blip, a machine that slept), it joins again by itself."""
     from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
     from kafila.network.session_codes import CodeFormatError, split_code
     from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
