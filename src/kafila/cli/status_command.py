@@ -42,13 +42,15 @@ def render_status(status: dict[str, Any], console: Console) -> None:
         for member in members:
             blocks = member.get("blocks") or member.get("stages")
             span = tuple(blocks) if isinstance(blocks, list) and len(blocks) == 2 else None
-            link = "—" if member.get("host") else f"{member.get('path', '?')}, {member.get('link', '?')}"
+            state = "left" if member.get("left") else member.get("link", "?")
+            link = "—" if member.get("host") else f"{member.get('path', '?')}, {state}"
             if "rtt_ms" in member:
                 link += f", {_number(member['rtt_ms'])} ms"
             table.add_row(
                 str(member.get("name")),
                 ("host" if member.get("host") else "member")
-                + (" (head)" if member.get("name") == head or (head is None and member.get("host")) else ""),
+                + (" (head)" if member.get("name") == head or (head is None and member.get("host")) else "")
+                + (" (joining)" if member.get("joining") else ""),
                 f"{span[0]}–{span[1] - 1}" if span else "—",
                 link,
                 _number(member.get("predicted_ms_per_token")),

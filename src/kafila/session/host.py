@@ -509,6 +509,10 @@ class HostSession:
                 router = self.routers[member_id]
                 entry["path"] = self.paths.get(member_id)
                 entry["link"] = "down" if router.link.closed.done() else "up"
+                if member_id not in self.client.members:
+                    entry["left"] = True  # gone from the session, not only from its link
+                if member_id in self.newcomers:
+                    entry["joining"] = True  # admitted, waiting for the next plan
                 rtt = router.link.core.rtt_ms
                 if rtt is not None:
                     entry["rtt_ms"] = rtt
