@@ -499,6 +499,7 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         joiners[1].kill()
         wait_for_output(host, "replanned with 2 members")
+        wait_for_output(host, "a seat is free again; to fill it: kafila join ")
         # The same machine comes back (its name, its cache): a newcomer to the rendezvous and the host.
         status = take_in(host, client, model, joiners, "member-1", tmp_path / "cache-1", 3)
         code, rendezvous = host.join_line()

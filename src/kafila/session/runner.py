@@ -98,6 +98,7 @@ class HostRunner:
         self.manifest = read_manifest(config.path)
         self.engine: Engine | None = None
         self.engine_loop: EngineLoop | None = None  # the one serving, even while /v1 turns requests away
+        self.join_line = ""  # what a member runs to join, once the session is open
         self._newcomers_waiting_since: float | None = None
         self.network: HostSession | None = None
         self.rendezvous: Any = None
@@ -227,6 +228,7 @@ class HostRunner:
             )  # fmt: skip
             network = self.network
             join = f"kafila join {network.code} --rendezvous {advertised}"
+            self.join_line = join
             where = f"on each of the other {others} machines" if others > 1 else "on the other machine"
             discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
             self.ui.announce_code(network.code, f"{where}: {join}", discoverable)
@@ -335,7 +337,10 @@ class HostRunner:
         self.ui.warn("the ring broke", error)
         self.serving.become_unready(["the host to replan with the members that are left"])
         await self._retire(error)
-        return await self._redeploy(error)
+        going_on = await self._redeploy(error)
+        if going_on and network.admitting and self.join_line:
+            self.ui.say(f"a seat is free again; to fill it: {self.join_line}")
+        return going_on
 
     def _hold_requests_for_newcomers(self) -> None:
         """Under steady load a moment without requests may never come: after NEWCOMER_PATIENCE_S,
