@@ -629,3 +629,59 @@ def test_a_member_that_slept_joins_again_by_itself_and_a_lost_host_ends_it(tmp_p
         output = stop(sleeper)
         assert "lost the host" in output and "joining the session again" in output, output
         assert "Traceback" not in output, output
+
+
+def test_a_newcomer_that_goes_while_requests_are_held_leaves_the_ring_serving(tmp_path: Path, model: Path) -> None:
+    """Steady load holds new requests back for a newcomer (patience 1 s); the newcomer is killed
+    before the running requests end: the host serves on with the ring it has, without a replan."""
+    import threading
+
+    joiners: list[subprocess.Popen[str]] = []
+    env = {"KAFILA_NEWCOMER_PATIENCE_S": "1"}
+    args = ("--model", model, "--members", "3", "--context", "2048", "--concurrency", "2", "--threads", "1")
+    try:
+        with running_host(*args, "--rendezvous-port", "0", "--stun-port", "0", ready=False, env=env) as host:
+            code, rendezvous = host.join_line()
+            joiners += [
+                start_member(code, rendezvous, f"member-{i}", tmp_path / f"cache-{i}", "--threads", "1")
+                for i in range(2)
+            ]
+            wait_ready(host)
+            joiners[1].kill()
+            wait_for_output(host, "replanned with 2 members")
+            wait_ready(host, timeout=60)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+            stop_load = threading.Event()
+            broken: list[BaseException] = []
+
+            def load() -> None:  # long requests: the ones running when the hold begins outlast the kill
+                while not stop_load.is_set():
+                    try:
+                        list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1500, stream=True))
+                    except openai.APIStatusError:
+                        time.sleep(0.05)
+                    except BaseException as error:
+                        broken.append(error)
+
+            users = [threading.Thread(target=load) for _ in range(2)]
+            for user in users:
+                user.start()
+            try:
+                time.sleep(1)
+                newcomer = start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1")
+                joiners.append(newcomer)
+                wait_for_output(host, "new ones wait for the replan taking in newcomer")
+                newcomer.kill()
+                wait_for_output(host, "the newcomers left before the replan")
+            finally:
+                stop_load.set()
+                for user in users:
+                    user.join(timeout=300)
+            assert not broken, broken
+            assert "replanned with 3 members" not in host.output()
+            wait_ready(host, timeout=10)
+            again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert again.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    finally:
+        for joiner in joiners:
+            stop(joiner)

@@ -199,8 +199,9 @@ class HostSession:
         task.add_done_callback(lambda t: None if t.cancelled() else done(member_id, t.exception()))
 
     def waiting_newcomers(self) -> list[str]:
-        """Admitted newcomers still linked, for the next plan; one whose link went down is forgotten."""
-        self.newcomers &= set(self.alive())
+        """Admitted newcomers still linked and in the session, for the next plan; one that went is
+        forgotten (the rendezvous says so at once, its link's idle bound only seconds later)."""
+        self.newcomers &= set(self.alive()) & set(self.client.members)
         return sorted(self.newcomers)
 
     async def _admit(self, member_id: str) -> None:

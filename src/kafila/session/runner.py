@@ -313,6 +313,8 @@ class HostRunner:
                         return
                 else:
                     self._hold_requests_for_newcomers()
+            elif self._newcomers_waiting_since is not None:  # they left before their replan
+                self._stop_holding_requests()
 
     def _admitted(self, name: str, _member: str, error: BaseException | None) -> None:
         network = self.network
@@ -355,6 +357,13 @@ class HostRunner:
             names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
             self.ui.say(f"the requests running finish first; new ones wait for the replan taking in {names}")
             self.serving.become_unready([f"the requests running to finish, then the host to replan taking in {names}"])
+
+    def _stop_holding_requests(self) -> None:
+        """The newcomers went before their replan: serve on with the ring as it is."""
+        self._newcomers_waiting_since = None
+        if not self.serving.ready and self.engine is not None and self.engine_loop is not None:
+            self.serving.become_ready(self.engine, self.engine_loop, self.manifest.architecture)
+            self.ui.say("the newcomers left before the replan; serving on with the ring as it is")
 
     async def _replan_with_newcomers(self) -> bool:
         """Newcomers were admitted and no request is in flight: plan again with them in."""
