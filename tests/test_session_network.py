@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.error import HTTPError
 from urllib.request import urlopen
 
 import openai
@@ -685,3 +686,21 @@ def test_a_newcomer_that_goes_while_requests_are_held_leaves_the_ring_serving(tm
     finally:
         for joiner in joiners:
             stop(joiner)
+
+
+def test_a_host_that_cannot_serve_alone_waits_for_members_to_join_again(tmp_path: Path) -> None:
+    """The host lends too little memory for any block (`--memory 1MiB`); its only member dies, so
+    nothing can serve: it says why, and that it waits for members, and a newcomer with the code
+    makes it serve again."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    extra = ("--context", "4096", "--concurrency", "4", "--memory", "1MiB")  # 128 B a token a block: 2 MiB each
+    with session(tmp_path, model, 2, *extra) as (host, joiners):
+        wait_ready(host, timeout=120)
+        joiners[0].kill()
+        wait_for_output(host, "waiting for members to join again: kafila join ")
+        assert "cannot hold" in host.output()
+        with pytest.raises(HTTPError) as unready:  # 503 while nothing serves, saying why
+            urlopen(f"{host.base_url}/health", timeout=10)
+        assert unready.value.code == 503 and "cannot hold" in unready.value.read().decode()
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        take_in(host, client, model, joiners, "newcomer", tmp_path / "cache-new", 2)

@@ -377,7 +377,8 @@ class HostRunner:
         return await self._redeploy(why, f", {why}")
 
     async def _redeploy(self, error: str, why: str = "") -> bool:
-        """Deploy over every member still linked; serve alone when none is left."""
+        """Deploy over every member still linked; serve alone when none is left. When neither can
+        serve, say why and wait for members to join again (the session lives on for them)."""
         network = self.network
         assert network is not None
         alive = network.alive()
@@ -390,10 +391,15 @@ class HostRunner:
                 await self._serve_alone(f"replanned{why}: no member is left")
             return True
         except PlanRefused as refused:
-            self._fail(f"{error}; the members that are left cannot hold the model: {refused}")
+            message = f"{error}; the members that are left cannot hold the model: {refused}"
         except Exception as failure:
-            self._fail(f"{error}; replanning failed: {failure}")
-        return False
+            message = f"{error}; replanning failed: {failure}"
+        network.deployment, network.broken = None, None  # nothing serves: no ring left to watch
+        self._fail(message)
+        if not network.admitting:
+            return False
+        self.ui.say(f"waiting for members to join again: {self.join_line}")
+        return True
 
     # --- both ---
     def _announce_ready(self, where: str) -> None:
