@@ -12,6 +12,7 @@ import contextlib
 import json
 import random
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
@@ -623,58 +624,75 @@ def test_silence_is_a_timeout_not_a_hang() -> None:
     run(scenario())
 
 
+@dataclass
+class SeatLeft:
+    """A session of three whose members have verified, then m2 left: a seat for a newcomer."""
+
+    handle: RendezvousHandle
+    host: RendezvousClient
+    code: str
+    stayer: RendezvousClient
+    trusted: dict[str, str]
+    fingerprints: list[str]
+
+    @classmethod
+    async def open(cls, handle: RendezvousHandle) -> SeatLeft:
+        fingerprints = [create_identity(f"member {i}").fingerprint for i in range(4)]
+        host = await RendezvousClient.open(
+            handle.url, model="m", expected_members=3, capability=capability("host"), fingerprint=fingerprints[0]
+        )
+        code = CODE.replace("7-crimson-harbor", host.code)
+        joiners = [
+            await RendezvousClient.join(handle.url, code, capability=capability(f"j{i}"), fingerprint=fp)
+            for i, fp in enumerate(fingerprints[1:3])
+        ]
+        trusted, *_ = await asyncio.gather(
+            verify_members(host, code, fingerprints[0]),
+            *(verify_host(j, code, fp) for j, fp in zip(joiners, fingerprints[1:3], strict=True)),
+        )
+        await joiners[0].close()
+        await host._until(lambda: "m2" not in host.members, 5)
+        return cls(handle, host, code, joiners[1], trusted, fingerprints)
+
+    async def newcomer(self, member_id: str, code: str | None = None) -> tuple[object, object]:
+        """A newcomer (with `code`, or the right one) and the host verify each other; what each
+        returned or raised. The newcomer then leaves, freeing the seat again."""
+        theirs = self.code if code is None else code.replace("7-crimson-harbor", self.host.code)
+        joiner = await RendezvousClient.join(
+            self.handle.url, theirs, capability=capability(member_id), fingerprint=self.fingerprints[3]
+        )
+        await self.host._until(lambda: member_id in self.host.members, 5)
+        at_host, at_newcomer = await asyncio.gather(
+            verify_newcomer(self.host, self.code, self.fingerprints[0], member_id, self.trusted, exchange_timeout=5),
+            verify_host(joiner, theirs, self.fingerprints[3], exchange_timeout=5),
+            return_exceptions=True,
+        )
+        await joiner.close()
+        await self.host._until(lambda: member_id not in self.host.members, 5)
+        return at_host, at_newcomer
+
+    async def close(self) -> None:
+        for client in (self.host, self.stayer):
+            await client.close()
+
+
 def test_a_newcomer_to_a_left_seat_proves_the_code_and_gets_who_is_here() -> None:
     """Host and two members verify; one leaves; a newcomer takes its seat and the host verifies it
     alone: its roster lists the host, the member still here and itself, as the rendezvous does.
     A second newcomer with a wrong secret is refused on both sides, the host told it was a guess."""
-    fingerprints = [create_identity(f"member {i}").fingerprint for i in range(4)]
 
-    async def scenario() -> tuple[str, dict[str, str], BaseException, BaseException]:
+    async def scenario() -> tuple[list[str], tuple[object, object], tuple[object, object]]:
         handle, _ = await serve()
         try:
-            host = await RendezvousClient.open(
-                handle.url, model="m", expected_members=3, capability=capability("host"), fingerprint=fingerprints[0]
-            )
-            code = CODE.replace("7-crimson-harbor", host.code)
-            joiners = [
-                await RendezvousClient.join(handle.url, code, capability=capability(f"j{i}"), fingerprint=fp)
-                for i, fp in enumerate(fingerprints[1:3])
-            ]
-            trusted, *_ = await asyncio.gather(
-                verify_members(host, code, fingerprints[0]),
-                *(verify_host(j, code, fp) for j, fp in zip(joiners, fingerprints[1:3], strict=True)),
-            )
-            await joiners[0].close()  # m2 leaves
-            await host._until(lambda: "m2" not in host.members, 5)
-            newcomer = await RendezvousClient.join(
-                handle.url, code, capability=capability("new"), fingerprint=fingerprints[3]
-            )
-            await host._until(lambda: "m4" in host.members, 5)
-            proved, roster = await asyncio.gather(
-                verify_newcomer(host, code, fingerprints[0], "m4", trusted),
-                verify_host(newcomer, code, fingerprints[3]),
-            )
-            await newcomer.close()
-            await host._until(lambda: "m4" not in host.members, 5)
-            guesser_code = WRONG.replace("7-crimson-harbor", host.code)
-            guesser = await RendezvousClient.join(
-                handle.url, guesser_code, capability=capability("guess"), fingerprint=fingerprints[3]
-            )
-            await host._until(lambda: "m5" in host.members, 5)
-            at_host, at_guesser = await asyncio.gather(
-                verify_newcomer(host, code, fingerprints[0], "m5", trusted, exchange_timeout=5),
-                verify_host(guesser, guesser_code, fingerprints[3], exchange_timeout=5),
-                return_exceptions=True,
-            )
-            for client in (host, joiners[1], guesser):
-                await client.close()
-            assert isinstance(proved, str) and isinstance(roster, dict)
-            assert isinstance(at_host, BaseException) and isinstance(at_guesser, BaseException)
-            return proved, roster, at_host, at_guesser
+            seat = await SeatLeft.open(handle)
+            right = await seat.newcomer("m4")
+            wrong = await seat.newcomer("m5", WRONG)
+            await seat.close()
+            return seat.fingerprints, right, wrong
         finally:
             await handle.close()
 
-    proved, roster, at_host, at_guesser = run(scenario())
+    fingerprints, (proved, roster), (at_host, at_guesser) = run(scenario())
     assert proved == fingerprints[3]
     assert roster == {"m1": fingerprints[0], "m3": fingerprints[2], "m4": fingerprints[3]}
     assert isinstance(at_host, CodeMismatch) and at_host.member == "m5"
@@ -690,38 +708,13 @@ def test_a_newcomer_that_proves_the_code_but_refuses_the_roster_is_no_guess() ->
             return [message.model_copy(update={"members": [m for m in message.members if m.member_id != "m3"]})]
         return [message]
 
-    fingerprints = [create_identity(f"member {i}").fingerprint for i in range(4)]
-
-    async def scenario() -> tuple[BaseException, BaseException]:
+    async def scenario() -> tuple[object, object]:
         handle, _ = await serve(hide_m3_from_m4)
         try:
-            host = await RendezvousClient.open(
-                handle.url, model="m", expected_members=3, capability=capability("host"), fingerprint=fingerprints[0]
-            )
-            code = CODE.replace("7-crimson-harbor", host.code)
-            joiners = [
-                await RendezvousClient.join(handle.url, code, capability=capability(f"j{i}"), fingerprint=fp)
-                for i, fp in enumerate(fingerprints[1:3])
-            ]
-            trusted, *_ = await asyncio.gather(
-                verify_members(host, code, fingerprints[0]),
-                *(verify_host(j, code, fp) for j, fp in zip(joiners, fingerprints[1:3], strict=True)),
-            )
-            await joiners[0].close()
-            await host._until(lambda: "m2" not in host.members, 5)
-            newcomer = await RendezvousClient.join(
-                handle.url, code, capability=capability("new"), fingerprint=fingerprints[3]
-            )
-            await host._until(lambda: "m4" in host.members, 5)
-            at_host, at_newcomer = await asyncio.gather(
-                verify_newcomer(host, code, fingerprints[0], "m4", trusted, exchange_timeout=5),
-                verify_host(newcomer, code, fingerprints[3], exchange_timeout=5),
-                return_exceptions=True,
-            )
-            for client in (host, joiners[1], newcomer):
-                await client.close()
-            assert isinstance(at_host, BaseException) and isinstance(at_newcomer, BaseException)
-            return at_host, at_newcomer
+            seat = await SeatLeft.open(handle)
+            answers = await seat.newcomer("m4")
+            await seat.close()
+            return answers
         finally:
             await handle.close()
 

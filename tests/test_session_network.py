@@ -11,9 +11,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.error import HTTPError
@@ -33,12 +35,18 @@ COMMON = ("--context", "256", "--concurrency", "4", "--threads", "1", "--rendezv
 
 @contextmanager
 def session(
-    tmp_path: Path, model: Path, members: int, *extra: str, outputs: list[str] | None = None
+    tmp_path: Path,
+    model: Path,
+    members: int,
+    *extra: str,
+    outputs: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[Host, list[subprocess.Popen[str]]]]:
     """A host and its joiners; after the host has stopped, the joiners' outputs land in `outputs`."""
     joiners: list[subprocess.Popen[str]] = []
     try:
-        with running_host("--model", model, "--members", str(members), *COMMON, *extra, ready=False) as host:
+        args = ("--model", model, "--members", str(members), *COMMON, *extra)
+        with running_host(*args, ready=False, env=env) as host:
             code, rendezvous = host.join_line()
             joiners += [
                 start_member(code, rendezvous, f"member-{i}", tmp_path / f"cache-{i}", "--threads", "1")
@@ -465,6 +473,57 @@ def wait_for_output(host: Host, text: str, timeout: float = 90, times: int = 1) 
         time.sleep(0.2)
 
 
+PATIENT = {"KAFILA_NEWCOMER_PATIENCE_S": "1"}  # newcomers wait 1 s for a moment without requests
+
+
+def lose_a_member(host: Host, joiners: list[subprocess.Popen[str]]) -> openai.OpenAI:
+    """Kill the second member; once the host serves again with the rest, a client for it."""
+    wait_ready(host)
+    joiners[1].kill()
+    wait_for_output(host, "replanned with 2 members")
+    wait_ready(host, timeout=60)
+    return openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@dataclass
+class Load:
+    finished: list[tuple[str, str | None]] = field(default_factory=list)  # text, finish reason
+    turned_away: list[int] = field(default_factory=list)  # status codes of refused requests
+    broken: list[BaseException] = field(default_factory=list)  # streams that started and failed
+
+
+@contextmanager
+def steady_load(client: openai.OpenAI, max_tokens: int, users: int = 2) -> Iterator[Load]:
+    """`users` clients streaming completions back to back, without a pause, until the block ends."""
+    load, done = Load(), threading.Event()
+
+    def user() -> None:
+        while not done.is_set():
+            try:
+                stream = client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True
+                )
+            except openai.APIStatusError as refused:
+                load.turned_away.append(refused.status_code)
+                time.sleep(0.05)
+                continue
+            try:
+                chunks = [c.choices[0] for c in stream if c.choices]
+                load.finished.append(("".join(c.text for c in chunks), chunks[-1].finish_reason))
+            except BaseException as error:  # reported by the test, not lost in the thread
+                load.broken.append(error)
+
+    threads = [threading.Thread(target=user) for _ in range(users)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield load
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(timeout=300)
+
+
 def take_in(
     host: Host,
     client: openai.OpenAI,
@@ -496,10 +555,7 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
     that the session admits no one, not even with the right code."""
     outputs: list[str] = []
     with session(tmp_path, model, 3, outputs=outputs) as (host, joiners):
-        wait_ready(host)
-        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-        joiners[1].kill()
-        wait_for_output(host, "replanned with 2 members")
+        client = lose_a_member(host, joiners)
         wait_for_output(host, "a seat is free again; to fill it: kafila join ")
         # The same machine comes back (its name, its cache): a newcomer to the rendezvous and the host.
         status = take_in(host, client, model, joiners, "member-1", tmp_path / "cache-1", 3)
@@ -545,66 +601,21 @@ def test_under_steady_load_a_newcomer_waits_for_the_running_requests_not_for_sil
     """Two clients keep the host busy without a pause. After the patience (here 1 s) the host turns
     new requests away with 503, lets those running finish, and replans with the newcomer: every
     stream that started ends whole, and the ring then serves what one process does."""
-    import threading
-
-    joiners: list[subprocess.Popen[str]] = []
-    env = {"KAFILA_NEWCOMER_PATIENCE_S": "1"}
-    try:
-        with running_host("--model", model, "--members", "3", *COMMON, ready=False, env=env) as host:
-            code, rendezvous = host.join_line()
-            joiners += [
-                start_member(code, rendezvous, f"member-{i}", tmp_path / f"cache-{i}", "--threads", "1")
-                for i in range(2)
-            ]
-            wait_ready(host)
-            joiners[1].kill()
-            wait_for_output(host, "replanned with 2 members")
-            wait_ready(host, timeout=60)
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-            start = unsplit_greedy(model, PROMPT, 3)
-            stop_load = threading.Event()
-            finished: list[tuple[str, str | None]] = []
-            turned_away: list[int] = []
-            broken: list[BaseException] = []
-
-            def load() -> None:
-                while not stop_load.is_set():
-                    try:
-                        stream = client.completions.create(
-                            model="tiny", prompt=PROMPT, max_tokens=200, temperature=0, stream=True
-                        )
-                    except openai.APIStatusError as refused:
-                        turned_away.append(refused.status_code)
-                        time.sleep(0.05)
-                        continue
-                    try:
-                        chunks = [c.choices[0] for c in stream if c.choices]
-                        finished.append(("".join(c.text for c in chunks), chunks[-1].finish_reason))
-                    except BaseException as error:  # a stream that started and broke: what must not happen
-                        broken.append(error)
-
-            users = [threading.Thread(target=load) for _ in range(2)]
-            for user in users:
-                user.start()
+    with session(tmp_path, model, 3, env=PATIENT) as (host, joiners):
+        client = lose_a_member(host, joiners)
+        code, rendezvous = host.join_line()
+        with steady_load(client, max_tokens=200) as load:
             time.sleep(1)
             joiners.append(start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1"))
-            try:
-                wait_for_output(host, "replanned with 3 members, taking in newcomer")
-            finally:
-                stop_load.set()
-                for user in users:
-                    user.join(timeout=120)
-            assert "new ones wait for the replan taking in newcomer" in host.output()
-            assert not broken, broken
-            # whole: to their length, each as the model begins it (batches may break a late near-tie)
-            assert finished and all(text.startswith(start) and why == "length" for text, why in finished), finished
-            assert turned_away and set(turned_away) == {503}
-            wait_ready(host, timeout=60)
-            again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-            assert again.choices[0].text == unsplit_greedy(model, PROMPT, 12)
-    finally:
-        for joiner in joiners:
-            stop(joiner)
+            wait_for_output(host, "replanned with 3 members, taking in newcomer")
+        assert "new ones wait for the replan taking in newcomer" in host.output()
+        assert not load.broken, load.broken
+        start = unsplit_greedy(model, PROMPT, 3)  # whole: to their length, each as the model begins it
+        assert load.finished and all(t.startswith(start) and why == "length" for t, why in load.finished), load
+        assert load.turned_away and set(load.turned_away) == {503}
+        wait_ready(host, timeout=60)
+        again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert again.choices[0].text == unsplit_greedy(model, PROMPT, 12)
 
 
 def test_a_member_that_slept_joins_again_by_itself_and_a_lost_host_ends_it(tmp_path: Path, model: Path) -> None:
@@ -635,57 +646,21 @@ def test_a_member_that_slept_joins_again_by_itself_and_a_lost_host_ends_it(tmp_p
 def test_a_newcomer_that_goes_while_requests_are_held_leaves_the_ring_serving(tmp_path: Path, model: Path) -> None:
     """Steady load holds new requests back for a newcomer (patience 1 s); the newcomer is killed
     before the running requests end: the host serves on with the ring it has, without a replan."""
-    import threading
-
-    joiners: list[subprocess.Popen[str]] = []
-    env = {"KAFILA_NEWCOMER_PATIENCE_S": "1"}
-    args = ("--model", model, "--members", "3", "--context", "2048", "--concurrency", "2", "--threads", "1")
-    try:
-        with running_host(*args, "--rendezvous-port", "0", "--stun-port", "0", ready=False, env=env) as host:
-            code, rendezvous = host.join_line()
-            joiners += [
-                start_member(code, rendezvous, f"member-{i}", tmp_path / f"cache-{i}", "--threads", "1")
-                for i in range(2)
-            ]
-            wait_ready(host)
-            joiners[1].kill()
-            wait_for_output(host, "replanned with 2 members")
-            wait_ready(host, timeout=60)
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
-            stop_load = threading.Event()
-            broken: list[BaseException] = []
-
-            def load() -> None:  # long requests: the ones running when the hold begins outlast the kill
-                while not stop_load.is_set():
-                    try:
-                        list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1500, stream=True))
-                    except openai.APIStatusError:
-                        time.sleep(0.05)
-                    except BaseException as error:
-                        broken.append(error)
-
-            users = [threading.Thread(target=load) for _ in range(2)]
-            for user in users:
-                user.start()
-            try:
-                time.sleep(1)
-                newcomer = start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1")
-                joiners.append(newcomer)
-                wait_for_output(host, "new ones wait for the replan taking in newcomer")
-                newcomer.kill()
-                wait_for_output(host, "the newcomers left before the replan")
-            finally:
-                stop_load.set()
-                for user in users:
-                    user.join(timeout=300)
-            assert not broken, broken
-            assert "replanned with 3 members" not in host.output()
-            wait_ready(host, timeout=10)
-            again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-            assert again.choices[0].text == unsplit_greedy(model, PROMPT, 12)
-    finally:
-        for joiner in joiners:
-            stop(joiner)
+    with session(tmp_path, model, 3, "--context", "2048", "--concurrency", "2", env=PATIENT) as (host, joiners):
+        client = lose_a_member(host, joiners)
+        code, rendezvous = host.join_line()
+        with steady_load(client, max_tokens=1500) as load:  # the requests running at the hold outlast the kill
+            time.sleep(1)
+            newcomer = start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1")
+            joiners.append(newcomer)
+            wait_for_output(host, "new ones wait for the replan taking in newcomer")
+            newcomer.kill()
+            wait_for_output(host, "the newcomers left before the replan")
+        assert not load.broken, load.broken
+        assert "replanned with 3 members" not in host.output()
+        wait_ready(host, timeout=10)
+        again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert again.choices[0].text == unsplit_greedy(model, PROMPT, 12)
 
 
 def test_a_host_that_cannot_serve_alone_waits_for_members_to_join_again(tmp_path: Path) -> None:
