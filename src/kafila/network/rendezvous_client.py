@@ -409,6 +409,20 @@ def _check_session(client: RendezvousClient, code: str, *, host: bool) -> None:
         raise ValueError("verify_members is the host's side, verify_host a joiner's")
 
 
+async def _exchange_until(
+    client: RendezvousClient, exchange: Exchange, done: Callable[[], bool], timeout: float | None, late: str
+) -> None:
+    """Answer the peer's trust messages until `done()`; TrustTimeout ("`late` within N s") after `timeout`."""
+    peer = exchange.peer_id
+    try:
+        async with asyncio.timeout(timeout):
+            while not done():
+                for reply in exchange.receive(await client.next_signal(peer)):
+                    await client.send_signal(peer, reply)
+    except TimeoutError:
+        raise TrustTimeout(f"{late} within {timeout} s", peer) from None
+
+
 async def send_abort(client: RendezvousClient, peers: Sequence[str], error: TrustError) -> None:
     """Best effort: tell each peer why, so it does not wait for a timeout."""
     body = abort_message(error)
@@ -450,14 +464,7 @@ async def verify_host(
     )
 
     async def drive(done: Callable[[], bool], timeout: float | None, what: str) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                while not done():
-                    body = await client.next_signal(host_id)
-                    for reply in exchange.receive(body):
-                        await client.send_signal(host_id, reply)
-        except TimeoutError:
-            raise TrustTimeout(f"the host ({host_id}) did not {what} within {timeout} s", host_id) from None
+        await _exchange_until(client, exchange, done, timeout, f"the host ({host_id}) did not {what}")
 
     try:
         await client.send_signal(host_id, exchange.start())
@@ -606,13 +613,7 @@ async def verify_newcomer(
     )
 
     async def drive(done: Callable[[], bool], what: str) -> None:
-        try:
-            async with asyncio.timeout(exchange_timeout):
-                while not done():
-                    for reply in exchange.receive(await client.next_signal(member_id)):
-                        await client.send_signal(member_id, reply)
-        except TimeoutError:
-            raise TrustTimeout(f"member {member_id} did not {what} within {exchange_timeout} s", member_id) from None
+        await _exchange_until(client, exchange, done, exchange_timeout, f"member {member_id} did not {what}")
 
     try:
         await client.send_signal(member_id, exchange.start())
