@@ -189,14 +189,14 @@ class HostSession:
         """Members the rendezvous introduced after the session formed, not yet being admitted."""
         return [m for m in self.client.members if m != self.me and m not in self.known and m not in self._admissions]
 
-    def admit(self, member_id: str, done: Callable[[str, BaseException | None], None]) -> None:
-        """Verify, link and hear from a newcomer in the background; `done(member, error)` says how it
-        went. A verified newcomer joins `newcomers`, for the next plan. After a failed exchange the
+    def admit(self, member_id: str, done: Callable[[BaseException | None], None]) -> None:
+        """Verify, link and hear from a newcomer in the background; `done(error)` says how it went
+        (None: admitted). A verified newcomer joins `newcomers`, for the next plan. After a failed exchange the
         session admits no one: each may be a guess at the code's secret, and this bounds guessers
         to one, as a new code does while the session forms."""
         task = asyncio.create_task(self._admit(member_id))
         self._admissions[member_id] = task
-        task.add_done_callback(lambda t: None if t.cancelled() else done(member_id, t.exception()))
+        task.add_done_callback(lambda t: None if t.cancelled() else done(t.exception()))
 
     def waiting_newcomers(self) -> list[str]:
         """Admitted newcomers still linked and in the session, for the next plan; one that went is

@@ -316,7 +316,7 @@ class HostRunner:
             elif self._newcomers_waiting_since is not None:  # they left before their replan
                 self._stop_holding_requests()
 
-    def _admitted(self, name: str, _member: str, error: BaseException | None) -> None:
+    def _admitted(self, name: str, error: BaseException | None) -> None:
         network = self.network
         assert network is not None
         if error is None:
