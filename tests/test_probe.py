@@ -180,10 +180,19 @@ def test_probe_with_a_model_prices_that_models_stages(tmp_path: Path) -> None:
     """`--model` adds the model's own o, b and b_head to the fleet entry, with the rings behind them."""
     from tiny_models import write_tiny_model
 
+    from kafila.runtime.slicer import file_sha256
+
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
-    result = run_kafila("probe", "--json", "--model", str(model))
+    result = run_kafila("probe", "--json", "--model", str(model), env={"KAFILA_CACHE": str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    # Kept for sessions on this machine, by the model's hash, with the numbers the entry shows.
+    assert report["model_sha256"] == file_sha256(model)
+    kept = json.loads(Path(report["model_pricing_saved"]).read_text())["pricing"]
+    assert Path(report["model_pricing_saved"]).parent == tmp_path / "cache" / "model-pricing"
+    assert kept == {
+        key: report[key] for key in ("model_sha256", "bandwidth_gb_s", "head_bandwidth_gb_s", "overhead_us")
+    }
     stages = report["model_stages"]
     assert stages["divisions"] == [[1, 3], [3, 1]]
     assert report["bandwidth_gb_s"] == pytest.approx(stages["bandwidth_gb_s"], rel=1e-3)
@@ -191,6 +200,33 @@ def test_probe_with_a_model_prices_that_models_stages(tmp_path: Path) -> None:
     assert report["overhead_us"] == pytest.approx(stages["overhead_us"], rel=1e-3, abs=1e-3)
     device = FleetDevice.model_validate({key: report[key] for key in (*FLEET_KEYS, "head_bandwidth_gb_s")})
     assert device.device().head_bandwidth_bytes_per_s == pytest.approx(report["head_bandwidth_gb_s"] * 1e9)
+
+
+@needs_llama_cpp
+def test_kept_model_pricings_are_read_newest_first_and_stale_or_broken_ones_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pricing from another llama.cpp build priced other kernels; a broken file is as if absent."""
+    from kafila.planner.fleet import ModelPricing
+    from kafila.runtime.local_plan import cached_model_pricings, pricing_for, save_model_pricing
+
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
+    assert cached_model_pricings() == []  # nothing kept yet, not even the folder
+    older, newer = (
+        ModelPricing(model_sha256=c * 64, bandwidth_gb_s=b, head_bandwidth_gb_s=b, overhead_us=10.0)
+        for c, b in (("a", 1.0), ("b", 2.0))
+    )
+    os.utime(save_model_pricing(older), (1_000, 1_000))
+    save_model_pricing(newer)
+    folder = tmp_path / "model-pricing"
+    stale = {"llama_cpp_version": "0.0.1", "pricing": newer.model_copy(update={"model_sha256": "c" * 64}).model_dump()}
+    (folder / f"{'c' * 64}.json").write_text(json.dumps(stale))
+    (folder / f"{'d' * 64}.json").write_text('{"llama_cpp_version": ')
+    (folder / f"{'e' * 64}.json").write_text(json.dumps({"pricing": None}))
+    assert cached_model_pricings() == [newer, older]
+    assert cached_model_pricings(limit=1) == [newer]
+    assert pricing_for("a" * 64, cached_model_pricings()) == older
+    assert pricing_for("c" * 64, cached_model_pricings()) is None
 
 
 def test_probe_with_a_missing_model_fails_in_one_line(tmp_path: Path) -> None:

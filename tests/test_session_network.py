@@ -383,6 +383,61 @@ def share_this_machines_probe(tmp_path: Path, members: int) -> None:
         shutil.copy(cache_dir() / "probe.json", tmp_path / f"cache-{i}" / "probe.json")
 
 
+def test_machines_that_priced_the_model_are_planned_with_their_own_numbers(
+    tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine that ran `kafila probe --model` on the model served keeps that pricing; as host,
+    or as a member (it reports it in `hello`), the plan prices its stage with it. Each stage's
+    predicted time is then the cost model's c = o + bytes / b (+ head bytes / b_head) with that
+    machine's numbers: the host's and member-0's own, member-1's from the generic probe."""
+    from kafila.planner.fleet import FleetDevice, ModelPricing
+    from kafila.runtime.local_plan import save_model_pricing
+    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.slicer import file_sha256
+
+    share_this_machines_probe(tmp_path, 3)  # cache-2 is the host's
+    digest = file_sha256(model)
+    other_model = "0" * 64  # a pricing of another model, which must not be taken for this one's
+    priced = {
+        "cache-2": ModelPricing(model_sha256=digest, bandwidth_gb_s=2.5, head_bandwidth_gb_s=5.0, overhead_us=900.0),
+        "cache-0": ModelPricing(model_sha256=digest, bandwidth_gb_s=1.5, head_bandwidth_gb_s=3.0, overhead_us=700.0),
+        "cache-1": ModelPricing(model_sha256=other_model, bandwidth_gb_s=9.0, head_bandwidth_gb_s=9.0, overhead_us=1.0),
+    }
+    for cache, pricing in priced.items():
+        monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / cache))
+        save_model_pricing(pricing)
+    generic = FleetDevice.model_validate(json.loads((tmp_path / "cache-2" / "probe.json").read_text())["device"])
+    manifest = read_manifest(model)
+    env = {"KAFILA_CACHE": str(tmp_path / "cache-2")}
+    with session(tmp_path, model, 3, "--name", "the-host", env=env) as (host, _joiners):
+        wait_ready(host)
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        numbers = {"the-host": priced["cache-2"], "member-0": priced["cache-0"]}
+        for member in status["members"]:
+            first, end = member["blocks"]
+            pricing = numbers.get(member["name"])
+            device = generic.priced(pricing).device()
+            assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
+            head = manifest.head_bytes / (device.head_bandwidth_bytes_per_s or device.bandwidth_bytes_per_s)
+            expected = device.overhead_s + sum(manifest.block_bytes[first:end]) / device.bandwidth_bytes_per_s
+            expected += head if member["name"] == status["plan"]["head"] else 0.0
+            assert member["predicted_ms_per_token"] == pytest.approx(expected * 1e3, abs=2e-3), (member, status)
+            assert member["priced_on"] == ("the model" if pricing is not None else "the generic probe"), member
+        assert "priced on this model's own stages for the-host, member-0; the generic probe's for member-1" in (
+            host.output()
+        ), host.output()
+        table = subprocess.run(
+            [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
+            timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
+        ).stdout  # fmt: skip
+        starred = [
+            line.split("│")[1].strip() for line in table.splitlines() if line.rstrip().endswith("│") and " * " in line
+        ]
+        assert starred == ["member-1"], table
+        assert "* predicted from the generic probe" in table, table
+
+
 def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path: Path) -> None:
     """`--memory` on the host leaves room for a block and its cache but not for the head as well:
     the plan puts the head on a member, which answers each step with logits; the host embeds,

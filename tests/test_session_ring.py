@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from tiny_models import write_tiny_model
 from kafila.network.frames import Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkConfig, open_link, should_dial
+from kafila.planner.fleet import ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine, StageFailed, generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
@@ -65,13 +67,25 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         epoch=1, stage_index=0, first_block=0, end_block=2, sha256=sha, size=10, source="transfer",
         predecessor="h", successor="h", n_ctx=256, n_batch=32, n_seq_max=2,
     )  # fmt: skip
-    for message in (Hello(model_sha256=sha, cached_stages=[sha]), assign, End(reason="bye")):
+    pricing = ModelPricing(model_sha256=sha, bandwidth_gb_s=12.8, head_bandwidth_gb_s=22.4, overhead_us=371.0)
+    hello = Hello(model_sha256=sha, cached_stages=[sha], priced_models=[pricing])
+    for message in (hello, assign, End(reason="bye")):
         assert parse_control(control_frame(message)) == message
+    good = {"model_sha256": sha, "bandwidth_gb_s": 1.0, "head_bandwidth_gb_s": 1.0, "overhead_us": 1.0}
+
+    def hello_frame(priced: list[dict[str, object]]) -> Frame:
+        payload = json.dumps({"type": "hello", "priced_models": priced}).encode()
+        return Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload)
+
+    assert parse_control(hello_frame([good])) == Hello(priced_models=[ModelPricing.model_validate(good)])
     bad = [
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"{not json"),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "assign"}'),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "hello", "model_sha256": "xyz"}'),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "launch"}'),
+        hello_frame([dict(good, bandwidth_gb_s=0)]),  # no speed
+        hello_frame([dict(good, model_sha256="x")]),  # no hash
+        hello_frame([good] * 17),  # more than a member reports
         Frame(Kind.PING, 3, payload=b'{"type": "end", "reason": "x"}'),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"x" * 70_000),
     ]

@@ -117,7 +117,7 @@ async def _join(
     from kafila.network.link import DatagramDemux
     from kafila.network.rendezvous_client import RendezvousClient, verify_host
     from kafila.network.session_codes import channel_part
-    from kafila.runtime.local_plan import cache_dir, this_device
+    from kafila.runtime.local_plan import cache_dir, cached_model_pricings, this_device
     from kafila.runtime.slicer import file_sha256
     from kafila.session.member import MemberState, RingLinks, SessionEnded, edge_connector, follow_host
     from kafila.session.presence import machine_tag, present
@@ -128,6 +128,7 @@ async def _join(
 
     say("measuring this device (cached afterwards)")
     device = await asyncio.to_thread(this_device, memory=memory)
+    priced_models = await asyncio.to_thread(cached_model_pricings)
     presence = await present(name, rendezvous, device)
     model_sha = await asyncio.to_thread(file_sha256, model) if model is not None else None
     client = await RendezvousClient.join(
@@ -155,7 +156,7 @@ async def _join(
             name_of=lambda m: client.members[m].name if m in client.members else m[:6],
         )
         state = MemberState(cache=cache_dir() / "stages", model=model, threads=threads, say=say, bars=transfer_bars)
-        return await follow_host(links, state, model_sha, machine_tag(client.code))
+        return await follow_host(links, state, model_sha, machine_tag(client.code), priced_models)
     finally:
         if links is not None:
             await links.close("leaving")

@@ -15,9 +15,11 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from kafila.cli.errors import fail
-from kafila.planner.fleet import FleetDevice
-from kafila.runtime.model_probe import ModelStageProbe, priced_for_model, probe_model_stages
+from kafila.planner.fleet import FleetDevice, ModelPricing
+from kafila.runtime.local_plan import save_model_pricing
+from kafila.runtime.model_probe import ModelStageProbe, model_pricing, probe_model_stages
 from kafila.runtime.probe import DeviceProbe, ProbeError, ProgressFn, run_probe
+from kafila.runtime.slicer import file_sha256
 
 
 @contextmanager
@@ -122,23 +124,41 @@ def probe(
         with contextlib.suppress(LlamaUnavailable):  # run_probe says it in its own words
             load_llama(shared_machine=True)  # the model's rings run their head in this process
     stages: ModelStageProbe | None = None
+    pricing: ModelPricing | None = None
     try:
         with _progress(enabled=not as_json) as update:
             result = run_probe(update if model is None else lambda text, f: update(text, f / 2))
             if model is not None:
-                stages = probe_model_stages(model, lambda text, f: update(text, 0.5 + f / 2))
+                stages = probe_model_stages(model, lambda text, f: update(text, 0.5 + f * 0.45))
+                update(f"hashing {model.name}", 0.95)
+                pricing = model_pricing(stages, file_sha256(model))
     except ProbeError as error:
         fail(str(error), as_json)
     except (OSError, ValueError) as error:
         fail(f"cannot price {model}: {error}", as_json)
-    entry = result.fleet_device() if stages is None else priced_for_model(result.fleet_device(), stages)
+    saved: Path | None = None
+    if pricing is not None:
+        try:
+            saved = save_model_pricing(pricing)
+        except OSError as error:  # the numbers are still worth printing
+            Console(stderr=True).print(f"[yellow]warning:[/yellow] cannot keep this pricing for sessions: {error}")
+    entry = result.fleet_device().priced(pricing)
     if as_json:
         report = {**result.report(), **entry.model_dump(exclude_none=True)}
         if stages is not None:
             report["model_stages"] = stages.model_dump()
+        if pricing is not None:
+            report["model_sha256"] = pricing.model_sha256
+            report["model_pricing_saved"] = str(saved) if saved is not None else None
         print(json.dumps(report))
     else:
         console = Console()
         _render(result, entry, console)
         if stages is not None:
             _render_model_stages(stages, console)
+        if saved is not None:
+            console.print(
+                f"Kept in {saved}: a session serving this model (by its sha256) plans this machine with these "
+                "numbers, when it hosts or joins.",
+                highlight=False,
+            )

@@ -53,10 +53,17 @@ def render_status(status: dict[str, Any], console: Console) -> None:
                 + (" (joining)" if member.get("joining") else ""),
                 f"{span[0]}–{span[1] - 1}" if span else "—",
                 link,
-                _number(member.get("predicted_ms_per_token")),
+                _number(member.get("predicted_ms_per_token")) + (" *" if _generic(member) else ""),
                 _number(measured.get(span)) if span else "—",
             )
         console.print(table)
+        if any(_generic(member) for member in members):
+            console.print(
+                "* predicted from the generic probe, which misjudges narrow models: `kafila probe --model` on that "
+                "machine prices this model's own stages for later sessions",
+                highlight=False,
+                soft_wrap=True,
+            )
     edges = status.get("edges") or []
     if edges:
         ring = Table(title="Ring edges")
@@ -75,6 +82,10 @@ def render_status(status: dict[str, Any], console: Console) -> None:
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _generic(member: dict[str, Any]) -> bool:
+    return member.get("priced_on") == "the generic probe" and member.get("predicted_ms_per_token") is not None
 
 
 def status(

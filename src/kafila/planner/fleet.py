@@ -45,6 +45,20 @@ class FleetModel(Strict):
         )
 
 
+class ModelPricing(Strict):
+    """One device's cost numbers for one model, measured on the model itself (`kafila probe --model`).
+
+    The generic probe times wide synthetic blocks, which are bandwidth-bound by design; a narrow
+    model's blocks are not, and its head streams faster than its blocks. A device that has priced
+    a model's own stages plans that model with these numbers instead.
+    """
+
+    model_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)]
+    head_bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)]
+    overhead_us: Annotated[float, Field(ge=0, le=1e7)]
+
+
 class FleetDevice(Strict):
     name: str = Field(min_length=1, max_length=64)
     memory_gib: Annotated[float, Field(gt=0, le=2**20)]
@@ -60,6 +74,18 @@ class FleetDevice(Strict):
         if memory_bytes is None:
             return self
         return self.model_copy(update={"memory_gib": min(self.memory_gib, max(1, memory_bytes) / 2**30)})
+
+    def priced(self, pricing: ModelPricing | None) -> FleetDevice:
+        """This device with a model's own o, b and b_head in place of the generic ones, or as it is."""
+        if pricing is None:
+            return self
+        return self.model_copy(
+            update={
+                "bandwidth_gb_s": pricing.bandwidth_gb_s,
+                "head_bandwidth_gb_s": pricing.head_bandwidth_gb_s,
+                "overhead_us": pricing.overhead_us,
+            }
+        )
 
     def device(self) -> Device:
         nat = NatBehaviour.from_class(self.nat) if isinstance(self.nat, NatClass) else self.nat

@@ -3,6 +3,8 @@
 All local stages share one device, so the planner sees N identical members, each with 1/N of
 the memory; what it still decides is how many fewer blocks the head takes for its extra read.
 The probe takes several seconds, so its result is cached per machine and llama.cpp version.
+So is each model's own pricing (`kafila probe --model`), by the model file's sha256: sessions
+serving that model on this machine plan with it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kafila.planner import plan_session
-from kafila.planner.fleet import FleetDevice
+from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.planner.types import ModelManifest, SessionSpec
 
 
@@ -44,6 +46,52 @@ def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"llama_cpp_version": llama_cpp.__version__, "device": device.model_dump()}))
     return device
+
+
+def _model_pricing_dir() -> Path:
+    return cache_dir() / "model-pricing"
+
+
+def save_model_pricing(pricing: ModelPricing) -> Path:
+    """Keep a model's pricing for sessions on this machine; returns where it went."""
+    import llama_cpp
+
+    path = _model_pricing_dir() / f"{pricing.model_sha256}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"llama_cpp_version": llama_cpp.__version__, "pricing": pricing.model_dump()}
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record))
+    partial.replace(path)  # a reader never sees half a file
+    return path
+
+
+def cached_model_pricings(limit: int = 16) -> list[ModelPricing]:
+    """The models this machine priced with the llama.cpp it runs now, most recent first.
+
+    A pricing from another llama.cpp version is stale (its kernels set the costs); an unreadable
+    file is skipped, as if it were not there.
+    """
+    import llama_cpp
+
+    try:
+        paths = sorted(_model_pricing_dir().glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return []
+    found: list[ModelPricing] = []
+    for path in paths:
+        if len(found) == limit:
+            break
+        try:
+            record = json.loads(path.read_text())
+            if record.get("llama_cpp_version") == llama_cpp.__version__:
+                found.append(ModelPricing.model_validate(record["pricing"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return found
+
+
+def pricing_for(model_sha256: str, pricings: list[ModelPricing]) -> ModelPricing | None:
+    return next((p for p in pricings if p.model_sha256 == model_sha256), None)
 
 
 def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, session: SessionSpec) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from kafila.planner.fleet import FleetDevice
+from kafila.planner.fleet import ModelPricing
 from kafila.planner.types import ModelManifest, Strict
 from kafila.runtime.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, significant
 
@@ -166,12 +166,11 @@ def probe_model_stages(
     )
 
 
-def priced_for_model(device: FleetDevice, stages: ModelStageProbe) -> FleetDevice:
-    """The device's fleet entry with the model's own o, b and b_head in place of the generic o and b."""
-    return device.model_copy(
-        update={
-            "bandwidth_gb_s": significant(stages.bandwidth_gb_s),
-            "head_bandwidth_gb_s": significant(stages.head_bandwidth_gb_s),
-            "overhead_us": significant(stages.overhead_us),
-        }
+def model_pricing(stages: ModelStageProbe, model_sha256: str) -> ModelPricing:
+    """The probe's three numbers, rounded as a fleet file shows them, for the model with this hash."""
+    return ModelPricing(
+        model_sha256=model_sha256,
+        bandwidth_gb_s=significant(stages.bandwidth_gb_s),
+        head_bandwidth_gb_s=significant(stages.head_bandwidth_gb_s),
+        overhead_us=significant(stages.overhead_us),
     )

@@ -39,8 +39,10 @@ from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient, verify_members
 from kafila.network.session_codes import full_code, new_secret
 from kafila.planner import plan_serving_host
+from kafila.planner.fleet import ModelPricing
 from kafila.planner.types import Device, ModelManifest, Plan, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.local_plan import cached_model_pricings, pricing_for
 from kafila.runtime.pipeline import RingEngine
 from kafila.runtime.slicer import StageFile, cached_slices, file_sha256
 from kafila.runtime.stage import BlockStage
@@ -137,6 +139,7 @@ class HostSession:
     deployment: Deployment | None = None
     demux: Any = None
     model_sha256: str | None = None
+    own_pricing: ModelPricing | None = None  # this machine's pricing of the model, if it has one
     known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
     ring: QuicRing | None = None
     ring_edges: dict[str, dict[str, RingEdge]] = field(default_factory=dict)  # member → neighbour → edge
@@ -267,6 +270,7 @@ class HostSession:
         hellos = await all_or_none([self._hello(m) for m in self.routers])
         self.hellos = dict(zip(self.routers, hellos, strict=True))
         self.model_sha256 = await asyncio.to_thread(file_sha256, self.model)
+        self.own_pricing = pricing_for(self.model_sha256, await asyncio.to_thread(cached_model_pricings))
 
     async def _hello(self, member_id: str) -> Hello:
         try:
@@ -282,10 +286,36 @@ class HostSession:
     def alive(self) -> list[str]:
         return [m for m, r in self.routers.items() if not r.link.closed.done()]
 
+    def pricing(self, member: str) -> ModelPricing | None:
+        """The member's own pricing of the model served, where it has one (`kafila probe --model`)."""
+        if self.model_sha256 is None:
+            return None
+        if member == self.me:
+            return self.own_pricing
+        hello = self.hellos.get(member)
+        return None if hello is None else pricing_for(self.model_sha256, hello.priced_models)
+
     def devices(self, members: Sequence[str]) -> list[Device]:
-        host = self.presence.capability.device().model_copy(update={"name": self.member_name(self.me)})
-        others = [self.known[m].capability.device().model_copy(update={"name": self.member_name(m)}) for m in members]
-        return [host, *others]
+        """Every device as the planner sees it: priced on the model itself where it was, generically if not."""
+        host = self.presence.capability.priced(self.pricing(self.me))
+        others = [self.known[m].capability.priced(self.pricing(m)) for m in members]
+        named = zip([self.me, *members], [host, *others], strict=True)
+        return [device.device().model_copy(update={"name": self.member_name(m)}) for m, device in named]
+
+    def pricing_note(self, members: Sequence[str]) -> str:
+        """Which machines' stage times come from this model's own pricing, for the plan's reader."""
+        everyone = [self.me, *members]
+        priced = [self.member_name(m) for m in everyone if self.pricing(m) is not None]
+        generic = [self.member_name(m) for m in everyone if self.pricing(m) is None]
+        how = f"`kafila probe --model {self.model.name}` there prices its stages on this model (about 30 s, kept)"
+        if not generic:
+            return "stage times: every machine priced on this model's own stages"
+        if not priced:
+            return f"stage times: the generic probe's, which misjudges narrow models; on a machine, {how}"
+        return (
+            f"stage times: priced on this model's own stages for {', '.join(priced)}; the generic probe's for "
+            f"{', '.join(generic)} (on a machine, {how})"
+        )
 
     def plan(self, members: Sequence[str]) -> Plan:
         """The plan over this host and `members`, the head here if it fits (`plan_serving_host`);
@@ -522,6 +552,7 @@ class HostSession:
                 stage = deployment.plan.stages[index]
                 entry["blocks"] = [stage.start, stage.end]
                 entry["predicted_ms_per_token"] = round(stage.cost_s * 1e3, 3) if stage.cost_s is not None else None
+                entry["priced_on"] = "the model" if self.pricing(member_id) is not None else "the generic probe"
             members.append(entry)
         plan = deployment.plan if deployment else None
         edges = self.chain_edges(deployment.chain) if deployment is not None else []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -24,11 +24,23 @@ from kafila.network.frames import Frame, Kind
 from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
+from kafila.planner.fleet import ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.slicer import file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
 from kafila.runtime.worker import RingStage, handle_frames
-from kafila.session.protocol import Assign, EdgePath, End, Failed, Hello, Load, Loaded, RingEdge, Staged
+from kafila.session.protocol import (
+    MAX_MODEL_PRICINGS,
+    Assign,
+    EdgePath,
+    End,
+    Failed,
+    Hello,
+    Load,
+    Loaded,
+    RingEdge,
+    Staged,
+)
 from kafila.session.router import FrameSink, FrameSource, LinkRouter
 
 Say = Callable[[str], None]
@@ -211,10 +223,21 @@ class RingLinks:
                 await router.close(reason)
 
 
-async def follow_host(links: RingLinks, state: MemberState, model_sha: str | None, machine: str | None = None) -> str:
+async def follow_host(
+    links: RingLinks,
+    state: MemberState,
+    model_sha: str | None,
+    machine: str | None = None,
+    priced_models: Sequence[ModelPricing] = (),
+) -> str:
     """Carry out the host's control messages until it ends the session; returns its reason."""
     host = links.host
-    hello = Hello(model_sha256=model_sha, cached_stages=cached_stage_hashes(state.cache), machine=machine)
+    hello = Hello(
+        model_sha256=model_sha,
+        cached_stages=cached_stage_hashes(state.cache),
+        machine=machine,
+        priced_models=list(priced_models)[:MAX_MODEL_PRICINGS],
+    )
     await host.send_control(hello)
     staged: tuple[Assign, Path] | None = None
     try:

@@ -275,6 +275,7 @@ class HostRunner:
         started = time.perf_counter()
         plan = network.plan(members)  # refusals surface here, before anything is sent
         self.ui.show_plan(plan_report(plan, (time.perf_counter() - started) * 1e3))
+        self.ui.say(network.pricing_note(members))
         self.serving.session_status = network.status  # after serving alone, the ring's again
 
         def pending(waits: list[str]) -> None:
