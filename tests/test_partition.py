@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from brute import best_division, need_bytes, stage_cost
+from brute import best_division, compositions, need_bytes, stage_cost
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import devices, manifests, sessions
 
-from kafila.planner.partition import partition
+from kafila.planner.partition import division_from_counts, partition
 from kafila.planner.types import Device, ModelManifest, SessionSpec
 
 
@@ -34,13 +34,22 @@ def matrices_for(chain: list[Device], manifest: ModelManifest, session: SessionS
 def test_partition_equals_brute_force(data: st.DataObject, manifest: ModelManifest, session: SessionSpec) -> None:
     m = data.draw(st.integers(1, min(4, manifest.n_blocks)))
     chain = data.draw(devices(m))
-    found = partition(matrices_for(chain, manifest, session))
+    matrices = matrices_for(chain, manifest, session)
+    found = partition(matrices)
     expected = best_division(manifest, session, chain)
     if expected is None:
         assert found is None
         return
     assert found is not None
     assert found.bottleneck == expected[0]
+
+    # Of the divisions that tie at that bottleneck, the one with the most even stages.
+    def stage_costs(counts: tuple[int, ...]) -> list[float]:
+        bounds = division_from_counts(counts)
+        return [float(matrix[a, b]) for matrix, a, b in zip(matrices, bounds, bounds[1:], strict=False)]
+
+    tied = [c for c in map(stage_costs, compositions(manifest.n_blocks, m)) if max(c) <= found.bottleneck]
+    assert sum(c * c for c in stage_costs(found.counts)) <= min(sum(c * c for c in t) for t in tied) * (1 + 1e-12)
     assert sum(found.counts) == manifest.n_blocks and min(found.counts) >= 1
     start = 0
     for i, (device, count) in enumerate(zip(chain, found.counts, strict=True)):
@@ -63,6 +72,17 @@ def test_unequal_blocks_defeat_the_one_pass_greedy() -> None:
     assert found is not None
     assert found.counts == (1, 1, 2)
     assert found.bottleneck == 11.0
+
+
+def test_ties_at_the_bottleneck_go_to_the_most_even_division() -> None:
+    """A heavy head sets the bottleneck with one block; the other 17 blocks could pile onto one
+    device and leave its neighbour one (as good on paper), but they are split evenly."""
+    manifest = ModelManifest(name="m", block_bytes=(1,) * 18, head_bytes=40, kv_bytes_per_token=(0,) * 18)
+    chain = [Device(name=n, memory_bytes=100, bandwidth_bytes_per_s=1.0, overhead_s=1.0) for n in "abc"]
+    found = partition(matrices_for(chain, manifest, SessionSpec(context=1, concurrency=1)))
+    assert found is not None
+    assert found.bottleneck == 42.0  # o + one block + the head
+    assert found.counts[2] == 1 and sorted(found.counts[:2]) == [8, 9]
 
 
 def test_more_devices_than_blocks_has_no_division() -> None:

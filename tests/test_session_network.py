@@ -424,7 +424,7 @@ def test_machines_that_priced_the_model_are_planned_with_their_own_numbers(
             expected += head if member["name"] == status["plan"]["head"] else 0.0
             assert member["predicted_ms_per_token"] == pytest.approx(expected * 1e3, abs=2e-3), (member, status)
             assert member["priced_on"] == ("the model" if pricing is not None else "the generic probe"), member
-        assert "priced on this model's own stages for the-host, member-0; the generic probe's for member-1" in (
+        assert "priced on this model's own stages for the-host, member-0; from the generic probe for member-1" in (
             host.output()
         ), host.output()
         table = subprocess.run(

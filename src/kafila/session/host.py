@@ -307,14 +307,14 @@ class HostSession:
         everyone = [self.me, *members]
         priced = [self.member_name(m) for m in everyone if self.pricing(m) is not None]
         generic = [self.member_name(m) for m in everyone if self.pricing(m) is None]
-        how = f"`kafila probe --model {self.model.name}` there prices its stages on this model (about 30 s, kept)"
+        how = f"`kafila probe --model {self.model}` on a machine prices this model's stages there (about 30 s)"
         if not generic:
             return "stage times: every machine priced on this model's own stages"
         if not priced:
-            return f"stage times: the generic probe's, which misjudges narrow models; on a machine, {how}"
+            return f"stage times: from the generic probe, which misjudges narrow models; {how}"
         return (
-            f"stage times: priced on this model's own stages for {', '.join(priced)}; the generic probe's for "
-            f"{', '.join(generic)} (on a machine, {how})"
+            f"stage times: priced on this model's own stages for {', '.join(priced)}; from the generic probe for "
+            f"{', '.join(generic)} ({how})"
         )
 
     def plan(self, members: Sequence[str]) -> Plan:
