@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +24,11 @@ from kafila.runtime.pipeline import RingEngine, StageFailed, generate, open_engi
 from kafila.runtime.sampling import SamplingSettings
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
-from kafila.session.member import serve_stage
+from kafila.session.member import cached_stage_hashes, serve_stage
 from kafila.session.protocol import (
     CONTROL_SEQUENCE,
+    MAX_CACHED_STAGES,
+    MAX_MODEL_PRICINGS,
     Assign,
     ControlError,
     End,
@@ -69,7 +72,13 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
     )  # fmt: skip
     pricing = ModelPricing(model_sha256=sha, bandwidth_gb_s=12.8, head_bandwidth_gb_s=22.4, overhead_us=371.0)
     hello = Hello(model_sha256=sha, cached_stages=[sha], priced_models=[pricing])
-    for message in (hello, assign, End(reason="bye")):
+    fullest = Hello(
+        model_sha256=sha,
+        cached_stages=[f"{i:064x}" for i in range(MAX_CACHED_STAGES)],
+        machine="f" * 16,
+        priced_models=[pricing.model_copy(update={"bandwidth_gb_s": 1 / 3})] * MAX_MODEL_PRICINGS,
+    )  # the most a member may report still fits in one control message
+    for message in (hello, fullest, assign, End(reason="bye")):
         assert parse_control(control_frame(message)) == message
     good = {"model_sha256": sha, "bandwidth_gb_s": 1.0, "head_bandwidth_gb_s": 1.0, "overhead_us": 1.0}
 
@@ -95,6 +104,17 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
     assert traffic_of(Frame(Kind.PING, CONTROL_SEQUENCE)) == "control"
     assert traffic_of(Frame(Kind.FILE, 2**63 + 5)) == "transfer"
     assert traffic_of(Frame(Kind.DECODE, 3)) == "activation"
+
+
+def test_a_member_reports_its_most_recent_stage_files_first_and_no_more_than_a_hello_holds(tmp_path: Path) -> None:
+    names = [f"{i:064x}" for i in range(MAX_CACHED_STAGES + 3)]
+    for age, name in enumerate(names):
+        (tmp_path / f"{name}.gguf").write_bytes(b"")
+        os.utime(tmp_path / f"{name}.gguf", (10_000 - age, 10_000 - age))  # the first name is the newest
+    (tmp_path / "not-a-stage.gguf").write_bytes(b"")
+    (tmp_path / f"{'g' * 64}.gguf").write_bytes(b"")  # not a hash
+    assert cached_stage_hashes(tmp_path) == names[:MAX_CACHED_STAGES]
+    assert cached_stage_hashes(tmp_path / "absent") == []
 
 
 def _socket() -> socket.socket:

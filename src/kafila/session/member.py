@@ -30,6 +30,7 @@ from kafila.runtime.slicer import file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
 from kafila.runtime.worker import RingStage, handle_frames
 from kafila.session.protocol import (
+    MAX_CACHED_STAGES,
     MAX_MODEL_PRICINGS,
     Assign,
     EdgePath,
@@ -55,12 +56,17 @@ class LostHost(SessionEnded):
     member (a network blip, a machine that slept), and a join with the same code may take it back."""
 
 
-def cached_stage_hashes(cache: Path, limit: int = 1024) -> list[str]:
-    """Stage files already here, by the hash they are named after (the slicer's naming)."""
-    if not cache.is_dir():
-        return []
-    names = sorted(p.stem for p in cache.glob("*.gguf") if len(p.stem) == 64)
-    return [n for n in names if all(c in "0123456789abcdef" for c in n)][:limit]
+def cached_stage_hashes(cache: Path, limit: int = MAX_CACHED_STAGES) -> list[str]:
+    """Stage files already here, by the hash they are named after (the slicer's naming), the most
+    recently written first: where there are more than a hello can carry, those are likeliest to
+    be asked for again."""
+    found: list[tuple[float, str]] = []
+    with contextlib.suppress(OSError):
+        for path in cache.glob("*.gguf"):
+            if len(path.stem) == 64 and all(c in "0123456789abcdef" for c in path.stem):
+                with contextlib.suppress(OSError):  # a file removed while we look is simply not here
+                    found.append((path.stat().st_mtime, path.stem))
+    return [name for _mtime, name in sorted(found, reverse=True)[:limit]]
 
 
 async def serve_stage(

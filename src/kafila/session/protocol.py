@@ -18,6 +18,7 @@ from kafila.validation import first_problem
 CONTROL_SEQUENCE = 2**64 - 1  # the control stream's sequence id: request slots are small numbers
 MAX_CONTROL_BYTES = 64 * 1024
 MAX_MODEL_PRICINGS = 16
+MAX_CACHED_STAGES = 512  # with the pricings, a hello of the most of each stays under MAX_CONTROL_BYTES
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 MemberId = Annotated[str, Field(min_length=1, max_length=64)]
 Fingerprint = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -36,7 +37,7 @@ class Hello(_Message):
 
     type: Literal["hello"] = "hello"
     model_sha256: Sha256 | None = None  # of the whole model file it was started with (`--model`)
-    cached_stages: list[Sha256] = Field(default_factory=list, max_length=1024)
+    cached_stages: list[Sha256] = Field(default_factory=list, max_length=MAX_CACHED_STAGES)
     machine: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")] | None = None  # `presence.machine_tag`
     # The models this machine priced on their own stages (`kafila probe --model`), by sha256: the
     # host plans it with the one it serves, if that is among them, and with its generic probe if not.
