@@ -235,6 +235,14 @@ def test_probe_with_a_missing_model_fails_in_one_line(tmp_path: Path) -> None:
     assert "no model file at" in result.stderr and "Traceback" not in result.stderr + result.stdout
 
 
+def test_probe_with_a_file_that_is_no_model_fails_before_measuring(tmp_path: Path) -> None:
+    (tmp_path / "notes.gguf").write_text("not a model")
+    result = run_kafila("probe", "--json", "--model", str(tmp_path / "notes.gguf"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout
+    assert json.loads(result.stdout)["error"].startswith(f"cannot price {tmp_path / 'notes.gguf'}: ")
+    assert "GGUF" in result.stdout and "bandwidth" not in result.stdout  # refused before the device was measured
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_probe_without_llama_cpp_fails_in_one_line(as_json: bool) -> None:
     result = run_kafila("probe", *(["--json"] if as_json else []), hide_llama_cpp=True)

@@ -118,6 +118,13 @@ def probe(
     """Measure this device's memory bandwidth, overhead, throughput and memory with llama.cpp."""
     if model is not None and not model.is_file():
         fail(f"no model file at {model}", as_json)
+    if model is not None:  # before the device is measured, so a wrong file costs no wait
+        from kafila.runtime.manifest import read_manifest
+
+        try:
+            read_manifest(model)
+        except (OSError, ValueError) as error:
+            fail(f"cannot price {model}: {error}", as_json)
     if model is not None:
         from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
 
