@@ -427,6 +427,9 @@ def test_machines_that_priced_the_model_are_planned_with_their_own_numbers(
         assert "priced on this model's own stages for the-host, member-0; from the generic probe for member-1" in (
             host.output()
         ), host.output()
+        # The planner's own time in milliseconds: a few for four blocks (it once printed a thousand times that).
+        planned_ms = float(re.findall(r"planned in ([0-9.]+) ms", host.output())[0])
+        assert 0 < planned_ms < 500, host.output()
         table = subprocess.run(
             [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
             timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},

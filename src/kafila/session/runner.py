@@ -274,7 +274,7 @@ class HostRunner:
         self.serving.waiting_for = ["the members to load their stages"]
         started = time.perf_counter()
         plan = network.plan(members)  # refusals surface here, before anything is sent
-        self.ui.show_plan(plan_report(plan, (time.perf_counter() - started) * 1e3))
+        self.ui.show_plan(plan_report(plan, time.perf_counter() - started))
         self.ui.say(network.pricing_note(members))
         self.serving.session_status = network.status  # after serving alone, the ring's again
 
