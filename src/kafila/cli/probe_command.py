@@ -168,4 +168,5 @@ def probe(
                 f"Kept in {saved}: a session serving this model (by its sha256) plans this machine with these "
                 "numbers, when it hosts or joins.",
                 highlight=False,
+                soft_wrap=True,
             )

@@ -307,7 +307,7 @@ class HostSession:
         everyone = [self.me, *members]
         priced = [self.member_name(m) for m in everyone if self.pricing(m) is not None]
         generic = [self.member_name(m) for m in everyone if self.pricing(m) is None]
-        how = f"`kafila probe --model {self.model}` on a machine prices this model's stages there (about 30 s)"
+        how = f"`kafila probe --model {self.model}` on a machine prices this model's stages there (kept)"
         if not generic:
             return "stage times: every machine priced on this model's own stages"
         if not priced:
