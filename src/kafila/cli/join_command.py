@@ -56,6 +56,7 @@ def join(
     from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
     from kafila.network.session_codes import CodeFormatError, split_code
     from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
+    from kafila.runtime.stage_cache import check_stage_cache_setting
 
     try:
         load_llama()
@@ -69,6 +70,7 @@ def join(
         fail(f"no model file at {model}", False)
     try:
         lent = parse_memory(memory)
+        check_stage_cache_setting()
     except ValueError as error:
         fail(str(error), False)
     if rendezvous is None:  # the host's embedded rendezvous answers for its channel on the LAN

@@ -23,6 +23,7 @@ from gguf import GGUFValueType
 
 from kafila.runtime.families import family_of
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
+from kafila.runtime.stage_cache import mark_used, trim_stage_cache
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_ONLY_TENSORS = ("token_embd.weight", "output.weight")
@@ -241,6 +242,9 @@ def cached_slices(
         try:
             stages = [StageFile(**{**item, "path": Path(item["path"])}) for item in entry]
             if all(stage.path.is_file() and stage.path.stat().st_size == stage.n_bytes for stage in stages):
+                for stage in stages:
+                    mark_used(stage.path)
+                trim_stage_cache(out, [stage.path for stage in stages])
                 return stages
         except (TypeError, KeyError, OSError):
             pass
@@ -248,10 +252,19 @@ def cached_slices(
     if len(stages) > 1:
         index = index if isinstance(index, dict) else {}
         index[key] = [{**stage.__dict__, "path": str(stage.path)} for stage in stages]
+        trim_stage_cache(out, [stage.path for stage in stages])
+        index = {k: v for k, v in index.items() if _all_present(v)}  # entries whose files the trim (or anyone) removed
         partial = index_path.with_suffix(".partial")
         partial.write_text(json.dumps(index))
         os.replace(partial, index_path)
     return stages
+
+
+def _all_present(entry: object) -> bool:
+    try:
+        return isinstance(entry, list) and all(Path(item["path"]).is_file() for item in entry)
+    except (TypeError, KeyError, OSError):
+        return False
 
 
 def block_range_file(

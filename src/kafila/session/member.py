@@ -28,6 +28,7 @@ from kafila.planner.fleet import ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.slicer import file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
+from kafila.runtime.stage_cache import mark_used, trim_stage_cache
 from kafila.runtime.worker import RingStage, handle_frames
 from kafila.session.protocol import (
     MAX_CACHED_STAGES,
@@ -122,7 +123,9 @@ class MemberState:
 async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState) -> Path:
     """The assigned stage file in the cache, verified by its hash, by whichever way the host said."""
     path = state.cache / f"{assign.sha256}.gguf"
-    if assign.source == "slice":
+    if assign.source == "cache":
+        mark_used(path)
+    elif assign.source == "slice":
         if state.model is None:
             raise ValueError("the host asked for a local slice, but this member has no --model")
         from kafila.runtime.slicer import block_range_file
@@ -146,6 +149,7 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
     digest = await asyncio.to_thread(file_sha256, path)
     if digest != assign.sha256:
         raise ValueError(f"stage file {path.name} has sha256 {digest[:12]}…, not the assigned {assign.sha256[:12]}…")
+    await asyncio.to_thread(trim_stage_cache, state.cache, [path])
     return path
 
 

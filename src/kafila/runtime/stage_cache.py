@@ -1,0 +1,107 @@
+"""A bounded stage-file cache: each new division would otherwise add another copy of the model.
+
+Stage files are named by their sha256 (`<64 hex digits>.gguf`). A host cuts the whole model for
+every division it plans, so a session that replans twice would hold the model three times over,
+and a member keeps every stage it was ever sent. After each cut or delivery the cache drops the
+files used least recently until it holds at most its budget: by default twice what the caller
+has in use (its plan's files and about one earlier plan's worth), or `KAFILA_STAGE_CACHE_GB`.
+
+It never drops a file the caller has in use, nor one used in the last hour: several kafila
+processes on one machine (the demo's host and members, or two sessions) share the cache, and
+each knows only its own files. Partial transfers (`.partial`) are left alone, so a transfer
+can still resume.
+
+The choice is pure (`choose_evictions`); `trim_stage_cache` reads the folder and deletes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+STAGE_CACHE_ENV = "KAFILA_STAGE_CACHE_GB"
+RECENT_S = 3600.0  # a file used this recently may be another process's: it stays
+_STAGE_FILE = re.compile(r"^[0-9a-f]{64}\.gguf$")
+
+
+@dataclass(frozen=True)
+class CachedFile:
+    name: str
+    size: int
+    used_at: float  # the file's modification time: written, or marked used since
+
+
+def stage_cache_budget(in_use_bytes: int, setting: str | None) -> int:
+    """The cache's budget in bytes: `setting` gigabytes (10^9 bytes), or twice what is in use."""
+    if setting is None or not setting.strip():
+        return 2 * in_use_bytes
+    try:
+        gigabytes = float(setting)
+    except ValueError:
+        gigabytes = math.nan
+    if not math.isfinite(gigabytes) or gigabytes < 0:
+        raise ValueError(f"{STAGE_CACHE_ENV} must be a number of gigabytes (0 or more), not {setting!r:.40}")
+    return int(gigabytes * 1e9)
+
+
+def check_stage_cache_setting() -> None:
+    """ValueError with the reason unless `KAFILA_STAGE_CACHE_GB` is unset or a size: said at start,
+    not when the first cut is trimmed."""
+    stage_cache_budget(0, os.environ.get(STAGE_CACHE_ENV))
+
+
+def choose_evictions(
+    files: Sequence[CachedFile], in_use: Iterable[str], budget_bytes: int, now: float, recent_s: float = RECENT_S
+) -> list[str]:
+    """The files to delete, least recently used first, until the rest fit in the budget (or only
+    files in use or used recently are left)."""
+    keep = set(in_use)
+    total = sum(f.size for f in files)
+    evictable = sorted(
+        (f for f in files if f.name not in keep and now - f.used_at >= recent_s), key=lambda f: f.used_at
+    )
+    chosen = []
+    for file in evictable:
+        if total <= budget_bytes:
+            break
+        chosen.append(file.name)
+        total -= file.size
+    return chosen
+
+
+def mark_used(path: Path) -> None:
+    """Bring a cached file to the front of the queue: a hit is a use."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def trim_stage_cache(directory: Path, in_use: Iterable[Path], budget_bytes: int | None = None) -> list[Path]:
+    """Delete the least recently used stage files beyond the budget; returns what went.
+
+    Best effort: a file another process deleted first, or one that cannot be deleted, is passed by.
+    """
+    names = {Path(p).name for p in in_use}
+    files = []
+    with contextlib.suppress(OSError):
+        for path in Path(directory).iterdir():
+            if _STAGE_FILE.match(path.name):
+                with contextlib.suppress(OSError):
+                    stat = path.stat()
+                    files.append(CachedFile(path.name, stat.st_size, stat.st_mtime))
+    if budget_bytes is None:
+        budget_bytes = stage_cache_budget(
+            sum(f.size for f in files if f.name in names), os.environ.get(STAGE_CACHE_ENV)
+        )
+    removed = []
+    for name in choose_evictions(files, names, budget_bytes, time.time()):
+        path = Path(directory) / name
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+    return removed
