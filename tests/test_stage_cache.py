@@ -11,14 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
+from disks import small_disk
 from tiny_models import write_tiny_model
 
-from kafila.runtime.slicer import cached_slices
+from kafila.runtime.slicer import SliceError, block_range_file, cached_slices
 from kafila.runtime.stage_cache import (
     RECENT_S,
     STAGE_CACHE_ENV,
     CachedFile,
     choose_evictions,
+    make_room,
     stage_cache_budget,
     trim_stage_cache,
 )
@@ -123,3 +125,23 @@ def test_the_commands_refuse_a_cache_budget_that_is_no_size(command: list[str]) 
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"{STAGE_CACHE_ENV} must be a number of gigabytes" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_room_is_made_before_new_files_arrive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Old cuts may fill the disk: before a cut or a transfer, the cache trims to leave the new
+    files their budget (twice their size by default)."""
+    monkeypatch.delenv(STAGE_CACHE_ENV, raising=False)
+    for i in range(4):
+        (tmp_path / named(i)).write_bytes(b"x" * 100)
+        os.utime(tmp_path / named(i), (time.time() - 2 * RECENT_S + i,) * 2)
+    assert sorted(p.name for p in make_room(tmp_path, 150)) == [named(0), named(1), named(2)]
+    assert [p.name for p in tmp_path.iterdir()] == [named(3)]  # 100 bytes: with 150 more, within 300
+
+
+def test_a_disk_too_small_for_the_cut_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        for cut in (lambda: cached_slices(model, [2, 2], disk / "stages"), lambda: block_range_file(model, 0, 2, disk)):
+            with pytest.raises(SliceError, match=r"needs [0-9.]+KB in .*, which has [0-9.]+KB free: free some space"):
+                cut()
+        assert not any(p.suffix in (".gguf", ".partial") for p in disk.rglob("*"))

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from disks import small_disk
 from test_link import WAIT, pair, run, shut
 
 from kafila.network.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
@@ -154,6 +155,22 @@ def test_a_cached_file_is_not_sent_and_a_wrong_sized_one_is_replaced(tmp_path: P
         await shut(link_a, link_b, a, b)
 
     run(go)
+
+
+def test_a_disk_too_small_for_the_file_is_refused_on_both_sides_with_the_space_it_needs(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "64k") as disk:
+
+        async def go() -> None:
+            a, b, link_a, link_b = await links()
+            path, sha = random_file(tmp_path / "stage-2.gguf", SIZE, seed=2)
+            sent, received, _, _ = await transfer(link_a, link_b, path, sha, disk / "cache")
+            assert isinstance(received, TransferError), received
+            assert f"in {disk / 'cache'}:" in str(received) and "free some space" in str(received), received
+            assert isinstance(sent, TransferRejected) and "not enough disk space" in str(sent), sent
+            assert list((disk / "cache").iterdir()) == []  # no partial file
+            await shut(link_a, link_b, a, b)
+
+        run(go)
 
 
 def test_a_corrupted_file_is_detected_and_its_partial_discarded(tmp_path: Path) -> None:

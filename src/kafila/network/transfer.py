@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 from kafila.network.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
 from kafila.network.link import LinkError
+from kafila.units import human_bytes
 
 log = logging.getLogger("kafila.transfer")
 
@@ -781,7 +782,10 @@ async def _receive(
     have = core.resumable(have)
     free = shutil.disk_usage(final.parent).free
     if size - have > free:
-        raise TransferError(f"not enough disk space for {final.name}: {size - have} bytes needed, {free} free")
+        raise TransferError(
+            f"not enough disk space for {final.name} in {final.parent}: {human_bytes(size - have)} needed, "
+            f"{human_bytes(free)} free; free some space, or set KAFILA_CACHE to a folder on a larger disk"
+        )
     stream = partial.open("r+b" if partial.exists() else "w+b")
     discard = False
     try:

@@ -9,10 +9,13 @@ check what it was sent.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import itertools
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +26,8 @@ from gguf import GGUFValueType
 
 from kafila.runtime.families import family_of
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
-from kafila.runtime.stage_cache import mark_used, trim_stage_cache
+from kafila.runtime.stage_cache import make_room, mark_used, trim_stage_cache
+from kafila.units import human_bytes
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_ONLY_TENSORS = ("token_embd.weight", "output.weight")
@@ -132,6 +136,17 @@ class _Slice:
         writer.add_bos_token_id(2)
         writer.add_unk_token_id(3)
 
+    def data_bytes(self) -> int:
+        """The tensor bytes this stage file will hold: what its disk space is mostly for."""
+        total = 0
+        for tensor in self.reader.tensors:
+            match = _BLOCK_TENSOR.match(tensor.name)
+            if match:
+                total += tensor.data.nbytes if self.first <= int(match.group(1)) < self.end else 0
+            elif self.is_head or tensor.name not in HEAD_ONLY_TENSORS:
+                total += tensor.data.nbytes
+        return total
+
     def tensors(self, writer: RawCopyWriter) -> None:
         n_embd = None
         for tensor in self.reader.tensors:
@@ -174,6 +189,18 @@ def _check_family(arch: str, n_blocks: int) -> None:
         )
 
 
+ROOM_HINT = "free some space, or set KAFILA_CACHE to a folder on a larger disk"
+
+
+def _ensure_room(out: Path, pieces: Sequence[_Slice], what: str) -> None:
+    """SliceError before a byte is written, where the folder's disk cannot hold the stage files."""
+    out.mkdir(parents=True, exist_ok=True)
+    need = sum(piece.data_bytes() for piece in pieces)
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise SliceError(f"{what} needs {human_bytes(need)} in {out}, which has {human_bytes(free)} free: {ROOM_HINT}")
+
+
 def _write(piece: _Slice, out: Path) -> tuple[Path, str]:
     """Write one stage file under a temporary name, then rename it to its sha256."""
     out.mkdir(parents=True, exist_ok=True)
@@ -190,6 +217,10 @@ def _write(piece: _Slice, out: Path) -> tuple[Path, str]:
         digest = file_sha256(partial)
         final = out / f"{digest}.gguf"
         os.replace(partial, final)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise SliceError(f"the disk holding {out} filled up while a stage file was written: {ROOM_HINT}") from None
     finally:
         partial.unlink(missing_ok=True)
     return final, digest
@@ -210,13 +241,16 @@ def slice_model(
     if len(counts) == 1:
         return [StageFile(0, 0, n_blocks, True, source, file_sha256(source), source.stat().st_size)]
     _check_family(arch, n_blocks)
+    bounds = list(itertools.accumulate(counts, initial=0))
+    pieces = [
+        _Slice(reader, arch, n_blocks, first, end, index == len(counts) - 1)
+        for index, (first, end) in enumerate(itertools.pairwise(bounds))
+    ]
+    _ensure_room(Path(out_dir), pieces, f"cutting {source.name} into {len(counts)} stage files")
     stages = []
-    first = 0
-    for index, count in enumerate(counts):
-        is_head = index == len(counts) - 1
-        path, digest = _write(_Slice(reader, arch, n_blocks, first, first + count, is_head), Path(out_dir))
-        stages.append(StageFile(index, first, first + count, is_head, path, digest, path.stat().st_size))
-        first += count
+    for index, piece in enumerate(pieces):
+        path, digest = _write(piece, Path(out_dir))
+        stages.append(StageFile(index, piece.first, piece.end, piece.is_head, path, digest, path.stat().st_size))
     return stages
 
 
@@ -248,6 +282,8 @@ def cached_slices(
                 return stages
         except (TypeError, KeyError, OSError):
             pass
+    if len(counts) > 1:
+        make_room(out, stat.st_size)  # the cut is about the model's size
     stages = slice_model(source, counts, out)
     if len(stages) > 1:
         index = index if isinstance(index, dict) else {}
@@ -279,5 +315,7 @@ def block_range_file(
     _check_family(arch, n_blocks)
     if is_head and end != n_blocks:
         raise SliceError(f"the head holds the last blocks; blocks {first}..{end} stop short of {n_blocks}")
-    path, digest = _write(_Slice(reader, arch, n_blocks, first, end, is_head), Path(out_dir))
+    piece = _Slice(reader, arch, n_blocks, first, end, is_head)
+    _ensure_room(Path(out_dir), [piece], f"cutting blocks {first}-{end - 1} of {Path(source).name}")
+    path, digest = _write(piece, Path(out_dir))
     return StageFile(0, first, end, is_head, path, digest, path.stat().st_size)

@@ -105,3 +105,10 @@ def trim_stage_cache(directory: Path, in_use: Iterable[Path], budget_bytes: int 
             path.unlink()
             removed.append(path)
     return removed
+
+
+def make_room(directory: Path, incoming_bytes: int) -> list[Path]:
+    """Before a cut or a transfer of `incoming_bytes`: trim so that the new files will fit the budget
+    they set (by default, twice their size), on a disk that old cuts may have filled."""
+    budget = stage_cache_budget(incoming_bytes, os.environ.get(STAGE_CACHE_ENV))
+    return trim_stage_cache(directory, [], max(0, budget - incoming_bytes))

@@ -28,7 +28,7 @@ from kafila.planner.fleet import ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.slicer import file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
-from kafila.runtime.stage_cache import mark_used, trim_stage_cache
+from kafila.runtime.stage_cache import make_room, mark_used, trim_stage_cache
 from kafila.runtime.worker import RingStage, handle_frames
 from kafila.session.protocol import (
     MAX_CACHED_STAGES,
@@ -125,7 +125,9 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
     path = state.cache / f"{assign.sha256}.gguf"
     if assign.source == "cache":
         mark_used(path)
-    elif assign.source == "slice":
+    else:
+        await asyncio.to_thread(make_room, state.cache, assign.size)
+    if assign.source == "slice":
         if state.model is None:
             raise ValueError("the host asked for a local slice, but this member has no --model")
         from kafila.runtime.slicer import block_range_file
