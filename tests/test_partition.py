@@ -85,6 +85,14 @@ def test_ties_at_the_bottleneck_go_to_the_most_even_division() -> None:
     assert found.counts[2] == 1 and sorted(found.counts[:2]) == [8, 9]
 
 
+def test_costs_near_the_float_limit_still_divide() -> None:
+    """The tie-break squares stage costs; a device priced absurdly slow must not overflow them."""
+    manifest = ModelManifest(name="m", block_bytes=(10**9,) * 4, head_bytes=10**9, kv_bytes_per_token=(0,) * 4)
+    chain = [Device(name=n, memory_bytes=10**12, bandwidth_bytes_per_s=1e-290, overhead_s=0.0) for n in "ab"]
+    found = partition(matrices_for(chain, manifest, SessionSpec(context=1, concurrency=1)))
+    assert found is not None and found.counts == (2, 2) and math.isfinite(found.bottleneck)
+
+
 def test_more_devices_than_blocks_has_no_division() -> None:
     manifest = ModelManifest(name="m", block_bytes=(5, 5), head_bytes=0, kv_bytes_per_token=(0, 0))
     chain = [Device(name=f"d{i}", memory_bytes=100, bandwidth_bytes_per_s=1.0, overhead_s=0.0) for i in range(3)]

@@ -78,9 +78,11 @@ def _balanced_division(cost_matrices: Sequence[FloatMatrix], bound: float) -> tu
     best = np.full(n_positions, np.inf)
     best[0] = 0.0
     choices = []
+    scale = bound if 0 < bound < np.inf else 1.0  # costs in units of the bound: squares stay finite
     for matrix in cost_matrices:
         with np.errstate(invalid="ignore", over="ignore"):
-            squared = np.where(matrix <= bound, matrix * matrix, np.inf)
+            relative = matrix / scale
+            squared = np.where(matrix <= bound, relative * relative, np.inf)
         totals = best[:, None] + squared
         choices.append(np.argmin(totals, axis=0))
         best = totals[choices[-1], np.arange(n_positions)]
