@@ -273,6 +273,19 @@ def test_model_stage_probe_prices_a_model_from_its_own_rings(tmp_path: Path) -> 
     assert result.bandwidth_gb_s > 0 and result.head_bandwidth_gb_s > 0 and result.overhead_us >= 0
 
 
+def test_a_model_too_big_for_this_machine_is_not_priced(tmp_path: Path) -> None:
+    """Its calibration rings would run it from disk and price the disk: refused before anything loads."""
+    from tiny_models import write_tiny_model
+
+    from kafila.runtime.model_probe import probe_model_stages
+    from kafila.runtime.probe import ProbeError
+
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    too_little = read_manifest(model).total_bytes - 1
+    with pytest.raises(ProbeError, match=r"do not fit in the [0-9.]+KB available; sessions price this machine"):
+        probe_model_stages(model, memory_bytes=too_little)
+
+
 def test_model_stage_costs_are_recovered_from_exact_stage_times() -> None:
     """Stage times made from known o, b and b_head give back exactly those numbers."""
     from kafila.planner.types import ModelManifest

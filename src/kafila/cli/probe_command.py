@@ -136,7 +136,8 @@ def probe(
         with _progress(enabled=not as_json) as update:
             result = run_probe(update if model is None else lambda text, f: update(text, f / 2))
             if model is not None:
-                stages = probe_model_stages(model, lambda text, f: update(text, 0.5 + f * 0.45))
+                memory = int(result.memory_gib * 2**30)
+                stages = probe_model_stages(model, lambda text, f: update(text, 0.5 + f * 0.45), memory_bytes=memory)
                 update(f"hashing {model.name}", 0.95)
                 pricing = model_pricing(stages, file_sha256(model))
     except ProbeError as error:

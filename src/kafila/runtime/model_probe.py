@@ -29,6 +29,7 @@ from pydantic import Field
 from kafila.planner.fleet import ModelPricing
 from kafila.planner.types import ModelManifest, Strict
 from kafila.runtime.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, significant
+from kafila.units import human_bytes
 
 CALIBRATION_PROMPT = "The history of the printing press begins"
 CALIBRATION_TOKENS = 48
@@ -113,12 +114,20 @@ def _quiet(_stage: str, _fraction: float) -> None:
 
 
 def probe_model_stages(
-    model: Path, progress: ProgressFn = _quiet, repeats: int = CALIBRATION_REPEATS, n_threads: int | None = None
+    model: Path,
+    progress: ProgressFn = _quiet,
+    repeats: int = CALIBRATION_REPEATS,
+    n_threads: int | None = None,
+    memory_bytes: int | None = None,
 ) -> ModelStageProbe:
     """Run the calibration rings `repeats` times, interleaved, and derive o, b and b_head from the medians.
 
     This process is the rings' head: load llama.cpp with `load_llama(shared_machine=True)` before
     anything else does, or its threads keep spinning while the other stage computes.
+
+    The rings hold the whole model on this machine. Given the memory this machine has
+    (`memory_bytes`), a model that does not fit is refused before anything loads: run from a
+    disk it would page in every token, and the pricing would measure the disk.
     """
     from kafila.runtime.llama_backend import ContextSettings
     from kafila.runtime.manifest import read_manifest
@@ -127,6 +136,12 @@ def probe_model_stages(
     from kafila.runtime.sampling import SamplingSettings
 
     manifest = read_manifest(model)
+    if memory_bytes is not None and manifest.total_bytes > memory_bytes:
+        raise ProbeError(
+            f"pricing {model.name} runs the whole model on this machine, and its {human_bytes(manifest.total_bytes)} "
+            f"do not fit in the {human_bytes(memory_bytes)} available; sessions price this machine with the generic "
+            "probe instead"
+        )
     divisions = calibration_divisions(manifest.n_blocks)
     load_llama_cpp()
     settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1)
