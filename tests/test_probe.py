@@ -273,16 +273,24 @@ def test_model_stage_probe_prices_a_model_from_its_own_rings(tmp_path: Path) -> 
     assert result.bandwidth_gb_s > 0 and result.head_bandwidth_gb_s > 0 and result.overhead_us >= 0
 
 
-def test_a_model_too_big_for_this_machine_is_not_priced(tmp_path: Path) -> None:
-    """Its calibration rings would run it from disk and price the disk: refused before anything loads."""
+def test_a_model_too_big_for_this_machine_is_priced_on_the_part_that_fits(tmp_path: Path) -> None:
+    """Run whole from disk it would price the disk: the rings hold its last blocks with the head,
+    cut as a small model of their own, and refuse where not even three blocks fit."""
     from tiny_models import write_tiny_model
 
-    from kafila.runtime.model_probe import probe_model_stages
+    from kafila.runtime.model_probe import blocks_that_fit, probe_model_stages
     from kafila.runtime.probe import ProbeError
 
-    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
-    too_little = read_manifest(model).total_bytes - 1
-    with pytest.raises(ProbeError, match=r"do not fit in the [0-9.]+KB available; sessions price this machine"):
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=8)
+    manifest = read_manifest(model)
+    assert blocks_that_fit(manifest, manifest.total_bytes * 2) == 8
+    room = int((manifest.head_bytes + sum(manifest.block_bytes[-4:])) / 0.75) + 1
+    assert blocks_that_fit(manifest, room) == 4
+    result = probe_model_stages(model, repeats=1, n_threads=1, memory_bytes=room)
+    assert result.first_priced_block == 4 and result.divisions == [[1, 3], [3, 1]]
+    assert result.bandwidth_gb_s > 0 and result.head_bandwidth_gb_s > 0 and result.overhead_us >= 0
+    too_little = int((manifest.head_bytes + sum(manifest.block_bytes[-2:])) / 0.75)
+    with pytest.raises(ProbeError, match=r"runs at least 3 of its blocks with its head .* do not fit in the [0-9.]+KB"):
         probe_model_stages(model, memory_bytes=too_little)
 
 

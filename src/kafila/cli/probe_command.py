@@ -39,12 +39,14 @@ def _progress(enabled: bool) -> Iterator[ProgressFn]:
 
 
 def _render_model_stages(stages: ModelStageProbe, console: Console) -> None:
-    table = Table(title=f"{stages.model} as local rings {stages.divisions} (decode, median of runs)")
+    offset = stages.first_priced_block
+    part = f" from block {offset} on, with the head (the whole does not fit in memory)," if offset else ""
+    table = Table(title=f"{stages.model}{part} as local rings {stages.divisions} (decode, median of runs)")
     for column in ("blocks", "role", "ms per token"):
         table.add_column(column, justify="right")
     for stage in stages.stages:
         role = "head" if stage.is_head else "blocks"
-        table.add_row(f"{stage.first_block}–{stage.end_block - 1}", role, f"{stage.ms_per_token:.2f}")
+        table.add_row(f"{stage.first_block + offset}–{stage.end_block - 1 + offset}", role, f"{stage.ms_per_token:.2f}")
     console.print(table)
     head = "" if stages.head_measured else " (the head was too small to time; priced at b)"
     console.print(

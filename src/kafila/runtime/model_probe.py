@@ -55,6 +55,25 @@ class ModelStageProbe(Strict):
     overhead_us: Annotated[float, Field(ge=0)]
     divisions: list[list[int]]
     stages: list[StageTime]
+    # 0: the rings held the whole model. Otherwise they held blocks from this one to the last, with
+    # the head, as a small model of their own (the whole did not fit); `stages` count from it.
+    first_priced_block: Annotated[int, Field(ge=0)] = 0
+
+
+MIN_CALIBRATION_BLOCKS = 3  # a short and a long block stage, and the head's
+MEMORY_SHARE = 0.75  # of the available memory, what the calibration rings may hold
+
+
+def blocks_that_fit(manifest: ModelManifest, memory_bytes: int, share: float = MEMORY_SHARE) -> int | None:
+    """How many of the model's last blocks, with the head, the calibration can hold in `share` of
+    the memory: all of them where the model fits, None where not even three do."""
+    room = memory_bytes * share - manifest.head_bytes
+    kept, used = 0, 0
+    for size in reversed(manifest.block_bytes):
+        if used + size > room:
+            break
+        kept, used = kept + 1, used + size
+    return kept if kept >= MIN_CALIBRATION_BLOCKS else None
 
 
 def calibration_divisions(n_blocks: int) -> list[list[int]]:
@@ -125,35 +144,44 @@ def probe_model_stages(
     This process is the rings' head: load llama.cpp with `load_llama(shared_machine=True)` before
     anything else does, or its threads keep spinning while the other stage computes.
 
-    The rings hold the whole model on this machine. Given the memory this machine has
-    (`memory_bytes`), a model that does not fit is refused before anything loads: run from a
-    disk it would page in every token, and the pricing would measure the disk.
+    The rings hold the model on this machine. Given the memory this machine has (`memory_bytes`),
+    a model that does not fit is priced on the part of it that does: its last blocks with the
+    head, cut into a file that is a whole small model (`blocks_that_fit`). Run from a disk, the
+    whole model would page in every token, and the pricing would measure the disk.
     """
     from kafila.runtime.llama_backend import ContextSettings
     from kafila.runtime.manifest import read_manifest
     from kafila.runtime.pipeline import generate, open_engine
     from kafila.runtime.probe import load_llama_cpp
     from kafila.runtime.sampling import SamplingSettings
+    from kafila.runtime.slicer import block_range_file
 
-    manifest = read_manifest(model)
-    if memory_bytes is not None and manifest.total_bytes > memory_bytes:
+    whole = read_manifest(model)
+    kept = whole.n_blocks if memory_bytes is None else blocks_that_fit(whole, memory_bytes)
+    if kept is None:
         raise ProbeError(
-            f"pricing {model.name} runs the whole model on this machine, and its {human_bytes(manifest.total_bytes)} "
-            f"do not fit in the {human_bytes(memory_bytes)} available; sessions price this machine with the generic "
-            "probe instead"
+            f"pricing {model.name} runs at least {MIN_CALIBRATION_BLOCKS} of its blocks with its head on this "
+            f"machine, and they do not fit in the {human_bytes(memory_bytes or 0)} available; sessions price this "
+            "machine with the generic probe instead"
         )
-    divisions = calibration_divisions(manifest.n_blocks)
     load_llama_cpp()
     settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1)
     if n_threads is not None:
         settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1, n_threads=n_threads)
-    runs: list[list[list[float]]] = [[] for _ in divisions]
-    total = repeats * len(divisions)
     with tempfile.TemporaryDirectory(prefix="kafila-probe-") as cache:
+        source, manifest = model, whole
+        if kept < whole.n_blocks:
+            progress(f"cutting the last {kept} of {whole.n_blocks} blocks, with the head, to fit in memory", 0.0)
+            first = whole.n_blocks - kept
+            source = block_range_file(model, first, whole.n_blocks, Path(cache) / "part", is_head=True).path
+            manifest = read_manifest(source)
+        divisions = calibration_divisions(manifest.n_blocks)
+        runs: list[list[list[float]]] = [[] for _ in divisions]
+        total = repeats * len(divisions)
         for repeat in range(repeats):  # interleaved, so a change in load hits both divisions alike
             for index, counts in enumerate(divisions):
                 progress(f"timing {counts} as a local ring", (repeat * len(divisions) + index) / total)
-                engine = open_engine(model, counts, settings, Path(cache))
+                engine = open_engine(source, counts, settings, Path(cache))
                 try:
                     generation = generate(engine, CALIBRATION_PROMPT, CALIBRATION_TOKENS, SamplingSettings())
                 finally:
@@ -171,7 +199,8 @@ def probe_model_stages(
     fit, head_bandwidth = derive_costs(manifest, stages)
     bandwidth = 1.0 / fit.slope
     return ModelStageProbe(
-        model=manifest.name,
+        model=whole.name,
+        first_priced_block=whole.n_blocks - manifest.n_blocks,
         bandwidth_gb_s=bandwidth / GB,
         head_bandwidth_gb_s=(head_bandwidth or bandwidth) / GB,
         head_measured=head_bandwidth is not None,
