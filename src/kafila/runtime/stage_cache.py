@@ -81,12 +81,9 @@ def mark_used(path: Path) -> None:
         os.utime(path)
 
 
-def trim_stage_cache(directory: Path, in_use: Iterable[Path], budget_bytes: int | None = None) -> list[Path]:
-    """Delete the least recently used stage files beyond the budget; returns what went.
-
-    Best effort: a file another process deleted first, or one that cannot be deleted, is passed by.
-    """
-    names = {Path(p).name for p in in_use}
+def stage_files(directory: Path) -> list[CachedFile]:
+    """The stage files in the folder (named by their sha256), none if there is no folder; a file
+    removed while we look is simply not there."""
     files = []
     with contextlib.suppress(OSError):
         for path in Path(directory).iterdir():
@@ -94,6 +91,16 @@ def trim_stage_cache(directory: Path, in_use: Iterable[Path], budget_bytes: int 
                 with contextlib.suppress(OSError):
                     stat = path.stat()
                     files.append(CachedFile(path.name, stat.st_size, stat.st_mtime))
+    return files
+
+
+def trim_stage_cache(directory: Path, in_use: Iterable[Path], budget_bytes: int | None = None) -> list[Path]:
+    """Delete the least recently used stage files beyond the budget; returns what went.
+
+    Best effort: a file another process deleted first, or one that cannot be deleted, is passed by.
+    """
+    names = {Path(p).name for p in in_use}
+    files = stage_files(directory)
     if budget_bytes is None:
         budget_bytes = stage_cache_budget(
             sum(f.size for f in files if f.name in names), os.environ.get(STAGE_CACHE_ENV)

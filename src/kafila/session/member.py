@@ -28,7 +28,7 @@ from kafila.planner.fleet import ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.slicer import file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
-from kafila.runtime.stage_cache import make_room, mark_used, trim_stage_cache
+from kafila.runtime.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
 from kafila.runtime.worker import RingStage, handle_frames
 from kafila.session.protocol import (
     MAX_CACHED_STAGES,
@@ -61,13 +61,8 @@ def cached_stage_hashes(cache: Path, limit: int = MAX_CACHED_STAGES) -> list[str
     """Stage files already here, by the hash they are named after (the slicer's naming), the most
     recently written first: where there are more than a hello can carry, those are likeliest to
     be asked for again."""
-    found: list[tuple[float, str]] = []
-    with contextlib.suppress(OSError):
-        for path in cache.glob("*.gguf"):
-            if len(path.stem) == 64 and all(c in "0123456789abcdef" for c in path.stem):
-                with contextlib.suppress(OSError):  # a file removed while we look is simply not here
-                    found.append((path.stat().st_mtime, path.stem))
-    return [name for _mtime, name in sorted(found, reverse=True)[:limit]]
+    recent_first = sorted(stage_files(cache), key=lambda f: f.used_at, reverse=True)
+    return [Path(f.name).stem for f in recent_first[:limit]]
 
 
 async def serve_stage(
