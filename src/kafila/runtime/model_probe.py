@@ -150,6 +150,7 @@ def probe_model_stages(
     whole model would page in every token, and the pricing would measure the disk.
     """
     from kafila.runtime.llama_backend import ContextSettings
+    from kafila.runtime.local_plan import cache_dir
     from kafila.runtime.manifest import read_manifest
     from kafila.runtime.pipeline import generate, open_engine
     from kafila.runtime.probe import load_llama_cpp
@@ -168,7 +169,9 @@ def probe_model_stages(
     settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1)
     if n_threads is not None:
         settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1, n_threads=n_threads)
-    with tempfile.TemporaryDirectory(prefix="kafila-probe-") as cache:
+    scratch = cache_dir()  # the rings' stage files are a copy of the model: on the disk KAFILA_CACHE names
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="probe-", dir=scratch) as cache:
         source, manifest = model, whole
         if kept < whole.n_blocks:
             progress(f"cutting the last {kept} of {whole.n_blocks} blocks, with the head, to fit in memory", 0.0)
