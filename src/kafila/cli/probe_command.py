@@ -113,7 +113,8 @@ def probe(
         typer.Option(
             "--model",
             help="Also price this GGUF model's own stages by running it as small local rings (about 30 s): "
-            "narrow models are bound by per-kernel work, not bytes, and their head streams faster than their blocks.",
+            "narrow models are bound by per-kernel work, not bytes, and their head streams faster than their blocks. "
+            "Kept: later sessions serving this model plan this machine with these numbers.",
         ),
     ] = None,
 ) -> None:
