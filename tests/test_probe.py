@@ -229,6 +229,28 @@ def test_kept_model_pricings_are_read_newest_first_and_stale_or_broken_ones_skip
     assert pricing_for("c" * 64, cached_model_pricings()) is None
 
 
+def test_a_models_hash_is_remembered_until_the_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hashing a large model takes a minute and every session start asks: the hash is kept by the
+    file's path, size and modification time, and taken again when any of them changes."""
+    import hashlib
+
+    from kafila.runtime.local_plan import model_sha256
+
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+    assert model_sha256(model) == hashlib.sha256(b"weights").hexdigest()
+    memo = json.loads((tmp_path / "cache" / "model-hashes.json").read_text())
+    entry = memo[str(model.resolve())]
+    memo[str(model.resolve())] = [*entry[:2], "f" * 64]  # as if remembered: it is not read again
+    (tmp_path / "cache" / "model-hashes.json").write_text(json.dumps(memo))
+    assert model_sha256(model) == "f" * 64
+    model.write_bytes(b"other weights")  # a new size and time: hashed again
+    assert model_sha256(model) == hashlib.sha256(b"other weights").hexdigest()
+    (tmp_path / "cache" / "model-hashes.json").write_text("{not json")  # a broken memo is no memo
+    assert model_sha256(model) == hashlib.sha256(b"other weights").hexdigest()
+
+
 def test_probe_with_a_missing_model_fails_in_one_line(tmp_path: Path) -> None:
     result = run_kafila("probe", "--model", str(tmp_path / "absent.gguf"))
     assert result.returncode == 1

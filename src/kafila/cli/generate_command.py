@@ -42,14 +42,13 @@ def local_counts(
         return counts
     if n_stages == 1:
         return [manifest.n_blocks]
-    from kafila.runtime.local_plan import cached_model_pricings, local_division, pricing_for, this_device
-    from kafila.runtime.slicer import file_sha256
+    from kafila.runtime.local_plan import cached_model_pricings, local_division, model_sha256, pricing_for, this_device
 
     with stderr.status("measuring this device for the planner (cached afterwards)"):
         device = this_device(memory=memory)
         pricings = cached_model_pricings()
         if pricings:  # hash the model only where a pricing could match it
-            device = device.priced(pricing_for(file_sha256(path), pricings))
+            device = device.priced(pricing_for(model_sha256(path), pricings))
     return local_division(manifest, n_stages, device, session)
 
 

@@ -119,8 +119,7 @@ async def _join(
     from kafila.network.link import DatagramDemux
     from kafila.network.rendezvous_client import RendezvousClient, verify_host
     from kafila.network.session_codes import channel_part
-    from kafila.runtime.local_plan import cache_dir, cached_model_pricings, this_device
-    from kafila.runtime.slicer import file_sha256
+    from kafila.runtime.local_plan import cache_dir, cached_model_pricings, model_sha256, this_device
     from kafila.session.member import MemberState, RingLinks, SessionEnded, edge_connector, follow_host
     from kafila.session.presence import machine_tag, present
     from kafila.session.router import LinkRouter
@@ -132,7 +131,7 @@ async def _join(
     device = await asyncio.to_thread(this_device, memory=memory)
     priced_models = await asyncio.to_thread(cached_model_pricings)
     presence = await present(name, rendezvous, device)
-    model_sha = await asyncio.to_thread(file_sha256, model) if model is not None else None
+    model_sha = await asyncio.to_thread(model_sha256, model) if model is not None else None
     client = await RendezvousClient.join(
         presence.url, channel_part(code), capability=presence.capability,
         fingerprint=presence.identity.fingerprint, candidates=presence.candidates,

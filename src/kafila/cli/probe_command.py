@@ -16,10 +16,9 @@ from rich.table import Table
 
 from kafila.cli.errors import fail
 from kafila.planner.fleet import FleetDevice, ModelPricing
-from kafila.runtime.local_plan import save_model_pricing
+from kafila.runtime.local_plan import model_sha256, save_model_pricing
 from kafila.runtime.model_probe import ModelStageProbe, model_pricing, probe_model_stages
 from kafila.runtime.probe import DeviceProbe, ProbeError, ProgressFn, run_probe
-from kafila.runtime.slicer import file_sha256
 
 
 @contextmanager
@@ -142,7 +141,7 @@ def probe(
                 memory = int(result.memory_gib * 2**30)
                 stages = probe_model_stages(model, lambda text, f: update(text, 0.5 + f * 0.45), memory_bytes=memory)
                 update(f"hashing {model.name}", 0.95)
-                pricing = model_pricing(stages, file_sha256(model))
+                pricing = model_pricing(stages, model_sha256(model))
     except ProbeError as error:
         fail(str(error), as_json)
     except (OSError, ValueError) as error:

@@ -9,6 +9,7 @@ serving that model on this machine plan with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -46,6 +47,36 @@ def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"llama_cpp_version": llama_cpp.__version__, "device": device.model_dump()}))
     return device
+
+
+def model_sha256(path: Path) -> str:
+    """The model file's sha256, remembered by its path, size and modification time: a model of
+    tens of gigabytes takes a minute to hash, and every session start asks for it.
+
+    Safe to trust: where the hash names a model a member then cuts its stage from, the stage
+    file's own hash is checked against the host's.
+    """
+    from kafila.runtime.slicer import file_sha256
+
+    stat = path.stat()
+    name, seen = str(path.resolve()), [stat.st_size, stat.st_mtime_ns]
+    memo_path = cache_dir() / "model-hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    memo = memo if isinstance(memo, dict) else {}
+    known = memo.get(name)
+    if isinstance(known, list) and known[:2] == seen and isinstance(known[-1], str) and len(known[-1]) == 64:
+        return known[-1]
+    digest = file_sha256(path)
+    memo[name] = [*seen, digest]  # one entry per path: the file as it is now
+    with contextlib.suppress(OSError):
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = memo_path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(memo))
+        partial.replace(memo_path)
+    return digest
 
 
 def _model_pricing_dir() -> Path:

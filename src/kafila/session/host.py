@@ -42,9 +42,9 @@ from kafila.planner import plan_serving_host
 from kafila.planner.fleet import ModelPricing
 from kafila.planner.types import Device, ModelManifest, Plan, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.local_plan import cached_model_pricings, pricing_for
+from kafila.runtime.local_plan import cached_model_pricings, model_sha256, pricing_for
 from kafila.runtime.pipeline import RingEngine
-from kafila.runtime.slicer import StageFile, cached_slices, file_sha256
+from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
 from kafila.session.member import serve_stage
 from kafila.session.presence import Presence, machine_tag
@@ -269,7 +269,7 @@ class HostSession:
             self.paths[member_id] = edge.path
         hellos = await all_or_none([self._hello(m) for m in self.routers])
         self.hellos = dict(zip(self.routers, hellos, strict=True))
-        self.model_sha256 = await asyncio.to_thread(file_sha256, self.model)
+        self.model_sha256 = await asyncio.to_thread(model_sha256, self.model)
         self.own_pricing = pricing_for(self.model_sha256, await asyncio.to_thread(cached_model_pricings))
 
     async def _hello(self, member_id: str) -> Hello:
