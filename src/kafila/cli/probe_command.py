@@ -18,7 +18,7 @@ from kafila.cli.errors import fail
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.runtime.local_plan import model_sha256, save_model_pricing
 from kafila.runtime.model_probe import ModelStageProbe, model_pricing, probe_model_stages
-from kafila.runtime.probe import DeviceProbe, ProbeError, ProgressFn, run_probe
+from kafila.runtime.probe import GIB, DeviceProbe, ProbeError, ProgressFn, run_probe
 
 
 @contextmanager
@@ -138,7 +138,7 @@ def probe(
         with _progress(enabled=not as_json) as update:
             result = run_probe(update if model is None else lambda text, f: update(text, f / 2))
             if model is not None:
-                memory = int(result.memory_gib * 2**30)
+                memory = int(result.memory_gib * GIB)
                 stages = probe_model_stages(model, lambda text, f: update(text, 0.5 + f * 0.45), memory_bytes=memory)
                 update(f"hashing {model.name}", 0.95)
                 pricing = model_pricing(stages, model_sha256(model))

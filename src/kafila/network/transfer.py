@@ -48,7 +48,7 @@ from typing import Any, Protocol
 
 from kafila.network.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
 from kafila.network.link import LinkError
-from kafila.units import human_bytes
+from kafila.units import DISK_ROOM_HINT, human_bytes
 
 log = logging.getLogger("kafila.transfer")
 
@@ -784,7 +784,7 @@ async def _receive(
     if size - have > free:
         raise TransferError(
             f"not enough disk space for {final.name} in {final.parent}: {human_bytes(size - have)} needed, "
-            f"{human_bytes(free)} free; free some space, or set KAFILA_CACHE to a folder on a larger disk"
+            f"{human_bytes(free)} free; {DISK_ROOM_HINT}"
         )
     stream = partial.open("r+b" if partial.exists() else "w+b")
     discard = False

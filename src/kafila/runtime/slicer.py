@@ -27,7 +27,7 @@ from gguf import GGUFValueType
 from kafila.runtime.families import family_of
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
 from kafila.runtime.stage_cache import make_room, mark_used, trim_stage_cache
-from kafila.units import human_bytes
+from kafila.units import DISK_ROOM_HINT, human_bytes
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_ONLY_TENSORS = ("token_embd.weight", "output.weight")
@@ -189,16 +189,15 @@ def _check_family(arch: str, n_blocks: int) -> None:
         )
 
 
-ROOM_HINT = "free some space, or set KAFILA_CACHE to a folder on a larger disk"
-
-
 def _ensure_room(out: Path, pieces: Sequence[_Slice], what: str) -> None:
     """SliceError before a byte is written, where the folder's disk cannot hold the stage files."""
     out.mkdir(parents=True, exist_ok=True)
     need = sum(piece.data_bytes() for piece in pieces)
     free = shutil.disk_usage(out).free
     if need > free:
-        raise SliceError(f"{what} needs {human_bytes(need)} in {out}, which has {human_bytes(free)} free: {ROOM_HINT}")
+        raise SliceError(
+            f"{what} needs {human_bytes(need)} in {out}, which has {human_bytes(free)} free: {DISK_ROOM_HINT}"
+        )
 
 
 def _write(piece: _Slice, out: Path) -> tuple[Path, str]:
@@ -220,7 +219,7 @@ def _write(piece: _Slice, out: Path) -> tuple[Path, str]:
     except OSError as error:
         if error.errno != errno.ENOSPC:
             raise
-        raise SliceError(f"the disk holding {out} filled up while a stage file was written: {ROOM_HINT}") from None
+        raise SliceError(f"the disk holding {out} filled up while a stage file was written: {DISK_ROOM_HINT}") from None
     finally:
         partial.unlink(missing_ok=True)
     return final, digest
