@@ -11,8 +11,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ from kafila.runtime.probe import (
     write_probe_model,
 )
 
+T = TypeVar("T")
 FLEET_KEYS = {"name", "bandwidth_gb_s", "overhead_us", "tflops", "memory_gib"}
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
@@ -67,6 +69,21 @@ def run_kafila(
         check=False,
         env={**os.environ, **(env or {})},
     )
+
+
+BUSY = "the device is too busy to measure"  # the probe's own answer to noise, not a fault
+
+
+def when_not_busy(probe: Callable[[], T]) -> T:
+    """The model-stage probe, asked once more if noise swamped a tiny model's microsecond stages."""
+    from kafila.runtime.probe import ProbeError
+
+    try:
+        return probe()
+    except ProbeError as error:
+        if BUSY not in str(error):
+            raise
+        return probe()
 
 
 # --- the pure core ---------------------------------------------------------------------------
@@ -183,8 +200,11 @@ def test_probe_with_a_model_prices_that_models_stages(tmp_path: Path) -> None:
     from kafila.runtime.slicer import file_sha256
 
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
-    result = run_kafila("probe", "--json", "--model", str(model), env={"KAFILA_CACHE": str(tmp_path / "cache")})
-    assert result.returncode == 0, result.stderr
+    env = {"KAFILA_CACHE": str(tmp_path / "cache")}
+    result = run_kafila("probe", "--json", "--model", str(model), env=env)
+    if BUSY in result.stdout:  # a tiny model's stages take microseconds: noise can hide them once
+        result = run_kafila("probe", "--json", "--model", str(model), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     # Kept for sessions on this machine, by the model's hash, with the numbers the entry shows.
     assert report["model_sha256"] == file_sha256(model)
@@ -284,7 +304,7 @@ def test_model_stage_probe_prices_a_model_from_its_own_rings(tmp_path: Path) -> 
     from kafila.runtime.model_probe import probe_model_stages
 
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
-    result = probe_model_stages(model, repeats=1, n_threads=1)
+    result = when_not_busy(lambda: probe_model_stages(model, repeats=1, n_threads=1))
     assert result.divisions == [[1, 3], [3, 1]]
     assert [(s.first_block, s.end_block, s.is_head) for s in result.stages] == [
         (0, 1, False),
@@ -308,7 +328,7 @@ def test_a_model_too_big_for_this_machine_is_priced_on_the_part_that_fits(tmp_pa
     assert blocks_that_fit(manifest, manifest.total_bytes * 2) == 8
     room = int((manifest.head_bytes + sum(manifest.block_bytes[-4:])) / 0.75) + 1
     assert blocks_that_fit(manifest, room) == 4
-    result = probe_model_stages(model, repeats=1, n_threads=1, memory_bytes=room)
+    result = when_not_busy(lambda: probe_model_stages(model, repeats=1, n_threads=1, memory_bytes=room))
     assert result.first_priced_block == 4 and result.divisions == [[1, 3], [3, 1]]
     assert result.bandwidth_gb_s > 0 and result.head_bandwidth_gb_s > 0 and result.overhead_us >= 0
     too_little = int((manifest.head_bytes + sum(manifest.block_bytes[-2:])) / 0.75)
