@@ -54,7 +54,9 @@ class ChatTemplate:
 
 
 def _apply_built_in(name: str, messages: Sequence[dict[str, str]]) -> str:
-    import llama_cpp
+    from kafila.runtime.llama_backend import load_llama
+
+    llama_cpp = load_llama()
 
     encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]
     array = (llama_cpp.llama_chat_message * len(encoded))(

@@ -24,30 +24,62 @@ class LlamaUnavailable(RuntimeError):
     """llama-cpp-python is missing or broken: say so plainly instead of a traceback."""
 
 
-# llama.cpp's OpenMP threads spin at every barrier waiting for more work. Stages of one ring
-# that share a machine take turns, so a waiting stage's spinning threads would take the cores
-# from the one computing: there a short spin, then sleep, is far better (a 3-stage split on 2
-# cores went from 40% to 80% of unsplit). A process alone on its machine keeps libgomp's
-# default: on a quiet machine the two give the same one-process speed (78 and 77 tokens/s on
-# gemma-3-270m here), and a dedicated member has no one to yield its cores to. libgomp reads
-# this when it loads, so it is set before llama_cpp is first imported.
-OPENMP_SPIN_COUNT = "1000"
+# How llama.cpp's OpenMP threads should behave in a process whose machine is shared with other
+# stages of the same ring, which take turns on its cores.
+# - GOMP_SPINCOUNT: the threads spin at every barrier waiting for more work. A waiting stage's
+#   spinning threads would take the cores from the one computing: there a short spin, then sleep,
+#   is far better (a 3-stage split on 2 cores went from 40% to 80% of unsplit).
+# - OMP_PROC_BIND: with the short spin a thread often sleeps at a barrier, and the kernel wakes it
+#   next to the thread that woke it. The two threads of a team then end up taking turns on one
+#   core while the other idles (seen in a scheduler trace of the demo), and each decode takes
+#   twice as long. Bound, each thread of a team keeps its own core (block stages of the demo: 5.4
+#   ms to 3.2 ms per token).
+# A process alone on its machine keeps libgomp's defaults: its threads spin through the barriers
+# and are not pulled together, and a dedicated member has no one to yield its cores to. libgomp
+# reads these when it loads, so they are set before llama_cpp is first imported, and a value the
+# user set is kept.
+SHARED_MACHINE_OPENMP = {"GOMP_SPINCOUNT": "1000", "OMP_PROC_BIND": "true"}
 
 
 def shares_cores_env() -> dict[str, str]:
     """The environment for a process that will share this machine's cores with other stages."""
-    return {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)}
+    return {name: os.environ.get(name, default) for name, default in SHARED_MACHINE_OPENMP.items()}
 
 
 def load_llama(shared_machine: bool = False) -> Any:
     """Import llama.cpp's binding, or say in one line what is wrong and how to fix it.
 
     `shared_machine`: other stages will compute on this machine's cores in turn with this
-    process, so its threads should sleep soon rather than spin (only effective before the
-    first import, and never overriding a GOMP_SPINCOUNT the user set).
+    process, so its threads should sleep soon rather than spin, each on its own core (only
+    effective before the first import, and never overriding what the user set).
     """
-    if shared_machine and "llama_cpp" not in sys.modules:
-        os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
+    first_import = "llama_cpp" not in sys.modules
+    if first_import and shared_machine:
+        for name, value in SHARED_MACHINE_OPENMP.items():
+            os.environ.setdefault(name, value)
+    cores = _thread_cores() if first_import else None
+    try:
+        return _import_llama()
+    finally:
+        # libgomp, told to bind, binds the thread that loads it to the first core; every thread
+        # Python starts later (the event loop's helpers, a stage's executor) would inherit that one
+        # core. Only a computing team's threads should be bound, and libgomp binds them itself.
+        if cores is not None:
+            _set_thread_cores(cores)
+
+
+def _thread_cores() -> set[int] | None:
+    getter = getattr(os, "sched_getaffinity", None)  # Linux only; elsewhere there is nothing to undo
+    return set(getter(0)) if getter else None
+
+
+def _set_thread_cores(cores: set[int]) -> None:
+    setter = getattr(os, "sched_setaffinity", None)
+    if setter and _thread_cores() != cores:
+        setter(0, cores)
+
+
+def _import_llama() -> Any:
     try:
         import llama_cpp
     except ImportError:

@@ -31,7 +31,9 @@ def this_device(progress: Callable[[str, float], None] | None = None, memory: in
 
 
 def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
-    import llama_cpp
+    from kafila.runtime.llama_backend import load_llama
+
+    llama_cpp = load_llama()
 
     from kafila.runtime.probe import run_probe
 
@@ -85,7 +87,9 @@ def _model_pricing_dir() -> Path:
 
 def save_model_pricing(pricing: ModelPricing) -> Path:
     """Keep a model's pricing for sessions on this machine; returns where it went."""
-    import llama_cpp
+    from kafila.runtime.llama_backend import load_llama
+
+    llama_cpp = load_llama()
 
     path = _model_pricing_dir() / f"{pricing.model_sha256}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +106,9 @@ def cached_model_pricings(limit: int = 16) -> list[ModelPricing]:
     A pricing from another llama.cpp version is stale (its kernels set the costs); an unreadable
     file is skipped, as if it were not there.
     """
-    import llama_cpp
+    from kafila.runtime.llama_backend import load_llama
+
+    llama_cpp = load_llama()
 
     try:
         paths = sorted(_model_pricing_dir().glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)

@@ -1,0 +1,98 @@
+"""Where llama.cpp's threads may run, in a process that shares its machine with other stages.
+
+Each case is a real process that loads llama.cpp, runs a decode of a tiny model on two threads
+from a helper thread (as a member's stage executor does), and reports every thread's allowed
+cores from /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux and at least two cores to tell bound threads from free ones",
+)
+
+REPORT = """
+import json, os, sys, threading
+from pathlib import Path
+from kafila.runtime.llama_backend import ContextSettings, load_llama
+from kafila.runtime.stage import WholeModel
+
+load_llama(shared_machine=sys.argv[2] == "shared")
+main_cores = sorted(os.sched_getaffinity(0))
+cores = {}
+later = []
+
+def allowed_cores():
+    for task in Path("/proc/self/task").iterdir():
+        line = next(l for l in (task / "status").read_text().splitlines() if l.startswith("Cpus_allowed_list"))
+        cores[task.name] = line.split()[-1]
+
+def decode():  # as a member's stage executor runs it, while its team of threads is alive
+    model = WholeModel(sys.argv[1], ContextSettings(n_ctx=64, n_batch=64, n_seq_max=1, n_threads=2))
+    model.forward_tokens(0, 0, [1, 2, 3])
+    allowed_cores()
+    model.close()
+
+worker = threading.Thread(target=decode)
+worker.start()
+worker.join()
+after = threading.Thread(target=lambda: later.extend(sorted(os.sched_getaffinity(0))))
+after.start()
+after.join()
+print(json.dumps({"main": main_cores, "all": sorted(os.sched_getaffinity(0)), "later_thread": later, "threads": cores}))
+"""
+
+
+def _threads_of_a_decode(model: Path, mode: str, **env: str) -> dict[str, object]:
+    environment = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_PROC_BIND")}
+    result = subprocess.run(
+        [sys.executable, "-c", REPORT, str(model), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**environment, **env},
+        cwd=Path(__file__).parent,
+    )
+    assert result.returncode == 0, result.stderr
+    report: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
+def _single_cores(report: dict[str, object]) -> list[str]:
+    threads = report["threads"]
+    assert isinstance(threads, dict)
+    return sorted(v for v in threads.values() if v.isdigit())
+
+
+def test_a_shared_machines_team_threads_each_keep_their_own_core_and_nothing_else_is_bound(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
+    report = _threads_of_a_decode(model, "shared")
+    everything = report["all"]
+    assert report["main"] == everything, "the thread that loaded llama.cpp must keep every core"
+    assert report["later_thread"] == everything, "threads started later must not inherit one core"
+    bound = _single_cores(report)
+    assert len(bound) == 2 and bound[0] != bound[1], f"the team's two threads, on two cores: {report['threads']}"
+
+
+def test_a_process_alone_on_its_machine_binds_no_thread(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
+    report = _threads_of_a_decode(model, "alone")
+    assert _single_cores(report) == []
+    assert report["later_thread"] == report["all"]
+
+
+def test_binding_the_user_turned_off_stays_off(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
+    report = _threads_of_a_decode(model, "shared", OMP_PROC_BIND="false")
+    assert _single_cores(report) == []
