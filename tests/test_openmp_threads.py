@@ -27,7 +27,7 @@ from pathlib import Path
 from kafila.runtime.llama_backend import ContextSettings, load_llama
 from kafila.runtime.stage import WholeModel
 
-load_llama(shared_machine=sys.argv[2] == "shared")
+load_llama(shared_machine=sys.argv[2] != "alone", bind_teams=sys.argv[2] == "session")
 main_cores = sorted(os.sched_getaffinity(0))
 cores = {}
 later = []
@@ -54,6 +54,7 @@ print(json.dumps({"main": main_cores, "all": sorted(os.sched_getaffinity(0)), "l
 
 
 def _threads_of_a_decode(model: Path, mode: str, **env: str) -> dict[str, object]:
+    """`mode`: "session" (the demo's processes), "local-ring" (kafila generate's) or "alone"."""
     environment = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_PROC_BIND")}
     result = subprocess.run(
         [sys.executable, "-c", REPORT, str(model), mode],
@@ -75,9 +76,11 @@ def _single_cores(report: dict[str, object]) -> list[str]:
     return sorted(v for v in threads.values() if v.isdigit())
 
 
-def test_a_shared_machines_team_threads_each_keep_their_own_core_and_nothing_else_is_bound(tmp_path: Path) -> None:
+def test_a_session_process_on_a_shared_machine_binds_each_team_thread_to_its_own_core_and_nothing_else(
+    tmp_path: Path,
+) -> None:
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
-    report = _threads_of_a_decode(model, "shared")
+    report = _threads_of_a_decode(model, "session")
     everything = report["all"]
     assert report["main"] == everything, "the thread that loaded llama.cpp must keep every core"
     assert report["later_thread"] == everything, "threads started later must not inherit one core"
@@ -85,14 +88,15 @@ def test_a_shared_machines_team_threads_each_keep_their_own_core_and_nothing_els
     assert len(bound) == 2 and bound[0] != bound[1], f"the team's two threads, on two cores: {report['threads']}"
 
 
-def test_a_process_alone_on_its_machine_binds_no_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["alone", "local-ring"])
+def test_a_process_alone_on_its_machine_or_in_a_local_ring_binds_no_thread(tmp_path: Path, mode: str) -> None:
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
-    report = _threads_of_a_decode(model, "alone")
+    report = _threads_of_a_decode(model, mode)
     assert _single_cores(report) == []
     assert report["later_thread"] == report["all"]
 
 
 def test_binding_the_user_turned_off_stays_off(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
-    report = _threads_of_a_decode(model, "shared", OMP_PROC_BIND="false")
+    report = _threads_of_a_decode(model, "session", OMP_PROC_BIND="false")
     assert _single_cores(report) == []

