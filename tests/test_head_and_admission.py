@@ -132,6 +132,54 @@ def test_a_measured_head_bandwidth_prices_the_heads_read_and_only_that() -> None
     assert cost_model_matrix(fast_head, prefix, False)[1, 3] == cost_model_matrix(plain, prefix, False)[1, 3]
 
 
+@given(
+    scale=st.floats(min_value=0.06, max_value=19.0),
+    start=st.integers(0, 2),
+    length=st.integers(1, 3),
+    head=st.booleans(),
+    fast_head=st.booleans(),
+)
+def test_a_price_from_serving_scales_every_stage_by_what_one_stage_measured(
+    scale: float, start: int, length: int, head: bool, fast_head: bool
+) -> None:
+    """The whole cost function o + bytes/b (+ head/b_head) is scaled, so every range, the head's
+    too, costs `scale` times what it did: the measured stage is met exactly, the rest keep their
+    shape."""
+    from kafila.planner.cost import ChainPrefix, cost_model_matrix
+    from kafila.planner.fleet import FleetDevice, pricing_from_serving
+
+    manifest = ModelManifest(
+        name="m", block_bytes=(3 * 10**8, 2 * 10**8, 10**8, 4 * 10**8), head_bytes=10**9, kv_bytes_per_token=(0,) * 4
+    )
+    prefix = ChainPrefix.of(manifest, SessionSpec())
+    device = FleetDevice(
+        name="a", memory_gib=64, bandwidth_gb_s=20.0, overhead_us=300.0, head_bandwidth_gb_s=45.0 if fast_head else None
+    )
+    before = cost_model_matrix(device.device(), prefix, True)
+    predicted = float(before[1, 3])
+    pricing = pricing_from_serving(device, "ab" * 32, predicted, predicted * scale)
+    assert pricing is not None
+    after = cost_model_matrix(device.priced(pricing).device(), prefix, head)
+    original = cost_model_matrix(device.device(), prefix, head)
+    end = min(4, start + length)
+    assert after[start, end] == pytest.approx(scale * original[start, end], rel=1e-9)
+
+
+def test_a_price_from_serving_is_refused_without_numbers_to_scale_or_past_its_limits() -> None:
+    from kafila.planner.fleet import FleetDevice, pricing_from_serving
+
+    probed = FleetDevice(name="a", memory_gib=8, bandwidth_gb_s=10.0, overhead_us=100.0)
+    assert pricing_from_serving(FleetDevice(name="b", memory_gib=8), "ab" * 32, 0.01, 0.02) is None  # nothing measured
+    assert pricing_from_serving(probed, "ab" * 32, 0.0, 0.02) is None
+    assert pricing_from_serving(probed, "ab" * 32, 0.01, 0.0) is None
+    assert pricing_from_serving(probed, "ab" * 32, 0.01, 0.01 * 25) is None  # a stall, not a price
+    assert pricing_from_serving(probed, "ab" * 32, 0.01, 0.01 / 25) is None
+    doubled = pricing_from_serving(probed, "ab" * 32, 0.01, 0.02)
+    assert doubled is not None
+    numbers = (doubled.bandwidth_gb_s, doubled.head_bandwidth_gb_s, doubled.overhead_us)
+    assert numbers == pytest.approx((5.0, 5.0, 200.0))
+
+
 def test_a_pinned_head_stays_on_the_anchor_even_when_another_member_is_faster() -> None:
     manifest = ModelManifest(name="m", block_bytes=(100,) * 8, head_bytes=400, kv_bytes_per_token=(0,) * 8)
     slow = Device(name="host", memory_bytes=10**6, bandwidth_bytes_per_s=100.0, overhead_s=0.0)

@@ -253,10 +253,43 @@ def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(
         assert "serving on this machine alone" in host.output()
 
 
-def test_a_member_that_leaves_a_three_member_ring_is_planned_around(tmp_path: Path, model: Path) -> None:
-    with session(tmp_path, model, 3) as (host, joiners):
+def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_prices_served(
+    tmp_path: Path, model: Path
+) -> None:
+    """After serving, a member is killed. The replan prices the machines left by what their stages
+    measured decoding one token at a time: each machine's cost function is scaled by measured /
+    predicted, so its new stage is predicted at that scale times the generic probe's price."""
+    from kafila.planner.fleet import FleetDevice
+    from kafila.runtime.manifest import read_manifest
+
+    share_this_machines_probe(tmp_path, 3)  # cache-2 is the host's
+    generic = FleetDevice.model_validate(json.loads((tmp_path / "cache-2" / "probe.json").read_text())["device"])
+    device = generic.device()
+    assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
+    manifest = read_manifest(model)
+
+    def generic_ms(blocks: list[int], head: bool) -> float:
+        assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
+        seconds = device.overhead_s + sum(manifest.block_bytes[blocks[0] : blocks[1]]) / device.bandwidth_bytes_per_s
+        head_bandwidth = device.head_bandwidth_bytes_per_s or device.bandwidth_bytes_per_s
+        return 1e3 * (seconds + (manifest.head_bytes / head_bandwidth if head else 0.0))
+
+    env = {"KAFILA_CACHE": str(tmp_path / "cache-2")}
+    with session(tmp_path, model, 3, "--name", "the-host", env=env) as (host, joiners):
         wait_ready(host)
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        for _ in range(2):  # 30 single-token decodes on every stage
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+        time.sleep(2.5)  # the stage report refreshes every 2 s
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            before = json.loads(response.read())
+        measured = {tuple(s["range"]): s for s in before["stages"]}
+        scale = {}
+        for member in before["members"]:
+            stage = measured[tuple(member["blocks"])]
+            assert stage["steps_alone"] >= 16 and stage["ms_per_token_alone"] > 0, stage
+            assert member["priced_on"] == "the generic probe", member
+            scale[member["name"]] = stage["ms_per_token_alone"] / member["predicted_ms_per_token"]
         joiners[0].kill()
         deadline = time.monotonic() + 60
         while "replanned with 2 members" not in host.output():
@@ -268,6 +301,14 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around(tmp_path: Pa
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
         assert status["epoch"] == 2 and len(status["plan"]["division"]) == 2
+        assert "by what their stages measured serving" in host.output(), host.output()
+        for member in status["members"]:
+            if "blocks" not in member:
+                continue
+            assert member["priced_on"] == "serving", member
+            head = member["name"] == status["plan"]["head"]
+            expected = scale[member["name"]] * generic_ms(member["blocks"], head)
+            assert member["predicted_ms_per_token"] == pytest.approx(expected, rel=0.02, abs=2e-3), (member, scale)
 
 
 def test_a_wrong_session_code_is_refused_and_the_host_issues_a_new_one(tmp_path: Path, model: Path) -> None:

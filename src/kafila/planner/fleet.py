@@ -59,6 +59,36 @@ class ModelPricing(Strict):
     overhead_us: Annotated[float, Field(ge=0, le=1e7)]
 
 
+# How far a stage's measured time may stray from its price before the measurement is taken for
+# noise rather than a truer price (a stall, a swapped-out page, a clock jump).
+SERVED_SCALE_LIMITS = (1 / 20, 20.0)
+
+
+def pricing_from_serving(
+    priced_as: FleetDevice, model_sha256: str, predicted_s: float, measured_s: float
+) -> ModelPricing | None:
+    """The device's numbers scaled so that its stage costs what it measured serving this model.
+
+    A replan should use what a session has seen: a member priced by the generic probe may be
+    far off on a narrow model. One stage time cannot separate o from b, so the whole cost
+    function o + bytes/b (+ head/b_head) is scaled by measured/predicted, which keeps the
+    device's shape and passes through the measurement. None where the device has no numbers to
+    scale or the measurement is implausible.
+    """
+    if priced_as.bandwidth_gb_s is None or priced_as.overhead_us is None or predicted_s <= 0 or measured_s <= 0:
+        return None
+    scale = measured_s / predicted_s
+    if not SERVED_SCALE_LIMITS[0] <= scale <= SERVED_SCALE_LIMITS[1]:
+        return None
+    head = priced_as.head_bandwidth_gb_s or priced_as.bandwidth_gb_s
+    return ModelPricing(
+        model_sha256=model_sha256,
+        bandwidth_gb_s=min(1e6, priced_as.bandwidth_gb_s / scale),
+        head_bandwidth_gb_s=min(1e6, head / scale),
+        overhead_us=min(1e7, priced_as.overhead_us * scale),
+    )
+
+
 class FleetDevice(Strict):
     name: str = Field(min_length=1, max_length=64)
     memory_gib: Annotated[float, Field(gt=0, le=2**20)]

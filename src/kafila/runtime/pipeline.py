@@ -351,7 +351,7 @@ class UnsplitEngine(_Vocabulary):
         self.model.forget(sequence_id)
 
     def stage_report(self) -> list[dict[str, object]]:
-        return [{"range": [0, self._blocks], "ms_per_token": self.model.timer.ms_per_token}]
+        return [{"range": [0, self._blocks], **self.model.timer.report()}]
 
     def close(self) -> None:
         self._readers.close()
@@ -585,7 +585,7 @@ class RingEngine(_Vocabulary):
         self._settle()
         if self.head is None:
             return self.ring.stats()  # the head's own report comes round with the others
-        head: dict[str, object] = {"range": self._head_range, "ms_per_token": self.head.timer.ms_per_token}
+        head: dict[str, object] = {"range": self._head_range, **self.head.timer.report()}
         return [*self.ring.stats(), head]
 
     def _close_head(self) -> None:

@@ -111,12 +111,18 @@ class TokenStep:
 
 @dataclass
 class StageTimer:
-    """Compute time spent and rows processed, so stages can report ms per token."""
+    """Compute time spent and rows processed, so stages can report ms per token.
+
+    Decodes of a single row are also counted apart: batched rows cost less each, and only the
+    time of a decode alone compares with the planner's price of a stage (one token at a time).
+    """
 
     seconds: float = 0.0
     rows: int = 0
     decode_seconds: float = 0.0
     decode_rows: int = 0
+    alone_seconds: float = 0.0
+    alone_steps: int = 0
 
     def add(self, seconds: float, rows: int, decode: bool) -> None:
         self.seconds += seconds
@@ -124,10 +130,25 @@ class StageTimer:
         if decode:
             self.decode_seconds += seconds
             self.decode_rows += rows
+            if rows == 1:
+                self.alone_seconds += seconds
+                self.alone_steps += 1
 
     @property
     def ms_per_token(self) -> float | None:
         return 1e3 * self.decode_seconds / self.decode_rows if self.decode_rows else None
+
+    @property
+    def ms_per_token_alone(self) -> float | None:
+        return 1e3 * self.alone_seconds / self.alone_steps if self.alone_steps else None
+
+    def report(self) -> dict[str, object]:
+        """What a stage report says of this timer."""
+        return {
+            "ms_per_token": self.ms_per_token,
+            "ms_per_token_alone": self.ms_per_token_alone,
+            "steps_alone": self.alone_steps,
+        }
 
 
 class _Rows(Protocol):

@@ -31,7 +31,7 @@ RingStage = BlockStage | HeadStage  # what a ring member serves: blocks, or the 
 def stage_stats(stage: RingStage) -> dict[str, object]:
     return {
         "range": [stage.first_block, stage.first_block + stage.n_layers],
-        "ms_per_token": stage.timer.ms_per_token,
+        **stage.timer.report(),
         "seconds": stage.timer.seconds,
         "rows": stage.timer.rows,
     }

@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,7 @@ from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient, verify_members
 from kafila.network.session_codes import full_code, new_secret
 from kafila.planner import plan_serving_host
-from kafila.planner.fleet import ModelPricing
+from kafila.planner.fleet import FleetDevice, ModelPricing, pricing_from_serving
 from kafila.planner.types import Device, ModelManifest, Plan, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.local_plan import cached_model_pricings, model_sha256, pricing_for
@@ -57,6 +57,7 @@ Reply = TypeVar("Reply", Staged, Loaded)
 T = TypeVar("T")
 HELLO_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
+MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before a replan trusts them
 
 
 class SessionFailed(RuntimeError):
@@ -140,6 +141,7 @@ class HostSession:
     demux: Any = None
     model_sha256: str | None = None
     own_pricing: ModelPricing | None = None  # this machine's pricing of the model, if it has one
+    served_pricings: dict[str, ModelPricing] = field(default_factory=dict)  # member → priced by what it served
     known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
     ring: QuicRing | None = None
     ring_edges: dict[str, dict[str, RingEdge]] = field(default_factory=dict)  # member → neighbour → edge
@@ -237,6 +239,7 @@ class HostSession:
         self.routers[member_id] = LinkRouter(edges[member_id].link, member_id)
         self.paths[member_id] = edges[member_id].path
         self.hellos[member_id] = await self._hello(member_id)
+        self.served_pricings.pop(member_id, None)  # the seat may now be another machine
         self.newcomers.add(member_id)
 
     @property
@@ -287,13 +290,53 @@ class HostSession:
         return [m for m, r in self.routers.items() if not r.link.closed.done()]
 
     def pricing(self, member: str) -> ModelPricing | None:
-        """The member's own pricing of the model served, where it has one (`kafila probe --model`)."""
+        """The member's pricing of the model served: from what its stage measured serving it in this
+        session, or its own (`kafila probe --model`); None where only the generic probe prices it."""
         if self.model_sha256 is None:
             return None
+        if member in self.served_pricings:
+            return self.served_pricings[member]
         if member == self.me:
             return self.own_pricing
         hello = self.hellos.get(member)
         return None if hello is None else pricing_for(self.model_sha256, hello.priced_models)
+
+    def priced_on(self, member: str) -> str:
+        """Where the member's stage prices come from, in words."""
+        if member in self.served_pricings:
+            return "serving"
+        return "the model" if self.pricing(member) is not None else "the generic probe"
+
+    def _capability(self, member: str) -> FleetDevice:
+        return self.presence.capability if member == self.me else self.known[member].capability
+
+    def learn_from_serving(self, report: Sequence[Mapping[str, object]]) -> list[str]:
+        """Price every machine of the ring by what its stage measured, decoding one token at a time,
+        for the next plan; returns the names of those repriced.
+
+        Called before a replan: the members kept then get divisions that fit what they showed, where
+        the generic probe misjudged them. A stage that decoded too few tokens alone keeps its price.
+        """
+        deployment = self.deployment
+        if deployment is None or self.model_sha256 is None:
+            return []
+        measured: dict[tuple[int, int], float] = {}
+        for entry in report:
+            span, ms, steps = entry.get("range"), entry.get("ms_per_token_alone"), entry.get("steps_alone")
+            if isinstance(span, list) and len(span) == 2 and isinstance(ms, int | float) and isinstance(steps, int):
+                if steps >= MIN_STEPS_TO_REPRICE:
+                    measured[(int(span[0]), int(span[1]))] = float(ms) * 1e-3
+        learned: dict[str, ModelPricing] = {}
+        for member, stage in zip(deployment.chain, deployment.plan.stages, strict=True):
+            seconds = measured.get((stage.start, stage.end))
+            if seconds is None or stage.cost_s is None or (member not in self.known and member != self.me):
+                continue
+            priced_as = self._capability(member).priced(self.pricing(member))
+            pricing = pricing_from_serving(priced_as, self.model_sha256, stage.cost_s, seconds)
+            if pricing is not None:
+                learned[member] = pricing
+        self.served_pricings.update(learned)
+        return [self.member_name(m) for m in learned]
 
     def devices(self, members: Sequence[str]) -> list[Device]:
         """Every device as the planner sees it: priced on the model itself where it was, generically if not."""
@@ -303,19 +346,26 @@ class HostSession:
         return [device.device().model_copy(update={"name": self.member_name(m)}) for m, device in named]
 
     def pricing_note(self, members: Sequence[str]) -> str:
-        """Which machines' stage times come from this model's own pricing, for the plan's reader."""
+        """Which machines' stage times come from what, for the plan's reader."""
         everyone = [self.me, *members]
-        priced = [self.member_name(m) for m in everyone if self.pricing(m) is not None]
-        generic = [self.member_name(m) for m in everyone if self.pricing(m) is None]
+        sources = {
+            "serving": "from what their stages measured serving",
+            "the model": "priced on this model's own stages",
+        }
         how = f"`kafila probe --model {self.model}` on a machine prices this model's stages there (kept)"
-        if not generic:
-            return "stage times: every machine priced on this model's own stages"
-        if not priced:
+        groups = {
+            source: [self.member_name(m) for m in everyone if self.priced_on(m) == source]
+            for source in ("serving", "the model", "the generic probe")
+        }
+        if not groups["the generic probe"] and len([g for g in groups.values() if g]) == 1:
+            source = next(s for s, names in groups.items() if names)
+            return f"stage times: every machine {sources[source]}"
+        if not groups["serving"] and not groups["the model"]:
             return f"stage times: from the generic probe, which misjudges narrow models; {how}"
-        return (
-            f"stage times: priced on this model's own stages for {', '.join(priced)}; from the generic probe for "
-            f"{', '.join(generic)} ({how})"
-        )
+        parts = [f"{sources[s]} for {', '.join(groups[s])}" for s in ("serving", "the model") if groups[s]]
+        if groups["the generic probe"]:
+            parts.append(f"from the generic probe for {', '.join(groups['the generic probe'])} ({how})")
+        return "stage times: " + "; ".join(parts)
 
     def plan(self, members: Sequence[str]) -> Plan:
         """The plan over this host and `members`, the head here if it fits (`plan_serving_host`);
@@ -552,7 +602,7 @@ class HostSession:
                 stage = deployment.plan.stages[index]
                 entry["blocks"] = [stage.start, stage.end]
                 entry["predicted_ms_per_token"] = round(stage.cost_s * 1e3, 3) if stage.cost_s is not None else None
-                entry["priced_on"] = "the model" if self.pricing(member_id) is not None else "the generic probe"
+                entry["priced_on"] = self.priced_on(member_id)
             members.append(entry)
         plan = deployment.plan if deployment else None
         edges = self.chain_edges(deployment.chain) if deployment is not None else []

@@ -131,6 +131,10 @@ class HostRunner:
         if self.network is not None:
             self.network.abandon_ring()
         loop, self.engine_loop = self.engine_loop, None
+        if loop is not None and self.network is not None and not self.stopping:
+            repriced = self.network.learn_from_serving(loop.stage_report)  # for the replan that follows
+            if repriced:
+                self.ui.say(f"the next plan prices {', '.join(repriced)} by what their stages measured serving")
         if loop is not None:  # also when /v1 already turns requests away: its thread must end
             await asyncio.to_thread(loop.stop, reason)
         engine, self.engine = self.engine, None
