@@ -13,17 +13,14 @@ probe would have predicted for the same blocks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from urllib.request import urlopen
 
-import openai
-from host_process import Host, running_host, start_member, stop, wait_ready
+from host_process import Host, one_user, refreshed_status, running_host, start_member, stop, wait_ready
 
 from kafila.runtime.llama_backend import load_llama, shares_cores_env
 
@@ -32,16 +29,8 @@ PROMPT = "The history of the printing press begins"
 
 def serve(host: Host, model: Path, requests: int, tokens: int) -> tuple[dict[str, Any], float]:
     """One user's completions, then /status once the stage report has refreshed; and tokens/s."""
-    client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
-    client.completions.create(model=model.stem, prompt=PROMPT, max_tokens=8, temperature=0)  # warm
-    started, made = time.perf_counter(), 0
-    for _ in range(requests):
-        result = client.completions.create(model=model.stem, prompt=PROMPT, max_tokens=tokens, temperature=0)
-        made += result.usage.completion_tokens if result.usage else 0
-    elapsed = time.perf_counter() - started
-    time.sleep(2.5)  # the stage report refreshes every 2 s
-    with urlopen(f"{host.base_url}/status", timeout=10) as response:
-        return json.loads(response.read()), made / elapsed
+    rate = one_user(host, model.stem, PROMPT, requests, tokens)
+    return refreshed_status(host), rate
 
 
 def stages(status: dict[str, Any]) -> list[dict[str, Any]]:

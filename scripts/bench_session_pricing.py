@@ -14,19 +14,15 @@ plan's predicted and the measured decode ms per token of every stage from `/stat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
-from urllib.request import urlopen
 
-import openai
-from host_process import running_host, start_member, stop, wait_ready
+from host_process import one_user, refreshed_status, running_host, start_member, stop, wait_ready
 
 from kafila.runtime.llama_backend import load_llama, shares_cores_env
 
@@ -69,16 +65,8 @@ def one_session(model: Path, caches: Path, requests: int, tokens: int) -> tuple[
             code, rendezvous = host.join_line()
             members = [start_member(code, rendezvous, name, caches / name) for name in ROLES[1:]]
             wait_ready(host)
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
-            client.completions.create(model=model.stem, prompt=PROMPT, max_tokens=8, temperature=0)  # warm
-            started, made = time.perf_counter(), 0
-            for _ in range(requests):
-                result = client.completions.create(model=model.stem, prompt=PROMPT, max_tokens=tokens, temperature=0)
-                made += result.usage.completion_tokens if result.usage else 0
-            elapsed = time.perf_counter() - started
-            time.sleep(2.5)  # the stage report refreshes every 2 s
-            with urlopen(f"{host.base_url}/status", timeout=10) as response:
-                status = json.loads(response.read())
+            rate = one_user(host, model.stem, PROMPT, requests, tokens)
+            status = refreshed_status(host)
         finally:
             for member in members:
                 stop(member)
@@ -94,7 +82,7 @@ def one_session(model: Path, caches: Path, requests: int, tokens: int) -> tuple[
         for m in status["members"]
         if "blocks" in m
     ]
-    return sorted(stages, key=lambda s: s["blocks"]), made / elapsed
+    return sorted(stages, key=lambda s: s["blocks"]), rate
 
 
 def main() -> None:

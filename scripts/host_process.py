@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.error import URLError
 from urllib.request import urlopen
 
@@ -120,3 +122,24 @@ def running_host(
     finally:
         stop(process, timeout=30)
         host.log.unlink(missing_ok=True)
+
+
+def one_user(host: Host, model: str, prompt: str, requests: int, tokens: int) -> float:
+    """One user's greedy completions, after a short one to warm the ring; its tokens/s."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)  # warm
+    started, made = time.perf_counter(), 0
+    for _ in range(requests):
+        result = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0)
+        made += result.usage.completion_tokens if result.usage else 0
+    return made / (time.perf_counter() - started)
+
+
+def refreshed_status(host: Host) -> dict[str, Any]:
+    """/status once the stage report has refreshed (every 2 s) after the last request."""
+    time.sleep(2.5)
+    with urlopen(f"{host.base_url}/status", timeout=10) as response:
+        status: dict[str, Any] = json.loads(response.read())
+    return status
