@@ -20,7 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from host_process import Host, one_user, refreshed_status, running_host, start_member, stop, wait_ready
+from host_process import (
+    Host,
+    one_user,
+    planned_and_measured,
+    refreshed_status,
+    running_host,
+    start_member,
+    stop,
+    wait_ready,
+)
 
 from kafila.runtime.llama_backend import load_llama, shares_cores_env
 
@@ -31,23 +40,6 @@ def serve(host: Host, model: Path, requests: int, tokens: int) -> tuple[dict[str
     """One user's completions, then /status once the stage report has refreshed; and tokens/s."""
     rate = one_user(host, model.stem, PROMPT, requests, tokens)
     return refreshed_status(host), rate
-
-
-def stages(status: dict[str, Any]) -> list[dict[str, Any]]:
-    measured = {tuple(s["range"]): s.get("ms_per_token_alone") for s in status["stages"]}
-    found = [
-        {
-            "name": m["name"],
-            "blocks": tuple(m["blocks"]),
-            "head": m["name"] == status["plan"]["head"],
-            "predicted": m["predicted_ms_per_token"],
-            "priced_on": m.get("priced_on"),
-            "measured": measured.get(tuple(m["blocks"])),
-        }
-        for m in status["members"]
-        if "blocks" in m
-    ]
-    return sorted(found, key=lambda stage: stage["blocks"])
 
 
 def one_round(model: Path, caches: Path, requests: int, tokens: int) -> dict[str, Any]:
@@ -70,7 +62,8 @@ def one_round(model: Path, caches: Path, requests: int, tokens: int) -> dict[str
         finally:
             for member in members:
                 stop(member)
-    return {"first": stages(first), "second": stages(second), "rates": (first_rate, second_rate)}
+    rings = {"first": planned_and_measured(first), "second": planned_and_measured(second)}
+    return {**rings, "rates": (first_rate, second_rate)}
 
 
 def generic_ms(device: Any, manifest: Any, blocks: tuple[int, int], head: bool) -> float:

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from host_process import one_user, refreshed_status, running_host, start_member, stop, wait_ready
+from host_process import one_user, planned_and_measured, refreshed_status, running_host, start_member, stop, wait_ready
 
 from kafila.runtime.llama_backend import load_llama, shares_cores_env
 
@@ -70,19 +70,7 @@ def one_session(model: Path, caches: Path, requests: int, tokens: int) -> tuple[
         finally:
             for member in members:
                 stop(member)
-    measured = {tuple(s["range"]): s.get("ms_per_token") for s in status["stages"]}
-    stages = [
-        {
-            "name": m["name"],
-            "blocks": tuple(m["blocks"]),
-            "head": m["name"] == status["plan"]["head"],
-            "predicted": m["predicted_ms_per_token"],
-            "measured": measured.get(tuple(m["blocks"])),
-        }
-        for m in status["members"]
-        if "blocks" in m
-    ]
-    return sorted(stages, key=lambda s: s["blocks"]), rate
+    return planned_and_measured(status), rate
 
 
 def main() -> None:

@@ -143,3 +143,22 @@ def refreshed_status(host: Host) -> dict[str, Any]:
     with urlopen(f"{host.base_url}/status", timeout=10) as response:
         status: dict[str, Any] = json.loads(response.read())
     return status
+
+
+def planned_and_measured(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each stage of the plan in /status, in block order: who holds it, whether it is the head, its
+    predicted ms per token, where that price came from, and its measured ms per single-row decode."""
+    measured = {tuple(s["range"]): s.get("ms_per_token_alone") for s in status["stages"]}
+    found = [
+        {
+            "name": m["name"],
+            "blocks": tuple(m["blocks"]),
+            "head": m["name"] == status["plan"]["head"],
+            "predicted": m["predicted_ms_per_token"],
+            "priced_on": m.get("priced_on"),
+            "measured": measured.get(tuple(m["blocks"])),
+        }
+        for m in status["members"]
+        if "blocks" in m
+    ]
+    return sorted(found, key=lambda stage: stage["blocks"])
