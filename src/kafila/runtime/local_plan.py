@@ -32,10 +32,9 @@ def this_device(progress: Callable[[str, float], None] | None = None, memory: in
 
 def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
     from kafila.runtime.llama_backend import load_llama
+    from kafila.runtime.probe import run_probe
 
     llama_cpp = load_llama()
-
-    from kafila.runtime.probe import run_probe
 
     path = cache_dir() / "probe.json"
     try:

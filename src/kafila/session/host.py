@@ -339,11 +339,12 @@ class HostSession:
         return [self.member_name(m) for m in learned]
 
     def devices(self, members: Sequence[str]) -> list[Device]:
-        """Every device as the planner sees it: priced on the model itself where it was, generically if not."""
-        host = self.presence.capability.priced(self.pricing(self.me))
-        others = [self.known[m].capability.priced(self.pricing(m)) for m in members]
-        named = zip([self.me, *members], [host, *others], strict=True)
-        return [device.device().model_copy(update={"name": self.member_name(m)}) for m, device in named]
+        """Every device as the planner sees it: priced by what it served, or on the model itself where
+        it was, generically if neither."""
+        return [
+            self._capability(m).priced(self.pricing(m)).device().model_copy(update={"name": self.member_name(m)})
+            for m in [self.me, *members]
+        ]
 
     def pricing_note(self, members: Sequence[str]) -> str:
         """Which machines' stage times come from what, for the plan's reader."""
