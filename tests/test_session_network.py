@@ -106,6 +106,7 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
             first, end = member["blocks"]
             blocks = f'blocks="{first}-{end - 1}"'
             assert f"kafila_stage_ms_per_token{{{blocks}}}" in metrics, metrics
+            assert f"kafila_stage_ms_per_token_alone{{{blocks}}}" in metrics, metrics
             assert f'kafila_stage_predicted_ms_per_token{{{blocks},member="{member["name"]}"}}' in metrics, metrics
             if not member["host"]:
                 assert f'kafila_link_rtt_ms{{member="{member["name"]}",path="direct"}}' in metrics, metrics
@@ -115,6 +116,10 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         ).stdout  # fmt: skip
         assert "ready" in table and "member-0" in table and "member-1" in table and "host (head)" in table
         assert "Ring edges" in table and table.count("direct") >= 3
+        alone = {tuple(s["range"]): s["ms_per_token_alone"] for s in status["stages"]}
+        for member in status["members"]:  # each row shows its stage's time alone, as /status has it
+            row = next(line for line in table.splitlines() if f" {member['name']} " in line)
+            assert f"{alone[tuple(member['blocks'])]:.2f}" in row, (row, alone)
     assert len(outputs) == 2
     assert all("receiving stage" in out for out in outputs), outputs  # separate caches: the host sent each its file
     assert all("the session ended" in out for out in outputs), outputs

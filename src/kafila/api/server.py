@@ -130,12 +130,20 @@ class _RingCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         measured = GaugeMetricFamily(
-            "kafila_stage_ms_per_token", "Measured decode ms per token of each stage", labels=["blocks"]
+            "kafila_stage_ms_per_token", "Measured decode ms per token of each stage, batched rows included",
+            labels=["blocks"],
+        )  # fmt: skip
+        alone = GaugeMetricFamily(
+            "kafila_stage_ms_per_token_alone",
+            "Measured ms of each stage's decodes of one token alone, which the plan's prediction prices",
+            labels=["blocks"],
         )
         for stage in self.serving.loop.stage_report if self.serving.loop else []:
-            span, ms = _blocks(stage.get("range")), stage.get("ms_per_token")
-            if span is not None and isinstance(ms, int | float):
-                measured.add_metric([span], float(ms))
+            span = _blocks(stage.get("range"))
+            for family, key in ((measured, "ms_per_token"), (alone, "ms_per_token_alone")):
+                ms = stage.get(key)
+                if span is not None and isinstance(ms, int | float):
+                    family.add_metric([span], float(ms))
         predicted = GaugeMetricFamily(
             "kafila_stage_predicted_ms_per_token", "The plan's decode ms per token of each member's stage",
             labels=["member", "blocks"],
@@ -150,6 +158,7 @@ class _RingCollector(Collector):
             if isinstance(member.get("rtt_ms"), int | float) and member.get("link") == "up":  # not one that left
                 rtt.add_metric([name, str(member.get("path", ""))], float(member["rtt_ms"]))
         yield measured
+        yield alone
         yield predicted
         yield rtt
 

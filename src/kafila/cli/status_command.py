@@ -32,12 +32,13 @@ def render_status(status: dict[str, Any], console: Console) -> None:
         highlight=False,
         soft_wrap=True,
     )
-    measured = {tuple(s["range"]): s.get("ms_per_token") for s in status.get("stages") or [] if "range" in s}
+    reports = {tuple(s["range"]): s for s in status.get("stages") or [] if "range" in s}
     members = status.get("members") or []
     head = (status.get("plan") or {}).get("head")  # none planned: one machine, which holds it
     if members:
         table = Table(title="Members")
-        for column in ("member", "role", "blocks", "link", "predicted ms/token", "measured ms/token"):
+        columns = ("member", "role", "blocks", "link", "predicted ms/token", "measured ms/token", "ms/row, all decodes")
+        for column in columns:
             table.add_column(column, justify="left" if column in ("member", "role", "link") else "right")
         for member in members:
             blocks = member.get("blocks") or member.get("stages")
@@ -54,7 +55,9 @@ def render_status(status: dict[str, Any], console: Console) -> None:
                 f"{span[0]}–{span[1] - 1}" if span else "—",
                 link,
                 _number(member.get("predicted_ms_per_token")) + (" *" if _generic(member) else ""),
-                _number(measured.get(span)) if span else "—",
+                # a decode of one token alone is what the prediction prices; batched rows cost less each
+                _number((reports.get(span) or {}).get("ms_per_token_alone")) if span else "—",
+                _number((reports.get(span) or {}).get("ms_per_token")) if span else "—",
             )
         console.print(table)
         if any(_generic(member) for member in members):
