@@ -17,12 +17,12 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGUFValueType, ReaderTensor
 
 from kafila.runtime.families import family_of
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
@@ -136,36 +136,31 @@ class _Slice:
         writer.add_bos_token_id(2)
         writer.add_unk_token_id(3)
 
-    def data_bytes(self) -> int:
-        """The tensor bytes this stage file will hold: what its disk space is mostly for."""
-        total = 0
-        for tensor in self.reader.tensors:
-            match = _BLOCK_TENSOR.match(tensor.name)
-            if match:
-                total += tensor.data.nbytes if self.first <= int(match.group(1)) < self.end else 0
-            elif self.is_head or tensor.name not in HEAD_ONLY_TENSORS:
-                total += tensor.data.nbytes
-        return total
-
-    def tensors(self, writer: RawCopyWriter) -> None:
-        n_embd = None
+    def _kept(self) -> Iterator[tuple[str, ReaderTensor]]:
+        """The source tensors this slice holds, each under its name in the slice: its blocks,
+        renumbered from 0, and the rest but the head's own tensors, which only the head keeps."""
         for tensor in self.reader.tensors:
             match = _BLOCK_TENSOR.match(tensor.name)
             if match:
                 index = int(match.group(1))
                 if self.first <= index < self.end:
-                    name = f"blk.{index - self.first}.{match.group(2)}"
-                    writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
-                continue
-            if tensor.name == "token_embd.weight":
-                n_embd = int(tensor.shape[0])
-            if tensor.name in HEAD_ONLY_TENSORS and not self.is_head:
-                continue
-            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+                    yield f"blk.{index - self.first}.{match.group(2)}", tensor
+            elif self.is_head or tensor.name not in HEAD_ONLY_TENSORS:
+                yield tensor.name, tensor
+
+    def data_bytes(self) -> int:
+        """The tensor bytes this stage file will hold: what its disk space is mostly for."""
+        return sum(int(tensor.data.nbytes) for _name, tensor in self._kept())
+
+    def tensors(self, writer: RawCopyWriter) -> None:
+        for name, tensor in self._kept():
+            writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
         if not self.is_head:
-            if n_embd is None:
+            embedding = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+            if embedding is None:
                 raise SliceError("the model has no token_embd.weight")
             # Rows for the stand-in tokens: never read, since a stage is fed hidden states.
+            n_embd = int(embedding.shape[0])
             writer.add_tensor("token_embd.weight", np.zeros((len(STAND_IN_TOKENS), n_embd), dtype=np.float32))
 
 

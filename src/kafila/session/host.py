@@ -358,11 +358,11 @@ class HostSession:
             source: [self.member_name(m) for m in everyone if self.priced_on(m) == source]
             for source in ("serving", "the model", "the generic probe")
         }
-        if not groups["the generic probe"] and len([g for g in groups.values() if g]) == 1:
-            source = next(s for s, names in groups.items() if names)
-            return f"stage times: every machine {sources[source]}"
-        if not groups["serving"] and not groups["the model"]:
+        present = [source for source, names in groups.items() if names]
+        if present == ["the generic probe"]:
             return f"stage times: from the generic probe, which misjudges narrow models; {how}"
+        if len(present) == 1:
+            return f"stage times: every machine {sources[present[0]]}"
         parts = [f"{sources[s]} for {', '.join(groups[s])}" for s in ("serving", "the model") if groups[s]]
         if groups["the generic probe"]:
             parts.append(f"from the generic probe for {', '.join(groups['the generic probe'])} ({how})")
