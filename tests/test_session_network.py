@@ -316,6 +316,94 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
             assert member["predicted_ms_per_token"] == pytest.approx(expected, rel=0.02, abs=2e-3), (member, scale)
 
 
+def wide_model(path: Path, n_blocks: int = 12) -> Path:
+    """A llama whose blocks cost clearly more than a stage's fixed cost (about 4 MB of Q8_0 each),
+    so that how the blocks are divided shows in the stages' times; its vocabulary stays tiny."""
+    from tiny_models import Q8_0, ModelShape
+
+    shape = ModelShape(
+        n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_ff=2048, tied_output=False, embd_std=1.0,
+        ffn_types=(Q8_0,), attn_v_type=Q8_0,
+    )  # fmt: skip
+    return write_tiny_model(path, "llama", n_blocks=n_blocks, shape=shape)
+
+
+@pytest.mark.parametrize("rebalance", [True, False])
+def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_been_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rebalance: bool
+) -> None:
+    """member-0 holds a pricing of the model that claims six times its real speed, so the plan gives
+    it most of the blocks, and its stage is the ring's bottleneck. Once every stage has timed enough
+    tokens, the host, at a moment without requests, plans again with prices that pass through the
+    measured times, finds the slowest stage clearly faster divided more evenly, and moves blocks
+    back; the new ring serves the same greedy text and is not divided again. `--no-rebalance`
+    keeps the first division."""
+    from kafila.planner.fleet import FleetDevice, ModelPricing
+    from kafila.runtime.local_plan import save_model_pricing
+    from kafila.runtime.slicer import file_sha256
+
+    model = wide_model(tmp_path / "tiny.gguf")
+    share_this_machines_probe(tmp_path, 2)  # cache-1 is the host's
+    generic = FleetDevice.model_validate(json.loads((tmp_path / "cache-1" / "probe.json").read_text())["device"])
+    assert generic.bandwidth_gb_s is not None and generic.overhead_us is not None
+    boast = 6.0
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache-0"))
+    save_model_pricing(
+        ModelPricing(
+            model_sha256=file_sha256(model),
+            bandwidth_gb_s=generic.bandwidth_gb_s * boast,
+            head_bandwidth_gb_s=(generic.head_bandwidth_gb_s or generic.bandwidth_gb_s) * boast,
+            overhead_us=generic.overhead_us / boast,
+        )
+    )
+    env = {"KAFILA_CACHE": str(tmp_path / "cache-1"), "KAFILA_REBALANCE_COOLDOWN_S": "1"}
+    flag = "--rebalance" if rebalance else "--no-rebalance"
+    with session(tmp_path, model, 2, "--name", "the-host", flag, env=env) as (host, _joiners):
+        wait_ready(host)
+
+        def status() -> dict[str, Any]:
+            with urlopen(f"{host.base_url}/status", timeout=10) as response:
+                return dict(json.loads(response.read()))
+
+        def blocks(of: dict[str, Any]) -> dict[str, int]:
+            return {m["name"]: m["blocks"][1] - m["blocks"][0] for m in of["members"] if "blocks" in m}
+
+        first = status()
+        assert blocks(first)["member-0"] >= 9, first
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        expected = unsplit_greedy(model, PROMPT, 24)
+        for _ in range(2):  # 46 single-token decodes on every stage: past MIN_STEPS_TO_REBALANCE
+            assert (
+                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+                == expected
+            )
+        if not rebalance:
+            time.sleep(6)  # three readings of the idle ring's report
+            assert status()["epoch"] == first["epoch"] and "rebalancing" not in host.output(), host.output()
+            return
+        wait_for_output(host, "rebalancing by what the stages measured serving:")
+        wait_for_output(host, "replanned with 2 members")
+        wait_ready(host, timeout=60)
+        after = status()
+        assert after["epoch"] == first["epoch"] + 1, after
+        assert blocks(after)["member-0"] < blocks(first)["member-0"], (first, after)
+        assert all(m["priced_on"] == "serving" for m in after["members"] if "blocks" in m), after
+        line = next(line for line in host.output().splitlines() if "measured serving: the slowest" in line)
+        assert "worth it" in line, line
+        for _ in range(2):  # the new ring serves the same text, and its own measurements keep it
+            assert (
+                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+                == expected
+            )
+        deadline = time.monotonic() + 20
+        while (reading := status()).get("rebalance") is None:  # judged once its stages have timed enough
+            assert time.monotonic() < deadline, reading
+            time.sleep(0.5)
+        assert not reading["rebalance"]["reason"].endswith("worth it"), reading
+        assert reading["epoch"] == after["epoch"], reading
+        assert host.output().count("rebalancing by what the stages measured serving:") == 1, host.output()
+
+
 def test_a_wrong_session_code_is_refused_and_the_host_issues_a_new_one(tmp_path: Path, model: Path) -> None:
     with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
         code, rendezvous = host.join_line()

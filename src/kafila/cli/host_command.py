@@ -112,6 +112,14 @@ def host(
             "block holds no stage and only serves.",
         ),
     ] = None,
+    rebalance: Annotated[
+        bool,
+        typer.Option(
+            "--rebalance/--no-rebalance",
+            help="With members: at a moment without requests, divide the blocks again when what the stages "
+            "measured serving shows a division at least 25% faster.",
+        ),
+    ] = True,
 ) -> None:
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
@@ -157,7 +165,7 @@ def host(
         rendezvous_bind="127.0.0.1" if demo else "0.0.0.0",
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
-        memory=lent,
+        memory=lent, rebalance=rebalance,
     )  # fmt: skip
     try:
         asyncio.run(_serve(config))

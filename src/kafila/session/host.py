@@ -40,7 +40,8 @@ from kafila.network.rendezvous_client import RendezvousClient, verify_members
 from kafila.network.session_codes import full_code, new_secret
 from kafila.planner import plan_serving_host
 from kafila.planner.fleet import FleetDevice, ModelPricing, pricing_from_serving
-from kafila.planner.types import Device, ModelManifest, Plan, SessionSpec
+from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
+from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.local_plan import cached_model_pricings, model_sha256, pricing_for
 from kafila.runtime.pipeline import RingEngine
@@ -58,6 +59,9 @@ T = TypeVar("T")
 HELLO_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
 MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before a replan trusts them
+# A rebalance moves blocks on the strength of the measurements alone, so it waits for more of
+# them: the first decodes after a load can run slow (pages faulted in, buffers first used).
+MIN_STEPS_TO_REBALANCE = 32
 
 
 class SessionFailed(RuntimeError):
@@ -150,6 +154,7 @@ class HostSession:
     own_stage: OwnStage | None = None
     newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
     admitting: bool = True  # until a newcomer fails the trust exchange (maybe a guess at the secret)
+    last_verdict: RebalanceVerdict | None = None  # the latest reading of the serving ring's measurements
     _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -289,13 +294,15 @@ class HostSession:
     def alive(self) -> list[str]:
         return [m for m, r in self.routers.items() if not r.link.closed.done()]
 
-    def pricing(self, member: str) -> ModelPricing | None:
+    def pricing(self, member: str, served: Mapping[str, ModelPricing] | None = None) -> ModelPricing | None:
         """The member's pricing of the model served: from what its stage measured serving it in this
-        session, or its own (`kafila probe --model`); None where only the generic probe prices it."""
+        session (`served`, by default those learned so far), or its own (`kafila probe --model`);
+        None where only the generic probe prices it."""
         if self.model_sha256 is None:
             return None
-        if member in self.served_pricings:
-            return self.served_pricings[member]
+        served = self.served_pricings if served is None else served
+        if member in served:
+            return served[member]
         if member == self.me:
             return self.own_pricing
         hello = self.hellos.get(member)
@@ -310,22 +317,24 @@ class HostSession:
     def _capability(self, member: str) -> FleetDevice:
         return self.presence.capability if member == self.me else self.known[member].capability
 
-    def learn_from_serving(self, report: Sequence[Mapping[str, object]]) -> list[str]:
-        """Price every machine of the ring by what its stage measured, decoding one token at a time,
-        for the next plan; returns the names of those repriced.
-
-        Called before a replan: the members kept then get divisions that fit what they showed, where
-        the generic probe misjudged them. A stage that decoded too few tokens alone keeps its price.
-        """
-        deployment = self.deployment
-        if deployment is None or self.model_sha256 is None:
-            return []
+    @staticmethod
+    def measured_stage_times(report: Sequence[Mapping[str, object]], min_steps: int) -> dict[tuple[int, int], float]:
+        """Seconds per token of each stage (by block range) that decoded at least `min_steps`
+        tokens one at a time: only those decodes compare with a stage's price."""
         measured: dict[tuple[int, int], float] = {}
         for entry in report:
             span, ms, steps = entry.get("range"), entry.get("ms_per_token_alone"), entry.get("steps_alone")
             if isinstance(span, list) and len(span) == 2 and isinstance(ms, int | float) and isinstance(steps, int):
-                if steps >= MIN_STEPS_TO_REPRICE:
+                if steps >= min_steps and ms > 0:
                     measured[(int(span[0]), int(span[1]))] = float(ms) * 1e-3
+        return measured
+
+    def _priced_by_serving(self, measured: Mapping[tuple[int, int], float]) -> dict[str, ModelPricing]:
+        """Each machine of the ring whose stage was measured, priced so that the stage costs what it
+        measured; the others are left out."""
+        deployment = self.deployment
+        if deployment is None or self.model_sha256 is None:
+            return {}
         learned: dict[str, ModelPricing] = {}
         for member, stage in zip(deployment.chain, deployment.plan.stages, strict=True):
             seconds = measured.get((stage.start, stage.end))
@@ -335,16 +344,50 @@ class HostSession:
             pricing = pricing_from_serving(priced_as, self.model_sha256, stage.cost_s, seconds)
             if pricing is not None:
                 learned[member] = pricing
+        return learned
+
+    def learn_from_serving(self, report: Sequence[Mapping[str, object]]) -> list[str]:
+        """Price every machine of the ring by what its stage measured, decoding one token at a time,
+        for the next plan; returns the names of those repriced.
+
+        Called before a replan: the members kept then get divisions that fit what they showed, where
+        the generic probe misjudged them. A stage that decoded too few tokens alone keeps its price.
+        """
+        learned = self._priced_by_serving(self.measured_stage_times(report, MIN_STEPS_TO_REPRICE))
         self.served_pricings.update(learned)
         return [self.member_name(m) for m in learned]
 
-    def devices(self, members: Sequence[str]) -> list[Device]:
+    def rebalance_verdict(self, report: Sequence[Mapping[str, object]]) -> RebalanceVerdict | None:
+        """Whether the serving ring would be clearly faster divided again by what its stages
+        measured (`judge_rebalance`); None until every stage has timed MIN_STEPS_TO_REBALANCE
+        tokens alone, or where no plan over the same machines fits. Learns nothing."""
+        deployment = self.deployment
+        if deployment is None:
+            return None
+        measured = self.measured_stage_times(report, MIN_STEPS_TO_REBALANCE)
+        times = [measured.get((s.start, s.end)) for s in deployment.plan.stages]
+        if None in times:
+            return None
+        served = {**self.served_pricings, **self._priced_by_serving(measured)}
+        try:
+            proposed = self.plan(self.planned_members(), served)
+        except PlanRefused:
+            return None
+        verdict = judge_rebalance(deployment.plan, times, proposed)
+        self.last_verdict = verdict
+        return verdict
+
+    def planned_members(self) -> list[str]:
+        """The members of the current plan in the order it was planned with (its ring search
+        breaks ties by that order), so a plan made again over them differs only by its prices."""
+        deployment = self.deployment
+        return [m for m in self.alive() if deployment is not None and m in deployment.members]
+
+    def devices(self, members: Sequence[str], served: Mapping[str, ModelPricing] | None = None) -> list[Device]:
         """Every device as the planner sees it: priced by what it served, or on the model itself where
         it was, generically if neither."""
-        return [
-            self._capability(m).priced(self.pricing(m)).device().model_copy(update={"name": self.member_name(m)})
-            for m in [self.me, *members]
-        ]
+        priced = [(m, self._capability(m).priced(self.pricing(m, served))) for m in [self.me, *members]]
+        return [device.device().model_copy(update={"name": self.member_name(m)}) for m, device in priced]
 
     def pricing_note(self, members: Sequence[str]) -> str:
         """Which machines' stage times come from what, for the plan's reader."""
@@ -368,10 +411,11 @@ class HostSession:
             parts.append(f"from the generic probe for {', '.join(groups['the generic probe'])} ({how})")
         return "stage times: " + "; ".join(parts)
 
-    def plan(self, members: Sequence[str]) -> Plan:
+    def plan(self, members: Sequence[str], served: Mapping[str, ModelPricing] | None = None) -> Plan:
         """The plan over this host and `members`, the head here if it fits (`plan_serving_host`);
-        PlanRefused names who cannot hold its share."""
-        devices = self.devices(members)
+        PlanRefused names who cannot hold its share. `served`: prices learned serving, in place of
+        those kept so far."""
+        devices = self.devices(members, served)
         return plan_serving_host(self.manifest, devices, self.session)
 
     async def deploy(
@@ -453,6 +497,7 @@ class HostSession:
             del preparing[self.member_name(member)]
             report()
         self.deployment = Deployment(self.epoch, plan, chain, counts, stages, self.me)
+        self.last_verdict = None  # a new plan has measured nothing yet
         self.broken_edges.clear()  # rebuilt, or no longer in the ring
         self._listen(self.deployment.members, self.epoch)
         return self.deployment
@@ -616,6 +661,12 @@ class HostSession:
                 "tier": plan.tier.value, "ring": list(plan.ring), "head": plan.head,
                 "division": deployment.counts if deployment else None,
                 "predicted_bottleneck_ms": round(plan.bottleneck_s * 1e3, 3) if plan.bottleneck_s else None,
+            },
+            "rebalance": None if self.last_verdict is None else {
+                "reason": self.last_verdict.reason,
+                "measured_bottleneck_ms": round(self.last_verdict.measured_bottleneck_s * 1e3, 3),
+                "planned_bottleneck_ms": None if self.last_verdict.planned_bottleneck_s is None
+                else round(self.last_verdict.planned_bottleneck_s * 1e3, 3),
             },
         }  # fmt: skip
 

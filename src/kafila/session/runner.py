@@ -1,5 +1,5 @@
-"""The host's lifecycle: load the model or gather members, serve, replan when a stage fails or a
-newcomer is admitted, stop.
+"""The host's lifecycle: load the model or gather members, serve, replan when a stage fails, a
+newcomer is admitted or the stages' measured times call for another division, stop.
 
 Presentation is the caller's: every message, the plan table and the transfer progress go
 through a `HostUi`, so the CLI renders them with rich and tests or other front ends need not.
@@ -31,14 +31,22 @@ from kafila.runtime.local_plan import cache_dir
 # How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
 # so that the running ones can finish and the ring be replanned with them.
 NEWCOMER_PATIENCE_S = 30.0
+# The least time between two rebalances, doubled after each: a ring measured on a machine whose
+# load comes and goes cannot flap between divisions more than a few times an hour.
+REBALANCE_COOLDOWN_S = 60.0
+REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A duration the environment may shorten (tests do), never negative; `default` if unreadable."""
+    try:
+        return max(0.0, float(os.environ.get(name, default)))
+    except ValueError:
+        return default
 
 
 def newcomer_patience_s() -> float:
-    """NEWCOMER_PATIENCE_S, or KAFILA_NEWCOMER_PATIENCE_S (tests use a short one)."""
-    try:
-        return max(0.0, float(os.environ.get("KAFILA_NEWCOMER_PATIENCE_S", NEWCOMER_PATIENCE_S)))
-    except ValueError:
-        return NEWCOMER_PATIENCE_S
+    return seconds_from_env("KAFILA_NEWCOMER_PATIENCE_S", NEWCOMER_PATIENCE_S)
 
 
 if TYPE_CHECKING:
@@ -79,6 +87,7 @@ class HostConfig:
     name: str
     memory: int | None = None  # bytes this machine lends (`--memory`); None: what is free
     discovery_port: int | None = DEFAULT_DISCOVERY_PORT  # LAN discovery by the embedded rendezvous; None: off
+    rebalance: bool = True  # divide the blocks again when the stages' measured times clearly call for it
 
     @property
     def settings(self) -> ContextSettings:
@@ -100,6 +109,8 @@ class HostRunner:
         self.engine_loop: EngineLoop | None = None  # the one serving, even while /v1 turns requests away
         self.join_line = ""  # what a member runs to join, once the session is open
         self._newcomers_waiting_since: float | None = None
+        self._rebalance_cooldown_s = seconds_from_env("KAFILA_REBALANCE_COOLDOWN_S", REBALANCE_COOLDOWN_S)
+        self._next_rebalance_check = 0.0  # monotonic time; a cool-down after a rebalance pushes it on
         self.network: HostSession | None = None
         self.rendezvous: Any = None
         self.joiners: list[subprocess.Popen[bytes]] = []
@@ -320,6 +331,9 @@ class HostRunner:
                     self._hold_requests_for_newcomers()
             elif self._newcomers_waiting_since is not None:  # they left before their replan
                 self._stop_holding_requests()
+            elif loop is not None and loop.running == 0 and loop.queued == 0 and self._rebalance_due():
+                if not await self._rebalance_if_worth_it(loop):
+                    return
 
     def _admitted(self, name: str, error: BaseException | None) -> None:
         network = self.network
@@ -379,6 +393,31 @@ class HostRunner:
         self._newcomers_waiting_since = None
         self.serving.become_unready([f"the host to replan, {why}"])
         await self._retire(f"the host is replanning, {why}")
+        return await self._redeploy(why, f", {why}")
+
+    def _rebalance_due(self) -> bool:
+        """Time to read an idle ring's measurements again (every REBALANCE_CHECK_S, after any cool-down)."""
+        now = time.monotonic()
+        if not self.config.rebalance or now < self._next_rebalance_check:
+            return False
+        self._next_rebalance_check = now + REBALANCE_CHECK_S
+        return True
+
+    async def _rebalance_if_worth_it(self, loop: EngineLoop) -> bool:
+        """No request is in flight: if the ring, priced by what its stages measured, would be clearly
+        faster divided again (`HostSession.rebalance_verdict`), replan over the same machines.
+        Nothing in flight is lost; a request that comes meanwhile is told to retry (503)."""
+        network = self.network
+        assert network is not None
+        verdict = network.rebalance_verdict(loop.stage_report)
+        if verdict is None or not verdict.worth_it:
+            return True
+        self._next_rebalance_check = time.monotonic() + self._rebalance_cooldown_s
+        self._rebalance_cooldown_s *= 2
+        why = "rebalancing by what the stages measured serving"
+        self.ui.say(f"{why}: {verdict.reason}")
+        self.serving.become_unready([f"the host to divide the blocks again, {why}"])
+        await self._retire(f"the host is {why}")
         return await self._redeploy(why, f", {why}")
 
     async def _redeploy(self, error: str, why: str = "") -> bool:
