@@ -402,6 +402,11 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
         assert not reading["rebalance"]["reason"].endswith("worth it"), reading
         assert reading["epoch"] == after["epoch"], reading
         assert host.output().count("rebalancing by what the stages measured serving:") == 1, host.output()
+        table = subprocess.run(
+            [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
+            timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
+        ).stdout  # fmt: skip
+        assert "rebalance: the " in table, table
 
 
 def test_a_wrong_session_code_is_refused_and_the_host_issues_a_new_one(tmp_path: Path, model: Path) -> None:

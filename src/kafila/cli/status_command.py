@@ -85,6 +85,9 @@ def render_status(status: dict[str, Any], console: Console) -> None:
             highlight=False,
             soft_wrap=True,
         )
+    rebalance = status.get("rebalance")
+    if isinstance(rebalance, dict) and rebalance.get("reason"):
+        console.print(f"rebalance: {rebalance['reason']}", highlight=False, soft_wrap=True)
 
 
 def _generic(member: dict[str, Any]) -> bool:
