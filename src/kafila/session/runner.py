@@ -111,6 +111,7 @@ class HostRunner:
         self._newcomers_waiting_since: float | None = None
         self._rebalance_cooldown_s = seconds_from_env("KAFILA_REBALANCE_COOLDOWN_S", REBALANCE_COOLDOWN_S)
         self._next_rebalance_check = 0.0  # monotonic time; a cool-down after a rebalance pushes it on
+        self._judged_steps: object = None  # each stage's decodes timed alone, when last judged for a rebalance
         self.network: HostSession | None = None
         self.rendezvous: Any = None
         self.joiners: list[subprocess.Popen[bytes]] = []
@@ -409,6 +410,10 @@ class HostRunner:
         Nothing in flight is lost; a request that comes meanwhile is told to retry (503)."""
         network = self.network
         assert network is not None
+        steps = [(str(entry.get("range")), entry.get("steps_alone")) for entry in loop.stage_report]
+        if steps == self._judged_steps:  # nothing decoded since (an idle ring's report refreshes too)
+            return True
+        self._judged_steps = steps
         verdict = network.rebalance_verdict(loop.stage_report)
         if verdict is None or not verdict.worth_it:
             return True
