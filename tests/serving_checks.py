@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
 
+from kafila.api.server import Serving, create_app
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import generate, open_engine
@@ -68,3 +73,25 @@ def check_concurrent_streams(client: openai.OpenAI, model: str, alone: Callable[
     for prompt, (text, finish, tokens) in results.items():
         assert finish == "length" and tokens == 16, prompt
         assert text.startswith(starts[prompt]), prompt
+
+
+@contextmanager
+def serving_in_thread(serving: Serving) -> Iterator[str]:
+    """The real API app on uvicorn, on a free loopback port, in a thread with its own event loop;
+    yields its base URL. The caller owns the engine behind `serving`."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(create_app(serving), log_level="warning", lifespan="off"))
+    sock = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

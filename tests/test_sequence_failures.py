@@ -9,10 +9,8 @@ host planned for), which llama.cpp itself refuses part-way through a batch.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,10 +21,10 @@ from urllib.request import urlopen
 import numpy as np
 import openai
 import pytest
-from serving_checks import unsplit_greedy
+from serving_checks import serving_in_thread, unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.api.server import Serving, create_app
+from kafila.api.server import Serving
 from kafila.api.service import EngineLoop
 from kafila.network.frames import Frame, Kind
 from kafila.runtime.llama_backend import ContextSettings
@@ -190,22 +188,10 @@ def small_stage_host(model: Path, tmp_path: Path) -> Iterator[InProcessHost]:
     loop.start()
     serving = Serving(model_id="tiny", context_per_sequence=512)
     serving.become_ready(engine, loop, "llama")
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(create_app(serving), log_level="warning", lifespan="off"))
-    sock = socket.create_server(("127.0.0.1", 0))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.05)
     try:
-        yield InProcessHost(f"http://127.0.0.1:{sock.getsockname()[1]}", loop, engine)
+        with serving_in_thread(serving) as base_url:
+            yield InProcessHost(base_url, loop, engine)
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
         loop.stop()
         engine.close()
 

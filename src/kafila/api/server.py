@@ -44,6 +44,9 @@ MAX_DRAINED_BYTES = 1 << 30
 MAX_TOKEN_CHARACTERS = 1024
 TOKENIZE_IN_THREAD_CHARACTERS = 1 << 15
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
+# turned away with 503: a replan streams and loads stage files, which can take minutes.
+PLANNED_PAUSE_WAIT_S = 120.0
 SERVED_ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /status and /metrics"
 
 
@@ -76,6 +79,9 @@ class Serving:
     failure: str | None = None
     session_status: Callable[[], dict[str, Any]] = dict
     created: int = field(default_factory=lambda: int(time.time()))
+    paused: bool = False  # a planned replan runs: requests wait for it rather than be turned away
+    pause_wait_s: float = PLANNED_PAUSE_WAIT_S
+    _resumed: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
 
     def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
         bos, eos = engine.special_text()
@@ -83,13 +89,41 @@ class Serving:
         self.engine, self.loop = engine, loop
         self.waiting_for = []
         self.failure = None
+        self.paused = False
+        self._wake()
 
-    def become_unready(self, waiting_for: list[str], failure: str | None = None) -> None:
+    def become_unready(self, waiting_for: list[str], failure: str | None = None, paused: bool = False) -> None:
+        """`paused`: the host chose to replan (it is not broken), so requests that come meanwhile
+        wait for the new ring, up to `pause_wait_s`; otherwise they get 503 at once."""
         self.loop, self.engine, self.waiting_for, self.failure = None, None, waiting_for, failure
+        self.paused = paused and failure is None
+        self._wake()
+
+    def _wake(self) -> None:
+        """Let every request waiting on a pause look again (from any thread)."""
+        waiters, self._resumed = self._resumed, []
+        for waiter in waiters:
+            waiter.get_loop().call_soon_threadsafe(_settle, waiter)
+
+    async def until_resumed(self) -> None:
+        """Wait while a planned replan runs, up to `pause_wait_s`; the caller then looks at `ready`."""
+        deadline = time.monotonic() + self.pause_wait_s
+        while self.paused and not self.ready and (remaining := deadline - time.monotonic()) > 0:
+            waiter = asyncio.get_running_loop().create_future()
+            self._resumed.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except TimeoutError:
+                return
 
     @property
     def ready(self) -> bool:
         return self.loop is not None and self.loop.error is None
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _Metrics:
@@ -102,6 +136,9 @@ class _Metrics:
         self.completion_tokens = Counter("kafila_completion_tokens", "Tokens generated", registry=self.registry)
         self.first_token = Histogram(
             "kafila_time_to_first_token_seconds", "From request to first generated text", registry=self.registry
+        )
+        self.held = Counter(
+            "kafila_requests_held", "Requests that waited for a planned replan, not turned away", registry=self.registry
         )
         queue = Gauge("kafila_queue_depth", "Requests waiting for a slot", registry=self.registry)
         queue.set_function(lambda: serving.loop.queued if serving.loop else 0)
@@ -194,12 +231,16 @@ def create_app(serving: Serving) -> FastAPI:
             where, _ = first_problem(error)
             raise _invalid(one_line(error), param=where or None) from None
 
-    def ready_loop(model: str) -> tuple[EngineLoop, Engine]:
+    async def ready_loop(model: str) -> tuple[EngineLoop, Engine]:
+        """The engine to serve with; during a planned replan, once it is done."""
         if model != serving.model_id:
             raise ApiError(
                 404, f"The model '{model}' does not exist; this server serves '{serving.model_id}'.",
                 "invalid_request_error", "model_not_found", "model",
             )  # fmt: skip
+        if serving.paused and not serving.ready:
+            metrics.held.inc()
+            await serving.until_resumed()
         loop, engine = serving.loop, serving.engine
         if loop is None or engine is None or loop.error is not None:
             raise ApiError(503, _not_ready_text(serving, loop), "server_error", "not_ready")
@@ -248,7 +289,7 @@ def create_app(serving: Serving) -> FastAPI:
     async def chat(request: Request) -> Response:
         authorise(request)
         body: ChatRequest = await parse(request, ChatRequest)
-        loop, engine = ready_loop(body.model)
+        loop, engine = await ready_loop(body.model)
         assert serving.template is not None
         try:
             rendered = serving.template.render([m.for_template() for m in body.messages])
@@ -261,7 +302,7 @@ def create_app(serving: Serving) -> FastAPI:
     async def completions(request: Request) -> Response:
         authorise(request)
         body: CompletionRequest = await parse(request, CompletionRequest)
-        loop, engine = ready_loop(body.model)
+        loop, engine = await ready_loop(body.model)
         try:
             text = body.prompt_text()
         except ValueError as error:

@@ -133,6 +133,8 @@ class HostRunner:
         """End the requests in flight now, without blocking the event loop (a signal handler calls it)."""
         if self.network is not None:
             self.network.abandon_ring()  # a step waiting on the ring ends at once
+        if self.serving.paused:  # requests waiting for a planned replan: there will be none
+            self.serving.become_unready([], failure=reason)
         loop = self.engine_loop
         if loop is not None:
             threading.Thread(target=loop.stop, args=(reason,), daemon=True).start()
@@ -366,8 +368,8 @@ class HostRunner:
 
     def _hold_requests_for_newcomers(self) -> None:
         """Under steady load a moment without requests may never come: after NEWCOMER_PATIENCE_S,
-        /v1 turns new requests away (503) while those running and queued finish, so the newcomers
-        get their replan and nothing in flight is lost."""
+        new requests wait (up to `Serving.pause_wait_s`) while those running and queued finish, so
+        the newcomers get their replan and nothing in flight is lost."""
         network = self.network
         assert network is not None
         now = time.monotonic()
@@ -376,7 +378,8 @@ class HostRunner:
         elif now - self._newcomers_waiting_since >= newcomer_patience_s() and self.serving.ready:
             names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
             self.ui.say(f"the requests running finish first; new ones wait for the replan taking in {names}")
-            self.serving.become_unready([f"the requests running to finish, then the host to replan taking in {names}"])
+            waits = [f"the requests running to finish, then the host to replan taking in {names}"]
+            self.serving.become_unready(waits, paused=True)
 
     def _stop_holding_requests(self) -> None:
         """The newcomers went before their replan: serve on with the ring as it is."""
@@ -392,7 +395,7 @@ class HostRunner:
         names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
         why = f"taking in {names}"
         self._newcomers_waiting_since = None
-        self.serving.become_unready([f"the host to replan, {why}"])
+        self.serving.become_unready([f"the host to replan, {why}"], paused=True)
         await self._retire(f"the host is replanning, {why}")
         return await self._redeploy(why, f", {why}")
 
@@ -407,7 +410,7 @@ class HostRunner:
     async def _rebalance_if_worth_it(self, loop: EngineLoop) -> bool:
         """No request is in flight: if the ring, priced by what its stages measured, would be clearly
         faster divided again (`HostSession.rebalance_verdict`), replan over the same machines.
-        Nothing in flight is lost; a request that comes meanwhile is told to retry (503)."""
+        Nothing in flight is lost; a request that comes meanwhile waits for the new ring."""
         network = self.network
         assert network is not None
         steps = [(str(entry.get("range")), entry.get("steps_alone")) for entry in loop.stage_report]
@@ -421,7 +424,7 @@ class HostRunner:
         self._rebalance_cooldown_s *= 2
         why = "rebalancing by what the stages measured serving"
         self.ui.say(f"{why}: {verdict.reason}")
-        self.serving.become_unready([f"the host to divide the blocks again, {why}"])
+        self.serving.become_unready([f"the host to divide the blocks again, {why}"], paused=True)
         await self._retire(f"the host is {why}")
         return await self._redeploy(why, f", {why}")
 

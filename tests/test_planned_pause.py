@@ -1,0 +1,116 @@
+"""A request that comes while the host replans by choice (taking in newcomers, rebalancing) waits
+for the new ring instead of being turned away; a replan that fails, or a pause past its bound,
+ends it with OpenAI's 503. The real API server, engine loop and llama.cpp, in this process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.request import urlopen
+
+import openai
+import pytest
+from serving_checks import serving_in_thread, unsplit_greedy
+from tiny_models import write_tiny_model
+
+from kafila.api.server import Serving
+from kafila.api.service import EngineLoop
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.pipeline import Engine, open_engine
+
+PROMPT = "the quick brown fox"
+SETTINGS = ContextSettings(n_ctx=256 * 2, n_batch=64, n_seq_max=2, n_threads=1)
+
+
+@dataclass
+class Served:
+    serving: Serving
+    base_url: str
+    engine: Engine
+    loop: EngineLoop
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def held(self) -> float:
+        with urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        return float(next(line.split()[1] for line in lines if line.startswith("kafila_requests_held_total")))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("pause") / "tiny.gguf", "llama", n_blocks=2)
+
+
+@pytest.fixture
+def served(model: Path) -> Iterator[Served]:
+    engine = open_engine(model, [2], SETTINGS)
+    loop = EngineLoop(engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=256)
+    loop.start()
+    serving = Serving(model_id="tiny", context_per_sequence=256)
+    serving.become_ready(engine, loop, "llama")
+    try:
+        with serving_in_thread(serving) as base_url:
+            yield Served(serving, base_url, engine, loop)
+    finally:
+        loop.stop()
+        engine.close()
+
+
+def in_background(served: Served) -> tuple[threading.Thread, dict[str, object]]:
+    """A greedy completion sent from another thread; its text or its error lands in the dict."""
+    outcome: dict[str, object] = {}
+
+    def ask() -> None:
+        try:
+            reply = served.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+            outcome["text"] = reply.choices[0].text
+        except openai.APIStatusError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_request_during_a_planned_replan_waits_and_is_served_by_the_new_ring(served: Served, model: Path) -> None:
+    served.serving.become_unready(["the host to divide the blocks again"], paused=True)
+    thread, outcome = in_background(served)
+    time.sleep(1.0)
+    assert thread.is_alive() and not outcome, outcome  # waiting, not turned away
+    served.serving.become_ready(served.engine, served.loop, "llama")  # the replan is done
+    thread.join(timeout=60)
+    assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
+    assert served.held() == 1.0
+
+
+def test_a_planned_replan_that_fails_ends_the_waiting_request_with_its_reason(served: Served) -> None:
+    served.serving.become_unready(["the host to replan, taking in newcomer"], paused=True)
+    thread, outcome = in_background(served)
+    time.sleep(1.0)
+    assert thread.is_alive() and not outcome, outcome
+    served.serving.become_unready([], failure="replanning failed: newcomer cannot hold its share")
+    thread.join(timeout=60)
+    error = outcome.get("error")
+    assert isinstance(error, openai.APIStatusError) and error.status_code == 503, outcome
+    assert "cannot serve: replanning failed: newcomer cannot hold its share" in error.message
+
+
+def test_a_pause_past_its_bound_turns_the_request_away_and_one_not_planned_at_once(served: Served) -> None:
+    served.serving.pause_wait_s = 0.5
+    served.serving.become_unready(["the host to divide the blocks again"], paused=True)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as waited:
+        served.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+    assert waited.value.status_code == 503 and time.monotonic() - started >= 0.5
+    assert "not ready yet: waiting for the host to divide the blocks again" in waited.value.message
+    assert served.held() == 1.0
+    served.serving.become_unready(["the host to replan with the members that are left"])  # a break: no wait
+    with pytest.raises(openai.APIStatusError) as refused:
+        served.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+    assert refused.value.status_code == 503 and "members that are left" in refused.value.message
+    assert served.held() == 1.0
