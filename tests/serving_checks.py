@@ -13,9 +13,10 @@ from pathlib import Path
 import openai
 
 from kafila.api.server import Serving, create_app
+from kafila.api.service import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import generate, open_engine
+from kafila.runtime.pipeline import Engine, generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
 
 PROMPTS = ("the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog")
@@ -95,3 +96,19 @@ def serving_in_thread(serving: Serving) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+@contextmanager
+def engine_served(engine: Engine, concurrency: int, batch_rows: int, context: int) -> Iterator[tuple[str, Serving]]:
+    """`engine` behind its engine loop and the real API app, as `kafila host` serves it; yields
+    the base URL and the `Serving`. The loop stops and the engine closes at the end."""
+    loop = EngineLoop(engine, concurrency=concurrency, batch_rows=batch_rows, context_per_sequence=context)
+    loop.start()
+    serving = Serving(model_id="tiny", context_per_sequence=context)
+    serving.become_ready(engine, loop, "llama")
+    try:
+        with serving_in_thread(serving) as base_url:
+            yield base_url, serving
+    finally:
+        loop.stop()
+        engine.close()

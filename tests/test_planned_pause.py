@@ -13,7 +13,7 @@ from urllib.request import urlopen
 
 import openai
 import pytest
-from serving_checks import serving_in_thread, unsplit_greedy
+from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 
 from kafila.api.server import Serving
@@ -49,16 +49,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def served(model: Path) -> Iterator[Served]:
     engine = open_engine(model, [2], SETTINGS)
-    loop = EngineLoop(engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=256)
-    loop.start()
-    serving = Serving(model_id="tiny", context_per_sequence=256)
-    serving.become_ready(engine, loop, "llama")
-    try:
-        with serving_in_thread(serving) as base_url:
-            yield Served(serving, base_url, engine, loop)
-    finally:
-        loop.stop()
-        engine.close()
+    with engine_served(engine, 2, SETTINGS.n_batch, 256) as (base_url, serving):
+        assert serving.loop is not None
+        yield Served(serving, base_url, engine, serving.loop)
 
 
 def in_background(served: Served) -> tuple[threading.Thread, dict[str, object]]:

@@ -21,10 +21,9 @@ from urllib.request import urlopen
 import numpy as np
 import openai
 import pytest
-from serving_checks import serving_in_thread, unsplit_greedy
+from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.api.server import Serving
 from kafila.api.service import EngineLoop
 from kafila.network.frames import Frame, Kind
 from kafila.runtime.llama_backend import ContextSettings
@@ -184,16 +183,9 @@ def small_stage_host(model: Path, tmp_path: Path) -> Iterator[InProcessHost]:
     stages = slice_model(model, [2, 2], tmp_path / "stages")
     head = ContextSettings(n_ctx=512 * 4, n_batch=512, n_seq_max=4, n_threads=1)
     engine = RingEngine(stages, head, ring=LocalRing(stages[:-1], SETTINGS))
-    loop = EngineLoop(engine, concurrency=4, batch_rows=head.n_batch, context_per_sequence=512)
-    loop.start()
-    serving = Serving(model_id="tiny", context_per_sequence=512)
-    serving.become_ready(engine, loop, "llama")
-    try:
-        with serving_in_thread(serving) as base_url:
-            yield InProcessHost(base_url, loop, engine)
-    finally:
-        loop.stop()
-        engine.close()
+    with engine_served(engine, 4, head.n_batch, 512) as (base_url, serving):
+        assert serving.loop is not None
+        yield InProcessHost(base_url, serving.loop, engine)
 
 
 def test_one_request_a_stage_cannot_hold_fails_alone_and_the_server_serves_on(
