@@ -132,3 +132,27 @@ def test_nothing_is_judged_before_every_stage_has_a_measurement() -> None:
     assert judge_rebalance(plan, [0.01, 0.0], plan) is None
     with pytest.raises(ValueError, match="fraction"):
         judge_rebalance(plan, [0.01, 0.01], plan, gain=1.5)
+
+
+def test_a_stages_time_alone_follows_its_recent_decodes_so_a_machine_that_slows_shows_it() -> None:
+    """A machine that gets busy after a long session (a game started on the gaming PC) shows it in
+    the time per token alone within RECENT_ALONE_STEPS decodes; batched decodes and prefill are
+    not counted there, and the count of decodes alone keeps growing."""
+    from kafila.runtime.stage import RECENT_ALONE_STEPS, StageTimer
+
+    timer = StageTimer()
+    assert timer.ms_per_token_alone is None
+    for _ in range(10 * RECENT_ALONE_STEPS):  # a long quiet session: 2 ms a token
+        timer.add(0.002, 1, decode=True)
+    timer.add(0.5, 4, decode=True)  # a batch of four rows
+    timer.add(0.9, 30, decode=False)  # a prefill
+    assert timer.ms_per_token_alone == pytest.approx(2.0)
+    for _ in range(RECENT_ALONE_STEPS // 2):  # then the machine runs at half speed
+        timer.add(0.004, 1, decode=True)
+    assert timer.ms_per_token_alone == pytest.approx(3.0)
+    for _ in range(RECENT_ALONE_STEPS):
+        timer.add(0.004, 1, decode=True)
+    assert timer.ms_per_token_alone == pytest.approx(4.0)
+    report = timer.report()
+    assert report["steps_alone"] == 11 * RECENT_ALONE_STEPS + RECENT_ALONE_STEPS // 2
+    assert report["ms_per_token"] != report["ms_per_token_alone"]  # all decodes, the batch's too

@@ -19,8 +19,9 @@ import ctypes
 import itertools
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -109,6 +110,12 @@ class TokenStep:
     tokens: list[int]
 
 
+# A stage's time per token alone is the mean over its most recent single-row decodes: a machine
+# whose load changes (a game started on the gaming PC an hour in) shows it within a few requests,
+# where a mean over the whole session would take as long again to move.
+RECENT_ALONE_STEPS = 256
+
+
 @dataclass
 class StageTimer:
     """Compute time spent and rows processed, so stages can report ms per token.
@@ -121,8 +128,8 @@ class StageTimer:
     rows: int = 0
     decode_seconds: float = 0.0
     decode_rows: int = 0
-    alone_seconds: float = 0.0
     alone_steps: int = 0
+    alone_recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_ALONE_STEPS))
 
     def add(self, seconds: float, rows: int, decode: bool) -> None:
         self.seconds += seconds
@@ -131,7 +138,7 @@ class StageTimer:
             self.decode_seconds += seconds
             self.decode_rows += rows
             if rows == 1:
-                self.alone_seconds += seconds
+                self.alone_recent.append(seconds)
                 self.alone_steps += 1
 
     @property
@@ -140,7 +147,9 @@ class StageTimer:
 
     @property
     def ms_per_token_alone(self) -> float | None:
-        return 1e3 * self.alone_seconds / self.alone_steps if self.alone_steps else None
+        """Over the last RECENT_ALONE_STEPS decodes of one row (fewer, early on)."""
+        recent = self.alone_recent
+        return 1e3 * sum(recent) / len(recent) if recent else None
 
     def report(self) -> dict[str, object]:
         """What a stage report says of this timer."""
