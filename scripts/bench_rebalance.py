@@ -1,6 +1,6 @@
 """A ring whose member runs slower than its probe said: kept as planned, and rebalanced.
 
-    python scripts/bench_rebalance.py [--rounds 3] [--tokens 32] [--small]
+    python scripts/bench_rebalance.py [--rounds 3] [--tokens 32] [--small] [--busy-later]
 
 Two one-core "machines" on this one, as in bench_concurrency.py: a `kafila host` on core 0 and
 a `kafila join` member on core 1, one llama.cpp thread each, serving the TinyLlama-1.1B-shaped
@@ -14,6 +14,10 @@ Two sessions side by side, both up for the whole run, idle while the other is me
 - `--no-rebalance`: the first division kept;
 - the default: after a few warm-up requests (enough single-token decodes on every stage) the
   host finds a division at least 25% faster by what the stages measured and replans.
+With --busy-later the busy loop starts only after both sessions have served 512 tokens one at a
+time on a quiet machine (a game started on the gaming PC an hour into a session): the stages'
+time per token alone is the mean of their last 256 decodes alone, so the host should see the
+change within a few requests; the script counts them.
 Then, rounds interleaved: one user's tokens/s and 4 concurrent users' (the openai client,
 streaming, prefill included; two waves in flight, the default across machines), and each
 stage's measured ms per token decoded alone. Medians, and the ratio of the two sessions.
@@ -83,6 +87,23 @@ def warm_up(host: Host, tokens: int, wait_s: float = 15) -> None:
     wait_ready(host)
 
 
+def rebalance_under_load(host: Host, tokens: int, most: int = 60) -> int:
+    """Requests, one at a time, until the host says it rebalances; how many it took."""
+    for count in range(1, most + 1):
+        through_api(host.base_url, tokens, MESSAGES)
+        deadline = time.monotonic() + 3  # it looks at an idle ring every 2 s
+        while time.monotonic() < deadline:
+            if "rebalancing by what the stages measured serving:" in host.output():
+                while "replanned with 2 members, rebalancing" not in host.output():
+                    if host.process.poll() is not None:
+                        raise RuntimeError(f"the host stopped while rebalancing:\n{host.output()}")
+                    time.sleep(0.5)
+                wait_ready(host)
+                return count
+            time.sleep(0.25)
+    raise RuntimeError(f"no rebalance after {most} requests under the busy loop:\n{host.output()}")
+
+
 def stages(host: Host) -> list[dict[str, Any]]:
     """Each stage's holder, blocks, predicted and measured ms per token alone, in block order."""
     status = refreshed_status(host)
@@ -100,6 +121,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per user per request")
     parser.add_argument("--small", action="store_true", help="a much smaller model: a quick smoke run")
+    parser.add_argument("--busy-later", action="store_true", help="start the busy loop after a quiet session")
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("this benchmark needs two cores: one per machine")
@@ -117,8 +139,9 @@ def main() -> None:
             for who in ("host", "member"):
                 (caches / f"{who}{flag}").mkdir()
                 shutil.copy(cache_dir() / "probe.json", caches / f"{who}{flag}" / "probe.json")
-        hog = busy_loop_on(1)
-        stack.callback(hog.kill)
+        if not args.busy_later:
+            hog = busy_loop_on(1)
+            stack.callback(hog.kill)
         hosts: dict[str, Host] = {}
         for flag in CONFIGS:
             print(f"starting a host on core 0 and a member on core 1 ({flag}) ...", flush=True)
@@ -128,6 +151,22 @@ def main() -> None:
         print("warming up both sessions ...", flush=True)
         for host in hosts.values():
             warm_up(host, args.tokens)
+        took = ""
+        if args.busy_later:
+            quiet = -(-512 // (args.tokens - 1))
+            print(f"{quiet} more requests on the quiet machine, then the busy loop starts ...", flush=True)
+            for host in hosts.values():
+                for _ in range(quiet):
+                    through_api(host.base_url, args.tokens, MESSAGES)
+            hog = busy_loop_on(1)
+            stack.callback(hog.kill)
+            count = rebalance_under_load(hosts["--rebalance"], args.tokens)
+            for _ in range(count):  # the same requests under the busy loop for the other session
+                through_api(hosts["--no-rebalance"].base_url, args.tokens, MESSAGES)
+            took = (
+                f"; the busy loop started after {quiet + 2} quiet requests of {args.tokens} tokens, and the host "
+                f"rebalanced after {count} more"
+            )
         for round_ in range(args.rounds):
             order = list(CONFIGS) if round_ % 2 == 0 else list(reversed(CONFIGS))
             for flag in order:
@@ -144,7 +183,8 @@ def main() -> None:
     size = SMALL if args.small else FULL
     print(
         f"\n{size.label}, {model.stat().st_size / 1e9:.2f} GB; a host on core 0 and a member on core 1, one thread "
-        f"each, a busy loop on core 1; {args.tokens} tokens per user; {args.rounds} rounds interleaved, medians\n"
+        f"each, a busy loop on core 1{took}; {args.tokens} tokens per user; {args.rounds} rounds interleaved, "
+        "medians\n"
     )
     spans = [f"{s['name']} {s['blocks'][0]}–{s['blocks'][1] - 1}" for s in first_division]
     print(f"first plan: {' + '.join(spans)}")
