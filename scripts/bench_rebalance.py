@@ -71,37 +71,40 @@ def pair(stack: ExitStack, model: Path, flag: str, caches: Path) -> Host:
     return host
 
 
+REBALANCING = "rebalancing by what the stages measured serving:"
+
+
+def rebalanced_within(host: Host, wait_s: float) -> bool:
+    """Whether the host starts a rebalance within `wait_s` (it looks at an idle ring every 2 s);
+    if it does, once it serves again."""
+    deadline = time.monotonic() + wait_s
+    while REBALANCING not in host.output():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    while "replanned with 2 members, rebalancing" not in host.output():
+        if host.process.poll() is not None:
+            raise RuntimeError(f"the host stopped while rebalancing:\n{host.output()}")
+        time.sleep(0.5)
+    wait_ready(host)
+    return True
+
+
 def warm_up(host: Host, tokens: int, wait_s: float = 15) -> None:
     """Requests enough for every stage to time MIN_STEPS_TO_REBALANCE tokens alone; then, if the
-    host rebalances (it looks every 2 s while idle), until it serves again."""
+    host rebalances, until it serves again."""
     for _ in range(max(2, -(-40 // max(1, tokens - 1)))):
         through_api(host.base_url, tokens, MESSAGES)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and "rebalancing by what the stages measured serving:" not in host.output():
-        time.sleep(0.5)
-    if "rebalancing by what the stages measured serving:" in host.output():
-        while "replanned with 2 members, rebalancing" not in host.output():
-            if host.process.poll() is not None:
-                raise RuntimeError(f"the host stopped while rebalancing:\n{host.output()}")
-            time.sleep(0.5)
-    wait_ready(host)
+    rebalanced_within(host, wait_s)
 
 
-def rebalance_under_load(host: Host, tokens: int, most: int = 60) -> int:
-    """Requests, one at a time, until the host says it rebalances; how many it took."""
+def rebalance_under_load(host: Host, tokens: int, most: int) -> int | None:
+    """Requests, one at a time, until the host rebalances; how many it took (None: not in `most`)."""
     for count in range(1, most + 1):
         through_api(host.base_url, tokens, MESSAGES)
-        deadline = time.monotonic() + 3  # it looks at an idle ring every 2 s
-        while time.monotonic() < deadline:
-            if "rebalancing by what the stages measured serving:" in host.output():
-                while "replanned with 2 members, rebalancing" not in host.output():
-                    if host.process.poll() is not None:
-                        raise RuntimeError(f"the host stopped while rebalancing:\n{host.output()}")
-                    time.sleep(0.5)
-                wait_ready(host)
-                return count
-            time.sleep(0.25)
-    raise RuntimeError(f"no rebalance after {most} requests under the busy loop:\n{host.output()}")
+        if rebalanced_within(host, 3):
+            return count
+    return None
 
 
 def stages(host: Host) -> list[dict[str, Any]]:
@@ -160,13 +163,12 @@ def main() -> None:
                     through_api(host.base_url, args.tokens, MESSAGES)
             hog = busy_loop_on(1)
             stack.callback(hog.kill)
-            count = rebalance_under_load(hosts["--rebalance"], args.tokens)
-            for _ in range(count):  # the same requests under the busy loop for the other session
+            most = 30
+            count = rebalance_under_load(hosts["--rebalance"], args.tokens, most)
+            for _ in range(count or most):  # the same requests under the busy loop for the other session
                 through_api(hosts["--no-rebalance"].base_url, args.tokens, MESSAGES)
-            took = (
-                f"; the busy loop started after {quiet + 2} quiet requests of {args.tokens} tokens, and the host "
-                f"rebalanced after {count} more"
-            )
+            after = f"rebalanced after {count} more" if count else f"did not rebalance in {most} more"
+            took = f"; the busy loop started after {quiet + 2} quiet requests of {args.tokens} tokens; the host {after}"
         for round_ in range(args.rounds):
             order = list(CONFIGS) if round_ % 2 == 0 else list(reversed(CONFIGS))
             for flag in order:
@@ -178,7 +180,7 @@ def main() -> None:
             (line for line in hosts["--rebalance"].output().splitlines() if "measured serving: the slowest" in line),
             "it kept the plan",
         )
-        times_rebalanced = hosts["--rebalance"].output().count("rebalancing by what the stages measured serving:")
+        times_rebalanced = hosts["--rebalance"].output().count(REBALANCING)
 
     size = SMALL if args.small else FULL
     print(
