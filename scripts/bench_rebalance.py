@@ -40,7 +40,7 @@ from typing import Any
 
 from bench_concurrency import FULL, MESSAGES, SMALL, ensure_model, pinned
 from bench_serve import concurrent, through_api
-from host_process import Host, refreshed_status, running_host, start_member, stop, wait_ready
+from host_process import Host, planned_and_measured, refreshed_status, running_host, start_member, stop, wait_ready
 
 USERS = (1, 4)
 CONFIGS = {"--no-rebalance": "kept as planned", "--rebalance": "rebalancing (the default)"}
@@ -108,15 +108,8 @@ def rebalance_under_load(host: Host, tokens: int, most: int) -> int | None:
 
 
 def stages(host: Host) -> list[dict[str, Any]]:
-    """Each stage's holder, blocks, predicted and measured ms per token alone, in block order."""
-    status = refreshed_status(host)
-    measured = {tuple(s["range"]): s.get("ms_per_token_alone") for s in status["stages"]}
-    found = [
-        {"name": m["name"], "blocks": tuple(m["blocks"]), "measured": measured.get(tuple(m["blocks"]))}
-        for m in status["members"]
-        if "blocks" in m
-    ]
-    return sorted(found, key=lambda stage: stage["blocks"])
+    """Each stage's holder, blocks and measured ms per token alone, in block order."""
+    return planned_and_measured(refreshed_status(host))
 
 
 def main() -> None:

@@ -380,8 +380,8 @@ class HostSession:
     def planned_members(self) -> list[str]:
         """The members of the current plan in the order it was planned with (its ring search
         breaks ties by that order), so a plan made again over them differs only by its prices."""
-        deployment = self.deployment
-        return [m for m in self.alive() if deployment is not None and m in deployment.members]
+        planned = set(self.deployment.members) if self.deployment is not None else set()
+        return [m for m in self.alive() if m in planned]
 
     def devices(self, members: Sequence[str], served: Mapping[str, ModelPricing] | None = None) -> list[Device]:
         """Every device as the planner sees it: priced by what it served, or on the model itself where

@@ -393,8 +393,12 @@ class HostRunner:
         network = self.network
         assert network is not None
         names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
-        why = f"taking in {names}"
         self._newcomers_waiting_since = None
+        return await self._replan_by_choice(f"taking in {names}")
+
+    async def _replan_by_choice(self, why: str) -> bool:
+        """Replan a ring that is not broken (no request in flight): requests that come meanwhile
+        wait for the new ring rather than be turned away."""
         self.serving.become_unready([f"the host to replan, {why}"], paused=True)
         await self._retire(f"the host is replanning, {why}")
         return await self._redeploy(why, f", {why}")
@@ -424,9 +428,7 @@ class HostRunner:
         self._rebalance_cooldown_s *= 2
         why = "rebalancing by what the stages measured serving"
         self.ui.say(f"{why}: {verdict.reason}")
-        self.serving.become_unready([f"the host to divide the blocks again, {why}"], paused=True)
-        await self._retire(f"the host is {why}")
-        return await self._redeploy(why, f", {why}")
+        return await self._replan_by_choice(why)
 
     async def _redeploy(self, error: str, why: str = "") -> bool:
         """Deploy over every member still linked; serve alone when none is left. When neither can
