@@ -1,13 +1,16 @@
 """The correctness gate: a split generates exactly what the unsplit model does.
 
 Every supported family, at every 2-stage cut point and in one 3-stage split, on real llama.cpp
-with tiny models the test writes itself; then four sequences interleaved in one stage.
+with tiny models the test writes itself; then four sequences interleaved in one stage. The
+unsplit model these compare with is itself held to llama-cpp-python's own `Llama`, on the tiny
+models and on the real gemma-3-270m.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
@@ -20,6 +23,7 @@ SETTINGS = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=4, n_threads=2)
 PROMPT = "hello world, the kafila model is in a block of the world and it is to the model of the world"
 STEPS = 32
 N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6}
+GEMMA_TURN = "<start_of_turn>user\nName three colours.<end_of_turn>\n<start_of_turn>model\n"
 
 
 def greedy_unsplit(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:
@@ -82,6 +86,39 @@ def test_every_split_equals_the_unsplit_model(tiny: tuple[str, Path, list[int]],
     for counts in divisions(N_BLOCKS[arch]):
         files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
         assert greedy_split(files, prompt) == expected, f"{arch} split {counts} diverged"
+
+
+def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:
+    """What llama-cpp-python's high-level `Llama` decodes greedily, with the attention llama.cpp
+    picks by default (flash attention on this CPU), as Kafila's stages take it. `Llama` itself
+    turns flash attention off unless told, and on a real model that breaks near-ties the other
+    way after a few tokens, so it is asked for here."""
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=SETTINGS.n_ctx, n_threads=2, flash_attn=True, verbose=False)
+    try:
+        out: list[int] = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            out.append(int(token))
+            if len(out) == steps:
+                return out
+        return out
+    finally:
+        llm.close()
+
+
+def test_the_unsplit_model_is_llama_cpp_itself(tiny: tuple[str, Path, list[int]]) -> None:
+    arch, path, prompt = tiny
+    assert greedy_unsplit(path, prompt) == plain_llama_greedy(path, prompt), arch
+
+
+def test_a_split_of_the_real_model_decodes_what_llama_cpp_does(gemma_path: Path, tmp_path: Path) -> None:
+    """gemma-3-270m cut in three: the same greedy tokens as `Llama` on the whole file."""
+    whole = WholeModel(gemma_path, SETTINGS)
+    prompt = whole.vocabulary.tokenize(GEMMA_TURN, parse_special=True)
+    whole.close()
+    expected = plain_llama_greedy(gemma_path, prompt)
+    assert len(set(expected)) > 3
+    files = [stage.path for stage in slice_model(gemma_path, [6, 6, 6], tmp_path)]
+    assert greedy_split(files, prompt) == expected
 
 
 def test_interleaved_sequences_equal_each_alone(tiny: tuple[str, Path, list[int]], tmp_path: Path) -> None:
