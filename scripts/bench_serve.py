@@ -3,8 +3,9 @@ llama-cpp-python (`Llama.create_chat_completion`) on the same model, threads and
 
     python scripts/bench_serve.py [--rounds 3] [--tokens 64] [--members]
 
-Rows: plain llama-cpp-python; `kafila host` with one member; the model split across 2 and 3
-stages (local stage processes, or with --members, real `kafila join` members over QUIC on
+Rows: plain llama-cpp-python, as `Llama` loads by default (flash attention off) and with flash
+attention on, as Kafila's stages run it (llama.cpp's default); `kafila host` with one member;
+the model split across 2 and 3 stages (local stage processes, or with --members, real `kafila join` members over QUIC on
 loopback, and then also 2 stages with the head on the member: a host lending too little memory
 for the head, which receives a row of logits per token); and 1 against 4 concurrent users on
 the 2-stage ring. Every configuration runs once
@@ -36,10 +37,15 @@ class Sample:
     tokens: int
 
 
-def plain(model: Path, tokens: int) -> Callable[[], Sample]:
+def plain(model: Path, tokens: int, flash_attn: bool = False) -> Callable[[], Sample]:
+    """`Llama` as people load it (flash attention off, its default), or with the flash attention
+    Kafila's stages run (llama.cpp's own default)."""
     from llama_cpp import Llama
 
-    llm = Llama(str(model), n_ctx=2048, n_threads=THREADS, n_batch=512, verbose=False, chat_format="gemma")
+    llm = Llama(
+        str(model), n_ctx=2048, n_threads=THREADS, n_batch=512, verbose=False, chat_format="gemma",
+        flash_attn=flash_attn,
+    )  # fmt: skip
 
     def run() -> Sample:
         llm.reset()
@@ -181,11 +187,15 @@ def main() -> None:
     configs: dict[str, tuple[str | Path, ...]] = {"1 member": common, "2 stages": split(2), "3 stages": split(3)}
     if args.members:  # the host lends too little for the head: it goes to the member, which sends logits back
         configs["2 stages, head on the member"] = (*split(2), "--memory", f"{head_elsewhere(model, 2048 * 4)}B")
-    samples: dict[str, list[Sample]] = {"llama-cpp-python": [], **{k: [] for k in configs}}
+    references = {
+        "llama-cpp-python": plain(model, args.tokens),
+        "llama-cpp-python, flash attention": plain(model, args.tokens, flash_attn=True),
+    }
+    samples: dict[str, list[Sample]] = {**{k: [] for k in references}, **{k: [] for k in configs}}
     rates: dict[str, list[float]] = {"1 user": [], "4 users": []}
-    reference = plain(model, args.tokens)
     for round_ in range(args.rounds):
-        samples["llama-cpp-python"].append(reference())
+        for label, reference in references.items():
+            samples[label].append(reference())
         for label, host_args in configs.items():
             with running_host(*host_args) as host:
                 through_api(host.base_url, 8)  # warm-up
