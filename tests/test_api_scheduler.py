@@ -9,6 +9,7 @@ import numpy.typing as npt
 import pytest
 
 from kafila.api.scheduler import Batcher, Failed, Finished, FinishReason, Job, TextDelta
+from kafila.api.service import LoopStats
 from kafila.runtime.pipeline import EngineStep, SequenceFailed
 from kafila.runtime.sampling import SamplingSettings
 
@@ -173,3 +174,13 @@ def test_a_request_cancelled_while_its_wave_is_out_gives_up_its_slot_when_the_wa
     (reused,) = b.plan()  # b is still out; c may take a's slot: the engine orders it after a's rows and their CANCEL
     assert reused.sequence_id == wave[0].sequence_id and reused.position == 0
     assert [e.request_id for e in b.advance(answer(wave))] == ["b"]  # a's row lands unused
+
+
+def test_the_rate_window_forgets_old_steps_without_being_read() -> None:
+    """A server nobody polls for /status keeps only the last 10 s of steps, not every step."""
+    stats = LoopStats()
+    for step in range(10_000):  # 100 steps a second for 100 s, never read
+        stats.record_step(step / 100, 2)
+    assert 1000 <= len(stats.recent_tokens) <= 1001  # the last 10 s, give or take a rounded end
+    assert stats.tokens_per_s(100.0) == pytest.approx(200.0)  # steps from t=90.00 on: 2,000 tokens in 10 s
+    assert stats.tokens_per_s(200.0) == 0.0 and not stats.recent_tokens

@@ -30,6 +30,9 @@ class EngineUnavailable(RuntimeError):
     """No engine can take work now: still starting, or broken and not yet replaced."""
 
 
+RATE_WINDOW_S = 10.0  # /status and /metrics report tokens/s over this much recent time
+
+
 @dataclass
 class LoopStats:
     steps: int = 0
@@ -38,15 +41,27 @@ class LoopStats:
     busy_s: float = 0.0
     finished: int = 0
     failed: int = 0
-    recent_tokens: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per step, last 10 s
+    # (time, tokens) per step within the last RATE_WINDOW_S. Pruned as steps are recorded, not
+    # only when someone reads the rate: a server nobody polls would otherwise keep every step.
+    recent_tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    _recent_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_step(self, now: float, tokens: int) -> None:
+        with self._recent_lock:
+            self.recent_tokens.append((now, tokens))
+            self._forget_before(now - RATE_WINDOW_S)
 
     def tokens_per_s(self, now: float) -> float:
-        recent = [(t, n) for t, n in self.recent_tokens if now - t <= 10.0]
-        self.recent_tokens = recent
-        if not recent:
-            return 0.0
-        span = max(now - recent[0][0], 1e-3)
-        return sum(n for _, n in recent) / span
+        with self._recent_lock:
+            self._forget_before(now - RATE_WINDOW_S)
+            if not self.recent_tokens:
+                return 0.0
+            span = max(now - self.recent_tokens[0][0], 1e-3)
+            return sum(n for _, n in self.recent_tokens) / span
+
+    def _forget_before(self, oldest: float) -> None:
+        while self.recent_tokens and self.recent_tokens[0][0] < oldest:
+            self.recent_tokens.popleft()
 
 
 class EngineLoop:
@@ -196,7 +211,7 @@ class EngineLoop:
         stats.busy_s += elapsed
         stats.prompt_tokens += steps_rows
         stats.generated_tokens += decoded
-        stats.recent_tokens.append((time.monotonic(), decoded))
+        stats.record_step(time.monotonic(), decoded)
 
     def _report_due(self) -> bool:
         return self.error is None and time.monotonic() - self._report_at >= STATS_REFRESH_S
