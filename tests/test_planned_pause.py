@@ -107,3 +107,37 @@ def test_a_pause_past_its_bound_turns_the_request_away_and_one_not_planned_at_on
         served.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
     assert refused.value.status_code == 503 and "members that are left" in refused.value.message
     assert served.held() == 1.0
+
+
+def test_a_request_that_took_the_engine_just_before_a_replan_stopped_it_runs_on_the_new_ring(
+    served: Served, model: Path
+) -> None:
+    """The window between a request taking the engine and queueing its job: the host pauses,
+    stops the old loop and serves from a new one meanwhile. The request is held in that window
+    by holding its tokenization (long prompts are tokenized off the event loop, so the window is
+    real); it then runs on the new loop, not refused as if the host were shutting down."""
+    entered, release = threading.Event(), threading.Event()
+    tokenize = served.engine.tokenize
+
+    def held_tokenize(text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        entered.set()
+        release.wait(30)
+        return tokenize(text, add_special, parse_special)
+
+    served.engine.tokenize = held_tokenize  # type: ignore[method-assign]
+    thread, outcome = in_background(served)
+    assert entered.wait(30)
+    served.serving.become_unready(["the host to divide the blocks again"], paused=True)
+    served.loop.stop()  # as a planned replan stops the old ring's loop
+    new_loop = EngineLoop(served.engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=256)
+    new_loop.start()
+    try:
+        served.serving.become_ready(served.engine, new_loop, "llama")
+        served.engine.tokenize = tokenize  # type: ignore[method-assign]
+        release.set()
+        thread.join(timeout=60)
+        assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
+        assert new_loop.stats.finished == 1
+    finally:
+        release.set()
+        new_loop.stop()

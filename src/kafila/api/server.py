@@ -246,6 +246,12 @@ def create_app(serving: Serving) -> FastAPI:
             raise ApiError(503, _not_ready_text(serving, loop), "server_error", "not_ready")
         return loop, engine
 
+    def replanned_since(loop: EngineLoop | Engine) -> bool:
+        """The host stopped this engine (or its loop) to replan by choice, and the replan runs or
+        is done: a request that took it just before can wait for the new ring, as one that comes
+        during the pause does, instead of being told the host is shutting down."""
+        return serving.paused or (serving.loop is not None and loop not in (serving.loop, serving.engine))
+
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
         return error.response()
@@ -327,11 +333,40 @@ def create_app(serving: Serving) -> FastAPI:
                 f"{len(text)} characters, more than that many tokens can hold.", param, "context_length_exceeded",
             )  # fmt: skip
         try:
-            if len(text) <= TOKENIZE_IN_THREAD_CHARACTERS:
-                return engine.tokenize(text, add_special, parse_special)
-            return await asyncio.to_thread(engine.tokenize, text, add_special, parse_special)
+            return await tokenize_with(engine, text, add_special, parse_special)
         except StageFailed:  # the host closed this engine meanwhile, to replan
+            if not replanned_since(engine):
+                raise ApiError(503, _not_ready_text(serving, serving.loop), "server_error", "not_ready") from None
+        _, engine = await ready_loop(serving.model_id)
+        try:
+            return await tokenize_with(engine, text, add_special, parse_special)
+        except StageFailed:
             raise ApiError(503, _not_ready_text(serving, serving.loop), "server_error", "not_ready") from None
+
+    async def tokenize_with(engine: Engine, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        if len(text) <= TOKENIZE_IN_THREAD_CHARACTERS:
+            return engine.tokenize(text, add_special, parse_special)
+        return await asyncio.to_thread(engine.tokenize, text, add_special, parse_special)
+
+    async def submit(loop: EngineLoop, job: Job, sink: Callable[[Event], None]) -> EngineLoop:
+        """Queue the job on the loop, or on the new ring's loop if a planned replan stopped this
+        one since the request took it. Returns the loop the job runs on."""
+        if not submitted(loop, job, sink, may_wait=True):
+            loop, _ = await ready_loop(serving.model_id)
+            submitted(loop, job, sink, may_wait=False)
+        return loop
+
+    def submitted(loop: EngineLoop, job: Job, sink: Callable[[Event], None], may_wait: bool) -> bool:
+        """False when a planned replan stopped the loop and the caller may wait for the new one."""
+        try:
+            loop.submit(job, sink)
+            return True
+        except EngineUnavailable as error:
+            if may_wait and replanned_since(loop):
+                return False
+            raise ApiError(503, str(error), "server_error", "not_ready") from None
+        except ValueError as error:
+            raise _invalid(str(error)) from None
 
     async def _serve(
         request: Request, body: ChatRequest | CompletionRequest, prompt: list[int], loop: EngineLoop, chat: bool
@@ -355,12 +390,7 @@ def create_app(serving: Serving) -> FastAPI:
         def sink(event: Event) -> None:
             event_loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        try:
-            loop.submit(job, sink)
-        except EngineUnavailable as error:
-            raise ApiError(503, str(error), "server_error", "not_ready") from None
-        except ValueError as error:
-            raise _invalid(str(error)) from None
+        loop = await submit(loop, job, sink)
         reply = _Reply(request_id, serving.model_id, chat, time.monotonic(), metrics)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
