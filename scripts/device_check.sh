@@ -73,7 +73,8 @@ else
 fi
 
 say "3. split correctness on the GPU"
-timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_split_correctness.py > "$OUT/tests.log" 2>&1
+# the real gemma-3-270m is not in the kit (an optional extra of 250 MB): its test is left to CI
+timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_split_correctness.py -k "not real_model" > "$OUT/tests.log" 2>&1
 say "tests: rc $? — $(tail -1 "$OUT/tests.log")"
 
 read -r -a BENCH_ARGS <<< "${KAFILA_DEVICE_BENCH_ARGS:---rounds 3 --no-pinned --tokens 128}"

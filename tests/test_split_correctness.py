@@ -93,7 +93,9 @@ def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> lis
     picks by default (flash attention on this CPU), as Kafila's stages take it. `Llama` itself
     turns flash attention off unless told, and on a real model that breaks near-ties the other
     way after a few tokens, so it is asked for here."""
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=SETTINGS.n_ctx, n_threads=2, flash_attn=True, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=SETTINGS.n_ctx, n_threads=2, flash_attn=True, n_gpu_layers=-1, verbose=False
+    )  # on a GPU build, every layer there, as Kafila's stages put them
     try:
         out: list[int] = []
         for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
