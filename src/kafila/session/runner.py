@@ -247,7 +247,10 @@ class HostRunner:
             network = self.network
             join = f"kafila join {network.code} --rendezvous {advertised}"
             self.join_line = join
-            where = f"on each of the other {others} machines" if others > 1 else "on the other machine"
+            if config.demo:  # the members are this host's own processes; the line is for a look only
+                where = f"the demo starts {others} local member{'s' if others > 1 else ''} with"
+            else:
+                where = f"on each of the other {others} machines" if others > 1 else "on the other machine"
             discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
             self.ui.announce_code(network.code, f"{where}: {join}", discoverable)
             self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
