@@ -116,6 +116,11 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         ).stdout  # fmt: skip
         assert "ready" in table and "member-0" in table and "member-1" in table and "host (head)" in table
         assert "Ring edges" in table and table.count("direct") >= 3
+        # members started by hand on the host's machine: the host says how to set them up to share it
+        assert "member-0, member-1 run on this machine too" in host.output() or (
+            "member-1, member-0 run on this machine too" in host.output()
+        ), host.output()
+        assert "OMP_PROC_BIND=true for the host and for every `kafila join`" in host.output()
         alone = {tuple(s["range"]): s["ms_per_token_alone"] for s in status["stages"]}
         for member in status["members"]:  # each row shows its stage's time alone, as /status has it
             row = next(line for line in table.splitlines() if f" {member['name']} " in line)

@@ -52,6 +52,21 @@ def shares_cores_env(bind_teams: bool = False) -> dict[str, str]:
     return {name: os.environ.get(name, default) for name, default in wanted.items()}
 
 
+def set_up_to_share_cores() -> bool:
+    """Whether this process's OpenMP threads were set up, when llama.cpp loaded, to take turns on
+    cores with other stages: by the demo, or by a user who set the variables themselves."""
+    return all(os.environ.get(name) for name in (*SHARED_MACHINE_OPENMP, *BOUND_TEAMS_OPENMP))
+
+
+def sharing_cores_hint() -> str:
+    """How to start, by hand, stages that will share one machine's cores."""
+    settings = " ".join(f"{name}={value}" for name, value in {**SHARED_MACHINE_OPENMP, **BOUND_TEAMS_OPENMP}.items())
+    return (
+        "`kafila host --demo --members N --model PATH` starts the members on this machine itself and sets "
+        f"them up for it; by hand, set {settings} for the host and for every `kafila join` on this machine"
+    )
+
+
 def load_llama(shared_machine: bool = False, bind_teams: bool = False) -> Any:
     """Import llama.cpp's binding, or say in one line what is wrong and how to fix it.
 

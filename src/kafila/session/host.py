@@ -42,7 +42,7 @@ from kafila.planner import plan_serving_host
 from kafila.planner.fleet import FleetDevice, ModelPricing, pricing_from_serving
 from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
 from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec
-from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.llama_backend import ContextSettings, set_up_to_share_cores, sharing_cores_hint
 from kafila.runtime.local_plan import cached_model_pricings, model_sha256, pricing_for
 from kafila.runtime.pipeline import RingEngine
 from kafila.runtime.slicer import StageFile, cached_slices
@@ -244,6 +244,7 @@ class HostSession:
         self.routers[member_id] = LinkRouter(edges[member_id].link, member_id)
         self.paths[member_id] = edges[member_id].path
         self.hellos[member_id] = await self._hello(member_id)
+        self._note_members_on_this_machine({member_id: self.hellos[member_id]})
         self.served_pricings.pop(member_id, None)  # the seat may now be another machine
         self.newcomers.add(member_id)
 
@@ -277,8 +278,22 @@ class HostSession:
             self.paths[member_id] = edge.path
         hellos = await all_or_none([self._hello(m) for m in self.routers])
         self.hellos = dict(zip(self.routers, hellos, strict=True))
+        self._note_members_on_this_machine(self.hellos)
         self.model_sha256 = await asyncio.to_thread(model_sha256, self.model)
         self.own_pricing = pricing_for(self.model_sha256, await asyncio.to_thread(cached_model_pricings))
+
+    def _note_members_on_this_machine(self, hellos: Mapping[str, Hello]) -> None:
+        """Stages on one machine take turns on its cores. The demo sets its processes up for that
+        (1.4× the tokens/s of two processes left to libgomp's defaults, measured with gemma), but
+        a process can only be set up before llama.cpp loads, so a host and members started by
+        hand on one machine are told how."""
+        own = machine_tag(self.client.code)
+        here = [self.member_name(m) for m, hello in hellos.items() if hello.machine == own]
+        if here and not set_up_to_share_cores():
+            self.say(
+                f"{', '.join(here)} {'runs' if len(here) == 1 else 'run'} on this machine too, sharing its cores "
+                f"with this host's stage; for their best speed together, {sharing_cores_hint()}"
+            )
 
     async def _hello(self, member_id: str) -> Hello:
         try:
