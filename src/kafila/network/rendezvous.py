@@ -700,7 +700,7 @@ class Rendezvous:
             reason, message = ErrorCode.SESSION_ENDED, f"session {code} has ended; ask the host for a new code"
         else:
             reason = ErrorCode.UNKNOWN_CODE
-            message = "no session has this code; check it (it looks like 7-crimson-harbor)"
+            message = "no session has this code; check it with the host, or ask for a new one if the host has restarted"
         self._record_failure(connection.ip, now, reason.value, None)
         return SignalError(reason, message)
 
