@@ -246,11 +246,11 @@ def create_app(serving: Serving) -> FastAPI:
             raise ApiError(503, _not_ready_text(serving, loop), "server_error", "not_ready")
         return loop, engine
 
-    def replanned_since(loop: EngineLoop | Engine) -> bool:
+    def replanned_since(taken: EngineLoop | Engine) -> bool:
         """The host stopped this engine (or its loop) to replan by choice, and the replan runs or
         is done: a request that took it just before can wait for the new ring, as one that comes
         during the pause does, instead of being told the host is shutting down."""
-        return serving.paused or (serving.loop is not None and loop not in (serving.loop, serving.engine))
+        return serving.paused or (serving.loop is not None and taken not in (serving.loop, serving.engine))
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
