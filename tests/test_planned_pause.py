@@ -141,3 +141,38 @@ def test_a_request_that_took_the_engine_just_before_a_replan_stopped_it_runs_on_
     finally:
         release.set()
         new_loop.stop()
+
+
+def test_a_request_whose_engine_closes_under_its_tokenizer_is_tokenized_again_on_the_new_ring(
+    served: Served, model: Path
+) -> None:
+    """The same window, wider: the replan closes the old engine while the request tokenizes on it
+    (its tokenizer then raises StageFailed). The request tokenizes again on the new engine and
+    runs on the new loop."""
+    entered, release = threading.Event(), threading.Event()
+    tokenize = served.engine.tokenize
+
+    def held_tokenize(text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        entered.set()
+        release.wait(30)
+        return tokenize(text, add_special, parse_special)  # on the closed engine: StageFailed
+
+    served.engine.tokenize = held_tokenize  # type: ignore[method-assign]
+    thread, outcome = in_background(served)
+    assert entered.wait(30)
+    served.serving.become_unready(["the host to divide the blocks again"], paused=True)
+    served.loop.stop()
+    served.engine.close()
+    new_engine = open_engine(model, [2], SETTINGS)
+    new_loop = EngineLoop(new_engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=256)
+    new_loop.start()
+    try:
+        served.serving.become_ready(new_engine, new_loop, "llama")
+        release.set()
+        thread.join(timeout=60)
+        assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
+        assert new_loop.stats.finished == 1
+    finally:
+        release.set()
+        new_loop.stop()
+        new_engine.close()
