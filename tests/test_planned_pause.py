@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.request import urlopen
@@ -109,13 +110,11 @@ def test_a_pause_past_its_bound_turns_the_request_away_and_one_not_planned_at_on
     assert served.held() == 1.0
 
 
-def test_a_request_that_took_the_engine_just_before_a_replan_stopped_it_runs_on_the_new_ring(
-    served: Served, model: Path
-) -> None:
-    """The window between a request taking the engine and queueing its job: the host pauses,
-    stops the old loop and serves from a new one meanwhile. The request is held in that window
-    by holding its tokenization (long prompts are tokenized off the event loop, so the window is
-    real); it then runs on the new loop, not refused as if the host were shutting down."""
+@contextmanager
+def request_held_in_its_tokenizer(served: Served) -> Iterator[Callable[[], dict[str, object]]]:
+    """A greedy request started and held inside the engine's tokenizer (long prompts are
+    tokenized off the event loop, so the window is real). Calling what this yields lets it go on,
+    with the tokenizer as it was, and returns its outcome."""
     entered, release = threading.Event(), threading.Event()
     tokenize = served.engine.tokenize
 
@@ -127,20 +126,44 @@ def test_a_request_that_took_the_engine_just_before_a_replan_stopped_it_runs_on_
     served.engine.tokenize = held_tokenize  # type: ignore[method-assign]
     thread, outcome = in_background(served)
     assert entered.wait(30)
-    served.serving.become_unready(["the host to divide the blocks again"], paused=True)
-    served.loop.stop()  # as a planned replan stops the old ring's loop
-    new_loop = EngineLoop(served.engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=256)
-    new_loop.start()
-    try:
-        served.serving.become_ready(served.engine, new_loop, "llama")
-        served.engine.tokenize = tokenize  # type: ignore[method-assign]
+
+    def go_on() -> dict[str, object]:
         release.set()
         thread.join(timeout=60)
-        assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
-        assert new_loop.stats.finished == 1
+        return outcome
+
+    try:
+        yield go_on
     finally:
+        served.engine.tokenize = tokenize  # type: ignore[method-assign]
         release.set()
-        new_loop.stop()
+
+
+@contextmanager
+def new_loop(engine: Engine) -> Iterator[EngineLoop]:
+    """The loop a replan starts over its new ring."""
+    loop = EngineLoop(engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=256)
+    loop.start()
+    try:
+        yield loop
+    finally:
+        loop.stop()
+
+
+def test_a_request_that_took_the_engine_just_before_a_replan_stopped_it_runs_on_the_new_ring(
+    served: Served, model: Path
+) -> None:
+    """The window between a request taking the engine and queueing its job: the host pauses,
+    stops the old loop and serves from a new one meanwhile. The request runs on the new loop,
+    not refused as if the host were shutting down."""
+    with request_held_in_its_tokenizer(served) as go_on:
+        served.serving.become_unready(["the host to divide the blocks again"], paused=True)
+        served.loop.stop()  # as a planned replan stops the old ring's loop
+        with new_loop(served.engine) as loop:
+            served.serving.become_ready(served.engine, loop, "llama")
+            outcome = go_on()
+            assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
+            assert loop.stats.finished == 1
 
 
 def test_a_request_whose_engine_closes_under_its_tokenizer_is_tokenized_again_on_the_new_ring(
@@ -149,30 +172,16 @@ def test_a_request_whose_engine_closes_under_its_tokenizer_is_tokenized_again_on
     """The same window, wider: the replan closes the old engine while the request tokenizes on it
     (its tokenizer then raises StageFailed). The request tokenizes again on the new engine and
     runs on the new loop."""
-    entered, release = threading.Event(), threading.Event()
-    tokenize = served.engine.tokenize
-
-    def held_tokenize(text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        entered.set()
-        release.wait(30)
-        return tokenize(text, add_special, parse_special)  # on the closed engine: StageFailed
-
-    served.engine.tokenize = held_tokenize  # type: ignore[method-assign]
-    thread, outcome = in_background(served)
-    assert entered.wait(30)
-    served.serving.become_unready(["the host to divide the blocks again"], paused=True)
-    served.loop.stop()
-    served.engine.close()
-    new_engine = open_engine(model, [2], SETTINGS)
-    new_loop = EngineLoop(new_engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=256)
-    new_loop.start()
-    try:
-        served.serving.become_ready(new_engine, new_loop, "llama")
-        release.set()
-        thread.join(timeout=60)
-        assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
-        assert new_loop.stats.finished == 1
-    finally:
-        release.set()
-        new_loop.stop()
-        new_engine.close()
+    with request_held_in_its_tokenizer(served) as go_on:
+        served.serving.become_unready(["the host to divide the blocks again"], paused=True)
+        served.loop.stop()
+        served.engine.close()
+        new_engine = open_engine(model, [2], SETTINGS)
+        try:
+            with new_loop(new_engine) as loop:
+                served.serving.become_ready(new_engine, loop, "llama")
+                outcome = go_on()
+                assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
+                assert loop.stats.finished == 1
+        finally:
+            new_engine.close()
