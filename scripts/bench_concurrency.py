@@ -1,7 +1,8 @@
 """Concurrency benchmark in the regime the target names: 4 users against 1 on a 2-stage ring,
 on a model whose decode at batch one is bound by memory bandwidth rather than arithmetic.
 
-    python scripts/bench_concurrency.py [--rounds 3] [--tokens 32] [--threads N] [--small] [--weights f16]
+    python scripts/bench_concurrency.py [--rounds 3] [--tokens 32] [--threads N] [--small]
+                                        [--weights f16|bf16|f32] [--every-matrix]
 
 Why this model. The target ("with 4 concurrent users on a 2-stage ring, aggregate tokens/s at
 least 3× one user's") rests on decode at batch one being bandwidth-bound: every token streams
@@ -21,7 +22,9 @@ check that the script works; its numbers mean nothing.
 --weights f16 stores the feed-forward matrices and attn_v in f16 (the writer keeps attention's
 q, k and output in Q8_0): about 1.7 GB. On a CPU, f16 weights are where the target's premise
 holds best: each weight costs twice the bytes of Q8_0 to read, and a row's arithmetic on it is
-no dearer, so a step of 4 rows is nearer the cost of one.
+no dearer, so a step of 4 rows is nearer the cost of one. f32 doubles that again (3.3 GB), and
+`--every-matrix` stores attention's q, k and output as --weights too (f32: 3.9 GB), so that
+nothing but the tiny embedding and output is quantized: the premise in its purest form on a CPU.
 
 What it measures, all in one run, rounds interleaved, medians:
 1. one engine step decoding 1, 2 and 4 sequences at once on the unsplit model, in this process
@@ -59,7 +62,7 @@ from bench_serve import concurrent, step_cost, through_api
 from host_process import Host, running_host, start_member, stop, wait_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny_models import F16, F32, Q8_0, ModelShape, write_tiny_model
+from tiny_models import BF16, F16, F32, Q8_0, ModelShape, write_tiny_model
 
 # Words the tiny vocabulary holds, about one token each: 13 prompt tokens with BOS and the newline.
 MESSAGES = [{"role": "user", "content": "hello world, the model is in the block of kafila"}]
@@ -86,19 +89,31 @@ def _llama(n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int) -
     )  # fmt: skip
 
 
-WEIGHTS = {"q8_0": Q8_0, "f16": F16, "f32": F32}
+WEIGHTS = {"q8_0": Q8_0, "f16": F16, "bf16": BF16, "f32": F32}
 
 
-def with_weights(size: Size, weights: str) -> Size:
-    """The same shape with the feed-forward matrices and attn_v stored as `weights`."""
+def with_weights(size: Size, weights: str, every_matrix: bool = False) -> Size:
+    """The same shape with the feed-forward matrices and attn_v stored as `weights`, and with
+    `every_matrix` attention's q, k and output too (only the embedding and output stay Q8_0)."""
     if weights == "q8_0":
         return size
-    shape = dataclasses.replace(size.shape, ffn_types=(WEIGHTS[weights],), attn_v_type=WEIGHTS[weights])
-    return Size(f"{size.label}, {weights} feed-forward", shape, size.n_blocks)
+    kind = WEIGHTS[weights]
+    shape = dataclasses.replace(size.shape, ffn_types=(kind,), attn_v_type=kind)
+    if every_matrix:
+        shape = dataclasses.replace(shape, attn_qko_type=kind)
+    return Size(f"{size.label}, {weights} {'blocks' if every_matrix else 'feed-forward'}", shape, size.n_blocks)
 
 
 def weights_of(shape: ModelShape) -> str:
-    return next(name for name, kind in WEIGHTS.items() if shape.ffn_types == (kind,))
+    name = next(name for name, kind in WEIGHTS.items() if shape.ffn_types == (kind,))
+    return f"{name}-all" if shape.attn_qko_type == shape.ffn_types[0] != Q8_0 else name
+
+
+def storage_of(shape: ModelShape) -> str:
+    name = weights_of(shape)
+    if name.endswith("-all"):
+        return f"every block matrix {name.removesuffix('-all')}, the embedding and output Q8_0"
+    return f"{name} feed-forward and attn_v, other matrices Q8_0"
 
 
 FULL = Size("TinyLlama-1.1B-shaped llama", _llama(2048, 32, 4, 64, 5632), n_blocks=22)
@@ -194,8 +209,11 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a much smaller model: a quick smoke run")
     parser.add_argument("--no-pinned", action="store_true", help="skip the two pinned one-core machines")
     parser.add_argument("--weights", choices=tuple(WEIGHTS), default="q8_0", help="feed-forward and attn_v storage")
+    parser.add_argument(
+        "--every-matrix", action="store_true", help="store attention's q, k and output as --weights too"
+    )
     args = parser.parse_args()
-    size = with_weights(SMALL if args.small else FULL, args.weights)
+    size = with_weights(SMALL if args.small else FULL, args.weights, args.every_matrix)
     model = ensure_model(size)
     weight_gb = model.stat().st_size / 1e9
     threads = str(args.threads)
@@ -242,7 +260,7 @@ def main() -> None:
     print(
         f"\n{size.label}: {size.n_blocks} blocks, n_embd {s.n_embd}, n_ff {s.n_ff}, {s.n_head} heads / "
         f"{s.n_head_kv} KV heads of {s.head_dim}, "
-        f"{weights_of(s)} feed-forward and attn_v, other matrices Q8_0, "
+        f"{storage_of(s)}, "
         f"random weights; {weight_gb:.3f} GB file; "
         f"{args.threads} threads per stage; {args.tokens} tokens per user, a {n_prompt}-token prompt; "
         f"{args.rounds} rounds interleaved, medians\n"

@@ -19,6 +19,7 @@ SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 Q8_0 = GGMLQuantizationType.Q8_0
 F16 = GGMLQuantizationType.F16
 F32 = GGMLQuantizationType.F32
+BF16 = GGMLQuantizationType.BF16
 # Per-block FFN storage, cycled by block index, so that block byte sizes differ.
 _FFN_TYPES: tuple[GGMLQuantizationType, ...] = (Q8_0, F16, F32)
 
@@ -48,6 +49,7 @@ class ModelShape:
     embd_std: float = 0.1
     ffn_types: tuple[GGMLQuantizationType, ...] = _FFN_TYPES  # cycled by block index
     attn_v_type: GGMLQuantizationType = F16
+    attn_qko_type: GGMLQuantizationType = Q8_0  # attention's q, k and output projections
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -191,8 +193,8 @@ def write_tiny_model(
         ffn_type = shape.ffn_types[i % len(shape.ffn_types)]
         blk = f"blk.{i}"
         add(f"{blk}.attn_norm.weight", ones(n_embd), F32)
-        add(f"{blk}.attn_q.weight", matrix(n_q, n_embd), Q8_0)
-        add(f"{blk}.attn_k.weight", matrix(n_kv, n_embd), Q8_0)
+        add(f"{blk}.attn_q.weight", matrix(n_q, n_embd), shape.attn_qko_type)
+        add(f"{blk}.attn_k.weight", matrix(n_kv, n_embd), shape.attn_qko_type)
         add(f"{blk}.attn_v.weight", matrix(n_kv, n_embd), shape.attn_v_type)
         if shape.qkv_bias:
             add(f"{blk}.attn_q.bias", (rng.standard_normal(n_q) * 0.1).astype(np.float32), F32)
@@ -201,7 +203,7 @@ def write_tiny_model(
         if shape.qk_norm:
             add(f"{blk}.attn_q_norm.weight", ones(head_dim), F32)
             add(f"{blk}.attn_k_norm.weight", ones(head_dim), F32)
-        add(f"{blk}.attn_output.weight", matrix(n_embd, n_q), Q8_0)
+        add(f"{blk}.attn_output.weight", matrix(n_embd, n_q), shape.attn_qko_type)
         if shape.post_norms:
             add(f"{blk}.post_attention_norm.weight", ones(n_embd), F32)
         add(f"{blk}.ffn_norm.weight", ones(n_embd), F32)
