@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGUFValueType, GGUFWriter
 from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
-from tiny_models import write_tiny_model
+from tiny_models import ModelShape, write_tiny_model
 
 from kafila.runtime.families import UnsupportedFamily
 from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
@@ -168,3 +172,70 @@ def test_cached_slices_reuse_an_earlier_cut(tmp_path: Path) -> None:
     assert [s.sha256 for s in remade] == [s.sha256 for s in first] and remade[0].path.is_file()
     other = cached_slices(model, [1, 3], tmp_path / "cache")
     assert other[0].sha256 != first[0].sha256
+
+
+def _recorder() -> tuple[list[tuple[int, int, str]], Callable[[int, int], None]]:
+    calls: list[tuple[int, int, str]] = []
+    return calls, lambda done, total: calls.append((done, total, threading.current_thread().name))
+
+
+def test_cutting_reports_its_progress_from_writing_through_hashing_and_cuts_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kafila.runtime.slicer as slicer
+    from kafila.runtime.slicer import block_range_file
+
+    monkeypatch.setattr(slicer, "SIZE_POLL_S", 0.001)  # the test model is written in milliseconds
+    shape = dataclasses.replace(ModelShape(64, 4, 2, 16, 128, tied_output=False), n_embd=512, n_ff=2048)
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4, shape=shape)  # about 20 MB
+    quiet = slice_model(model, [1, 3], tmp_path / "quiet")
+    calls, progress = _recorder()
+    told = slice_model(model, [1, 3], tmp_path / "told", progress)
+    assert [s.sha256 for s in told] == [s.sha256 for s in quiet]
+
+    total = calls[-1][1]
+    assert {t for _, t, _ in calls} == {total}  # one whole, said the same each time
+    assert total <= sum(s.n_bytes for s in told) < total * 1.01  # the tensors: nearly all of the files
+    assert [d for d, _, _ in calls] == sorted(d for d, _, _ in calls) and calls[-1][0] == total
+    assert any(name == "kafila-slice-progress" for _, _, name in calls)  # heard while the file was written
+    assert any(0 < d < total for d, _, _ in calls)
+
+    calls, progress = _recorder()
+    head = block_range_file(model, 1, 4, tmp_path / "one", is_head=True, progress=progress)
+    assert head.sha256 == quiet[1].sha256 and calls[-1][0] == calls[-1][1] > 0
+
+
+def test_hashing_a_model_reports_its_bytes_and_stops_when_its_caller_is_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from kafila.runtime.local_plan import hash_model
+
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"x" * (9 << 20))
+    calls, progress = _recorder()
+    digest = asyncio.run(hash_model(small, progress))
+    assert digest == hashlib.sha256(small.read_bytes()).hexdigest()
+    assert calls[-1][:2] == (9 << 20, 9 << 20) and len(calls) == 3  # 4 MiB at a time
+    calls.clear()
+    assert asyncio.run(hash_model(small, progress)) == digest and calls == []  # remembered: not read again
+
+    large = tmp_path / "large.gguf"
+    with large.open("wb") as sparse:
+        sparse.truncate(64 << 30)  # minutes to hash; nothing on disk
+
+    async def cancel_after_the_first_piece() -> None:
+        task = asyncio.create_task(hash_model(large, progress))
+        while not calls:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    started = time.monotonic()
+    asyncio.run(cancel_after_the_first_piece())  # asyncio.run waits for the hashing thread to end
+    assert time.monotonic() - started < 20
+    assert calls[-1][0] < (64 << 30) // 4
+    assert str(large.resolve()) not in (tmp_path / "cache" / "model-hashes.json").read_text()

@@ -208,14 +208,8 @@ class RichUi:
     def show_plan(self, report: PlanReport) -> None:
         render_plan(report, stderr)
 
-    def transfer_progress(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
-        return _transfer_bars()
-
-
-@contextlib.contextmanager
-def _transfer_bars() -> Iterator[Callable[[str, int, int], None]]:
-    with transfer_bars() as update:
-        yield lambda name, done, total: update(f"stage file to {name}", done, total)
+    def progress_bars(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
+        return transfer_bars()
 
 
 async def _serve(config: HostConfig) -> None:

@@ -119,7 +119,7 @@ async def _join(
     from kafila.network.link import DatagramDemux
     from kafila.network.rendezvous_client import RendezvousClient, verify_host
     from kafila.network.session_codes import channel_part
-    from kafila.runtime.local_plan import cache_dir, cached_model_pricings, model_sha256, this_device
+    from kafila.runtime.local_plan import cache_dir, cached_model_pricings, hash_model, this_device
     from kafila.session.member import MemberState, RingLinks, SessionEnded, edge_connector, follow_host
     from kafila.session.presence import machine_tag, present
     from kafila.session.router import LinkRouter
@@ -131,7 +131,11 @@ async def _join(
     device = await asyncio.to_thread(this_device, memory=memory)
     priced_models = await asyncio.to_thread(cached_model_pricings)
     presence = await present(name, rendezvous, device)
-    model_sha = await asyncio.to_thread(model_sha256, model) if model is not None else None
+    model_sha = None
+    if model is not None:  # before joining: the host plans with it as soon as everyone has joined
+        with transfer_bars() as progress:
+            what = f"hashing {model.name} (once)"
+            model_sha = await hash_model(model, lambda done, total: progress(what, done, total))
     client = await RendezvousClient.join(
         presence.url, channel_part(code), capability=presence.capability,
         fingerprint=presence.identity.fingerprint, candidates=presence.candidates,

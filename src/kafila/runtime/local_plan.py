@@ -9,15 +9,21 @@ serving that model on this machine plan with it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kafila.planner import plan_session
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.planner.types import ModelManifest, SessionSpec
+
+if TYPE_CHECKING:
+    from kafila.runtime.slicer import Progress
 
 
 def cache_dir() -> Path:
@@ -50,12 +56,13 @@ def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
     return device
 
 
-def model_sha256(path: Path) -> str:
+def model_sha256(path: Path, progress: Progress | None = None) -> str:
     """The model file's sha256, remembered by its path, size and modification time: a model of
     tens of gigabytes takes a minute to hash, and every session start asks for it.
 
     Safe to trust: where the hash names a model a member then cuts its stage from, the stage
-    file's own hash is checked against the host's.
+    file's own hash is checked against the host's. `progress` hears the hashing, where it is not
+    remembered.
     """
     from kafila.runtime.slicer import file_sha256
 
@@ -70,7 +77,7 @@ def model_sha256(path: Path) -> str:
     known = memo.get(name)
     if isinstance(known, list) and known[:2] == seen and isinstance(known[-1], str) and len(known[-1]) == 64:
         return known[-1]
-    digest = file_sha256(path)
+    digest = file_sha256(path, progress)
     memo[name] = [*seen, digest]  # one entry per path: the file as it is now
     with contextlib.suppress(OSError):
         memo_path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,6 +85,28 @@ def model_sha256(path: Path) -> str:
         partial.write_text(json.dumps(memo))
         partial.replace(memo_path)
     return digest
+
+
+class HashingStopped(Exception):
+    """Raised in the hashing thread when whoever waits for the hash has gone."""
+
+
+async def hash_model(path: Path, progress: Progress | None = None) -> str:
+    """`model_sha256` off the event loop. A caller that is cancelled (Ctrl-C) stops the hashing
+    thread too, at its next 4 MiB: a thread cannot be cancelled, and the process would otherwise
+    wait out the rest of a large model's hash before it could exit."""
+    caller_gone = threading.Event()
+
+    def report(done: int, total: int) -> None:
+        if caller_gone.is_set():
+            raise HashingStopped(f"hashing {path.name} was stopped")
+        if progress is not None:
+            progress(done, total)
+
+    try:
+        return await asyncio.to_thread(model_sha256, path, report)
+    finally:
+        caller_gone.set()
 
 
 def _model_pricing_dir() -> Path:

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from kafila.network.frames import SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 from kafila.runtime.llama_backend import ContextSettings, LlamaModel, VocabularyOnly, shares_cores_env
 from kafila.runtime.sampling import Sampler, SamplerStart, SamplingSettings, TokenChosenOnHead, TokenSampler
-from kafila.runtime.slicer import StageFile, cached_slices
+from kafila.runtime.slicer import Progress, StageFile, cached_slices
 from kafila.runtime.stage import (
     HeadStage,
     StepInput,
@@ -651,9 +651,16 @@ def generate(
     return Generation(tokens, engine.detokenize(tokens), rate, engine.stage_report(), len(prompt_tokens), finish)
 
 
-def open_engine(model: Path, counts: Sequence[int], settings: ContextSettings, cache_dir: Path | None = None) -> Engine:
-    """An engine over the model cut as `counts` (chain order, head last); one count runs it unsplit."""
+def open_engine(
+    model: Path,
+    counts: Sequence[int],
+    settings: ContextSettings,
+    cache_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> Engine:
+    """An engine over the model cut as `counts` (chain order, head last); one count runs it unsplit.
+    `progress` hears the cutting, where the stage files are not cached yet."""
     if len(counts) == 1:
         return UnsplitEngine(model, settings)
     directory = cache_dir or Path(os.environ.get("KAFILA_CACHE", Path.home() / ".cache" / "kafila")) / "stages"
-    return RingEngine(cached_slices(model, counts, directory), settings)
+    return RingEngine(cached_slices(model, counts, directory, progress), settings)

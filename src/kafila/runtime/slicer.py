@@ -17,7 +17,9 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,11 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_ONLY_TENSORS = ("token_embd.weight", "output.weight")
 STAND_IN_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")  # SentencePiece order llama.cpp accepts
 STAND_IN_TYPES = (3, 3, 3, 2)  # control, control, control, unknown
+SIZE_POLL_S = 0.2
+
+Progress = Callable[[int, int], None]
+"""(bytes done, bytes in all) of long work on a model file: hashing it, cutting it. A model of
+tens of gigabytes takes minutes either way, and whoever waits should see it move."""
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,40 @@ class SliceError(ValueError):
     """The division does not fit the model, or the model cannot be cut."""
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, progress: Progress | None = None) -> str:
     """A file's sha256, read in 4 MiB pieces: what stage files are named and checked by."""
     digest = hashlib.sha256()
+    total = path.stat().st_size if progress is not None else 0
+    done = 0
     with path.open("rb") as stream:
         while chunk := stream.read(1 << 22):
             digest.update(chunk)
+            if progress is not None:
+                done += len(chunk)
+                progress(done, total)
     return digest.hexdigest()
+
+
+@contextmanager
+def _reporting_size(path: Path, report: Callable[[int], None]) -> Iterator[None]:
+    """Report `path`'s size as it grows, from a thread: the gguf writer tells no caller how far
+    it has got (it can only draw a tqdm bar of its own)."""
+    stopped = threading.Event()
+
+    def watch() -> None:
+        while not stopped.wait(SIZE_POLL_S):
+            try:
+                report(path.stat().st_size)
+            except OSError:  # gone: the write failed, and the caller says why
+                return
+
+    watcher = threading.Thread(target=watch, name="kafila-slice-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stopped.set()
+        watcher.join()
 
 
 def _check_division(counts: Sequence[int], n_blocks: int) -> None:
@@ -195,20 +229,24 @@ def _ensure_room(out: Path, pieces: Sequence[_Slice], what: str) -> None:
         )
 
 
-def _write(piece: _Slice, out: Path) -> tuple[Path, str]:
-    """Write one stage file under a temporary name, then rename it to its sha256."""
+def _write(piece: _Slice, out: Path, progress: Callable[[int], None] | None = None) -> tuple[Path, str]:
+    """Write one stage file under a temporary name, then rename it to its sha256. `progress` hears
+    the bytes done, each byte counting half when written and half when hashed."""
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out, suffix=".partial", delete=False) as temporary:
         partial = Path(temporary.name)
     try:
-        writer = RawCopyWriter(partial, arch=piece.arch)
-        piece.metadata(writer)
-        piece.tensors(writer)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        digest = file_sha256(partial)
+        with _reporting_size(partial, lambda n: progress(n // 2)) if progress is not None else nullcontext():
+            writer = RawCopyWriter(partial, arch=piece.arch)
+            piece.metadata(writer)
+            piece.tensors(writer)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+        size = partial.stat().st_size
+        hashed = None if progress is None else (lambda done, _total: progress((size + done) // 2))
+        digest = file_sha256(partial, hashed)
         final = out / f"{digest}.gguf"
         os.replace(partial, final)
     except OSError as error:
@@ -220,20 +258,41 @@ def _write(piece: _Slice, out: Path) -> tuple[Path, str]:
     return final, digest
 
 
+def _past(base: int, total: int, progress: Progress) -> Callable[[int], None]:
+    """A piece's progress, reported as the whole's: `base` bytes of it were done before."""
+    return lambda done: progress(min(total, base + done), total)
+
+
+def _write_all(pieces: Sequence[_Slice], out: Path, progress: Progress | None) -> list[tuple[Path, str]]:
+    """`_write` each piece, with `progress` over them all (the tensor bytes, which are nearly all
+    of each file: the count is held at the total for the headers past it)."""
+    total = sum(piece.data_bytes() for piece in pieces)
+    written: list[tuple[Path, str]] = []
+    finished = 0
+    for piece in pieces:
+        path, digest = _write(piece, out, None if progress is None else _past(finished, total, progress))
+        written.append((path, digest))
+        finished += path.stat().st_size
+    if progress is not None:
+        progress(total, total)
+    return written
+
+
 def slice_model(
     source: str | os.PathLike[str],
     counts: Sequence[int],
     out_dir: str | os.PathLike[str],
+    progress: Progress | None = None,
 ) -> list[StageFile]:
     """Write one file per stage for a division given in chain order (block 0 first, head last).
 
-    A single stage is the whole model: the original file is returned as it is.
+    A single stage is the whole model: the original file is returned as it is (and hashed).
     """
     source = Path(source)
     reader, arch, n_blocks = _open(source)
     _check_division(counts, n_blocks)
     if len(counts) == 1:
-        return [StageFile(0, 0, n_blocks, True, source, file_sha256(source), source.stat().st_size)]
+        return [StageFile(0, 0, n_blocks, True, source, file_sha256(source, progress), source.stat().st_size)]
     _check_family(arch, n_blocks)
     bounds = list(itertools.accumulate(counts, initial=0))
     pieces = [
@@ -241,15 +300,18 @@ def slice_model(
         for index, (first, end) in enumerate(itertools.pairwise(bounds))
     ]
     _ensure_room(Path(out_dir), pieces, f"cutting {source.name} into {len(counts)} stage files")
-    stages = []
-    for index, piece in enumerate(pieces):
-        path, digest = _write(piece, Path(out_dir))
-        stages.append(StageFile(index, piece.first, piece.end, piece.is_head, path, digest, path.stat().st_size))
-    return stages
+    written = _write_all(pieces, Path(out_dir), progress)
+    return [
+        StageFile(index, piece.first, piece.end, piece.is_head, path, digest, path.stat().st_size)
+        for index, (piece, (path, digest)) in enumerate(zip(pieces, written, strict=True))
+    ]
 
 
 def cached_slices(
-    source: str | os.PathLike[str], counts: Sequence[int], out_dir: str | os.PathLike[str]
+    source: str | os.PathLike[str],
+    counts: Sequence[int],
+    out_dir: str | os.PathLike[str],
+    progress: Progress | None = None,
 ) -> list[StageFile]:
     """`slice_model`, reusing the files of an earlier cut of the same file and division.
 
@@ -278,7 +340,7 @@ def cached_slices(
             pass
     if len(counts) > 1:
         make_room(out, stat.st_size)  # the cut is about the model's size
-    stages = slice_model(source, counts, out)
+    stages = slice_model(source, counts, out, progress)
     if len(stages) > 1:
         index = index if isinstance(index, dict) else {}
         index[key] = [{**stage.__dict__, "path": str(stage.path)} for stage in stages]
@@ -298,7 +360,12 @@ def _all_present(entry: object) -> bool:
 
 
 def block_range_file(
-    source: str | os.PathLike[str], first: int, end: int, out_dir: str | os.PathLike[str], is_head: bool = False
+    source: str | os.PathLike[str],
+    first: int,
+    end: int,
+    out_dir: str | os.PathLike[str],
+    is_head: bool = False,
+    progress: Progress | None = None,
 ) -> StageFile:
     """The stage file for blocks [first, end) alone, byte for byte what `slice_model` writes for that
     stage (`is_head`: the last blocks with the head): a member with its own copy of the model cuts
@@ -311,5 +378,5 @@ def block_range_file(
         raise SliceError(f"the head holds the last blocks; blocks {first}..{end} stop short of {n_blocks}")
     piece = _Slice(reader, arch, n_blocks, first, end, is_head)
     _ensure_room(Path(out_dir), [piece], f"cutting blocks {first}-{end - 1} of {Path(source).name}")
-    path, digest = _write(piece, Path(out_dir))
+    [(path, digest)] = _write_all([piece], Path(out_dir), progress)
     return StageFile(0, first, end, is_head, path, digest, path.stat().st_size)

@@ -144,6 +144,7 @@ class HostSession:
     deployment: Deployment | None = None
     demux: Any = None
     model_sha256: str | None = None
+    model_hash: asyncio.Future[str] | None = None  # the hash begun before the members came, if any
     own_pricing: ModelPricing | None = None  # this machine's pricing of the model, if it has one
     served_pricings: dict[str, ModelPricing] = field(default_factory=dict)  # member → priced by what it served
     known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
@@ -171,6 +172,7 @@ class HostSession:
         settings: ContextSettings,
         cache: Path,
         say: Say,
+        model_hash: asyncio.Future[str] | None = None,
     ) -> HostSession:
         client = await RendezvousClient.open(
             presence.url,
@@ -181,7 +183,7 @@ class HostSession:
             candidates=presence.candidates,
         )
         code = full_code(client.code, new_secret(random.SystemRandom()))
-        return cls(presence, client, code, manifest, model, session, settings, cache, say)
+        return cls(presence, client, code, manifest, model, session, settings, cache, say, model_hash=model_hash)
 
     def member_name(self, member_id: str) -> str:
         """Unique, readable names for the planner's table: the member's own, with its id if shared."""
@@ -279,7 +281,8 @@ class HostSession:
         hellos = await all_or_none([self._hello(m) for m in self.routers])
         self.hellos = dict(zip(self.routers, hellos, strict=True))
         self._note_members_on_this_machine(self.hellos)
-        self.model_sha256 = await asyncio.to_thread(model_sha256, self.model)
+        hashing = self.model_hash if self.model_hash is not None else asyncio.to_thread(model_sha256, self.model)
+        self.model_sha256 = await hashing
         self.own_pricing = pricing_for(self.model_sha256, await asyncio.to_thread(cached_model_pricings))
 
     def _note_members_on_this_machine(self, hellos: Mapping[str, Hello]) -> None:
@@ -441,7 +444,8 @@ class HostSession:
     ) -> Deployment:
         """Plan, assign, deliver and wait for every member's stage; raises SessionFailed or PlanRefused.
 
-        `pending` hears what the ring still waits for, member by member, as that shrinks.
+        `progress` hears (what, bytes done, bytes in all) of cutting the stage files and of sending
+        each; `pending` hears what the ring still waits for, member by member, as that shrinks.
         """
         plan = self.plan(members)
         self.newcomers -= set(members)
@@ -451,7 +455,10 @@ class HostSession:
         chain = [by_name[stage.device] for stage in plan.stages]
         counts = [stage.end - stage.start for stage in plan.stages]
         self.epoch += 1
-        stages = await asyncio.to_thread(cached_slices, self.model, counts, self.cache)
+        cutting = f"cutting {self.model.name} into {len(counts)} stage files"
+        stages = await asyncio.to_thread(
+            cached_slices, self.model, counts, self.cache, lambda done, total: progress(cutting, done, total)
+        )
         assigns: dict[str, Assign] = {}
         last = len(chain) - 1
         for index, member in enumerate(chain):
@@ -562,7 +569,7 @@ class HostSession:
                     stage.path,
                     stage.sha256,
                     assign.stage_index,
-                    lambda done, total: progress(name, done, total),
+                    lambda done, total: progress(f"stage file to {name}", done, total),
                 )
             except Exception as error:  # its side gave up, or its link went down
                 raise SessionFailed(f"{name} could not receive its stage: {error}", member) from None

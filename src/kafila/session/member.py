@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -115,9 +115,20 @@ class MemberState:
             await asyncio.get_running_loop().run_in_executor(self.executor, stage.close)
 
 
+@contextlib.contextmanager
+def _bar(state: MemberState, what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """Progress of `what` (bytes done, bytes in all), on a bar where this member shows them."""
+    if state.bars is None:
+        yield None
+        return
+    with state.bars() as update:
+        yield lambda done, total: update(what, done, total)
+
+
 async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState) -> Path:
     """The assigned stage file in the cache, verified by its hash, by whichever way the host said."""
     path = state.cache / f"{assign.sha256}.gguf"
+    digest = None  # known without reading the file again where this member just wrote it
     if assign.source == "cache":
         mark_used(path)
     else:
@@ -127,23 +138,24 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
             raise ValueError("the host asked for a local slice, but this member has no --model")
         from kafila.runtime.slicer import block_range_file
 
-        state.say(f"slicing blocks {assign.first_block}-{assign.end_block - 1} from {state.model.name}")
-        made = await asyncio.to_thread(
-            block_range_file, state.model, assign.first_block, assign.end_block, state.cache, assign.head
-        )
-        path = Path(made.path)
+        what = f"slicing blocks {assign.first_block}-{assign.end_block - 1} from {state.model.name}"
+        state.say(what)
+        with _bar(state, what) as progress:
+            made = await asyncio.to_thread(
+                block_range_file, state.model, assign.first_block, assign.end_block, state.cache, assign.head, progress
+            )
+        path, digest = Path(made.path), made.sha256
     elif assign.source == "transfer":
         from kafila.network.transfer import receive_stage_file
 
         why = f" (--model {state.model.name} is not the host's model file)" if state.model is not None else ""
         state.say(f"receiving stage {assign.stage_index} ({assign.size / 1e6:.1f} MB) from the host{why}")
-        with state.bars() if state.bars is not None else contextlib.nullcontext(None) as update:
-            what = f"stage {assign.stage_index} from the host"
-            progress = None if update is None else lambda done, total: update(what, done, total)
+        with _bar(state, f"stage {assign.stage_index} from the host") as progress:
             path = Path(await receive_stage_file(host.transfer, state.cache, progress))
     if not path.is_file():
         raise ValueError(f"stage file {assign.sha256[:12]}… is not in the cache at {state.cache}")
-    digest = await asyncio.to_thread(file_sha256, path)
+    if digest is None:
+        digest = await asyncio.to_thread(file_sha256, path)
     if digest != assign.sha256:
         raise ValueError(f"stage file {path.name} has sha256 {digest[:12]}…, not the assigned {assign.sha256[:12]}…")
     await asyncio.to_thread(trim_stage_cache, state.cache, [path])

@@ -67,7 +67,9 @@ class HostUi(Protocol):
         """`discoverable`: members on this network can join with the code alone (LAN discovery)."""
 
     def show_plan(self, report: PlanReport) -> None: ...
-    def transfer_progress(self) -> AbstractContextManager[Callable[[str, int, int], None]]: ...
+    def progress_bars(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
+        """A bar per thing named in the updates (what, bytes done, bytes in all), gone at the end."""
+        ...
 
 
 @dataclass
@@ -116,6 +118,7 @@ class HostRunner:
         self.rendezvous: Any = None
         self.joiners: list[subprocess.Popen[bytes]] = []
         self.stopping = False
+        self._hashing: asyncio.Future[str] | None = None  # the model's sha256, for members with a copy
 
     # --- engines ---
     def _activate(self, engine: Engine) -> None:
@@ -183,7 +186,12 @@ class HostRunner:
             "division": counts,
             "members": [{"name": "this machine", "stages": counts}],
         }
-        engine = await asyncio.to_thread(open_engine, self.config.path, counts, self.config.settings)
+        cutting = f"cutting {self.config.path.name} into {len(counts)} stage files"
+        with self.ui.progress_bars() as progress:
+            engine = await asyncio.to_thread(
+                open_engine, self.config.path, counts, self.config.settings, None,
+                lambda done, total: progress(cutting, done, total),
+            )  # fmt: skip
         self._activate(engine)
         self._announce_ready(where)
 
@@ -235,6 +243,9 @@ class HostRunner:
         else:
             address = config.rendezvous
             advertised = f"{address[0]}:{address[1]}"
+        # Begun now, it runs while the members join: the first hash of a large model takes a minute.
+        self._hashing = asyncio.ensure_future(self._hash_model())
+        self._hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
         self.serving.waiting_for = ["this machine to be measured"]
         device = await asyncio.to_thread(this_device, memory=config.memory)
         others = config.members - 1
@@ -242,7 +253,7 @@ class HostRunner:
             presence = await present(config.name, address, device)
             self.network = await HostSession.open(
                 presence, config.members, self.manifest, config.path, config.session, config.settings,
-                cache_dir() / "stages", self.ui.say,
+                cache_dir() / "stages", self.ui.say, self._hashing,
             )  # fmt: skip
             network = self.network
             join = f"kafila join {network.code} --rendezvous {advertised}"
@@ -268,6 +279,13 @@ class HostRunner:
                 await network.end(f"the session was closed: {error}")
         if not await self._deploy_leaving_out_failures(network.alive()):
             await self._serve_alone("every member failed its part")
+
+    async def _hash_model(self) -> str:
+        from kafila.runtime.local_plan import hash_model
+
+        what = f"hashing {self.config.path.name} (once)"
+        with self.ui.progress_bars() as progress:
+            return await hash_model(self.config.path, lambda done, total: progress(what, done, total))
 
     async def _deploy_leaving_out_failures(self, members: list[str]) -> bool:
         """Deploy over `members`; a member that fails its part is sent home and the rest are
@@ -302,7 +320,7 @@ class HostRunner:
         def pending(waits: list[str]) -> None:
             self.serving.waiting_for = waits or ["the head to load"]
 
-        with self.ui.transfer_progress() as progress:
+        with self.ui.progress_bars() as progress:
             deployment = await network.deploy(members, progress, pending)
         loop = asyncio.get_running_loop()
         engine = await asyncio.to_thread(network.engine, deployment, loop)
@@ -473,6 +491,8 @@ class HostRunner:
 
     async def stop(self, reason: str) -> None:
         self.stopping = True
+        if self._hashing is not None:
+            self._hashing.cancel()
         await self._retire(reason)
         if self.network is not None:
             await self.network.end(reason)
