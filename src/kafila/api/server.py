@@ -47,18 +47,32 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
 # turned away with 503: a replan streams and loads stage files, which can take minutes.
 PLANNED_PAUSE_WAIT_S = 120.0
+# What a 503 asks a client to wait before it tries again, while the session gets ready or replans
+# after a break (a replan over cached stage files takes a second or two). The official OpenAI SDKs
+# retry a 503 twice by default and wait what `Retry-After` says.
+RETRY_AFTER_S = 2
 SERVED_ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /status and /metrics"
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = dict(headers or {})
+        if status == 401:
+            self.headers["WWW-Authenticate"] = "Bearer"
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(body, status_code=self.status, headers=self.headers or None)
 
 
 def _invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -243,7 +257,7 @@ def create_app(serving: Serving) -> FastAPI:
             await serving.until_resumed()
         loop, engine = serving.loop, serving.engine
         if loop is None or engine is None or loop.error is not None:
-            raise ApiError(503, _not_ready_text(serving, loop), "server_error", "not_ready")
+            raise _unavailable(serving, _not_ready_text(serving, loop))
         return loop, engine
 
     def replanned_since(taken: EngineLoop | Engine) -> bool:
@@ -336,12 +350,12 @@ def create_app(serving: Serving) -> FastAPI:
             return await tokenize_with(engine, text, add_special, parse_special)
         except StageFailed:  # the host closed this engine meanwhile, to replan
             if not replanned_since(engine):
-                raise ApiError(503, _not_ready_text(serving, serving.loop), "server_error", "not_ready") from None
+                raise _unavailable(serving, _not_ready_text(serving, serving.loop)) from None
         _, engine = await ready_loop(serving.model_id)
         try:
             return await tokenize_with(engine, text, add_special, parse_special)
         except StageFailed:
-            raise ApiError(503, _not_ready_text(serving, serving.loop), "server_error", "not_ready") from None
+            raise _unavailable(serving, _not_ready_text(serving, serving.loop)) from None
 
     async def tokenize_with(engine: Engine, text: str, add_special: bool, parse_special: bool) -> list[int]:
         if len(text) <= TOKENIZE_IN_THREAD_CHARACTERS:
@@ -364,7 +378,7 @@ def create_app(serving: Serving) -> FastAPI:
         except EngineUnavailable as error:
             if may_wait and replanned_since(loop):
                 return False
-            raise ApiError(503, str(error), "server_error", "not_ready") from None
+            raise _unavailable(serving, str(error)) from None
         except ValueError as error:
             raise _invalid(str(error)) from None
 
@@ -500,6 +514,18 @@ async def _client_gone(request: Request) -> None:
     (to the whole context, without max_tokens), holding a slot that others queue for."""
     while (await request.receive())["type"] != "http.disconnect":
         await asyncio.sleep(0.05)
+
+
+def _unavailable(serving: Serving, message: str) -> ApiError:
+    """OpenAI's 503, with what a client should do next: while the session gets ready, or replans
+    after its ring broke, try again shortly (`Retry-After`); where it cannot serve (the model does
+    not fit, every member failed), not at all (`x-should-retry: false`, which the official SDKs
+    heed), since a retry could only fail the same way."""
+    if serving.failure:
+        headers = {"x-should-retry": "false"}
+    else:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return ApiError(503, message, "server_error", "not_ready", headers=headers)
 
 
 def _not_ready_text(serving: Serving, loop: EngineLoop | None) -> str:
