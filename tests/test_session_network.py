@@ -888,3 +888,41 @@ def test_a_host_that_cannot_serve_alone_waits_for_members_to_join_again(tmp_path
         assert unready.value.code == 503 and "cannot hold" in unready.value.read().decode()
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         take_in(host, client, model, joiners, "newcomer", tmp_path / "cache-new", 2)
+
+
+def test_a_whole_answer_cut_off_by_a_member_killed_is_served_by_the_new_ring_on_the_clients_own_retry(
+    tmp_path: Path, model: Path
+) -> None:
+    """A request not streamed has shown its client nothing when the ring breaks under it, so the
+    host answers 503 with `Retry-After`, and the official client's default retries reach the
+    ring the host replans: the caller gets the answer, not the break."""
+    with session(tmp_path, model, 2) as (host, joiners):
+        wait_ready(host)
+        answered: list[tuple[int, str | None]] = []  # each try's status and Retry-After, as the client saw them
+
+        def heard(response: Any) -> None:
+            answered.append((response.status_code, response.headers.get("retry-after")))
+
+        seen = openai.DefaultHttpxClient(event_hooks={"response": [heard]})
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", timeout=60, http_client=seen)
+        (member,) = joiners
+        member.send_signal(signal.SIGSTOP)  # frozen: the request below is surely in flight when it dies
+        outcome: dict[str, Any] = {}
+
+        def ask() -> None:
+            try:
+                outcome["text"] = (
+                    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+                )
+            except openai.APIError as error:
+                outcome["error"] = error
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        time.sleep(1.0)
+        assert asking.is_alive() and not outcome
+        member.kill()
+        asking.join(timeout=60)
+        assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
+        assert answered[0] == (503, "2") and answered[-1] == (200, None), answered
+        assert "serving on this machine alone" in host.output()

@@ -51,6 +51,7 @@ PLANNED_PAUSE_WAIT_S = 120.0
 # after a break (a replan over cached stage files takes a second or two). The official OpenAI SDKs
 # retry a 503 twice by default and wait what `Retry-After` says.
 RETRY_AFTER_S = 2
+_TRY_AGAIN = {"Retry-After": str(RETRY_AFTER_S)}
 SERVED_ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /status and /metrics"
 
 
@@ -521,10 +522,7 @@ def _unavailable(serving: Serving, message: str) -> ApiError:
     after its ring broke, try again shortly (`Retry-After`); where it cannot serve (the model does
     not fit, every member failed), not at all (`x-should-retry: false`, which the official SDKs
     heed), since a retry could only fail the same way."""
-    if serving.failure:
-        headers = {"x-should-retry": "false"}
-    else:
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    headers = {"x-should-retry": "false"} if serving.failure else _TRY_AGAIN
     return ApiError(503, message, "server_error", "not_ready", headers=headers)
 
 
@@ -562,6 +560,8 @@ class _Reply:
             elif isinstance(event, Finished):
                 self.observe_end(event)
                 return "".join(parts), event
+            elif event.code == "ring_failed":  # the host replans: a retry shortly may well be served
+                raise ApiError(503, event.message, "server_error", event.code, headers=_TRY_AGAIN)
             else:
                 raise ApiError(500, event.message, "server_error", event.code)
 
