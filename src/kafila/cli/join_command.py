@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import time
@@ -134,8 +135,7 @@ async def _join(
     model_sha = None
     if model is not None:  # before joining: the host plans with it as soon as everyone has joined
         with transfer_bars() as progress:
-            what = f"hashing {model.name} (once)"
-            model_sha = await hash_model(model, lambda done, total: progress(what, done, total))
+            model_sha = await hash_model(model, functools.partial(progress, f"hashing {model.name} (once)"))
     client = await RendezvousClient.join(
         presence.url, channel_part(code), capability=presence.capability,
         fingerprint=presence.identity.fingerprint, candidates=presence.candidates,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import random
 import time
@@ -455,10 +456,8 @@ class HostSession:
         chain = [by_name[stage.device] for stage in plan.stages]
         counts = [stage.end - stage.start for stage in plan.stages]
         self.epoch += 1
-        cutting = f"cutting {self.model.name} into {len(counts)} stage files"
-        stages = await asyncio.to_thread(
-            cached_slices, self.model, counts, self.cache, lambda done, total: progress(cutting, done, total)
-        )
+        cutting = functools.partial(progress, f"cutting {self.model.name} into {len(counts)} stage files")
+        stages = await asyncio.to_thread(cached_slices, self.model, counts, self.cache, cutting)
         assigns: dict[str, Assign] = {}
         last = len(chain) - 1
         for index, member in enumerate(chain):
@@ -569,7 +568,7 @@ class HostSession:
                     stage.path,
                     stage.sha256,
                     assign.stage_index,
-                    lambda done, total: progress(f"stage file to {name}", done, total),
+                    functools.partial(progress, f"stage file to {name}"),
                 )
             except Exception as error:  # its side gave up, or its link went down
                 raise SessionFailed(f"{name} could not receive its stage: {error}", member) from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -122,7 +123,7 @@ def _bar(state: MemberState, what: str) -> Iterator[Callable[[int, int], None] |
         yield None
         return
     with state.bars() as update:
-        yield lambda done, total: update(what, done, total)
+        yield functools.partial(update, what)
 
 
 async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState) -> Path:

@@ -189,9 +189,8 @@ class HostRunner:
         cutting = f"cutting {self.config.path.name} into {len(counts)} stage files"
         with self.ui.progress_bars() as progress:
             engine = await asyncio.to_thread(
-                open_engine, self.config.path, counts, self.config.settings, None,
-                lambda done, total: progress(cutting, done, total),
-            )  # fmt: skip
+                open_engine, self.config.path, counts, self.config.settings, None, functools.partial(progress, cutting)
+            )
         self._activate(engine)
         self._announce_ready(where)
 
@@ -283,9 +282,9 @@ class HostRunner:
     async def _hash_model(self) -> str:
         from kafila.runtime.local_plan import hash_model
 
-        what = f"hashing {self.config.path.name} (once)"
+        path = self.config.path
         with self.ui.progress_bars() as progress:
-            return await hash_model(self.config.path, lambda done, total: progress(what, done, total))
+            return await hash_model(path, functools.partial(progress, f"hashing {path.name} (once)"))
 
     async def _deploy_leaving_out_failures(self, members: list[str]) -> bool:
         """Deploy over `members`; a member that fails its part is sent home and the rest are
