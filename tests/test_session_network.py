@@ -232,6 +232,7 @@ def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(
     output = serve_with_a_member_model(tmp_path, model, own_copy, *extra)
     assert "slicing blocks" in output and "receiving stage" not in output, output
     assert ("and the head" in output) == (role == "head"), output
+    assert re.search(r"slicing blocks \d+-\d+ from copy\.gguf: done in \d", output), output  # no bar in a log
 
 
 def test_a_member_with_another_model_file_receives_its_stage_and_says_why(tmp_path: Path, model: Path) -> None:
@@ -239,6 +240,8 @@ def test_a_member_with_another_model_file_receives_its_stage_and_says_why(tmp_pa
     output = serve_with_a_member_model(tmp_path, model, other)
     assert "receiving stage" in output and "other.gguf is not the host's model file" in output, output
     assert "slicing blocks" not in output, output
+    assert re.search(r"stage \d+ from the host: done in \d", output), output  # no bar in a log: a line
+    assert "hashing other.gguf (once): done in" in output, output
 
 
 def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(tmp_path: Path, model: Path) -> None:

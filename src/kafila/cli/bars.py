@@ -1,21 +1,33 @@
-"""Progress bars for stage files, the same on the host (one per member) and on a member."""
+"""Progress of long work on model files (hashing, cutting, sending stage files): bars on a
+terminal, the same on the host and on a member; a line at each start and end in a log."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from kafila.cli.errors import stderr
+from kafila.units import human_bytes
 
 Update = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
 
 
 @contextlib.contextmanager
 def transfer_bars() -> Iterator[Update]:
-    """One bar per thing named in the updates, gone once the block ends (the log lines stay)."""
+    """One bar per thing named in the updates, gone once the block ends (the log lines stay).
+
+    Where stderr is no terminal (a log file, a service's journal) no bar is drawn, and a bar
+    that ends with the block leaves nothing behind, so each thing gets a line as it starts and
+    one as it is done instead: minutes of cutting a large model should not read as a hang.
+    """
+    if not stderr.is_terminal:
+        yield _logged()
+        return
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     with Progress(*columns, console=stderr, transient=True) as bars:
         tasks: dict[str, Any] = {}
@@ -26,3 +38,27 @@ def transfer_bars() -> Iterator[Update]:
             bars.update(tasks[what], completed=done)
 
         yield update
+
+
+def _logged() -> Update:
+    started: dict[str, tuple[float, int]] = {}  # what → when its first update came, and its bytes done then
+    ended: set[str] = set()
+    lock = threading.Lock()  # a cut reports from two threads: the writer's watcher and the hash
+
+    def update(what: str, done: int, total: int) -> None:
+        with lock:
+            _update(what, done, total)
+
+    def _update(what: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if what not in started:
+            started[what] = (now, done)
+            stderr.print(f"{what}: {human_bytes(total)}", highlight=False, soft_wrap=True)
+        if done >= total and what not in ended:
+            ended.add(what)
+            since, before = started[what]
+            seconds = now - since
+            rate = f", {human_bytes(int((done - before) / seconds))}/s" if seconds > 0.5 else ""
+            stderr.print(f"{what}: done in {seconds:.1f} s{rate}", highlight=False, soft_wrap=True)
+
+    return update
