@@ -44,7 +44,7 @@ from kafila.planner.fleet import FleetDevice, ModelPricing, pricing_from_serving
 from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
 from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings, set_up_to_share_cores, sharing_cores_hint
-from kafila.runtime.local_plan import cached_model_pricings, model_sha256, pricing_for
+from kafila.runtime.local_plan import cached_model_pricings, pricing_for
 from kafila.runtime.pipeline import RingEngine
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
@@ -138,6 +138,7 @@ class HostSession:
     settings: ContextSettings
     cache: Path
     say: Say
+    model_hash: asyncio.Future[str]  # the model's sha256, begun before the members came
     routers: dict[str, LinkRouter] = field(default_factory=dict)
     paths: dict[str, str] = field(default_factory=dict)  # member id → "direct" / "relayed"
     hellos: dict[str, Hello] = field(default_factory=dict)
@@ -145,7 +146,6 @@ class HostSession:
     deployment: Deployment | None = None
     demux: Any = None
     model_sha256: str | None = None
-    model_hash: asyncio.Future[str] | None = None  # the hash begun before the members came, if any
     own_pricing: ModelPricing | None = None  # this machine's pricing of the model, if it has one
     served_pricings: dict[str, ModelPricing] = field(default_factory=dict)  # member → priced by what it served
     known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
@@ -173,7 +173,7 @@ class HostSession:
         settings: ContextSettings,
         cache: Path,
         say: Say,
-        model_hash: asyncio.Future[str] | None = None,
+        model_hash: asyncio.Future[str],
     ) -> HostSession:
         client = await RendezvousClient.open(
             presence.url,
@@ -184,7 +184,7 @@ class HostSession:
             candidates=presence.candidates,
         )
         code = full_code(client.code, new_secret(random.SystemRandom()))
-        return cls(presence, client, code, manifest, model, session, settings, cache, say, model_hash=model_hash)
+        return cls(presence, client, code, manifest, model, session, settings, cache, say, model_hash)
 
     def member_name(self, member_id: str) -> str:
         """Unique, readable names for the planner's table: the member's own, with its id if shared."""
@@ -282,8 +282,7 @@ class HostSession:
         hellos = await all_or_none([self._hello(m) for m in self.routers])
         self.hellos = dict(zip(self.routers, hellos, strict=True))
         self._note_members_on_this_machine(self.hellos)
-        hashing = self.model_hash if self.model_hash is not None else asyncio.to_thread(model_sha256, self.model)
-        self.model_sha256 = await hashing
+        self.model_sha256 = await self.model_hash
         self.own_pricing = pricing_for(self.model_sha256, await asyncio.to_thread(cached_model_pricings))
 
     def _note_members_on_this_machine(self, hellos: Mapping[str, Hello]) -> None:

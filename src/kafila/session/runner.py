@@ -243,8 +243,8 @@ class HostRunner:
             address = config.rendezvous
             advertised = f"{address[0]}:{address[1]}"
         # Begun now, it runs while the members join: the first hash of a large model takes a minute.
-        self._hashing = asyncio.ensure_future(self._hash_model())
-        self._hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
+        self._hashing = hashing = asyncio.ensure_future(self._hash_model())
+        hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
         self.serving.waiting_for = ["this machine to be measured"]
         device = await asyncio.to_thread(this_device, memory=config.memory)
         others = config.members - 1
@@ -252,7 +252,7 @@ class HostRunner:
             presence = await present(config.name, address, device)
             self.network = await HostSession.open(
                 presence, config.members, self.manifest, config.path, config.session, config.settings,
-                cache_dir() / "stages", self.ui.say, self._hashing,
+                cache_dir() / "stages", self.ui.say, hashing,
             )  # fmt: skip
             network = self.network
             join = f"kafila join {network.code} --rendezvous {advertised}"
