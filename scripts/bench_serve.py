@@ -39,10 +39,10 @@ class Sample:
 
 def plain(model: Path, tokens: int, flash_attn: bool = False) -> Callable[[], Sample]:
     """`Llama` as people load it (flash attention off, its default), or with the flash attention
-    Kafila's stages run (llama.cpp's own default)."""
-    from llama_cpp import Llama
+    Kafila's stages run (llama.cpp's own default); weights laid out as Kafila's are on this CPU."""
+    from plain_llama import plain_llama
 
-    llm = Llama(
+    llm = plain_llama(
         str(model), n_ctx=2048, n_threads=THREADS, n_batch=512, verbose=False, chat_format="gemma",
         flash_attn=flash_attn,
     )  # fmt: skip

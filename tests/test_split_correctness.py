@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
+from plain_llama import plain_llama
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings
@@ -93,8 +93,8 @@ def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> lis
     picks by default (flash attention on this CPU), as Kafila's stages take it. `Llama` itself
     turns flash attention off unless told, and on a real model that breaks near-ties the other
     way after a few tokens, so it is asked for here."""
-    llm = llama_cpp.Llama(
-        model_path=str(path), n_ctx=SETTINGS.n_ctx, n_threads=2, flash_attn=True, n_gpu_layers=-1, verbose=False
+    llm = plain_llama(
+        str(path), n_ctx=SETTINGS.n_ctx, n_threads=2, flash_attn=True, n_gpu_layers=-1, verbose=False
     )  # on a GPU build, every layer there, as Kafila's stages put them
     try:
         out: list[int] = []

@@ -7,6 +7,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 from gguf import GGUFReader
+from plain_llama import plain_llama
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
 from kafila.runtime.manifest import read_manifest
@@ -29,7 +30,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def _load(path: Path) -> llama_cpp.Llama:
-    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, seed=0)
+    return plain_llama(str(path), n_ctx=256, n_threads=2, verbose=False, seed=0)
 
 
 def _greedy(llm: llama_cpp.Llama, prompt: list[int]) -> list[int]:

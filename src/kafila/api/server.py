@@ -14,8 +14,9 @@ import json
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +48,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
 # turned away with 503: a replan streams and loads stage files, which can take minutes.
 PLANNED_PAUSE_WAIT_S = 120.0
+MAX_INCIDENTS = 16  # the latest things that went wrong, kept for /status
 # What a 503 asks a client to wait before it tries again, while the session gets ready or replans
 # after a break (a replan over cached stage files takes a second or two). The official OpenAI SDKs
 # retry a 503 twice by default and wait what `Retry-After` says.
@@ -80,6 +82,15 @@ def _invalid(message: str, param: str | None = None, code: str | None = None) ->
     return ApiError(400, message, "invalid_request_error", code, param)
 
 
+@dataclass(frozen=True)
+class Incident:
+    """Something that went wrong in the session (a stage or member died, the ring broke), for /status."""
+
+    what: str
+    detail: str
+    at: float  # Unix time
+
+
 @dataclass
 class Serving:
     """What the routes serve: the model's name, and once the session is ready, its engine loop."""
@@ -97,6 +108,10 @@ class Serving:
     paused: bool = False  # a planned replan runs: requests wait for it rather than be turned away
     pause_wait_s: float = PLANNED_PAUSE_WAIT_S
     _resumed: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
+    incidents: deque[Incident] = field(default_factory=lambda: deque(maxlen=MAX_INCIDENTS))
+
+    def record_incident(self, what: str, detail: str) -> None:
+        self.incidents.append(Incident(what, detail, time.time()))
 
     def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
         bos, eos = engine.special_text()
@@ -445,6 +460,7 @@ def create_app(serving: Serving) -> FastAPI:
             "tokens_per_s": round(loop.stats.tokens_per_s(now), 3) if loop else 0.0,
             "requests": {"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
             "stages": loop.stage_report if loop else [],
+            "incidents": [asdict(incident) for incident in serving.incidents],
             **serving.session_status(),
         }
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -23,6 +25,7 @@ from kafila.cli.status_command import status
 from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet
 from kafila.planner.report import plan_report
+from kafila.runtime.cpu_safety import repack_mode
 from kafila.runtime.gguf_file import GGUFFormatError
 from kafila.runtime.manifest import read_manifest
 
@@ -127,7 +130,12 @@ def root(
     ] = False,
 ) -> None:
     """Run one large language model across the few machines you own or trust."""
+    try:
+        repack_mode(os.environ)  # read where models load, deep in a session: a bad value is said here
+    except ValueError as error:
+        fail(str(error), as_json=False)
 
 
 def main() -> None:
+    faulthandler.enable()  # a crash in native code (llama.cpp) leaves a Python traceback in the log
     app()

@@ -18,7 +18,8 @@ from kafila.cli.errors import fail
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.runtime.local_plan import model_sha256, save_model_pricing
 from kafila.runtime.model_probe import ModelStageProbe, model_pricing, probe_model_stages
-from kafila.runtime.probe import GIB, DeviceProbe, ProbeError, ProgressFn, run_probe
+from kafila.runtime.probe import GIB, DeviceProbe, ProbeError, ProgressFn
+from kafila.runtime.probe_child import probe_in_child
 
 
 @contextmanager
@@ -80,7 +81,11 @@ def _render(result: DeviceProbe, entry: FleetDevice, console: Console) -> None:
         "arithmetic throughput", f"{result.tflops:.3f} TFLOPS", f"{result.prefill.tokens}-token prompt batch"
     )
     summary.add_row("available memory", f"{result.memory_gib:.2f} GiB", result.memory_source)
+    summary.add_row("CPU features", ", ".join(result.cpu_features) or "none reported", "as llama.cpp reports them")
+    summary.add_row("weights", "repacked" if result.repack.repack else "not repacked", result.repack.reason)
     console.print(summary)
+    if result.repack.note:
+        console.print(f"[yellow]{result.repack.note}[/yellow]", highlight=False)
 
     steps = Table(title=f"Single-token decode ({result.statistic})")
     for column in ("width", "blocks", "weights", "step", "median", "runs"):
@@ -136,7 +141,7 @@ def probe(
     pricing: ModelPricing | None = None
     try:
         with _progress(enabled=not as_json) as update:
-            result = run_probe(update if model is None else lambda text, f: update(text, f / 2))
+            result = probe_in_child(update if model is None else lambda text, f: update(text, f / 2))
             if model is not None:
                 memory = int(result.memory_gib * GIB)
                 stages = probe_model_stages(model, lambda text, f: update(text, 0.5 + f * 0.45), memory_bytes=memory)

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kafila.runtime.cpu_safety import REPACK_SETTING, RepackChoice, choose_repack, repack_mode
+
 
 class LlamaUnavailable(RuntimeError):
     """llama-cpp-python is missing or broken: say so plainly instead of a traceback."""
@@ -143,6 +145,35 @@ def llama() -> Any:
     return llama_cpp
 
 
+@functools.cache
+def system_info() -> str:
+    """llama.cpp's own account of this machine: each backend's features (`CPU : AVX2 = 1 | ...`)."""
+    raw = llama().llama_print_system_info()
+    return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
+@functools.cache
+def repack_choice() -> RepackChoice:
+    """Whether this process loads models with llama.cpp's repacked weight buffers (`cpu_safety`);
+    where that differs from llama.cpp's default for safety, said once on stderr."""
+    choice = choose_repack(system_info(), repack_mode(os.environ))
+    if choice.note:
+        print(f"kafila: {choice.note} ({REPACK_SETTING}=on repacks them anyway)", file=sys.stderr, flush=True)
+    return choice
+
+
+def model_params(gpu_layers: int = 0, vocab_only: bool = False, repack: bool | None = None) -> Any:
+    """llama.cpp's model parameters as every Kafila load takes them: layers on the GPU where there is
+    one, and weights repacked or not as `repack_choice` decided for this machine (`repack` says
+    otherwise: benchmarks compare both)."""
+    ll = llama()
+    params = ll.llama_model_default_params()
+    params.n_gpu_layers = gpu_layers if ll.llama_supports_gpu_offload() else 0
+    params.vocab_only = vocab_only
+    params.use_extra_bufts = repack_choice().repack if repack is None else repack
+    return params
+
+
 def _library(stem: str) -> ctypes.CDLL:
     """One of the ggml libraries llama_cpp ships next to itself."""
     lib_dir = Path(load_llama().__file__).parent / "lib"
@@ -227,6 +258,7 @@ class ContextSettings:
     n_threads: int = max(1, os.cpu_count() or 1)
     gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU
     quiet_threads: bool = True  # idle threads sleep: stages sharing a machine do not starve each other
+    repack: bool | None = None  # llama.cpp's repacked weight buffers; None: as `repack_choice` decided here
 
 
 class VocabularyOnly:
@@ -235,9 +267,7 @@ class VocabularyOnly:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._llama = llama()
-        params = self._llama.llama_model_default_params()
-        params.vocab_only = True
-        self.model = self._llama.llama_model_load_from_file(str(path).encode(), params)
+        self.model = self._llama.llama_model_load_from_file(str(path).encode(), model_params(vocab_only=True))
         if not self.model:
             raise RuntimeError(f"llama.cpp could not read the vocabulary of {path}: {last_error()}")
         self.vocab = self._llama.llama_model_get_vocab(self.model)
@@ -263,9 +293,8 @@ class LlamaModel:
     ) -> None:
         self._llama = llama()
         self.settings = settings
-        model_params = self._llama.llama_model_default_params()
-        model_params.n_gpu_layers = settings.gpu_layers if self._llama.llama_supports_gpu_offload() else 0
-        self.model = self._llama.llama_model_load_from_file(str(path).encode(), model_params)
+        params = model_params(settings.gpu_layers, repack=settings.repack)
+        self.model = self._llama.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}: {last_error()}")
         params = self._llama.llama_context_default_params()

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from kafila.planner import plan_session
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.planner.types import ModelManifest, SessionSpec
+from kafila.runtime.llama_backend import load_llama, repack_choice
+from kafila.runtime.probe_child import probe_in_child
 
 if TYPE_CHECKING:
     from kafila.runtime.slicer import Progress
@@ -37,22 +39,24 @@ def this_device(progress: Callable[[str, float], None] | None = None, memory: in
 
 
 def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
-    from kafila.runtime.llama_backend import load_llama
-    from kafila.runtime.probe import run_probe
-
+    """The cached probe of this machine, for this llama.cpp and this way of laying out weights; or a
+    new one, in a child process (`probe_child`): llama.cpp's first prompt batch here runs there,
+    so a native crash is explained rather than fatal, and the cache spares every later start it."""
     llama_cpp = load_llama()
-
+    key = {"llama_cpp_version": llama_cpp.__version__, "repack": repack_choice().repack}
     path = cache_dir() / "probe.json"
     try:
         cached = json.loads(path.read_text())
-        if cached.get("llama_cpp_version") == llama_cpp.__version__:
+        if all(cached.get(name) == value for name, value in key.items()):
             return FleetDevice.model_validate(cached["device"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    result = run_probe(progress) if progress is not None else run_probe()
+    result = probe_in_child(progress) if progress is not None else probe_in_child()
     device = result.fleet_device()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"llama_cpp_version": llama_cpp.__version__, "device": device.model_dump()}))
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps({**key, "device": device.model_dump()}))
+    partial.replace(path)  # a member reading it meanwhile never sees half a file
     return device
 
 
@@ -115,8 +119,6 @@ def _model_pricing_dir() -> Path:
 
 def save_model_pricing(pricing: ModelPricing) -> Path:
     """Keep a model's pricing for sessions on this machine; returns where it went."""
-    from kafila.runtime.llama_backend import load_llama
-
     llama_cpp = load_llama()
 
     path = _model_pricing_dir() / f"{pricing.model_sha256}.json"
@@ -134,8 +136,6 @@ def cached_model_pricings(limit: int = 16) -> list[ModelPricing]:
     A pricing from another llama.cpp version is stale (its kernels set the costs); an unreadable
     file is skipped, as if it were not there.
     """
-    from kafila.runtime.llama_backend import load_llama
-
     llama_cpp = load_llama()
 
     try:

@@ -27,7 +27,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.network.frames import SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel, VocabularyOnly, shares_cores_env
+from kafila.runtime.cpu_safety import died_by_signal, signal_of
+from kafila.runtime.llama_backend import (
+    ContextSettings,
+    LlamaModel,
+    VocabularyOnly,
+    repack_choice,
+    shares_cores_env,
+    system_info,
+)
+from kafila.runtime.process_log import last_lines
 from kafila.runtime.sampling import Sampler, SamplerStart, SamplingSettings, TokenChosenOnHead, TokenSampler
 from kafila.runtime.slicer import Progress, StageFile, cached_slices
 from kafila.runtime.stage import (
@@ -63,11 +72,16 @@ class _Worker:
     stage: StageFile
 
     def failure(self) -> str:
-        self.stderr.seek(0)
-        tail = self.stderr.read()[-2000:].strip()
+        """What became of this stage's process, in words: a death by a signal is explained
+        (`cpu_safety`), with the last lines of its log."""
+        tail = last_lines(self.stderr)
         code = self.process.poll()
+        who = f"the stage process holding blocks {self.stage.first_block}-{self.stage.end_block - 1}"
+        if signal_of(code) is not None:
+            assert code is not None
+            return died_by_signal(who, code, system_info(), repack_choice(), tail)
         state = f"exited with status {code}" if code is not None else "stopped answering"
-        return f"stage holding blocks {self.stage.first_block}-{self.stage.end_block - 1} {state}: {tail}"
+        return f"{who} {state}: " + (" | ".join(tail) or "it printed nothing")
 
 
 class LocalRing:

@@ -31,7 +31,8 @@ from pydantic import Field, ValidationError
 
 from kafila.planner.fleet import FleetDevice
 from kafila.planner.types import Strict
-from kafila.runtime.llama_backend import LlamaUnavailable, last_error, llama
+from kafila.runtime.cpu_safety import RepackChoice, reported_features
+from kafila.runtime.llama_backend import LlamaUnavailable, last_error, llama, model_params, repack_choice, system_info
 
 GB = 1e9
 GIB = 2**30
@@ -246,6 +247,8 @@ class DeviceProbe(Strict):
     statistic: str
     threads: int
     llama_cpp_version: str
+    cpu_features: list[str]  # as llama.cpp reported them
+    repack: RepackChoice  # whether weights were repacked into llama.cpp's extra buffers, and why
     fit: LineFit
     intercept_clamped: bool
     steady: bool
@@ -450,9 +453,7 @@ class LlamaStage:
 
     def __init__(self, llama_cpp: Any, path: Path, threads: int, gpu: bool) -> None:
         self._ll = llama_cpp
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 999 if gpu else 0
-        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params(999 if gpu else 0))
         if not self._model:
             raise ProbeError(f"llama.cpp could not load a probe model: {last_error()}")
         context_params = llama_cpp.llama_context_default_params()
@@ -622,6 +623,8 @@ def run_probe(progress: ProgressFn = _quiet) -> DeviceProbe:
             statistic=f"{round(QUANTILE * 100)}th percentile of each size's steps",
             threads=threads,
             llama_cpp_version=str(getattr(llama_cpp, "__version__", "unknown")),
+            cpu_features=reported_features(system_info()),
+            repack=repack_choice(),
             fit=fit,
             intercept_clamped=fit.intercept < 0,
             steady=is_steady(fit, decode),

@@ -8,6 +8,7 @@ its predecessor hangs up. Frames that arrive together are run as one batched dec
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import socket
 import sys
@@ -138,6 +139,7 @@ def serve(stage: RingStage, upstream: socket.socket, downstream: socket.socket) 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    faulthandler.enable()  # a native crash leaves the Python stack in the log the host reads
     parser = argparse.ArgumentParser(prog="python -m kafila.runtime.worker")
     parser.add_argument("--model", required=True)
     parser.add_argument("--n-ctx", type=int, default=4096)

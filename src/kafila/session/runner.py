@@ -12,7 +12,6 @@ import contextlib
 import functools
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from kafila.planner import PlanRefused
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
 from kafila.runtime.local_plan import cache_dir
+from kafila.session.local_members import LocalMember
 
 # How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
 # so that the running ones can finish and the ring be replanned with them.
@@ -116,7 +116,7 @@ class HostRunner:
         self._judged_steps: object = None  # each stage's decodes timed alone, when last judged for a rebalance
         self.network: HostSession | None = None
         self.rendezvous: Any = None
-        self.joiners: list[subprocess.Popen[bytes]] = []
+        self.joiners: list[LocalMember] = []
         self.stopping = False
         self._hashing: asyncio.Future[str] | None = None  # the model's sha256, for members with a copy
 
@@ -203,7 +203,7 @@ class HostRunner:
             if loop is None or loop.error is None:
                 continue
             error = loop.error
-            self.ui.warn("a stage failed", error)
+            self.incident("a stage failed", error)
             self.serving.become_unready(["the host to replan without the failed stage"])
             await self._retire(error)
             try:
@@ -266,7 +266,8 @@ class HostRunner:
             self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
             self.serving.session_status = network.status
             if config.demo and not self.joiners:
-                self.joiners = [start_joiner(network.code, f"{address[0]}:{address[1]}", i + 1) for i in range(others)]
+                rendezvous_at = f"{address[0]}:{address[1]}"
+                self.joiners = [self._start_joiner(network.code, rendezvous_at, i + 1) for i in range(others)]
             try:
                 await network.gather(ready_timeout=None)
                 break
@@ -378,7 +379,7 @@ class HostRunner:
             return False
         names = ", ".join(network.member_name(m) for m in lost)
         error = (loop.error if loop and loop.error else None) or network.broken or f"lost {names}"
-        self.ui.warn("the ring broke", error)
+        self.incident("the ring broke", error)
         self.serving.become_unready(["the host to replan with the members that are left"])
         await self._retire(error)
         going_on = await self._redeploy(error)
@@ -484,6 +485,29 @@ class HostRunner:
             f"chat template: {self.serving.template.source}"
         )
 
+    def incident(self, what: str, detail: str) -> None:
+        """Something went wrong: the person at the host is told, and /status keeps it."""
+        self.ui.warn(what, detail)
+        self.serving.record_incident(what, detail)
+
+    def _start_joiner(self, code: str, rendezvous: str, number: int) -> LocalMember:
+        """A local `kafila join` for the demo, as a person would run it on another machine; if it ends
+        badly while the session runs, the host says how (a native crash names its signal)."""
+        loop = asyncio.get_running_loop()
+
+        def ended(member: LocalMember) -> None:
+            with contextlib.suppress(RuntimeError):  # the host's loop has closed: it is exiting anyway
+                loop.call_soon_threadsafe(self._joiner_ended, member)
+
+        name = f"demo-member-{number}"
+        command = [sys.executable, "-m", "kafila", "join", code, "--rendezvous", rendezvous, "--name", name]
+        return LocalMember(name, command, ended)
+
+    def _joiner_ended(self, member: LocalMember) -> None:
+        failure = member.failure()
+        if failure is not None and not self.stopping:
+            self.incident(f"{member.name} died", failure)
+
     def _fail(self, message: str) -> None:
         self.serving.become_unready([], failure=message)
         self.ui.error(message)
@@ -496,10 +520,7 @@ class HostRunner:
         if self.network is not None:
             await self.network.end(reason)
         for joiner in self.joiners:
-            with contextlib.suppress(Exception):
-                joiner.wait(timeout=10)
-            if joiner.poll() is None:
-                joiner.terminate()
+            await asyncio.to_thread(joiner.stop)
         if self.rendezvous is not None:
             await self.rendezvous.close()
 
@@ -524,19 +545,3 @@ def lan_address() -> str:
             return str(probe.getsockname()[0])
         except OSError:
             return "127.0.0.1"
-
-
-def start_joiner(code: str, rendezvous: str, number: int) -> subprocess.Popen[bytes]:
-    """A local `kafila join` for the demo, as a person would run it on another machine."""
-    command = [
-        sys.executable,
-        "-m",
-        "kafila",
-        "join",
-        code,
-        "--rendezvous",
-        rendezvous,
-        "--name",
-        f"demo-member-{number}",
-    ]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL)

@@ -1,0 +1,80 @@
+"""The demo's members: `kafila join` processes that the host starts on its own machine.
+
+Their output goes on to the host's own streams as they print it, and their last lines are kept,
+so that a member that dies (a native crash in llama.cpp kills it by a signal) is reported by the
+host with its name, the signal and what it said last, rather than only as a link gone quiet.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import IO
+
+from kafila.runtime.cpu_safety import died_by_signal, signal_of
+from kafila.runtime.llama_backend import repack_choice, system_info
+from kafila.runtime.process_log import LOG_TAIL_LINES, MAX_LINE
+
+READERS_DRAIN_S = 2.0  # after a member exits, how long its last lines may take to be read
+
+
+class LocalMember:
+    """One `kafila join` on this machine; `on_exit` hears from another thread when it has ended."""
+
+    def __init__(self, name: str, command: list[str], on_exit: Callable[[LocalMember], None]) -> None:
+        self.name = name
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, encoding="utf-8", errors="replace",
+        )  # fmt: skip
+        self._readers = [
+            threading.Thread(target=self._forward, args=(self.process.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._forward, args=(self.process.stderr, "stderr"), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+        threading.Thread(target=self._watch, args=(on_exit,), daemon=True, name=f"watch-{name}").start()
+
+    def _forward(self, source: IO[str] | None, stream: str) -> None:
+        if source is None:
+            return
+        for line in source:
+            if line.strip():
+                self.tail.append(line.rstrip()[:MAX_LINE])
+            target = getattr(sys, stream)  # looked up each time: a live progress display swaps it
+            target.write(line)
+            target.flush()
+
+    def _watch(self, on_exit: Callable[[LocalMember], None]) -> None:
+        self.process.wait()
+        for reader in self._readers:
+            reader.join(READERS_DRAIN_S)
+        on_exit(self)
+
+    def failure(self) -> str | None:
+        """What ended this member, in words, if it ended badly: a signal (explained), or a non-zero
+        status; None while it runs or after a clean exit."""
+        code = self.process.poll()
+        if code is None or code == 0:
+            return None
+        who = f"{self.name} (a member on this machine)"
+        if signal_of(code) is not None:
+            return died_by_signal(who, code, system_info(), repack_choice(), list(self.tail))
+        lines = "\n  ".join(self.tail)
+        return f"{who} exited with status {code}" + (f". Its last lines:\n  {lines}" if lines else "")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Wait for it to leave (the session's end tells it to); terminate it if it does not."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
