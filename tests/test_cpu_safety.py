@@ -30,6 +30,7 @@ from kafila.runtime.cpu_safety import (
 from kafila.runtime.llama_backend import ContextSettings, LlamaModel, model_params, repack_choice, system_info
 from kafila.runtime.probe import LlamaCppMissing, ProbeError
 from kafila.runtime.probe_child import probe_in_child
+from kafila.runtime.process_log import lines_worth_showing
 
 # As llama.cpp prints them (`llama_print_system_info`) on the machines people have.
 SAPPHIRE_RAPIDS = (
@@ -222,3 +223,16 @@ def test_kafila_processes_leave_a_traceback_when_they_crash(tmp_path: Path) -> N
     )
     assert died.returncode == -signal.SIGSEGV
     assert "Fatal Python error: Segmentation fault" in died.stderr and "<lambda>" in died.stderr
+
+
+def test_a_dead_processs_log_shows_its_crash_report_or_its_last_lines() -> None:
+    report = ["Fatal Python error: Segmentation fault", "", "Thread 0x1 (most recent call first):"]
+    stacks = [f'  File "x.py", line {i} in f' for i in range(100)]
+    lines = [f"step {i}" for i in range(50)] + report + stacks
+    shown = lines_worth_showing(lines)
+    assert shown[:4] == ["step 47", "step 48", "step 49", "Fatal Python error: Segmentation fault"]
+    assert len(shown) == 3 + 30 and "" not in shown  # the crashing thread's stack, not every thread's
+    assert lines_worth_showing([f"line {i}" for i in range(40)] + ["x" * 5000]) == [
+        *(f"line {i}" for i in range(29, 40)),
+        "x" * 400,
+    ]

@@ -3,12 +3,17 @@ members through the embedded rendezvous, answers the official client, and Ctrl-C
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
+from urllib.request import urlopen
 
 import openai
-from host_process import running_host
+from host_process import running_host, wait_ready
+from tiny_models import write_tiny_model
 
 
 def demo_members(host: int) -> list[int]:
@@ -55,3 +60,32 @@ def test_the_demo_serves_gemma_on_three_members_and_ends_cleanly() -> None:
         assert "3 stages" in host.output()
         assert "Traceback" not in host.output() and "the ring broke" not in host.output()
         assert "on this machine too" not in host.output()  # the demo sets its processes up to share cores
+
+
+def incidents(base_url: str) -> list[dict[str, Any]]:
+    with urlopen(f"{base_url}/status", timeout=10) as response:
+        found: list[dict[str, Any]] = json.loads(response.read())["incidents"]
+    return found
+
+
+def test_a_demo_member_that_crashes_is_named_with_its_signal_and_last_lines(tmp_path: Path) -> None:
+    """A local member dying by a signal (a native crash in llama.cpp) is reported by the host: the
+    member's name, the signal, and the last lines it printed (its faulthandler traceback); the
+    session then replans without it and serves on."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=6)
+    with running_host("--demo", "--model", model, "--context", "256", "--threads", "1") as host:
+        members = demo_members(host.process.pid)
+        assert len(members) == 2 and incidents(host.base_url) == []
+        victim = next(m for m in members if b"demo-member-1" in (Path("/proc") / str(m) / "cmdline").read_bytes())
+        os.kill(victim, signal.SIGSEGV)
+        deadline = time.monotonic() + 60
+        while not (found := [i for i in incidents(host.base_url) if i["what"] == "demo-member-1 died"]):
+            assert time.monotonic() < deadline, host.output()
+            time.sleep(0.2)
+        detail = found[0]["detail"]
+        assert detail.startswith("demo-member-1 (a member on this machine) died with SIGSEGV")
+        assert "CPU features" in detail and "Likely cause" in detail
+        assert "Fatal Python error: Segmentation fault" in detail  # what the member printed last
+        wait_ready(host)  # replanned with the member that is left
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=2, timeout=60)
+        assert client.completions.create(model="tiny", prompt="hello", max_tokens=4).choices[0].text is not None

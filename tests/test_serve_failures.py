@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.error import HTTPError, URLError
 from urllib.request import urlopen
 
@@ -177,3 +180,34 @@ def test_kafila_status_says_what_is_wrong_with_its_url(url: str, message: str) -
     )  # fmt: skip
     assert result.returncode == 1
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def incidents_when_any(base_url: str, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """/status's incidents once there is one, polled until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urlopen(f"{base_url}/status", timeout=10) as response:
+            found: list[dict[str, Any]] = json.loads(response.read())["incidents"]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_a_stage_process_killed_by_a_signal_is_named_in_the_hosts_error(tmp_path: Path) -> None:
+    """A stage's native crash is told as one: which stage, which signal, the CPU features llama.cpp
+    reported, the likely cause and the stage's last lines (faulthandler's traceback among them)."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    args = ("--model", model, "--division", "2,2", "--context", "256", "--threads", "1")
+    with running_host(*args) as host:
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=30)
+        (worker,) = host.workers()
+        os.kill(worker, signal.SIGSEGV)
+        with contextlib.suppress(openai.APIError):  # this request finds the ring broken
+            client.completions.create(model="tiny", prompt="hello", max_tokens=4)
+        (incident,) = incidents_when_any(host.base_url)
+        assert incident["what"] == "a stage failed"
+        detail = incident["detail"]
+        assert "the stage process holding blocks 0-1 died with SIGSEGV" in detail
+        assert "CPU features" in detail and "Likely cause" in detail and "KAFILA_LLAMA_REPACK" in detail
+        assert "Fatal Python error: Segmentation fault" in detail  # the stage's own last lines
+        assert detail in host.output()  # the person at the host is told the same

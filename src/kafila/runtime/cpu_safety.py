@@ -89,8 +89,8 @@ def choose_repack(system_info: str, mode: RepackMode) -> RepackChoice:
     if mode is RepackMode.OFF:
         return RepackChoice(mode=mode, repack=False, amx=amx, reason=f"{REPACK_SETTING}=off")
     if amx:
-        return RepackChoice(mode=mode, repack=False, amx=True, reason=AMX_NOTE)
-    return RepackChoice(mode=mode, repack=True, amx=False, reason="llama.cpp's default (no AMX on this CPU)")
+        return RepackChoice(mode=mode, repack=False, amx=True, reason="auto: llama.cpp runs AMX kernels here")
+    return RepackChoice(mode=mode, repack=True, amx=False, reason="auto: llama.cpp's default, no AMX on this CPU")
 
 
 # ---------------------------------------------------------------------------------------------

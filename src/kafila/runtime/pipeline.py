@@ -50,6 +50,7 @@ from kafila.runtime.stage import (
 )
 
 RING_TIMEOUT_S = 300.0
+WORKER_EXIT_GRACE_S = 3.0  # how long a broken ring waits for the stage that broke it to be reaped
 
 
 class StageFailed(RuntimeError):
@@ -155,10 +156,16 @@ class LocalRing:
         return frames
 
     def _dead_worker_report(self, error: OSError | None) -> str:
-        for worker in self.workers:
-            if worker.process.poll() is not None:
-                return worker.failure()
-        return f"the ring broke: {error or 'connection closed'}"
+        """Which stage broke the ring, and how. Its socket closes as it dies, a moment before it can
+        be reaped (a crash first writes its traceback), so a dying stage is given that moment."""
+        deadline = time.monotonic() + WORKER_EXIT_GRACE_S
+        while True:
+            for worker in self.workers:
+                if worker.process.poll() is not None:
+                    return worker.failure()
+            if time.monotonic() >= deadline:
+                return f"the ring broke: {error or 'connection closed'}"
+            time.sleep(0.02)
 
     def stats(self) -> list[dict[str, object]]:
         return ring_stats(self)

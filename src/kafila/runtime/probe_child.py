@@ -110,7 +110,7 @@ def _outcome(
     timeout_s: float,
 ) -> DeviceProbe:
     if timed_out:
-        tail = " | ".join(last_lines(log, 3)) or "nothing"
+        tail = " | ".join(last_lines(log)[-3:]) or "nothing"
         raise ProbeError(f"the probe did not finish in {timeout_s:.0f} s and was stopped; it said last: {tail}")
     if signal_of(returncode) is not None:
         what = "the probe's llama.cpp process (its first prompt batch on this machine)"
@@ -123,7 +123,7 @@ def _outcome(
             return DeviceProbe.model_validate(result)
         except ValidationError as invalid:
             raise ProbeError(f"the probe's child sent an unreadable result: {invalid.errors()[0]['msg']}") from None
-    tail = " | ".join(last_lines(log, 5)) or "nothing on its stderr"
+    tail = " | ".join(last_lines(log)[-5:]) or "nothing on its stderr"
     raise ProbeError(f"the probe's process exited with status {returncode} and no result: {tail}")
 
 

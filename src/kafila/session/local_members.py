@@ -16,7 +16,7 @@ from typing import IO
 
 from kafila.runtime.cpu_safety import died_by_signal, signal_of
 from kafila.runtime.llama_backend import repack_choice, system_info
-from kafila.runtime.process_log import LOG_TAIL_LINES, MAX_LINE
+from kafila.runtime.process_log import KEPT_LINES, MAX_LINE, lines_worth_showing
 
 READERS_DRAIN_S = 2.0  # after a member exits, how long its last lines may take to be read
 
@@ -26,7 +26,7 @@ class LocalMember:
 
     def __init__(self, name: str, command: list[str], on_exit: Callable[[LocalMember], None]) -> None:
         self.name = name
-        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.tail: deque[str] = deque(maxlen=KEPT_LINES)
         self.process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, encoding="utf-8", errors="replace",
@@ -63,8 +63,8 @@ class LocalMember:
             return None
         who = f"{self.name} (a member on this machine)"
         if signal_of(code) is not None:
-            return died_by_signal(who, code, system_info(), repack_choice(), list(self.tail))
-        lines = "\n  ".join(self.tail)
+            return died_by_signal(who, code, system_info(), repack_choice(), lines_worth_showing(self.tail))
+        lines = "\n  ".join(lines_worth_showing(self.tail))
         return f"{who} exited with status {code}" + (f". Its last lines:\n  {lines}" if lines else "")
 
     def stop(self, timeout: float = 10.0) -> None:
