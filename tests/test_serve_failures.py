@@ -182,6 +182,9 @@ def test_kafila_status_says_what_is_wrong_with_its_url(url: str, message: str) -
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+WIDE = {**os.environ, "COLUMNS": "400"}
+
+
 def incidents_when_any(base_url: str, timeout: float = 60.0) -> list[dict[str, Any]]:
     """/status's incidents once there is one, polled until `timeout`."""
     deadline = time.monotonic() + timeout
@@ -211,3 +214,6 @@ def test_a_stage_process_killed_by_a_signal_is_named_in_the_hosts_error(tmp_path
         assert "CPU features" in detail and "Likely cause" in detail and "KAFILA_LLAMA_REPACK" in detail
         assert "Fatal Python error: Segmentation fault" in detail  # the stage's own last lines
         assert detail in host.output()  # the person at the host is told the same
+        command = [sys.executable, "-m", "kafila", "status", "--url", host.base_url]
+        shown = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True, env=WIDE).stdout
+        assert "a stage failed:" in shown and "died with SIGSEGV" in shown

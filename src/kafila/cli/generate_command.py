@@ -52,6 +52,18 @@ def local_counts(
     return local_division(manifest, n_stages, device, session)
 
 
+def check_this_machine(quiet: bool) -> None:
+    """The device probe, once per machine (cached): llama.cpp's first prompt batch here runs in its
+    child process, so a native crash is an error that explains itself, not this process dying."""
+    from kafila.runtime.local_plan import this_device
+
+    if quiet:
+        this_device()
+        return
+    with stderr.status("measuring this device (cached afterwards)"):
+        this_device()
+
+
 def _parse_division(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",")]
@@ -106,6 +118,7 @@ def generate(
         fail(str(error), as_json)
     try:
         counts = local_counts(path, stages, division, SessionSpec(context=context, concurrency=1))
+        check_this_machine(as_json)
         sampling = SamplingSettings(
             temperature=temperature, top_k=top_k, top_p=top_p, repeat_penalty=repeat_penalty, seed=seed
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Annotated, Any
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
@@ -88,6 +89,15 @@ def render_status(status: dict[str, Any], console: Console) -> None:
     rebalance = status.get("rebalance")
     if isinstance(rebalance, dict) and rebalance.get("reason"):
         console.print(f"rebalance: {rebalance['reason']}", highlight=False, soft_wrap=True)
+    incidents = [i for i in status.get("incidents") or [] if isinstance(i, dict)]
+    if incidents:
+        latest = incidents[-1]
+        when = time.strftime("%H:%M:%S", time.localtime(latest.get("at") or 0))
+        more = f" ({len(incidents) - 1} earlier: --json shows them)" if len(incidents) > 1 else ""
+        console.print(f"last incident, at {when}{more}:", highlight=False)
+        console.print(
+            f"  [yellow]{latest.get('what')}:[/yellow] {latest.get('detail')}", highlight=False, soft_wrap=True
+        )
 
 
 def _generic(member: dict[str, Any]) -> bool:
