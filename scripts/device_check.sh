@@ -72,6 +72,10 @@ else
   say "2. llama.cpp offloads to the GPU"
 fi
 
+say "2b. what llama.cpp reports of this CPU, and the AMX rule's choice (runtime.md, \"Every common CPU\")"
+grep -m1 "model name" /proc/cpuinfo | tee -a "$OUT/summary.txt"
+timeout 60 python3 -c "from kafila.runtime.llama_backend import system_info, repack_choice; print(system_info()); print(repack_choice())" 2>&1 | tee -a "$OUT/summary.txt"
+
 say "3. split correctness on the GPU"
 # the real gemma-3-270m is not in the kit (an optional extra of 250 MB): its test is left to CI
 timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_split_correctness.py -k "not real_model" > "$OUT/tests.log" 2>&1
