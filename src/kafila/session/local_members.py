@@ -7,6 +7,7 @@ host with its name, the signal and what it said last, rather than only as a link
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -46,8 +47,9 @@ class LocalMember:
             if line.strip():
                 self.tail.append(line.rstrip()[:MAX_LINE])
             target = getattr(sys, stream)  # looked up each time: a live progress display swaps it
-            target.write(line)
-            target.flush()
+            with contextlib.suppress(OSError, ValueError):  # the host's own output is gone: keep reading
+                target.write(line)
+                target.flush()
 
     def _watch(self, on_exit: Callable[[LocalMember], None]) -> None:
         self.process.wait()
