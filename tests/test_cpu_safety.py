@@ -182,6 +182,8 @@ def test_a_probe_child_that_fails_or_hangs_says_why() -> None:
         """))  # fmt: skip
     with pytest.raises(ProbeError, match=r"exited with status 3 and no result: .*gave up"):
         probe_in_child(command=child('print("gave up", file=sys.stderr); sys.exit(3)'))
+    with pytest.raises(ProbeError, match=r"interrupted \(Ctrl-C\)"):
+        probe_in_child(command=child("sys.exit(130)"))
     with pytest.raises(ProbeError, match="unreadable result"):
         probe_in_child(command=child('print(json.dumps({"result": {"name": 5}}), flush=True)'))
     with pytest.raises(ProbeError, match=r"did not finish in 2 s"):

@@ -34,6 +34,7 @@ from kafila.runtime.process_log import last_lines
 
 CHILD_COMMAND = (sys.executable, "-m", "kafila.runtime.probe_child")
 PROBE_TIMEOUT_S = 600.0  # the probe ends itself in well under a minute; this catches a hang
+INTERRUPTED = 130  # the child's status after Ctrl-C, as a shell reports one
 MAX_LINE = 1 << 20  # characters of one message; a result is a few kilobytes
 
 
@@ -115,6 +116,8 @@ def _outcome(
     if signal_of(returncode) is not None:
         what = "the probe's llama.cpp process (its first prompt batch on this machine)"
         raise ProbeError(died_by_signal(what, returncode, system_info(), repack_choice(), last_lines(log)))
+    if returncode == INTERRUPTED:
+        raise ProbeError("the probe was interrupted (Ctrl-C)")
     if error is not None:
         text = str(error.get("error") or "the probe failed")
         raise LlamaCppMissing(text) if error.get("kind") == "missing" else ProbeError(text)
@@ -158,7 +161,7 @@ def main() -> None:
         _send(channel, {"error": str(failed), "kind": "probe"})
         raise SystemExit(1) from None
     except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
     _send(channel, {"result": result.model_dump(mode="json")})
     with contextlib.suppress(OSError):
         channel.close()

@@ -506,7 +506,7 @@ class HostRunner:
     def _joiner_ended(self, member: LocalMember) -> None:
         failure = member.failure()
         if failure is not None and not self.stopping:
-            self.incident(f"{member.name} died", failure)
+            self.incident(f"{member.name} {'died' if member.process.returncode < 0 else 'exited'}", failure)
 
     def _fail(self, message: str) -> None:
         self.serving.become_unready([], failure=message)
