@@ -21,10 +21,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fleets import FLEETS, QWEN3_SHAPES, fleet
 
+from kafila.contracts import NatBehaviour, NatClass
 from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet
 from kafila.planner.ring import best_ring
-from kafila.planner.types import Device, ModelManifest, NatBehaviour, NatClass, SessionSpec
+from kafila.planner.types import Device, ModelManifest, SessionSpec
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:

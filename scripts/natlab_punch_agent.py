@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kafila.contracts import Mapping, NatBehaviour
 from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, Link, LinkError, bind_relay, open_link, should_dial
@@ -42,7 +43,7 @@ from kafila.network.nat import reflexive_address
 from kafila.network.punch import punch
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.planner.reachability import predict_edge
-from kafila.planner.types import EdgePrediction, Mapping, NatBehaviour
+from kafila.planner.types import EdgePrediction
 
 LINK_DOWN_EXIT = 3  # the agent's exit status when its link went down while held
 RTT_SIZES = [(hidden, dtype) for hidden in (640, 2048, 4096) for dtype in (DType.F32, DType.F16)]

@@ -118,8 +118,8 @@ def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp
         remote.forget(2)
         remote.forget(0)
         report = remote.stage_report()
-        assert [stage["range"] for stage in report] == [[0, 2], [2, 3], [3, 4]]  # the head's own among them
-        assert all(stage["ms_per_token"] is not None for stage in report)
+        assert [stage.range for stage in report] == [(0, 2), (2, 3), (3, 4)]  # the head's own among them
+        assert all(stage.ms_per_token is not None for stage in report)
         stale = remote.launch([EngineStep(1, 99, [1], decode=True)])  # a gap: the stages refuse it
         (failed,) = remote.land(stale)
         assert isinstance(failed, SequenceFailed) and "position 99" in failed.message
@@ -222,7 +222,7 @@ def test_the_stage_report_stays_current_while_the_ring_is_never_idle(
         while loop.running or loop.queued:
             report = loop.stage_report
             if report and loop.running:
-                rows_seen_busy.add(int(report[0]["rows"]))  # type: ignore[call-overload]
+                rows_seen_busy.add(report[0].rows or 0)
             time.sleep(0.01)
         for _ in range(8):
             assert done.acquire(timeout=120)

@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
+from kafila.contracts import Mapping, NatBehaviour, NatClass
 from kafila.planner.reachability import edge_cost_s, predict_edge
-from kafila.planner.types import EdgePrediction, Mapping, NatBehaviour, NatClass
+from kafila.planner.types import EdgePrediction
 
 EIM, ADM, APDM = Mapping.ENDPOINT_INDEPENDENT, Mapping.ADDRESS_DEPENDENT, Mapping.ADDRESS_AND_PORT_DEPENDENT
 BEHAVIOURS = [NatBehaviour(mapping=m, filtering=f) for m in Mapping for f in Mapping]

@@ -153,6 +153,6 @@ def test_a_stages_time_alone_follows_its_recent_decodes_so_a_machine_that_slows_
     for _ in range(RECENT_ALONE_STEPS):
         timer.add(0.004, 1, decode=True)
     assert timer.ms_per_token_alone == pytest.approx(4.0)
-    report = timer.report()
-    assert report["steps_alone"] == 11 * RECENT_ALONE_STEPS + RECENT_ALONE_STEPS // 2
-    assert report["ms_per_token"] != report["ms_per_token_alone"]  # all decodes, the batch's too
+    report = timer.report((0, 4))
+    assert report.steps_alone == 11 * RECENT_ALONE_STEPS + RECENT_ALONE_STEPS // 2
+    assert report.ms_per_token != report.ms_per_token_alone  # all decodes, the batch's too

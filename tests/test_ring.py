@@ -7,9 +7,10 @@ from brute import best_ring_key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kafila.contracts import NatBehaviour, NatClass
 from kafila.planner import plan_session
 from kafila.planner.ring import best_ring, ring_key
-from kafila.planner.types import Device, EdgePrediction, ModelManifest, NatBehaviour, NatClass, SessionSpec
+from kafila.planner.types import Device, EdgePrediction, ModelManifest, SessionSpec
 
 
 @st.composite

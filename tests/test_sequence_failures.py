@@ -78,7 +78,7 @@ def test_a_frame_out_of_position_fails_its_sequence_alone_in_a_local_ring(model:
         error = Frame(Kind.ERROR, 2, payload=b"refused upstream")
         engine.ring.send([error])
         assert engine.ring.receive(1) == [error]
-        assert [s["range"] for s in engine.ring.stats()] == [[0, 1], [1, 2]]  # the ring is whole
+        assert [s.range for s in engine.ring.stats()] == [(0, 1), (1, 2)]  # the ring is whole
     finally:
         engine.close()
 

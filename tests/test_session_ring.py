@@ -152,7 +152,7 @@ def test_a_ring_over_quic_generates_what_the_unsplit_model_does(tmp_path: Path) 
 
     text, report = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert text and text == expected
-    assert [stage["range"] for stage in report] == [[0, 2], [2, 4]]
+    assert [stage.range for stage in report] == [(0, 2), (2, 4)]
 
 
 def test_a_member_that_vanishes_fails_the_ring_step_quickly(tmp_path: Path) -> None:
@@ -239,7 +239,7 @@ def test_a_sequence_a_member_refuses_fails_alone_over_quic(tmp_path: Path) -> No
     alone, ok, failed, report = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert isinstance(failed, SequenceFailed) and failed.sequence_id == 1 and "position 9" in failed.message
     assert isinstance(ok, np.ndarray) and isinstance(alone, np.ndarray) and np.array_equal(ok, alone)
-    assert [stage["range"] for stage in report] == [[0, 2], [2, 4]]
+    assert [stage.range for stage in report] == [(0, 2), (2, 4)]
 
 
 def test_a_machine_tag_is_stable_in_a_session_and_differs_between_sessions() -> None:

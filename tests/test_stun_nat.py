@@ -14,9 +14,9 @@ from aioice import stun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kafila.contracts import Mapping, NatClass
 from kafila.network.nat import classify, probe_nat
 from kafila.network.stun import CHANGE_IP, CHANGE_PORT, StunEndpoints, StunResponder, StunServer
-from kafila.planner.types import Mapping, NatClass
 
 EIM, ADM, APDM = Mapping.ENDPOINT_INDEPENDENT, Mapping.ADDRESS_DEPENDENT, Mapping.ADDRESS_AND_PORT_DEPENDENT
 TWO = StunEndpoints("203.0.113.1", 3478, 3479, "203.0.113.2")

@@ -206,11 +206,10 @@ class _RingCollector(Collector):
             labels=["blocks"],
         )
         for stage in self.serving.loop.stage_report if self.serving.loop else []:
-            span = _blocks(stage.get("range"))
-            for family, key in ((measured, "ms_per_token"), (alone, "ms_per_token_alone")):
-                ms = stage.get(key)
-                if span is not None and isinstance(ms, int | float):
-                    family.add_metric([span], float(ms))
+            span = _blocks(stage.range)
+            for family, ms in ((measured, stage.ms_per_token), (alone, stage.ms_per_token_alone)):
+                if span is not None and ms is not None:
+                    family.add_metric([span], ms)
         predicted = GaugeMetricFamily(
             "kafila_stage_predicted_ms_per_token", "The plan's decode ms per token of each member's stage",
             labels=["member", "blocks"],
@@ -459,7 +458,7 @@ def create_app(serving: Serving) -> FastAPI:
             "pipeline_waves": loop.engine.depth if loop else None,
             "tokens_per_s": round(loop.stats.tokens_per_s(now), 3) if loop else 0.0,
             "requests": {"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
-            "stages": loop.stage_report if loop else [],
+            "stages": [stage.wire() for stage in loop.stage_report] if loop else [],
             "incidents": [asdict(incident) for incident in serving.incidents],
             **serving.session_status(),
         }

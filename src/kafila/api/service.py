@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kafila.api.scheduler import Batcher, Event, Failed, Finished, Job, TextDelta
+from kafila.contracts import StageReport
 from kafila.runtime.pipeline import Engine, EngineStep, Launched, SequenceFailed, StageFailed, StepResult
 
 Sink = Callable[[Event], None]
@@ -76,7 +77,7 @@ class EngineLoop:
             is_end=engine.is_end,
         )
         self.stats = LoopStats()
-        self.stage_report: list[dict[str, object]] = []
+        self.stage_report: list[StageReport] = []
         self.error: str | None = None
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Condition()

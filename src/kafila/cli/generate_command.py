@@ -146,7 +146,7 @@ def generate(
                     "tokens": result.tokens,
                     "text": result.text,
                     "tokens_per_s": result.tokens_per_s,
-                    "stages": result.stages,
+                    "stages": [stage.wire() for stage in result.stages],
                     "prompt_tokens": result.prompt_tokens,
                     "finish_reason": result.finish_reason,
                     "division": counts,

@@ -18,8 +18,8 @@ from typing import Any, cast
 from aioice import stun
 from pydantic import BaseModel, ConfigDict
 
+from kafila.contracts import Mapping, NatClass
 from kafila.network.stun import CHANGE_IP, CHANGE_PORT, MALFORMED, Address
-from kafila.planner.types import Mapping, NatClass
 
 RETRANSMISSIONS = 2  # 0.5 + 1 + 2 s: a silent filter costs 3.5 s, not aioice's default 31 s
 RTT_SAMPLES = 5

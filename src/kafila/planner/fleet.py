@@ -10,7 +10,8 @@ from typing import Annotated
 
 from pydantic import Field, PositiveInt, model_validator
 
-from kafila.planner.types import MAX_BLOCKS, Device, ModelManifest, NatBehaviour, NatClass, SessionSpec, Strict
+from kafila.contracts import NatBehaviour, NatClass
+from kafila.planner.types import MAX_BLOCKS, Device, ModelManifest, SessionSpec, Strict
 
 MAX_MEMBERS = 32  # a person's own machines; the exact ring search covers 16
 NonNegativeInt = Annotated[int, Field(ge=0)]

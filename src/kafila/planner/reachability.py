@@ -9,7 +9,8 @@ home router: endpoint-independent mapping, address-and-port-dependent filtering.
 
 from __future__ import annotations
 
-from kafila.planner.types import EdgePrediction, NatBehaviour, NatClass
+from kafila.contracts import NatBehaviour, NatClass
+from kafila.planner.types import EdgePrediction
 
 UNKNOWN_NAT = NatBehaviour.from_class(NatClass.ORDINARY)
 

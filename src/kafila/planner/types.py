@@ -9,58 +9,11 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from kafila.contracts import NatBehaviour, Strict
 
 MAX_BLOCKS = 512  # four times the deepest model in common use; planning time grows with its square
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-class Mapping(StrEnum):
-    """RFC 4787 mapping behaviour: how a NAT reuses its external port across destinations."""
-
-    ENDPOINT_INDEPENDENT = "endpoint-independent"
-    ADDRESS_DEPENDENT = "address-dependent"
-    ADDRESS_AND_PORT_DEPENDENT = "address-and-port-dependent"
-
-
-Filtering = Mapping  # RFC 4787 uses the same three words for filtering.
-
-
-class NatClass(StrEnum):
-    """The coarse classes of the paper, for members that measured no more than that."""
-
-    PERMISSIVE = "permissive"
-    ORDINARY = "ordinary"
-    RESTRICTIVE = "restrictive"
-
-
-class NatBehaviour(Strict):
-    mapping: Mapping
-    filtering: Filtering
-
-    @property
-    def maps_endpoint_dependently(self) -> bool:
-        return self.mapping is not Mapping.ENDPOINT_INDEPENDENT
-
-    @property
-    def filters_by_address_and_port(self) -> bool:
-        return self.filtering is Mapping.ADDRESS_AND_PORT_DEPENDENT
-
-    @classmethod
-    def from_class(cls, nat_class: NatClass) -> NatBehaviour:
-        """Read a class as the behaviour it implies, assuming the worst where the class is silent.
-
-        `ordinary` says nothing about filtering, so it is taken as address-and-port-dependent;
-        `restrictive` means endpoint-dependent mapping, whose filtering no longer matters.
-        """
-        if nat_class is NatClass.PERMISSIVE:
-            return cls(mapping=Mapping.ENDPOINT_INDEPENDENT, filtering=Mapping.ENDPOINT_INDEPENDENT)
-        if nat_class is NatClass.ORDINARY:
-            return cls(mapping=Mapping.ENDPOINT_INDEPENDENT, filtering=Mapping.ADDRESS_AND_PORT_DEPENDENT)
-        return cls(mapping=Mapping.ADDRESS_AND_PORT_DEPENDENT, filtering=Mapping.ADDRESS_AND_PORT_DEPENDENT)
 
 
 class ModelManifest(Strict):

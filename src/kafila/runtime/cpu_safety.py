@@ -17,7 +17,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 
-from kafila.planner.types import Strict
+from kafila.contracts import Strict
 
 REPACK_SETTING = "KAFILA_LLAMA_REPACK"
 AMX_FEATURE = "AMX_INT8"

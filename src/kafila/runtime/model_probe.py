@@ -26,8 +26,9 @@ from typing import Annotated
 
 from pydantic import Field
 
+from kafila.contracts import Strict
 from kafila.planner.fleet import ModelPricing
-from kafila.planner.types import ModelManifest, Strict
+from kafila.planner.types import ModelManifest
 from kafila.runtime.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, significant
 from kafila.units import human_bytes
 
@@ -189,10 +190,11 @@ def probe_model_stages(
                     generation = generate(engine, CALIBRATION_PROMPT, CALIBRATION_TOKENS, SamplingSettings())
                 finally:
                     engine.close()
-                times = [stage["ms_per_token"] for stage in generation.stages]
-                if not all(isinstance(t, float) and t > 0 for t in times):
+                times = [stage.ms_per_token for stage in generation.stages]
+                decoded = [t for t in times if t is not None and t > 0]
+                if len(decoded) != len(times):
                     raise ProbeError(f"a stage of {counts} reported no decode time: {times}")
-                runs[index].append([float(t) for t in times])  # type: ignore[arg-type]
+                runs[index].append(decoded)
     progress("fitting", 1.0)
     medians = [
         [statistics.median(run[i] for run in per_division) for i in range(len(counts))]

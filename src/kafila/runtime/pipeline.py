@@ -25,7 +25,9 @@ from typing import IO, Protocol
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import ValidationError
 
+from kafila.contracts import StageReport
 from kafila.network.frames import SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 from kafila.runtime.cpu_safety import died_by_signal, signal_of
 from kafila.runtime.llama_backend import (
@@ -48,6 +50,7 @@ from kafila.runtime.stage import (
     WholeModel,
     run_isolating,
 )
+from kafila.validation import one_line
 
 RING_TIMEOUT_S = 300.0
 WORKER_EXIT_GRACE_S = 3.0  # how long a broken ring waits for the stage that broke it to be reaped
@@ -167,7 +170,7 @@ class LocalRing:
                 return f"the ring broke: {error or 'connection closed'}"
             time.sleep(0.02)
 
-    def stats(self) -> list[dict[str, object]]:
+    def stats(self) -> list[StageReport]:
         return ring_stats(self)
 
     def close(self) -> None:
@@ -250,7 +253,7 @@ class Engine(Protocol):
     def chat_template(self) -> str | None: ...
     def special_text(self) -> tuple[str, str]: ...
     def forget(self, sequence_id: int) -> None: ...
-    def stage_report(self) -> list[dict[str, object]]: ...
+    def stage_report(self) -> list[StageReport]: ...
     def close(self) -> None: ...
 
 
@@ -371,22 +374,27 @@ class UnsplitEngine(_Vocabulary):
     def forget(self, sequence_id: int) -> None:
         self.model.forget(sequence_id)
 
-    def stage_report(self) -> list[dict[str, object]]:
-        return [{"range": [0, self._blocks], **self.model.timer.report()}]
+    def stage_report(self) -> list[StageReport]:
+        return [self.model.timer.report((0, self._blocks))]
 
     def close(self) -> None:
         self._readers.close()
         self.model.close()
 
 
-def ring_stats(ring: RingTransport) -> list[dict[str, object]]:
+def ring_stats(ring: RingTransport) -> list[StageReport]:
     """Every block stage's report: a PING goes round the ring, each stage appends its own."""
     ring.send([Frame(Kind.PING, 0, payload=json.dumps({"stages": []}).encode())])
     (report,) = ring.receive(1)
     if report.kind is not Kind.PING:
         raise StageFailed(f"the ring answered a stage report with {report.kind.name}: {report.text()}")
-    stages: list[dict[str, object]] = json.loads(report.payload)["stages"]
-    return stages
+    try:
+        stages = json.loads(report.payload)["stages"]
+        return [StageReport.model_validate(stage) for stage in stages]
+    except ValidationError as invalid:
+        raise StageFailed(f"the ring's stage report is unreadable: {one_line(invalid)}") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise StageFailed(f"the ring's stage report is unreadable: {error!r}") from None
 
 
 class RingTransport(Protocol):
@@ -394,7 +402,7 @@ class RingTransport(Protocol):
 
     def send(self, frames: Sequence[Frame]) -> None: ...
     def receive(self, count: int) -> list[Frame]: ...
-    def stats(self) -> list[dict[str, object]]: ...
+    def stats(self) -> list[StageReport]: ...
     def close(self) -> None: ...
 
 
@@ -444,7 +452,7 @@ class RingEngine(_Vocabulary):
             self._vocabulary_only = VocabularyOnly(model)
             self.vocabulary, self.llama_model = Vocabulary(self._vocabulary_only), self._vocabulary_only
             ring_stages = stages
-        self._head_range = [stages[-1].first_block, stages[-1].end_block]
+        self._head_range = (stages[-1].first_block, stages[-1].end_block)
         self._dtype = dtype
         self.depth = pipeline_depth(depth)
         self._waves = itertools.count()
@@ -602,12 +610,11 @@ class RingEngine(_Vocabulary):
                 raise RuntimeError("a stage report was asked for while a wave was in the ring")
             self._take(out)
 
-    def stage_report(self) -> list[dict[str, object]]:
+    def stage_report(self) -> list[StageReport]:
         self._settle()
         if self.head is None:
             return self.ring.stats()  # the head's own report comes round with the others
-        head: dict[str, object] = {"range": self._head_range, **self.head.timer.report()}
-        return [*self.ring.stats(), head]
+        return [*self.ring.stats(), self.head.timer.report(self._head_range)]
 
     def _close_head(self) -> None:
         if self.head is not None:
@@ -626,7 +633,7 @@ class Generation:
     tokens: list[int]
     text: str
     tokens_per_s: float | None
-    stages: list[dict[str, object]]
+    stages: list[StageReport]
     prompt_tokens: int
     finish_reason: str  # "length" or "stop"
 

@@ -29,8 +29,8 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field, ValidationError
 
+from kafila.contracts import Strict
 from kafila.planner.fleet import FleetDevice
-from kafila.planner.types import Strict
 from kafila.runtime.cpu_safety import RepackChoice, reported_features
 from kafila.runtime.llama_backend import LlamaUnavailable, last_error, llama, model_params, repack_choice, system_info
 

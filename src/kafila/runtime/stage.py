@@ -30,6 +30,7 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from kafila.contracts import StageReport
 from kafila.runtime.families import family_of
 from kafila.runtime.gguf_file import FastGGUFReader
 from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel, VocabularyOnly
@@ -151,13 +152,16 @@ class StageTimer:
         recent = self.alone_recent
         return 1e3 * sum(recent) / len(recent) if recent else None
 
-    def report(self) -> dict[str, object]:
-        """What a stage report says of this timer."""
-        return {
-            "ms_per_token": self.ms_per_token,
-            "ms_per_token_alone": self.ms_per_token_alone,
-            "steps_alone": self.alone_steps,
-        }
+    def report(self, blocks: tuple[int, int], totals: bool = False) -> StageReport:
+        """What the stage holding `blocks` reports of this timer; with `totals`, its whole time and rows."""
+        return StageReport(
+            range=blocks,
+            ms_per_token=self.ms_per_token,
+            ms_per_token_alone=self.ms_per_token_alone,
+            steps_alone=self.alone_steps,
+            seconds=self.seconds if totals else None,
+            rows=self.rows if totals else None,
+        )
 
 
 class _Rows(Protocol):

@@ -14,6 +14,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from kafila.contracts import StageReport
 from kafila.network.frames import HIDDEN_KINDS, SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.sampling import SamplerStart
@@ -29,13 +30,8 @@ MAX_ERROR_TEXT = 4000
 RingStage = BlockStage | HeadStage  # what a ring member serves: blocks, or the last blocks and the output
 
 
-def stage_stats(stage: RingStage) -> dict[str, object]:
-    return {
-        "range": [stage.first_block, stage.first_block + stage.n_layers],
-        **stage.timer.report(),
-        "seconds": stage.timer.seconds,
-        "rows": stage.timer.rows,
-    }
+def stage_stats(stage: RingStage) -> StageReport:
+    return stage.timer.report((stage.first_block, stage.first_block + stage.n_layers), totals=True)
 
 
 def refusal(stage: RingStage, frame: Frame, error: Exception) -> Frame:
@@ -102,7 +98,7 @@ def handle_frames(stage: RingStage, frames: Sequence[Frame]) -> list[Frame]:
             out.append(frame)
         elif frame.kind is Kind.PING and frame.payload:
             report = json.loads(frame.payload)
-            report.setdefault("stages", []).append(stage_stats(stage))
+            report.setdefault("stages", []).append(stage_stats(stage).wire())
             out.append(Frame(Kind.PING, frame.sequence_id, payload=json.dumps(report).encode()))
         else:
             out.append(frame)

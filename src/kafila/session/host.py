@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from kafila.contracts import StageReport
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient, verify_members
 from kafila.network.session_codes import full_code, new_secret
@@ -336,16 +337,14 @@ class HostSession:
         return self.presence.capability if member == self.me else self.known[member].capability
 
     @staticmethod
-    def measured_stage_times(report: Sequence[Mapping[str, object]], min_steps: int) -> dict[tuple[int, int], float]:
+    def measured_stage_times(report: Sequence[StageReport], min_steps: int) -> dict[tuple[int, int], float]:
         """Seconds per token of each stage (by block range) that decoded at least `min_steps`
         tokens one at a time: only those decodes compare with a stage's price."""
-        measured: dict[tuple[int, int], float] = {}
-        for entry in report:
-            span, ms, steps = entry.get("range"), entry.get("ms_per_token_alone"), entry.get("steps_alone")
-            if isinstance(span, list) and len(span) == 2 and isinstance(ms, int | float) and isinstance(steps, int):
-                if steps >= min_steps and ms > 0:
-                    measured[(int(span[0]), int(span[1]))] = float(ms) * 1e-3
-        return measured
+        return {
+            entry.range: entry.ms_per_token_alone * 1e-3
+            for entry in report
+            if entry.steps_alone >= min_steps and entry.ms_per_token_alone
+        }
 
     def _priced_by_serving(self, measured: Mapping[tuple[int, int], float]) -> dict[str, ModelPricing]:
         """Each machine of the ring whose stage was measured, priced so that the stage costs what it
@@ -364,7 +363,7 @@ class HostSession:
                 learned[member] = pricing
         return learned
 
-    def learn_from_serving(self, report: Sequence[Mapping[str, object]]) -> list[str]:
+    def learn_from_serving(self, report: Sequence[StageReport]) -> list[str]:
         """Price every machine of the ring by what its stage measured, decoding one token at a time,
         for the next plan; returns the names of those repriced.
 
@@ -375,7 +374,7 @@ class HostSession:
         self.served_pricings.update(learned)
         return [self.member_name(m) for m in learned]
 
-    def rebalance_verdict(self, report: Sequence[Mapping[str, object]]) -> RebalanceVerdict | None:
+    def rebalance_verdict(self, report: Sequence[StageReport]) -> RebalanceVerdict | None:
         """Whether the serving ring would be clearly faster divided again by what its stages
         measured (`judge_rebalance`); None until every stage has timed MIN_STEPS_TO_REBALANCE
         tokens alone, or where no plan over the same machines fits. Learns nothing."""

@@ -17,10 +17,10 @@ from pathlib import Path
 from urllib.error import URLError
 from urllib.request import urlopen
 
+from kafila.contracts import NatBehaviour
 from kafila.network.identity import Identity, create_identity
 from kafila.network.nat import probe_nat, reflexive_address
 from kafila.planner.fleet import FleetDevice
-from kafila.planner.types import NatBehaviour
 
 Address = tuple[str, int]
 INFO_TIMEOUT_S = 5.0

@@ -15,6 +15,7 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
+from kafila.contracts import StageReport
 from kafila.network.frames import Frame
 from kafila.network.link import LinkError
 from kafila.runtime.pipeline import StageFailed, check_ring_error, ring_stats
@@ -108,7 +109,7 @@ class QuicRing:
 
         return self._run(receive(), "receive")
 
-    def stats(self) -> list[dict[str, object]]:
+    def stats(self) -> list[StageReport]:
         return ring_stats(self)
 
     def close(self) -> None:

@@ -438,7 +438,7 @@ class HostRunner:
         Nothing in flight is lost; a request that comes meanwhile waits for the new ring."""
         network = self.network
         assert network is not None
-        steps = [(str(entry.get("range")), entry.get("steps_alone")) for entry in loop.stage_report]
+        steps = [(entry.range, entry.steps_alone) for entry in loop.stage_report]
         if steps == self._judged_steps:  # nothing decoded since (an idle ring's report refreshes too)
             return True
         self._judged_steps = steps
