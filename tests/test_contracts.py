@@ -1,4 +1,4 @@
-"""The types that cross package boundaries: a stage's report as the ring carries it."""
+"""The types that cross package boundaries: a stage's report as the ring carries it, the host's status."""
 
 from __future__ import annotations
 
@@ -7,8 +7,18 @@ import math
 
 import pytest
 from pydantic import ValidationError
+from rich.console import Console
 
-from kafila.contracts import StageReport
+from kafila.cli.status_command import render_status
+from kafila.contracts import (
+    EdgeStatus,
+    HostStatus,
+    Incident,
+    MemberStatus,
+    PlanStatus,
+    SessionStatus,
+    StageReport,
+)
 from kafila.network.frames import Frame, Kind
 from kafila.runtime.pipeline import StageFailed, ring_stats
 
@@ -75,3 +85,49 @@ def test_a_ring_whose_report_is_unreadable_fails_saying_so(payload: bytes, why: 
         ring_stats(OneReply(Frame(Kind.PING, 0, payload=payload)))
     good = {"stages": [StageReport(range=(0, 2)).wire()]}
     assert ring_stats(OneReply(Frame(Kind.PING, 0, payload=json.dumps(good).encode()))) == [StageReport(range=(0, 2))]
+
+
+def a_ring_status() -> HostStatus:
+    session = SessionStatus(
+        code="7-crimson-harbor-otter-lemon",
+        epoch=2,
+        members=[
+            MemberStatus(
+                id="h", name="host-pc", host=True, blocks=(4, 6), predicted_ms_per_token=2.0, priced_on="the model"
+            ),
+            MemberStatus(
+                id="m", name="laptop", path="relayed", link="up", rtt_ms=31.5, blocks=(0, 4),
+                predicted_ms_per_token=3.5, priced_on="the generic probe",
+            ),
+            MemberStatus(id="x", name="gone", path="direct", link="down", left=True),
+        ],
+        edges=[EdgeStatus.model_validate({"from": "host-pc", "to": "laptop", "path": "relayed", "rtt_ms": 31.5})],
+        plan=PlanStatus(tier="cost-model", ring=["host-pc", "laptop"], head="host-pc", division=[4, 2]),
+    )  # fmt: skip
+    return HostStatus(
+        model="tiny", ready=True, context_per_sequence=256, tokens_per_s=12.5,
+        stages=[StageReport(range=(0, 4), ms_per_token=3.0, ms_per_token_alone=3.25, steps_alone=20)],
+        incidents=[Incident(what="the ring broke", detail="the link to gone is down", at=1.0)],
+        **{name: getattr(session, name) for name in session.model_fields_set},
+    )  # fmt: skip
+
+
+def test_a_hosts_status_reads_back_as_it_was_sent() -> None:
+    status = a_ring_status()
+    wire = json.loads(json.dumps(status.wire()))
+    assert wire["edges"] == [{"from": "host-pc", "to": "laptop", "path": "relayed", "rtt_ms": 31.5}]
+    assert wire["members"][2] == {"id": "x", "name": "gone", "path": "direct", "link": "down", "left": True}
+    assert "rebalance" not in wire and "division" not in wire  # not set: not shown
+    assert HostStatus.model_validate(wire) == status
+
+
+def test_kafila_status_shows_every_part_of_a_typed_status() -> None:
+    console = Console(record=True, width=200)
+    render_status(a_ring_status(), console)
+    shown = console.export_text()
+    assert "tiny: ready" in shown and "tokens/s 12.5" in shown
+    assert "laptop" in shown and "relayed, up, 31.50 ms" in shown and "3.50 *" in shown  # a generic price, starred
+    assert "3.25" in shown and "0–3" in shown  # measured alone, beside the member holding those blocks
+    assert "gone" in shown and "left" in shown
+    assert "ring host-pc → laptop" in shown and "division [4, 2]" in shown
+    assert "last incident" in shown and "the ring broke: the link to gone is down" in shown

@@ -7,7 +7,7 @@ what one hands another is one of these frozen models, serialised only at the HTT
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -100,3 +100,95 @@ class StageReport(Strict):
     def wire(self) -> dict[str, object]:
         """As JSON, for the ring and `/status`."""
         return self.model_dump(mode="json")
+
+
+# ---------------------------------------------------------------------------------------------
+# The host's status: what `/status` says, and `kafila status` and `/metrics` read.
+# ---------------------------------------------------------------------------------------------
+
+Blocks = tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1)]]  # [first, end)
+
+
+class MemberStatus(Strict):
+    """One machine of the session as the host sees it. Fields that do not apply are left unset,
+    and so are absent from `/status` (`SessionStatus.wire`)."""
+
+    name: str
+    id: str | None = None
+    host: bool = False  # the machine serving the API
+    path: str | None = None  # how its link goes: direct, relayed
+    link: Literal["up", "down"] | None = None
+    left: bool = False  # gone from the session, not only from its link
+    joining: bool = False  # admitted, waiting for the next plan
+    rtt_ms: float | None = None
+    blocks: Blocks | None = None
+    predicted_ms_per_token: float | None = None
+    priced_on: str | None = None  # where its stage's price came from
+    stages: list[int] | None = None  # one machine split into local stages: their block counts
+
+
+class EdgeStatus(Strict):
+    """One link of the ring, in the order a token crosses them (`from` on the wire)."""
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    source: str = Field(alias="from")
+    to: str
+    path: str | None = None
+    rtt_ms: float | None = None
+
+
+class PlanStatus(Strict):
+    tier: str
+    ring: list[str]
+    head: str
+    division: list[int] | None = None
+    predicted_bottleneck_ms: float | None = None
+
+
+class RebalanceStatus(Strict):
+    reason: str
+    measured_bottleneck_ms: float
+    planned_bottleneck_ms: float | None = None
+
+
+class SessionStatus(Strict):
+    """The session's part of `/status`: who is in it, the plan, the ring's edges, the last verdict
+    on a rebalance; one machine split locally says its division only."""
+
+    members: list[MemberStatus] = Field(default_factory=list)
+    code: str | None = None
+    epoch: int | None = None
+    edges: list[EdgeStatus] = Field(default_factory=list)
+    plan: PlanStatus | None = None
+    rebalance: RebalanceStatus | None = None
+    division: list[int] | None = None
+
+    def wire(self) -> dict[str, object]:
+        """As `/status` shows it: what was set, and no more."""
+        return self.model_dump(mode="json", exclude_unset=True, by_alias=True)
+
+
+class Incident(Strict):
+    """Something that went wrong in the session (a stage or member died, the ring broke), kept for `/status`."""
+
+    what: str
+    detail: str
+    at: float  # Unix time
+
+
+class HostStatus(SessionStatus):
+    """All of `/status`: the server's state, the stages' reports and the session's part."""
+
+    model: str
+    ready: bool
+    waiting_for: list[str] = Field(default_factory=list)
+    error: str | None = None
+    context_per_sequence: int
+    queue_depth: int = 0
+    running: int = 0
+    pipeline_waves: int | None = None
+    tokens_per_s: float = 0.0
+    requests: dict[str, int] = Field(default_factory=dict)  # finished, failed
+    stages: list[StageReport] = Field(default_factory=list)
+    incidents: list[Incident] = Field(default_factory=list)

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +32,7 @@ from kafila.api.chat_template import ChatTemplate, TemplateError
 from kafila.api.scheduler import Event, Finished, Job, TextDelta
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.service import EngineLoop, EngineUnavailable
+from kafila.contracts import HostStatus, Incident, SessionStatus
 from kafila.runtime.pipeline import Engine, StageFailed
 from kafila.validation import first_problem, one_line
 
@@ -82,15 +83,6 @@ def _invalid(message: str, param: str | None = None, code: str | None = None) ->
     return ApiError(400, message, "invalid_request_error", code, param)
 
 
-@dataclass(frozen=True)
-class Incident:
-    """Something that went wrong in the session (a stage or member died, the ring broke), for /status."""
-
-    what: str
-    detail: str
-    at: float  # Unix time
-
-
 @dataclass
 class Serving:
     """What the routes serve: the model's name, and once the session is ready, its engine loop."""
@@ -103,7 +95,7 @@ class Serving:
     template: ChatTemplate | None = None
     waiting_for: list[str] = field(default_factory=lambda: ["the model to load"])
     failure: str | None = None
-    session_status: Callable[[], dict[str, Any]] = dict
+    session_status: Callable[[], SessionStatus] = SessionStatus
     created: int = field(default_factory=lambda: int(time.time()))
     paused: bool = False  # a planned replan runs: requests wait for it rather than be turned away
     pause_wait_s: float = PLANNED_PAUSE_WAIT_S
@@ -111,7 +103,7 @@ class Serving:
     incidents: deque[Incident] = field(default_factory=lambda: deque(maxlen=MAX_INCIDENTS))
 
     def record_incident(self, what: str, detail: str) -> None:
-        self.incidents.append(Incident(what, detail, time.time()))
+        self.incidents.append(Incident(what=what, detail=detail, at=time.time()))
 
     def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
         bos, eos = engine.special_text()
@@ -217,12 +209,12 @@ class _RingCollector(Collector):
         rtt = GaugeMetricFamily(
             "kafila_link_rtt_ms", "Round trip of the host's link to each member", labels=["member", "path"]
         )
-        for member in self.serving.session_status().get("members") or []:
-            name, span = str(member.get("name", "")), _blocks(member.get("blocks"))
-            if span is not None and isinstance(member.get("predicted_ms_per_token"), int | float):
-                predicted.add_metric([name, span], float(member["predicted_ms_per_token"]))
-            if isinstance(member.get("rtt_ms"), int | float) and member.get("link") == "up":  # not one that left
-                rtt.add_metric([name, str(member.get("path", ""))], float(member["rtt_ms"]))
+        for member in self.serving.session_status().members:
+            span = _blocks(member.blocks)
+            if span is not None and member.predicted_ms_per_token is not None:
+                predicted.add_metric([member.name, span], member.predicted_ms_per_token)
+            if member.rtt_ms is not None and member.link == "up":  # not one that left
+                rtt.add_metric([member.name, member.path or ""], member.rtt_ms)
         yield measured
         yield alone
         yield predicted
@@ -447,21 +439,22 @@ def create_app(serving: Serving) -> FastAPI:
         authorise(request)
         loop = serving.loop
         now = time.monotonic()
-        return {
-            "model": serving.model_id,
-            "ready": serving.ready,
-            "waiting_for": serving.waiting_for,
-            "error": serving.failure or (loop.error if loop else None),
-            "context_per_sequence": serving.context_per_sequence,
-            "queue_depth": loop.queued if loop else 0,
-            "running": loop.running if loop else 0,
-            "pipeline_waves": loop.engine.depth if loop else None,
-            "tokens_per_s": round(loop.stats.tokens_per_s(now), 3) if loop else 0.0,
-            "requests": {"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
-            "stages": [stage.wire() for stage in loop.stage_report] if loop else [],
-            "incidents": [asdict(incident) for incident in serving.incidents],
-            **serving.session_status(),
-        }
+        session = serving.session_status()
+        return HostStatus(
+            model=serving.model_id,
+            ready=serving.ready,
+            waiting_for=serving.waiting_for,
+            error=serving.failure or (loop.error if loop else None),
+            context_per_sequence=serving.context_per_sequence,
+            queue_depth=loop.queued if loop else 0,
+            running=loop.running if loop else 0,
+            pipeline_waves=loop.engine.depth if loop else None,
+            tokens_per_s=round(loop.stats.tokens_per_s(now), 3) if loop else 0.0,
+            requests={"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
+            stages=loop.stage_report if loop else [],
+            incidents=list(serving.incidents),
+            **{name: getattr(session, name) for name in session.model_fields_set},
+        ).wire()
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

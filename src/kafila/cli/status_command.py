@@ -4,104 +4,102 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any
+from typing import Annotated
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from kafila.cli.errors import fail
+from kafila.contracts import HostStatus, MemberStatus
+from kafila.validation import one_line
 
 
-def _number(value: object, digits: int = 2) -> str:
-    return f"{value:.{digits}f}" if isinstance(value, int | float) else "—"
+def _number(value: float | None, digits: int = 2) -> str:
+    return f"{value:.{digits}f}" if value is not None else "—"
 
 
-def render_status(status: dict[str, Any], console: Console) -> None:
-    ready = "[green]ready[/green]" if status.get("ready") else "[yellow]not ready[/yellow]"
-    console.print(f"[bold]{status.get('model')}[/bold]: {ready}", highlight=False, soft_wrap=True)
-    for line in status.get("waiting_for") or []:
+def render_status(status: HostStatus, console: Console) -> None:
+    ready = "[green]ready[/green]" if status.ready else "[yellow]not ready[/yellow]"
+    console.print(f"[bold]{status.model}[/bold]: {ready}", highlight=False, soft_wrap=True)
+    for line in status.waiting_for:
         console.print(f"  waiting for {line}", highlight=False, soft_wrap=True)
-    if status.get("error"):
-        console.print(f"  [red]error:[/red] {status['error']}", highlight=False, soft_wrap=True)
+    if status.error:
+        console.print(f"  [red]error:[/red] {status.error}", highlight=False, soft_wrap=True)
     console.print(
-        f"tokens/s {_number(status.get('tokens_per_s'), 1)}, running {status.get('running', 0)}, "
-        f"queued {status.get('queue_depth', 0)}, context {status.get('context_per_sequence')} per request, "
-        f"waves in flight up to {status.get('pipeline_waves') or '—'}",
+        f"tokens/s {_number(status.tokens_per_s, 1)}, running {status.running}, "
+        f"queued {status.queue_depth}, context {status.context_per_sequence} per request, "
+        f"waves in flight up to {status.pipeline_waves or '—'}",
         highlight=False,
         soft_wrap=True,
     )
-    reports = {tuple(s["range"]): s for s in status.get("stages") or [] if "range" in s}
-    members = status.get("members") or []
-    head = (status.get("plan") or {}).get("head")  # none planned: one machine, which holds it
-    if members:
+    reports = {stage.range: stage for stage in status.stages}
+    head = status.plan.head if status.plan else None  # none planned: one machine, which holds it
+    if status.members:
         table = Table(title="Members")
         columns = ("member", "role", "blocks", "link", "predicted ms/token", "measured ms/token", "ms/row, all decodes")
         for column in columns:
             table.add_column(column, justify="left" if column in ("member", "role", "link") else "right")
-        for member in members:
-            blocks = member.get("blocks") or member.get("stages")
-            span = tuple(blocks) if isinstance(blocks, list) and len(blocks) == 2 else None
-            state = "left" if member.get("left") else member.get("link", "?")
-            link = "—" if member.get("host") else f"{member.get('path', '?')}, {state}"
-            if "rtt_ms" in member:
-                link += f", {_number(member['rtt_ms'])} ms"
+        for member in status.members:
+            span = member.blocks
+            state = "left" if member.left else (member.link or "?")
+            link = "—" if member.host else f"{member.path or '?'}, {state}"
+            if member.rtt_ms is not None:
+                link += f", {_number(member.rtt_ms)} ms"
+            report = reports.get(span) if span is not None else None
+            blocks = f"{span[0]}–{span[1] - 1}" if span else "—"
+            if member.stages:  # one machine split into local stages
+                blocks = "stages " + ", ".join(map(str, member.stages))
             table.add_row(
-                str(member.get("name")),
-                ("host" if member.get("host") else "member")
-                + (" (head)" if member.get("name") == head or (head is None and member.get("host")) else "")
-                + (" (joining)" if member.get("joining") else ""),
-                f"{span[0]}–{span[1] - 1}" if span else "—",
+                member.name,
+                ("host" if member.host else "member")
+                + (" (head)" if member.name == head or (head is None and member.host) else "")
+                + (" (joining)" if member.joining else ""),
+                blocks,
                 link,
-                _number(member.get("predicted_ms_per_token")) + (" *" if _generic(member) else ""),
+                _number(member.predicted_ms_per_token) + (" *" if _generic(member) else ""),
                 # a decode of one token alone is what the prediction prices; batched rows cost less each
-                _number((reports.get(span) or {}).get("ms_per_token_alone")) if span else "—",
-                _number((reports.get(span) or {}).get("ms_per_token")) if span else "—",
+                _number(report.ms_per_token_alone) if report else "—",
+                _number(report.ms_per_token) if report else "—",
             )
         console.print(table)
-        if any(_generic(member) for member in members):
+        if any(_generic(member) for member in status.members):
             console.print(
                 "* predicted from the generic probe, which misjudges narrow models: `kafila probe --model` on that "
                 "machine prices this model's own stages for later sessions",
                 highlight=False,
                 soft_wrap=True,
             )
-    edges = status.get("edges") or []
-    if edges:
+    if status.edges:
         ring = Table(title="Ring edges")
         for column in ("from", "to", "path", "rtt ms"):
             ring.add_column(column, justify="right" if column == "rtt ms" else "left")
-        for edge in edges:
-            ring.add_row(
-                str(edge.get("from")), str(edge.get("to")), str(edge.get("path") or "—"), _number(edge.get("rtt_ms"))
-            )
+        for edge in status.edges:
+            ring.add_row(edge.source, edge.to, edge.path or "—", _number(edge.rtt_ms))
         console.print(ring)
-    plan = status.get("plan")
+    plan = status.plan
     if plan:
         console.print(
-            f"plan (epoch {status.get('epoch')}): tier {plan.get('tier')}, ring {' → '.join(plan.get('ring', []))}, "
-            f"division {plan.get('division')}, predicted bottleneck {_number(plan.get('predicted_bottleneck_ms'))} ms",
+            f"plan (epoch {status.epoch}): tier {plan.tier}, ring {' → '.join(plan.ring)}, "
+            f"division {plan.division}, predicted bottleneck {_number(plan.predicted_bottleneck_ms)} ms",
             highlight=False,
             soft_wrap=True,
         )
-    rebalance = status.get("rebalance")
-    if isinstance(rebalance, dict) and rebalance.get("reason"):
-        console.print(f"rebalance: {rebalance['reason']}", highlight=False, soft_wrap=True)
-    incidents = [i for i in status.get("incidents") or [] if isinstance(i, dict)]
-    if incidents:
-        latest = incidents[-1]
-        when = time.strftime("%H:%M:%S", time.localtime(latest.get("at") or 0))
-        more = f" ({len(incidents) - 1} earlier: --json shows them)" if len(incidents) > 1 else ""
+    if status.rebalance:
+        console.print(f"rebalance: {status.rebalance.reason}", highlight=False, soft_wrap=True)
+    if status.incidents:
+        latest = status.incidents[-1]
+        when = time.strftime("%H:%M:%S", time.localtime(latest.at))
+        more = f" ({len(status.incidents) - 1} earlier: --json shows them)" if len(status.incidents) > 1 else ""
         console.print(f"last incident, at {when}{more}:", highlight=False)
-        console.print(
-            f"  [yellow]{latest.get('what')}:[/yellow] {latest.get('detail')}", highlight=False, soft_wrap=True
-        )
+        console.print(f"  [yellow]{latest.what}:[/yellow] {latest.detail}", highlight=False, soft_wrap=True)
 
 
-def _generic(member: dict[str, Any]) -> bool:
-    return member.get("priced_on") == "the generic probe" and member.get("predicted_ms_per_token") is not None
+def _generic(member: MemberStatus) -> bool:
+    return member.priced_on == "the generic probe" and member.predicted_ms_per_token is not None
 
 
 def status(
@@ -123,5 +121,9 @@ def status(
         fail(f"no kafila host answers at {url}: {getattr(error, 'reason', error)}", as_json)
     if as_json:
         print(json.dumps(body))
-    else:
-        render_status(body, Console())
+        return
+    try:
+        parsed = HostStatus.model_validate(body)
+    except ValidationError as invalid:
+        fail(f"{url}/status is not a kafila host's status: {one_line(invalid)}", as_json)
+    render_status(parsed, Console())

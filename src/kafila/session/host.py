@@ -36,7 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from kafila.contracts import StageReport
+from kafila.contracts import (
+    EdgeStatus,
+    MemberStatus,
+    PlanStatus,
+    RebalanceStatus,
+    SessionStatus,
+    StageReport,
+)
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient, verify_members
 from kafila.network.session_codes import full_code, new_secret
@@ -646,7 +653,7 @@ class HostSession:
         if self.ring is not None:
             self.ring.abandon()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SessionStatus:
         deployment = self.deployment
         members = []
         for member_id, info in (self.known or self.client.members).items():
@@ -656,40 +663,40 @@ class HostSession:
                 entry["path"] = self.paths.get(member_id)
                 entry["link"] = "down" if router.link.closed.done() else "up"
                 if member_id not in self.client.members:
-                    entry["left"] = True  # gone from the session, not only from its link
+                    entry["left"] = True
                 if member_id in self.newcomers:
-                    entry["joining"] = True  # admitted, waiting for the next plan
+                    entry["joining"] = True
                 rtt = router.link.core.rtt_ms
                 if rtt is not None:
                     entry["rtt_ms"] = rtt
             if deployment is not None and member_id in deployment.chain:
                 index = deployment.chain.index(member_id)
                 stage = deployment.plan.stages[index]
-                entry["blocks"] = [stage.start, stage.end]
+                entry["blocks"] = (stage.start, stage.end)
                 entry["predicted_ms_per_token"] = round(stage.cost_s * 1e3, 3) if stage.cost_s is not None else None
                 entry["priced_on"] = self.priced_on(member_id)
-            members.append(entry)
+            members.append(MemberStatus(**entry))  # only what applies is set, and shown
         plan = deployment.plan if deployment else None
-        edges = self.chain_edges(deployment.chain) if deployment is not None else []
-        return {
-            "code": self.code,
-            "members": members,
-            "epoch": self.epoch,
-            "edges": edges,
-            "plan": None if plan is None else {
-                "tier": plan.tier.value, "ring": list(plan.ring), "head": plan.head,
-                "division": deployment.counts if deployment else None,
-                "predicted_bottleneck_ms": round(plan.bottleneck_s * 1e3, 3) if plan.bottleneck_s else None,
-            },
-            "rebalance": None if self.last_verdict is None else {
-                "reason": self.last_verdict.reason,
-                "measured_bottleneck_ms": round(self.last_verdict.measured_bottleneck_s * 1e3, 3),
-                "planned_bottleneck_ms": None if self.last_verdict.planned_bottleneck_s is None
-                else round(self.last_verdict.planned_bottleneck_s * 1e3, 3),
-            },
-        }  # fmt: skip
+        verdict = self.last_verdict
+        return SessionStatus(
+            code=self.code,
+            members=members,
+            epoch=self.epoch,
+            edges=self.chain_edges(deployment.chain) if deployment is not None else [],
+            plan=None if plan is None else PlanStatus(
+                tier=plan.tier.value, ring=list(plan.ring), head=plan.head,
+                division=deployment.counts if deployment else None,
+                predicted_bottleneck_ms=round(plan.bottleneck_s * 1e3, 3) if plan.bottleneck_s else None,
+            ),
+            rebalance=None if verdict is None else RebalanceStatus(
+                reason=verdict.reason,
+                measured_bottleneck_ms=round(verdict.measured_bottleneck_s * 1e3, 3),
+                planned_bottleneck_ms=None if verdict.planned_bottleneck_s is None
+                else round(verdict.planned_bottleneck_s * 1e3, 3),
+            ),
+        )  # fmt: skip
 
-    def chain_edges(self, chain: Sequence[str]) -> list[dict[str, Any]]:
+    def chain_edges(self, chain: Sequence[str]) -> list[EdgeStatus]:
         """The ring's links in the order a token crosses them: how each goes (direct or relayed) and
         its round trip. A head on a member answers the host, which feeds block 0."""
         path = [*chain, self.me] if chain[-1] != self.me else list(chain)
@@ -698,17 +705,15 @@ class HostSession:
             hops.append((path[-1], path[0]))
         edges = []
         for member, successor in hops:
-            entry: dict[str, Any] = {"from": self.member_name(member), "to": self.member_name(successor)}
             if self.me in (member, successor):
                 other = successor if member == self.me else member
                 router = self.routers.get(other)
-                entry["path"] = self.paths.get(other)
-                entry["rtt_ms"] = router.link.core.rtt_ms if router is not None else None
+                way, rtt = self.paths.get(other), router.link.core.rtt_ms if router is not None else None
             else:
                 edge = self.ring_edges.get(member, {}).get(successor)
-                entry["path"] = edge.path if edge else None
-                entry["rtt_ms"] = edge.rtt_ms if edge else None
-            edges.append(entry)
+                way, rtt = (edge.path, edge.rtt_ms) if edge else (None, None)
+            ends = {"from": self.member_name(member), "to": self.member_name(successor)}
+            edges.append(EdgeStatus.model_validate({**ends, "path": way, "rtt_ms": rtt}))
         return edges
 
     async def dismiss(self, member: str, reason: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kafila.contracts import MemberStatus, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.planner import PlanRefused
 from kafila.planner.report import PlanReport, plan_report
@@ -169,10 +170,8 @@ class HostRunner:
         admit_alone(self.manifest, device, self.config.session)
         engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
         self._activate(engine)
-        self.serving.session_status = lambda: {
-            "division": [self.manifest.n_blocks],
-            "members": [{"name": "this machine"}],
-        }
+        alone = SessionStatus(division=[self.manifest.n_blocks], members=[MemberStatus(name="this machine")])
+        self.serving.session_status = lambda: alone
         self.ui.say(f"{why}: serving on this machine alone")
 
     # --- one machine ---
@@ -182,10 +181,8 @@ class HostRunner:
         counts = self.config.counts
         where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
         self.serving.waiting_for = [f"{self.config.path.name} to load {where}"]
-        self.serving.session_status = lambda: {
-            "division": counts,
-            "members": [{"name": "this machine", "stages": counts}],
-        }
+        local = SessionStatus(division=counts, members=[MemberStatus(name="this machine", stages=counts)])
+        self.serving.session_status = lambda: local
         cutting = f"cutting {self.config.path.name} into {len(counts)} stage files"
         with self.ui.progress_bars() as progress:
             engine = await asyncio.to_thread(
