@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 
 from kafila.api.server import Serving, create_app
-from kafila.api.service import EngineLoop
+from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import Engine, generate, open_engine

@@ -190,9 +190,9 @@ def test_the_stage_report_stays_current_while_the_ring_is_never_idle(
     not the last idle moment; the requests still run to their last token."""
     import threading
 
-    from kafila.api import service
-    from kafila.api.scheduler import Finished, Job, TextDelta
+    from kafila.runtime import engine_loop as service
     from kafila.runtime.sampling import SamplingSettings
+    from kafila.runtime.scheduler import Finished, Job, TextDelta
 
     monkeypatch.setattr(service, "STATS_REFRESH_S", 0.02)
     settings = ContextSettings(n_ctx=4 * 512, n_batch=64, n_seq_max=4, n_threads=1)

@@ -18,7 +18,7 @@ from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 
 from kafila.api.server import Serving
-from kafila.api.service import EngineLoop
+from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import Engine, open_engine
 

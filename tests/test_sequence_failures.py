@@ -24,8 +24,8 @@ import pytest
 from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.api.service import EngineLoop
 from kafila.network.frames import Frame, Kind
+from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import EngineStep, LocalRing, RingEngine, SequenceFailed
 from kafila.runtime.slicer import slice_model
@@ -287,7 +287,7 @@ def test_only_a_spoiled_sequence_is_not_retried() -> None:
 def test_a_stage_that_refuses_request_after_request_marks_the_ring_broken(small_stage_host: InProcessHost) -> None:
     """One refusal is that request's; eight in a row with nothing served between is a broken stage,
     and the loop says so (the host's watcher then replans), failing what is in flight."""
-    from kafila.api.service import REFUSALS_TO_BREAK
+    from kafila.runtime.engine_loop import REFUSALS_TO_BREAK
 
     client = openai.OpenAI(base_url=f"{small_stage_host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
     for _ in range(REFUSALS_TO_BREAK - 1):

@@ -29,11 +29,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.chat_template import ChatTemplate, TemplateError
-from kafila.api.scheduler import Event, Finished, Job, TextDelta
 from kafila.api.schemas import ChatRequest, CompletionRequest
-from kafila.api.service import EngineLoop, EngineUnavailable
 from kafila.contracts import HostStatus, Incident, SessionStatus
+from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
 from kafila.runtime.pipeline import Engine, StageFailed
+from kafila.runtime.scheduler import Event, Finished, Job, TextDelta
 from kafila.validation import first_problem, one_line
 
 # A whole context of text (a token is a few bytes) with room to spare: 131,072 tokens of chat

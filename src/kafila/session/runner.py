@@ -52,7 +52,7 @@ def newcomer_patience_s() -> float:
 
 if TYPE_CHECKING:
     from kafila.api.server import Serving
-    from kafila.api.service import EngineLoop
+    from kafila.runtime.engine_loop import EngineLoop
     from kafila.runtime.llama_backend import ContextSettings
     from kafila.runtime.pipeline import Engine
     from kafila.session.host import HostSession
@@ -123,7 +123,7 @@ class HostRunner:
 
     # --- engines ---
     def _activate(self, engine: Engine) -> None:
-        from kafila.api.service import EngineLoop
+        from kafila.runtime.engine_loop import EngineLoop
 
         self.engine = engine
         loop = EngineLoop(

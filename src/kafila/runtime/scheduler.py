@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kafila.api.text import StopAwareText
 from kafila.runtime.pipeline import EngineStep, SequenceFailed, StepResult
 from kafila.runtime.sampling import SamplerStart, SamplingSettings, TokenSampler
+from kafila.runtime.text import StopAwareText
 
 
 class FinishReason(StrEnum):

@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kafila.api.scheduler import Batcher, Event, Failed, Finished, Job, TextDelta
 from kafila.contracts import StageReport
 from kafila.runtime.pipeline import Engine, EngineStep, Launched, SequenceFailed, StageFailed, StepResult
+from kafila.runtime.scheduler import Batcher, Event, Failed, Finished, Job, TextDelta
 
 Sink = Callable[[Event], None]
 STATS_REFRESH_S = 2.0

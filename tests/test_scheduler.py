@@ -8,10 +8,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kafila.api.scheduler import Batcher, Failed, Finished, FinishReason, Job, TextDelta
-from kafila.api.service import LoopStats
+from kafila.runtime.engine_loop import LoopStats
 from kafila.runtime.pipeline import EngineStep, SequenceFailed
 from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.scheduler import Batcher, Failed, Finished, FinishReason, Job, TextDelta
 
 VOCAB = 16
 END = 0
