@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kafila.runtime.llama_backend import load_llama
+
 BUILT_IN_BY_ARCHITECTURE = {"gemma3": "gemma", "gemma2": "gemma", "gemma": "gemma", "llama": "llama3"}
 DEFAULT_BUILT_IN = "chatml"
 
@@ -54,8 +56,6 @@ class ChatTemplate:
 
 
 def _apply_built_in(name: str, messages: Sequence[dict[str, str]]) -> str:
-    from kafila.runtime.llama_backend import load_llama
-
     llama_cpp = load_llama()
 
     encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]

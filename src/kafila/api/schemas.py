@@ -7,6 +7,7 @@ not know at all are ignored, as OpenAI-compatible servers do, so newer SDKs keep
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -74,8 +75,6 @@ class Request(BaseModel):
 
 
 def _fresh_seed() -> int:
-    import secrets
-
     return secrets.randbelow(2**32)
 
 

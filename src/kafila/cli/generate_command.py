@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +13,16 @@ from pydantic import ValidationError
 from kafila.cli.errors import fail, stderr
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
+from kafila.runtime.families import UnsupportedFamily
+from kafila.runtime.gguf_file import GGUFFormatError
+from kafila.runtime.llama_backend import ContextSettings, LlamaUnavailable, load_llama
+from kafila.runtime.local_plan import cached_model_pricings, local_division, model_sha256, pricing_for, this_device
+from kafila.runtime.manifest import read_manifest
+from kafila.runtime.pipeline import StageFailed, open_engine
+from kafila.runtime.pipeline import generate as run_generation
+from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.slicer import SliceError
+from kafila.runtime.stage_cache import check_stage_cache_setting
 
 
 def default_model() -> Path | None:
@@ -27,8 +38,6 @@ def local_counts(
     path: Path, stages: int | None, division: str | None, session: SessionSpec, memory: int | None = None
 ) -> list[int]:
     """Block counts for the model cut into local stages: as given, or planned for this device."""
-    from kafila.runtime.manifest import read_manifest
-
     manifest = read_manifest(path)
     counts = _parse_division(division) if division is not None else None
     if counts is not None and stages is not None and len(counts) != stages:
@@ -42,7 +51,6 @@ def local_counts(
         return counts
     if n_stages == 1:
         return [manifest.n_blocks]
-    from kafila.runtime.local_plan import cached_model_pricings, local_division, model_sha256, pricing_for, this_device
 
     with stderr.status("measuring this device for the planner (cached afterwards)"):
         device = this_device(memory=memory)
@@ -55,8 +63,6 @@ def local_counts(
 def check_this_machine(quiet: bool) -> None:
     """The device probe, once per machine (cached): llama.cpp's first prompt batch here runs in its
     child process, so a native crash is an error that explains itself, not this process dying."""
-    from kafila.runtime.local_plan import this_device
-
     if quiet:
         this_device()
         return
@@ -94,17 +100,6 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Generate text with the model split into stages on this machine (--stages 1: unsplit)."""
-    import os
-
-    from kafila.runtime.families import UnsupportedFamily
-    from kafila.runtime.gguf_file import GGUFFormatError
-    from kafila.runtime.llama_backend import ContextSettings, LlamaUnavailable, load_llama
-    from kafila.runtime.pipeline import StageFailed, open_engine
-    from kafila.runtime.pipeline import generate as run_generation
-    from kafila.runtime.sampling import SamplingSettings
-    from kafila.runtime.slicer import SliceError
-    from kafila.runtime.stage_cache import check_stage_cache_setting
-
     try:
         load_llama(shared_machine=(stages or 1) > 1 or (division is not None and "," in division))
     except LlamaUnavailable as error:

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+import uvicorn
 
+from kafila.api.server import Serving, create_app
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
@@ -27,6 +29,10 @@ from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
+from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
+from kafila.runtime.local_plan import admit_alone, this_device
+from kafila.runtime.manifest import read_manifest
+from kafila.runtime.stage_cache import check_stage_cache_setting
 from kafila.session.runner import HostConfig, HostRunner, supervised
 
 if TYPE_CHECKING:
@@ -123,9 +129,6 @@ def host(
 ) -> None:
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
-    from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
-    from kafila.runtime.stage_cache import check_stage_cache_setting
-
     n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
     local_split = (stages or 1) > 1 or (division is not None and "," in division)
     local_members = demo and n_members > 1
@@ -175,9 +178,6 @@ def host(
 
 def _admit(path: Path, session: SessionSpec, memory: int | None) -> None:
     """Refuse, before anything loads, a session this machine cannot hold: weights plus KV cache."""
-    from kafila.runtime.local_plan import admit_alone, this_device
-    from kafila.runtime.manifest import read_manifest
-
     with stderr.status("measuring this device for the planner (cached afterwards)"):
         device = this_device(memory=memory)
     admit_alone(read_manifest(path), device, session)
@@ -213,10 +213,6 @@ class RichUi:
 
 
 async def _serve(config: HostConfig) -> None:
-    import uvicorn
-
-    from kafila.api.server import Serving, create_app
-
     serving = Serving(model_id=config.path.stem, context_per_sequence=config.session.context, api_key=config.api_key)
     host = HostRunner(config, serving, RichUi())
 

@@ -12,9 +12,21 @@ from typing import Annotated
 
 import typer
 
+from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
+from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
+from kafila.network.edges import connect_edges
+from kafila.network.link import DatagramDemux
+from kafila.network.rendezvous_client import RendezvousClient, verify_host
+from kafila.network.session_codes import CodeFormatError, channel_part, split_code
+from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
+from kafila.runtime.local_plan import cache_dir, cached_model_pricings, hash_model, this_device
+from kafila.runtime.stage_cache import check_stage_cache_setting
+from kafila.session.member import LostHost, MemberState, RingLinks, SessionEnded, edge_connector, follow_host
+from kafila.session.presence import machine_tag, present
+from kafila.session.router import LinkRouter
 
 # After losing the host's link (not its goodbye), join again: the host takes the machine back in.
 # A join that lasted STEADY_S counts as a success, so only rejoins in quick succession run out.
@@ -54,11 +66,6 @@ def join(
     """Join a session: this machine runs the blocks the host assigns it, until the host ends the session.
 
     If its link to the host drops (a network blip, a machine that slept), it joins again by itself."""
-    from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
-    from kafila.network.session_codes import CodeFormatError, split_code
-    from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
-    from kafila.runtime.stage_cache import check_stage_cache_setting
-
     try:
         load_llama()
     except LlamaUnavailable as error:
@@ -88,7 +95,6 @@ def join(
             address = parse_host_port(rendezvous.strip(), 8470)
         except ValueError as error:
             fail(str(error), False)
-    from kafila.session.member import LostHost
 
     member = name or f"{socket.gethostname()}"[:64]
     rejoins = 0
@@ -115,16 +121,6 @@ def join(
 async def _join(
     code: str, rendezvous: tuple[str, int], model: Path | None, name: str, threads: int, memory: int | None
 ) -> str:
-    from kafila.cli.bars import transfer_bars
-    from kafila.network.edges import connect_edges
-    from kafila.network.link import DatagramDemux
-    from kafila.network.rendezvous_client import RendezvousClient, verify_host
-    from kafila.network.session_codes import channel_part
-    from kafila.runtime.local_plan import cache_dir, cached_model_pricings, hash_model, this_device
-    from kafila.session.member import MemberState, RingLinks, SessionEnded, edge_connector, follow_host
-    from kafila.session.presence import machine_tag, present
-    from kafila.session.router import LinkRouter
-
     def say(text: str) -> None:
         stderr.print(f"[dim]{name}:[/dim] {text}", highlight=False, soft_wrap=True)
 

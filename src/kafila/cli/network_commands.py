@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 from typing import Annotated
 
 import typer
@@ -12,6 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kafila.cli.errors import fail, stderr
+from kafila.network.nat import probe_nat
+from kafila.network.rendezvous_server import SESSION_PATH, start_rendezvous
 
 
 def parse_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
@@ -31,10 +34,6 @@ def nat(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Classify this machine's NAT (RFC 4787 mapping and filtering) against a rendezvous."""
-    import socket
-
-    from kafila.network.nat import probe_nat
-
     try:
         host, port = parse_host_port(rendezvous, 3478)
         address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
@@ -76,7 +75,6 @@ def rendezvous(
     """Run the rendezvous: session signalling over WebSocket, STUN (RFC 5389 binding, RFC 5780
     with --alt-address) and the UDP relay; with --discovery-port, `kafila join CODE` on its LAN
     finds it without --rendezvous. Prints `READY <stun host:port>`, then `HTTP <host:port>`."""
-    from kafila.network.rendezvous_server import SESSION_PATH, start_rendezvous
 
     async def serve() -> None:
         try:

@@ -16,7 +16,9 @@ from rich.table import Table
 
 from kafila.cli.errors import fail
 from kafila.planner.fleet import FleetDevice, ModelPricing
+from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
 from kafila.runtime.local_plan import model_sha256, save_model_pricing
+from kafila.runtime.manifest import read_manifest
 from kafila.runtime.model_probe import ModelStageProbe, model_pricing, probe_model_stages
 from kafila.runtime.probe import GIB, DeviceProbe, ProbeError, ProgressFn
 from kafila.runtime.probe_child import probe_in_child
@@ -126,15 +128,11 @@ def probe(
     if model is not None and not model.is_file():
         fail(f"no model file at {model}", as_json)
     if model is not None:  # before the device is measured, so a wrong file costs no wait
-        from kafila.runtime.manifest import read_manifest
-
         try:
             read_manifest(model)
         except (OSError, ValueError) as error:
             fail(f"cannot price {model}: {error}", as_json)
     if model is not None:
-        from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
-
         with contextlib.suppress(LlamaUnavailable):  # run_probe says it in its own words
             load_llama(shared_machine=True)  # the model's rings run their head in this process
     stages: ModelStageProbe | None = None

@@ -16,16 +16,13 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kafila.planner import plan_session
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.planner.types import ModelManifest, SessionSpec
 from kafila.runtime.llama_backend import load_llama, repack_choice
 from kafila.runtime.probe_child import probe_in_child
-
-if TYPE_CHECKING:
-    from kafila.runtime.slicer import Progress
+from kafila.runtime.slicer import Progress, file_sha256
 
 
 def cache_dir() -> Path:
@@ -68,8 +65,6 @@ def model_sha256(path: Path, progress: Progress | None = None) -> str:
     file's own hash is checked against the host's. `progress` hears the hashing, where it is not
     remembered.
     """
-    from kafila.runtime.slicer import file_sha256
-
     stat = path.stat()
     name, seen = str(path.resolve()), [stat.st_size, stat.st_mtime_ns]
     memo_path = cache_dir() / "model-hashes.json"

@@ -29,7 +29,13 @@ from pydantic import Field
 from kafila.contracts import Strict
 from kafila.planner.fleet import ModelPricing
 from kafila.planner.types import ModelManifest
-from kafila.runtime.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, significant
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.local_plan import cache_dir
+from kafila.runtime.manifest import read_manifest
+from kafila.runtime.pipeline import generate, open_engine
+from kafila.runtime.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, load_llama_cpp, significant
+from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.slicer import block_range_file
 from kafila.units import human_bytes
 
 CALIBRATION_PROMPT = "The history of the printing press begins"
@@ -150,14 +156,6 @@ def probe_model_stages(
     head, cut into a file that is a whole small model (`blocks_that_fit`). Run from a disk, the
     whole model would page in every token, and the pricing would measure the disk.
     """
-    from kafila.runtime.llama_backend import ContextSettings
-    from kafila.runtime.local_plan import cache_dir
-    from kafila.runtime.manifest import read_manifest
-    from kafila.runtime.pipeline import generate, open_engine
-    from kafila.runtime.probe import load_llama_cpp
-    from kafila.runtime.sampling import SamplingSettings
-    from kafila.runtime.slicer import block_range_file
-
     whole = read_manifest(model)
     kept = whole.n_blocks if memory_bytes is None else blocks_that_fit(whole, memory_bytes)
     if kept is None:

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+from gguf import GGMLQuantizationType, GGUFWriter
 from pydantic import Field, ValidationError
 
 from kafila.contracts import Strict
@@ -307,8 +308,6 @@ def write_probe_model(path: Path, model: ProbeModel, pool: npt.NDArray[np.uint8]
     With no `output.weight` llama.cpp ties the output to the 4-row embedding, so the head costs
     next to nothing and decode time is the blocks' time plus fixed overhead.
     """
-    from gguf import GGMLQuantizationType, GGUFWriter
-
     shape, n_blocks = model.shape, model.n_blocks
     e, ff = shape.n_embd, shape.n_ff
 

@@ -44,9 +44,20 @@ from kafila.contracts import (
     SessionStatus,
     StageReport,
 )
+from kafila.network.edges import connect_edges
+from kafila.network.link import DatagramDemux
+from kafila.network.pake import TrustError
 from kafila.network.rendezvous import MemberInfo
-from kafila.network.rendezvous_client import RendezvousClient, verify_members
+from kafila.network.rendezvous_client import (
+    ProvenButRefused,
+    RendezvousClient,
+    RendezvousError,
+    send_abort,
+    verify_members,
+    verify_newcomer,
+)
 from kafila.network.session_codes import full_code, new_secret
+from kafila.network.transfer import send_stage_file
 from kafila.planner import plan_serving_host
 from kafila.planner.fleet import FleetDevice, ModelPricing, pricing_from_serving
 from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
@@ -226,10 +237,6 @@ class HostSession:
         return sorted(self.newcomers)
 
     async def _admit(self, member_id: str) -> None:
-        from kafila.network.edges import connect_edges
-        from kafila.network.pake import TrustError
-        from kafila.network.rendezvous_client import ProvenButRefused, RendezvousError, send_abort, verify_newcomer
-
         if not self.admitting:
             refusal = TrustError("this session admits no more members; the host must start over with a new code")
             await send_abort(self.client, [member_id], refusal)
@@ -269,9 +276,6 @@ class HostSession:
 
     async def gather(self, ready_timeout: float | None) -> None:
         """Trust, links, hellos: after this every member is verified, linked and has said what it holds."""
-        from kafila.network.edges import connect_edges
-        from kafila.network.link import DatagramDemux
-
         roster = await verify_members(
             self.client, self.code, self.presence.identity.fingerprint, ready_timeout=ready_timeout
         )
@@ -564,8 +568,6 @@ class HostSession:
     ) -> Staged:
         """Stream the stage file if the member needs it, then wait until it has linked and verified."""
         if assign.source == "transfer":
-            from kafila.network.transfer import send_stage_file
-
             name = self.member_name(member)
             try:
                 await send_stage_file(

@@ -21,13 +21,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kafila.network.edges import connect_edges
 from kafila.network.frames import Frame, Kind
 from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
+from kafila.network.transfer import receive_stage_file
 from kafila.planner.fleet import ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.slicer import file_sha256
+from kafila.runtime.slicer import block_range_file, file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
 from kafila.runtime.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
 from kafila.runtime.worker import RingStage, handle_frames
@@ -137,7 +139,6 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
     if assign.source == "slice":
         if state.model is None:
             raise ValueError("the host asked for a local slice, but this member has no --model")
-        from kafila.runtime.slicer import block_range_file
 
         what = f"slicing blocks {assign.first_block}-{assign.end_block - 1} from {state.model.name}"
         state.say(what)
@@ -147,8 +148,6 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
             )
         path, digest = Path(made.path), made.sha256
     elif assign.source == "transfer":
-        from kafila.network.transfer import receive_stage_file
-
         why = f" (--model {state.model.name} is not the host's model file)" if state.model is not None else ""
         state.say(f"receiving stage {assign.stage_index} ({assign.size / 1e6:.1f} MB) from the host{why}")
         with _bar(state, f"stage {assign.stage_index} from the host") as progress:
@@ -171,8 +170,6 @@ def edge_connector(client: RendezvousClient, demux: DatagramDemux, identity: Ide
     vouched for: punched, else relayed (`connect_edges`)."""
 
     async def connect(vouched: dict[str, str]) -> dict[str, tuple[LinkRouter, EdgePath]]:
-        from kafila.network.edges import connect_edges
-
         unknown = [p for p in vouched if p not in client.members]
         if unknown:
             raise ValueError(f"the host named {', '.join(unknown)}, who is not in this session")

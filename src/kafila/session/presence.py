@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.error import URLError
@@ -101,9 +103,6 @@ def machine_tag(session: str) -> str:
     host name and MAC address) salted with the session, so it cannot follow a machine from one
     session to the next.
     """
-    import hashlib
-    import uuid
-
     identity = ""
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         with contextlib.suppress(OSError):

@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 
 from kafila.network.frames import Frame
 from kafila.network.link import Link, LinkClosed, LinkError
-from kafila.session.protocol import CONTROL_SEQUENCE, ControlMessage, parse_control
+from kafila.session.protocol import CONTROL_SEQUENCE, ControlMessage, control_frame, parse_control
 
 TRANSFER_SEQUENCES = range(2**63, 2**64 - 1)  # below the control stream, above any request slot
 Traffic = Literal["control", "transfer", "activation"]
@@ -124,8 +124,6 @@ class LinkRouter:
                 channel._put(None)
 
     async def send_control(self, message: ControlMessage) -> None:
-        from kafila.session.protocol import control_frame
-
         await self.link.send(control_frame(message))
 
     async def next_control(self, timeout: float | None = None) -> ControlMessage:
