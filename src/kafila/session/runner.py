@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +23,30 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kafila.contracts import MemberStatus, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
+from kafila.network.pake import TrustError
+from kafila.network.rendezvous_server import start_rendezvous
 from kafila.planner import PlanRefused
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
-from kafila.runtime.local_plan import cache_dir
+from kafila.runtime.engine_loop import EngineLoop
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.local_plan import admit_alone, cache_dir, hash_model, this_device
+from kafila.runtime.manifest import read_manifest
+from kafila.runtime.pipeline import open_engine
+from kafila.session.core import (
+    Action,
+    Admit,
+    HoldRequests,
+    JudgeRebalance,
+    ReplanAfterBreak,
+    ReplanWithNewcomers,
+    ServingCore,
+    SessionView,
+    StopHolding,
+)
+from kafila.session.host import HostSession, SessionFailed
 from kafila.session.local_members import LocalMember
+from kafila.session.presence import present
 
 # How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
 # so that the running ones can finish and the ring be replanned with them.
@@ -35,7 +54,6 @@ NEWCOMER_PATIENCE_S = 30.0
 # The least time between two rebalances, doubled after each: a ring measured on a machine whose
 # load comes and goes cannot flap between divisions more than a few times an hour.
 REBALANCE_COOLDOWN_S = 60.0
-REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
 
 
 def seconds_from_env(name: str, default: float) -> float:
@@ -94,8 +112,6 @@ class HostConfig:
 
     @property
     def settings(self) -> ContextSettings:
-        from kafila.runtime.llama_backend import ContextSettings
-
         n = self.session.concurrency
         return ContextSettings(n_ctx=self.session.context * n, n_batch=512, n_seq_max=n, n_threads=self.threads)
 
@@ -104,17 +120,16 @@ class HostRunner:
     """The host's lifecycle around the HTTP server: load or gather, serve, replan on failure, stop."""
 
     def __init__(self, config: HostConfig, serving: Serving, ui: HostUi) -> None:
-        from kafila.runtime.manifest import read_manifest
-
         self.config, self.serving, self.ui = config, serving, ui
         self.manifest = read_manifest(config.path)
         self.engine: Engine | None = None
         self.engine_loop: EngineLoop | None = None  # the one serving, even while /v1 turns requests away
         self.join_line = ""  # what a member runs to join, once the session is open
-        self._newcomers_waiting_since: float | None = None
-        self._rebalance_cooldown_s = seconds_from_env("KAFILA_REBALANCE_COOLDOWN_S", REBALANCE_COOLDOWN_S)
-        self._next_rebalance_check = 0.0  # monotonic time; a cool-down after a rebalance pushes it on
-        self._judged_steps: object = None  # each stage's decodes timed alone, when last judged for a rebalance
+        self.core = ServingCore(  # the serving host's decisions (`session.core`)
+            newcomer_patience_s=newcomer_patience_s(),
+            rebalance_cooldown_s=seconds_from_env("KAFILA_REBALANCE_COOLDOWN_S", REBALANCE_COOLDOWN_S),
+            rebalance=config.rebalance,
+        )
         self.network: HostSession | None = None
         self.rendezvous: Any = None
         self.joiners: list[LocalMember] = []
@@ -123,8 +138,6 @@ class HostRunner:
 
     # --- engines ---
     def _activate(self, engine: Engine) -> None:
-        from kafila.runtime.engine_loop import EngineLoop
-
         self.engine = engine
         loop = EngineLoop(
             engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
@@ -163,9 +176,6 @@ class HostRunner:
 
     async def _serve_alone(self, why: str) -> None:
         """Every block on this machine, if it can hold them: where a session falls back to."""
-        from kafila.runtime.local_plan import admit_alone, this_device
-        from kafila.runtime.pipeline import open_engine
-
         device = await asyncio.to_thread(this_device, memory=self.config.memory)
         admit_alone(self.manifest, device, self.config.session)
         engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
@@ -176,8 +186,6 @@ class HostRunner:
 
     # --- one machine ---
     async def start_local(self) -> None:
-        from kafila.runtime.pipeline import open_engine
-
         counts = self.config.counts
         where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
         self.serving.waiting_for = [f"{self.config.path.name} to load {where}"]
@@ -211,15 +219,8 @@ class HostRunner:
 
     # --- several machines ---
     async def start_network(self) -> None:
-        from kafila.network.pake import TrustError
-        from kafila.runtime.local_plan import this_device
-        from kafila.session.host import HostSession
-        from kafila.session.presence import present
-
         config = self.config
         if config.rendezvous is None:
-            from kafila.network.rendezvous_server import start_rendezvous
-
             try:
                 bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
                 self.rendezvous = await start_rendezvous(bind, *ports, discovery_port=config.discovery_port)
@@ -278,8 +279,6 @@ class HostRunner:
             await self._serve_alone("every member failed its part")
 
     async def _hash_model(self) -> str:
-        from kafila.runtime.local_plan import hash_model
-
         path = self.config.path
         with self.ui.progress_bars() as progress:
             return await hash_model(path, functools.partial(progress, f"hashing {path.name} (once)"))
@@ -287,8 +286,6 @@ class HostRunner:
     async def _deploy_leaving_out_failures(self, members: list[str]) -> bool:
         """Deploy over `members`; a member that fails its part is sent home and the rest are
         planned again. False when nobody is left (the caller decides what then)."""
-        from kafila.session.host import SessionFailed
-
         network = self.network
         assert network is not None
         while members:
@@ -304,7 +301,6 @@ class HostRunner:
         return False
 
     async def _deploy(self, members: list[str]) -> None:
-
         network = self.network
         assert network is not None
         self.serving.waiting_for = ["the members to load their stages"]
@@ -334,27 +330,46 @@ class HostRunner:
             await asyncio.sleep(0.2)
             if self.stopping:  # members leave when the session ends: that is not a failure
                 return
-            for member in network.arrivals():
-                name = network.client.members[member].name
+            action = self.core.next_action(self._view(network))
+            while isinstance(action, Admit):
+                name = network.client.members[action.member].name
                 self.ui.say(f"{name} joined; checking its code")
-                network.admit(member, functools.partial(self._admitted, name))
-            deployment = network.deployment
-            loop = self.engine_loop
-            lost = [m for m in (deployment.members if deployment else []) if m not in network.alive()]
-            if lost or network.broken is not None or (loop is not None and loop.error is not None):
-                if not await self._replan_after_break(lost):
-                    return
-            elif network.waiting_newcomers():
-                if loop is None or (loop.running == 0 and loop.queued == 0):
-                    if not await self._replan_with_newcomers():
-                        return
-                else:
-                    self._hold_requests_for_newcomers()
-            elif self._newcomers_waiting_since is not None:  # they left before their replan
+                network.admit(action.member, functools.partial(self._admitted, name))
+                action = self.core.next_action(self._view(network))
+            if not await self._carry_out(action):
+                return
+
+    def _view(self, network: HostSession) -> SessionView:
+        deployment, loop = network.deployment, self.engine_loop
+        return SessionView(
+            now=time.monotonic(),
+            deployed=frozenset(deployment.members if deployment else ()),
+            alive=frozenset(network.alive()),
+            engine=loop is not None,
+            arrivals=tuple(network.arrivals()),
+            newcomers=tuple(network.waiting_newcomers()),
+            broken=network.broken,
+            engine_error=loop.error if loop is not None else None,
+            idle=loop is None or (loop.running == 0 and loop.queued == 0),
+            ready=self.serving.ready,
+        )
+
+    async def _carry_out(self, action: Action) -> bool:
+        """Do what the core decided; False when the host cannot go on."""
+        match action:
+            case ReplanAfterBreak(lost=lost):
+                return await self._replan_after_break(list(lost))
+            case ReplanWithNewcomers(newcomers=newcomers):
+                return await self._replan_with_newcomers(newcomers)
+            case HoldRequests(newcomers=newcomers):
+                self._hold_requests_for(newcomers)
+            case StopHolding():
                 self._stop_holding_requests()
-            elif loop is not None and loop.running == 0 and loop.queued == 0 and self._rebalance_due():
-                if not await self._rebalance_if_worth_it(loop):
-                    return
+            case JudgeRebalance():
+                loop = self.engine_loop
+                if loop is not None:
+                    return await self._rebalance_if_worth_it(loop)
+        return True
 
     def _admitted(self, name: str, error: BaseException | None) -> None:
         network = self.network
@@ -384,34 +399,28 @@ class HostRunner:
             self.ui.say(f"a seat is free again; to fill it: {self.join_line}")
         return going_on
 
-    def _hold_requests_for_newcomers(self) -> None:
+    def _hold_requests_for(self, newcomers: Sequence[str]) -> None:
         """Under steady load a moment without requests may never come: after NEWCOMER_PATIENCE_S,
         new requests wait (up to `Serving.pause_wait_s`) while those running and queued finish, so
         the newcomers get their replan and nothing in flight is lost."""
         network = self.network
         assert network is not None
-        now = time.monotonic()
-        if self._newcomers_waiting_since is None:
-            self._newcomers_waiting_since = now
-        elif now - self._newcomers_waiting_since >= newcomer_patience_s() and self.serving.ready:
-            names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
-            self.ui.say(f"the requests running finish first; new ones wait for the replan taking in {names}")
-            waits = [f"the requests running to finish, then the host to replan taking in {names}"]
-            self.serving.become_unready(waits, paused=True)
+        names = ", ".join(network.member_name(m) for m in newcomers)
+        self.ui.say(f"the requests running finish first; new ones wait for the replan taking in {names}")
+        waits = [f"the requests running to finish, then the host to replan taking in {names}"]
+        self.serving.become_unready(waits, paused=True)
 
     def _stop_holding_requests(self) -> None:
         """The newcomers went before their replan: serve on with the ring as it is."""
-        self._newcomers_waiting_since = None
         if not self.serving.ready and self.engine is not None and self.engine_loop is not None:
             self.serving.become_ready(self.engine, self.engine_loop, self.manifest.architecture)
             self.ui.say("the newcomers left before the replan; serving on with the ring as it is")
 
-    async def _replan_with_newcomers(self) -> bool:
+    async def _replan_with_newcomers(self, newcomers: Sequence[str]) -> bool:
         """Newcomers were admitted and no request is in flight: plan again with them in."""
         network = self.network
         assert network is not None
-        names = ", ".join(network.member_name(m) for m in network.waiting_newcomers())
-        self._newcomers_waiting_since = None
+        names = ", ".join(network.member_name(m) for m in newcomers)
         return await self._replan_by_choice(f"taking in {names}")
 
     async def _replan_by_choice(self, why: str) -> bool:
@@ -421,29 +430,18 @@ class HostRunner:
         await self._retire(f"the host is replanning, {why}")
         return await self._redeploy(why, f", {why}")
 
-    def _rebalance_due(self) -> bool:
-        """Time to read an idle ring's measurements again (every REBALANCE_CHECK_S, after any cool-down)."""
-        now = time.monotonic()
-        if not self.config.rebalance or now < self._next_rebalance_check:
-            return False
-        self._next_rebalance_check = now + REBALANCE_CHECK_S
-        return True
-
     async def _rebalance_if_worth_it(self, loop: EngineLoop) -> bool:
         """No request is in flight: if the ring, priced by what its stages measured, would be clearly
         faster divided again (`HostSession.rebalance_verdict`), replan over the same machines.
         Nothing in flight is lost; a request that comes meanwhile waits for the new ring."""
         network = self.network
         assert network is not None
-        steps = [(entry.range, entry.steps_alone) for entry in loop.stage_report]
-        if steps == self._judged_steps:  # nothing decoded since (an idle ring's report refreshes too)
+        if not self.core.worth_judging([(entry.range, entry.steps_alone) for entry in loop.stage_report]):
             return True
-        self._judged_steps = steps
         verdict = network.rebalance_verdict(loop.stage_report)
         if verdict is None or not verdict.worth_it:
             return True
-        self._next_rebalance_check = time.monotonic() + self._rebalance_cooldown_s
-        self._rebalance_cooldown_s *= 2
+        self.core.rebalanced(time.monotonic())
         why = "rebalancing by what the stages measured serving"
         self.ui.say(f"{why}: {verdict.reason}")
         return await self._replan_by_choice(why)
