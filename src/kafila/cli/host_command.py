@@ -258,10 +258,10 @@ async def _serve(config: HostConfig) -> None:
                 await host.start_network()
                 watcher = supervised(host.watch_network(), host)
         except PlanRefused as refused:
-            host._fail(f"the model does not fit: {refused}")
+            host.fail(f"the model does not fit: {refused}")
             server.should_exit = True
         except Exception as error:
-            host._fail(f"the session could not start: {error}")
+            host.fail(f"the session could not start: {error}")
             server.should_exit = True
 
     starting = asyncio.create_task(run())

@@ -1,2 +1,3 @@
-"""Network: activation frames, the rendezvous (signalling, STUN, relay), NAT classification and
-hole punching. QUIC ring links come next."""
+"""Network: activation frames, the rendezvous (signalling, STUN, relay), NAT classification,
+hole punching, mutually pinned QUIC links (direct or relayed), the trust exchange on the session
+code, and stage-file transfer."""

@@ -2,7 +2,8 @@
 
 This is the whole data path of a session without the network: the head embeds tokens, the
 frames go round local sockets through each block stage and come back to the head, which turns
-them into logits. The QUIC ring of a later issue replaces only `LocalRing`.
+them into logits. A session's ring over QUIC links (`session.quic_ring.QuicRing`) takes the place
+of `LocalRing` behind the same `RingTransport`; the engines here drive either.
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ class HostRunner:
             try:
                 await self._serve_alone("replanned")
             except Exception as failure:
-                self._fail(f"{error}; the host cannot serve alone: {failure}")
+                self.fail(f"{error}; the host cannot serve alone: {failure}")
                 return
 
     # --- several machines ---
@@ -387,7 +387,7 @@ class HostRunner:
         assert network is not None
         loop = self.engine_loop
         if network.deployment is None:  # serving alone, and that engine failed
-            self._fail(f"serving alone failed: {loop.error if loop else 'no engine'}")
+            self.fail(f"serving alone failed: {loop.error if loop else 'no engine'}")
             return False
         names = ", ".join(network.member_name(m) for m in lost)
         error = (loop.error if loop and loop.error else None) or network.broken or f"lost {names}"
@@ -465,7 +465,7 @@ class HostRunner:
         except Exception as failure:
             message = f"{error}; replanning failed: {failure}"
         network.deployment, network.broken = None, None  # nothing serves: no ring left to watch
-        self._fail(message)
+        self.fail(message)
         if not network.admitting:
             return False
         self.ui.say(f"waiting for members to join again: {self.join_line}")
@@ -503,7 +503,8 @@ class HostRunner:
         if failure is not None and not self.stopping:
             self.incident(f"{member.name} {'died' if member.process.returncode < 0 else 'exited'}", failure)
 
-    def _fail(self, message: str) -> None:
+    def fail(self, message: str) -> None:
+        """The session cannot serve: /v1 says why from now on, and so does the host's terminal."""
         self.serving.become_unready([], failure=message)
         self.ui.error(message)
 
@@ -526,7 +527,7 @@ def supervised(coroutine: Coroutine[Any, Any, None], host: HostRunner) -> asynci
 
     def reported(done: asyncio.Task[None]) -> None:
         if not done.cancelled() and done.exception() is not None:
-            host._fail(f"the host stopped watching its session: {done.exception()!r}")
+            host.fail(f"the host stopped watching its session: {done.exception()!r}")
 
     task.add_done_callback(reported)
     return task
