@@ -227,8 +227,8 @@ def test_kept_model_pricings_are_read_newest_first_and_stale_or_broken_ones_skip
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pricing from another llama.cpp build priced other kernels; a broken file is as if absent."""
-    from kafila.planner.fleet import ModelPricing
-    from kafila.runtime.local_plan import cached_model_pricings, pricing_for, save_model_pricing
+    from kafila.planner.fleet import ModelPricing, pricing_for
+    from kafila.runtime.local_plan import cached_model_pricings, save_model_pricing
 
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
     assert cached_model_pricings() == []  # nothing kept yet, not even the folder

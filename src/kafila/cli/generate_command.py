@@ -12,11 +12,12 @@ from pydantic import ValidationError
 
 from kafila.cli.errors import fail, stderr
 from kafila.planner import PlanRefused
+from kafila.planner.fleet import pricing_for
 from kafila.planner.types import SessionSpec
 from kafila.runtime.families import UnsupportedFamily
 from kafila.runtime.gguf_file import GGUFFormatError
 from kafila.runtime.llama_backend import ContextSettings, LlamaUnavailable, load_llama
-from kafila.runtime.local_plan import cached_model_pricings, local_division, model_sha256, pricing_for, this_device
+from kafila.runtime.local_plan import cached_model_pricings, local_division, model_sha256, this_device
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import StageFailed, open_engine
 from kafila.runtime.pipeline import generate as run_generation

@@ -6,6 +6,7 @@ and seconds happens here, once, at the boundary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import Field, PositiveInt, model_validator
@@ -63,6 +64,11 @@ class ModelPricing(Strict):
 # How far a stage's measured time may stray from its price before the measurement is taken for
 # noise rather than a truer price (a stall, a swapped-out page, a clock jump).
 SERVED_SCALE_LIMITS = (1 / 20, 20.0)
+
+
+def pricing_for(model_sha256: str, pricings: Sequence[ModelPricing]) -> ModelPricing | None:
+    """The pricing, among those a machine kept, of the model with this sha256."""
+    return next((p for p in pricings if p.model_sha256 == model_sha256), None)
 
 
 def pricing_from_serving(

@@ -150,10 +150,6 @@ def cached_model_pricings(limit: int = 16) -> list[ModelPricing]:
     return found
 
 
-def pricing_for(model_sha256: str, pricings: list[ModelPricing]) -> ModelPricing | None:
-    return next((p for p in pricings if p.model_sha256 == model_sha256), None)
-
-
 def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, session: SessionSpec) -> list[int]:
     """Block counts in chain order (head last) for n stages sharing this device."""
     base = device.device()

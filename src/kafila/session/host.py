@@ -58,17 +58,17 @@ from kafila.network.rendezvous_client import (
 )
 from kafila.network.session_codes import full_code, new_secret
 from kafila.network.transfer import send_stage_file
-from kafila.planner import plan_serving_host
-from kafila.planner.fleet import FleetDevice, ModelPricing, pricing_from_serving
-from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
-from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec
+from kafila.planner.fleet import ModelPricing
+from kafila.planner.rebalance import RebalanceVerdict
+from kafila.planner.types import ModelManifest, Plan, SessionSpec
 from kafila.runtime.llama_backend import ContextSettings, set_up_to_share_cores, sharing_cores_hint
-from kafila.runtime.local_plan import cached_model_pricings, pricing_for
+from kafila.runtime.local_plan import cached_model_pricings
 from kafila.runtime.pipeline import RingEngine
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
 from kafila.session.member import serve_stage
 from kafila.session.presence import Presence, machine_tag
+from kafila.session.pricing import Machine, PlannedRing, RingPricing
 from kafila.session.protocol import Assign, End, Failed, Hello, Load, Loaded, RingEdge, Staged
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import FrameSink, LinkRouter, LocalChannel
@@ -78,10 +78,6 @@ Reply = TypeVar("Reply", Staged, Loaded)
 T = TypeVar("T")
 HELLO_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
-MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before a replan trusts them
-# A rebalance moves blocks on the strength of the measurements alone, so it waits for more of
-# them: the first decodes after a load can run slow (pages faulted in, buffers first used).
-MIN_STEPS_TO_REBALANCE = 32
 
 
 class SessionFailed(RuntimeError):
@@ -164,9 +160,8 @@ class HostSession:
     epoch: int = 0
     deployment: Deployment | None = None
     demux: Any = None
-    model_sha256: str | None = None
-    own_pricing: ModelPricing | None = None  # this machine's pricing of the model, if it has one
-    served_pricings: dict[str, ModelPricing] = field(default_factory=dict)  # member → priced by what it served
+    prices: RingPricing = field(init=False)  # each machine's price for the planner (`session.pricing`)
+    own_pricings: tuple[ModelPricing, ...] = ()  # the models this machine priced itself (`kafila probe --model`)
     known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
     ring: QuicRing | None = None
     ring_edges: dict[str, dict[str, RingEdge]] = field(default_factory=dict)  # member → neighbour → edge
@@ -175,9 +170,11 @@ class HostSession:
     own_stage: OwnStage | None = None
     newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
     admitting: bool = True  # until a newcomer fails the trust exchange (maybe a guess at the secret)
-    last_verdict: RebalanceVerdict | None = None  # the latest reading of the serving ring's measurements
     _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prices = RingPricing(self.manifest, self.session)
 
     # --- gathering ---------------------------------------------------------------------------
 
@@ -263,7 +260,7 @@ class HostSession:
         self.paths[member_id] = edges[member_id].path
         self.hellos[member_id] = await self._hello(member_id)
         self._note_members_on_this_machine({member_id: self.hellos[member_id]})
-        self.served_pricings.pop(member_id, None)  # the seat may now be another machine
+        self.prices.forget(member_id)  # the seat may now be another machine
         self.newcomers.add(member_id)
 
     @property
@@ -294,8 +291,8 @@ class HostSession:
         hellos = await all_or_none([self._hello(m) for m in self.routers])
         self.hellos = dict(zip(self.routers, hellos, strict=True))
         self._note_members_on_this_machine(self.hellos)
-        self.model_sha256 = await self.model_hash
-        self.own_pricing = pricing_for(self.model_sha256, await asyncio.to_thread(cached_model_pricings))
+        self.prices.model_sha256 = await self.model_hash
+        self.own_pricings = tuple(await asyncio.to_thread(cached_model_pricings))
 
     def _note_members_on_this_machine(self, hellos: Mapping[str, Hello]) -> None:
         """Stages on one machine take turns on its cores. The demo sets its processes up for that
@@ -324,86 +321,42 @@ class HostSession:
     def alive(self) -> list[str]:
         return [m for m, r in self.routers.items() if not r.link.closed.done()]
 
-    def pricing(self, member: str, served: Mapping[str, ModelPricing] | None = None) -> ModelPricing | None:
-        """The member's pricing of the model served: from what its stage measured serving it in this
-        session (`served`, by default those learned so far), or its own (`kafila probe --model`);
-        None where only the generic probe prices it."""
-        if self.model_sha256 is None:
-            return None
-        served = self.served_pricings if served is None else served
-        if member in served:
-            return served[member]
-        if member == self.me:
-            return self.own_pricing
-        hello = self.hellos.get(member)
-        return None if hello is None else pricing_for(self.model_sha256, hello.priced_models)
+    def known_machines(self) -> dict[str, Machine]:
+        """What this host knows of every machine it may plan with, itself included."""
+        own = Machine(self.member_name(self.me), self.presence.capability, self.own_pricings)
+        found = {self.me: own}
+        for member, info in self.known.items():
+            if member != self.me:
+                hello = self.hellos.get(member)
+                pricings = tuple(hello.priced_models) if hello is not None else ()
+                found[member] = Machine(self.member_name(member), info.capability, pricings)
+        return found
+
+    @property
+    def model_sha256(self) -> str | None:
+        return self.prices.model_sha256
 
     def priced_on(self, member: str) -> str:
-        """Where the member's stage prices come from, in words."""
-        if member in self.served_pricings:
-            return "serving"
-        return "the model" if self.pricing(member) is not None else "the generic probe"
+        return self.prices.priced_on(self.known_machines(), member)
 
-    def _capability(self, member: str) -> FleetDevice:
-        return self.presence.capability if member == self.me else self.known[member].capability
-
-    @staticmethod
-    def measured_stage_times(report: Sequence[StageReport], min_steps: int) -> dict[tuple[int, int], float]:
-        """Seconds per token of each stage (by block range) that decoded at least `min_steps`
-        tokens one at a time: only those decodes compare with a stage's price."""
-        return {
-            entry.range: entry.ms_per_token_alone * 1e-3
-            for entry in report
-            if entry.steps_alone >= min_steps and entry.ms_per_token_alone
-        }
-
-    def _priced_by_serving(self, measured: Mapping[tuple[int, int], float]) -> dict[str, ModelPricing]:
-        """Each machine of the ring whose stage was measured, priced so that the stage costs what it
-        measured; the others are left out."""
+    def _planned_ring(self) -> PlannedRing | None:
         deployment = self.deployment
-        if deployment is None or self.model_sha256 is None:
-            return {}
-        learned: dict[str, ModelPricing] = {}
-        for member, stage in zip(deployment.chain, deployment.plan.stages, strict=True):
-            seconds = measured.get((stage.start, stage.end))
-            if seconds is None or stage.cost_s is None or (member not in self.known and member != self.me):
-                continue
-            priced_as = self._capability(member).priced(self.pricing(member))
-            pricing = pricing_from_serving(priced_as, self.model_sha256, stage.cost_s, seconds)
-            if pricing is not None:
-                learned[member] = pricing
-        return learned
+        return None if deployment is None else PlannedRing(tuple(deployment.chain), deployment.plan)
 
     def learn_from_serving(self, report: Sequence[StageReport]) -> list[str]:
-        """Price every machine of the ring by what its stage measured, decoding one token at a time,
-        for the next plan; returns the names of those repriced.
-
-        Called before a replan: the members kept then get divisions that fit what they showed, where
-        the generic probe misjudged them. A stage that decoded too few tokens alone keeps its price.
-        """
-        learned = self._priced_by_serving(self.measured_stage_times(report, MIN_STEPS_TO_REPRICE))
-        self.served_pricings.update(learned)
-        return [self.member_name(m) for m in learned]
+        """Price every machine of the ring by what its stage measured, for the next plan
+        (`RingPricing.learn_from_serving`); returns the names of those repriced."""
+        ring = self._planned_ring()
+        if ring is None:
+            return []
+        return [self.member_name(m) for m in self.prices.learn_from_serving(self.known_machines(), ring, report)]
 
     def rebalance_verdict(self, report: Sequence[StageReport]) -> RebalanceVerdict | None:
-        """Whether the serving ring would be clearly faster divided again by what its stages
-        measured (`judge_rebalance`); None until every stage has timed MIN_STEPS_TO_REBALANCE
-        tokens alone, or where no plan over the same machines fits. Learns nothing."""
-        deployment = self.deployment
-        if deployment is None:
+        """Whether the serving ring would be clearly faster divided again (`RingPricing.rebalance_verdict`)."""
+        ring = self._planned_ring()
+        if ring is None:
             return None
-        measured = self.measured_stage_times(report, MIN_STEPS_TO_REBALANCE)
-        times = [measured.get((s.start, s.end)) for s in deployment.plan.stages]
-        if None in times:
-            return None
-        served = {**self.served_pricings, **self._priced_by_serving(measured)}
-        try:
-            proposed = self.plan(self.planned_members(), served)
-        except PlanRefused:
-            return None
-        verdict = judge_rebalance(deployment.plan, times, proposed)
-        self.last_verdict = verdict
-        return verdict
+        return self.prices.rebalance_verdict(self.known_machines(), ring, [self.me, *self.planned_members()], report)
 
     def planned_members(self) -> list[str]:
         """The members of the current plan in the order it was planned with (its ring search
@@ -411,40 +364,14 @@ class HostSession:
         planned = set(self.deployment.members) if self.deployment is not None else set()
         return [m for m in self.alive() if m in planned]
 
-    def devices(self, members: Sequence[str], served: Mapping[str, ModelPricing] | None = None) -> list[Device]:
-        """Every device as the planner sees it: priced by what it served, or on the model itself where
-        it was, generically if neither."""
-        priced = [(m, self._capability(m).priced(self.pricing(m, served))) for m in [self.me, *members]]
-        return [device.device().model_copy(update={"name": self.member_name(m)}) for m, device in priced]
-
     def pricing_note(self, members: Sequence[str]) -> str:
         """Which machines' stage times come from what, for the plan's reader."""
-        everyone = [self.me, *members]
-        sources = {
-            "serving": "from what their stages measured serving",
-            "the model": "priced on this model's own stages",
-        }
-        how = f"`kafila probe --model {self.model}` on a machine prices this model's stages there (kept)"
-        groups = {
-            source: [self.member_name(m) for m in everyone if self.priced_on(m) == source]
-            for source in ("serving", "the model", "the generic probe")
-        }
-        present = [source for source, names in groups.items() if names]
-        if present == ["the generic probe"]:
-            return f"stage times: from the generic probe, which misjudges narrow models; {how}"
-        if len(present) == 1:
-            return f"stage times: every machine {sources[present[0]]}"
-        parts = [f"{sources[s]} for {', '.join(groups[s])}" for s in ("serving", "the model") if groups[s]]
-        if groups["the generic probe"]:
-            parts.append(f"from the generic probe for {', '.join(groups['the generic probe'])} ({how})")
-        return "stage times: " + "; ".join(parts)
+        return self.prices.note(self.known_machines(), [self.me, *members], self.model)
 
-    def plan(self, members: Sequence[str], served: Mapping[str, ModelPricing] | None = None) -> Plan:
+    def plan(self, members: Sequence[str]) -> Plan:
         """The plan over this host and `members`, the head here if it fits (`plan_serving_host`);
-        PlanRefused names who cannot hold its share. `served`: prices learned serving, in place of
-        those kept so far."""
-        devices = self.devices(members, served)
-        return plan_serving_host(self.manifest, devices, self.session)
+        PlanRefused names who cannot hold its share."""
+        return self.prices.plan(self.known_machines(), [self.me, *members])
 
     async def deploy(
         self,
@@ -527,7 +454,7 @@ class HostSession:
             del preparing[self.member_name(member)]
             report()
         self.deployment = Deployment(self.epoch, plan, chain, counts, stages, self.me)
-        self.last_verdict = None  # a new plan has measured nothing yet
+        self.prices.last_verdict = None  # a new plan has measured nothing yet
         self.broken_edges.clear()  # rebuilt, or no longer in the ring
         self._listen(self.deployment.members, self.epoch)
         return self.deployment
@@ -679,7 +606,7 @@ class HostSession:
                 entry["priced_on"] = self.priced_on(member_id)
             members.append(MemberStatus(**entry))  # only what applies is set, and shown
         plan = deployment.plan if deployment else None
-        verdict = self.last_verdict
+        verdict = self.prices.last_verdict
         return SessionStatus(
             code=self.code,
             members=members,

@@ -1,0 +1,180 @@
+"""How the host prices each machine for the planner, and what it learns from a ring that served.
+
+Pure: the host hands in what it knows of the machines (`Machine`) and of the ring it deployed
+(`PlannedRing`); nothing here reads a link, a file or a clock. A machine is priced, best first,
+by what its stage measured serving this model in this session, by its own pricing of the model
+(`kafila probe --model`, kept on that machine and reported in its hello), or by the generic
+probe. Before a replan the host learns from what the stages measured (`learn_from_serving`); on
+an idle ring it asks whether another division would be clearly faster (`rebalance_verdict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kafila.contracts import StageReport
+from kafila.planner import plan_serving_host
+from kafila.planner.fleet import FleetDevice, ModelPricing, pricing_for, pricing_from_serving
+from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
+from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec
+
+MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before a replan trusts them
+# A rebalance moves blocks on the strength of the measurements alone, so it waits for more of
+# them: the first decodes after a load can run slow (pages faulted in, buffers first used).
+MIN_STEPS_TO_REBALANCE = 32
+
+SERVING, THE_MODEL, GENERIC = "serving", "the model", "the generic probe"  # where a machine's prices come from
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the host knows of one machine when it plans."""
+
+    name: str
+    capability: FleetDevice  # as its probe measured it, lent as it said
+    pricings: tuple[ModelPricing, ...] = ()  # the models it priced itself, kept on that machine
+
+
+@dataclass(frozen=True)
+class PlannedRing:
+    """The ring being served: who holds which stage of which plan, in chain order."""
+
+    chain: tuple[str, ...]  # machine ids, block 0 first, the head last
+    plan: Plan
+
+
+@dataclass
+class RingPricing:
+    """The host's prices for the machines of its session, and what serving taught it."""
+
+    manifest: ModelManifest
+    session: SessionSpec
+    model_sha256: str | None = None  # known once the host has hashed its model
+    served: dict[str, ModelPricing] = field(default_factory=dict)  # machine → priced by what it served
+    last_verdict: RebalanceVerdict | None = None  # the latest reading of the serving ring's measurements
+
+    def pricing(
+        self, machines: Mapping[str, Machine], member: str, served: Mapping[str, ModelPricing] | None = None
+    ) -> ModelPricing | None:
+        """The machine's pricing of the model served: from what its stage measured serving it in this
+        session (`served`, by default what was learned so far), or its own; None where only the
+        generic probe prices it."""
+        if self.model_sha256 is None:
+            return None
+        served = self.served if served is None else served
+        if member in served:
+            return served[member]
+        return pricing_for(self.model_sha256, list(machines[member].pricings)) if member in machines else None
+
+    def priced_on(self, machines: Mapping[str, Machine], member: str) -> str:
+        """Where the machine's stage prices come from, in words."""
+        if member in self.served:
+            return SERVING
+        return THE_MODEL if self.pricing(machines, member) is not None else GENERIC
+
+    def forget(self, member: str) -> None:
+        """A machine left: its seat may next be taken by another, which must not inherit its prices."""
+        self.served.pop(member, None)
+
+    def devices(
+        self, machines: Mapping[str, Machine], members: Sequence[str], served: Mapping[str, ModelPricing] | None = None
+    ) -> list[Device]:
+        """Each machine as the planner sees it, named, and priced as `pricing` says."""
+        return [
+            machines[m].capability.priced(self.pricing(machines, m, served)).device().model_copy(
+                update={"name": machines[m].name}
+            )
+            for m in members
+        ]
+
+    def plan(
+        self, machines: Mapping[str, Machine], members: Sequence[str], served: Mapping[str, ModelPricing] | None = None
+    ) -> Plan:
+        """The plan over `members` (the host first), the head on the host if it fits
+        (`plan_serving_host`); PlanRefused names who cannot hold its share."""
+        return plan_serving_host(self.manifest, self.devices(machines, members, served), self.session)
+
+    @staticmethod
+    def measured_stage_times(report: Sequence[StageReport], min_steps: int) -> dict[tuple[int, int], float]:
+        """Seconds per token of each stage (by block range) that decoded at least `min_steps`
+        tokens one at a time: only those decodes compare with a stage's price."""
+        return {
+            entry.range: entry.ms_per_token_alone * 1e-3
+            for entry in report
+            if entry.steps_alone >= min_steps and entry.ms_per_token_alone
+        }
+
+    def priced_by_serving(
+        self, machines: Mapping[str, Machine], ring: PlannedRing, measured: Mapping[tuple[int, int], float]
+    ) -> dict[str, ModelPricing]:
+        """Each machine of the ring whose stage was measured, priced so that the stage costs what it
+        measured; the others are left out."""
+        if self.model_sha256 is None:
+            return {}
+        learned: dict[str, ModelPricing] = {}
+        for member, stage in zip(ring.chain, ring.plan.stages, strict=True):
+            seconds = measured.get((stage.start, stage.end))
+            if seconds is None or stage.cost_s is None or member not in machines:
+                continue
+            priced_as = machines[member].capability.priced(self.pricing(machines, member))
+            pricing = pricing_from_serving(priced_as, self.model_sha256, stage.cost_s, seconds)
+            if pricing is not None:
+                learned[member] = pricing
+        return learned
+
+    def learn_from_serving(
+        self, machines: Mapping[str, Machine], ring: PlannedRing, report: Sequence[StageReport]
+    ) -> list[str]:
+        """Price every machine of the ring by what its stage measured, decoding one token at a time,
+        for the next plan; returns those repriced.
+
+        Called before a replan: the machines kept then get divisions that fit what they showed, where
+        the generic probe misjudged them. A stage that decoded too few tokens alone keeps its price.
+        """
+        learned = self.priced_by_serving(machines, ring, self.measured_stage_times(report, MIN_STEPS_TO_REPRICE))
+        self.served.update(learned)
+        return list(learned)
+
+    def rebalance_verdict(
+        self,
+        machines: Mapping[str, Machine],
+        ring: PlannedRing,
+        members: Sequence[str],
+        report: Sequence[StageReport],
+    ) -> RebalanceVerdict | None:
+        """Whether the ring would be clearly faster divided again over the same `members` (the host
+        first, in the order it was planned with) by what its stages measured (`judge_rebalance`);
+        None until every stage has timed MIN_STEPS_TO_REBALANCE tokens alone, or where no plan over
+        them fits. Learns nothing."""
+        measured = self.measured_stage_times(report, MIN_STEPS_TO_REBALANCE)
+        times = [measured.get((s.start, s.end)) for s in ring.plan.stages]
+        if None in times:
+            return None
+        served = {**self.served, **self.priced_by_serving(machines, ring, measured)}
+        try:
+            proposed = self.plan(machines, members, served)
+        except PlanRefused:
+            return None
+        verdict = judge_rebalance(ring.plan, times, proposed)
+        self.last_verdict = verdict
+        return verdict
+
+    def note(self, machines: Mapping[str, Machine], members: Sequence[str], model: Path) -> str:
+        """Which machines' stage times come from what, for the plan's reader."""
+        sources = {SERVING: "from what their stages measured serving", THE_MODEL: "priced on this model's own stages"}
+        how = f"`kafila probe --model {model}` on a machine prices this model's stages there (kept)"
+        groups = {
+            source: [machines[m].name for m in members if self.priced_on(machines, m) == source]
+            for source in (SERVING, THE_MODEL, GENERIC)
+        }
+        present = [source for source, names in groups.items() if names]
+        if present == [GENERIC]:
+            return f"stage times: from the generic probe, which misjudges narrow models; {how}"
+        if len(present) == 1:
+            return f"stage times: every machine {sources[present[0]]}"
+        parts = [f"{sources[s]} for {', '.join(groups[s])}" for s in (SERVING, THE_MODEL) if groups[s]]
+        if groups[GENERIC]:
+            parts.append(f"from the generic probe for {', '.join(groups[GENERIC])} ({how})")
+        return "stage times: " + "; ".join(parts)
