@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +100,40 @@ def wait_ready(host: Host, timeout: float = READY_TIMEOUT_S) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"kafila host was not ready in {timeout} s: {host.output()}")
         time.sleep(0.2)
+
+
+def status_of(host: Host) -> dict[str, Any]:
+    """The host's /status, as it came."""
+    with urlopen(f"{host.base_url}/status", timeout=10) as response:
+        status: dict[str, Any] = json.loads(response.read())
+    return status
+
+
+def until_status(
+    host: Host, condition: Callable[[dict[str, Any]], bool], what: str, timeout: float = 90.0
+) -> dict[str, Any]:
+    """/status once `condition` holds of it: a wait on the host's state, not on its words or the clock."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status = status_of(host)
+            if condition(status):
+                return status
+        except (URLError, OSError, ValueError):
+            pass  # not listening yet, or answering mid-restart
+        if host.process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the host never got to {what}: {host.output()}")
+        time.sleep(0.2)
+
+
+def serving_past(epoch: int) -> Callable[[dict[str, Any]], bool]:
+    """Serving again on a plan newer than `epoch` (a replan has finished)."""
+    return lambda status: bool(status.get("ready")) and (status.get("epoch") or 0) > epoch
+
+
+def serving_alone(status: dict[str, Any]) -> bool:
+    """Serving with every block on the host (`kafila host` fell back to it)."""
+    return bool(status.get("ready")) and [m.get("name") for m in status.get("members", [])] == ["this machine"]
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,17 @@ from urllib.request import urlopen
 
 import openai
 import pytest
-from host_process import Host, running_host, start_member, stop, wait_ready
+from host_process import (
+    Host,
+    running_host,
+    serving_alone,
+    serving_past,
+    start_member,
+    status_of,
+    stop,
+    until_status,
+    wait_ready,
+)
 from serving_checks import check_concurrent_streams, unsplit_greedy, unsplit_text
 from tiny_models import write_tiny_model
 
@@ -181,12 +191,10 @@ def test_a_ring_link_that_breaks_between_members_is_rebuilt_through_the_relay(tm
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         ports = [udp_ports(j.pid) for j in joiners]
         assert all(ports), ports
+        epoch = status_of(host)["epoch"]
         with dropped_between(*ports):  # the two members' sockets: their direct edge, and only it
-            deadline = time.monotonic() + 60
-            while "replanned with 3 members" not in host.output():
-                assert time.monotonic() < deadline and host.process.poll() is None, host.output()
-                time.sleep(0.2)
-            wait_ready(host, timeout=60)
+            until_status(host, serving_past(epoch), "a replan after the edge between the members broke", 60)
+            assert "replanned with 3 members" in host.output()
             with urlopen(f"{host.base_url}/status", timeout=10) as response:
                 edges = json.loads(response.read())["edges"]
             between = [e for e in edges if "member" in e["from"] and "member" in e["to"]]
@@ -304,11 +312,8 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
             assert member["priced_on"] == "the generic probe", member
             scale[member["name"]] = stage["ms_per_token_alone"] / member["predicted_ms_per_token"]
         joiners[0].kill()
-        deadline = time.monotonic() + 60
-        while "replanned with 2 members" not in host.output():
-            assert time.monotonic() < deadline and host.process.poll() is None, host.output()
-            time.sleep(0.2)
-        wait_ready(host)
+        until_status(host, serving_past(before["epoch"]), "a replan without the member killed", 60)
+        assert "replanned with 2 members" in host.output()
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
@@ -389,13 +394,12 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
             time.sleep(6)  # three readings of the idle ring's report
             assert status()["epoch"] == first["epoch"] and "rebalancing" not in host.output(), host.output()
             return
-        wait_for_output(host, "rebalancing by what the stages measured serving:")
+        until_status(host, rebalancing_past(first["epoch"]), "a rebalance judged worth it")
         # A request that comes during the replan waits for the new ring and is served by it.
         during = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
         assert during.choices[0].text == expected
-        wait_for_output(host, "replanned with 2 members")
-        wait_ready(host, timeout=60)
-        after = status()
+        after = until_status(host, serving_past(first["epoch"]), "serving on the rebalanced ring", 60)
+        assert "replanned with 2 members" in host.output()
         assert after["epoch"] == first["epoch"] + 1, after
         assert blocks(after)["member-0"] < blocks(first)["member-0"], (first, after)
         assert all(m["priced_on"] == "serving" for m in after["members"] if "blocks" in m), after
@@ -429,13 +433,10 @@ def test_a_wrong_session_code_is_refused_and_the_host_issues_a_new_one(tmp_path:
         output = intruder.communicate(timeout=90)[0]
         assert intruder.returncode == 1
         assert "code" in output.lower() and "Traceback" not in output
-        deadline = time.monotonic() + 30
-        while len(re.findall(r"^session code: (\S+)", host.output(), re.M)) < 2:
-            assert time.monotonic() < deadline and host.process.poll() is None, host.output()
-            time.sleep(0.2)
+        renewed = until_status(host, lambda status: status.get("code") not in (None, code), "a new code", 30)
         assert "refused a member" in host.output()
-        new_code = re.findall(r"^session code: (\S+)", host.output(), re.M)[-1]
-        assert new_code != code
+        new_code = renewed["code"]
+        assert re.findall(r"^session code: (\S+)", host.output(), re.M)[-1] == new_code
         member = start_member(new_code, rendezvous, "member", tmp_path / "cache-0", "--threads", "1")
         try:
             wait_ready(host, timeout=90)
@@ -636,11 +637,8 @@ def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path
         assert "member (head)" in table and "host (head)" not in table, table
         heads = [j for j, name in zip(joiners, ("member-0", "member-1"), strict=True) if name == head]
         heads[0].kill()
-        deadline = time.monotonic() + 90
-        while "replanned with 2 members" not in host.output():
-            assert time.monotonic() < deadline and host.process.poll() is None, host.output()
-            time.sleep(0.2)
-        wait_ready(host, timeout=60)
+        until_status(host, serving_past(status["epoch"]), "a replan without the head's member", 90)
+        assert "replanned with 2 members" in host.output()
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
         sampled = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11)
@@ -674,11 +672,29 @@ def test_a_host_that_holds_no_block_embeds_samples_and_serves_while_members_hold
         assert "holds no stage" in host.output()
 
 
-def wait_for_output(host: Host, text: str, timeout: float = 90, times: int = 1) -> None:
-    deadline = time.monotonic() + timeout
-    while host.output().count(text) < times:
-        assert time.monotonic() < deadline and host.process.poll() is None, host.output()
-        time.sleep(0.2)
+def rebalancing_past(epoch: int) -> Callable[[dict[str, Any]], bool]:
+    """A rebalance judged worth it is under way, or already done."""
+
+    def judged(status: dict[str, Any]) -> bool:
+        verdict = status.get("rebalance") or {}
+        return str(verdict.get("reason", "")).endswith("worth it") or serving_past(epoch)(status)
+
+    return judged
+
+
+def took_in(name: str, epoch: int) -> Callable[[dict[str, Any]], bool]:
+    """Serving on a plan newer than `epoch` in which the member `name` holds blocks."""
+
+    def in_ring(status: dict[str, Any]) -> bool:
+        holding = [m for m in status.get("members", []) if m.get("name") == name and "blocks" in m]
+        return serving_past(epoch)(status) and bool(holding)
+
+    return in_ring
+
+
+def holding_for(name: str) -> Callable[[dict[str, Any]], bool]:
+    """New requests held (not ready, not failed) for a replan taking in `name`."""
+    return lambda status: not status["ready"] and any(f"taking in {name}" in w for w in status["waiting_for"])
 
 
 PATIENT = {"KAFILA_NEWCOMER_PATIENCE_S": "1"}  # newcomers wait 1 s for a moment without requests
@@ -686,10 +702,9 @@ PATIENT = {"KAFILA_NEWCOMER_PATIENCE_S": "1"}  # newcomers wait 1 s for a moment
 
 def lose_a_member(host: Host, joiners: list[subprocess.Popen[str]]) -> openai.OpenAI:
     """Kill the second member; once the host serves again with the rest, a client for it."""
-    wait_ready(host)
+    epoch = until_status(host, serving_past(0), "serving")["epoch"]
     joiners[1].kill()
-    wait_for_output(host, "replanned with 2 members")
-    wait_ready(host, timeout=60)
+    until_status(host, serving_past(epoch), "a replan without the member killed")
     return openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
@@ -744,14 +759,13 @@ def take_in(
     """`kafila join` with the host's code as `name`; once the host has replanned to take it in,
     the ring serves what one process does. Returns the host's /status."""
     code, rendezvous = host.join_line()
+    epoch = status_of(host).get("epoch") or 0  # none while serving alone
     joiners.append(start_member(code, rendezvous, name, cache, "--threads", "1"))
-    wait_for_output(host, f"replanned with {members} members, taking in {name}")
-    wait_ready(host, timeout=60)
+    until_status(host, took_in(name, epoch), f"a ring that takes in {name}")
+    assert f"replanned with {members} members, taking in {name}" in host.output()
     result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
     assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
-    with urlopen(f"{host.base_url}/status", timeout=10) as response:
-        status: dict[str, Any] = json.loads(response.read())
-    return status
+    return status_of(host)
 
 
 def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_session(
@@ -764,7 +778,6 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
     outputs: list[str] = []
     with session(tmp_path, model, 3, outputs=outputs) as (host, joiners):
         client = lose_a_member(host, joiners)
-        wait_for_output(host, "a seat is free again; to fill it: kafila join ")
         # The same machine comes back (its name, its cache): a newcomer to the rendezvous and the host.
         status = take_in(host, client, model, joiners, "member-1", tmp_path / "cache-1", 3)
         code, rendezvous = host.join_line()
@@ -773,13 +786,15 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
         (gone,) = [m["name"] for m in status["members"] if m.get("left")]  # its old self, told apart by id
         assert re.fullmatch(r"member-1 \(m\d\)", gone), status
         assert sum(b - a for a, b in (m["blocks"] for m in status["members"] if "blocks" in m)) == 4
+        assert "a seat is free again; to fill it: kafila join " in host.output()
 
         joiners[0].kill()  # a seat for a guesser
-        wait_for_output(host, "replanned with 2 members", times=2)
+        until_status(host, serving_past(status["epoch"]), "a replan without member-0")
         guess = code.rsplit("-", 1)[0] + ("-lemon" if not code.endswith("-lemon") else "-otter")
         guesser = start_member(guess, rendezvous, "guesser", tmp_path / "cache-guess", "--threads", "1")
         assert guesser.wait(timeout=60) != 0
-        wait_for_output(host, "this session admits no more members")
+        until_status(host, lambda status: status.get("admitting") is False, "a session that admits no one")
+        assert "this session admits no more members" in host.output()
         late = start_member(code, rendezvous, "late", tmp_path / "cache-late", "--threads", "1")
         assert late.wait(timeout=60) != 0
         refused = stop(late)
@@ -797,7 +812,8 @@ def test_a_host_serving_alone_takes_a_newcomer_back_into_a_ring(tmp_path: Path, 
         wait_ready(host)
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         joiners[0].kill()
-        wait_for_output(host, "serving on this machine alone")
+        until_status(host, serving_alone, "serving alone")
+        assert "serving on this machine alone" in host.output()
         status = take_in(host, client, model, joiners, "newcomer", tmp_path / "cache-new", 2)
         assert [m["name"] for m in status["members"] if "blocks" in m and not m["host"]] == ["newcomer"], status
         assert status["plan"] is not None and len(status["edges"]) == 2, status
@@ -815,8 +831,10 @@ def test_under_steady_load_a_newcomer_waits_for_the_running_requests_not_for_sil
         code, rendezvous = host.join_line()
         with steady_load(client, max_tokens=200) as load:
             time.sleep(1)
+            epoch = status_of(host)["epoch"]
             joiners.append(start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1"))
-            wait_for_output(host, "replanned with 3 members, taking in newcomer")
+            until_status(host, took_in("newcomer", epoch), "a ring that takes in the newcomer")
+        assert "replanned with 3 members, taking in newcomer" in host.output()
         assert "new ones wait for the replan taking in newcomer" in host.output()
         assert not load.broken, load.broken
         start = unsplit_greedy(model, PROMPT, 3)  # whole: to their length, each as the model begins it
@@ -836,16 +854,17 @@ def test_a_member_that_slept_joins_again_by_itself_and_a_lost_host_ends_it(tmp_p
     the host takes it back. When the host itself is killed, the member's join again fails, and it
     exits saying why."""
     with session(tmp_path, model, 3) as (host, joiners):
-        wait_ready(host)
+        epoch = until_status(host, serving_past(0), "serving")["epoch"]
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         sleeper = joiners[1]
         sleeper.send_signal(signal.SIGSTOP)
         try:
-            wait_for_output(host, "replanned with 2 members")
+            epoch = until_status(host, serving_past(epoch), "a replan without the member asleep")["epoch"]
         finally:
             sleeper.send_signal(signal.SIGCONT)
-        wait_for_output(host, "replanned with 3 members, taking in member-1")
-        wait_ready(host, timeout=60)
+        until_status(host, took_in("member-1", epoch), "a ring that takes the member back")
+        assert "replanned with 2 members" in host.output()
+        assert "replanned with 3 members, taking in member-1" in host.output()
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
         host.process.kill()
@@ -865,9 +884,13 @@ def test_a_newcomer_that_goes_while_requests_are_held_leaves_the_ring_serving(tm
             time.sleep(1)
             newcomer = start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1")
             joiners.append(newcomer)
-            wait_for_output(host, "new ones wait for the replan taking in newcomer")
+            until_status(host, holding_for("newcomer"), "requests held for the newcomer")
+            assert "new ones wait for the replan taking in newcomer" in host.output()
+            epoch = status_of(host)["epoch"]
             newcomer.kill()
-            wait_for_output(host, "the newcomers left before the replan")
+            until_status(host, lambda status: status["ready"], "serving again without the newcomer")
+            assert status_of(host)["epoch"] == epoch  # no replan
+            assert "the newcomers left before the replan" in host.output()
         assert not load.broken, load.broken
         assert "replanned with 3 members" not in host.output()
         wait_ready(host, timeout=10)
@@ -884,8 +907,8 @@ def test_a_host_that_cannot_serve_alone_waits_for_members_to_join_again(tmp_path
     with session(tmp_path, model, 2, *extra) as (host, joiners):
         wait_ready(host, timeout=120)
         joiners[0].kill()
-        wait_for_output(host, "waiting for members to join again: kafila join ")
-        assert "cannot hold" in host.output()
+        until_status(host, lambda status: "cannot hold" in (status.get("error") or ""), "a host that cannot serve")
+        assert "waiting for members to join again: kafila join " in host.output()
         with pytest.raises(HTTPError) as unready:  # 503 while nothing serves, saying why
             urlopen(f"{host.base_url}/health", timeout=10)
         assert unready.value.code == 503 and "cannot hold" in unready.value.read().decode()

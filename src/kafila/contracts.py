@@ -158,6 +158,7 @@ class SessionStatus(Strict):
 
     members: list[MemberStatus] = Field(default_factory=list)
     code: str | None = None
+    admitting: bool | None = None  # whether a freed seat may still be taken (no failed code so far)
     epoch: int | None = None
     edges: list[EdgeStatus] = Field(default_factory=list)
     plan: PlanStatus | None = None

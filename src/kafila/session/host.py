@@ -609,6 +609,7 @@ class HostSession:
         verdict = self.prices.last_verdict
         return SessionStatus(
             code=self.code,
+            admitting=self.admitting,
             members=members,
             epoch=self.epoch,
             edges=self.chain_edges(deployment.chain) if deployment is not None else [],
