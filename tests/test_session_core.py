@@ -17,6 +17,7 @@ from kafila.session.core import (
     SessionView,
     StopHolding,
 )
+from kafila.session.member_runner import Rejoins
 
 PATIENCE_S = 30.0
 COOLDOWN_S = 60.0
@@ -128,3 +129,10 @@ def test_a_ring_is_judged_again_only_when_its_stages_measured_something_new() ->
     assert host.worth_judging(steps)
     assert not host.worth_judging(list(steps))
     assert host.worth_judging([((0, 4), 41), ((4, 8), 41)])
+
+
+def test_a_member_joins_again_while_its_joins_last_and_a_few_times_in_a_row() -> None:
+    rejoins = Rejoins(limit=3, steady_s=60.0)
+    assert [rejoins.after_loss(5.0) for _ in range(4)] == [True, True, True, False]  # quick losses run out
+    steady = Rejoins(limit=3, steady_s=60.0)
+    assert all(steady.after_loss(lasted) for lasted in (5.0, 5.0, 120.0, 5.0, 5.0, 61.0))  # a lasting join resets

@@ -83,9 +83,10 @@ class RingPricing:
     ) -> list[Device]:
         """Each machine as the planner sees it, named, and priced as `pricing` says."""
         return [
-            machines[m].capability.priced(self.pricing(machines, m, served)).device().model_copy(
-                update={"name": machines[m].name}
-            )
+            machines[m]
+            .capability.priced(self.pricing(machines, m, served))
+            .device()
+            .model_copy(update={"name": machines[m].name})
             for m in members
         ]
 

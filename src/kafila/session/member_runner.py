@@ -1,0 +1,132 @@
+"""A member's whole time in a session: measure this machine, join, prove the code to the host, link
+to it and follow it (`member.follow_host`); and, when the link to the host is lost rather than
+ended by its goodbye, join again, a few times, since the host may still serve with a seat open.
+
+The CLI (`kafila join`) only parses flags and presents: what is said and the progress bars go
+through a `MemberUi`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from kafila.network.edges import connect_edges
+from kafila.network.link import DatagramDemux
+from kafila.network.rendezvous_client import RendezvousClient, verify_host
+from kafila.network.session_codes import channel_part
+from kafila.runtime.local_plan import cache_dir, cached_model_pricings, hash_model, this_device
+from kafila.session.member import LostHost, MemberState, RingLinks, SessionEnded, edge_connector, follow_host
+from kafila.session.presence import machine_tag, present
+from kafila.session.router import LinkRouter
+
+# After losing the host's link (not its goodbye), join again: the host takes the machine back in.
+# A join that lasted STEADY_S counts as a success, so only rejoins in quick succession run out.
+REJOINS = 3
+REJOIN_PAUSE_S = 1.0
+STEADY_S = 60.0
+
+
+class MemberUi(Protocol):
+    """What a person at a member sees."""
+
+    def say(self, text: str) -> None: ...
+    def progress_bars(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
+        """A bar per thing named in the updates (what, bytes done, bytes in all), gone at the end."""
+        ...
+
+
+class MemberGaveUp(RuntimeError):
+    """The link to the host was lost again and again, each join lasting too little to count."""
+
+
+@dataclass(frozen=True)
+class MemberConfig:
+    code: str
+    rendezvous: tuple[str, int]
+    name: str
+    threads: int
+    model: Path | None = None  # this machine's own copy: its stage is cut from it, not sent
+    memory: int | None = None  # bytes this machine lends (`--memory`); None: what is free
+
+
+@dataclass
+class Rejoins:
+    """When to join again after losing the host: while joins keep lasting, or a few times in a row."""
+
+    limit: int = REJOINS
+    steady_s: float = STEADY_S
+    count: int = 0
+
+    def after_loss(self, lasted_s: float) -> bool:
+        """Whether to join again after a join that lasted `lasted_s` lost its host."""
+        self.count = 1 if lasted_s >= self.steady_s else self.count + 1
+        return self.count <= self.limit
+
+
+def run_member(config: MemberConfig, ui: MemberUi) -> str:
+    """Join and follow the host until it ends the session; returns why it ended. Joins again after
+    losing the host (`Rejoins`); MemberGaveUp when that keeps failing."""
+    rejoins = Rejoins()
+    while True:
+        started = time.monotonic()
+        try:
+            return asyncio.run(join_once(config, ui))
+        except LostHost as lost:  # the host may still serve: its seat for this machine is open
+            if not rejoins.after_loss(time.monotonic() - started):
+                raise MemberGaveUp(f"{lost} ({rejoins.limit} joins again did not last)") from None
+            ui.say(f"{lost}; joining the session again")
+            time.sleep(REJOIN_PAUSE_S)
+
+
+async def join_once(config: MemberConfig, ui: MemberUi) -> str:
+    """One join: measured, introduced, verified, linked to the host, following it until the end."""
+    ui.say("measuring this device (cached afterwards)")
+    device = await asyncio.to_thread(this_device, memory=config.memory)
+    priced_models = await asyncio.to_thread(cached_model_pricings)
+    presence = await present(config.name, config.rendezvous, device)
+    model_sha = None
+    if config.model is not None:  # before joining: the host plans with it as soon as everyone has joined
+        with ui.progress_bars() as progress:
+            hashing = functools.partial(progress, f"hashing {config.model.name} (once)")
+            model_sha = await hash_model(config.model, hashing)
+    client = await RendezvousClient.join(
+        presence.url, channel_part(config.code), capability=presence.capability,
+        fingerprint=presence.identity.fingerprint, candidates=presence.candidates,
+    )  # fmt: skip
+    demux = None
+    links: RingLinks | None = None
+    try:
+        ui.say(f"joined; proving the code with the host ({len(client.members)} of {client.expected_members} here)")
+        roster = await verify_host(client, config.code, presence.identity.fingerprint)
+        # Pin the host's proved certificate, whatever the rendezvous has said of it since.
+        host_info = client.members.get(client.host_id)
+        if host_info is None:
+            raise SessionEnded("the host left the session")
+        host_info = host_info.model_copy(update={"fingerprint": roster[client.host_id]})
+        demux = await DatagramDemux.over(presence.sock)
+        edges = await connect_edges(client, demux, presence.identity, client.code, [host_info])
+        host_edge = edges[client.host_id]
+        ui.say(f"linked to the host ({host_edge.path})")
+        links = RingLinks(
+            LinkRouter(host_edge.link, client.host_id),
+            edge_connector(client, demux, presence.identity),
+            ui.say,
+            name_of=lambda m: client.members[m].name if m in client.members else m[:6],
+        )
+        stages = cache_dir() / "stages"
+        state = MemberState(cache=stages, model=config.model, threads=config.threads, say=ui.say, bars=ui.progress_bars)
+        return await follow_host(links, state, model_sha, machine_tag(client.code), priced_models)
+    finally:
+        if links is not None:
+            await links.close("leaving")
+        await client.close()
+        if demux is not None:
+            demux.close()
+        presence.sock.close()
