@@ -35,7 +35,7 @@ from host_process import (
     wait_ready,
 )
 from serving_checks import check_concurrent_streams, unsplit_greedy, unsplit_text
-from tiny_models import write_tiny_model
+from tiny_models import write_tiny_model, write_wide_model
 
 from kafila.runtime.sampling import SamplingSettings
 
@@ -329,18 +329,6 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
             assert member["predicted_ms_per_token"] == pytest.approx(expected, rel=0.02, abs=2e-3), (member, scale)
 
 
-def wide_model(path: Path, n_blocks: int = 12) -> Path:
-    """A llama whose blocks cost clearly more than a stage's fixed cost (about 4 MB of Q8_0 each),
-    so that how the blocks are divided shows in the stages' times; its vocabulary stays tiny."""
-    from tiny_models import Q8_0, ModelShape
-
-    shape = ModelShape(
-        n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_ff=2048, tied_output=False, embd_std=1.0,
-        ffn_types=(Q8_0,), attn_v_type=Q8_0,
-    )  # fmt: skip
-    return write_tiny_model(path, "llama", n_blocks=n_blocks, shape=shape)
-
-
 @pytest.mark.parametrize("rebalance", [True, False])
 def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_been_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rebalance: bool
@@ -355,7 +343,7 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
     from kafila.runtime.local_plan import save_model_pricing
     from kafila.runtime.slicer import file_sha256
 
-    model = wide_model(tmp_path / "tiny.gguf")
+    model = write_wide_model(tmp_path / "tiny.gguf", n_blocks=12)
     share_this_machines_probe(tmp_path, 2)  # cache-1 is the host's
     generic = FleetDevice.model_validate(json.loads((tmp_path / "cache-1" / "probe.json").read_text())["device"])
     assert generic.bandwidth_gb_s is not None and generic.overhead_us is not None

@@ -218,3 +218,13 @@ def write_tiny_model(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_wide_model(path: Path, n_blocks: int) -> Path:
+    """A llama whose blocks cost clearly more than a stage's fixed cost (about 4 MB of Q8_0 each),
+    so that how the blocks are divided shows in the stages' times; its vocabulary stays tiny."""
+    shape = ModelShape(
+        n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_ff=2048, tied_output=False, embd_std=1.0,
+        ffn_types=(Q8_0,), attn_v_type=Q8_0,
+    )  # fmt: skip
+    return write_tiny_model(path, "llama", n_blocks=n_blocks, shape=shape)
