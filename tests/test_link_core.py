@@ -1,0 +1,200 @@
+"""Two `LinkCore`s exchanging datagrams with injected time: no socket, no event loop, no clock
+(after aioquic's tests/test_connection.py). The asyncio shell is tested on loopback in test_link."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from kafila.network.frames import Frame, Kind
+from kafila.network.identity import create_identity
+from kafila.network.link import (
+    Down,
+    Event,
+    LinkClosed,
+    LinkConfig,
+    LinkCore,
+    LinkDead,
+    LinkError,
+    LinkRefused,
+    Received,
+    Rejected,
+    Up,
+)
+
+CONFIG = LinkConfig(idle_timeout_s=4.0, handshake_timeout_s=10.0)
+DIALLER_AT, LISTENER_AT = ("10.0.0.1", 4000), ("10.0.0.2", 5000)
+IDENTITIES = (create_identity("dialler"), create_identity("listener"))
+
+
+class Pair:
+    """A dialler and a listener, and the time, which only the test moves."""
+
+    def __init__(self, dialler_pins: str | None = None, now: float = 0.0) -> None:
+        dialler, listener = IDENTITIES
+        self.now = now
+        self.dialler = LinkCore(dialler, dialler_pins or listener.fingerprint, LISTENER_AT, True, now, CONFIG)
+        self.listener = LinkCore(listener, dialler.fingerprint, DIALLER_AT, False, now, CONFIG)
+
+    def transfer(self, drop: bool = False) -> int:
+        """Move datagrams both ways until neither side has any to send; how many moved."""
+        moved = 0
+        while True:
+            out = self.dialler.datagrams_to_send(self.now)
+            back = self.listener.datagrams_to_send(self.now)
+            if not out and not back:
+                return moved
+            moved += len(out) + len(back)
+            if drop:
+                continue
+            for data, _ in out:
+                self.listener.datagram_received(data, DIALLER_AT, self.now)
+            for data, _ in back:
+                self.dialler.datagram_received(data, LISTENER_AT, self.now)
+
+    def advance(self, seconds: float, drop: bool = False) -> None:
+        """Let `seconds` pass, running each side's timer when it falls due and exchanging what it sends."""
+        end = self.now + seconds
+        while True:
+            due = [t for t in (self.dialler.timer(), self.listener.timer()) if t is not None and t <= end]
+            if not due:
+                break
+            self.now = max(self.now, min(due))
+            for core in (self.dialler, self.listener):
+                timer = core.timer()
+                if timer is not None and timer <= self.now:
+                    core.handle_timer(self.now)
+            self.transfer(drop)
+        self.now = end
+
+    def settle(self) -> None:
+        """Exchange what is queued, and what the ACK and retransmission timers then send."""
+        self.transfer()
+        self.advance(0.5)
+
+    def up(self) -> Pair:
+        """The handshake, to both sides up: the dialler hears the listener's hello once its ACK timers run."""
+        self.transfer()
+        self.advance(1.0)
+        assert isinstance(next_event(self.dialler), Up) and isinstance(next_event(self.listener), Up)
+        return self
+
+
+def events(core: LinkCore) -> list[Event]:
+    found = []
+    while (event := core.next_event()) is not None:
+        found.append(event)
+    return found
+
+
+def next_event(core: LinkCore) -> Event | None:
+    return core.next_event()
+
+
+def frames(core: LinkCore) -> list[Frame]:
+    return [event.frame for event in events(core) if isinstance(event, Received)]
+
+
+def down(core: LinkCore) -> LinkError:
+    (event,) = [e for e in events(core) if isinstance(e, Down)]
+    return event.error
+
+
+@contextmanager
+def no_events_from(*cores: LinkCore) -> Iterator[None]:
+    yield
+    for core in cores:
+        assert events(core) == []
+
+
+def test_a_handshake_pins_both_certificates_and_brings_both_sides_up() -> None:
+    pair = Pair()
+    assert not pair.dialler.is_up and not pair.listener.is_up
+    pair.up()
+    assert pair.dialler.is_up and pair.listener.is_up
+    assert pair.dialler.rtt_ms is not None  # measured on the handshake, at time 0: no delay at all
+
+
+def test_frames_arrive_in_order_both_ways_each_sequence_on_its_own_stream() -> None:
+    pair = Pair().up()
+    sent = [Frame(Kind.PING, sequence, position=position, payload=bytes([position]) * 300)
+            for position in range(5) for sequence in (1, 2)]  # fmt: skip
+    for frame in sent:
+        pair.dialler.send_frame(frame)
+    pair.settle()
+    reply = Frame(Kind.PING, 1, payload=b"x" * 5000)  # more than one datagram
+    pair.listener.send_frame(reply)
+    pair.settle()
+    got = frames(pair.listener)
+    assert [f for f in got if f.sequence_id == 1] == [f for f in sent if f.sequence_id == 1]
+    assert [f for f in got if f.sequence_id == 2] == [f for f in sent if f.sequence_id == 2]
+    assert frames(pair.dialler) == [reply]
+
+
+def test_a_peer_with_another_certificate_is_refused_on_both_sides() -> None:
+    pair = Pair(dialler_pins=create_identity("impostor").fingerprint)
+    pair.transfer()
+    pair.advance(1.0)
+    refused = down(pair.dialler)
+    assert isinstance(refused, LinkRefused) and "expected" in str(refused)
+    assert isinstance(down(pair.listener), LinkRefused)
+    with pytest.raises(LinkRefused):
+        pair.dialler.send_frame(Frame(Kind.PING, 0))
+
+
+def test_pings_keep_a_quiet_link_up_and_silence_kills_it_within_the_idle_bound() -> None:
+    pair = Pair().up()
+    with no_events_from(pair.dialler, pair.listener):
+        pair.advance(10 * CONFIG.idle_timeout_s)  # nothing to send, but pings go and come back
+    assert pair.dialler.is_up and pair.listener.is_up
+    cut = pair.now
+    pair.advance(CONFIG.idle_timeout_s + 0.5, drop=True)  # the path goes dark
+    for core in (pair.dialler, pair.listener):
+        dead = down(core)
+        assert isinstance(dead, LinkDead) and "nothing heard" in str(dead)
+        assert not core.is_up
+    assert pair.now - cut <= CONFIG.idle_timeout_s + 0.5
+
+
+def test_a_listener_never_dialled_and_a_dialler_never_answered_give_up_after_the_handshake_bound() -> None:
+    pair = Pair()
+    pair.advance(CONFIG.handshake_timeout_s + 1, drop=True)
+    unanswered, undialled = down(pair.dialler), down(pair.listener)
+    assert isinstance(unanswered, LinkDead) and isinstance(undialled, LinkDead)
+    assert "wait to be dialled" in str(undialled)
+
+
+def test_a_goodbye_reaches_the_peer_at_once_with_its_reason() -> None:
+    pair = Pair().up()
+    pair.dialler.close(pair.now, "the session ended")
+    pair.settle()
+    closed = down(pair.listener)
+    assert isinstance(closed, LinkClosed) and "the session ended" in str(closed)
+    assert isinstance(down(pair.dialler), LinkClosed)
+
+
+def test_a_malformed_stream_is_refused_alone_and_the_link_goes_on() -> None:
+    pair = Pair().up()
+    pair.dialler.send_raw(b"\xff" * 64, end=True)  # not a frame
+    pair.settle()
+    (rejected,) = events(pair.listener)
+    assert isinstance(rejected, Rejected)
+    (answer,) = frames(pair.dialler)  # the sender hears why, on that stream
+    assert answer.kind is Kind.ERROR and answer.payload.decode() == rejected.reason
+    pair.dialler.send_frame(Frame(Kind.PING, 7, payload=b"still there"))
+    pair.settle()
+    assert [f.payload for f in frames(pair.listener)] == [b"still there"]
+
+
+def test_datagrams_that_are_not_quic_do_not_start_or_disturb_a_link() -> None:
+    dialler, listener = IDENTITIES
+    lonely = LinkCore(listener, dialler.fingerprint, DIALLER_AT, False, 0.0, CONFIG)
+    for junk in (b"", b"\x00" * 10, b"\xc0" + b"\x01" * 1300):  # too short, not long-header, a bogus Initial
+        lonely.datagram_received(junk, DIALLER_AT, 0.0)
+    assert lonely.quic is None and lonely.datagrams_to_send(0.0) == [] and events(lonely) == []
+    pair = Pair().up()
+    pair.listener.datagram_received(b"\x40" + b"\x00" * 40, DIALLER_AT, pair.now)  # a garbled short header
+    pair.transfer()
+    assert pair.listener.is_up and events(pair.listener) == []
