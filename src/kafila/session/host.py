@@ -78,6 +78,7 @@ Reply = TypeVar("Reply", Staged, Loaded)
 T = TypeVar("T")
 HELLO_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
+GOODBYE_WAIT_S = 2.0  # how long the host waits for members to close their links after their End
 
 
 class SessionFailed(RuntimeError):
@@ -654,11 +655,15 @@ class HostSession:
 
     @staticmethod
     async def _send_home(routers: Sequence[LinkRouter], reason: str) -> None:
-        """Tell each member why it is done, then close its link."""
+        """Tell each member why it is done, then close its link. A member closes its end once it has
+        read its End, so the host waits for that (up to GOODBYE_WAIT_S) rather than for a time: a
+        link closed before the End arrived would read as a lost host, which the member joins again."""
         for router in routers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(router.send_control(End(reason=reason)), 1.0)
-        await asyncio.sleep(0.2)  # let the End frames leave before the goodbyes
+        answering = [router.link.closed for router in routers if not router.link.closed.done()]
+        if answering:
+            await asyncio.wait(answering, timeout=GOODBYE_WAIT_S)
         for router in routers:
             with contextlib.suppress(Exception):
                 await router.close(reason)
