@@ -160,7 +160,7 @@ class HostSession:
     hellos: dict[str, Hello] = field(default_factory=dict)
     epoch: int = 0
     deployment: Deployment | None = None
-    demux: Any = None
+    demux: DatagramDemux | None = None  # the links' socket, once the members are verified
     prices: RingPricing = field(init=False)  # each machine's price for the planner (`session.pricing`)
     own_pricings: tuple[ModelPricing, ...] = ()  # the models this machine priced itself (`kafila probe --model`)
     known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
@@ -256,6 +256,7 @@ class HostSession:
         # neighbours pin.
         info = info.model_copy(update={"fingerprint": proved})
         self.known[member_id] = info
+        assert self.demux is not None  # newcomers come after the session formed
         edges = await connect_edges(self.client, self.demux, self.presence.identity, self.client.code, [info])
         self.routers[member_id] = LinkRouter(edges[member_id].link, member_id)
         self.paths[member_id] = edges[member_id].path

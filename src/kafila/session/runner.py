@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kafila.contracts import MemberStatus, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.pake import TrustError
-from kafila.network.rendezvous_server import start_rendezvous
+from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner import PlanRefused
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
@@ -131,7 +131,7 @@ class HostRunner:
             rebalance=config.rebalance,
         )
         self.network: HostSession | None = None
-        self.rendezvous: Any = None
+        self.rendezvous: RendezvousHandle | None = None  # the embedded one, when the host runs it
         self.joiners: list[LocalMember] = []
         self.stopping = False
         self._hashing: asyncio.Future[str] | None = None  # the model's sha256, for members with a copy
