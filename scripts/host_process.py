@@ -126,6 +126,17 @@ def until_status(
         time.sleep(0.2)
 
 
+def said(host: Host, text: str, timeout: float = 10.0) -> bool:
+    """Whether the host's log has `text`, allowing the moment its words take to follow its state:
+    an assertion on what a person is told, made once the state it reports has been reached."""
+    deadline = time.monotonic() + timeout
+    while text not in host.output():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def serving_past(epoch: int) -> Callable[[dict[str, Any]], bool]:
     """Serving again on a plan newer than `epoch` (a replan has finished)."""
     return lambda status: bool(status.get("ready")) and (status.get("epoch") or 0) > epoch

@@ -26,6 +26,7 @@ import pytest
 from host_process import (
     Host,
     running_host,
+    said,
     serving_alone,
     serving_past,
     start_member,
@@ -194,7 +195,7 @@ def test_a_ring_link_that_breaks_between_members_is_rebuilt_through_the_relay(tm
         epoch = status_of(host)["epoch"]
         with dropped_between(*ports):  # the two members' sockets: their direct edge, and only it
             until_status(host, serving_past(epoch), "a replan after the edge between the members broke", 60)
-            assert "replanned with 3 members" in host.output()
+            assert said(host, "replanned with 3 members"), host.output()
             with urlopen(f"{host.base_url}/status", timeout=10) as response:
                 edges = json.loads(response.read())["edges"]
             between = [e for e in edges if "member" in e["from"] and "member" in e["to"]]
@@ -271,7 +272,7 @@ def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(
         wait_ready(host, timeout=60)
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
-        assert "serving on this machine alone" in host.output()
+        assert said(host, "serving on this machine alone"), host.output()
 
 
 def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_prices_served(
@@ -313,7 +314,7 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
             scale[member["name"]] = stage["ms_per_token_alone"] / member["predicted_ms_per_token"]
         joiners[0].kill()
         until_status(host, serving_past(before["epoch"]), "a replan without the member killed", 60)
-        assert "replanned with 2 members" in host.output()
+        assert said(host, "replanned with 2 members"), host.output()
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
@@ -387,7 +388,7 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
         during = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
         assert during.choices[0].text == expected
         after = until_status(host, serving_past(first["epoch"]), "serving on the rebalanced ring", 60)
-        assert "replanned with 2 members" in host.output()
+        assert said(host, "replanned with 2 members"), host.output()
         assert after["epoch"] == first["epoch"] + 1, after
         assert blocks(after)["member-0"] < blocks(first)["member-0"], (first, after)
         assert all(m["priced_on"] == "serving" for m in after["members"] if "blocks" in m), after
@@ -626,7 +627,7 @@ def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path
         heads = [j for j, name in zip(joiners, ("member-0", "member-1"), strict=True) if name == head]
         heads[0].kill()
         until_status(host, serving_past(status["epoch"]), "a replan without the head's member", 90)
-        assert "replanned with 2 members" in host.output()
+        assert said(host, "replanned with 2 members"), host.output()
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
         sampled = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11)
@@ -750,7 +751,7 @@ def take_in(
     epoch = status_of(host).get("epoch") or 0  # none while serving alone
     joiners.append(start_member(code, rendezvous, name, cache, "--threads", "1"))
     until_status(host, took_in(name, epoch), f"a ring that takes in {name}")
-    assert f"replanned with {members} members, taking in {name}" in host.output()
+    assert said(host, f"replanned with {members} members, taking in {name}"), host.output()
     result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
     assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
     return status_of(host)
@@ -782,7 +783,7 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
         guesser = start_member(guess, rendezvous, "guesser", tmp_path / "cache-guess", "--threads", "1")
         assert guesser.wait(timeout=60) != 0
         until_status(host, lambda status: status.get("admitting") is False, "a session that admits no one")
-        assert "this session admits no more members" in host.output()
+        assert said(host, "this session admits no more members"), host.output()
         late = start_member(code, rendezvous, "late", tmp_path / "cache-late", "--threads", "1")
         assert late.wait(timeout=60) != 0
         refused = stop(late)
@@ -801,7 +802,7 @@ def test_a_host_serving_alone_takes_a_newcomer_back_into_a_ring(tmp_path: Path, 
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         joiners[0].kill()
         until_status(host, serving_alone, "serving alone")
-        assert "serving on this machine alone" in host.output()
+        assert said(host, "serving on this machine alone"), host.output()
         status = take_in(host, client, model, joiners, "newcomer", tmp_path / "cache-new", 2)
         assert [m["name"] for m in status["members"] if "blocks" in m and not m["host"]] == ["newcomer"], status
         assert status["plan"] is not None and len(status["edges"]) == 2, status
@@ -822,7 +823,7 @@ def test_under_steady_load_a_newcomer_waits_for_the_running_requests_not_for_sil
             epoch = status_of(host)["epoch"]
             joiners.append(start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1"))
             until_status(host, took_in("newcomer", epoch), "a ring that takes in the newcomer")
-        assert "replanned with 3 members, taking in newcomer" in host.output()
+        assert said(host, "replanned with 3 members, taking in newcomer"), host.output()
         assert "new ones wait for the replan taking in newcomer" in host.output()
         assert not load.broken, load.broken
         start = unsplit_greedy(model, PROMPT, 3)  # whole: to their length, each as the model begins it
@@ -851,8 +852,8 @@ def test_a_member_that_slept_joins_again_by_itself_and_a_lost_host_ends_it(tmp_p
         finally:
             sleeper.send_signal(signal.SIGCONT)
         until_status(host, took_in("member-1", epoch), "a ring that takes the member back")
-        assert "replanned with 2 members" in host.output()
-        assert "replanned with 3 members, taking in member-1" in host.output()
+        assert said(host, "replanned with 2 members"), host.output()
+        assert said(host, "replanned with 3 members, taking in member-1"), host.output()
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
         host.process.kill()
@@ -878,7 +879,7 @@ def test_a_newcomer_that_goes_while_requests_are_held_leaves_the_ring_serving(tm
             newcomer.kill()
             until_status(host, lambda status: status["ready"], "serving again without the newcomer")
             assert status_of(host)["epoch"] == epoch  # no replan
-            assert "the newcomers left before the replan" in host.output()
+            assert said(host, "the newcomers left before the replan"), host.output()
         assert not load.broken, load.broken
         assert "replanned with 3 members" not in host.output()
         wait_ready(host, timeout=10)
@@ -896,7 +897,7 @@ def test_a_host_that_cannot_serve_alone_waits_for_members_to_join_again(tmp_path
         wait_ready(host, timeout=120)
         joiners[0].kill()
         until_status(host, lambda status: "cannot hold" in (status.get("error") or ""), "a host that cannot serve")
-        assert "waiting for members to join again: kafila join " in host.output()
+        assert said(host, "waiting for members to join again: kafila join "), host.output()
         with pytest.raises(HTTPError) as unready:  # 503 while nothing serves, saying why
             urlopen(f"{host.base_url}/health", timeout=10)
         assert unready.value.code == 503 and "cannot hold" in unready.value.read().decode()
@@ -939,4 +940,4 @@ def test_a_whole_answer_cut_off_by_a_member_killed_is_served_by_the_new_ring_on_
         asking.join(timeout=60)
         assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
         assert answered[0] == (503, "2") and answered[-1] == (200, None), answered
-        assert "serving on this machine alone" in host.output()
+        assert said(host, "serving on this machine alone"), host.output()
