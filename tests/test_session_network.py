@@ -302,9 +302,7 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         for _ in range(2):  # 30 single-token decodes on every stage
             client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
-        time.sleep(2.5)  # the stage report refreshes every 2 s
-        with urlopen(f"{host.base_url}/status", timeout=10) as response:
-            before = json.loads(response.read())
+        before = until_status(host, every_stage_timed(16), "a stage report with those decodes")  # refreshed every 2 s
         measured = {tuple(s["range"]): s for s in before["stages"]}
         scale = {}
         for member in before["members"]:
@@ -669,6 +667,17 @@ def rebalancing_past(epoch: int) -> Callable[[dict[str, Any]], bool]:
         return str(verdict.get("reason", "")).endswith("worth it") or serving_past(epoch)(status)
 
     return judged
+
+
+def every_stage_timed(steps: int) -> Callable[[dict[str, Any]], bool]:
+    """Every stage of the plan has reported at least `steps` single-token decodes."""
+
+    def timed(status: dict[str, Any]) -> bool:
+        reported = {tuple(s["range"]): s["steps_alone"] for s in status.get("stages", [])}
+        planned = [tuple(m["blocks"]) for m in status.get("members", []) if "blocks" in m]
+        return bool(planned) and all(reported.get(blocks, 0) >= steps for blocks in planned)
+
+    return timed
 
 
 def took_in(name: str, epoch: int) -> Callable[[dict[str, Any]], bool]:
