@@ -338,6 +338,9 @@ class HostSession:
     def model_sha256(self) -> str | None:
         return self.prices.model_sha256
 
+    def priced_on(self, member: str) -> str:
+        return self.prices.priced_on(self.known_machines(), member)
+
     def _planned_ring(self) -> PlannedRing | None:
         deployment = self.deployment
         return None if deployment is None else PlannedRing(tuple(deployment.chain), deployment.plan)
@@ -583,7 +586,6 @@ class HostSession:
 
     def status(self) -> SessionStatus:
         deployment = self.deployment
-        machines = self.known_machines()  # for where each stage's price comes from
         members = []
         for member_id, info in (self.known or self.client.members).items():
             entry: dict[str, Any] = {"id": member_id, "name": self.member_name(member_id), "host": info.host}
@@ -603,7 +605,7 @@ class HostSession:
                 stage = deployment.plan.stages[index]
                 entry["blocks"] = (stage.start, stage.end)
                 entry["predicted_ms_per_token"] = round(stage.cost_s * 1e3, 3) if stage.cost_s is not None else None
-                entry["priced_on"] = self.prices.priced_on(machines, member_id)
+                entry["priced_on"] = self.priced_on(member_id)
             members.append(MemberStatus(**entry))  # only what applies is set, and shown
         plan = deployment.plan if deployment else None
         verdict = self.prices.last_verdict
