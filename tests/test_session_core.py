@@ -1,21 +1,58 @@
-"""The serving host's decisions, driven through every path with made-up views and times: no
-process, socket, model or clock (the core's shell is tested end to end in test_session_network)."""
+"""The host's decisions, driven through every path of its lifecycle with made-up events, views
+and times: no process, socket, model or clock (the core's shell is tested end to end in
+test_session_network), as aioquic's tests drive a connection with made-up datagrams."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kafila.session.core import (
+    ANSWERED,
     REBALANCE_CHECK_S,
     WAIT,
+    AbandonRing,
     Admit,
+    CodeRefused,
+    Command,
+    Deploy,
+    Deployed,
+    DeployFailed,
+    Dismiss,
+    Dismissed,
+    Event,
+    Fail,
+    ForgetRing,
+    Gathered,
     HoldRequests,
+    Interrupted,
     JudgeRebalance,
+    Judged,
+    MemberFailed,
+    NewcomerChecked,
+    Observed,
+    Opened,
+    Phase,
+    PriceRebalance,
+    RecordIncident,
+    Refuse,
+    RenewCode,
     ReplanAfterBreak,
     ReplanWithNewcomers,
+    Resume,
+    Retire,
+    Retired,
+    Say,
+    ServeAlone,
+    ServedAlone,
     ServingCore,
+    SessionCore,
     SessionView,
     StopHolding,
+    Unready,
+    Warn,
 )
 from kafila.session.member_runner import Rejoins
 
@@ -136,3 +173,302 @@ def test_a_member_joins_again_while_its_joins_last_and_a_few_times_in_a_row() ->
     assert [rejoins.after_loss(5.0) for _ in range(4)] == [True, True, True, False]  # quick losses run out
     steady = Rejoins(limit=3, steady_s=60.0)
     assert all(steady.after_loss(lasted) for lasted in (5.0, 5.0, 120.0, 5.0, 5.0, 61.0))  # a lasting join resets
+
+
+# --- the whole lifecycle (SessionCore) ---------------------------------------------------------
+
+JOIN = "kafila join blue-fox-… --rendezvous 192.0.2.7:8470"
+NAMES = {"laptop": "laptop", "workstation": "workstation", "phone": "phone"}
+
+
+def session(networked: bool = True) -> SessionCore:
+    return SessionCore(core()) if networked else SessionCore.one_machine(core(rebalance=False))
+
+
+def seen(now: float, **changes: object) -> Observed:
+    return Observed(serving(now, names=NAMES, **changes))
+
+
+def said(commands: list[Command]) -> list[str]:
+    return [c.text for c in commands if isinstance(c, Say)]
+
+
+def serving_ring(members: tuple[str, ...] = ("laptop", "workstation")) -> SessionCore:
+    host = session()
+    host.handle(Opened(JOIN))
+    assert host.handle(Gathered(members)) == [Deploy(members)]
+    assert host.handle(Deployed(len(members) + 1)) == []  # the first plan: nothing "replanned"
+    assert host.phase == Phase.SERVING
+    return host
+
+
+def test_a_session_forms_deploys_and_serves() -> None:
+    host = session()
+    assert host.handle(Opened(JOIN)) == [] and host.phase == Phase.GATHERING
+    assert host.handle(Gathered(("laptop", "workstation"))) == [Deploy(("laptop", "workstation"))]
+    assert host.phase == Phase.DEPLOYING
+    assert host.handle(Deployed(3)) == []
+    assert host.phase == Phase.SERVING
+
+
+def test_a_wrong_code_while_the_session_forms_voids_it_for_a_new_one() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    commands = host.handle(CodeRefused("laptop proved a different code"))
+    assert commands == [
+        Warn("refused a member", "laptop proved a different code"),
+        Say("that code is void now; a new one follows"),
+        RenewCode("the session was closed: laptop proved a different code"),
+    ]
+    assert host.handle(Opened("kafila join red-owl-…")) == [] and host.join_line == "kafila join red-owl-…"
+    assert host.handle(Gathered(("laptop",))) == [Deploy(("laptop",))]
+
+
+def test_a_member_lost_mid_stream_is_replanned_without_then_taken_back_when_it_rejoins() -> None:
+    host = serving_ring()
+    broke = host.handle(seen(5.0, alive=frozenset({"laptop"})))
+    assert broke == [
+        RecordIncident("the ring broke", "lost workstation"),
+        Unready(("the host to replan with the members that are left",)),
+        Retire("lost workstation"),
+    ]
+    assert host.phase == Phase.DEPLOYING
+    assert host.handle(Retired(("laptop",))) == [Deploy(("laptop",))]
+    assert said(host.handle(Deployed(2))) == ["replanned with 2 members", f"a seat is free again; to fill it: {JOIN}"]
+    back = frozenset({"laptop"})
+    assert host.handle(seen(6.0, deployed=back, alive=back, arrivals=("workstation",))) == [Admit("workstation")]
+    assert said(host.handle(NewcomerChecked("workstation"))) == [
+        "workstation verified and linked; it joins the ring once no request is running"
+    ]
+    taking_in = host.handle(seen(7.0, deployed=back, alive=RING, newcomers=("workstation",), idle=True))
+    assert taking_in == [
+        Unready(("the host to replan, taking in workstation",), paused=True),
+        Retire("the host is replanning, taking in workstation"),
+    ]
+    assert host.handle(Retired(("laptop", "workstation"))) == [Deploy(("laptop", "workstation"))]
+    assert said(host.handle(Deployed(3))) == ["replanned with 3 members, taking in workstation"]
+    assert host.phase == Phase.SERVING and not host.paused
+
+
+def test_a_newcomer_takes_a_freed_seat_until_one_fails_the_code() -> None:
+    host = serving_ring()
+    host.handle(seen(1.0, alive=frozenset({"laptop"})))
+    host.handle(Retired(("laptop",)))
+    host.handle(Deployed(2))
+    ring = frozenset({"laptop"})
+    assert host.handle(seen(2.0, deployed=ring, alive=ring, arrivals=("phone", "tablet"))) == [
+        Admit("phone"),
+        Admit("tablet"),
+    ]
+    failed = host.handle(NewcomerChecked("tablet", "it proved a different code", guess=True))
+    assert failed == [
+        Warn("did not admit tablet", "it proved a different code"),
+        Say("this session admits no more members (a failed code may be a guess at its secret)"),
+    ]
+    assert not host.admitting
+    refused = host.handle(seen(3.0, deployed=ring, alive=ring, arrivals=("guesser",)))
+    assert refused == [
+        Refuse("guesser", "this session admits no more members; the host must start over with a new code")
+    ]
+    # One that proved the code but left, or was refused for its own reasons, closes nothing.
+    other = serving_ring()
+    other.handle(NewcomerChecked("phone", "phone left after proving the code"))
+    assert other.admitting
+
+
+def test_a_planned_replan_under_load_holds_new_requests_then_takes_the_newcomer_in() -> None:
+    host = serving_ring()
+    waiting = dict(newcomers=("phone",), alive=RING | {"phone"})
+    assert host.handle(seen(0.0, **waiting)) == []
+    held = host.handle(seen(PATIENCE_S, **waiting))
+    assert held == [
+        Say("the requests running finish first; new ones wait for the replan taking in phone"),
+        Unready(("the requests running to finish, then the host to replan taking in phone",), paused=True),
+    ]
+    assert host.phase == Phase.PAUSED
+    assert host.handle(seen(PATIENCE_S + 1, ready=False, **waiting)) == []
+    drained = host.handle(seen(PATIENCE_S + 2, ready=False, idle=True, **waiting))
+    assert drained[-1] == Retire("the host is replanning, taking in phone")
+    assert host.handle(Retired(("laptop", "workstation", "phone"))) == [Deploy(("laptop", "workstation", "phone"))]
+    assert said(host.handle(Deployed(4))) == ["replanned with 4 members, taking in phone"]
+
+
+def test_newcomers_that_leave_while_requests_are_held_release_them() -> None:
+    host = serving_ring()
+    host.handle(seen(0.0, newcomers=("phone",)))
+    host.handle(seen(PATIENCE_S, newcomers=("phone",)))
+    assert host.handle(seen(PATIENCE_S + 1, ready=False)) == [
+        Resume(),
+        Say("the newcomers left before the replan; serving on with the ring as it is"),
+    ]
+    assert host.phase == Phase.SERVING and not host.paused
+
+
+def test_an_idle_ring_that_measured_something_new_is_priced_and_rebalanced_when_worth_it() -> None:
+    host = serving_ring()
+    measured = [((0, 4), 40), ((4, 8), 40)]
+    assert host.handle(seen(10.0, idle=True, measurements=measured)) == [PriceRebalance()]
+    assert host.handle(Judged(10.0, worth_it=False)) == []
+    later = 10.0 + REBALANCE_CHECK_S
+    assert host.handle(seen(later, idle=True, measurements=list(measured))) == []  # nothing new to judge
+    more = [((0, 4), 41), ((4, 8), 41)]
+    assert host.handle(seen(later + REBALANCE_CHECK_S, idle=True, measurements=more)) == [PriceRebalance()]
+    why = "rebalancing by what the stages measured serving"
+    rebalance = host.handle(Judged(later + REBALANCE_CHECK_S, worth_it=True, reason="laptop is 2× slower"))
+    assert rebalance == [
+        Say(f"{why}: laptop is 2× slower"),
+        Unready((f"the host to replan, {why}",), paused=True),
+        Retire(f"the host is replanning, {why}"),
+    ]
+    host.handle(Retired(("laptop", "workstation")))
+    assert said(host.handle(Deployed(3))) == [f"replanned with 3 members, {why}"]
+    soon = later + REBALANCE_CHECK_S + COOLDOWN_S / 2
+    assert host.handle(seen(soon, idle=True, measurements=[((0, 3), 30)])) == []  # cooling down
+
+
+def test_a_plan_refused_at_the_start_ends_the_host_naming_the_device() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(Gathered(("laptop",)))
+    refusal = "laptop cannot hold blocks 0-25: it has 2.0 GiB, they need 3.1 GiB"
+    assert host.handle(DeployFailed(refusal, refused=True)) == [Fail(f"the model does not fit: {refusal}", exit=True)]
+    assert host.phase == Phase.FAILED
+    assert host.handle(seen(1.0)) == []
+
+
+def test_a_plan_refused_after_a_break_waits_for_members_while_anyone_may_join() -> None:
+    host = serving_ring()
+    host.handle(seen(1.0, alive=frozenset({"laptop"})))
+    host.handle(Retired(("laptop",)))
+    refusal = "laptop cannot hold blocks 0-25: it has 2.0 GiB, they need 3.1 GiB"
+    commands = host.handle(DeployFailed(refusal, refused=True))
+    assert commands == [
+        ForgetRing(),
+        Fail(f"lost workstation; the members that are left cannot hold the model: {refusal}"),
+        Say(f"waiting for members to join again: {JOIN}"),
+        Say(f"a seat is free again; to fill it: {JOIN}"),
+    ]
+    assert host.phase == Phase.WAITING
+    # A member that joins again is taken in as a newcomer would be.
+    none = frozenset[str]()
+    assert host.handle(seen(2.0, deployed=none, alive=frozenset({"laptop"}), arrivals=("workstation",))) == [
+        Admit("workstation")
+    ]
+    back = host.handle(seen(3.0, deployed=none, alive=RING, newcomers=("workstation",), engine=False, idle=True))
+    assert back[-1] == Retire("the host is replanning, taking in workstation")
+    host.handle(Retired(("laptop", "workstation")))
+    host.handle(Deployed(3))
+    assert host.phase == Phase.SERVING
+
+
+def test_with_nobody_able_to_join_a_failed_replan_is_the_end() -> None:
+    host = serving_ring()
+    host.handle(NewcomerChecked("guesser", "it proved a different code", guess=True))
+    host.handle(seen(1.0, alive=frozenset({"laptop"})))
+    host.handle(Retired(("laptop",)))
+    commands = host.handle(DeployFailed("the link to laptop went down"))
+    assert commands == [ForgetRing(), Fail("lost workstation; replanning failed: the link to laptop went down")]
+    assert host.phase == Phase.FAILED
+
+
+def test_a_member_that_fails_its_part_is_sent_home_and_the_rest_planned_again_down_to_none() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(Gathered(("laptop", "workstation")))
+    stalled = "workstation did not load its stage in 900 s"
+    assert host.handle(MemberFailed("workstation", stalled)) == [
+        Warn("leaving a member out", stalled),
+        Dismiss("workstation", f"the host left this member out: {stalled}"),
+    ]
+    assert host.handle(Dismissed("workstation", ("laptop", "workstation"))) == [Deploy(("laptop",))]
+    host.handle(MemberFailed("laptop", "laptop left before it could load its stage"))
+    assert host.handle(Dismissed("laptop", ())) == [ServeAlone("every member failed its part")]
+    assert host.handle(ServedAlone()) == [] and host.phase == Phase.SERVING
+
+
+def test_a_replan_with_no_member_left_serves_alone() -> None:
+    host = serving_ring(("laptop",))
+    host.handle(seen(1.0, deployed=frozenset({"laptop"}), alive=frozenset()))
+    assert host.handle(Retired(())) == [ForgetRing(), ServeAlone("replanned: no member is left")]
+    assert said(host.handle(ServedAlone())) == [f"a seat is free again; to fill it: {JOIN}"]
+    alone = frozenset[str]()
+    assert host.handle(seen(2.0, deployed=alone, alive=alone, engine_error="out of memory")) == [
+        Fail("serving alone failed: out of memory")
+    ]
+    assert host.phase == Phase.FAILED
+
+
+def test_ctrl_c_ends_the_session_and_losses_after_it_are_no_failure() -> None:
+    host = serving_ring()
+    assert host.handle(Interrupted("the host is shutting down")) == [AbandonRing("the host is shutting down")]
+    assert host.phase == Phase.STOPPING
+    assert host.handle(seen(1.0, alive=frozenset())) == []
+    assert host.handle(Deployed(3)) == []
+
+
+def test_ctrl_c_while_requests_wait_for_a_replan_tells_them_there_will_be_none() -> None:
+    host = serving_ring()
+    host.handle(seen(0.0, newcomers=("phone",), idle=True))  # the replan by choice begins
+    assert host.paused
+    assert host.handle(Interrupted("the host is shutting down")) == [
+        Unready((), failure="the host is shutting down"),
+        AbandonRing("the host is shutting down"),
+    ]
+
+
+def test_one_machines_failed_stages_are_loaded_again_as_one() -> None:
+    host = session(networked=False)
+    assert host.phase == Phase.DEPLOYING  # `kafila host` with no members loads its own stages
+    assert host.handle(ServedAlone()) == [] and host.phase == Phase.SERVING
+    alone = frozenset[str]()
+    failed = host.handle(Observed(SessionView(now=1.0, deployed=alone, alive=alone, engine_error="stage 1 stopped")))
+    assert failed == [
+        RecordIncident("a stage failed", "stage 1 stopped"),
+        Unready(("the host to replan without the failed stage",)),
+        Retire("stage 1 stopped", learn=False),
+    ]
+    assert host.handle(Retired(())) == [ServeAlone("replanned")]
+    assert host.handle(DeployFailed("needs 3.1 GiB, has 2.0 GiB", refused=True)) == [
+        Fail("stage 1 stopped; the host cannot serve alone: needs 3.1 GiB, has 2.0 GiB")
+    ]
+    idle = Observed(SessionView(now=10.0, deployed=alone, alive=alone, idle=True))
+    assert host.handle(idle) == []  # no rebalance on one machine
+
+
+MEMBERS = ("laptop", "workstation", "phone")
+events = st.one_of(
+    st.builds(
+        lambda now, alive, arrivals, newcomers, idle, ready, broken, engine: seen(
+            now, alive=frozenset(alive), arrivals=tuple(arrivals), newcomers=tuple(newcomers),
+            idle=idle, ready=ready, broken=broken, engine=engine, measurements=now,
+        ),
+        st.floats(0, 1000), st.sets(st.sampled_from(MEMBERS)), st.lists(st.sampled_from(MEMBERS), max_size=2),
+        st.lists(st.sampled_from(MEMBERS), max_size=2), st.booleans(), st.booleans(),
+        st.none() | st.just("a stage stopped"), st.booleans(),
+    ),  # fmt: skip
+    st.builds(Gathered, st.tuples(st.sampled_from(MEMBERS))),
+    st.builds(CodeRefused, st.just("wrong code")),
+    st.builds(NewcomerChecked, st.sampled_from(MEMBERS), st.none() | st.just("no"), st.booleans()),
+    st.builds(Retired, st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple)),
+    st.builds(Deployed, st.integers(1, 4)),
+    st.builds(MemberFailed, st.sampled_from(MEMBERS), st.just("stalled")),
+    st.builds(Dismissed, st.sampled_from(MEMBERS), st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple)),
+    st.builds(DeployFailed, st.just("does not fit"), st.booleans()),
+    st.just(ServedAlone()),
+    st.builds(Judged, st.floats(0, 1000), st.booleans(), st.just("faster")),
+    st.builds(Opened, st.just(JOIN)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(events, max_size=40), st.booleans())
+def test_whatever_happens_at_most_one_command_answers_and_it_comes_last(history: list[Event], networked: bool) -> None:
+    """The shell feeds the answer of a command back as the next event: an answered command that
+    was not last would be answered after commands that came later, and two would race."""
+    host = session(networked=networked)
+    for event in history:
+        commands = host.handle(event)
+        answered = [i for i, c in enumerate(commands) if isinstance(c, ANSWERED)]
+        assert len(answered) <= 1 and answered in ([], [len(commands) - 1]), (event, commands)
+        assert (host.deployment is not None) == (host.phase == Phase.DEPLOYING), (event, host)
+    assert host.handle(Interrupted("stop"))[-1] == AbandonRing("stop")

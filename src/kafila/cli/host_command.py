@@ -218,7 +218,6 @@ async def _serve(config: HostConfig) -> None:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            host.stopping = True
             host.interrupt("the host is shutting down")
             super().handle_exit(sig, frame)
 
@@ -251,12 +250,11 @@ async def _serve(config: HostConfig) -> None:
     async def run() -> None:
         nonlocal watcher
         try:
-            if config.members == 1:
-                await host.start_local()
-                watcher = supervised(host.watch_local(), host)
-            else:
-                await host.start_network()
-                watcher = supervised(host.watch_network(), host)
+            going_on = await (host.start_local() if config.members == 1 else host.start_network())
+            if not going_on:  # the host said why
+                server.should_exit = True
+                return
+            watcher = supervised(host.watch(), host)
         except PlanRefused as refused:
             host.fail(f"the model does not fit: {refused}")
             server.should_exit = True

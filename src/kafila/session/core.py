@@ -1,13 +1,15 @@
-"""The serving host's decisions, pure: what to do next, given what its session looks like now.
+"""The host's decisions, pure: what to do next, given what happened and what its session looks like.
 
-The host's shell (`runner.HostRunner.watch_network`) reads a `SessionView` of its session several
-times a second and asks `ServingCore.next_action` what to do; it carries the action out and asks
-again. The core reads no clock and does no I/O: the view brings the time. Its own state, the
-patience with newcomers and the rebalance schedule, changes only in `next_action`, so a test
-drives every path with made-up views and times (tests/test_session_core.py).
+`SessionCore` is the whole lifecycle as a state machine (gathering, deploying, serving, paused,
+waiting, failed, stopping). The shell (`runner.HostRunner`) feeds it typed events, carries out
+the commands `handle` returns, in order, and feeds back the answer of the last one; several
+times a second it also feeds what it sees of the serving session (`Observed`). The core reads no
+clock and does no I/O: events bring the time. So a test drives every path with made-up events
+(tests/test_session_core.py), as aioquic's tests drive a connection with made-up datagrams.
 
-The rules, in the order they are tried (the first that applies decides):
-1. members arrived: check their code, one at a time;
+While a ring serves, `ServingCore` decides; its rules, in the order they are tried (the first
+that applies decides):
+1. members arrived: check their code (the session core decides whether anyone may);
 2. the ring broke (a member lost, a stage's report of failure, the engine's error): replan with
    those left;
 3. admitted newcomers wait: replan with them once no request runs; under steady load, after
@@ -18,7 +20,9 @@ The rules, in the order they are tried (the first that applies decides):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
 
@@ -37,6 +41,8 @@ class SessionView:
     engine_error: str | None = None  # the engine loop's failure
     idle: bool = True  # no request running or queued
     ready: bool = True  # /v1 serves (not paused, not replanning)
+    names: Mapping[str, str] = field(default_factory=dict)  # member id → the name people read
+    measurements: object = None  # what the stages measured serving, compared between judgements
 
 
 @dataclass(frozen=True)
@@ -158,3 +164,469 @@ class ServingCore:
             return None
         self.next_rebalance_check = view.now + REBALANCE_CHECK_S
         return JudgeRebalance()
+
+
+# --- the whole lifecycle ----------------------------------------------------------------------
+
+
+class Phase(StrEnum):
+    GATHERING = "gathering"  # members join and prove the code
+    DEPLOYING = "deploying"  # a plan's stages are cut, delivered and loaded (or this machine loads alone)
+    SERVING = "serving"  # a ring serves, or this machine alone
+    PAUSED = "paused"  # requests wait while those running finish, for the newcomers' replan
+    WAITING = "waiting"  # nothing can serve: the session waits for members to join again
+    FAILED = "failed"  # nothing serves and nothing will: /v1 says why
+    STOPPING = "stopping"  # the person at the host ended it
+
+
+# Events: what happened, with what the shell saw when it did. ------------------------------------
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A look at the serving session (the shell's tick)."""
+
+    view: SessionView
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A session opened at the rendezvous; `join_line` is what a member runs to join it."""
+
+    join_line: str
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Every seat is taken by a member that proved the code, linked and said what it holds."""
+
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CodeRefused:
+    """A joiner failed the trust exchange while the session formed."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class NewcomerChecked:
+    """An admission ended; `guess`: it failed the code's proof, so it may have been a guess."""
+
+    name: str
+    error: str | None = None
+    guess: bool = False
+
+
+@dataclass(frozen=True)
+class Retired:
+    """The engine and this machine's stage are stopped; `alive` are the members still linked."""
+
+    alive: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Deployed:
+    machines: int  # in the ring, this one included
+
+
+@dataclass(frozen=True)
+class MemberFailed:
+    """A member failed its part of a deployment (stalled, left, or could not take its stage)."""
+
+    member: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Dismissed:
+    member: str
+    alive: tuple[str, ...]  # the members still linked once it went
+
+
+@dataclass(frozen=True)
+class DeployFailed:
+    """No ring came of the deployment: `refused`, the plan found the model does not fit."""
+
+    message: str
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class ServedAlone:
+    pass
+
+
+@dataclass(frozen=True)
+class Judged:
+    """The idle ring's measurements were priced: a division clearly faster fits, or not."""
+
+    now: float
+    worth_it: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """Ctrl-C or SIGTERM: the host ends."""
+
+    reason: str
+
+
+Event = (
+    Observed | Opened | Gathered | CodeRefused | NewcomerChecked | Retired | Deployed | MemberFailed | Dismissed
+    | DeployFailed | ServedAlone | Judged | Interrupted
+)  # fmt: skip
+
+
+# Commands: what the shell is to do. Those marked "→" answer with the event named. --------------
+
+
+@dataclass(frozen=True)
+class Say:
+    text: str
+
+
+@dataclass(frozen=True)
+class Warn:
+    what: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class RecordIncident:
+    """Warn, and keep it for /status."""
+
+    what: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Unready:
+    """/v1 turns new requests away, saying what it waits for; `paused`: they wait instead (a
+    replan by choice); `failure`: nothing will serve, and why."""
+
+    waiting_for: tuple[str, ...]
+    paused: bool = False
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Serve on with the engine as it is."""
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Turn a joiner away without checking its code."""
+
+    member: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Retire:
+    """→ Retired. Stop the engine (after pricing its machines by what they measured, if `learn`)."""
+
+    reason: str
+    learn: bool = True
+
+
+@dataclass(frozen=True)
+class Deploy:
+    """→ Deployed, MemberFailed or DeployFailed. Plan over this host and `members`, and serve."""
+
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Dismiss:
+    """→ Dismissed. Send a member home with the reason."""
+
+    member: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ForgetRing:
+    """No ring is deployed any more: nothing to watch for breaks."""
+
+
+@dataclass(frozen=True)
+class ServeAlone:
+    """→ ServedAlone or DeployFailed. Every block on this machine."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class PriceRebalance:
+    """→ Judged. Price the idle ring by what its stages measured."""
+
+
+@dataclass(frozen=True)
+class RenewCode:
+    """→ Opened, then Gathered or CodeRefused. End this session at the rendezvous and open another."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Nothing serves: /v1 and the host's terminal say why. `exit`: the host ends too."""
+
+    message: str
+    exit: bool = False
+
+
+@dataclass(frozen=True)
+class AbandonRing:
+    """End every wait on the ring at once and stop the engine, from a signal handler."""
+
+    reason: str
+
+
+Command = (
+    Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | Dismiss | ForgetRing
+    | ServeAlone | PriceRebalance | RenewCode | Fail | AbandonRing
+)  # fmt: skip
+ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
+
+
+@dataclass(frozen=True)
+class _Start:
+    """The first deployment of a session."""
+
+
+@dataclass(frozen=True)
+class _Replan:
+    """A deployment again over the members left: after a break, or by choice (`why` says which)."""
+
+    error: str  # what broke, or why the host chose to
+    why: str = ""  # ", taking in …" for a replan by choice
+    after_break: bool = False
+
+
+@dataclass(frozen=True)
+class _Recover:
+    """One machine's stages failed: load them again as one."""
+
+    error: str
+
+
+_Deployment = _Start | _Replan | _Recover
+
+
+@dataclass
+class SessionCore:
+    """The host's whole lifecycle, pure: `handle(event)` changes the state and returns the commands
+    for the shell (`runner.HostRunner`) to carry out, in order; a command that answers (`ANSWERED`)
+    comes last, and its answer is the next event. It reads no clock and does no I/O."""
+
+    serving: ServingCore
+    networked: bool = True  # members may come and go; False: one machine's own stages
+    phase: Phase = Phase.GATHERING
+    admitting: bool = True  # until a newcomer fails the code's proof (maybe a guess at its secret)
+    join_line: str = ""
+    deployment: _Deployment | None = None  # the deployment under way, while DEPLOYING
+    paused: bool = False  # /v1 holds requests for a replan by choice
+
+    @classmethod
+    def one_machine(cls, serving: ServingCore) -> SessionCore:
+        """A session of this machine's own stages, loading them: `ServedAlone` once they serve."""
+        return cls(serving, networked=False, phase=Phase.DEPLOYING, deployment=_Start())
+
+    def handle(self, event: Event) -> list[Command]:
+        if self.phase == Phase.STOPPING:
+            return []  # members leave when the session ends: that is not a failure
+        match event:
+            case Interrupted(reason=reason):
+                return self._interrupted(reason)
+            case Observed(view=view):
+                return self._observed(view)
+            case Opened(join_line=line) if self.phase == Phase.GATHERING:
+                self.join_line = line
+                return []
+            case Gathered(members=members) if self.phase == Phase.GATHERING:
+                return self._deploy(_Start(), members)
+            case CodeRefused(error=error) if self.phase == Phase.GATHERING:
+                # Each failed exchange may be a guess at the secret: this code is spent. A new one
+                # bounds anyone guessing to one try per code; members who had joined rejoin.
+                return [
+                    Warn("refused a member", error),
+                    Say("that code is void now; a new one follows"),
+                    RenewCode(f"the session was closed: {error}"),
+                ]
+            case NewcomerChecked():
+                return self._newcomer_checked(event)
+            case Judged():
+                return self._judged(event)
+            case Opened() | Gathered() | CodeRefused():
+                return []
+        return self._deploying(event)
+
+    # --- serving ---
+    def _observed(self, view: SessionView) -> list[Command]:
+        if self.phase not in (Phase.SERVING, Phase.PAUSED, Phase.WAITING):
+            return []
+        commands: list[Command] = [self._admission(member) for member in view.arrivals]
+        match self.serving.next_action(replace(view, arrivals=())):
+            case ReplanAfterBreak(lost=lost):
+                commands += self._after_break(view, lost)
+            case ReplanWithNewcomers(newcomers=newcomers):
+                commands += self._replan_by_choice(f"taking in {_names(view, newcomers)}")
+            case HoldRequests(newcomers=newcomers):
+                # Under steady load a moment without requests may never come: new requests wait
+                # while those running and queued finish, so nothing in flight is lost.
+                names = _names(view, newcomers)
+                self.phase, self.paused = Phase.PAUSED, True
+                commands += [
+                    Say(f"the requests running finish first; new ones wait for the replan taking in {names}"),
+                    Unready((f"the requests running to finish, then the host to replan taking in {names}",), True),
+                ]
+            case StopHolding():
+                self.phase, self.paused = Phase.SERVING, False
+                if not view.ready and view.engine:
+                    commands += [
+                        Resume(),
+                        Say("the newcomers left before the replan; serving on with the ring as it is"),
+                    ]
+            case JudgeRebalance():
+                if self.serving.worth_judging(view.measurements):
+                    commands.append(PriceRebalance())
+        return commands
+
+    def _admission(self, member: str) -> Command:
+        """Who may take a freed seat: anyone who proves the code, until someone fails to."""
+        if self.admitting:
+            return Admit(member)
+        return Refuse(member, "this session admits no more members; the host must start over with a new code")
+
+    def _newcomer_checked(self, checked: NewcomerChecked) -> list[Command]:
+        if checked.error is None:
+            return [Say(f"{checked.name} verified and linked; it joins the ring once no request is running")]
+        if checked.guess:
+            self.admitting = False  # this bounds anyone guessing the secret to one try, as a new code does
+        commands: list[Command] = [Warn(f"did not admit {checked.name}", checked.error)]
+        if not self.admitting:
+            commands.append(Say("this session admits no more members (a failed code may be a guess at its secret)"))
+        return commands
+
+    def _after_break(self, view: SessionView, lost: tuple[str, ...]) -> list[Command]:
+        if not self.networked:
+            error = view.engine_error or "a stage stopped"
+            return self._retire_then_deploy(
+                _Recover(error),
+                [RecordIncident("a stage failed", error), Unready(("the host to replan without the failed stage",))],
+                Retire(error, learn=False),
+            )
+        if not view.deployed:  # serving alone, and that engine failed
+            self.phase = Phase.FAILED
+            return [Fail(f"serving alone failed: {view.engine_error or 'no engine'}")]
+        error = view.engine_error or view.broken or f"lost {_names(view, lost)}"
+        return self._retire_then_deploy(
+            _Replan(error, after_break=True),
+            [RecordIncident("the ring broke", error), Unready(("the host to replan with the members that are left",))],
+            Retire(error),
+        )
+
+    def _replan_by_choice(self, why: str) -> list[Command]:
+        """Replan a ring that is not broken (no request in flight): requests that come meanwhile
+        wait for the new ring rather than be turned away."""
+        self.paused = True
+        return self._retire_then_deploy(
+            _Replan(why, f", {why}"),
+            [Unready((f"the host to replan, {why}",), paused=True)],
+            Retire(f"the host is replanning, {why}"),
+        )
+
+    def _judged(self, judged: Judged) -> list[Command]:
+        if not judged.worth_it or self.phase != Phase.SERVING:
+            return []
+        self.serving.rebalanced(judged.now)
+        why = "rebalancing by what the stages measured serving"
+        return [Say(f"{why}: {judged.reason}"), *self._replan_by_choice(why)]
+
+    def _interrupted(self, reason: str) -> list[Command]:
+        held = self.paused  # requests waiting for a planned replan: there will be none
+        self.phase, self.paused = Phase.STOPPING, False
+        return [*([Unready((), failure=reason)] if held else []), AbandonRing(reason)]
+
+    # --- deploying ---
+    def _retire_then_deploy(self, deployment: _Deployment, first: list[Command], retire: Retire) -> list[Command]:
+        self.phase, self.deployment = Phase.DEPLOYING, deployment
+        return [*first, retire]
+
+    def _deploy(self, deployment: _Deployment, members: tuple[str, ...]) -> list[Command]:
+        self.phase, self.deployment = Phase.DEPLOYING, deployment
+        return [Deploy(members)]
+
+    def _deploying(self, event: Event) -> list[Command]:
+        deployment = self.deployment
+        if self.phase != Phase.DEPLOYING or deployment is None:
+            return []
+        match event:
+            case Retired(alive=alive):
+                if isinstance(deployment, _Recover):
+                    return [ServeAlone("replanned")]
+                return self._deploy(deployment, alive) if alive else self._no_member_left(deployment)
+            case MemberFailed(member=member, message=message):
+                return [
+                    Warn("leaving a member out", message),
+                    Dismiss(member, f"the host left this member out: {message}"),
+                ]
+            case Dismissed(member=member, alive=alive):
+                left = tuple(m for m in alive if m != member)
+                return self._deploy(deployment, left) if left else self._no_member_left(deployment)
+            case Deployed(machines=machines):
+                commands: list[Command] = []
+                if isinstance(deployment, _Replan):
+                    commands.append(Say(f"replanned with {machines} members{deployment.why}"))
+                return commands + self._serving(deployment)
+            case ServedAlone():
+                return self._serving(deployment)
+            case DeployFailed(message=message, refused=refused):
+                return self._no_ring(deployment, message, refused)
+        return []
+
+    def _no_member_left(self, deployment: _Deployment) -> list[Command]:
+        if isinstance(deployment, _Replan):
+            return [ForgetRing(), ServeAlone(f"replanned{deployment.why}: no member is left")]
+        return [ServeAlone("every member failed its part")]
+
+    def _serving(self, deployment: _Deployment) -> list[Command]:
+        self.phase, self.deployment, self.paused = Phase.SERVING, None, False
+        return self._seat_free(deployment)
+
+    def _seat_free(self, deployment: _Deployment) -> list[Command]:
+        if isinstance(deployment, _Replan) and deployment.after_break and self.admitting and self.join_line:
+            return [Say(f"a seat is free again; to fill it: {self.join_line}")]
+        return []
+
+    def _no_ring(self, deployment: _Deployment, message: str, refused: bool) -> list[Command]:
+        """Nothing serves. At the start the host ends; later it waits for members to join again,
+        while anyone may."""
+        self.deployment, self.paused = None, False
+        if isinstance(deployment, _Start):
+            self.phase = Phase.FAILED
+            return [
+                Fail(
+                    f"the model does not fit: {message}" if refused else f"the session could not start: {message}",
+                    exit=True,
+                )
+            ]
+        if isinstance(deployment, _Recover):
+            self.phase = Phase.FAILED
+            return [Fail(f"{deployment.error}; the host cannot serve alone: {message}")]
+        why = "the members that are left cannot hold the model" if refused else "replanning failed"
+        commands: list[Command] = [ForgetRing(), Fail(f"{deployment.error}; {why}: {message}")]
+        if not self.admitting:
+            self.phase = Phase.FAILED
+            return commands
+        self.phase = Phase.WAITING
+        return [*commands, Say(f"waiting for members to join again: {self.join_line}"), *self._seat_free(deployment)]
+
+
+def _names(view: SessionView, members: tuple[str, ...]) -> str:
+    return ", ".join(view.names.get(m, m) for m in members)

@@ -49,7 +49,6 @@ from kafila.network.link import DatagramDemux
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import (
-    ProvenButRefused,
     RendezvousClient,
     RendezvousError,
     send_abort,
@@ -170,7 +169,6 @@ class HostSession:
     broken_edges: set[frozenset[str]] = field(default_factory=set)  # member pairs whose ring link broke
     own_stage: OwnStage | None = None
     newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
-    admitting: bool = True  # until a newcomer fails the trust exchange (maybe a guess at the secret)
     _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -221,12 +219,24 @@ class HostSession:
 
     def admit(self, member_id: str, done: Callable[[BaseException | None], None]) -> None:
         """Verify, link and hear from a newcomer in the background; `done(error)` says how it went
-        (None: admitted). A verified newcomer joins `newcomers`, for the next plan. After a failed exchange the
-        session admits no one: each may be a guess at the code's secret, and this bounds guessers
-        to one, as a new code does while the session forms."""
-        task = asyncio.create_task(self._admit(member_id))
+        (None: admitted). A verified newcomer joins `newcomers`, for the next plan."""
+        self._in_background(member_id, self._admit(member_id), done)
+
+    def refuse(self, member_id: str, reason: str, done: Callable[[BaseException | None], None]) -> None:
+        """Turn a joiner away without checking its code; `done` hears the refusal."""
+        self._in_background(member_id, self._refuse(member_id, reason), done)
+
+    def _in_background(
+        self, member_id: str, admission: Coroutine[Any, Any, None], done: Callable[[BaseException | None], None]
+    ) -> None:
+        task = asyncio.create_task(admission)
         self._admissions[member_id] = task
         task.add_done_callback(lambda t: None if t.cancelled() else done(t.exception()))
+
+    async def _refuse(self, member_id: str, reason: str) -> None:
+        refusal = TrustError(reason)
+        await send_abort(self.client, [member_id], refusal)
+        raise refusal
 
     def waiting_newcomers(self) -> list[str]:
         """Admitted newcomers still linked and in the session, for the next plan; one that went is
@@ -235,20 +245,8 @@ class HostSession:
         return sorted(self.newcomers)
 
     async def _admit(self, member_id: str) -> None:
-        if not self.admitting:
-            refusal = TrustError("this session admits no more members; the host must start over with a new code")
-            await send_abort(self.client, [member_id], refusal)
-            raise refusal
         trusted = {m: info.fingerprint for m, info in self.known.items()}
-        try:
-            proved = await verify_newcomer(
-                self.client, self.code, self.presence.identity.fingerprint, member_id, trusted
-            )
-        except ProvenButRefused:
-            raise
-        except TrustError:
-            self.admitting = False
-            raise
+        proved = await verify_newcomer(self.client, self.code, self.presence.identity.fingerprint, member_id, trusted)
         info = self.client.members.get(member_id)
         if info is None:
             raise RendezvousError("member_left", f"{member_id} left after proving the code")
@@ -584,7 +582,8 @@ class HostSession:
         if self.ring is not None:
             self.ring.abandon()
 
-    def status(self) -> SessionStatus:
+    def status(self, admitting: bool) -> SessionStatus:
+        """`admitting`: whether a freed seat may still be taken (the session core decides)."""
         deployment = self.deployment
         members = []
         for member_id, info in (self.known or self.client.members).items():
@@ -611,7 +610,7 @@ class HostSession:
         verdict = self.prices.last_verdict
         return SessionStatus(
             code=self.code,
-            admitting=self.admitting,
+            admitting=admitting,
             members=members,
             epoch=self.epoch,
             edges=self.chain_edges(deployment.chain) if deployment is not None else [],

@@ -15,17 +15,20 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kafila.contracts import MemberStatus, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.pake import TrustError
+from kafila.network.rendezvous_client import ProvenButRefused
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner import PlanRefused
+from kafila.planner.fleet import FleetDevice
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
 from kafila.runtime.engine_loop import EngineLoop
@@ -34,15 +37,41 @@ from kafila.runtime.local_plan import admit_alone, cache_dir, hash_model, this_d
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import open_engine
 from kafila.session.core import (
-    Action,
+    AbandonRing,
     Admit,
-    HoldRequests,
-    JudgeRebalance,
-    ReplanAfterBreak,
-    ReplanWithNewcomers,
+    CodeRefused,
+    Command,
+    Deploy,
+    Deployed,
+    DeployFailed,
+    Dismiss,
+    Dismissed,
+    Event,
+    Fail,
+    ForgetRing,
+    Gathered,
+    Interrupted,
+    Judged,
+    MemberFailed,
+    NewcomerChecked,
+    Observed,
+    Opened,
+    Phase,
+    PriceRebalance,
+    RecordIncident,
+    Refuse,
+    RenewCode,
+    Resume,
+    Retire,
+    Retired,
+    Say,
+    ServeAlone,
+    ServedAlone,
     ServingCore,
+    SessionCore,
     SessionView,
-    StopHolding,
+    Unready,
+    Warn,
 )
 from kafila.session.host import HostSession, SessionFailed
 from kafila.session.local_members import LocalMember
@@ -70,10 +99,7 @@ def newcomer_patience_s() -> float:
 
 if TYPE_CHECKING:
     from kafila.api.server import Serving
-    from kafila.runtime.engine_loop import EngineLoop
-    from kafila.runtime.llama_backend import ContextSettings
     from kafila.runtime.pipeline import Engine
-    from kafila.session.host import HostSession
 
 
 class HostUi(Protocol):
@@ -117,24 +143,161 @@ class HostConfig:
 
 
 class HostRunner:
-    """The host's lifecycle around the HTTP server: load or gather, serve, replan on failure, stop."""
+    """The shell around `SessionCore`: it feeds the core what happens, and does what the core
+    decides (load or gather, serve, replan, stop), around the HTTP server."""
 
     def __init__(self, config: HostConfig, serving: Serving, ui: HostUi) -> None:
         self.config, self.serving, self.ui = config, serving, ui
         self.manifest = read_manifest(config.path)
         self.engine: Engine | None = None
         self.engine_loop: EngineLoop | None = None  # the one serving, even while /v1 turns requests away
-        self.join_line = ""  # what a member runs to join, once the session is open
-        self.core = ServingCore(  # the serving host's decisions (`session.core`)
+        rules = ServingCore(  # the serving ring's decisions
             newcomer_patience_s=newcomer_patience_s(),
             rebalance_cooldown_s=seconds_from_env("KAFILA_REBALANCE_COOLDOWN_S", REBALANCE_COOLDOWN_S),
-            rebalance=config.rebalance,
+            rebalance=config.rebalance and config.members > 1,
         )
+        self.core = SessionCore(rules) if config.members > 1 else SessionCore.one_machine(rules)
         self.network: HostSession | None = None
         self.rendezvous: RendezvousHandle | None = None  # the embedded one, when the host runs it
         self.joiners: list[LocalMember] = []
         self.stopping = False
         self._hashing: asyncio.Future[str] | None = None  # the model's sha256, for members with a copy
+        self._rendezvous_at: tuple[str, int] = ("", 0)  # where this host and its members reach the rendezvous
+        self._advertised = ""  # the same, as the join line gives it
+        self._device: FleetDevice | None = None  # this machine, as measured for the planner
+
+    @property
+    def going_on(self) -> bool:
+        """Whether the session may still serve (it has not failed for good, nor been stopped)."""
+        return self.core.phase not in (Phase.FAILED, Phase.STOPPING)
+
+    # --- the loop: events in, commands out ---
+    async def _drive(self, events: Sequence[Event]) -> None:
+        """Hand each event to the core and carry out its commands in order; the answer of the last
+        (`ANSWERED`) is the next event."""
+        pending = deque(events)
+        while pending:
+            for command in self.core.handle(pending.popleft()):
+                pending.extend(await self._carry_out(command))
+
+    async def watch(self) -> None:
+        """Several times a second, show the core the session as it is, until it can serve no more."""
+        while self.going_on and not self.stopping:
+            await asyncio.sleep(0.2)
+            if self.stopping:  # members leave when the session ends: that is not a failure
+                return
+            await self._drive([Observed(self._view())])
+
+    def _view(self) -> SessionView:
+        network, loop = self.network, self.engine_loop
+        idle = loop is None or (loop.running == 0 and loop.queued == 0)
+        seen = SessionView(
+            now=time.monotonic(),
+            deployed=frozenset(),
+            alive=frozenset(),
+            engine=loop is not None,
+            engine_error=loop.error if loop is not None else None,
+            idle=idle,
+            ready=self.serving.ready,
+            measurements=[(entry.range, entry.steps_alone) for entry in loop.stage_report] if loop and idle else None,
+        )
+        if network is None:
+            return seen
+        deployment, arrivals = network.deployment, network.arrivals()
+        return replace(
+            seen,
+            deployed=frozenset(deployment.members if deployment else ()),
+            alive=frozenset(network.alive()),
+            arrivals=tuple(arrivals),
+            newcomers=tuple(network.waiting_newcomers()),
+            broken=network.broken,
+            names={m: network.member_name(m) for m in network.known}
+            | {m: network.client.members[m].name for m in arrivals},
+        )
+
+    async def _carry_out(self, command: Command) -> list[Event]:
+        """Do what the core decided; the events it answers with, if any."""
+        network = self.network
+        match command:
+            case Retire(reason=reason, learn=learn):
+                await self._retire(reason, learn)
+                return [Retired(tuple(network.alive()) if network else ())]
+            case Deploy(members=members):
+                return [await self._deployed(list(members))]
+            case Dismiss(member=member, reason=reason):
+                assert network is not None
+                await network.dismiss(member, reason)
+                return [Dismissed(member, tuple(network.alive()))]
+            case ServeAlone(why=why):
+                try:
+                    await self._serve_alone(why)
+                    return [ServedAlone()]
+                except PlanRefused as refused:
+                    return [DeployFailed(str(refused), refused=True)]
+                except Exception as error:
+                    return [DeployFailed(str(error))]
+            case PriceRebalance():
+                loop = self.engine_loop
+                verdict = network.rebalance_verdict(loop.stage_report) if loop and network else None
+                worth_it = verdict is not None and verdict.worth_it
+                return [Judged(time.monotonic(), worth_it, verdict.reason if verdict else "")]
+            case RenewCode(reason=reason):
+                assert network is not None
+                await network.end(reason)
+                return await self._open_and_gather()
+            case Admit(member=member):
+                assert network is not None
+                name = network.client.members[member].name
+                self.ui.say(f"{name} joined; checking its code")
+                network.admit(member, functools.partial(self._admitted, name))
+            case Refuse(member=member, reason=reason):
+                assert network is not None
+                network.refuse(member, reason, functools.partial(self._admitted, network.client.members[member].name))
+            case ForgetRing():
+                if network is not None:  # nothing serves: no ring left to watch
+                    network.deployment, network.broken = None, None
+            case Resume():
+                if self.engine is not None and self.engine_loop is not None:
+                    self.serving.become_ready(self.engine, self.engine_loop, self.manifest.architecture)
+            case _:
+                self._tell(command)
+        return []
+
+    def _tell(self, command: Command) -> None:
+        """Carry out a command that needs no waiting (a callback's, or a signal handler's)."""
+        match command:
+            case Say(text=text):
+                self.ui.say(text)
+            case Warn(what=what, detail=detail):
+                self.ui.warn(what, detail)
+            case RecordIncident(what=what, detail=detail):
+                self.incident(what, detail)
+            case Unready(waiting_for=waits, paused=paused, failure=failure):
+                self.serving.become_unready(list(waits), failure=failure, paused=paused)
+            case Fail(message=message):
+                self.fail(message)
+            case AbandonRing(reason=reason):
+                if self.network is not None:
+                    self.network.abandon_ring()  # a step waiting on the ring ends at once
+                loop = self.engine_loop
+                if loop is not None:
+                    threading.Thread(target=loop.stop, args=(reason,), daemon=True).start()
+            case _:
+                raise AssertionError(f"{command} cannot be carried out at once")
+
+    def _admitted(self, name: str, error: BaseException | None) -> None:
+        """An admission ended (`HostSession.admit`); a failed proof of the code may be a guess."""
+        guess = isinstance(error, TrustError) and not isinstance(error, ProvenButRefused)
+        detail = None if error is None else str(error) or type(error).__name__
+        for command in self.core.handle(NewcomerChecked(name, detail, guess)):
+            self._tell(command)
+
+    def interrupt(self, reason: str) -> None:
+        """Ctrl-C or SIGTERM: end the requests in flight now, without blocking the event loop (a
+        signal handler calls it)."""
+        self.stopping = True
+        for command in self.core.handle(Interrupted(reason)):
+            self._tell(command)
 
     # --- engines ---
     def _activate(self, engine: Engine) -> None:
@@ -146,23 +309,13 @@ class HostRunner:
         self.engine_loop = loop
         self.serving.become_ready(engine, loop, self.manifest.architecture)
 
-    def interrupt(self, reason: str) -> None:
-        """End the requests in flight now, without blocking the event loop (a signal handler calls it)."""
-        if self.network is not None:
-            self.network.abandon_ring()  # a step waiting on the ring ends at once
-        if self.serving.paused:  # requests waiting for a planned replan: there will be none
-            self.serving.become_unready([], failure=reason)
-        loop = self.engine_loop
-        if loop is not None:
-            threading.Thread(target=loop.stop, args=(reason,), daemon=True).start()
-
-    async def _retire(self, reason: str) -> None:
+    async def _retire(self, reason: str, learn: bool = False) -> None:
         """Stop the engine loop and close the engine. The ring is abandoned first: its engine thread
         may be waiting on the event loop, and a stale wait would steal the next ring's frames."""
         if self.network is not None:
             self.network.abandon_ring()
         loop, self.engine_loop = self.engine_loop, None
-        if loop is not None and self.network is not None and not self.stopping:
+        if loop is not None and self.network is not None and learn and not self.stopping:
             repriced = self.network.learn_from_serving(loop.stage_report)  # for the replan that follows
             if repriced:
                 self.ui.say(f"the next plan prices {', '.join(repriced)} by what their stages measured serving")
@@ -185,7 +338,8 @@ class HostRunner:
         self.ui.say(f"{why}: serving on this machine alone")
 
     # --- one machine ---
-    async def start_local(self) -> None:
+    async def start_local(self) -> bool:
+        """Load this machine's own stages and serve; False if the session cannot go on."""
         counts = self.config.counts
         where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
         self.serving.waiting_for = [f"{self.config.path.name} to load {where}"]
@@ -198,109 +352,96 @@ class HostRunner:
             )
         self._activate(engine)
         self._announce_ready(where)
-
-    async def watch_local(self) -> None:
-        while not self.stopping:
-            await asyncio.sleep(0.2)
-            if self.stopping:  # members leave when the session ends: that is not a failure
-                return
-            loop = self.engine_loop
-            if loop is None or loop.error is None:
-                continue
-            error = loop.error
-            self.incident("a stage failed", error)
-            self.serving.become_unready(["the host to replan without the failed stage"])
-            await self._retire(error)
-            try:
-                await self._serve_alone("replanned")
-            except Exception as failure:
-                self.fail(f"{error}; the host cannot serve alone: {failure}")
-                return
+        await self._drive([ServedAlone()])
+        return self.going_on
 
     # --- several machines ---
-    async def start_network(self) -> None:
+    async def start_network(self) -> bool:
+        """Open the session, gather its members, plan and serve; False if the session cannot go on
+        (the host has said why)."""
         config = self.config
         if config.rendezvous is None:
-            try:
-                bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
-                self.rendezvous = await start_rendezvous(bind, *ports, discovery_port=config.discovery_port)
-            except OSError as error:
-                raise OSError(
-                    f"the embedded rendezvous cannot listen on {config.rendezvous_bind} (port "
-                    f"{config.rendezvous_port}, STUN port {config.stun_port}): {error.strerror or error}. Is another "
-                    "kafila host running here? `--rendezvous-port 0 --stun-port 0` take free ports (the join line "
-                    "says which)"
-                ) from None
+            self.rendezvous = await self._start_rendezvous()
             bound = self.rendezvous.http_address
             # The host reaches its own rendezvous at the address it gives members, so that every
             # member's candidates are on the same network and punches between them line up.
             reachable = lan_address() if bound[0] in ("0.0.0.0", "::") else bound[0]
-            address = (reachable, bound[1])
-            advertised = f"{reachable}:{bound[1]}"
+            self._rendezvous_at = (reachable, bound[1])
         else:
-            address = config.rendezvous
-            advertised = f"{address[0]}:{address[1]}"
+            self._rendezvous_at = config.rendezvous
+        self._advertised = f"{self._rendezvous_at[0]}:{self._rendezvous_at[1]}"
         # Begun now, it runs while the members join: the first hash of a large model takes a minute.
         self._hashing = hashing = asyncio.ensure_future(self._hash_model())
         hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
         self.serving.waiting_for = ["this machine to be measured"]
-        device = await asyncio.to_thread(this_device, memory=config.memory)
-        others = config.members - 1
-        while True:
-            presence = await present(config.name, address, device)
-            self.network = await HostSession.open(
-                presence, config.members, self.manifest, config.path, config.session, config.settings,
-                cache_dir() / "stages", self.ui.say, hashing,
-            )  # fmt: skip
-            network = self.network
-            join = f"kafila join {network.code} --rendezvous {advertised}"
-            self.join_line = join
-            if config.demo:  # the members are this host's own processes; the line is for a look only
-                where = f"the demo starts {others} local member{'s' if others > 1 else ''} with"
-            else:
-                where = f"on each of the other {others} machines" if others > 1 else "on the other machine"
-            discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
-            self.ui.announce_code(network.code, f"{where}: {join}", discoverable)
-            self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
-            self.serving.session_status = network.status
-            if config.demo and not self.joiners:
-                rendezvous_at = f"{address[0]}:{address[1]}"
-                self.joiners = [self._start_joiner(network.code, rendezvous_at, i + 1) for i in range(others)]
-            try:
-                await network.gather(ready_timeout=None)
-                break
-            except TrustError as error:
-                # Each failed exchange may be a guess at the secret: this code is spent. A new
-                # one bounds anyone guessing to one try per code; members who had joined rejoin.
-                self.ui.warn("refused a member", str(error))
-                self.ui.say("that code is void now; a new one follows")
-                await network.end(f"the session was closed: {error}")
-        if not await self._deploy_leaving_out_failures(network.alive()):
-            await self._serve_alone("every member failed its part")
+        self._device = await asyncio.to_thread(this_device, memory=config.memory)
+        await self._drive(await self._open_and_gather())
+        return self.going_on
+
+    async def _start_rendezvous(self) -> RendezvousHandle:
+        config = self.config
+        try:
+            bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
+            return await start_rendezvous(bind, *ports, discovery_port=config.discovery_port)
+        except OSError as error:
+            raise OSError(
+                f"the embedded rendezvous cannot listen on {config.rendezvous_bind} (port "
+                f"{config.rendezvous_port}, STUN port {config.stun_port}): {error.strerror or error}. Is another "
+                "kafila host running here? `--rendezvous-port 0 --stun-port 0` take free ports (the join line "
+                "says which)"
+            ) from None
+
+    async def _open_and_gather(self) -> list[Event]:
+        """Open a session at the rendezvous, say its code, and wait until every seat is taken by a
+        verified, linked member (or a joiner fails the code)."""
+        config, others = self.config, self.config.members - 1
+        assert self._hashing is not None and self._device is not None
+        presence = await present(config.name, self._rendezvous_at, self._device)
+        self.network = network = await HostSession.open(
+            presence, config.members, self.manifest, config.path, config.session, config.settings,
+            cache_dir() / "stages", self.ui.say, self._hashing,
+        )  # fmt: skip
+        join = f"kafila join {network.code} --rendezvous {self._advertised}"
+        if config.demo:  # the members are this host's own processes; the line is for a look only
+            where = f"the demo starts {others} local member{'s' if others > 1 else ''} with"
+        else:
+            where = f"on each of the other {others} machines" if others > 1 else "on the other machine"
+        discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
+        self.ui.announce_code(network.code, f"{where}: {join}", discoverable)
+        self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
+        self.serving.session_status = functools.partial(self._network_status, network)
+        if config.demo and not self.joiners:
+            self.joiners = [self._start_joiner(network.code, self._advertised, i + 1) for i in range(others)]
+        try:
+            await network.gather(ready_timeout=None)
+        except TrustError as error:
+            return [Opened(join), CodeRefused(str(error))]
+        return [Opened(join), Gathered(tuple(network.alive()))]
+
+    def _network_status(self, network: HostSession) -> SessionStatus:
+        return network.status(admitting=self.core.admitting)
 
     async def _hash_model(self) -> str:
         path = self.config.path
         with self.ui.progress_bars() as progress:
             return await hash_model(path, functools.partial(progress, f"hashing {path.name} (once)"))
 
-    async def _deploy_leaving_out_failures(self, members: list[str]) -> bool:
-        """Deploy over `members`; a member that fails its part is sent home and the rest are
-        planned again. False when nobody is left (the caller decides what then)."""
-        network = self.network
-        assert network is not None
-        while members:
-            try:
-                await self._deploy(members)
-                return True
-            except SessionFailed as failure:
-                if failure.member is None or failure.member not in members:
-                    raise
-                self.ui.warn("leaving a member out", str(failure))
-                await network.dismiss(failure.member, f"the host left this member out: {failure}")
-                members = [m for m in network.alive() if m != failure.member]
-        return False
+    async def _deployed(self, members: list[str]) -> Event:
+        """Deploy over `members`, answering how it went."""
+        try:
+            machines = await self._deploy(members)
+            return Deployed(machines)
+        except SessionFailed as failure:
+            if failure.member is not None and failure.member in members:
+                return MemberFailed(failure.member, str(failure))
+            return DeployFailed(str(failure))
+        except PlanRefused as refused:
+            return DeployFailed(str(refused), refused=True)
+        except Exception as error:
+            return DeployFailed(str(error))
 
-    async def _deploy(self, members: list[str]) -> None:
+    async def _deploy(self, members: list[str]) -> int:
+        """Plan, deliver, load and serve; the machines in the ring."""
         network = self.network
         assert network is not None
         self.serving.waiting_for = ["the members to load their stages"]
@@ -308,7 +449,7 @@ class HostRunner:
         plan = network.plan(members)  # refusals surface here, before anything is sent
         self.ui.show_plan(plan_report(plan, time.perf_counter() - started))
         self.ui.say(network.pricing_note(members))
-        self.serving.session_status = network.status  # after serving alone, the ring's again
+        self.serving.session_status = functools.partial(self._network_status, network)  # after serving alone
 
         def pending(waits: list[str]) -> None:
             self.serving.waiting_for = waits or ["the head to load"]
@@ -320,156 +461,7 @@ class HostRunner:
         self._activate(engine)
         head = "" if deployment.head_here else f", the head on {network.member_name(deployment.chain[-1])}"
         self._announce_ready(f"as {len(deployment.chain)} stages {deployment.counts} across the ring{head}")
-
-    async def watch_network(self) -> None:
-        """Replan when the ring breaks (with the members left), and when newcomers have been admitted
-        (at a quiet moment, so no request in flight is lost); admit members that take a left seat."""
-        network = self.network
-        assert network is not None
-        while not self.stopping:
-            await asyncio.sleep(0.2)
-            if self.stopping:  # members leave when the session ends: that is not a failure
-                return
-            action = self.core.next_action(self._view(network))
-            while isinstance(action, Admit):
-                name = network.client.members[action.member].name
-                self.ui.say(f"{name} joined; checking its code")
-                network.admit(action.member, functools.partial(self._admitted, name))
-                action = self.core.next_action(self._view(network))
-            if not await self._carry_out(action):
-                return
-
-    def _view(self, network: HostSession) -> SessionView:
-        deployment, loop = network.deployment, self.engine_loop
-        return SessionView(
-            now=time.monotonic(),
-            deployed=frozenset(deployment.members if deployment else ()),
-            alive=frozenset(network.alive()),
-            engine=loop is not None,
-            arrivals=tuple(network.arrivals()),
-            newcomers=tuple(network.waiting_newcomers()),
-            broken=network.broken,
-            engine_error=loop.error if loop is not None else None,
-            idle=loop is None or (loop.running == 0 and loop.queued == 0),
-            ready=self.serving.ready,
-        )
-
-    async def _carry_out(self, action: Action) -> bool:
-        """Do what the core decided; False when the host cannot go on."""
-        match action:
-            case ReplanAfterBreak(lost=lost):
-                return await self._replan_after_break(list(lost))
-            case ReplanWithNewcomers(newcomers=newcomers):
-                return await self._replan_with_newcomers(newcomers)
-            case HoldRequests(newcomers=newcomers):
-                self._hold_requests_for(newcomers)
-            case StopHolding():
-                self._stop_holding_requests()
-            case JudgeRebalance():
-                loop = self.engine_loop
-                if loop is not None:
-                    return await self._rebalance_if_worth_it(loop)
-        return True
-
-    def _admitted(self, name: str, error: BaseException | None) -> None:
-        network = self.network
-        assert network is not None
-        if error is None:
-            self.ui.say(f"{name} verified and linked; it joins the ring once no request is running")
-        else:
-            self.ui.warn(f"did not admit {name}", str(error) or type(error).__name__)
-            if not network.admitting:
-                self.ui.say("this session admits no more members (a failed code may be a guess at its secret)")
-
-    async def _replan_after_break(self, lost: list[str]) -> bool:
-        """The ring broke: replan with the members left, or serve alone. False when the host cannot go on."""
-        network = self.network
-        assert network is not None
-        loop = self.engine_loop
-        if network.deployment is None:  # serving alone, and that engine failed
-            self.fail(f"serving alone failed: {loop.error if loop else 'no engine'}")
-            return False
-        names = ", ".join(network.member_name(m) for m in lost)
-        error = (loop.error if loop and loop.error else None) or network.broken or f"lost {names}"
-        self.incident("the ring broke", error)
-        self.serving.become_unready(["the host to replan with the members that are left"])
-        await self._retire(error)
-        going_on = await self._redeploy(error)
-        if going_on and network.admitting and self.join_line:
-            self.ui.say(f"a seat is free again; to fill it: {self.join_line}")
-        return going_on
-
-    def _hold_requests_for(self, newcomers: Sequence[str]) -> None:
-        """Under steady load a moment without requests may never come: after NEWCOMER_PATIENCE_S,
-        new requests wait (up to `Serving.pause_wait_s`) while those running and queued finish, so
-        the newcomers get their replan and nothing in flight is lost."""
-        network = self.network
-        assert network is not None
-        names = ", ".join(network.member_name(m) for m in newcomers)
-        self.ui.say(f"the requests running finish first; new ones wait for the replan taking in {names}")
-        waits = [f"the requests running to finish, then the host to replan taking in {names}"]
-        self.serving.become_unready(waits, paused=True)
-
-    def _stop_holding_requests(self) -> None:
-        """The newcomers went before their replan: serve on with the ring as it is."""
-        if not self.serving.ready and self.engine is not None and self.engine_loop is not None:
-            self.serving.become_ready(self.engine, self.engine_loop, self.manifest.architecture)
-            self.ui.say("the newcomers left before the replan; serving on with the ring as it is")
-
-    async def _replan_with_newcomers(self, newcomers: Sequence[str]) -> bool:
-        """Newcomers were admitted and no request is in flight: plan again with them in."""
-        network = self.network
-        assert network is not None
-        names = ", ".join(network.member_name(m) for m in newcomers)
-        return await self._replan_by_choice(f"taking in {names}")
-
-    async def _replan_by_choice(self, why: str) -> bool:
-        """Replan a ring that is not broken (no request in flight): requests that come meanwhile
-        wait for the new ring rather than be turned away."""
-        self.serving.become_unready([f"the host to replan, {why}"], paused=True)
-        await self._retire(f"the host is replanning, {why}")
-        return await self._redeploy(why, f", {why}")
-
-    async def _rebalance_if_worth_it(self, loop: EngineLoop) -> bool:
-        """No request is in flight: if the ring, priced by what its stages measured, would be clearly
-        faster divided again (`HostSession.rebalance_verdict`), replan over the same machines.
-        Nothing in flight is lost; a request that comes meanwhile waits for the new ring."""
-        network = self.network
-        assert network is not None
-        if not self.core.worth_judging([(entry.range, entry.steps_alone) for entry in loop.stage_report]):
-            return True
-        verdict = network.rebalance_verdict(loop.stage_report)
-        if verdict is None or not verdict.worth_it:
-            return True
-        self.core.rebalanced(time.monotonic())
-        why = "rebalancing by what the stages measured serving"
-        self.ui.say(f"{why}: {verdict.reason}")
-        return await self._replan_by_choice(why)
-
-    async def _redeploy(self, error: str, why: str = "") -> bool:
-        """Deploy over every member still linked; serve alone when none is left. When neither can
-        serve, say why and wait for members to join again (the session lives on for them)."""
-        network = self.network
-        assert network is not None
-        alive = network.alive()
-        try:
-            if alive and await self._deploy_leaving_out_failures(alive):
-                machines = len(network.deployment.members) + 1 if network.deployment else 1  # the host too
-                self.ui.say(f"replanned with {machines} members{why}")
-            else:
-                network.deployment = None
-                await self._serve_alone(f"replanned{why}: no member is left")
-            return True
-        except PlanRefused as refused:
-            message = f"{error}; the members that are left cannot hold the model: {refused}"
-        except Exception as failure:
-            message = f"{error}; replanning failed: {failure}"
-        network.deployment, network.broken = None, None  # nothing serves: no ring left to watch
-        self.fail(message)
-        if not network.admitting:
-            return False
-        self.ui.say(f"waiting for members to join again: {self.join_line}")
-        return True
+        return len(deployment.members) + 1  # the host too
 
     # --- both ---
     def _announce_ready(self, where: str) -> None:
