@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kafila.network.relay import HELLO, HELLO_ACK, PAIRED, WAITING, Relay, RelayLimits, TokenBucket, hello, parse_ack
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
+from kafila.planner.fleet import FleetDevice
 
 T = TypeVar("T")
 A, B, C = ("192.0.2.1", 4000), ("198.51.100.2", 5000), ("203.0.113.3", 6000)
@@ -213,10 +214,14 @@ def test_two_sockets_relayed_through_a_real_allocation(caplog: pytest.LogCapture
         peers: list[UdpPeer] = []
         try:
             host = await RendezvousClient.open(
-                handle.url, model="m", expected_members=2, capability={"name": "h", "memory_gib": 4}, fingerprint=FP
+                handle.url,
+                model="m",
+                expected_members=2,
+                capability=FleetDevice(name="h", memory_gib=4),
+                fingerprint=FP,
             )
             member = await RendezvousClient.join(
-                handle.url, host.code, capability={"name": "j", "memory_gib": 4}, fingerprint=FP
+                handle.url, host.code, capability=FleetDevice(name="j", memory_gib=4), fingerprint=FP
             )
             await host.wait_ready(5)
             grant_a, grant_b = await asyncio.gather(host.request_relay("m2", 5), member.request_relay("m1", 5))

@@ -59,6 +59,7 @@ from kafila.network.session_codes import (
     normalise_code,
     split_code,
 )
+from kafila.planner.fleet import FleetDevice
 
 FP = "AB" * 32  # upper case on purpose: the rendezvous stores fingerprints in lower case
 T = TypeVar("T")
@@ -66,6 +67,10 @@ T = TypeVar("T")
 
 def capability(name: str) -> dict[str, Any]:
     return {"name": name, "memory_gib": 8.0, "bandwidth_gb_s": 50.0, "nat": "ordinary", "rtt_ms": 12.5}
+
+
+def device(name: str) -> FleetDevice:
+    return FleetDevice.model_validate(capability(name))
 
 
 def open_message(expected: int = 3, name: str = "host", candidates: list[str] | None = None) -> dict[str, Any]:
@@ -763,7 +768,7 @@ def run(coroutine: Coroutine[Any, Any, T], timeout: float = 15) -> T:
 
 
 async def join(url: str, code: str, name: str, **options: Any) -> RendezvousClient:
-    return await RendezvousClient.join(url, code, capability=capability(name), fingerprint=FP, **options)
+    return await RendezvousClient.join(url, code, capability=device(name), fingerprint=FP, **options)
 
 
 def test_service_introduces_members_and_says_ready() -> None:
@@ -774,7 +779,7 @@ def test_service_introduces_members_and_says_ready() -> None:
                 handle.url,
                 model="m",
                 expected_members=3,
-                capability=capability("host"),
+                capability=device("host"),
                 fingerprint=FP,
                 candidates=["127.0.0.1:4000"],
             )
@@ -805,7 +810,7 @@ def test_service_carries_signals_and_joining_with_the_full_code_sends_only_its_c
         handle = await start_rendezvous("127.0.0.1", 0, 0)
         try:
             host = await RendezvousClient.open(
-                handle.url, model="m", expected_members=2, capability=capability("h"), fingerprint=FP
+                handle.url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
             )
             member = await join(handle.url, f"{host.code}-otter-lemon", "m")
             assert member.code == host.code and set(member.members) == {"m1", "m2"}
@@ -853,7 +858,7 @@ def test_service_answers_garbage_and_keeps_serving_others() -> None:
         handle = await start_rendezvous("127.0.0.1", 0, 0)
         try:
             host = await RendezvousClient.open(
-                handle.url, model="m", expected_members=2, capability=capability("h"), fingerprint=FP
+                handle.url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
             )
             async with websockets.connect(handle.url) as raw:
                 garbage: list[tuple[str | bytes, str]] = [
@@ -889,7 +894,7 @@ def test_service_shutdown_tells_members() -> None:
     async def scenario() -> None:
         handle = await start_rendezvous("127.0.0.1", 0, 0)
         host = await RendezvousClient.open(
-            handle.url, model="m", expected_members=2, capability=capability("h"), fingerprint=FP
+            handle.url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
         )
         await handle.close()
         with pytest.raises(RendezvousClosed):
@@ -915,7 +920,7 @@ def test_cli_rendezvous_prints_ready_then_http_and_serves_sessions() -> None:
         async def scenario() -> None:
             url = f"ws://{http[1]}/v1/session"
             host = await RendezvousClient.open(
-                url, model="m", expected_members=2, capability=capability("h"), fingerprint=FP
+                url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
             )
             member = await join(url, host.code, "m")
             assert (await host.wait_ready(5)).members[1].name == "m"

@@ -28,8 +28,8 @@ from kafila.session.core import (
     Gathered,
     HoldRequests,
     Interrupted,
-    JudgeRebalance,
     Judged,
+    JudgeRebalance,
     MemberFailed,
     NewcomerChecked,
     Observed,
@@ -224,7 +224,7 @@ def test_a_wrong_code_while_the_session_forms_voids_it_for_a_new_one() -> None:
     assert host.handle(Gathered(("laptop",))) == [Deploy(("laptop",))]
 
 
-def test_a_member_lost_mid_stream_is_replanned_without_then_taken_back_when_it_rejoins() -> None:
+def test_a_session_that_loses_a_member_mid_stream_replans_then_takes_it_back_when_it_rejoins() -> None:
     host = serving_ring()
     broke = host.handle(seen(5.0, alive=frozenset({"laptop"})))
     assert broke == [
@@ -436,16 +436,25 @@ def test_one_machines_failed_stages_are_loaded_again_as_one() -> None:
 
 
 MEMBERS = ("laptop", "workstation", "phone")
+
+
+def observed(
+    now: float,
+    alive: set[str],
+    arrivals: list[str],
+    newcomers: list[str],
+    flags: tuple[bool, bool, bool],
+    broken: str | None,
+) -> Observed:
+    idle, ready, engine = flags
+    return seen(now, alive=frozenset(alive), arrivals=tuple(arrivals), newcomers=tuple(newcomers), idle=idle,
+                ready=ready, broken=broken, engine=engine, measurements=now)  # fmt: skip
+
+
+some = st.lists(st.sampled_from(MEMBERS), max_size=2)
 events = st.one_of(
-    st.builds(
-        lambda now, alive, arrivals, newcomers, idle, ready, broken, engine: seen(
-            now, alive=frozenset(alive), arrivals=tuple(arrivals), newcomers=tuple(newcomers),
-            idle=idle, ready=ready, broken=broken, engine=engine, measurements=now,
-        ),
-        st.floats(0, 1000), st.sets(st.sampled_from(MEMBERS)), st.lists(st.sampled_from(MEMBERS), max_size=2),
-        st.lists(st.sampled_from(MEMBERS), max_size=2), st.booleans(), st.booleans(),
-        st.none() | st.just("a stage stopped"), st.booleans(),
-    ),  # fmt: skip
+    st.builds(observed, st.floats(0, 1000), st.sets(st.sampled_from(MEMBERS)), some, some,
+              st.tuples(st.booleans(), st.booleans(), st.booleans()), st.none() | st.just("a stage stopped")),
     st.builds(Gathered, st.tuples(st.sampled_from(MEMBERS))),
     st.builds(CodeRefused, st.just("wrong code")),
     st.builds(NewcomerChecked, st.sampled_from(MEMBERS), st.none() | st.just("no"), st.booleans()),
@@ -457,7 +466,7 @@ events = st.one_of(
     st.just(ServedAlone()),
     st.builds(Judged, st.floats(0, 1000), st.booleans(), st.just("faster")),
     st.builds(Opened, st.just(JOIN)),
-)
+)  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)

@@ -95,12 +95,18 @@ class Serving:
     template: ChatTemplate | None = None
     waiting_for: list[str] = field(default_factory=lambda: ["the model to load"])
     failure: str | None = None
-    session_status: Callable[[], SessionStatus] = SessionStatus
+    describe_session: Callable[[], SessionStatus] = SessionStatus  # the session's part of /status, on demand
     created: int = field(default_factory=lambda: int(time.time()))
     paused: bool = False  # a planned replan runs: requests wait for it rather than be turned away
     pause_wait_s: float = PLANNED_PAUSE_WAIT_S
     _resumed: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
     incidents: deque[Incident] = field(default_factory=lambda: deque(maxlen=MAX_INCIDENTS))
+
+    def session_status(self) -> SessionStatus:
+        return self.describe_session()
+
+    def session_described_by(self, source: Callable[[], SessionStatus]) -> None:
+        self.describe_session = source
 
     def record_incident(self, what: str, detail: str) -> None:
         self.incidents.append(Incident(what=what, detail=detail, at=time.time()))
@@ -141,6 +147,11 @@ class Serving:
     @property
     def ready(self) -> bool:
         return self.loop is not None and self.loop.error is None
+
+    @property
+    def chat_template_source(self) -> str | None:
+        """Where the chat template in use came from (the model's own, or a fallback), once ready."""
+        return self.template.source if self.template is not None else None
 
 
 def _settle(waiter: asyncio.Future[None]) -> None:

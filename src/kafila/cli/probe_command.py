@@ -157,7 +157,9 @@ def probe(
             Console(stderr=True).print(f"[yellow]warning:[/yellow] cannot keep this pricing for sessions: {error}")
     entry = result.fleet_device().priced(pricing)
     if as_json:
-        report = {**result.report(), **entry.model_dump(exclude_none=True)}
+        # The fleet entry a person pastes into a fleet file, then how it was measured.
+        details = result.model_dump(exclude={"name", "bandwidth_gb_s", "overhead_us", "tflops", "memory_gib"})
+        report = {**entry.model_dump(exclude_none=True), "probe": details}
         if stages is not None:
             report["model_stages"] = stages.model_dump()
         if pricing is not None:

@@ -121,7 +121,7 @@ class RendezvousClient:
         *,
         model: str,
         expected_members: int,
-        capability: FleetDevice | dict[str, Any],
+        capability: FleetDevice,
         fingerprint: str,
         candidates: Sequence[str] = (),
         timeout: float = 10.0,
@@ -132,7 +132,7 @@ class RendezvousClient:
             type="open",
             model=model,
             expected_members=expected_members,
-            capability=FleetDevice.model_validate(capability),
+            capability=capability,
             candidates=list(candidates),
             fingerprint=fingerprint,
         )
@@ -144,7 +144,7 @@ class RendezvousClient:
         url: str,
         code: str,
         *,
-        capability: FleetDevice | dict[str, Any],
+        capability: FleetDevice,
         fingerprint: str,
         candidates: Sequence[str] = (),
         timeout: float = 10.0,
@@ -157,7 +157,7 @@ class RendezvousClient:
         request = JoinSession(
             type="join",
             code=channel_part(code),
-            capability=FleetDevice.model_validate(capability),
+            capability=capability,
             candidates=list(candidates),
             fingerprint=fingerprint,
         )

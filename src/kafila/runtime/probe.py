@@ -267,15 +267,6 @@ class DeviceProbe(Strict):
             memory_gib=significant(self.memory_gib),
         )
 
-    def fleet_entry(self) -> dict[str, Any]:
-        """The five fleet keys only: what a person pastes into a fleet file's `devices`."""
-        return self.fleet_device().model_dump(exclude_none=True)
-
-    def report(self) -> dict[str, Any]:
-        """The fleet entry followed by the details of the measurement under `probe`."""
-        details = self.model_dump(exclude={"name", "bandwidth_gb_s", "overhead_us", "tflops", "memory_gib"})
-        return {**self.fleet_entry(), "probe": details}
-
 
 def is_steady(fit: LineFit, decode: Sequence[DecodeSample]) -> bool:
     """Whether the device was quiet enough while measured for the figures to be trusted."""

@@ -7,6 +7,7 @@ host with its name, the signal and what it said last, rather than only as a link
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import sys
@@ -80,3 +81,36 @@ class LocalMember:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+class DemoMembers:
+    """The demo's members, started as a person would start `kafila join` on other machines; one
+    that ends badly while the session runs is reported through `on_failure(what, detail)` on the
+    host's event loop (a native crash names its signal)."""
+
+    def __init__(self, on_failure: Callable[[str, str], None]) -> None:
+        self.members: list[LocalMember] = []
+        self.stopping = False
+        self._on_failure = on_failure
+
+    def start(self, code: str, rendezvous: str, count: int) -> None:
+        loop = asyncio.get_running_loop()
+
+        def ended(member: LocalMember) -> None:
+            with contextlib.suppress(RuntimeError):  # the host's loop has closed: it is exiting anyway
+                loop.call_soon_threadsafe(self._ended, member)
+
+        for number in range(1, count + 1):
+            name = f"demo-member-{number}"
+            command = [sys.executable, "-m", "kafila", "join", code, "--rendezvous", rendezvous, "--name", name]
+            self.members.append(LocalMember(name, command, ended))
+
+    def _ended(self, member: LocalMember) -> None:
+        failure = member.failure()
+        if failure is not None and not self.stopping:
+            self._on_failure(f"{member.name} {'died' if member.process.returncode < 0 else 'exited'}", failure)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for member in self.members:
+            await asyncio.to_thread(member.stop)

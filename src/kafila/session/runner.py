@@ -8,11 +8,9 @@ through a `HostUi`, so the CLI renders them with rich and tests or other front e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -73,8 +71,9 @@ from kafila.session.core import (
     Unready,
     Warn,
 )
-from kafila.session.host import HostSession, SessionFailed
-from kafila.session.local_members import LocalMember
+from kafila.session.deployer import SessionFailed
+from kafila.session.host import HostSession
+from kafila.session.local_members import DemoMembers
 from kafila.session.presence import present
 
 # How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
@@ -98,8 +97,25 @@ def newcomer_patience_s() -> float:
 
 
 if TYPE_CHECKING:
-    from kafila.api.server import Serving
     from kafila.runtime.pipeline import Engine
+
+
+class Availability(Protocol):
+    """What the host's API may serve now, as the session tells it (the API's `Serving` is one):
+    the session depends on this port, not on the API."""
+
+    waiting_for: list[str]
+
+    def session_described_by(self, source: Callable[[], SessionStatus]) -> None:
+        """`/status` reads the session's part from `source` from now on."""
+
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def chat_template_source(self) -> str | None: ...
+    def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None: ...
+    def become_unready(self, waiting_for: list[str], failure: str | None = None, paused: bool = False) -> None: ...
+    def record_incident(self, what: str, detail: str) -> None: ...
 
 
 class HostUi(Protocol):
@@ -146,7 +162,7 @@ class HostRunner:
     """The shell around `SessionCore`: it feeds the core what happens, and does what the core
     decides (load or gather, serve, replan, stop), around the HTTP server."""
 
-    def __init__(self, config: HostConfig, serving: Serving, ui: HostUi) -> None:
+    def __init__(self, config: HostConfig, serving: Availability, ui: HostUi) -> None:
         self.config, self.serving, self.ui = config, serving, ui
         self.manifest = read_manifest(config.path)
         self.engine: Engine | None = None
@@ -159,7 +175,7 @@ class HostRunner:
         self.core = SessionCore(rules) if config.members > 1 else SessionCore.one_machine(rules)
         self.network: HostSession | None = None
         self.rendezvous: RendezvousHandle | None = None  # the embedded one, when the host runs it
-        self.joiners: list[LocalMember] = []
+        self.demo = DemoMembers(self.incident)
         self.stopping = False
         self._hashing: asyncio.Future[str] | None = None  # the model's sha256, for members with a copy
         self._rendezvous_at: tuple[str, int] = ("", 0)  # where this host and its members reach the rendezvous
@@ -186,34 +202,7 @@ class HostRunner:
             await asyncio.sleep(0.2)
             if self.stopping:  # members leave when the session ends: that is not a failure
                 return
-            await self._drive([Observed(self._view())])
-
-    def _view(self) -> SessionView:
-        network, loop = self.network, self.engine_loop
-        idle = loop is None or (loop.running == 0 and loop.queued == 0)
-        seen = SessionView(
-            now=time.monotonic(),
-            deployed=frozenset(),
-            alive=frozenset(),
-            engine=loop is not None,
-            engine_error=loop.error if loop is not None else None,
-            idle=idle,
-            ready=self.serving.ready,
-            measurements=[(entry.range, entry.steps_alone) for entry in loop.stage_report] if loop and idle else None,
-        )
-        if network is None:
-            return seen
-        deployment, arrivals = network.deployment, network.arrivals()
-        return replace(
-            seen,
-            deployed=frozenset(deployment.members if deployment else ()),
-            alive=frozenset(network.alive()),
-            arrivals=tuple(arrivals),
-            newcomers=tuple(network.waiting_newcomers()),
-            broken=network.broken,
-            names={m: network.member_name(m) for m in network.known}
-            | {m: network.client.members[m].name for m in arrivals},
-        )
+            await self._drive([Observed(session_view(self.network, self.engine_loop, self.serving.ready))])
 
     async def _carry_out(self, command: Command) -> list[Event]:
         """Do what the core decided; the events it answers with, if any."""
@@ -255,7 +244,7 @@ class HostRunner:
                 network.refuse(member, reason, functools.partial(self._admitted, network.client.members[member].name))
             case ForgetRing():
                 if network is not None:  # nothing serves: no ring left to watch
-                    network.deployment, network.broken = None, None
+                    network.forget_ring()
             case Resume():
                 if self.engine is not None and self.engine_loop is not None:
                     self.serving.become_ready(self.engine, self.engine_loop, self.manifest.architecture)
@@ -278,7 +267,7 @@ class HostRunner:
                 self.fail(message)
             case AbandonRing(reason=reason):
                 if self.network is not None:
-                    self.network.abandon_ring()  # a step waiting on the ring ends at once
+                    self.network.deployer.abandon_ring()  # a step waiting on the ring ends at once
                 loop = self.engine_loop
                 if loop is not None:
                     threading.Thread(target=loop.stop, args=(reason,), daemon=True).start()
@@ -313,7 +302,7 @@ class HostRunner:
         """Stop the engine loop and close the engine. The ring is abandoned first: its engine thread
         may be waiting on the event loop, and a stale wait would steal the next ring's frames."""
         if self.network is not None:
-            self.network.abandon_ring()
+            self.network.deployer.abandon_ring()
         loop, self.engine_loop = self.engine_loop, None
         if loop is not None and self.network is not None and learn and not self.stopping:
             repriced = self.network.learn_from_serving(loop.stage_report)  # for the replan that follows
@@ -325,7 +314,7 @@ class HostRunner:
         if engine is not None:
             await asyncio.to_thread(engine.close)
         if self.network is not None:
-            await self.network.drop_own_stage()  # its memory may be needed to serve alone
+            await self.network.deployer.drop_own_stage()  # its memory may be needed to serve alone
 
     async def _serve_alone(self, why: str) -> None:
         """Every block on this machine, if it can hold them: where a session falls back to."""
@@ -334,7 +323,7 @@ class HostRunner:
         engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
         self._activate(engine)
         alone = SessionStatus(division=[self.manifest.n_blocks], members=[MemberStatus(name="this machine")])
-        self.serving.session_status = lambda: alone
+        self.serving.session_described_by(lambda: alone)
         self.ui.say(f"{why}: serving on this machine alone")
 
     # --- one machine ---
@@ -344,7 +333,7 @@ class HostRunner:
         where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
         self.serving.waiting_for = [f"{self.config.path.name} to load {where}"]
         local = SessionStatus(division=counts, members=[MemberStatus(name="this machine", stages=counts)])
-        self.serving.session_status = lambda: local
+        self.serving.session_described_by(lambda: local)
         cutting = f"cutting {self.config.path.name} into {len(counts)} stage files"
         with self.ui.progress_bars() as progress:
             engine = await asyncio.to_thread(
@@ -361,7 +350,7 @@ class HostRunner:
         (the host has said why)."""
         config = self.config
         if config.rendezvous is None:
-            self.rendezvous = await self._start_rendezvous()
+            self.rendezvous = await start_embedded_rendezvous(config)
             bound = self.rendezvous.http_address
             # The host reaches its own rendezvous at the address it gives members, so that every
             # member's candidates are on the same network and punches between them line up.
@@ -377,19 +366,6 @@ class HostRunner:
         self._device = await asyncio.to_thread(this_device, memory=config.memory)
         await self._drive(await self._open_and_gather())
         return self.going_on
-
-    async def _start_rendezvous(self) -> RendezvousHandle:
-        config = self.config
-        try:
-            bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
-            return await start_rendezvous(bind, *ports, discovery_port=config.discovery_port)
-        except OSError as error:
-            raise OSError(
-                f"the embedded rendezvous cannot listen on {config.rendezvous_bind} (port "
-                f"{config.rendezvous_port}, STUN port {config.stun_port}): {error.strerror or error}. Is another "
-                "kafila host running here? `--rendezvous-port 0 --stun-port 0` take free ports (the join line "
-                "says which)"
-            ) from None
 
     async def _open_and_gather(self) -> list[Event]:
         """Open a session at the rendezvous, say its code, and wait until every seat is taken by a
@@ -409,9 +385,9 @@ class HostRunner:
         discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
         self.ui.announce_code(network.code, f"{where}: {join}", discoverable)
         self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
-        self.serving.session_status = functools.partial(self._network_status, network)
-        if config.demo and not self.joiners:
-            self.joiners = [self._start_joiner(network.code, self._advertised, i + 1) for i in range(others)]
+        self.serving.session_described_by(functools.partial(self._network_status, network))
+        if config.demo and not self.demo.members:
+            self.demo.start(network.code, self._advertised, others)
         try:
             await network.gather(ready_timeout=None)
         except TrustError as error:
@@ -449,7 +425,7 @@ class HostRunner:
         plan = network.plan(members)  # refusals surface here, before anything is sent
         self.ui.show_plan(plan_report(plan, time.perf_counter() - started))
         self.ui.say(network.pricing_note(members))
-        self.serving.session_status = functools.partial(self._network_status, network)  # after serving alone
+        self.serving.session_described_by(functools.partial(self._network_status, network))  # after serving alone
 
         def pending(waits: list[str]) -> None:
             self.serving.waiting_for = waits or ["the head to load"]
@@ -457,7 +433,7 @@ class HostRunner:
         with self.ui.progress_bars() as progress:
             deployment = await network.deploy(members, progress, pending)
         loop = asyncio.get_running_loop()
-        engine = await asyncio.to_thread(network.engine, deployment, loop)
+        engine = await asyncio.to_thread(network.deployer.engine, deployment, loop)
         self._activate(engine)
         head = "" if deployment.head_here else f", the head on {network.member_name(deployment.chain[-1])}"
         self._announce_ready(f"as {len(deployment.chain)} stages {deployment.counts} across the ring{head}")
@@ -465,35 +441,16 @@ class HostRunner:
 
     # --- both ---
     def _announce_ready(self, where: str) -> None:
-        assert self.serving.template is not None
         session = self.config.session
         self.ui.say(
             f"ready: {self.config.path.stem}, {where}, context {session.context} × {session.concurrency} requests, "
-            f"chat template: {self.serving.template.source}"
+            f"chat template: {self.serving.chat_template_source}"
         )
 
     def incident(self, what: str, detail: str) -> None:
         """Something went wrong: the person at the host is told, and /status keeps it."""
         self.ui.warn(what, detail)
         self.serving.record_incident(what, detail)
-
-    def _start_joiner(self, code: str, rendezvous: str, number: int) -> LocalMember:
-        """A local `kafila join` for the demo, as a person would run it on another machine; if it ends
-        badly while the session runs, the host says how (a native crash names its signal)."""
-        loop = asyncio.get_running_loop()
-
-        def ended(member: LocalMember) -> None:
-            with contextlib.suppress(RuntimeError):  # the host's loop has closed: it is exiting anyway
-                loop.call_soon_threadsafe(self._joiner_ended, member)
-
-        name = f"demo-member-{number}"
-        command = [sys.executable, "-m", "kafila", "join", code, "--rendezvous", rendezvous, "--name", name]
-        return LocalMember(name, command, ended)
-
-    def _joiner_ended(self, member: LocalMember) -> None:
-        failure = member.failure()
-        if failure is not None and not self.stopping:
-            self.incident(f"{member.name} {'died' if member.process.returncode < 0 else 'exited'}", failure)
 
     def fail(self, message: str) -> None:
         """The session cannot serve: /v1 says why from now on, and so does the host's terminal."""
@@ -507,10 +464,51 @@ class HostRunner:
         await self._retire(reason)
         if self.network is not None:
             await self.network.end(reason)
-        for joiner in self.joiners:
-            await asyncio.to_thread(joiner.stop)
+        await self.demo.stop()
         if self.rendezvous is not None:
             await self.rendezvous.close()
+
+
+def session_view(network: HostSession | None, loop: EngineLoop | None, ready: bool) -> SessionView:
+    """What the session core is shown several times a second: the session as it is now."""
+    idle = loop is None or (loop.running == 0 and loop.queued == 0)
+    seen = SessionView(
+        now=time.monotonic(),
+        deployed=frozenset(),
+        alive=frozenset(),
+        engine=loop is not None,
+        engine_error=loop.error if loop is not None else None,
+        idle=idle,
+        ready=ready,
+        measurements=[(entry.range, entry.steps_alone) for entry in loop.stage_report] if loop and idle else None,
+    )
+    if network is None:
+        return seen
+    deployment, arrivals = network.deployment, network.arrivals()
+    return replace(
+        seen,
+        deployed=frozenset(deployment.members if deployment else ()),
+        alive=frozenset(network.alive()),
+        arrivals=tuple(arrivals),
+        newcomers=tuple(network.waiting_newcomers()),
+        broken=network.broken,
+        names={m: network.member_name(m) for m in network.known}
+        | {m: network.client.members[m].name for m in arrivals},
+    )
+
+
+async def start_embedded_rendezvous(config: HostConfig) -> RendezvousHandle:
+    """The rendezvous this host runs for its members, when none is given."""
+    try:
+        bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
+        return await start_rendezvous(bind, *ports, discovery_port=config.discovery_port)
+    except OSError as error:
+        raise OSError(
+            f"the embedded rendezvous cannot listen on {config.rendezvous_bind} (port "
+            f"{config.rendezvous_port}, STUN port {config.stun_port}): {error.strerror or error}. Is another "
+            "kafila host running here? `--rendezvous-port 0 --stun-port 0` take free ports (the join line "
+            "says which)"
+        ) from None
 
 
 def supervised(coroutine: Coroutine[Any, Any, None], host: HostRunner) -> asyncio.Task[None]:

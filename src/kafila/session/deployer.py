@@ -1,0 +1,382 @@
+"""Putting a plan in place over the members' links, and hearing its stages while they serve.
+
+The host assigns each member its stage and ring neighbours; members link to their neighbours
+(only the planned edges come up) while their stage files arrive from their cache, from their own
+copy of the model, or over their link, and each answers `Staged`. Then the stages load
+downstream-first (`Load`, `Loaded`), this machine's own in its turn (the head's, if it holds the
+head, last of all, with the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from kafila.contracts import EdgeStatus
+from kafila.network.rendezvous import MemberInfo
+from kafila.network.rendezvous_client import RendezvousClient
+from kafila.network.transfer import send_stage_file
+from kafila.planner.types import Plan
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.pipeline import RingEngine
+from kafila.runtime.slicer import StageFile, cached_slices
+from kafila.runtime.stage import BlockStage
+from kafila.session.member import serve_stage
+from kafila.session.protocol import Assign, Failed, Hello, Load, Loaded, RingEdge, Staged
+from kafila.session.quic_ring import QuicRing
+from kafila.session.router import FrameSink, LinkRouter, LocalChannel
+
+Say = Callable[[str], None]
+Reply = TypeVar("Reply", Staged, Loaded)
+T = TypeVar("T")
+LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
+
+
+class SessionFailed(RuntimeError):
+    """The session cannot go on as planned; the message says why, for the person at the host.
+
+    `member`: the member that failed its part (stalled, left, or could not take its stage), if
+    one did; the host can then leave it out and plan again with the others.
+    """
+
+    def __init__(self, message: str, member: str | None = None) -> None:
+        super().__init__(message)
+        self.member = member
+
+
+async def all_or_none(work: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, or the first failure with the rest cancelled: a waiter left behind would
+    read, and drop, the control messages of the next deployment."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Roster:
+    """The members this host verified: what each proved, its link, and what it said it holds."""
+
+    client: RendezvousClient
+    machine: str  # this machine's tag in the session (`presence.machine_tag`)
+    known: dict[str, MemberInfo] = field(default_factory=dict)  # everyone verified, kept after they leave
+    routers: dict[str, LinkRouter] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)  # member id → "direct" / "relayed"
+    hellos: dict[str, Hello] = field(default_factory=dict)
+
+    @property
+    def me(self) -> str:
+        return self.client.member_id
+
+    def name(self, member_id: str) -> str:
+        """Unique, readable names for the planner's table: the member's own, with its id if shared."""
+        known = self.known or self.client.members
+        info = known[member_id]
+        # The rendezvous keeps names unique among those present, so a present member is named
+        # plainly even where one that left had its name (a machine that rejoins keeps its own).
+        among = self.client.members if member_id in self.client.members else known
+        names = [m.name for m in among.values()]
+        return info.name if names.count(info.name) == 1 else f"{info.name} ({member_id[:6]})"
+
+    def alive(self) -> list[str]:
+        return [m for m, r in self.routers.items() if not r.link.closed.done()]
+
+    def others(self) -> list[MemberInfo]:
+        """The verified members other than this host, with the fingerprints they proved."""
+        return [m for m in self.known.values() if m.member_id != self.me]
+
+    def machines(self, chain: Sequence[str]) -> int:
+        """Distinct machines in the ring: the waves worth keeping in flight (stages sharing a
+        machine share its cores, and overlapping them there only makes them contend)."""
+        own = self.machine
+        return len({own if m == self.me else (self.hellos[m].machine or m) for m in chain})
+
+
+@dataclass
+class Deployment:
+    """One epoch's plan, put in place: which member holds which stage."""
+
+    epoch: int
+    plan: Plan
+    chain: list[str]  # member ids in chain order, the head last (this host, unless it cannot hold it)
+    counts: list[int]
+    stages: list[StageFile]
+    host: str  # this host's member id
+
+    @property
+    def members(self) -> list[str]:
+        """The other machines of the ring, in chain order."""
+        return [m for m in self.chain if m != self.host]
+
+    @property
+    def head_here(self) -> bool:
+        return self.chain[-1] == self.host
+
+
+@dataclass
+class OwnStage:
+    """This host's block range, served as a member serves one, when the head is on a member."""
+
+    stage: BlockStage
+    task: asyncio.Task[None]
+    inbound: LocalChannel | None  # what the engine sends it, when it holds block 0
+    executor: ThreadPoolExecutor
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.task
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.stage.close)
+        self.executor.shutdown(wait=False)
+
+
+@dataclass
+class Deployer:
+    """Puts one plan after another in place over the roster's links, and hears the stages while
+    they serve: a stage that lost a ring link says so (`broken`), and the host replans."""
+
+    roster: Roster
+    model: Path
+    settings: ContextSettings
+    cache: Path
+    say: Say
+    epoch: int = 0
+    deployment: Deployment | None = None
+    ring: QuicRing | None = None
+    ring_edges: dict[str, dict[str, RingEdge]] = field(default_factory=dict)  # member → neighbour → edge
+    broken: str | None = None  # a serving member's report that its stage stopped
+    broken_edges: set[frozenset[str]] = field(default_factory=set)  # member pairs whose ring link broke
+    own_stage: OwnStage | None = None
+    _listeners: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def deploy(
+        self,
+        plan: Plan,
+        model_sha256: str | None,
+        progress: Callable[[str, int, int], None],
+        pending: Callable[[list[str]], None] = lambda _names: None,
+    ) -> Deployment:
+        """Assign, deliver and wait for every member's stage; raises SessionFailed.
+
+        `model_sha256`: the model's, for members with their own copy of it; `progress` hears (what,
+        bytes done, bytes in all) of cutting the stage files and of sending each; `pending` hears
+        what the ring still waits for, member by member, as that shrinks.
+        """
+        me = self.roster.me
+        await self.stop_listening()  # the replies to this deployment are read below
+        await self.drop_own_stage()  # its memory is the new plan's, and its frames must not reach the new ring
+        by_name = {self.roster.name(m): m for m in self.roster.known}
+        chain = [by_name[stage.device] for stage in plan.stages]
+        counts = [stage.end - stage.start for stage in plan.stages]
+        self.epoch += 1
+        cutting = functools.partial(progress, f"cutting {self.model.name} into {len(counts)} stage files")
+        stages = await asyncio.to_thread(cached_slices, self.model, counts, self.cache, cutting)
+        assigns: dict[str, Assign] = {}
+        last = len(chain) - 1
+        for index, member in enumerate(chain):
+            if member == me:
+                continue
+            stage = stages[index]
+            hello = self.roster.hellos[member]
+            source: Literal["cache", "slice", "transfer"] = (
+                "cache" if stage.sha256 in hello.cached_stages
+                else "slice" if hello.model_sha256 is not None and hello.model_sha256 == model_sha256
+                else "transfer"
+            )  # fmt: skip
+            # Block 0 is fed by the host (the embedding), and the head answers the host (the logits).
+            predecessor = chain[index - 1] if index > 0 else me
+            successor = chain[index + 1] if index < last else me
+            assigns[member] = Assign(
+                epoch=self.epoch, stage_index=index, first_block=stage.first_block, end_block=stage.end_block,
+                sha256=stage.sha256, size=stage.n_bytes, source=source,
+                predecessor=predecessor, successor=successor,
+                n_ctx=self.settings.n_ctx, n_batch=self.settings.n_batch, n_seq_max=self.settings.n_seq_max,
+                relink=sorted({p for p in (predecessor, successor) if frozenset((member, p)) in self.broken_edges}),
+                fingerprints={p: self.roster.known[p].fingerprint for p in (predecessor, successor) if p != me},
+                head=index == last,
+            )  # fmt: skip
+        for router in self.roster.routers.values():
+            router.activation.drain()  # frames of a broken ring must not reach the new one
+        for member, assign in assigns.items():
+            await self.roster.routers[member].send_control(assign)
+        # Every member links to its neighbours and gets its file at once; they load one by one.
+        preparing = {self.roster.name(m): "to link and get its stage" for m in assigns}
+
+        def report() -> None:
+            pending([f"{name} {what}" for name, what in sorted(preparing.items())])
+
+        async def prepared(member: str, assign: Assign) -> Staged:
+            staged = await self._stage(member, assign, stages[assign.stage_index], progress)
+            preparing[self.roster.name(member)] = "to load its stage"
+            report()
+            return staged
+
+        report()
+
+        staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
+        self.ring_edges = {m: {e.peer: e for e in s.edges} for m, s in zip(assigns, staged, strict=True)}
+        for index in reversed(range(len(chain))):  # downstream first: a stage serves only once its successor does
+            member = chain[index]
+            if member == me:
+                if index < last:  # the head's own stage loads with the engine, last of all
+                    await self._load_own_stage(chain, index, stages[index])
+                continue
+            assign = assigns[member]
+            await self.roster.routers[member].send_control(Load(epoch=assign.epoch))
+            loaded = await self._expect(member, assign.epoch, Loaded, "load its stage")
+            self.say(
+                f"{self.roster.name(member)} loaded blocks {assign.first_block}-{assign.end_block - 1} "
+                f"in {loaded.seconds:.1f} s"
+            )
+            del preparing[self.roster.name(member)]
+            report()
+        self.deployment = Deployment(self.epoch, plan, chain, counts, stages, me)
+        self.broken_edges.clear()  # rebuilt, or no longer in the ring
+        self._listen(self.deployment.members, self.epoch)
+        return self.deployment
+
+    async def _load_own_stage(self, chain: Sequence[str], index: int, stage_file: StageFile) -> None:
+        """Load this host's block range and serve it between its ring neighbours, as a member would;
+        the engine feeds it directly when it holds block 0."""
+        what = f"blocks {stage_file.first_block}-{stage_file.end_block - 1}"
+        started = time.perf_counter()
+        executor = ThreadPoolExecutor(1, thread_name_prefix="own-stage")
+        try:
+            loop = asyncio.get_running_loop()
+            stage = await loop.run_in_executor(executor, BlockStage, stage_file.path, self.settings)
+        except Exception as error:
+            executor.shutdown(wait=False)
+            raise SessionFailed(f"this machine could not load its {what}: {error}") from None
+        local = LocalChannel() if index == 0 else None
+        inbound = local if local is not None else self.roster.routers[chain[index - 1]].activation
+        outbound = self.roster.routers[chain[index + 1]].activation
+        task = asyncio.create_task(serve_stage(stage, inbound, outbound, executor), name="own-stage")
+        task.add_done_callback(self._own_stage_stopped)
+        self.own_stage = OwnStage(stage, task, local, executor)
+        self.say(f"this machine loaded {what} in {time.perf_counter() - started:.1f} s")
+
+    def _own_stage_stopped(self, task: asyncio.Task[None]) -> None:
+        """This host's stage stopped by itself (a ring link it serves went down): replan."""
+        if not task.cancelled() and task.exception() is not None:
+            self.broken = f"this machine's stage stopped: {task.exception()}"
+
+    async def drop_own_stage(self) -> None:
+        """Stop serving this host's block range and free it: before a new plan, or alone, or at the end."""
+        own, self.own_stage = self.own_stage, None
+        if own is not None:
+            await own.close()
+
+    async def _stage(
+        self, member: str, assign: Assign, stage: StageFile, progress: Callable[[str, int, int], None]
+    ) -> Staged:
+        """Stream the stage file if the member needs it, then wait until it has linked and verified."""
+        if assign.source == "transfer":
+            name = self.roster.name(member)
+            try:
+                await send_stage_file(
+                    self.roster.routers[member].transfer,
+                    stage.path,
+                    stage.sha256,
+                    assign.stage_index,
+                    functools.partial(progress, f"stage file to {name}"),
+                )
+            except Exception as error:  # its side gave up, or its link went down
+                raise SessionFailed(f"{name} could not receive its stage: {error}", member) from None
+        return await self._expect(member, assign.epoch, Staged, "link to its neighbours and get its stage")
+
+    async def _expect(self, member: str, epoch: int, kind: type[Reply], what: str) -> Reply:
+        """The member's next `kind` message of this epoch; SessionFailed if it fails, leaves or stalls."""
+        name = self.roster.name(member)
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while True:
+            try:
+                message = await self.roster.routers[member].next_control(max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                raise SessionFailed(f"{name} did not {what} in {LOAD_TIMEOUT_S:.0f} s", member) from None
+            except Exception as error:
+                raise SessionFailed(f"{name} left before it could {what}: {error}", member) from None
+            if isinstance(message, kind) and message.epoch == epoch:
+                return message
+            if isinstance(message, Failed) and message.epoch == epoch:
+                raise SessionFailed(f"{name} could not {what}: {message.message}", member)
+
+    def _listen(self, members: Sequence[str], epoch: int) -> None:
+        """Hear members while the ring serves: a stage that lost a ring link says so, and the host replans."""
+        self.broken = None
+        self._listeners = [asyncio.create_task(self._listen_to(m, epoch)) for m in members]
+
+    async def _listen_to(self, member: str, epoch: int) -> None:
+        router = self.roster.routers[member]
+        while True:
+            try:
+                message = await router.next_control()
+            except Exception:  # its link went down: the host's watcher sees that by itself
+                return
+            if isinstance(message, Failed) and message.epoch == epoch:
+                self.broken = f"{self.roster.name(member)}: {message.message}"
+                if message.lost_peer is not None:  # both ends rebuild it if the next plan keeps it
+                    self.broken_edges.add(frozenset((member, message.lost_peer)))
+                return
+
+    async def stop_listening(self) -> None:
+        listeners, self._listeners = self._listeners, []
+        for task in listeners:
+            task.cancel()
+        await asyncio.gather(*listeners, return_exceptions=True)
+
+    def engine(self, deployment: Deployment, loop: asyncio.AbstractEventLoop) -> RingEngine:
+        """The engine over the links (blocking: loads the head, or the vocabulary; run it in a thread).
+
+        With the head here, frames come back from the last member as hidden states; with the head
+        on a member, they come back from it as logits, and this engine holds only the vocabulary.
+        """
+        chain, depth = deployment.chain, self.roster.machines(deployment.chain)
+        members = {self.roster.name(m): self.roster.routers[m].link.closed for m in deployment.members}
+        back = chain[-2] if deployment.head_here else chain[-1]
+        first: FrameSink
+        if chain[0] == self.roster.me and not deployment.head_here:
+            assert self.own_stage is not None and self.own_stage.inbound is not None
+            first, first_name = self.own_stage.inbound, "this machine's stage"
+        else:
+            first, first_name = self.roster.routers[chain[0]].activation, self.roster.name(chain[0])
+        ring = QuicRing(loop, first, first_name, self.roster.routers[back].activation, self.roster.name(back), members)
+        self.ring = ring
+        if deployment.head_here:
+            return RingEngine([deployment.stages[-1]], self.settings, ring=ring, depth=depth)
+        return RingEngine(deployment.stages, self.settings, ring=ring, depth=depth, model=self.model)
+
+    def abandon_ring(self) -> None:
+        """End every wait of the current ring at once, before its engine is retired for a new plan."""
+        if self.ring is not None:
+            self.ring.abandon()
+
+    def chain_edges(self, chain: Sequence[str]) -> list[EdgeStatus]:
+        """The ring's links in the order a token crosses them: how each goes (direct or relayed) and
+        its round trip. A head on a member answers the host, which feeds block 0."""
+        path = [*chain, self.roster.me] if chain[-1] != self.roster.me else list(chain)
+        hops = list(itertools.pairwise(path))
+        if path[0] != path[-1]:
+            hops.append((path[-1], path[0]))
+        edges = []
+        for member, successor in hops:
+            if self.roster.me in (member, successor):
+                other = successor if member == self.roster.me else member
+                router = self.roster.routers.get(other)
+                way, rtt = self.roster.paths.get(other), router.link.core.rtt_ms if router is not None else None
+            else:
+                edge = self.ring_edges.get(member, {}).get(successor)
+                way, rtt = (edge.path, edge.rtt_ms) if edge else (None, None)
+            ends = {"from": self.roster.name(member), "to": self.roster.name(successor)}
+            edges.append(EdgeStatus.model_validate({**ends, "path": way, "rtt_ms": rtt}))
+        return edges
