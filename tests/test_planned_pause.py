@@ -41,6 +41,13 @@ class Served:
             lines = response.read().decode().splitlines()
         return float(next(line.split()[1] for line in lines if line.startswith("kafila_requests_held_total")))
 
+    def until_held(self, count: float = 1.0, timeout: float = 30.0) -> None:
+        """Until the server counts `count` requests held for the replan (they wait, not turned away)."""
+        deadline = time.monotonic() + timeout
+        while self.held() < count:
+            assert time.monotonic() < deadline, "no request was held for the replan"
+            time.sleep(0.05)
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -74,7 +81,7 @@ def in_background(served: Served) -> tuple[threading.Thread, dict[str, object]]:
 def test_a_request_during_a_planned_replan_waits_and_is_served_by_the_new_ring(served: Served, model: Path) -> None:
     served.serving.become_unready(["the host to divide the blocks again"], paused=True)
     thread, outcome = in_background(served)
-    time.sleep(1.0)
+    served.until_held()
     assert thread.is_alive() and not outcome, outcome  # waiting, not turned away
     served.serving.become_ready(served.engine, served.loop, "llama")  # the replan is done
     thread.join(timeout=60)
@@ -85,7 +92,7 @@ def test_a_request_during_a_planned_replan_waits_and_is_served_by_the_new_ring(s
 def test_a_planned_replan_that_fails_ends_the_waiting_request_with_its_reason(served: Served) -> None:
     served.serving.become_unready(["the host to replan, taking in newcomer"], paused=True)
     thread, outcome = in_background(served)
-    time.sleep(1.0)
+    served.until_held()
     assert thread.is_alive() and not outcome, outcome
     served.serving.become_unready([], failure="replanning failed: newcomer cannot hold its share")
     thread.join(timeout=60)

@@ -828,7 +828,7 @@ def test_under_steady_load_a_newcomer_waits_for_the_running_requests_not_for_sil
         client = lose_a_member(host, joiners)
         code, rendezvous = host.join_line()
         with steady_load(client, max_tokens=200) as load:
-            time.sleep(1)
+            until_status(host, lambda status: status["running"] >= 1, "the load running")
             epoch = status_of(host)["epoch"]
             joiners.append(start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1"))
             until_status(host, took_in("newcomer", epoch), "a ring that takes in the newcomer")
@@ -879,7 +879,7 @@ def test_a_newcomer_that_goes_while_requests_are_held_leaves_the_ring_serving(tm
         client = lose_a_member(host, joiners)
         code, rendezvous = host.join_line()
         with steady_load(client, max_tokens=1500) as load:  # the requests running at the hold outlast the kill
-            time.sleep(1)
+            until_status(host, lambda status: status["running"] >= 1, "the load running")
             newcomer = start_member(code, rendezvous, "newcomer", tmp_path / "cache-new", "--threads", "1")
             joiners.append(newcomer)
             until_status(host, holding_for("newcomer"), "requests held for the newcomer")
@@ -943,7 +943,7 @@ def test_a_whole_answer_cut_off_by_a_member_killed_is_served_by_the_new_ring_on_
 
         asking = threading.Thread(target=ask)
         asking.start()
-        time.sleep(1.0)
+        until_status(host, lambda status: status["running"] == 1, "the request in flight")
         assert asking.is_alive() and not outcome
         member.kill()
         asking.join(timeout=60)

@@ -525,6 +525,7 @@ class SessionCore:
             self.phase = Phase.FAILED
             return [Fail(f"serving alone failed: {view.engine_error or 'no engine'}")]
         error = view.engine_error or view.broken or f"lost {_names(view, lost)}"
+        self.paused = False  # requests held for newcomers are turned away now: the ring broke
         return self._retire_then_deploy(
             _Replan(error, after_break=True),
             [RecordIncident("the ring broke", error), Unready(("the host to replan with the members that are left",))],

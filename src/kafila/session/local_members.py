@@ -85,12 +85,11 @@ class LocalMember:
 
 class DemoMembers:
     """The demo's members, started as a person would start `kafila join` on other machines; one
-    that ends badly while the session runs is reported through `on_failure(what, detail)` on the
-    host's event loop (a native crash names its signal)."""
+    that ends badly is reported through `on_failure(what, detail)` on the host's event loop (a
+    native crash names its signal)."""
 
     def __init__(self, on_failure: Callable[[str, str], None]) -> None:
         self.members: list[LocalMember] = []
-        self.stopping = False
         self._on_failure = on_failure
 
     def start(self, code: str, rendezvous: str, count: int) -> None:
@@ -107,10 +106,9 @@ class DemoMembers:
 
     def _ended(self, member: LocalMember) -> None:
         failure = member.failure()
-        if failure is not None and not self.stopping:
+        if failure is not None:
             self._on_failure(f"{member.name} {'died' if member.process.returncode < 0 else 'exited'}", failure)
 
     async def stop(self) -> None:
-        self.stopping = True
         for member in self.members:
             await asyncio.to_thread(member.stop)

@@ -175,7 +175,7 @@ class HostRunner:
         self.core = SessionCore(rules) if config.members > 1 else SessionCore.one_machine(rules)
         self.network: HostSession | None = None
         self.rendezvous: RendezvousHandle | None = None  # the embedded one, when the host runs it
-        self.demo = DemoMembers(self.incident)
+        self.demo = DemoMembers(self._demo_member_failed)
         self.stopping = False
         self._hashing: asyncio.Future[str] | None = None  # the model's sha256, for members with a copy
         self._rendezvous_at: tuple[str, int] = ("", 0)  # where this host and its members reach the rendezvous
@@ -451,6 +451,10 @@ class HostRunner:
         """Something went wrong: the person at the host is told, and /status keeps it."""
         self.ui.warn(what, detail)
         self.serving.record_incident(what, detail)
+
+    def _demo_member_failed(self, what: str, detail: str) -> None:
+        if not self.stopping:  # members leave when the session ends: that is not a failure
+            self.incident(what, detail)
 
     def fail(self, message: str) -> None:
         """The session cannot serve: /v1 says why from now on, and so does the host's terminal."""
