@@ -55,6 +55,46 @@ def raw(host: Host, path: str, body: bytes | None = None, key: str | None = KEY)
         return error.code, json.loads(error.read())
 
 
+def metrics(host: Host) -> str:
+    request = Request(f"{host.base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urlopen(request, timeout=10) as response:
+        return str(response.read().decode())
+
+
+def sent(host: Host, body: bytes, headers: dict[str, str], path: str = "/v1/completions") -> tuple[int, str]:
+    """POST `body` with exactly these headers (and the key); the status and the error's message."""
+    request = Request(f"{host.base_url}{path}", data=body, headers={"Authorization": f"Bearer {KEY}", **headers})
+    try:
+        with urlopen(request, timeout=30) as response:
+            return response.status, ""
+    except HTTPError as error:
+        return error.code, str(json.loads(error.read())["error"]["message"])
+
+
+def test_a_web_page_cannot_post_to_the_api_or_reach_it_by_rebinding_a_name(host: Host) -> None:
+    """A page may POST a "simple" request (text/plain, a form) without a CORS preflight, and may
+    rebind its own domain to this machine: both are refused before any route runs."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).encode()
+    assert sent(host, body, {"Content-Type": "application/json"})[0] == 200
+    for simple in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, message = sent(host, body, {"Content-Type": simple})
+        assert status == 415 and "Content-Type: application/json" in message, (simple, message)
+    port = host.base_url.rsplit(":", 1)[1]
+    for name in ("localhost", "127.0.0.1", "[::1]", "LOCALHOST."):
+        assert sent(host, body, {"Content-Type": "application/json", "Host": f"{name}:{port}"})[0] == 200, name
+    status, message = sent(host, body, {"Content-Type": "application/json", "Host": f"attacker.example:{port}"})
+    assert status == 421 and "--allow-host" in message, message
+    status, _ = sent(host, b"", {"Host": "attacker.example"}, "/health")
+    assert status == 421
+
+
+def test_a_body_nested_past_any_real_request_is_refused_with_a_400(host: Host) -> None:
+    for levels in (65, 1_000, 200_000):  # the last exhausts Python's recursion in any parser
+        nested = b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "user": ' + b"[" * levels + b"]" * levels + b"}"
+        status, message = sent(host, nested, {"Content-Type": "application/json"})
+        assert status == 400 and "nests deeper" in message, (levels, status, message)
+
+
 def test_models_lists_the_one_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -190,14 +230,13 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     assert info["pipeline_waves"] == 2
     assert info["requests"]["finished"] >= 1  # type: ignore[index]
     assert raw(host, "/status", key=None)[0] == 401
-    with urlopen(f"{host.base_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    assert raw(host, "/metrics", key=None)[0] == 401  # with --api-key, what the session looks like is the key's too
+    text = metrics(host)
     assert "kafila_completion_tokens_total" in text and "kafila_queue_depth" in text
     completion_total = next(line for line in text.splitlines() if line.startswith("kafila_completion_tokens_total"))
     assert float(completion_total.split()[-1]) >= 4
     # Requests are counted by route and status; a path that is no route counts as "other".
     assert 'kafila_requests_total{route="/v1/completions",status="200"}' in text
     raw(host, "/v1/no-such-route-1234", key=None)
-    with urlopen(f"{host.base_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = metrics(host)
     assert 'kafila_requests_total{route="other",status="404"}' in text and "no-such-route" not in text

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import re
 import time
 import uuid
 from collections import deque
@@ -29,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.chat_template import ChatTemplate, TemplateError
+from kafila.api.guards import BodyRefused, TrustedHosts, json_object
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.contracts import HostStatus, Incident, SessionStatus
 from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
@@ -45,7 +45,6 @@ MAX_DRAINED_BYTES = 1 << 30
 # cannot fit, whatever it holds.
 MAX_TOKEN_CHARACTERS = 1024
 TOKENIZE_IN_THREAD_CHARACTERS = 1 << 15
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
 # turned away with 503: a replan streams and loads stage files, which can take minutes.
 PLANNED_PAUSE_WAIT_S = 120.0
@@ -90,6 +89,7 @@ class Serving:
     model_id: str
     context_per_sequence: int
     api_key: str | None = None
+    allowed_hosts: frozenset[str] = frozenset()  # host names it answers to besides addresses and localhost
     loop: EngineLoop | None = None
     engine: Engine | None = None
     template: ChatTemplate | None = None
@@ -247,16 +247,10 @@ def create_app(serving: Serving) -> FastAPI:
     async def parse(request: Request, schema: type[BaseModel]) -> Any:
         body = await _bounded_body(request)
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise _invalid("We could not parse the JSON body of your request.") from None
-        if not isinstance(data, dict):
-            raise _invalid("The request body must be a JSON object.")
-        try:  # JSON may escape a lone UTF-16 surrogate, which no tokenizer or template can take
-            if _SURROGATE_ESCAPE.search(body):  # only an escape can make one: check the text then
-                json.dumps(data, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise _invalid("The request body holds a lone UTF-16 surrogate (such as \\ud800), not text.") from None
+            data = json_object(body, request.headers.get("content-type"))
+        except BodyRefused as refused:
+            code = "unsupported_media_type" if refused.status == 415 else None
+            raise ApiError(refused.status, str(refused), "invalid_request_error", code) from None
         try:
             return schema.model_validate(data)
         except ValidationError as error:
@@ -468,10 +462,12 @@ def create_app(serving: Serving) -> FastAPI:
         ).wire()
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
+    async def prometheus(request: Request) -> PlainTextResponse:
+        authorise(request)
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(_CountRequests, requests=metrics.requests, routes=frozenset(_route_paths(app)))
+    app.add_middleware(TrustedHosts, allowed=serving.allowed_hosts)  # outermost: before anything else
     return app
 
 

@@ -109,6 +109,14 @@ def host(
     api_key: Annotated[
         str | None, typer.Option("--api-key", envvar="KAFILA_API_KEY", help="Require this bearer token on /v1.")
     ] = None,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-host",
+            help="A host name the API answers to, besides addresses and localhost (repeatable): requests naming "
+            "any other are refused, so a web page cannot reach the API by rebinding its own name to this machine.",
+        ),
+    ] = None,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
     memory: Annotated[
         str | None,
@@ -168,7 +176,7 @@ def host(
         rendezvous_bind="127.0.0.1" if demo else "0.0.0.0",
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
-        memory=lent, rebalance=rebalance,
+        memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()),
     )  # fmt: skip
     try:
         asyncio.run(_serve(config))
@@ -213,7 +221,12 @@ class RichUi:
 
 
 async def _serve(config: HostConfig) -> None:
-    serving = Serving(model_id=config.path.stem, context_per_sequence=config.session.context, api_key=config.api_key)
+    serving = Serving(
+        model_id=config.path.stem,
+        context_per_sequence=config.session.context,
+        api_key=config.api_key,
+        allowed_hosts=frozenset(config.allowed_hosts),
+    )
     host = HostRunner(config, serving, RichUi())
 
     class Server(uvicorn.Server):

@@ -151,6 +151,7 @@ class HostConfig:
     memory: int | None = None  # bytes this machine lends (`--memory`); None: what is free
     discovery_port: int | None = DEFAULT_DISCOVERY_PORT  # LAN discovery by the embedded rendezvous; None: off
     rebalance: bool = True  # divide the blocks again when the stages' measured times clearly call for it
+    allowed_hosts: tuple[str, ...] = ()  # host names the API answers to besides addresses and localhost
 
     @property
     def settings(self) -> ContextSettings:
