@@ -44,7 +44,7 @@ from kafila.network.rendezvous import (
     Wire,
     parse_client_message,
 )
-from kafila.network.rendezvous_client import RendezvousClient, RendezvousClosed, RendezvousError
+from kafila.network.rendezvous_client import RendezvousClient, RendezvousError
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.network.session_codes import (
     ADJECTIVES,
@@ -788,17 +788,13 @@ def test_service_introduces_members_and_says_ready() -> None:
             second = await join(handle.url, host.code, "second")
             readies = await asyncio.gather(*(c.wait_ready(5) for c in (host, first, second)))
             assert all([m.name for m in r.members] == ["host", "first", "second"] for r in readies)
-            joined = await host.next_event(2)
-            assert isinstance(joined, MemberJoined) and joined.member.candidates == ["127.0.0.1:4001"]
+            assert host.members["m2"].candidates == ["127.0.0.1:4001"]
             assert 0 < await second.ping() < 2
             await first.leave()
-            left = [await host.next_event(2) for _ in range(3)][-1]
-            assert left == MemberLeft(member_id="m2", reason=LeaveReason.LEFT)
+            await host.wait_for_left("m2", 2)
+            assert host.departed == {"m2": LeaveReason.LEFT} and "m2" not in host.members
             await host.leave()
-            with pytest.raises(RendezvousClosed):
-                while True:
-                    await second.next_event(2)
-            assert second.ended == Ended(reason=EndReason.HOST_LEFT)
+            assert await second.wait_closed(2) == Ended(reason=EndReason.HOST_LEFT)
         finally:
             await handle.close()
 
@@ -897,10 +893,7 @@ def test_service_shutdown_tells_members() -> None:
             handle.url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
         )
         await handle.close()
-        with pytest.raises(RendezvousClosed):
-            while True:
-                await host.next_event(2)
-        assert host.ended == Ended(reason=EndReason.SHUTDOWN)
+        assert await host.wait_closed(2) == Ended(reason=EndReason.SHUTDOWN)
 
     run(scenario())
 

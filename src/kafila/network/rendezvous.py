@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from kafila.network.events import emit
 from kafila.network.relay import TOKEN_BYTES, TokenBucket
@@ -38,6 +38,7 @@ from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
 
 PROTOCOL_VERSION = 1
 MAX_CANDIDATES = 8
+MAX_ERROR_MESSAGE = 1000  # characters of a refusal's explanation kept
 MAX_SIGNAL_BODY = 4096  # characters (printable ASCII, so bytes too) in a member-to-member signal
 log = logging.getLogger("kafila.rendezvous")
 
@@ -149,7 +150,7 @@ class MemberInfo(Wire):
     """What every member learns of every other: enough to plan the ring and to dial and pin it."""
 
     member_id: MemberId
-    name: str
+    name: Annotated[str, Field(min_length=1, max_length=80)]  # the device's name, made unique
     host: bool
     capability: FleetDevice
     candidates: Candidates
@@ -158,7 +159,7 @@ class MemberInfo(Wire):
 
 class Opened(Wire):
     type: Literal["opened"] = "opened"
-    code: str
+    code: Annotated[str, Field(max_length=64)]
     member_id: MemberId
     token: MemberToken
     model: ModelId
@@ -168,13 +169,13 @@ class Opened(Wire):
 
 class Joined(Wire):
     type: Literal["joined"] = "joined"
-    code: str
+    code: Annotated[str, Field(max_length=64)]
     member_id: MemberId
     token: MemberToken
     model: ModelId
     expected_members: MemberCount
     host: MemberId
-    members: list[MemberInfo]  # everyone now in the session, this member included
+    members: Annotated[list[MemberInfo], Field(max_length=MAX_MEMBERS)]  # everyone now in it, this member included
 
 
 class MemberJoined(Wire):
@@ -190,7 +191,7 @@ class Ready(Wire):
 
     type: Literal["ready"] = "ready"
     host: MemberId
-    members: list[MemberInfo]
+    members: Annotated[list[MemberInfo], Field(max_length=MAX_MEMBERS)]
 
 
 class LeaveReason(StrEnum):
@@ -212,9 +213,9 @@ class RelayGranted(Wire):
     """`host` None means the address this member reached the rendezvous on."""
 
     type: Literal["relay_granted"] = "relay_granted"
-    relay_id: str
+    relay_id: Annotated[str, Field(max_length=64)]
     peer: MemberId
-    host: str | None
+    host: Annotated[str, Field(max_length=255)] | None
     port: Annotated[int, Field(ge=1, le=65535)]
     relay_token: Annotated[str, Field(pattern=rf"^[0-9a-f]{{{2 * TOKEN_BYTES}}}$")]
 
@@ -264,8 +265,8 @@ class ErrorCode(StrEnum):
 class Error(Wire):
     type: Literal["error"] = "error"
     code: ErrorCode
-    message: str
-    request: str | None = None  # the type of the message refused, when it was readable
+    message: Annotated[str, BeforeValidator(lambda text: text[:MAX_ERROR_MESSAGE] if isinstance(text, str) else text)]
+    request: Annotated[str, Field(max_length=64)] | None = None  # the type of the message refused, when readable
     peer: MemberId | None = None  # for relay errors: the edge's other member
     retry_after_s: int | None = None
 

@@ -2,8 +2,12 @@
 
 `RendezvousClient.open` (the host) and `RendezvousClient.join` (everyone else) return once the
 rendezvous has answered, or raise `RendezvousError` with its code and message. After that the
-client keeps the member list current, keeps the connection alive with pings, and hands every
-message it receives to `events()` / `next_event()` for whoever wants the raw stream.
+client keeps the member list current and the connection alive with pings.
+
+The rendezvous is untrusted, so nothing it sends can grow the client's memory without bound:
+messages are at most MAX_MESSAGE_BYTES, a signal is kept only from a member of the session (at
+most MAX_PENDING_SIGNALS each), a pong only for a ping in flight, a refusal only for a request
+made, and no message is queued for a reader that does not exist.
 
 `verify_members` (the host) and `verify_host` (a joiner) then run the trust exchange of
 `kafila.network.pake` over `signal` messages and return the roster of fingerprints that the
@@ -18,7 +22,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 from urllib.parse import urlsplit
 
@@ -43,6 +47,7 @@ from kafila.network.rendezvous import (
     Joined,
     JoinSession,
     Leave,
+    LeaveReason,
     MemberInfo,
     MemberJoined,
     MemberLeft,
@@ -59,9 +64,10 @@ from kafila.network.rendezvous import (
     Wire,
 )
 from kafila.network.session_codes import channel_part, split_code
-from kafila.planner.fleet import FleetDevice
+from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
 
-MAX_MESSAGE_BYTES = 4 << 20  # a ready list of 32 members is ~25 KB; leave room
+MAX_MESSAGE_BYTES = 128 << 10  # the largest legitimate message, a ready list of 32 members, is under 64 KiB
+MAX_REFUSALS_LOGGED = 5  # refusals that concern no request in flight: logged, the first few only
 MAX_PENDING_SIGNALS = 64  # signals kept per sender until read; a flood past this is dropped
 log = logging.getLogger("kafila.rendezvous.client")
 
@@ -98,15 +104,15 @@ class RendezvousClient:
         self.ready: Ready | None = None
         self.ended: Ended | None = None
         self.grants: dict[str, RelayGranted] = {}
-        self.errors: list[Error] = []
-        self._relay_errors: dict[str, Error] = {}
-        self._signals: dict[str, deque[str]] = {}
-        self._signal_errors: dict[str, Error] = {}
-        self._departed: set[str] = set()
+        self._relay_errors: dict[str, Error] = {}  # for relays requested, until read
+        self._signals: dict[str, deque[str]] = {}  # from members, until read
+        self._signal_errors: dict[str, Error] = {}  # for signals sent, until read
+        self.departed: dict[str, LeaveReason] = {}  # members that left, and why (at most the member ids there are)
+        self._asked: set[str] = set()  # peers this member signalled or asked a relay to
         self._changes = 0  # messages received so far: what `_wait_change` watches
-        self._pongs: dict[int, float] = {}
+        self._refusals_logged = 0
+        self._pings: dict[int, float | None] = {}  # nonce → when its pong came, for pings in flight
         self._nonces = itertools.count(1)
-        self._events: asyncio.Queue[ServerMessage | None] = asyncio.Queue()
         self._changed = asyncio.Condition()
         self._closed = False
         self._receiver = asyncio.create_task(self._receive())
@@ -207,63 +213,53 @@ class RendezvousClient:
                     continue
                 self._apply(message)
                 self._changes += 1
-                self._events.put_nowait(message)
                 async with self._changed:
                     self._changed.notify_all()
         except ConnectionClosed:
             pass
         finally:
             self._closed = True
-            self._events.put_nowait(None)
             async with self._changed:
                 self._changed.notify_all()
 
     def _apply(self, message: ServerMessage) -> None:
         if isinstance(message, MemberJoined):
-            self.members[message.member.member_id] = message.member
+            if message.member.member_id in self.members or len(self.members) < MAX_MEMBERS:
+                self.members[message.member.member_id] = message.member
         elif isinstance(message, Ready):
             self.ready = message
             self.members = {m.member_id: m for m in message.members}
         elif isinstance(message, MemberLeft):
-            self.members.pop(message.member_id, None)
-            self._departed.add(message.member_id)
+            if self.members.pop(message.member_id, None) is not None:
+                self.departed[message.member_id] = message.reason
             self.grants.pop(message.member_id, None)
         elif isinstance(message, RelayGranted):
-            self.grants[message.peer] = message
-            self._relay_errors.pop(message.peer, None)
+            if message.peer in self.members:
+                self.grants[message.peer] = message
+                self._relay_errors.pop(message.peer, None)
         elif isinstance(message, SignalFrom):
+            if message.peer not in self.members:
+                log.debug("dropped a signal from %s, not a member of this session", message.peer)
+                return
             pending = self._signals.setdefault(message.peer, deque())
             if len(pending) < MAX_PENDING_SIGNALS:
                 pending.append(message.body)
             else:
                 log.warning("dropped a signal from %s: %d already unread", message.peer, len(pending))
         elif isinstance(message, Pong) and message.nonce is not None:
-            self._pongs[message.nonce] = time.monotonic()
+            if message.nonce in self._pings:
+                self._pings[message.nonce] = time.monotonic()
         elif isinstance(message, Ended):
             self.ended = message
         elif isinstance(message, Error):
-            self.errors.append(message)
-            if message.request == "relay_request" and message.peer is not None:
+            if message.peer is None or message.peer not in self._asked:
+                self._refusals_logged += 1
+                if self._refusals_logged <= MAX_REFUSALS_LOGGED:
+                    log.warning("the rendezvous refused something: %s", message.message[:200])
+            elif message.request == "relay_request":
                 self._relay_errors[message.peer] = message
-            elif message.request == "signal" and message.peer is not None:
+            elif message.request == "signal":
                 self._signal_errors[message.peer] = message
-
-    async def next_event(self, timeout: float | None = None) -> ServerMessage:
-        """The next message received; `RendezvousClosed` once the connection is over and drained."""
-        async with asyncio.timeout(timeout):
-            message = await self._events.get()
-        if message is None:
-            self._events.put_nowait(None)  # every later call sees the end too
-            raise RendezvousClosed(ended=self.ended)
-        return message
-
-    async def events(self) -> AsyncIterator[ServerMessage]:
-        """Every message received, until the connection closes."""
-        while True:
-            try:
-                yield await self.next_event()
-            except RendezvousClosed:
-                return
 
     async def _until(self, done: Callable[[], bool], timeout: float | None) -> None:
         async with asyncio.timeout(timeout), self._changed:
@@ -279,6 +275,13 @@ class RendezvousClient:
     async def _wait_change(self, seen: int, timeout: float | None) -> None:
         """Until a message arrives after the `seen`-th (or the connection closes); TimeoutError after `timeout`."""
         await self._until(lambda: self._changes != seen, timeout)
+
+    async def wait_for_left(self, member: str, timeout: float | None = None) -> LeaveReason:
+        """Until `member` has left the session; why it left."""
+        await self._until(lambda: member in self.departed, timeout)
+        if member not in self.departed:
+            raise RendezvousClosed(ended=self.ended)
+        return self.departed[member]
 
     async def wait_for_members(self, count: int, timeout: float | None = None) -> dict[str, MemberInfo]:
         await self._until(lambda: len(self.members) >= count, timeout)
@@ -301,6 +304,7 @@ class RendezvousClient:
         if peer in self.grants:
             return self.grants[peer]
         self._relay_errors.pop(peer, None)
+        self._asked.add(peer)
         await self._send(RelayRequest(type="relay_request", token=self.token, peer=peer))
         await self._until(lambda: peer in self.grants or peer in self._relay_errors, timeout)
         if peer in self.grants:
@@ -313,6 +317,7 @@ class RendezvousClient:
     async def send_signal(self, peer: str, body: str) -> None:
         """An opaque message (printable ASCII, at most 4096 characters) to another member of the session."""
         self._signal_errors.pop(peer, None)
+        self._asked.add(peer)
         await self._send(SignalTo(type="signal", token=self.token, peer=peer, body=body))
 
     def take_signals(self, peer: str) -> list[str]:
@@ -328,7 +333,7 @@ class RendezvousClient:
         `timeout`. Signals `peer` sent before leaving are still returned first.
         """
         await self._until(
-            lambda: bool(self._signals.get(peer)) or peer in self._signal_errors or peer in self._departed, timeout
+            lambda: bool(self._signals.get(peer)) or peer in self._signal_errors or peer in self.departed, timeout
         )
         pending = self._signals.get(peer)
         if pending:
@@ -352,11 +357,16 @@ class RendezvousClient:
         """Round-trip time to the rendezvous in seconds (also keeps the connection alive)."""
         nonce = next(self._nonces)
         started = time.monotonic()
-        await self._send(Ping(type="ping", token=self.token, nonce=nonce))
-        await self._until(lambda: nonce in self._pongs, timeout)
-        if nonce not in self._pongs:
+        self._pings[nonce] = None
+        try:
+            await self._send(Ping(type="ping", token=self.token, nonce=nonce))
+            await self._until(lambda: self._pings[nonce] is not None, timeout)
+            answered = self._pings[nonce]
+        finally:
+            del self._pings[nonce]
+        if answered is None:
             raise RendezvousClosed(ended=self.ended)
-        return self._pongs.pop(nonce) - started
+        return answered - started
 
     async def _ping_forever(self, interval: float) -> None:
         with contextlib.suppress(RendezvousClosed):
@@ -367,6 +377,11 @@ class RendezvousClient:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    async def wait_closed(self, timeout: float | None = None) -> Ended | None:
+        """Until the connection ends; how the session ended, if the rendezvous said."""
+        await self._until(lambda: self._closed, timeout)
+        return self.ended
 
     async def leave(self) -> None:
         """Leave the session (as host: end it), then close."""
