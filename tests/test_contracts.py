@@ -89,7 +89,7 @@ def test_a_ring_whose_report_is_unreadable_fails_saying_so(payload: bytes, why: 
 
 def a_ring_status() -> HostStatus:
     session = SessionStatus(
-        code="7-crimson-harbor-otter-lemon",
+        code="7-crimson-harbor-lemon-tiger-orbit-cactus",
         epoch=2,
         members=[
             MemberStatus(

@@ -101,7 +101,7 @@ def test_a_rendezvous_on_one_address_names_it_and_on_loopback_answers_only_this_
 
 def test_another_channel_is_not_answered_and_only_a_channel_can_be_asked_for() -> None:
     assert responder().datagram_received(encode_request(OTHER, new_nonce()), LAN_IP, 0.0) is None
-    for not_a_channel in (f"{CHANNEL}-otter-lemon", "7-crimson", "", "7-purple-people"):
+    for not_a_channel in (f"{CHANNEL}-lemon-tiger-orbit-cactus", "7-crimson", "", "7-purple-people"):
         with pytest.raises(ValueError, match="not a session channel"):
             encode_request(not_a_channel, new_nonce())  # a full code's secret half cannot leave by mistake
 
@@ -227,7 +227,7 @@ def test_a_rendezvous_on_all_addresses_is_found_and_joined_at_the_address_found(
             assert http_port == handle.http_address[1]
             member = await RendezvousClient.join(
                 f"ws://{ip}:{http_port}/v1/session",
-                f"{host.code}-otter-lemon",
+                f"{host.code}-lemon-tiger-orbit-cactus",
                 capability=capability("m"),
                 fingerprint=FP,
             )
@@ -354,7 +354,7 @@ def test_kafila_join_without_rendezvous_says_nobody_answered() -> None:
     env.pop("KAFILA_RENDEZVOUS", None)
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "kafila", "join", "7-crimson-harbor-otter-lemon"],
+        [sys.executable, "-m", "kafila", "join", "7-crimson-harbor-lemon-tiger-orbit-cactus"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -364,7 +364,7 @@ def test_kafila_join_without_rendezvous_says_nobody_answered() -> None:
     assert done.returncode != 0
     assert "looking for the host of 7-crimson-harbor on this network" in done.stderr
     assert "no host on this network has session 7-crimson-harbor" in done.stderr
-    assert "otter" not in done.stderr.replace("7-crimson-harbor-otter-lemon", "")
+    assert "cactus" not in done.stderr.replace("7-crimson-harbor-lemon-tiger-orbit-cactus", "")
     assert "Traceback" not in done.stderr
     assert time.monotonic() - started < 30
 

@@ -58,7 +58,7 @@ from kafila.network.rendezvous_client import (
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.network.session_codes import CodeFormatError
 
-CODE = "7-crimson-harbor-otter-lemon"
+CODE = "7-crimson-harbor-lemon-tiger-orbit-cactus"
 WRONG = "7-crimson-harbor-otter-plum"  # same channel, another secret
 HOST_FP, JOINER_FP, OTHER_FP, EVIL_FP = "a1" * 32, "b2" * 32, "c3" * 32, "e0" * 32
 T = TypeVar("T")
@@ -461,7 +461,9 @@ def test_members_agree_on_the_roster_and_the_secret_never_reaches_the_rendezvous
     results, frames = run(scenario())
     expected = {f"m{i + 1}": fp for i, fp in enumerate(fingerprints)}
     assert results == [expected] * 3
-    assert frames and not any(b"otter-lemon" in (f if isinstance(f, bytes) else f.encode()) for f in frames)
+    assert frames and not any(
+        b"lemon-tiger-orbit-cactus" in (f if isinstance(f, bytes) else f.encode()) for f in frames
+    )
     assert any('"type":"signal"' in f.replace(" ", "") for f in frames if isinstance(f, str))
 
 
@@ -613,7 +615,7 @@ def test_silence_is_a_timeout_not_a_hang() -> None:
             await joiner.close()
             host, joiner, code = await pair_of_clients(handle)  # a host that never answers
             with pytest.raises(ValueError, match="channel half"):
-                await verify_host(joiner, "2-calm-river-otter-lemon", JOINER_FP)
+                await verify_host(joiner, "2-calm-river-lemon-tiger-orbit-cactus", JOINER_FP)
             with pytest.raises(TrustTimeout, match=r"the host \(m1\) did not prove the session code within 0\.5 s"):
                 await verify_host(joiner, code, JOINER_FP, exchange_timeout=0.5)
             await host.close()

@@ -192,15 +192,17 @@ def test_a_code_is_forgiving_about_case_and_separators() -> None:
     assert isinstance(joined, Joined) and joined.code == opened.code
 
 
-def test_the_secret_half_is_two_words_of_256_and_never_part_of_the_channel() -> None:
-    assert len(set(SECRET_WORDS)) == 256 and SECRET_BITS == 16
+def test_the_secret_half_is_four_words_of_2048_and_never_part_of_the_channel() -> None:
+    assert len(set(SECRET_WORDS)) == 2048 and SECRET_BITS == 44 >= 40
+    assert len({word[:4] for word in SECRET_WORDS}) == 2048  # told apart by their first four letters
     rng = random.Random(3)
     secrets = {new_secret(rng) for _ in range(2000)}
-    assert len(secrets) > 1900  # 65,536 possibilities: few repeats in 2,000 draws
+    assert len(secrets) == 2000 and all(len(secret.split("-")) == 4 for secret in secrets)
     for secret in list(secrets)[:50]:
         code = full_code("7-crimson-harbor", secret)
         assert split_code(code) == ("7-crimson-harbor", secret) and channel_part(code) == "7-crimson-harbor"
-    assert split_code(" 7 Crimson_HARBOR  Otter.LEMON ") == ("7-crimson-harbor", "otter-lemon")
+    spoken = " 7 Crimson_HARBOR  Lemon.TIGER orbit  cactus "
+    assert split_code(spoken) == ("7-crimson-harbor", "lemon-tiger-orbit-cactus")
     assert channel_part("7-crimson-harbor") == "7-crimson-harbor"
 
 
@@ -208,11 +210,12 @@ def test_the_secret_half_is_two_words_of_256_and_never_part_of_the_channel() -> 
     ("text", "says"),
     [
         ("7-crimson-harbor", "only the first half"),
-        ("7-crimson-harbor-otter", "has 1 word, not 2"),
-        ("7-crimson-harbor-otter-lemon-plum", "has 3 words, not 2"),
-        ("7-crimson-harbor-otter-zebu", "'zebu' is not one of kafila's code words"),
-        ("7-harbor-crimson-otter-lemon", "is not a session code"),
-        ("1-crimson-harbor-otter-lemon", "is not a session code"),
+        ("7-crimson-harbor-lemon", "has 1 word, not 4"),
+        ("7-crimson-harbor-lemon-tiger-orbit-cactus-zebra", "has 5 words, not 4"),
+        ("7-crimson-harbor-lemon-tiger-orbit-zebu", "'zebu' is not among the code's words"),
+        ("7-crimson-harbor-otter-tiger-orbit-zebu", "'otter', 'zebu' are not among the code's words"),
+        ("7-harbor-crimson-lemon-tiger-orbit-cactus", "is not a session code"),
+        ("1-crimson-harbor-lemon-tiger-orbit-cactus", "is not a session code"),
         ("", "an empty code is not a session code"),
     ],
 )
@@ -808,7 +811,7 @@ def test_service_carries_signals_and_joining_with_the_full_code_sends_only_its_c
             host = await RendezvousClient.open(
                 handle.url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
             )
-            member = await join(handle.url, f"{host.code}-otter-lemon", "m")
+            member = await join(handle.url, f"{host.code}-lemon-tiger-orbit-cactus", "m")
             assert member.code == host.code and set(member.members) == {"m1", "m2"}
             await member.send_signal("m1", "hello")
             await member.send_signal("m1", "again")

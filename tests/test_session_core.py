@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kafila.session.core import (
     ANSWERED,
+    GUESS_BUDGET,
     REBALANCE_CHECK_S,
     WAIT,
     AbandonRing,
@@ -250,7 +251,7 @@ def test_a_session_that_loses_a_member_mid_stream_replans_then_takes_it_back_whe
     assert host.phase == Phase.SERVING and not host.paused
 
 
-def test_a_newcomer_takes_a_freed_seat_until_one_fails_the_code() -> None:
+def test_a_newcomer_takes_a_freed_seat_until_the_guess_budget_is_spent() -> None:
     host = serving_ring()
     host.handle(seen(1.0, alive=frozenset({"laptop"})))
     host.handle(Retired(("laptop",)))
@@ -260,20 +261,41 @@ def test_a_newcomer_takes_a_freed_seat_until_one_fails_the_code() -> None:
         Admit("phone"),
         Admit("tablet"),
     ]
-    failed = host.handle(NewcomerChecked("tablet", "it proved a different code", guess=True))
-    assert failed == [
-        Warn("did not admit tablet", "it proved a different code"),
-        Say("this session admits no more members (a failed code may be a guess at its secret)"),
-    ]
-    assert not host.admitting
+    for guess in range(1, GUESS_BUDGET):  # one wrong code, or two, close nothing
+        failed = host.handle(NewcomerChecked(f"guesser-{guess}", "it proved a different code", guess=True))
+        assert failed == [Warn(f"did not admit guesser-{guess}", "it proved a different code")]
+        assert host.admitting
+        assert host.handle(seen(3.0, deployed=ring, alive=ring, arrivals=(f"g{guess}",))) == [Admit(f"g{guess}")]
+    spent = host.handle(NewcomerChecked("tablet", "it proved a different code", guess=True))
+    assert spent[0] == Warn("did not admit tablet", "it proved a different code")
+    assert said(spent)[0].startswith(f"this session admits no more members: {GUESS_BUDGET} joiners failed")
+    assert not host.admitting and host.failed_proofs == GUESS_BUDGET
     refused = host.handle(seen(3.0, deployed=ring, alive=ring, arrivals=("guesser",)))
     assert refused == [
         Refuse("guesser", "this session admits no more members; the host must start over with a new code")
     ]
-    # One that proved the code but left, or was refused for its own reasons, closes nothing.
+    # A joiner that proved the code but left, or was refused for its own reasons, is no guess.
     other = serving_ring()
-    other.handle(NewcomerChecked("phone", "phone left after proving the code"))
-    assert other.admitting
+    for _ in range(2 * GUESS_BUDGET):
+        other.handle(NewcomerChecked("phone", "phone left after proving the code"))
+    assert other.admitting and other.failed_proofs == 0
+
+
+def test_failed_proofs_count_over_every_code_the_host_issues() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    for _ in range(3):  # silence, garbage, an abort: the code is renewed, nothing is counted
+        assert host.handle(CodeRefused("laptop did not prove the session code within 30 s"))[-1] == RenewCode(
+            "the session was closed: laptop did not prove the session code within 30 s"
+        )
+        host.handle(Opened(JOIN))
+    for _ in range(GUESS_BUDGET - 1):
+        assert isinstance(host.handle(CodeRefused("a different code", guess=True))[-1], RenewCode)
+        host.handle(Opened(JOIN))
+    ended = host.handle(CodeRefused("a different code", guess=True))
+    assert ended[0] == Warn("refused a member", "a different code")
+    assert isinstance(ended[-1], Fail) and ended[-1].exit and "admits no one" in ended[-1].message
+    assert host.phase == Phase.FAILED and not host.admitting
 
 
 def test_a_planned_replan_under_load_holds_new_requests_then_takes_the_newcomer_in() -> None:
@@ -363,7 +385,8 @@ def test_a_plan_refused_after_a_break_waits_for_members_while_anyone_may_join() 
 
 def test_with_nobody_able_to_join_a_failed_replan_is_the_end() -> None:
     host = serving_ring()
-    host.handle(NewcomerChecked("guesser", "it proved a different code", guess=True))
+    for _ in range(GUESS_BUDGET):
+        host.handle(NewcomerChecked("guesser", "it proved a different code", guess=True))
     host.handle(seen(1.0, alive=frozenset({"laptop"})))
     host.handle(Retired(("laptop",)))
     commands = host.handle(DeployFailed("the link to laptop went down"))
@@ -456,7 +479,7 @@ events = st.one_of(
     st.builds(observed, st.floats(0, 1000), st.sets(st.sampled_from(MEMBERS)), some, some,
               st.tuples(st.booleans(), st.booleans(), st.booleans()), st.none() | st.just("a stage stopped")),
     st.builds(Gathered, st.tuples(st.sampled_from(MEMBERS))),
-    st.builds(CodeRefused, st.just("wrong code")),
+    st.builds(CodeRefused, st.just("wrong code"), st.booleans()),
     st.builds(NewcomerChecked, st.sampled_from(MEMBERS), st.none() | st.just("no"), st.booleans()),
     st.builds(Retired, st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple)),
     st.builds(Deployed, st.integers(1, 4)),

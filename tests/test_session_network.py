@@ -39,6 +39,7 @@ from serving_checks import check_concurrent_streams, unsplit_greedy, unsplit_tex
 from tiny_models import write_tiny_model, write_wide_model
 
 from kafila.runtime.sampling import SamplingSettings
+from kafila.session.core import GUESS_BUDGET
 
 PROMPT = "the quick brown fox"
 COMMON = ("--context", "256", "--concurrency", "4", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
@@ -466,8 +467,8 @@ def test_a_member_lending_too_little_memory_is_refused_by_name(tmp_path: Path, m
 @pytest.mark.parametrize("bad", ["lots", "-5G", "512"])
 def test_kafila_join_refuses_a_memory_that_is_no_size(bad: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kafila", "join", "7-crimson-harbor-otter-lemon", "--rendezvous", "127.0.0.1:9",
-         "--memory", bad], check=False, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "kafila", "join", "7-crimson-harbor-lemon-tiger-orbit-cactus",
+         "--rendezvous", "127.0.0.1:9", "--memory", bad], check=False, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 1 and "--memory" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
@@ -771,8 +772,8 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
 ) -> None:
     """A member dies and the host replans with two; `kafila join` again with the same code takes
     the free seat: the host verifies it, links it, and at a moment without requests replans with
-    three, serving what one process does. A newcomer with a wrong secret is refused, and after
-    that the session admits no one, not even with the right code."""
+    three, serving what one process does. Newcomers with a wrong secret are refused, and after
+    the guess budget's worth of them the session admits no one, not even with the right code."""
     outputs: list[str] = []
     with session(tmp_path, model, 3, outputs=outputs) as (host, joiners):
         client = lose_a_member(host, joiners)
@@ -788,9 +789,12 @@ def test_a_member_that_left_can_be_replaced_and_a_wrong_code_then_closes_the_ses
 
         joiners[0].kill()  # a seat for a guesser
         until_status(host, serving_past(status["epoch"]), "a replan without member-0")
-        guess = code.rsplit("-", 1)[0] + ("-lemon" if not code.endswith("-lemon") else "-otter")
-        guesser = start_member(guess, rendezvous, "guesser", tmp_path / "cache-guess", "--threads", "1")
-        assert guesser.wait(timeout=60) != 0
+        for number in range(GUESS_BUDGET):  # one wrong secret, or two, close nothing; the budget's last does
+            assert status_of(host)["admitting"] is True
+            guess = code.rsplit("-", 1)[0] + ("-zebra" if not code.endswith("-zebra") else "-tiger")
+            cache = tmp_path / f"cache-guess-{number}"
+            guesser = start_member(guess, rendezvous, f"guesser-{number}", cache, "--threads", "1")
+            assert guesser.wait(timeout=60) != 0
         until_status(host, lambda status: status.get("admitting") is False, "a session that admits no one")
         assert said(host, "this session admits no more members"), host.output()
         late = start_member(code, rendezvous, "late", tmp_path / "cache-late", "--threads", "1")

@@ -109,7 +109,7 @@ def test_a_cache_hit_counts_as_a_use(tmp_path: Path) -> None:
     assert all(time.time() - s.path.stat().st_mtime < 60 for s in first)
 
 
-COMMANDS = [["join", "7-crimson-harbor-otter-lemon"], ["host"], ["generate", "--prompt", "hi"]]
+COMMANDS = [["join", "7-crimson-harbor-lemon-tiger-orbit-cactus"], ["host"], ["generate", "--prompt", "hi"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -24,7 +24,9 @@ from kafila.session.member_runner import MemberConfig, run_member
 
 
 def join(
-    code: Annotated[str, typer.Argument(help="The session code the host printed, e.g. 7-crimson-harbor-otter-lemon.")],
+    code: Annotated[
+        str, typer.Argument(help="The session code the host printed, e.g. 7-crimson-harbor-lemon-tiger-orbit-cactus.")
+    ],
     rendezvous: Annotated[
         str | None,
         typer.Option(

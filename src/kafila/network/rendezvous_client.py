@@ -521,9 +521,9 @@ async def verify_members(
     Each joiner must confirm within `exchange_timeout` of being introduced, and accept the roster
     within `exchange_timeout` of its sending; the session must fill within `ready_timeout` (None:
     as long as it lives). A joiner that leaves before the session is full is forgotten. On the
-    first `TrustError` every joiner is told why and the error is raised: the caller should then
-    end the session, since each failed exchange may be a guess at the code's secret half, and a
-    new code bounds an attacker to one guess.
+    first `TrustError` every joiner is told why and the error is raised: the caller ends this
+    session's forming (and may open another), counting a `CodeMismatch`, a failed key
+    confirmation, against its guess budget (`session.core.GUESS_BUDGET`).
     """
     _check_session(client, code, host=True)
     own = normalize_fingerprint(fingerprint)
@@ -611,8 +611,9 @@ async def verify_newcomer(
     verified earlier (`trusted`, id → fingerprint) that the rendezvous still lists, and itself.
 
     Returns the fingerprint the newcomer proved. Raises a `TrustError` (the newcomer is told
-    why): `ProvenButRefused` once it had proved the code; any other may be a guess at the secret,
-    so the caller should admit no one after it. `RendezvousError` if the newcomer leaves first.
+    why): `ProvenButRefused` once it had proved the code; `CodeMismatch`, a failed key
+    confirmation, may be a guess at the secret, which the caller counts against its budget
+    (`session.core.GUESS_BUDGET`). `RendezvousError` if the newcomer leaves first.
     """
     _check_session(client, code, host=True)
     info = client.members.get(member_id)

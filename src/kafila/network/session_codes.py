@@ -1,4 +1,4 @@
-"""Session codes people can read aloud: `7-crimson-harbor-otter-lemon`.
+"""Session codes people can read aloud: `7-crimson-harbor-lemon-tiger-orbit-cactus`.
 
 A full code has two halves:
 
@@ -6,17 +6,21 @@ A full code has two halves:
   each (98 × 128 × 128 ≈ 1.6 million). The rendezvous draws it and keys the session with it; it
   is no secret, and need not be one: it admits joins only while its session is filling, and
   guesses are rate-limited per address.
-- the secret, `otter-lemon`: two words drawn by the host from both lists together (256 words),
-  so 256 × 256 = 65,536 possibilities, 16 bits. It never goes to the rendezvous. Members use
-  the whole code as the password of a SPAKE2 exchange (`kafila.network.pake`), which lets no one
-  test guesses offline: each guess costs an exchange that the host sees fail and answers by
-  ending the session, so an attacker, the rendezvous included, gets one try in 65,536.
+- the secret, `lemon-tiger-orbit-cactus`: four words drawn by the host from BIP-39's English
+  list of 2,048 (chosen so that no two words share their first four letters), so 2^44
+  possibilities. It never goes to the rendezvous. Members use the whole code as the password of
+  a SPAKE2 exchange (`kafila.network.pake`), which lets no one test guesses offline: each guess
+  costs an exchange that the host sees fail, and the host takes at most `GUESS_BUDGET` failed
+  proofs in its whole life (`session.core`), so an attacker, the rendezvous included, wins with a
+  chance of at most 3 in 2^44, about 1.7 × 10^-13.
 """
 
 from __future__ import annotations
 
 import random
 import re
+
+from mnemonic import Mnemonic
 
 ADJECTIVES: tuple[str, ...] = tuple(
     """
@@ -44,15 +48,16 @@ NOUNS: tuple[str, ...] = tuple(
     """.split()
 )
 
-SECRET_WORDS: tuple[str, ...] = ADJECTIVES + NOUNS  # disjoint lists: 256 distinct words
-SECRET_LENGTH = 2  # words
-SECRET_BITS = SECRET_LENGTH * 8  # log2(256) bits a word
+SECRET_WORDS: tuple[str, ...] = tuple(Mnemonic("english").wordlist)  # BIP-39: 2,048 distinct words
+SECRET_LENGTH = 4  # words
+SECRET_BITS = SECRET_LENGTH * 11  # log2(2048) bits a word
+_SECRET_SET = frozenset(SECRET_WORDS)
 
 MIN_NUMBER, MAX_NUMBER = 2, 99  # 0 and 1 read like letters; two digits stay short
 CODE_PATTERN = re.compile(r"^([2-9]|[1-9][0-9])-([a-z]+)-([a-z]+)$")
 _SEPARATORS = re.compile(r"[\s_.\-]+")
 _CHANNEL_WORDS = 3  # the number and two words
-EXAMPLE = "7-crimson-harbor-otter-lemon"
+EXAMPLE = "7-crimson-harbor-lemon-tiger-orbit-cactus"
 
 
 class CodeFormatError(ValueError):
@@ -102,7 +107,7 @@ def split_code(text: str) -> tuple[str, str]:
     if len(words) < _CHANNEL_WORDS or not is_well_formed(channel):
         raise CodeFormatError(
             f"{repr(code) if code else 'an empty code'} is not a session code: it looks like {EXAMPLE} "
-            "(a number, then four words from kafila's word lists)"
+            f"(a number, then {2 + SECRET_LENGTH} words)"
         )
     if not secret_words:
         raise CodeFormatError(
@@ -115,9 +120,10 @@ def split_code(text: str) -> tuple[str, str]:
             f"not {SECRET_LENGTH} "
             f"(a full code looks like {EXAMPLE}); check the code with the host"
         )
-    unknown = [w for w in secret_words if w not in SECRET_WORDS]
+    unknown = [w for w in secret_words if w not in _SECRET_SET]
     if unknown:
         raise CodeFormatError(
-            f"{', '.join(repr(w) for w in unknown)} is not one of kafila's code words; check the code with the host"
+            f"{', '.join(repr(w) for w in unknown)} {'is' if len(unknown) == 1 else 'are'} not among the code's "
+            "words; check the code with the host"
         )
     return channel, "-".join(secret_words)

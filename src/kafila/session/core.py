@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+GUESS_BUDGET = 3  # failed proofs of the code a host takes in its whole life, over every code it issues
 REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
 
 
@@ -205,9 +206,11 @@ class Gathered:
 
 @dataclass(frozen=True)
 class CodeRefused:
-    """A joiner failed the trust exchange while the session formed."""
+    """A joiner failed the trust exchange while the session formed; `guess`: it failed the code's
+    proof (a wrong secret), so it may have been a guess."""
 
     error: str
+    guess: bool = False
 
 
 @dataclass(frozen=True)
@@ -427,7 +430,8 @@ class SessionCore:
     serving: ServingCore
     networked: bool = True  # members may come and go; False: one machine's own stages
     phase: Phase = Phase.GATHERING
-    admitting: bool = True  # until a newcomer fails the code's proof (maybe a guess at its secret)
+    admitting: bool = True  # until GUESS_BUDGET joiners have failed the code's proof (maybe guesses)
+    failed_proofs: int = 0  # over the host's whole life, every code it issued
     join_line: str = ""
     deployment: _Deployment | None = None  # the deployment under way, while DEPLOYING
     paused: bool = False  # /v1 holds requests for a replan by choice
@@ -450,9 +454,12 @@ class SessionCore:
                 return []
             case Gathered(members=members) if self.phase == Phase.GATHERING:
                 return self._deploy(_Start(), members)
-            case CodeRefused(error=error) if self.phase == Phase.GATHERING:
-                # Each failed exchange may be a guess at the secret: this code is spent. A new one
-                # bounds anyone guessing to one try per code; members who had joined rejoin.
+            case CodeRefused(error=error, guess=guess) if self.phase == Phase.GATHERING:
+                if guess and self._guessed():
+                    self.phase = Phase.FAILED
+                    return [Warn("refused a member", error), Fail(_GUESSED_WHILE_FORMING, exit=True)]
+                # The exchange that failed ended this session's forming: a new code follows, and
+                # members who had joined join again with it.
                 return [
                     Warn("refused a member", error),
                     Say("that code is void now; a new one follows"),
@@ -506,12 +513,18 @@ class SessionCore:
     def _newcomer_checked(self, checked: NewcomerChecked) -> list[Command]:
         if checked.error is None:
             return [Say(f"{checked.name} verified and linked; it joins the ring once no request is running")]
-        if checked.guess:
-            self.admitting = False  # this bounds anyone guessing the secret to one try, as a new code does
         commands: list[Command] = [Warn(f"did not admit {checked.name}", checked.error)]
-        if not self.admitting:
-            commands.append(Say("this session admits no more members (a failed code may be a guess at its secret)"))
+        if checked.guess and self._guessed():
+            commands.append(Say(_GUESSED_WHILE_SERVING))
         return commands
+
+    def _guessed(self) -> bool:
+        """Count a failed proof of the code; True when that spends the budget: no one is admitted
+        from then on, so anyone guessing the secret gets GUESS_BUDGET tries in all."""
+        self.failed_proofs += 1
+        if self.failed_proofs >= GUESS_BUDGET:
+            self.admitting = False
+        return not self.admitting
 
     def _after_break(self, view: SessionView, lost: tuple[str, ...]) -> list[Command]:
         if not self.networked:
@@ -627,6 +640,20 @@ class SessionCore:
             return commands
         self.phase = Phase.WAITING
         return [*commands, Say(f"waiting for members to join again: {self.join_line}"), *self._seat_free(deployment)]
+
+
+_GUESSED = (
+    f"{GUESS_BUDGET} joiners failed to prove the session code, which may be someone guessing it (each try wins "
+    "with a chance of 1 in 2^44)"
+)
+_GUESSED_WHILE_FORMING = (
+    f"{_GUESSED}: this host admits no one from now on, and stops. Start it again for a new code, and give that "
+    "code only to the people whose machines are to join"
+)
+_GUESSED_WHILE_SERVING = (
+    f"this session admits no more members: {_GUESSED}. Its members serve on; to take in others, start the host "
+    "again for a new code, and give it only to the people whose machines are to join"
+)
 
 
 def _names(view: SessionView, members: tuple[str, ...]) -> str:

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kafila.contracts import MemberStatus, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
-from kafila.network.pake import TrustError
-from kafila.network.rendezvous_client import ProvenButRefused
+from kafila.network.pake import CodeMismatch, TrustError
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner import PlanRefused
 from kafila.planner.fleet import FleetDevice
@@ -277,7 +276,7 @@ class HostRunner:
 
     def _admitted(self, name: str, error: BaseException | None) -> None:
         """An admission ended (`HostSession.admit`); a failed proof of the code may be a guess."""
-        guess = isinstance(error, TrustError) and not isinstance(error, ProvenButRefused)
+        guess = isinstance(error, CodeMismatch)  # a failed key confirmation: only that can be a guess
         detail = None if error is None else str(error) or type(error).__name__
         for command in self.core.handle(NewcomerChecked(name, detail, guess)):
             self._tell(command)
@@ -392,7 +391,7 @@ class HostRunner:
         try:
             await network.gather(ready_timeout=None)
         except TrustError as error:
-            return [Opened(join), CodeRefused(str(error))]
+            return [Opened(join), CodeRefused(str(error), guess=isinstance(error, CodeMismatch))]
         return [Opened(join), Gathered(tuple(network.alive()))]
 
     def _network_status(self, network: HostSession) -> SessionStatus:
