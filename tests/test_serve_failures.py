@@ -142,7 +142,7 @@ def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_slot(tmp_path: Path)
         port = int(host.base_url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as connection:
             head = (
-                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n"
             )
             connection.sendall(head.encode() + body)
