@@ -59,7 +59,7 @@ from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.network.session_codes import CodeFormatError
 
 CODE = "7-crimson-harbor-lemon-tiger-orbit-cactus"
-WRONG = "7-crimson-harbor-otter-plum"  # same channel, another secret
+WRONG = "7-crimson-harbor-lemon-tiger-orbit-zebra"  # same channel, another secret
 HOST_FP, JOINER_FP, OTHER_FP, EVIL_FP = "a1" * 32, "b2" * 32, "c3" * 32, "e0" * 32
 T = TypeVar("T")
 
@@ -111,7 +111,7 @@ ROSTER = {"m1": HOST_FP, "m2": JOINER_FP, "m3": OTHER_FP}
 
 
 def test_matching_codes_confirm_and_the_roster_arrives_intact() -> None:
-    host, joiner = pair(joiner_code="  7 Crimson_HARBOR otter LEMON ")  # what a person types is forgiven
+    host, joiner = pair(joiner_code="  7 Crimson_HARBOR lemon TIGER orbit.Cactus ")  # what a person types is forgiven
     host_sent, joiner_sent = run_pair(host, joiner)
     assert [json.loads(b)["kind"] for b in host_sent] == ["pake", "confirm"]
     assert host.receive(joiner_sent[1]) == [] and joiner.receive(host_sent[1]) == []
