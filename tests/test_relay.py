@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.network.relay import HELLO, HELLO_ACK, PAIRED, WAITING, Relay, RelayLimits, TokenBucket, hello, parse_ack
+from kafila.network.limits import TokenBucket
+from kafila.network.relay import HELLO, HELLO_ACK, PAIRED, WAITING, Relay, RelayLimits, hello, parse_ack
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.planner.fleet import FleetDevice

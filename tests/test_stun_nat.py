@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 
 from kafila.contracts import Mapping, NatClass
 from kafila.network.nat import classify, probe_nat
-from kafila.network.stun import CHANGE_IP, CHANGE_PORT, StunEndpoints, StunResponder, StunServer
+from kafila.network.stun import (
+    ANSWER_BURST,
+    ANSWERS_PER_S,
+    CHANGE_IP,
+    CHANGE_PORT,
+    StunEndpoints,
+    StunResponder,
+    StunServer,
+)
 
 EIM, ADM, APDM = Mapping.ENDPOINT_INDEPENDENT, Mapping.ADDRESS_DEPENDENT, Mapping.ADDRESS_AND_PORT_DEPENDENT
 TWO = StunEndpoints("203.0.113.1", 3478, 3479, "203.0.113.2")
@@ -40,8 +48,22 @@ def request(change: int = 0) -> bytes:
         (CHANGE_IP | CHANGE_PORT, ("203.0.113.2", 3479)),
     ],
 )
+def test_answers_to_one_source_are_rate_limited_so_spoofed_requests_amplify_little() -> None:
+    """An answer is about 3× its request: a flood spoofing a victim's address gets the burst, then
+    ANSWERS_PER_S a second, and other sources (an IPv6 /64 counts as one) are answered meanwhile."""
+    responder = StunResponder(TWO)
+    on = ("203.0.113.1", 3478)
+    answered = sum(responder.handle(request(), CLIENT, on, 0.0) is not None for _ in range(1000))
+    assert answered == ANSWER_BURST and responder.counts["rate_limited"] == 1000 - ANSWER_BURST
+    assert responder.handle(request(), ("198.51.100.8", 40000), on, 0.0) is not None  # another source
+    one_second_later = sum(responder.handle(request(), CLIENT, on, 1.0) is not None for _ in range(1000))
+    assert one_second_later == ANSWERS_PER_S
+    same_64 = [(f"2001:db8::{n:x}", 40000) for n in range(1, 1000)]
+    assert sum(responder.handle(request(), source, on, 0.0) is not None for source in same_64) == ANSWER_BURST
+
+
 def test_change_request_picks_the_reply_socket(change: int, reply_from: tuple[str, int]) -> None:
-    answer = StunResponder(TWO).handle(request(change), CLIENT, ("203.0.113.1", 3478))
+    answer = StunResponder(TWO).handle(request(change), CLIENT, ("203.0.113.1", 3478), 0.0)
     assert answer is not None
     payload, origin = answer
     response = stun.parse_message(payload)
@@ -54,11 +76,11 @@ def test_change_request_picks_the_reply_socket(change: int, reply_from: tuple[st
 
 def test_one_address_never_claims_another() -> None:
     responder = StunResponder(ONE)
-    answer = responder.handle(request(), CLIENT, ("203.0.113.1", 3478))
+    answer = responder.handle(request(), CLIENT, ("203.0.113.1", 3478), 0.0)
     assert answer is not None and "OTHER-ADDRESS" not in stun.parse_message(answer[0]).attributes
-    port_change = responder.handle(request(CHANGE_PORT), CLIENT, ("203.0.113.1", 3478))
+    port_change = responder.handle(request(CHANGE_PORT), CLIENT, ("203.0.113.1", 3478), 0.0)
     assert port_change is not None and port_change[1] == ("203.0.113.1", 3479)
-    refused = responder.handle(request(CHANGE_IP), CLIENT, ("203.0.113.1", 3478))
+    refused = responder.handle(request(CHANGE_IP), CLIENT, ("203.0.113.1", 3478), 0.0)
     assert refused is not None
     error = stun.parse_message(refused[0])
     assert error.message_class == stun.Class.ERROR and error.error_code == 420
@@ -69,14 +91,14 @@ def test_only_binding_requests_are_answered() -> None:
     response = stun.Message(stun.Method.BINDING, stun.Class.RESPONSE)
     allocate = stun.Message(stun.Method.ALLOCATE, stun.Class.REQUEST)
     for data in (bytes(response), bytes(allocate), b"", b"\x00\x01garbage", request()[:-1]):
-        assert responder.handle(data, CLIENT, ("203.0.113.1", 3478)) is None
+        assert responder.handle(data, CLIENT, ("203.0.113.1", 3478), 0.0) is None
     assert responder.counts["answered"] == 0 and responder.counts["ignored"] == 5
 
 
 @given(st.binary(max_size=120))
 @settings(max_examples=400)
 def test_random_datagrams_never_raise(data: bytes) -> None:
-    StunResponder(TWO).handle(data, CLIENT, ("203.0.113.1", 3478))
+    StunResponder(TWO).handle(data, CLIENT, ("203.0.113.1", 3478), 0.0)
 
 
 @pytest.mark.parametrize(

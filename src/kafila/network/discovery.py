@@ -37,7 +37,7 @@ from typing import Annotated, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from kafila.network.relay import TokenBucket
+from kafila.network.limits import RateByAddress
 from kafila.network.session_codes import is_well_formed
 
 DEFAULT_DISCOVERY_PORT = 8470  # UDP; the same number as the rendezvous's TCP signalling port
@@ -185,7 +185,7 @@ class DiscoveryResponder:
         self.host = None if host in (None, "", "0.0.0.0", "::") else _ip(host)
         self.local_only = self.host is not None and _is_loopback(self.host)
         self.limits = limits or DiscoveryLimits()
-        self._buckets: dict[str, TokenBucket] = {}
+        self._rates = RateByAddress(self.limits.requests_per_s, self.limits.burst, self.limits.max_tracked_ips)
         self.answered = 0
         self.ignored = 0
 
@@ -206,21 +206,12 @@ class DiscoveryResponder:
             return None
         if self.local_only and not _is_loopback(source_ip):
             return None
-        if not self._allow(source_ip, now):
+        if not self._rates.allow(source_ip, now):
             return None
         request = decode_request(data)
         if request is None or not self.holds(request.channel):
             return None
         return encode_answer(request.nonce, self.http_port, self.host)
-
-    def _allow(self, source_ip: str, now: float) -> bool:
-        bucket = self._buckets.pop(source_ip, None)  # re-inserted last: the oldest go first
-        if bucket is None:
-            while len(self._buckets) >= self.limits.max_tracked_ips:
-                del self._buckets[next(iter(self._buckets))]
-            bucket = TokenBucket(self.limits.requests_per_s, self.limits.burst)
-        self._buckets[source_ip] = bucket
-        return bucket.take(1.0, now)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kafila.network.events import emit
+from kafila.network.limits import TokenBucket
 
 Address = tuple[str, int]
 HELLO = 0x10
@@ -48,26 +49,6 @@ def parse_ack(data: bytes) -> bool | None:
     if len(data) != 2 or data[0] != HELLO_ACK or data[1] not in (WAITING, PAIRED):
         return None
     return data[1] == PAIRED
-
-
-@dataclass
-class TokenBucket:
-    """`rate` units a second, at most `burst` saved up; starts full."""
-
-    rate: float
-    burst: float
-    level: float = -1.0
-    at: float | None = None
-
-    def take(self, amount: float, now: float) -> bool:
-        if self.at is None:
-            self.level, self.at = self.burst, now
-        self.level = min(self.burst, self.level + max(0.0, now - self.at) * self.rate)
-        self.at = max(self.at, now)
-        if amount > self.level:
-            return False
-        self.level -= amount
-        return True
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from kafila.network.events import emit
-from kafila.network.relay import TOKEN_BYTES, TokenBucket
+from kafila.network.limits import TokenBucket
+from kafila.network.relay import TOKEN_BYTES
 from kafila.network.session_codes import new_code, normalise_code
 from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
 

@@ -25,6 +25,13 @@ import uvicorn
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 
 from kafila.network.discovery import DiscoveryResponder, DiscoveryServer
+from kafila.network.http_guard import (
+    HEADER_TIMEOUT_S,
+    ConnectionGate,
+    guarded_http,
+    raise_open_file_limit,
+)
+from kafila.network.limits import address_group
 from kafila.network.relay import RelayLimits, RelayServer
 from kafila.network.rendezvous import (
     Close,
@@ -74,7 +81,7 @@ class RendezvousService:
         writer = asyncio.create_task(self._write(conn, peer))
         peer.tasks = [reader, writer]
         ip = websocket.client.host if websocket.client is not None else "unknown"
-        self.dispatch(self.core.connect(conn, ip, self.clock()))
+        self.dispatch(self.core.connect(conn, address_group(ip), self.clock()))  # an IPv6 /64 counts as one
         try:
             await asyncio.wait(peer.tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -225,6 +232,7 @@ class RendezvousHandle:
     _server: uvicorn.Server
     _serving: asyncio.Task[None]
     _ticking: asyncio.Task[None]
+    gate: ConnectionGate  # connections counted before HTTP
     _closed: bool = False
     discovery: DiscoveryServer | None = None  # the LAN discovery responder, when started with a port
 
@@ -274,6 +282,7 @@ async def start_rendezvous(
     clock: Callable[[], float] = time.monotonic,
     tick_interval: float = 1.0,
     discovery_port: int | None = None,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
 ) -> RendezvousHandle:
     """Start STUN, WebSocket signalling and the relay on `host`; OSError if a port cannot be bound.
 
@@ -281,7 +290,12 @@ async def start_rendezvous(
     `host`, or, for a wildcard `host`, nothing (members then use the address they reached us on).
     `discovery_port` also answers LAN discovery (`kafila.network.discovery`) for the sessions
     held here, on that UDP port; one that cannot be bound costs a warning, not the rendezvous.
+    Connections are capped per address (an IPv6 /64 is one) and in all before any HTTP is read,
+    and a request's headers must arrive within `header_timeout_s` (`kafila.network.http_guard`).
     """
+    limits = limits or Limits()
+    raise_open_file_limit()
+    gate = ConnectionGate(per_address=limits.max_connections_per_ip, total=limits.max_connections)
     stun = await StunServer.start(host, stun_port, alt_port, alt_address)
     try:
         listener = _listen(host, http_port)
@@ -294,6 +308,7 @@ async def start_rendezvous(
     service = RendezvousService(core, relay, clock)
     config = uvicorn.Config(
         create_app(service, stun.endpoints.port),
+        http=guarded_http(gate, header_timeout_s),
         lifespan="off",
         log_config=None,
         access_log=False,
@@ -319,7 +334,7 @@ async def start_rendezvous(
         raise
     bound = listener.getsockname()
     ticking = asyncio.create_task(service.tick_forever(tick_interval))
-    handle = RendezvousHandle(service, stun, relay, (str(bound[0]), int(bound[1])), server, serving, ticking)
+    handle = RendezvousHandle(service, stun, relay, (str(bound[0]), int(bound[1])), server, serving, ticking, gate)
     if discovery_port is not None:
         handle.discovery = await _start_discovery(core, handle.http_address, discovery_port, clock)
     return handle

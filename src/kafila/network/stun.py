@@ -12,15 +12,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from aioice import stun
 
+from kafila.network.limits import RateByAddress, address_group
+
 Address = tuple[str, int]
 CHANGE_IP = 0x04
 CHANGE_PORT = 0x02
 MAX_DATAGRAM = 2048
+# An answer is about 3× its request, so an attacker who spoofs a victim's address could use the
+# rendezvous to multiply its traffic: answers per source address are rate-limited. A member's
+# whole NAT classification asks a dozen or so, with retries, within a few seconds.
+ANSWERS_PER_S = 10.0
+ANSWER_BURST = 50.0
+MAX_TRACKED_SOURCES = 65_536
 # What aioice's parser raises on malformed input: an attribute of the wrong size (CHANGE-REQUEST
 # in 3 bytes, say) fails in `struct.unpack`, whose error is not a ValueError.
 MALFORMED = (ValueError, KeyError, IndexError, struct.error)
@@ -61,9 +70,14 @@ class StunResponder:
     """Answers binding requests; ignores everything else, since replies to garbage feed attacks."""
 
     endpoints: StunEndpoints
-    counts: dict[str, int] = field(default_factory=lambda: {"answered": 0, "ignored": 0, "refused": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"answered": 0, "ignored": 0, "refused": 0, "rate_limited": 0}
+    )
+    rates: RateByAddress = field(
+        default_factory=lambda: RateByAddress(ANSWERS_PER_S, ANSWER_BURST, MAX_TRACKED_SOURCES)
+    )
 
-    def handle(self, data: bytes, source: Address, received_on: Address) -> tuple[bytes, Address] | None:
+    def handle(self, data: bytes, source: Address, received_on: Address, now: float) -> tuple[bytes, Address] | None:
         try:
             request = stun.parse_message(data)
         except MALFORMED as error:  # malformed: never answered
@@ -72,6 +86,9 @@ class StunResponder:
             return None
         if request.message_method != stun.Method.BINDING or request.message_class != stun.Class.REQUEST:
             self.counts["ignored"] += 1
+            return None
+        if not self.rates.allow(address_group(source[0]), now):
+            self.counts["rate_limited"] += 1
             return None
         flags = request.attributes.get("CHANGE-REQUEST", 0)
         reply_from = self.endpoints.swap(received_on, bool(flags & CHANGE_IP), bool(flags & CHANGE_PORT))
@@ -108,7 +125,7 @@ class _Socket(asyncio.DatagramProtocol):
         if responder is None:  # still binding its other sockets
             return
         source = (str(addr[0]), int(addr[1]))
-        answer = responder.handle(data, source, self.local)
+        answer = responder.handle(data, source, self.local, time.monotonic())
         if answer is not None:
             payload, reply_from = answer
             self.server.send_from(reply_from, payload, source)
