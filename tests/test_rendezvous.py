@@ -889,6 +889,39 @@ def test_service_answers_garbage_and_keeps_serving_others() -> None:
     run(scenario())
 
 
+def test_a_rendezvous_with_an_open_token_opens_sessions_only_for_hosts_that_give_it() -> None:
+    world = World()
+    world.core.open_token = "lighthouse-keeper"
+    for token in (None, "", "lighthouse", "lighthouse-keeper!"):
+        conn = world.connect()
+        world.send(conn, open_message() | ({"open_token": token} if token is not None else {}))
+        refusal = world.last(conn)
+        assert isinstance(refusal, Error) and refusal.code in (ErrorCode.OPEN_TOKEN, ErrorCode.INVALID_MESSAGE)
+    conn = world.connect()
+    world.send(conn, open_message() | {"open_token": "lighthouse-keeper"})
+    opened = world.last(conn)
+    assert isinstance(opened, Opened)
+    _, joined = world.join(opened.code, "member")  # joining needs the code only
+    assert isinstance(joined, Joined)
+
+    async def scenario() -> None:
+        handle = await start_rendezvous("127.0.0.1", 0, 0, open_token="lighthouse-keeper")
+        try:
+            with pytest.raises(RendezvousError) as refused:
+                await RendezvousClient.open(handle.url, model="m", expected_members=2, capability=device("h"),
+                                            fingerprint=FP)  # fmt: skip
+            assert refused.value.code == "open_token" and "--open-token" in refused.value.message
+            host = await RendezvousClient.open(
+                handle.url, model="m", expected_members=2, capability=device("h"), fingerprint=FP,
+                open_token="lighthouse-keeper",
+            )  # fmt: skip
+            await host.close()
+        finally:
+            await handle.close()
+
+    run(scenario())
+
+
 def test_service_shutdown_tells_members() -> None:
     async def scenario() -> None:
         handle = await start_rendezvous("127.0.0.1", 0, 0)

@@ -109,6 +109,14 @@ def host(
     api_key: Annotated[
         str | None, typer.Option("--api-key", envvar="KAFILA_API_KEY", help="Require this bearer token on /v1.")
     ] = None,
+    open_token: Annotated[
+        str | None,
+        typer.Option(
+            "--open-token",
+            envvar="KAFILA_OPEN_TOKEN",
+            help="With --rendezvous: the token that rendezvous asks of hosts opening a session (its operator's).",
+        ),
+    ] = None,
     allow_host: Annotated[
         list[str] | None,
         typer.Option(
@@ -176,7 +184,7 @@ def host(
         rendezvous_bind="127.0.0.1" if demo else "0.0.0.0",
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
-        memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()),
+        memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
     )  # fmt: skip
     try:
         asyncio.run(_serve(config))

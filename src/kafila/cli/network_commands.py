@@ -71,6 +71,15 @@ def rendezvous(
         int,
         typer.Option("--discovery-port", min=0, max=65535, help="Answer LAN discovery on this UDP port (0: off)."),
     ] = 0,
+    open_token: Annotated[
+        str | None,
+        typer.Option(
+            "--open-token",
+            envvar="KAFILA_OPEN_TOKEN",
+            help="Open sessions only for hosts that give this token (`kafila host --open-token`); joining needs "
+            "only a session code. For a rendezvous on the internet.",
+        ),
+    ] = None,
 ) -> None:
     """Run the rendezvous: session signalling over WebSocket, STUN (RFC 5389 binding, RFC 5780
     with --alt-address) and the UDP relay; with --discovery-port, `kafila join CODE` on its LAN
@@ -79,7 +88,13 @@ def rendezvous(
     async def serve() -> None:
         try:
             handle = await start_rendezvous(
-                host, http_port, stun_port, alt_port, alt_address, discovery_port=discovery_port or None
+                host,
+                http_port,
+                stun_port,
+                alt_port,
+                alt_address,
+                discovery_port=discovery_port or None,
+                open_token=open_token or None,
             )
         except OSError as error:
             fail(f"cannot bind the rendezvous's sockets: {error}", False)

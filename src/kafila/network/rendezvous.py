@@ -99,6 +99,7 @@ class OpenSession(Wire):
     capability: FleetDevice
     candidates: Candidates
     fingerprint: Fingerprint
+    open_token: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # a public rendezvous's own
 
 
 class JoinSession(Wire):
@@ -257,6 +258,7 @@ class ErrorCode(StrEnum):
     ALREADY_JOINED = "already_joined"
     NOT_JOINED = "not_joined"
     BAD_TOKEN = "bad_token"
+    OPEN_TOKEN = "open_token"
     NOT_READY = "not_ready"
     UNKNOWN_PEER = "unknown_peer"
     RELAY_LIMIT = "relay_limit"
@@ -446,9 +448,16 @@ class Rendezvous:
     """All sessions of one rendezvous. Call `connect`, `receive`, `disconnect`, `tick`."""
 
     def __init__(
-        self, limits: Limits | None = None, rng: random.Random | None = None, relay_host: str | None = None
+        self,
+        limits: Limits | None = None,
+        rng: random.Random | None = None,
+        relay_host: str | None = None,
+        open_token: str | None = None,
     ) -> None:
+        """`open_token`: when set, only an `open` that gives it starts a session (a public
+        rendezvous limiting who may use it); joining needs only a code."""
         self.limits = limits or Limits()
+        self.open_token = open_token
         self.rng = rng if rng is not None else random.SystemRandom()
         self.relay_host = relay_host
         self.sessions: dict[str, _Session] = {}
@@ -606,6 +615,15 @@ class Rendezvous:
     def _open(self, connection: _Connection, message: OpenSession, now: float) -> list[Output]:
         if connection.member_id is not None:
             raise SignalError(ErrorCode.ALREADY_JOINED, "this connection is already in a session", strike=True)
+        if self.open_token is not None and not hmac.compare_digest(
+            (message.open_token or "").encode(), self.open_token.encode()
+        ):
+            raise SignalError(
+                ErrorCode.OPEN_TOKEN,
+                "this rendezvous opens sessions only with its open token: ask its operator, and pass it with "
+                "--open-token",
+                strike=True,
+            )
         if message.expected_members > self.limits.max_members:
             raise SignalError(
                 ErrorCode.INVALID_MESSAGE, f"a session has at most {self.limits.max_members} members", strike=True

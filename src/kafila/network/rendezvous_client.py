@@ -132,8 +132,10 @@ class RendezvousClient:
         candidates: Sequence[str] = (),
         timeout: float = 10.0,
         ping_interval: float | None = 30.0,
+        open_token: str | None = None,
     ) -> Self:
-        """Open a session as its host; `client.code` is what the others type."""
+        """Open a session as its host; `client.code` is what the others type. `open_token`: the
+        rendezvous's own, where its operator set one."""
         request = OpenSession(
             type="open",
             model=model,
@@ -141,6 +143,7 @@ class RendezvousClient:
             capability=capability,
             candidates=list(candidates),
             fingerprint=fingerprint,
+            open_token=open_token,
         )
         return await cls._start(url, request, Opened, timeout, ping_interval)
 

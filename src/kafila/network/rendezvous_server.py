@@ -283,6 +283,7 @@ async def start_rendezvous(
     tick_interval: float = 1.0,
     discovery_port: int | None = None,
     header_timeout_s: float = HEADER_TIMEOUT_S,
+    open_token: str | None = None,
 ) -> RendezvousHandle:
     """Start STUN, WebSocket signalling and the relay on `host`; OSError if a port cannot be bound.
 
@@ -292,6 +293,7 @@ async def start_rendezvous(
     held here, on that UDP port; one that cannot be bound costs a warning, not the rendezvous.
     Connections are capped per address (an IPv6 /64 is one) and in all before any HTTP is read,
     and a request's headers must arrive within `header_timeout_s` (`kafila.network.http_guard`).
+    `open_token`: when set, only a host that gives it may open a session here.
     """
     limits = limits or Limits()
     raise_open_file_limit()
@@ -304,7 +306,7 @@ async def start_rendezvous(
         raise
     advertised = relay_host if relay_host is not None else (None if host in ("0.0.0.0", "::", "") else host)
     relay = RelayServer(host, relay_limits, clock)
-    core = Rendezvous(limits, rng, advertised)
+    core = Rendezvous(limits, rng, advertised, open_token)
     service = RendezvousService(core, relay, clock)
     config = uvicorn.Config(
         create_app(service, stun.endpoints.port),

@@ -99,6 +99,7 @@ class HostSession:
         cache: Path,
         say: Say,
         model_hash: asyncio.Future[str],
+        open_token: str | None = None,
     ) -> HostSession:
         client = await RendezvousClient.open(
             presence.url,
@@ -107,6 +108,7 @@ class HostSession:
             capability=presence.capability,
             fingerprint=presence.identity.fingerprint,
             candidates=presence.candidates,
+            open_token=open_token,
         )
         code = full_code(client.code, new_secret(random.SystemRandom()))
         return cls(presence, client, code, manifest, model, session, settings, cache, say, model_hash)

@@ -151,6 +151,7 @@ class HostConfig:
     discovery_port: int | None = DEFAULT_DISCOVERY_PORT  # LAN discovery by the embedded rendezvous; None: off
     rebalance: bool = True  # divide the blocks again when the stages' measured times clearly call for it
     allowed_hosts: tuple[str, ...] = ()  # host names the API answers to besides addresses and localhost
+    open_token: str | None = None  # what an external rendezvous asks of hosts that open a session
 
     @property
     def settings(self) -> ContextSettings:
@@ -375,7 +376,7 @@ class HostRunner:
         presence = await present(config.name, self._rendezvous_at, self._device)
         self.network = network = await HostSession.open(
             presence, config.members, self.manifest, config.path, config.session, config.settings,
-            cache_dir() / "stages", self.ui.say, self._hashing,
+            cache_dir() / "stages", self.ui.say, self._hashing, config.open_token,
         )  # fmt: skip
         join = f"kafila join {network.code} --rendezvous {self._advertised}"
         if config.demo:  # the members are this host's own processes; the line is for a look only
