@@ -164,7 +164,7 @@ def test_each_source_is_rate_limited_on_its_own() -> None:
     for _ in range(5):
         core.datagram_received(encode_request(OTHER, new_nonce()), "192.168.1.22", 20.0)
     assert core.datagram_received(request, "192.168.1.22", 20.0) is None
-    assert len(core._buckets) <= 2  # the oldest sources are forgotten
+    assert core._rates.tracked <= 2  # the oldest sources are forgotten
 
 
 def test_the_rendezvous_says_which_channels_it_holds() -> None:

@@ -51,6 +51,7 @@ from kafila.network.frames import (
     Kind,
 )
 from kafila.network.identity import create_identity
+from kafila.network.limits import RateByAddress
 from kafila.network.link import DatagramDemux, Link, Rejected, open_link, should_dial
 from kafila.network.relay import HELLO, HELLO_ACK, hello, parse_ack
 from kafila.network.rendezvous import CLOSE_POLICY
@@ -499,7 +500,8 @@ def binding_request_id(data: bytes) -> bytes | None:
 def test_the_stun_server_answers_only_binding_requests_and_survives_the_rest() -> None:
     async def go() -> None:
         errors = watch_loop()
-        server = await StunServer.start("127.0.0.1", 0, 0, "127.0.0.2")
+        unlimited = RateByAddress(rate=1e9, burst=1e9, max_tracked=16)  # the rate limit has its own test
+        server = await StunServer.start("127.0.0.1", 0, 0, "127.0.0.2", rates=unlimited)
         assert server.responder is not None
         target = (server.endpoints.address, server.endpoints.port)
         client = await UdpPeer.create()

@@ -139,8 +139,16 @@ class StunServer:
         self._sockets: dict[Address, _Socket] = {}
 
     @classmethod
-    async def start(cls, address: str, port: int, alt_port: int = 0, alt_address: str | None = None) -> StunServer:
-        """Bind every endpoint; a port of 0 picks a free one (the alternate port then matches on both IPs)."""
+    async def start(
+        cls,
+        address: str,
+        port: int,
+        alt_port: int = 0,
+        alt_address: str | None = None,
+        rates: RateByAddress | None = None,
+    ) -> StunServer:
+        """Bind every endpoint; a port of 0 picks a free one (the alternate port then matches on both IPs).
+        `rates`: answers allowed per source (default: ANSWERS_PER_S, ANSWER_BURST)."""
         loop = asyncio.get_running_loop()
         server = cls()
         bound: dict[Address, _Socket] = {}
@@ -164,7 +172,8 @@ class StunServer:
             raise
         for local, protocol in bound.items():
             protocol.local = local
-        server.responder = StunResponder(StunEndpoints(address, port, alt_port, alt_address))
+        endpoints = StunEndpoints(address, port, alt_port, alt_address)
+        server.responder = StunResponder(endpoints) if rates is None else StunResponder(endpoints, rates=rates)
         server._sockets = bound
         return server
 
