@@ -922,6 +922,45 @@ def test_a_rendezvous_with_an_open_token_opens_sessions_only_for_hosts_that_give
     run(scenario())
 
 
+def test_the_host_alone_can_remove_a_member_and_its_seat_is_free_again() -> None:
+    world = World()
+    conns, tokens = world.full_session(3)
+    host, first, second = conns
+    world.send(first, {"type": "remove", "token": tokens[1], "member": "m3"})  # not the host
+    refusal = world.last(first)
+    assert isinstance(refusal, Error) and refusal.code == ErrorCode.NOT_HOST
+    assert second not in world.closed
+    world.send(host, {"type": "remove", "token": tokens[0], "member": "m9"})
+    unknown = world.last(host)
+    assert isinstance(unknown, Error) and unknown.code == ErrorCode.UNKNOWN_PEER
+    world.send(host, {"type": "remove", "token": tokens[0], "member": "m1"})  # itself: no
+    assert isinstance(world.last(host), Error)
+    world.send(host, {"type": "remove", "token": tokens[0], "member": "m3"})
+    assert world.closed[second].code == CLOSE_POLICY
+    assert world.last(host) == MemberLeft(member_id="m3", reason=LeaveReason.REMOVED)
+    assert world.last(first) == MemberLeft(member_id="m3", reason=LeaveReason.REMOVED)
+    code = next(iter(world.core.by_code))
+    _, joined = world.join(code, "newcomer", ip="198.51.100.40")  # the seat it held
+    assert isinstance(joined, Joined)
+
+    async def scenario() -> None:
+        handle = await start_rendezvous("127.0.0.1", 0, 0)
+        try:
+            host_client = await RendezvousClient.open(
+                handle.url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
+            )
+            member = await join(handle.url, host_client.code, "m")
+            await host_client.wait_ready(5)
+            await host_client.remove(member.member_id)
+            assert host_client.departed == {member.member_id: LeaveReason.REMOVED}
+            assert await member.wait_closed(5) is None and member.closed
+            await host_client.close()
+        finally:
+            await handle.close()
+
+    run(scenario())
+
+
 def test_service_shutdown_tells_members() -> None:
     async def scenario() -> None:
         handle = await start_rendezvous("127.0.0.1", 0, 0)

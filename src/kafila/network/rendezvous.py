@@ -139,8 +139,16 @@ class Leave(Wire):
     token: MemberToken
 
 
+class Remove(Wire):
+    """The host sends a member away (it failed the code's proof, or its part): its seat is free."""
+
+    type: Literal["remove"]
+    token: MemberToken
+    member: MemberId
+
+
 ClientMessage = Annotated[
-    OpenSession | JoinSession | RelayRequest | SignalTo | Ping | Leave, Field(discriminator="type")
+    OpenSession | JoinSession | RelayRequest | SignalTo | Ping | Leave | Remove, Field(discriminator="type")
 ]
 CLIENT_MESSAGE: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
 
@@ -198,6 +206,7 @@ class Ready(Wire):
 
 class LeaveReason(StrEnum):
     LEFT = "left"
+    REMOVED = "removed"  # by the host
     DISCONNECTED = "disconnected"
     TIMED_OUT = "timed_out"
     PROTOCOL_ERROR = "protocol_error"
@@ -261,6 +270,7 @@ class ErrorCode(StrEnum):
     OPEN_TOKEN = "open_token"
     NOT_READY = "not_ready"
     UNKNOWN_PEER = "unknown_peer"
+    NOT_HOST = "not_host"
     RELAY_LIMIT = "relay_limit"
     RELAY_FAILED = "relay_failed"
 
@@ -599,6 +609,8 @@ class Rendezvous:
             return [Send(connection.conn, Pong(nonce=message.nonce))]
         if isinstance(message, Leave):
             return self._drop(connection, LeaveReason.LEFT, (CLOSE_NORMAL, "left"), now)
+        if isinstance(message, Remove):
+            return self._remove(session, member, message.member, now)
         if isinstance(message, SignalTo):
             return self._signal(session, member, message)
         return self._relay_request(session, member, message.peer, now)
@@ -801,6 +813,20 @@ class Rendezvous:
         session.relay_wants = {w for w in session.relay_wants if member.member_id not in w}
         notice = MemberLeft(member_id=member.member_id, reason=reason)
         return outputs + [Send(m.conn, notice) for m in session.members.values()]
+
+    def _remove(self, session: _Session, by: _Member, member_id: str, now: float) -> list[Output]:
+        """Only the host's own connection (its token proves it) may send a member away."""
+        if by.member_id != session.host_id:
+            raise SignalError(ErrorCode.NOT_HOST, "only the session's host removes members", strike=True)
+        target = session.members.get(member_id)
+        if target is None or member_id == session.host_id:
+            raise SignalError(
+                ErrorCode.UNKNOWN_PEER, f"{member_id} is not another member of this session", peer=member_id
+            )
+        connection = self.connections.get(target.conn)
+        if connection is None:
+            return []
+        return self._drop(connection, LeaveReason.REMOVED, (CLOSE_POLICY, "removed by the host"), now)
 
     def _end(self, session: _Session, reason: EndReason, now: float) -> list[Output]:
         self.sessions.pop(session.session_id, None)

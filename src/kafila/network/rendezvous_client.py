@@ -58,6 +58,7 @@ from kafila.network.rendezvous import (
     Ready,
     RelayGranted,
     RelayRequest,
+    Remove,
     ServerMessage,
     SignalFrom,
     SignalTo,
@@ -67,6 +68,7 @@ from kafila.network.session_codes import channel_part, split_code
 from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
 
 MAX_MESSAGE_BYTES = 128 << 10  # the largest legitimate message, a ready list of 32 members, is under 64 KiB
+REMOVE_WAIT_S = 5.0  # for the rendezvous to confirm that a removed member left
 MAX_REFUSALS_LOGGED = 5  # refusals that concern no request in flight: logged, the first few only
 MAX_PENDING_SIGNALS = 64  # signals kept per sender until read; a flood past this is dropped
 log = logging.getLogger("kafila.rendezvous.client")
@@ -385,6 +387,13 @@ class RendezvousClient:
         """Until the connection ends; how the session ended, if the rendezvous said."""
         await self._until(lambda: self._closed, timeout)
         return self.ended
+
+    async def remove(self, member: str) -> None:
+        """As the host: send `member` away at the rendezvous; its seat is free for another joiner.
+        Returns once the rendezvous has said it left (or the connection ended)."""
+        await self._send(Remove(type="remove", token=self.token, member=member))
+        with contextlib.suppress(TimeoutError, RendezvousClosed):
+            await self.wait_for_left(member, REMOVE_WAIT_S)
 
     async def leave(self) -> None:
         """Leave the session (as host: end it), then close."""
