@@ -51,6 +51,7 @@ from kafila.network.rendezvous_client import (
     ProvenButRefused,
     RendezvousClient,
     TrustTimeout,
+    send_abort,
     verify_host,
     verify_members,
     verify_newcomer,
@@ -433,7 +434,7 @@ async def session(
     code = codes[0].replace("7-crimson-harbor", host.code)
     clients, tasks = (
         [host],
-        [asyncio.create_task(verify_members(host, code, fingerprints[0], exchange_timeout=timeout))],
+        [asyncio.create_task(verify_members(host, code, fingerprints[0], exchange_timeout=timeout, refused=stop))],
     )
     for index, fingerprint in enumerate(fingerprints[1:], start=1):
         theirs = codes[index].replace("7-crimson-harbor", host.code)
@@ -446,6 +447,11 @@ async def session(
     for client in clients:
         await client.close()
     return results
+
+
+def stop(_member: str, error: TrustError) -> None:
+    """A host that gives up at the first joiner refused (`kafila host` drops it and goes on)."""
+    raise error
 
 
 def test_members_agree_on_the_roster_and_the_secret_never_reaches_the_rendezvous() -> None:
@@ -610,7 +616,7 @@ def test_silence_is_a_timeout_not_a_hang() -> None:
         try:
             host, joiner, code = await pair_of_clients(handle)  # a joiner that never answers
             with pytest.raises(TrustTimeout, match=r"member m2 did not prove the session code within 0\.5 s"):
-                await verify_members(host, code, HOST_FP, exchange_timeout=0.5)
+                await verify_members(host, code, HOST_FP, exchange_timeout=0.5, refused=stop)
             await host.close()
             await joiner.close()
             host, joiner, code = await pair_of_clients(handle)  # a host that never answers
@@ -624,6 +630,68 @@ def test_silence_is_a_timeout_not_a_hang() -> None:
             await handle.close()
 
     run(scenario())
+
+
+def test_a_joiner_that_fails_its_part_is_dropped_and_the_same_code_then_forms_the_session() -> None:
+    """A wrong secret, garbage, an abort, silence, and a joiner that takes the last seat and leaves:
+    each is dropped (told why and removed at the rendezvous, its seat free again) and reported;
+    the session then forms with the same code, for the honest joiner that comes next."""
+    refused: list[tuple[str, type[TrustError]]] = []
+
+    async def scenario() -> tuple[dict[str, str], dict[str, str]]:
+        handle, _ = await serve()
+        host = await RendezvousClient.open(
+            handle.url, model="m", expected_members=2, capability=capability("host"), fingerprint=HOST_FP
+        )
+        code = CODE.replace("7-crimson-harbor", host.code)
+        forming = asyncio.create_task(
+            verify_members(host, code, HOST_FP, exchange_timeout=1.0, refused=lambda m, e: refused.append((m, type(e))))
+        )
+        try:
+
+            async def joiner(name: str, with_code: str = code) -> RendezvousClient:
+                client = await RendezvousClient.join(
+                    handle.url, with_code, capability=capability(name), fingerprint=OTHER_FP
+                )
+                await client.wait_ready(5)
+                return client
+
+            async def until_dropped(count: int) -> None:
+                while len(refused) < count:
+                    assert not forming.done(), forming
+                    await asyncio.sleep(0.02)
+
+            guesser = await joiner("guesser", WRONG.replace("7-crimson-harbor", host.code))
+            with contextlib.suppress(TrustError):
+                await verify_host(guesser, WRONG.replace("7-crimson-harbor", host.code), OTHER_FP, exchange_timeout=5)
+            await until_dropped(1)
+            assert await guesser.wait_closed(5) is None  # removed at the rendezvous
+            garbler = await joiner("garbler")
+            await garbler.send_signal(host.member_id, "not a trust message at all")
+            await until_dropped(2)
+            aborter = await joiner("aborter")
+            await send_abort(aborter, [host.member_id], TrustError("changed my mind"))
+            await until_dropped(3)
+            await joiner("silent")  # says nothing: dropped after the exchange's timeout
+            await until_dropped(4)
+            leaver = await joiner("leaver")
+            await leaver.leave()  # the last seat, left at once: forgotten, not refused
+            await host.wait_for_left(leaver.member_id, 5)
+            honest = await RendezvousClient.join(
+                handle.url, code, capability=capability("honest"), fingerprint=JOINER_FP
+            )
+            at_joiner = await verify_host(honest, code, JOINER_FP, exchange_timeout=5)
+            at_host = await asyncio.wait_for(forming, 10)
+            await honest.close()
+            return at_host, at_joiner
+        finally:
+            forming.cancel()
+            await host.close()
+            await handle.close()
+
+    at_host, at_joiner = run(scenario(), timeout=60)
+    assert [kind for _, kind in refused] == [CodeMismatch, TrustProtocolError, PeerRefused, TrustTimeout]
+    assert at_host == at_joiner and set(at_host.values()) == {HOST_FP, JOINER_FP}
 
 
 @dataclass

@@ -29,6 +29,7 @@ from kafila.session.core import (
     Gathered,
     HoldRequests,
     Interrupted,
+    JoinerRefused,
     Judged,
     JudgeRebalance,
     MemberFailed,
@@ -212,14 +213,14 @@ def test_a_session_forms_deploys_and_serves() -> None:
     assert host.phase == Phase.SERVING
 
 
-def test_a_wrong_code_while_the_session_forms_voids_it_for_a_new_one() -> None:
+def test_a_forming_that_fails_as_a_whole_gets_a_new_code() -> None:
     host = session()
     host.handle(Opened(JOIN))
-    commands = host.handle(CodeRefused("laptop proved a different code"))
+    commands = host.handle(CodeRefused("the session did not fill within 600 s"))
     assert commands == [
-        Warn("refused a member", "laptop proved a different code"),
+        Warn("refused a member", "the session did not fill within 600 s"),
         Say("that code is void now; a new one follows"),
-        RenewCode("the session was closed: laptop proved a different code"),
+        RenewCode("the session was closed: the session did not fill within 600 s"),
     ]
     assert host.handle(Opened("kafila join red-owl-…")) == [] and host.join_line == "kafila join red-owl-…"
     assert host.handle(Gathered(("laptop",))) == [Deploy(("laptop",))]
@@ -281,21 +282,40 @@ def test_a_newcomer_takes_a_freed_seat_until_the_guess_budget_is_spent() -> None
     assert other.admitting and other.failed_proofs == 0
 
 
-def test_failed_proofs_count_over_every_code_the_host_issues() -> None:
+def test_joiners_refused_while_the_session_forms_keep_its_code_until_the_guess_budget_is_spent() -> None:
     host = session()
     host.handle(Opened(JOIN))
-    for _ in range(3):  # silence, garbage, an abort: the code is renewed, nothing is counted
-        assert host.handle(CodeRefused("laptop did not prove the session code within 30 s"))[-1] == RenewCode(
-            "the session was closed: laptop did not prove the session code within 30 s"
-        )
-        host.handle(Opened(JOIN))
+    for why in ("did not prove the session code within 30 s", "sent garbage", "aborted"):  # no guesses
+        assert host.handle(JoinerRefused("laptop", why)) == [Warn("refused laptop", why)]
+    assert host.phase == Phase.GATHERING and host.failed_proofs == 0 and host.join_line == JOIN
     for _ in range(GUESS_BUDGET - 1):
-        assert isinstance(host.handle(CodeRefused("a different code", guess=True))[-1], RenewCode)
-        host.handle(Opened(JOIN))
-    ended = host.handle(CodeRefused("a different code", guess=True))
-    assert ended[0] == Warn("refused a member", "a different code")
+        assert host.handle(JoinerRefused("guesser", "a different code", guess=True)) == [
+            Warn("refused guesser", "a different code")
+        ]
+    ended = host.handle(JoinerRefused("guesser", "a different code", guess=True))
+    assert ended[0] == Warn("refused guesser", "a different code")
     assert isinstance(ended[-1], Fail) and ended[-1].exit and "admits no one" in ended[-1].message
     assert host.phase == Phase.FAILED and not host.admitting
+    assert host.handle(Gathered(("laptop",))) == []  # too late: forming has ended
+
+
+def test_guesses_count_over_the_hosts_whole_life() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(JoinerRefused("guesser", "a different code", guess=True))
+    host.handle(Gathered(("laptop",)))
+    host.handle(Deployed(2))
+    host.handle(NewcomerChecked("guesser", "a different code", guess=True))
+    assert host.admitting
+    spent = host.handle(NewcomerChecked("guesser", "a different code", guess=True))
+    assert not host.admitting and said(spent)[0].startswith("this session admits no more members")
+
+
+def test_a_session_whose_joiners_all_left_before_it_formed_serves_alone() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    assert host.handle(Gathered(())) == [ServeAlone("every member failed its part")]
+    assert host.handle(ServedAlone()) == [] and host.phase == Phase.SERVING
 
 
 def test_a_planned_replan_under_load_holds_new_requests_then_takes_the_newcomer_in() -> None:
@@ -479,7 +499,8 @@ events = st.one_of(
     st.builds(observed, st.floats(0, 1000), st.sets(st.sampled_from(MEMBERS)), some, some,
               st.tuples(st.booleans(), st.booleans(), st.booleans()), st.none() | st.just("a stage stopped")),
     st.builds(Gathered, st.tuples(st.sampled_from(MEMBERS))),
-    st.builds(CodeRefused, st.just("wrong code"), st.booleans()),
+    st.builds(CodeRefused, st.just("did not fill")),
+    st.builds(JoinerRefused, st.sampled_from(MEMBERS), st.just("wrong code"), st.booleans()),
     st.builds(NewcomerChecked, st.sampled_from(MEMBERS), st.none() | st.just("no"), st.booleans()),
     st.builds(Retired, st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple)),
     st.builds(Deployed, st.integers(1, 4)),

@@ -110,7 +110,8 @@ class RendezvousClient:
         self._signals: dict[str, deque[str]] = {}  # from members, until read
         self._signal_errors: dict[str, Error] = {}  # for signals sent, until read
         self.departed: dict[str, LeaveReason] = {}  # members that left, and why (at most the member ids there are)
-        self._asked: set[str] = set()  # peers this member signalled or asked a relay to
+        self._asked: set[str] = set()  # peers this member signalled, asked a relay to, or removed
+        self._removals_refused: set[str] = set()
         self._changes = 0  # messages received so far: what `_wait_change` watches
         self._refusals_logged = 0
         self._pings: dict[int, float | None] = {}  # nonce → when its pong came, for pings in flight
@@ -265,6 +266,8 @@ class RendezvousClient:
                 self._relay_errors[message.peer] = message
             elif message.request == "signal":
                 self._signal_errors[message.peer] = message
+            elif message.request == "remove":
+                self._removals_refused.add(message.peer)  # not a member (any more): nothing to wait for
 
     async def _until(self, done: Callable[[], bool], timeout: float | None) -> None:
         async with asyncio.timeout(timeout), self._changed:
@@ -391,9 +394,11 @@ class RendezvousClient:
     async def remove(self, member: str) -> None:
         """As the host: send `member` away at the rendezvous; its seat is free for another joiner.
         Returns once the rendezvous has said it left (or the connection ended)."""
+        self._asked.add(member)
+        self._removals_refused.discard(member)
         await self._send(Remove(type="remove", token=self.token, member=member))
-        with contextlib.suppress(TimeoutError, RendezvousClosed):
-            await self.wait_for_left(member, REMOVE_WAIT_S)
+        with contextlib.suppress(TimeoutError):
+            await self._until(lambda: member in self.departed or member in self._removals_refused, REMOVE_WAIT_S)
 
     async def leave(self) -> None:
         """Leave the session (as host: end it), then close."""
@@ -498,13 +503,13 @@ async def verify_host(
         await drive(lambda: exchange.confirmed, exchange_timeout, "prove the session code")
         await drive(lambda: exchange.roster is not None, ready_timeout, "send the verified member list")
         try:
-            ready = await client.wait_ready(exchange_timeout)
+            await client.wait_ready(exchange_timeout)
         except TimeoutError:
             raise TrustTimeout("the rendezvous sent the host's roster but never said the session is ready") from None
         assert exchange.roster is not None
-        roster = check_roster(
+        roster = check_roster(  # against the members as they are now: a seat may have changed hands since `ready`
             exchange.roster,
-            {m.member_id: m.fingerprint for m in ready.members},
+            {m.member_id: m.fingerprint for m in client.members.values()},
             host_id=host_id,
             host_fingerprint=exchange.peer_fingerprint,
             self_id=client.member_id,
@@ -525,17 +530,22 @@ async def verify_members(
     *,
     exchange_timeout: float = 30.0,
     ready_timeout: float | None = None,
+    refused: Callable[[str, TrustError], None] = lambda _member, _error: None,
 ) -> dict[str, str]:
     """The host's side: prove the full `code` to each joiner as it arrives and check its fingerprint;
-    once the session is full, send each joiner the roster, and return it once every joiner has
-    accepted it.
+    once as many joiners as the session expects have proved it, send each the roster, and return
+    it once every one of them has accepted it.
 
     Each joiner must confirm within `exchange_timeout` of being introduced, and accept the roster
     within `exchange_timeout` of its sending; the session must fill within `ready_timeout` (None:
-    as long as it lives). A joiner that leaves before the session is full is forgotten. On the
-    first `TrustError` every joiner is told why and the error is raised: the caller ends this
-    session's forming (and may open another), counting a `CodeMismatch`, a failed key
-    confirmation, against its guess budget (`session.core.GUESS_BUDGET`).
+    as long as it lives). A joiner that fails its part (a wrong code, garbage, silence, an abort,
+    a fingerprint other than the rendezvous reported) is told why, removed at the rendezvous so
+    that its seat is free again, and reported to `refused`; the session goes on forming with the
+    same code. `refused` may raise to end the forming: a `CodeMismatch`, a failed key
+    confirmation, may be a guess at the secret, which the caller counts against its budget
+    (`session.core.GUESS_BUDGET`). A joiner that leaves is forgotten, its seat free; one that
+    leaves after the roster went is left out of what is returned, and one that joins after it is
+    left for the host to admit as a newcomer.
     """
     _check_session(client, code, host=True)
     own = normalize_fingerprint(fingerprint)
@@ -544,61 +554,74 @@ async def verify_members(
     exchanges: dict[str, Exchange] = {}
     deadlines: dict[str, float] = {}
     roster: dict[str, str] | None = None  # once sent
+
+    async def drop(member_id: str, error: TrustError) -> None:
+        exchanges.pop(member_id, None)
+        deadlines.pop(member_id, None)
+        if not isinstance(error, PeerRefused):  # it told us; otherwise it hears why
+            await send_abort(client, [member_id], error)
+        try:
+            refused(member_id, error)  # while the rendezvous still lists it, by name
+        finally:
+            with contextlib.suppress(RendezvousError):
+                await client.remove(member_id)
+
     try:
         while True:
             seen = client._changes
-            for member_id, info in list(client.members.items()):
-                if member_id == client.member_id or member_id in exchanges:
-                    continue
-                exchange = Exchange(
-                    Role.HOST,
-                    code,
-                    host_id=client.member_id,
-                    joiner_id=member_id,
-                    own_fingerprint=own,
-                    peer_fingerprint=info.fingerprint,
-                )
-                exchanges[member_id] = exchange
-                deadlines[member_id] = loop.time() + exchange_timeout
-                await client.send_signal(member_id, exchange.start())
-            final = {m.member_id for m in client.ready.members} if client.ready is not None else set()
+            if roster is None:
+                for member_id, info in list(client.members.items()):
+                    if member_id == client.member_id or member_id in exchanges:
+                        continue
+                    exchange = Exchange(
+                        Role.HOST,
+                        code,
+                        host_id=client.member_id,
+                        joiner_id=member_id,
+                        own_fingerprint=own,
+                        peer_fingerprint=info.fingerprint,
+                    )
+                    exchanges[member_id] = exchange
+                    deadlines[member_id] = loop.time() + exchange_timeout
+                    await client.send_signal(member_id, exchange.start())
             for member_id, exchange in list(exchanges.items()):
-                if member_id not in client.members and member_id not in final:
-                    del exchanges[member_id]  # left before the session filled (its seat is free again)
+                if member_id not in client.members:  # it left: its seat is free again
+                    exchanges.pop(member_id)
                     deadlines.pop(member_id, None)
                     continue
-                for body in client.take_signals(member_id):
-                    for reply in exchange.receive(body):
-                        await client.send_signal(member_id, reply)
+                try:
+                    for body in client.take_signals(member_id):
+                        for reply in exchange.receive(body):
+                            await client.send_signal(member_id, reply)
+                    refusal = client._signal_errors.pop(member_id, None)
+                    if refusal is not None and member_id in client.members:  # one that left is told by member_left
+                        raise TrustError(
+                            f"the rendezvous introduced member {member_id} but will not carry messages to it "
+                            f"({refusal.message}), so it cannot prove the session code: refused",
+                            member_id,
+                        )
+                except TrustError as error:
+                    await drop(member_id, error)
+                    continue
                 if exchange.accepted if roster is not None else exchange.confirmed:
                     deadlines.pop(member_id, None)
-                refusal = client._signal_errors.pop(member_id, None)
-                if refusal is not None and member_id in client.members:  # one that left is told apart by member_left
-                    raise TrustError(
-                        f"the rendezvous introduced member {member_id} but will not carry messages to it "
-                        f"({refusal.message}), so it cannot prove the session code: refused",
-                        member_id,
-                    )
             if client.closed:
                 raise RendezvousClosed(ended=client.ended)
-            if client.ready is not None:
-                joiners = [m.member_id for m in client.ready.members if m.member_id != client.member_id]
-                gone = [m for m in joiners if m not in client.members]
-                if gone:
-                    raise RendezvousError("member_left", f"{', '.join(gone)} left before the trust exchange finished")
-                if roster is None and all(m in exchanges and exchanges[m].confirmed for m in joiners):
+            joiners = list(exchanges)
+            if roster is None:
+                full = client.ready is not None and len(joiners) >= client.expected_members - 1
+                if full and all(exchanges[m].confirmed for m in joiners):
                     roster = {client.member_id: own} | {m: exchanges[m].peer_fingerprint for m in joiners}
                     for member_id in joiners:
                         await client.send_signal(member_id, exchanges[member_id].seal_roster(roster))
                         deadlines[member_id] = loop.time() + exchange_timeout
                     continue  # acceptances may already be here
-                if roster is not None and all(exchanges[m].accepted for m in joiners):
-                    return roster
+            elif all(exchanges[m].accepted for m in joiners):
+                return {client.member_id: own} | {m: roster[m] for m in joiners}
             now = loop.time()
-            late = sorted(m for m, deadline in deadlines.items() if deadline <= now)
-            if late:
+            for member_id in sorted(m for m, deadline in deadlines.items() if deadline <= now):
                 what = "accept the member list" if roster is not None else "prove the session code"
-                raise TrustTimeout(f"member {', '.join(late)} did not {what} within {exchange_timeout} s", late[0])
+                await drop(member_id, TrustTimeout(f"member {member_id} did not {what} within {exchange_timeout} s"))
             if roster is None and give_up is not None and now >= give_up:
                 raise TrustTimeout(f"the session did not fill within {ready_timeout} s")
             wake = min([*deadlines.values(), *([give_up] if give_up is not None else [])], default=None)

@@ -206,9 +206,17 @@ class Gathered:
 
 @dataclass(frozen=True)
 class CodeRefused:
-    """A joiner failed the trust exchange while the session formed; `guess`: it failed the code's
-    proof (a wrong secret), so it may have been a guess."""
+    """The session's forming failed as a whole (it did not fill in time, say): a new code follows."""
 
+    error: str
+
+
+@dataclass(frozen=True)
+class JoinerRefused:
+    """While the session formed, a joiner failed its part and was sent away, its seat free again;
+    `guess`: it failed the code's proof (a wrong secret), so it may have been a guess."""
+
+    name: str
     error: str
     guess: bool = False
 
@@ -278,8 +286,8 @@ class Interrupted:
 
 
 Event = (
-    Observed | Opened | Gathered | CodeRefused | NewcomerChecked | Retired | Deployed | MemberFailed | Dismissed
-    | DeployFailed | ServedAlone | Judged | Interrupted
+    Observed | Opened | Gathered | CodeRefused | JoinerRefused | NewcomerChecked | Retired | Deployed
+    | MemberFailed | Dismissed | DeployFailed | ServedAlone | Judged | Interrupted
 )  # fmt: skip
 
 
@@ -453,13 +461,19 @@ class SessionCore:
                 self.join_line = line
                 return []
             case Gathered(members=members) if self.phase == Phase.GATHERING:
+                if not members:  # every joiner left before the roster was accepted
+                    self.phase, self.deployment = Phase.DEPLOYING, _Start()
+                    return self._no_member_left(_Start())
                 return self._deploy(_Start(), members)
-            case CodeRefused(error=error, guess=guess) if self.phase == Phase.GATHERING:
+            case JoinerRefused(name=name, error=error, guess=guess) if self.phase == Phase.GATHERING:
+                # Sent away, its seat free again: the session goes on forming with the same code.
                 if guess and self._guessed():
                     self.phase = Phase.FAILED
-                    return [Warn("refused a member", error), Fail(_GUESSED_WHILE_FORMING, exit=True)]
-                # The exchange that failed ended this session's forming: a new code follows, and
-                # members who had joined join again with it.
+                    return [Warn(f"refused {name}", error), Fail(_GUESSED_WHILE_FORMING, exit=True)]
+                return [Warn(f"refused {name}", error)]
+            case CodeRefused(error=error) if self.phase == Phase.GATHERING:
+                # The forming failed as a whole: a new code follows, and those who had joined
+                # join again with it.
                 return [
                     Warn("refused a member", error),
                     Say("that code is void now; a new one follows"),
@@ -469,7 +483,7 @@ class SessionCore:
                 return self._newcomer_checked(event)
             case Judged():
                 return self._judged(event)
-            case Opened() | Gathered() | CodeRefused():
+            case Opened() | Gathered() | CodeRefused() | JoinerRefused():
                 return []
         return self._deploying(event)
 

@@ -55,6 +55,7 @@ from kafila.session.router import LinkRouter
 
 Say = Callable[[str], None]
 HELLO_TIMEOUT_S = 60.0
+TRUST_EXCHANGE_S = 30.0  # for a joiner to prove the code, and to accept the member list
 GOODBYE_WAIT_S = 2.0  # how long the host waits for members to close their links after their End
 
 
@@ -142,11 +143,18 @@ class HostSession:
 
     # --- gathering ---------------------------------------------------------------------------
 
-    async def gather(self, ready_timeout: float | None) -> None:
-        """Trust, links, hellos: after this every member is verified, linked and has said what it holds."""
+    async def gather(
+        self,
+        ready_timeout: float | None,
+        refused: Callable[[str, TrustError], None],
+        exchange_timeout: float = TRUST_EXCHANGE_S,
+    ) -> None:
+        """Trust, links, hellos: after this every member is verified, linked and has said what it holds.
+        A joiner that fails the trust exchange is sent away and reported to `refused` (`verify_members`)."""
         proved = await verify_members(
-            self.client, self.code, self.presence.identity.fingerprint, ready_timeout=ready_timeout
-        )
+            self.client, self.code, self.presence.identity.fingerprint,
+            exchange_timeout=exchange_timeout, ready_timeout=ready_timeout, refused=refused,
+        )  # fmt: skip
         # Pin what each proved, whatever the rendezvous has said of them since.
         self.roster.known.update(
             {

@@ -48,6 +48,7 @@ from kafila.session.core import (
     ForgetRing,
     Gathered,
     Interrupted,
+    JoinerRefused,
     Judged,
     MemberFailed,
     NewcomerChecked,
@@ -71,7 +72,7 @@ from kafila.session.core import (
     Warn,
 )
 from kafila.session.deployer import SessionFailed
-from kafila.session.host import HostSession
+from kafila.session.host import TRUST_EXCHANGE_S, HostSession
 from kafila.session.local_members import DemoMembers
 from kafila.session.presence import present
 
@@ -157,6 +158,10 @@ class HostConfig:
     def settings(self) -> ContextSettings:
         n = self.session.concurrency
         return ContextSettings(n_ctx=self.session.context * n, n_batch=512, n_seq_max=n, n_threads=self.threads)
+
+
+class GuessBudgetSpent(TrustError):
+    """Raised into the trust exchange to end a session's forming: too many joiners failed the code."""
 
 
 class HostRunner:
@@ -275,19 +280,23 @@ class HostRunner:
             case _:
                 raise AssertionError(f"{command} cannot be carried out at once")
 
+    def _drive_now(self, events: Sequence[Event]) -> None:
+        """Hand the core events whose commands need no waiting (a callback's, a signal handler's)."""
+        for event in events:
+            for command in self.core.handle(event):
+                self._tell(command)
+
     def _admitted(self, name: str, error: BaseException | None) -> None:
         """An admission ended (`HostSession.admit`); a failed proof of the code may be a guess."""
         guess = isinstance(error, CodeMismatch)  # a failed key confirmation: only that can be a guess
         detail = None if error is None else str(error) or type(error).__name__
-        for command in self.core.handle(NewcomerChecked(name, detail, guess)):
-            self._tell(command)
+        self._drive_now([NewcomerChecked(name, detail, guess)])
 
     def interrupt(self, reason: str) -> None:
         """Ctrl-C or SIGTERM: end the requests in flight now, without blocking the event loop (a
         signal handler calls it)."""
         self.stopping = True
-        for command in self.core.handle(Interrupted(reason)):
-            self._tell(command)
+        self._drive_now([Interrupted(reason)])
 
     # --- engines ---
     def _activate(self, engine: Engine) -> None:
@@ -352,16 +361,10 @@ class HostRunner:
         config = self.config
         if config.rendezvous is None:
             self.rendezvous = await start_embedded_rendezvous(config)
-            bound = self.rendezvous.http_address
-            # The host reaches its own rendezvous at the address it gives members, so that every
-            # member's candidates are on the same network and punches between them line up.
-            reachable = lan_address() if bound[0] in ("0.0.0.0", "::") else bound[0]
-            self._rendezvous_at = (reachable, bound[1])
-        else:
-            self._rendezvous_at = config.rendezvous
+        self._rendezvous_at = rendezvous_address(config, self.rendezvous)
         self._advertised = f"{self._rendezvous_at[0]}:{self._rendezvous_at[1]}"
         # Begun now, it runs while the members join: the first hash of a large model takes a minute.
-        self._hashing = hashing = asyncio.ensure_future(self._hash_model())
+        self._hashing = hashing = asyncio.ensure_future(hash_with_progress(config.path, self.ui))
         hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
         self.serving.waiting_for = ["this machine to be measured"]
         self._device = await asyncio.to_thread(this_device, memory=config.memory)
@@ -389,19 +392,27 @@ class HostRunner:
         self.serving.session_described_by(functools.partial(self._network_status, network))
         if config.demo and not self.demo.members:
             self.demo.start(network.code, self._advertised, others)
+        self._drive_now([Opened(join)])
         try:
-            await network.gather(ready_timeout=None)
+            await network.gather(
+                None, self._refused_while_forming, seconds_from_env("KAFILA_TRUST_EXCHANGE_S", TRUST_EXCHANGE_S)
+            )
         except TrustError as error:
-            return [Opened(join), CodeRefused(str(error), guess=isinstance(error, CodeMismatch))]
-        return [Opened(join), Gathered(tuple(network.alive()))]
+            return [CodeRefused(str(error))]
+        return [Gathered(tuple(network.alive()))]
+
+    def _refused_while_forming(self, member: str, error: TrustError) -> None:
+        """A joiner was sent away while the session formed (`verify_members`); the core counts a
+        failed proof of the code against the guess budget, and when that is spent, forming ends."""
+        assert self.network is not None
+        info = self.network.client.members.get(member)
+        name = info.name if info is not None else member
+        self._drive_now([JoinerRefused(name, str(error) or type(error).__name__, isinstance(error, CodeMismatch))])
+        if not self.going_on:
+            raise GuessBudgetSpent("the session admits no one: too many joiners failed to prove its code")
 
     def _network_status(self, network: HostSession) -> SessionStatus:
         return network.status(admitting=self.core.admitting)
-
-    async def _hash_model(self) -> str:
-        path = self.config.path
-        with self.ui.progress_bars() as progress:
-            return await hash_model(path, functools.partial(progress, f"hashing {path.name} (once)"))
 
     async def _deployed(self, members: list[str]) -> Event:
         """Deploy over `members`, answering how it went."""
@@ -500,6 +511,24 @@ def session_view(network: HostSession | None, loop: EngineLoop | None, ready: bo
         names={m: network.member_name(m) for m in network.known}
         | {m: network.client.members[m].name for m in arrivals},
     )
+
+
+def rendezvous_address(config: HostConfig, embedded: RendezvousHandle | None) -> tuple[str, int]:
+    """Where this host and its members reach the rendezvous. The host reaches its own at the
+    address it gives members, so that every member's candidates are on the same network and
+    punches between them line up."""
+    if config.rendezvous is not None or embedded is None:
+        assert config.rendezvous is not None
+        return config.rendezvous
+    host, port = embedded.http_address
+    return (lan_address() if host in ("0.0.0.0", "::") else host), port
+
+
+async def hash_with_progress(path: Path, ui: HostUi) -> str:
+    """The model's sha256, for members with their own copy of it (the first hash of a large model
+    takes a minute; it is cached after)."""
+    with ui.progress_bars() as progress:
+        return await hash_model(path, functools.partial(progress, f"hashing {path.name} (once)"))
 
 
 async def start_embedded_rendezvous(config: HostConfig) -> RendezvousHandle:
