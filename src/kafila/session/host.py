@@ -224,11 +224,20 @@ class HostSession:
     async def _refuse(self, member_id: str, reason: str) -> None:
         refusal = TrustError(reason)
         await send_abort(self.client, [member_id], refusal)
+        with contextlib.suppress(RendezvousError):
+            await self.client.remove(member_id)
         raise refusal
 
     async def _admit(self, member_id: str) -> None:
         trusted = {m: info.fingerprint for m, info in self.known.items()}
-        proved = await verify_newcomer(self.client, self.code, self.presence.identity.fingerprint, member_id, trusted)
+        try:
+            proved = await verify_newcomer(
+                self.client, self.code, self.presence.identity.fingerprint, member_id, trusted
+            )
+        except TrustError:  # it was told why; its seat is free again for whoever proves the code
+            with contextlib.suppress(RendezvousError):
+                await self.client.remove(member_id)
+            raise
         info = self.client.members.get(member_id)
         if info is None:
             raise RendezvousError("member_left", f"{member_id} left after proving the code")
