@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -419,6 +420,10 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
 def test_a_wrong_session_code_is_refused_and_the_same_code_then_forms_the_session(tmp_path: Path, model: Path) -> None:
     with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
         code, rendezvous = host.join_line()
+        address, port = rendezvous.rsplit(":", 1)
+        if address != "127.0.0.1":  # the embedded rendezvous listens on the address it announces, and no other
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
         channel, secret = "-".join(code.split("-")[:3]), code.split("-")[3:]
         wrong = f"{channel}-{'-'.join([*secret[:-1], 'zebra' if secret[-1] != 'zebra' else 'tiger'])}"
         intruder = start_member(wrong, rendezvous, "intruder", tmp_path / "cache-x")

@@ -33,7 +33,7 @@ from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_co
 from kafila.runtime.local_plan import admit_alone, this_device
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.stage_cache import check_stage_cache_setting
-from kafila.session.runner import HostConfig, HostRunner, supervised
+from kafila.session.runner import HostConfig, HostRunner, lan_address, supervised
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -72,6 +72,14 @@ def host(
     rendezvous_port: Annotated[
         int, typer.Option("--rendezvous-port", min=0, max=65535, help="The embedded rendezvous's HTTP port.")
     ] = 8470,
+    rendezvous_bind: Annotated[
+        str | None,
+        typer.Option(
+            "--rendezvous-bind",
+            help="The address the embedded rendezvous listens on; default: this machine's LAN address, the one "
+            "the join line gives (0.0.0.0: every interface, for members on a VPN, say).",
+        ),
+    ] = None,
     stun_port: Annotated[
         int, typer.Option("--stun-port", min=0, max=65535, help="The embedded rendezvous's STUN port.")
     ] = 3478,
@@ -181,7 +189,7 @@ def host(
     config = HostConfig(
         path=path, counts=counts, session=session, sock=sock, api_key=api_key,
         threads=threads or max(1, os.cpu_count() or 1), members=n_members, rendezvous=external,
-        rendezvous_bind="127.0.0.1" if demo else "0.0.0.0",
+        rendezvous_bind="127.0.0.1" if demo else (rendezvous_bind or lan_address()),
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
