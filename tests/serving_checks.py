@@ -12,12 +12,13 @@ from pathlib import Path
 
 import openai
 
-from kafila.api.server import Serving, create_app
+from kafila.api.server import ApiConfig, create_app
 from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import Engine, generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
+from kafila.session.availability import Availability
 
 PROMPTS = ("the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog")
 
@@ -77,12 +78,13 @@ def check_concurrent_streams(client: openai.OpenAI, model: str, alone: Callable[
 
 
 @contextmanager
-def serving_in_thread(serving: Serving) -> Iterator[str]:
+def serving_in_thread(serving: Availability, context: int) -> Iterator[str]:
     """The real API app on uvicorn, on a free loopback port, in a thread with its own event loop;
     yields its base URL. The caller owns the engine behind `serving`."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(serving), log_level="warning", lifespan="off"))
+    app = create_app(serving, ApiConfig(model_id="tiny", context_per_sequence=context))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     sock = socket.create_server(("127.0.0.1", 0))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
@@ -99,15 +101,17 @@ def serving_in_thread(serving: Serving) -> Iterator[str]:
 
 
 @contextmanager
-def engine_served(engine: Engine, concurrency: int, batch_rows: int, context: int) -> Iterator[tuple[str, Serving]]:
+def engine_served(
+    engine: Engine, concurrency: int, batch_rows: int, context: int
+) -> Iterator[tuple[str, Availability]]:
     """`engine` behind its engine loop and the real API app, as `kafila host` serves it; yields
-    the base URL and the `Serving`. The loop stops and the engine closes at the end."""
+    the base URL and the `Availability` the API reads. The loop stops and the engine closes at the end."""
     loop = EngineLoop(engine, concurrency=concurrency, batch_rows=batch_rows, context_per_sequence=context)
     loop.start()
-    serving = Serving(model_id="tiny", context_per_sequence=context)
+    serving = Availability()
     serving.become_ready(engine, loop, "llama")
     try:
-        with serving_in_thread(serving) as base_url:
+        with serving_in_thread(serving, context) as base_url:
             yield base_url, serving
     finally:
         loop.stop()

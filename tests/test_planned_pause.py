@@ -17,10 +17,10 @@ import pytest
 from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.api.server import Serving
 from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import Engine, open_engine
+from kafila.session.availability import Availability
 
 PROMPT = "the quick brown fox"
 SETTINGS = ContextSettings(n_ctx=256 * 2, n_batch=64, n_seq_max=2, n_threads=1)
@@ -28,7 +28,7 @@ SETTINGS = ContextSettings(n_ctx=256 * 2, n_batch=64, n_seq_max=2, n_threads=1)
 
 @dataclass
 class Served:
-    serving: Serving
+    serving: Availability
     base_url: str
     engine: Engine
     loop: EngineLoop

@@ -13,10 +13,9 @@ import hmac
 import json
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -27,10 +26,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kafila.api.chat_template import ChatTemplate, TemplateError
 from kafila.api.guards import BodyRefused, TrustedHosts, json_object
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.contracts import HostStatus, Incident, SessionStatus
+from kafila.runtime.chat_template import ChatTemplate, TemplateError
 from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
 from kafila.runtime.pipeline import Engine, StageFailed
 from kafila.runtime.scheduler import Event, Finished, Job, TextDelta
@@ -45,10 +44,6 @@ MAX_DRAINED_BYTES = 1 << 30
 # cannot fit, whatever it holds.
 MAX_TOKEN_CHARACTERS = 1024
 TOKENIZE_IN_THREAD_CHARACTERS = 1 << 15
-# How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
-# turned away with 503: a replan streams and loads stage files, which can take minutes.
-PLANNED_PAUSE_WAIT_S = 120.0
-MAX_INCIDENTS = 16  # the latest things that went wrong, kept for /status
 # What a 503 asks a client to wait before it tries again, while the session gets ready or replans
 # after a break (a replan over cached stage files takes a second or two). The official OpenAI SDKs
 # retry a 503 twice by default and wait what `Retry-After` says.
@@ -82,85 +77,44 @@ def _invalid(message: str, param: str | None = None, code: str | None = None) ->
     return ApiError(400, message, "invalid_request_error", code, param)
 
 
-@dataclass
-class Serving:
-    """What the routes serve: the model's name, and once the session is ready, its engine loop."""
+@dataclass(frozen=True)
+class ApiConfig:
+    """What the API is, whatever the session does: the model it names, its context, who may call."""
 
     model_id: str
     context_per_sequence: int
     api_key: str | None = None
     allowed_hosts: frozenset[str] = frozenset()  # host names it answers to besides addresses and localhost
-    loop: EngineLoop | None = None
-    engine: Engine | None = None
-    template: ChatTemplate | None = None
-    waiting_for: list[str] = field(default_factory=lambda: ["the model to load"])
-    failure: str | None = None
-    describe_session: Callable[[], SessionStatus] = SessionStatus  # the session's part of /status, on demand
     created: int = field(default_factory=lambda: int(time.time()))
-    paused: bool = False  # a planned replan runs: requests wait for it rather than be turned away
-    pause_wait_s: float = PLANNED_PAUSE_WAIT_S
-    _resumed: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
-    incidents: deque[Incident] = field(default_factory=lambda: deque(maxlen=MAX_INCIDENTS))
 
-    def session_status(self) -> SessionStatus:
-        return self.describe_session()
 
-    def session_described_by(self, source: Callable[[], SessionStatus]) -> None:
-        self.describe_session = source
-
-    def record_incident(self, what: str, detail: str) -> None:
-        self.incidents.append(Incident(what=what, detail=detail, at=time.time()))
-
-    def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
-        bos, eos = engine.special_text()
-        self.template = ChatTemplate(engine.chat_template(), bos, eos, architecture)
-        self.engine, self.loop = engine, loop
-        self.waiting_for = []
-        self.failure = None
-        self.paused = False
-        self._wake()
-
-    def become_unready(self, waiting_for: list[str], failure: str | None = None, paused: bool = False) -> None:
-        """`paused`: the host chose to replan (it is not broken), so requests that come meanwhile
-        wait for the new ring, up to `pause_wait_s`; otherwise they get 503 at once."""
-        self.loop, self.engine, self.waiting_for, self.failure = None, None, waiting_for, failure
-        self.paused = paused and failure is None
-        self._wake()
-
-    def _wake(self) -> None:
-        """Let every request waiting on a pause look again (from any thread)."""
-        waiters, self._resumed = self._resumed, []
-        for waiter in waiters:
-            waiter.get_loop().call_soon_threadsafe(_settle, waiter)
-
-    async def until_resumed(self) -> None:
-        """Wait while a planned replan runs, up to `pause_wait_s`; the caller then looks at `ready`."""
-        deadline = time.monotonic() + self.pause_wait_s
-        while self.paused and not self.ready and (remaining := deadline - time.monotonic()) > 0:
-            waiter = asyncio.get_running_loop().create_future()
-            self._resumed.append(waiter)
-            try:
-                await asyncio.wait_for(waiter, remaining)
-            except TimeoutError:
-                return
+class Served(Protocol):
+    """What the routes read of whoever runs the model (`session.availability.Availability`):
+    ready or not and why, the engine loop to submit to and cancel on, and the session's status.
+    The API only reads it; the session changes it."""
 
     @property
-    def ready(self) -> bool:
-        return self.loop is not None and self.loop.error is None
-
+    def loop(self) -> EngineLoop | None: ...
     @property
-    def chat_template_source(self) -> str | None:
-        """Where the chat template in use came from (the model's own, or a fallback), once ready."""
-        return self.template.source if self.template is not None else None
-
-
-def _settle(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+    def engine(self) -> Engine | None: ...
+    @property
+    def template(self) -> ChatTemplate | None: ...
+    @property
+    def waiting_for(self) -> list[str]: ...
+    @property
+    def failure(self) -> str | None: ...
+    @property
+    def paused(self) -> bool: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def incidents(self) -> Sequence[Incident]: ...
+    async def until_resumed(self) -> None: ...
+    def session_status(self) -> SessionStatus: ...
 
 
 class _Metrics:
-    def __init__(self, serving: Serving) -> None:
+    def __init__(self, serving: Served) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kafila_requests", "Requests by route and HTTP status", ["route", "status"], registry=self.registry
@@ -195,7 +149,7 @@ class _RingCollector(Collector):
     """The ring's measured and predicted stage times and its links' round trips, read from the
     same reports as /status at each scrape, so a dashboard can set measurement against plan."""
 
-    def __init__(self, serving: Serving) -> None:
+    def __init__(self, serving: Served) -> None:
         self.serving = serving
 
     def collect(self) -> Iterator[Metric]:
@@ -232,16 +186,16 @@ class _RingCollector(Collector):
         yield rtt
 
 
-def create_app(serving: Serving) -> FastAPI:
+def create_app(serving: Served, config: ApiConfig) -> FastAPI:
     app = FastAPI(title="Kafila", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = _Metrics(serving)
 
     def authorise(request: Request) -> None:
-        if serving.api_key is None:
+        if config.api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), serving.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
             raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
 
     async def parse(request: Request, schema: type[BaseModel]) -> Any:
@@ -259,9 +213,9 @@ def create_app(serving: Serving) -> FastAPI:
 
     async def ready_loop(model: str) -> tuple[EngineLoop, Engine]:
         """The engine to serve with; during a planned replan, once it is done."""
-        if model != serving.model_id:
+        if model != config.model_id:
             raise ApiError(
-                404, f"The model '{model}' does not exist; this server serves '{serving.model_id}'.",
+                404, f"The model '{model}' does not exist; this server serves '{config.model_id}'.",
                 "invalid_request_error", "model_not_found", "model",
             )  # fmt: skip
         if serving.paused and not serving.ready:
@@ -298,8 +252,8 @@ def create_app(serving: Serving) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if serving.ready:
-            return JSONResponse({"status": "ready", "model": serving.model_id})
-        body: dict[str, Any] = {"status": "failed" if serving.failure else "starting", "model": serving.model_id}
+            return JSONResponse({"status": "ready", "model": config.model_id})
+        body: dict[str, Any] = {"status": "failed" if serving.failure else "starting", "model": config.model_id}
         body["waiting_for"] = serving.waiting_for
         if serving.failure or (serving.loop and serving.loop.error):
             body["error"] = serving.failure or (serving.loop.error if serving.loop else None)
@@ -308,14 +262,14 @@ def create_app(serving: Serving) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorise(request)
-        return {"object": "list", "data": [_model_card(serving)]}
+        return {"object": "list", "data": [_model_card(config)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request) -> dict[str, Any]:
         authorise(request)
-        if model != serving.model_id:
+        if model != config.model_id:
             raise ApiError(404, f"The model '{model}' does not exist.", "invalid_request_error", "model_not_found")
-        return _model_card(serving)
+        return _model_card(config)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
@@ -352,7 +306,7 @@ def create_app(serving: Serving) -> FastAPI:
         """Token ids, off the event loop for long texts (8 MB takes seconds, and every stream
         would stall meanwhile); a text too long to fit the context at any tokenizer's longest
         token is refused without tokenizing it at all."""
-        context = serving.context_per_sequence
+        context = config.context_per_sequence
         if len(text) > context * MAX_TOKEN_CHARACTERS:
             raise _invalid(
                 f"This model's maximum context length is {context} tokens. However, your {param} holds "
@@ -363,7 +317,7 @@ def create_app(serving: Serving) -> FastAPI:
         except StageFailed:  # the host closed this engine meanwhile, to replan
             if not replanned_since(engine):
                 raise _unavailable(serving, _not_ready_text(serving, serving.loop)) from None
-        _, engine = await ready_loop(serving.model_id)
+        _, engine = await ready_loop(config.model_id)
         try:
             return await tokenize_with(engine, text, add_special, parse_special)
         except StageFailed:
@@ -378,7 +332,7 @@ def create_app(serving: Serving) -> FastAPI:
         """Queue the job on the loop, or on the new ring's loop if a planned replan stopped this
         one since the request took it. Returns the loop the job runs on."""
         if not submitted(loop, job, sink, may_wait=True):
-            loop, _ = await ready_loop(serving.model_id)
+            loop, _ = await ready_loop(config.model_id)
             submitted(loop, job, sink, may_wait=False)
         return loop
 
@@ -397,7 +351,7 @@ def create_app(serving: Serving) -> FastAPI:
     async def _serve(
         request: Request, body: ChatRequest | CompletionRequest, prompt: list[int], loop: EngineLoop, chat: bool
     ) -> Response:
-        context = serving.context_per_sequence
+        context = config.context_per_sequence
         if not prompt:
             raise _invalid("The prompt is empty.", "prompt" if not chat else "messages")
         limit = body.token_limit()
@@ -417,7 +371,7 @@ def create_app(serving: Serving) -> FastAPI:
             event_loop.call_soon_threadsafe(queue.put_nowait, event)
 
         loop = await submit(loop, job, sink)
-        reply = _Reply(request_id, serving.model_id, chat, time.monotonic(), metrics)
+        reply = _Reply(request_id, config.model_id, chat, time.monotonic(), metrics)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -446,11 +400,11 @@ def create_app(serving: Serving) -> FastAPI:
         now = time.monotonic()
         session = serving.session_status()
         return HostStatus(
-            model=serving.model_id,
+            model=config.model_id,
             ready=serving.ready,
             waiting_for=serving.waiting_for,
             error=serving.failure or (loop.error if loop else None),
-            context_per_sequence=serving.context_per_sequence,
+            context_per_sequence=config.context_per_sequence,
             queue_depth=loop.queued if loop else 0,
             running=loop.running if loop else 0,
             pipeline_waves=loop.engine.depth if loop else None,
@@ -467,7 +421,7 @@ def create_app(serving: Serving) -> FastAPI:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(_CountRequests, requests=metrics.requests, routes=frozenset(_route_paths(app)))
-    app.add_middleware(TrustedHosts, allowed=serving.allowed_hosts)  # outermost: before anything else
+    app.add_middleware(TrustedHosts, allowed=config.allowed_hosts)  # outermost: before anything else
     return app
 
 
@@ -532,7 +486,7 @@ async def _client_gone(request: Request) -> None:
         await asyncio.sleep(0.05)
 
 
-def _unavailable(serving: Serving, message: str) -> ApiError:
+def _unavailable(serving: Served, message: str) -> ApiError:
     """OpenAI's 503, with what a client should do next: while the session gets ready, or replans
     after its ring broke, try again shortly (`Retry-After`); where it cannot serve (the model does
     not fit, every member failed), not at all (`x-should-retry: false`, which the official SDKs
@@ -541,7 +495,7 @@ def _unavailable(serving: Serving, message: str) -> ApiError:
     return ApiError(503, message, "server_error", "not_ready", headers=headers)
 
 
-def _not_ready_text(serving: Serving, loop: EngineLoop | None) -> str:
+def _not_ready_text(serving: Served, loop: EngineLoop | None) -> str:
     if loop is not None and loop.error is not None:
         return f"The session cannot serve: {loop.error}"
     if serving.failure:
@@ -549,8 +503,8 @@ def _not_ready_text(serving: Serving, loop: EngineLoop | None) -> str:
     return "The session is not ready yet: waiting for " + ", ".join(serving.waiting_for or ["the model"]) + "."
 
 
-def _model_card(serving: Serving) -> dict[str, Any]:
-    return {"id": serving.model_id, "object": "model", "created": serving.created, "owned_by": "kafila"}
+def _model_card(config: ApiConfig) -> dict[str, Any]:
+    return {"id": config.model_id, "object": "model", "created": config.created, "owned_by": "kafila"}
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 import uvicorn
 
-from kafila.api.server import Serving, create_app
+from kafila.api.server import ApiConfig, create_app
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
@@ -33,6 +33,7 @@ from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_co
 from kafila.runtime.local_plan import admit_alone, this_device
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.stage_cache import check_stage_cache_setting
+from kafila.session.availability import Availability
 from kafila.session.runner import HostConfig, HostRunner, lan_address, supervised
 
 if TYPE_CHECKING:
@@ -237,7 +238,8 @@ class RichUi:
 
 
 async def _serve(config: HostConfig) -> None:
-    serving = Serving(
+    serving = Availability()
+    api = ApiConfig(
         model_id=config.path.stem,
         context_per_sequence=config.session.context,
         api_key=config.api_key,
@@ -268,7 +270,7 @@ async def _serve(config: HostConfig) -> None:
             return
 
     uvicorn_config = uvicorn.Config(
-        create_app(serving), log_level="warning", lifespan="off", timeout_graceful_shutdown=5, access_log=False
+        create_app(serving, api), log_level="warning", lifespan="off", timeout_graceful_shutdown=5, access_log=False
     )
     server = Server(uvicorn_config)
     serve = asyncio.create_task(server.serve(sockets=[config.sock]))

@@ -33,6 +33,7 @@ from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.local_plan import admit_alone, cache_dir, hash_model, this_device
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import open_engine
+from kafila.session.availability import Availability
 from kafila.session.core import (
     AbandonRing,
     Admit,
@@ -98,24 +99,6 @@ def newcomer_patience_s() -> float:
 
 if TYPE_CHECKING:
     from kafila.runtime.pipeline import Engine
-
-
-class Availability(Protocol):
-    """What the host's API may serve now, as the session tells it (the API's `Serving` is one):
-    the session depends on this port, not on the API."""
-
-    waiting_for: list[str]
-
-    def session_described_by(self, source: Callable[[], SessionStatus]) -> None:
-        """`/status` reads the session's part from `source` from now on."""
-
-    @property
-    def ready(self) -> bool: ...
-    @property
-    def chat_template_source(self) -> str | None: ...
-    def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None: ...
-    def become_unready(self, waiting_for: list[str], failure: str | None = None, paused: bool = False) -> None: ...
-    def record_incident(self, what: str, detail: str) -> None: ...
 
 
 class HostUi(Protocol):

@@ -1,0 +1,99 @@
+"""What the host's API may serve at each moment, as the session tells it.
+
+The session (`runner.HostRunner`) makes it ready with an engine and its loop, or unready with
+what it waits for, or paused for a replan it chose (requests then wait rather than be turned
+away), or failed with the reason. The API (`api.server`) only reads it, through its `Served`
+protocol: neither package imports the other, and `kafila host` hands this to both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kafila.contracts import Incident, SessionStatus
+from kafila.runtime.chat_template import ChatTemplate
+from kafila.runtime.engine_loop import EngineLoop
+from kafila.runtime.pipeline import Engine
+
+# How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
+# turned away with 503: a replan streams and loads stage files, which can take minutes.
+PLANNED_PAUSE_WAIT_S = 120.0
+MAX_INCIDENTS = 16  # the latest things that went wrong, kept for /status
+
+
+@dataclass
+class Availability:
+    """What the host's API may serve now, as the session tells it: once ready, the engine loop;
+    until then, or after a break, what it waits for or why it cannot serve. The session changes
+    it; the API reads it (`api.server.Served`)."""
+
+    loop: EngineLoop | None = None
+    engine: Engine | None = None
+    template: ChatTemplate | None = None
+    waiting_for: list[str] = field(default_factory=lambda: ["the model to load"])
+    failure: str | None = None
+    describe_session: Callable[[], SessionStatus] = SessionStatus  # the session's part of /status, on demand
+    paused: bool = False  # a planned replan runs: requests wait for it rather than be turned away
+    pause_wait_s: float = PLANNED_PAUSE_WAIT_S
+    _resumed: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
+    incidents: deque[Incident] = field(default_factory=lambda: deque(maxlen=MAX_INCIDENTS))
+
+    def session_status(self) -> SessionStatus:
+        return self.describe_session()
+
+    def session_described_by(self, source: Callable[[], SessionStatus]) -> None:
+        self.describe_session = source
+
+    def record_incident(self, what: str, detail: str) -> None:
+        self.incidents.append(Incident(what=what, detail=detail, at=time.time()))
+
+    def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
+        bos, eos = engine.special_text()
+        self.template = ChatTemplate(engine.chat_template(), bos, eos, architecture)
+        self.engine, self.loop = engine, loop
+        self.waiting_for = []
+        self.failure = None
+        self.paused = False
+        self._wake()
+
+    def become_unready(self, waiting_for: list[str], failure: str | None = None, paused: bool = False) -> None:
+        """`paused`: the host chose to replan (it is not broken), so requests that come meanwhile
+        wait for the new ring, up to `pause_wait_s`; otherwise they get 503 at once."""
+        self.loop, self.engine, self.waiting_for, self.failure = None, None, waiting_for, failure
+        self.paused = paused and failure is None
+        self._wake()
+
+    def _wake(self) -> None:
+        """Let every request waiting on a pause look again (from any thread)."""
+        waiters, self._resumed = self._resumed, []
+        for waiter in waiters:
+            waiter.get_loop().call_soon_threadsafe(_settle, waiter)
+
+    async def until_resumed(self) -> None:
+        """Wait while a planned replan runs, up to `pause_wait_s`; the caller then looks at `ready`."""
+        deadline = time.monotonic() + self.pause_wait_s
+        while self.paused and not self.ready and (remaining := deadline - time.monotonic()) > 0:
+            waiter = asyncio.get_running_loop().create_future()
+            self._resumed.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except TimeoutError:
+                return
+
+    @property
+    def ready(self) -> bool:
+        return self.loop is not None and self.loop.error is None
+
+    @property
+    def chat_template_source(self) -> str | None:
+        """Where the chat template in use came from (the model's own, or a fallback), once ready."""
+        return self.template.source if self.template is not None else None
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
