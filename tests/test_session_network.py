@@ -417,6 +417,23 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
         assert "rebalance: the " in table, table
 
 
+def an_honest_member_then_forms_the_session(
+    host: Host, code: str, rendezvous: str, tmp_path: Path, model: Path
+) -> None:
+    """A member with the right code joins, the session forms, and it serves what one process does."""
+    member = start_member(code, rendezvous, "member", tmp_path / "cache-0", "--threads", "1")
+    try:
+        wait_ready(host, timeout=90)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 6)
+    except BaseException:
+        print("member:", stop(member))
+        raise
+    finally:
+        stop(member)
+
+
 def test_a_wrong_session_code_is_refused_and_the_same_code_then_forms_the_session(tmp_path: Path, model: Path) -> None:
     with running_host("--model", model, "--members", "2", *COMMON, ready=False) as host:
         code, rendezvous = host.join_line()
@@ -431,17 +448,7 @@ def test_a_wrong_session_code_is_refused_and_the_same_code_then_forms_the_sessio
         assert intruder.returncode == 1
         assert "code" in output.lower() and "Traceback" not in output
         assert "refused intruder" in host.output() and status_of(host)["code"] == code  # the code lives on
-        member = start_member(code, rendezvous, "member", tmp_path / "cache-0", "--threads", "1")
-        try:
-            wait_ready(host, timeout=90)
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
-            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 6)
-        except BaseException:
-            print("member:", stop(member))
-            raise
-        finally:
-            stop(member)
+        an_honest_member_then_forms_the_session(host, code, rendezvous, tmp_path, model)
 
 
 def test_joiners_that_send_garbage_abort_go_silent_or_leave_the_last_seat_leave_the_seat_open(
@@ -478,17 +485,7 @@ def test_joiners_that_send_garbage_abort_go_silent_or_leave_the_last_seat_leave_
         assert status["code"] == code and host.process.poll() is None
         for name in ("garbler", "aborter", "silent"):
             assert f"refused {name}" in host.output(), host.output()
-        member = start_member(code, rendezvous, "member", tmp_path / "cache-0", "--threads", "1")
-        try:
-            wait_ready(host, timeout=90)
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
-            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 6)
-        except BaseException:
-            print("member:", stop(member))
-            raise
-        finally:
-            stop(member)
+        an_honest_member_then_forms_the_session(host, code, rendezvous, tmp_path, model)
 
 
 def test_a_model_too_big_for_the_members_is_refused_naming_the_device(tmp_path: Path) -> None:
