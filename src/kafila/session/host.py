@@ -125,6 +125,11 @@ class HostSession:
     def member_name(self, member_id: str) -> str:
         return self.roster.name(member_id)
 
+    def joiner_name(self, member_id: str) -> str:
+        """The name a joiner gave the rendezvous, not yet verified; its id once it has gone."""
+        info = self.client.members.get(member_id)
+        return info.name if info is not None else member_id
+
     def alive(self) -> list[str]:
         return self.roster.alive()
 

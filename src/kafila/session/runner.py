@@ -225,12 +225,12 @@ class HostRunner:
                 return await self._open_and_gather()
             case Admit(member=member):
                 assert network is not None
-                name = network.client.members[member].name
+                name = network.joiner_name(member)
                 self.ui.say(f"{name} joined; checking its code")
                 network.admit(member, functools.partial(self._admitted, name))
             case Refuse(member=member, reason=reason):
                 assert network is not None
-                network.refuse(member, reason, functools.partial(self._admitted, network.client.members[member].name))
+                network.refuse(member, reason, functools.partial(self._admitted, network.joiner_name(member)))
             case ForgetRing():
                 if network is not None:  # nothing serves: no ring left to watch
                     network.forget_ring()
@@ -388,8 +388,7 @@ class HostRunner:
         """A joiner was sent away while the session formed (`verify_members`); the core counts a
         failed proof of the code against the guess budget, and when that is spent, forming ends."""
         assert self.network is not None
-        info = self.network.client.members.get(member)
-        name = info.name if info is not None else member
+        name = self.network.joiner_name(member)
         self._drive_now([JoinerRefused(name, str(error) or type(error).__name__, isinstance(error, CodeMismatch))])
         if not self.going_on:
             raise GuessBudgetSpent("the session admits no one: too many joiners failed to prove its code")
