@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from kafila import __version__
+from kafila.cli.doctor_command import doctor
 from kafila.cli.errors import fail
 from kafila.cli.generate_command import generate
 from kafila.cli.host_command import host
@@ -115,6 +116,7 @@ app.command()(rendezvous)
 app.command()(host)
 app.command()(join)
 app.command()(status)
+app.command()(doctor)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,109 @@
+"""`kafila doctor`: its judgement of findings (pure), then the real command against a real
+rendezvous and a real model, and against a rendezvous that is not there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tiny_models import write_tiny_model
+
+from kafila.cli.doctor_command import Check, Findings, judge
+from kafila.contracts import NatClass
+
+HEALTHY = Findings(
+    rendezvous="203.0.113.1:8470", rtt_ms=24.0, nat_class=NatClass.ORDINARY, llama_version="0.3.36",
+    backends=("CPU",), free_memory=8 << 30, model="m.gguf", model_architecture="llama", model_bytes=1 << 30,
+)  # fmt: skip
+
+
+def by_name(checks: list[Check]) -> dict[str, Check]:
+    return {check.name: check for check in checks}
+
+
+def test_a_healthy_machine_passes_every_check() -> None:
+    checks = judge(HEALTHY)
+    assert [c.name for c in checks] == ["rendezvous", "UDP", "round trip", "NAT", "llama.cpp", "memory", "model"]
+    assert all(c.status == "ok" for c in checks), checks
+
+
+@pytest.mark.parametrize(
+    ("changes", "name", "status", "advice"),
+    [
+        ({"rendezvous_error": "no kafila rendezvous answers at 203.0.113.1:8470"}, "rendezvous", "fail", "join line"),
+        ({"udp_error": "STUN at 203.0.113.1:3478 did not answer: timed out"}, "UDP", "fail", "outbound UDP"),
+        ({"rtt_ms": 240.0}, "round trip", "warn", "fewer tokens a second"),
+        ({"nat_class": NatClass.RESTRICTIVE}, "NAT", "warn", "relay"),
+        ({"nat_class": None, "nat_notes": ("one address",)}, "NAT", "warn", "unknown"),
+        ({"gpu_present": "NVIDIA"}, "llama.cpp", "warn", "CMAKE_ARGS='-DGGML_CUDA=on'"),
+        ({"gpu_present": "Apple"}, "llama.cpp", "warn", "GGML_METAL"),
+        ({"llama_error": "llama.cpp does not load"}, "llama.cpp", "fail", "reinstall"),
+        ({"model_error": "Kafila cannot split 'mamba' models"}, "model", "fail", "README"),
+        ({"free_memory": None}, "memory", "warn", "--memory"),
+        ({"model_bytes": 64 << 30}, "memory", "ok", "divides the model"),
+    ],
+)
+def test_each_problem_is_named_with_what_to_do(changes: dict[str, object], name: str, status: str, advice: str) -> None:
+    found = Findings(**{**HEALTHY.__dict__, **changes})  # type: ignore[arg-type]
+    check = by_name(judge(found))[name]
+    assert check.status == status and advice in check.advice, check
+
+
+def test_what_was_not_asked_is_skipped_with_how_to_ask() -> None:
+    checks = by_name(judge(Findings(llama_version="0.3.36", free_memory=1 << 30)))
+    assert checks["rendezvous"].status == "skip" and "--rendezvous" in checks["rendezvous"].advice
+    assert checks["model"].status == "skip" and "--model" in checks["model"].advice
+    assert "UDP" not in checks
+
+
+@pytest.fixture(scope="module")
+def rendezvous() -> Iterator[str]:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        ready, http = server.stdout.readline().split(), server.stdout.readline().split()
+        assert ready[0] == "READY" and http[0] == "HTTP", (ready, http)
+        yield http[1]
+    finally:
+        server.terminate()
+        server.communicate(timeout=10)
+
+
+def doctor(*args: str) -> tuple[int, dict[str, Check]]:
+    done = subprocess.run(
+        [sys.executable, "-m", "kafila", "doctor", "--json", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    report = json.loads(done.stdout)
+    return done.returncode, {c["name"]: Check(**c) for c in report["checks"]}
+
+
+def test_the_doctor_checks_a_real_rendezvous_and_model(rendezvous: str, tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=2)
+    code, checks = doctor("--rendezvous", rendezvous, "--model", str(model))
+    assert code == 0, checks
+    assert checks["rendezvous"].status == "ok" and checks["UDP"].status == "ok"
+    assert checks["round trip"].status == "ok" and "ms to the rendezvous" in checks["round trip"].detail
+    assert checks["NAT"].status in ("ok", "warn")  # loopback, one address: what can be told
+    assert checks["llama.cpp"].status in ("ok", "warn") and "0.3.36" in checks["llama.cpp"].detail
+    assert checks["model"] == Check("model", "ok", "llama: Kafila can split it")
+
+
+def test_the_doctor_says_what_to_do_when_nothing_answers(tmp_path: Path) -> None:
+    not_a_model = tmp_path / "notes.gguf"
+    not_a_model.write_bytes(b"not a gguf file")
+    code, checks = doctor("--rendezvous", "127.0.0.1:9", "--model", str(not_a_model))
+    assert code == 1
+    assert checks["rendezvous"].status == "fail" and "join line" in checks["rendezvous"].advice
+    assert checks["model"].status == "fail" and "cannot read" in checks["model"].detail
+    assert "GGUF model file" in checks["model"].advice
