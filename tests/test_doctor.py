@@ -4,6 +4,7 @@ rendezvous and a real model, and against a rendezvous that is not there."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from tiny_models import write_tiny_model
 
 from kafila.cli.doctor_command import Check, Findings, judge
 from kafila.contracts import NatClass
+from kafila.runtime.llama_backend import llama
 
 HEALTHY = Findings(
     rendezvous="203.0.113.1:8470", rtt_ms=24.0, nat_class=NatClass.ORDINARY, llama_version="0.3.36",
@@ -40,7 +42,7 @@ def test_a_healthy_machine_passes_every_check() -> None:
         ({"nat_class": NatClass.RESTRICTIVE}, "NAT", "warn", "relay"),
         ({"nat_class": None, "nat_notes": ("one address",)}, "NAT", "warn", "unknown"),
         ({"gpu_present": "NVIDIA"}, "llama.cpp", "warn", "CMAKE_ARGS='-DGGML_CUDA=on'"),
-        ({"gpu_present": "Apple"}, "llama.cpp", "warn", "GGML_METAL"),
+        ({"gpu_present": "Apple"}, "llama.cpp", "warn", "CMAKE_ARGS='-DGGML_METAL=on'"),
         ({"llama_error": "llama.cpp does not load"}, "llama.cpp", "fail", "reinstall"),
         ({"model_error": "Kafila cannot split 'mamba' models"}, "model", "fail", "README"),
         ({"free_memory": None}, "memory", "warn", "--memory"),
@@ -107,3 +109,28 @@ def test_the_doctor_says_what_to_do_when_nothing_answers(tmp_path: Path) -> None
     assert checks["rendezvous"].status == "fail" and "join line" in checks["rendezvous"].advice
     assert checks["model"].status == "fail" and "cannot read" in checks["model"].detail
     assert "GGUF model file" in checks["model"].advice
+
+
+def test_a_gpu_that_llama_cpp_was_not_built_for_is_named_with_the_rebuild(tmp_path: Path) -> None:
+    """nvidia-smi answers (here a stand-in on PATH) but the build cannot offload: the doctor, and
+    `kafila join` as it starts, say the GPU sits idle and how to rebuild for it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "300"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kafila", "doctor", "--json"], capture_output=True, text=True, timeout=120,
+        check=False, env=env,
+    )  # fmt: skip
+    check = {c["name"]: Check(**c) for c in json.loads(done.stdout)["checks"]}["llama.cpp"]
+    if llama().llama_supports_gpu_offload():  # a GPU build: nothing sits idle
+        assert check.status == "ok", check
+        return
+    assert check.status == "warn" and "NVIDIA GPU sits idle" in check.detail, check
+    assert check.advice.startswith("CMAKE_ARGS='-DGGML_CUDA=on' pip install"), check
+    joined = subprocess.run(
+        [sys.executable, "-m", "kafila", "join", "7-crimson-harbor-lemon-tiger-orbit-cactus", "--rendezvous",
+         "127.0.0.1:9"], capture_output=True, text=True, timeout=120, check=False, env=env,
+    )  # fmt: skip
+    assert "NVIDIA GPU sits idle" in joined.stderr and "-DGGML_CUDA=on" in joined.stderr, joined.stderr

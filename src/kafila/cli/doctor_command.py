@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import platform
-import shutil
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +26,7 @@ from kafila.contracts import NatClass
 from kafila.network.nat import probe_nat, reflexive_address
 from kafila.network.rendezvous_server import DEFAULT_HTTP_PORT
 from kafila.runtime.families import UnsupportedFamily, family_of
-from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, system_info
+from kafila.runtime.llama_backend import LlamaUnavailable, gpu_present, load_llama, rebuild_for_gpu, system_info
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.probe import available_memory
 from kafila.session.presence import RendezvousUnreachable, rendezvous_endpoints
@@ -129,12 +127,7 @@ def _llama(found: Findings) -> Check:
         return Check("llama.cpp", "fail", found.llama_error, "reinstall kafila: pip install --force-reinstall kafila")
     build = f"llama-cpp-python {found.llama_version}, backends: {', '.join(found.backends) or 'CPU'}"
     if found.gpu_present is not None and not found.gpu_offload:
-        how = (
-            "CMAKE_ARGS='-DGGML_CUDA=on' pip install --force-reinstall --no-cache-dir llama-cpp-python=="
-            f"{found.llama_version}"
-            if found.gpu_present == "NVIDIA"
-            else "reinstall llama-cpp-python with Metal (CMAKE_ARGS='-DGGML_METAL=on')"
-        )
+        how = rebuild_for_gpu(found.gpu_present, found.llama_version)
         return Check("llama.cpp", "warn", f"{build}: this machine's {found.gpu_present} GPU sits idle", how)
     return Check("llama.cpp", "ok", build + (" (GPU offload)" if found.gpu_offload else ""))
 
@@ -210,21 +203,13 @@ def _measure_llama() -> dict[str, object]:
         "llama_version": str(getattr(llama_cpp, "__version__", "?")),
         "backends": backends,
         "gpu_offload": gpu_offload,
-        "gpu_present": _gpu_present(),
+        "gpu_present": gpu_present(),
     }
     try:
         found["free_memory"] = available_memory(llama_cpp, gpu_offload)[0]
     except Exception:  # judged as "cannot tell"
         pass
     return found
-
-
-def _gpu_present() -> str | None:
-    if shutil.which("nvidia-smi") is not None:
-        return "NVIDIA"
-    if platform.system() == "Darwin" and platform.machine() == "arm64":
-        return "Apple"
-    return None
 
 
 def _measure_model(model: Path) -> dict[str, object]:

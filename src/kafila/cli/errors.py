@@ -18,3 +18,8 @@ def fail(message: str, as_json: bool, code: int = 1, **extra: Any) -> NoReturn:
     else:
         stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def warn(message: str) -> None:
+    """A warning for the person at the terminal: the command goes on."""
+    stderr.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,6 +145,38 @@ def llama() -> Any:
     llama_cpp.llama_log_set(callback, ctypes.c_void_p())
     llama_cpp.llama_backend_init()
     return llama_cpp
+
+
+def gpu_present() -> str | None:
+    """A GPU this machine has, by its vendor's own tool or platform: "NVIDIA" where nvidia-smi
+    runs, "Apple" on Apple silicon; None otherwise (or where there is no telling)."""
+    if shutil.which("nvidia-smi") is not None:
+        return "NVIDIA"
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        return "Apple"
+    return None
+
+
+def rebuild_for_gpu(vendor: str, llama_version: str) -> str:
+    """How to rebuild llama-cpp-python for this machine's GPU (pure)."""
+    if vendor == "NVIDIA":
+        return (
+            "CMAKE_ARGS='-DGGML_CUDA=on' pip install --force-reinstall --no-cache-dir "
+            f"llama-cpp-python=={llama_version}"
+        )
+    return (
+        f"CMAKE_ARGS='-DGGML_METAL=on' pip install --force-reinstall --no-cache-dir llama-cpp-python=={llama_version}"
+    )
+
+
+def idle_gpu_advice() -> str | None:
+    """Where this machine has a GPU that llama.cpp was not built to use, what to do about it."""
+    vendor = gpu_present()
+    llama_cpp = llama()
+    if vendor is None or llama_cpp.llama_supports_gpu_offload():
+        return None
+    how = rebuild_for_gpu(vendor, str(getattr(llama_cpp, "__version__", "0.3.36")))
+    return f"this machine's {vendor} GPU sits idle (llama.cpp was built for the CPU only): {how}"
 
 
 @functools.cache
