@@ -259,28 +259,6 @@ def test_a_member_with_another_model_file_receives_its_stage_and_says_why(tmp_pa
     assert "hashing other.gguf (once): done in" in output, output
 
 
-def test_a_member_killed_mid_stream_fails_that_stream_and_the_host_serves_alone(tmp_path: Path, model: Path) -> None:
-    with session(tmp_path, model, 2) as (host, joiners):
-        wait_ready(host)
-        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-        (member,) = joiners
-        member.send_signal(signal.SIGSTOP)  # frozen: the request below is surely in flight when it dies
-        stream = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100, stream=True
-        )
-        assert next(iter(stream)).choices[0].delta.role == "assistant"
-        member.kill()
-        killed = time.monotonic()
-        with pytest.raises(openai.APIError):
-            for _chunk in stream:
-                pass
-        assert time.monotonic() - killed < 5.0
-        wait_ready(host, timeout=60)
-        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
-        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
-        assert said(host, "serving on this machine alone"), host.output()
-
-
 def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_prices_served(
     tmp_path: Path, model: Path
 ) -> None:
@@ -962,12 +940,13 @@ def test_a_host_that_cannot_serve_alone_waits_for_members_to_join_again(tmp_path
         take_in(host, client, model, joiners, "newcomer", tmp_path / "cache-new", 2)
 
 
-def test_a_whole_answer_cut_off_by_a_member_killed_is_served_by_the_new_ring_on_the_clients_own_retry(
+def test_a_member_killed_under_two_requests_fails_the_stream_and_the_whole_answer_comes_from_the_new_ring(
     tmp_path: Path, model: Path
 ) -> None:
-    """A request not streamed has shown its client nothing when the ring breaks under it, so the
-    host answers 503 with `Retry-After`, and the official client's default retries reach the
-    ring the host replans: the caller gets the answer, not the break."""
+    """The only member dies while a stream and a request not streamed are taken. The stream has
+    begun (its client has its first chunk), so it ends with an error at once (within 5 s). The other
+    has shown nothing, so the host answers it 503 with `Retry-After`, and the official client's
+    default retries reach the host serving alone: the caller gets the answer, not the break."""
     with session(tmp_path, model, 2) as (host, joiners):
         wait_ready(host)
         answered: list[tuple[int, str | None]] = []  # each try's status and Retry-After, as the client saw them
@@ -976,25 +955,37 @@ def test_a_whole_answer_cut_off_by_a_member_killed_is_served_by_the_new_ring_on_
             answered.append((response.status_code, response.headers.get("retry-after")))
 
         seen = openai.DefaultHttpxClient(event_hooks={"response": [heard]})
-        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", timeout=60, http_client=seen)
+        retrying = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", timeout=60, http_client=seen)
+        streaming = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         (member,) = joiners
-        member.send_signal(signal.SIGSTOP)  # frozen: the request below is surely in flight when it dies
+        member.send_signal(signal.SIGSTOP)  # frozen: both requests below are surely in flight when it dies
+        stream = streaming.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100, stream=True
+        )
+        assert next(iter(stream)).choices[0].delta.role == "assistant"
         outcome: dict[str, Any] = {}
 
         def ask() -> None:
             try:
-                outcome["text"] = (
-                    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
-                )
+                whole = retrying.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+                outcome["text"] = whole.choices[0].text
             except openai.APIError as error:
                 outcome["error"] = error
 
         asking = threading.Thread(target=ask)
         asking.start()
-        until_status(host, lambda status: status["running"] == 1, "the request in flight")
+        until_status(host, lambda status: status["running"] + status["queue_depth"] == 2, "both requests taken")
         assert asking.is_alive() and not outcome
         member.kill()
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _chunk in stream:
+                pass
+        assert time.monotonic() - killed < 5.0
         asking.join(timeout=60)
         assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
         assert answered[0] == (503, "2") and answered[-1] == (200, None), answered
         assert said(host, "serving on this machine alone"), host.output()
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
