@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -23,13 +22,13 @@ from rich.table import Table
 from kafila.cli.errors import fail
 from kafila.cli.network_commands import parse_host_port
 from kafila.contracts import NatClass
-from kafila.network.nat import probe_nat, reflexive_address
 from kafila.network.rendezvous_server import DEFAULT_HTTP_PORT
-from kafila.runtime.families import UnsupportedFamily, family_of
+from kafila.runtime.families import UnsupportedFamily
 from kafila.runtime.llama_backend import LlamaUnavailable, gpu_present, load_llama, rebuild_for_gpu, system_info
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.probe import available_memory
-from kafila.session.presence import RendezvousUnreachable, rendezvous_endpoints
+from kafila.runtime.slicer import SliceError, check_family
+from kafila.session.presence import RendezvousUnreachable, reach, rendezvous_endpoints
 
 Status = Literal["ok", "warn", "fail", "skip"]
 FAR_RTT_MS = 150.0  # past this, each token's trip round the ring costs noticeably
@@ -177,18 +176,16 @@ def _measure_network(rendezvous: tuple[str, int]) -> dict[str, object]:
         return found | {"rendezvous_error": str(error)}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind(("0.0.0.0", 0))
-        started = time.perf_counter()
         try:
-            reflexive_address(sock, stun)
-        except (OSError, TimeoutError, ValueError) as error:
-            return found | {"udp_error": f"STUN at {stun[0]}:{stun[1]} did not answer: {error}"}
-        found["rtt_ms"] = (time.perf_counter() - started) * 1e3
-    try:
-        report = asyncio.run(probe_nat(stun))
-        found |= {"nat_class": report.nat_class, "nat_notes": tuple(report.notes)}
-    except (ConnectionError, OSError) as error:
-        found["nat_notes"] = (str(error),)
-    return found
+            reached = asyncio.run(reach(sock, stun))  # what `kafila join` learns as it joins
+        except RendezvousUnreachable as error:
+            return found | {"udp_error": str(error)}
+    report = reached.nat
+    return found | {
+        "rtt_ms": reached.rtt_ms,
+        "nat_class": report.nat_class if report is not None else None,
+        "nat_notes": tuple(report.notes) if report is not None else ("the NAT tests did not finish",),
+    }
 
 
 def _measure_llama() -> dict[str, object]:
@@ -216,17 +213,12 @@ def _measure_model(model: Path) -> dict[str, object]:
     found: dict[str, object] = {"model": str(model)}
     try:
         manifest = read_manifest(model)
-        family = family_of(manifest.architecture or "")
-    except UnsupportedFamily as error:
-        return found | {"model_error": str(error)}
     except (OSError, ValueError) as error:
         return found | {"model_unreadable": f"cannot read {model}: {error}"}
-    if manifest.n_blocks in family.unsplittable_block_counts:
-        why = (
-            f"{manifest.architecture} with {manifest.n_blocks} blocks cannot be split yet (llama.cpp keys a "
-            "setting on the block count)"
-        )
-        return found | {"model_error": why, "model_architecture": manifest.architecture}
+    try:
+        check_family(manifest.architecture or "", manifest.n_blocks)  # the slicer's own refusal
+    except (UnsupportedFamily, SliceError) as error:
+        return found | {"model_error": str(error)}
     return found | {"model_architecture": manifest.architecture, "model_bytes": model.stat().st_size}
 
 

@@ -159,13 +159,10 @@ def gpu_present() -> str | None:
 
 def rebuild_for_gpu(vendor: str, llama_version: str) -> str:
     """How to rebuild llama-cpp-python for this machine's GPU (pure)."""
-    if vendor == "NVIDIA":
-        return (
-            "CMAKE_ARGS='-DGGML_CUDA=on' pip install --force-reinstall --no-cache-dir "
-            f"llama-cpp-python=={llama_version}"
-        )
+    backend = "CUDA" if vendor == "NVIDIA" else "METAL"
     return (
-        f"CMAKE_ARGS='-DGGML_METAL=on' pip install --force-reinstall --no-cache-dir llama-cpp-python=={llama_version}"
+        f"CMAKE_ARGS='-DGGML_{backend}=on' pip install --force-reinstall --no-cache-dir "
+        f"llama-cpp-python=={llama_version}"
     )
 
 

@@ -209,7 +209,8 @@ def _open(source: Path) -> tuple[FastGGUFReader, str, int]:
     return reader, arch, n_blocks
 
 
-def _check_family(arch: str, n_blocks: int) -> None:
+def check_family(arch: str, n_blocks: int) -> None:
+    """UnsupportedFamily or SliceError where a model of this family and block count cannot be split."""
     family = family_of(arch)  # refuse an unsupported family before writing anything
     if n_blocks in family.unsplittable_block_counts:
         raise SliceError(
@@ -293,7 +294,7 @@ def slice_model(
     _check_division(counts, n_blocks)
     if len(counts) == 1:
         return [StageFile(0, 0, n_blocks, True, source, file_sha256(source, progress), source.stat().st_size)]
-    _check_family(arch, n_blocks)
+    check_family(arch, n_blocks)
     bounds = list(itertools.accumulate(counts, initial=0))
     pieces = [
         _Slice(reader, arch, n_blocks, first, end, index == len(counts) - 1)
@@ -373,7 +374,7 @@ def block_range_file(
     reader, arch, n_blocks = _open(Path(source))
     if not 0 <= first < end <= n_blocks:
         raise SliceError(f"blocks {first}..{end} are not a range of the model's {n_blocks}")
-    _check_family(arch, n_blocks)
+    check_family(arch, n_blocks)
     if is_head and end != n_blocks:
         raise SliceError(f"the head holds the last blocks; blocks {first}..{end} stop short of {n_blocks}")
     piece = _Slice(reader, arch, n_blocks, first, end, is_head)

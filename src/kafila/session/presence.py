@@ -21,7 +21,7 @@ from urllib.request import urlopen
 
 from kafila.contracts import NatBehaviour
 from kafila.network.identity import Identity, create_identity
-from kafila.network.nat import probe_nat, reflexive_address
+from kafila.network.nat import NatReport, probe_nat, reflexive_address
 from kafila.planner.fleet import FleetDevice
 
 Address = tuple[str, int]
@@ -64,6 +64,31 @@ def _local_address_toward(server: Address) -> str:
         return str(probe.getsockname()[0])
 
 
+@dataclass(frozen=True)
+class Reach:
+    """What this machine's UDP socket learns of its path to the rendezvous's STUN port."""
+
+    mapped: Address  # the socket's address as the rendezvous sees it
+    rtt_ms: float
+    nat: NatReport | None  # None: the NAT tests could not finish (it is planned as unknown)
+
+
+async def reach(sock: socket.socket, stun: Address) -> Reach:
+    """Ask the rendezvous's STUN port from `sock`, timing it, then run the NAT tests;
+    RendezvousUnreachable if STUN does not answer."""
+    started = time.perf_counter()
+    try:
+        mapped = await asyncio.to_thread(reflexive_address, sock, stun)
+    except (OSError, TimeoutError, ValueError) as error:
+        raise RendezvousUnreachable(f"the rendezvous's STUN port {stun[0]}:{stun[1]} did not answer: {error}") from None
+    rtt_ms = (time.perf_counter() - started) * 1e3
+    try:
+        report: NatReport | None = await probe_nat(stun)
+    except Exception:  # a NAT we cannot classify is planned as unknown, not refused
+        report = None
+    return Reach(mapped, rtt_ms, report)
+
+
 async def present(name: str, rendezvous: Address, device: FleetDevice, bind_ip: str = "0.0.0.0") -> Presence:
     """Bind, learn our addresses and NAT, and describe ourselves; raises RendezvousUnreachable."""
     url, stun = await asyncio.to_thread(rendezvous_endpoints, rendezvous)
@@ -72,23 +97,12 @@ async def present(name: str, rendezvous: Address, device: FleetDevice, bind_ip: 
         sock.bind((bind_ip, 0))
         port = sock.getsockname()[1]
         host_candidate = (_local_address_toward(stun) if bind_ip == "0.0.0.0" else bind_ip, port)
-        started = time.perf_counter()
-        try:
-            mapped = await asyncio.to_thread(reflexive_address, sock, stun)
-        except (OSError, TimeoutError, ValueError) as error:
-            raise RendezvousUnreachable(
-                f"the rendezvous's STUN port {stun[0]}:{stun[1]} did not answer: {error}"
-            ) from None
-        rtt_ms = (time.perf_counter() - started) * 1e3
-        nat: NatBehaviour | None = None
-        try:
-            report = await probe_nat(stun)
-            if report.mapping is not None and report.filtering is not None:
-                nat = NatBehaviour(mapping=report.mapping, filtering=report.filtering)
-        except Exception:  # a NAT we cannot classify is planned as unknown, not refused
-            nat = None
-        candidates = [f"{h}:{p}" for h, p in dict.fromkeys([host_candidate, mapped])]
-        capability = device.model_copy(update={"name": name[:64], "rtt_ms": round(rtt_ms, 3), "nat": nat})
+        reached = await reach(sock, stun)
+        report, nat = reached.nat, None
+        if report is not None and report.mapping is not None and report.filtering is not None:
+            nat = NatBehaviour(mapping=report.mapping, filtering=report.filtering)
+        candidates = [f"{h}:{p}" for h, p in dict.fromkeys([host_candidate, reached.mapped])]
+        capability = device.model_copy(update={"name": name[:64], "rtt_ms": round(reached.rtt_ms, 3), "nat": nat})
         return Presence(create_identity(name=name), sock, candidates, capability, url, stun)
     except BaseException:
         sock.close()

@@ -210,10 +210,8 @@ class HostRunner:
                 try:
                     await self._serve_alone(why)
                     return [ServedAlone()]
-                except PlanRefused as refused:
-                    return [DeployFailed(str(refused), refused=True)]
                 except Exception as error:
-                    return [DeployFailed(str(error))]
+                    return [no_ring(error)]
             case PriceRebalance():
                 loop = self.engine_loop
                 verdict = network.rebalance_verdict(loop.stage_report) if loop and network else None
@@ -404,11 +402,9 @@ class HostRunner:
         except SessionFailed as failure:
             if failure.member is not None and failure.member in members:
                 return MemberFailed(failure.member, str(failure))
-            return DeployFailed(str(failure))
-        except PlanRefused as refused:
-            return DeployFailed(str(refused), refused=True)
+            return no_ring(failure)
         except Exception as error:
-            return DeployFailed(str(error))
+            return no_ring(error)
 
     async def _deploy(self, members: list[str]) -> int:
         """Plan, deliver, load and serve; the machines in the ring."""
@@ -495,13 +491,18 @@ def session_view(network: HostSession | None, loop: EngineLoop | None, ready: bo
     )
 
 
+def no_ring(error: Exception) -> DeployFailed:
+    """How a deployment, or serving alone, failed: `refused` where the plan found the model does not fit."""
+    return DeployFailed(str(error), refused=isinstance(error, PlanRefused))
+
+
 def rendezvous_address(config: HostConfig, embedded: RendezvousHandle | None) -> tuple[str, int]:
     """Where this host and its members reach the rendezvous. The host reaches its own at the
     address it gives members, so that every member's candidates are on the same network and
     punches between them line up."""
-    if config.rendezvous is not None or embedded is None:
-        assert config.rendezvous is not None
+    if config.rendezvous is not None:
         return config.rendezvous
+    assert embedded is not None, "with no --rendezvous, the host runs one"
     host, port = embedded.http_address
     return (lan_address() if host in ("0.0.0.0", "::") else host), port
 
