@@ -45,6 +45,7 @@ from kafila.network.rendezvous import (
     parse_client_message,
 )
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousError
+from kafila.network.relay import hello
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.network.session_codes import (
     ADJECTIVES,
@@ -505,6 +506,54 @@ def test_sessions_have_a_lifetime() -> None:
     assert world.of_type(host, Ended) == [Ended(reason=EndReason.LIFETIME)]
 
 
+def test_a_filled_session_with_only_pings_ends_idle_and_joins_signals_relays_or_renewals_keep_it() -> None:
+    limits = Limits(session_idle_s=600, idle_timeout_s=10**6, code_ttl_s=10**6)
+    world = World(limits)
+    (host, first, second), tokens = world.full_session(3)
+    assert world.of_type(host, Opened)[0].idle_expiry_s == 600
+
+    def later(seconds: float) -> None:
+        world.now += seconds
+        for conn, token in zip((host, first, second), tokens, strict=True):
+            if conn not in world.closed:
+                world.send(conn, {"type": "ping", "token": token})
+        world.route(world.core.tick(world.now))
+
+    later(500)
+    world.send(first, {"type": "signal", "token": tokens[1], "peer": "m1", "body": "hello"})
+    later(500)  # 1000 s since the join, 500 since the signal
+    world.send(second, {"type": "renew", "token": tokens[2]})  # only the host renews
+    assert world.error(second).code is ErrorCode.NOT_HOST
+    world.send(host, {"type": "renew", "token": tokens[0]})
+    later(500)
+    world.send(first, {"type": "relay_request", "token": tokens[1], "peer": "m3"})
+    world.send(second, {"type": "relay_request", "token": tokens[2], "peer": "m2"})
+    (request,) = world.opened
+    world.route(world.core.relay_opened(request.relay_id, 40_000, world.now))
+    for _ in range(3):  # the relay forwards: the shell reports it each tick
+        later(500)
+        world.core.relay_used(request.relay_id, world.now)
+    assert not world.of_type(host, Ended)
+    later(599)
+    assert not world.of_type(host, Ended)
+    later(2)  # pings all along, nothing else for 601 s
+    assert world.of_type(host, Ended) == [Ended(reason=EndReason.IDLE)]
+    assert all(conn in world.closed for conn in (host, first, second)) and world.core.sessions == {}
+    assert world.freed == [request.relay_id]
+
+
+def test_an_unfilled_session_is_not_ended_as_idle_but_by_its_code() -> None:
+    world = World(Limits(session_idle_s=60, code_ttl_s=600, idle_timeout_s=10**6))
+    host, opened = world.open(expected=3)
+    world.join(opened.code, "a")
+    world.now += 300
+    world.route(world.core.tick(world.now))
+    assert not world.of_type(host, Ended)
+    world.now += 301
+    world.route(world.core.tick(world.now))
+    assert world.of_type(host, Ended) == [Ended(reason=EndReason.EXPIRED)]
+
+
 # -- limits and garbage ------------------------------------------------------------------------
 
 
@@ -955,6 +1004,48 @@ def test_the_host_alone_can_remove_a_member_and_its_seat_is_free_again() -> None
             assert host_client.departed == {member.member_id: LeaveReason.REMOVED}
             assert await member.wait_closed(5) is None and member.closed
             await host_client.close()
+        finally:
+            await handle.close()
+
+    run(scenario())
+
+
+def test_service_ends_an_idle_session_and_counts_relay_traffic_and_renewals_as_life() -> None:
+    """Real sockets: datagrams through a real relay port keep a session; so does the host's renew;
+    pings alone do not."""
+
+    async def scenario() -> None:
+        handle = await start_rendezvous("127.0.0.1", 0, 0, limits=Limits(session_idle_s=1.5), tick_interval=0.1)
+        try:
+            host = await RendezvousClient.open(
+                handle.url, model="m", expected_members=3, capability=device("h"), fingerprint=FP, ping_interval=0.2
+            )
+            assert host.idle_expiry_s == 1.5
+            a = await join(handle.url, host.code, "a", ping_interval=0.2)
+            b = await join(handle.url, host.code, "b", ping_interval=0.2)
+            grant_a, grant_b = await asyncio.gather(a.request_relay(b.member_id, 5), b.request_relay(a.member_id, 5))
+            loop = asyncio.get_running_loop()
+            ends = []
+            for grant, client in ((grant_a, a), (grant_b, b)):
+                transport, _ = await loop.create_datagram_endpoint(
+                    asyncio.DatagramProtocol, remote_addr=client.relay_address(grant)
+                )
+                transport.sendto(hello(bytes.fromhex(grant.relay_token)))
+                ends.append(transport)
+            started = time.monotonic()
+            while time.monotonic() - started < 3.0:  # twice the idle expiry, with traffic all along
+                ends[0].sendto(b"activation bytes")
+                await asyncio.sleep(0.1)
+            assert not host.closed
+            for end in ends:
+                end.close()
+            started = time.monotonic()
+            while time.monotonic() - started < 3.0:  # no traffic now; the host's renewals keep it
+                await host.renew()
+                await asyncio.sleep(0.3)
+            assert not host.closed
+            assert await host.wait_closed(5) == Ended(reason=EndReason.IDLE)  # pings alone
+            assert await a.wait_closed(2) == Ended(reason=EndReason.IDLE)
         finally:
             await handle.close()
 

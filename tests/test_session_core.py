@@ -32,6 +32,7 @@ from kafila.session.core import (
     JoinerRefused,
     Judged,
     JudgeRebalance,
+    KeepSession,
     MemberFailed,
     NewcomerChecked,
     Observed,
@@ -224,6 +225,19 @@ def test_a_forming_that_fails_as_a_whole_gets_a_new_code() -> None:
     ]
     assert host.handle(Opened("kafila join red-owl-…")) == [] and host.join_line == "kafila join red-owl-…"
     assert host.handle(Gathered(("laptop",))) == [Deploy(("laptop",))]
+
+
+def test_a_serving_host_renews_its_rendezvous_session_while_anyone_may_join() -> None:
+    host = session()
+    host.handle(Opened(JOIN, idle_expiry_s=900.0))
+    host.handle(Gathered(("laptop", "workstation")))
+    host.handle(Deployed(3))
+    quiet = [host.handle(seen(float(t))) for t in range(0, 2000, 50)]
+    renewals = [t for t, commands in zip(range(0, 2000, 50), quiet, strict=True) if KeepSession() in commands]
+    assert renewals == [300, 600, 900, 1200, 1500, 1800]  # a third of the rendezvous's idle expiry
+    for _ in range(GUESS_BUDGET):  # nobody may join any more: only relay traffic keeps the session
+        host.handle(NewcomerChecked("guesser", "it proved a different code", guess=True))
+    assert not any(KeepSession() in host.handle(seen(float(t))) for t in range(2000, 5000, 50))
 
 
 def test_a_session_that_loses_a_member_mid_stream_replans_then_takes_it_back_when_it_rejoins() -> None:

@@ -100,7 +100,8 @@ def serves_like_one_process(client: openai.OpenAI, model: Path) -> None:
 
 def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path) -> None:
     outputs: list[str] = []
-    with session(tmp_path, model, 3, outputs=outputs) as (host, _joiners):
+    quiet = {"KAFILA_SESSION_IDLE_S": "1.5"}  # the embedded rendezvous ends idle sessions fast
+    with session(tmp_path, model, 3, outputs=outputs, env=quiet) as (host, _joiners):
         wait_ready(host)
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == ["tiny"]
@@ -133,6 +134,11 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         ).stdout  # fmt: skip
         assert "ready" in table and "member-0" in table and "member-1" in table and "host (head)" in table
         assert "Ring edges" in table and table.count("direct") >= 3
+        # No relay and no signal for seconds: only the host's renewals keep the session at the
+        # rendezvous, so that a member that blips can still rejoin it.
+        _, rendezvous = host.join_line()
+        with urlopen(f"http://{rendezvous}/v1/health", timeout=10) as response:
+            assert json.loads(response.read())["sessions"] == 1
         # members started by hand on the host's machine: the host says how to set them up to share it
         assert "member-0, member-1 run on this machine too" in host.output() or (
             "member-1, member-0 run on this machine too" in host.output()

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kafila.cli.errors import fail, stderr
 from kafila.network.nat import probe_nat
+from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import SESSION_PATH, start_rendezvous
 
 
@@ -80,6 +81,15 @@ def rendezvous(
             "only a session code. For a rendezvous on the internet.",
         ),
     ] = None,
+    session_idle: Annotated[
+        float,
+        typer.Option(
+            "--session-idle",
+            min=1.0,
+            help="Seconds a filled session lasts with no join, signal, relay traffic or renewal by its host "
+            "(kafila host renews while it admits members).",
+        ),
+    ] = Limits().session_idle_s,
 ) -> None:
     """Run the rendezvous: session signalling over WebSocket, STUN (RFC 5389 binding, RFC 5780
     with --alt-address) and the UDP relay; with --discovery-port, `kafila join CODE` on its LAN
@@ -95,6 +105,7 @@ def rendezvous(
                 alt_address,
                 discovery_port=discovery_port or None,
                 open_token=open_token or None,
+                limits=Limits(session_idle_s=session_idle),
             )
         except OSError as error:
             fail(f"cannot bind the rendezvous's sockets: {error}", False)

@@ -73,6 +73,8 @@ class Allocation:
         default_factory=lambda: {"datagrams": 0, "bytes": 0, "unbound": 0, "unpaired": 0, "over_rate": 0}
     )
 
+    used: bool = False  # forwarded a datagram since the last `Relay.take_used`
+
     @property
     def paired(self) -> bool:
         return all(side.address is not None for side in self.sides)
@@ -133,7 +135,15 @@ class Relay:
             return []
         allocation.counts["datagrams"] += 1
         allocation.counts["bytes"] += len(data)
+        allocation.used = True
         return [(data, destination)]
+
+    def take_used(self) -> list[str]:
+        """The allocations that forwarded traffic since the last call (their sessions are alive)."""
+        used = [relay_id for relay_id, allocation in self.allocations.items() if allocation.used]
+        for relay_id in used:
+            self.allocations[relay_id].used = False
+        return used
 
     def _bind(self, allocation: Allocation, index: int, source: Address) -> bytes:
         side = allocation.sides[index]

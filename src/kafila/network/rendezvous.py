@@ -139,6 +139,13 @@ class Leave(Wire):
     token: MemberToken
 
 
+class Renew(Wire):
+    """The host says its filled session is still wanted (for rejoins), though nothing else moves."""
+
+    type: Literal["renew"]
+    token: MemberToken
+
+
 class Remove(Wire):
     """The host sends a member away (it failed the code's proof, or its part): its seat is free."""
 
@@ -148,7 +155,7 @@ class Remove(Wire):
 
 
 ClientMessage = Annotated[
-    OpenSession | JoinSession | RelayRequest | SignalTo | Ping | Leave | Remove, Field(discriminator="type")
+    OpenSession | JoinSession | RelayRequest | SignalTo | Ping | Leave | Remove | Renew, Field(discriminator="type")
 ]
 CLIENT_MESSAGE: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
 
@@ -175,6 +182,7 @@ class Opened(Wire):
     model: ModelId
     expected_members: MemberCount
     expires_in_s: float
+    idle_expiry_s: float | None = None  # once filled, it ends after this long with nothing but pings
 
 
 class Joined(Wire):
@@ -243,6 +251,7 @@ class EndReason(StrEnum):
     HOST_LEFT = "host_left"
     EXPIRED = "expired"
     LIFETIME = "lifetime"
+    IDLE = "idle"
     SHUTDOWN = "shutdown"
 
 
@@ -394,6 +403,7 @@ class Limits:
     max_connections_per_ip: int = 64
     code_ttl_s: float = 600.0  # a session that fills no further for this long expires
     session_lifetime_s: float = 24 * 3600.0
+    session_idle_s: float = 3600.0  # a filled session with no join, signal, relay traffic or renew ends
     idle_timeout_s: float = 120.0  # without any message from a member; pings count
     hello_timeout_s: float = 30.0  # from connecting to `open` or `join`
     join_failures: int = 10  # failed joins per source address per window
@@ -447,6 +457,7 @@ class _Session:
     ip: str
     opened_at: float
     code_deadline: float
+    active_at: float  # the last join, signal, relay request or traffic, or the host's renew
     members: dict[str, _Member] = field(default_factory=dict)
     next_index: int = 1
     ready: bool = False
@@ -523,7 +534,9 @@ class Rendezvous:
         return self._drop(connection, LeaveReason.DISCONNECTED, None, now)
 
     def tick(self, now: float) -> list[Output]:
-        """Expire what is due: idle connections, unfilled codes, old sessions, old rate-limit records."""
+        """Expire what is due: idle connections, unfilled codes, old or idle sessions, old rate-limit
+        records. Pings keep a connection, not a session: a filled session must show a join, a
+        signal, relay traffic or its host's renew."""
         outputs: list[Output] = []
         for connection in list(self.connections.values()):
             if connection.conn not in self.connections:
@@ -542,6 +555,8 @@ class Rendezvous:
                 outputs += self._end(session, EndReason.EXPIRED, now)
             elif now - session.opened_at >= self.limits.session_lifetime_s:
                 outputs += self._end(session, EndReason.LIFETIME, now)
+            elif session.ready and now - session.active_at >= self.limits.session_idle_s:
+                outputs += self._end(session, EndReason.IDLE, now)
         for ip in list(self.failures):
             self._recent_failures(ip, now)
         for code in [c for c, (_, until) in self.tombstones.items() if until <= now]:
@@ -578,6 +593,12 @@ class Rendezvous:
             if member in session.members
         ]
 
+    def relay_used(self, relay_id: str, now: float) -> None:
+        """The shell saw `relay_id` forward traffic since its last report: its session is active."""
+        edge = self.relays.get(relay_id)
+        if edge is not None and edge.session_id in self.sessions:
+            self.sessions[edge.session_id].active_at = now
+
     def relay_failed(self, relay_id: str, now: float) -> list[Output]:
         edge = self.relays.pop(relay_id, None)
         if edge is None:
@@ -611,6 +632,9 @@ class Rendezvous:
             return self._drop(connection, LeaveReason.LEFT, (CLOSE_NORMAL, "left"), now)
         if isinstance(message, Remove):
             return self._remove(session, member, message.member, now)
+        if isinstance(message, Renew):
+            return self._renew(session, member, now)
+        session.active_at = now
         if isinstance(message, SignalTo):
             return self._signal(session, member, message)
         return self._relay_request(session, member, message.peer, now)
@@ -655,6 +679,7 @@ class Rendezvous:
             ip=connection.ip,
             opened_at=now,
             code_deadline=now + self.limits.code_ttl_s,
+            active_at=now,
         )
         self.sessions[session_id] = session
         self.by_code[code] = session_id
@@ -669,6 +694,7 @@ class Rendezvous:
             model=session.model,
             expected_members=session.expected,
             expires_in_s=self.limits.code_ttl_s,
+            idle_expiry_s=self.limits.session_idle_s,
         )
         return [Send(connection.conn, opened)]
 
@@ -700,6 +726,7 @@ class Rendezvous:
             )
         member = self._add_member(session, connection, message.capability, message.candidates, message.fingerprint)
         session.code_deadline = now + self.limits.code_ttl_s
+        session.active_at = now
         self._event("member_joined", session=session.session_id, member=member.member_id, ip=connection.ip)
         members = [m.info for m in session.members.values()]
         joined = Joined(
@@ -827,6 +854,12 @@ class Rendezvous:
         if connection is None:
             return []
         return self._drop(connection, LeaveReason.REMOVED, (CLOSE_POLICY, "removed by the host"), now)
+
+    def _renew(self, session: _Session, by: _Member, now: float) -> list[Output]:
+        if by.member_id != session.host_id:
+            raise SignalError(ErrorCode.NOT_HOST, "only the session's host renews it", strike=True)
+        session.active_at = now
+        return []
 
     def _end(self, session: _Session, reason: EndReason, now: float) -> list[Output]:
         self.sessions.pop(session.session_id, None)

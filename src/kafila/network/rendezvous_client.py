@@ -59,6 +59,7 @@ from kafila.network.rendezvous import (
     RelayGranted,
     RelayRequest,
     Remove,
+    Renew,
     ServerMessage,
     SignalFrom,
     SignalTo,
@@ -102,6 +103,8 @@ class RendezvousClient:
         self.model = first.model
         self.expected_members = first.expected_members
         self.host_id = first.member_id if isinstance(first, Opened) else first.host
+        # Once filled, the session ends after this long with no join, signal, relay traffic or renew.
+        self.idle_expiry_s = first.idle_expiry_s if isinstance(first, Opened) else None
         self.members: dict[str, MemberInfo] = {m.member_id: m for m in getattr(first, "members", [])}
         self.ready: Ready | None = None
         self.ended: Ended | None = None
@@ -399,6 +402,10 @@ class RendezvousClient:
         await self._send(Remove(type="remove", token=self.token, member=member))
         with contextlib.suppress(TimeoutError):
             await self._until(lambda: member in self.departed or member in self._removals_refused, REMOVE_WAIT_S)
+
+    async def renew(self) -> None:
+        """As the host: tell the rendezvous the filled session is still wanted (pings do not)."""
+        await self._send(Renew(type="renew", token=self.token))
 
     async def leave(self) -> None:
         """Leave the session (as host: end it), then close."""

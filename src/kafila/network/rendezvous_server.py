@@ -161,7 +161,10 @@ class RendezvousService:
         while True:
             await asyncio.sleep(interval)
             try:
-                self.dispatch(self.core.tick(self.clock()))
+                now = self.clock()
+                for relay_id in self.relay.core.take_used():
+                    self.core.relay_used(relay_id, now)
+                self.dispatch(self.core.tick(now))
             except Exception:
                 log.exception("rendezvous tick failed")
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 GUESS_BUDGET = 3  # failed proofs of the code a host takes in its whole life, over every code it issues
+KEEP_SESSION_S = 600.0  # how often a serving host renews its rendezvous session, unless it says how long it lasts idle
 REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
 
 
@@ -192,9 +193,11 @@ class Observed:
 
 @dataclass(frozen=True)
 class Opened:
-    """A session opened at the rendezvous; `join_line` is what a member runs to join it."""
+    """A session opened at the rendezvous; `join_line` is what a member runs to join it;
+    `idle_expiry_s`: how long the rendezvous keeps it, filled, with nothing happening."""
 
     join_line: str
+    idle_expiry_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,12 @@ class RenewCode:
 
 
 @dataclass(frozen=True)
+class KeepSession:
+    """Renew the session at the rendezvous, so that a member that blips can rejoin it even when
+    nothing else (joins, signals, relay traffic) has shown the rendezvous that it lives."""
+
+
+@dataclass(frozen=True)
 class Fail:
     """Nothing serves: /v1 and the host's terminal say why. `exit`: the host ends too."""
 
@@ -400,7 +409,7 @@ class AbandonRing:
 
 Command = (
     Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | Dismiss | ForgetRing
-    | ServeAlone | PriceRebalance | RenewCode | Fail | AbandonRing
+    | ServeAlone | PriceRebalance | RenewCode | KeepSession | Fail | AbandonRing
 )  # fmt: skip
 ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
 
@@ -443,6 +452,8 @@ class SessionCore:
     join_line: str = ""
     deployment: _Deployment | None = None  # the deployment under way, while DEPLOYING
     paused: bool = False  # /v1 holds requests for a replan by choice
+    keep_every_s: float = KEEP_SESSION_S
+    kept_at: float | None = None  # when the rendezvous session was last renewed (or first seen serving)
 
     @classmethod
     def one_machine(cls, serving: ServingCore) -> SessionCore:
@@ -457,8 +468,10 @@ class SessionCore:
                 return self._interrupted(reason)
             case Observed(view=view):
                 return self._observed(view)
-            case Opened(join_line=line) if self.phase == Phase.GATHERING:
-                self.join_line = line
+            case Opened(join_line=line, idle_expiry_s=idle) if self.phase == Phase.GATHERING:
+                self.join_line, self.kept_at = line, None
+                if idle is not None and idle > 0:
+                    self.keep_every_s = idle / 3  # two renewals may be lost before it ends
                 return []
             case Gathered(members=members) if self.phase == Phase.GATHERING:
                 if not members:  # every joiner left before the roster was accepted
@@ -492,6 +505,7 @@ class SessionCore:
         if self.phase not in (Phase.SERVING, Phase.PAUSED, Phase.WAITING):
             return []
         commands: list[Command] = [self._admission(member) for member in view.arrivals]
+        commands += self._keep_session(view.now)
         match self.serving.next_action(replace(view, arrivals=())):
             case ReplanAfterBreak(lost=lost):
                 commands += self._after_break(view, lost)
@@ -517,6 +531,18 @@ class SessionCore:
                 if self.serving.worth_judging(view.measurements):
                     commands.append(PriceRebalance())
         return commands
+
+    def _keep_session(self, now: float) -> list[Command]:
+        """While it admits anyone, the rendezvous session must outlive quiet hours; once the guess
+        budget is spent nobody may join, and relay traffic alone keeps it."""
+        if not self.networked or not self.admitting:
+            return []
+        if self.kept_at is None:
+            self.kept_at = now
+        elif now - self.kept_at >= self.keep_every_s:
+            self.kept_at = now
+            return [KeepSession()]
+        return []
 
     def _admission(self, member: str) -> Command:
         """Who may take a freed seat: anyone who proves the code, until someone fails to."""

@@ -36,6 +36,7 @@ from kafila.network.pake import TrustError
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import (
     RendezvousClient,
+    RendezvousClosed,
     RendezvousError,
     send_abort,
     verify_members,
@@ -376,6 +377,11 @@ class HostSession:
         router = self.roster.routers.get(member)
         if router is not None:
             await _send_home([router], reason)
+
+    async def keep(self) -> None:
+        """Renew the session at the rendezvous; a rendezvous already gone is not the ring's failure."""
+        with contextlib.suppress(RendezvousClosed):
+            await self.client.renew()
 
     async def end(self, reason: str) -> None:
         """Tell every member the session is over, then close links, the rendezvous session and the socket."""

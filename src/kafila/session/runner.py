@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kafila.contracts import MemberStatus, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.pake import CodeMismatch, TrustError
+from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner import PlanRefused
 from kafila.planner.fleet import FleetDevice
@@ -51,6 +52,7 @@ from kafila.session.core import (
     Interrupted,
     JoinerRefused,
     Judged,
+    KeepSession,
     MemberFailed,
     NewcomerChecked,
     Observed,
@@ -221,6 +223,9 @@ class HostRunner:
                 assert network is not None
                 await network.end(reason)
                 return await self._open_and_gather()
+            case KeepSession():
+                assert network is not None
+                await network.keep()
             case Admit(member=member):
                 assert network is not None
                 name = network.joiner_name(member)
@@ -373,7 +378,7 @@ class HostRunner:
         self.serving.session_described_by(functools.partial(self._network_status, network))
         if config.demo and not self.demo.members:
             self.demo.start(network.code, self._advertised, others)
-        self._drive_now([Opened(join)])
+        self._drive_now([Opened(join, network.client.idle_expiry_s)])
         try:
             await network.gather(
                 None, self._refused_while_forming, seconds_from_env("KAFILA_TRUST_EXCHANGE_S", TRUST_EXCHANGE_S)
@@ -518,7 +523,10 @@ async def start_embedded_rendezvous(config: HostConfig) -> RendezvousHandle:
     """The rendezvous this host runs for its members, when none is given."""
     try:
         bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
-        return await start_rendezvous(bind, *ports, discovery_port=config.discovery_port)
+        idle = max(1.0, seconds_from_env("KAFILA_SESSION_IDLE_S", Limits().session_idle_s))
+        return await start_rendezvous(
+            bind, *ports, discovery_port=config.discovery_port, limits=Limits(session_idle_s=idle)
+        )
     except OSError as error:
         raise OSError(
             f"the embedded rendezvous cannot listen on {config.rendezvous_bind} (port "
