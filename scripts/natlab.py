@@ -34,6 +34,7 @@ behind (by `up` or by a crashed run). Needs root, iproute2, nftables and conntra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -48,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import IO, Any
+
+from natlab_wan import WanLink
 
 NAT_TYPES = ("full-cone", "restricted-cone", "port-restricted", "symmetric")
 
@@ -266,6 +269,8 @@ class NatLab:
         self._namespaces: list[str] = []
         self._processes: list[subprocess.Popen[Any]] = []
         self._built = False
+        self._wan: subprocess.Popen[bytes] | None = None  # the delay line (natlab_wan.py), once a link is set
+        self._wan_routed: set[int] = set()  # homes whose uplink runs through it
 
     # --- building ---------------------------------------------------------------------------
 
@@ -380,6 +385,64 @@ class NatLab:
         home.hosts.append(host)
         return host
 
+    # --- the WAN ------------------------------------------------------------------------------
+
+    def set_wan(self, home: Home, link: WanLink) -> None:
+        """Give `home`'s uplink a one-way delay, jitter, loss and rate each way (natlab_wan.py), or
+        change them; `WanLink()` is a perfect link. Takes effect for the next packet."""
+        if self._wan is None:
+            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "natlab_wan.py")
+            self._wan = self.run_public([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        answer = self._wan_call(home=home.index, address=home.public_address, **dataclasses.asdict(link))
+        if home.index in self._wan_routed:
+            return
+        tun, table, address = answer["tun"], 100 + home.index, home.public_address
+        isp_side = f"198.51.100.{4 * home.index + 1}"
+        _ns_exec(
+            self.public_ns,
+            ["sh", "-ec", f"for k in rp_filter=0 accept_local=1 forwarding=1; do sysctl -qw net.ipv4.conf.{tun}.$k; "
+             "done; sysctl -qw net.ipv4.conf.all.rp_filter=0"],
+        )  # fmt: skip
+        # What crosses the home's link, either way, goes into its line first; what the line gives
+        # back toward the home goes on to it. Between two homes a packet crosses both lines. The
+        # local table moves behind these rules, or a home's packets to the rendezvous would be
+        # delivered before their line held them.
+        local_last = [] if self._wan_routed else ["rule add pref 10000 lookup local", "rule del pref 0"]
+        _ip_batch(
+            self.public_ns,
+            [
+                *local_last,
+                f"link set {tun} up",
+                f"route add default dev {tun} table {table}",
+                # ARP for the ISP side of the link is answered only where it routes as local
+                f"rule add pref {500 + home.index} iif home{home.index} to {isp_side}/32 lookup local",
+                f"rule add pref {1000 + home.index} iif {tun} to {address}/32 lookup main",
+                f"rule add pref {2000 + home.index} iif home{home.index} lookup {table}",
+                f"rule add pref {3000 + home.index} to {address}/32 lookup {table}",
+            ],
+        )
+        self._wan_routed.add(home.index)
+
+    def wan_counts(self, home: Home) -> tuple[int, int]:
+        """Packets the home's line has passed and dropped, both ways."""
+        answer = self._wan_call(home=home.index, address=home.public_address, stats=True)
+        return answer["passed"], answer["dropped"]
+
+    def _wan_call(self, **request: Any) -> dict[str, Any]:
+        wan = self._wan
+        assert wan is not None and wan.stdin is not None and wan.stdout is not None
+        wan.stdin.write((json.dumps(request) + "\n").encode())
+        wan.stdin.flush()
+        if not select.select([wan.stdout], [], [], COMMAND_TIMEOUT_S)[0]:
+            raise LabError("the WAN delay line did not answer")
+        line = wan.stdout.readline()
+        if not line:
+            raise LabError(f"the WAN delay line exited ({wan.poll()})")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise LabError(f"the WAN delay line refused {request}: {answer['error']}")
+        return answer
+
     # --- running ----------------------------------------------------------------------------
 
     def run(self, namespace: str, argv: list[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
@@ -439,6 +502,7 @@ class NatLab:
             _delete_namespace(namespace)
         self._namespaces.clear()
         self.homes.clear()
+        self._wan, self._wan_routed = None, set()
         self._built = False
 
     def describe(self) -> str:
