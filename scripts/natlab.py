@@ -401,7 +401,8 @@ class NatLab:
         _ns_exec(
             self.public_ns,
             ["sh", "-ec", f"for k in rp_filter=0 accept_local=1 forwarding=1; do sysctl -qw net.ipv4.conf.{tun}.$k; "
-             "done; sysctl -qw net.ipv4.conf.all.rp_filter=0"],
+             # early demux would hand a connection's packets to its local socket before the rules
+             "done; sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.ip_early_demux=0"],
         )  # fmt: skip
         # What crosses the home's link, either way, goes into its line first; what the line gives
         # back toward the home goes on to it. Between two homes a packet crosses both lines. The
