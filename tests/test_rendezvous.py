@@ -17,6 +17,7 @@ import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kafila.network.relay import hello
 from kafila.network.rendezvous import (
     CLOSE_NORMAL,
     CLOSE_POLICY,
@@ -45,7 +46,6 @@ from kafila.network.rendezvous import (
     parse_client_message,
 )
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousError
-from kafila.network.relay import hello
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.network.session_codes import (
     ADJECTIVES,

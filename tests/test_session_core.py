@@ -9,6 +9,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kafila.network.rendezvous_client import RendezvousClosed, RendezvousError
 from kafila.session.core import (
     ANSWERED,
     GUESS_BUDGET,
@@ -32,7 +33,6 @@ from kafila.session.core import (
     JoinerRefused,
     Judged,
     JudgeRebalance,
-    KeepSession,
     MemberFailed,
     NewcomerChecked,
     Observed,
@@ -48,6 +48,7 @@ from kafila.session.core import (
     Retire,
     Retired,
     Say,
+    SendAway,
     ServeAlone,
     ServedAlone,
     ServingCore,
@@ -57,7 +58,8 @@ from kafila.session.core import (
     Unready,
     Warn,
 )
-from kafila.session.member_runner import Rejoins
+from kafila.session.member_runner import REJOIN_WINDOW_S, Rejoins, worth_retrying
+from kafila.session.presence import RendezvousUnreachable
 
 PATIENCE_S = 30.0
 COOLDOWN_S = 60.0
@@ -227,17 +229,13 @@ def test_a_forming_that_fails_as_a_whole_gets_a_new_code() -> None:
     assert host.handle(Gathered(("laptop",))) == [Deploy(("laptop",))]
 
 
-def test_a_serving_host_renews_its_rendezvous_session_while_anyone_may_join() -> None:
-    host = session()
-    host.handle(Opened(JOIN, idle_expiry_s=900.0))
-    host.handle(Gathered(("laptop", "workstation")))
-    host.handle(Deployed(3))
-    quiet = [host.handle(seen(float(t))) for t in range(0, 2000, 50)]
-    renewals = [t for t, commands in zip(range(0, 2000, 50), quiet, strict=True) if KeepSession() in commands]
-    assert renewals == [300, 600, 900, 1200, 1500, 1800]  # a third of the rendezvous's idle expiry
-    for _ in range(GUESS_BUDGET):  # nobody may join any more: only relay traffic keeps the session
+def test_the_rendezvous_session_is_wanted_while_anyone_may_join() -> None:
+    host = serving_ring()
+    assert host.wants_rendezvous_session
+    for _ in range(GUESS_BUDGET):  # nobody may join any more: relay traffic alone keeps it
         host.handle(NewcomerChecked("guesser", "it proved a different code", guess=True))
-    assert not any(KeepSession() in host.handle(seen(float(t))) for t in range(2000, 5000, 50))
+    assert not host.wants_rendezvous_session
+    assert not SessionCore.one_machine(core()).wants_rendezvous_session
 
 
 def test_a_session_that_loses_a_member_mid_stream_replans_then_takes_it_back_when_it_rejoins() -> None:
@@ -246,6 +244,7 @@ def test_a_session_that_loses_a_member_mid_stream_replans_then_takes_it_back_whe
     assert broke == [
         RecordIncident("the ring broke", "lost workstation"),
         Unready(("the host to replan with the members that are left",)),
+        SendAway(("workstation",)),  # its seat at the rendezvous is free at once
         Retire("lost workstation"),
     ]
     assert host.phase == Phase.DEPLOYING
@@ -539,3 +538,14 @@ def test_whatever_happens_at_most_one_command_answers_and_it_comes_last(history:
         assert len(answered) <= 1 and answered in ([], [len(commands) - 1]), (event, commands)
         assert (host.deployment is not None) == (host.phase == Phase.DEPLOYING), (event, host)
     assert host.handle(Interrupted("stop"))[-1] == AbandonRing("stop")
+
+
+def test_a_join_again_after_a_loss_keeps_trying_for_a_seat_still_held_or_a_network_coming_back() -> None:
+    full = RendezvousError("session_full", "session 7-red-fox is full")
+    unreachable = RendezvousUnreachable("no kafila rendezvous answers at 203.0.113.1:8470: timed out")
+    for error in (full, unreachable, RendezvousClosed(), OSError("network is unreachable"), TimeoutError()):
+        assert worth_retrying(error, rejoining=True, since_loss_s=5.0), error
+        assert not worth_retrying(error, rejoining=True, since_loss_s=REJOIN_WINDOW_S)  # not for ever
+        assert not worth_retrying(error, rejoining=False, since_loss_s=0.0)  # a first join says why at once
+    for error in (RendezvousError("unknown_code", "no session has this code"), ValueError("bad")):
+        assert not worth_retrying(error, rejoining=True, since_loss_s=5.0), error

@@ -273,7 +273,9 @@ class LinkCore:
         return True
 
     def send_frame(self, frame: Frame) -> None:
-        """Queue a frame on its sequence's stream; a CANCEL also ends that stream."""
+        """Queue a frame on its sequence's stream. The stream lasts as long as the link: a sequence's
+        frames, a CANCEL and the next request's rows after it, must arrive in the order they left,
+        and only one stream keeps that order when a lost packet is sent again."""
         if self.error is not None:
             raise self.error
         if not self.is_up or self.quic is None:
@@ -283,18 +285,13 @@ class LinkCore:
             stream_id = self.quic.get_next_available_stream_id()
             self._outbound[frame.sequence_id] = stream_id
             self._replies[stream_id] = FrameDecoder()
-        end = frame.kind is Kind.CANCEL
         try:  # the header, then the payload as it is: aioquic copies it into its buffer anyway
-            self.quic.send_stream_data(stream_id, frame.header(), end_stream=end and not frame.payload)
+            self.quic.send_stream_data(stream_id, frame.header())
             if frame.payload:
-                self.quic.send_stream_data(stream_id, frame.payload, end_stream=end)
+                self.quic.send_stream_data(stream_id, frame.payload)
         except RuntimeError:  # the peer stopped this stream (it rejected something): use a new one
             del self._outbound[frame.sequence_id]
             self.send_frame(frame)
-            return
-        if end:
-            self._fin_sent.add(stream_id)
-            del self._outbound[frame.sequence_id]
 
     def finish(self, sequence_id: int) -> None:
         """End a sequence's stream without a CANCEL: the sequence is done on this edge."""

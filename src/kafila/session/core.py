@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 GUESS_BUDGET = 3  # failed proofs of the code a host takes in its whole life, over every code it issues
-KEEP_SESSION_S = 600.0  # how often a serving host renews its rendezvous session, unless it says how long it lasts idle
 REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
 
 
@@ -193,11 +192,9 @@ class Observed:
 
 @dataclass(frozen=True)
 class Opened:
-    """A session opened at the rendezvous; `join_line` is what a member runs to join it;
-    `idle_expiry_s`: how long the rendezvous keeps it, filled, with nothing happening."""
+    """A session opened at the rendezvous; `join_line` is what a member runs to join it."""
 
     join_line: str
-    idle_expiry_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -348,6 +345,14 @@ class Retire:
 
 
 @dataclass(frozen=True)
+class SendAway:
+    """Free lost members' seats at the rendezvous: their connections there can outlive their links
+    by minutes (an uplink that went down), and each must be able to join again at once."""
+
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Deploy:
     """→ Deployed, MemberFailed or DeployFailed. Plan over this host and `members`, and serve."""
 
@@ -387,12 +392,6 @@ class RenewCode:
 
 
 @dataclass(frozen=True)
-class KeepSession:
-    """Renew the session at the rendezvous, so that a member that blips can rejoin it even when
-    nothing else (joins, signals, relay traffic) has shown the rendezvous that it lives."""
-
-
-@dataclass(frozen=True)
 class Fail:
     """Nothing serves: /v1 and the host's terminal say why. `exit`: the host ends too."""
 
@@ -409,7 +408,7 @@ class AbandonRing:
 
 Command = (
     Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | Dismiss | ForgetRing
-    | ServeAlone | PriceRebalance | RenewCode | KeepSession | Fail | AbandonRing
+    | ServeAlone | PriceRebalance | RenewCode | SendAway | Fail | AbandonRing
 )  # fmt: skip
 ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
 
@@ -452,13 +451,18 @@ class SessionCore:
     join_line: str = ""
     deployment: _Deployment | None = None  # the deployment under way, while DEPLOYING
     paused: bool = False  # /v1 holds requests for a replan by choice
-    keep_every_s: float = KEEP_SESSION_S
-    kept_at: float | None = None  # when the rendezvous session was last renewed (or first seen serving)
 
     @classmethod
     def one_machine(cls, serving: ServingCore) -> SessionCore:
         """A session of this machine's own stages, loading them: `ServedAlone` once they serve."""
         return cls(serving, networked=False, phase=Phase.DEPLOYING, deployment=_Start())
+
+    @property
+    def wants_rendezvous_session(self) -> bool:
+        """Whether the session at the rendezvous must live on: while anyone may still join (a
+        member that blips rejoins through it); once the guess budget is spent, relay traffic
+        alone keeps it."""
+        return self.networked and self.admitting and self.phase not in (Phase.FAILED, Phase.STOPPING)
 
     def handle(self, event: Event) -> list[Command]:
         if self.phase == Phase.STOPPING:
@@ -468,10 +472,8 @@ class SessionCore:
                 return self._interrupted(reason)
             case Observed(view=view):
                 return self._observed(view)
-            case Opened(join_line=line, idle_expiry_s=idle) if self.phase == Phase.GATHERING:
-                self.join_line, self.kept_at = line, None
-                if idle is not None and idle > 0:
-                    self.keep_every_s = idle / 3  # two renewals may be lost before it ends
+            case Opened(join_line=line) if self.phase == Phase.GATHERING:
+                self.join_line = line
                 return []
             case Gathered(members=members) if self.phase == Phase.GATHERING:
                 if not members:  # every joiner left before the roster was accepted
@@ -505,7 +507,6 @@ class SessionCore:
         if self.phase not in (Phase.SERVING, Phase.PAUSED, Phase.WAITING):
             return []
         commands: list[Command] = [self._admission(member) for member in view.arrivals]
-        commands += self._keep_session(view.now)
         match self.serving.next_action(replace(view, arrivals=())):
             case ReplanAfterBreak(lost=lost):
                 commands += self._after_break(view, lost)
@@ -531,18 +532,6 @@ class SessionCore:
                 if self.serving.worth_judging(view.measurements):
                     commands.append(PriceRebalance())
         return commands
-
-    def _keep_session(self, now: float) -> list[Command]:
-        """While it admits anyone, the rendezvous session must outlive quiet hours; once the guess
-        budget is spent nobody may join, and relay traffic alone keeps it."""
-        if not self.networked or not self.admitting:
-            return []
-        if self.kept_at is None:
-            self.kept_at = now
-        elif now - self.kept_at >= self.keep_every_s:
-            self.kept_at = now
-            return [KeepSession()]
-        return []
 
     def _admission(self, member: str) -> Command:
         """Who may take a freed seat: anyone who proves the code, until someone fails to."""
@@ -579,10 +568,12 @@ class SessionCore:
             return [Fail(f"serving alone failed: {view.engine_error or 'no engine'}")]
         error = view.engine_error or view.broken or f"lost {_names(view, lost)}"
         self.paused = False  # requests held for newcomers are turned away now: the ring broke
+        first: list[Command] = [
+            RecordIncident("the ring broke", error),
+            Unready(("the host to replan with the members that are left",)),
+        ]
         return self._retire_then_deploy(
-            _Replan(error, after_break=True),
-            [RecordIncident("the ring broke", error), Unready(("the host to replan with the members that are left",))],
-            Retire(error),
+            _Replan(error, after_break=True), [*first, *([SendAway(lost)] if lost else [])], Retire(error)
         )
 
     def _replan_by_choice(self, why: str) -> list[Command]:

@@ -57,6 +57,7 @@ from kafila.session.router import LinkRouter
 Say = Callable[[str], None]
 HELLO_TIMEOUT_S = 60.0
 TRUST_EXCHANGE_S = 30.0  # for a joiner to prove the code, and to accept the member list
+RENEW_EVERY_S = 600.0  # a rendezvous that does not say how long an idle session lasts gets renewed this often
 GOODBYE_WAIT_S = 2.0  # how long the host waits for members to close their links after their End
 
 
@@ -83,11 +84,24 @@ class HostSession:
     own_pricings: tuple[ModelPricing, ...] = ()  # the models this machine priced itself (`kafila probe --model`)
     newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
     _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
+    renewing: Callable[[], bool] = lambda: True  # whether the session at the rendezvous must live on
+    _renewals: asyncio.Task[None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.roster = Roster(self.client, machine_tag(self.client.code))
         self.deployer = Deployer(self.roster, self.model, self.settings, self.cache, self.say)
         self.prices = RingPricing(self.manifest, self.session)
+        self._renewals = asyncio.get_running_loop().create_task(self._renew_forever())
+
+    async def _renew_forever(self) -> None:
+        """Renew the session at the rendezvous every third of its idle expiry, whatever the host
+        is doing (a replan may move stages for minutes): a direct-only ring shows the rendezvous
+        nothing else, and a member that blips must find the session to rejoin."""
+        every = (self.client.idle_expiry_s or 3 * RENEW_EVERY_S) / 3
+        while not self.client.closed:
+            await asyncio.sleep(every)
+            if self.renewing():
+                await self.keep()
 
     @classmethod
     async def open(
@@ -378,6 +392,15 @@ class HostSession:
         if router is not None:
             await _send_home([router], reason)
 
+    async def send_away(self, members: Sequence[str]) -> None:
+        """Remove members at the rendezvous (those still listed there), so their seats are free."""
+
+        async def remove(member: str) -> None:
+            with contextlib.suppress(RendezvousClosed):
+                await self.client.remove(member)
+
+        await asyncio.gather(*(remove(m) for m in members if m in self.client.members))
+
     async def keep(self) -> None:
         """Renew the session at the rendezvous; a rendezvous already gone is not the ring's failure."""
         with contextlib.suppress(RendezvousClosed):
@@ -385,6 +408,7 @@ class HostSession:
 
     async def end(self, reason: str) -> None:
         """Tell every member the session is over, then close links, the rendezvous session and the socket."""
+        self._renewals.cancel()
         for admission in self._admissions.values():
             admission.cancel()
         await self.deployer.stop_listening()

@@ -19,11 +19,11 @@ from typing import Protocol
 
 from kafila.network.edges import connect_edges
 from kafila.network.link import DatagramDemux
-from kafila.network.rendezvous_client import RendezvousClient, verify_host
+from kafila.network.rendezvous_client import RendezvousClient, RendezvousClosed, RendezvousError, verify_host
 from kafila.network.session_codes import channel_part
 from kafila.runtime.local_plan import cache_dir, cached_model_pricings, hash_model, this_device
 from kafila.session.member import LostHost, MemberState, RingLinks, SessionEnded, edge_connector, follow_host
-from kafila.session.presence import machine_tag, present
+from kafila.session.presence import RendezvousUnreachable, machine_tag, present
 from kafila.session.router import LinkRouter
 
 # After losing the host's link (not its goodbye), join again: the host takes the machine back in.
@@ -31,6 +31,11 @@ from kafila.session.router import LinkRouter
 REJOINS = 3
 REJOIN_PAUSE_S = 1.0
 STEADY_S = 60.0
+# A machine whose uplink went down may find its old seat still held (the rendezvous drops a dead
+# connection after 120 s, or when the host sends it away) and the rendezvous out of reach: a join
+# again keeps trying for this long.
+REJOIN_WINDOW_S = 180.0
+RETRY_PAUSE_S = 3.0
 
 
 class MemberUi(Protocol):
@@ -70,10 +75,22 @@ class Rejoins:
         return self.count <= self.limit
 
 
+def worth_retrying(error: BaseException, rejoining: bool, since_loss_s: float) -> bool:
+    """Whether a join that failed before it got in should be tried again: only when joining
+    again after a loss, within REJOIN_WINDOW_S, for what time mends (a seat the rendezvous still
+    holds for this machine's old connection, a network still coming back)."""
+    if not rejoining or since_loss_s >= REJOIN_WINDOW_S:
+        return False
+    if isinstance(error, RendezvousError):
+        return error.code in ("session_full", "rate_limited") or isinstance(error, RendezvousClosed)
+    return isinstance(error, (RendezvousUnreachable, OSError, TimeoutError))
+
+
 def run_member(config: MemberConfig, ui: MemberUi) -> str:
     """Join and follow the host until it ends the session; returns why it ended. Joins again after
     losing the host (`Rejoins`); MemberGaveUp when that keeps failing."""
     rejoins = Rejoins()
+    lost_at: float | None = None  # when the host was last lost; None on the first join
     while True:
         started = time.monotonic()
         try:
@@ -82,7 +99,14 @@ def run_member(config: MemberConfig, ui: MemberUi) -> str:
             if not rejoins.after_loss(time.monotonic() - started):
                 raise MemberGaveUp(f"{lost} ({rejoins.limit} joins again did not last)") from None
             ui.say(f"{lost}; joining the session again")
+            lost_at = time.monotonic()
             time.sleep(REJOIN_PAUSE_S)
+        except Exception as error:
+            since = time.monotonic() - lost_at if lost_at is not None else 0.0
+            if not worth_retrying(error, lost_at is not None, since):
+                raise
+            ui.say(f"could not join again yet ({error}); trying again")
+            time.sleep(RETRY_PAUSE_S)
 
 
 async def join_once(config: MemberConfig, ui: MemberUi) -> str:

@@ -52,7 +52,6 @@ from kafila.session.core import (
     Interrupted,
     JoinerRefused,
     Judged,
-    KeepSession,
     MemberFailed,
     NewcomerChecked,
     Observed,
@@ -66,6 +65,7 @@ from kafila.session.core import (
     Retire,
     Retired,
     Say,
+    SendAway,
     ServeAlone,
     ServedAlone,
     ServingCore,
@@ -223,9 +223,9 @@ class HostRunner:
                 assert network is not None
                 await network.end(reason)
                 return await self._open_and_gather()
-            case KeepSession():
+            case SendAway(members=members):
                 assert network is not None
-                await network.keep()
+                await network.send_away(members)
             case Admit(member=member):
                 assert network is not None
                 name = network.joiner_name(member)
@@ -378,7 +378,8 @@ class HostRunner:
         self.serving.session_described_by(functools.partial(self._network_status, network))
         if config.demo and not self.demo.members:
             self.demo.start(network.code, self._advertised, others)
-        self._drive_now([Opened(join, network.client.idle_expiry_s)])
+        network.renewing = lambda: self.core.wants_rendezvous_session
+        self._drive_now([Opened(join)])
         try:
             await network.gather(
                 None, self._refused_while_forming, seconds_from_env("KAFILA_TRUST_EXCHANGE_S", TRUST_EXCHANGE_S)
