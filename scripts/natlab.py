@@ -48,7 +48,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 from natlab_wan import WanLink
 
@@ -135,6 +135,42 @@ def _ip_batch(namespace: str, commands: list[str]) -> None:
 
 def _ns_exec(namespace: str, argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return _run(["ip", "netns", "exec", namespace, *argv], stdin=stdin)
+
+
+@functools.cache
+def wan_unavailable_reason() -> str | None:
+    """None when the lab's WAN delay line (natlab_wan.py) can run here, else why not: it needs a
+    lab and TUN devices."""
+    reason = lab_unavailable_reason()
+    if reason is not None:
+        return reason
+    probe = f"kl{secrets.token_hex(3)}-probe"
+    try:
+        _run(["ip", "netns", "add", probe])
+        _run(["ip", "-n", probe, "tuntap", "add", "dev", "wan0", "mode", "tun"])
+        return None
+    except LabError as exc:
+        return f"NAT lab WAN links need TUN devices (/dev/net/tun): {exc}"
+    finally:
+        _delete_namespace(probe)
+
+
+def ask_json_line(proc: subprocess.Popen[bytes], request: dict[str, Any], timeout: float, who: str) -> dict[str, Any]:
+    """One JSON request line to a helper process, and its one-line answer, bounded in time; LabError
+    when it does not answer in time, has exited, or answers with an error."""
+    stdin, stdout = proc.stdin, proc.stdout
+    assert stdin is not None and stdout is not None
+    stdin.write((json.dumps(request) + "\n").encode())
+    stdin.flush()
+    if not select.select([stdout], [], [], timeout)[0]:
+        raise LabError(f"{who} did not answer {request.get('op', request)}")
+    line = stdout.readline()
+    if not line:
+        raise LabError(f"{who} exited ({proc.poll()}) on {request.get('op', request)}")
+    answer: dict[str, Any] = json.loads(line)
+    if "error" in answer:
+        raise LabError(f"{who} refused {request.get('op', request)}: {answer['error']}")
+    return answer
 
 
 def list_namespaces() -> list[str]:
@@ -430,19 +466,8 @@ class NatLab:
         return answer["passed"], answer["dropped"]
 
     def _wan_call(self, **request: Any) -> dict[str, Any]:
-        wan = self._wan
-        assert wan is not None and wan.stdin is not None and wan.stdout is not None
-        wan.stdin.write((json.dumps(request) + "\n").encode())
-        wan.stdin.flush()
-        if not select.select([wan.stdout], [], [], COMMAND_TIMEOUT_S)[0]:
-            raise LabError("the WAN delay line did not answer")
-        line = wan.stdout.readline()
-        if not line:
-            raise LabError(f"the WAN delay line exited ({wan.poll()})")
-        answer: dict[str, Any] = json.loads(line)
-        if "error" in answer:
-            raise LabError(f"the WAN delay line refused {request}: {answer['error']}")
-        return answer
+        assert self._wan is not None
+        return ask_json_line(self._wan, request, COMMAND_TIMEOUT_S, "the WAN delay line")
 
     # --- running ----------------------------------------------------------------------------
 
@@ -567,19 +592,7 @@ class UdpAgent:
         self.proc = proc
 
     def _call(self, wait: float = 5.0, **request: Any) -> dict[str, Any]:
-        stdin: IO[bytes] = self.proc.stdin  # type: ignore[assignment]
-        stdout: IO[bytes] = self.proc.stdout  # type: ignore[assignment]
-        stdin.write((json.dumps(request) + "\n").encode())
-        stdin.flush()
-        if not select.select([stdout], [], [], wait + 10.0)[0]:  # python startup on a busy machine
-            raise LabError(f"UDP agent did not answer {request['op']}")
-        line = stdout.readline()
-        if not line:
-            raise LabError(f"UDP agent exited ({self.proc.poll()}) on {request['op']}")
-        answer: dict[str, Any] = json.loads(line)
-        if "error" in answer:
-            raise LabError(f"UDP agent {request['op']}: {answer['error']}")
-        return answer
+        return ask_json_line(self.proc, request, wait + 10.0, "UDP agent")  # + python startup on a busy machine
 
     def bind(self, host: str = "0.0.0.0", port: int = 0) -> tuple[int, Endpoint]:
         """A new socket; returns its handle and bound address."""

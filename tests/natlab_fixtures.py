@@ -31,6 +31,7 @@ from natlab import (  # noqa: E402
     list_namespaces,
     nft_ruleset,
     probe_nat,
+    wan_unavailable_reason,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "list_namespaces",
     "natlab",
     "natlab_required",
+    "natlab_wan_required",
     "nft_ruleset",
     "probe_nat",
 ]
@@ -56,6 +58,14 @@ __all__ = [
 def natlab_required() -> None:
     """Skip, with the reason, where no lab can be built (not root, tools missing, no netns)."""
     reason = lab_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def natlab_wan_required() -> None:
+    """Skip, with the reason, where the lab's WAN delay line cannot run (no TUN devices)."""
+    reason = wan_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
 

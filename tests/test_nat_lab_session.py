@@ -1,161 +1,40 @@
-"""Whole `kafila host` / `kafila join` sessions across the NAT lab: three homes behind real Linux
-NATs, each uplink 20 ms one way (the lab's user-space delay line), a real `kafila rendezvous` on
-the lab's internet with both its addresses, and the official `openai` client inside the host's
-home. The homes make one ring edge relay (a symmetric NAT and a port-restricted one) and the
-other two go direct.
+"""Whole `kafila host` / `kafila join` sessions across the NAT lab (scripts/lab_session.py):
+three homes behind real Linux NATs, each uplink 20 ms one way, a real `kafila rendezvous` on the
+lab's internet, and the official `openai` client inside the host's home. One ring edge relays
+(a symmetric NAT and a port-restricted one); the other two go direct.
 
 Module scope: one session serves every test here, in order; the faults come last."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import select
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from host_process import Host
+from lab_session import DIRECT, HOMES, HOST, RELAYED, RENDEZVOUS, LabSession, lab_session, nat, ring_of
 from llama_cpp import Llama
-from natlab_fixtures import NAT_BEHAVIOUR, PUBLIC_ADDRESSES, NatLab, natlab_required  # noqa: F401
+from natlab_fixtures import natlab_wan_required  # noqa: F401
 from natlab_wan import WanLink
 from serving_checks import PROMPTS, unsplit_greedy
 
-from kafila.contracts import NatBehaviour
 from kafila.planner.reachability import predict_edge
 from kafila.runtime.chat_template import ChatTemplate
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-HOMES = {"home-pc": "port-restricted", "far-laptop": "symmetric", "near-desktop": "full-cone"}
-HOST, RELAYED, DIRECT = "home-pc", "far-laptop", "near-desktop"
 WAN = WanLink(delay_ms=20)
-RENDEZVOUS = f"{PUBLIC_ADDRESSES[0]}:8470"
-API_PORT = 8000
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
-
-
-class LabApi:
-    """The host's API as a client inside its home sees it (scripts/lab_api_agent.py)."""
-
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        self.process = process
-
-    def __call__(self, op: str, timeout: float = 180.0, **request: Any) -> Any:
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write((json.dumps({"op": op, **request}) + "\n").encode())
-        self.process.stdin.flush()
-        if not select.select([self.process.stdout], [], [], timeout)[0]:
-            raise AssertionError(f"the API agent did not answer {op} in {timeout} s")
-        answer = json.loads(self.process.stdout.readline() or b'{"error": "the agent exited"}')
-        if "error" in answer:
-            raise AssertionError(f"{op}: {answer['error']}")
-        return answer["ok"]
-
-
-@dataclass
-class LabSession:
-    lab: NatLab
-    host: Host
-    tmp: Path
-    code: str = ""
-    members: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
-    api: LabApi | None = None
-
-    def join(self, name: str) -> None:
-        """`kafila join` in the member's home, as its owner would type it."""
-        log = (self.tmp / f"{name}.log").open("a")
-        self.members[name] = self.lab.run_home(
-            self.lab.homes[name],
-            [sys.executable, "-m", "kafila", "join", self.code, "--rendezvous", RENDEZVOUS, "--name", name,
-             "--threads", "1"],
-            stdout=log, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KAFILA_CACHE": str(self.tmp / f"cache-{name}"), "COLUMNS": "200"},
-        )  # fmt: skip
-
-    def member_log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
-
-    def status(self) -> dict[str, Any]:
-        assert self.api is not None
-        status: dict[str, Any] = self.api("status", timeout=30)
-        return status
-
-    def until(self, condition: Callable[[dict[str, Any]], bool], what: str, timeout: float = 240.0) -> dict[str, Any]:
-        """/status once `condition` holds: a wait on the host's state, with a deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                status = self.status()
-                if condition(status):
-                    return status
-            except AssertionError:
-                pass  # not answering yet
-            if self.host.process.poll() is not None or time.monotonic() > deadline:
-                logs = "\n".join(f"--- {n}\n{self.member_log(n)[-3000:]}" for n in self.members)
-                raise AssertionError(f"the host never got to {what}: {self.host.output()[-6000:]}\n{logs}")
-            time.sleep(0.5)
-
-
-def ring_of(names: set[str], epoch_after: int = 0) -> Callable[[dict[str, Any]], bool]:
-    """Serving, on a plan newer than `epoch_after`, with exactly these members holding blocks."""
-
-    def holds(status: dict[str, Any]) -> bool:
-        serving = {m["name"] for m in status.get("members", []) if m.get("blocks") and not m.get("left")}
-        return bool(status.get("ready")) and status.get("epoch", 0) > epoch_after and serving == names
-
-    return holds
-
-
-def nat(home: str) -> NatBehaviour:
-    mapping, filtering, _ = NAT_BEHAVIOUR[HOMES[home]]
-    return NatBehaviour.model_validate({"mapping": mapping, "filtering": filtering})
 
 
 @pytest.fixture(scope="module")
 def session(
-    natlab_required: None,  # noqa: F811
+    natlab_wan_required: None,  # noqa: F811
     gemma_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[LabSession]:
-    tmp = tmp_path_factory.mktemp("lab-session")
-    with NatLab() as lab:
-        for name, kind in HOMES.items():
-            lab.set_wan(lab.add_home(name, kind), WAN)
-        rendezvous = lab.run_public(
-            [sys.executable, "-m", "kafila", "rendezvous", "--host", PUBLIC_ADDRESSES[0], "--alt-address",
-             PUBLIC_ADDRESSES[1], "--session-idle", "10"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        assert rendezvous.stdout is not None and rendezvous.stdout.readline().startswith("READY")
-        log = tmp / "host.log"
-        process = lab.run_home(
-            lab.homes[HOST],
-            [sys.executable, "-m", "kafila", "host", "--model", str(gemma_path), "--members", "3", "--rendezvous",
-             RENDEZVOUS, "--port", str(API_PORT), "--context", "1024", "--concurrency", "4", "--threads", "1",
-             "--name", HOST],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KAFILA_CACHE": str(tmp / "cache-host"), "COLUMNS": "200"},
-        )  # fmt: skip
-        lab_session = LabSession(lab, Host(process, f"http://127.0.0.1:{API_PORT}", log), tmp)
-        code, printed_rendezvous = lab_session.host.join_line(timeout=180)
-        assert printed_rendezvous == RENDEZVOUS  # what the other homes must type, never a LAN address
-        lab_session.code = code
-        for name in (RELAYED, DIRECT):
-            lab_session.join(name)
-        agent = lab.run_home(
-            lab.homes[HOST],
-            [sys.executable, str(SCRIPTS / "lab_api_agent.py"), lab_session.host.base_url, gemma_path.stem],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        )  # fmt: skip
-        lab_session.api = LabApi(agent)
-        lab_session.until(ring_of(set(HOMES)), "serving with all three homes", timeout=600)
-        yield lab_session
+    with lab_session(gemma_path, tmp_path_factory.mktemp("lab-session"), WAN, session_idle_s=10) as session:
+        assert session.printed_rendezvous == RENDEZVOUS  # what the other homes must type, never a LAN address
+        yield session
 
 
 def reference_chat(model: Path, messages: list[dict[str, str]], max_tokens: int) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from natlab_fixtures import NatLab, natlab_required  # noqa: F401
+from natlab_fixtures import NatLab, natlab_wan_required  # noqa: F401
 from natlab_wan import MAX_QUEUE_S, WanLine, WanLink
 
 WAN_SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "natlab_wan.py")
@@ -61,7 +61,7 @@ def test_an_impossible_link_is_refused(change: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def lab(natlab_required: None) -> Iterator[NatLab]:  # noqa: F811
+def lab(natlab_wan_required: None) -> Iterator[NatLab]:  # noqa: F811
     """A full-cone home and a port-restricted one; a UDP echo on the rendezvous's address and on
     the full cone's host (its router forwards the port the host has sent from)."""
     with NatLab() as lab:

@@ -58,7 +58,7 @@ from kafila.session.core import (
     Unready,
     Warn,
 )
-from kafila.session.member_runner import REJOIN_WINDOW_S, Rejoins, worth_retrying
+from kafila.session.member_runner import REJOIN_WINDOW_S, UNREACHABLE_WINDOW_S, Rejoins, worth_retrying
 from kafila.session.presence import RendezvousUnreachable
 
 PATIENCE_S = 30.0
@@ -542,10 +542,13 @@ def test_whatever_happens_at_most_one_command_answers_and_it_comes_last(history:
 
 def test_a_join_again_after_a_loss_keeps_trying_for_a_seat_still_held_or_a_network_coming_back() -> None:
     full = RendezvousError("session_full", "session 7-red-fox is full")
+    assert worth_retrying(full, rejoining=True, since_loss_s=100.0)  # the rendezvous frees it in 120 s
+    assert not worth_retrying(full, rejoining=True, since_loss_s=REJOIN_WINDOW_S)  # not for ever
     unreachable = RendezvousUnreachable("no kafila rendezvous answers at 203.0.113.1:8470: timed out")
-    for error in (full, unreachable, RendezvousClosed(), OSError("network is unreachable"), TimeoutError()):
+    for error in (unreachable, RendezvousClosed(), OSError("network is unreachable"), TimeoutError()):
         assert worth_retrying(error, rejoining=True, since_loss_s=5.0), error
-        assert not worth_retrying(error, rejoining=True, since_loss_s=REJOIN_WINDOW_S)  # not for ever
+        assert not worth_retrying(error, rejoining=True, since_loss_s=UNREACHABLE_WINDOW_S)  # the host is gone
+    for error in (full, unreachable):
         assert not worth_retrying(error, rejoining=False, since_loss_s=0.0)  # a first join says why at once
     for error in (RendezvousError("unknown_code", "no session has this code"), ValueError("bad")):
         assert not worth_retrying(error, rejoining=True, since_loss_s=5.0), error

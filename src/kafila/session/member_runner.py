@@ -32,9 +32,11 @@ REJOINS = 3
 REJOIN_PAUSE_S = 1.0
 STEADY_S = 60.0
 # A machine whose uplink went down may find its old seat still held (the rendezvous drops a dead
-# connection after 120 s, or when the host sends it away) and the rendezvous out of reach: a join
-# again keeps trying for this long.
+# connection after 120 s, or when the host sends it away): a join again keeps trying for this
+# long. A rendezvous out of reach is tried for less: with the host's own rendezvous, the host is
+# most likely gone.
 REJOIN_WINDOW_S = 180.0
+UNREACHABLE_WINDOW_S = 30.0
 RETRY_PAUSE_S = 3.0
 
 
@@ -79,11 +81,12 @@ def worth_retrying(error: BaseException, rejoining: bool, since_loss_s: float) -
     """Whether a join that failed before it got in should be tried again: only when joining
     again after a loss, within REJOIN_WINDOW_S, for what time mends (a seat the rendezvous still
     holds for this machine's old connection, a network still coming back)."""
-    if not rejoining or since_loss_s >= REJOIN_WINDOW_S:
+    if not rejoining:
         return False
-    if isinstance(error, RendezvousError):
-        return error.code in ("session_full", "rate_limited") or isinstance(error, RendezvousClosed)
-    return isinstance(error, (RendezvousUnreachable, OSError, TimeoutError))
+    if isinstance(error, RendezvousError) and not isinstance(error, RendezvousClosed):
+        return error.code in ("session_full", "rate_limited") and since_loss_s < REJOIN_WINDOW_S
+    unreachable = (RendezvousUnreachable, RendezvousClosed, OSError, TimeoutError)
+    return isinstance(error, unreachable) and since_loss_s < UNREACHABLE_WINDOW_S
 
 
 def run_member(config: MemberConfig, ui: MemberUi) -> str:
