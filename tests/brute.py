@@ -22,10 +22,20 @@ def need_bytes(manifest: ModelManifest, session: SessionSpec, start: int, end: i
     return blocks + kv + (manifest.head_bytes if is_head else 0)
 
 
+def decode_read_bytes(manifest: ModelManifest, block: int) -> int:
+    """What decoding one token reads of a block: all of a dense one; of a mixture of experts, its
+    dense part and k of its n experts (rounded up to a whole byte)."""
+    size = manifest.block_bytes[block]
+    if manifest.expert_bytes is None:
+        return size
+    experts = manifest.expert_bytes[block]
+    return size - experts + math.ceil(experts * manifest.experts_used / manifest.experts)
+
+
 def stage_cost(device: Device, manifest: ModelManifest, start: int, end: int, is_head: bool) -> float:
     assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
     fixed = device.overhead_s + (manifest.head_bytes / device.bandwidth_bytes_per_s if is_head else 0.0)
-    return fixed + sum(manifest.block_bytes[start:end]) / device.bandwidth_bytes_per_s
+    return fixed + sum(decode_read_bytes(manifest, b) for b in range(start, end)) / device.bandwidth_bytes_per_s
 
 
 def best_division(

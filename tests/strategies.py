@@ -9,12 +9,23 @@ from kafila.planner.types import Device, ModelManifest, SessionSpec
 
 @st.composite
 def manifests(draw: st.DrawFn, max_blocks: int = 8) -> ModelManifest:
+    """Dense models, and mixtures of experts whose blocks hold experts of any share of their bytes."""
     n_blocks = draw(st.integers(1, max_blocks))
+    block_bytes = tuple(draw(st.lists(st.integers(1, 1000), min_size=n_blocks, max_size=n_blocks)))
+    moe: dict[str, object] = {}
+    if draw(st.booleans()):
+        experts = draw(st.integers(1, 64))
+        moe = {
+            "expert_bytes": tuple(draw(st.integers(0, size)) for size in block_bytes),
+            "experts": experts,
+            "experts_used": draw(st.integers(1, experts)),
+        }
     return ModelManifest(
         name="random",
-        block_bytes=tuple(draw(st.lists(st.integers(1, 1000), min_size=n_blocks, max_size=n_blocks))),
+        block_bytes=block_bytes,
         head_bytes=draw(st.integers(0, 3000)),
         kv_bytes_per_token=tuple(draw(st.lists(st.integers(0, 40), min_size=n_blocks, max_size=n_blocks))),
+        **moe,  # type: ignore[arg-type]
     )
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 from tiny_gguf import write_tiny_llama
+from tiny_models import write_tiny_model
+
+from kafila.runtime.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("fleet-*.json"))
@@ -208,6 +211,26 @@ def test_single_member_plans_the_whole_model(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["ranges"] == {"laptop": [0, 3]} and plan["edges"] == [] and plan["head"] == "laptop"
+
+
+def test_a_mixture_of_experts_is_priced_by_the_experts_a_token_reads(tmp_path: Path) -> None:
+    """`kafila plan --model` on a MoE header: a stage costs o + (dense bytes + k/n of its expert
+    bytes) / b, not all it holds; the readable plan says so."""
+    fleet = write_fleet(tmp_path / "fleet.json", {"devices": DEVICES[:1]})
+    model = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", n_blocks=4)
+    manifest = read_manifest(model)
+    assert manifest.expert_bytes is not None
+    result = kafila("plan", fleet, "--model", model, "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    laptop = DEVICES[0]
+    read = sum(b - e + e * 2 / 8 for b, e in zip(manifest.block_bytes, manifest.expert_bytes, strict=True))
+    expected_s = laptop["overhead_us"] * 1e-6 + (read + manifest.head_bytes) / (laptop["bandwidth_gb_s"] * 1e9)
+    assert plan["bottleneck_ms"] == pytest.approx(expected_s * 1e3, rel=1e-3)
+    reading_s = plan["bottleneck_ms"] * 1e-3 - laptop["overhead_us"] * 1e-6
+    assert reading_s < 0.6 * manifest.total_bytes / (laptop["bandwidth_gb_s"] * 1e9)  # far from reading it all
+    readable = kafila("plan", fleet, "--model", model)
+    assert "a mixture of 8 experts, 2 a token" in " ".join(readable.stdout.split()), readable.stdout
 
 
 def test_non_utf8_fleet_file(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from tiny_gguf import write_tiny_llama
+from tiny_models import write_tiny_model
 
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 from kafila.runtime.manifest import read_manifest
@@ -29,6 +30,25 @@ def test_tiny_model_manifest(tmp_path: Path) -> None:
     assert manifest.block_bytes == (narrow, wide, narrow, wide, narrow)
     assert manifest.head_bytes == 2 * EMBEDDING + N_EMBD * 4
     assert manifest.kv_bytes_per_token == (2 * N_HEAD_KV * (HEAD_DIM + HEAD_DIM),) * 5
+
+
+def test_a_mixture_of_experts_records_its_experts_and_reads_k_of_n_a_token(tmp_path: Path) -> None:
+    """From the header alone: each block's expert bytes (the stacked *_exps tensors, by hand here),
+    the expert count and how many route a token; decoding reads the dense part and k/n of the
+    experts, and a batch of B rows n·(1 − (1 − k/n)^B) of them."""
+    manifest = read_manifest(write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", n_blocks=3))
+    n, k, n_embd, n_ff = 8, 2, 64, 64  # tiny_models' qwen3moe shape
+    per_type = {0: 34 / 32, 1: 2, 2: 4}  # the FFN storage cycles Q8_0, F16, F32 by block
+    assert manifest.experts == n and manifest.experts_used == k
+    assert manifest.expert_bytes == tuple(int(3 * n * n_ff * n_embd * per_type[i]) for i in range(3))
+    dense = [b - e for b, e in zip(manifest.block_bytes, manifest.expert_bytes, strict=True)]
+    assert all(d > 0 for d in dense)
+    for rows in (1, 2, 4, 64):
+        expected = [d + e * (1 - (1 - k / n) ** rows) for d, e in zip(dense, manifest.expert_bytes, strict=True)]
+        assert manifest.read_bytes(rows) == pytest.approx(expected, abs=1.0)
+    assert manifest.read_bytes(10_000) == manifest.block_bytes  # a big batch reads every expert
+    dense_model = read_manifest(write_tiny_model(tmp_path / "dense.gguf", "qwen3", n_blocks=3))
+    assert dense_model.expert_bytes is None and dense_model.read_bytes(4) == dense_model.block_bytes
 
 
 def test_tied_embedding_is_counted_once(tmp_path: Path) -> None:

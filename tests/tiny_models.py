@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 
-SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 
 Q8_0 = GGMLQuantizationType.Q8_0
 F16 = GGMLQuantizationType.F16
@@ -50,6 +50,9 @@ class ModelShape:
     ffn_types: tuple[GGMLQuantizationType, ...] = _FFN_TYPES  # cycled by block index
     attn_v_type: GGMLQuantizationType = F16
     attn_qko_type: GGMLQuantizationType = Q8_0  # attention's q, k and output projections
+    n_expert: int = 0  # mixture of experts: the FFN is n_expert experts, n_expert_used routed a token
+    n_expert_used: int = 0
+    n_ff_expert: int = 0
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -68,6 +71,20 @@ _SHAPES: dict[str, ModelShape] = {
         post_norms=True,
         sliding_window=16,
         embd_std=0.005,  # gemma scales embeddings by sqrt(n_embd) and post-norms every block output
+    ),
+    # Qwen3-30B-A3B's block scaled down: 128 experts of which 8 route a token there, here 8 and 2
+    "qwen3moe": ModelShape(
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=32,
+        n_ff=128,
+        tied_output=False,
+        qk_norm=True,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_expert=64,
+        embd_std=1.0,
     ),
 }
 
@@ -148,6 +165,10 @@ def write_tiny_model(
     writer.add_rope_freq_base(10000.0)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.n_expert:
+        writer.add_expert_count(shape.n_expert)
+        writer.add_expert_used_count(shape.n_expert_used)
+        writer.add_expert_feed_forward_length(shape.n_ff_expert)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -207,9 +228,16 @@ def write_tiny_model(
         if shape.post_norms:
             add(f"{blk}.post_attention_norm.weight", ones(n_embd), F32)
         add(f"{blk}.ffn_norm.weight", ones(n_embd), F32)
-        add(f"{blk}.ffn_gate.weight", matrix(n_ff, n_embd), ffn_type)
-        add(f"{blk}.ffn_up.weight", matrix(n_ff, n_embd), ffn_type)
-        add(f"{blk}.ffn_down.weight", matrix(n_embd, n_ff), ffn_type)
+        if shape.n_expert:
+            experts, n_ff_e = shape.n_expert, shape.n_ff_expert
+            add(f"{blk}.ffn_gate_inp.weight", matrix(experts, n_embd), F32)  # the router
+            for name, rows, cols in (("gate", n_ff_e, n_embd), ("up", n_ff_e, n_embd), ("down", n_embd, n_ff_e)):
+                stacked = np.stack([matrix(rows, cols) for _ in range(experts)])
+                add(f"{blk}.ffn_{name}_exps.weight", stacked, ffn_type)
+        else:
+            add(f"{blk}.ffn_gate.weight", matrix(n_ff, n_embd), ffn_type)
+            add(f"{blk}.ffn_up.weight", matrix(n_ff, n_embd), ffn_type)
+            add(f"{blk}.ffn_down.weight", matrix(n_embd, n_ff), ffn_type)
         if shape.post_norms:
             add(f"{blk}.post_ffw_norm.weight", ones(n_embd), F32)
 

@@ -100,10 +100,17 @@ def plan(
     if as_json:
         print(report.model_dump_json())
     else:
+        experts = ""
+        if manifest.expert_bytes is not None:  # priced by what a token reads: k of n experts
+            read = sum(manifest.read_bytes()) / sum(manifest.block_bytes)
+            experts = (
+                f"; a mixture of {manifest.experts} experts, {manifest.experts_used} a token: decoding reads "
+                f"{read:.0%} of the blocks' bytes"
+            )
         stdout.print(
             f"Model [bold]{manifest.name}[/bold]: {manifest.n_blocks} blocks, "
             f"{manifest.total_bytes / 1e9:.2f} GB; context {fleet.session.context} × "
-            f"{fleet.session.concurrency} concurrent",
+            f"{fleet.session.concurrency} concurrent{experts}",
             highlight=False,
         )
         render_plan(report, stdout)

@@ -26,6 +26,7 @@ class ChainPrefix:
     weight_bytes: npt.NDArray[np.int64]
     resident_bytes: npt.NDArray[np.int64]
     head_bytes: int
+    read_bytes: npt.NDArray[np.int64]  # read decoding a token: a dense block whole, a MoE block's routed experts
 
     @classmethod
     def of(cls, manifest: ModelManifest, session: SessionSpec) -> ChainPrefix:
@@ -36,14 +37,16 @@ class ChainPrefix:
             weight_bytes=np.concatenate([zero, np.cumsum(weights)]),
             resident_bytes=np.concatenate([zero, np.cumsum(weights + kv)]),
             head_bytes=manifest.head_bytes,
+            read_bytes=np.concatenate([zero, np.cumsum(np.asarray(manifest.read_bytes(), dtype=np.int64))]),
         )
 
     @property
     def n_blocks(self) -> int:
         return len(self.weight_bytes) - 1
 
-    def range_weight_matrix(self) -> IntMatrix:
-        return self.weight_bytes[None, :] - self.weight_bytes[:, None]
+    def range_read_matrix(self) -> IntMatrix:
+        """Bytes a range's blocks read a decoded token (its weights, for dense blocks)."""
+        return self.read_bytes[None, :] - self.read_bytes[:, None]
 
     def resident_matrix(self, is_head: bool) -> IntMatrix:
         """Bytes a device must hold for each range: blocks, their KV cache, and the head if it is one."""
@@ -65,14 +68,14 @@ def cost_model_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> Flo
     bandwidth = device.bandwidth_bytes_per_s
     head_bandwidth = device.head_bandwidth_bytes_per_s or bandwidth
     fixed = device.overhead_s + (prefix.head_bytes / head_bandwidth if is_head else 0.0)
-    costs = fixed + prefix.range_weight_matrix() / bandwidth
+    costs = fixed + prefix.range_read_matrix() / bandwidth
     return np.where(_nonempty(prefix.n_blocks), costs, np.inf)
 
 
 def throughput_matrix(device: Device, prefix: ChainPrefix) -> FloatMatrix:
     """Tier (b): block bytes over arithmetic throughput; it cannot price the head's extra read."""
     assert device.flops is not None
-    costs = prefix.range_weight_matrix() / device.flops
+    costs = prefix.range_read_matrix() / device.flops
     return np.where(_nonempty(prefix.n_blocks), costs, np.inf)
 
 

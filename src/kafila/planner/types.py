@@ -26,15 +26,38 @@ class ModelManifest(Strict):
     kv_bytes_per_token: tuple[Annotated[int, Field(ge=0, le=2**24)], ...] = Field(
         description="KV-cache bytes per token of context, one entry per block (f16 cache)."
     )
+    expert_bytes: tuple[Annotated[int, Field(ge=0, le=2**40)], ...] | None = Field(
+        default=None,
+        description="Of each block's bytes, those of its routed experts (a mixture of experts); None: dense.",
+    )
+    experts: Annotated[int, Field(ge=0, le=4096)] = 0  # experts per MoE block
+    experts_used: Annotated[int, Field(ge=0, le=4096)] = 0  # routed to each token
 
     @model_validator(mode="after")
-    def _one_kv_entry_per_block(self) -> ModelManifest:
-        if len(self.kv_bytes_per_token) != len(self.block_bytes):
-            raise ValueError(
-                f"kv_bytes_per_token has {len(self.kv_bytes_per_token)} entries "
-                f"but the model has {len(self.block_bytes)} blocks"
-            )
+    def _one_entry_per_block(self) -> ModelManifest:
+        for name, values in (("kv_bytes_per_token", self.kv_bytes_per_token), ("expert_bytes", self.expert_bytes)):
+            if values is not None and len(values) != len(self.block_bytes):
+                raise ValueError(f"{name} has {len(values)} entries but the model has {len(self.block_bytes)} blocks")
+        if self.expert_bytes is not None:
+            if any(e > b for e, b in zip(self.expert_bytes, self.block_bytes, strict=True)):
+                raise ValueError("a block's expert bytes exceed its bytes")
+            if not 0 < self.experts_used <= self.experts:
+                raise ValueError(f"{self.experts_used} of {self.experts} experts per token is no mixture of experts")
         return self
+
+    def read_bytes(self, rows: int = 1) -> tuple[int, ...]:
+        """Bytes each block reads to decode one step of `rows` sequences: its dense weights, and
+        of its experts those the rows route to. With k of n experts a token, B rows reach
+        n·(1 − (1 − k/n)^B) distinct experts on average (routes taken as independent); a dense
+        block reads all its bytes. In whole bytes (exact integers: the planner's prefix sums
+        stay exact)."""
+        if self.expert_bytes is None:
+            return self.block_bytes
+        n, k, b = self.experts, self.experts_used, max(1, rows)
+        return tuple(
+            block - (experts * (n - k) ** b) // n**b
+            for block, experts in zip(self.block_bytes, self.expert_bytes, strict=True)
+        )
 
     @property
     def n_blocks(self) -> int:

@@ -38,6 +38,7 @@ FAMILIES = {
         Family("llama"),
         Family("qwen2"),
         Family("qwen3"),
+        Family("qwen3moe"),  # its experts are tensors of their block: a slice carries them whole
         # gemma3 27B (62 blocks) takes its attention scale from its block count, which a slice changes.
         Family(
             "gemma3", scales_token_embeddings=True, sliding_window_period=6, unsplittable_block_counts=frozenset({62})

@@ -11,6 +11,7 @@ from kafila.planner.types import MAX_BLOCKS, ModelManifest
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
+_EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")  # routed experts, stacked
 HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 KV_CACHE_BYTES_PER_VALUE = 2  # f16 cache, llama.cpp's default
 
@@ -45,6 +46,7 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         raise GGUFFormatError(f"{path} declares {n_blocks} blocks; Kafila plans models of up to {MAX_BLOCKS}")
 
     block_bytes = [0] * n_blocks
+    expert_bytes = [0] * n_blocks
     head_bytes = 0
     for tensor in reader.tensors:
         match = _BLOCK_TENSOR.match(tensor.name)
@@ -53,6 +55,8 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
             if index >= n_blocks:
                 raise GGUFFormatError(f"tensor {tensor.name} is past block_count {n_blocks}")
             block_bytes[index] += int(tensor.n_bytes)
+            if _EXPERT_TENSOR.match(tensor.name):
+                expert_bytes[index] += int(tensor.n_bytes)
         elif tensor.name in HEAD_TENSORS:  # a tied output has no output.weight: counted once
             head_bytes += int(tensor.n_bytes)
     empty = [i for i, size in enumerate(block_bytes) if size == 0]
@@ -67,6 +71,12 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
     value_length = _count(reader.scalar(f"{arch}.attention.value_length", key_length), "value_length")
     kv = [KV_CACHE_BYTES_PER_VALUE * heads * (key_length + value_length) for heads in n_head_kv]
 
+    experts = _count(reader.scalar(f"{arch}.expert_count", 0), "expert_count")
+    experts_used = _count(reader.scalar(f"{arch}.expert_used_count", 0), "expert_used_count")
+    moe = any(expert_bytes)
+    if moe and not 0 < experts_used <= experts:
+        raise GGUFFormatError(f"{path} has expert tensors but routes {experts_used} of {experts} experts a token")
+
     name = reader.scalar("general.name") or path.stem
     return ModelManifest(
         name=str(name),
@@ -74,4 +84,7 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         block_bytes=tuple(block_bytes),
         head_bytes=head_bytes,
         kv_bytes_per_token=tuple(kv),
+        expert_bytes=tuple(expert_bytes) if moe else None,
+        experts=experts if moe else 0,
+        experts_used=experts_used if moe else 0,
     )

@@ -119,8 +119,10 @@ def derive_costs(manifest: ModelManifest, stages: Sequence[StageTime]) -> tuple[
     if not heads:
         raise ProbeError("no head stage was timed")
 
+    read = manifest.read_bytes()  # a MoE block's time goes with the experts a token reads, not all it holds
+
     def weight(stage: StageTime) -> int:
-        return sum(manifest.block_bytes[stage.first_block : stage.end_block])
+        return sum(read[stage.first_block : stage.end_block])
 
     try:
         fit = fit_line([weight(s) for s in blocks], [s.ms_per_token * 1e-3 for s in blocks])
