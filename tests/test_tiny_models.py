@@ -17,8 +17,8 @@ from kafila.runtime.manifest import read_manifest
 PROMPT = "hello world, the model is in the block of kafila and it is a test: ünïcödé 123!"
 N_GREEDY = 32
 # gemma3 makes every 6th layer global: with 6 blocks, both kinds of layer are present.
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6}
-TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True}
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4}
+TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False}
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
@@ -74,6 +74,8 @@ def test_metadata_llama_cpp_sees(tiny: tuple[str, Path]) -> None:
     assert 64 <= int(meta[f"{arch}.embedding_length"]) <= 128
     if arch == "gemma3":
         assert int(meta["gemma3.attention.sliding_window"]) == 16
+    if arch == "qwen3moe":
+        assert (int(meta["qwen3moe.expert_count"]), int(meta["qwen3moe.expert_used_count"])) == (8, 2)
 
 
 def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
@@ -87,8 +89,11 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
     names = {t.name for t in GGUFReader(path).tensors}
     assert ("output.weight" not in names) == TIED[arch]
     assert ("blk.0.attn_q.bias" in names) == (arch == "qwen2")
-    assert ("blk.0.attn_q_norm.weight" in names) == (arch in ("qwen3", "gemma3"))
+    assert ("blk.0.attn_q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "qwen3moe"))
     assert ("blk.0.post_ffw_norm.weight" in names) == (arch == "gemma3")
+    moe = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"}
+    assert (moe <= names) == (arch == "qwen3moe") and ("blk.0.ffn_gate.weight" in names) == (arch != "qwen3moe")
+    assert (manifest.expert_bytes is not None) == (arch == "qwen3moe")
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
