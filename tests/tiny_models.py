@@ -7,7 +7,7 @@ are written on the spot with the gguf package, random weights and a few hundred 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -72,21 +72,13 @@ _SHAPES: dict[str, ModelShape] = {
         sliding_window=16,
         embd_std=0.005,  # gemma scales embeddings by sqrt(n_embd) and post-norms every block output
     ),
-    # Qwen3-30B-A3B's block scaled down: 128 experts of which 8 route a token there, here 8 and 2
-    "qwen3moe": ModelShape(
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        head_dim=32,
-        n_ff=128,
-        tied_output=False,
-        qk_norm=True,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_expert=64,
-        embd_std=1.0,
-    ),
 }
+
+# Qwen3-30B-A3B's block scaled down: qwen3's attention, its FFN as 8 experts of which 2 route a
+# token (128 and 8 there), and an output of its own
+_SHAPES["qwen3moe"] = replace(
+    _SHAPES["qwen3"], tied_output=False, n_expert=8, n_expert_used=2, n_ff_expert=64, embd_std=1.0
+)
 
 _WORDS = ("the", "a", "and", "hello", "world", "of", "to", "is", "in", "it", "model", "block", "kafila")
 
