@@ -1,6 +1,7 @@
 """Planner benchmark: Kafila's division against uniform and memory-proportional division.
 
-For each of the three fleets modelled on the paper's (scripts/fleets.py) and each Qwen3 model,
+For each of the three fleets modelled on the paper's (scripts/fleets.py) and each Qwen3 model
+(the dense 8B, 14B and 32B, and the mixture of experts 30B-A3B, priced by the experts a token reads),
 plan the session and evaluate the two rules of thumb on the same ring and head, with the same
 cost model. Then time the planner itself on 64 blocks x 16 members, and the exact ring search
 alone at growing membership. Everything is computed in one run, so ratios are comparable.
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleets import FLEETS, QWEN3_SHAPES, fleet
+from fleets import FLEETS, QWEN3_MOE_SHAPES, QWEN3_SHAPES, fleet
 
 from kafila.contracts import NatBehaviour, NatClass
 from kafila.planner import PlanRefused, plan_session
@@ -39,7 +40,7 @@ def division_table() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for fleet_name in FLEETS:
-        for model in QWEN3_SHAPES:
+        for model in [*QWEN3_SHAPES, *QWEN3_MOE_SHAPES]:
             parsed = Fleet.model_validate(fleet(fleet_name, model))
             assert parsed.model is not None
             devices = [d.device() for d in parsed.devices]

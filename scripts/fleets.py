@@ -5,10 +5,11 @@ what a model may occupy: the laptop keeps about a quarter of its unified memory 
 Per-token overheads are round figures of the order llama.cpp shows on such hardware; the
 planner's comparison does not hinge on them.
 
-Models: Qwen3-8B, 14B and 32B at Q4_K_M, sized tensor by tensor from the published shapes
-(config.json) and llama.cpp's Q4_K_M type rules: Q6_K for attn_v and ffn_down in the first
-and last eighth of the blocks and every third block between, Q4_K elsewhere, Q6_K output,
-Q4_K token embedding, f32 norms.
+Models: Qwen3-8B, 14B and 32B, and the mixture of experts Qwen3-30B-A3B, at Q4_K_M, sized
+tensor by tensor from the published shapes (config.json) and llama.cpp's Q4_K_M type rules:
+Q6_K for attn_v and ffn_down (ffn_down_exps too) in the first and last eighth of the blocks and
+every third block between, Q4_K elsewhere, Q6_K output, Q4_K token embedding, f32 norms and
+f32 expert routers (llama.cpp never quantizes ffn_gate_inp).
 
 Run `python scripts/fleets.py` to rewrite the example fleets in examples/.
 """
@@ -26,6 +27,12 @@ QWEN3_SHAPES = {
     "Qwen3-8B-Q4_K_M": (36, 4096, 32, 8, 128, 12288, 151936),
     "Qwen3-14B-Q4_K_M": (40, 5120, 40, 8, 128, 17408, 151936),
     "Qwen3-32B-Q4_K_M": (64, 5120, 64, 8, 128, 25600, 151936),
+}
+
+
+QWEN3_MOE_SHAPES = {
+    # name: (blocks, hidden, heads, kv heads, head dim, expert ffn, experts, experts a token, vocab)
+    "Qwen3-30B-A3B-Q4_K_M": (48, 2048, 32, 4, 128, 768, 128, 8, 151936),
 }
 
 
@@ -62,6 +69,40 @@ def qwen3_model(name: str) -> dict:
         "head_bytes": head,
         "kv_bytes_per_token_per_block": 2 * kv_heads * 2 * head_dim,
     }
+
+
+def qwen3moe_model(name: str) -> dict:
+    n_blocks, hidden, heads, kv_heads, head_dim, ffn, experts, used, vocab = QWEN3_MOE_SHAPES[name]
+    blocks, expert_bytes = [], []
+    for i in range(n_blocks):
+        wide = Q.Q6_K if _more_bits(i, n_blocks) else Q.Q4_K
+        attention = (
+            _bytes(Q.Q4_K, hidden * heads * head_dim)  # attn_q
+            + _bytes(Q.Q4_K, hidden * kv_heads * head_dim)  # attn_k
+            + _bytes(wide, hidden * kv_heads * head_dim)  # attn_v
+            + _bytes(Q.Q4_K, heads * head_dim * hidden)  # attn_output
+            + 4 * (2 * hidden + 2 * head_dim)  # attn_norm, ffn_norm, q_norm, k_norm (f32)
+            + 4 * experts * hidden  # ffn_gate_inp, the router (f32)
+        )
+        stacked = experts * (2 * _bytes(Q.Q4_K, hidden * ffn) + _bytes(wide, ffn * hidden))  # gate, up, down _exps
+        blocks.append(attention + stacked)
+        expert_bytes.append(stacked)
+    head = _bytes(Q.Q4_K, vocab * hidden) + _bytes(Q.Q6_K, vocab * hidden) + 4 * hidden
+    return {
+        "name": name,
+        "architecture": "qwen3moe",
+        "n_blocks": n_blocks,
+        "block_bytes": blocks,
+        "head_bytes": head,
+        "kv_bytes_per_token_per_block": 2 * kv_heads * 2 * head_dim,
+        "expert_bytes": expert_bytes,
+        "experts": experts,
+        "experts_used": used,
+    }
+
+
+def model_entry(name: str) -> dict:
+    return qwen3moe_model(name) if name in QWEN3_MOE_SHAPES else qwen3_model(name)
 
 
 # name: (bandwidth GB/s, usable memory GiB, overhead us, dense fp16 TFLOPS)
@@ -128,7 +169,7 @@ def fleet(name: str, model: str | None = None, context: int = 4096, concurrency:
             }
         )
     return {
-        "model": qwen3_model(model or spec["model"]),
+        "model": model_entry(model or spec["model"]),
         "session": {"context": context, "concurrency": concurrency},
         "anchor": spec["anchor"],
         "devices": devices,

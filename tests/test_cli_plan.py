@@ -233,6 +233,24 @@ def test_a_mixture_of_experts_is_priced_by_the_experts_a_token_reads(tmp_path: P
     assert "a mixture of 8 experts, 2 a token" in " ".join(readable.stdout.split()), readable.stdout
 
 
+def test_a_fleet_file_can_describe_a_mixture_of_experts(tmp_path: Path) -> None:
+    """The fleet file's model takes expert bytes, n and k; the same bytes declared dense cost more
+    a token, and an impossible routing is a clear error."""
+    model = {"n_blocks": 4, "block_bytes": 10**9, "head_bytes": 10**8, "kv_bytes_per_token_per_block": 1024}
+    moe = {**model, "expert_bytes": [9 * 10**8] * 4, "experts": 64, "experts_used": 4}
+
+    def bottleneck(entry: dict) -> float:
+        fleet = write_fleet(tmp_path / "fleet.json", {"model": entry, "devices": DEVICES})
+        result = kafila("plan", fleet, "--json")
+        assert result.returncode == 0, result.stderr
+        return float(json.loads(result.stdout)["bottleneck_ms"])
+
+    assert bottleneck(moe) < 0.3 * bottleneck(model)  # 1/16 of 90% of every block is read a token
+    fleet = write_fleet(tmp_path / "bad.json", {"model": {**moe, "experts_used": 65}, "devices": DEVICES})
+    result = kafila("plan", fleet)
+    assert result.returncode == 1 and "65 of 64 experts" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_non_utf8_fleet_file(tmp_path: Path) -> None:
     path = tmp_path / "fleet.json"
     path.write_bytes(b"\xff\xfe{}")

@@ -25,10 +25,14 @@ class FleetModel(Strict):
     block_bytes: PositiveInt | list[PositiveInt]
     head_bytes: NonNegativeInt
     kv_bytes_per_token_per_block: NonNegativeInt | list[NonNegativeInt]
+    # a mixture of experts: of each block's bytes, its routed experts'; n experts, k a token
+    expert_bytes: NonNegativeInt | list[NonNegativeInt] | None = None
+    experts: Annotated[int, Field(ge=0, le=4096)] = 0
+    experts_used: Annotated[int, Field(ge=0, le=4096)] = 0
 
     @model_validator(mode="after")
     def _lists_match_block_count(self) -> FleetModel:
-        for field in ("block_bytes", "kv_bytes_per_token_per_block"):
+        for field in ("block_bytes", "kv_bytes_per_token_per_block", "expert_bytes"):
             value = getattr(self, field)
             if isinstance(value, list) and len(value) != self.n_blocks:
                 raise ValueError(f"{field} lists {len(value)} values but n_blocks is {self.n_blocks}")
@@ -44,6 +48,9 @@ class FleetModel(Strict):
             block_bytes=per_block(self.block_bytes),
             head_bytes=self.head_bytes,
             kv_bytes_per_token=per_block(self.kv_bytes_per_token_per_block),
+            expert_bytes=None if self.expert_bytes is None else per_block(self.expert_bytes),
+            experts=self.experts,
+            experts_used=self.experts_used,
         )
 
 
