@@ -45,30 +45,39 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+def _attention_and_norms(wide: Q, hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    return (
+        _bytes(Q.Q4_K, hidden * heads * head_dim)  # attn_q
+        + _bytes(Q.Q4_K, hidden * kv_heads * head_dim)  # attn_k
+        + _bytes(wide, hidden * kv_heads * head_dim)  # attn_v
+        + _bytes(Q.Q4_K, heads * head_dim * hidden)  # attn_output
+        + 4 * (2 * hidden + 2 * head_dim)  # attn_norm, ffn_norm, q_norm, k_norm (f32)
+    )
+
+
+def _ffn(wide: Q, hidden: int, ffn: int) -> int:
+    return 2 * _bytes(Q.Q4_K, hidden * ffn) + _bytes(wide, ffn * hidden)  # gate, up, down
+
+
+def _qwen3_entry(name: str, architecture: str, n_blocks: int, hidden: int, kv_heads: int, head_dim: int,
+                 vocab: int, blocks: list[int]) -> dict:  # fmt: skip
+    return {
+        "name": name,
+        "architecture": architecture,
+        "n_blocks": n_blocks,
+        "block_bytes": blocks,
+        "head_bytes": _bytes(Q.Q4_K, vocab * hidden) + _bytes(Q.Q6_K, vocab * hidden) + 4 * hidden,
+        "kv_bytes_per_token_per_block": 2 * kv_heads * 2 * head_dim,
+    }
+
+
 def qwen3_model(name: str) -> dict:
     n_blocks, hidden, heads, kv_heads, head_dim, ffn, vocab = QWEN3_SHAPES[name]
     blocks = []
     for i in range(n_blocks):
         wide = Q.Q6_K if _more_bits(i, n_blocks) else Q.Q4_K
-        size = (
-            _bytes(Q.Q4_K, hidden * heads * head_dim)  # attn_q
-            + _bytes(Q.Q4_K, hidden * kv_heads * head_dim)  # attn_k
-            + _bytes(wide, hidden * kv_heads * head_dim)  # attn_v
-            + _bytes(Q.Q4_K, heads * head_dim * hidden)  # attn_output
-            + 2 * _bytes(Q.Q4_K, hidden * ffn)  # ffn_gate, ffn_up
-            + _bytes(wide, ffn * hidden)  # ffn_down
-            + 4 * (2 * hidden + 2 * head_dim)  # attn_norm, ffn_norm, q_norm, k_norm (f32)
-        )
-        blocks.append(size)
-    head = _bytes(Q.Q4_K, vocab * hidden) + _bytes(Q.Q6_K, vocab * hidden) + 4 * hidden
-    return {
-        "name": name,
-        "architecture": "qwen3",
-        "n_blocks": n_blocks,
-        "block_bytes": blocks,
-        "head_bytes": head,
-        "kv_bytes_per_token_per_block": 2 * kv_heads * 2 * head_dim,
-    }
+        blocks.append(_attention_and_norms(wide, hidden, heads, kv_heads, head_dim) + _ffn(wide, hidden, ffn))
+    return _qwen3_entry(name, "qwen3", n_blocks, hidden, kv_heads, head_dim, vocab, blocks)
 
 
 def qwen3moe_model(name: str) -> dict:
@@ -76,29 +85,12 @@ def qwen3moe_model(name: str) -> dict:
     blocks, expert_bytes = [], []
     for i in range(n_blocks):
         wide = Q.Q6_K if _more_bits(i, n_blocks) else Q.Q4_K
-        attention = (
-            _bytes(Q.Q4_K, hidden * heads * head_dim)  # attn_q
-            + _bytes(Q.Q4_K, hidden * kv_heads * head_dim)  # attn_k
-            + _bytes(wide, hidden * kv_heads * head_dim)  # attn_v
-            + _bytes(Q.Q4_K, heads * head_dim * hidden)  # attn_output
-            + 4 * (2 * hidden + 2 * head_dim)  # attn_norm, ffn_norm, q_norm, k_norm (f32)
-            + 4 * experts * hidden  # ffn_gate_inp, the router (f32)
-        )
-        stacked = experts * (2 * _bytes(Q.Q4_K, hidden * ffn) + _bytes(wide, ffn * hidden))  # gate, up, down _exps
-        blocks.append(attention + stacked)
+        router = 4 * experts * hidden  # ffn_gate_inp (f32)
+        stacked = experts * _ffn(wide, hidden, ffn)  # ffn_gate_exps, ffn_up_exps, ffn_down_exps
+        blocks.append(_attention_and_norms(wide, hidden, heads, kv_heads, head_dim) + router + stacked)
         expert_bytes.append(stacked)
-    head = _bytes(Q.Q4_K, vocab * hidden) + _bytes(Q.Q6_K, vocab * hidden) + 4 * hidden
-    return {
-        "name": name,
-        "architecture": "qwen3moe",
-        "n_blocks": n_blocks,
-        "block_bytes": blocks,
-        "head_bytes": head,
-        "kv_bytes_per_token_per_block": 2 * kv_heads * 2 * head_dim,
-        "expert_bytes": expert_bytes,
-        "experts": experts,
-        "experts_used": used,
-    }
+    entry = _qwen3_entry(name, "qwen3moe", n_blocks, hidden, kv_heads, head_dim, vocab, blocks)
+    return {**entry, "expert_bytes": expert_bytes, "experts": experts, "experts_used": used}
 
 
 def model_entry(name: str) -> dict:
