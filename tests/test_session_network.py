@@ -995,3 +995,38 @@ def test_a_member_killed_under_two_requests_fails_the_stream_and_the_whole_answe
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
         assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+
+
+def test_a_host_whose_rendezvous_goes_says_so_and_serves_on(tmp_path: Path, model: Path) -> None:
+    """The rendezvous dies while the ring serves: the ring's own links carry on, and the host
+    records that no one can join any more, with what to do."""
+    rendezvous = subprocess.Popen(
+        [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    joiner: subprocess.Popen[str] | None = None
+    try:
+        assert rendezvous.stdout is not None and rendezvous.stdout.readline().startswith("READY")
+        address = rendezvous.stdout.readline().split()[1]
+        args = ("--model", model, "--members", "2", "--context", "256", "--concurrency", "4", "--threads", "1",
+                "--rendezvous", address)  # fmt: skip
+        with running_host(*args, ready=False) as host:
+            code, printed = host.join_line()
+            assert printed == address
+            joiner = start_member(code, address, "member-0", tmp_path / "cache-0", "--threads", "1")
+            until_status(host, serving_past(0), "serving")
+            rendezvous.kill()
+            status = until_status(
+                host, lambda s: any(i["what"] == "the rendezvous session ended" for i in s["incidents"]),
+                "saying the rendezvous ended the session",
+            )  # fmt: skip
+            (incident,) = [i for i in status["incidents"] if i["what"] == "the rendezvous session ended"]
+            assert "no member can join" in incident["detail"] and "new code" in incident["detail"]
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    finally:
+        if joiner is not None:
+            stop(joiner)
+        rendezvous.kill()
+        rendezvous.wait(timeout=10)

@@ -85,13 +85,26 @@ class HostSession:
     newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
     _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
     renewing: Callable[[], bool] = lambda: True  # whether the session at the rendezvous must live on
+    rendezvous_lost: Callable[[str], None] = lambda _why: None  # told once if the rendezvous ends it first
     _renewals: asyncio.Task[None] = field(init=False)
+    _watching: asyncio.Task[None] = field(init=False)
+    _ending: bool = False
 
     def __post_init__(self) -> None:
         self.roster = Roster(self.client, machine_tag(self.client.code))
         self.deployer = Deployer(self.roster, self.model, self.settings, self.cache, self.say)
         self.prices = RingPricing(self.manifest, self.session)
-        self._renewals = asyncio.get_running_loop().create_task(self._renew_forever())
+        loop = asyncio.get_running_loop()
+        self._renewals = loop.create_task(self._renew_forever())
+        self._watching = loop.create_task(self._watch_rendezvous())
+
+    async def _watch_rendezvous(self) -> None:
+        """The rendezvous may end the session before the host does (it restarted, or expired the
+        session): the ring serves on over its own links, but no one can join it any more."""
+        ended = await self.client.wait_closed()
+        if not self._ending:
+            why = f"it said {ended.reason.value}" if ended is not None else "its connection closed"
+            self.rendezvous_lost(f"the rendezvous ended this session ({why})")
 
     async def _renew_forever(self) -> None:
         """Renew the session at the rendezvous every third of its idle expiry, whatever the host
@@ -408,7 +421,9 @@ class HostSession:
 
     async def end(self, reason: str) -> None:
         """Tell every member the session is over, then close links, the rendezvous session and the socket."""
+        self._ending = True
         self._renewals.cancel()
+        self._watching.cancel()
         for admission in self._admissions.values():
             admission.cancel()
         await self.deployer.stop_listening()

@@ -379,6 +379,7 @@ class HostRunner:
         if config.demo and not self.demo.members:
             self.demo.start(network.code, self._advertised, others)
         network.renewing = lambda: self.core.wants_rendezvous_session
+        network.rendezvous_lost = functools.partial(self._rendezvous_lost, network)
         self._drive_now([Opened(join)])
         try:
             await network.gather(
@@ -447,6 +448,14 @@ class HostRunner:
         """Something went wrong: the person at the host is told, and /status keeps it."""
         self.ui.warn(what, detail)
         self.serving.record_incident(what, detail)
+
+    def _rendezvous_lost(self, network: HostSession, why: str) -> None:
+        if not self.stopping and network is self.network:
+            self.incident(
+                "the rendezvous session ended",
+                f"{why}: the ring serves on over its own links, but no member can join or rejoin it; "
+                "start the host again for a new code",
+            )
 
     def _demo_member_failed(self, what: str, detail: str) -> None:
         if not self.stopping:  # members leave when the session ends: that is not a failure
