@@ -23,7 +23,6 @@ BoolMatrix = npt.NDArray[np.bool_]
 class ChainPrefix:
     """Prefix sums over the block chain, so any range's bytes are one subtraction."""
 
-    weight_bytes: npt.NDArray[np.int64]
     resident_bytes: npt.NDArray[np.int64]
     head_bytes: int
     read_bytes: npt.NDArray[np.int64]  # read decoding a token: a dense block whole, a MoE block's routed experts
@@ -34,7 +33,6 @@ class ChainPrefix:
         kv = np.asarray(manifest.kv_bytes_per_token, dtype=np.int64) * session.context * session.concurrency
         zero = np.zeros(1, dtype=np.int64)
         return cls(
-            weight_bytes=np.concatenate([zero, np.cumsum(weights)]),
             resident_bytes=np.concatenate([zero, np.cumsum(weights + kv)]),
             head_bytes=manifest.head_bytes,
             read_bytes=np.concatenate([zero, np.cumsum(np.asarray(manifest.read_bytes(), dtype=np.int64))]),
@@ -42,7 +40,7 @@ class ChainPrefix:
 
     @property
     def n_blocks(self) -> int:
-        return len(self.weight_bytes) - 1
+        return len(self.read_bytes) - 1
 
     def range_read_matrix(self) -> IntMatrix:
         """Bytes a range's blocks read a decoded token (its weights, for dense blocks)."""
