@@ -114,15 +114,16 @@ def until_status(
 ) -> dict[str, Any]:
     """/status once `condition` holds of it: a wait on the host's state, not on its words or the clock."""
     deadline = time.monotonic() + timeout
+    last: dict[str, Any] | None = None
     while True:
         try:
-            status = status_of(host)
-            if condition(status):
-                return status
+            last = status_of(host)
+            if condition(last):
+                return last
         except (URLError, OSError, ValueError):
             pass  # not listening yet, or answering mid-restart
         if host.process.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"the host never got to {what}: {host.output()}")
+            raise AssertionError(f"the host never got to {what}; its last status: {last}; its output: {host.output()}")
         time.sleep(0.2)
 
 

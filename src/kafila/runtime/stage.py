@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -111,9 +112,10 @@ class TokenStep:
     tokens: list[int]
 
 
-# A stage's time per token alone is the mean over its most recent single-row decodes: a machine
+# A stage's time per token alone is the median of its most recent single-row decodes: a machine
 # whose load changes (a game started on the gaming PC an hour in) shows it within a few requests,
-# where a mean over the whole session would take as long again to move.
+# where a figure over the whole session would take as long again to move; and a few decodes that
+# the operating system delayed (a shared, busy machine) do not make a stage look slow.
 RECENT_ALONE_STEPS = 256
 
 
@@ -148,9 +150,8 @@ class StageTimer:
 
     @property
     def ms_per_token_alone(self) -> float | None:
-        """Over the last RECENT_ALONE_STEPS decodes of one row (fewer, early on)."""
-        recent = self.alone_recent
-        return 1e3 * sum(recent) / len(recent) if recent else None
+        """The median of the last RECENT_ALONE_STEPS decodes of one row (fewer, early on)."""
+        return 1e3 * statistics.median(self.alone_recent) if self.alone_recent else None
 
     def report(self, blocks: tuple[int, int], totals: bool = False) -> StageReport:
         """What the stage holding `blocks` reports of this timer; with `totals`, its whole time and rows."""
