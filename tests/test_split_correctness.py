@@ -8,12 +8,13 @@ models and on the real gemma-3-270m.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from plain_llama import plain_llama
-from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
+from tiny_models import SUPPORTED_TINY_ARCHS, TINY_SHAPES, write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.slicer import slice_model
@@ -86,6 +87,24 @@ def test_every_split_equals_the_unsplit_model(tiny: tuple[str, Path, list[int]],
     for counts in divisions(N_BLOCKS[arch]):
         files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
         assert greedy_split(files, prompt) == expected, f"{arch} split {counts} diverged"
+
+
+def test_gemma3_27b_shape_splits(tmp_path: Path) -> None:
+    """Gemma 3 27B has 62 blocks, and llama.cpp scales a 62-block gemma3's queries by
+    1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim). A tiny model of that count whose two
+    differ (128 / 2 = 64 against 32) splits anywhere into the tokens the whole model decodes;
+    the slices' query norms carry the difference."""
+    shape = replace(TINY_SHAPES["gemma3"], n_head=2, n_head_kv=1)
+    assert shape.n_embd // shape.n_head != shape.head_dim
+    path = write_tiny_model(tmp_path / "gemma3-27b.gguf", "gemma3", n_blocks=62, shape=shape)
+    whole = WholeModel(path, SETTINGS)
+    prompt = whole.vocabulary.tokenize(PROMPT)
+    whole.close()
+    expected = greedy_unsplit(path, prompt, steps=16)
+    assert len(set(expected)) > 3
+    for counts in ([1, 61], [31, 31], [55, 7], [61, 1], [20, 21, 21]):
+        files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
+        assert greedy_split(files, prompt, steps=16) == expected, f"gemma3 62-block split {counts} diverged"
 
 
 def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:

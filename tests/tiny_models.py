@@ -7,8 +7,10 @@ are written on the spot with the gguf package, random weights and a few hundred 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
@@ -79,6 +81,8 @@ _SHAPES: dict[str, ModelShape] = {
 _SHAPES["qwen3moe"] = replace(
     _SHAPES["qwen3"], tied_output=False, n_expert=8, n_expert_used=2, n_ff_expert=64, embd_std=1.0
 )
+
+TINY_SHAPES: Mapping[str, ModelShape] = MappingProxyType(_SHAPES)
 
 _WORDS = ("the", "a", "and", "hello", "world", "of", "to", "is", "in", "it", "model", "block", "kafila")
 

@@ -1,23 +1,61 @@
 """What Kafila must know about each model family to cut it into stages and embed tokens.
 
-llama.cpp does the maths; these are the few facts it applies only when it owns the whole model:
-the transform it applies to token embeddings (and not to embeddings given as input), and the
-per-layer settings it derives from a block's absolute index.
+llama.cpp does the maths. The slicer carries every per-layer metadata array over to a slice by
+itself (`slicer._Slice`); this table holds only what cannot be read from the file: the transform
+llama.cpp applies to token embeddings (and not to embeddings given as input), its default layout
+of sliding-window blocks where the file lists none, and the settings its code derives from the
+block count or a block's absolute index, which a slice changes (`SliceRules`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from gguf import GGUFValueType
+
+
+@dataclass(frozen=True)
+class SliceView:
+    """What a family's rules see of the stage being cut: its place in the source, and the
+    source's metadata (`value(key)`: a scalar, a string, a numeric list, or None if absent)."""
+
+    arch: str
+    n_blocks: int  # the source's
+    first: int
+    end: int
+    is_head: bool
+    value: Callable[[str], Any]
+
+    @property
+    def count(self) -> int:
+        return self.end - self.first
+
+
+@dataclass(frozen=True)
+class SliceRules:
+    """What a slice must carry beyond the source's metadata with per-layer arrays sliced:
+    `values`, keys written as given (type and value), over the source's; `tensor_scales`, factors
+    applied to the slice's float32 block tensors named by what follows `blk.N.`."""
+
+    values: Mapping[str, tuple[GGUFValueType, Any]] = field(default_factory=dict)
+    tensor_scales: Mapping[str, float] = field(default_factory=dict)
+
+
+def _no_rules(_view: SliceView) -> SliceRules:
+    return SliceRules()
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
     scales_token_embeddings: bool = False  # gemma multiplies token embeddings by sqrt(n_embd)
-    sliding_window_period: int | None = None  # every n-th block global, unless the file lists them
-    unsplittable_block_counts: frozenset[int] = frozenset()  # where llama.cpp keys settings on the count
+    sliding_window_period: int | None = None  # llama.cpp's default pattern, unless the file lists the blocks
+    unsplittable_block_counts: frozenset[int] = frozenset()  # where no rule can restore what the count keys
+    rules: Callable[[SliceView], SliceRules] = _no_rules
 
     def token_input_scale(self, n_embd: int) -> np.float32 | None:
         """The factor llama.cpp applies to token embeddings only, as the float32 sqrtf it computes."""
@@ -32,6 +70,31 @@ class Family:
         return [(first + i) % period < period - 1 for i in range(count)]
 
 
+def _first(value: Any) -> int:
+    """A setting stored as a scalar, or as a per-layer array of which llama.cpp reads entry 0."""
+    return int(value[0]) if isinstance(value, list) else int(value)
+
+
+def gemma_attention_scale(view: SliceView, n_blocks: int, wide_count: int) -> float:
+    """The query scale llama.cpp gives a gemma2 or gemma3 model of `n_blocks` blocks: its 27B
+    (`wide_count` blocks) scales by 1/sqrt(n_embd / n_head), every other size by 1/sqrt(head_dim)."""
+    arch = view.arch
+    n_embd, n_head = int(view.value(f"{arch}.embedding_length")), _first(view.value(f"{arch}.attention.head_count"))
+    key_length = view.value(f"{arch}.attention.key_length")
+    head_dim = int(key_length) if key_length is not None else n_embd // n_head
+    return 1.0 / math.sqrt(n_embd // n_head if n_blocks == wide_count else head_dim)
+
+
+def _gemma3_rules(view: SliceView) -> SliceRules:
+    """gemma3 scales its queries after their RMS norm by a factor keyed on the block count (the
+    27B's 62); the slice's own count gives another, so its query norm weights absorb the ratio."""
+    whole = gemma_attention_scale(view, view.n_blocks, 62)
+    sliced = gemma_attention_scale(view, view.count, 62)
+    if whole == sliced:
+        return SliceRules()
+    return SliceRules(tensor_scales={"attn_q_norm.weight": whole / sliced})
+
+
 FAMILIES = {
     family.name: family
     for family in (
@@ -39,10 +102,7 @@ FAMILIES = {
         Family("qwen2"),
         Family("qwen3"),
         Family("qwen3moe"),  # its experts are tensors of their block: a slice carries them whole
-        # gemma3 27B (62 blocks) takes its attention scale from its block count, which a slice changes.
-        Family(
-            "gemma3", scales_token_embeddings=True, sliding_window_period=6, unsplittable_block_counts=frozenset({62})
-        ),
+        Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules),
     )
 }
 

@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFValueType, ReaderTensor
 
-from kafila.runtime.families import family_of
+from kafila.runtime.families import SliceView, family_of
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
 from kafila.runtime.stage_cache import make_room, mark_used, trim_stage_cache
 from kafila.units import DISK_ROOM_HINT, human_bytes
@@ -106,6 +107,7 @@ class _Slice:
     def __init__(self, reader: FastGGUFReader, arch: str, n_blocks: int, first: int, end: int, is_head: bool):
         self.reader, self.arch, self.n_blocks = reader, arch, n_blocks
         self.first, self.end, self.is_head = first, end, is_head
+        self.rules = family_of(arch).rules(SliceView(arch, n_blocks, first, end, is_head, reader.scalar))
 
     def metadata(self, writer: RawCopyWriter) -> None:
         count = self.end - self.first
@@ -119,6 +121,8 @@ class _Slice:
                 continue  # the writer adds these itself, and pads tensor data its own way
             if not self.is_head and key.startswith("tokenizer."):
                 continue
+            if key in self.rules.values:
+                continue  # the family's rule for the slice is written below
             vtype, value = raw_value(self.reader, key)
             per_layer = self._per_layer_values(key)
             if key == f"{self.arch}.block_count":
@@ -130,6 +134,9 @@ class _Slice:
                 writer.add_key_value(key, value, vtype)
         if sliding is not None and any(sliding) and self._per_layer_values(pattern_key) is None:
             writer.add_array(pattern_key, sliding)
+        for key, (rule_type, rule_value) in self.rules.values.items():
+            items = _array_type(rule_value) if rule_type == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, rule_value, rule_type, sub_type=items)
         if not self.is_head:
             self._stand_in_vocabulary(writer)
         writer.add_uint32("kafila.slice.first_block", self.first)
@@ -188,7 +195,15 @@ class _Slice:
 
     def tensors(self, writer: RawCopyWriter) -> None:
         for name, tensor in self._kept():
-            writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
+            match = _BLOCK_TENSOR.match(name)
+            factor = self.rules.tensor_scales.get(match.group(2)) if match else None
+            if factor is None:
+                writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
+            elif tensor.tensor_type != GGMLQuantizationType.F32:
+                kind = tensor.tensor_type.name
+                raise SliceError(f"{tensor.name} must be float32 for this slice to scale it; it is {kind}")
+            else:
+                writer.add_tensor(name, (np.asarray(tensor.data, dtype=np.float32) * np.float32(factor)))
         if not self.is_head:
             embedding = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
             if embedding is None:
@@ -196,6 +211,13 @@ class _Slice:
             # Rows for the stand-in tokens: never read, since a stage is fed hidden states.
             n_embd = int(embedding.shape[0])
             writer.add_tensor("token_embd.weight", np.zeros((len(STAND_IN_TOKENS), n_embd), dtype=np.float32))
+
+
+def _array_type(values: list[Any]) -> GGUFValueType:
+    """The GGUF type of a rule's array's items: bools, whole numbers as int32, or float32."""
+    if all(isinstance(v, bool) for v in values):
+        return GGUFValueType.BOOL
+    return GGUFValueType.INT32 if all(isinstance(v, int) for v in values) else GGUFValueType.FLOAT32
 
 
 def _open(source: Path) -> tuple[FastGGUFReader, str, int]:
