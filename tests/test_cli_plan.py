@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_gguf import write_tiny_llama
+from tiny_gguf import write_other_family, write_tiny_llama
 from tiny_models import write_tiny_model
 
 from kafila.runtime.manifest import read_manifest
@@ -202,6 +202,19 @@ def test_absurd_kv_cache_is_refused_not_overflowed(tmp_path: Path) -> None:
     result = kafila("plan", write_fleet(tmp_path / "fleet.json", fleet), "--json")
     assert result.returncode == 2
     assert "GiB in all" in json.loads(result.stdout)["error"]
+
+
+def test_a_family_that_cannot_be_split_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
+    """A division of a model the slicer cannot cut is no plan; one member runs it whole."""
+    model = write_other_family(tmp_path / "mamba.gguf", "mamba")
+    fleet = write_fleet(tmp_path / "fleet.json", {"devices": DEVICES})
+    result = kafila("plan", fleet, "--model", model, "--json")
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert "'mamba' is not supported for splitting" in error and "qwen3moe" in error
+    alone = kafila("plan", write_fleet(tmp_path / "one.json", {"devices": DEVICES[:1]}), "--model", model, "--json")
+    assert alone.returncode == 0, alone.stderr
+    assert json.loads(alone.stdout)["ranges"] == {"laptop": [0, 2]}
 
 
 def test_single_member_plans_the_whole_model(tmp_path: Path) -> None:

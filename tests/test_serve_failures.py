@@ -19,6 +19,7 @@ from urllib.request import urlopen
 import openai
 import pytest
 from host_process import running_host
+from tiny_gguf import write_other_family
 from tiny_models import write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings
@@ -79,6 +80,19 @@ def test_a_session_too_big_for_this_machine_is_refused_naming_it(tmp_path: Path)
     assert result.returncode == 1
     assert "'this machine' cannot hold" in result.stderr and "short by" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_family_that_cannot_be_split_is_refused_before_a_session_code_is_printed(tmp_path: Path) -> None:
+    """With members to come, the host would have to cut the model: a family the slicer cannot
+    cut is refused at once, naming it and those supported, and nobody is told a code to join."""
+    model = write_other_family(tmp_path / "mamba.gguf", "mamba")
+    result = subprocess.run(
+        [sys.executable, "-m", "kafila", "host", "--model", str(model), "--members", "2", "--port", "0"],
+        check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "'mamba' is not supported for splitting; supported: " in result.stderr and "qwen3moe" in result.stderr
+    assert "session code" not in result.stdout + result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFValueType, GGUFWriter
 from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
+from tiny_gguf import write_other_family
 from tiny_models import ModelShape, write_tiny_model
 
 from kafila.runtime.families import UnsupportedFamily
@@ -134,20 +134,8 @@ def test_bad_divisions(tmp_path: Path, counts: list[int], message: str) -> None:
         slice_model(model, counts, tmp_path / "out")
 
 
-def _bare_model(path: Path, arch: str, n_blocks: int) -> Path:
-    writer = GGUFWriter(str(path), arch=arch)
-    writer.add_key_value(f"{arch}.block_count", n_blocks, GGUFValueType.UINT32)
-    for i in range(n_blocks):
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", np.zeros((4, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_unsupported_family_is_named_with_the_supported_ones(tmp_path: Path) -> None:
-    model = _bare_model(tmp_path / "mamba.gguf", "mamba", 2)
+    model = write_other_family(tmp_path / "mamba.gguf", "mamba")
     with pytest.raises(UnsupportedFamily, match=r"'mamba'.*supported: gemma3, llama, qwen2, qwen3"):
         slice_model(model, [1, 1], tmp_path / "out")
     assert slice_model(model, [2], tmp_path / "out")[0].path == model  # unsplit needs no support

@@ -72,3 +72,19 @@ def write_tiny_llama(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_other_family(path: Path, arch: str, n_blocks: int = 2) -> Path:
+    """A header-only stand-in for a family Kafila does not split: block tensors and the keys a
+    manifest reads, no runnable model."""
+    writer = GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(n_blocks)
+    writer.add_embedding_length(16)
+    writer.add_head_count(2)
+    for i in range(n_blocks):
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", np.zeros((16, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -27,8 +27,10 @@ from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet
 from kafila.planner.report import plan_report
 from kafila.runtime.cpu_safety import repack_mode
+from kafila.runtime.families import UnsupportedFamily
 from kafila.runtime.gguf_file import GGUFFormatError
 from kafila.runtime.manifest import read_manifest
+from kafila.runtime.slicer import SliceError, check_family
 
 app = typer.Typer(
     name="kafila",
@@ -91,6 +93,11 @@ def plan(
     else:
         fail(f'{fleet_path} has no "model" section; give one or pass --model MODEL.gguf', as_json, EXIT_BAD_INPUT)
     devices = [d.device() for d in fleet.devices]  # the fleet schema's bounds imply the device's
+    if len(devices) > 1 and manifest.architecture is not None:
+        try:  # a division the slicer would refuse is no plan: say so before any member is counted on
+            check_family(manifest.architecture, manifest.n_blocks)
+        except (UnsupportedFamily, SliceError) as error:
+            fail(str(error), as_json, EXIT_REFUSED)
     started = time.perf_counter()
     try:
         result = plan_session(manifest, devices, fleet.session, anchor=fleet.anchor_name)

@@ -32,6 +32,7 @@ from kafila.planner.types import SessionSpec
 from kafila.runtime.llama_backend import LlamaUnavailable, idle_gpu_advice, load_llama, shares_cores_env
 from kafila.runtime.local_plan import admit_alone, this_device
 from kafila.runtime.manifest import read_manifest
+from kafila.runtime.slicer import check_family
 from kafila.runtime.stage_cache import check_stage_cache_setting
 from kafila.session.availability import Availability
 from kafila.session.runner import HostConfig, HostRunner, lan_address, supervised
@@ -183,6 +184,9 @@ def host(
         lent = parse_memory(memory)
         if not path.is_file():
             raise ValueError(f"no model file at {path}")
+        if n_members > 1:  # refused before a code is printed, where the planner's division could not be cut
+            manifest = read_manifest(path)
+            check_family(manifest.architecture or "", manifest.n_blocks)
         counts = local_counts(path, stages, division, session, lent) if n_members == 1 else []
         if n_members == 1:
             _admit(path, session, lent)
