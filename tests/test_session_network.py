@@ -153,6 +153,21 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
     assert all("the session ended" in out for out in outputs), outputs
 
 
+def test_a_mixture_of_experts_served_by_three_machines_is_what_one_process_serves(tmp_path: Path) -> None:
+    """A tiny qwen3moe (8 experts, 2 a token) cut across three members: greedy completions, a
+    streamed chat and concurrent streams are the unsplit model's, token for token."""
+    moe = write_tiny_model(tmp_path / "tiny.gguf", "qwen3moe", n_blocks=6)
+    with session(tmp_path, moe, 3) as (host, _joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        serves_like_one_process(client, moe)
+        check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(moe, prompt, n))
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            status = json.loads(response.read())
+        held = [m["blocks"][1] - m["blocks"][0] for m in status["members"]]
+        assert len(held) == 3 and all(n >= 1 for n in held) and sum(held) == 6, status
+
+
 def test_only_the_planned_ring_edges_come_up_and_stages_load_downstream_first(tmp_path: Path, model: Path) -> None:
     outputs: list[str] = []
     with session(tmp_path, model, 4, outputs=outputs) as (host, _joiners):
