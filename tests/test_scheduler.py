@@ -9,9 +9,9 @@ import numpy.typing as npt
 import pytest
 
 from kafila.runtime.engine_loop import LoopStats
-from kafila.runtime.pipeline import EngineStep, SequenceFailed
+from kafila.runtime.pipeline import EngineStep, PrefixCut, SequenceFailed
 from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.scheduler import Batcher, Failed, Finished, FinishReason, Job, TextDelta
+from kafila.runtime.scheduler import Batcher, Failed, Finished, FinishReason, Job, TextDelta, Trim
 
 VOCAB = 16
 END = 0
@@ -63,16 +63,79 @@ def test_prompts_share_the_step_budget_and_extra_requests_queue() -> None:
     assert [(len(s.tokens), s.decode, s.position) for s in steps] == [(1, True, 5), (7, False, 3)]
 
 
-def test_a_slot_is_reused_only_after_the_engine_forgot_it() -> None:
+def test_a_slot_is_reused_only_after_the_engine_cut_its_cache() -> None:
     b = batcher(concurrency=1, rows=8)
     b.submit(job("a", 2, max_tokens=1))
-    b.submit(job("b", 2))
+    b.submit(Job("b", [7, 8], 10, SamplingSettings()))
     steps = b.plan()
     assert b.advance(answer(steps)) == [TextDelta("a", "<5>"), Finished("a", FinishReason.LENGTH, 2, 1)]
     assert b.plan() == []  # b waits: slot 0 still holds a's cache
-    assert b.take_forgotten() == [0]
+    assert b.take_trims() == [Trim(0, 0)]  # nothing in common: all of it goes
     (step,) = b.plan()
-    assert step.sequence_id == 0 and step.tokens == [1, 2]
+    assert step.sequence_id == 0 and step.tokens == [7, 8] and step.position == 0
+
+
+def run_to_the_end(b: Batcher, token: int = 5) -> list[Finished]:
+    """Plan and land waves, cutting caches as asked, until every request has ended."""
+    finished: list[Finished] = []
+    while not b.idle:
+        b.take_trims()
+        steps = b.plan()
+        finished += [e for e in b.advance(answer(steps, token)) if isinstance(e, Finished)]
+    return finished
+
+
+def test_a_request_takes_the_slot_holding_most_of_its_prompt_and_prefills_only_the_rest() -> None:
+    """A chat's second turn resends the first turn and its answer: those rows are in the cache
+    of the slot that served it, so only what is new is computed."""
+    b = batcher(concurrency=2, rows=16)
+    b.submit(Job("first", [1, 2, 3, 4], 3, SamplingSettings()))
+    b.submit(Job("other", [9, 9, 9], 3, SamplingSettings()))
+    b.take_trims()
+    slots = {s.tokens[0]: s.sequence_id for s in b.plan()}
+    b.advance([one_hot(5), one_hot(6)])
+    assert [f.cached_tokens for f in run_to_the_end(b)] == [0, 0]
+    # "first" fed 1 2 3 4, then 5 and 5 back (the third 5 was never fed): 6 rows held in its slot
+    b.submit(Job("second", [1, 2, 3, 4, 5, 5, 10, 11], 2, SamplingSettings()))
+    assert b.plan() == [] and b.take_trims() == [Trim(slots[1], 6)]
+    (step,) = b.plan()
+    assert step.sequence_id == slots[1] and step.position == 6 and step.tokens == [10, 11]
+    b.advance([one_hot(5)])
+    assert run_to_the_end(b) == [Finished("second", FinishReason.LENGTH, 8, 2, cached_tokens=6)]
+
+
+def test_the_same_prompt_again_recomputes_only_its_last_token() -> None:
+    b = batcher(concurrency=1)
+    for name in ("a", "b"):
+        b.submit(job(name, 5, max_tokens=2))
+    finished = run_to_the_end(b)
+    assert [f.cached_tokens for f in finished] == [0, 4]  # the last token's logits are needed anew
+
+
+def test_a_sliding_window_cache_is_cut_only_near_its_end_and_a_recurrent_state_never() -> None:
+    """A windowed cache has dropped what lies before its window, so a prefix far short of what
+    it holds cannot be resumed; a recurrent state cannot be cut at all."""
+    for cut, expected in ((PrefixCut.ANYWHERE, 2), (PrefixCut.AT_END, 0), (PrefixCut.NOWHERE, 0)):
+        b = batcher(concurrency=1)
+        b.prefix_cut = cut
+        b.submit(job("a", 6, max_tokens=1))
+        b.submit(Job("b", [1, 2, 9, 9], 1, SamplingSettings()))  # shares 2 of the 6 rows held
+        assert [f.cached_tokens for f in run_to_the_end(b)] == [0, expected], cut
+        b.submit(Job("c", [1, 2, 9, 9, 4], 1, SamplingSettings()))  # extends what b left: 4 rows
+        reused = 0 if cut is PrefixCut.NOWHERE else 4
+        assert [f.cached_tokens for f in run_to_the_end(b)] == [reused], cut
+
+
+def test_among_equal_slots_the_least_recently_used_cache_is_the_one_dropped() -> None:
+    b = batcher(concurrency=2)
+    b.submit(Job("old", [1, 1, 1], 1, SamplingSettings()))
+    run_to_the_end(b)
+    b.submit(Job("new", [2, 2, 2], 1, SamplingSettings()))
+    run_to_the_end(b)  # took the never-used slot
+    b.submit(Job("third", [3, 3], 1, SamplingSettings()))  # shares nothing: evicts "old"
+    run_to_the_end(b)
+    b.submit(Job("new again", [2, 2, 2, 4], 1, SamplingSettings()))
+    assert run_to_the_end(b)[0].cached_tokens == 3  # "new"'s cache survived
 
 
 def test_an_end_token_stops_and_a_stop_string_cuts_the_text() -> None:
@@ -108,7 +171,7 @@ def test_cancelled_requests_leave_the_queue_or_free_their_slot() -> None:
     steps = b.plan()
     assert b.cancel("b") and b.cancel("a") and not b.cancel("a")
     assert b.advance(answer(steps)) == []  # a was cancelled while its step ran
-    assert b.take_forgotten() == [0] and b.idle
+    assert b.idle and not b.trimming
 
 
 def test_a_broken_engine_fails_every_request() -> None:
@@ -133,8 +196,10 @@ def test_a_sequence_a_stage_refused_fails_alone_and_frees_its_slot() -> None:
         Failed("b", "this request failed: the stage holding blocks 0-1 refused sequence 0: no room", "stage_error"),
     ]
     assert b.running == 1 and b.queued == 1
-    assert b.forgetting and b.take_forgotten() == [steps[1].sequence_id]
-    assert [s.decode for s in b.plan()] == [True, False]  # a decodes on; c takes b's slot, forgotten first
+    assert [s.decode for s in b.plan()] == [True]  # a decodes on; c waits for b's slot to be cut
+    assert b.take_trims() == [Trim(steps[1].sequence_id, 0)]  # c shares b's prompt, but not a failed cache
+    b.advance([one_hot(5)])
+    assert [(s.decode, s.position) for s in b.plan()] == [(True, 3), (False, 0)]
 
 
 def test_prompts_the_context_cannot_hold_are_refused() -> None:
@@ -168,10 +233,12 @@ def test_a_request_cancelled_while_its_wave_is_out_gives_up_its_slot_when_the_wa
     b = batcher(concurrency=2, rows=8)
     b.submit(job("a", 2))
     b.submit(job("b", 2))
+    b.take_trims()
     wave = b.plan()
-    assert b.cancel("a") and b.take_forgotten() == [wave[0].sequence_id]
+    assert b.cancel("a")
     b.submit(job("c", 2))
-    (reused,) = b.plan()  # b is still out; c may take a's slot: the engine orders it after a's rows and their CANCEL
+    assert b.plan() == [] and b.take_trims() == [Trim(wave[0].sequence_id, 0)]  # a's rows never landed
+    (reused,) = b.plan()  # b is still out; c takes a's slot: the engine orders it after a's rows and their cut
     assert reused.sequence_id == wave[0].sequence_id and reused.position == 0
     assert [e.request_id for e in b.advance(answer(wave))] == ["b"]  # a's row lands unused
 

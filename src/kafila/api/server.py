@@ -120,6 +120,12 @@ class _Metrics:
             "kafila_requests", "Requests by route and HTTP status", ["route", "status"], registry=self.registry
         )
         self.prompt_tokens = Counter("kafila_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            "kafila_prompt_tokens_cached", "Prompt tokens an earlier request left in the cache", registry=self.registry
+        )
+        self.computed_prompt_tokens = Counter(
+            "kafila_prompt_tokens_computed", "Prompt tokens every stage computed", registry=self.registry
+        )
         self.completion_tokens = Counter("kafila_completion_tokens", "Tokens generated", registry=self.registry)
         self.first_token = Histogram(
             "kafila_time_to_first_token_seconds", "From request to first generated text", registry=self.registry
@@ -541,14 +547,17 @@ class _Reply:
 
     def observe_end(self, finished: Finished) -> None:
         self.metrics.prompt_tokens.inc(finished.prompt_tokens)
+        self.metrics.cached_prompt_tokens.inc(finished.cached_tokens)
+        self.metrics.computed_prompt_tokens.inc(finished.prompt_tokens - finished.cached_tokens)
         self.metrics.completion_tokens.inc(finished.completion_tokens)
 
     @staticmethod
-    def usage(finished: Finished) -> dict[str, int]:
+    def usage(finished: Finished) -> dict[str, Any]:
         return {
             "prompt_tokens": finished.prompt_tokens,
             "completion_tokens": finished.completion_tokens,
             "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
         }
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:

@@ -75,6 +75,7 @@ class EngineLoop:
             make_sampler=engine.sampler,
             piece=engine.piece,
             is_end=engine.is_end,
+            prefix_cut=engine.prefix_cut,
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
@@ -137,18 +138,18 @@ class EngineLoop:
         depth = max(1, self.engine.depth)
         while True:
             with self._lock:
-                while not in_flight and self.batcher.idle and not self.batcher.forgetting and not self._stopping:
+                while not in_flight and self.batcher.idle and not self.batcher.trimming and not self._stopping:
                     if self._report_due():
                         break
                     self._lock.wait(timeout=STATS_REFRESH_S)
                 if self._stopping:
                     return
                 idle = self.batcher.idle and not in_flight
-                forgotten = self.batcher.take_forgotten()  # before any step: a slot is reused only after
+                trims = self.batcher.take_trims()  # before any step: a reused slot's rows follow its cut
             try:
-                for slot in forgotten:
-                    self.engine.forget(slot)
-            except Exception as error:  # the ring broke while dropping a finished request's cache
+                for trim in trims:
+                    self.engine.forget(trim.slot, trim.keep)
+            except Exception as error:  # the ring broke while cutting a reused slot's cache
                 self._break(error)
                 return
             if not in_flight and self._report_due():  # between waves, busy or not: /status stays current
@@ -166,7 +167,7 @@ class EngineLoop:
                     if not steps:
                         break
                     in_flight.append((self.engine.launch(steps), steps, time.perf_counter()))
-                if not in_flight:  # every running request waits on a slot being forgotten
+                if not in_flight:  # every running request waits on its slot's cache being cut
                     with self._lock:
                         self._lock.wait(timeout=0.01)
                     continue

@@ -433,7 +433,15 @@ class LlamaModel:
         """The model's attention window (0: none), whose cache reuses cells that fall out of it."""
         return int(self._llama.llama_model_n_swa(self.model))
 
-    def forget(self, sequence: int) -> None:
-        """Drop a sequence's KV cache, when its request ends (an id with no slot holds nothing)."""
+    def forget(self, sequence: int, keep: int = 0) -> None:
+        """Drop a sequence's cache from position `keep` on (all of it by default), for the next
+        request in its slot (an id with no slot holds nothing)."""
         if 0 <= sequence < self.settings.n_seq_max:
-            self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, -1, -1)
+            self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, max(0, keep), -1)
+
+    @property
+    def holds_positions(self) -> bool:
+        """Whether the cache is by position (KV), so a sequence can be cut after a prefix; a
+        recurrent state (mamba, rwkv, the linear layers of a hybrid) holds only its latest."""
+        model = self.model
+        return not (self._llama.llama_model_is_recurrent(model) or self._llama.llama_model_is_hybrid(model))

@@ -21,6 +21,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -31,6 +32,7 @@ from pydantic import ValidationError
 from kafila.contracts import StageReport
 from kafila.network.frames import SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 from kafila.runtime.cpu_safety import died_by_signal, signal_of
+from kafila.runtime.gguf_file import FastGGUFReader
 from kafila.runtime.llama_backend import (
     ContextSettings,
     LlamaModel,
@@ -189,6 +191,37 @@ class LocalRing:
             worker.stderr.close()
 
 
+class PrefixCut(StrEnum):
+    """Where an engine's cache of a sequence can be cut so that prefill resumes after it."""
+
+    ANYWHERE = "anywhere"  # a KV cache holds every position: drop [P, end) and go on from P
+    # A sliding-window cache drops positions older than its window as it goes; cut no earlier
+    # than one short of its end (what a chat's next turn, which extends the last, needs): the
+    # window before the cut is then still whole.
+    AT_END = "at-end"
+    NOWHERE = "nowhere"  # a recurrent state holds no positions at all: every request starts afresh
+
+
+# Families whose llama.cpp code gives every model a window, or attention in chunks, when the file
+# names none (src/models/gemma2.cpp, llama4.cpp).
+_WINDOWED_BY_DEFAULT = frozenset({"gemma2", "llama4"})
+# Metadata of a recurrent state (mamba, rwkv, lfm2's convolutions, the linear layers of a hybrid).
+_RECURRENT_KEYS = (".ssm.", ".wkv.", ".shortconv.")
+
+
+def prefix_cut_of(model: Path) -> PrefixCut:
+    """Where a cache of `model` can be cut, from its header alone: a ring's host holds no stage
+    that sees the whole model, so it reads the whole model's file."""
+    reader = FastGGUFReader(model)
+    arch = str(reader.scalar("general.architecture", ""))
+    if any(key.startswith(arch) and any(mark in key for mark in _RECURRENT_KEYS) for key in reader.fields):
+        return PrefixCut.NOWHERE
+    window = reader.scalar(f"{arch}.attention.sliding_window")
+    if (window is None and arch in _WINDOWED_BY_DEFAULT) or (isinstance(window, int) and window > 0):
+        return PrefixCut.AT_END
+    return PrefixCut.ANYWHERE
+
+
 @dataclass(frozen=True)
 class EngineStep:
     """One sequence's next rows: a prompt chunk (decode False) or the last sampled token."""
@@ -253,7 +286,9 @@ class Engine(Protocol):
     def sampler(self, settings: SamplingSettings) -> TokenSampler: ...
     def chat_template(self) -> str | None: ...
     def special_text(self) -> tuple[str, str]: ...
-    def forget(self, sequence_id: int) -> None: ...
+    def forget(self, sequence_id: int, keep: int = 0) -> None: ...
+    @property
+    def prefix_cut(self) -> PrefixCut: ...
     def stage_report(self) -> list[StageReport]: ...
     def close(self) -> None: ...
 
@@ -362,6 +397,14 @@ class UnsplitEngine(_Vocabulary):
         self.model = WholeModel(path, settings)
         self.vocabulary, self.llama_model = self.model.vocabulary, self.model.model
         self._blocks = int(self.model.model._llama.llama_model_n_layer(self.model.model.model))
+        loaded = self.model.model
+        self.prefix_cut = (
+            PrefixCut.NOWHERE
+            if not loaded.holds_positions
+            else PrefixCut.AT_END
+            if loaded.sliding_window > 0
+            else PrefixCut.ANYWHERE
+        )
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
         """All the steps in one decode; if that fails, each alone, so a fault fails only its sequence."""
@@ -372,8 +415,8 @@ class UnsplitEngine(_Vocabulary):
         token_steps = [TokenStep(s.sequence_id, s.position, s.tokens) for s in steps]
         return list(self.model.forward_steps(token_steps, decode, [s.logits for s in steps]))
 
-    def forget(self, sequence_id: int) -> None:
-        self.model.forget(sequence_id)
+    def forget(self, sequence_id: int, keep: int = 0) -> None:
+        self.model.forget(sequence_id, keep)
 
     def stage_report(self) -> list[StageReport]:
         return [self.model.timer.report((0, self._blocks))]
@@ -436,11 +479,15 @@ class RingEngine(_Vocabulary):
         ring: RingTransport | None = None,
         depth: int = 1,
         model: Path | None = None,
+        prefix_cut: PrefixCut = PrefixCut.NOWHERE,
     ) -> None:
         """`stages` in chain order, head last; without `ring`, the others start as local processes
         (with `model`, the head among them). `depth`: the distinct machines the ring spans (local
-        processes: this one). `model`: the whole model, whose head is on the ring."""
+        processes: this one). `model`: the whole model, whose head is on the ring. `prefix_cut`:
+        where the stages' caches can be cut (`prefix_cut_of` the whole model); by default they
+        are never cut, only dropped."""
         self._readers = _Readers()
+        self.prefix_cut = prefix_cut
         self.head: HeadStage | None = None
         self._vocabulary_only: VocabularyOnly | None = None
         if model is None:
@@ -592,17 +639,18 @@ class RingEngine(_Vocabulary):
             if wave is not None:
                 self._arrived[(wave, frame.sequence_id)] = frame
 
-    def forget(self, sequence_id: int) -> None:
-        """Drop a sequence everywhere: a CANCEL round the ring, after any of its rows still out.
-        Its answer (the CANCEL back, or an ERROR from a stage that cannot hold the sequence
-        either) is taken with the waves that follow, so forgetting never stalls the pipeline."""
-        self.ring.send([Frame(Kind.CANCEL, sequence_id)])
+    def forget(self, sequence_id: int, keep: int = 0) -> None:
+        """Cut a sequence everywhere after its first `keep` rows (all by default): a CANCEL round
+        the ring, after any of its rows still out. Its answer (the CANCEL back, or an ERROR from a
+        stage that cannot hold the sequence either) is taken with the waves that follow, so
+        forgetting never stalls the pipeline."""
+        self.ring.send([Frame(Kind.CANCEL, sequence_id, position=keep)])
         self._sampled_on_head.discard(sequence_id)
         if any(w is not None for w in self._expected[sequence_id]):
             self._forgotten_at[sequence_id] = next(self._waves)  # waves before this one are stale for it
         self._expected[sequence_id].append(None)
         if self.head is not None:
-            self.head.forget(sequence_id)
+            self.head.forget(sequence_id, keep)
 
     def _settle(self) -> None:
         """Take every CANCEL's answer still out; only between waves."""
@@ -692,4 +740,4 @@ def open_engine(
     if len(counts) == 1:
         return UnsplitEngine(model, settings)
     directory = cache_dir or Path(os.environ.get("KAFILA_CACHE", Path.home() / ".cache" / "kafila")) / "stages"
-    return RingEngine(cached_slices(model, counts, directory, progress), settings)
+    return RingEngine(cached_slices(model, counts, directory, progress), settings, prefix_cut=prefix_cut_of(model))

@@ -10,6 +10,13 @@ engine loop keeps up to n waves in flight, each with a share of the running requ
 one wave is at the second stage the next is at the first. A sequence is in at most one wave
 at a time (its next row needs its last token), and waves land in the order they left.
 
+A slot keeps its cache when its request ends, and the host keeps, per slot, the tokens whose
+KV every stage holds there. A new request takes the free slot whose tokens share the longest
+prefix with its prompt (the least recently used one among equals: a cache nobody reuses is the
+one evicted), the engine cuts that slot's cache after the common prefix, and prefill starts
+there: a chat's next turn or an agent's repeated system prompt is computed once. Where a
+family's cache cannot be cut anywhere (`PrefixCut`), less or nothing is reused.
+
 Pure: the engine and the samplers are passed in as callables, and nothing here blocks, so the
 whole policy is testable without a model.
 """
@@ -22,9 +29,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kafila.runtime.pipeline import EngineStep, SequenceFailed, StepResult
+from kafila.runtime.pipeline import EngineStep, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.sampling import SamplerStart, SamplingSettings, TokenSampler
 from kafila.runtime.text import StopAwareText
+
+
+@dataclass(frozen=True)
+class Trim:
+    """Cut slot `slot`'s cache on every stage to its first `keep` positions (0: drop it all)."""
+
+    slot: int
+    keep: int
 
 
 class FinishReason(StrEnum):
@@ -53,6 +68,7 @@ class Finished:
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those whose cache an earlier request left
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,9 @@ class _Sequence:
     fed: int = 0  # prompt tokens already in the KV cache
     generated: list[int] = field(default_factory=list)
     in_flight: bool = False  # its rows are out in a wave that has not landed yet
+    cached: int = 0  # prompt tokens an earlier request's cache held: prefill started after them
+    held: int = 0  # rows landed in the cache: prompt tokens, then generated ones fed back
+    trimmed: bool = True  # False until the engine has cut the slot's cache to `cached`
 
     @property
     def position(self) -> int:
@@ -83,6 +102,10 @@ class _Sequence:
     @property
     def prefilling(self) -> bool:
         return self.fed < len(self.job.prompt)
+
+    def tokens_held(self) -> list[int]:
+        """The tokens whose rows every stage holds for this sequence, in position order."""
+        return (self.job.prompt + self.generated)[: self.held]
 
 
 class Batcher:
@@ -94,15 +117,18 @@ class Batcher:
         make_sampler: Callable[[SamplingSettings], TokenSampler],
         piece: Callable[[int], bytes],
         is_end: Callable[[int], bool],
+        prefix_cut: PrefixCut = PrefixCut.ANYWHERE,
     ) -> None:
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
         self.concurrency, self.batch_rows, self.context = concurrency, batch_rows, context_per_sequence
         self._make_sampler, self._piece, self._is_end = make_sampler, piece, is_end
+        self.prefix_cut = prefix_cut
         self._queue: deque[Job] = deque()
         self._active: dict[str, _Sequence] = {}
-        self._free_slots = list(range(concurrency - 1, -1, -1))
-        self._to_forget: list[int] = []
+        self._free_slots = list(range(concurrency))  # least recently used first
+        self._held: dict[int, list[int]] = {}  # free slot → the tokens its cache holds on every stage
+        self._to_trim: list[Trim] = []
         self._waves: deque[list[tuple[_Sequence, EngineStep, bool]]] = deque()  # planned, not landed, oldest first
 
     # --- requests in and out ----------------------------------------------------------------
@@ -115,7 +141,7 @@ class Batcher:
         self._queue.append(job)
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a request, queued or running; its slot is forgotten before the next step."""
+        """Drop a request, queued or running; its slot is free again, with what its cache holds."""
         for job in self._queue:
             if job.request_id == request_id:
                 self._queue.remove(job)
@@ -135,8 +161,9 @@ class Batcher:
         self._active.clear()
         self._queue.clear()
         self._waves.clear()
-        self._free_slots = list(range(self.concurrency - 1, -1, -1))
-        self._to_forget.clear()
+        self._free_slots = list(range(self.concurrency))
+        self._held.clear()  # the ring that held those caches is gone
+        self._to_trim.clear()
         return events
 
     @property
@@ -152,15 +179,48 @@ class Batcher:
         return not self._queue and not self._active
 
     @property
-    def forgetting(self) -> bool:
-        """Whether ended requests' slots wait to be forgotten by the engine."""
-        return bool(self._to_forget)
+    def trimming(self) -> bool:
+        """Whether admitted requests wait for the engine to cut their slots' caches."""
+        return bool(self._to_trim)
 
-    def take_forgotten(self) -> list[int]:
-        """Slots whose KV cache the engine must drop before the next step."""
-        slots, self._to_forget = self._to_forget, []
-        self._free_slots += slots  # reusable only once the engine has been told to drop them
-        return slots
+    def take_trims(self) -> list[Trim]:
+        """Caches the engine must cut, in this order, before the next step: the requests admitted
+        to those slots run from then on."""
+        trims, self._to_trim = self._to_trim, []
+        for sequence in self._active.values():
+            sequence.trimmed = True
+        return trims
+
+    def _reusable(self, held: list[int], prompt: list[int]) -> int:
+        """How many of `prompt`'s first tokens a slot holding `held` can keep: their common
+        prefix, short of the prompt's last token (whose logits the request needs), where the
+        engine's cache can be cut there."""
+        if self.prefix_cut is PrefixCut.NOWHERE:
+            return 0
+        common = 0
+        for a, b in zip(held, prompt[:-1], strict=False):
+            if a != b:
+                break
+            common += 1
+        if self.prefix_cut is PrefixCut.AT_END and common < len(held) - 1:
+            return 0
+        return common
+
+    def _admit(self, job: Job) -> None:
+        """Start `job` in the free slot that holds most of its prompt (the least recently used
+        among equals), once the engine has cut that slot's cache after what it keeps."""
+        slot = max(self._free_slots, key=lambda s: self._reusable(self._held.get(s) or [], job.prompt))
+        self._free_slots.remove(slot)
+        held = self._held.pop(slot, None)  # None: a slot that never held anything needs no cut
+        keep = 0 if held is None else self._reusable(held, job.prompt)
+        if held is not None:
+            self._to_trim.append(Trim(slot, keep))
+        sampler = self._make_sampler(job.sampling)
+        sampler.accept(job.prompt)
+        text = StopAwareText(job.stop)
+        self._active[job.request_id] = _Sequence(
+            job, slot, sampler, text, fed=keep, cached=keep, held=keep, trimmed=held is None
+        )
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -178,12 +238,9 @@ class Batcher:
         is not recorded.
         """
         while self._queue and self._free_slots:
-            job = self._queue.popleft()
-            sampler = self._make_sampler(job.sampling)
-            sampler.accept(job.prompt)
-            self._active[job.request_id] = _Sequence(job, self._free_slots.pop(), sampler, StopAwareText(job.stop))
+            self._admit(self._queue.popleft())
         share = math.ceil(len(self._active) / max(1, waves))  # this wave's part of the running requests
-        ready = [s for s in self._active.values() if not s.in_flight][:share]
+        ready = [s for s in self._active.values() if not s.in_flight and s.trimmed][:share]
         planned: list[tuple[_Sequence, EngineStep, bool]] = []
         budget = self.batch_rows
         for sequence in ready:
@@ -199,7 +256,7 @@ class Batcher:
                 ends = sequence.fed + len(chunk) == len(sequence.job.prompt)
                 sampling = sequence.job.sampling
                 start = None  # a head on a member samples a request that needs the whole row itself
-                if sequence.fed == 0 and sampling.needs_whole_row:
+                if sequence.fed == sequence.cached and sampling.needs_whole_row:
                     start = SamplerStart(settings=sampling, prompt=list(sequence.job.prompt))
                 top = sampling.top_logits
                 step = EngineStep(sequence.slot, sequence.fed, chunk, False, logits=ends, top=top, sampler=start)
@@ -232,6 +289,7 @@ class Batcher:
                 continue
             if not step.decode:
                 sequence.fed += len(step.tokens)
+            sequence.held += len(step.tokens)
             if not wanted:
                 continue
             if row is None:
@@ -258,14 +316,18 @@ class Batcher:
             events.append(TextDelta(sequence.job.request_id, rest))
         del self._active[sequence.job.request_id]
         self._release(sequence)
-        events.append(Finished(sequence.job.request_id, reason, len(sequence.job.prompt), len(sequence.generated)))
+        prompt, generated = len(sequence.job.prompt), len(sequence.generated)
+        events.append(Finished(sequence.job.request_id, reason, prompt, generated, sequence.cached))
         return events
 
     def _fail(self, sequence: _Sequence, message: str) -> Failed:
         del self._active[sequence.job.request_id]
-        self._release(sequence)  # forgotten everywhere before its slot is used again
+        self._release(sequence, kept=False)  # the stages' caches of it may disagree: none is reused
         return Failed(sequence.job.request_id, message, "stage_error")
 
-    def _release(self, sequence: _Sequence) -> None:
+    def _release(self, sequence: _Sequence, kept: bool = True) -> None:
+        """Free the slot, remembering what its cache holds for a later request to reuse (rows
+        still out in a wave land after it and are cut off with what the next request does not keep)."""
         sequence.sampler.close()
-        self._to_forget.append(sequence.slot)
+        self._held[sequence.slot] = sequence.tokens_held() if kept and sequence.trimmed else []
+        self._free_slots.append(sequence.slot)

@@ -272,6 +272,17 @@ def _following_positions(model: LlamaModel, held: dict[int, int], steps: Sequenc
     return following
 
 
+def _cut(held: dict[int, int], sequence_id: int, keep: int) -> int:
+    """Record a sequence cut to its first `keep` rows, no more than it holds; returns where the
+    cut falls, so that the next rows, which must start there, are refused if they do not."""
+    kept = max(0, min(keep, held.get(sequence_id, 0)))
+    if kept:
+        held[sequence_id] = kept
+    else:
+        held.pop(sequence_id, None)
+    return kept
+
+
 def _slice_range(path: str | os.PathLike[str]) -> tuple[int, int]:
     """The first block a stage file holds, in the whole model's numbering, and how many it holds."""
     reader = FastGGUFReader(path)
@@ -337,9 +348,10 @@ class BlockStage:
         bounds = np.cumsum([0] + [s.states.shape[0] for s in steps])
         return [out[a:b] for a, b in itertools.pairwise(bounds)]
 
-    def forget(self, sequence_id: int) -> None:
-        self._next_position.pop(sequence_id, None)
-        self.model.forget(sequence_id)
+    def forget(self, sequence_id: int, keep: int = 0) -> None:
+        """Cut a sequence to its first `keep` rows (all gone by default): the next request in its
+        slot goes on from there."""
+        self.model.forget(sequence_id, _cut(self._next_position, sequence_id, keep))
 
     def close(self) -> None:
         self.model.close()
@@ -485,11 +497,11 @@ class HeadStage:
         self.timer.add(time.perf_counter() - started, rows, decode)
         return logits
 
-    def forget(self, sequence_id: int) -> None:
-        self._next_position.pop(sequence_id, None)
+    def forget(self, sequence_id: int, keep: int = 0) -> None:
+        """As `BlockStage.forget`; the sequence's sampler ends with its request either way."""
         self.stop_sampling(sequence_id)
         self._refused_samplers.pop(sequence_id, None)
-        self.model.forget(sequence_id)
+        self.model.forget(sequence_id, _cut(self._next_position, sequence_id, keep))
 
     def close(self) -> None:
         for sequence_id in list(self._samplers):
@@ -524,8 +536,8 @@ class WholeModel:
         self.timer.add(time.perf_counter() - started, sum(len(s.tokens) for s in steps), decode)
         return logits
 
-    def forget(self, sequence_id: int) -> None:
-        self.model.forget(sequence_id)
+    def forget(self, sequence_id: int, keep: int = 0) -> None:
+        self.model.forget(sequence_id, keep)
 
     def close(self) -> None:
         self.model.close()

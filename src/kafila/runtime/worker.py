@@ -94,7 +94,7 @@ def handle_frames(stage: RingStage, frames: Sequence[Frame]) -> list[Frame]:
             except ValueError as error:  # no answer: the sequence's rows are refused, with this reason
                 stage.refuse_sampling(frame.sequence_id, str(error))
         elif frame.kind is Kind.CANCEL:
-            stage.forget(frame.sequence_id)
+            stage.forget(frame.sequence_id, frame.position)  # a cut after a prefix the next request reuses
             out.append(frame)
         elif frame.kind is Kind.PING and frame.payload:
             report = json.loads(frame.payload)

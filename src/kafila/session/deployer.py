@@ -26,7 +26,7 @@ from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
 from kafila.planner.types import Plan
 from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import RingEngine
+from kafila.runtime.pipeline import RingEngine, prefix_cut_of
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
 from kafila.session.member import serve_stage
@@ -352,9 +352,10 @@ class Deployer:
             first, first_name = self.roster.routers[chain[0]].activation, self.roster.name(chain[0])
         ring = QuicRing(loop, first, first_name, self.roster.routers[back].activation, self.roster.name(back), members)
         self.ring = ring
+        cut = prefix_cut_of(self.model)
         if deployment.head_here:
-            return RingEngine([deployment.stages[-1]], self.settings, ring=ring, depth=depth)
-        return RingEngine(deployment.stages, self.settings, ring=ring, depth=depth, model=self.model)
+            return RingEngine([deployment.stages[-1]], self.settings, ring=ring, depth=depth, prefix_cut=cut)
+        return RingEngine(deployment.stages, self.settings, ring=ring, depth=depth, model=self.model, prefix_cut=cut)
 
     def abandon_ring(self) -> None:
         """End every wait of the current ring at once, before its engine is retired for a new plan."""
