@@ -1,10 +1,11 @@
 """Planner benchmark: Kafila's division against uniform and memory-proportional division.
 
 For each of the three fleets modelled on the paper's (scripts/fleets.py) and each Qwen3 model
-(the dense 8B, 14B and 32B, and the mixture of experts 30B-A3B, priced by the experts a token reads),
-plan the session and evaluate the two rules of thumb on the same ring and head, with the same
-cost model. Then time the planner itself on 64 blocks x 16 members, and the exact ring search
-alone at growing membership. Everything is computed in one run, so ratios are comparable.
+(the dense 8B, 14B and 32B, and the mixture of experts 30B-A3B, priced by the experts a token reads)
+and gpt-oss-120b, and for DeepSeek-V3 on a fleet of five large-memory machines, plan the session
+and evaluate the two rules of thumb on the same ring and head, with the same cost model. Then
+time the planner itself on 64 blocks x 16 members, and the exact ring search alone at growing
+membership. Everything is computed in one run, so ratios are comparable.
 
     python scripts/bench_planner.py            # prints markdown tables
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleets import FLEETS, QWEN3_MOE_SHAPES, QWEN3_SHAPES, fleet
+from fleets import FLEETS, fleet
 
 from kafila.contracts import NatBehaviour, NatClass
 from kafila.planner import PlanRefused, plan_session
@@ -33,14 +34,19 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _short(model: str) -> str:
+    """The model's name without its quantization (Qwen3-32B-Q4_K_M: Qwen3-32B)."""
+    return model.removesuffix("-Q4_K_M").removesuffix("-MXFP4")
+
+
 def division_table() -> None:
     print(
         "| fleet | model | uniform ms | memory ms | Kafila ms | uniform / Kafila | memory / Kafila "
         "| utilisation uniform / memory / Kafila | head | planner ms |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for fleet_name in FLEETS:
-        for model in [*QWEN3_SHAPES, *QWEN3_MOE_SHAPES]:
+    for fleet_name, spec in FLEETS.items():
+        for model in spec["benchmark"]:
             parsed = Fleet.model_validate(fleet(fleet_name, model))
             assert parsed.model is not None
             devices = [d.device() for d in parsed.devices]
@@ -59,7 +65,7 @@ def division_table() -> None:
                 return text if summary.fits else f"{text} (does not fit)"
 
             print(
-                f"| {fleet_name} | {model.removesuffix('-Q4_K_M')} | {cell(uniform)} | {cell(memory)} "
+                f"| {fleet_name} | {_short(model)} | {cell(uniform)} | {cell(memory)} "
                 f"| {plan.bottleneck_s * 1e3:.2f} | {uniform.bottleneck_s / plan.bottleneck_s:.2f}× "
                 f"| {memory.bottleneck_s / plan.bottleneck_s:.2f}× "
                 f"| {uniform.utilisation:.0%} / {memory.utilisation:.0%} / {plan.utilisation:.0%} "
@@ -70,8 +76,7 @@ def division_table() -> None:
 def memory_wall(fleet_name: str = "lan", model: str = "Qwen3-32B-Q4_K_M") -> None:
     """Longer contexts and more concurrent requests: which divisions still fit, and refusals."""
     print(
-        f"\n| {fleet_name}, {model.removesuffix('-Q4_K_M')}: context × concurrency | Kafila ms "
-        "| uniform fits | memory fits | outcome |"
+        f"\n| {fleet_name}, {_short(model)}: context × concurrency | Kafila ms | uniform fits | memory fits | outcome |"
     )
     print("|---|---|---|---|---|")
     for context, concurrency in ((4096, 4), (32768, 6), (65536, 4), (131072, 4)):
