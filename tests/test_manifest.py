@@ -51,6 +51,23 @@ def test_a_mixture_of_experts_records_its_experts_and_reads_k_of_n_a_token(tmp_p
     assert dense_model.expert_bytes is None and dense_model.read_bytes(4) == dense_model.block_bytes
 
 
+def test_gpt_oss_expert_bytes_hold_the_expert_biases_and_a_token_reads_k_of_n(tmp_path: Path) -> None:
+    """gpt-oss's experts carry biases (ffn_*_exps.bias), read with their expert; its router (with
+    its bias), attention sinks and biases are dense. MXFP4 stores 32 values in 17 bytes."""
+    manifest = read_manifest(write_tiny_model(tmp_path / "gpt-oss.gguf", "gpt-oss", n_blocks=3))
+    n, k, n_embd, n_ff = 8, 2, 64, 64  # tiny_models' gpt-oss shape
+    weights = 3 * n * n_ff * n_embd * 17 // 32
+    biases = 4 * n * (n_ff + n_ff + n_embd)  # float32 gate, up and down biases of every expert
+    assert (manifest.experts, manifest.experts_used) == (n, k)
+    assert manifest.expert_bytes == (weights + biases,) * 3
+    dense = [b - e for b, e in zip(manifest.block_bytes, manifest.expert_bytes, strict=True)]
+    router = 4 * (n * n_embd + n)
+    assert all(d > router for d in dense)
+    expected = [d + (weights + biases) * k / n for d in dense]
+    assert manifest.read_bytes(1) == pytest.approx(expected, abs=1.0)
+    assert manifest.kv_bytes_per_token == (2 * 2 * (32 + 32),) * 3  # 2 KV heads of 32, f16 keys and values
+
+
 def test_tied_embedding_is_counted_once(tmp_path: Path) -> None:
     manifest = read_manifest(write_tiny_llama(tmp_path / "tied.gguf", tied_output=True))
     assert manifest.head_bytes == EMBEDDING + N_EMBD * 4

@@ -15,7 +15,7 @@ from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
 from tiny_gguf import write_other_family
 from tiny_models import ModelShape, write_tiny_model
 
-from kafila.runtime.families import UnsupportedFamily
+from kafila.runtime.families import FAMILIES, LONGEST_CONTEXT, UnsupportedFamily
 from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
 from kafila.runtime.slicer import SliceError, slice_model
 from kafila.runtime.stage import WholeModel
@@ -108,6 +108,22 @@ def test_gemma_sliding_window_pattern_follows_the_original_indices(gemma_path: P
     assert "gemma3.attention.sliding_window_pattern" not in only_global.fields
 
 
+def test_gpt_oss_slices_alternate_from_their_first_block_and_a_lone_full_block_gets_a_window(tmp_path: Path) -> None:
+    """llama.cpp windows gpt-oss's even blocks and asserts that a gpt-oss has a windowed block: a
+    slice of one odd block alone is one windowed block whose window no sequence spans."""
+    model = write_tiny_model(tmp_path / "gpt-oss.gguf", "gpt-oss", n_blocks=5)
+    stages = [FastGGUFReader(stage.path) for stage in slice_model(model, [1, 1, 3], tmp_path / "out")]
+    patterns = [reader.scalar("gpt-oss.attention.sliding_window_pattern") for reader in stages]
+    assert patterns == [[True], [True], [True, False, True]]  # block 1 alone is the one marked anew
+    windows = [reader.scalar("gpt-oss.attention.sliding_window") for reader in stages]
+    assert windows == [8, LONGEST_CONTEXT, 8]
+    assert stages[1].scalar("gpt-oss.rope.freq_base_swa") == stages[1].scalar("gpt-oss.rope.freq_base")
+    assert "gpt-oss.rope.freq_base_swa" not in stages[0].fields
+    for reader in stages[:2]:  # llama.cpp requires gpt-oss's output projection: a 4-row stand-in
+        output = next(t for t in reader.tensors if t.name == "output.weight")
+        assert output.data.shape[0] == 4 and not output.data.any()
+
+
 def test_slicing_gemma_is_fast_and_keeps_the_vocabulary(gemma_path: Path, tmp_path: Path) -> None:
     started = time.perf_counter()
     stages = slice_model(gemma_path, [6, 6, 6], tmp_path)
@@ -136,8 +152,9 @@ def test_bad_divisions(tmp_path: Path, counts: list[int], message: str) -> None:
 
 def test_unsupported_family_is_named_with_the_supported_ones(tmp_path: Path) -> None:
     model = write_other_family(tmp_path / "mamba.gguf", "mamba")
-    with pytest.raises(UnsupportedFamily, match=r"'mamba'.*supported: gemma3, llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedFamily, match=r"'mamba' is not supported for splitting; supported: ") as refused:
         slice_model(model, [1, 1], tmp_path / "out")
+    assert all(name in str(refused.value) for name in FAMILIES)
     assert slice_model(model, [2], tmp_path / "out")[0].path == model  # unsplit needs no support
 
 

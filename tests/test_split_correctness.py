@@ -23,7 +23,9 @@ from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
 SETTINGS = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=4, n_threads=2)
 PROMPT = "hello world, the kafila model is in a block of the world and it is to the model of the world"
 STEPS = 32
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4}
+# gpt-oss windows its even blocks: with 5, slices start on both parities, and the 3-way cut's middle
+# stage is block 1 alone, a full-attention block with no windowed one beside it
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 5}
 GEMMA_TURN = "<start_of_turn>user\nName three colours.<end_of_turn>\n<start_of_turn>model\n"
 
 
@@ -105,6 +107,20 @@ def test_gemma3_27b_shape_splits(tmp_path: Path) -> None:
     for counts in ([1, 61], [31, 31], [55, 7], [61, 1], [20, 21, 21]):
         files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
         assert greedy_split(files, prompt, steps=16) == expected, f"gemma3 62-block split {counts} diverged"
+
+
+def test_gpt_oss_splits_into_single_blocks(tmp_path: Path) -> None:
+    """gpt-oss windows its even blocks, and llama.cpp loads no gpt-oss without a windowed block:
+    a stage of one odd block, the head's included, holds it as windowed with a window wider than
+    any context, and decodes what the whole model does."""
+    path = write_tiny_model(tmp_path / "gpt-oss.gguf", "gpt-oss", n_blocks=4)
+    whole = WholeModel(path, SETTINGS)
+    prompt = whole.vocabulary.tokenize(PROMPT)
+    whole.close()
+    expected = greedy_unsplit(path, prompt, steps=16)
+    assert len(set(expected)) > 3
+    files = [stage.path for stage in slice_model(path, [1, 1, 1, 1], tmp_path / "singles")]
+    assert greedy_split(files, prompt, steps=16) == expected
 
 
 def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:

@@ -17,8 +17,9 @@ from kafila.runtime.manifest import read_manifest
 PROMPT = "hello world, the model is in the block of kafila and it is a test: ünïcödé 123!"
 N_GREEDY = 32
 # gemma3 makes every 6th layer global: with 6 blocks, both kinds of layer are present.
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4}
-TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False}
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 4}
+TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False, "gpt-oss": False}
+MOE = ("qwen3moe", "gpt-oss")
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
@@ -48,7 +49,9 @@ def test_generates_varied_deterministic_tokens(tiny: tuple[str, Path]) -> None:
     llm = _load(path)
     prompt = llm.tokenize(PROMPT.encode())
     assert len(prompt) > 16
-    assert llm.detokenize(prompt).decode() == PROMPT  # byte fallback loses nothing
+    # byte fallback loses nothing; llama-cpp-python drops SentencePiece's leading space only after
+    # a BOS, and gpt-oss's tokenizer adds none
+    assert llm.detokenize(prompt).decode().removeprefix(" " if arch == "gpt-oss" else "") == PROMPT
 
     first = _greedy(llm, prompt)
     second = _greedy(llm, prompt)
@@ -83,17 +86,20 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
     manifest = read_manifest(path)
     assert manifest.architecture == arch
     assert len(manifest.block_bytes) == N_BLOCKS[arch]
-    assert len(set(manifest.block_bytes)) > 1
+    if arch != "gpt-oss":  # whose blocks are all alike, as the real model's: MXFP4 experts throughout
+        assert len(set(manifest.block_bytes)) > 1
     assert manifest.head_bytes > 0
 
     names = {t.name for t in GGUFReader(path).tensors}
     assert ("output.weight" not in names) == TIED[arch]
-    assert ("blk.0.attn_q.bias" in names) == (arch == "qwen2")
+    assert ("blk.0.attn_q.bias" in names) == (arch in ("qwen2", "gpt-oss"))
     assert ("blk.0.attn_q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "qwen3moe"))
     assert ("blk.0.post_ffw_norm.weight" in names) == (arch == "gemma3")
     moe = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"}
-    assert (moe <= names) == (arch == "qwen3moe") and ("blk.0.ffn_gate.weight" in names) == (arch != "qwen3moe")
-    assert (manifest.expert_bytes is not None) == (arch == "qwen3moe")
+    assert (moe <= names) == (arch in MOE) and ("blk.0.ffn_gate.weight" in names) == (arch not in MOE)
+    assert (manifest.expert_bytes is not None) == (arch in MOE)
+    harmony = {"attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_down_exps.bias"}
+    assert ({f"blk.0.{name}" for name in harmony} <= names) == (arch == "gpt-oss")
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)

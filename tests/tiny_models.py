@@ -13,15 +13,16 @@ from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 
-SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
 
 Q8_0 = GGMLQuantizationType.Q8_0
 F16 = GGMLQuantizationType.F16
 F32 = GGMLQuantizationType.F32
 BF16 = GGMLQuantizationType.BF16
+MXFP4 = GGMLQuantizationType.MXFP4
 # Per-block FFN storage, cycled by block index, so that block byte sizes differ.
 _FFN_TYPES: tuple[GGMLQuantizationType, ...] = (Q8_0, F16, F32)
 
@@ -55,6 +56,14 @@ class ModelShape:
     n_expert: int = 0  # mixture of experts: the FFN is n_expert experts, n_expert_used routed a token
     n_expert_used: int = 0
     n_ff_expert: int = 0
+    # gpt-oss: biases on the attention output, the router and the experts, and a learned sink
+    # logit per query head; its FFN's input norm is named post_attention_norm
+    out_bias: bool = False
+    attn_sinks: bool = False
+    expert_biases: bool = False
+    ffn_norm_name: str = "ffn_norm"
+    add_bos: bool = True  # gpt-oss's tokenizer adds none: its chat template opens every prompt
+    rope_scaling: tuple[str, float, int] | None = None  # (type, factor, original context length)
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -82,6 +91,32 @@ _SHAPES["qwen3moe"] = replace(
     _SHAPES["qwen3"], tied_output=False, n_expert=8, n_expert_used=2, n_ff_expert=64, embd_std=1.0
 )
 
+# gpt-oss-20b's block scaled down: 4 query heads over 2 KV heads of 32 (64 over 8 of 64 there,
+# n_head * head_dim != n_embd in both), every even block windowed (8 tokens; 128 there), 8 experts
+# of which 2 route a token (32 and 4 there) stored as MXFP4 as the released files store them, and
+# its yarn rope scaling
+_SHAPES["gpt-oss"] = ModelShape(
+    n_embd=64,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=32,
+    n_ff=64,
+    tied_output=False,
+    qkv_bias=True,
+    sliding_window=8,
+    embd_std=1.0,
+    ffn_types=(MXFP4,),
+    n_expert=8,
+    n_expert_used=2,
+    n_ff_expert=64,
+    out_bias=True,
+    attn_sinks=True,
+    expert_biases=True,
+    ffn_norm_name="post_attention_norm",
+    add_bos=False,
+    rope_scaling=("yarn", 32.0, 4096),
+)
+
 TINY_SHAPES: Mapping[str, ModelShape] = MappingProxyType(_SHAPES)
 
 _WORDS = ("the", "a", "and", "hello", "world", "of", "to", "is", "in", "it", "model", "block", "kafila")
@@ -96,6 +131,8 @@ def _vocab(arch: str) -> tuple[list[str], list[float], list[int], dict[str, int]
     specials = ["<unk>", "<s>", "</s>"]
     if arch == "gemma3":
         specials += ["<pad>", "<start_of_turn>", "<end_of_turn>"]
+    if arch == "gpt-oss":  # the harmony format's markers, which its chat template writes
+        specials += ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"]
     tokens = list(specials)
     types = [TokenType.UNKNOWN] + [TokenType.CONTROL] * (len(specials) - 1)
     scores = [0.0] * len(specials)
@@ -161,6 +198,11 @@ def write_tiny_model(
     writer.add_rope_freq_base(10000.0)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.rope_scaling is not None:
+        scaling, factor, original_context = shape.rope_scaling
+        writer.add_rope_scaling_type(RopeScalingType(scaling))
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(original_context)
     if shape.n_expert:
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
@@ -174,7 +216,7 @@ def write_tiny_model(
     writer.add_eos_token_id(special_ids["</s>"])
     if "<pad>" in special_ids:
         writer.add_pad_token_id(special_ids["<pad>"])
-    writer.add_add_bos_token(True)
+    writer.add_add_bos_token(shape.add_bos)
     writer.add_add_eos_token(False)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
@@ -221,15 +263,24 @@ def write_tiny_model(
             add(f"{blk}.attn_q_norm.weight", ones(head_dim), F32)
             add(f"{blk}.attn_k_norm.weight", ones(head_dim), F32)
         add(f"{blk}.attn_output.weight", matrix(n_embd, n_q), shape.attn_qko_type)
+        if shape.out_bias:
+            add(f"{blk}.attn_output.bias", (rng.standard_normal(n_embd) * 0.1).astype(np.float32), F32)
+        if shape.attn_sinks:
+            add(f"{blk}.attn_sinks.weight", rng.standard_normal(shape.n_head).astype(np.float32), F32)
         if shape.post_norms:
             add(f"{blk}.post_attention_norm.weight", ones(n_embd), F32)
-        add(f"{blk}.ffn_norm.weight", ones(n_embd), F32)
+        add(f"{blk}.{shape.ffn_norm_name}.weight", ones(n_embd), F32)
         if shape.n_expert:
             experts, n_ff_e = shape.n_expert, shape.n_ff_expert
             add(f"{blk}.ffn_gate_inp.weight", matrix(experts, n_embd), F32)  # the router
+            if shape.expert_biases:
+                add(f"{blk}.ffn_gate_inp.bias", (rng.standard_normal(experts) * 0.1).astype(np.float32), F32)
             for name, rows, cols in (("gate", n_ff_e, n_embd), ("up", n_ff_e, n_embd), ("down", n_embd, n_ff_e)):
                 stacked = np.stack([matrix(rows, cols) for _ in range(experts)])
                 add(f"{blk}.ffn_{name}_exps.weight", stacked, ffn_type)
+                if shape.expert_biases:
+                    bias = (rng.standard_normal((experts, rows)) * 0.1).astype(np.float32)
+                    add(f"{blk}.ffn_{name}_exps.bias", bias, F32)
         else:
             add(f"{blk}.ffn_gate.weight", matrix(n_ff, n_embd), ffn_type)
             add(f"{blk}.ffn_up.weight", matrix(n_ff, n_embd), ffn_type)

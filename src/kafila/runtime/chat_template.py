@@ -15,7 +15,13 @@ from typing import Any
 
 from kafila.runtime.llama_backend import load_llama
 
-BUILT_IN_BY_ARCHITECTURE = {"gemma3": "gemma", "gemma2": "gemma", "gemma": "gemma", "llama": "llama3"}
+BUILT_IN_BY_ARCHITECTURE = {
+    "gemma3": "gemma",
+    "gemma2": "gemma",
+    "gemma": "gemma",
+    "llama": "llama3",
+    "gpt-oss": "gpt-oss",  # harmony's turns, without the system block its own template writes
+}
 DEFAULT_BUILT_IN = "chatml"
 
 

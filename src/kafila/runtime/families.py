@@ -29,6 +29,7 @@ class SliceView:
     end: int
     is_head: bool
     value: Callable[[str], Any]
+    sliding: tuple[bool, ...] | None = None  # which of its blocks the slicer writes as windowed; None: no window
 
     @property
     def count(self) -> int:
@@ -55,6 +56,7 @@ class Family:
     scales_token_embeddings: bool = False  # gemma multiplies token embeddings by sqrt(n_embd)
     sliding_window_period: int | None = None  # llama.cpp's default pattern, unless the file lists the blocks
     unsplittable_block_counts: frozenset[int] = frozenset()  # where no rule can restore what the count keys
+    output_required: bool = False  # llama.cpp loads no stage without output.weight (gpt-oss): it gets a stand-in
     rules: Callable[[SliceView], SliceRules] = _no_rules
 
     def token_input_scale(self, n_embd: int) -> np.float32 | None:
@@ -95,6 +97,28 @@ def _gemma3_rules(view: SliceView) -> SliceRules:
     return SliceRules(tensor_scales={"attn_q_norm.weight": whole / sliced})
 
 
+LONGEST_CONTEXT = 1 << 20  # the most tokens Kafila gives one sequence (the CLI's --context limit)
+
+
+def _gpt_oss_rules(view: SliceView) -> SliceRules:
+    """gpt-oss alternates windowed and full attention whatever the file says: llama.cpp sets its
+    window type to standard, requires the window key (openai-moe.cpp, load_arch_hparams) and asserts
+    that some block is windowed (llama-model.cpp, create_memory). A slice of one full block alone,
+    an odd one, has none; it is written as one windowed block whose window no two positions of a
+    sequence can span, so that nothing is masked, with the full blocks' rope base."""
+    if view.sliding is None or any(view.sliding):
+        return SliceRules()
+    arch = view.arch
+    base = view.value(f"{arch}.rope.freq_base")
+    return SliceRules(
+        values={
+            f"{arch}.attention.sliding_window": (GGUFValueType.UINT32, LONGEST_CONTEXT),
+            f"{arch}.attention.sliding_window_pattern": (GGUFValueType.ARRAY, [True] * view.count),
+            f"{arch}.rope.freq_base_swa": (GGUFValueType.FLOAT32, float(base) if base is not None else 10000.0),
+        }
+    )
+
+
 FAMILIES = {
     family.name: family
     for family in (
@@ -103,6 +127,7 @@ FAMILIES = {
         Family("qwen3"),
         Family("qwen3moe"),  # its experts are tensors of their block: a slice carries them whole
         Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules),
+        Family("gpt-oss", sliding_window_period=2, output_required=True, rules=_gpt_oss_rules),
     )
 }
 

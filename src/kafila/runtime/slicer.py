@@ -107,7 +107,10 @@ class _Slice:
     def __init__(self, reader: FastGGUFReader, arch: str, n_blocks: int, first: int, end: int, is_head: bool):
         self.reader, self.arch, self.n_blocks = reader, arch, n_blocks
         self.first, self.end, self.is_head = first, end, is_head
-        self.rules = family_of(arch).rules(SliceView(arch, n_blocks, first, end, is_head, reader.scalar))
+        sliding = self._sliding_blocks()
+        windowed = None if sliding is None else tuple(sliding)
+        view = SliceView(arch, n_blocks, first, end, is_head, reader.scalar, windowed)
+        self.rules = family_of(arch).rules(view)
 
     def metadata(self, writer: RawCopyWriter) -> None:
         count = self.end - self.first
@@ -211,6 +214,8 @@ class _Slice:
             # Rows for the stand-in tokens: never read, since a stage is fed hidden states.
             n_embd = int(embedding.shape[0])
             writer.add_tensor("token_embd.weight", np.zeros((len(STAND_IN_TOKENS), n_embd), dtype=np.float32))
+            if family_of(self.arch).output_required:  # its logits are computed, never read
+                writer.add_tensor("output.weight", np.zeros((len(STAND_IN_TOKENS), n_embd), dtype=np.float32))
 
 
 def _array_type(values: list[Any]) -> GGUFValueType:
