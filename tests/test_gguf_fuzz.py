@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from tiny_gguf import write_tiny_llama
 
-from kafila.runtime.gguf_file import GGUFFormatError
+from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
+from kafila.runtime.llama_backend import ContextSettings, LlamaModel
 from kafila.runtime.manifest import read_manifest
 
 
@@ -34,3 +35,24 @@ def test_corrupted_headers_fail_cleanly(tiny_bytes: bytes, tmp_path: Path, data:
     except (GGUFFormatError, ValidationError):
         return
     assert manifest.n_blocks >= 1
+
+
+def test_a_model_missing_a_tensor_is_refused_naming_it(tmp_path: Path) -> None:
+    """llama.cpp's own reason reaches the person: the tensor it looked for, not a warning it
+    happened to print before."""
+    source = write_tiny_llama(tmp_path / "whole.gguf", n_blocks=2)
+    reader = FastGGUFReader(source)
+    writer = RawCopyWriter(tmp_path / "broken.gguf", arch="llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key not in ("general.architecture", "general.alignment"):
+            vtype, value = raw_value(reader, key)
+            writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        if tensor.name != "blk.1.attn_q.weight":
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(RuntimeError, match=r"could not load .*tensor 'blk\.1\.attn_q\.weight' not found"):
+        LlamaModel(tmp_path / "broken.gguf", ContextSettings(n_ctx=64, n_batch=8, n_seq_max=1, n_threads=1))

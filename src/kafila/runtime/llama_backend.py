@@ -119,7 +119,9 @@ def _import_llama() -> Any:
 
 
 _CALLBACKS: list[Any] = []  # ctypes callbacks must outlive every call that may use them
+GGML_LOG_WARN, GGML_LOG_ERROR = 3, 4  # ggml_log_level
 _ERRORS: list[str] = []
+_WARNINGS: list[str] = []
 
 
 def _log(level: int, text: bytes | None, _user: Any) -> None:
@@ -127,13 +129,22 @@ def _log(level: int, text: bytes | None, _user: Any) -> None:
     message = text.decode("utf-8", errors="replace") if text else ""
     if os.environ.get("KAFILA_LLAMA_LOG"):
         print(message, end="", file=sys.stderr, flush=True)
-    if level == 3 and message.strip():
-        _ERRORS.append(message.strip())
-        del _ERRORS[:-5]
+    if level in (GGML_LOG_WARN, GGML_LOG_ERROR) and message.strip():
+        kept = _ERRORS if level == GGML_LOG_ERROR else _WARNINGS
+        kept.append(message.strip())
+        del kept[:-5]
 
 
 def last_error(default: str = "no reason given") -> str:
-    return _ERRORS[-1] if _ERRORS else default
+    """Why llama.cpp failed since `_forget_errors`: its errors, the cause first and its summary
+    after ("… tensor 'blk.1.attn_q.weight' not found; … failed to load model"), else its last warning."""
+    return "; ".join(_ERRORS[-3:]) if _ERRORS else _WARNINGS[-1] if _WARNINGS else default
+
+
+def _forget_errors() -> None:
+    """Before a load: what an earlier one logged explains nothing about this one."""
+    _ERRORS.clear()
+    _WARNINGS.clear()
 
 
 @functools.cache
@@ -298,6 +309,7 @@ class VocabularyOnly:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._llama = llama()
+        _forget_errors()
         self.model = self._llama.llama_model_load_from_file(str(path).encode(), model_params(vocab_only=True))
         if not self.model:
             raise RuntimeError(f"llama.cpp could not read the vocabulary of {path}: {last_error()}")
@@ -325,6 +337,7 @@ class LlamaModel:
         self._llama = llama()
         self.settings = settings
         params = model_params(settings.gpu_layers, repack=settings.repack)
+        _forget_errors()
         self.model = self._llama.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}: {last_error()}")
