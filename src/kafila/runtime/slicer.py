@@ -108,6 +108,8 @@ class _Slice:
         self.reader, self.arch, self.n_blocks = reader, arch, n_blocks
         self.first, self.end, self.is_head = first, end, is_head
         self.rules = family_of(arch).rules(SliceView(arch, n_blocks, first, end, is_head, reader.scalar))
+        if self.rules.refusal is not None:
+            raise SliceError(self.rules.refusal)
 
     def metadata(self, writer: RawCopyWriter) -> None:
         count = self.end - self.first
