@@ -150,6 +150,34 @@ def test_with_a_sliding_window_a_sequence_a_failed_batch_may_have_spoiled_is_not
         reference.close()
 
 
+def test_a_recurrent_state_a_failed_batch_advanced_is_refused_not_retried(tmp_path: Path) -> None:
+    """qwen3next's delta-net blocks keep one state per sequence, not one row per position, so a
+    failed forward cannot take back a decode that completed: the sequence it advanced is refused
+    with the batch's reason, and starts afresh once forgotten; the one that failed is retried
+    alone (and fails alone); a sequence's first rows, undone, leave its slot empty."""
+    hybrid = write_tiny_model(tmp_path / "qwen3next.gguf", "qwen3next", n_blocks=8)
+    first, _ = slice_model(hybrid, [4, 4], tmp_path / "stages")
+    stage, reference = BlockStage(first.path, SETTINGS), BlockStage(first.path, SETTINGS)
+    rng = np.random.default_rng(5)
+    short = rng.standard_normal((10, stage.hidden)).astype(np.float32)
+    long = rng.standard_normal((300, stage.hidden)).astype(np.float32)  # the cache holds 256 rows
+    row = rng.standard_normal((1, stage.hidden)).astype(np.float32)
+    try:
+        assert stage.model.keeps_recurrent_state
+        stage.forward([StepInput(0, 0, short)])
+        frames = [Frame.of_hidden(Kind.DECODE, 0, 10, row), Frame.of_hidden(Kind.PREFILL, 1, 0, long)]
+        advanced, failed = handle_frames(stage, frames)
+        for refused, sequence in ((advanced, 0), (failed, 1)):
+            assert refused.kind is Kind.ERROR and refused.sequence_id == sequence and "no room" in refused.text()
+        assert stage.model.next_position(1) == 0
+        stage.forget(0)
+        (got,), (want,) = stage.forward([StepInput(0, 0, short)]), reference.forward([StepInput(0, 0, short)])
+        assert np.array_equal(got, want)
+    finally:
+        stage.close()
+        reference.close()
+
+
 def test_a_sequence_id_without_a_slot_is_refused_not_fatal(model: Path, tmp_path: Path) -> None:
     """llama.cpp aborts the process on a cache call for a sequence id out of its range; a stage
     refuses such a frame as that sequence's error, and a CANCEL for it is a no-op."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
 from tiny_gguf import write_other_family
-from tiny_models import ModelShape, write_tiny_model
+from tiny_models import TINY_SHAPES, ModelShape, write_tiny_model
 
 from kafila.runtime.families import FAMILIES, LONGEST_CONTEXT, UnsupportedFamily
 from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
@@ -238,3 +238,38 @@ def test_hashing_a_model_reports_its_bytes_and_stops_when_its_caller_is_cancelle
     assert time.monotonic() - started < 20
     assert calls[-1][0] < (64 << 30) // 4
     assert str(large.resolve()) not in (tmp_path / "cache" / "model-hashes.json").read_text()
+
+
+def test_qwen3next_slices_list_which_of_their_blocks_are_delta_nets(tmp_path: Path) -> None:
+    """llama.cpp counts qwen3next's full-attention blocks (every 4th) from a block's index in the
+    file: a slice lists its blocks' kinds, and a listing in the source is cut like any per-layer
+    array; either way the split decodes what the whole model does."""
+    expected_kinds = [(i + 1) % 4 != 0 for i in range(12)]
+    for listed in (False, True):
+        shape = dataclasses.replace(TINY_SHAPES["qwen3next"], list_recurrent_layers=listed)
+        model = write_tiny_model(tmp_path / f"listed-{listed}.gguf", "qwen3next", n_blocks=12, shape=shape)
+        stages = slice_model(model, [5, 3, 4], tmp_path / f"out-{listed}")
+        for stage in stages:
+            kinds = FastGGUFReader(stage.path).scalar("qwen3next.attention.recurrent_layers")
+            assert kinds == expected_kinds[stage.first_block : stage.end_block]
+        whole = WholeModel(model, SETTINGS)
+        prompt = whole.vocabulary.tokenize("hello world, the kafila model is in a block of the world")
+        whole.close()
+        assert greedy_split([s.path for s in stages], prompt, 12) == greedy_unsplit(model, prompt, 12)
+
+
+@pytest.mark.parametrize(
+    ("counts", "nextn", "message"),
+    [
+        ([3, 5], 0, r"qwen3next: a stage holding blocks 0-2 would have only gated delta-net .* both kinds"),
+        ([7, 1], 0, r"qwen3next: a stage holding blocks 7-7 would have only full attention .* both kinds"),
+        ([4, 4], 1, r"qwen3next: the file carries multi-token-prediction blocks .* --no-mtp"),
+    ],
+)
+def test_qwen3next_cuts_llama_cpp_cannot_run_are_refused_before_writing(
+    tmp_path: Path, counts: list[int], nextn: int, message: str
+) -> None:
+    model = write_other_family(tmp_path / "qwen3next.gguf", "qwen3next", 8, {"qwen3next.nextn_predict_layers": nextn})
+    with pytest.raises(SliceError, match=message):
+        slice_model(model, counts, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -17,9 +17,13 @@ from kafila.runtime.manifest import read_manifest
 PROMPT = "hello world, the model is in the block of kafila and it is a test: ünïcödé 123!"
 N_GREEDY = 32
 # gemma3 makes every 6th layer global: with 6 blocks, both kinds of layer are present.
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 4}
-TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False, "gpt-oss": False}
-MOE = ("qwen3moe", "gpt-oss")
+# qwen3next makes every 4th block full attention, the others gated delta nets.
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 4, "qwen3next": 8}
+TIED = {
+    "llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False, "gpt-oss": False,
+    "qwen3next": False,
+}  # fmt: skip
+MOE = ("qwen3moe", "gpt-oss", "qwen3next")
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
@@ -100,6 +104,15 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
     assert (manifest.expert_bytes is not None) == (arch in MOE)
     harmony = {"attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_down_exps.bias"}
     assert ({f"blk.0.{name}" for name in harmony} <= names) == (arch == "gpt-oss")
+    if arch == "qwen3next":  # blocks 0-2 and 4-6 are delta nets, 3 and 7 full attention with a gated query
+        delta_net = {"attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a"}
+        delta_net |= {"ssm_ba.weight", "ssm_norm.weight", "ssm_out.weight"}
+        attention = {"attn_q.weight", "attn_k.weight", "attn_q_norm.weight", "attn_output.weight"}
+        shared = {"ffn_gate_inp_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"}
+        for i in range(N_BLOCKS[arch]):
+            kind, other = (attention, delta_net) if i % 4 == 3 else (delta_net, attention)
+            assert {f"blk.{i}.{n}" for n in kind | shared} <= names
+            assert not {f"blk.{i}.{n}" for n in other} & names
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)

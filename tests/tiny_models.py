@@ -7,7 +7,7 @@ are written on the spot with the gguf package, random weights and a few hundred 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 
-SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen3next")
 
 Q8_0 = GGMLQuantizationType.Q8_0
 F16 = GGMLQuantizationType.F16
@@ -64,6 +64,16 @@ class ModelShape:
     ffn_norm_name: str = "ffn_norm"
     add_bos: bool = True  # gpt-oss's tokenizer adds none: its chat template opens every prompt
     rope_scaling: tuple[str, float, int] | None = None  # (type, factor, original context length)
+    # qwen3next: gated delta-net blocks (linear attention, with a recurrent state) between full
+    # attention blocks every `full_attention_interval`-th; a shared expert beside the routed ones
+    full_attention_interval: int = 0
+    list_recurrent_layers: bool = False  # write attention.recurrent_layers, as newer converters do
+    ssm_head_dim: int = 0  # the delta net's key and value head size (ssm.state_size)
+    ssm_k_heads: int = 0  # ssm.group_count
+    ssm_v_heads: int = 0  # ssm.time_step_rank
+    ssm_conv: int = 4
+    n_ff_shared: int = 0
+    rope_dim: int = 0  # rotated dimensions of a head, where not all are
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -117,6 +127,29 @@ _SHAPES["gpt-oss"] = ModelShape(
     rope_scaling=("yarn", 32.0, 4096),
 )
 
+# Qwen3-Next-80B-A3B's blocks scaled down: 3 of 4 are a gated delta net (there 16 key heads,
+# 32 value heads of 128), every 4th is full attention with a gated query (16 heads, 2 KV, of 256,
+# a quarter of each rotated); all have 512 experts of which 10 route a token, and a shared expert.
+_SHAPES["qwen3next"] = ModelShape(
+    n_embd=64,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=16,
+    n_ff=0,
+    tied_output=False,
+    qk_norm=True,
+    n_expert=8,
+    n_expert_used=2,
+    n_ff_expert=32,
+    n_ff_shared=32,
+    full_attention_interval=4,
+    ssm_head_dim=8,
+    ssm_k_heads=2,
+    ssm_v_heads=4,
+    rope_dim=4,
+    embd_std=1.0,
+)
+
 TINY_SHAPES: Mapping[str, ModelShape] = MappingProxyType(_SHAPES)
 
 _WORDS = ("the", "a", "and", "hello", "world", "of", "to", "is", "in", "it", "model", "block", "kafila")
@@ -163,7 +196,7 @@ def write_tiny_model(
 
     FFN storage cycles Q8_0 / F16 / F32 by block so block sizes differ; llama and qwen2
     carry their own output.weight, qwen3 and gemma3 tie it to token_embd. `shape` replaces
-    the architecture's tiny default (and its limit of 8 blocks); `chat_template` (Jinja) is
+    the architecture's tiny default (and its limit of 12 blocks); `chat_template` (Jinja) is
     stored as tokenizer.chat_template, without which servers use their built-in one. Tensors
     are written through a temporary file as they are made, so a model of a gigabyte needs
     little memory to write.
@@ -171,8 +204,8 @@ def write_tiny_model(
     if arch not in _SHAPES:
         raise ValueError(f"no tiny model for architecture {arch!r}; choose from {SUPPORTED_TINY_ARCHS}")
     if shape is None:
-        if not 1 <= n_blocks <= 8:
-            raise ValueError(f"n_blocks is {n_blocks}; tiny models have 1 to 8")
+        if not 1 <= n_blocks <= 12:
+            raise ValueError(f"n_blocks is {n_blocks}; tiny models have 1 to 12")
         shape = _SHAPES[arch]
     elif n_blocks < 1:
         raise ValueError(f"n_blocks is {n_blocks}; a model needs at least 1")
@@ -207,6 +240,8 @@ def write_tiny_model(
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
         writer.add_expert_feed_forward_length(shape.n_ff_expert)
+    if shape.full_attention_interval:
+        _add_delta_net_metadata(writer, arch, shape, n_blocks)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -251,6 +286,27 @@ def write_tiny_model(
     for i in range(n_blocks):
         ffn_type = shape.ffn_types[i % len(shape.ffn_types)]
         blk = f"blk.{i}"
+        if shape.full_attention_interval:
+            add(f"{blk}.attn_norm.weight", ones(n_embd), F32)
+            add(f"{blk}.post_attention_norm.weight", ones(n_embd), F32)
+            if (i + 1) % shape.full_attention_interval:
+                _add_delta_net(add, matrix, rng, shape, blk)
+            else:  # full attention; its query projection also yields a gate per query value
+                add(f"{blk}.attn_q.weight", matrix(2 * n_q, n_embd), shape.attn_qko_type)
+                add(f"{blk}.attn_k.weight", matrix(n_kv, n_embd), shape.attn_qko_type)
+                add(f"{blk}.attn_v.weight", matrix(n_kv, n_embd), shape.attn_v_type)
+                add(f"{blk}.attn_output.weight", matrix(n_embd, n_q), shape.attn_qko_type)
+                add(f"{blk}.attn_q_norm.weight", ones(head_dim), F32)
+                add(f"{blk}.attn_k_norm.weight", ones(head_dim), F32)
+            experts, n_ff_e, n_ff_s = shape.n_expert, shape.n_ff_expert, shape.n_ff_shared
+            add(f"{blk}.ffn_gate_inp.weight", matrix(experts, n_embd), F32)
+            for name, rows, cols in (("gate", n_ff_e, n_embd), ("up", n_ff_e, n_embd), ("down", n_embd, n_ff_e)):
+                add(f"{blk}.ffn_{name}_exps.weight", np.stack([matrix(rows, cols) for _ in range(experts)]), ffn_type)
+            add(f"{blk}.ffn_gate_inp_shexp.weight", matrix(1, n_embd)[0], F32)  # the shared expert's gate
+            add(f"{blk}.ffn_gate_shexp.weight", matrix(n_ff_s, n_embd), ffn_type)
+            add(f"{blk}.ffn_up_shexp.weight", matrix(n_ff_s, n_embd), ffn_type)
+            add(f"{blk}.ffn_down_shexp.weight", matrix(n_embd, n_ff_s), ffn_type)
+            continue
         add(f"{blk}.attn_norm.weight", ones(n_embd), F32)
         add(f"{blk}.attn_q.weight", matrix(n_q, n_embd), shape.attn_qko_type)
         add(f"{blk}.attn_k.weight", matrix(n_kv, n_embd), shape.attn_qko_type)
@@ -293,6 +349,44 @@ def write_tiny_model(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_delta_net_metadata(writer: GGUFWriter, arch: str, shape: ModelShape, n_blocks: int) -> None:
+    """A hybrid model's linear-attention sizes and where its full-attention blocks are: by period
+    (`full_attention_interval`), and where the shape says so also block by block."""
+    writer.add_ssm_conv_kernel(shape.ssm_conv)
+    writer.add_ssm_state_size(shape.ssm_head_dim)
+    writer.add_ssm_group_count(shape.ssm_k_heads)
+    writer.add_ssm_time_step_rank(shape.ssm_v_heads)
+    writer.add_ssm_inner_size(shape.ssm_head_dim * shape.ssm_v_heads)
+    writer.add_full_attention_interval(shape.full_attention_interval)
+    if shape.list_recurrent_layers:
+        recurrent = [(i + 1) % shape.full_attention_interval != 0 for i in range(n_blocks)]
+        writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    writer.add_expert_shared_feed_forward_length(shape.n_ff_shared)
+    if shape.rope_dim:
+        writer.add_rope_dimension_count(shape.rope_dim)
+
+
+def _add_delta_net(
+    add: Callable[[str, np.ndarray, GGMLQuantizationType], None],
+    matrix: Callable[[int, int], np.ndarray],
+    rng: np.random.Generator,
+    shape: ModelShape,
+    blk: str,
+) -> None:
+    """A gated delta-net block's linear attention, as llama.cpp's qwen3next loader sizes it."""
+    n_embd, head, conv = shape.n_embd, shape.ssm_head_dim, shape.ssm_conv
+    key_dim, value_dim = head * shape.ssm_k_heads, head * shape.ssm_v_heads
+    conv_dim = 2 * key_dim + value_dim
+    add(f"{blk}.attn_qkv.weight", matrix(conv_dim, n_embd), shape.attn_qko_type)
+    add(f"{blk}.attn_gate.weight", matrix(value_dim, n_embd), shape.attn_qko_type)
+    add(f"{blk}.ssm_conv1d.weight", (rng.standard_normal((conv_dim, conv)) * 0.5).astype(np.float32), F32)
+    add(f"{blk}.ssm_dt.bias", (rng.standard_normal(shape.ssm_v_heads) * 0.5).astype(np.float32), F32)
+    add(f"{blk}.ssm_a", -np.exp(rng.uniform(-1.0, 1.0, shape.ssm_v_heads)).astype(np.float32), F32)  # -exp(A_log)
+    add(f"{blk}.ssm_ba.weight", matrix(2 * shape.ssm_v_heads, n_embd), F32)
+    add(f"{blk}.ssm_norm.weight", np.ones(head, dtype=np.float32), F32)
+    add(f"{blk}.ssm_out.weight", matrix(n_embd, value_dim), shape.attn_qko_type)
 
 
 def write_wide_model(path: Path, n_blocks: int) -> Path:

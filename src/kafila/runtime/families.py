@@ -40,10 +40,12 @@ class SliceView:
 class SliceRules:
     """What a slice must carry beyond the source's metadata with per-layer arrays sliced:
     `values`, keys written as given (type and value), over the source's; `tensor_scales`, factors
-    applied to the slice's float32 block tensors named by what follows `blk.N.`."""
+    applied to the slice's float32 block tensors named by what follows `blk.N.`; `refusal`, why
+    this slice cannot be cut at all (the slicer refuses the division with it, naming the family)."""
 
     values: Mapping[str, tuple[GGUFValueType, Any]] = field(default_factory=dict)
     tensor_scales: Mapping[str, float] = field(default_factory=dict)
+    refusal: str | None = None
 
 
 def _no_rules(_view: SliceView) -> SliceRules:
@@ -119,6 +121,41 @@ def _gpt_oss_rules(view: SliceView) -> SliceRules:
     )
 
 
+def recurrent_blocks(view: SliceView) -> list[bool]:
+    """Which of the source's blocks are recurrent (linear attention), as a hybrid's loader reads
+    it: the `attention.recurrent_layers` array if the file has one, else every block but each
+    `full_attention_interval`-th (default 4), counting from 1 (llama.cpp's
+    src/models/qwen3next.cpp, load_arch_hparams); multi-token-prediction blocks never are."""
+    listed = view.value(f"{view.arch}.attention.recurrent_layers")
+    if isinstance(listed, list):
+        return [bool(v) for v in listed]
+    interval = int(view.value(f"{view.arch}.full_attention_interval") or 4)
+    trunk = view.n_blocks - int(view.value(f"{view.arch}.nextn_predict_layers") or 0)
+    return [i < trunk and (i + 1) % interval != 0 for i in range(view.n_blocks)]
+
+
+def _hybrid_rules(view: SliceView) -> SliceRules:
+    """A hybrid of gated delta-net and full attention blocks (qwen3next) keys each block's kind on
+    its absolute index, so the slice lists its blocks' kinds. llama.cpp aborts the process on a
+    model whose blocks are all of one kind (the graph then leaves the other memory's inputs
+    unallocated), so such a slice is refused; and multi-token-prediction blocks (which the slice's
+    own count would misplace) are refused too."""
+    if int(view.value(f"{view.arch}.nextn_predict_layers") or 0):
+        return SliceRules(
+            refusal=f"{view.arch}: the file carries multi-token-prediction blocks after its trunk, which a "
+            "slice cannot place; convert the model without them (convert_hf_to_gguf.py --no-mtp)"
+        )
+    kinds = recurrent_blocks(view)[view.first : view.end]
+    if all(kinds) or not any(kinds):
+        kind = "gated delta-net (linear attention)" if all(kinds) else "full attention"
+        return SliceRules(
+            refusal=f"{view.arch}: a stage holding blocks {view.first}-{view.end - 1} would have only "
+            f"{kind} blocks, and llama.cpp aborts on such a model: every stage needs blocks of both kinds"
+        )
+    key = f"{view.arch}.attention.recurrent_layers"
+    return SliceRules(values={key: (GGUFValueType.ARRAY, kinds)})
+
+
 FAMILIES = {
     family.name: family
     for family in (
@@ -128,6 +165,7 @@ FAMILIES = {
         Family("qwen3moe"),  # its experts are tensors of their block: a slice carries them whole
         Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules),
         Family("gpt-oss", sliding_window_period=2, output_required=True, rules=_gpt_oss_rules),
+        Family("qwen3next", rules=_hybrid_rules),
     )
 }
 

@@ -436,10 +436,17 @@ class LlamaModel:
         self.check_sequence(sequence)
         return int(self._llama.llama_memory_seq_pos_max(self._llama.llama_get_memory(self.ctx), sequence)) + 1
 
-    def truncate(self, sequence: int, position: int) -> None:
-        """Drop a sequence's rows from `position` on: what undoes a failed forward."""
+    def truncate(self, sequence: int, position: int) -> bool:
+        """Drop a sequence's rows from `position` on: what undoes a failed forward. False where the
+        cache cannot: a recurrent state holds no earlier positions, so it can only be dropped whole."""
         self.check_sequence(sequence)
-        self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, position, -1)
+        return bool(self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, position, -1))
+
+    @property
+    def keeps_recurrent_state(self) -> bool:
+        """Whether some blocks keep a recurrent state per sequence (a hybrid such as qwen3next):
+        llama.cpp then runs the rows of each sequence of a decode as a graph of their own."""
+        return bool(self._llama.llama_model_is_recurrent(self.model) or self._llama.llama_model_is_hybrid(self.model))
 
     @property
     def sliding_window(self) -> int:

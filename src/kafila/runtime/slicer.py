@@ -111,6 +111,8 @@ class _Slice:
         windowed = None if sliding is None else tuple(sliding)
         view = SliceView(arch, n_blocks, first, end, is_head, reader.scalar, windowed)
         self.rules = family_of(arch).rules(view)
+        if self.rules.refusal is not None:
+            raise SliceError(self.rules.refusal)
 
     def metadata(self, writer: RawCopyWriter) -> None:
         count = self.end - self.first

@@ -22,7 +22,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -49,8 +49,10 @@ class BatchFailed(RuntimeError):
     writes a decode whole or not at all, and the rows of the decodes that did complete are
     removed again, but a sliding-window cache reuses cells that fell out of a sequence's window:
     when one forward spans several decodes, a later decode may reuse cells that the sequence's
-    original position still needs. Only then (a window, and a sequence with rows in a decode
-    that completed) is a sequence spoiled; the host's steps fit one decode, so it never is there.
+    original position still needs. And a recurrent state (qwen3next's delta-net blocks) keeps no
+    earlier positions: a sequence whose state a completed decode advanced cannot go back (only
+    from position 0, by dropping it whole). Only then is a sequence spoiled (a window's case never
+    arises on the host, whose steps fit one decode).
     """
 
     def __init__(self, message: str, spoiled: frozenset[int] = frozenset()) -> None:
@@ -88,10 +90,9 @@ def run_isolating(
 
 def _undo(model: LlamaModel, starts: dict[int, int], completed: set[int], error: Exception) -> BatchFailed:
     """Take a failed forward's rows out of the cache: each sequence back to where it started."""
-    for sequence, start in starts.items():
-        model.truncate(sequence, start)
+    stuck = {sequence for sequence, start in starts.items() if not model.truncate(sequence, start)}
     spoiled = frozenset(completed) if model.sliding_window else frozenset()
-    return BatchFailed(str(error), spoiled)
+    return BatchFailed(str(error), spoiled | stuck)
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,12 @@ class _TokenRows:
     states: npt.NDArray[np.int32]
 
 
-def _decodes(steps: Sequence[_Rows], limit: int) -> list[list[_Piece]]:
-    """Group steps into decodes of at most `limit` rows; a long prompt spans several."""
+def _decodes(steps: Sequence[_Rows], limit: int, one_sequence_each: bool = False) -> list[list[_Piece]]:
+    """Group steps into decodes of at most `limit` rows; a long prompt spans several. With
+    `one_sequence_each`, no decode holds rows of two steps."""
+    if one_sequence_each:
+        alone = (_decodes([step], limit) for step in steps)
+        return [[replace(piece, step=index) for piece in d] for index, ds in enumerate(alone) for d in ds]
     decodes: list[list[_Piece]] = [[]]
     room = limit
     for index, step in enumerate(steps):
@@ -330,8 +335,12 @@ class BlockStage:
         started = time.perf_counter()
         rows = []
         completed: set[int] = set()
+        # The capture reads one graph per decode; where blocks keep a recurrent state, llama.cpp
+        # runs each sequence of a decode whose rows are all outputs as a graph of its own
+        # (llama_memory_hybrid::init_batch, split_seq), so there each sequence decodes alone.
+        alone = self.model.keeps_recurrent_state
         try:
-            for pieces in _decodes(steps, self.model.settings.n_batch):
+            for pieces in _decodes(steps, self.model.settings.n_batch, one_sequence_each=alone):
                 sequences, positions, states = _rows(pieces)
                 self._captured.clear()
                 self.model.decode(sequences, positions, [True] * len(sequences), states=states)
