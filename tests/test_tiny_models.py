@@ -17,8 +17,11 @@ from kafila.runtime.manifest import read_manifest
 PROMPT = "hello world, the model is in the block of kafila and it is a test: ünïcödé 123!"
 N_GREEDY = 32
 # gemma3 makes every 6th layer global: with 6 blocks, both kinds of layer are present.
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4}
-TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False}
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "gemma2": 4, "phi3": 4, "mistral3": 4}
+TIED = {
+    "llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False,
+    "gemma2": True, "phi3": True, "mistral3": False,
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
@@ -72,8 +75,15 @@ def test_metadata_llama_cpp_sees(tiny: tuple[str, Path]) -> None:
     assert int(meta[f"{arch}.block_count"]) == N_BLOCKS[arch]
     assert int(meta[f"{arch}.attention.head_count_kv"]) < int(meta[f"{arch}.attention.head_count"])
     assert 64 <= int(meta[f"{arch}.embedding_length"]) <= 128
-    if arch == "gemma3":
-        assert int(meta["gemma3.attention.sliding_window"]) == 16
+    if arch in ("gemma3", "gemma2"):
+        assert int(meta[f"{arch}.attention.sliding_window"]) == 16
+    if arch == "gemma2":
+        assert float(meta["gemma2.attn_logit_softcapping"]) == 50.0
+    if arch == "phi3":  # rotary on 12 of each head's 16 dimensions
+        assert int(meta["phi3.rope.dimension_count"]) == 12
+    if arch == "mistral3":
+        assert meta["mistral3.rope.scaling.type"] == "yarn"
+        assert float(meta["mistral3.attention.temperature_scale"]) == 0.1
     if arch == "qwen3moe":
         assert (int(meta["qwen3moe.expert_count"]), int(meta["qwen3moe.expert_used_count"])) == (8, 2)
 
@@ -90,9 +100,12 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
     assert ("output.weight" not in names) == TIED[arch]
     assert ("blk.0.attn_q.bias" in names) == (arch == "qwen2")
     assert ("blk.0.attn_q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "qwen3moe"))
-    assert ("blk.0.post_ffw_norm.weight" in names) == (arch == "gemma3")
+    assert ("blk.0.post_ffw_norm.weight" in names) == (arch in ("gemma3", "gemma2"))
     moe = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"}
-    assert (moe <= names) == (arch == "qwen3moe") and ("blk.0.ffn_gate.weight" in names) == (arch != "qwen3moe")
+    assert (moe <= names) == (arch == "qwen3moe")
+    assert ("blk.0.ffn_gate.weight" in names) == (arch not in ("qwen3moe", "phi3"))  # phi3 fuses it into ffn_up
+    assert ("blk.0.attn_qkv.weight" in names) == (arch == "phi3") != ("blk.0.attn_q.weight" in names)
+    assert ({"rope_factors_long.weight", "rope_factors_short.weight"} <= names) == (arch == "phi3")
     assert (manifest.expert_bytes is not None) == (arch == "qwen3moe")
 
 
