@@ -16,7 +16,7 @@ import pytest
 from plain_llama import plain_llama
 from tiny_models import SUPPORTED_TINY_ARCHS, TINY_SHAPES, write_tiny_model
 
-from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.llama_backend import ContextSettings, LlamaModel
 from kafila.runtime.slicer import slice_model
 from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
 
@@ -107,6 +107,19 @@ def test_gemma3_27b_shape_splits(tmp_path: Path) -> None:
     for counts in ([1, 61], [31, 31], [55, 7], [61, 1], [20, 21, 21]):
         files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
         assert greedy_split(files, prompt, steps=16) == expected, f"gemma3 62-block split {counts} diverged"
+
+
+def test_a_stage_whose_input_node_is_missing_fails_loudly(tmp_path: Path) -> None:
+    """gemma2 stages put their input back at the graph node `inp_scaled`; were it renamed in a later
+    llama.cpp, a decode says so instead of running blocks on input scaled twice."""
+    path = write_tiny_model(tmp_path / "gemma2.gguf", "gemma2", n_blocks=2)
+    first = slice_model(path, [1, 1], tmp_path / "stages")[0].path
+    model = LlamaModel(first, SETTINGS, input_restored_at="no_such_node")
+    try:
+        with pytest.raises(RuntimeError, match="put back at graph node no_such_node 0 times"):
+            model.decode([0], [0], [True], states=np.zeros((1, model.n_embd), dtype=np.float32))
+    finally:
+        model.close()
 
 
 def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:

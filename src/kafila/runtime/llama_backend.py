@@ -376,9 +376,9 @@ class LlamaModel:
         """The graph callback where input is restored: it writes the decode's rows over the node's
         result, then lets the stage's own callback, if any, see every other node."""
         if self._ggml.get_name(tensor) == self._restored_at:
-            if ask:
-                return True
             rows = self._input_rows
+            if ask:
+                return rows is not None  # token ids: llama.cpp's own transform is the one they need
             if rows is None or self._ggml.nbytes(tensor) != rows.nbytes:
                 return False  # stop the graph: decode() finds the input not restored and says so
             self._ggml.tensor_set(tensor, rows.ctypes.data, 0, rows.nbytes)
