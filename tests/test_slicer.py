@@ -15,14 +15,14 @@ from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
 from tiny_gguf import write_other_family
 from tiny_models import TINY_SHAPES, ModelShape, write_tiny_model
 
-from kafila.runtime.families import FAMILIES, LONGEST_CONTEXT, UnsupportedFamily
+from kafila.runtime.families import FAMILIES, UnsupportedFamily
 from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
-from kafila.runtime.slicer import SliceError, slice_model
-from kafila.runtime.stage import WholeModel
+from kafila.runtime.slicer import UNREACHED_WINDOW, SliceError, block_range_file, check_family, slice_model
+from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
 
 
-def rewrite(source: Path, target: Path, overrides: dict[str, list[int]]) -> Path:
-    """A copy of a model with some metadata replaced by per-layer arrays."""
+def rewrite(source: Path, target: Path, overrides: dict[str, list[int]], added: dict[str, float] | None = None) -> Path:
+    """A copy of a model with some metadata replaced by per-layer arrays, and float keys `added`."""
     reader = FastGGUFReader(source)
     writer = RawCopyWriter(target, arch=str(reader.scalar("general.architecture")))
     for key in reader.fields:
@@ -33,6 +33,8 @@ def rewrite(source: Path, target: Path, overrides: dict[str, list[int]]) -> Path
         else:
             vtype, value = raw_value(reader, key)
             writer.add_key_value(key, value, vtype)
+    for key, number in (added or {}).items():
+        writer.add_float32(key, number)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
@@ -116,9 +118,9 @@ def test_gpt_oss_slices_alternate_from_their_first_block_and_a_lone_full_block_g
     patterns = [reader.scalar("gpt-oss.attention.sliding_window_pattern") for reader in stages]
     assert patterns == [[True], [True], [True, False, True]]  # block 1 alone is the one marked anew
     windows = [reader.scalar("gpt-oss.attention.sliding_window") for reader in stages]
-    assert windows == [8, LONGEST_CONTEXT, 8]
-    assert stages[1].scalar("gpt-oss.rope.freq_base_swa") == stages[1].scalar("gpt-oss.rope.freq_base")
-    assert "gpt-oss.rope.freq_base_swa" not in stages[0].fields
+    assert windows == [8, UNREACHED_WINDOW, 8]
+    # no windowed block of the source has a rope base of its own: llama.cpp gives them the global one
+    assert all("gpt-oss.rope.freq_base_swa" not in reader.fields for reader in stages)
     for reader in stages[:2]:  # llama.cpp requires gpt-oss's output projection: a 4-row stand-in
         output = next(t for t in reader.tensors if t.name == "output.weight")
         assert output.data.shape[0] == 4 and not output.data.any()
@@ -273,3 +275,61 @@ def test_qwen3next_cuts_llama_cpp_cannot_run_are_refused_before_writing(
     with pytest.raises(SliceError, match=message):
         slice_model(model, counts, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_46_block_gemma2_is_refused_and_says_why(tmp_path: Path) -> None:
+    """Gemma 2 27B has 46 blocks, and llama.cpp scales a 46-block gemma2's queries by
+    1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim). Unlike gemma3, gemma2 has no query norm:
+    the scaled queries are rounded before any float32 tensor of a slice touches them, so no slice
+    can restore the factor, and the model is refused before anything is written."""
+    shape = TINY_SHAPES["gemma2"]
+    assert shape.n_embd // shape.n_head != shape.head_dim
+    model = write_tiny_model(tmp_path / "gemma2-27b.gguf", "gemma2", n_blocks=46, shape=shape)
+    reason = r"gemma2 models with 46 blocks cannot be split: .*1/sqrt\(n_embd / n_head\).*no query norm"
+    with pytest.raises(SliceError, match=reason):
+        check_family("gemma2", 46)
+    with pytest.raises(SliceError, match=reason):
+        slice_model(model, [23, 23], tmp_path / "out")
+    with pytest.raises(SliceError, match=reason):
+        block_range_file(model, 0, 23, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_gemma2_stage_of_46_blocks_is_refused(tmp_path: Path) -> None:
+    """A stage of 46 blocks of a larger gemma2 would take the 27B's query scale: refused too, while
+    other cuts of the same model are made."""
+    model = write_tiny_model(tmp_path / "gemma2.gguf", "gemma2", n_blocks=47, shape=TINY_SHAPES["gemma2"])
+    with pytest.raises(SliceError, match=r"gemma2 blocks 1-46 of 47 cannot be a stage: .*1/sqrt\(head_dim\)"):
+        slice_model(model, [1, 46], tmp_path / "out")
+    assert len(slice_model(model, [20, 27], tmp_path / "out")) == 2
+
+
+def test_a_gemma2_stage_of_global_blocks_only_keeps_a_window_no_position_reaches(tmp_path: Path) -> None:
+    """llama.cpp windows every gemma2 (4096 positions where the file names no window) and aborts on
+    a window no block uses: a stage of one global block is written as a windowed block whose
+    window is wider than any context, with the global blocks' rope base."""
+    tiny = write_tiny_model(tmp_path / "tiny.gguf", "gemma2", n_blocks=5)
+    model = rewrite(tiny, tmp_path / "gemma2.gguf", {}, added={"gemma2.rope.freq_base_swa": 1000.0})
+    files = [stage.path for stage in slice_model(model, [1, 1, 3], tmp_path / "out")]
+    reader = FastGGUFReader(files[1])
+    assert reader.scalar("gemma2.attention.sliding_window") == UNREACHED_WINDOW
+    assert reader.scalar("gemma2.attention.sliding_window_pattern") == [True]
+    assert reader.scalar("gemma2.rope.freq_base_swa") == reader.scalar("gemma2.rope.freq_base") == 10000.0
+
+    # Past 4096 positions, where llama.cpp's default window would hide the first ones from that block.
+    long_context = dataclasses.replace(SETTINGS, n_ctx=4608, n_batch=512, n_seq_max=1)
+    whole = WholeModel(model, long_context)
+    prompt = whole.vocabulary.tokenize("the kafila model is in a block of the world " * 400)[:4300]
+    expected = whole.forward_tokens(0, 0, prompt)
+    whole.close()
+    blocks = [BlockStage(path, long_context) for path in files[:2]]
+    head = HeadStage(files[2], long_context)
+    try:
+        states = head.embed(prompt)
+        for stage in blocks:
+            states = stage.forward([StepInput(0, 0, states)])[0]
+        assert np.array_equal(head.forward([StepInput(0, 0, states)])[0], expected)
+    finally:
+        for stage in blocks:
+            stage.close()
+        head.close()

@@ -16,7 +16,7 @@ import pytest
 from plain_llama import plain_llama
 from tiny_models import SUPPORTED_TINY_ARCHS, TINY_SHAPES, write_tiny_model
 
-from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.llama_backend import ContextSettings, LlamaModel
 from kafila.runtime.slicer import SliceError, slice_model
 from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
 
@@ -26,8 +26,13 @@ STEPS = 32
 # gpt-oss windows its even blocks: with 5, slices start on both parities, and the 3-way cut's middle
 # stage is block 1 alone, a full-attention block with no windowed one beside it.
 # qwen3next: blocks 3, 7 and 11 are full attention, the rest gated delta nets; 12 blocks give cuts
-# that start slices at every offset in that period, and a 3-way cut whose stages all hold both kinds
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 5, "qwen3next": 12}
+# that start slices at every offset in that period, and a 3-way cut whose stages all hold both kinds.
+# gemma2 alternates windowed and global blocks: with 5, cuts start slices on either kind, its 3-way
+# cut leaves a stage of one global block only, and its last 2-way cut a head of one windowed block.
+N_BLOCKS = {
+    "llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 5, "qwen3next": 12,
+    "gemma2": 5, "phi3": 4, "mistral3": 4,
+}  # fmt: skip
 # Cuts a family refuses, with why: llama.cpp aborts on a qwen3next stage whose blocks are all of one kind
 REFUSED_CUTS = {"qwen3next": ({(1, 11), (2, 10), (3, 9), (11, 1)}, "every stage needs blocks of both kinds")}
 GEMMA_TURN = "<start_of_turn>user\nName three colours.<end_of_turn>\n<start_of_turn>model\n"
@@ -131,6 +136,19 @@ def test_gpt_oss_splits_into_single_blocks(tmp_path: Path) -> None:
     assert len(set(expected)) > 3
     files = [stage.path for stage in slice_model(path, [1, 1, 1, 1], tmp_path / "singles")]
     assert greedy_split(files, prompt, steps=16) == expected
+
+
+def test_a_stage_whose_input_node_is_missing_fails_loudly(tmp_path: Path) -> None:
+    """gemma2 stages put their input back at the graph node `inp_scaled`; were it renamed in a later
+    llama.cpp, a decode says so instead of running blocks on input scaled twice."""
+    path = write_tiny_model(tmp_path / "gemma2.gguf", "gemma2", n_blocks=2)
+    first = slice_model(path, [1, 1], tmp_path / "stages")[0].path
+    model = LlamaModel(first, SETTINGS, input_restored_at="no_such_node")
+    try:
+        with pytest.raises(RuntimeError, match="put back at graph node no_such_node 0 times"):
+            model.decode([0], [0], [True], states=np.zeros((1, model.n_embd), dtype=np.float32))
+    finally:
+        model.close()
 
 
 def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:

@@ -18,10 +18,13 @@ PROMPT = "hello world, the model is in the block of kafila and it is a test: ün
 N_GREEDY = 32
 # gemma3 makes every 6th layer global: with 6 blocks, both kinds of layer are present.
 # qwen3next makes every 4th block full attention, the others gated delta nets.
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 4, "qwen3next": 8}
+N_BLOCKS = {
+    "llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 4, "qwen3next": 8,
+    "gemma2": 4, "phi3": 4, "mistral3": 4,
+}  # fmt: skip
 TIED = {
     "llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False, "gpt-oss": False,
-    "qwen3next": False,
+    "qwen3next": False, "gemma2": True, "phi3": True, "mistral3": False,
 }  # fmt: skip
 MOE = ("qwen3moe", "gpt-oss", "qwen3next")
 
@@ -79,8 +82,15 @@ def test_metadata_llama_cpp_sees(tiny: tuple[str, Path]) -> None:
     assert int(meta[f"{arch}.block_count"]) == N_BLOCKS[arch]
     assert int(meta[f"{arch}.attention.head_count_kv"]) < int(meta[f"{arch}.attention.head_count"])
     assert 64 <= int(meta[f"{arch}.embedding_length"]) <= 128
-    if arch == "gemma3":
-        assert int(meta["gemma3.attention.sliding_window"]) == 16
+    if arch in ("gemma3", "gemma2"):
+        assert int(meta[f"{arch}.attention.sliding_window"]) == 16
+    if arch == "gemma2":
+        assert float(meta["gemma2.attn_logit_softcapping"]) == 50.0
+    if arch == "phi3":  # rotary on 12 of each head's 16 dimensions
+        assert int(meta["phi3.rope.dimension_count"]) == 12
+    if arch == "mistral3":
+        assert meta["mistral3.rope.scaling.type"] == "yarn"
+        assert float(meta["mistral3.attention.temperature_scale"]) == 0.1
     if arch == "qwen3moe":
         assert (int(meta["qwen3moe.expert_count"]), int(meta["qwen3moe.expert_used_count"])) == (8, 2)
 
@@ -98,10 +108,14 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
     assert ("output.weight" not in names) == TIED[arch]
     assert ("blk.0.attn_q.bias" in names) == (arch in ("qwen2", "gpt-oss"))
     assert ("blk.0.attn_q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "qwen3moe"))
-    assert ("blk.0.post_ffw_norm.weight" in names) == (arch == "gemma3")
+    assert ("blk.0.post_ffw_norm.weight" in names) == (arch in ("gemma3", "gemma2"))
     moe = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"}
-    assert (moe <= names) == (arch in MOE) and ("blk.0.ffn_gate.weight" in names) == (arch not in MOE)
+    assert (moe <= names) == (arch in MOE)
+    assert ("blk.0.ffn_gate.weight" in names) == (arch not in (*MOE, "phi3"))  # phi3 fuses it into ffn_up
     assert (manifest.expert_bytes is not None) == (arch in MOE)
+    if arch != "qwen3next":  # whose delta-net blocks hold attn_qkv, and attention blocks attn_q
+        assert ("blk.0.attn_qkv.weight" in names) == (arch == "phi3") != ("blk.0.attn_q.weight" in names)
+    assert ({"rope_factors_long.weight", "rope_factors_short.weight"} <= names) == (arch == "phi3")
     harmony = {"attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_down_exps.bias"}
     assert ({f"blk.0.{name}" for name in harmony} <= names) == (arch == "gpt-oss")
     if arch == "qwen3next":  # blocks 0-2 and 4-6 are delta nets, 3 and 7 full attention with a gated query

@@ -16,7 +16,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 
-SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen3next")
+SUPPORTED_TINY_ARCHS: tuple[str, ...] = (
+    "llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen3next", "gemma2", "phi3", "mistral3",
+)  # fmt: skip
 
 Q8_0 = GGMLQuantizationType.Q8_0
 F16 = GGMLQuantizationType.F16
@@ -43,8 +45,8 @@ class ModelShape:
     tied_output: bool  # no output.weight: llama.cpp reuses token_embd
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3, gemma3
-    post_norms: bool = False  # gemma3: post_attention_norm, post_ffw_norm
-    sliding_window: int = 0  # gemma3: every 6th layer global, the rest windowed
+    post_norms: bool = False  # gemma3, gemma2: post_attention_norm, post_ffw_norm
+    sliding_window: int = 0  # gemma3: every 6th layer global, the rest windowed; gemma2: every 2nd
     # Tuned so greedy decoding wanders instead of repeating one token: with a tied output
     # and a large embedding, the residual stream is mostly the current token's embedding,
     # whose logit then wins every step; a small embedding lets the blocks steer.
@@ -73,7 +75,13 @@ class ModelShape:
     ssm_v_heads: int = 0  # ssm.time_step_rank
     ssm_conv: int = 4
     n_ff_shared: int = 0
-    rope_dim: int = 0  # rotated dimensions of a head, where not all are
+    attn_softcap: float = 0.0  # gemma2: attention logits soft-capped at this, and the output's at final_softcap
+    final_softcap: float = 0.0
+    fused_qkv: bool = False  # phi3: one attn_qkv holds q, k and v
+    fused_gate_up: bool = False  # phi3: ffn_up holds the gate and the up halves (2 * n_ff rows), no ffn_gate
+    rope_dims: int = 0  # rotary dimensions per head, written when set (phi3's Phi-4-mini: part of a head)
+    rope_factors: bool = False  # phi3: global long/short rope factor tensors, picked by the context's size
+    yarn: bool = False  # mistral3: yarn rope scaling, and query temperature by position (llama 4 scaling)
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -146,9 +154,49 @@ _SHAPES["qwen3next"] = ModelShape(
     ssm_head_dim=8,
     ssm_k_heads=2,
     ssm_v_heads=4,
-    rope_dim=4,
+    rope_dims=4,
     embd_std=1.0,
 )
+# Gemma 2: every other layer windowed, post norms, soft-capped attention and output (50 and 30
+# there), queries wider than the embedding (head_dim * n_head > n_embd, as in the 9B) and
+# n_embd // n_head != head_dim, whose sqrt(n_embd) scale is no power of two
+_SHAPES["gemma2"] = ModelShape(
+    n_embd=96,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=32,
+    n_ff=192,
+    tied_output=True,
+    post_norms=True,
+    sliding_window=16,
+    attn_softcap=50.0,
+    final_softcap=30.0,
+    embd_std=0.005,
+)
+# Phi-4-mini's layout: fused qkv and gate+up, rotary on 3/4 of each head with long-context rope
+# factors, a tied output; Phi-3's converter also writes a window llama.cpp turns off
+_SHAPES["phi3"] = ModelShape(
+    n_embd=96,
+    n_head=6,
+    n_head_kv=2,
+    head_dim=16,
+    n_ff=128,
+    tied_output=True,
+    sliding_window=16,
+    fused_qkv=True,
+    fused_gate_up=True,
+    rope_dims=12,
+    rope_factors=True,
+    embd_std=0.3,
+)
+# Mistral Small 3 / Ministral 3: llama's block, heads wider than n_embd / n_head, yarn rope scaling
+# and the query temperature that grows with the position
+_SHAPES["mistral3"] = ModelShape(
+    n_embd=96, n_head=4, n_head_kv=2, head_dim=32, n_ff=160, tied_output=False, rope_dims=32, yarn=True, embd_std=1.0
+)
+# Positions at which the long-context settings change: phi3 takes its long rope factors in a
+# context longer than this, mistral3 raises its query temperature every this many positions.
+ORIGINAL_CONTEXT = 16
 
 TINY_SHAPES: Mapping[str, ModelShape] = MappingProxyType(_SHAPES)
 
@@ -162,10 +210,12 @@ def _vocab(arch: str) -> tuple[list[str], list[float], list[int], dict[str, int]
     prefixes because SPM only merges adjacent symbols whose concatenation is a token.
     """
     specials = ["<unk>", "<s>", "</s>"]
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         specials += ["<pad>", "<start_of_turn>", "<end_of_turn>"]
     if arch == "gpt-oss":  # the harmony format's markers, which its chat template writes
         specials += ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"]
+    if arch == "phi3":  # llama.cpp looks these up in any model named phi3
+        specials += ["<|endoftext|>", "<|end|>"]
     tokens = list(specials)
     types = [TokenType.UNKNOWN] + [TokenType.CONTROL] * (len(specials) - 1)
     scores = [0.0] * len(specials)
@@ -194,9 +244,9 @@ def write_tiny_model(
 ) -> Path:
     """Write a tiny random `arch` model to `path`; the same arguments give the same bytes.
 
-    FFN storage cycles Q8_0 / F16 / F32 by block so block sizes differ; llama and qwen2
-    carry their own output.weight, qwen3 and gemma3 tie it to token_embd. `shape` replaces
-    the architecture's tiny default (and its limit of 12 blocks); `chat_template` (Jinja) is
+    FFN storage cycles Q8_0 / F16 / F32 by block so block sizes differ; llama, qwen2, qwen3moe,
+    mistral3 and gpt-oss carry their own output.weight, the others tie it to token_embd. `shape`
+    replaces the architecture's tiny default (and its limit of 12 blocks); `chat_template` (Jinja) is
     stored as tokenizer.chat_template, without which servers use their built-in one. Tensors
     are written through a temporary file as they are made, so a model of a gigabyte needs
     little memory to write.
@@ -236,6 +286,23 @@ def write_tiny_model(
         writer.add_rope_scaling_type(RopeScalingType(scaling))
         writer.add_rope_scaling_factor(factor)
         writer.add_rope_scaling_orig_ctx_len(original_context)
+    if shape.attn_softcap:
+        writer.add_attn_logit_softcapping(shape.attn_softcap)
+        writer.add_final_logit_softcapping(shape.final_softcap)
+    if shape.rope_dims:
+        writer.add_rope_dimension_count(shape.rope_dims)
+    if shape.rope_factors:
+        writer.add_rope_scaling_orig_ctx_len(ORIGINAL_CONTEXT)
+        scale = 256 / ORIGINAL_CONTEXT
+        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(ORIGINAL_CONTEXT))))
+    if shape.yarn:
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(256 / ORIGINAL_CONTEXT)
+        writer.add_rope_scaling_orig_ctx_len(ORIGINAL_CONTEXT)
+        writer.add_rope_scaling_yarn_beta_fast(32.0)
+        writer.add_rope_scaling_yarn_beta_slow(1.0)
+        writer.add_rope_scaling_yarn_log_mul(1.0)
+        writer.add_attn_temperature_scale(0.1)
     if shape.n_expert:
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
@@ -282,6 +349,10 @@ def write_tiny_model(
         out = matrix(n_vocab, n_embd)
         out[control] = 0.0
         add("output.weight", out, Q8_0)
+    if shape.rope_factors:  # one pair for the whole model, which every block reads
+        n_factors = shape.rope_dims // 2
+        add("rope_factors_long.weight", np.linspace(1.0, 8.0, n_factors, dtype=np.float32), F32)
+        add("rope_factors_short.weight", np.linspace(1.0, 1.5, n_factors, dtype=np.float32), F32)
 
     for i in range(n_blocks):
         ffn_type = shape.ffn_types[i % len(shape.ffn_types)]
@@ -308,9 +379,12 @@ def write_tiny_model(
             add(f"{blk}.ffn_down_shexp.weight", matrix(n_embd, n_ff_s), ffn_type)
             continue
         add(f"{blk}.attn_norm.weight", ones(n_embd), F32)
-        add(f"{blk}.attn_q.weight", matrix(n_q, n_embd), shape.attn_qko_type)
-        add(f"{blk}.attn_k.weight", matrix(n_kv, n_embd), shape.attn_qko_type)
-        add(f"{blk}.attn_v.weight", matrix(n_kv, n_embd), shape.attn_v_type)
+        if shape.fused_qkv:
+            add(f"{blk}.attn_qkv.weight", matrix(n_q + 2 * n_kv, n_embd), shape.attn_qko_type)
+        else:
+            add(f"{blk}.attn_q.weight", matrix(n_q, n_embd), shape.attn_qko_type)
+            add(f"{blk}.attn_k.weight", matrix(n_kv, n_embd), shape.attn_qko_type)
+            add(f"{blk}.attn_v.weight", matrix(n_kv, n_embd), shape.attn_v_type)
         if shape.qkv_bias:
             add(f"{blk}.attn_q.bias", (rng.standard_normal(n_q) * 0.1).astype(np.float32), F32)
             add(f"{blk}.attn_k.bias", (rng.standard_normal(n_kv) * 0.1).astype(np.float32), F32)
@@ -337,6 +411,9 @@ def write_tiny_model(
                 if shape.expert_biases:
                     bias = (rng.standard_normal((experts, rows)) * 0.1).astype(np.float32)
                     add(f"{blk}.ffn_{name}_exps.bias", bias, F32)
+        elif shape.fused_gate_up:
+            add(f"{blk}.ffn_up.weight", matrix(2 * n_ff, n_embd), ffn_type)
+            add(f"{blk}.ffn_down.weight", matrix(n_embd, n_ff), ffn_type)
         else:
             add(f"{blk}.ffn_gate.weight", matrix(n_ff, n_embd), ffn_type)
             add(f"{blk}.ffn_up.weight", matrix(n_ff, n_embd), ffn_type)
@@ -364,8 +441,8 @@ def _add_delta_net_metadata(writer: GGUFWriter, arch: str, shape: ModelShape, n_
         recurrent = [(i + 1) % shape.full_attention_interval != 0 for i in range(n_blocks)]
         writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_expert_shared_feed_forward_length(shape.n_ff_shared)
-    if shape.rope_dim:
-        writer.add_rope_dimension_count(shape.rope_dim)
+    if shape.rope_dims:
+        writer.add_rope_dimension_count(shape.rope_dims)
 
 
 def _add_delta_net(

@@ -2,9 +2,10 @@
 
 llama.cpp does the maths. The slicer carries every per-layer metadata array over to a slice by
 itself (`slicer._Slice`); this table holds only what cannot be read from the file: the transform
-llama.cpp applies to token embeddings (and not to embeddings given as input), its default layout
-of sliding-window blocks where the file lists none, and the settings its code derives from the
-block count or a block's absolute index, which a slice changes (`SliceRules`).
+llama.cpp applies to token embeddings (and where it applies it to embeddings given as input too,
+the graph node where a stage undoes that), its default layout of sliding-window blocks where the
+file lists none, and the settings its code derives from the block count or a block's absolute
+index, which a slice changes (`SliceRules`), or refuses where nothing in a slice can restore them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ class SliceView:
     end: int
     is_head: bool
     value: Callable[[str], Any]
-    sliding: tuple[bool, ...] | None = None  # which of its blocks the slicer writes as windowed; None: no window
 
     @property
     def count(self) -> int:
@@ -59,7 +59,15 @@ class Family:
     sliding_window_period: int | None = None  # llama.cpp's default pattern, unless the file lists the blocks
     unsplittable_block_counts: frozenset[int] = frozenset()  # where no rule can restore what the count keys
     output_required: bool = False  # llama.cpp loads no stage without output.weight (gpt-oss): it gets a stand-in
+    unsplittable_reason: str = ""  # what llama.cpp keys on those counts, for the refusal
     rules: Callable[[SliceView], SliceRules] = _no_rules
+    # gemma2, gpt-oss: llama.cpp windows every model of the family, so a slice of global blocks
+    # only cannot drop its window (the slicer gives it one no position reaches)
+    always_windowed: bool = False
+    default_sliding_window: int | None = None  # gemma2's window where the file names none
+    # gemma2: the graph node where llama.cpp transforms embeddings given as input as it does token
+    # embeddings (both scaled by sqrt(n_embd)); a stage puts the rows it is fed back over its result
+    input_restored_at: str | None = None
 
     def token_input_scale(self, n_embd: int) -> np.float32 | None:
         """The factor llama.cpp applies to token embeddings only, as the float32 sqrtf it computes."""
@@ -89,6 +97,21 @@ def gemma_attention_scale(view: SliceView, n_blocks: int, wide_count: int) -> fl
     return 1.0 / math.sqrt(n_embd // n_head if n_blocks == wide_count else head_dim)
 
 
+def _gemma2_rules(view: SliceView) -> SliceRules:
+    """gemma2 scales its queries by a factor keyed on the block count (the 27B's 46) and, unlike
+    gemma3, has no query norm whose weights could absorb a change: the product is rounded before
+    anything else of the slice's touches it. A slice whose count changes the factor is refused."""
+    whole = gemma_attention_scale(view, view.n_blocks, 46)
+    sliced = gemma_attention_scale(view, view.count, 46)
+    if whole != sliced:
+        return SliceRules(
+            refusal=f"gemma2 blocks {view.first}-{view.end - 1} of {view.n_blocks} cannot be a stage: llama.cpp "
+            "scales queries by 1/sqrt(n_embd / n_head) in a model of 46 blocks and by 1/sqrt(head_dim) otherwise, "
+            "and gemma2 has no float32 tensor on that path to restore the difference"
+        )
+    return SliceRules()
+
+
 def _gemma3_rules(view: SliceView) -> SliceRules:
     """gemma3 scales its queries after their RMS norm by a factor keyed on the block count (the
     27B's 62); the slice's own count gives another, so its query norm weights absorb the ratio."""
@@ -97,28 +120,6 @@ def _gemma3_rules(view: SliceView) -> SliceRules:
     if whole == sliced:
         return SliceRules()
     return SliceRules(tensor_scales={"attn_q_norm.weight": whole / sliced})
-
-
-LONGEST_CONTEXT = 1 << 20  # the most tokens Kafila gives one sequence (the CLI's --context limit)
-
-
-def _gpt_oss_rules(view: SliceView) -> SliceRules:
-    """gpt-oss alternates windowed and full attention whatever the file says: llama.cpp sets its
-    window type to standard, requires the window key (openai-moe.cpp, load_arch_hparams) and asserts
-    that some block is windowed (llama-model.cpp, create_memory). A slice of one full block alone,
-    an odd one, has none; it is written as one windowed block whose window no two positions of a
-    sequence can span, so that nothing is masked, with the full blocks' rope base."""
-    if view.sliding is None or any(view.sliding):
-        return SliceRules()
-    arch = view.arch
-    base = view.value(f"{arch}.rope.freq_base")
-    return SliceRules(
-        values={
-            f"{arch}.attention.sliding_window": (GGUFValueType.UINT32, LONGEST_CONTEXT),
-            f"{arch}.attention.sliding_window_pattern": (GGUFValueType.ARRAY, [True] * view.count),
-            f"{arch}.rope.freq_base_swa": (GGUFValueType.FLOAT32, float(base) if base is not None else 10000.0),
-        }
-    )
 
 
 def recurrent_blocks(view: SliceView) -> list[bool]:
@@ -164,8 +165,26 @@ FAMILIES = {
         Family("qwen3"),
         Family("qwen3moe"),  # its experts are tensors of their block: a slice carries them whole
         Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules),
-        Family("gpt-oss", sliding_window_period=2, output_required=True, rules=_gpt_oss_rules),
+        # gpt-oss: llama.cpp requires its window and windows its even blocks, whatever the file lists
+        Family("gpt-oss", sliding_window_period=2, output_required=True, always_windowed=True),
         Family("qwen3next", rules=_hybrid_rules),
+        Family(
+            "gemma2",
+            scales_token_embeddings=True,
+            sliding_window_period=2,
+            unsplittable_block_counts=frozenset({46}),
+            unsplittable_reason=(
+                "llama.cpp scales the queries of a 46-block gemma2 (Gemma 2 27B) by 1/sqrt(n_embd / n_head) "
+                "and of any other by 1/sqrt(head_dim); a slice has fewer blocks, and gemma2, unlike gemma3, has "
+                "no query norm whose weights could carry the difference"
+            ),
+            rules=_gemma2_rules,
+            always_windowed=True,
+            default_sliding_window=4096,
+            input_restored_at="inp_scaled",
+        ),
+        Family("phi3"),  # Phi-3 and Phi-4: its rope factor tensors are global, in every stage
+        Family("mistral3"),  # its attention temperature is keyed on positions, which stages keep
     )
 }
 

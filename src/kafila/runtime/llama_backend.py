@@ -227,11 +227,12 @@ def _library(stem: str) -> ctypes.CDLL:
 
 @dataclass(frozen=True)
 class GGMLBase:
-    """The three ggml calls the graph callback needs."""
+    """The ggml calls the graph callback needs."""
 
     get_name: Callable[[int], bytes]
     nbytes: Callable[[int], int]
     tensor_get: Callable[[int, int, int, int], None]
+    tensor_set: Callable[[int, int, int, int], None]
 
     @classmethod
     def load(cls) -> GGMLBase:
@@ -240,7 +241,9 @@ class GGMLBase:
         lib.ggml_nbytes.argtypes, lib.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
         lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
         lib.ggml_backend_tensor_get.restype = None
-        return cls(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get)
+        lib.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        lib.ggml_backend_tensor_set.restype = None
+        return cls(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get, lib.ggml_backend_tensor_set)
 
 
 GGML_MAX_N_THREADS = 512
@@ -326,16 +329,29 @@ _DECODE_FAILURES = {-1: "invalid batch", 2: "aborted", -2: "out of memory", -3: 
 
 
 class LlamaModel:
-    """A loaded model and one context over it; frees both when closed."""
+    """A loaded model and one context over it; frees both when closed.
+
+    `input_restored_at`: a graph node where llama.cpp transforms embeddings given as input as it
+    does token embeddings (gemma2's `inp_scaled`); each decode of hidden states writes its rows back
+    over that node's result, since they are already past the transform.
+    """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         settings: ContextSettings,
         eval_callback: Callable[[int, bool, Any], bool] | None = None,
+        input_restored_at: str | None = None,
     ) -> None:
         self._llama = llama()
         self.settings = settings
+        self._restored_at = input_restored_at.encode() if input_restored_at else None
+        self._input_rows: npt.NDArray[np.float32] | None = None
+        self._restores = 0
+        self._user_callback = eval_callback
+        if self._restored_at is not None:
+            self._ggml = GGMLBase.load()
+            eval_callback = self._restoring_input
         params = model_params(settings.gpu_layers, repack=settings.repack)
         _forget_errors()
         self.model = self._llama.llama_model_load_from_file(str(path).encode(), params)
@@ -368,6 +384,22 @@ class LlamaModel:
         self.n_vocab = int(self._llama.llama_vocab_n_tokens(self.vocab))
         self._token_batch = self._llama.llama_batch_init(settings.n_batch, 0, 1)
         self._embd_batch = self._llama.llama_batch_init(settings.n_batch, self.n_embd, 1)
+
+    def _restoring_input(self, tensor: int, ask: bool, user: object) -> bool:
+        """The graph callback where input is restored: it writes the decode's rows over the node's
+        result, then lets the stage's own callback, if any, see every other node."""
+        if self._ggml.get_name(tensor) == self._restored_at:
+            rows = self._input_rows
+            if ask:
+                return rows is not None  # token ids: llama.cpp's own transform is the one they need
+            if rows is None or self._ggml.nbytes(tensor) != rows.nbytes:
+                return False  # stop the graph: decode() finds the input not restored and says so
+            self._ggml.tensor_set(tensor, rows.ctypes.data, 0, rows.nbytes)
+            self._restores += 1
+            return True
+        if self._user_callback is not None:
+            return self._user_callback(tensor, ask, user)
+        return not ask
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
@@ -408,13 +440,20 @@ class LlamaModel:
             if rows.shape != (n, self.n_embd):
                 raise ValueError(f"hidden states of shape {rows.shape}; expected ({n}, {self.n_embd})")
             ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
+            self._input_rows, self._restores = rows, 0
         batch.n_tokens = n
         for i in range(n):
             batch.pos[i] = positions[i]
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = sequences[i]
             batch.logits[i] = outputs[i]
-        status = self._llama.llama_decode(self.ctx, batch)
+        try:
+            status = self._llama.llama_decode(self.ctx, batch)
+        finally:
+            self._input_rows = None
+        if status == 0 and states is not None and self._restored_at is not None and self._restores != 1:
+            node = self._restored_at.decode()
+            raise RuntimeError(f"the input rows were put back at graph node {node} {self._restores} times, not once")
         if status == 1:
             raise RuntimeError(f"the KV cache has no room for {n} more rows (llama_decode status 1)")
         if status != 0:

@@ -36,6 +36,12 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_ONLY_TENSORS = ("token_embd.weight", "output.weight")
 STAND_IN_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")  # SentencePiece order llama.cpp accepts
 STAND_IN_TYPES = (3, 3, 3, 2)  # control, control, control, unknown
+# A sliding window wider than any two positions of a context are apart masks nothing: what a block
+# of global attention becomes in a slice of a family that llama.cpp always windows (gemma2,
+# gpt-oss). Kafila's longest context (the CLI's --context limit), and no wider: llama.cpp sizes a
+# windowed cache by window times sequences in uint32, and reserves room for a window's cells each
+# time it builds a mask.
+UNREACHED_WINDOW = 1 << 20
 SIZE_POLL_S = 0.2
 
 Progress = Callable[[int, int], None]
@@ -107,10 +113,7 @@ class _Slice:
     def __init__(self, reader: FastGGUFReader, arch: str, n_blocks: int, first: int, end: int, is_head: bool):
         self.reader, self.arch, self.n_blocks = reader, arch, n_blocks
         self.first, self.end, self.is_head = first, end, is_head
-        sliding = self._sliding_blocks()
-        windowed = None if sliding is None else tuple(sliding)
-        view = SliceView(arch, n_blocks, first, end, is_head, reader.scalar, windowed)
-        self.rules = family_of(arch).rules(view)
+        self.rules = family_of(arch).rules(SliceView(arch, n_blocks, first, end, is_head, reader.scalar))
         if self.rules.refusal is not None:
             raise SliceError(self.rules.refusal)
 
@@ -119,13 +122,18 @@ class _Slice:
         pattern_key = f"{self.arch}.attention.sliding_window_pattern"
         window_key = f"{self.arch}.attention.sliding_window"
         sliding = self._sliding_blocks()
+        always_windowed = family_of(self.arch).always_windowed
+        global_only = sliding is not None and not any(sliding)
+        swa_base_key = f"{self.arch}.rope.freq_base_swa"
         for key in self.reader.fields:
-            if key in (window_key, pattern_key) and sliding is not None and not any(sliding):
-                continue  # only global blocks: llama.cpp aborts on a window that no block uses
+            if key in (window_key, pattern_key) and global_only:
+                continue  # llama.cpp aborts on a window that no block uses: written below if it must be
+            if key == swa_base_key and global_only and always_windowed:
+                continue  # `_unreached_window` writes it
             if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
                 continue  # the writer adds these itself, and pads tensor data its own way
-            if not self.is_head and key.startswith("tokenizer."):
-                continue
+            if not self.is_head and (key.startswith("tokenizer.") or key == "general.name"):
+                continue  # llama.cpp looks up tokens by the model's name (a Phi-3's <s>): stand-ins lack them
             if key in self.rules.values:
                 continue  # the family's rule for the slice is written below
             vtype, value = raw_value(self.reader, key)
@@ -139,6 +147,8 @@ class _Slice:
                 writer.add_key_value(key, value, vtype)
         if sliding is not None and any(sliding) and self._per_layer_values(pattern_key) is None:
             writer.add_array(pattern_key, sliding)
+        if global_only and always_windowed:
+            self._unreached_window(writer, count)
         for key, (rule_type, rule_value) in self.rules.values.items():
             items = _array_type(rule_value) if rule_type == GGUFValueType.ARRAY else None
             writer.add_key_value(key, rule_value, rule_type, sub_type=items)
@@ -148,11 +158,24 @@ class _Slice:
         writer.add_uint32("kafila.slice.source_block_count", self.n_blocks)
         writer.add_bool("kafila.slice.is_head", self.is_head)
 
+    def _unreached_window(self, writer: RawCopyWriter, count: int) -> None:
+        """A family that llama.cpp always windows cannot drop the window of a slice of global blocks
+        only: its blocks are windowed instead, by a window no position reaches, and take the global
+        blocks' rope base (llama.cpp gives windowed blocks the `freq_base_swa` one)."""
+        writer.add_uint32(f"{self.arch}.attention.sliding_window", UNREACHED_WINDOW)
+        writer.add_array(f"{self.arch}.attention.sliding_window_pattern", [True] * count)
+        base_key, swa_key = f"{self.arch}.rope.freq_base", f"{self.arch}.rope.freq_base_swa"
+        if swa_key in self.reader.fields:
+            base = self.reader.scalar(base_key, 10000.0)  # llama.cpp's default where the file names none
+            writer.add_float32(swa_key, float(base))
+
     def _sliding_blocks(self) -> list[bool] | None:
         """Which of this slice's blocks use a sliding window, or None for a family without one."""
-        period = family_of(self.arch).sliding_window_period
+        family = family_of(self.arch)
+        period = family.sliding_window_period
         pattern_key = f"{self.arch}.attention.sliding_window_pattern"
-        if period is None or f"{self.arch}.attention.sliding_window" not in self.reader.fields:
+        window_named = f"{self.arch}.attention.sliding_window" in self.reader.fields
+        if period is None or not (window_named or family.default_sliding_window is not None):
             return None
         stored = self._per_layer_values(pattern_key)
         if stored is not None:
@@ -242,10 +265,10 @@ def check_family(arch: str, n_blocks: int) -> None:
     """UnsupportedFamily or SliceError where a model of this family and block count cannot be split."""
     family = family_of(arch)  # refuse an unsupported family before writing anything
     if n_blocks in family.unsplittable_block_counts:
-        raise SliceError(
-            f"{arch} models with {n_blocks} blocks cannot be split: llama.cpp derives a setting of theirs "
-            "from the block count, which a slice would change"
+        why = family.unsplittable_reason or (
+            "llama.cpp derives a setting of theirs from the block count, which a slice would change"
         )
+        raise SliceError(f"{arch} models with {n_blocks} blocks cannot be split: {why}")
 
 
 def _ensure_room(out: Path, pieces: Sequence[_Slice], what: str) -> None:

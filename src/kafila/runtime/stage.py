@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kafila.contracts import StageReport
-from kafila.runtime.families import family_of
+from kafila.runtime.families import FAMILIES, family_of
 from kafila.runtime.gguf_file import FastGGUFReader
 from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel, VocabularyOnly
 from kafila.runtime.sampling import Sampler, SamplerStart
@@ -295,6 +295,13 @@ def _slice_range(path: str | os.PathLike[str]) -> tuple[int, int]:
     return int(reader.scalar("kafila.slice.first_block", 0)), int(reader.scalar(f"{arch}.block_count"))
 
 
+def _input_restored_at(path: str | os.PathLike[str]) -> str | None:
+    """Where a stage of this file's family puts the hidden states it is fed back into the graph
+    (`Family.input_restored_at`), or None where llama.cpp takes them as they are."""
+    family = FAMILIES.get(str(FastGGUFReader(path).scalar("general.architecture")))
+    return family.input_restored_at if family is not None else None
+
+
 class BlockStage:
     """Blocks only: hidden states in, the residual after the last block out."""
 
@@ -305,7 +312,9 @@ class BlockStage:
         self.n_layers = n_layers
         self._target = f"l_out-{n_layers - 1}".encode()
         self._captured: list[FloatRows] = []
-        self.model = LlamaModel(path, settings, eval_callback=self._on_tensor)
+        self.model = LlamaModel(
+            path, settings, eval_callback=self._on_tensor, input_restored_at=_input_restored_at(path)
+        )
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
         self.name = f"the stage holding blocks {self.first_block}-{self.first_block + n_layers - 1}"
@@ -446,7 +455,7 @@ class HeadStage:
     """The last blocks and the output: hidden states in, logits out; embeds tokens itself."""
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
-        self.model = LlamaModel(path, settings)
+        self.model = LlamaModel(path, settings, input_restored_at=_input_restored_at(path))
         self.embed = TokenEmbedding(path)
         self.vocabulary = Vocabulary(self.model)
         self.hidden = self.model.n_embd
