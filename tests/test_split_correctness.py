@@ -23,7 +23,7 @@ from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
 SETTINGS = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=4, n_threads=2)
 PROMPT = "hello world, the kafila model is in a block of the world and it is to the model of the world"
 STEPS = 32
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4}
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4, "deepseek2": 5, "glm4moe": 4}
 GEMMA_TURN = "<start_of_turn>user\nName three colours.<end_of_turn>\n<start_of_turn>model\n"
 
 

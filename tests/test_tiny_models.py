@@ -17,8 +17,18 @@ from kafila.runtime.manifest import read_manifest
 PROMPT = "hello world, the model is in the block of kafila and it is a test: ünïcödé 123!"
 N_GREEDY = 32
 # gemma3 makes every 6th layer global: with 6 blocks, both kinds of layer are present.
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4}
-TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False}
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "deepseek2": 5, "glm4moe": 4}
+TIED = {
+    "llama": False,
+    "qwen2": False,
+    "qwen3": True,
+    "gemma3": True,
+    "qwen3moe": False,
+    "deepseek2": False,
+    "glm4moe": False,
+}
+MOE = ("qwen3moe", "deepseek2", "glm4moe")
+PREDICTION_BLOCKS = {"glm4moe": 1}  # stored after the blocks llama.cpp runs
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
@@ -69,13 +79,17 @@ def test_metadata_llama_cpp_sees(tiny: tuple[str, Path]) -> None:
     meta = _load(path).metadata
     assert meta["general.architecture"] == arch
     assert meta["tokenizer.ggml.model"] == "llama"
-    assert int(meta[f"{arch}.block_count"]) == N_BLOCKS[arch]
+    assert int(meta[f"{arch}.block_count"]) == N_BLOCKS[arch] + PREDICTION_BLOCKS.get(arch, 0)
     assert int(meta[f"{arch}.attention.head_count_kv"]) < int(meta[f"{arch}.attention.head_count"])
     assert 64 <= int(meta[f"{arch}.embedding_length"]) <= 128
     if arch == "gemma3":
         assert int(meta["gemma3.attention.sliding_window"]) == 16
-    if arch == "qwen3moe":
-        assert (int(meta["qwen3moe.expert_count"]), int(meta["qwen3moe.expert_used_count"])) == (8, 2)
+    if arch in MOE:
+        assert (int(meta[f"{arch}.expert_count"]), int(meta[f"{arch}.expert_used_count"])) == (8, 2)
+    if arch in ("deepseek2", "glm4moe"):
+        assert int(meta[f"{arch}.expert_shared_count"]) == 1
+        assert int(meta[f"{arch}.leading_dense_block_count"]) == (2 if arch == "deepseek2" else 1)
+        assert int(meta[f"{arch}.expert_gating_func"]) == 2  # sigmoid
 
 
 def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
@@ -88,12 +102,19 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
 
     names = {t.name for t in GGUFReader(path).tensors}
     assert ("output.weight" not in names) == TIED[arch]
-    assert ("blk.0.attn_q.bias" in names) == (arch == "qwen2")
+    assert ("blk.0.attn_q.bias" in names) == (arch in ("qwen2", "glm4moe"))
     assert ("blk.0.attn_q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "qwen3moe"))
     assert ("blk.0.post_ffw_norm.weight" in names) == (arch == "gemma3")
     moe = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"}
     assert (moe <= names) == (arch == "qwen3moe") and ("blk.0.ffn_gate.weight" in names) == (arch != "qwen3moe")
-    assert (manifest.expert_bytes is not None) == (arch == "qwen3moe")
+    assert (manifest.expert_bytes is not None) == (arch in MOE)
+    last = N_BLOCKS[arch] - 1  # past the dense lead of deepseek2 and glm4moe: routed and shared experts
+    shared = {f"blk.{last}.ffn_{name}_shexp.weight" for name in ("gate", "up", "down")} | {
+        f"blk.{last}.exp_probs_b.bias"
+    }
+    assert (shared <= names) == (arch in ("deepseek2", "glm4moe"))
+    assert ("blk.0.attn_kv_a_mqa.weight" in names) == (arch == "deepseek2")
+    assert (f"blk.{N_BLOCKS[arch]}.nextn.eh_proj.weight" in names) == (arch == "glm4moe")
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)

@@ -95,6 +95,65 @@ def _gemma3_rules(view: SliceView) -> SliceRules:
     return SliceRules(tensor_scales={"attn_q_norm.weight": whole / sliced})
 
 
+def _leading_dense_blocks(view: SliceView) -> dict[str, tuple[GGUFValueType, Any]]:
+    """llama.cpp gives blocks before `leading_dense_block_count` a dense FFN and the rest experts,
+    by their index in the file: a slice counts the dense blocks among its own."""
+    key = f"{view.arch}.leading_dense_block_count"
+    lead = view.value(key)
+    if lead is None:
+        return {}
+    return {key: (GGUFValueType.UINT32, min(max(int(lead) - view.first, 0), view.count))}
+
+
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama_expert_gating_func_type
+
+
+def deepseek2_vocab_size(view: SliceView) -> int:
+    """The vocabulary size deepseek2's loader sees: the converter's vocab_size, else the token list's."""
+    stored = view.value(f"{view.arch}.vocab_size")
+    return int(stored) if stored is not None else len(view.value("tokenizer.ggml.tokens") or ())
+
+
+def deepseek2_is_lite(n_blocks: int, n_vocab: int) -> bool:
+    """What llama.cpp takes for a Lite model (DeepSeek-V2-Lite, GigaChat3, Kanana-2), whose queries
+    are one attn_q, and whose q_lora_rank it does not read: decided by the block count alone."""
+    return n_blocks in (26, 27) or (n_blocks == 48 and n_vocab == 128256)
+
+
+def _deepseek2_rules(view: SliceView) -> SliceRules:
+    """deepseek2 keys three settings on the block count (and the vocabulary size), and each slice
+    has its own count and a stand-in vocabulary. The vocabulary size is written as the source's;
+    the dense lead as the slice's own; a Lite model's query rank as 0 (no low-rank queries, as it
+    has none), which llama.cpp reads whenever the count does not make the slice Lite; and the
+    expert gating as the source's, with llama.cpp's default for the source where it has none."""
+    arch = view.arch
+    n_vocab = deepseek2_vocab_size(view)
+    values = _leading_dense_blocks(view)
+    values[f"{arch}.vocab_size"] = (GGUFValueType.UINT32, n_vocab)
+    if deepseek2_is_lite(view.n_blocks, n_vocab):
+        values[f"{arch}.attention.q_lora_rank"] = (GGUFValueType.UINT32, 0)
+    gating = int(view.value(f"{arch}.expert_gating_func") or 0)
+    if gating == 0:  # none given: llama.cpp's default for the source (GLM-4.7-Flash's count and vocabulary)
+        gating = GATING_SIGMOID if view.n_blocks in (47, 48) and n_vocab == 154880 else GATING_SOFTMAX
+    values[f"{arch}.expert_gating_func"] = (GGUFValueType.UINT32, gating)
+    return SliceRules(values=values)
+
+
+# Any two sections make llama.cpp rotate by sections; with the same position in all four (a text
+# token's), every rotary pair turns by the same angle as in a plain NEOX rotation, bit for bit.
+TEXT_ROPE_SECTIONS = [1, 1, 0, 0]
+
+
+def _glm4moe_rules(view: SliceView) -> SliceRules:
+    """glm4moe: the slice's own dense lead; and rope sections, since llama.cpp aborts a glm4moe
+    graph fed embeddings (as every stage is) unless it rotates by sections (glm4-moe.cpp)."""
+    values = _leading_dense_blocks(view)
+    sections = view.value(f"{view.arch}.rope.dimension_sections")
+    if not (isinstance(sections, list) and len(sections) > 1 and sections[0] > 0 and sections[1] > 0):
+        values[f"{view.arch}.rope.dimension_sections"] = (GGUFValueType.ARRAY, TEXT_ROPE_SECTIONS)
+    return SliceRules(values=values)
+
+
 FAMILIES = {
     family.name: family
     for family in (
@@ -103,6 +162,8 @@ FAMILIES = {
         Family("qwen3"),
         Family("qwen3moe"),  # its experts are tensors of their block: a slice carries them whole
         Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules),
+        Family("deepseek2", rules=_deepseek2_rules),
+        Family("glm4moe", rules=_glm4moe_rules),
     )
 }
 

@@ -101,11 +101,32 @@ def _check_division(counts: Sequence[int], n_blocks: int) -> None:
         raise SliceError(f"the division covers {sum(counts)} blocks but the model has {n_blocks}")
 
 
+def stored_blocks(reader: FastGGUFReader, arch: str) -> int:
+    n_blocks = reader.scalar(f"{arch}.block_count")
+    if not isinstance(n_blocks, int) or isinstance(n_blocks, bool):
+        raise GGUFFormatError(f"the model has no {arch}.block_count")
+    return n_blocks
+
+
+def prediction_blocks(reader: FastGGUFReader, arch: str) -> int:
+    """The multi-token prediction ("nextn") blocks stored after the last block: counted in
+    block_count, but llama.cpp's graph runs only the blocks before them (llama_hparams::n_layer)
+    and loads them only for speculative decoding, which Kafila does not do. No slice holds them."""
+    count = reader.scalar(f"{arch}.nextn_predict_layers", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise GGUFFormatError(f"metadata {arch}.nextn_predict_layers is {count!r}, not a count")
+    return count
+
+
 class _Slice:
-    """Everything needed to write one stage file from an open source model."""
+    """Everything needed to write one stage file from an open source model.
+
+    `n_blocks` counts the blocks the source's graph runs; per-layer arrays list one value for
+    each stored block, prediction blocks included."""
 
     def __init__(self, reader: FastGGUFReader, arch: str, n_blocks: int, first: int, end: int, is_head: bool):
         self.reader, self.arch, self.n_blocks = reader, arch, n_blocks
+        self.n_stored = stored_blocks(reader, arch)
         self.first, self.end, self.is_head = first, end, is_head
         self.rules = family_of(arch).rules(SliceView(arch, n_blocks, first, end, is_head, reader.scalar))
 
@@ -123,6 +144,8 @@ class _Slice:
                 continue
             if key in self.rules.values:
                 continue  # the family's rule for the slice is written below
+            if key == f"{self.arch}.nextn_predict_layers":
+                continue  # a slice holds no prediction blocks
             vtype, value = raw_value(self.reader, key)
             per_layer = self._per_layer_values(key)
             if key == f"{self.arch}.block_count":
@@ -164,7 +187,7 @@ class _Slice:
         if field.types[-1] == GGUFValueType.STRING:
             return None
         values = self.reader.scalar(key)
-        return values if len(values) == self.n_blocks else None
+        return values if len(values) == self.n_stored else None
 
     @staticmethod
     def _stand_in_vocabulary(writer: RawCopyWriter) -> None:
@@ -221,14 +244,15 @@ def _array_type(values: list[Any]) -> GGUFValueType:
 
 
 def _open(source: Path) -> tuple[FastGGUFReader, str, int]:
+    """The model, its family and the blocks its graph runs (those a division covers)."""
     reader = FastGGUFReader(source)
     arch = reader.scalar("general.architecture")
     if not isinstance(arch, str):
         raise GGUFFormatError(f"{source} has no general.architecture")
-    n_blocks = reader.scalar(f"{arch}.block_count")
-    if not isinstance(n_blocks, int):
-        raise GGUFFormatError(f"{source} has no {arch}.block_count")
-    return reader, arch, n_blocks
+    stored, prediction = stored_blocks(reader, arch), prediction_blocks(reader, arch)
+    if prediction >= stored:
+        raise GGUFFormatError(f"{source} has {stored} blocks, of which {prediction} predict further tokens")
+    return reader, arch, stored - prediction
 
 
 def check_family(arch: str, n_blocks: int) -> None:
