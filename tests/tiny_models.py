@@ -67,6 +67,7 @@ class ModelShape:
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     v_head_dim: int = 0
+    stated_vocab_size: int = 0  # deepseek2's vocab_size key, where a test needs another than the token count
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -336,7 +337,7 @@ def write_tiny_model(
 def _add_latent_attention(writer: GGUFWriter, shape: ModelShape, n_vocab: int) -> None:
     """deepseek2's attention keys as its converter writes them: the cache holds one latent of
     kv_lora_rank + the rotary dims a token (as an MQA key), the heads' own sizes are the _mla ones."""
-    writer.add_vocab_size(n_vocab)
+    writer.add_vocab_size(shape.stated_vocab_size or n_vocab)
     if shape.q_lora_rank:
         writer.add_q_lora_rank(shape.q_lora_rank)
     writer.add_kv_lora_rank(shape.kv_lora_rank)

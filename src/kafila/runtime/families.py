@@ -39,10 +39,15 @@ class SliceView:
 class SliceRules:
     """What a slice must carry beyond the source's metadata with per-layer arrays sliced:
     `values`, keys written as given (type and value), over the source's; `tensor_scales`, factors
-    applied to the slice's float32 block tensors named by what follows `blk.N.`."""
+    applied to the slice's float32 block tensors named by what follows `blk.N.`; `identity_blocks`,
+    blocks the slice runs before its own where llama.cpp would take its count for another kind of
+    model (deepseek2's Lite counts): copies of source block 0's tensors and per-layer settings, all
+    zero. A zero norm weight zeroes the attention's and the FFN's input, so each adds exactly 0 to
+    the residual: the block passes its input on bit for bit."""
 
     values: Mapping[str, tuple[GGUFValueType, Any]] = field(default_factory=dict)
     tensor_scales: Mapping[str, float] = field(default_factory=dict)
+    identity_blocks: int = 0  # blocks run before the slice's own, which pass their input on unchanged
 
 
 def _no_rules(_view: SliceView) -> SliceRules:
@@ -125,18 +130,27 @@ def _deepseek2_rules(view: SliceView) -> SliceRules:
     has its own count and a stand-in vocabulary. The vocabulary size is written as the source's;
     the dense lead as the slice's own; a Lite model's query rank as 0 (no low-rank queries, as it
     has none), which llama.cpp reads whenever the count does not make the slice Lite; and the
-    expert gating as the source's, with llama.cpp's default for the source where it has none."""
+    expert gating as the source's, with llama.cpp's default for the source where it has none.
+    A slice of a model with low-rank queries whose count llama.cpp takes for a Lite model's (26,
+    27) runs identity blocks first (`SliceRules.identity_blocks`), enough to leave those counts."""
     arch = view.arch
     n_vocab = deepseek2_vocab_size(view)
     values = _leading_dense_blocks(view)
     values[f"{arch}.vocab_size"] = (GGUFValueType.UINT32, n_vocab)
+    identity_blocks = 0
     if deepseek2_is_lite(view.n_blocks, n_vocab):
         values[f"{arch}.attention.q_lora_rank"] = (GGUFValueType.UINT32, 0)
+    elif int(view.value(f"{arch}.attention.q_lora_rank") or 0) > 0:
+        while deepseek2_is_lite(view.count + identity_blocks, n_vocab):
+            identity_blocks += 1  # llama.cpp would skip the query rank and look for attn_q
+        lead_key = f"{arch}.leading_dense_block_count"
+        if identity_blocks and int(view.value(lead_key) or 0) > 0:  # copies of block 0, a dense one
+            values[lead_key] = (GGUFValueType.UINT32, values[lead_key][1] + identity_blocks)
     gating = int(view.value(f"{arch}.expert_gating_func") or 0)
     if gating == 0:  # none given: llama.cpp's default for the source (GLM-4.7-Flash's count and vocabulary)
         gating = GATING_SIGMOID if view.n_blocks in (47, 48) and n_vocab == 154880 else GATING_SOFTMAX
     values[f"{arch}.expert_gating_func"] = (GGUFValueType.UINT32, gating)
-    return SliceRules(values=values)
+    return SliceRules(values=values, identity_blocks=identity_blocks)
 
 
 # Any two sections make llama.cpp rotate by sections; with the same position in all four (a text

@@ -37,6 +37,7 @@ HEAD_ONLY_TENSORS = ("token_embd.weight", "output.weight")
 STAND_IN_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")  # SentencePiece order llama.cpp accepts
 STAND_IN_TYPES = (3, 3, 3, 2)  # control, control, control, unknown
 SIZE_POLL_S = 0.2
+IDENTITY_BLOCKS_KEY = "kafila.slice.identity_blocks"  # blocks run before the slice's own (families.SliceRules)
 
 Progress = Callable[[int, int], None]
 """(bytes done, bytes in all) of long work on a model file: hashing it, cutting it. A model of
@@ -129,9 +130,12 @@ class _Slice:
         self.n_stored = stored_blocks(reader, arch)
         self.first, self.end, self.is_head = first, end, is_head
         self.rules = family_of(arch).rules(SliceView(arch, n_blocks, first, end, is_head, reader.scalar))
+        self.identity = self.rules.identity_blocks
+        if self.identity and self._sliding_blocks() is not None:
+            raise SliceError(f"{arch}: identity blocks in a slice with sliding-window blocks are not supported")
 
     def metadata(self, writer: RawCopyWriter) -> None:
-        count = self.end - self.first
+        count = self.identity + self.end - self.first
         pattern_key = f"{self.arch}.attention.sliding_window_pattern"
         window_key = f"{self.arch}.attention.sliding_window"
         sliding = self._sliding_blocks()
@@ -152,7 +156,8 @@ class _Slice:
                 writer.add_uint32(key, count)
             elif per_layer is not None:
                 sub_type = self.reader.fields[key].types[-1]
-                writer.add_key_value(key, per_layer[self.first : self.end], vtype, sub_type=sub_type)
+                values = per_layer[:1] * self.identity + per_layer[self.first : self.end]
+                writer.add_key_value(key, values, vtype, sub_type=sub_type)
             elif key != pattern_key:  # a scalar pattern period is rewritten below as an array
                 writer.add_key_value(key, value, vtype)
         if sliding is not None and any(sliding) and self._per_layer_values(pattern_key) is None:
@@ -165,6 +170,8 @@ class _Slice:
         writer.add_uint32("kafila.slice.first_block", self.first)
         writer.add_uint32("kafila.slice.source_block_count", self.n_blocks)
         writer.add_bool("kafila.slice.is_head", self.is_head)
+        if self.identity:
+            writer.add_uint32(IDENTITY_BLOCKS_KEY, self.identity)
 
     def _sliding_blocks(self) -> list[bool] | None:
         """Which of this slice's blocks use a sliding window, or None for a family without one."""
@@ -200,23 +207,35 @@ class _Slice:
         writer.add_bos_token_id(2)
         writer.add_unk_token_id(3)
 
+    def _identity_tensors(self) -> Iterator[tuple[str, ReaderTensor]]:
+        """The tensors of source block 0 under each identity block's name: written as zeros."""
+        for block in range(self.identity):
+            for tensor in self.reader.tensors:
+                match = _BLOCK_TENSOR.match(tensor.name)
+                if match and int(match.group(1)) == 0:
+                    yield f"blk.{block}.{match.group(2)}", tensor
+
     def _kept(self) -> Iterator[tuple[str, ReaderTensor]]:
         """The source tensors this slice holds, each under its name in the slice: its blocks,
-        renumbered from 0, and the rest but the head's own tensors, which only the head keeps."""
+        renumbered from the first after any identity blocks, and the rest but the head's own
+        tensors, which only the head keeps."""
         for tensor in self.reader.tensors:
             match = _BLOCK_TENSOR.match(tensor.name)
             if match:
                 index = int(match.group(1))
                 if self.first <= index < self.end:
-                    yield f"blk.{index - self.first}.{match.group(2)}", tensor
+                    yield f"blk.{self.identity + index - self.first}.{match.group(2)}", tensor
             elif self.is_head or tensor.name not in HEAD_ONLY_TENSORS:
                 yield tensor.name, tensor
 
     def data_bytes(self) -> int:
         """The tensor bytes this stage file will hold: what its disk space is mostly for."""
-        return sum(int(tensor.data.nbytes) for _name, tensor in self._kept())
+        pieces = itertools.chain(self._identity_tensors(), self._kept())
+        return sum(int(tensor.data.nbytes) for _name, tensor in pieces)
 
     def tensors(self, writer: RawCopyWriter) -> None:
+        for name, tensor in self._identity_tensors():
+            writer.add_tensor(name, np.zeros_like(tensor.data), raw_dtype=tensor.tensor_type)  # zeros in any type
         for name, tensor in self._kept():
             match = _BLOCK_TENSOR.match(name)
             factor = self.rules.tensor_scales.get(match.group(2)) if match else None
