@@ -117,3 +117,46 @@ def test_gemma3_270m_manifest(gemma_path: Path) -> None:
     assert set(manifest.block_bytes) == {3_596_288, 3_995_648}  # 3.60 MB and 4.00 MB
     assert manifest.head_bytes == 178_257_920 + 2_560  # tied Q8_0 embedding + output norm
     assert manifest.kv_bytes_per_token == (2 * 1 * (256 + 256),) * 18
+
+
+@pytest.mark.parametrize(
+    ("arch", "lead", "ffn_bytes"), [("deepseek2", 2, (34 / 32, 2)), ("glm4moe", 1, (34 / 32, 2, 4))]
+)
+def test_shared_experts_are_dense_and_the_dense_lead_reads_whole(
+    arch: str, lead: int, ffn_bytes: tuple[float, ...], tmp_path: Path
+) -> None:
+    """Blocks before the dense lead have no experts; after it, the routed experts (*_exps) are
+    read k of n a token while the shared expert (*_shexp) and the router are read whole."""
+    manifest = read_manifest(write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=4))
+    n, k, n_embd, n_ff_expert = 8, 2, 64, 32  # tiny_models' shapes, one shared expert
+    per_type = [ffn_bytes[i % len(ffn_bytes)] for i in range(4)]  # the FFN storage cycles by block
+    routed = [0 if i < lead else int(3 * n * n_ff_expert * n_embd * per_type[i]) for i in range(4)]
+    assert manifest.expert_bytes == tuple(routed)
+    assert (manifest.experts, manifest.experts_used) == (n, k)
+    dense = [b - e for b, e in zip(manifest.block_bytes, manifest.expert_bytes, strict=True)]
+    shared = [int(3 * n_ff_expert * n_embd * per_type[i]) for i in range(4)]
+    assert all(dense[i] > shared[i] for i in range(lead, 4))  # the shared expert is in the dense part
+    expected = [d + e * k / n for d, e in zip(dense, routed, strict=True)]
+    assert manifest.read_bytes(1) == pytest.approx(expected, abs=1.0)
+    assert manifest.read_bytes(1)[:lead] == manifest.block_bytes[:lead]  # dense blocks: all read
+
+
+def test_prediction_blocks_are_neither_blocks_nor_priced(tmp_path: Path) -> None:
+    """glm4moe stores a multi-token prediction block after its last (counted in block_count);
+    llama.cpp's graph never runs it and no slice holds it: the manifest leaves it out."""
+    path = write_tiny_model(tmp_path / "glm.gguf", "glm4moe", n_blocks=4)
+    manifest = read_manifest(path)
+    assert manifest.n_blocks == 4 and len(manifest.kv_bytes_per_token) == 4
+    reader = FastGGUFReader(path)
+    assert reader.scalar("glm4moe.block_count") == 5
+    prediction = sum(t.n_bytes for t in reader.tensors if t.name.startswith("blk.4."))
+    assert prediction > 0
+    assert sum(manifest.block_bytes) + manifest.head_bytes + prediction == sum(t.n_bytes for t in reader.tensors)
+    assert manifest.kv_bytes_per_token == (2 * 2 * (32 + 32),) * 4
+
+
+def test_latent_attention_caches_keys_alone(tmp_path: Path) -> None:
+    """deepseek2's MLA caches one latent a token (kv_lora_rank + rotary dims, as an MQA key) and
+    reads the values from it: no separate value cache."""
+    manifest = read_manifest(write_tiny_model(tmp_path / "ds.gguf", "deepseek2", n_blocks=3))
+    assert manifest.kv_bytes_per_token == (2 * 1 * (32 + 16),) * 3

@@ -261,20 +261,30 @@ def test_qwen3next_slices_list_which_of_their_blocks_are_delta_nets(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("counts", "nextn", "message"),
+    ("counts", "message"),
     [
-        ([3, 5], 0, r"qwen3next: a stage holding blocks 0-2 would have only gated delta-net .* both kinds"),
-        ([7, 1], 0, r"qwen3next: a stage holding blocks 7-7 would have only full attention .* both kinds"),
-        ([4, 4], 1, r"qwen3next: the file carries multi-token-prediction blocks .* --no-mtp"),
+        ([3, 5], r"qwen3next: a stage holding blocks 0-2 would have only gated delta-net .* both kinds"),
+        ([7, 1], r"qwen3next: a stage holding blocks 7-7 would have only full attention .* both kinds"),
     ],
 )
 def test_qwen3next_cuts_llama_cpp_cannot_run_are_refused_before_writing(
-    tmp_path: Path, counts: list[int], nextn: int, message: str
+    tmp_path: Path, counts: list[int], message: str
 ) -> None:
-    model = write_other_family(tmp_path / "qwen3next.gguf", "qwen3next", 8, {"qwen3next.nextn_predict_layers": nextn})
+    model = write_other_family(tmp_path / "qwen3next.gguf", "qwen3next", 8)
     with pytest.raises(SliceError, match=message):
         slice_model(model, counts, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_qwen3next_prediction_blocks_go_to_no_slice_and_the_kinds_count_without_them(tmp_path: Path) -> None:
+    """A qwen3next converted with its multi-token-prediction block (9 stored, 8 run): the slices
+    hold the 8 and list their kinds by the blocks llama.cpp runs."""
+    model = write_other_family(tmp_path / "qwen3next.gguf", "qwen3next", 9, {"qwen3next.nextn_predict_layers": 1})
+    for stage in slice_model(model, [4, 4], tmp_path / "out"):
+        reader = FastGGUFReader(stage.path)
+        assert reader.scalar("qwen3next.attention.recurrent_layers") == [True, True, True, False]
+        assert reader.scalar("qwen3next.block_count") == 4
+        assert {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")} == {"0", "1", "2", "3"}
 
 
 def test_a_46_block_gemma2_is_refused_and_says_why(tmp_path: Path) -> None:
@@ -333,3 +343,40 @@ def test_a_gemma2_stage_of_global_blocks_only_keeps_a_window_no_position_reaches
         for stage in blocks:
             stage.close()
         head.close()
+
+
+def test_prediction_blocks_go_to_no_slice(tmp_path: Path) -> None:
+    """glm4moe's multi-token prediction block (after the 4 it runs) is in no stage file, whose
+    block count, prediction count and per-layer arrays cover its own blocks alone."""
+    path = write_tiny_model(tmp_path / "glm.gguf", "glm4moe", n_blocks=4)
+    with pytest.raises(SliceError, match="covers 5 blocks but the model has 4"):
+        slice_model(path, [2, 3], tmp_path / "wrong")
+    for stage in slice_model(path, [1, 3], tmp_path / "out"):
+        reader = FastGGUFReader(stage.path)
+        count = stage.end_block - stage.first_block
+        assert reader.scalar("glm4moe.block_count") == count
+        assert reader.scalar("glm4moe.nextn_predict_layers") is None
+        blocks = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.startswith("blk.")}
+        assert blocks == set(range(count))
+        assert not any(".nextn." in t.name for t in reader.tensors)
+        assert reader.scalar("glm4moe.leading_dense_block_count") == (1 if stage.first_block == 0 else 0)
+
+
+def test_identity_blocks_are_zeros_of_block_0(tmp_path: Path) -> None:
+    """A 27-block slice of a deepseek2 with low-rank queries (a count llama.cpp takes for a Lite
+    model) runs one block of zeros first, shaped and typed as block 0 (dense), and says so."""
+    path = write_tiny_model(tmp_path / "ds.gguf", "deepseek2", n_blocks=29, shape=TINY_SHAPES["deepseek2"])
+    source = FastGGUFReader(path)
+    first, second = slice_model(path, [2, 27], tmp_path / "out")
+    assert FastGGUFReader(first.path).scalar("kafila.slice.identity_blocks") is None
+    reader = FastGGUFReader(second.path)
+    assert reader.scalar("deepseek2.block_count") == 28 and reader.scalar("kafila.slice.identity_blocks") == 1
+    assert reader.scalar("deepseek2.leading_dense_block_count") == 1  # the identity block alone
+    zero = {t.name: t for t in reader.tensors if t.name.startswith("blk.0.")}
+    template = {t.name: t for t in source.tensors if t.name.startswith("blk.0.")}
+    assert zero.keys() == template.keys()
+    for name, tensor in zero.items():
+        assert tensor.tensor_type == template[name].tensor_type and not np.asarray(tensor.data).any(), name
+    moved = {t.name: t for t in reader.tensors}["blk.1.attn_q_a.weight"]
+    original = {t.name: t for t in source.tensors}["blk.2.attn_q_a.weight"]
+    assert bytes(moved.data) == bytes(original.data)

@@ -31,7 +31,7 @@ STEPS = 32
 # cut leaves a stage of one global block only, and its last 2-way cut a head of one windowed block.
 N_BLOCKS = {
     "llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 5, "qwen3next": 12,
-    "gemma2": 5, "phi3": 4, "mistral3": 4,
+    "gemma2": 5, "phi3": 4, "mistral3": 4, "deepseek2": 5, "glm4moe": 4,
 }  # fmt: skip
 # Cuts a family refuses, with why: llama.cpp aborts on a qwen3next stage whose blocks are all of one kind
 REFUSED_CUTS = {"qwen3next": ({(1, 11), (2, 10), (3, 9), (11, 1)}, "every stage needs blocks of both kinds")}
@@ -149,6 +149,36 @@ def test_a_stage_whose_input_node_is_missing_fails_loudly(tmp_path: Path) -> Non
             model.decode([0], [0], [True], states=np.zeros((1, model.n_embd), dtype=np.float32))
     finally:
         model.close()
+
+
+def _splits_equal_the_whole(path: Path, divisions: list[list[int]], tmp_path: Path, steps: int = 16) -> None:
+    whole = WholeModel(path, SETTINGS)
+    prompt = whole.vocabulary.tokenize(PROMPT)
+    whole.close()
+    expected = greedy_unsplit(path, prompt, steps=steps)
+    assert len(set(expected)) > 3
+    for counts in divisions:
+        files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
+        assert greedy_split(files, prompt, steps=steps) == expected, f"{path.stem} split {counts} diverged"
+
+
+def test_deepseek2_slices_of_lite_counts_split(tmp_path: Path) -> None:
+    """llama.cpp takes any deepseek2 of 26 or 27 blocks for a Lite model (one attn_q, no query rank).
+    A 29-block model with low-rank queries splits into slices of those counts (identity blocks run
+    first); a 27-block Lite model splits into slices of other counts (a query rank of 0 said)."""
+    path = write_tiny_model(tmp_path / "full.gguf", "deepseek2", n_blocks=29, shape=TINY_SHAPES["deepseek2"])
+    _splits_equal_the_whole(path, [[2, 27], [3, 26], [27, 2], [1, 27, 1]], tmp_path / "full")
+    lite = replace(TINY_SHAPES["deepseek2"], q_lora_rank=0)
+    path = write_tiny_model(tmp_path / "lite.gguf", "deepseek2", n_blocks=27, shape=lite)
+    _splits_equal_the_whole(path, [[1, 26], [13, 14], [26, 1], [9, 9, 9]], tmp_path / "lite")
+
+
+def test_deepseek2_default_gating_follows_the_whole_model(tmp_path: Path) -> None:
+    """A deepseek2 without expert_gating_func gates its experts by sigmoid at 47 blocks and a
+    154,880-token vocabulary (GLM-4.7-Flash), by softmax otherwise: every slice gates as the whole."""
+    shape = replace(TINY_SHAPES["deepseek2"], expert_gating=0, stated_vocab_size=154880)
+    path = write_tiny_model(tmp_path / "flash.gguf", "deepseek2", n_blocks=47, shape=shape)
+    _splits_equal_the_whole(path, [[1, 46], [23, 24], [46, 1]], tmp_path)
 
 
 def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:

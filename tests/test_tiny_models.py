@@ -20,13 +20,14 @@ N_GREEDY = 32
 # qwen3next makes every 4th block full attention, the others gated delta nets.
 N_BLOCKS = {
     "llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 4, "qwen3next": 8,
-    "gemma2": 4, "phi3": 4, "mistral3": 4,
+    "gemma2": 4, "phi3": 4, "mistral3": 4, "deepseek2": 5, "glm4moe": 4,
 }  # fmt: skip
 TIED = {
     "llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False, "gpt-oss": False,
-    "qwen3next": False, "gemma2": True, "phi3": True, "mistral3": False,
+    "qwen3next": False, "gemma2": True, "phi3": True, "mistral3": False, "deepseek2": False, "glm4moe": False,
 }  # fmt: skip
-MOE = ("qwen3moe", "gpt-oss", "qwen3next")
+MOE = ("qwen3moe", "gpt-oss", "qwen3next", "deepseek2", "glm4moe")
+PREDICTION_BLOCKS = {"glm4moe": 1}  # stored after the blocks llama.cpp runs
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
@@ -79,7 +80,7 @@ def test_metadata_llama_cpp_sees(tiny: tuple[str, Path]) -> None:
     meta = _load(path).metadata
     assert meta["general.architecture"] == arch
     assert meta["tokenizer.ggml.model"] == "llama"
-    assert int(meta[f"{arch}.block_count"]) == N_BLOCKS[arch]
+    assert int(meta[f"{arch}.block_count"]) == N_BLOCKS[arch] + PREDICTION_BLOCKS.get(arch, 0)
     assert int(meta[f"{arch}.attention.head_count_kv"]) < int(meta[f"{arch}.attention.head_count"])
     assert 64 <= int(meta[f"{arch}.embedding_length"]) <= 128
     if arch in ("gemma3", "gemma2"):
@@ -91,8 +92,12 @@ def test_metadata_llama_cpp_sees(tiny: tuple[str, Path]) -> None:
     if arch == "mistral3":
         assert meta["mistral3.rope.scaling.type"] == "yarn"
         assert float(meta["mistral3.attention.temperature_scale"]) == 0.1
-    if arch == "qwen3moe":
-        assert (int(meta["qwen3moe.expert_count"]), int(meta["qwen3moe.expert_used_count"])) == (8, 2)
+    if arch in MOE:
+        assert (int(meta[f"{arch}.expert_count"]), int(meta[f"{arch}.expert_used_count"])) == (8, 2)
+    if arch in ("deepseek2", "glm4moe"):
+        assert int(meta[f"{arch}.expert_shared_count"]) == 1
+        assert int(meta[f"{arch}.leading_dense_block_count"]) == (2 if arch == "deepseek2" else 1)
+        assert int(meta[f"{arch}.expert_gating_func"]) == 2  # sigmoid
 
 
 def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
@@ -106,15 +111,17 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
 
     names = {t.name for t in GGUFReader(path).tensors}
     assert ("output.weight" not in names) == TIED[arch]
-    assert ("blk.0.attn_q.bias" in names) == (arch in ("qwen2", "gpt-oss"))
+    assert ("blk.0.attn_q.bias" in names) == (arch in ("qwen2", "gpt-oss", "glm4moe"))
     assert ("blk.0.attn_q_norm.weight" in names) == (arch in ("qwen3", "gemma3", "qwen3moe"))
     assert ("blk.0.post_ffw_norm.weight" in names) == (arch in ("gemma3", "gemma2"))
     moe = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"}
-    assert (moe <= names) == (arch in MOE)
-    assert ("blk.0.ffn_gate.weight" in names) == (arch not in (*MOE, "phi3"))  # phi3 fuses it into ffn_up
+    assert (moe <= names) == (arch in ("qwen3moe", "gpt-oss", "qwen3next"))  # the others lead with dense blocks
+    dense_ffn = arch not in ("qwen3moe", "gpt-oss", "qwen3next", "phi3")  # phi3 fuses it into ffn_up
+    assert ("blk.0.ffn_gate.weight" in names) == dense_ffn
     assert (manifest.expert_bytes is not None) == (arch in MOE)
     if arch != "qwen3next":  # whose delta-net blocks hold attn_qkv, and attention blocks attn_q
-        assert ("blk.0.attn_qkv.weight" in names) == (arch == "phi3") != ("blk.0.attn_q.weight" in names)
+        has_q = "blk.0.attn_q.weight" in names or "blk.0.attn_q_a.weight" in names
+        assert ("blk.0.attn_qkv.weight" in names) == (arch == "phi3") != has_q
     assert ({"rope_factors_long.weight", "rope_factors_short.weight"} <= names) == (arch == "phi3")
     harmony = {"attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_down_exps.bias"}
     assert ({f"blk.0.{name}" for name in harmony} <= names) == (arch == "gpt-oss")
@@ -127,6 +134,13 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
             kind, other = (attention, delta_net) if i % 4 == 3 else (delta_net, attention)
             assert {f"blk.{i}.{n}" for n in kind | shared} <= names
             assert not {f"blk.{i}.{n}" for n in other} & names
+    last = N_BLOCKS[arch] - 1  # past the dense lead of deepseek2 and glm4moe: routed and shared experts
+    shared = {f"blk.{last}.ffn_{name}_shexp.weight" for name in ("gate", "up", "down")} | {
+        f"blk.{last}.exp_probs_b.bias"
+    }
+    assert (shared <= names) == (arch in ("deepseek2", "glm4moe"))
+    assert ("blk.0.attn_kv_a_mqa.weight" in names) == (arch == "deepseek2")
+    assert (f"blk.{N_BLOCKS[arch]}.nextn.eh_proj.weight" in names) == (arch == "glm4moe")
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)

@@ -83,6 +83,7 @@ def write_other_family(path: Path, arch: str, n_blocks: int = 2, settings: dict[
     writer.add_head_count(2)
     for key, value in (settings or {}).items():
         writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 16), dtype=np.float32))
     for i in range(n_blocks):
         writer.add_tensor(f"blk.{i}.ffn_up.weight", np.zeros((16, 16), dtype=np.float32))
     writer.write_header_to_file()

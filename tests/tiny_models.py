@@ -13,11 +13,12 @@ from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import quantize
 
 SUPPORTED_TINY_ARCHS: tuple[str, ...] = (
     "llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen3next", "gemma2", "phi3", "mistral3",
+    "deepseek2", "glm4moe",
 )  # fmt: skip
 
 Q8_0 = GGMLQuantizationType.Q8_0
@@ -82,6 +83,18 @@ class ModelShape:
     rope_dims: int = 0  # rotary dimensions per head, written when set (phi3's Phi-4-mini: part of a head)
     rope_factors: bool = False  # phi3: global long/short rope factor tensors, picked by the context's size
     yarn: bool = False  # mistral3: yarn rope scaling, and query temperature by position (llama 4 scaling)
+    # deepseek2 and glm4moe: a lead of dense blocks, then routed experts beside shared ones
+    n_expert_shared: int = 0
+    dense_lead: int = 0
+    expert_gating: int = 0  # llama.cpp's expert_gating_func (1 softmax, 2 sigmoid); 0: not written
+    expert_weights_scale: float = 0.0
+    expert_weights_norm: bool = False
+    nextn: int = 0  # glm4moe: multi-token prediction blocks after the last, which llama.cpp's graph never runs
+    # deepseek2's multi-head latent attention; q_lora_rank 0 is a Lite model's single attn_q
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    v_head_dim: int = 0
+    stated_vocab_size: int = 0  # deepseek2's vocab_size key, where a test needs another than the token count
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -197,6 +210,23 @@ _SHAPES["mistral3"] = ModelShape(
 # Positions at which the long-context settings change: phi3 takes its long rope factors in a
 # context longer than this, mistral3 raises its query temperature every this many positions.
 ORIGINAL_CONTEXT = 16
+# DeepSeek-V3's block scaled down: latent attention (query and key-value ranks 32, heads of 16 + 16
+# rotary dims, values of 16), 2 leading dense blocks (3 there), then 8 routed experts (256), 2 a
+# token (8), one shared, sigmoid gating with a selection bias
+_SHAPES["deepseek2"] = ModelShape(
+    n_embd=64, n_head=4, n_head_kv=1, head_dim=32, n_ff=128, tied_output=False, embd_std=1.0,
+    n_expert=8, n_expert_used=2, n_ff_expert=32, n_expert_shared=1, dense_lead=2, expert_gating=2,
+    expert_weights_scale=2.5, expert_weights_norm=True, rope_dims=16, q_lora_rank=32, kv_lora_rank=32, v_head_dim=16,
+    ffn_types=(Q8_0, F16),  # with F32 too, llama.cpp's own batched decodes part from single ones on this seed
+)  # fmt: skip
+# GLM-4.5-Air's block scaled down: biased attention with half its head rotary, a post-attention
+# norm before the FFN, 1 leading dense block, 8 routed experts (128), 2 a token (8), one shared,
+# sigmoid gating with a selection bias, and one multi-token prediction block at the end
+_SHAPES["glm4moe"] = ModelShape(
+    n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, tied_output=False, embd_std=1.0, qkv_bias=True,
+    n_expert=8, n_expert_used=2, n_ff_expert=32, n_expert_shared=1, dense_lead=1, expert_gating=2,
+    expert_weights_scale=2.5, expert_weights_norm=True, rope_dims=16, nextn=1,
+)  # fmt: skip
 
 TINY_SHAPES: Mapping[str, ModelShape] = MappingProxyType(_SHAPES)
 
@@ -269,14 +299,17 @@ def write_tiny_model(
     path = Path(path)
     writer = GGUFWriter(str(path), arch=arch, use_temp_file=True)
     writer.add_name(f"tiny-{arch}")
-    writer.add_block_count(n_blocks)
+    writer.add_block_count(n_blocks + shape.nextn)
     writer.add_context_length(256)
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if shape.kv_lora_rank:
+        _add_latent_attention(writer, shape, n_vocab)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     if shape.sliding_window:
@@ -309,6 +342,10 @@ def write_tiny_model(
         writer.add_expert_feed_forward_length(shape.n_ff_expert)
     if shape.full_attention_interval:
         _add_delta_net_metadata(writer, arch, shape, n_blocks)
+    if shape.n_expert_shared:
+        _add_shared_experts(writer, shape)
+    if shape.nextn:
+        writer.add_nextn_predict_layers(shape.nextn)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -354,7 +391,54 @@ def write_tiny_model(
         add("rope_factors_long.weight", np.linspace(1.0, 8.0, n_factors, dtype=np.float32), F32)
         add("rope_factors_short.weight", np.linspace(1.0, 1.5, n_factors, dtype=np.float32), F32)
 
-    for i in range(n_blocks):
+    def latent_attention(blk: str) -> None:
+        """deepseek2's: queries through a low rank (or one attn_q in a Lite model), keys and values
+        from one shared latent, split per head into k_b and v_b as the converter stores them."""
+        rope, q_rank, kv_rank, v_dim = shape.rope_dims, shape.q_lora_rank, shape.kv_lora_rank, shape.v_head_dim
+        if q_rank:
+            add(f"{blk}.attn_q_a.weight", matrix(q_rank, n_embd), shape.attn_qko_type)
+            add(f"{blk}.attn_q_a_norm.weight", ones(q_rank), F32)
+            add(f"{blk}.attn_q_b.weight", matrix(n_q, q_rank), shape.attn_qko_type)
+        else:
+            add(f"{blk}.attn_q.weight", matrix(n_q, n_embd), shape.attn_qko_type)
+        add(f"{blk}.attn_kv_a_mqa.weight", matrix(kv_rank + rope, n_embd), shape.attn_qko_type)
+        add(f"{blk}.attn_kv_a_norm.weight", ones(kv_rank), F32)
+        add(f"{blk}.attn_k_b.weight", np.stack([matrix(kv_rank, head_dim - rope) for _ in range(shape.n_head)]), F16)
+        add(f"{blk}.attn_v_b.weight", np.stack([matrix(v_dim, kv_rank) for _ in range(shape.n_head)]), F16)
+        add(f"{blk}.attn_output.weight", matrix(n_embd, shape.n_head * v_dim), shape.attn_qko_type)
+
+    def lead_then_experts_block(i: int, blk: str, ffn_type: GGMLQuantizationType) -> None:
+        """A deepseek2 or glm4moe block: dense before `dense_lead`, else routed and shared experts;
+        past the computed blocks, a glm4moe multi-token prediction block."""
+        add(f"{blk}.attn_norm.weight", ones(n_embd), F32)
+        if shape.kv_lora_rank:
+            latent_attention(blk)
+            add(f"{blk}.ffn_norm.weight", ones(n_embd), F32)
+        else:
+            for name, rows in (("q", n_q), ("k", n_kv), ("v", n_kv)):
+                add(f"{blk}.attn_{name}.weight", matrix(rows, n_embd), shape.attn_qko_type)
+                add(f"{blk}.attn_{name}.bias", (rng.standard_normal(rows) * 0.1).astype(np.float32), F32)
+            add(f"{blk}.attn_output.weight", matrix(n_embd, n_q), shape.attn_qko_type)
+            add(f"{blk}.post_attention_norm.weight", ones(n_embd), F32)  # glm4moe's norm before the FFN
+        if i < shape.dense_lead:
+            add(f"{blk}.ffn_gate.weight", matrix(n_ff, n_embd), ffn_type)
+            add(f"{blk}.ffn_up.weight", matrix(n_ff, n_embd), ffn_type)
+            add(f"{blk}.ffn_down.weight", matrix(n_embd, n_ff), ffn_type)
+        else:
+            experts, n_ff_e, n_ff_s = shape.n_expert, shape.n_ff_expert, shape.n_ff_expert * shape.n_expert_shared
+            add(f"{blk}.ffn_gate_inp.weight", matrix(experts, n_embd), F32)
+            add(f"{blk}.exp_probs_b.bias", (rng.standard_normal(experts) * 0.1).astype(np.float32), F32)
+            for name, rows, cols in (("gate", n_ff_e, n_embd), ("up", n_ff_e, n_embd), ("down", n_embd, n_ff_e)):
+                add(f"{blk}.ffn_{name}_exps.weight", np.stack([matrix(rows, cols) for _ in range(experts)]), ffn_type)
+            add(f"{blk}.ffn_gate_shexp.weight", matrix(n_ff_s, n_embd), ffn_type)
+            add(f"{blk}.ffn_up_shexp.weight", matrix(n_ff_s, n_embd), ffn_type)
+            add(f"{blk}.ffn_down_shexp.weight", matrix(n_embd, n_ff_s), ffn_type)
+        if i >= n_blocks:
+            add(f"{blk}.nextn.eh_proj.weight", matrix(n_embd, 2 * n_embd), Q8_0)
+            for name in ("enorm", "hnorm", "shared_head_norm"):
+                add(f"{blk}.nextn.{name}.weight", ones(n_embd), F32)
+
+    for i in range(n_blocks + shape.nextn):
         ffn_type = shape.ffn_types[i % len(shape.ffn_types)]
         blk = f"blk.{i}"
         if shape.full_attention_interval:
@@ -377,6 +461,9 @@ def write_tiny_model(
             add(f"{blk}.ffn_gate_shexp.weight", matrix(n_ff_s, n_embd), ffn_type)
             add(f"{blk}.ffn_up_shexp.weight", matrix(n_ff_s, n_embd), ffn_type)
             add(f"{blk}.ffn_down_shexp.weight", matrix(n_embd, n_ff_s), ffn_type)
+            continue
+        if shape.n_expert_shared:
+            lead_then_experts_block(i, blk, ffn_type)
             continue
         add(f"{blk}.attn_norm.weight", ones(n_embd), F32)
         if shape.fused_qkv:
@@ -441,8 +528,6 @@ def _add_delta_net_metadata(writer: GGUFWriter, arch: str, shape: ModelShape, n_
         recurrent = [(i + 1) % shape.full_attention_interval != 0 for i in range(n_blocks)]
         writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_expert_shared_feed_forward_length(shape.n_ff_shared)
-    if shape.rope_dims:
-        writer.add_rope_dimension_count(shape.rope_dims)
 
 
 def _add_delta_net(
@@ -464,6 +549,30 @@ def _add_delta_net(
     add(f"{blk}.ssm_ba.weight", matrix(2 * shape.ssm_v_heads, n_embd), F32)
     add(f"{blk}.ssm_norm.weight", np.ones(head, dtype=np.float32), F32)
     add(f"{blk}.ssm_out.weight", matrix(n_embd, value_dim), shape.attn_qko_type)
+
+
+def _add_latent_attention(writer: GGUFWriter, shape: ModelShape, n_vocab: int) -> None:
+    """deepseek2's attention keys as its converter writes them: the cache holds one latent of
+    kv_lora_rank + the rotary dims a token (as an MQA key), the heads' own sizes are the _mla ones."""
+    writer.add_vocab_size(shape.stated_vocab_size or n_vocab)
+    if shape.q_lora_rank:
+        writer.add_q_lora_rank(shape.q_lora_rank)
+    writer.add_kv_lora_rank(shape.kv_lora_rank)
+    writer.add_key_length(shape.kv_lora_rank + shape.rope_dims)
+    writer.add_value_length(shape.kv_lora_rank)
+    writer.add_key_length_mla(shape.head_dim)
+    writer.add_value_length_mla(shape.v_head_dim)
+
+
+def _add_shared_experts(writer: GGUFWriter, shape: ModelShape) -> None:
+    writer.add_expert_shared_count(shape.n_expert_shared)
+    writer.add_leading_dense_block_count(shape.dense_lead)
+    if shape.expert_gating:
+        writer.add_expert_gating_func(ExpertGatingFuncType(shape.expert_gating))
+    if shape.expert_weights_scale:
+        writer.add_expert_weights_scale(shape.expert_weights_scale)
+    if shape.expert_weights_norm:
+        writer.add_expert_weights_norm(True)
 
 
 def write_wide_model(path: Path, n_blocks: int) -> Path:

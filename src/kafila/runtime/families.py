@@ -41,11 +41,16 @@ class SliceRules:
     """What a slice must carry beyond the source's metadata with per-layer arrays sliced:
     `values`, keys written as given (type and value), over the source's; `tensor_scales`, factors
     applied to the slice's float32 block tensors named by what follows `blk.N.`; `refusal`, why
-    this slice cannot be cut at all (the slicer refuses the division with it, naming the family)."""
+    this slice cannot be cut at all (the slicer refuses the division with it, naming the family);
+    `identity_blocks`, blocks the slice runs before its own where llama.cpp would take its count
+    for another kind of model (deepseek2's Lite counts): copies of source block 0's tensors and
+    per-layer settings, all zero. A zero norm weight zeroes the attention's and the FFN's input,
+    so each adds exactly 0 to the residual: the block passes its input on bit for bit."""
 
     values: Mapping[str, tuple[GGUFValueType, Any]] = field(default_factory=dict)
     tensor_scales: Mapping[str, float] = field(default_factory=dict)
     refusal: str | None = None
+    identity_blocks: int = 0  # blocks run before the slice's own, which pass their input on unchanged
 
 
 def _no_rules(_view: SliceView) -> SliceRules:
@@ -123,29 +128,22 @@ def _gemma3_rules(view: SliceView) -> SliceRules:
 
 
 def recurrent_blocks(view: SliceView) -> list[bool]:
-    """Which of the source's blocks are recurrent (linear attention), as a hybrid's loader reads
-    it: the `attention.recurrent_layers` array if the file has one, else every block but each
-    `full_attention_interval`-th (default 4), counting from 1 (llama.cpp's
-    src/models/qwen3next.cpp, load_arch_hparams); multi-token-prediction blocks never are."""
+    """Which of the blocks the source's graph runs are recurrent (linear attention), as a hybrid's
+    loader reads it: the `attention.recurrent_layers` array if the file has one, else every block
+    but each `full_attention_interval`-th (default 4), counting from 1 (llama.cpp's
+    src/models/qwen3next.cpp, load_arch_hparams)."""
     listed = view.value(f"{view.arch}.attention.recurrent_layers")
     if isinstance(listed, list):
-        return [bool(v) for v in listed]
+        return [bool(v) for v in listed[: view.n_blocks]]
     interval = int(view.value(f"{view.arch}.full_attention_interval") or 4)
-    trunk = view.n_blocks - int(view.value(f"{view.arch}.nextn_predict_layers") or 0)
-    return [i < trunk and (i + 1) % interval != 0 for i in range(view.n_blocks)]
+    return [(i + 1) % interval != 0 for i in range(view.n_blocks)]
 
 
 def _hybrid_rules(view: SliceView) -> SliceRules:
     """A hybrid of gated delta-net and full attention blocks (qwen3next) keys each block's kind on
     its absolute index, so the slice lists its blocks' kinds. llama.cpp aborts the process on a
     model whose blocks are all of one kind (the graph then leaves the other memory's inputs
-    unallocated), so such a slice is refused; and multi-token-prediction blocks (which the slice's
-    own count would misplace) are refused too."""
-    if int(view.value(f"{view.arch}.nextn_predict_layers") or 0):
-        return SliceRules(
-            refusal=f"{view.arch}: the file carries multi-token-prediction blocks after its trunk, which a "
-            "slice cannot place; convert the model without them (convert_hf_to_gguf.py --no-mtp)"
-        )
+    unallocated), so such a slice is refused."""
     kinds = recurrent_blocks(view)[view.first : view.end]
     if all(kinds) or not any(kinds):
         kind = "gated delta-net (linear attention)" if all(kinds) else "full attention"
@@ -155,6 +153,74 @@ def _hybrid_rules(view: SliceView) -> SliceRules:
         )
     key = f"{view.arch}.attention.recurrent_layers"
     return SliceRules(values={key: (GGUFValueType.ARRAY, kinds)})
+
+
+def _leading_dense_blocks(view: SliceView) -> dict[str, tuple[GGUFValueType, Any]]:
+    """llama.cpp gives blocks before `leading_dense_block_count` a dense FFN and the rest experts,
+    by their index in the file: a slice counts the dense blocks among its own."""
+    key = f"{view.arch}.leading_dense_block_count"
+    lead = view.value(key)
+    if lead is None:
+        return {}
+    return {key: (GGUFValueType.UINT32, min(max(int(lead) - view.first, 0), view.count))}
+
+
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama_expert_gating_func_type
+
+
+def deepseek2_vocab_size(view: SliceView) -> int:
+    """The vocabulary size deepseek2's loader sees: the converter's vocab_size, else the token list's."""
+    stored = view.value(f"{view.arch}.vocab_size")
+    return int(stored) if stored is not None else len(view.value("tokenizer.ggml.tokens") or ())
+
+
+def deepseek2_is_lite(n_blocks: int, n_vocab: int) -> bool:
+    """What llama.cpp takes for a Lite model (DeepSeek-V2-Lite, GigaChat3, Kanana-2), whose queries
+    are one attn_q, and whose q_lora_rank it does not read: decided by the block count alone."""
+    return n_blocks in (26, 27) or (n_blocks == 48 and n_vocab == 128256)
+
+
+def _deepseek2_rules(view: SliceView) -> SliceRules:
+    """deepseek2 keys three settings on the block count (and the vocabulary size), and each slice
+    has its own count and a stand-in vocabulary. The vocabulary size is written as the source's;
+    the dense lead as the slice's own; a Lite model's query rank as 0 (no low-rank queries, as it
+    has none), which llama.cpp reads whenever the count does not make the slice Lite; and the
+    expert gating as the source's, with llama.cpp's default for the source where it has none.
+    A slice of a model with low-rank queries whose count llama.cpp takes for a Lite model's (26,
+    27) runs identity blocks first (`SliceRules.identity_blocks`), enough to leave those counts."""
+    arch = view.arch
+    n_vocab = deepseek2_vocab_size(view)
+    values = _leading_dense_blocks(view)
+    values[f"{arch}.vocab_size"] = (GGUFValueType.UINT32, n_vocab)
+    identity_blocks = 0
+    if deepseek2_is_lite(view.n_blocks, n_vocab):
+        values[f"{arch}.attention.q_lora_rank"] = (GGUFValueType.UINT32, 0)
+    elif int(view.value(f"{arch}.attention.q_lora_rank") or 0) > 0:
+        while deepseek2_is_lite(view.count + identity_blocks, n_vocab):
+            identity_blocks += 1  # llama.cpp would skip the query rank and look for attn_q
+        lead_key = f"{arch}.leading_dense_block_count"
+        if identity_blocks and int(view.value(lead_key) or 0) > 0:  # copies of block 0, a dense one
+            values[lead_key] = (GGUFValueType.UINT32, values[lead_key][1] + identity_blocks)
+    gating = int(view.value(f"{arch}.expert_gating_func") or 0)
+    if gating == 0:  # none given: llama.cpp's default for the source (GLM-4.7-Flash's count and vocabulary)
+        gating = GATING_SIGMOID if view.n_blocks in (47, 48) and n_vocab == 154880 else GATING_SOFTMAX
+    values[f"{arch}.expert_gating_func"] = (GGUFValueType.UINT32, gating)
+    return SliceRules(values=values, identity_blocks=identity_blocks)
+
+
+# Any two sections make llama.cpp rotate by sections; with the same position in all four (a text
+# token's), every rotary pair turns by the same angle as in a plain NEOX rotation, bit for bit.
+TEXT_ROPE_SECTIONS = [1, 1, 0, 0]
+
+
+def _glm4moe_rules(view: SliceView) -> SliceRules:
+    """glm4moe: the slice's own dense lead; and rope sections, since llama.cpp aborts a glm4moe
+    graph fed embeddings (as every stage is) unless it rotates by sections (glm4-moe.cpp)."""
+    values = _leading_dense_blocks(view)
+    sections = view.value(f"{view.arch}.rope.dimension_sections")
+    if not (isinstance(sections, list) and len(sections) > 1 and sections[0] > 0 and sections[1] > 0):
+        values[f"{view.arch}.rope.dimension_sections"] = (GGUFValueType.ARRAY, TEXT_ROPE_SECTIONS)
+    return SliceRules(values=values)
 
 
 FAMILIES = {
@@ -185,6 +251,8 @@ FAMILIES = {
         ),
         Family("phi3"),  # Phi-3 and Phi-4: its rope factor tensors are global, in every stage
         Family("mistral3"),  # its attention temperature is keyed on positions, which stages keep
+        Family("deepseek2", rules=_deepseek2_rules),
+        Family("glm4moe", rules=_glm4moe_rules),
     )
 }
 

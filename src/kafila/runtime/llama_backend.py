@@ -325,6 +325,8 @@ class VocabularyOnly:
             self.model = None
 
 
+MROPE_TYPES = (8, 40)  # LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE: llama_hparams::n_pos_per_embd
+MROPE_SECTIONS = 4
 _DECODE_FAILURES = {-1: "invalid batch", 2: "aborted", -2: "out of memory", -3: "compute failed"}
 
 
@@ -383,7 +385,12 @@ class LlamaModel:
         self.n_embd = int(self._llama.llama_model_n_embd(self.model))
         self.n_vocab = int(self._llama.llama_vocab_n_tokens(self.vocab))
         self._token_batch = self._llama.llama_batch_init(settings.n_batch, 0, 1)
-        self._embd_batch = self._llama.llama_batch_init(settings.n_batch, self.n_embd, 1)
+        # A model that rotates by sections takes 4 positions a row of embeddings (all 4 a text
+        # token's own), section by section; llama_batch_init sizes `pos` by its first argument.
+        rope_type = int(self._llama.llama_model_rope_type(self.model))
+        self._positions_per_row = MROPE_SECTIONS if rope_type in MROPE_TYPES else 1
+        rows = settings.n_batch * self._positions_per_row
+        self._embd_batch = self._llama.llama_batch_init(rows, self.n_embd, 1)
 
     def _restoring_input(self, tensor: int, ask: bool, user: object) -> bool:
         """The graph callback where input is restored: it writes the decode's rows over the node's
@@ -442,8 +449,10 @@ class LlamaModel:
             ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
             self._input_rows, self._restores = rows, 0
         batch.n_tokens = n
+        sections = 1 if tokens is not None else self._positions_per_row
         for i in range(n):
-            batch.pos[i] = positions[i]
+            for section in range(sections):
+                batch.pos[section * n + i] = positions[i]
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = sequences[i]
             batch.logits[i] = outputs[i]

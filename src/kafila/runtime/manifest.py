@@ -9,6 +9,7 @@ from typing import Any
 
 from kafila.planner.types import MAX_BLOCKS, ModelManifest
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
+from kafila.runtime.slicer import prediction_blocks
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")  # routed experts, stacked
@@ -39,9 +40,12 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
     arch = reader.scalar("general.architecture")
     if not isinstance(arch, str):
         raise GGUFFormatError(f"{path} has no general.architecture")
-    n_blocks = reader.scalar(f"{arch}.block_count")
-    if not isinstance(n_blocks, int) or n_blocks < 1:
+    stored = reader.scalar(f"{arch}.block_count")
+    if not isinstance(stored, int) or stored < 1:
         raise GGUFFormatError(f"{path} has no positive {arch}.block_count")
+    n_blocks = stored - prediction_blocks(reader, arch)  # what runs, and what a division covers
+    if n_blocks < 1:
+        raise GGUFFormatError(f"{path} has {stored} blocks, all of them for multi-token prediction")
     if n_blocks > MAX_BLOCKS:
         raise GGUFFormatError(f"{path} declares {n_blocks} blocks; Kafila plans models of up to {MAX_BLOCKS}")
 
@@ -52,8 +56,10 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         match = _BLOCK_TENSOR.match(tensor.name)
         if match:
             index = int(match.group(1))
+            if index >= stored:
+                raise GGUFFormatError(f"tensor {tensor.name} is past block_count {stored}")
             if index >= n_blocks:
-                raise GGUFFormatError(f"tensor {tensor.name} is past block_count {n_blocks}")
+                continue  # a prediction block: never run, and no stage holds it
             block_bytes[index] += int(tensor.n_bytes)
             if _EXPERT_TENSOR.match(tensor.name):
                 expert_bytes[index] += int(tensor.n_bytes)
@@ -64,11 +70,14 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         raise GGUFFormatError(f"{path} has no tensors for blocks {empty}")
 
     n_embd = _count(reader.scalar(f"{arch}.embedding_length", 0), "embedding_length")
-    n_head = _per_block(reader.scalar(f"{arch}.attention.head_count", 0), n_blocks, "head_count")
-    n_head_kv = _per_block(reader.scalar(f"{arch}.attention.head_count_kv", n_head), n_blocks, "head_count_kv")
+    n_head = _per_block(reader.scalar(f"{arch}.attention.head_count", 0), stored, "head_count")
+    n_head_kv = _per_block(reader.scalar(f"{arch}.attention.head_count_kv", n_head), stored, "head_count_kv")
+    n_head, n_head_kv = n_head[:n_blocks], n_head_kv[:n_blocks]
     default_head_dim = n_embd // max(n_head) if max(n_head) > 0 else 0
     key_length = _count(reader.scalar(f"{arch}.attention.key_length", default_head_dim), "key_length")
     value_length = _count(reader.scalar(f"{arch}.attention.value_length", key_length), "value_length")
+    if reader.scalar(f"{arch}.attention.key_length_mla") and reader.scalar(f"{arch}.attention.value_length_mla"):
+        value_length = 0  # latent attention: llama.cpp caches the latent as keys alone, and reads values from it
     kv = [KV_CACHE_BYTES_PER_VALUE * heads * (key_length + value_length) for heads in n_head_kv]
 
     experts = _count(reader.scalar(f"{arch}.expert_count", 0), "expert_count")

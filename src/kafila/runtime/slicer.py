@@ -43,6 +43,7 @@ STAND_IN_TYPES = (3, 3, 3, 2)  # control, control, control, unknown
 # time it builds a mask.
 UNREACHED_WINDOW = 1 << 20
 SIZE_POLL_S = 0.2
+IDENTITY_BLOCKS_KEY = "kafila.slice.identity_blocks"  # blocks run before the slice's own (families.SliceRules)
 
 Progress = Callable[[int, int], None]
 """(bytes done, bytes in all) of long work on a model file: hashing it, cutting it. A model of
@@ -107,18 +108,42 @@ def _check_division(counts: Sequence[int], n_blocks: int) -> None:
         raise SliceError(f"the division covers {sum(counts)} blocks but the model has {n_blocks}")
 
 
+def stored_blocks(reader: FastGGUFReader, arch: str) -> int:
+    n_blocks = reader.scalar(f"{arch}.block_count")
+    if not isinstance(n_blocks, int) or isinstance(n_blocks, bool):
+        raise GGUFFormatError(f"the model has no {arch}.block_count")
+    return n_blocks
+
+
+def prediction_blocks(reader: FastGGUFReader, arch: str) -> int:
+    """The multi-token prediction ("nextn") blocks stored after the last block: counted in
+    block_count, but llama.cpp's graph runs only the blocks before them (llama_hparams::n_layer)
+    and loads them only for speculative decoding, which Kafila does not do. No slice holds them."""
+    count = reader.scalar(f"{arch}.nextn_predict_layers", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise GGUFFormatError(f"metadata {arch}.nextn_predict_layers is {count!r}, not a count")
+    return count
+
+
 class _Slice:
-    """Everything needed to write one stage file from an open source model."""
+    """Everything needed to write one stage file from an open source model.
+
+    `n_blocks` counts the blocks the source's graph runs; per-layer arrays list one value for
+    each stored block, prediction blocks included."""
 
     def __init__(self, reader: FastGGUFReader, arch: str, n_blocks: int, first: int, end: int, is_head: bool):
         self.reader, self.arch, self.n_blocks = reader, arch, n_blocks
+        self.n_stored = stored_blocks(reader, arch)
         self.first, self.end, self.is_head = first, end, is_head
         self.rules = family_of(arch).rules(SliceView(arch, n_blocks, first, end, is_head, reader.scalar))
         if self.rules.refusal is not None:
             raise SliceError(self.rules.refusal)
+        self.identity = self.rules.identity_blocks
+        if self.identity and self._sliding_blocks() is not None:
+            raise SliceError(f"{arch}: identity blocks in a slice with sliding-window blocks are not supported")
 
     def metadata(self, writer: RawCopyWriter) -> None:
-        count = self.end - self.first
+        count = self.identity + self.end - self.first
         pattern_key = f"{self.arch}.attention.sliding_window_pattern"
         window_key = f"{self.arch}.attention.sliding_window"
         sliding = self._sliding_blocks()
@@ -136,13 +161,16 @@ class _Slice:
                 continue  # llama.cpp looks up tokens by the model's name (a Phi-3's <s>): stand-ins lack them
             if key in self.rules.values:
                 continue  # the family's rule for the slice is written below
+            if key == f"{self.arch}.nextn_predict_layers":
+                continue  # a slice holds no prediction blocks
             vtype, value = raw_value(self.reader, key)
             per_layer = self._per_layer_values(key)
             if key == f"{self.arch}.block_count":
                 writer.add_uint32(key, count)
             elif per_layer is not None:
                 sub_type = self.reader.fields[key].types[-1]
-                writer.add_key_value(key, per_layer[self.first : self.end], vtype, sub_type=sub_type)
+                values = per_layer[:1] * self.identity + per_layer[self.first : self.end]
+                writer.add_key_value(key, values, vtype, sub_type=sub_type)
             elif key != pattern_key:  # a scalar pattern period is rewritten below as an array
                 writer.add_key_value(key, value, vtype)
         if sliding is not None and any(sliding) and self._per_layer_values(pattern_key) is None:
@@ -157,6 +185,8 @@ class _Slice:
         writer.add_uint32("kafila.slice.first_block", self.first)
         writer.add_uint32("kafila.slice.source_block_count", self.n_blocks)
         writer.add_bool("kafila.slice.is_head", self.is_head)
+        if self.identity:
+            writer.add_uint32(IDENTITY_BLOCKS_KEY, self.identity)
 
     def _unreached_window(self, writer: RawCopyWriter, count: int) -> None:
         """A family that llama.cpp always windows cannot drop the window of a slice of global blocks
@@ -192,7 +222,7 @@ class _Slice:
         if field.types[-1] == GGUFValueType.STRING:
             return None
         values = self.reader.scalar(key)
-        return values if len(values) == self.n_blocks else None
+        return values if len(values) == self.n_stored else None
 
     @staticmethod
     def _stand_in_vocabulary(writer: RawCopyWriter) -> None:
@@ -205,23 +235,35 @@ class _Slice:
         writer.add_bos_token_id(2)
         writer.add_unk_token_id(3)
 
+    def _identity_tensors(self) -> Iterator[tuple[str, ReaderTensor]]:
+        """The tensors of source block 0 under each identity block's name: written as zeros."""
+        for block in range(self.identity):
+            for tensor in self.reader.tensors:
+                match = _BLOCK_TENSOR.match(tensor.name)
+                if match and int(match.group(1)) == 0:
+                    yield f"blk.{block}.{match.group(2)}", tensor
+
     def _kept(self) -> Iterator[tuple[str, ReaderTensor]]:
         """The source tensors this slice holds, each under its name in the slice: its blocks,
-        renumbered from 0, and the rest but the head's own tensors, which only the head keeps."""
+        renumbered from the first after any identity blocks, and the rest but the head's own
+        tensors, which only the head keeps."""
         for tensor in self.reader.tensors:
             match = _BLOCK_TENSOR.match(tensor.name)
             if match:
                 index = int(match.group(1))
                 if self.first <= index < self.end:
-                    yield f"blk.{index - self.first}.{match.group(2)}", tensor
+                    yield f"blk.{self.identity + index - self.first}.{match.group(2)}", tensor
             elif self.is_head or tensor.name not in HEAD_ONLY_TENSORS:
                 yield tensor.name, tensor
 
     def data_bytes(self) -> int:
         """The tensor bytes this stage file will hold: what its disk space is mostly for."""
-        return sum(int(tensor.data.nbytes) for _name, tensor in self._kept())
+        pieces = itertools.chain(self._identity_tensors(), self._kept())
+        return sum(int(tensor.data.nbytes) for _name, tensor in pieces)
 
     def tensors(self, writer: RawCopyWriter) -> None:
+        for name, tensor in self._identity_tensors():
+            writer.add_tensor(name, np.zeros_like(tensor.data), raw_dtype=tensor.tensor_type)  # zeros in any type
         for name, tensor in self._kept():
             match = _BLOCK_TENSOR.match(name)
             factor = self.rules.tensor_scales.get(match.group(2)) if match else None
@@ -251,14 +293,15 @@ def _array_type(values: list[Any]) -> GGUFValueType:
 
 
 def _open(source: Path) -> tuple[FastGGUFReader, str, int]:
+    """The model, its family and the blocks its graph runs (those a division covers)."""
     reader = FastGGUFReader(source)
     arch = reader.scalar("general.architecture")
     if not isinstance(arch, str):
         raise GGUFFormatError(f"{source} has no general.architecture")
-    n_blocks = reader.scalar(f"{arch}.block_count")
-    if not isinstance(n_blocks, int):
-        raise GGUFFormatError(f"{source} has no {arch}.block_count")
-    return reader, arch, n_blocks
+    stored, prediction = stored_blocks(reader, arch), prediction_blocks(reader, arch)
+    if prediction >= stored:
+        raise GGUFFormatError(f"{source} has {stored} blocks, of which {prediction} predict further tokens")
+    return reader, arch, stored - prediction
 
 
 def check_family(arch: str, n_blocks: int) -> None:

@@ -36,6 +36,7 @@ from kafila.runtime.families import FAMILIES, family_of
 from kafila.runtime.gguf_file import FastGGUFReader
 from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel, VocabularyOnly
 from kafila.runtime.sampling import Sampler, SamplerStart
+from kafila.runtime.slicer import IDENTITY_BLOCKS_KEY
 
 FloatRows = npt.NDArray[np.float32]
 T = TypeVar("T")
@@ -288,11 +289,13 @@ def _cut(held: dict[int, int], sequence_id: int, keep: int) -> int:
     return kept
 
 
-def _slice_range(path: str | os.PathLike[str]) -> tuple[int, int]:
-    """The first block a stage file holds, in the whole model's numbering, and how many it holds."""
+def _slice_range(path: str | os.PathLike[str]) -> tuple[int, int, int]:
+    """The first block a stage file holds, in the whole model's numbering, how many of the model's
+    it holds, and how many blocks its graph runs (identity blocks first: `families.SliceRules`)."""
     reader = FastGGUFReader(path)
     arch = reader.scalar("general.architecture")
-    return int(reader.scalar("kafila.slice.first_block", 0)), int(reader.scalar(f"{arch}.block_count"))
+    runs = int(reader.scalar(f"{arch}.block_count"))
+    return int(reader.scalar("kafila.slice.first_block", 0)), runs - int(reader.scalar(IDENTITY_BLOCKS_KEY, 0)), runs
 
 
 def _input_restored_at(path: str | os.PathLike[str]) -> str | None:
@@ -308,9 +311,9 @@ class BlockStage:
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
         self._ggml = GGMLBase.load()
         self._get_name = self._ggml.get_name
-        self.first_block, n_layers = _slice_range(path)
+        self.first_block, n_layers, runs = _slice_range(path)
         self.n_layers = n_layers
-        self._target = f"l_out-{n_layers - 1}".encode()
+        self._target = f"l_out-{runs - 1}".encode()
         self._captured: list[FloatRows] = []
         self.model = LlamaModel(
             path, settings, eval_callback=self._on_tensor, input_restored_at=_input_restored_at(path)
@@ -460,7 +463,7 @@ class HeadStage:
         self.vocabulary = Vocabulary(self.model)
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
-        self.first_block, self.n_layers = _slice_range(path)
+        self.first_block, self.n_layers, _runs = _slice_range(path)
         self.name = f"the head (blocks {self.first_block}-{self.first_block + self.n_layers - 1})"
         self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
         self._samplers: dict[int, Sampler] = {}  # sequences the host has this head sample (on a member)
