@@ -15,9 +15,10 @@ from gguf import GGUFValueType, GGUFWriter
 from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
 from tiny_models import ModelShape, write_tiny_model
 
-from kafila.runtime.families import UnsupportedFamily
+from kafila.runtime.families import UnsupportedFamily, family_of
 from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
-from kafila.runtime.slicer import SliceError, slice_model
+from kafila.runtime.manifest import read_manifest
+from kafila.runtime.slicer import SliceError, block_range_file, slice_model
 from kafila.runtime.stage import WholeModel
 
 
@@ -148,7 +149,7 @@ def _bare_model(path: Path, arch: str, n_blocks: int) -> Path:
 
 def test_unsupported_family_is_named_with_the_supported_ones(tmp_path: Path) -> None:
     model = _bare_model(tmp_path / "mamba.gguf", "mamba", 2)
-    with pytest.raises(UnsupportedFamily, match=r"'mamba'.*supported: gemma3, llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedFamily, match=r"'mamba'.*supported: gemma3, llama, llama4, qwen2, qwen3"):
         slice_model(model, [1, 1], tmp_path / "out")
     assert slice_model(model, [2], tmp_path / "out")[0].path == model  # unsplit needs no support
 
@@ -233,3 +234,59 @@ def test_hashing_a_model_reports_its_bytes_and_stops_when_its_caller_is_cancelle
     assert time.monotonic() - started < 20
     assert calls[-1][0] < (64 << 30) // 4
     assert str(large.resolve()) not in (tmp_path / "cache" / "model-hashes.json").read_text()
+
+
+def with_uint32(source: Path, target: Path, key: str, value: int) -> Path:
+    """A copy of a model with one more (or another) unsigned metadata value."""
+    reader = FastGGUFReader(source)
+    writer = RawCopyWriter(target, arch=str(reader.scalar("general.architecture")))
+    for name in reader.fields:
+        if not name.startswith("GGUF.") and name not in ("general.architecture", key):
+            vtype, raw = raw_value(reader, name)
+            writer.add_key_value(name, raw, vtype)
+    writer.add_uint32(key, value)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.parametrize(
+    ("n_blocks", "metadata", "starts"),
+    [
+        (48, {"llama4.interleave_moe_layer_step": 1}, tuple(range(4, 45, 4))),  # Scout
+        (48, {"llama4.interleave_moe_layer_step": 2}, tuple(range(4, 45, 4))),  # Maverick
+        (48, {"llama4.interleave_moe_layer_step": 3}, (12, 24, 36)),
+        (50, {"llama4.interleave_moe_layer_step": 2}, tuple(range(4, 47, 4))),  # the last stage keeps block 47
+        (7, {"llama4.interleave_moe_layer_step": 1}, ()),  # 4-6 would have no block of full attention
+        (48, {"llama4.interleave_moe_layer_step": 1, "llama4.attention.sliding_window": 0}, ()),
+    ],
+)
+def test_llama4_stages_start_where_its_block_patterns_restart(
+    n_blocks: int, metadata: dict[str, int], starts: tuple[int, ...]
+) -> None:
+    assert family_of("llama4").cut_points(n_blocks, metadata.get).starts == starts
+
+
+def test_llama4_cut_off_its_patterns_is_refused_for_a_stage_file_too(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama4.gguf", "llama4", n_blocks=12)
+    for first, end, wrong in ((2, 12, 2), (4, 10, 10), (0, 6, 6)):
+        with pytest.raises(SliceError, match=f"cannot be cut at block {wrong}: .*RoPE.* can be cut at blocks 4, 8$"):
+            block_range_file(model, first, end, tmp_path / "out", is_head=end == 12)
+    stage = block_range_file(model, 4, 8, tmp_path / "out")
+    assert FastGGUFReader(stage.path).scalar("llama4.block_count") == 4
+
+
+def test_llama4_without_chunked_attention_is_not_split(tmp_path: Path) -> None:
+    """With attention.sliding_window = 0, llama.cpp skips RoPE in the last block of a file, which
+    a slice would move to its own last block: the model runs whole, and is planned so."""
+    source = write_tiny_model(tmp_path / "llama4.gguf", "llama4", n_blocks=8)
+    model = with_uint32(source, tmp_path / "full.gguf", "llama4.attention.sliding_window", 0)
+    with pytest.raises(SliceError, match=r"this llama4 model cannot be split: .*sliding_window = 0"):
+        slice_model(model, [4, 4], tmp_path / "out")
+    manifest = read_manifest(model)
+    assert manifest.stage_starts == () and manifest.max_stages == 1
+    assert read_manifest(source).stage_starts == (4,)

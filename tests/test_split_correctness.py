@@ -8,6 +8,7 @@ models and on the real gemma-3-270m.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,13 +18,16 @@ from plain_llama import plain_llama
 from tiny_models import SUPPORTED_TINY_ARCHS, TINY_SHAPES, write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.slicer import slice_model
+from kafila.runtime.manifest import read_manifest
+from kafila.runtime.slicer import SliceError, slice_model
 from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=4, n_threads=2)
 PROMPT = "hello world, the kafila model is in a block of the world and it is to the model of the world"
 STEPS = 32
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4}
+# llama4 may be cut only at multiples of 4 blocks (its RoPE-less and expert blocks go by index):
+# 12 blocks give two 2-stage cuts and one 3-stage one; test_slicer holds the refusal of the others
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4, "llama4": 12}
 GEMMA_TURN = "<start_of_turn>user\nName three colours.<end_of_turn>\n<start_of_turn>model\n"
 
 
@@ -74,17 +78,20 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return arch, path, prompt
 
 
-def divisions(n_blocks: int) -> list[list[int]]:
-    cuts = [[cut, n_blocks - cut] for cut in range(1, n_blocks)]
-    third = n_blocks // 3
-    return [*cuts, [third, third, n_blocks - 2 * third]]
+def divisions(n_blocks: int, starts: Sequence[int] | None) -> list[list[int]]:
+    """Every 2-stage cut, and one 3-stage one, where the family lets stages start (`starts`; None: anywhere)."""
+    if starts is None:
+        third = n_blocks // 3
+        return [*([cut, n_blocks - cut] for cut in range(1, n_blocks)), [third, third, n_blocks - 2 * third]]
+    first, second = starts[len(starts) // 3], starts[2 * len(starts) // 3]
+    return [*([cut, n_blocks - cut] for cut in starts), [first, second - first, n_blocks - second]]
 
 
 def test_every_split_equals_the_unsplit_model(tiny: tuple[str, Path, list[int]], tmp_path: Path) -> None:
     arch, path, prompt = tiny
     expected = greedy_unsplit(path, prompt)
     assert len(set(expected)) > 3  # a model stuck on one token would prove nothing
-    for counts in divisions(N_BLOCKS[arch]):
+    for counts in divisions(N_BLOCKS[arch], read_manifest(path).stage_starts):
         files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
         assert greedy_split(files, prompt) == expected, f"{arch} split {counts} diverged"
 
@@ -105,6 +112,20 @@ def test_gemma3_27b_shape_splits(tmp_path: Path) -> None:
     for counts in ([1, 61], [31, 31], [55, 7], [61, 1], [20, 21, 21]):
         files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
         assert greedy_split(files, prompt, steps=16) == expected, f"gemma3 62-block split {counts} diverged"
+
+
+def test_cuts_the_family_forbids_are_refused(tiny: tuple[str, Path, list[int]], tmp_path: Path) -> None:
+    """Where llama.cpp keys a setting on a block's index in the file that no key can carry per block
+    (llama4's RoPE-less blocks and experts), a stage starting elsewhere would compute something else
+    or fail to load: the slicer refuses it, naming the blocks it may start at."""
+    arch, path, _prompt = tiny
+    n, starts = N_BLOCKS[arch], read_manifest(path).stage_starts
+    if starts is None:
+        return
+    for cut in sorted(set(range(1, n)) - set(starts)):
+        with pytest.raises(SliceError, match=f"{arch} models cannot be cut at block {cut}: .* can be cut at blocks"):
+            slice_model(path, [cut, n - cut], tmp_path)
+    assert not list(tmp_path.iterdir())  # refused before a file is written
 
 
 def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:
@@ -145,8 +166,9 @@ def test_a_split_of_the_real_model_decodes_what_llama_cpp_does(gemma_path: Path,
 def test_interleaved_sequences_equal_each_alone(tiny: tuple[str, Path, list[int]], tmp_path: Path) -> None:
     """Four sequences batched into the same decodes of one stage give what each gives alone."""
     arch, path, prompt = tiny
-    n = N_BLOCKS[arch]
-    files = [s.path for s in slice_model(path, [n // 2, n - n // 2], tmp_path)]
+    n, starts = N_BLOCKS[arch], read_manifest(path).stage_starts
+    half = n // 2 if starts is None else starts[len(starts) // 2]
+    files = [s.path for s in slice_model(path, [half, n - half], tmp_path)]
     prompts = [prompt, prompt[:-3], prompt[2:], prompt[: len(prompt) // 2]]
     alone = [greedy_split(files, p, steps=12) for p in prompts]
 

@@ -17,8 +17,9 @@ from kafila.runtime.manifest import read_manifest
 PROMPT = "hello world, the model is in the block of kafila and it is a test: ünïcödé 123!"
 N_GREEDY = 32
 # gemma3 makes every 6th layer global: with 6 blocks, both kinds of layer are present.
-N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4}
-TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False}
+# llama4 skips RoPE in every 4th block and has experts in every 2nd: 8 blocks hold both twice.
+N_BLOCKS = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "llama4": 8}
+TIED = {"llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False, "llama4": False}
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
@@ -76,6 +77,9 @@ def test_metadata_llama_cpp_sees(tiny: tuple[str, Path]) -> None:
         assert int(meta["gemma3.attention.sliding_window"]) == 16
     if arch == "qwen3moe":
         assert (int(meta["qwen3moe.expert_count"]), int(meta["qwen3moe.expert_used_count"])) == (8, 2)
+    if arch == "llama4":
+        assert (int(meta["llama4.expert_count"]), int(meta["llama4.expert_used_count"])) == (4, 1)
+        assert int(meta["llama4.interleave_moe_layer_step"]) == 2
 
 
 def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
@@ -93,7 +97,13 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
     assert ("blk.0.post_ffw_norm.weight" in names) == (arch == "gemma3")
     moe = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"}
     assert (moe <= names) == (arch == "qwen3moe") and ("blk.0.ffn_gate.weight" in names) == (arch != "qwen3moe")
-    assert (manifest.expert_bytes is not None) == (arch == "qwen3moe")
+    assert (manifest.expert_bytes is not None) == (arch in ("qwen3moe", "llama4"))
+    if arch == "llama4":  # experts and a shared expert in every 2nd block, a dense FFN in the others
+        ffn = ("gate", "up", "down")
+        experts = {"blk.1.ffn_gate_inp.weight"} | {
+            f"blk.1.ffn_{n}_{kind}.weight" for n in ffn for kind in ("exps", "shexp")
+        }
+        assert experts <= names and "blk.1.ffn_gate.weight" not in names and "rope_freqs.weight" in names
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 
-SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+SUPPORTED_TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "llama4")
 
 Q8_0 = GGMLQuantizationType.Q8_0
 F16 = GGMLQuantizationType.F16
@@ -55,6 +55,9 @@ class ModelShape:
     n_expert: int = 0  # mixture of experts: the FFN is n_expert experts, n_expert_used routed a token
     n_expert_used: int = 0
     n_ff_expert: int = 0
+    moe_layer_step: int = 0  # llama4: experts in every n-th block only, a dense FFN in the others
+    shared_expert: bool = False  # llama4: beside the routed experts, one of n_ff_expert every token uses
+    rope_freqs: bool = False  # llama4 (llama3-style RoPE scaling): one rope_freqs.weight for every block
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -80,6 +83,19 @@ _SHAPES: dict[str, ModelShape] = {
 # token (128 and 8 there), and an output of its own
 _SHAPES["qwen3moe"] = replace(
     _SHAPES["qwen3"], tied_output=False, n_expert=8, n_expert_used=2, n_ff_expert=64, embd_std=1.0
+)
+
+# Llama 4 Scout / Maverick scaled down: 4 experts of which 1 routes a token (16 or 128 there), a
+# shared expert, experts in every 2nd block (Maverick's interleave_moe_layer_step; Scout's is 1),
+# and llama3-style RoPE frequency factors. llama.cpp itself skips RoPE in every 4th block.
+_SHAPES["llama4"] = replace(
+    _SHAPES["llama"],
+    n_expert=4,
+    n_expert_used=1,
+    n_ff_expert=64,
+    moe_layer_step=2,
+    shared_expert=True,
+    rope_freqs=True,
 )
 
 TINY_SHAPES: Mapping[str, ModelShape] = MappingProxyType(_SHAPES)
@@ -126,7 +142,7 @@ def write_tiny_model(
 
     FFN storage cycles Q8_0 / F16 / F32 by block so block sizes differ; llama and qwen2
     carry their own output.weight, qwen3 and gemma3 tie it to token_embd. `shape` replaces
-    the architecture's tiny default (and its limit of 8 blocks); `chat_template` (Jinja) is
+    the architecture's tiny default (and its limit of 12 blocks); `chat_template` (Jinja) is
     stored as tokenizer.chat_template, without which servers use their built-in one. Tensors
     are written through a temporary file as they are made, so a model of a gigabyte needs
     little memory to write.
@@ -134,8 +150,8 @@ def write_tiny_model(
     if arch not in _SHAPES:
         raise ValueError(f"no tiny model for architecture {arch!r}; choose from {SUPPORTED_TINY_ARCHS}")
     if shape is None:
-        if not 1 <= n_blocks <= 8:
-            raise ValueError(f"n_blocks is {n_blocks}; tiny models have 1 to 8")
+        if not 1 <= n_blocks <= 12:
+            raise ValueError(f"n_blocks is {n_blocks}; tiny models have 1 to 12")
         shape = _SHAPES[arch]
     elif n_blocks < 1:
         raise ValueError(f"n_blocks is {n_blocks}; a model needs at least 1")
@@ -165,6 +181,8 @@ def write_tiny_model(
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
         writer.add_expert_feed_forward_length(shape.n_ff_expert)
+    if shape.moe_layer_step:
+        writer.add_interleave_moe_layer_step(shape.moe_layer_step)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -205,6 +223,8 @@ def write_tiny_model(
         out = matrix(n_vocab, n_embd)
         out[control] = 0.0
         add("output.weight", out, Q8_0)
+    if shape.rope_freqs:  # divisors of each rotary pair's frequency, as llama3's scaling stores them
+        add("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32), F32)
 
     for i in range(n_blocks):
         ffn_type = shape.ffn_types[i % len(shape.ffn_types)]
@@ -224,12 +244,14 @@ def write_tiny_model(
         if shape.post_norms:
             add(f"{blk}.post_attention_norm.weight", ones(n_embd), F32)
         add(f"{blk}.ffn_norm.weight", ones(n_embd), F32)
-        if shape.n_expert:
+        if shape.n_expert and (shape.moe_layer_step == 0 or (i + 1) % shape.moe_layer_step == 0):
             experts, n_ff_e = shape.n_expert, shape.n_ff_expert
             add(f"{blk}.ffn_gate_inp.weight", matrix(experts, n_embd), F32)  # the router
             for name, rows, cols in (("gate", n_ff_e, n_embd), ("up", n_ff_e, n_embd), ("down", n_embd, n_ff_e)):
                 stacked = np.stack([matrix(rows, cols) for _ in range(experts)])
                 add(f"{blk}.ffn_{name}_exps.weight", stacked, ffn_type)
+                if shape.shared_expert:
+                    add(f"{blk}.ffn_{name}_shexp.weight", matrix(rows, cols), ffn_type)
         else:
             add(f"{blk}.ffn_gate.weight", matrix(n_ff, n_embd), ffn_type)
             add(f"{blk}.ffn_up.weight", matrix(n_ff, n_embd), ffn_type)

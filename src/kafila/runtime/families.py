@@ -3,8 +3,10 @@
 llama.cpp does the maths. The slicer carries every per-layer metadata array over to a slice by
 itself (`slicer._Slice`); this table holds only what cannot be read from the file: the transform
 llama.cpp applies to token embeddings (and not to embeddings given as input), its default layout
-of sliding-window blocks where the file lists none, and the settings its code derives from the
-block count or a block's absolute index, which a slice changes (`SliceRules`).
+of sliding-window blocks where the file lists none, the settings its code derives from the
+block count or a block's absolute index, which a slice changes (`SliceRules`), and where a
+setting keyed on the index cannot be carried by a slice, the blocks a stage may start at
+(`CutPoints`).
 """
 
 from __future__ import annotations
@@ -50,12 +52,27 @@ def _no_rules(_view: SliceView) -> SliceRules:
 
 
 @dataclass(frozen=True)
+class CutPoints:
+    """Where a model may be cut: the blocks a stage other than the first may start at (None: any;
+    empty: none, the model runs whole), and why llama.cpp needs that, for the refusal."""
+
+    starts: tuple[int, ...] | None = None
+    reason: str = ""
+
+
+def _anywhere(_n_blocks: int, _value: Callable[[str], Any]) -> CutPoints:
+    return CutPoints()
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     scales_token_embeddings: bool = False  # gemma multiplies token embeddings by sqrt(n_embd)
     sliding_window_period: int | None = None  # llama.cpp's default pattern, unless the file lists the blocks
     unsplittable_block_counts: frozenset[int] = frozenset()  # where no rule can restore what the count keys
     rules: Callable[[SliceView], SliceRules] = _no_rules
+    # (the source's block count, its metadata) -> where it may be cut
+    cut_points: Callable[[int, Callable[[str], Any]], CutPoints] = _anywhere
 
     def token_input_scale(self, n_embd: int) -> np.float32 | None:
         """The factor llama.cpp applies to token embeddings only, as the float32 sqrtf it computes."""
@@ -95,6 +112,31 @@ def _gemma3_rules(view: SliceView) -> SliceRules:
     return SliceRules(tensor_scales={"attn_q_norm.weight": whole / sliced})
 
 
+LLAMA4_NO_ROPE_STEP = 4  # llama.cpp's default n_no_rope_layer_step, which no llama4 file can set
+LLAMA4_CHUNKED_PERIOD = 4  # load_swa_pattern(ml, 4): three chunked blocks, then one of full attention
+
+
+def _llama4_cut_points(n_blocks: int, value: Callable[[str], Any]) -> CutPoints:
+    """llama.cpp decides by a block's index in the file whether it skips RoPE (every 4th) and
+    whether its FFN is experts (every interleave_moe_layer_step-th), and no key can list either
+    per block: a slice renumbers its blocks from 0, so it must start where both patterns restart.
+    A file whose blocks are all chunked makes llama.cpp abort, so the last stage keeps a block of
+    full attention. With attention.sliding_window = 0, llama.cpp skips RoPE in the last block of
+    the file (n_no_rope_layer_step = n_layer): every slice would skip it in its own last block."""
+    if value("llama4.attention.sliding_window") == 0:
+        return CutPoints((), "with attention.sliding_window = 0 llama.cpp skips RoPE in the last block of each file")
+    moe_step = int(value("llama4.interleave_moe_layer_step") or 0)
+    step = math.lcm(LLAMA4_NO_ROPE_STEP, LLAMA4_CHUNKED_PERIOD, max(1, moe_step))
+    starts = tuple(range(step, n_blocks - LLAMA4_CHUNKED_PERIOD + 1, step))
+    experts = f", and its experts where (i + 1) % {moe_step} == 0" if moe_step > 1 else ""
+    reason = (
+        f"llama.cpp skips RoPE in block i where (i + 1) % {LLAMA4_NO_ROPE_STEP} == 0{experts}, i counted in the "
+        f"file, so stages start at multiples of {step}; and the last stage needs a block of full attention, "
+        f"which only every {LLAMA4_CHUNKED_PERIOD}th block is"
+    )
+    return CutPoints(starts, reason)
+
+
 FAMILIES = {
     family.name: family
     for family in (
@@ -103,6 +145,7 @@ FAMILIES = {
         Family("qwen3"),
         Family("qwen3moe"),  # its experts are tensors of their block: a slice carries them whole
         Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules),
+        Family("llama4", cut_points=_llama4_cut_points),
     )
 }
 
