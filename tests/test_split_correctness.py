@@ -114,6 +114,21 @@ def test_gemma3_27b_shape_splits(tmp_path: Path) -> None:
         assert greedy_split(files, prompt, steps=16) == expected, f"gemma3 62-block split {counts} diverged"
 
 
+def test_llama4_maverick_shape_splits(tmp_path: Path) -> None:
+    """llama.cpp types a llama4 of 128 experts as Maverick and then skips the L2 norm of queries and
+    keys (use_kq_norm): a slice keeps the expert count, so it keeps that choice."""
+    shape = replace(TINY_SHAPES["llama4"], n_expert=128, n_ff_expert=32)
+    path = write_tiny_model(tmp_path / "maverick.gguf", "llama4", n_blocks=12, shape=shape)
+    whole = WholeModel(path, SETTINGS)
+    prompt = whole.vocabulary.tokenize(PROMPT)
+    whole.close()
+    expected = greedy_unsplit(path, prompt, steps=16)
+    assert len(set(expected)) > 3
+    for counts in divisions(12, read_manifest(path).stage_starts):
+        files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
+        assert greedy_split(files, prompt, steps=16) == expected, f"llama4 128-expert split {counts} diverged"
+
+
 def test_cuts_the_family_forbids_are_refused(tiny: tuple[str, Path, list[int]], tmp_path: Path) -> None:
     """Where llama.cpp keys a setting on a block's index in the file that no key can carry per block
     (llama4's RoPE-less blocks and experts), a stage starting elsewhere would compute something else
