@@ -9,9 +9,10 @@ from collections.abc import Iterator, Sequence
 from kafila.planner.types import Device, ModelManifest, SessionSpec
 
 
-def compositions(n_blocks: int, n_parts: int) -> Iterator[tuple[int, ...]]:
-    """Every way to give n_parts devices at least one of n_blocks contiguous blocks."""
-    for cuts in itertools.combinations(range(1, n_blocks), n_parts - 1):
+def compositions(n_blocks: int, n_parts: int, starts: Sequence[int] | None = None) -> Iterator[tuple[int, ...]]:
+    """Every way to give n_parts devices at least one of n_blocks contiguous blocks, each stage
+    after the first starting at one of `starts` (None: at any block)."""
+    for cuts in itertools.combinations(range(1, n_blocks) if starts is None else starts, n_parts - 1):
         bounds = (0, *cuts, n_blocks)
         yield tuple(b - a for a, b in itertools.pairwise(bounds))
 
@@ -43,7 +44,7 @@ def best_division(
 ) -> tuple[float, tuple[int, ...]] | None:
     """Minimum bottleneck over every division that fits, with the head last in the chain."""
     best: tuple[float, tuple[int, ...]] | None = None
-    for counts in compositions(manifest.n_blocks, len(chain)):
+    for counts in compositions(manifest.n_blocks, len(chain), manifest.stage_starts):
         start, worst, fits = 0, 0.0, True
         for i, (device, count) in enumerate(zip(chain, counts, strict=True)):
             is_head = i == len(chain) - 1
@@ -79,7 +80,7 @@ def head_by_rule(
 def any_division_fits(manifest: ModelManifest, session: SessionSpec, ring: Sequence[Device]) -> bool:
     for r in range(len(ring)):
         chain = chain_for_head(ring, r)
-        for counts in compositions(manifest.n_blocks, len(chain)):
+        for counts in compositions(manifest.n_blocks, len(chain), manifest.stage_starts):
             start, fits = 0, True
             for i, (device, count) in enumerate(zip(chain, counts, strict=True)):
                 if need_bytes(manifest, session, start, start + count, i == len(chain) - 1) > device.memory_bytes:

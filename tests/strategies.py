@@ -9,7 +9,8 @@ from kafila.planner.types import Device, ModelManifest, SessionSpec
 
 @st.composite
 def manifests(draw: st.DrawFn, max_blocks: int = 8) -> ModelManifest:
-    """Dense models, and mixtures of experts whose blocks hold experts of any share of their bytes."""
+    """Dense models, and mixtures of experts whose blocks hold experts of any share of their bytes;
+    some may be cut only before some of their blocks (llama4's rule), or not at all."""
     n_blocks = draw(st.integers(1, max_blocks))
     block_bytes = tuple(draw(st.lists(st.integers(1, 1000), min_size=n_blocks, max_size=n_blocks)))
     moe: dict[str, object] = {}
@@ -20,8 +21,10 @@ def manifests(draw: st.DrawFn, max_blocks: int = 8) -> ModelManifest:
             "experts": experts,
             "experts_used": draw(st.integers(1, experts)),
         }
+    starts = draw(st.none() | st.sets(st.integers(1, n_blocks - 1)).map(sorted).map(tuple)) if n_blocks > 1 else None
     return ModelManifest(
         name="random",
+        stage_starts=starts,
         block_bytes=block_bytes,
         head_bytes=draw(st.integers(0, 3000)),
         kv_bytes_per_token=tuple(draw(st.lists(st.integers(0, 40), min_size=n_blocks, max_size=n_blocks))),

@@ -19,7 +19,7 @@ def min_max_fill(manifest: ModelManifest, session: SessionSpec, ring: list[Devic
     best = math.inf
     for r in range(len(ring)):
         chain = chain_for_head(ring, r)
-        for counts in compositions(manifest.n_blocks, len(chain)):
+        for counts in compositions(manifest.n_blocks, len(chain), manifest.stage_starts):
             start, worst = 0, 0.0
             for i, (device, count) in enumerate(zip(chain, counts, strict=True)):
                 need = need_bytes(manifest, session, start, start + count, i == len(chain) - 1)
@@ -34,7 +34,7 @@ def min_max_fill(manifest: ModelManifest, session: SessionSpec, ring: list[Devic
 def test_head_placement_and_admission_equal_brute_force(
     data: st.DataObject, manifest: ModelManifest, session: SessionSpec
 ) -> None:
-    m = data.draw(st.integers(1, min(4, manifest.n_blocks)))
+    m = data.draw(st.integers(1, min(4, manifest.max_stages)))
     ring = data.draw(devices(m))  # no NAT or RTT data: the ring keeps the listed order
     expected = head_by_rule(manifest, session, ring)
     assert (expected is not None) == any_division_fits(manifest, session, ring)
@@ -117,6 +117,32 @@ def test_too_many_members_for_the_blocks_is_refused_clearly() -> None:
     ring = [_device(f"d{i}", 1.0, 0.0) for i in range(3)]
     with pytest.raises(PlanRefused, match="2 blocks but the fleet has 3 members"):
         plan_session(manifest, ring, SessionSpec())
+
+
+def test_a_model_cut_only_at_some_blocks_is_planned_there() -> None:
+    """llama4's rule: stages start at blocks 4 and 8 of 12 only. The division, the baselines and the
+    member limit all keep to them, even where an even cut elsewhere would be faster."""
+    manifest = ModelManifest(
+        name="m", block_bytes=(100,) * 12, head_bytes=0, kv_bytes_per_token=(0,) * 12, stage_starts=(4, 8)
+    )
+    ring = [_device("a", 100.0, 0.0), _device("b", 100.0, 0.0)]
+    plan = plan_session(manifest, ring, SessionSpec(context=1))
+    assert [(s.start, s.end) for s in plan.stages] in ([(0, 4), (4, 12)], [(0, 8), (8, 12)])
+    assert plan.bottleneck_s == pytest.approx(8.0)  # 6 + 6 is not allowed
+    assert {b.counts for b in plan.baselines.values()} <= {(4, 8), (8, 4)}
+    refusal = r"at most 3 stages \(its family's start at blocks 4, 8\), but the fleet has 4 members"
+    with pytest.raises(PlanRefused, match=refusal):
+        plan_session(manifest, [*ring, _device("c", 1.0, 0.0), _device("d", 1.0, 0.0)], SessionSpec())
+
+
+def test_a_serving_host_that_holds_no_whole_stage_takes_none() -> None:
+    """A host that can hold a block but not the smallest stage allowed (4 blocks) serves only."""
+    manifest = ModelManifest(
+        name="m", block_bytes=(100,) * 8, head_bytes=0, kv_bytes_per_token=(0,) * 8, stage_starts=(4,)
+    )
+    host = _device("host", 100.0, 0.0, memory=300)
+    plan = plan_serving_host(manifest, [host, _device("a", 100.0, 0.0), _device("b", 100.0, 0.0)], SessionSpec())
+    assert "host" not in [s.device for s in plan.stages] and [(s.start, s.end) for s in plan.stages] == [(0, 4), (4, 8)]
 
 
 def test_a_measured_head_bandwidth_prices_the_heads_read_and_only_that() -> None:

@@ -160,3 +160,19 @@ def test_latent_attention_caches_keys_alone(tmp_path: Path) -> None:
     reads the values from it: no separate value cache."""
     manifest = read_manifest(write_tiny_model(tmp_path / "ds.gguf", "deepseek2", n_blocks=3))
     assert manifest.kv_bytes_per_token == (2 * 1 * (32 + 16),) * 3
+
+
+def test_llama4_interleaves_expert_blocks_with_dense_ones(tmp_path: Path) -> None:
+    """Experts in every 2nd block only (interleave_moe_layer_step), beside a shared expert that every
+    token reads, so a dense part; the others a dense FFN. Stages start at multiples of 4 blocks."""
+    manifest = read_manifest(write_tiny_model(tmp_path / "llama4.gguf", "llama4", n_blocks=8))
+    n, k, n_embd, n_ff_expert = 4, 1, 64, 64  # tiny_models' llama4 shape
+    per_type = (34 / 32, 2, 4)  # the FFN storage cycles Q8_0, F16, F32 by block
+    routed = [int(3 * n * n_ff_expert * n_embd * per_type[i % 3]) if i % 2 else 0 for i in range(8)]
+    assert (manifest.experts, manifest.experts_used) == (n, k)
+    assert manifest.expert_bytes == tuple(routed)
+    shared = [int(3 * n_ff_expert * n_embd * per_type[i % 3]) for i in range(8)]
+    dense = [b - e for b, e in zip(manifest.block_bytes, routed, strict=True)]
+    assert all(dense[i] > shared[i] for i in range(1, 8, 2))  # the shared expert is read whole
+    assert manifest.read_bytes() == tuple(d + e // n for d, e in zip(dense, routed, strict=True))
+    assert manifest.stage_starts == (4,) and manifest.max_stages == 2

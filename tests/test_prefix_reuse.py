@@ -13,6 +13,7 @@ from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
 from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import Engine, PrefixCut, open_engine, prefix_cut_of
 from kafila.runtime.sampling import SamplingSettings
 from kafila.runtime.scheduler import Event, Failed, Finished, Job, TextDelta
@@ -62,8 +63,9 @@ def test_a_second_turn_prefills_only_what_is_new_and_decodes_what_a_full_prefill
     """Turn two resends turn one and its answer, then something new: on a ring of two stages it
     reuses every row turn one left, and its greedy answer is the one a fresh cache gives."""
     arch, model = family
-    n = N_BLOCKS[arch]
-    served = Served(open_engine(model, [n // 2, n - n // 2], SETTINGS, tmp_path / "stages"))
+    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
+    cut = starts[0] if starts else n // 2  # where the family may be cut
+    served = Served(open_engine(model, [cut, n - cut], SETTINGS, tmp_path / "stages"))
     try:
         first = served.engine.tokenize(PROMPT)
         answer = greedy_unsplit(model, first, STEPS)

@@ -358,6 +358,24 @@ def test_model_stage_costs_are_recovered_from_exact_stage_times() -> None:
     assert head_bandwidth == pytest.approx(b_head)
 
 
+def test_a_model_cut_only_at_some_blocks_is_calibrated_and_kept_there() -> None:
+    """llama4's stages start at multiples of 4: the calibration rings cut there, and a part that
+    fits begins there."""
+    from kafila.planner.types import ModelManifest
+    from kafila.runtime.model_probe import blocks_that_fit, calibration_divisions
+    from kafila.runtime.probe import ProbeError
+
+    starts = tuple(range(4, 45, 4))
+    assert calibration_divisions(48, starts) == [[4, 44], [44, 4]]
+    with pytest.raises(ProbeError, match="cut at 1 block"):
+        calibration_divisions(8, (4,))
+    manifest = ModelManifest(
+        name="m", block_bytes=(100,) * 48, head_bytes=0, kv_bytes_per_token=(0,) * 48, stage_starts=starts
+    )
+    assert blocks_that_fit(manifest, 1100, share=1.0) == 8  # 11 blocks fit; the part starts at block 40
+    assert blocks_that_fit(manifest, 300, share=1.0) is None
+
+
 def test_model_stage_probe_refuses_what_it_cannot_measure() -> None:
     from kafila.planner.types import ModelManifest
     from kafila.runtime.model_probe import StageTime, calibration_divisions, derive_costs

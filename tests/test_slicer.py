@@ -15,8 +15,9 @@ from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
 from tiny_gguf import write_other_family
 from tiny_models import TINY_SHAPES, ModelShape, write_tiny_model
 
-from kafila.runtime.families import FAMILIES, UnsupportedFamily
+from kafila.runtime.families import FAMILIES, UnsupportedFamily, family_of
 from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
+from kafila.runtime.manifest import read_manifest
 from kafila.runtime.slicer import UNREACHED_WINDOW, SliceError, block_range_file, check_family, slice_model
 from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
 
@@ -250,7 +251,7 @@ def test_qwen3next_slices_list_which_of_their_blocks_are_delta_nets(tmp_path: Pa
     for listed in (False, True):
         shape = dataclasses.replace(TINY_SHAPES["qwen3next"], list_recurrent_layers=listed)
         model = write_tiny_model(tmp_path / f"listed-{listed}.gguf", "qwen3next", n_blocks=12, shape=shape)
-        stages = slice_model(model, [5, 3, 4], tmp_path / f"out-{listed}")
+        stages = slice_model(model, [4, 4, 4], tmp_path / f"out-{listed}")
         for stage in stages:
             kinds = FastGGUFReader(stage.path).scalar("qwen3next.attention.recurrent_layers")
             assert kinds == expected_kinds[stage.first_block : stage.end_block]
@@ -261,16 +262,19 @@ def test_qwen3next_slices_list_which_of_their_blocks_are_delta_nets(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("counts", "message"),
+    ("counts", "kinds", "message"),
     [
-        ([3, 5], r"qwen3next: a stage holding blocks 0-2 would have only gated delta-net .* both kinds"),
-        ([7, 1], r"qwen3next: a stage holding blocks 7-7 would have only full attention .* both kinds"),
+        ([3, 5], None, r"qwen3next models cannot be cut at block 3: .* can be cut at blocks 4$"),
+        ([4, 3, 1], None, r"qwen3next models cannot be cut at block 7: .* can be cut at blocks 4$"),
+        # full attention at 2 and 3: both cuts are after one, yet block 3 alone is of one kind
+        ([3, 1, 4], [True, True, False, False, True, True, True, False], r"blocks 3-3 would have only full attention"),
     ],
 )
 def test_qwen3next_cuts_llama_cpp_cannot_run_are_refused_before_writing(
-    tmp_path: Path, counts: list[int], message: str
+    tmp_path: Path, counts: list[int], kinds: list[bool] | None, message: str
 ) -> None:
-    model = write_other_family(tmp_path / "qwen3next.gguf", "qwen3next", 8)
+    listed = {} if kinds is None else {"qwen3next.attention.recurrent_layers": kinds}
+    model = write_other_family(tmp_path / "qwen3next.gguf", "qwen3next", 8, listed)
     with pytest.raises(SliceError, match=message):
         slice_model(model, counts, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -380,3 +384,59 @@ def test_identity_blocks_are_zeros_of_block_0(tmp_path: Path) -> None:
     moved = {t.name: t for t in reader.tensors}["blk.1.attn_q_a.weight"]
     original = {t.name: t for t in source.tensors}["blk.2.attn_q_a.weight"]
     assert bytes(moved.data) == bytes(original.data)
+
+
+def with_uint32(source: Path, target: Path, key: str, value: int) -> Path:
+    """A copy of a model with one more (or another) unsigned metadata value."""
+    reader = FastGGUFReader(source)
+    writer = RawCopyWriter(target, arch=str(reader.scalar("general.architecture")))
+    for name in reader.fields:
+        if not name.startswith("GGUF.") and name not in ("general.architecture", key):
+            vtype, raw = raw_value(reader, name)
+            writer.add_key_value(name, raw, vtype)
+    writer.add_uint32(key, value)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.parametrize(
+    ("n_blocks", "metadata", "starts"),
+    [
+        (48, {"llama4.interleave_moe_layer_step": 1}, tuple(range(4, 45, 4))),  # Scout
+        (48, {"llama4.interleave_moe_layer_step": 2}, tuple(range(4, 45, 4))),  # Maverick
+        (48, {"llama4.interleave_moe_layer_step": 3}, (12, 24, 36)),
+        (50, {"llama4.interleave_moe_layer_step": 2}, tuple(range(4, 47, 4))),  # the last stage keeps block 47
+        (7, {"llama4.interleave_moe_layer_step": 1}, ()),  # 4-6 would have no block of full attention
+        (48, {"llama4.interleave_moe_layer_step": 1, "llama4.attention.sliding_window": 0}, ()),
+    ],
+)
+def test_llama4_stages_start_where_its_block_patterns_restart(
+    n_blocks: int, metadata: dict[str, int], starts: tuple[int, ...]
+) -> None:
+    assert family_of("llama4").cut_points(n_blocks, metadata.get).starts == starts
+
+
+def test_llama4_cut_off_its_patterns_is_refused_for_a_stage_file_too(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "llama4.gguf", "llama4", n_blocks=12)
+    for first, end, wrong in ((2, 12, 2), (4, 10, 10), (0, 6, 6)):
+        with pytest.raises(SliceError, match=f"cannot be cut at block {wrong}: .*RoPE.* can be cut at blocks 4, 8$"):
+            block_range_file(model, first, end, tmp_path / "out", is_head=end == 12)
+    stage = block_range_file(model, 4, 8, tmp_path / "out")
+    assert FastGGUFReader(stage.path).scalar("llama4.block_count") == 4
+
+
+def test_llama4_without_chunked_attention_is_not_split(tmp_path: Path) -> None:
+    """With attention.sliding_window = 0, llama.cpp skips RoPE in the last block of a file, which
+    a slice would move to its own last block: the model runs whole, and is planned so."""
+    source = write_tiny_model(tmp_path / "llama4.gguf", "llama4", n_blocks=8)
+    model = with_uint32(source, tmp_path / "full.gguf", "llama4.attention.sliding_window", 0)
+    with pytest.raises(SliceError, match=r"this llama4 model cannot be split: .*sliding_window = 0"):
+        slice_model(model, [4, 4], tmp_path / "out")
+    manifest = read_manifest(model)
+    assert manifest.stage_starts == () and manifest.max_stages == 1
+    assert read_manifest(source).stage_starts == (4,)

@@ -8,6 +8,7 @@ models and on the real gemma-3-270m.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from plain_llama import plain_llama
 from tiny_models import SUPPORTED_TINY_ARCHS, TINY_SHAPES, write_tiny_model
 
 from kafila.runtime.llama_backend import ContextSettings, LlamaModel
+from kafila.runtime.manifest import read_manifest
 from kafila.runtime.slicer import SliceError, slice_model
 from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
 
@@ -25,16 +27,16 @@ PROMPT = "hello world, the kafila model is in a block of the world and it is to 
 STEPS = 32
 # gpt-oss windows its even blocks: with 5, slices start on both parities, and the 3-way cut's middle
 # stage is block 1 alone, a full-attention block with no windowed one beside it.
-# qwen3next: blocks 3, 7 and 11 are full attention, the rest gated delta nets; 12 blocks give cuts
-# that start slices at every offset in that period, and a 3-way cut whose stages all hold both kinds.
+# qwen3next: blocks 3, 7 and 11 are full attention, the rest gated delta nets; stages start after a
+# full-attention block (4 and 8 of 12), so that each holds both kinds.
 # gemma2 alternates windowed and global blocks: with 5, cuts start slices on either kind, its 3-way
 # cut leaves a stage of one global block only, and its last 2-way cut a head of one windowed block.
+# llama4 may be cut only at multiples of 4 blocks (its RoPE-less and expert blocks go by index):
+# 12 blocks give two 2-stage cuts and one 3-stage one.
 N_BLOCKS = {
     "llama": 4, "qwen2": 4, "qwen3": 5, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 5, "qwen3next": 12,
-    "gemma2": 5, "phi3": 4, "mistral3": 4, "deepseek2": 5, "glm4moe": 4,
+    "gemma2": 5, "phi3": 4, "mistral3": 4, "deepseek2": 5, "glm4moe": 4, "llama4": 12,
 }  # fmt: skip
-# Cuts a family refuses, with why: llama.cpp aborts on a qwen3next stage whose blocks are all of one kind
-REFUSED_CUTS = {"qwen3next": ({(1, 11), (2, 10), (3, 9), (11, 1)}, "every stage needs blocks of both kinds")}
 GEMMA_TURN = "<start_of_turn>user\nName three colours.<end_of_turn>\n<start_of_turn>model\n"
 
 
@@ -85,25 +87,33 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return arch, path, prompt
 
 
-def divisions(n_blocks: int) -> list[list[int]]:
-    cuts = [[cut, n_blocks - cut] for cut in range(1, n_blocks)]
-    third = n_blocks // 3
-    return [*cuts, [third, third, n_blocks - 2 * third]]
+def divisions(n_blocks: int, starts: Sequence[int] | None) -> list[list[int]]:
+    """Every 2-stage cut, and one 3-stage one, where the family lets stages start (`starts`; None: anywhere)."""
+    if starts is None:
+        third = n_blocks // 3
+        return [*([cut, n_blocks - cut] for cut in range(1, n_blocks)), [third, third, n_blocks - 2 * third]]
+    first, second = starts[len(starts) // 3], starts[2 * len(starts) // 3]
+    return [*([cut, n_blocks - cut] for cut in starts), [first, second - first, n_blocks - second]]
 
 
 def test_every_split_equals_the_unsplit_model(tiny: tuple[str, Path, list[int]], tmp_path: Path) -> None:
     arch, path, prompt = tiny
     expected = greedy_unsplit(path, prompt)
     assert len(set(expected)) > 3  # a model stuck on one token would prove nothing
-    refused, why = REFUSED_CUTS.get(arch, (set(), ""))
-    for counts in divisions(N_BLOCKS[arch]):
-        out = tmp_path / "-".join(map(str, counts))
-        if tuple(counts) in refused:
-            with pytest.raises(SliceError, match=why):
-                slice_model(path, counts, out)
-            continue
-        files = [stage.path for stage in slice_model(path, counts, out)]
+    for counts in divisions(N_BLOCKS[arch], read_manifest(path).stage_starts):
+        files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
         assert greedy_split(files, prompt) == expected, f"{arch} split {counts} diverged"
+
+
+def _splits_equal_the_whole(path: Path, divisions: list[list[int]], tmp_path: Path, steps: int = 16) -> None:
+    whole = WholeModel(path, SETTINGS)
+    prompt = whole.vocabulary.tokenize(PROMPT)
+    whole.close()
+    expected = greedy_unsplit(path, prompt, steps=steps)
+    assert len(set(expected)) > 3
+    for counts in divisions:
+        files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
+        assert greedy_split(files, prompt, steps=steps) == expected, f"{path.stem} split {counts} diverged"
 
 
 def test_gemma3_27b_shape_splits(tmp_path: Path) -> None:
@@ -114,14 +124,7 @@ def test_gemma3_27b_shape_splits(tmp_path: Path) -> None:
     shape = replace(TINY_SHAPES["gemma3"], n_head=2, n_head_kv=1)
     assert shape.n_embd // shape.n_head != shape.head_dim
     path = write_tiny_model(tmp_path / "gemma3-27b.gguf", "gemma3", n_blocks=62, shape=shape)
-    whole = WholeModel(path, SETTINGS)
-    prompt = whole.vocabulary.tokenize(PROMPT)
-    whole.close()
-    expected = greedy_unsplit(path, prompt, steps=16)
-    assert len(set(expected)) > 3
-    for counts in ([1, 61], [31, 31], [55, 7], [61, 1], [20, 21, 21]):
-        files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
-        assert greedy_split(files, prompt, steps=16) == expected, f"gemma3 62-block split {counts} diverged"
+    _splits_equal_the_whole(path, [[1, 61], [31, 31], [55, 7], [61, 1], [20, 21, 21]], tmp_path)
 
 
 def test_gpt_oss_splits_into_single_blocks(tmp_path: Path) -> None:
@@ -129,13 +132,15 @@ def test_gpt_oss_splits_into_single_blocks(tmp_path: Path) -> None:
     a stage of one odd block, the head's included, holds it as windowed with a window wider than
     any context, and decodes what the whole model does."""
     path = write_tiny_model(tmp_path / "gpt-oss.gguf", "gpt-oss", n_blocks=4)
-    whole = WholeModel(path, SETTINGS)
-    prompt = whole.vocabulary.tokenize(PROMPT)
-    whole.close()
-    expected = greedy_unsplit(path, prompt, steps=16)
-    assert len(set(expected)) > 3
-    files = [stage.path for stage in slice_model(path, [1, 1, 1, 1], tmp_path / "singles")]
-    assert greedy_split(files, prompt, steps=16) == expected
+    _splits_equal_the_whole(path, [[1, 1, 1, 1]], tmp_path)
+
+
+def test_llama4_maverick_shape_splits(tmp_path: Path) -> None:
+    """llama.cpp types a llama4 of 128 experts as Maverick and then skips the L2 norm of queries and
+    keys (use_kq_norm): a slice keeps the expert count, so it keeps that choice."""
+    shape = replace(TINY_SHAPES["llama4"], n_expert=128, n_ff_expert=32)
+    path = write_tiny_model(tmp_path / "maverick.gguf", "llama4", n_blocks=12, shape=shape)
+    _splits_equal_the_whole(path, divisions(12, read_manifest(path).stage_starts), tmp_path)
 
 
 def test_a_stage_whose_input_node_is_missing_fails_loudly(tmp_path: Path) -> None:
@@ -149,17 +154,6 @@ def test_a_stage_whose_input_node_is_missing_fails_loudly(tmp_path: Path) -> Non
             model.decode([0], [0], [True], states=np.zeros((1, model.n_embd), dtype=np.float32))
     finally:
         model.close()
-
-
-def _splits_equal_the_whole(path: Path, divisions: list[list[int]], tmp_path: Path, steps: int = 16) -> None:
-    whole = WholeModel(path, SETTINGS)
-    prompt = whole.vocabulary.tokenize(PROMPT)
-    whole.close()
-    expected = greedy_unsplit(path, prompt, steps=steps)
-    assert len(set(expected)) > 3
-    for counts in divisions:
-        files = [stage.path for stage in slice_model(path, counts, tmp_path / "-".join(map(str, counts)))]
-        assert greedy_split(files, prompt, steps=steps) == expected, f"{path.stem} split {counts} diverged"
 
 
 def test_deepseek2_slices_of_lite_counts_split(tmp_path: Path) -> None:
@@ -179,6 +173,20 @@ def test_deepseek2_default_gating_follows_the_whole_model(tmp_path: Path) -> Non
     shape = replace(TINY_SHAPES["deepseek2"], expert_gating=0, stated_vocab_size=154880)
     path = write_tiny_model(tmp_path / "flash.gguf", "deepseek2", n_blocks=47, shape=shape)
     _splits_equal_the_whole(path, [[1, 46], [23, 24], [46, 1]], tmp_path)
+
+
+def test_cuts_the_family_forbids_are_refused(tiny: tuple[str, Path, list[int]], tmp_path: Path) -> None:
+    """Where llama.cpp keys a setting on a block's index in the file that no key can carry per block
+    (llama4's RoPE-less blocks and experts), a stage starting elsewhere would compute something else
+    or fail to load: the slicer refuses it, naming the blocks it may start at."""
+    arch, path, _prompt = tiny
+    n, starts = N_BLOCKS[arch], read_manifest(path).stage_starts
+    if starts is None:
+        return
+    for cut in sorted(set(range(1, n)) - set(starts)):
+        with pytest.raises(SliceError, match=f"{arch} models cannot be cut at block {cut}: .* can be cut at blocks"):
+            slice_model(path, [cut, n - cut], tmp_path)
+    assert not list(tmp_path.iterdir())  # refused before a file is written
 
 
 def plain_llama_greedy(path: Path, prompt: list[int], steps: int = STEPS) -> list[int]:
@@ -219,8 +227,9 @@ def test_a_split_of_the_real_model_decodes_what_llama_cpp_does(gemma_path: Path,
 def test_interleaved_sequences_equal_each_alone(tiny: tuple[str, Path, list[int]], tmp_path: Path) -> None:
     """Four sequences batched into the same decodes of one stage give what each gives alone."""
     arch, path, prompt = tiny
-    n = N_BLOCKS[arch]
-    files = [s.path for s in slice_model(path, [n // 2, n - n // 2], tmp_path)]
+    n, starts = N_BLOCKS[arch], read_manifest(path).stage_starts
+    half = n // 2 if starts is None else starts[len(starts) // 2]
+    files = [s.path for s in slice_model(path, [half, n - half], tmp_path)]
     prompts = [prompt, prompt[:-3], prompt[2:], prompt[: len(prompt) // 2]]
     alone = [greedy_split(files, p, steps=12) for p in prompts]
 

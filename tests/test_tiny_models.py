@@ -17,16 +17,18 @@ from kafila.runtime.manifest import read_manifest
 PROMPT = "hello world, the model is in the block of kafila and it is a test: ünïcödé 123!"
 N_GREEDY = 32
 # gemma3 makes every 6th layer global: with 6 blocks, both kinds of layer are present.
+# llama4 skips RoPE in every 4th block and has experts in every 2nd: 8 blocks hold both twice.
 # qwen3next makes every 4th block full attention, the others gated delta nets.
 N_BLOCKS = {
     "llama": 4, "qwen2": 4, "qwen3": 4, "gemma3": 6, "qwen3moe": 4, "gpt-oss": 4, "qwen3next": 8,
-    "gemma2": 4, "phi3": 4, "mistral3": 4, "deepseek2": 5, "glm4moe": 4,
+    "gemma2": 4, "phi3": 4, "mistral3": 4, "deepseek2": 5, "glm4moe": 4, "llama4": 8,
 }  # fmt: skip
 TIED = {
     "llama": False, "qwen2": False, "qwen3": True, "gemma3": True, "qwen3moe": False, "gpt-oss": False,
     "qwen3next": False, "gemma2": True, "phi3": True, "mistral3": False, "deepseek2": False, "glm4moe": False,
+    "llama4": False,
 }  # fmt: skip
-MOE = ("qwen3moe", "gpt-oss", "qwen3next", "deepseek2", "glm4moe")
+MOE = ("qwen3moe", "gpt-oss", "qwen3next", "deepseek2", "glm4moe", "llama4")
 PREDICTION_BLOCKS = {"glm4moe": 1}  # stored after the blocks llama.cpp runs
 
 
@@ -92,12 +94,15 @@ def test_metadata_llama_cpp_sees(tiny: tuple[str, Path]) -> None:
     if arch == "mistral3":
         assert meta["mistral3.rope.scaling.type"] == "yarn"
         assert float(meta["mistral3.attention.temperature_scale"]) == 0.1
-    if arch in MOE:
+    if arch in MOE and arch != "llama4":
         assert (int(meta[f"{arch}.expert_count"]), int(meta[f"{arch}.expert_used_count"])) == (8, 2)
     if arch in ("deepseek2", "glm4moe"):
         assert int(meta[f"{arch}.expert_shared_count"]) == 1
         assert int(meta[f"{arch}.leading_dense_block_count"]) == (2 if arch == "deepseek2" else 1)
         assert int(meta[f"{arch}.expert_gating_func"]) == 2  # sigmoid
+    if arch == "llama4":
+        assert (int(meta["llama4.expert_count"]), int(meta["llama4.expert_used_count"])) == (4, 1)
+        assert int(meta["llama4.interleave_moe_layer_step"]) == 2
 
 
 def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
@@ -141,6 +146,12 @@ def test_manifest_and_storage(tiny: tuple[str, Path]) -> None:
     assert (shared <= names) == (arch in ("deepseek2", "glm4moe"))
     assert ("blk.0.attn_kv_a_mqa.weight" in names) == (arch == "deepseek2")
     assert (f"blk.{N_BLOCKS[arch]}.nextn.eh_proj.weight" in names) == (arch == "glm4moe")
+    if arch == "llama4":  # experts and a shared expert in every 2nd block, a dense FFN in the others
+        ffn = ("gate", "up", "down")
+        experts = {"blk.1.ffn_gate_inp.weight"} | {
+            f"blk.1.ffn_{n}_{kind}.weight" for n in ffn for kind in ("exps", "shexp")
+        }
+        assert experts <= names and "blk.1.ffn_gate.weight" not in names and "rope_freqs.weight" in names
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)

@@ -74,15 +74,20 @@ def write_tiny_llama(
     return path
 
 
-def write_other_family(path: Path, arch: str, n_blocks: int = 2, settings: dict[str, int] | None = None) -> Path:
+def write_other_family(
+    path: Path, arch: str, n_blocks: int = 2, settings: dict[str, int | list[bool]] | None = None
+) -> Path:
     """A header-only stand-in for a model no llama.cpp can run: block tensors, the keys a manifest
-    reads and `settings` (whole numbers), for what is refused before anything loads."""
+    reads and `settings` (whole numbers, or per-block flags), for what is refused before anything loads."""
     writer = GGUFWriter(str(path), arch=arch)
     writer.add_block_count(n_blocks)
     writer.add_embedding_length(16)
     writer.add_head_count(2)
     for key, value in (settings or {}).items():
-        writer.add_uint32(key, value)
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
     writer.add_tensor("token_embd.weight", np.zeros((4, 16), dtype=np.float32))
     for i in range(n_blocks):
         writer.add_tensor(f"blk.{i}.ffn_up.weight", np.zeros((16, 16), dtype=np.float32))

@@ -18,7 +18,7 @@ from gguf.quants import quantize
 
 SUPPORTED_TINY_ARCHS: tuple[str, ...] = (
     "llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "qwen3next", "gemma2", "phi3", "mistral3",
-    "deepseek2", "glm4moe",
+    "deepseek2", "glm4moe", "llama4",
 )  # fmt: skip
 
 Q8_0 = GGMLQuantizationType.Q8_0
@@ -95,6 +95,9 @@ class ModelShape:
     kv_lora_rank: int = 0
     v_head_dim: int = 0
     stated_vocab_size: int = 0  # deepseek2's vocab_size key, where a test needs another than the token count
+    moe_layer_step: int = 0  # llama4: experts in every n-th block only, a dense FFN in the others
+    shared_expert: bool = False  # llama4: beside the routed experts, one of n_ff_expert every token uses
+    rope_freqs: bool = False  # llama4 (llama3-style RoPE scaling): one rope_freqs.weight for every block
 
 
 _SHAPES: dict[str, ModelShape] = {
@@ -228,6 +231,19 @@ _SHAPES["glm4moe"] = ModelShape(
     expert_weights_scale=2.5, expert_weights_norm=True, rope_dims=16, nextn=1,
 )  # fmt: skip
 
+# Llama 4 Scout / Maverick scaled down: 4 experts of which 1 routes a token (16 or 128 there), a
+# shared expert, experts in every 2nd block (Maverick's interleave_moe_layer_step; Scout's is 1),
+# and llama3-style RoPE frequency factors. llama.cpp itself skips RoPE in every 4th block.
+_SHAPES["llama4"] = replace(
+    _SHAPES["llama"],
+    n_expert=4,
+    n_expert_used=1,
+    n_ff_expert=64,
+    moe_layer_step=2,
+    shared_expert=True,
+    rope_freqs=True,
+)
+
 TINY_SHAPES: Mapping[str, ModelShape] = MappingProxyType(_SHAPES)
 
 _WORDS = ("the", "a", "and", "hello", "world", "of", "to", "is", "in", "it", "model", "block", "kafila")
@@ -346,6 +362,8 @@ def write_tiny_model(
         _add_shared_experts(writer, shape)
     if shape.nextn:
         writer.add_nextn_predict_layers(shape.nextn)
+    if shape.moe_layer_step:
+        writer.add_interleave_moe_layer_step(shape.moe_layer_step)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -390,6 +408,8 @@ def write_tiny_model(
         n_factors = shape.rope_dims // 2
         add("rope_factors_long.weight", np.linspace(1.0, 8.0, n_factors, dtype=np.float32), F32)
         add("rope_factors_short.weight", np.linspace(1.0, 1.5, n_factors, dtype=np.float32), F32)
+    if shape.rope_freqs:  # divisors of each rotary pair's frequency, as llama3's scaling stores them
+        add("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32), F32)
 
     def latent_attention(blk: str) -> None:
         """deepseek2's: queries through a low rank (or one attn_q in a Lite model), keys and values
@@ -487,7 +507,7 @@ def write_tiny_model(
         if shape.post_norms:
             add(f"{blk}.post_attention_norm.weight", ones(n_embd), F32)
         add(f"{blk}.{shape.ffn_norm_name}.weight", ones(n_embd), F32)
-        if shape.n_expert:
+        if shape.n_expert and (shape.moe_layer_step == 0 or (i + 1) % shape.moe_layer_step == 0):
             experts, n_ff_e = shape.n_expert, shape.n_ff_expert
             add(f"{blk}.ffn_gate_inp.weight", matrix(experts, n_embd), F32)  # the router
             if shape.expert_biases:
@@ -498,6 +518,8 @@ def write_tiny_model(
                 if shape.expert_biases:
                     bias = (rng.standard_normal((experts, rows)) * 0.1).astype(np.float32)
                     add(f"{blk}.ffn_{name}_exps.bias", bias, F32)
+                if shape.shared_expert:
+                    add(f"{blk}.ffn_{name}_shexp.weight", matrix(rows, cols), ffn_type)
         elif shape.fused_gate_up:
             add(f"{blk}.ffn_up.weight", matrix(2 * n_ff, n_embd), ffn_type)
             add(f"{blk}.ffn_down.weight", matrix(n_embd, n_ff), ffn_type)

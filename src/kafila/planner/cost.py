@@ -26,16 +26,20 @@ class ChainPrefix:
     resident_bytes: npt.NDArray[np.int64]
     head_bytes: int
     read_bytes: npt.NDArray[np.int64]  # read decoding a token: a dense block whole, a MoE block's routed experts
+    cuts: BoolMatrix  # one per chain position: whether a stage may begin or end there (ModelManifest.stage_starts)
 
     @classmethod
     def of(cls, manifest: ModelManifest, session: SessionSpec) -> ChainPrefix:
         weights = np.asarray(manifest.block_bytes, dtype=np.int64)
         kv = np.asarray(manifest.kv_bytes_per_token, dtype=np.int64) * session.context * session.concurrency
         zero = np.zeros(1, dtype=np.int64)
+        cuts = np.zeros(manifest.n_blocks + 1, dtype=bool)
+        cuts[list(manifest.cut_positions())] = True
         return cls(
             resident_bytes=np.concatenate([zero, np.cumsum(weights + kv)]),
             head_bytes=manifest.head_bytes,
             read_bytes=np.concatenate([zero, np.cumsum(np.asarray(manifest.read_bytes(), dtype=np.int64))]),
+            cuts=cuts,
         )
 
     @property
@@ -51,10 +55,10 @@ class ChainPrefix:
         need = self.resident_bytes[None, :] - self.resident_bytes[:, None]
         return need + (self.head_bytes if is_head else 0)
 
-
-def _nonempty(n_blocks: int) -> BoolMatrix:
-    index = np.arange(n_blocks + 1)
-    return index[None, :] > index[:, None]
+    def stage_ranges(self) -> BoolMatrix:
+        """The ranges a stage may hold: not empty, and beginning and ending where the model may be cut."""
+        index = np.arange(self.n_blocks + 1)
+        return (index[None, :] > index[:, None]) & self.cuts[:, None] & self.cuts[None, :]
 
 
 def cost_model_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> FloatMatrix:
@@ -67,20 +71,20 @@ def cost_model_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> Flo
     head_bandwidth = device.head_bandwidth_bytes_per_s or bandwidth
     fixed = device.overhead_s + (prefix.head_bytes / head_bandwidth if is_head else 0.0)
     costs = fixed + prefix.range_read_matrix() / bandwidth
-    return np.where(_nonempty(prefix.n_blocks), costs, np.inf)
+    return np.where(prefix.stage_ranges(), costs, np.inf)
 
 
 def throughput_matrix(device: Device, prefix: ChainPrefix) -> FloatMatrix:
     """Tier (b): block bytes over arithmetic throughput; it cannot price the head's extra read."""
     assert device.flops is not None
     costs = prefix.range_read_matrix() / device.flops
-    return np.where(_nonempty(prefix.n_blocks), costs, np.inf)
+    return np.where(prefix.stage_ranges(), costs, np.inf)
 
 
 def fill_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> FloatMatrix:
     """Fraction of the device's memory a range would occupy; tier (c) and refusals balance this."""
     fill = prefix.resident_matrix(is_head) / device.memory_bytes
-    return np.where(_nonempty(prefix.n_blocks), fill, np.inf)
+    return np.where(prefix.stage_ranges(), fill, np.inf)
 
 
 def fits_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> BoolMatrix:

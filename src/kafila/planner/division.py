@@ -12,18 +12,28 @@ from kafila.planner.partition import division_from_counts
 from kafila.planner.types import DivisionSummary
 
 
-def proportional_counts(weights: Sequence[float], n_blocks: int) -> tuple[int, ...]:
-    """Block counts proportional to the weights, at least one each, by largest remainder."""
+def proportional_division(weights: Sequence[float], positions: Sequence[int]) -> tuple[int, ...]:
+    """Block counts proportional to the weights where stages may only begin and end at `positions`
+    (ascending, from 0 to the block count): the groups between them are divided by largest
+    remainder, at least one each, as blocks are when every boundary is allowed."""
+    groups = [b - a for a, b in pairwise(positions)]
+    shares = _proportional(weights, len(groups))
+    bounds = [0, *np.cumsum(shares).tolist()]
+    return tuple(sum(groups[a:b]) for a, b in pairwise(bounds))
+
+
+def _proportional(weights: Sequence[float], n_parts: int) -> tuple[int, ...]:
+    """Counts summing to n_parts, proportional to the weights, at least one each, by largest remainder."""
     m = len(weights)
-    if m > n_blocks:
-        raise ValueError(f"{n_blocks} blocks cannot give each of {m} devices one")
+    if m > n_parts:
+        raise ValueError(f"{n_parts} parts cannot give each of {m} devices one")
     total = float(sum(weights))
-    exact = [n_blocks * w / total for w in weights]
+    exact = [n_parts * w / total for w in weights]
     counts = [max(1, int(share)) for share in exact]
-    while sum(counts) < n_blocks:
+    while sum(counts) < n_parts:
         lagging = max(range(m), key=lambda i: (exact[i] - counts[i], -i))
         counts[lagging] += 1
-    while sum(counts) > n_blocks:
+    while sum(counts) > n_parts:
         over = max((i for i in range(m) if counts[i] > 1), key=lambda i: (counts[i] - exact[i], i))
         counts[over] -= 1
     return tuple(counts)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
 from kafila.planner import cost
 from kafila.planner.cost import BoolMatrix, ChainPrefix, FloatMatrix
-from kafila.planner.division import proportional_counts, summarise
+from kafila.planner.division import proportional_division, summarise
 from kafila.planner.partition import Division, candidate_bottlenecks, partition
 from kafila.planner.reachability import edge_cost_s, predict_edge
 from kafila.planner.ring import EXACT_LIMIT, best_ring, combine
@@ -232,7 +233,7 @@ def _summaries(
     prices: Sequence[DevicePrices],
     chain: Sequence[int],
     division: Division,
-    n_blocks: int,
+    positions: Sequence[int],
     tier: Tier,
 ) -> tuple[DivisionSummary, dict[str, DivisionSummary]]:
     """Kafila's division and the two rules of thumb, judged on the same chain by the same prices."""
@@ -241,8 +242,8 @@ def _summaries(
     if tier is not Tier.MEMORY:
         cost_matrices = [costs[is_head] for d, is_head in roles if (costs := prices[d].cost) is not None]
     fits_matrices = [prices[d].fits[is_head] for d, is_head in roles]
-    uniform = proportional_counts([1.0] * len(chain), n_blocks)
-    by_memory = proportional_counts([devices[d].memory_bytes for d in chain], n_blocks)
+    uniform = proportional_division([1.0] * len(chain), positions)
+    by_memory = proportional_division([devices[d].memory_bytes for d in chain], positions)
     return summarise(division.counts, cost_matrices, fits_matrices), {
         "uniform": summarise(uniform, cost_matrices, fits_matrices),
         "memory": summarise(by_memory, cost_matrices, fits_matrices),
@@ -268,9 +269,15 @@ def plan_session(
     if anchor is not None and anchor not in names:
         raise ValueError(f"anchor '{anchor}' is not one of the devices")
     anchor_index = names.index(anchor) if anchor is not None else 0
-    if len(devices) > manifest.n_blocks:
+    if len(devices) > manifest.max_stages:
+        limit = ""
+        if manifest.stage_starts == ():
+            limit = ", which its family cannot split,"
+        elif manifest.stage_starts is not None:
+            starts = ", ".join(map(str, manifest.stage_starts))
+            limit = f", which divide into at most {manifest.max_stages} stages (its family's start at blocks {starts}),"
         raise PlanRefused(
-            f"the model has {manifest.n_blocks} blocks but the fleet has {len(devices)} members: "
+            f"the model has {manifest.n_blocks} blocks{limit} but the fleet has {len(devices)} members: "
             "every member needs at least one block",
             device=None,
         )
@@ -302,7 +309,7 @@ def plan_session(
     stages = _stages(devices, prices, prefix, chain, choice.division)
     ring_from_head = [chain[-1], *chain[:-1]]
     edges = _edges(devices, ring_from_head, predicted, priced_in_time)
-    own, baselines = _summaries(devices, prices, chain, choice.division, manifest.n_blocks, tier)
+    own, baselines = _summaries(devices, prices, chain, choice.division, manifest.cut_positions(), tier)
     if tier is Tier.THROUGHPUT:
         notes.append("some members have no bandwidth or overhead: stages priced by arithmetic throughput")
     elif tier is Tier.MEMORY:
@@ -346,7 +353,10 @@ def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], sessio
 
 
 def _holds_a_block(manifest: ModelManifest, device: Device, session: SessionSpec) -> bool:
-    """Whether the device can hold the smallest block and that block's KV cache."""
+    """Whether the device can hold the smallest stage there can be (a block, where the model may be
+    cut anywhere) and its KV cache."""
     tokens = session.context * session.concurrency
-    blocks = zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
-    return min(weights + kv * tokens for weights, kv in blocks) <= device.memory_bytes
+    need = [
+        weights + kv * tokens for weights, kv in zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
+    ]
+    return min(sum(need[a:b]) for a, b in pairwise(manifest.cut_positions())) <= device.memory_bytes

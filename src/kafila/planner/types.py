@@ -32,6 +32,11 @@ class ModelManifest(Strict):
     )
     experts: Annotated[int, Field(ge=0, le=4096)] = 0  # experts per MoE block
     experts_used: Annotated[int, Field(ge=0, le=4096)] = 0  # routed to each token
+    stage_starts: tuple[int, ...] | None = Field(
+        default=None,
+        description="The blocks a stage after the first may start at, ascending; None: any. Some families "
+        "key settings on a block's index in the file, which a stage renumbers (llama4); empty: no split.",
+    )
 
     @model_validator(mode="after")
     def _one_entry_per_block(self) -> ModelManifest:
@@ -43,7 +48,23 @@ class ModelManifest(Strict):
                 raise ValueError("a block's expert bytes exceed its bytes")
             if not 0 < self.experts_used <= self.experts:
                 raise ValueError(f"{self.experts_used} of {self.experts} experts per token is no mixture of experts")
+        starts = self.stage_starts
+        if starts is not None and (
+            list(starts) != sorted(set(starts)) or not all(0 < s < self.n_blocks for s in starts)
+        ):
+            raise ValueError(f"stage_starts {list(starts)} are not ascending blocks between 1 and {self.n_blocks - 1}")
         return self
+
+    def cut_positions(self) -> tuple[int, ...]:
+        """Where a stage may begin or end, from 0 to n_blocks: every block boundary, or the first,
+        the allowed starts and the last."""
+        if self.stage_starts is None:
+            return tuple(range(self.n_blocks + 1))
+        return (0, *self.stage_starts, self.n_blocks)
+
+    @property
+    def max_stages(self) -> int:
+        return len(self.cut_positions()) - 1
 
     def read_bytes(self, rows: int = 1) -> tuple[int, ...]:
         """Bytes each block reads to decode one step of `rows` sequences: its dense weights, and

@@ -4,8 +4,10 @@ llama.cpp does the maths. The slicer carries every per-layer metadata array over
 itself (`slicer._Slice`); this table holds only what cannot be read from the file: the transform
 llama.cpp applies to token embeddings (and where it applies it to embeddings given as input too,
 the graph node where a stage undoes that), its default layout of sliding-window blocks where the
-file lists none, and the settings its code derives from the block count or a block's absolute
-index, which a slice changes (`SliceRules`), or refuses where nothing in a slice can restore them.
+file lists none, the settings its code derives from the block count or a block's absolute index,
+which a slice changes (`SliceRules`) or refuses where nothing in a slice can restore them, and
+where a setting keyed on the index cannot be carried by a slice, the blocks a stage may start at
+(`CutPoints`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,19 @@ def _no_rules(_view: SliceView) -> SliceRules:
 
 
 @dataclass(frozen=True)
+class CutPoints:
+    """Where a model may be cut: the blocks a stage other than the first may start at (None: any;
+    empty: none, the model runs whole), and why llama.cpp needs that, for the refusal."""
+
+    starts: tuple[int, ...] | None = None
+    reason: str = ""
+
+
+def _anywhere(_n_blocks: int, _value: Callable[[str], Any]) -> CutPoints:
+    return CutPoints()
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     scales_token_embeddings: bool = False  # gemma multiplies token embeddings by sqrt(n_embd)
@@ -73,6 +88,8 @@ class Family:
     # gemma2: the graph node where llama.cpp transforms embeddings given as input as it does token
     # embeddings (both scaled by sqrt(n_embd)); a stage puts the rows it is fed back over its result
     input_restored_at: str | None = None
+    # (the source's block count, its metadata) -> where it may be cut
+    cut_points: Callable[[int, Callable[[str], Any]], CutPoints] = _anywhere
 
     def token_input_scale(self, n_embd: int) -> np.float32 | None:
         """The factor llama.cpp applies to token embeddings only, as the float32 sqrtf it computes."""
@@ -127,24 +144,36 @@ def _gemma3_rules(view: SliceView) -> SliceRules:
     return SliceRules(tensor_scales={"attn_q_norm.weight": whole / sliced})
 
 
-def recurrent_blocks(view: SliceView) -> list[bool]:
-    """Which of the blocks the source's graph runs are recurrent (linear attention), as a hybrid's
-    loader reads it: the `attention.recurrent_layers` array if the file has one, else every block
-    but each `full_attention_interval`-th (default 4), counting from 1 (llama.cpp's
+def recurrent_blocks(arch: str, n_blocks: int, value: Callable[[str], Any]) -> list[bool]:
+    """Which of the blocks a hybrid's graph runs are recurrent (linear attention), as its loader
+    reads it: the `attention.recurrent_layers` array if the file has one, else every block but each
+    `full_attention_interval`-th (default 4), counting from 1 (llama.cpp's
     src/models/qwen3next.cpp, load_arch_hparams)."""
-    listed = view.value(f"{view.arch}.attention.recurrent_layers")
+    listed = value(f"{arch}.attention.recurrent_layers")
     if isinstance(listed, list):
-        return [bool(v) for v in listed[: view.n_blocks]]
-    interval = int(view.value(f"{view.arch}.full_attention_interval") or 4)
-    return [(i + 1) % interval != 0 for i in range(view.n_blocks)]
+        return [bool(v) for v in listed[:n_blocks]]
+    interval = int(value(f"{arch}.full_attention_interval") or 4)
+    return [(i + 1) % interval != 0 for i in range(n_blocks)]
+
+
+def _hybrid_cut_points(n_blocks: int, value: Callable[[str], Any]) -> CutPoints:
+    """Stages of a hybrid start right after a full-attention block, and the last keeps one: each
+    then holds blocks of both kinds, without which llama.cpp aborts (`_hybrid_rules`)."""
+    full = [i for i, recurrent in enumerate(recurrent_blocks("qwen3next", n_blocks, value)) if not recurrent]
+    starts = tuple(i + 1 for i in full if full and i + 1 <= full[-1])
+    return CutPoints(
+        starts,
+        "llama.cpp aborts on a stage whose blocks are all gated delta nets or all full attention, so a "
+        "stage starts right after a full-attention block",
+    )
 
 
 def _hybrid_rules(view: SliceView) -> SliceRules:
     """A hybrid of gated delta-net and full attention blocks (qwen3next) keys each block's kind on
     its absolute index, so the slice lists its blocks' kinds. llama.cpp aborts the process on a
     model whose blocks are all of one kind (the graph then leaves the other memory's inputs
-    unallocated), so such a slice is refused."""
-    kinds = recurrent_blocks(view)[view.first : view.end]
+    unallocated): such a slice, which `_hybrid_cut_points` keeps the planner from, is refused."""
+    kinds = recurrent_blocks(view.arch, view.n_blocks, view.value)[view.first : view.end]
     if all(kinds) or not any(kinds):
         kind = "gated delta-net (linear attention)" if all(kinds) else "full attention"
         return SliceRules(
@@ -223,6 +252,31 @@ def _glm4moe_rules(view: SliceView) -> SliceRules:
     return SliceRules(values=values)
 
 
+LLAMA4_NO_ROPE_STEP = 4  # llama.cpp's default n_no_rope_layer_step, which no llama4 file can set
+LLAMA4_CHUNKED_PERIOD = 4  # load_swa_pattern(ml, 4): three chunked blocks, then one of full attention
+
+
+def _llama4_cut_points(n_blocks: int, value: Callable[[str], Any]) -> CutPoints:
+    """llama.cpp decides by a block's index in the file whether it skips RoPE (every 4th) and
+    whether its FFN is experts (every interleave_moe_layer_step-th), and no key can list either
+    per block: a slice renumbers its blocks from 0, so it must start where both patterns restart.
+    A file whose blocks are all chunked makes llama.cpp abort, so the last stage keeps a block of
+    full attention. With attention.sliding_window = 0, llama.cpp skips RoPE in the last block of
+    the file (n_no_rope_layer_step = n_layer): every slice would skip it in its own last block."""
+    if value("llama4.attention.sliding_window") == 0:
+        return CutPoints((), "with attention.sliding_window = 0 llama.cpp skips RoPE in the last block of each file")
+    moe_step = int(value("llama4.interleave_moe_layer_step") or 0)
+    step = math.lcm(LLAMA4_NO_ROPE_STEP, LLAMA4_CHUNKED_PERIOD, max(1, moe_step))
+    starts = tuple(range(step, n_blocks - LLAMA4_CHUNKED_PERIOD + 1, step))
+    experts = f", and its experts where (i + 1) % {moe_step} == 0" if moe_step > 1 else ""
+    reason = (
+        f"llama.cpp skips RoPE in block i where (i + 1) % {LLAMA4_NO_ROPE_STEP} == 0{experts}, i counted in the "
+        f"file, so stages start at multiples of {step}; and the last stage needs a block of full attention, "
+        f"which only every {LLAMA4_CHUNKED_PERIOD}th block is"
+    )
+    return CutPoints(starts, reason)
+
+
 FAMILIES = {
     family.name: family
     for family in (
@@ -233,7 +287,7 @@ FAMILIES = {
         Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules),
         # gpt-oss: llama.cpp requires its window and windows its even blocks, whatever the file lists
         Family("gpt-oss", sliding_window_period=2, output_required=True, always_windowed=True),
-        Family("qwen3next", rules=_hybrid_rules),
+        Family("qwen3next", rules=_hybrid_rules, cut_points=_hybrid_cut_points),
         Family(
             "gemma2",
             scales_token_embeddings=True,
@@ -253,6 +307,7 @@ FAMILIES = {
         Family("mistral3"),  # its attention temperature is keyed on positions, which stages keep
         Family("deepseek2", rules=_deepseek2_rules),
         Family("glm4moe", rules=_glm4moe_rules),
+        Family("llama4", cut_points=_llama4_cut_points),
     )
 }
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kafila.planner.types import MAX_BLOCKS, ModelManifest
+from kafila.runtime.families import FAMILIES
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 from kafila.runtime.slicer import prediction_blocks
 
@@ -87,6 +88,10 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         raise GGUFFormatError(f"{path} has expert tensors but routes {experts_used} of {experts} experts a token")
 
     name = reader.scalar("general.name") or path.stem
+    family = FAMILIES.get(arch)  # an unsupported family is planned as it is, and refused by the slicer
+    stage_starts = None if family is None else family.cut_points(n_blocks, reader.scalar).starts
+    if family is not None and n_blocks in family.unsplittable_block_counts:
+        stage_starts = ()
     return ModelManifest(
         name=str(name),
         architecture=arch,
@@ -96,4 +101,5 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         expert_bytes=tuple(expert_bytes) if moe else None,
         experts=experts if moe else 0,
         experts_used=experts_used if moe else 0,
+        stage_starts=stage_starts,
     )

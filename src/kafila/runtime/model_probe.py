@@ -73,26 +73,35 @@ MEMORY_SHARE = 0.75  # of the available memory, what the calibration rings may h
 
 def blocks_that_fit(manifest: ModelManifest, memory_bytes: int, share: float = MEMORY_SHARE) -> int | None:
     """How many of the model's last blocks, with the head, the calibration can hold in `share` of
-    the memory: all of them where the model fits, None where not even three do."""
+    the memory: all of them where the model fits, None where not even three do. They begin where
+    a stage may (`ModelManifest.stage_starts`)."""
     room = memory_bytes * share - manifest.head_bytes
     kept, used = 0, 0
     for size in reversed(manifest.block_bytes):
         if used + size > room:
             break
         kept, used = kept + 1, used + size
+    kept = max(manifest.n_blocks - p for p in manifest.cut_positions() if manifest.n_blocks - p <= kept)
     return kept if kept >= MIN_CALIBRATION_BLOCKS else None
 
 
-def calibration_divisions(n_blocks: int) -> list[list[int]]:
+def calibration_divisions(n_blocks: int, starts: Sequence[int] | None = None) -> list[list[int]]:
     """A short and a long block stage, each followed by the head: [k, n - k] and [n - k, k].
 
     k is about a ninth of the model, so the two block stages span most of the range the planner
     will price, while neither calibration ring is a division anyone is likely to check against.
+    Where the head may start only at some blocks (`ModelManifest.stage_starts`), the two nearest.
     """
     if n_blocks < 3:
         raise ProbeError(f"the model has {n_blocks} blocks; pricing its stages needs at least 3")
     short = max(1, n_blocks // 9)
-    return [[short, n_blocks - short], [n_blocks - short, short]]
+    if starts is None:
+        return [[short, n_blocks - short], [n_blocks - short, short]]
+    if len(starts) < 2:
+        raise ProbeError(f"the model may be cut at {len(starts)} block(s) only; pricing its stages needs 2 cuts")
+    first = min(starts, key=lambda cut: (abs(cut - short), cut))
+    last = min((cut for cut in starts if cut != first), key=lambda cut: (abs(cut - (n_blocks - short)), cut))
+    return [[first, n_blocks - first], [last, n_blocks - last]]
 
 
 def stage_times(divisions: Sequence[Sequence[int]], runs: Sequence[Sequence[float]]) -> list[StageTime]:
@@ -179,7 +188,7 @@ def probe_model_stages(
             first = whole.n_blocks - kept
             source = block_range_file(model, first, whole.n_blocks, Path(cache) / "part", is_head=True).path
             manifest = read_manifest(source)
-        divisions = calibration_divisions(manifest.n_blocks)
+        divisions = calibration_divisions(manifest.n_blocks, manifest.stage_starts)
         runs: list[list[list[float]]] = [[] for _ in divisions]
         total = repeats * len(divisions)
         for repeat in range(repeats):  # interleaved, so a change in load hits both divisions alike

@@ -314,6 +314,23 @@ def check_family(arch: str, n_blocks: int) -> None:
         raise SliceError(f"{arch} models with {n_blocks} blocks cannot be split: {why}")
 
 
+def check_cuts(arch: str, n_blocks: int, value: Callable[[str], Any], cuts: Sequence[int]) -> None:
+    """SliceError where a stage would start at a block the family's llama.cpp code cannot start a
+    file at (`Family.cut_points`), naming the blocks it can."""
+    allowed = family_of(arch).cut_points(n_blocks, value)
+    if allowed.starts is None:
+        return
+    wrong = [cut for cut in cuts if cut not in allowed.starts]
+    if not wrong:
+        return
+    if not allowed.starts:
+        raise SliceError(f"this {arch} model cannot be split: {allowed.reason}")
+    raise SliceError(
+        f"{arch} models cannot be cut at block {wrong[0]}: {allowed.reason}. "
+        f"This one can be cut at blocks {', '.join(map(str, allowed.starts))}"
+    )
+
+
 def _ensure_room(out: Path, pieces: Sequence[_Slice], what: str) -> None:
     """SliceError before a byte is written, where the folder's disk cannot hold the stage files."""
     out.mkdir(parents=True, exist_ok=True)
@@ -391,6 +408,7 @@ def slice_model(
         return [StageFile(0, 0, n_blocks, True, source, file_sha256(source, progress), source.stat().st_size)]
     check_family(arch, n_blocks)
     bounds = list(itertools.accumulate(counts, initial=0))
+    check_cuts(arch, n_blocks, reader.scalar, bounds[1:-1])
     pieces = [
         _Slice(reader, arch, n_blocks, first, end, index == len(counts) - 1)
         for index, (first, end) in enumerate(itertools.pairwise(bounds))
@@ -472,6 +490,7 @@ def block_range_file(
     check_family(arch, n_blocks)
     if is_head and end != n_blocks:
         raise SliceError(f"the head holds the last blocks; blocks {first}..{end} stop short of {n_blocks}")
+    check_cuts(arch, n_blocks, reader.scalar, [cut for cut in (first, end) if 0 < cut < n_blocks])
     piece = _Slice(reader, arch, n_blocks, first, end, is_head)
     _ensure_room(Path(out_dir), [piece], f"cutting blocks {first}-{end - 1} of {Path(source).name}")
     [(path, digest)] = _write_all([piece], Path(out_dir), progress)
