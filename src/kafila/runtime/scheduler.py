@@ -206,10 +206,23 @@ class Batcher:
             return 0
         return common
 
+    def _slot_for(self, prompt: list[int]) -> int:
+        """The free slot whose cache holds most of `prompt`, where reusing it keeps at least as
+        much of that cache as it throws away (a chat's next turn, a shared system prompt); else
+        the least recently used one, so that a prompt sharing little (only its BOS, say) does not
+        evict a cache another request will come back to."""
+        worth = [
+            (reused, slot)
+            for slot in self._free_slots
+            if 2 * (reused := self._reusable(self._held.get(slot) or [], prompt)) >= len(self._held.get(slot) or [])
+            and reused > 0
+        ]
+        return max(worth, key=lambda pair: pair[0])[1] if worth else self._free_slots[0]
+
     def _admit(self, job: Job) -> None:
-        """Start `job` in the free slot that holds most of its prompt (the least recently used
-        among equals), once the engine has cut that slot's cache after what it keeps."""
-        slot = max(self._free_slots, key=lambda s: self._reusable(self._held.get(s) or [], job.prompt))
+        """Start `job` in the slot `_slot_for` picks, once the engine has cut that slot's cache
+        after what it keeps."""
+        slot = self._slot_for(job.prompt)
         self._free_slots.remove(slot)
         held = self._held.pop(slot, None)  # None: a slot that never held anything needs no cut
         keep = 0 if held is None else self._reusable(held, job.prompt)
