@@ -168,6 +168,26 @@ def test_a_mixture_of_experts_served_by_three_machines_is_what_one_process_serve
         assert len(held) == 3 and all(n >= 1 for n in held) and sum(held) == 6, status
 
 
+def test_gemma_through_three_members_reuses_a_chats_earlier_turn_and_answers_as_a_full_prefill(
+    tmp_path: Path, gemma_path: Path
+) -> None:
+    """The real gemma-3-270m (sliding-window layers) across three members: a second turn that
+    extends the first reuses the rows every stage kept, and its greedy answer is the unsplit
+    model's for the whole prompt."""
+    first = "<start_of_turn>user\nName three colours.<end_of_turn>\n<start_of_turn>model\n"
+    with session(tmp_path, gemma_path, 3) as (host, _joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        one = client.completions.create(model=model, prompt=first, max_tokens=12, temperature=0)
+        second = f"{first}{one.choices[0].text}<end_of_turn>\n<start_of_turn>user\nAnd two more.<end_of_turn>\n"
+        second += "<start_of_turn>model\n"
+        two = client.completions.create(model=model, prompt=second, max_tokens=12, temperature=0)
+    assert one.usage is not None and two.usage is not None and two.usage.prompt_tokens_details is not None
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens, two.usage
+    assert two.choices[0].text == unsplit_greedy(gemma_path, second, 12)
+
+
 def test_only_the_planned_ring_edges_come_up_and_stages_load_downstream_first(tmp_path: Path, model: Path) -> None:
     outputs: list[str] = []
     with session(tmp_path, model, 4, outputs=outputs) as (host, _joiners):
