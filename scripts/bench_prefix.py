@@ -12,8 +12,9 @@ token), on an engine whose slot still holds the first turn:
 1. Kafila's engine loop over a local ring of 2 and of 3 stage processes, as `kafila host
    --stages N` runs it, with prefix reuse (the default) and with it off (every prompt
    prefilled whole);
-2. `Llama` (one process, the whole model) with a `LlamaRAMCache`, and with its cache emptied
-   before the second turn: the single-machine reference, what llama.cpp itself does.
+2. `Llama` (one process, the whole model), the single-machine reference: its context still
+   holding the first turn (llama-server's per-slot prompt cache works so), a `LlamaRAMCache`
+   holding its saved state, and neither.
 Beside each: the prefill of the whole prompt at this machine's measured rate (the time without
 reuse can approach), and the ratio without/with reuse. Rounds interleave, medians reported.
 """
@@ -70,6 +71,7 @@ def run(loop: EngineLoop, prompt: list[int], max_tokens: int, name: str) -> tupl
 def kafila_second_turn(engine: Engine, history: list[int], second: list[int], reuse: bool) -> tuple[float, int]:
     """The second turn's time to first token on a loop that served the first (the history and a
     greedy answer), and what it reused."""
+    engine.forget(0)  # what the last measurement left: a new loop starts from empty slots
     loop = EngineLoop(engine, concurrency=1, batch_rows=512, context_per_sequence=4096)
     if not reuse:
         loop.batcher.prefix_cut = PrefixCut.NOWHERE
@@ -82,13 +84,15 @@ def kafila_second_turn(engine: Engine, history: list[int], second: list[int], re
         loop.stop()
 
 
-def llama_second_turn(llm: Llama, first: list[int], second: list[int], cached: bool) -> float:
-    """`Llama`'s time to first token on the second turn: with a `LlamaRAMCache` that kept the
-    first turn's state, or with its context emptied."""
-    llm.set_cache(LlamaRAMCache() if cached else None)
+def llama_second_turn(llm: Llama, first: list[int], second: list[int], mode: str) -> float:
+    """`Llama`'s time to first token on the second turn. "context": its context still holds the
+    first turn, whose rows it matches (what llama-server's per-slot cache does); "prompt cache":
+    a `LlamaRAMCache` holds the first turn's saved state, its context does not; "none": neither."""
+    llm.set_cache(LlamaRAMCache() if mode == "prompt cache" else None)
     llm.reset()
-    llm.create_completion(first, max_tokens=1, temperature=0.0)  # the first turn: stored in the cache
-    llm.reset()  # the context forgets it: only the cache holds it
+    llm.create_completion(first, max_tokens=1, temperature=0.0)  # the first turn
+    if mode != "context":
+        llm.reset()  # the context forgets it
     started = time.perf_counter()
     llm.create_completion(second, max_tokens=1, temperature=0.0)
     return time.perf_counter() - started
@@ -122,23 +126,25 @@ def main() -> None:
                 key = f"kafila {stages} stages, {'reuse' if reuse else 'no reuse'}"
                 results.setdefault(key, []).append(seconds)
                 reused[key] = cached
-        for cached_run in (True, False):
-            key = f"Llama, {'prompt cache' if cached_run else 'no cache'}"
-            results.setdefault(key, []).append(llama_second_turn(llm, first, second, cached_run))
+        for mode in ("context", "prompt cache", "none"):
+            results.setdefault(f"Llama, {mode}", []).append(llama_second_turn(llm, first, second, mode))
     for engine in engines.values():
         engine.close()
     llm.close()
     medians = {key: statistics.median(times) for key, times in results.items()}
     pairs = {"kafila 2 stages": ("reuse", "no reuse"), "kafila 3 stages": ("reuse", "no reuse")}
     speedup = {name: medians[f"{name}, {off}"] / medians[f"{name}, {on}"] for name, (on, off) in pairs.items()}
-    speedup["Llama"] = medians["Llama, no cache"] / medians["Llama, prompt cache"]
+    speedup["Llama, context"] = medians["Llama, none"] / medians["Llama, context"]
+    speedup["Llama, prompt cache"] = medians["Llama, none"] / medians["Llama, prompt cache"]
     report = {
         "prompt_tokens": len(second),
         "history_tokens": len(history),
         "ttft_s": medians,
         "reused_tokens": reused,
         "speedup": speedup,
-        "whole_prompt_tokens_per_s": {key: len(second) / value for key, value in medians.items() if "no " in key},
+        "whole_prompt_tokens_per_s": {
+            key: len(second) / value for key, value in medians.items() if key.endswith(("no reuse", "none"))
+        },
     }
     json.dump(report, sys.stdout, indent=2)
     print()
