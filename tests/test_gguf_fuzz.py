@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from tiny_gguf import write_tiny_llama
+from tiny_gguf import rewrite, write_tiny_llama
 
-from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
+from kafila.runtime.gguf_file import GGUFFormatError
 from kafila.runtime.llama_backend import ContextSettings, LlamaModel
 from kafila.runtime.manifest import read_manifest
 
@@ -41,18 +41,6 @@ def test_a_model_missing_a_tensor_is_refused_naming_it(tmp_path: Path) -> None:
     """llama.cpp's own reason reaches the person: the tensor it looked for, not a warning it
     happened to print before."""
     source = write_tiny_llama(tmp_path / "whole.gguf", n_blocks=2)
-    reader = FastGGUFReader(source)
-    writer = RawCopyWriter(tmp_path / "broken.gguf", arch="llama")
-    for key, field in reader.fields.items():
-        if not key.startswith("GGUF.") and key not in ("general.architecture", "general.alignment"):
-            vtype, value = raw_value(reader, key)
-            writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
-    for tensor in reader.tensors:
-        if tensor.name != "blk.1.attn_q.weight":
-            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    rewrite(source, tmp_path / "broken.gguf", without_tensors=("blk.1.attn_q.weight",))
     with pytest.raises(RuntimeError, match=r"could not load .*tensor 'blk\.1\.attn_q\.weight' not found"):
         LlamaModel(tmp_path / "broken.gguf", ContextSettings(n_ctx=64, n_batch=8, n_seq_max=1, n_threads=1))

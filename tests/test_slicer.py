@@ -11,38 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
-from tiny_gguf import write_other_family
+from tiny_gguf import rewrite, write_other_family
 from tiny_models import TINY_SHAPES, ModelShape, write_tiny_model
 
 from kafila.runtime.families import FAMILIES, UnsupportedFamily, family_of
-from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
+from kafila.runtime.gguf_file import FastGGUFReader
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.slicer import UNREACHED_WINDOW, SliceError, block_range_file, check_family, slice_model
 from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
-
-
-def rewrite(source: Path, target: Path, overrides: dict[str, list[int]], added: dict[str, float] | None = None) -> Path:
-    """A copy of a model with some metadata replaced by per-layer arrays, and float keys `added`."""
-    reader = FastGGUFReader(source)
-    writer = RawCopyWriter(target, arch=str(reader.scalar("general.architecture")))
-    for key in reader.fields:
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if key in overrides:
-            writer.add_array(key, overrides[key])
-        else:
-            vtype, value = raw_value(reader, key)
-            writer.add_key_value(key, value, vtype)
-    for key, number in (added or {}).items():
-        writer.add_float32(key, number)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
 
 
 def test_same_model_and_division_give_the_same_bytes(tmp_path: Path) -> None:
@@ -89,7 +67,10 @@ def test_per_layer_arrays_are_cut_to_the_slice(tmp_path: Path) -> None:
     arrays = rewrite(
         model,
         tmp_path / "arrays.gguf",
-        {"llama.attention.head_count_kv": [kv_heads] * 4, "llama.feed_forward_length": [ffn] * 4},
+        {
+            "llama.attention.head_count_kv": (GGUFValueType.ARRAY, [kv_heads] * 4),
+            "llama.feed_forward_length": (GGUFValueType.ARRAY, [ffn] * 4),
+        },
     )
     stage, head = slice_model(arrays, [1, 3], tmp_path / "out")
     assert FastGGUFReader(stage.path).scalar("llama.attention.head_count_kv") == [kv_heads]
@@ -323,7 +304,7 @@ def test_a_gemma2_stage_of_global_blocks_only_keeps_a_window_no_position_reaches
     a window no block uses: a stage of one global block is written as a windowed block whose
     window is wider than any context, with the global blocks' rope base."""
     tiny = write_tiny_model(tmp_path / "tiny.gguf", "gemma2", n_blocks=5)
-    model = rewrite(tiny, tmp_path / "gemma2.gguf", {}, added={"gemma2.rope.freq_base_swa": 1000.0})
+    model = rewrite(tiny, tmp_path / "gemma2.gguf", {"gemma2.rope.freq_base_swa": (GGUFValueType.FLOAT32, 1000.0)})
     files = [stage.path for stage in slice_model(model, [1, 1, 3], tmp_path / "out")]
     reader = FastGGUFReader(files[1])
     assert reader.scalar("gemma2.attention.sliding_window") == UNREACHED_WINDOW
@@ -386,24 +367,6 @@ def test_identity_blocks_are_zeros_of_block_0(tmp_path: Path) -> None:
     assert bytes(moved.data) == bytes(original.data)
 
 
-def with_uint32(source: Path, target: Path, key: str, value: int) -> Path:
-    """A copy of a model with one more (or another) unsigned metadata value."""
-    reader = FastGGUFReader(source)
-    writer = RawCopyWriter(target, arch=str(reader.scalar("general.architecture")))
-    for name in reader.fields:
-        if not name.startswith("GGUF.") and name not in ("general.architecture", key):
-            vtype, raw = raw_value(reader, name)
-            writer.add_key_value(name, raw, vtype)
-    writer.add_uint32(key, value)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
-
-
 @pytest.mark.parametrize(
     ("n_blocks", "metadata", "starts"),
     [
@@ -434,7 +397,7 @@ def test_llama4_without_chunked_attention_is_not_split(tmp_path: Path) -> None:
     """With attention.sliding_window = 0, llama.cpp skips RoPE in the last block of a file, which
     a slice would move to its own last block: the model runs whole, and is planned so."""
     source = write_tiny_model(tmp_path / "llama4.gguf", "llama4", n_blocks=8)
-    model = with_uint32(source, tmp_path / "full.gguf", "llama4.attention.sliding_window", 0)
+    model = rewrite(source, tmp_path / "full.gguf", {"llama4.attention.sliding_window": (GGUFValueType.UINT32, 0)})
     with pytest.raises(SliceError, match=r"this llama4 model cannot be split: .*sliding_window = 0"):
         slice_model(model, [4, 4], tmp_path / "out")
     manifest = read_manifest(model)

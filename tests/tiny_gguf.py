@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
+
+from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
 
 
 def write_tiny_llama(
@@ -96,3 +99,34 @@ def write_other_family(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def rewrite(
+    source: Path,
+    target: Path,
+    values: dict[str, tuple[GGUFValueType, Any]] | None = None,
+    without_tensors: tuple[str, ...] = (),
+) -> Path:
+    """A copy of a model with metadata `values` (type, value) set over its own, and the tensors
+    named in `without_tensors` left out."""
+    values = values or {}
+    reader = FastGGUFReader(source)
+    writer = RawCopyWriter(target, arch=str(reader.scalar("general.architecture")))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment") or key in values:
+            continue
+        vtype, value = raw_value(reader, key)
+        writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for key, (vtype, value) in values.items():
+        items = None
+        if vtype == GGUFValueType.ARRAY:
+            items = GGUFValueType.BOOL if all(isinstance(v, bool) for v in value) else GGUFValueType.INT32
+        writer.add_key_value(key, value, vtype, sub_type=items)
+    for tensor in reader.tensors:
+        if tensor.name not in without_tensors:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
