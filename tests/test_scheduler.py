@@ -18,6 +18,8 @@ END = 0
 
 
 class Argmax:
+    portable = True
+
     def accept(self, tokens: Sequence[int]) -> None:
         pass
 
@@ -251,3 +253,47 @@ def test_the_rate_window_forgets_old_steps_without_being_read() -> None:
     assert 1000 <= len(stats.recent_tokens) <= 1001  # the last 10 s, give or take a rounded end
     assert stats.tokens_per_s(100.0) == pytest.approx(200.0)  # steps from t=90.00 on: 2,000 tokens in 10 s
     assert stats.tokens_per_s(200.0) == 0.0 and not stats.recent_tokens
+
+
+class ChosenElsewhere(Argmax):
+    portable = False  # a head on a member sampled it
+
+
+def test_a_request_the_ring_lost_goes_on_on_the_next_ring_where_it_stopped() -> None:
+    """Suspended mid-answer, a request goes to the new ring ahead of those that came after it,
+    prefills its prompt and the tokens it had drawn, and draws on with its own sampler: its text
+    and counts run on as if nothing had happened."""
+    old = batcher(concurrency=2, rows=16)
+    old.submit(job("a", 3, max_tokens=4))
+    old.submit(job("b", 40, max_tokens=4))  # still prefilling after two steps of 16 rows
+    first = old.plan()
+    assert [e for e in old.advance(answer(first, 5)) if isinstance(e, TextDelta)] == [TextDelta("a", "<5>")]
+    old.advance(answer(old.plan(), 6))  # a has drawn 5 then 6, whose row has not gone round
+    old.submit(job("c", 2))
+    kept, failed = old.suspend_all("the model ring failed: member-1 is gone")
+    assert failed == [] and [s.job.request_id for s in kept] == ["a", "b", "c"] and old.idle
+    assert kept[0].generated == [5, 6] and kept[1].sampler is None  # b drew nothing: it starts afresh
+
+    new = batcher(concurrency=2, rows=16)
+    new.submit(job("d", 2))  # came after the break: waits behind the resumed ones
+    for suspended in reversed(kept):
+        new.resume(suspended)
+    steps = new.plan()
+    assert [(s.position, s.tokens, s.logits) for s in steps] == [
+        (0, [1, 2, 3, 5, 6], True),  # a: its prompt and what it drew, the last row asking for the next
+        (0, list(range(1, 12)), False),  # b: from its first token again
+    ]
+    events = new.advance(answer(steps, 7))
+    assert events == [TextDelta("a", "<7>")]
+    (decode, _) = new.plan()
+    assert (decode.position, decode.tokens, decode.decode) == (5, [7], True)
+    events = new.advance([one_hot(8), None])
+    assert [e for e in events if isinstance(e, Finished)] == [Finished("a", FinishReason.LENGTH, 3, 4)]
+
+
+def test_a_request_whose_sampler_ran_on_the_lost_ring_ends_with_why() -> None:
+    b = Batcher(2, 8, 64, lambda _s: ChosenElsewhere(), lambda t: f"<{t}>".encode(), lambda t: t == END)
+    b.submit(job("a", 2))
+    b.advance(answer(b.plan()))
+    kept, failed = b.suspend_all("the model ring failed")
+    assert kept == [] and len(failed) == 1 and "sampler ran on the member that holds the head" in failed[0].message

@@ -37,37 +37,32 @@ def health(base_url: str) -> int:
         return 0
 
 
-def test_a_killed_stage_ends_the_stream_with_an_error_and_the_host_serves_again(tmp_path: Path) -> None:
+def test_a_killed_stage_pauses_the_stream_which_goes_on_when_the_host_serves_again(tmp_path: Path) -> None:
+    """A local stage process dies under a greedy stream: the stream pauses while the host takes
+    every block itself, then goes on where it stopped, to the answer an unbroken run gives."""
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
     args = ("--model", model, "--division", "2,2", "--context", "256", "--threads", "1")
     with running_host(*args) as host:
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=30)
         (worker,) = host.workers()
         os.kill(worker, signal.SIGSTOP)  # freeze the stage, so the request is surely in flight when it dies
-        stream = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=100, stream=True
-        )
-        first = next(iter(stream))
-        assert first.choices[0].delta.role == "assistant"
-        os.kill(worker, signal.SIGKILL)
-        killed = time.monotonic()
-        with pytest.raises(openai.APIError) as failure:
-            for _chunk in stream:
-                pass
-        assert time.monotonic() - killed < 5.0
-        assert "ring failed" in str(failure.value) or "stage" in str(failure.value)
+        greedy = {"max_tokens": 100, "temperature": 0}
+        stream = client.completions.create(model="tiny", prompt="hello world", stream=True, **greedy)
+        os.kill(worker, signal.SIGKILL)  # the response has begun: its headers are here
+        chunks = list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        engine = open_engine(model, [4], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
+        try:
+            assert text == generate(engine, "hello world", 100, SamplingSettings()).text
+        finally:
+            engine.close()
 
         deadline = time.monotonic() + 60
         while health(host.base_url) != 200:
             assert time.monotonic() < deadline, host.output()
             time.sleep(0.2)
         assert host.workers() == []  # the host now holds every block itself
-        text = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
-        engine = open_engine(model, [4], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
-        try:
-            assert text.choices[0].text == generate(engine, "hello world", 8, SamplingSettings()).text
-        finally:
-            engine.close()
         assert "replanned" in host.output()
 
 

@@ -37,7 +37,8 @@ from host_process import (
     until_status,
     wait_ready,
 )
-from serving_checks import check_concurrent_streams, unsplit_greedy, unsplit_text
+from openai.types import Completion
+from serving_checks import PROMPTS, check_concurrent_streams, unsplit_greedy, unsplit_text
 from tiny_models import write_tiny_model, write_wide_model
 
 from kafila.network.pake import TrustError
@@ -779,14 +780,16 @@ class Load:
 
 @contextmanager
 def steady_load(client: openai.OpenAI, max_tokens: int, users: int = 2) -> Iterator[Load]:
-    """`users` clients streaming completions back to back, without a pause, until the block ends."""
+    """`users` clients streaming completions back to back, without a pause, until the block ends.
+    Their answers differ in length (the i-th `max_tokens + 20 i`), so that they do not all end in
+    the same step and leave the host idle between one request and the next."""
     load, done = Load(), threading.Event()
 
-    def user() -> None:
+    def user(index: int) -> None:
         while not done.is_set():
             try:
                 stream = client.completions.create(
-                    model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True
+                    model="tiny", prompt=PROMPT, max_tokens=max_tokens + 20 * index, temperature=0, stream=True
                 )
             except openai.APIStatusError as refused:
                 load.turned_away.append(refused.status_code)
@@ -798,7 +801,7 @@ def steady_load(client: openai.OpenAI, max_tokens: int, users: int = 2) -> Itera
             except BaseException as error:  # reported by the test, not lost in the thread
                 load.broken.append(error)
 
-    threads = [threading.Thread(target=user) for _ in range(users)]
+    threads = [threading.Thread(target=user, args=(index,)) for index in range(users)]
     for thread in threads:
         thread.start()
     try:
@@ -964,72 +967,109 @@ def test_a_newcomer_that_goes_while_requests_are_held_leaves_the_ring_serving(tm
 
 
 def test_a_host_that_cannot_serve_alone_waits_for_members_to_join_again(tmp_path: Path) -> None:
-    """The host lends too little memory for any block (`--memory 1MiB`); its only member dies, so
-    nothing can serve: it says why, and that it waits for members, and a newcomer with the code
-    makes it serve again."""
+    """The host lends too little memory for any block (`--memory 1MiB`); its only member dies under
+    a stream, so nothing can serve: the stream, paused for a new ring, ends with an error within
+    5 s of the host knowing there is none; the host says why, and that it waits for members, and
+    a newcomer with the code makes it serve again."""
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
     extra = ("--context", "4096", "--concurrency", "4", "--memory", "1MiB")  # 128 B a token a block: 2 MiB each
     with session(tmp_path, model, 2, *extra) as (host, joiners):
         wait_ready(host, timeout=120)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        greedy = {"max_tokens": 400, "temperature": 0}  # a sampler the host keeps: it waits for a new ring
+        stream = iter(client.completions.create(model="tiny", prompt=PROMPT, stream=True, **greedy))
+        next(stream)
+        joiners[0].send_signal(signal.SIGSTOP)  # surely mid-answer when it dies
         joiners[0].kill()
         until_status(host, lambda status: "cannot hold" in (status.get("error") or ""), "a host that cannot serve")
+        knew = time.monotonic()
+        with pytest.raises(openai.APIError, match="cannot hold"):
+            for _chunk in stream:
+                pass
+        assert time.monotonic() - knew < 5.0
         assert said(host, "waiting for members to join again: kafila join "), host.output()
         with pytest.raises(HTTPError) as unready:  # 503 while nothing serves, saying why
             urlopen(f"{host.base_url}/health", timeout=10)
         assert unready.value.code == 503 and "cannot hold" in unready.value.read().decode()
-        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         take_in(host, client, model, joiners, "newcomer", tmp_path / "cache-new", 2)
 
 
-def test_a_member_killed_under_two_requests_fails_the_stream_and_the_whole_answer_comes_from_the_new_ring(
+def test_a_member_killed_mid_stream_pauses_the_stream_and_it_ends_as_an_unbroken_one_would(
     tmp_path: Path, model: Path
 ) -> None:
-    """The only member dies while a stream and a request not streamed are taken. The stream has
-    begun (its client has its first chunk), so it ends with an error at once (within 5 s). The other
-    has shown nothing, so the host answers it 503 with `Retry-After`, and the official client's
-    default retries reach the host serving alone: the caller gets the answer, not the break."""
+    """A greedy stream on a ring of three: a member dies after the first chunks. The stream pauses
+    while the host replans around it, then goes on where it stopped on the new ring, ending in
+    the text an unbroken run gives. On that ring, a seeded request not streamed loses the last
+    member: the host, serving alone now, answers it whole (no 503 to retry) with what its seed
+    gives unbroken."""
+    with session(tmp_path, model, 3) as (host, joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        stream = iter(
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=120, temperature=0, stream=True)
+        )
+        text = "".join(next(stream).choices[0].text for _ in range(3))
+        first, last = joiners
+        first.send_signal(signal.SIGSTOP)  # the ring stops mid-answer, then loses the member
+        first.kill()
+        text += "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == unsplit_greedy(model, PROMPT, 120)
+        assert said(host, "the broken ring left go on on this one"), host.output()
+
+        until_status(host, lambda status: status["ready"] and len(blocks_held(status)) == 2, "serving on two")
+        seeded = SamplingSettings(temperature=0.8, top_p=1.0, top_k=0, seed=7)
+        answered: list[int] = []
+        seen = openai.DefaultHttpxClient(event_hooks={"response": [lambda r: answered.append(r.status_code)]})
+        retrying = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", timeout=120, http_client=seen)
+        last.send_signal(signal.SIGSTOP)
+        outcome: dict[str, Any] = {}
+        asking = threading.Thread(
+            target=lambda: outcome.update(
+                text=retrying.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.8, seed=7)
+                .choices[0]
+                .text
+            )
+        )
+        asking.start()
+        until_status(host, lambda status: status["running"] == 1, "the seeded request taken")
+        last.kill()
+        asking.join(timeout=120)
+        assert outcome.get("text") == unsplit_text(model, PROMPT, 16, seeded), outcome
+        assert answered == [200], answered
+        assert said(host, "serving on this machine alone"), host.output()
+
+
+def blocks_held(status: dict[str, Any]) -> dict[str, list[int]]:
+    """Each member's blocks in the plan /status shows (a member that left holds none)."""
+    return {m["name"]: m["blocks"] for m in status["members"] if "blocks" in m}
+
+
+def test_four_streams_all_go_on_through_a_lost_member(tmp_path: Path, model: Path) -> None:
+    """Four streams on a ring of two lose the member after their first chunks: each pauses, then
+    finishes on this machine alone, every token asked for, each its own prompt's continuation."""
     with session(tmp_path, model, 2) as (host, joiners):
         wait_ready(host)
-        answered: list[tuple[int, str | None]] = []  # each try's status and Retry-After, as the client saw them
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        usage = {"include_usage": True}
 
-        def heard(response: Any) -> None:
-            answered.append((response.status_code, response.headers.get("retry-after")))
+        def start(prompt: str) -> Iterator[Completion]:
+            return iter(
+                client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True, stream_options=usage
+                )
+            )
 
-        seen = openai.DefaultHttpxClient(event_hooks={"response": [heard]})
-        retrying = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", timeout=60, http_client=seen)
-        streaming = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        streams = [start(prompt) for prompt in PROMPTS]
+        texts = [next(stream).choices[0].text for stream in streams]
         (member,) = joiners
-        member.send_signal(signal.SIGSTOP)  # frozen: both requests below are surely in flight when it dies
-        stream = streaming.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100, stream=True
-        )
-        assert next(iter(stream)).choices[0].delta.role == "assistant"
-        outcome: dict[str, Any] = {}
-
-        def ask() -> None:
-            try:
-                whole = retrying.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
-                outcome["text"] = whole.choices[0].text
-            except openai.APIError as error:
-                outcome["error"] = error
-
-        asking = threading.Thread(target=ask)
-        asking.start()
-        until_status(host, lambda status: status["running"] + status["queue_depth"] == 2, "both requests taken")
-        assert asking.is_alive() and not outcome
+        member.send_signal(signal.SIGSTOP)
         member.kill()
-        killed = time.monotonic()
-        with pytest.raises(openai.APIError):
-            for _chunk in stream:
-                pass
-        assert time.monotonic() - killed < 5.0
-        asking.join(timeout=60)
-        assert outcome.get("text") == unsplit_greedy(model, PROMPT, 8), outcome
-        assert answered[0] == (503, "2") and answered[-1] == (200, None), answered
-        assert said(host, "serving on this machine alone"), host.output()
-        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-        result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
-        assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+        for i, stream in enumerate(streams):
+            chunks = list(stream)
+            texts[i] += "".join(c.choices[0].text for c in chunks if c.choices)
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40, chunks[-1]
+        for prompt, text in zip(PROMPTS, texts, strict=True):
+            assert text.startswith(unsplit_greedy(model, prompt, 3).rstrip("\ufffd")), prompt
 
 
 def test_a_host_whose_rendezvous_goes_says_so_and_serves_on(tmp_path: Path, model: Path) -> None:

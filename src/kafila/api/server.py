@@ -378,10 +378,18 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
 
         loop = await submit(loop, job, sink)
         reply = _Reply(request_id, config.model_id, chat, time.monotonic(), metrics)
+
+        def cancel() -> None:
+            """On the loop it was submitted to, and on the one serving now, where a broken ring's
+            requests go on."""
+            loop.cancel(request_id)
+            if serving.loop is not None and serving.loop is not loop:
+                serving.loop.cancel(request_id)
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream(queue, reply, include_usage, lambda: loop.cancel(request_id)),
+                _stream(queue, reply, include_usage, cancel),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -393,7 +401,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             gone.cancel()
             if not collecting.done():  # the client hung up (or the server is stopping): stop making it
                 collecting.cancel()
-            loop.cancel(request_id)  # a no-op once finished; frees the slot if the client went away
+            cancel()  # a no-op once finished; frees the slot if the client went away
         if collecting.cancelled():
             return Response(status_code=499)  # nobody is left to read it
         text, finished = collecting.result()

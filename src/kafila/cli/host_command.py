@@ -144,6 +144,16 @@ def host(
             "block holds no stage and only serves.",
         ),
     ] = None,
+    resume_within: Annotated[
+        float,
+        typer.Option(
+            "--resume-within",
+            min=0,
+            max=3600,
+            help="Seconds requests in flight wait, paused, for a new ring when a member is lost, before "
+            "they end with an error.",
+        ),
+    ] = 60.0,
     rebalance: Annotated[
         bool,
         typer.Option(
@@ -201,6 +211,7 @@ def host(
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
+        resume_within_s=resume_within,
     )  # fmt: skip
     try:
         asyncio.run(_serve(config))

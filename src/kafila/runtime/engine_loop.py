@@ -15,12 +15,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kafila.contracts import StageReport
 from kafila.runtime.pipeline import Engine, EngineStep, Launched, SequenceFailed, StageFailed, StepResult
-from kafila.runtime.scheduler import Batcher, Event, Failed, Finished, Job, TextDelta
+from kafila.runtime.scheduler import Batcher, Event, Failed, Finished, Job, Suspended, TextDelta
 
 Sink = Callable[[Event], None]
 STATS_REFRESH_S = 2.0
@@ -81,6 +81,7 @@ class EngineLoop:
         self.stage_report: list[StageReport] = []
         self.error: str | None = None
         self._sinks: dict[str, Sink] = {}
+        self._suspended: list[tuple[Suspended, Sink]] = []  # what a broken ring left, for the next loop
         self._lock = threading.Condition()
         self._stopping = False
         self._report_at = 0.0
@@ -116,12 +117,15 @@ class EngineLoop:
         return self.batcher.running
 
     def stop(self, message: str = "the host is shutting down") -> None:
-        """End the loop; requests still in flight fail with `message`."""
+        """End the loop; requests still in flight, or left by its ring and not taken on, fail
+        with `message`."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        for suspended, sink in self.take_suspended():
+            fail_suspended(suspended, sink, message)
         with self._lock:
             self._dispatch(self.batcher.fail_all(message))
 
@@ -201,11 +205,33 @@ class EngineLoop:
         return self._refusals
 
     def _break(self, error: Exception) -> None:
-        """The engine failed as a whole: every request ends, and the loop takes no more work."""
+        """The engine failed as a whole: the loop takes no more work, and every request it held
+        waits, with its sink, for the next ring to take it on (`take_suspended`); one that cannot
+        go on elsewhere ends now."""
         message = f"the model ring failed: {error}"
         with self._lock:
             self.error = message
-            self._dispatch(self.batcher.fail_all(message))
+            kept, failed = self.batcher.suspend_all(message)
+            for suspended in kept:
+                sink = self._sinks.pop(suspended.job.request_id, None)
+                if sink is not None:
+                    self._suspended.append((suspended, sink))
+            self._dispatch(failed)
+
+    def take_suspended(self) -> list[tuple[Suspended, Sink]]:
+        """The requests this loop's broken ring left, each with where its events go: for the next
+        loop's `resume`. Those not taken end when this loop stops."""
+        with self._lock:
+            taken, self._suspended = self._suspended, []
+        return taken
+
+    def resume(self, requests: Sequence[tuple[Suspended, Sink]]) -> None:
+        """Take on requests a broken ring left, ahead of any submitted here: their streams go on."""
+        with self._lock:
+            for suspended, sink in reversed(requests):
+                self._sinks[suspended.job.request_id] = sink
+                self.batcher.resume(suspended)
+            self._lock.notify()
 
     def _count(self, steps_rows: int, elapsed: float, decoded: int) -> None:
         stats = self.stats
@@ -239,6 +265,16 @@ class EngineLoop:
                     sink(event)
                 except RuntimeError:  # the handler's event loop has closed: nobody is listening
                     pass
+
+
+def fail_suspended(suspended: Suspended, sink: Sink, message: str) -> None:
+    """End a request a broken ring left when no ring takes it on."""
+    if suspended.sampler is not None:
+        suspended.sampler.close()
+    try:
+        sink(Failed(suspended.job.request_id, message))
+    except RuntimeError:  # the handler's event loop has closed: nobody is listening
+        pass
 
 
 __all__ = ["EngineLoop", "EngineUnavailable", "Event", "Failed", "Finished", "Job", "TextDelta"]

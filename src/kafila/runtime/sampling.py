@@ -66,7 +66,10 @@ class SamplingSettings(BaseModel):
 
 
 class TokenSampler(Protocol):
-    """One request's sampler on the host: what the scheduler calls for each token."""
+    """One request's sampler on the host: what the scheduler calls for each token. `portable`:
+    whether its whole state is here, so that it can go on on another ring."""
+
+    portable: bool
 
     def accept(self, tokens: Iterable[int]) -> None: ...
     def sample(self, logits: npt.NDArray[np.float32]) -> int: ...
@@ -76,6 +79,8 @@ class TokenSampler(Protocol):
 class Sampler:
     """One sequence's sampler. Greedy is an argmax; otherwise llama.cpp's chain does the work:
     repeat penalty, top-k, top-p, temperature, then a seeded draw."""
+
+    portable = True
 
     def __init__(self, settings: SamplingSettings, n_vocab: int) -> None:
         self.settings = settings
@@ -168,6 +173,8 @@ class SamplerStart(BaseModel):
 class TokenChosenOnHead:
     """The host's side of a sequence that a head on a member samples: the row that comes back
     holds the chosen token alone (every other entry -inf), so taking it is an argmax."""
+
+    portable = False  # the sampler's state is on the member
 
     def accept(self, tokens: Iterable[int]) -> None:
         """The head's sampler has seen the prompt and every token it chose."""

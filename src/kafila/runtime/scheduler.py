@@ -34,6 +34,19 @@ from kafila.runtime.sampling import SamplerStart, SamplingSettings, TokenSampler
 from kafila.runtime.text import StopAwareText
 
 
+@dataclass
+class Suspended:
+    """A request whose ring broke under it, kept to go on where it stopped on the next ring: its
+    sampler, its text so far and the tokens it generated, as they were. With no sampler it had
+    sampled nothing yet, and starts again as it came."""
+
+    job: Job
+    sampler: TokenSampler | None = None
+    text: StopAwareText | None = None
+    generated: list[int] = field(default_factory=list)
+    cached: int = 0
+
+
 @dataclass(frozen=True)
 class Trim:
     """Cut slot `slot`'s cache on every stage to its first `keep` positions (0: drop it all)."""
@@ -87,25 +100,35 @@ class _Sequence:
     slot: int
     sampler: TokenSampler
     text: StopAwareText
-    fed: int = 0  # prompt tokens already in the KV cache
+    fed: int = 0  # rows of `prefill` already in the KV cache
     generated: list[int] = field(default_factory=list)
     in_flight: bool = False  # its rows are out in a wave that has not landed yet
     cached: int = 0  # prompt tokens an earlier request's cache held: prefill started after them
     held: int = 0  # rows landed in the cache: prompt tokens, then generated ones fed back
     trimmed: bool = True  # False until the engine has cut the slot's cache to `cached`
+    replayed: int = 0  # generated tokens prefilled again after the prompt: a request resumed on a new ring
+
+    @property
+    def prefill(self) -> list[int]:
+        """The rows prefilled before decoding: the prompt, and on a resumed request what it had generated."""
+        return self.job.prompt + self.generated[: self.replayed]
 
     @property
     def position(self) -> int:
-        """Where the next row goes: after the prompt rows fed and the generated tokens fed back."""
-        return self.fed + max(0, len(self.generated) - 1)
+        """Where the next row goes: after the rows prefilled and the generated tokens fed back since."""
+        return self.fed + max(0, len(self.generated) - self.replayed - 1)
 
     @property
     def prefilling(self) -> bool:
-        return self.fed < len(self.job.prompt)
+        return self.fed < len(self.job.prompt) + self.replayed
 
     def tokens_held(self) -> list[int]:
         """The tokens whose rows every stage holds for this sequence, in position order."""
         return (self.job.prompt + self.generated)[: self.held]
+
+
+def _job_of(waiting: Job | Suspended) -> Job:
+    return waiting.job if isinstance(waiting, Suspended) else waiting
 
 
 class Batcher:
@@ -124,7 +147,7 @@ class Batcher:
         self.concurrency, self.batch_rows, self.context = concurrency, batch_rows, context_per_sequence
         self._make_sampler, self._piece, self._is_end = make_sampler, piece, is_end
         self.prefix_cut = prefix_cut
-        self._queue: deque[Job] = deque()
+        self._queue: deque[Job | Suspended] = deque()
         self._active: dict[str, _Sequence] = {}
         self._free_slots = list(range(concurrency))  # least recently used first
         self._held: dict[int, list[int]] = {}  # free slot → the tokens its cache holds on every stage
@@ -142,9 +165,11 @@ class Batcher:
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request, queued or running; its slot is free again, with what its cache holds."""
-        for job in self._queue:
-            if job.request_id == request_id:
-                self._queue.remove(job)
+        for waiting in self._queue:
+            if _job_of(waiting).request_id == request_id:
+                self._queue.remove(waiting)
+                if isinstance(waiting, Suspended) and waiting.sampler is not None:
+                    waiting.sampler.close()
                 return True
         sequence = self._active.pop(request_id, None)
         if sequence is None:
@@ -155,7 +180,10 @@ class Batcher:
     def fail_all(self, message: str) -> list[Event]:
         """The engine broke: every running and queued request ends with `message`."""
         events: list[Event] = [Failed(s.job.request_id, message) for s in self._active.values()]
-        events += [Failed(job.request_id, message) for job in self._queue]
+        events += [Failed(_job_of(waiting).request_id, message) for waiting in self._queue]
+        for waiting in self._queue:
+            if isinstance(waiting, Suspended) and waiting.sampler is not None:
+                waiting.sampler.close()
         for sequence in list(self._active.values()):
             sequence.sampler.close()
         self._active.clear()
@@ -165,6 +193,37 @@ class Batcher:
         self._held.clear()  # the ring that held those caches is gone
         self._to_trim.clear()
         return events
+
+    def suspend_all(self, message: str) -> tuple[list[Suspended], list[Event]]:
+        """The ring broke: every request is kept to go on on the next ring (`resume`), in the order
+        they came, but one whose sampler ran on the lost ring (a head on a member sampling it),
+        which ends with `message` and the reason. The batcher is left empty, as `fail_all` leaves it."""
+        kept: list[Suspended] = []
+        events: list[Event] = []
+        for sequence in self._active.values():
+            if not sequence.generated:  # nothing drawn yet: it starts again as it came
+                sequence.sampler.close()
+                kept.append(Suspended(sequence.job))
+            elif sequence.sampler.portable:
+                job, sampler, text = sequence.job, sequence.sampler, sequence.text
+                kept.append(Suspended(job, sampler, text, sequence.generated, sequence.cached))
+            else:
+                sequence.sampler.close()
+                why = "its sampler ran on the member that holds the head, whose state is gone with the ring"
+                events.append(Failed(sequence.job.request_id, f"{message}; {why}"))
+        kept += [w if isinstance(w, Suspended) else Suspended(w) for w in self._queue]
+        self._active.clear()
+        self._queue.clear()
+        self._waves.clear()
+        self._free_slots = list(range(self.concurrency))
+        self._held.clear()
+        self._to_trim.clear()
+        return kept, events
+
+    def resume(self, suspended: Suspended) -> None:
+        """Take a request another ring lost back, ahead of those that came later: it prefills its
+        prompt and what it had generated, then samples on with its own sampler."""
+        self._queue.appendleft(suspended)
 
     @property
     def queued(self) -> int:
@@ -219,21 +278,31 @@ class Batcher:
         ]
         return max(worth, key=lambda pair: pair[0])[1] if worth else self._free_slots[0]
 
-    def _admit(self, job: Job) -> None:
-        """Start `job` in the slot `_slot_for` picks, once the engine has cut that slot's cache
-        after what it keeps."""
-        slot = self._slot_for(job.prompt)
+    def _admit(self, waiting: Job | Suspended) -> None:
+        """Start a request in the slot `_slot_for` picks, once the engine has cut that slot's
+        cache after what it keeps; a resumed one with its own sampler and text."""
+        job = _job_of(waiting)
+        resumed = waiting if isinstance(waiting, Suspended) and waiting.sampler is not None else None
+        rows = job.prompt + (resumed.generated if resumed else [])
+        slot = self._slot_for(rows)
         self._free_slots.remove(slot)
         held = self._held.pop(slot, None)  # None: a slot that never held anything needs no cut
-        keep = 0 if held is None else self._reusable(held, job.prompt)
+        keep = 0 if held is None else self._reusable(held, rows)
         if held is not None:
             self._to_trim.append(Trim(slot, keep))
-        sampler = self._make_sampler(job.sampling)
-        sampler.accept(job.prompt)
-        text = StopAwareText(job.stop)
-        self._active[job.request_id] = _Sequence(
-            job, slot, sampler, text, fed=keep, cached=keep, held=keep, trimmed=held is None
-        )
+        if resumed is not None and resumed.text is not None:
+            assert resumed.sampler is not None
+            sequence = _Sequence(
+                job, slot, resumed.sampler, resumed.text, fed=keep, generated=resumed.generated,
+                cached=resumed.cached, held=keep, trimmed=held is None, replayed=len(resumed.generated),
+            )  # fmt: skip
+        else:
+            sampler = self._make_sampler(job.sampling)
+            sampler.accept(job.prompt)
+            sequence = _Sequence(
+                job, slot, sampler, StopAwareText(job.stop), fed=keep, cached=keep, held=keep, trimmed=held is None
+            )
+        self._active[job.request_id] = sequence
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -265,11 +334,13 @@ class Batcher:
                 budget -= 1
         for sequence in ready:
             if sequence.prefilling and budget > 0:
-                chunk = sequence.job.prompt[sequence.fed : sequence.fed + budget]
-                ends = sequence.fed + len(chunk) == len(sequence.job.prompt)
+                prefill = sequence.prefill
+                chunk = prefill[sequence.fed : sequence.fed + budget]
+                ends = sequence.fed + len(chunk) == len(prefill)
                 sampling = sequence.job.sampling
                 start = None  # a head on a member samples a request that needs the whole row itself
-                if sequence.fed == sequence.cached and sampling.needs_whole_row:
+                # (but a resumed one, whose sampler this host keeps, takes the whole row instead)
+                if sequence.fed == sequence.cached and sampling.needs_whole_row and not sequence.replayed:
                     start = SamplerStart(settings=sampling, prompt=list(sequence.job.prompt))
                 top = sampling.top_logits
                 step = EngineStep(sequence.slot, sequence.fed, chunk, False, logits=ends, top=top, sampler=start)

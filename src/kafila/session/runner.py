@@ -29,11 +29,12 @@ from kafila.planner import PlanRefused
 from kafila.planner.fleet import FleetDevice
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
-from kafila.runtime.engine_loop import EngineLoop
+from kafila.runtime.engine_loop import EngineLoop, Sink, fail_suspended
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.local_plan import admit_alone, cache_dir, hash_model, this_device
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import open_engine
+from kafila.runtime.scheduler import Suspended
 from kafila.session.availability import Availability
 from kafila.session.core import (
     AbandonRing,
@@ -138,6 +139,7 @@ class HostConfig:
     rebalance: bool = True  # divide the blocks again when the stages' measured times clearly call for it
     allowed_hosts: tuple[str, ...] = ()  # host names the API answers to besides addresses and localhost
     open_token: str | None = None  # what an external rendezvous asks of hosts that open a session
+    resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next one
 
     @property
     def settings(self) -> ContextSettings:
@@ -172,6 +174,8 @@ class HostRunner:
         self._rendezvous_at: tuple[str, int] = ("", 0)  # where this host and its members reach the rendezvous
         self._advertised = ""  # the same, as the join line gives it
         self._device: FleetDevice | None = None  # this machine, as measured for the planner
+        self._held: list[tuple[Suspended, Sink]] = []  # requests a broken ring left, for the next ring
+        self._held_since = 0.0
 
     @property
     def going_on(self) -> bool:
@@ -194,6 +198,8 @@ class HostRunner:
             if self.stopping:  # members leave when the session ends: that is not a failure
                 return
             await self._drive([Observed(session_view(self.network, self.engine_loop, self.serving.ready))])
+            if self._held and time.monotonic() - self._held_since > self.config.resume_within_s:
+                self._fail_held(f"the ring broke, and no new ring served within {self.config.resume_within_s:g} s")
 
     async def _carry_out(self, command: Command) -> list[Event]:
         """Do what the core decided; the events it answers with, if any."""
@@ -291,8 +297,24 @@ class HostRunner:
             engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
         )
         loop.start()
+        if self._held:  # what the broken ring left goes on here, ahead of new requests
+            held, self._held = self._held, []
+            loop.resume(held)
+            self.ui.say(f"{len(held)} request{'s' if len(held) != 1 else ''} the broken ring left go on on this one")
         self.engine_loop = loop
         self.serving.become_ready(engine, loop, self.manifest.architecture)
+
+    def _hold(self, loop: EngineLoop) -> None:
+        """Keep what a broken ring left for the next ring (`resume_within_s` at the most)."""
+        left = loop.take_suspended()
+        if left and not self._held:
+            self._held_since = time.monotonic()
+        self._held += left
+
+    def _fail_held(self, message: str) -> None:
+        held, self._held = self._held, []
+        for suspended, sink in held:
+            fail_suspended(suspended, sink, message)
 
     async def _retire(self, reason: str, learn: bool = False) -> None:
         """Stop the engine loop and close the engine. The ring is abandoned first: its engine thread
@@ -304,6 +326,8 @@ class HostRunner:
             repriced = self.network.learn_from_serving(loop.stage_report)  # for the replan that follows
             if repriced:
                 self.ui.say(f"the next plan prices {', '.join(repriced)} by what their stages measured serving")
+        if loop is not None and not self.stopping:
+            self._hold(loop)
         if loop is not None:  # also when /v1 already turns requests away: its thread must end
             await asyncio.to_thread(loop.stop, reason)
         engine, self.engine = self.engine, None
@@ -462,15 +486,18 @@ class HostRunner:
             self.incident(what, detail)
 
     def fail(self, message: str) -> None:
-        """The session cannot serve: /v1 says why from now on, and so does the host's terminal."""
+        """The session cannot serve: /v1 says why from now on, and so does the host's terminal,
+        and requests a broken ring left end with it."""
         self.serving.become_unready([], failure=message)
         self.ui.error(message)
+        self._fail_held(message)
 
     async def stop(self, reason: str) -> None:
         self.stopping = True
         if self._hashing is not None:
             self._hashing.cancel()
         await self._retire(reason)
+        self._fail_held(reason)
         if self.network is not None:
             await self.network.end(reason)
         await self.demo.stop()
