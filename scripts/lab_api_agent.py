@@ -10,7 +10,7 @@ run in another. This agent runs in the host's namespace (`NatLab.run`) with the 
         → every prompt at once, each in its own thread: [{"text", "finish", "ttft_s", "seconds", "tokens"}]
     {"op": "start", "id": "a", "messages": [...], "max_tokens": 200}  → a stream in the background
     {"op": "progress", "id": "a"}  → {"chunks", "done"}
-    {"op": "result", "id": "a", "timeout": 60}  → {"text", "error", "error_at", "chunks"}
+    {"op": "result", "id": "a", "timeout": 60}  → {"text", "error", "error_at", "chunks", "longest_gap_s"}
 
 Times are `time.time()`, comparable with the caller's clock (one machine, many namespaces).
 """
@@ -39,6 +39,7 @@ class _Stream:
     def __init__(self, api: Api, messages: list[dict[str, str]], max_tokens: int) -> None:
         self.chunks = 0
         self.text = ""
+        self.longest_gap_s = 0.0  # between two chunks: what a member's loss costs a stream that goes on
         self.error: str | None = None
         self.error_at: float | None = None
         self.done = threading.Event()
@@ -50,8 +51,13 @@ class _Stream:
             stream = api.client.chat.completions.create(
                 model=api.model, messages=cast(Any, messages), max_tokens=max_tokens, temperature=0, stream=True
             )
+            last = None
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
+                    now = time.monotonic()
+                    if last is not None:
+                        self.longest_gap_s = max(self.longest_gap_s, now - last)
+                    last = now
                     self.text += chunk.choices[0].delta.content
                     self.chunks += 1
         except Exception as error:
@@ -122,6 +128,7 @@ def handle(api: Api, streams: dict[str, _Stream], request: dict[str, Any]) -> An
         stream = streams[request["id"]]
         stream.done.wait(request.get("timeout", 120))
         return {"text": stream.text, "error": stream.error, "error_at": stream.error_at, "chunks": stream.chunks,
+                "longest_gap_s": stream.longest_gap_s,
                 "done": stream.done.is_set()}  # fmt: skip
     raise ValueError(f"unknown op {op!r}")
 

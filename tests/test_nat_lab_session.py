@@ -8,6 +8,7 @@ Module scope: one session serves every test here, in order; the faults come last
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,9 +116,12 @@ def test_two_percent_loss_on_a_homes_link_leaves_the_output_correct(
     assert ring_of(set(HOMES))(session.status())  # nothing was replanned for it
 
 
-def test_the_relayed_member_killed_mid_stream_fails_it_at_once_then_the_ring_replans_and_takes_it_back(
+def test_the_relayed_member_killed_mid_stream_pauses_it_until_the_ring_replans_and_then_takes_it_back(
     session: LabSession, reference: str, gemma_path: Path
 ) -> None:
+    """The relayed laptop dies under a stream: the stream pauses while the host replans with the
+    others, then goes on to its end on that ring; the laptop, back with the same code, is taken
+    back in."""
     api = session.api
     assert api is not None
     epoch = session.status()["epoch"]
@@ -127,10 +131,11 @@ def test_the_relayed_member_killed_mid_stream_fails_it_at_once_then_the_ring_rep
         assert time.monotonic() < deadline, "the stream never began"
         time.sleep(0.1)
     session.members[RELAYED].kill()
-    killed = time.time()
-    ended = api("result", id="long", timeout=60)
-    assert ended["error"] is not None and ended["error_at"] - killed < 5.0, ended
     replanned = session.until(ring_of({HOST, DIRECT}, epoch), "a replan without the killed member")
+    ended = api("result", id="long", timeout=120)
+    assert ended["error"] is None and ended["chunks"] > 2, ended  # it went on past the loss
+    assert ended["longest_gap_s"] < 60, ended  # the pause: the loss found, the replan, the replay
+    print(f"a stream's pause over the relayed member's loss: {ended['longest_gap_s']:.1f} s", file=sys.stderr)
     serves_correctly(session, reference, gemma_path)
 
     session.join(RELAYED)  # the laptop comes back with the same code: no one at the host does anything
