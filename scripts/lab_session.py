@@ -123,7 +123,7 @@ def lab_session(model: Path, tmp: Path, wan: WanLink, session_idle_s: float = 36
             lab.homes[HOST],
             [sys.executable, "-m", "kafila", "host", "--model", str(model), "--members", "3", "--rendezvous",
              RENDEZVOUS, "--port", str(API_PORT), "--context", "1024", "--concurrency", "4", "--threads", "1",
-             "--name", HOST],
+             "--resume-within", "300", "--name", HOST],
             stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "KAFILA_CACHE": str(tmp / "cache-host"), "COLUMNS": "200"},
         )  # fmt: skip
