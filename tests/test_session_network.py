@@ -999,9 +999,9 @@ def test_a_member_killed_mid_stream_pauses_the_stream_and_it_ends_as_an_unbroken
 ) -> None:
     """A greedy stream on a ring of three: a member dies after the first chunks. The stream pauses
     while the host replans around it, then goes on where it stopped on the new ring, ending in
-    the text an unbroken run gives. On that ring, a seeded request not streamed loses the last
-    member: the host, serving alone now, answers it whole (no 503 to retry) with what its seed
-    gives unbroken."""
+    the text an unbroken run gives. On that ring, a seeded stream loses the last member after its
+    first chunks: the host, serving alone now, goes on with the same sampler, to the text its
+    seed gives unbroken."""
     with session(tmp_path, model, 3) as (host, joiners):
         wait_ready(host)
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -1017,25 +1017,14 @@ def test_a_member_killed_mid_stream_pauses_the_stream_and_it_ends_as_an_unbroken
         assert said(host, "the broken ring left go on on this one"), host.output()
 
         until_status(host, lambda status: status["ready"] and len(blocks_held(status)) == 2, "serving on two")
-        seeded = SamplingSettings(temperature=0.8, top_p=1.0, top_k=0, seed=7)
-        answered: list[int] = []
-        seen = openai.DefaultHttpxClient(event_hooks={"response": [lambda r: answered.append(r.status_code)]})
-        retrying = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", timeout=120, http_client=seen)
+        seeded = {"temperature": 0.8, "seed": 7, "max_tokens": 120}
+        stream = iter(client.completions.create(model="tiny", prompt=PROMPT, stream=True, **seeded))
+        text = "".join(next(stream).choices[0].text for _ in range(3))
         last.send_signal(signal.SIGSTOP)
-        outcome: dict[str, Any] = {}
-        asking = threading.Thread(
-            target=lambda: outcome.update(
-                text=retrying.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.8, seed=7)
-                .choices[0]
-                .text
-            )
-        )
-        asking.start()
-        until_status(host, lambda status: status["running"] == 1, "the seeded request taken")
         last.kill()
-        asking.join(timeout=120)
-        assert outcome.get("text") == unsplit_text(model, PROMPT, 16, seeded), outcome
-        assert answered == [200], answered
+        text += "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        settings = SamplingSettings(temperature=0.8, top_p=1.0, top_k=0, seed=7)
+        assert text == unsplit_text(model, PROMPT, 120, settings)
         assert said(host, "serving on this machine alone"), host.output()
 
 
@@ -1045,8 +1034,9 @@ def blocks_held(status: dict[str, Any]) -> dict[str, list[int]]:
 
 
 def test_four_streams_all_go_on_through_a_lost_member(tmp_path: Path, model: Path) -> None:
-    """Four streams on a ring of two lose the member after their first chunks: each pauses, then
-    finishes on this machine alone, every token asked for, each its own prompt's continuation."""
+    """Four streams on a ring of two, and a fifth request not streamed queued behind them, lose the
+    member after the streams' first chunks: each pauses, then finishes on this machine alone, every
+    token asked for, each its own prompt's continuation, and the fifth is answered whole."""
     with session(tmp_path, model, 2) as (host, joiners):
         wait_ready(host)
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -1062,7 +1052,20 @@ def test_four_streams_all_go_on_through_a_lost_member(tmp_path: Path, model: Pat
         streams = [start(prompt) for prompt in PROMPTS]
         texts = [next(stream).choices[0].text for stream in streams]
         (member,) = joiners
-        member.send_signal(signal.SIGSTOP)
+        member.send_signal(signal.SIGSTOP)  # the ring stops with all four mid-answer
+        answered: list[int] = []
+        seen = openai.DefaultHttpxClient(event_hooks={"response": [lambda r: answered.append(r.status_code)]})
+        retrying = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", timeout=120, http_client=seen)
+        whole: dict[str, str] = {}
+        asking = threading.Thread(
+            target=lambda: whole.update(
+                text=retrying.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+                .choices[0]
+                .text
+            )
+        )
+        asking.start()  # queued behind the four: it waits with them
+        until_status(host, lambda status: status["running"] + status["queue_depth"] == 5, "five requests taken")
         member.kill()
         for i, stream in enumerate(streams):
             chunks = list(stream)
@@ -1070,6 +1073,9 @@ def test_four_streams_all_go_on_through_a_lost_member(tmp_path: Path, model: Pat
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40, chunks[-1]
         for prompt, text in zip(PROMPTS, texts, strict=True):
             assert text.startswith(unsplit_greedy(model, prompt, 3).rstrip("\ufffd")), prompt
+        asking.join(timeout=120)
+        assert answered == [200], answered  # answered whole, not a 503 to retry
+        assert whole["text"].startswith(unsplit_greedy(model, PROMPT, 3).rstrip("\ufffd")), whole
 
 
 def test_a_host_whose_rendezvous_goes_says_so_and_serves_on(tmp_path: Path, model: Path) -> None:
