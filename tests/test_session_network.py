@@ -26,6 +26,7 @@ from urllib.request import urlopen
 import openai
 import pytest
 from host_process import (
+    READY_TIMEOUT_S,
     Host,
     running_host,
     said,
@@ -60,8 +61,10 @@ def session(
     outputs: list[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> Iterator[tuple[Host, list[subprocess.Popen[str]]]]:
-    """A host and its joiners; after the host has stopped, the joiners' outputs land in `outputs`."""
+    """A host and its joiners; after the host has stopped, the joiners' outputs land in `outputs`,
+    and on a failure in the test's stderr, beside the host's in the assertion."""
     joiners: list[subprocess.Popen[str]] = []
+    failed = False
     try:
         args = ("--model", model, "--members", str(members), *COMMON, *extra)
         with running_host(*args, ready=False, env=env) as host:
@@ -71,11 +74,16 @@ def session(
                 for i in range(members - 1)
             ]
             yield host, joiners
+    except BaseException:
+        failed = True
+        raise
     finally:
         for joiner in joiners:
             text = stop(joiner)
             if outputs is not None:
                 outputs.append(text)
+            if failed:
+                print(f"--- {' '.join(map(str, joiner.args[3:]))} said:\n{text}", file=sys.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -765,7 +773,7 @@ PATIENT = {"KAFILA_NEWCOMER_PATIENCE_S": "1"}  # newcomers wait 1 s for a moment
 
 def lose_a_member(host: Host, joiners: list[subprocess.Popen[str]]) -> openai.OpenAI:
     """Kill the second member; once the host serves again with the rest, a client for it."""
-    epoch = until_status(host, serving_past(0), "serving")["epoch"]
+    epoch = until_status(host, serving_past(0), "serving", READY_TIMEOUT_S)["epoch"]  # forming, as wait_ready allows
     joiners[1].kill()
     until_status(host, serving_past(epoch), "a replan without the member killed")
     return openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
