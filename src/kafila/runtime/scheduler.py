@@ -12,10 +12,12 @@ at a time (its next row needs its last token), and waves land in the order they 
 
 A slot keeps its cache when its request ends, and the host keeps, per slot, the tokens whose
 KV every stage holds there. A new request takes the free slot whose tokens share the longest
-prefix with its prompt (the least recently used one among equals: a cache nobody reuses is the
-one evicted), the engine cuts that slot's cache after the common prefix, and prefill starts
-there: a chat's next turn or an agent's repeated system prompt is computed once. Where a
-family's cache cannot be cut anywhere (`PrefixCut`), less or nothing is reused.
+prefix with its prompt, where that keeps at least as much of the cache as it throws away, else
+the least recently used slot (a cache nobody comes back to is the one evicted); the engine cuts
+that slot's cache after the common prefix, and prefill starts there: a chat's next turn or an
+agent's repeated system prompt is computed once. Where a family's cache cannot be cut anywhere
+(`PrefixCut`), less or nothing is reused. When a ring breaks, the requests it held are kept
+(`suspend_all`) for the next ring to take on where they stopped (`resume`).
 
 Pure: the engine and the samplers are passed in as callables, and nothing here blocks, so the
 whole policy is testable without a model.
@@ -270,13 +272,13 @@ class Batcher:
         much of that cache as it throws away (a chat's next turn, a shared system prompt); else
         the least recently used one, so that a prompt sharing little (only its BOS, say) does not
         evict a cache another request will come back to."""
-        worth = [
-            (reused, slot)
-            for slot in self._free_slots
-            if 2 * (reused := self._reusable(self._held.get(slot) or [], prompt)) >= len(self._held.get(slot) or [])
-            and reused > 0
-        ]
-        return max(worth, key=lambda pair: pair[0])[1] if worth else self._free_slots[0]
+        best, best_reused = self._free_slots[0], 0
+        for slot in self._free_slots:
+            held = self._held.get(slot) or []
+            reused = self._reusable(held, prompt)
+            if reused > best_reused and 2 * reused >= len(held):
+                best, best_reused = slot, reused
+        return best
 
     def _admit(self, waiting: Job | Suspended) -> None:
         """Start a request in the slot `_slot_for` picks, once the engine has cut that slot's
