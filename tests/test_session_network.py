@@ -115,11 +115,8 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == ["tiny"]
         serves_like_one_process(client, model)
-        for round_ in range(3):  # streams ending while the idle engine refreshes its stage report
-            # new prompts each round: a reused cache's first token comes from another kernel's row,
-            # which can break a near-tie of this random model (docs/architecture.md, "Exactness")
-            prompts = tuple(f"{prompt}{' and' * round_}" for prompt in PROMPTS)
-            check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(model, prompt, n), prompts)
+        for _round in range(3):  # streams ending while the idle engine refreshes its stage report
+            check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(model, prompt, n))
             time.sleep(2.1)
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
