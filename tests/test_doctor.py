@@ -41,8 +41,8 @@ def test_a_healthy_machine_passes_every_check() -> None:
         ({"rtt_ms": 240.0}, "round trip", "warn", "fewer tokens a second"),
         ({"nat_class": NatClass.RESTRICTIVE}, "NAT", "warn", "relay"),
         ({"nat_class": None, "nat_notes": ("one address",)}, "NAT", "warn", "unknown"),
-        ({"gpu_present": "NVIDIA"}, "llama.cpp", "warn", "CMAKE_ARGS='-DGGML_CUDA=on'"),
-        ({"gpu_present": "Apple"}, "llama.cpp", "warn", "CMAKE_ARGS='-DGGML_METAL=on'"),
+        ({"gpu_present": "NVIDIA"}, "llama.cpp", "warn", 'CMAKE_ARGS="-DGGML_CUDA=on"'),
+        ({"gpu_present": "Apple"}, "llama.cpp", "warn", 'CMAKE_ARGS="-DGGML_METAL=on"'),
         ({"llama_error": "llama.cpp does not load"}, "llama.cpp", "fail", "reinstall"),
         ({"model_error": "Kafila cannot split 'mamba' models"}, "model", "fail", "README"),
         ({"free_memory": None}, "memory", "warn", "--memory"),
@@ -128,7 +128,7 @@ def test_a_gpu_that_llama_cpp_was_not_built_for_is_named_with_the_rebuild(tmp_pa
         assert check.status == "ok", check
         return
     assert check.status == "warn" and "NVIDIA GPU sits idle" in check.detail, check
-    assert check.advice.startswith("CMAKE_ARGS='-DGGML_CUDA=on' pip install"), check
+    assert check.advice.startswith('CMAKE_ARGS="-DGGML_CUDA=on" pip install'), check
     joined = subprocess.run(
         [sys.executable, "-m", "kafila", "join", "7-crimson-harbor-lemon-tiger-orbit-cactus", "--rendezvous",
          "127.0.0.1:9"], capture_output=True, text=True, timeout=120, check=False, env=env,

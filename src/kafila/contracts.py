@@ -103,6 +103,62 @@ class StageReport(Strict):
 
 
 # ---------------------------------------------------------------------------------------------
+# llama.cpp's backends: the devices its build sees, and which of them serve a machine's stages.
+# ---------------------------------------------------------------------------------------------
+
+DeviceKind = Literal["cpu", "gpu", "igpu", "accel"]  # ggml_backend_dev_type, in its order
+MAX_BACKEND_DEVICES = 16
+MAX_REPORTED_FEATURES = 64
+# Names and descriptions come from other machines too (a member's hello): bounded, one line each.
+DeviceName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$")]
+DeviceText = Annotated[str, Field(max_length=160, pattern=r"^[^\x00-\x1f\x7f]*$")]
+FeatureName = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
+class BackendDevice(Strict):
+    """One ggml backend device as llama.cpp's build sees it: "CPU", "CUDA0", "Metal", "Vulkan0"."""
+
+    name: DeviceName
+    description: DeviceText  # "NVIDIA GeForce RTX 4090", "Apple M2 Pro", the CPU's model
+    kind: DeviceKind
+    free_bytes: Annotated[int, Field(ge=0)]
+    total_bytes: Annotated[int, Field(ge=0)]
+
+
+class BackendReport(Strict):
+    """Which of llama.cpp's devices serve a machine's stages (`serving`: its GPUs where the build
+    offloads and has one, else the CPU), every device it sees, and the CPU's features as llama.cpp
+    reports them; `idle_gpu` names a GPU the machine has that this build leaves unused."""
+
+    serving: Annotated[list[DeviceName], Field(min_length=1, max_length=MAX_BACKEND_DEVICES)]
+    gpu_offload: bool
+    devices: Annotated[list[BackendDevice], Field(max_length=MAX_BACKEND_DEVICES)] = Field(default_factory=list)
+    cpu_features: Annotated[list[FeatureName], Field(max_length=MAX_REPORTED_FEATURES)] = Field(default_factory=list)
+    idle_gpu: DeviceName | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return any(device.kind in ("gpu", "igpu") for device in self.devices if device.name in self.serving)
+
+    def summary(self) -> str:
+        """One line: the serving devices with what they are and their free memory, or the CPU with
+        its features."""
+        by_name = {device.name: device for device in self.devices}
+        parts = []
+        for name in self.serving:
+            device = by_name.get(name)
+            if device is None:
+                parts.append(name)
+            elif device.kind == "cpu":
+                what = f"{device.description}; " if device.description else ""
+                parts.append(f"{name} ({what}{', '.join(self.cpu_features) or 'no features reported'})")
+            else:
+                free = f"{device.free_bytes / 2**30:.1f} of {device.total_bytes / 2**30:.1f} GiB free"
+                parts.append(f"{name} ({device.description}, {free})" if device.description else f"{name} ({free})")
+        return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
 # The host's status: what `/status` says, and `kafila status` and `/metrics` read.
 # ---------------------------------------------------------------------------------------------
 
@@ -125,6 +181,7 @@ class MemberStatus(Strict):
     predicted_ms_per_token: float | None = None
     priced_on: str | None = None  # where its stage's price came from
     stages: list[int] | None = None  # one machine split into local stages: their block counts
+    backend: BackendReport | None = None  # llama.cpp's devices there, as it said when it joined
 
 
 class EdgeStatus(Strict):

@@ -19,12 +19,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kafila.cli.backend_view import shout_idle_gpu
 from kafila.cli.errors import fail
 from kafila.cli.network_commands import parse_host_port
 from kafila.contracts import NatClass
 from kafila.network.rendezvous_server import DEFAULT_HTTP_PORT
+from kafila.runtime.backends import backend_report
 from kafila.runtime.families import UnsupportedFamily
-from kafila.runtime.llama_backend import LlamaUnavailable, gpu_present, load_llama, rebuild_for_gpu, system_info
+from kafila.runtime.llama_backend import (
+    IdleGpu,
+    LlamaUnavailable,
+    gpu_present,
+    load_llama,
+    rebuild_for_gpu,
+    system_info,
+)
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.probe import available_memory
 from kafila.runtime.slicer import SliceError, check_family
@@ -58,6 +67,7 @@ class Findings:
     backends: tuple[str, ...] = ()  # as llama.cpp's system info names them: CPU, CUDA, Metal, ...
     gpu_offload: bool = False  # the build can put layers on a GPU
     gpu_present: str | None = None  # a GPU this machine has: "NVIDIA" (nvidia-smi), "Apple" (Apple silicon)
+    serving: str | None = None  # which devices serve stages, as `BackendReport.summary` says it
     free_memory: int | None = None  # bytes a stage may fill
     model: str | None = None
     model_unreadable: str | None = None  # no GGUF file there
@@ -125,6 +135,8 @@ def _llama(found: Findings) -> Check:
     if found.llama_error is not None:
         return Check("llama.cpp", "fail", found.llama_error, "reinstall kafila: pip install --force-reinstall kafila")
     build = f"llama-cpp-python {found.llama_version}, backends: {', '.join(found.backends) or 'CPU'}"
+    if found.serving is not None:
+        build += f"; serving on {found.serving}"
     if found.gpu_present is not None and not found.gpu_offload:
         how = rebuild_for_gpu(found.gpu_present, found.llama_version)
         return Check("llama.cpp", "warn", f"{build}: this machine's {found.gpu_present} GPU sits idle", how)
@@ -203,6 +215,10 @@ def _measure_llama() -> dict[str, object]:
         "gpu_present": gpu_present(),
     }
     try:
+        found["serving"] = backend_report().summary()
+    except LlamaUnavailable:  # ggml's device calls are not where they should be: the build is still named
+        pass
+    try:
         found["free_memory"] = available_memory(llama_cpp, gpu_offload)[0]
     except Exception:  # judged as "cannot tell"
         pass
@@ -237,7 +253,8 @@ def doctor(
         address = parse_host_port(rendezvous.strip(), DEFAULT_HTTP_PORT) if rendezvous is not None else None
     except ValueError as error:
         fail(f"bad --rendezvous: {error}", as_json)
-    checks = judge(gather(address, model))
+    found = gather(address, model)
+    checks = judge(found)
     failed = any(check.status == "fail" for check in checks)
     if as_json:
         print(json.dumps({"checks": [asdict(check) for check in checks], "ok": not failed}))
@@ -247,6 +264,9 @@ def doctor(
             table.add_column(column)
         for check in checks:
             table.add_row(check.name, MARK[check.status], check.detail, check.advice)
-        Console().print(table)
+        console = Console()
+        console.print(table)
+        if found.gpu_present is not None and found.llama_error is None and not found.gpu_offload:
+            shout_idle_gpu(IdleGpu(found.gpu_present, rebuild_for_gpu(found.gpu_present, found.llama_version)), console)
     if failed:
         raise typer.Exit(1)

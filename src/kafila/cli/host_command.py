@@ -20,8 +20,9 @@ import typer
 import uvicorn
 
 from kafila.api.server import ApiConfig, create_app
+from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
-from kafila.cli.errors import fail, stderr, warn
+from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
@@ -29,7 +30,7 @@ from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
-from kafila.runtime.llama_backend import LlamaUnavailable, idle_gpu_advice, load_llama, shares_cores_env
+from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
 from kafila.runtime.local_plan import admit_alone, this_device
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.slicer import check_family
@@ -173,9 +174,7 @@ def host(
         load_llama(shared_machine=shared, bind_teams=local_members)
     except LlamaUnavailable as error:
         fail(str(error), False)
-    idle = idle_gpu_advice()
-    if idle is not None:
-        warn(idle)
+    say_backend()
     if shared:
         os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
     path = model or default_model()

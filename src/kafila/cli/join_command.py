@@ -12,13 +12,14 @@ from typing import Annotated
 
 import typer
 
+from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
-from kafila.cli.errors import fail, stderr, warn
+from kafila.cli.errors import fail, stderr
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
 from kafila.network.session_codes import CodeFormatError, split_code
-from kafila.runtime.llama_backend import LlamaUnavailable, idle_gpu_advice, load_llama
+from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
 from kafila.runtime.stage_cache import check_stage_cache_setting
 from kafila.session.member_runner import MemberConfig, run_member
 
@@ -60,9 +61,8 @@ def join(
         load_llama()
     except LlamaUnavailable as error:
         fail(str(error), False)
-    idle = idle_gpu_advice()
-    if idle is not None:
-        warn(idle)
+    member = name or f"{socket.gethostname()}"[:64]
+    say_backend(member)
     try:
         channel, _ = split_code(code)
     except CodeFormatError as error:
@@ -89,7 +89,6 @@ def join(
         except ValueError as error:
             fail(str(error), False)
 
-    member = name or f"{socket.gethostname()}"[:64]
     config = MemberConfig(code, address, member, threads or max(1, os.cpu_count() or 1), model, lent)
     try:
         reason = run_member(config, MemberConsole(member))

@@ -11,12 +11,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kafila.cli.errors import fail
+from kafila.cli.backend_view import shout_idle_gpu
+from kafila.cli.errors import fail, stderr
 from kafila.planner.fleet import FleetDevice, ModelPricing
-from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
+from kafila.runtime.llama_backend import IdleGpu, LlamaUnavailable, load_llama, rebuild_for_gpu
 from kafila.runtime.local_plan import model_sha256, save_model_pricing
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.model_probe import ModelStageProbe, model_pricing, probe_model_stages
@@ -83,6 +85,8 @@ def _render(result: DeviceProbe, entry: FleetDevice, console: Console) -> None:
         "arithmetic throughput", f"{result.tflops:.3f} TFLOPS", f"{result.prefill.tokens}-token prompt batch"
     )
     summary.add_row("available memory", f"{result.memory_gib:.2f} GiB", result.memory_source)
+    if result.devices is not None:
+        summary.add_row("serving on", escape(result.devices.summary()), "the devices llama.cpp's ggml sees")
     summary.add_row("CPU features", ", ".join(result.cpu_features) or "none reported", "as llama.cpp reports them")
     summary.add_row("weights", "repacked" if result.repack.repack else "not repacked", result.repack.reason)
     console.print(summary)
@@ -156,6 +160,9 @@ def probe(
         except OSError as error:  # the numbers are still worth printing
             Console(stderr=True).print(f"[yellow]warning:[/yellow] cannot keep this pricing for sessions: {error}")
     entry = result.fleet_device().priced(pricing)
+    vendor = result.devices.idle_gpu if result.devices is not None else None
+    if vendor is not None:  # on stderr in either mode: where it is seen, and stdout stays the result's
+        shout_idle_gpu(IdleGpu(vendor, rebuild_for_gpu(vendor, result.llama_cpp_version)), stderr)
     if as_json:
         # The fleet entry a person pastes into a fleet file, then how it was measured.
         details = result.model_dump(exclude={"name", "bandwidth_gb_s", "overhead_us", "tflops", "memory_gib"})

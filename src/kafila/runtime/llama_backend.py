@@ -168,23 +168,39 @@ def gpu_present() -> str | None:
     return None
 
 
-def rebuild_for_gpu(vendor: str, llama_version: str) -> str:
-    """How to rebuild llama-cpp-python for this machine's GPU (pure)."""
-    backend = "CUDA" if vendor == "NVIDIA" else "METAL"
-    return (
-        f"CMAKE_ARGS='-DGGML_{backend}=on' pip install --force-reinstall --no-cache-dir "
-        f"llama-cpp-python=={llama_version}"
-    )
+GPU_BUILDS = {"NVIDIA": "CUDA", "Apple": "METAL", "Vulkan": "VULKAN"}  # a GPU's vendor: its ggml build option
 
 
-def idle_gpu_advice() -> str | None:
+def rebuild_for_gpu(vendor: str, llama_version: str, system: str | None = None) -> str:
+    """The command that rebuilds llama-cpp-python for this machine's GPU, as llama-cpp-python
+    documents it: CMAKE_ARGS with the ggml backend switched on, in the shell of `system`
+    (PowerShell on Windows). Pure."""
+    option = f"-DGGML_{GPU_BUILDS.get(vendor, 'VULKAN')}=on"
+    install = f"-m pip install --force-reinstall --no-cache-dir llama-cpp-python=={llama_version}"
+    if (system or platform.system()) == "Windows":
+        return f'$env:CMAKE_ARGS="{option}"; python {install}'
+    return f'CMAKE_ARGS="{option}" python3 {install}'
+
+
+@dataclass(frozen=True)
+class IdleGpu:
+    """A GPU this machine has that llama.cpp was built without, and the command that fixes it."""
+
+    vendor: str
+    command: str
+
+    @property
+    def message(self) -> str:
+        return f"this machine's {self.vendor} GPU sits idle: llama.cpp was built for the CPU only. Rebuild it with"
+
+
+def idle_gpu() -> IdleGpu | None:
     """Where this machine has a GPU that llama.cpp was not built to use, what to do about it."""
     vendor = gpu_present()
     llama_cpp = llama()
     if vendor is None or llama_cpp.llama_supports_gpu_offload():
         return None
-    how = rebuild_for_gpu(vendor, str(getattr(llama_cpp, "__version__", "0.3.36")))
-    return f"this machine's {vendor} GPU sits idle (llama.cpp was built for the CPU only): {how}"
+    return IdleGpu(vendor, rebuild_for_gpu(vendor, str(getattr(llama_cpp, "__version__", "0.3.36"))))
 
 
 @functools.cache
@@ -216,13 +232,70 @@ def model_params(gpu_layers: int = 0, vocab_only: bool = False, repack: bool | N
     return params
 
 
-def _library(stem: str) -> ctypes.CDLL:
-    """One of the ggml libraries llama_cpp ships next to itself."""
-    lib_dir = Path(load_llama().__file__).parent / "lib"
-    for pattern in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll", f"lib{stem}.*"):
-        for candidate in sorted(lib_dir.glob(pattern)):
-            return ctypes.CDLL(str(candidate))
-    raise LlamaUnavailable(f"no {stem} library next to llama_cpp in {lib_dir}")
+def loaded_llama_path() -> Path | None:
+    """The libllama this process loaded: llama_cpp takes it from LLAMA_CPP_LIB_PATH where that is
+    set, else from its own lib folder (the CDLL it holds is named by the path it was opened with)."""
+    handle = getattr(getattr(load_llama(), "llama_cpp", None), "_lib", None)
+    name = getattr(handle, "_name", None)
+    return Path(name) if isinstance(name, str) and os.path.isabs(name) else None
+
+
+def ggml_library_dirs() -> list[Path]:
+    """Where the ggml libraries that match the loaded libllama are, most likely first: its own
+    folder (and, if it was reached through a link, the folder the link points into), then the
+    lib folder of the llama_cpp package."""
+    folders: list[Path] = []
+    loaded = loaded_llama_path()
+    if loaded is not None:
+        folders += [loaded.parent, loaded.resolve().parent]
+    folders.append(Path(load_llama().__file__).parent / "lib")
+    return list(dict.fromkeys(folders))
+
+
+def _library_names(stem: str, folder: Path) -> list[Path]:
+    """The files in `folder` that may be the `stem` library, the plain name first."""
+    plain = [folder / f"lib{stem}.so", folder / f"lib{stem}.dylib", folder / f"{stem}.dll", folder / f"lib{stem}.dll"]
+    versioned = sorted([*folder.glob(f"lib{stem}.so.*"), *folder.glob(f"lib{stem}.*.dylib")])
+    return [path for path in (*plain, *versioned) if path.is_file()]
+
+
+def _already_loaded(path: Path) -> bool:
+    """Whether this very file is mapped in the process already (where the platform can say)."""
+    no_load = getattr(os, "RTLD_NOLOAD", None)
+    if no_load is None:
+        return False
+    try:
+        ctypes.CDLL(str(path), mode=no_load | getattr(os, "RTLD_LAZY", 1))
+    except OSError:
+        return False
+    return True
+
+
+@functools.cache
+def ggml_library_path(stem: str) -> Path:
+    """The `stem` ggml library (ggml, ggml-base, ggml-cpu) that belongs with the loaded libllama.
+
+    The file libllama itself linked to, where it is already in the process: a wheel ships
+    `libggml-base.so` and `libggml-base.so.0` as two copies, and opening the other would put a
+    second ggml in the process. Else the first found, in `ggml_library_dirs` order."""
+    folders = ggml_library_dirs()
+    candidates = [path for folder in folders for path in _library_names(stem, folder)]
+    for path in candidates:
+        if _already_loaded(path):
+            return path
+    if candidates:
+        return candidates[0]
+    raise LlamaUnavailable(f"no {stem} library next to libllama in {', '.join(str(f) for f in folders)}")
+
+
+@functools.cache
+def ggml_library(stem: str) -> ctypes.CDLL:
+    """One of the ggml libraries next to the loaded libllama (`ggml_library_path`)."""
+    path = ggml_library_path(stem)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as error:
+        raise LlamaUnavailable(f"the {stem} library at {path} does not load: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -236,7 +309,7 @@ class GGMLBase:
 
     @classmethod
     def load(cls) -> GGMLBase:
-        lib = _library("ggml-base")
+        lib = ggml_library("ggml-base")
         lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
         lib.ggml_nbytes.argtypes, lib.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
         lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
@@ -269,7 +342,7 @@ class QuietThreadpool:
     """
 
     def __init__(self, n_threads: int) -> None:
-        base, cpu = _library("ggml-base"), _library("ggml-cpu")
+        base, cpu = ggml_library("ggml-base"), ggml_library("ggml-cpu")
         base.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
         base.ggml_threadpool_params_default.restype = _ThreadpoolParams
         cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]

@@ -14,7 +14,6 @@ llama.cpp, files or the clock sits below them.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import os
 import socket
@@ -30,8 +29,9 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType, GGUFWriter
 from pydantic import Field, ValidationError
 
-from kafila.contracts import Strict
+from kafila.contracts import BackendReport, Strict
 from kafila.planner.fleet import FleetDevice
+from kafila.runtime.backends import KINDS, backend_devices, backend_report
 from kafila.runtime.cpu_safety import RepackChoice, reported_features
 from kafila.runtime.llama_backend import LlamaUnavailable, last_error, llama, model_params, repack_choice, system_info
 
@@ -244,6 +244,7 @@ class DeviceProbe(Strict):
     memory_gib: Annotated[float, Field(gt=0)]
     memory_source: MemorySource
     backend: Literal["cpu", "gpu"]
+    devices: BackendReport | None = None  # llama.cpp's devices, and which served the probe
     weight_type: str
     statistic: str
     threads: int
@@ -381,41 +382,17 @@ def load_llama_cpp() -> Any:
         raise LlamaCppMissing(str(error)) from None
 
 
-def _ggml_library(llama_cpp: Any) -> ctypes.CDLL | None:
-    """libggml from the binding's own lib folder: device enumeration lives there, not in libllama."""
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
-        with contextlib.suppress(OSError):
-            return ctypes.CDLL(str(lib_dir / name))
-    return None
-
-
 def backend_free_memory(llama_cpp: Any, device_types: tuple[int, ...]) -> int | None:
-    """Free bytes summed over ggml backend devices of the given types (0 CPU, 1 GPU, 2 iGPU)."""
-    lib = _ggml_library(llama_cpp)
-    if lib is None:
-        return None
+    """Free bytes summed over ggml backend devices of the given types (0 CPU, 1 GPU, 2 iGPU), as
+    `backends.backend_devices` reads them now; None where there is none or ggml cannot say."""
+    del llama_cpp  # the devices are those of the ggml next to the libllama that loaded
+    kinds = {KINDS[t] for t in device_types if 0 <= t < len(KINDS)}
     try:
-        lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-        lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-        lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_dev_type.restype = ctypes.c_int
-        size_p = ctypes.POINTER(ctypes.c_size_t)
-        lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
-        lib.ggml_backend_dev_memory.restype = None
-    except AttributeError:
+        devices = [device for device in backend_devices() if device.kind in kinds]
+    except LlamaUnavailable:
         return None
-    total_free = 0
-    found = False
-    for index in range(lib.ggml_backend_dev_count()):
-        device = lib.ggml_backend_dev_get(index)
-        if device and lib.ggml_backend_dev_type(device) in device_types:
-            free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-            lib.ggml_backend_dev_memory(device, ctypes.byref(free), ctypes.byref(total))
-            total_free += free.value
-            found = True
-    return total_free if found and total_free > 0 else None
+    total_free = sum(device.free_bytes for device in devices)
+    return total_free if devices and total_free > 0 else None
 
 
 def available_memory(llama_cpp: Any, gpu: bool) -> tuple[int, MemorySource]:
@@ -554,6 +531,10 @@ def run_probe(progress: ProgressFn = _quiet) -> DeviceProbe:
     progress("loading llama.cpp", 0.0)
     llama_cpp = load_llama_cpp()
     gpu = bool(llama_cpp.llama_supports_gpu_offload())
+    try:
+        devices: BackendReport | None = backend_report()
+    except LlamaUnavailable:  # ggml's libraries are not where they should be: measured all the same
+        devices = None
     memory_bytes, memory_source = available_memory(llama_cpp, gpu)
     threads = probe_threads()
     weights_needed = sum(model.weight_bytes for model in PROBE_MODELS)
@@ -609,6 +590,7 @@ def run_probe(progress: ProgressFn = _quiet) -> DeviceProbe:
             memory_gib=memory_bytes / GIB,
             memory_source=memory_source,
             backend="gpu" if gpu else "cpu",
+            devices=devices,
             weight_type=WEIGHT_TYPE,
             statistic=f"{round(QUANTILE * 100)}th percentile of each size's steps",
             threads=threads,

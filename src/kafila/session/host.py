@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kafila.contracts import MemberStatus, PlanStatus, RebalanceStatus, SessionStatus, StageReport
+from kafila.contracts import BackendReport, MemberStatus, PlanStatus, RebalanceStatus, SessionStatus, StageReport
 from kafila.network.edges import connect_edges
 from kafila.network.link import DatagramDemux
 from kafila.network.pake import TrustError
@@ -46,6 +46,7 @@ from kafila.network.session_codes import full_code, new_secret
 from kafila.planner.fleet import ModelPricing
 from kafila.planner.rebalance import RebalanceVerdict
 from kafila.planner.types import ModelManifest, Plan, SessionSpec
+from kafila.runtime.backends import backend_or_none
 from kafila.runtime.llama_backend import ContextSettings, set_up_to_share_cores, sharing_cores_hint
 from kafila.runtime.local_plan import cached_model_pricings
 from kafila.session.deployer import Deployer, Deployment, Roster, SessionFailed, all_or_none
@@ -82,6 +83,7 @@ class HostSession:
     deployer: Deployer = field(init=False)
     prices: RingPricing = field(init=False)  # each machine's price for the planner (`session.pricing`)
     own_pricings: tuple[ModelPricing, ...] = ()  # the models this machine priced itself (`kafila probe --model`)
+    own_backend: BackendReport | None = None  # llama.cpp's devices here, for /status
     newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
     _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
     renewing: Callable[[], bool] = lambda: True  # whether the session at the rendezvous must live on
@@ -210,6 +212,7 @@ class HostSession:
         self._note_members_on_this_machine(self.roster.hellos)
         self.prices.model_sha256 = await self.model_hash
         self.own_pricings = tuple(await asyncio.to_thread(cached_model_pricings))
+        self.own_backend = await asyncio.to_thread(backend_or_none)
 
     def _note_members_on_this_machine(self, hellos: Mapping[str, Hello]) -> None:
         """Stages on one machine take turns on its cores. The demo sets its processes up for that
@@ -362,6 +365,10 @@ class HostSession:
         members = []
         for member_id, info in (self.known or self.client.members).items():
             entry: dict[str, Any] = {"id": member_id, "name": self.member_name(member_id), "host": info.host}
+            hello = self.roster.hellos.get(member_id)
+            backend = self.own_backend if member_id == self.me else hello.backend if hello is not None else None
+            if backend is not None:
+                entry["backend"] = backend
             router = self.roster.routers.get(member_id)
             if router is not None:
                 entry["path"] = self.roster.paths.get(member_id)

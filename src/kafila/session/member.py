@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kafila.contracts import BackendReport
 from kafila.network.edges import connect_edges
 from kafila.network.frames import Frame, Kind
 from kafila.network.identity import Identity
@@ -246,6 +247,7 @@ async def follow_host(
     model_sha: str | None,
     machine: str | None = None,
     priced_models: Sequence[ModelPricing] = (),
+    backend: BackendReport | None = None,
 ) -> str:
     """Carry out the host's control messages until it ends the session; returns its reason."""
     host = links.host
@@ -254,6 +256,7 @@ async def follow_host(
         cached_stages=cached_stage_hashes(state.cache),
         machine=machine,
         priced_models=list(priced_models)[:MAX_MODEL_PRICINGS],
+        backend=backend,
     )
     await host.send_control(hello)
     staged: tuple[Assign, Path] | None = None

@@ -21,6 +21,7 @@ from kafila.network.edges import connect_edges
 from kafila.network.link import DatagramDemux
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousClosed, RendezvousError, verify_host
 from kafila.network.session_codes import channel_part
+from kafila.runtime.backends import backend_or_none
 from kafila.runtime.local_plan import cache_dir, cached_model_pricings, hash_model, this_device
 from kafila.session.member import LostHost, MemberState, RingLinks, SessionEnded, edge_connector, follow_host
 from kafila.session.presence import RendezvousUnreachable, machine_tag, present
@@ -117,6 +118,7 @@ async def join_once(config: MemberConfig, ui: MemberUi) -> str:
     ui.say("measuring this device (cached afterwards)")
     device = await asyncio.to_thread(this_device, memory=config.memory)
     priced_models = await asyncio.to_thread(cached_model_pricings)
+    backend = await asyncio.to_thread(backend_or_none)
     presence = await present(config.name, config.rendezvous, device)
     model_sha = None
     if config.model is not None:  # before joining: the host plans with it as soon as everyone has joined
@@ -149,7 +151,7 @@ async def join_once(config: MemberConfig, ui: MemberUi) -> str:
         )
         stages = cache_dir() / "stages"
         state = MemberState(cache=stages, model=config.model, threads=config.threads, say=ui.say, bars=ui.progress_bars)
-        return await follow_host(links, state, model_sha, machine_tag(client.code), priced_models)
+        return await follow_host(links, state, model_sha, machine_tag(client.code), priced_models, backend)
     finally:
         if links is not None:
             await links.close("leaving")

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from kafila.contracts import BackendReport
 from kafila.network.frames import Frame, Kind
 from kafila.planner.fleet import ModelPricing
 from kafila.validation import first_problem
@@ -42,6 +43,9 @@ class Hello(_Message):
     # The models this machine priced on their own stages (`kafila probe --model`), by sha256: the
     # host plans it with the one it serves, if that is among them, and with its generic probe if not.
     priced_models: list[ModelPricing] = Field(default_factory=list, max_length=MAX_MODEL_PRICINGS)
+    # Which of llama.cpp's devices serve its stages, for the host's /status: bounded like every
+    # string from the network (a few kB at the most).
+    backend: BackendReport | None = None
 
 
 class Assign(_Message):

@@ -29,6 +29,7 @@ from kafila.planner import PlanRefused
 from kafila.planner.fleet import FleetDevice
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
+from kafila.runtime.backends import backend_or_none
 from kafila.runtime.engine_loop import EngineLoop, Sink, fail_suspended
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.local_plan import admit_alone, cache_dir, hash_model, this_device
@@ -342,7 +343,10 @@ class HostRunner:
         admit_alone(self.manifest, device, self.config.session)
         engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
         self._activate(engine)
-        alone = SessionStatus(division=[self.manifest.n_blocks], members=[MemberStatus(name="this machine")])
+        backend = await asyncio.to_thread(backend_or_none)
+        alone = SessionStatus(
+            division=[self.manifest.n_blocks], members=[MemberStatus(name="this machine", backend=backend)]
+        )
         self.serving.session_described_by(lambda: alone)
         self.ui.say(f"{why}: serving on this machine alone")
 
@@ -352,7 +356,10 @@ class HostRunner:
         counts = self.config.counts
         where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
         self.serving.waiting_for = [f"{self.config.path.name} to load {where}"]
-        local = SessionStatus(division=counts, members=[MemberStatus(name="this machine", stages=counts)])
+        backend = await asyncio.to_thread(backend_or_none)
+        local = SessionStatus(
+            division=counts, members=[MemberStatus(name="this machine", stages=counts, backend=backend)]
+        )
         self.serving.session_described_by(lambda: local)
         cutting = f"cutting {self.config.path.name} into {len(counts)} stage files"
         with self.ui.progress_bars() as progress:
