@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 from tiny_gguf import write_tiny_llama
 
 from kafila.contracts import BackendDevice, BackendReport
+from kafila.planner.fleet import FleetDevice
 from kafila.runtime.backends import backend_devices, backend_report, device_set, serving_devices
 from kafila.runtime.cpu_safety import reported_features
 from kafila.runtime.llama_backend import (
@@ -26,8 +28,11 @@ from kafila.runtime.llama_backend import (
     load_llama,
     loaded_llama_path,
     rebuild_for_gpu,
+    repack_choice,
     system_info,
 )
+from kafila.runtime.local_plan import cached_device, probe_key, this_device
+from kafila.runtime.probe import available_memory
 
 GIB = 2**30
 CPU = BackendDevice(name="CPU", description="AMD Ryzen 9 7950X", kind="cpu", free_bytes=60 * GIB, total_bytes=64 * GIB)
@@ -113,6 +118,16 @@ def test_the_rebuild_command_is_the_one_llama_cpp_python_documents(vendor: str, 
     assert advice.startswith(command) and advice.endswith("llama-cpp-python==0.3.36"), advice
 
 
+def test_the_readmes_install_lines_name_the_version_kafila_requires() -> None:
+    """A GPU build of another version would be replaced, for the CPU, when Kafila is installed."""
+    root = Path(__file__).parent.parent
+    pinned = re.findall(r'"llama-cpp-python==([0-9.]+)"', (root / "pyproject.toml").read_text())
+    named = re.findall(r"llama-cpp-python==([0-9.]+)", (root / "README.md").read_text())
+    assert len(pinned) == 1 and len(named) >= 4 and set(named) == set(pinned), (pinned, named)
+    builds = re.findall(r'CMAKE_ARGS="-DGGML_(\w+)=on"', (root / "README.md").read_text())
+    assert {"CUDA", "METAL", "VULKAN"} <= set(builds)
+
+
 # --- this machine ----------------------------------------------------------------------------------
 
 
@@ -182,3 +197,45 @@ def test_ggml_is_found_next_to_a_libllama_loaded_from_elsewhere(tmp_path: Path) 
     assert seen["mapped"] and all(Path(path).parent == copy for path in seen["mapped"]), seen["mapped"]
     assert len(seen["mapped"]) == len(LIBRARIES)  # each once: no second ggml from the package's folder
     assert seen["finite"] and seen["serving"] == ["CPU"]
+
+
+# --- the probe's cache, and the memory offered now ---------------------------------------------------
+
+KEPT = {"name": "kept", "bandwidth_gb_s": 1.5, "overhead_us": 10.0, "tflops": 0.5, "memory_gib": 8.0}
+
+
+def test_a_cached_probe_is_used_only_under_the_same_key() -> None:
+    cpu = BackendReport(serving=["CPU"], gpu_offload=False, devices=[CPU])
+    key = probe_key("0.3.36", True, cpu)
+    assert cached_device({**key, "device": KEPT}, key) == FleetDevice.model_validate(KEPT)
+    stale = [
+        probe_key("0.3.36", True, BackendReport(serving=["CUDA0"], gpu_offload=True, devices=[CPU, RTX])),
+        probe_key("0.3.36", True, BackendReport(serving=["CPU"], gpu_offload=False, devices=[CPU, BLAS])),
+        probe_key("0.3.35", True, cpu),
+        probe_key("0.3.36", False, cpu),
+        probe_key("0.3.36", True, None),
+    ]
+    for other in stale:
+        assert cached_device({**other, "device": KEPT}, key) is None, other
+    old = {"llama_cpp_version": "0.3.36", "repack": True, "device": KEPT}  # before devices were part of it
+    assert cached_device(old, key) is None
+    assert cached_device({**key, "device": {"name": ""}}, key) is None
+    assert cached_device(["not", "a", "record"], key) is None
+
+
+def test_the_memory_offered_is_never_more_than_is_free_now(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured afresh each time a machine offers itself: a cached figure above what is free now
+    is lowered to it; one below is kept."""
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
+    llama_cpp = load_llama()
+    key = probe_key(llama_cpp.__version__, repack_choice().repack, backend_report())
+    huge = {**KEPT, "memory_gib": 1 << 20}  # a mebi-GiB: more than this machine has
+    (tmp_path / "probe.json").write_text(json.dumps({**key, "device": huge}))
+    offered = this_device()
+    free, _ = available_memory(llama_cpp, False)
+    assert offered.name == "kept" and 0 < offered.memory_gib < huge["memory_gib"]
+    assert offered.memory_gib <= 1.05 * free / GIB  # what was free then, give or take what moved since
+    small = {**KEPT, "memory_gib": 0.25}
+    (tmp_path / "probe.json").write_text(json.dumps({**key, "device": small}))
+    assert this_device().memory_gib == 0.25
+    assert this_device(memory=GIB // 8).memory_gib == 0.125  # and --memory lends less still

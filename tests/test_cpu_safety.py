@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kafila.runtime import local_plan
+from kafila.runtime.backends import backend_report
 from kafila.runtime.cpu_safety import (
     AMX_NOTE,
     REPACK_SETTING,
@@ -190,22 +191,24 @@ def test_a_probe_child_that_fails_or_hangs_says_why() -> None:
         probe_in_child(command=child("print('{not json', flush=True); time.sleep(60)"), timeout_s=2)
 
 
-def test_this_machines_probe_is_kept_per_llama_cpp_version_and_repack_choice(
+def test_this_machines_probe_is_kept_per_llama_cpp_version_repack_choice_and_devices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A kept probe spares the host the child; one made under the other repack choice is measured again."""
+    """A kept probe spares the host the child; one made with other devices (the same llama.cpp
+    rebuilt for CUDA, say) is measured again. Every part of the key: `test_backends`."""
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
     version = local_plan.load_llama().__version__
-    kept = {"name": "kept", "bandwidth_gb_s": 1.5, "overhead_us": 10.0, "tflops": 0.5, "memory_gib": 8.0}
-    record = {"llama_cpp_version": version, "repack": repack_choice().repack, "device": kept}
-    (tmp_path / "probe.json").write_text(json.dumps(record))
+    kept = {"name": "kept", "bandwidth_gb_s": 1.5, "overhead_us": 10.0, "tflops": 0.5, "memory_gib": 1.0}
+    key = local_plan.probe_key(version, repack_choice().repack, backend_report())
+    (tmp_path / "probe.json").write_text(json.dumps({**key, "device": kept}))
     assert local_plan.this_device().name == "kept"  # no child: a made-up device comes back as it was
 
-    (tmp_path / "probe.json").write_text(json.dumps({**record, "repack": not repack_choice().repack}))
+    elsewhere = {**key, "devices": ["CUDA0", "CPU: AMD EPYC", "CUDA0: NVIDIA GeForce RTX 4090"], "device": kept}
+    (tmp_path / "probe.json").write_text(json.dumps(elsewhere))
     measured = local_plan.this_device()
     assert measured.name != "kept" and measured.bandwidth_gb_s > 0
     again = json.loads((tmp_path / "probe.json").read_text())
-    assert again["repack"] is repack_choice().repack and again["llama_cpp_version"] == version
+    assert {name: again[name] for name in key} == key
 
 
 def test_kafila_processes_leave_a_traceback_when_they_crash(tmp_path: Path) -> None:

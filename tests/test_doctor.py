@@ -15,7 +15,7 @@ from tiny_models import write_tiny_model
 
 from kafila.cli.doctor_command import Check, Findings, judge
 from kafila.contracts import NatClass
-from kafila.runtime.llama_backend import llama
+from kafila.runtime.llama_backend import llama, rebuild_for_gpu
 
 HEALTHY = Findings(
     rendezvous="203.0.113.1:8470", rtt_ms=24.0, nat_class=NatClass.ORDINARY, llama_version="0.3.36",
@@ -98,6 +98,7 @@ def test_the_doctor_checks_a_real_rendezvous_and_model(rendezvous: str, tmp_path
     assert checks["round trip"].status == "ok" and "ms to the rendezvous" in checks["round trip"].detail
     assert checks["NAT"].status in ("ok", "warn")  # loopback, one address: what can be told
     assert checks["llama.cpp"].status in ("ok", "warn") and "0.3.36" in checks["llama.cpp"].detail
+    assert "; serving on " in checks["llama.cpp"].detail  # which devices, as ggml reports them
     assert checks["model"] == Check("model", "ok", "llama: Kafila can split it")
 
 
@@ -128,9 +129,17 @@ def test_a_gpu_that_llama_cpp_was_not_built_for_is_named_with_the_rebuild(tmp_pa
         assert check.status == "ok", check
         return
     assert check.status == "warn" and "NVIDIA GPU sits idle" in check.detail, check
-    assert check.advice.startswith('CMAKE_ARGS="-DGGML_CUDA=on" pip install'), check
+    command = rebuild_for_gpu("NVIDIA", str(llama().__version__))
+    assert check.advice == command and command.startswith('CMAKE_ARGS="-DGGML_CUDA=on" python3 -m pip install')
+    shown = subprocess.run(
+        [sys.executable, "-m", "kafila", "doctor"], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert "GPU idle" in shown.stdout and command in [line.strip() for line in shown.stdout.splitlines()]
     joined = subprocess.run(
         [sys.executable, "-m", "kafila", "join", "7-crimson-harbor-lemon-tiger-orbit-cactus", "--rendezvous",
          "127.0.0.1:9"], capture_output=True, text=True, timeout=120, check=False, env=env,
     )  # fmt: skip
-    assert "NVIDIA GPU sits idle" in joined.stderr and "-DGGML_CUDA=on" in joined.stderr, joined.stderr
+    lines = [line.strip() for line in joined.stderr.splitlines()]
+    assert "GPU idle" in joined.stderr and "NVIDIA GPU sits idle" in joined.stderr, joined.stderr
+    assert command in lines, joined.stderr  # on a line of its own, to copy
+    assert any("llama.cpp serves on CPU (" in line for line in lines), joined.stderr

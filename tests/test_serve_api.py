@@ -21,6 +21,8 @@ from openai.types.shared_params import ResponseFormatText
 from serving_checks import check_concurrent_streams, unsplit_greedy
 from tiny_models import write_tiny_model
 
+from kafila.runtime.backends import backend_report
+
 KEY = "test-key-123"
 MODEL = "tiny-llama"
 PROMPT = "the quick brown fox"
@@ -227,6 +229,7 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     assert status == 200 and health == {"status": "ready", "model": MODEL}
     status, info = raw(host, "/status")
     assert status == 200 and info["ready"] is True and info["division"] == [2, 2]
+    assert info["members"][0]["backend"]["serving"] == backend_report().serving  # type: ignore[index]
     assert info["pipeline_waves"] == 2
     assert info["requests"]["finished"] >= 1  # type: ignore[index]
     assert raw(host, "/status", key=None)[0] == 401

@@ -45,6 +45,7 @@ from tiny_models import write_tiny_model, write_wide_model
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous_client import RendezvousClient, send_abort
 from kafila.planner.fleet import FleetDevice
+from kafila.runtime.backends import backend_report
 from kafila.runtime.sampling import SamplingSettings
 from kafila.session.core import GUESS_BUDGET
 
@@ -122,6 +123,9 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
             status = json.loads(response.read())
         assert len(status["members"]) == 3
         assert {m.get("path") for m in status["members"] if not m["host"]} == {"direct"}
+        here = backend_report()  # every member runs on this machine: each says so in its hello
+        assert all(m["backend"]["serving"] == here.serving for m in status["members"]), status["members"]
+        assert all(m["backend"]["cpu_features"] == here.cpu_features for m in status["members"])
         assert all(0 < m["rtt_ms"] < 1000 for m in status["members"] if not m["host"])
         assert sum(b - a for a, b in (m["blocks"] for m in status["members"])) == 4
         assert [e["path"] for e in status["edges"]] == ["direct"] * 3  # host → m → m → host
@@ -142,6 +146,7 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
             timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
         ).stdout  # fmt: skip
         assert "ready" in table and "member-0" in table and "member-1" in table and "host (head)" in table
+        assert "backend" in table and table.count(here.serving[0]) >= 3
         assert "Ring edges" in table and table.count("direct") >= 3
         # No relay and no signal for seconds: only the host's renewals keep the session at the
         # rendezvous, so that a member that blips can still rejoin it.

@@ -15,6 +15,12 @@ from pathlib import Path
 import pytest
 from tiny_models import write_tiny_model
 
+from kafila.contracts import (
+    MAX_BACKEND_DEVICES,
+    MAX_REPORTED_FEATURES,
+    BackendDevice,
+    BackendReport,
+)
 from kafila.network.frames import Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkConfig, open_link, should_dial
@@ -77,6 +83,16 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         cached_stages=[f"{i:064x}" for i in range(MAX_CACHED_STAGES)],
         machine="f" * 16,
         priced_models=[pricing.model_copy(update={"bandwidth_gb_s": 1 / 3})] * MAX_MODEL_PRICINGS,
+        backend=BackendReport(
+            serving=["CUDA" + "0" * 58 + f"{i:02d}" for i in range(MAX_BACKEND_DEVICES)],
+            gpu_offload=True,
+            devices=[
+                BackendDevice(name="N" * 64, description="D" * 160, kind="gpu", free_bytes=2**64, total_bytes=2**64)
+            ]
+            * MAX_BACKEND_DEVICES,
+            cpu_features=["F" * 32] * MAX_REPORTED_FEATURES,
+            idle_gpu="V" * 64,
+        ),
     )  # the most a member may report still fits in one control message
     for message in (hello, fullest, assign, End(reason="bye")):
         assert parse_control(control_frame(message)) == message

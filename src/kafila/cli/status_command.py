@@ -11,10 +11,11 @@ from urllib.request import Request, urlopen
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kafila.cli.errors import fail
-from kafila.contracts import HostStatus, MemberStatus
+from kafila.contracts import BackendReport, HostStatus, MemberStatus
 from kafila.validation import one_line
 
 
@@ -40,9 +41,12 @@ def render_status(status: HostStatus, console: Console) -> None:
     head = status.plan.head if status.plan else None  # none planned: one machine, which holds it
     if status.members:
         table = Table(title="Members")
-        columns = ("member", "role", "blocks", "link", "predicted ms/token", "measured ms/token", "ms/row, all decodes")
+        columns = (
+            "member", "role", "blocks", "link", "backend", "predicted ms/token", "measured ms/token",
+            "ms/row, all decodes",
+        )  # fmt: skip
         for column in columns:
-            table.add_column(column, justify="left" if column in ("member", "role", "link") else "right")
+            table.add_column(column, justify="left" if column in ("member", "role", "link", "backend") else "right")
         for member in status.members:
             span = member.blocks
             state = "left" if member.left else (member.link or "?")
@@ -60,6 +64,7 @@ def render_status(status: HostStatus, console: Console) -> None:
                 + (" (joining)" if member.joining else ""),
                 blocks,
                 link,
+                _backend(member.backend),
                 _number(member.predicted_ms_per_token) + (" *" if _generic(member) else ""),
                 # a decode of one token alone is what the prediction prices; batched rows cost less each
                 _number(report.ms_per_token_alone) if report else "—",
@@ -96,6 +101,14 @@ def render_status(status: HostStatus, console: Console) -> None:
         more = f" ({len(status.incidents) - 1} earlier: --json shows them)" if len(status.incidents) > 1 else ""
         console.print(f"last incident, at {when}{more}:", highlight=False)
         console.print(f"  [yellow]{latest.what}:[/yellow] {latest.detail}", highlight=False, soft_wrap=True)
+
+
+def _backend(report: BackendReport | None) -> str:
+    """The devices that serve a member's stage, and a GPU it leaves idle, in a few words."""
+    if report is None:
+        return "—"
+    idle = f" ({report.idle_gpu} GPU idle)" if report.idle_gpu else ""
+    return escape(", ".join(report.serving) + idle)
 
 
 def _generic(member: MemberStatus) -> bool:

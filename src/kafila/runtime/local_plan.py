@@ -2,7 +2,8 @@
 
 All local stages share one device, so the planner sees N identical members, each with 1/N of
 the memory; what it still decides is how many fewer blocks the head takes for its extra read.
-The probe takes several seconds, so its result is cached per machine and llama.cpp version.
+The probe takes several seconds, so its result is cached per machine, llama.cpp version and set of
+devices; the memory it offers is never more than is free when it is offered.
 So is each model's own pricing (`kafila probe --model`), by the model file's sha256: sessions
 serving that model on this machine plan with it.
 """
@@ -17,10 +18,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kafila.contracts import BackendReport
 from kafila.planner import plan_session
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.planner.types import ModelManifest, SessionSpec
+from kafila.runtime.backends import backend_or_none, device_set
 from kafila.runtime.llama_backend import load_llama, repack_choice
+from kafila.runtime.probe import ProbeError, available_memory
 from kafila.runtime.probe_child import probe_in_child
 from kafila.runtime.slicer import Progress, file_sha256
 
@@ -30,24 +34,62 @@ def cache_dir() -> Path:
 
 
 def this_device(progress: Callable[[str, float], None] | None = None, memory: int | None = None) -> FleetDevice:
-    """This machine as the probe measured it, measuring it first if no cached result fits;
-    with `memory`, offering at most that many bytes of it (what `--memory` lends)."""
-    return _measured(progress).lending(memory)
+    """This machine as the probe measured it, measuring it first if no cached result fits, with
+    no more memory than is free now; with `memory`, offering at most that many bytes of it (what
+    `--memory` lends)."""
+    return free_now(_measured(progress)).lending(memory)
+
+
+def free_now(device: FleetDevice) -> FleetDevice:
+    """The device with at most the memory free at this moment, read as the probe reads it: a
+    cached probe's figure is what was free then, and a game or a browser may have taken some of
+    it since. As it was, where the memory cannot be read."""
+    llama_cpp = load_llama()
+    try:
+        free, _ = available_memory(llama_cpp, bool(llama_cpp.llama_supports_gpu_offload()))
+    except ProbeError:
+        return device
+    return device.lending(free)
+
+
+ProbeKey = dict[str, object]
+
+
+def probe_key(llama_version: str, repack: bool, backend: BackendReport | None) -> ProbeKey:
+    """What a probe of this machine depends on: llama.cpp's version, the weights' layout, and the
+    devices llama.cpp serves on and sees (the same version rebuilt for CUDA is another machine)."""
+    return {
+        "llama_cpp_version": llama_version,
+        "repack": repack,
+        "devices": device_set(backend) if backend is not None else None,
+    }
+
+
+def cached_device(record: object, key: ProbeKey) -> FleetDevice | None:
+    """The device a probe cache record holds, if it was measured under `key`; None where it is
+    stale (any part of its key differs, or is missing) or unreadable."""
+    if not isinstance(record, dict) or any(record.get(name) != value for name, value in key.items()):
+        return None
+    try:
+        return FleetDevice.model_validate(record["device"])
+    except (KeyError, ValueError):
+        return None
 
 
 def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
-    """The cached probe of this machine, for this llama.cpp and this way of laying out weights; or a
-    new one, in a child process (`probe_child`): llama.cpp's first prompt batch here runs there,
-    so a native crash is explained rather than fatal, and the cache spares every later start it."""
+    """The cached probe of this machine, for this llama.cpp, this way of laying out weights and
+    these devices (`probe_key`); or a new one, in a child process (`probe_child`): llama.cpp's
+    first prompt batch here runs there, so a native crash is explained rather than fatal, and the
+    cache spares every later start it."""
     llama_cpp = load_llama()
-    key = {"llama_cpp_version": llama_cpp.__version__, "repack": repack_choice().repack}
+    key = probe_key(llama_cpp.__version__, repack_choice().repack, backend_or_none())
     path = cache_dir() / "probe.json"
     try:
-        cached = json.loads(path.read_text())
-        if all(cached.get(name) == value for name, value in key.items()):
-            return FleetDevice.model_validate(cached["device"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+        device = cached_device(json.loads(path.read_text()), key)
+    except (OSError, ValueError):
+        device = None
+    if device is not None:
+        return device
     result = probe_in_child(progress) if progress is not None else probe_in_child()
     device = result.fleet_device()
     path.parent.mkdir(parents=True, exist_ok=True)
