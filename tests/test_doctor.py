@@ -55,6 +55,12 @@ def test_each_problem_is_named_with_what_to_do(changes: dict[str, object], name:
     assert check.status == status and advice in check.advice, check
 
 
+def test_the_llama_check_names_the_devices_that_serve() -> None:
+    serving = "CUDA0 (NVIDIA GeForce RTX 4090, 22.0 of 24.0 GiB free)"
+    check = by_name(judge(Findings(**{**HEALTHY.__dict__, "serving": serving, "gpu_offload": True})))["llama.cpp"]
+    assert check.status == "ok" and check.detail.endswith(f"; serving on {serving} (GPU offload)"), check
+
+
 def test_what_was_not_asked_is_skipped_with_how_to_ask() -> None:
     checks = by_name(judge(Findings(llama_version="0.3.36", free_memory=1 << 30)))
     assert checks["rendezvous"].status == "skip" and "--rendezvous" in checks["rendezvous"].advice

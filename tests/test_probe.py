@@ -181,6 +181,11 @@ def test_probe_json_says_how_it_measured(probe_json: tuple[dict[str, Any], Path]
     assert details["weight_type"] == "Q8_0"
     assert details["threads"] >= 1
     assert details["backend"] in {"cpu", "gpu"}
+    devices = details["devices"]  # which of llama.cpp's devices served, and every one it sees
+    assert devices["serving"] and set(devices["serving"]) <= {d["name"] for d in devices["devices"]}
+    assert devices["cpu_features"] == details["cpu_features"]
+    if details["backend"] == "cpu":
+        assert devices["serving"] == ["CPU"]
     sizes = [d["weight_bytes"] for d in details["decode"]]
     assert len(set(sizes)) >= 2 and max(sizes) > 5 * min(sizes)
     assert all(d["repetitions"] >= 3 for d in details["decode"])

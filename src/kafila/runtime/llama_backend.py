@@ -168,7 +168,7 @@ def gpu_present() -> str | None:
     return None
 
 
-GPU_BUILDS = {"NVIDIA": "CUDA", "Apple": "METAL", "Vulkan": "VULKAN"}  # a GPU's vendor: its ggml build option
+GPU_BUILDS = {"NVIDIA": "CUDA", "Apple": "METAL"}  # a GPU's vendor: its ggml build option (others: Vulkan)
 
 
 def rebuild_for_gpu(vendor: str, llama_version: str, system: str | None = None) -> str:
@@ -237,7 +237,7 @@ def loaded_llama_path() -> Path | None:
     set, else from its own lib folder (the CDLL it holds is named by the path it was opened with)."""
     handle = getattr(getattr(load_llama(), "llama_cpp", None), "_lib", None)
     name = getattr(handle, "_name", None)
-    return Path(name) if isinstance(name, str) and os.path.isabs(name) else None
+    return Path(os.path.abspath(name)) if isinstance(name, str) and name else None
 
 
 def ggml_library_dirs() -> list[Path]:
