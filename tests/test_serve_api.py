@@ -230,6 +230,7 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     status, info = raw(host, "/status")
     assert status == 200 and info["ready"] is True and info["division"] == [2, 2]
     assert info["members"][0]["backend"]["serving"] == backend_report().serving  # type: ignore[index]
+    assert f"llama.cpp serves on {backend_report().serving[0]} (" in host.output()  # said as it started
     assert info["pipeline_waves"] == 2
     assert info["requests"]["finished"] >= 1  # type: ignore[index]
     assert raw(host, "/status", key=None)[0] == 401
