@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kafila.cli.backend_view import shout_idle_gpu
@@ -263,7 +264,7 @@ def doctor(
         for column in ("check", "", "what was found", "what to do"):
             table.add_column(column)
         for check in checks:
-            table.add_row(check.name, MARK[check.status], check.detail, check.advice)
+            table.add_row(check.name, MARK[check.status], escape(check.detail), escape(check.advice))
         console = Console()
         console.print(table)
         if found.gpu_present is not None and found.llama_error is None and not found.gpu_offload:
