@@ -82,6 +82,7 @@ def test_the_summary_names_the_gpu_and_its_memory_or_the_cpu_and_its_features() 
     assert gpu.summary() == "CUDA0 (NVIDIA GeForce RTX 4090, 22.0 of 24.0 GiB free)" and gpu.on_gpu
     cpu = BackendReport(serving=["CPU"], gpu_offload=False, devices=[CPU], cpu_features=["AVX2", "FMA"])
     assert cpu.summary() == "CPU (AMD Ryzen 9 7950X; AVX2, FMA)" and not cpu.on_gpu
+    assert cpu.summary(with_features=False) == "CPU (AMD Ryzen 9 7950X)"
 
 
 def test_a_device_set_changes_with_the_gpu_but_not_with_free_memory() -> None:

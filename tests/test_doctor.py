@@ -120,7 +120,8 @@ def test_the_doctor_says_what_to_do_when_nothing_answers(tmp_path: Path) -> None
 
 def test_a_gpu_that_llama_cpp_was_not_built_for_is_named_with_the_rebuild(tmp_path: Path) -> None:
     """nvidia-smi answers (here a stand-in on PATH) but the build cannot offload: the doctor, and
-    `kafila join` as it starts, say the GPU sits idle and how to rebuild for it."""
+    `kafila join`, `kafila host` and `kafila probe` as they start, say the GPU sits idle, loudly,
+    with the rebuild command on a line of its own."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
@@ -149,3 +150,16 @@ def test_a_gpu_that_llama_cpp_was_not_built_for_is_named_with_the_rebuild(tmp_pa
     assert "GPU idle" in joined.stderr and "NVIDIA GPU sits idle" in joined.stderr, joined.stderr
     assert command in lines, joined.stderr  # on a line of its own, to copy
     assert any("llama.cpp serves on CPU (" in line for line in lines), joined.stderr
+    hosted = subprocess.run(
+        [sys.executable, "-m", "kafila", "host", "--model", str(tmp_path / "absent.gguf")],
+        capture_output=True, text=True, timeout=120, check=False, env=env,
+    )  # fmt: skip
+    assert hosted.returncode == 1 and "no model file" in hosted.stderr
+    assert "GPU idle" in hosted.stderr and command in [line.strip() for line in hosted.stderr.splitlines()]
+    probed = subprocess.run(
+        [sys.executable, "-m", "kafila", "probe", "--json"], capture_output=True, text=True, timeout=180, check=False,
+        env=env,
+    )  # fmt: skip
+    if probed.returncode == 0:  # a busy machine may refuse to be measured; the warning comes with a result
+        assert json.loads(probed.stdout)["probe"]["devices"]["idle_gpu"] == "NVIDIA"
+        assert "GPU idle" in probed.stderr and command in [line.strip() for line in probed.stderr.splitlines()]

@@ -140,9 +140,9 @@ class BackendReport(Strict):
     def on_gpu(self) -> bool:
         return any(device.kind in ("gpu", "igpu") for device in self.devices if device.name in self.serving)
 
-    def summary(self) -> str:
+    def summary(self, with_features: bool = True) -> str:
         """One line: the serving devices with what they are and their free memory, or the CPU with
-        its features."""
+        its features (`with_features`: where nothing else shows them)."""
         by_name = {device.name: device for device in self.devices}
         parts = []
         for name in self.serving:
@@ -150,8 +150,10 @@ class BackendReport(Strict):
             if device is None:
                 parts.append(name)
             elif device.kind == "cpu":
-                what = f"{device.description}; " if device.description else ""
-                parts.append(f"{name} ({what}{', '.join(self.cpu_features) or 'no features reported'})")
+                features = ", ".join(self.cpu_features) or "no features reported"
+                what = [device.description] if device.description else []
+                what += [features] if with_features else []
+                parts.append(f"{name} ({'; '.join(what)})" if what else name)
             else:
                 free = f"{device.free_bytes / 2**30:.1f} of {device.total_bytes / 2**30:.1f} GiB free"
                 parts.append(f"{name} ({device.description}, {free})" if device.description else f"{name} ({free})")

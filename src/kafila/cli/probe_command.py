@@ -86,7 +86,8 @@ def _render(result: DeviceProbe, entry: FleetDevice, console: Console) -> None:
     )
     summary.add_row("available memory", f"{result.memory_gib:.2f} GiB", result.memory_source)
     if result.devices is not None:
-        summary.add_row("serving on", escape(result.devices.summary()), "the devices llama.cpp's ggml sees")
+        serving = escape(result.devices.summary(with_features=False))
+        summary.add_row("serving on", serving, "as llama.cpp's ggml reports it")
     summary.add_row("CPU features", ", ".join(result.cpu_features) or "none reported", "as llama.cpp reports them")
     summary.add_row("weights", "repacked" if result.repack.repack else "not repacked", result.repack.reason)
     console.print(summary)
