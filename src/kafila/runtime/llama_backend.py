@@ -304,6 +304,10 @@ class ContextSettings:
     gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU
     quiet_threads: bool = True  # idle threads sleep: stages sharing a machine do not starve each other
     repack: bool | None = None  # llama.cpp's repacked weight buffers; None: as `repack_choice` decided here
+    # Rows a decode may ask logits of; None: every row (llama.cpp's default, n_batch). llama.cpp
+    # reserves its compute buffer for this many rows of logits, n_vocab floats each: 512 MiB for a
+    # 262k vocabulary at n_batch 512, where a head that asks one row per sequence needs n_seq_max.
+    max_outputs: int | None = None
 
 
 class VocabularyOnly:
@@ -364,6 +368,7 @@ class LlamaModel:
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_batch  # one graph per decode, so a callback sees every row at once
         params.n_seq_max = settings.n_seq_max
+        params.n_outputs_max = settings.max_outputs or 0
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.kv_unified = True  # keeps a batch's tokens in order across sequences
@@ -436,6 +441,9 @@ class LlamaModel:
         n = len(sequences)
         if n == 0 or n > self.settings.n_batch:
             raise ValueError(f"a decode takes 1 to {self.settings.n_batch} rows, not {n}")
+        limit = self.settings.max_outputs
+        if limit is not None and sum(map(bool, outputs)) > limit:  # llama.cpp would abort the process
+            raise ValueError(f"a decode of this context returns at most {limit} rows of logits")
         if tokens is not None:
             batch = self._token_batch
             for i, token in enumerate(tokens):
