@@ -163,7 +163,7 @@ def refuse(
         f"no division fits: '{device.name}' cannot hold its share (blocks {a}-{b - 1}{role}, "
         f"{need / 2**30:.2f} GiB with KV cache) in {device.memory_bytes / 2**30:.2f} GiB; "
         f"it is short by {shortfall} bytes ({shortfall / 2**30:.2f} GiB) even in the most even division "
-        f"(the session needs {(int(prefix.resident_bytes[-1]) + prefix.head_bytes) / 2**30:.2f} GiB in all; "
+        f"(the session needs {int(prefix.resident_matrix(True)[0, -1]) / 2**30:.2f} GiB in all; "
         f"the members have {sum(d.memory_bytes for d in devices) / 2**30:.2f} GiB)"
     )
     return PlanRefused(message, device=device.name, shortfall_bytes=shortfall)
@@ -359,4 +359,7 @@ def _holds_a_block(manifest: ModelManifest, device: Device, session: SessionSpec
     need = [
         weights + kv * tokens for weights, kv in zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
     ]
-    return min(sum(need[a:b]) for a, b in pairwise(manifest.cut_positions())) <= device.memory_bytes
+    smallest = min(
+        sum(need[a:b]) + manifest.context_bytes(a, b, False, session) for a, b in pairwise(manifest.cut_positions())
+    )
+    return smallest <= device.memory_bytes
