@@ -93,7 +93,10 @@ class Family:
     # llama.cpp's graph size for the family (llama_context::graph_max_nodes): its scheduler keeps
     # about 24 KiB of metadata per node, so a delta-net family's 40 nodes a batch row weigh
     graph_nodes: tuple[int, int, int] = (1024, 8, 0)  # at least, per tensor, per batch row
-    windowed: bool = False  # windowed (or chunked) and full attention layers: a batch builds two masks
+    # Whether llama.cpp windows (or chunks) some of the family's attention layers beside full ones
+    # (a batch then builds two masks, and a cache may be cut only near its end): True whatever the
+    # file says, False whatever it says (phi3: llama.cpp ignores its window), None as the file says.
+    windowed: bool | None = None
 
     def token_input_scale(self, n_embd: int) -> np.float32 | None:
         """The factor llama.cpp applies to token embeddings only, as the float32 sqrtf it computes."""
@@ -308,13 +311,23 @@ FAMILIES = {
             default_sliding_window=4096,
             input_restored_at="inp_scaled",
         ),
-        Family("phi3"),  # Phi-3 and Phi-4: its rope factor tensors are global, in every stage
+        # Phi-3 and Phi-4: its rope factor tensors are global, in every stage; llama.cpp disables its window
+        Family("phi3", windowed=False),
         Family("mistral3"),  # its attention temperature is keyed on positions, which stages keep
         Family("deepseek2", rules=_deepseek2_rules),
         Family("glm4moe", rules=_glm4moe_rules),
         Family("llama4", cut_points=_llama4_cut_points, windowed=True),  # chunked attention in 3 of 4 blocks
     )
 }
+
+
+def attention_windowed(arch: str, file_window: Any) -> bool:
+    """Whether llama.cpp runs windowed (or chunked) attention layers for a model of `arch` whose
+    file names `file_window` (`attention.sliding_window`, None where absent)."""
+    family = FAMILIES.get(arch)
+    if family is not None and family.windowed is not None:
+        return family.windowed
+    return isinstance(file_window, int) and not isinstance(file_window, bool) and file_window > 0
 
 
 class UnsupportedFamily(ValueError):

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kafila.planner.types import MAX_BLOCKS, ContextNeeds, ModelManifest
-from kafila.runtime.families import FAMILIES, Family
+from kafila.runtime.families import FAMILIES, Family, attention_windowed
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 from kafila.runtime.slicer import prediction_blocks
 
@@ -140,7 +140,7 @@ def _context_needs(
     ffn = max(widest("feed_forward_length"), routed + shared) + widest("expert_count")
     heads = max(query_width, 2 * widest("ssm.inner_size"))
     values = ACTIVATION_VALUES["embd"] * n_embd + ACTIVATION_VALUES["heads"] * heads + ACTIVATION_VALUES["ffn"] * ffn
-    windowed = (family is not None and family.windowed) or reader.scalar(f"{arch}.attention.sliding_window") is not None
+    windowed = attention_windowed(arch, reader.scalar(f"{arch}.attention.sliding_window"))
     least, per_tensor, per_row = family.graph_nodes if family is not None else Family("").graph_nodes
     return ContextNeeds(
         block_tensors=tuple(block_tensors),
