@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -24,6 +23,7 @@ from kafila.runtime.pipeline import generate as run_generation
 from kafila.runtime.sampling import SamplingSettings
 from kafila.runtime.slicer import SliceError
 from kafila.runtime.stage_cache import check_stage_cache_setting
+from kafila.runtime.threads import serving_threads
 
 
 def default_model() -> Path | None:
@@ -118,9 +118,7 @@ def generate(
         sampling = SamplingSettings(
             temperature=temperature, top_k=top_k, top_p=top_p, repeat_penalty=repeat_penalty, seed=seed
         )
-        settings = ContextSettings(
-            n_ctx=context, n_batch=64, n_seq_max=1, n_threads=threads or max(1, os.cpu_count() or 1)
-        )
+        settings = ContextSettings(n_ctx=context, n_batch=64, n_seq_max=1, n_threads=threads or serving_threads())
         if as_json:
             engine = open_engine(path, counts, settings)
         else:

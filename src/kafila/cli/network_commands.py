@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 from typing import Annotated
 
@@ -16,6 +15,7 @@ from kafila.cli.errors import fail, stderr
 from kafila.network.nat import probe_nat
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import SESSION_PATH, start_rendezvous
+from kafila.portability import run, signals_handled
 
 
 def parse_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
@@ -41,7 +41,7 @@ def nat(
     except (ValueError, OSError) as error:
         fail(f"bad --rendezvous {rendezvous!r}: {error}", as_json)
     try:
-        report = asyncio.run(probe_nat((str(address), port), bind_host=bind))
+        report = run(probe_nat((str(address), port), bind_host=bind))
     except (ConnectionError, OSError) as error:
         fail(str(error), as_json)
     if as_json:
@@ -117,12 +117,10 @@ def rendezvous(
         print(f"READY {endpoints.address}:{endpoints.port}", flush=True)
         print(f"HTTP {http_host}:{http_bound}", flush=True)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
         try:
-            await stop.wait()
+            with signals_handled(asyncio.get_running_loop(), lambda _signum: stop.set()):
+                await stop.wait()
         finally:
             await handle.close()
 
-    asyncio.run(serve())
+    run(serve())
