@@ -8,6 +8,8 @@ the condition it handles; none has run on Windows (docs/runtime.md, "Windows and
   punching LAN candidates provokes exactly that, so links would never come up.
 - `ignore_udp_connection_resets`: Windows reports an ICMP port unreachable as a
   ConnectionResetError on the socket's next receive; every UDP socket Kafila binds turns that off.
+- `reuse_listening_address`: SO_REUSEADDR on a listening TCP socket, except on Windows, where it
+  would let a second server take the same port.
 - `signals_handled`: Ctrl-C and SIGTERM reach a handler on the event loop, also where the loop
   has no `add_signal_handler` (every loop on Windows).
 """
@@ -64,6 +66,14 @@ def ignore_udp_connection_resets(sock: Any, control: int | None = SIO_UDP_CONNRE
         return
     with contextlib.suppress(OSError):  # an old or unusual stack without it: the loop copes anyway
         ioctl(control, False)
+
+
+def reuse_listening_address(sock: socket.socket, platform: str = sys.platform) -> None:
+    """Let a restarted server listen again at once on its TCP port, as asyncio's own servers do
+    on POSIX. Not on Windows, where SO_REUSEADDR would let a second server bind the same port
+    while the first still listens (asyncio leaves it off there too)."""
+    if platform != "win32":
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 
 
 async def open_udp_endpoint(

@@ -28,7 +28,7 @@ from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
-from kafila.portability import run, signals_handled
+from kafila.portability import reuse_listening_address, run, signals_handled
 from kafila.runtime.llama_backend import LlamaUnavailable, idle_gpu_advice, load_llama, shares_cores_env
 from kafila.runtime.local_plan import admit_alone, this_device
 from kafila.runtime.manifest import read_manifest
@@ -49,7 +49,7 @@ DEMO_MEMBERS = 3
 def _listening_socket(bind_ip: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in bind_ip else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reuse_listening_address(sock)
     try:
         sock.bind((bind_ip, port))
     except OSError as error:
