@@ -11,6 +11,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -182,6 +184,36 @@ def test_outside_the_main_thread_the_signals_stay_as_they_were() -> None:
     assert outcome == [signal.SIG_DFL]
 
 
+# Runs `python -m kafila ARGS` with every event loop refusing `add_signal_handler`, as on Windows.
+AS_ON_WINDOWS = """
+import asyncio.unix_events, runpy, sys
+def refuse(*args, **kwargs):
+    raise NotImplementedError
+asyncio.unix_events._UnixSelectorEventLoop.add_signal_handler = refuse
+asyncio.unix_events._UnixSelectorEventLoop.remove_signal_handler = refuse
+sys.argv = ["kafila", *sys.argv[1:]]
+runpy.run_module("kafila", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_kafila_rendezvous_without_add_signal_handler_starts_and_ends_on_a_signal(signum: int) -> None:
+    command = [sys.executable, "-c", AS_ON_WINDOWS, "rendezvous", "--host", "127.0.0.1", "--http-port", "0",
+               "--stun-port", "0"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().startswith("READY ")
+        assert process.stdout.readline().startswith("HTTP ")  # printed once the handlers are in
+        process.send_signal(signum)
+        _, errors = process.communicate(timeout=WAIT * 3)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, errors
+    assert "Traceback" not in errors
+
+
 # --- UDP ------------------------------------------------------------------------------------
 
 
@@ -229,14 +261,14 @@ def test_open_udp_endpoint_refuses_a_taken_port_and_keeps_no_socket() -> None:
     async def main() -> None:
         transport, _ = await open_udp_endpoint(asyncio.DatagramProtocol, ("127.0.0.1", 0))
         try:
+            open_before = os.listdir("/proc/self/fd")
             with pytest.raises(OSError):
                 await open_udp_endpoint(asyncio.DatagramProtocol, transport.get_extra_info("sockname"))
+            assert os.listdir("/proc/self/fd") == open_before
         finally:
             transport.close()
 
-    open_before = len(os.listdir("/proc/self/fd"))
     run(main())
-    assert len(os.listdir("/proc/self/fd")) == open_before
 
 
 class RecordingDemux(DatagramDemux):

@@ -109,16 +109,16 @@ def rendezvous(
             )
         except OSError as error:
             fail(f"cannot bind the rendezvous's sockets: {error}", False)
-        endpoints = handle.stun.endpoints
-        where = ", ".join(f"{a}:{p}" for a, p in endpoints.local())
-        stderr.print(f"STUN on {where}" + ("" if alt_address else " (one address: no RFC 5780 change of IP)"))
-        http_host, http_bound = handle.http_address
-        stderr.print(f"signalling on ws://{http_host}:{http_bound}{SESSION_PATH}; relay ports on {host}")
-        print(f"READY {endpoints.address}:{endpoints.port}", flush=True)
-        print(f"HTTP {http_host}:{http_bound}", flush=True)
         stop = asyncio.Event()
-        try:
+        try:  # the handlers are in before READY: whoever waits for it may stop the rendezvous at once
             with signals_handled(asyncio.get_running_loop(), lambda _signum: stop.set()):
+                endpoints = handle.stun.endpoints
+                where = ", ".join(f"{a}:{p}" for a, p in endpoints.local())
+                stderr.print(f"STUN on {where}" + ("" if alt_address else " (one address: no RFC 5780 change of IP)"))
+                http_host, http_bound = handle.http_address
+                stderr.print(f"signalling on ws://{http_host}:{http_bound}{SESSION_PATH}; relay ports on {host}")
+                print(f"READY {endpoints.address}:{endpoints.port}", flush=True)
+                print(f"HTTP {http_host}:{http_bound}", flush=True)
                 await stop.wait()
         finally:
             await handle.close()
