@@ -34,7 +34,7 @@ from kafila.runtime.local_plan import admit_alone, this_device
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.slicer import check_family
 from kafila.runtime.stage_cache import check_stage_cache_setting
-from kafila.runtime.threads import serving_threads
+from kafila.runtime.threads import THREADS_HELP, serving_threads
 from kafila.session.availability import Availability
 from kafila.session.runner import HostConfig, HostRunner, lan_address, supervised
 
@@ -136,7 +136,7 @@ def host(
             "any other are refused, so a web page cannot reach the API by rebinding its own name to this machine.",
         ),
     ] = None,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help=THREADS_HELP)] = None,
     memory: Annotated[
         str | None,
         typer.Option(

@@ -21,7 +21,7 @@ from kafila.portability import run
 from kafila.runtime.llama_backend import LlamaUnavailable, idle_gpu_advice, load_llama
 from kafila.runtime.probe import memory_pressure
 from kafila.runtime.stage_cache import check_stage_cache_setting
-from kafila.runtime.threads import serving_threads
+from kafila.runtime.threads import THREADS_HELP, serving_threads
 from kafila.session.member_runner import MemberConfig, run_member
 
 
@@ -52,7 +52,7 @@ def join(
         typer.Option("--model", help="This machine's own copy of the model: its stage is cut from it, not sent."),
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="This machine's name in the session.")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help=THREADS_HELP)] = None,
     memory: Annotated[str | None, typer.Option("--memory", help=MEMORY_HELP)] = None,
 ) -> None:
     """Join a session: this machine runs the blocks the host assigns it, until the host ends the session.

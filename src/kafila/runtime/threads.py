@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+THREADS_HELP = "Threads for llama.cpp; default: one per physical core (on Apple silicon, per performance core)."
+
 
 @dataclass(frozen=True)
 class ThreadFigures:
