@@ -14,7 +14,7 @@ import platform
 import shutil
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.runtime.cpu_safety import REPACK_SETTING, RepackChoice, choose_repack, repack_mode
+from kafila.runtime.threads import serving_threads
 
 
 class LlamaUnavailable(RuntimeError):
@@ -300,7 +301,7 @@ class ContextSettings:
     n_ctx: int = 4096
     n_batch: int = 512
     n_seq_max: int = 4
-    n_threads: int = max(1, os.cpu_count() or 1)
+    n_threads: int = field(default_factory=serving_threads)  # as the probe measured with
     gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU
     quiet_threads: bool = True  # idle threads sleep: stages sharing a machine do not starve each other
     repack: bool | None = None  # llama.cpp's repacked weight buffers; None: as `repack_choice` decided here
