@@ -309,6 +309,9 @@ class ContextSettings:
     # reserves its compute buffer for this many rows of logits, n_vocab floats each: 512 MiB for a
     # 262k vocabulary at n_batch 512, where a head that asks one row per sequence needs n_seq_max.
     max_outputs: int | None = None
+    # Flash attention on or off; None leaves llama.cpp to choose (auto: on where the backend has it).
+    # Stages of one ring may differ: the floats then differ slightly, which `agreement` measures.
+    flash_attn: bool | None = None
 
 
 class VocabularyOnly:
@@ -374,6 +377,11 @@ class LlamaModel:
         params.n_threads_batch = settings.n_threads
         params.kv_unified = True  # keeps a batch's tokens in order across sequences
         params.no_perf = True
+        if settings.flash_attn is not None:
+            ll = self._llama
+            params.flash_attn_type = (
+                ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
         self._callback = None
         if eval_callback is not None:
             self._callback = self._llama.ggml_backend_sched_eval_callback(eval_callback)
