@@ -302,7 +302,7 @@ class ContextSettings:
     n_batch: int = 512
     n_seq_max: int = 4
     n_threads: int = field(default_factory=serving_threads)  # as the probe measured with
-    gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU
+    gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU; 0: the CPU alone (see LlamaModel)
     quiet_threads: bool = True  # idle threads sleep: stages sharing a machine do not starve each other
     repack: bool | None = None  # llama.cpp's repacked weight buffers; None: as `repack_choice` decided here
     # Rows a decode may ask logits of; None: every row (llama.cpp's default, n_batch). llama.cpp
@@ -377,6 +377,11 @@ class LlamaModel:
         params.n_threads_batch = settings.n_threads
         params.kv_unified = True  # keeps a batch's tokens in order across sequences
         params.no_perf = True
+        if settings.gpu_layers == 0 and self._llama.llama_supports_gpu_offload():
+            # No layer on a GPU means no work there either: llama.cpp would otherwise run a large
+            # batch's products on a GPU it finds (a CPU stage of a mixed ring). The KV cache stays
+            # with its layers, on the CPU, as it is.
+            params.op_offload = False
         if settings.flash_attn is not None:
             ll = self._llama
             params.flash_attn_type = (
