@@ -8,6 +8,8 @@ norm weight of its first stage scaled by 1.1 is flagged.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.slicer import slice_model
 from kafila.runtime.stage import WholeModel
 
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SETTINGS = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=1, n_threads=2)
 PROMPT = "hello world, the kafila model is in a block of the world and it is to the model of the world"
 GEMMA_TURN = "<start_of_turn>user\nWrite a short story about a lighthouse keeper.<end_of_turn>\n<start_of_turn>model\n"
@@ -160,3 +163,26 @@ def test_the_real_model_mixing_flash_attention_is_within_tolerance(gemma_path: P
     flagged = compare_ring(gemma_path, on, [(bad, on), (files[1], on)], prompt, steps=8)
     problems = flagged.problems(Tolerance())
     assert [problem.split(" ")[0] for problem in problems] == ["hidden", "logits:"], flagged.lines()
+
+
+def _script(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(SCRIPTS / "backend_agreement.py"), "--tiny", "--threads", "2", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_script_passes_a_mixed_ring_fails_a_wrong_one_and_refuses_bad_input() -> None:
+    """scripts/backend_agreement.py, as the device check runs it: 0 within tolerance, 1 out of it,
+    2 and one line for input it cannot take."""
+    within = _script("--flash-attn", "off,on", "--steps", "16")
+    assert within.returncode == 0, within.stdout + within.stderr
+    assert "WITHIN tolerance" in within.stdout and "stages: cpu/flash-attn off, cpu/flash-attn on" in within.stdout
+    out = _script("--steps", "16", "--perturb", "blk.1.attn_norm.weight=1.1")
+    assert out.returncode == 1 and "OUT OF tolerance" in out.stdout, out.stdout + out.stderr
+    for bad, said in [
+        (["--flash-attn", "on,of"], "--flash-attn takes 2 of on/off/auto, comma-separated, not 'on,of'"),
+        (["--perturb", "nope=2"], "--perturb nope=2: the first stage has no float32 tensor nope"),
+        (["--split", "3,3"], "blocks"),
+    ]:
+        refused = _script(*bad)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert refused.stderr.startswith("backend_agreement: ") and said in refused.stderr
