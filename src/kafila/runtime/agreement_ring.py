@@ -162,7 +162,8 @@ def compare_ring(
 
     The unsplit model generates greedily, capturing its residual at the ring's cuts; the ring is
     then fed the same tokens (teacher-forced) and compared position by position; last, the ring
-    generates freely from a clean cache and where its tokens part from the unsplit ones is noted."""
+    generates freely from a clean cache and where its tokens part from the unsplit ones is noted.
+    Of `tolerance`, only the near-tie margin is used here; `AgreementReport.problems` judges."""
     if steps < 1:
         raise ValueError("compare at least one generated token")
     margin = (tolerance or Tolerance()).near_tie_margin
