@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -128,11 +129,14 @@ def admission(args: argparse.Namespace, work: Path) -> int:
     )
     offloads = bool(llama().llama_supports_gpu_offload())
     first = slice_model(path, [half, n - half], work / "stages")[0].path
-    for label, file, need in (
-        ("whole model", path, whole_need),
-        (f"first stage, blocks 0-{half - 1}", first, first_need),
-    ):
-        buffers, weights, taken = loaded_buffers(file, settings)
+    # As HeadStage and WholeModel load it: a row of logits per sequence; a block stage asks none.
+    as_head = replace(settings, max_outputs=settings.n_seq_max)
+    loads = [
+        ("whole model", path, whole_need, as_head),
+        (f"first stage, blocks 0-{half - 1}", first, first_need, settings),
+    ]
+    for label, file, need, load_settings in loads:
+        buffers, weights, taken = loaded_buffers(file, load_settings)
         on_gpu = sum(mib for name, mib in buffers.items() if not name.startswith("CPU"))
         total = sum(buffers.values())
         listed = ", ".join(f"{k} {v:.1f}" for k, v in sorted(buffers.items())) or "none logged"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,7 @@ class UnsplitReference:
         self._ggml = GGMLBase.load()
         self._targets = {f"l_out-{block}".encode(): index for index, block in enumerate(after_blocks)}
         self._captured: list[list[FloatRows]] = [[] for _ in after_blocks]
+        settings = replace(settings, max_outputs=settings.n_seq_max)  # as WholeModel: a row of logits per sequence
         self.model = LlamaModel(path, settings, eval_callback=self._on_tensor)
         self.after_blocks = tuple(after_blocks)
 
