@@ -32,6 +32,7 @@ from kafila.session.protocol import (
     Assign,
     ControlError,
     End,
+    Failed,
     Hello,
     control_frame,
     parse_control,
@@ -78,7 +79,9 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         machine="f" * 16,
         priced_models=[pricing.model_copy(update={"bandwidth_gb_s": 1 / 3})] * MAX_MODEL_PRICINGS,
     )  # the most a member may report still fits in one control message
-    for message in (hello, fullest, assign, End(reason="bye")):
+    short = Failed(epoch=3, message="failed to allocate buffer for kv cache", out_of_memory=True, can_hold_bytes=2**30)
+    planned = assign.model_copy(update={"need_bytes": 3 * 2**30})
+    for message in (hello, fullest, assign, planned, short, End(reason="bye")):
         assert parse_control(control_frame(message)) == message
     good = {"model_sha256": sha, "bandwidth_gb_s": 1.0, "head_bandwidth_gb_s": 1.0, "overhead_us": 1.0}
 
@@ -87,6 +90,11 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         return Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload)
 
     assert parse_control(hello_frame([good])) == Hello(priced_models=[ModelPricing.model_validate(good)])
+
+    def failed_frame(**fields: object) -> Frame:
+        payload = json.dumps({"type": "failed", "epoch": 3, "message": "no", **fields}).encode()
+        return Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload)
+
     bad = [
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"{not json"),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "assign"}'),
@@ -96,6 +104,11 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         hello_frame([dict(good, model_sha256="x")]),  # no hash
         hello_frame([good] * 17),  # more than a member reports
         Frame(Kind.PING, 3, payload=b'{"type": "end", "reason": "x"}'),
+        failed_frame(out_of_memory="sometimes"),  # a flag, not a word
+        failed_frame(out_of_memory=True, can_hold_bytes=-1),
+        failed_frame(out_of_memory=True, can_hold_bytes=2**61),  # beyond any machine
+        failed_frame(out_of_memory=True, can_hold_bytes=1.5),
+        failed_frame(message="x" * 4001),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"x" * 70_000),
     ]
     for frame in bad:
