@@ -73,8 +73,8 @@ main()
 
 def room_for_one_block(model: Path, cache: Path) -> int:
     """Bytes past its start that let a process load a stage of one block, but not allocate the KV
-    cache of two: halfway between what a one-block stage adds (measured here: llama.cpp's compute
-    buffer and allocator are not in the plan) and two blocks' cache (the plan's own figure)."""
+    cache of two: halfway between what a one-block stage adds (measured here, allocator and all)
+    and two blocks' cache (the manifest's figure)."""
     stages = cached_slices(model, [1, 3], cache)
     command = [sys.executable, "-c", MEASURE_LOAD, str(CONTEXT * CONCURRENCY), str(CONCURRENCY), str(stages[0].path)]
     one = int(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
