@@ -250,7 +250,7 @@ class MemoryShortage:
     member said it could hold, if it could tell."""
 
     blocks: tuple[int, int]  # [first, end)
-    needed_bytes: int  # the plan's estimate: weights and KV cache
+    needed_bytes: int  # the plan's estimate: weights, KV cache and llama.cpp's context
     can_hold_bytes: int | None = None
 
 
