@@ -353,13 +353,17 @@ def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], sessio
 
 
 def _holds_a_block(manifest: ModelManifest, device: Device, session: SessionSpec) -> bool:
-    """Whether the device can hold the smallest stage there can be (a block, where the model may be
-    cut anywhere) and its KV cache."""
+    """Whether the device can hold the smallest stage there can be, with its cache and context."""
+    return smallest_stage_bytes(manifest, session) <= device.memory_bytes
+
+
+def smallest_stage_bytes(manifest: ModelManifest, session: SessionSpec) -> int:
+    """The bytes of the smallest stage there can be (a block, where the model may be cut anywhere)
+    with its KV cache and llama.cpp context: a machine that cannot lend that holds no stage at all."""
     tokens = session.context * session.concurrency
     need = [
         weights + kv * tokens for weights, kv in zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
     ]
-    smallest = min(
+    return min(
         sum(need[a:b]) + manifest.context_bytes(a, b, False, session) for a, b in pairwise(manifest.cut_positions())
     )
-    return smallest <= device.memory_bytes

@@ -142,6 +142,26 @@ def last_error(default: str = "no reason given") -> str:
     return "; ".join(_ERRORS[-3:]) if _ERRORS else _WARNINGS[-1] if _WARNINGS else default
 
 
+# What llama.cpp and ggml log when a buffer cannot be had (ggml's CPU, CUDA and Metal backends,
+# llama's KV cache and compute buffers), lower-cased.
+ALLOCATION_FAILURES = (
+    "failed to allocate",
+    "unable to allocate",
+    "out of memory",
+    "insufficient memory",
+    "cudamalloc failed",
+)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a failed load or context creation failed for lack of memory (its message carries
+    llama.cpp's errors, `last_error`), rather than for a bad file or a bug."""
+    if isinstance(error, MemoryError):
+        return True
+    message = str(error).lower()
+    return any(failure in message for failure in ALLOCATION_FAILURES)
+
+
 def _forget_errors() -> None:
     """Before a load: what an earlier one logged explains nothing about this one."""
     _ERRORS.clear()
