@@ -20,7 +20,7 @@ def compositions(n_blocks: int, n_parts: int, starts: Sequence[int] | None = Non
 def need_bytes(manifest: ModelManifest, session: SessionSpec, start: int, end: int, is_head: bool) -> int:
     blocks = sum(manifest.block_bytes[start:end])
     kv = sum(manifest.kv_bytes_per_token[start:end]) * session.context * session.concurrency
-    return blocks + kv + (manifest.head_bytes if is_head else 0)
+    return blocks + kv + manifest.context_bytes(start, end, is_head, session) + (manifest.head_bytes if is_head else 0)
 
 
 def decode_read_bytes(manifest: ModelManifest, block: int) -> int:

@@ -74,9 +74,24 @@ def check_concurrent_streams(client: openai.OpenAI, model: str, alone: Callable[
     # changes how its attention rounds, and caches that other requests left in the shared cache
     # move them: enough to break a near-tie of the random tiny model after a token or two.
     starts = {prompt: alone(prompt, 1).rstrip("\ufffd") for prompt in PROMPTS}
+    # And no stream follows another prompt's continuation further than its own: a stream that got
+    # another's rows would match that one's text, not part from its own after a near-tie.
+    continuations = {prompt: alone(prompt, 16) for prompt in PROMPTS}
     for prompt, (text, finish, tokens) in results.items():
         assert finish == "length" and tokens == 16, prompt
         assert text.startswith(starts[prompt]), prompt
+        own = _shared_start(text, continuations[prompt])
+        for other in PROMPTS:
+            if other != prompt:
+                assert _shared_start(text, continuations[other]) <= own, (prompt, text, other)
+
+
+def _shared_start(a: str, b: str) -> int:
+    """How many characters two texts begin with in common, leaving out the replacement characters
+    of bytes that are no text alone: a stream decodes them piece by piece, and many a tiny model's
+    continuations start with some."""
+    a, b = a.replace("\ufffd", ""), b.replace("\ufffd", "")
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @contextmanager

@@ -18,9 +18,9 @@ from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
 from kafila.runtime.engine_loop import EngineLoop
-from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.llama_backend import ContextSettings, LlamaModel
 from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import Engine, PrefixCut, open_engine, prefix_cut_of
+from kafila.runtime.pipeline import Engine, PrefixCut, open_engine, prefix_cut, prefix_cut_of
 from kafila.runtime.sampling import SamplingSettings
 from kafila.runtime.scheduler import Event, Failed, Finished, Job, TextDelta
 
@@ -93,6 +93,18 @@ def test_a_second_turn_prefills_only_what_is_new_and_decodes_what_a_full_prefill
     finally:
         fresh.close()
     assert full.cached_tokens == 0 and text == expected, arch
+
+
+def test_the_header_says_where_a_cache_may_be_cut_as_the_loaded_model_does(family: tuple[str, Path]) -> None:
+    """A ring's host decides from the whole model's header (`prefix_cut_of`), an unsplit engine
+    from the model llama.cpp loaded: for every family both come to the same answer."""
+    arch, model = family
+    loaded = LlamaModel(model, SETTINGS)
+    try:
+        truth = prefix_cut(not loaded.holds_positions, loaded.sliding_window > 0)
+    finally:
+        loaded.close()
+    assert prefix_cut_of(model) is truth, arch
 
 
 def test_a_windowed_cache_is_not_cut_far_from_its_end_and_still_decodes_right(tmp_path: Path) -> None:

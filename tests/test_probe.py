@@ -30,12 +30,12 @@ from kafila.runtime.probe import (
     fit_line,
     low_quantile,
     mem_available_bytes,
-    physical_cores,
     q8_0_bytes,
     random_q8_0,
     significant,
     write_probe_model,
 )
+from kafila.runtime.threads import physical_cores
 
 T = TypeVar("T")
 FLEET_KEYS = {"name", "bandwidth_gb_s", "overhead_us", "tflops", "memory_gib"}

@@ -13,6 +13,7 @@ from kafila.network.rendezvous_client import RendezvousClosed, RendezvousError
 from kafila.session.core import (
     ANSWERED,
     GUESS_BUDGET,
+    MEMORY_LOWERINGS,
     REBALANCE_CHECK_S,
     WAIT,
     AbandonRing,
@@ -33,7 +34,9 @@ from kafila.session.core import (
     JoinerRefused,
     Judged,
     JudgeRebalance,
+    LowerMemory,
     MemberFailed,
+    MemoryShortage,
     NewcomerChecked,
     Observed,
     Opened,
@@ -442,6 +445,89 @@ def test_a_member_that_fails_its_part_is_sent_home_and_the_rest_planned_again_do
     assert host.handle(ServedAlone()) == [] and host.phase == Phase.SERVING
 
 
+GIB = 2**30
+OUT_OF_MEMORY = "workstation could not load its stage: ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate"
+
+
+def ran_out(needed: int, can_hold: int | None = None, smallest: int = GIB // 4) -> MemberFailed:
+    """The workstation could not load blocks 2-5 for lack of memory."""
+    shortage = MemoryShortage((2, 6), needed, can_hold)
+    return MemberFailed("workstation", OUT_OF_MEMORY, shortage, smallest, "workstation")
+
+
+def test_a_member_that_runs_out_of_memory_is_planned_again_with_less_of_it_not_sent_home() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(Gathered(("laptop", "workstation")))
+    assert host.handle(ran_out(4 * GIB)) == [
+        Warn(
+            "workstation ran out of memory loading blocks 2-5 (needed 4.00 GiB); replanning with 3.00 GiB for it",
+            OUT_OF_MEMORY,
+        ),
+        LowerMemory("workstation", 3 * GIB),
+        Deploy(("laptop", "workstation")),  # the same members again
+    ]
+    assert host.phase == Phase.DEPLOYING
+    assert host.handle(Deployed(3)) == [] and host.phase == Phase.SERVING
+
+
+def test_what_a_member_says_it_can_hold_lowers_its_memory_further() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(Gathered(("laptop", "workstation")))
+    commands = host.handle(ran_out(4 * GIB, can_hold=GIB))
+    assert LowerMemory("workstation", GIB) in commands and commands[-1] == Deploy(("laptop", "workstation"))
+    commands = host.handle(ran_out(4 * GIB, can_hold=8 * GIB))  # more free than 3/4 of the need: 3/4 it is
+    assert LowerMemory("workstation", 3 * GIB) in commands
+
+
+def test_a_member_short_of_memory_again_and_again_is_left_out_at_last() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(Gathered(("laptop", "workstation")))
+    needed = 8 * GIB
+    for _ in range(MEMORY_LOWERINGS):
+        commands = host.handle(ran_out(needed))
+        lowered = next(c.memory_bytes for c in commands if isinstance(c, LowerMemory))
+        assert lowered == needed * 3 // 4 and commands[-1] == Deploy(("laptop", "workstation"))
+        needed = lowered
+    assert host.handle(ran_out(needed)) == [
+        Warn(
+            "leaving a member out", f"{OUT_OF_MEMORY} (still short of memory after {MEMORY_LOWERINGS} smaller shares)"
+        ),
+        Dismiss(
+            "workstation",
+            f"the host left this member out: {OUT_OF_MEMORY} (still short of memory after {MEMORY_LOWERINGS} "
+            "smaller shares)",
+        ),
+    ]
+    assert host.handle(Dismissed("workstation", ("laptop", "workstation"))) == [Deploy(("laptop",))]
+
+
+def test_a_member_that_could_not_hold_even_the_smallest_stage_is_left_out() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(Gathered(("laptop", "workstation")))
+    commands = host.handle(ran_out(GIB, smallest=GIB))  # 3/4 of a block: no stage fits it
+    assert commands == [
+        Warn("leaving a member out", f"{OUT_OF_MEMORY} (it cannot hold even the smallest stage)"),
+        Dismiss(
+            "workstation", f"the host left this member out: {OUT_OF_MEMORY} (it cannot hold even the smallest stage)"
+        ),
+    ]
+
+
+def test_a_member_short_of_memory_in_a_replan_is_planned_again_with_the_members_of_that_replan() -> None:
+    host = serving_ring(("laptop", "workstation", "phone"))
+    host.handle(seen(1.0, deployed=frozenset({"laptop", "workstation", "phone"}), alive=RING))  # phone lost
+    assert host.handle(Retired(("laptop", "workstation"))) == [Deploy(("laptop", "workstation"))]
+    assert host.handle(ran_out(2 * GIB))[-1] == Deploy(("laptop", "workstation"))
+    assert said(host.handle(Deployed(3))) == [
+        "replanned with 3 members",
+        f"a seat is free again; to fill it: {JOIN}",
+    ]
+
+
 def test_a_replan_with_no_member_left_serves_alone() -> None:
     host = serving_ring(("laptop",))
     host.handle(seen(1.0, deployed=frozenset({"laptop"}), alive=frozenset()))
@@ -518,6 +604,9 @@ events = st.one_of(
     st.builds(Retired, st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple)),
     st.builds(Deployed, st.integers(1, 4)),
     st.builds(MemberFailed, st.sampled_from(MEMBERS), st.just("stalled")),
+    st.builds(MemberFailed, st.sampled_from(MEMBERS), st.just("ran out of memory"),
+              st.builds(MemoryShortage, st.just((0, 2)), st.integers(0, 2**40), st.none() | st.integers(0, 2**40)),
+              st.integers(0, 2**40)),
     st.builds(Dismissed, st.sampled_from(MEMBERS), st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple)),
     st.builds(DeployFailed, st.just("does not fit"), st.booleans()),
     st.just(ServedAlone()),

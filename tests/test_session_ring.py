@@ -37,8 +37,12 @@ from kafila.session.protocol import (
     MAX_MODEL_PRICINGS,
     Assign,
     ControlError,
+    EdgePath,
     End,
+    Failed,
     Hello,
+    Load,
+    Staged,
     control_frame,
     parse_control,
 )
@@ -94,7 +98,9 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
             idle_gpu="V" * 64,
         ),
     )  # the most a member may report still fits in one control message
-    for message in (hello, fullest, assign, End(reason="bye")):
+    short = Failed(epoch=3, message="failed to allocate buffer for kv cache", out_of_memory=True, can_hold_bytes=2**30)
+    planned = assign.model_copy(update={"need_bytes": 3 * 2**30})
+    for message in (hello, fullest, assign, planned, short, End(reason="bye")):
         assert parse_control(control_frame(message)) == message
     good = {"model_sha256": sha, "bandwidth_gb_s": 1.0, "head_bandwidth_gb_s": 1.0, "overhead_us": 1.0}
 
@@ -103,6 +109,11 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         return Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload)
 
     assert parse_control(hello_frame([good])) == Hello(priced_models=[ModelPricing.model_validate(good)])
+
+    def failed_frame(**fields: object) -> Frame:
+        payload = json.dumps({"type": "failed", "epoch": 3, "message": "no", **fields}).encode()
+        return Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload)
+
     bad = [
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"{not json"),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "assign"}'),
@@ -112,6 +123,11 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         hello_frame([dict(good, model_sha256="x")]),  # no hash
         hello_frame([good] * 17),  # more than a member reports
         Frame(Kind.PING, 3, payload=b'{"type": "end", "reason": "x"}'),
+        failed_frame(out_of_memory="sometimes"),  # a flag, not a word
+        failed_frame(out_of_memory=True, can_hold_bytes=-1),
+        failed_frame(out_of_memory=True, can_hold_bytes=2**61),  # beyond any machine
+        failed_frame(out_of_memory=True, can_hold_bytes=1.5),
+        failed_frame(message="x" * 4001),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"x" * 70_000),
     ]
     for frame in bad:
@@ -298,3 +314,46 @@ def test_a_member_links_only_to_neighbours_with_the_fingerprint_the_host_verifie
     )  # fmt: skip
     with pytest.raises(ValueError, match="without its verified fingerprint"):
         asyncio.run(links.for_assignment(assign))
+
+
+def test_a_member_with_less_free_memory_than_its_stage_needs_says_so_without_loading_it(tmp_path: Path) -> None:
+    """The host's assignment says what the stage needs; a member following it over a real link,
+    with less free than that, answers the host's `load` with `failed`, out of memory, and what it
+    has free, and goes on following the host."""
+    from kafila.session.member import MemberState, RingLinks, follow_host
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    stage = cached_slices(model, [2, 2], tmp_path / "cache")[0]  # in the member's cache already
+
+    async def nobody(_vouched: dict[str, str]) -> dict[str, tuple[LinkRouter, EdgePath]]:
+        raise AssertionError("a stage between the host and the host links to no one")
+
+    async def scenario() -> tuple[object, list[str]]:
+        host, member, demuxes = await _linked_routers()
+        said: list[str] = []
+        state = MemberState(tmp_path / "cache", None, 1, said.append)
+        following = asyncio.create_task(follow_host(RingLinks(member, nobody, said.append), state, None))
+        try:
+            assert isinstance(await host.next_control(10), Hello)
+            assign = Assign(
+                epoch=1, stage_index=0, first_block=0, end_block=2, sha256=stage.sha256, size=stage.n_bytes,
+                source="cache", predecessor="host", successor="host", n_ctx=256, n_batch=32, n_seq_max=2,
+                need_bytes=2**59,  # more than any machine has
+            )  # fmt: skip
+            await host.send_control(assign)
+            assert isinstance(await host.next_control(10), Staged)
+            await host.send_control(Load(epoch=1))
+            failed = await host.next_control(10)
+            await host.send_control(End(reason="done"))
+            assert await asyncio.wait_for(following, 10) == "done"
+            return failed, said
+        finally:
+            following.cancel()
+            for demux in demuxes:
+                demux.close()
+
+    failed, said = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert isinstance(failed, Failed) and failed.epoch == 1 and failed.out_of_memory, failed
+    assert failed.can_hold_bytes is not None and 0 < failed.can_hold_bytes < 2**59, failed
+    assert "GiB free here; blocks 0-1 need 536870912.00 GiB" in failed.message, failed.message
+    assert any("cannot load stage 0" in line for line in said), said

@@ -8,7 +8,6 @@ so the advice is tested without a network or a GPU.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 from dataclasses import asdict, dataclass
@@ -25,6 +24,7 @@ from kafila.cli.errors import fail
 from kafila.cli.network_commands import parse_host_port
 from kafila.contracts import NatClass
 from kafila.network.rendezvous_server import DEFAULT_HTTP_PORT
+from kafila.portability import ignore_udp_connection_resets, run
 from kafila.runtime.backends import backend_report
 from kafila.runtime.families import UnsupportedFamily
 from kafila.runtime.llama_backend import (
@@ -189,8 +189,9 @@ def _measure_network(rendezvous: tuple[str, int]) -> dict[str, object]:
         return found | {"rendezvous_error": str(error)}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind(("0.0.0.0", 0))
+        ignore_udp_connection_resets(sock)
         try:
-            reached = asyncio.run(reach(sock, stun))  # what `kafila join` learns as it joins
+            reached = run(reach(sock, stun))  # what `kafila join` learns as it joins
         except RendezvousUnreachable as error:
             return found | {"udp_error": str(error)}
     report = reached.nat

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -24,6 +23,7 @@ from kafila.runtime.pipeline import generate as run_generation
 from kafila.runtime.sampling import SamplingSettings
 from kafila.runtime.slicer import SliceError
 from kafila.runtime.stage_cache import check_stage_cache_setting
+from kafila.runtime.threads import THREADS_HELP, serving_threads
 
 
 def default_model() -> Path | None:
@@ -97,7 +97,7 @@ def generate(
     repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", min=0.0, max=10.0)] = 1.0,
     seed: Annotated[int, typer.Option("--seed", min=0, max=2**32 - 1)] = 0,
     context: Annotated[int, typer.Option("--context", min=16, max=1 << 20, help="Context length.")] = 2048,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads per stage.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help=f"Per stage. {THREADS_HELP}")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Generate text with the model split into stages on this machine (--stages 1: unsplit)."""
@@ -118,9 +118,7 @@ def generate(
         sampling = SamplingSettings(
             temperature=temperature, top_k=top_k, top_p=top_p, repeat_penalty=repeat_penalty, seed=seed
         )
-        settings = ContextSettings(
-            n_ctx=context, n_batch=64, n_seq_max=1, n_threads=threads or max(1, os.cpu_count() or 1)
-        )
+        settings = ContextSettings(n_ctx=context, n_batch=64, n_seq_max=1, n_threads=threads or serving_threads())
         if as_json:
             engine = open_engine(path, counts, settings)
         else:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,11 +29,13 @@ from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
+from kafila.portability import reuse_listening_address, run, signals_handled
 from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
 from kafila.runtime.local_plan import admit_alone, this_device
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.slicer import check_family
 from kafila.runtime.stage_cache import check_stage_cache_setting
+from kafila.runtime.threads import THREADS_HELP, serving_threads
 from kafila.session.availability import Availability
 from kafila.session.runner import HostConfig, HostRunner, lan_address, supervised
 
@@ -49,7 +50,7 @@ DEMO_MEMBERS = 3
 def _listening_socket(bind_ip: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in bind_ip else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reuse_listening_address(sock)
     try:
         sock.bind((bind_ip, port))
     except OSError as error:
@@ -136,7 +137,7 @@ def host(
             "any other are refused, so a web page cannot reach the API by rebinding its own name to this machine.",
         ),
     ] = None,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help=THREADS_HELP)] = None,
     memory: Annotated[
         str | None,
         typer.Option(
@@ -205,7 +206,7 @@ def host(
         fail(str(error), False)
     config = HostConfig(
         path=path, counts=counts, session=session, sock=sock, api_key=api_key,
-        threads=threads or max(1, os.cpu_count() or 1), members=n_members, rendezvous=external,
+        threads=threads or serving_threads(), members=n_members, rendezvous=external,
         rendezvous_bind="127.0.0.1" if demo else (rendezvous_bind or lan_address()),
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
@@ -213,7 +214,7 @@ def host(
         resume_within_s=resume_within,
     )  # fmt: skip
     try:
-        asyncio.run(_serve(config))
+        run(_serve(config))
     except KeyboardInterrupt:
         pass
 
@@ -274,14 +275,8 @@ async def _serve(config: HostConfig) -> None:
             """Ctrl-C and SIGTERM end the server through `handle_exit`, on the event loop. uvicorn's
             own capture re-raises the signal once `serve()` returns, which would interrupt the
             session's orderly end (telling members, closing the rendezvous) half-way."""
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, self.handle_exit, signum, None)
-            try:
+            with signals_handled(asyncio.get_running_loop(), lambda signum: self.handle_exit(signum, None)):
                 yield
-            finally:
-                for signum in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(signum)
 
         def install_signal_handlers(self) -> None:  # the name before uvicorn 0.29
             return

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -14,13 +13,16 @@ import typer
 
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
-from kafila.cli.errors import fail, stderr
+from kafila.cli.errors import fail, stderr, warn
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
 from kafila.network.session_codes import CodeFormatError, split_code
+from kafila.portability import run
 from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
+from kafila.runtime.probe import memory_pressure
 from kafila.runtime.stage_cache import check_stage_cache_setting
+from kafila.runtime.threads import THREADS_HELP, serving_threads
 from kafila.session.member_runner import MemberConfig, run_member
 
 
@@ -51,7 +53,7 @@ def join(
         typer.Option("--model", help="This machine's own copy of the model: its stage is cut from it, not sent."),
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="This machine's name in the session.")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads for llama.cpp.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help=THREADS_HELP)] = None,
     memory: Annotated[str | None, typer.Option("--memory", help=MEMORY_HELP)] = None,
 ) -> None:
     """Join a session: this machine runs the blocks the host assigns it, until the host ends the session.
@@ -74,10 +76,13 @@ def join(
         check_stage_cache_setting()
     except ValueError as error:
         fail(str(error), False)
+    pressure = memory_pressure(lent)  # macOS: other apps' share of unified memory
+    if pressure is not None:
+        warn(pressure)
     if rendezvous is None:  # the host's embedded rendezvous answers for its channel on the LAN
         stderr.print(f"looking for the host of {channel} on this network", highlight=False)
         try:
-            address = asyncio.run(discover(channel, discovery_port, DEFAULT_DISCOVERY_TIMEOUT_S))
+            address = run(discover(channel, discovery_port, DEFAULT_DISCOVERY_TIMEOUT_S))
         except KeyboardInterrupt:
             return
         except (DiscoveryError, OSError) as error:
@@ -89,7 +94,7 @@ def join(
         except ValueError as error:
             fail(str(error), False)
 
-    config = MemberConfig(code, address, member, threads or max(1, os.cpu_count() or 1), model, lent)
+    config = MemberConfig(code, address, member, threads or serving_threads(), model, lent)
     try:
         reason = run_member(config, MemberConsole(member))
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run may raise either

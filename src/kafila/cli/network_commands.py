@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 from typing import Annotated
 
@@ -16,6 +15,7 @@ from kafila.cli.errors import fail, stderr
 from kafila.network.nat import probe_nat
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import SESSION_PATH, start_rendezvous
+from kafila.portability import run, signals_handled
 
 
 def parse_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
@@ -41,7 +41,7 @@ def nat(
     except (ValueError, OSError) as error:
         fail(f"bad --rendezvous {rendezvous!r}: {error}", as_json)
     try:
-        report = asyncio.run(probe_nat((str(address), port), bind_host=bind))
+        report = run(probe_nat((str(address), port), bind_host=bind))
     except (ConnectionError, OSError) as error:
         fail(str(error), as_json)
     if as_json:
@@ -109,20 +109,18 @@ def rendezvous(
             )
         except OSError as error:
             fail(f"cannot bind the rendezvous's sockets: {error}", False)
-        endpoints = handle.stun.endpoints
-        where = ", ".join(f"{a}:{p}" for a, p in endpoints.local())
-        stderr.print(f"STUN on {where}" + ("" if alt_address else " (one address: no RFC 5780 change of IP)"))
-        http_host, http_bound = handle.http_address
-        stderr.print(f"signalling on ws://{http_host}:{http_bound}{SESSION_PATH}; relay ports on {host}")
-        print(f"READY {endpoints.address}:{endpoints.port}", flush=True)
-        print(f"HTTP {http_host}:{http_bound}", flush=True)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        try:
-            await stop.wait()
+        try:  # the handlers are in before READY: whoever waits for it may stop the rendezvous at once
+            with signals_handled(asyncio.get_running_loop(), lambda _signum: stop.set()):
+                endpoints = handle.stun.endpoints
+                where = ", ".join(f"{a}:{p}" for a, p in endpoints.local())
+                stderr.print(f"STUN on {where}" + ("" if alt_address else " (one address: no RFC 5780 change of IP)"))
+                http_host, http_bound = handle.http_address
+                stderr.print(f"signalling on ws://{http_host}:{http_bound}{SESSION_PATH}; relay ports on {host}")
+                print(f"READY {endpoints.address}:{endpoints.port}", flush=True)
+                print(f"HTTP {http_host}:{http_bound}", flush=True)
+                await stop.wait()
         finally:
             await handle.close()
 
-    asyncio.run(serve())
+    run(serve())

@@ -16,13 +16,13 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from kafila.cli.backend_view import shout_idle_gpu
-from kafila.cli.errors import fail, stderr
+from kafila.cli.errors import fail, stderr, warn
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.runtime.llama_backend import IdleGpu, LlamaUnavailable, load_llama, rebuild_for_gpu
 from kafila.runtime.local_plan import model_sha256, save_model_pricing
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.model_probe import ModelStageProbe, model_pricing, probe_model_stages
-from kafila.runtime.probe import GIB, DeviceProbe, ProbeError, ProgressFn
+from kafila.runtime.probe import GIB, DeviceProbe, ProbeError, ProgressFn, memory_pressure
 from kafila.runtime.probe_child import probe_in_child
 
 
@@ -154,6 +154,9 @@ def probe(
         fail(str(error), as_json)
     except (OSError, ValueError) as error:
         fail(f"cannot price {model}: {error}", as_json)
+    pressure = memory_pressure(None)  # macOS: other apps' share of unified memory; on stderr
+    if pressure is not None:
+        warn(pressure)
     saved: Path | None = None
     if pricing is not None:
         try:

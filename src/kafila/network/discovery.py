@@ -39,6 +39,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, 
 
 from kafila.network.limits import RateByAddress
 from kafila.network.session_codes import is_well_formed
+from kafila.portability import ignore_udp_connection_resets
 
 DEFAULT_DISCOVERY_PORT = 8470  # UDP; the same number as the rendezvous's TCP signalling port
 DEFAULT_DISCOVERY_TIMEOUT_S = 5.0
@@ -233,6 +234,7 @@ def _udp_socket(port: int, *, shared: bool) -> socket.socket:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
         sock.bind(("0.0.0.0", port))
+        ignore_udp_connection_resets(sock)
         sock.setblocking(False)
     except BaseException:
         sock.close()

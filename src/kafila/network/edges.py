@@ -52,6 +52,7 @@ from kafila.network.link import (
 from kafila.network.punch import ACK, PROBE, PunchAttempt, PunchCore, Transmitter, session_of
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousError
+from kafila.portability import ignore_udp_connection_resets
 
 log = logging.getLogger("kafila.edges")
 
@@ -186,6 +187,7 @@ async def _relay_socket(main: DatagramDemux) -> DatagramDemux:
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
         sock.bind((host, 0))
+        ignore_udp_connection_resets(sock)
         sock.setblocking(False)
         return await DatagramDemux.over(sock, main.tap)
     except BaseException:

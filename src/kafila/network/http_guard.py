@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +23,9 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kafila.network.limits import address_group
+
+if sys.platform != "win32":  # Windows has no descriptor limit of this kind, nor the module
+    import resource
 
 HEADER_TIMEOUT_S = 10.0  # from connecting (or the last response) to a request's complete headers
 MAX_OPEN_FILES = 16_384  # what the rendezvous raises its descriptor limit to, where the hard limit allows
@@ -142,7 +145,9 @@ def guarded_http(gate: ConnectionGate, header_timeout_s: float = HEADER_TIMEOUT_
 def raise_open_file_limit(wanted: int = MAX_OPEN_FILES) -> int:
     """Raise this process's descriptor limit toward `wanted`, as far as the hard limit allows; the
     limit in force after. The gate's caps are sized under it, so a flood meets a refusal, not
-    EMFILE on the accepting socket."""
+    EMFILE on the accepting socket. On Windows, which has no such limit, `wanted` itself."""
+    if sys.platform == "win32":
+        return wanted
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < target:

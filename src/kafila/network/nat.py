@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kafila.contracts import Mapping, NatClass
 from kafila.network.stun import CHANGE_IP, CHANGE_PORT, MALFORMED, Address
+from kafila.portability import open_udp_endpoint
 
 RETRANSMISSIONS = 2  # 0.5 + 1 + 2 s: a silent filter costs 3.5 s, not aioice's default 31 s
 RTT_SAMPLES = 5
@@ -109,8 +110,7 @@ class _Client(asyncio.DatagramProtocol):
 
 
 async def _socket(bind_host: str) -> _Client:
-    loop = asyncio.get_running_loop()
-    _, client = await loop.create_datagram_endpoint(_Client, local_addr=(bind_host, 0))
+    _, client = await open_udp_endpoint(_Client, (bind_host, 0))
     return client
 
 

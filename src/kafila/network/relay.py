@@ -27,6 +27,7 @@ from typing import Any, cast
 
 from kafila.network.events import emit
 from kafila.network.limits import TokenBucket
+from kafila.portability import open_udp_endpoint
 
 Address = tuple[str, int]
 HELLO = 0x10
@@ -186,10 +187,7 @@ class RelayServer:
 
     async def open(self, relay_id: str, session_id: str, tokens: tuple[bytes, bytes]) -> int:
         """Bind a port for one allocation and return it; OSError if none can be bound."""
-        loop = asyncio.get_running_loop()
-        transport, protocol = await loop.create_datagram_endpoint(
-            lambda: _RelaySocket(self, relay_id), local_addr=(self.host, 0)
-        )
+        transport, protocol = await open_udp_endpoint(lambda: _RelaySocket(self, relay_id), (self.host, 0))
         try:
             self.core.allocate(relay_id, session_id, tokens)
         except ValueError:

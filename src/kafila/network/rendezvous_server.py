@@ -45,6 +45,7 @@ from kafila.network.rendezvous import (
     encode,
 )
 from kafila.network.stun import StunServer
+from kafila.portability import reuse_listening_address
 
 DEFAULT_HTTP_PORT = 8470
 SESSION_PATH = "/v1/session"
@@ -214,7 +215,7 @@ def _listen(host: str, port: int) -> socket.socket:
     family, kind, proto, _, address = options[0]
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reuse_listening_address(sock)
         sock.bind(address)
         sock.listen(128)
         sock.setblocking(False)

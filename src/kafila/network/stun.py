@@ -19,6 +19,7 @@ from typing import Any, cast
 from aioice import stun
 
 from kafila.network.limits import RateByAddress, address_group
+from kafila.portability import open_udp_endpoint
 
 Address = tuple[str, int]
 CHANGE_IP = 0x04
@@ -149,21 +150,18 @@ class StunServer:
     ) -> StunServer:
         """Bind every endpoint; a port of 0 picks a free one (the alternate port then matches on both IPs).
         `rates`: answers allowed per source (default: ANSWERS_PER_S, ANSWER_BURST)."""
-        loop = asyncio.get_running_loop()
         server = cls()
         bound: dict[Address, _Socket] = {}
         try:
-            primary = await loop.create_datagram_endpoint(lambda: _Socket(server, ("", 0)), local_addr=(address, port))
+            primary = await open_udp_endpoint(lambda: _Socket(server, ("", 0)), (address, port))
             port = primary[0].get_extra_info("sockname")[1]
             bound[(address, port)] = primary[1]
-            alt = await loop.create_datagram_endpoint(lambda: _Socket(server, ("", 0)), local_addr=(address, alt_port))
+            alt = await open_udp_endpoint(lambda: _Socket(server, ("", 0)), (address, alt_port))
             alt_port = alt[0].get_extra_info("sockname")[1]
             bound[(address, alt_port)] = alt[1]
             if alt_address is not None:
                 for p in (port, alt_port):
-                    _, protocol = await loop.create_datagram_endpoint(
-                        lambda: _Socket(server, ("", 0)), local_addr=(alt_address, p)
-                    )
+                    _, protocol = await open_udp_endpoint(lambda: _Socket(server, ("", 0)), (alt_address, p))
                     bound[(alt_address, p)] = protocol
         except BaseException:
             for protocol in bound.values():

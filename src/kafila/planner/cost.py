@@ -25,6 +25,7 @@ class ChainPrefix:
 
     resident_bytes: npt.NDArray[np.int64]
     head_bytes: int
+    context_bytes: tuple[IntMatrix, IntMatrix]  # [a, b]: a stage's llama.cpp context, as a block stage and as the head
     read_bytes: npt.NDArray[np.int64]  # read decoding a token: a dense block whole, a MoE block's routed experts
     cuts: BoolMatrix  # one per chain position: whether a stage may begin or end there (ModelManifest.stage_starts)
 
@@ -38,6 +39,7 @@ class ChainPrefix:
         return cls(
             resident_bytes=np.concatenate([zero, np.cumsum(weights + kv)]),
             head_bytes=manifest.head_bytes,
+            context_bytes=(_context_matrix(manifest, session, False), _context_matrix(manifest, session, True)),
             read_bytes=np.concatenate([zero, np.cumsum(np.asarray(manifest.read_bytes(), dtype=np.int64))]),
             cuts=cuts,
         )
@@ -51,14 +53,26 @@ class ChainPrefix:
         return self.read_bytes[None, :] - self.read_bytes[:, None]
 
     def resident_matrix(self, is_head: bool) -> IntMatrix:
-        """Bytes a device must hold for each range: blocks, their KV cache, and the head if it is one."""
-        need = self.resident_bytes[None, :] - self.resident_bytes[:, None]
+        """Bytes a device must hold for each range: blocks, their KV cache, the llama.cpp context
+        that runs them, and the head if it is one."""
+        need = self.resident_bytes[None, :] - self.resident_bytes[:, None] + self.context_bytes[is_head]
         return need + (self.head_bytes if is_head else 0)
 
     def stage_ranges(self) -> BoolMatrix:
         """The ranges a stage may hold: not empty, and beginning and ending where the model may be cut."""
         index = np.arange(self.n_blocks + 1)
         return (index[None, :] > index[:, None]) & self.cuts[:, None] & self.cuts[None, :]
+
+
+def _context_matrix(manifest: ModelManifest, session: SessionSpec, is_head: bool) -> IntMatrix:
+    """[a, b]: what the stage of blocks [a, b) needs for its llama.cpp context (`ContextNeeds`)."""
+    n = manifest.n_blocks
+    needs = manifest.context
+    if needs is None:
+        return np.zeros((n + 1, n + 1), dtype=np.int64)
+    counts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(np.asarray(needs.block_tensors, dtype=np.int64))])
+    tensors = counts[None, :] - counts[:, None] + needs.other_tensors
+    return needs.stage_bytes(tensors, session.context * session.concurrency, session.concurrency, is_head)
 
 
 def cost_model_matrix(device: Device, prefix: ChainPrefix, is_head: bool) -> FloatMatrix:

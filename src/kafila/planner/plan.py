@@ -163,7 +163,7 @@ def refuse(
         f"no division fits: '{device.name}' cannot hold its share (blocks {a}-{b - 1}{role}, "
         f"{need / 2**30:.2f} GiB with KV cache) in {device.memory_bytes / 2**30:.2f} GiB; "
         f"it is short by {shortfall} bytes ({shortfall / 2**30:.2f} GiB) even in the most even division "
-        f"(the session needs {(int(prefix.resident_bytes[-1]) + prefix.head_bytes) / 2**30:.2f} GiB in all; "
+        f"(the session needs {int(prefix.resident_matrix(True)[0, -1]) / 2**30:.2f} GiB in all; "
         f"the members have {sum(d.memory_bytes for d in devices) / 2**30:.2f} GiB)"
     )
     return PlanRefused(message, device=device.name, shortfall_bytes=shortfall)
@@ -353,10 +353,17 @@ def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], sessio
 
 
 def _holds_a_block(manifest: ModelManifest, device: Device, session: SessionSpec) -> bool:
-    """Whether the device can hold the smallest stage there can be (a block, where the model may be
-    cut anywhere) and its KV cache."""
+    """Whether the device can hold the smallest stage there can be, with its cache and context."""
+    return smallest_stage_bytes(manifest, session) <= device.memory_bytes
+
+
+def smallest_stage_bytes(manifest: ModelManifest, session: SessionSpec) -> int:
+    """The bytes of the smallest stage there can be (a block, where the model may be cut anywhere)
+    with its KV cache and llama.cpp context: a machine that cannot lend that holds no stage at all."""
     tokens = session.context * session.concurrency
     need = [
         weights + kv * tokens for weights, kv in zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
     ]
-    return min(sum(need[a:b]) for a, b in pairwise(manifest.cut_positions())) <= device.memory_bytes
+    return min(
+        sum(need[a:b]) + manifest.context_bytes(a, b, False, session) for a, b in pairwise(manifest.cut_positions())
+    )

@@ -9,11 +9,55 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import Field, model_validator
 
 from kafila.contracts import NatBehaviour, Strict
 
 MAX_BLOCKS = 512  # four times the deepest model in common use; planning time grows with its square
+
+
+# What llama.cpp's context set-up allocates, by its own rules (llama-context.cpp, ggml-backend.cpp),
+# measured against the allocations of every supported family in docs/runtime.md ("A stage's memory").
+GRAPH_NODE_BYTES = 24 * 2**10  # per graph node: the scheduler's split inputs (60 tensors' metadata) and more
+LOGITS_BYTES_PER_TOKEN = 2 * 4  # per vocabulary entry and sequence: the output buffer and the graph's logits row
+VOCABULARY_BYTES_PER_TOKEN = 256  # llama.cpp's tokenizer tables, per vocabulary entry (about 160 measured)
+MASK_BYTES_PER_CELL = 4  # per KV cell and batch row, for each mask a batch builds (f16 with flash attention)
+CONTEXT_SLACK_BYTES = 16 * 2**20  # batch inputs, ggml contexts, the thread pool: a stated margin
+STAGE_BATCH_ROWS = 512  # the rows of a stage's prompt batches (n_batch = n_ubatch), which size its buffers
+
+
+class ContextNeeds(Strict):
+    """What a stage's llama.cpp context needs beyond its weights and KV cache, from the model's
+    shape: the scheduler's graph metadata (per graph node), the activations of a full prompt batch,
+    its attention masks, and at the head the logits rows and the tokenizer's tables."""
+
+    block_tensors: tuple[Annotated[int, Field(ge=0, le=2**16)], ...] = Field(min_length=1, max_length=MAX_BLOCKS)
+    other_tensors: Annotated[int, Field(ge=0, le=2**16)]  # embedding, norms, output: in every stage file
+    min_graph_nodes: Annotated[int, Field(ge=0, le=2**24)] = 1024
+    graph_nodes_per_tensor: Annotated[int, Field(ge=0, le=256)] = 8
+    graph_nodes_per_row: Annotated[int, Field(ge=0, le=256)] = 0  # delta nets: the graph grows with the batch
+    activation_bytes_per_row: Annotated[int, Field(ge=0, le=2**32)]
+    attention_masks: Annotated[int, Field(ge=0, le=4)]  # one per attention kind in the model (full, windowed)
+    n_vocab: Annotated[int, Field(ge=0, le=2**24)]
+
+    def stage_bytes(
+        self, tensors: npt.NDArray[np.int64], cells: int, sequences: int, is_head: bool, rows: int = STAGE_BATCH_ROWS
+    ) -> npt.NDArray[np.int64]:
+        """Bytes for stages of `tensors` tensors each (any shape of array) with `cells` KV cells in
+        all and `sequences` at once."""
+        floor = max(self.min_graph_nodes, self.graph_nodes_per_row * rows)
+        nodes = np.maximum(self.graph_nodes_per_tensor * tensors, floor)
+        need = (
+            nodes * GRAPH_NODE_BYTES
+            + rows * self.activation_bytes_per_row
+            + self.attention_masks * cells * rows * MASK_BYTES_PER_CELL
+            + CONTEXT_SLACK_BYTES
+        )
+        if is_head:
+            need += self.n_vocab * (sequences * LOGITS_BYTES_PER_TOKEN + VOCABULARY_BYTES_PER_TOKEN)
+        return need
 
 
 class ModelManifest(Strict):
@@ -37,10 +81,18 @@ class ModelManifest(Strict):
         description="The blocks a stage after the first may start at, ascending; None: any. Some families "
         "key settings on a block's index in the file, which a stage renumbers (llama4); empty: no split.",
     )
+    context: ContextNeeds | None = Field(
+        default=None, description="What each stage's llama.cpp context needs besides weights and KV; None: nothing."
+    )
 
     @model_validator(mode="after")
     def _one_entry_per_block(self) -> ModelManifest:
-        for name, values in (("kv_bytes_per_token", self.kv_bytes_per_token), ("expert_bytes", self.expert_bytes)):
+        tensors = self.context.block_tensors if self.context is not None else None
+        for name, values in (
+            ("kv_bytes_per_token", self.kv_bytes_per_token),
+            ("expert_bytes", self.expert_bytes),
+            ("context.block_tensors", tensors),
+        ):
             if values is not None and len(values) != len(self.block_bytes):
                 raise ValueError(f"{name} has {len(values)} entries but the model has {len(self.block_bytes)} blocks")
         if self.expert_bytes is not None:
@@ -83,6 +135,14 @@ class ModelManifest(Strict):
     @property
     def n_blocks(self) -> int:
         return len(self.block_bytes)
+
+    def context_bytes(self, first: int, end: int, is_head: bool, session: SessionSpec) -> int:
+        """What the stage of blocks [first, end) needs for its llama.cpp context (`ContextNeeds`)."""
+        if self.context is None:
+            return 0
+        tensors = np.int64(sum(self.context.block_tensors[first:end]) + self.context.other_tensors)
+        cells = session.context * session.concurrency
+        return int(self.context.stage_bytes(np.asarray(tensors), cells, session.concurrency, is_head))
 
     @property
     def total_bytes(self) -> int:

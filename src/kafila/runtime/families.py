@@ -90,6 +90,13 @@ class Family:
     input_restored_at: str | None = None
     # (the source's block count, its metadata) -> where it may be cut
     cut_points: Callable[[int, Callable[[str], Any]], CutPoints] = _anywhere
+    # llama.cpp's graph size for the family (llama_context::graph_max_nodes): its scheduler keeps
+    # about 24 KiB of metadata per node, so a delta-net family's 40 nodes a batch row weigh
+    graph_nodes: tuple[int, int, int] = (1024, 8, 0)  # at least, per tensor, per batch row
+    # Whether llama.cpp windows (or chunks) some of the family's attention layers beside full ones
+    # (a batch then builds two masks, and a cache may be cut only near its end): True whatever the
+    # file says, False whatever it says (phi3: llama.cpp ignores its window), None as the file says.
+    windowed: bool | None = None
 
     def token_input_scale(self, n_embd: int) -> np.float32 | None:
         """The factor llama.cpp applies to token embeddings only, as the float32 sqrtf it computes."""
@@ -284,10 +291,10 @@ FAMILIES = {
         Family("qwen2"),
         Family("qwen3"),
         Family("qwen3moe"),  # its experts are tensors of their block: a slice carries them whole
-        Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules),
+        Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules, windowed=True),
         # gpt-oss: llama.cpp requires its window and windows its even blocks, whatever the file lists
-        Family("gpt-oss", sliding_window_period=2, output_required=True, always_windowed=True),
-        Family("qwen3next", rules=_hybrid_rules, cut_points=_hybrid_cut_points),
+        Family("gpt-oss", sliding_window_period=2, output_required=True, always_windowed=True, windowed=True),
+        Family("qwen3next", rules=_hybrid_rules, cut_points=_hybrid_cut_points, graph_nodes=(0, 32, 40)),
         Family(
             "gemma2",
             scales_token_embeddings=True,
@@ -300,16 +307,27 @@ FAMILIES = {
             ),
             rules=_gemma2_rules,
             always_windowed=True,
+            windowed=True,
             default_sliding_window=4096,
             input_restored_at="inp_scaled",
         ),
-        Family("phi3"),  # Phi-3 and Phi-4: its rope factor tensors are global, in every stage
+        # Phi-3 and Phi-4: its rope factor tensors are global, in every stage; llama.cpp disables its window
+        Family("phi3", windowed=False),
         Family("mistral3"),  # its attention temperature is keyed on positions, which stages keep
         Family("deepseek2", rules=_deepseek2_rules),
         Family("glm4moe", rules=_glm4moe_rules),
-        Family("llama4", cut_points=_llama4_cut_points),
+        Family("llama4", cut_points=_llama4_cut_points, windowed=True),  # chunked attention in 3 of 4 blocks
     )
 }
+
+
+def attention_windowed(arch: str, file_window: Any) -> bool:
+    """Whether llama.cpp runs windowed (or chunked) attention layers for a model of `arch` whose
+    file names `file_window` (`attention.sliding_window`, None where absent)."""
+    family = FAMILIES.get(arch)
+    if family is not None and family.windowed is not None:
+        return family.windowed
+    return isinstance(file_window, int) and not isinstance(file_window, bool) and file_window > 0
 
 
 class UnsupportedFamily(ValueError):

@@ -98,6 +98,14 @@ class FastGGUFReader(GGUFReader):
         except UnicodeDecodeError as error:
             raise GGUFFormatError(f"metadata {key} is not valid UTF-8") from error
 
+    def array_length(self, key: str) -> int | None:
+        """How many items an array holds (a vocabulary's tokens), without decoding them; None if
+        the key is missing or not an array."""
+        field = self.fields.get(key)
+        if field is None or field.types[0] != GGUFValueType.ARRAY:
+            return None
+        return int(field.parts[-2][0])
+
     def strings(self, key: str) -> list[str]:
         """Decode a string array on demand; most callers never need to."""
         field = self.fields[key]

@@ -14,7 +14,7 @@ import platform
 import shutil
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.runtime.cpu_safety import REPACK_SETTING, RepackChoice, choose_repack, repack_mode
+from kafila.runtime.threads import serving_threads
 
 
 class LlamaUnavailable(RuntimeError):
@@ -139,6 +140,26 @@ def last_error(default: str = "no reason given") -> str:
     """Why llama.cpp failed since `_forget_errors`: its errors, the cause first and its summary
     after ("… tensor 'blk.1.attn_q.weight' not found; … failed to load model"), else its last warning."""
     return "; ".join(_ERRORS[-3:]) if _ERRORS else _WARNINGS[-1] if _WARNINGS else default
+
+
+# What llama.cpp and ggml log when a buffer cannot be had (ggml's CPU, CUDA and Metal backends,
+# llama's KV cache and compute buffers), lower-cased.
+ALLOCATION_FAILURES = (
+    "failed to allocate",
+    "unable to allocate",
+    "out of memory",
+    "insufficient memory",
+    "cudamalloc failed",
+)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a failed load or context creation failed for lack of memory (its message carries
+    llama.cpp's errors, `last_error`), rather than for a bad file or a bug."""
+    if isinstance(error, MemoryError):
+        return True
+    message = str(error).lower()
+    return any(failure in message for failure in ALLOCATION_FAILURES)
 
 
 def _forget_errors() -> None:
@@ -373,10 +394,17 @@ class ContextSettings:
     n_ctx: int = 4096
     n_batch: int = 512
     n_seq_max: int = 4
-    n_threads: int = max(1, os.cpu_count() or 1)
-    gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU
+    n_threads: int = field(default_factory=serving_threads)  # as the probe measured with
+    gpu_layers: int = 999  # everything, on a GPU build; ignored on CPU; 0: the CPU alone (see LlamaModel)
     quiet_threads: bool = True  # idle threads sleep: stages sharing a machine do not starve each other
     repack: bool | None = None  # llama.cpp's repacked weight buffers; None: as `repack_choice` decided here
+    # Rows a decode may ask logits of; None: every row (llama.cpp's default, n_batch). llama.cpp
+    # reserves its compute buffer for this many rows of logits, n_vocab floats each: 512 MiB for a
+    # 262k vocabulary at n_batch 512, where a head that asks one row per sequence needs n_seq_max.
+    max_outputs: int | None = None
+    # Flash attention on or off; None leaves llama.cpp to choose (auto: on where the backend has it).
+    # Stages of one ring may differ: the floats then differ slightly, which `agreement` measures.
+    flash_attn: bool | None = None
 
 
 class VocabularyOnly:
@@ -437,10 +465,21 @@ class LlamaModel:
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_batch  # one graph per decode, so a callback sees every row at once
         params.n_seq_max = settings.n_seq_max
+        params.n_outputs_max = settings.max_outputs or 0
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.kv_unified = True  # keeps a batch's tokens in order across sequences
         params.no_perf = True
+        if settings.gpu_layers == 0 and self._llama.llama_supports_gpu_offload():
+            # No layer on a GPU means no work there either: llama.cpp would otherwise run a large
+            # batch's products on a GPU it finds (a CPU stage of a mixed ring). The KV cache stays
+            # with its layers, on the CPU, as it is.
+            params.op_offload = False
+        if settings.flash_attn is not None:
+            ll = self._llama
+            params.flash_attn_type = (
+                ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
         self._callback = None
         if eval_callback is not None:
             self._callback = self._llama.ggml_backend_sched_eval_callback(eval_callback)
@@ -509,6 +548,9 @@ class LlamaModel:
         n = len(sequences)
         if n == 0 or n > self.settings.n_batch:
             raise ValueError(f"a decode takes 1 to {self.settings.n_batch} rows, not {n}")
+        limit = self.settings.max_outputs
+        if limit is not None and sum(map(bool, outputs)) > limit:  # llama.cpp would abort the process
+            raise ValueError(f"a decode of this context returns at most {limit} rows of logits")
         if tokens is not None:
             batch = self._token_batch
             for i, token in enumerate(tokens):

@@ -7,8 +7,8 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from kafila.planner.types import MAX_BLOCKS, ModelManifest
-from kafila.runtime.families import FAMILIES
+from kafila.planner.types import MAX_BLOCKS, ContextNeeds, ModelManifest
+from kafila.runtime.families import FAMILIES, Family, attention_windowed
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 from kafila.runtime.slicer import prediction_blocks
 
@@ -16,6 +16,11 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")  # routed experts, stacked
 HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 KV_CACHE_BYTES_PER_VALUE = 2  # f16 cache, llama.cpp's default
+# Per batch row, the widest block's intermediate results llama.cpp's graph holds at once, in
+# float32 values per unit of width: residual, norms and attention output (model width), query,
+# key and value (head width), and the feed-forward's gate, up, activation and routing (its width).
+# An upper bound fitted with room over every supported family (docs/runtime.md).
+ACTIVATION_VALUES = {"embd": 4, "heads": 4, "ffn": 6}
 
 
 def _count(value: Any, key: str) -> int:
@@ -88,7 +93,15 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         raise GGUFFormatError(f"{path} has expert tensors but routes {experts_used} of {experts} experts a token")
 
     name = reader.scalar("general.name") or path.stem
-    family = FAMILIES.get(arch)  # an unsupported family is planned as it is, and refused by the slicer
+    family = FAMILIES.get(arch)
+    block_tensors = [0] * n_blocks
+    for tensor in reader.tensors:
+        match = _BLOCK_TENSOR.match(tensor.name)
+        if match and int(match.group(1)) < n_blocks:
+            block_tensors[int(match.group(1))] += 1
+    context = _context_needs(
+        reader, arch, family, block_tensors, len(reader.tensors) - sum(block_tensors), n_embd, max(n_head) * key_length
+    )  # an unsupported family is planned as it is, and refused by the slicer
     stage_starts = None if family is None else family.cut_points(n_blocks, reader.scalar).starts
     if family is not None and n_blocks in family.unsplittable_block_counts:
         stage_starts = ()
@@ -102,4 +115,40 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         experts=experts if moe else 0,
         experts_used=experts_used if moe else 0,
         stage_starts=stage_starts,
+        context=context,
+    )
+
+
+def _context_needs(
+    reader: FastGGUFReader,
+    arch: str,
+    family: Family | None,
+    block_tensors: list[int],
+    other_tensors: int,
+    n_embd: int,
+    query_width: int,
+) -> ContextNeeds:
+    """What each stage's llama.cpp context will allocate besides weights and KV, from the header."""
+
+    def widest(key: str) -> int:
+        value = reader.scalar(f"{arch}.{key}", 0)
+        values = value if isinstance(value, list) else [value]
+        return max((v for v in values if isinstance(v, int) and not isinstance(v, bool)), default=0)
+
+    routed = widest("expert_used_count") * widest("expert_feed_forward_length")
+    shared = max(1, widest("expert_shared_count")) * widest("expert_shared_feed_forward_length")
+    ffn = max(widest("feed_forward_length"), routed + shared) + widest("expert_count")
+    heads = max(query_width, 2 * widest("ssm.inner_size"))
+    values = ACTIVATION_VALUES["embd"] * n_embd + ACTIVATION_VALUES["heads"] * heads + ACTIVATION_VALUES["ffn"] * ffn
+    windowed = attention_windowed(arch, reader.scalar(f"{arch}.attention.sliding_window"))
+    least, per_tensor, per_row = family.graph_nodes if family is not None else Family("").graph_nodes
+    return ContextNeeds(
+        block_tensors=tuple(block_tensors),
+        other_tensors=other_tensors,
+        min_graph_nodes=least,
+        graph_nodes_per_tensor=per_tensor,
+        graph_nodes_per_row=per_row,
+        activation_bytes_per_row=4 * values,
+        attention_masks=2 if windowed else 1,
+        n_vocab=reader.array_length("tokenizer.ggml.tokens") or 0,
     )

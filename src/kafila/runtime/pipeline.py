@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from kafila.contracts import StageReport
 from kafila.network.frames import SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 from kafila.runtime.cpu_safety import died_by_signal, signal_of
+from kafila.runtime.families import attention_windowed
 from kafila.runtime.gguf_file import FastGGUFReader
 from kafila.runtime.llama_backend import (
     ContextSettings,
@@ -202,24 +203,26 @@ class PrefixCut(StrEnum):
     NOWHERE = "nowhere"  # a recurrent state holds no positions at all: every request starts afresh
 
 
-# Families whose llama.cpp code gives every model a window, or attention in chunks, when the file
-# names none (src/models/gemma2.cpp, llama4.cpp).
-_WINDOWED_BY_DEFAULT = frozenset({"gemma2", "llama4"})
 # Metadata of a recurrent state (mamba, rwkv, lfm2's convolutions, the linear layers of a hybrid).
 _RECURRENT_KEYS = (".ssm.", ".wkv.", ".shortconv.")
 
 
+def prefix_cut(recurrent: bool, windowed: bool) -> PrefixCut:
+    """Where a cache can be cut, from what the model keeps: one rule, whether the facts come from a
+    loaded model (`UnsplitEngine`) or from a header (`prefix_cut_of`)."""
+    if recurrent:
+        return PrefixCut.NOWHERE
+    return PrefixCut.AT_END if windowed else PrefixCut.ANYWHERE
+
+
 def prefix_cut_of(model: Path) -> PrefixCut:
     """Where a cache of `model` can be cut, from its header alone: a ring's host holds no stage
-    that sees the whole model, so it reads the whole model's file."""
+    that sees the whole model, so it reads the whole model's file. A family whose llama.cpp code
+    windows (or chunks) attention whatever the file says is windowed (`attention_windowed`)."""
     reader = FastGGUFReader(model)
     arch = str(reader.scalar("general.architecture", ""))
-    if any(key.startswith(arch) and any(mark in key for mark in _RECURRENT_KEYS) for key in reader.fields):
-        return PrefixCut.NOWHERE
-    window = reader.scalar(f"{arch}.attention.sliding_window")
-    if (window is None and arch in _WINDOWED_BY_DEFAULT) or (isinstance(window, int) and window > 0):
-        return PrefixCut.AT_END
-    return PrefixCut.ANYWHERE
+    recurrent = any(key.startswith(arch) and any(mark in key for mark in _RECURRENT_KEYS) for key in reader.fields)
+    return prefix_cut(recurrent, attention_windowed(arch, reader.scalar(f"{arch}.attention.sliding_window")))
 
 
 @dataclass(frozen=True)
@@ -398,13 +401,7 @@ class UnsplitEngine(_Vocabulary):
         self.vocabulary, self.llama_model = self.model.vocabulary, self.model.model
         self._blocks = int(self.model.model._llama.llama_model_n_layer(self.model.model.model))
         loaded = self.model.model
-        self.prefix_cut = (
-            PrefixCut.NOWHERE
-            if not loaded.holds_positions
-            else PrefixCut.AT_END
-            if loaded.sliding_window > 0
-            else PrefixCut.ANYWHERE
-        )
+        self.prefix_cut = prefix_cut(not loaded.holds_positions, loaded.sliding_window > 0)
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
         """All the steps in one decode; if that fails, each alone, so a fault fails only its sequence."""

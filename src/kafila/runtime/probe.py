@@ -34,11 +34,13 @@ from kafila.planner.fleet import FleetDevice
 from kafila.runtime.backends import KINDS, backend_devices, backend_report
 from kafila.runtime.cpu_safety import RepackChoice, reported_features
 from kafila.runtime.llama_backend import LlamaUnavailable, last_error, llama, model_params, repack_choice, system_info
+from kafila.runtime.threads import serving_threads
+from kafila.runtime.unified_memory import pressure_warning, stage_memory, system_available_bytes
 
 GB = 1e9
 GIB = 2**30
 
-MemorySource = Literal["gpu", "MemAvailable", "ggml-cpu", "sysconf"]
+MemorySource = Literal["gpu", "MemAvailable", "vm_stat", "ggml-cpu", "sysconf"]
 ProgressFn = Callable[[str, float], None]
 """Told what the probe is doing and how far along it is, as a fraction from 0 to 1."""
 
@@ -175,28 +177,6 @@ def mem_available_bytes(meminfo: str) -> int | None:
                 unit = fields[1].lower() if len(fields) > 1 else "b"
                 return int(fields[0]) * (1024 if unit == "kb" else 1)
     return None
-
-
-def physical_cores(cpuinfo: str) -> int | None:
-    """Distinct (package, core) pairs in /proc/cpuinfo text; None where the file says neither.
-
-    llama.cpp's matrix kernels gain nothing from a second hyperthread on a core, so the probe
-    runs one thread per physical core, as serving will.
-    """
-    cores: set[tuple[str, str]] = set()
-    package = core = None
-    for line in [*cpuinfo.splitlines(), ""]:
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "physical id":
-            package = value.strip()
-        elif key == "core id":
-            core = value.strip()
-        elif not key:
-            if core is not None:
-                cores.add((package or "0", core))
-            package = core = None
-    return len(cores) or None
 
 
 def significant(value: float, digits: int = 4) -> float:
@@ -357,11 +337,8 @@ def _read_text(path: str) -> str | None:
 
 
 def probe_threads() -> int:
-    """One thread per physical core this process may run on."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cpuinfo = _read_text("/proc/cpuinfo")
-    cores = physical_cores(cpuinfo) if cpuinfo is not None else None
-    return max(1, min(usable, cores or usable))
+    """One thread per physical math core this process may run on, as serving runs with."""
+    return serving_threads()
 
 
 def host_name() -> str:
@@ -400,11 +377,14 @@ def available_memory(llama_cpp: Any, gpu: bool) -> tuple[int, MemorySource]:
     if gpu:
         free = backend_free_memory(llama_cpp, (1, 2))
         if free is not None:
-            return free, "gpu"
+            return stage_memory(free, system_available_bytes()), "gpu"  # macOS: others' use of unified memory
     meminfo = _read_text("/proc/meminfo")
     available = mem_available_bytes(meminfo) if meminfo is not None else None
     if available:
         return available, "MemAvailable"
+    available = system_available_bytes()  # macOS, where ggml's CPU figure would be all of RAM
+    if available:
+        return available, "vm_stat"
     free = backend_free_memory(llama_cpp, (0,))
     if free is not None:
         return free, "ggml-cpu"
@@ -413,6 +393,18 @@ def available_memory(llama_cpp: Any, gpu: bool) -> tuple[int, MemorySource]:
         if pages > 0:
             return pages, "sysconf"
     raise ProbeError("cannot tell how much memory this device has available")
+
+
+def memory_pressure(lent: int | None) -> str | None:
+    """On macOS, a warning where unified memory is under pressure (`pressure_warning`); None elsewhere."""
+    system = system_available_bytes()
+    if system is None:
+        return None
+    try:
+        gpu_free = backend_free_memory(load_llama_cpp(), (1, 2))
+    except LlamaCppMissing:
+        gpu_free = None
+    return pressure_warning(system, gpu_free, lent)
 
 
 class LlamaStage:

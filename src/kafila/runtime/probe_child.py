@@ -168,5 +168,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if hasattr(signal, "SIGPIPE"):  # Windows has none
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()

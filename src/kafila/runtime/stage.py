@@ -196,21 +196,25 @@ class _TokenRows:
     states: npt.NDArray[np.int32]
 
 
-def _decodes(steps: Sequence[_Rows], limit: int, one_sequence_each: bool = False) -> list[list[_Piece]]:
+def _decodes(
+    steps: Sequence[_Rows], limit: int, one_sequence_each: bool = False, max_ends: int | None = None
+) -> list[list[_Piece]]:
     """Group steps into decodes of at most `limit` rows; a long prompt spans several. With
-    `one_sequence_each`, no decode holds rows of two steps."""
+    `one_sequence_each`, no decode holds rows of two steps; with `max_ends`, no decode holds the
+    ends of more steps than that (each end may ask for logits)."""
     if one_sequence_each:
         alone = (_decodes([step], limit) for step in steps)
         return [[replace(piece, step=index) for piece in d] for index, ds in enumerate(alone) for d in ds]
     decodes: list[list[_Piece]] = [[]]
-    room = limit
+    room, ends = limit, 0
     for index, step in enumerate(steps):
         n, start = step.states.shape[0], 0
         while start < n:
-            if room == 0:
+            if room == 0 or (max_ends is not None and ends == max_ends):
                 decodes.append([])
-                room = limit
+                room, ends = limit, 0
             take = min(room, n - start)
+            ends += start + take == n
             piece = _Piece(
                 step.sequence_id, step.position + start, step.states[start : start + take], start + take == n, index
             )
@@ -239,7 +243,7 @@ def _logits_of_steps(
     starts = {s.sequence_id: model.next_position(s.sequence_id) for s in steps}
     completed: set[int] = set()
     try:
-        for pieces in _decodes(steps, model.settings.n_batch):
+        for pieces in _decodes(steps, model.settings.n_batch, max_ends=model.settings.max_outputs):
             sequences, positions, rows = _rows(pieces)
             outputs = [False] * len(sequences)
             owners: dict[int, int] = {}
@@ -458,6 +462,7 @@ class HeadStage:
     """The last blocks and the output: hidden states in, logits out; embeds tokens itself."""
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
+        settings = replace(settings, max_outputs=settings.n_seq_max)  # a row of logits per sequence
         self.model = LlamaModel(path, settings, input_restored_at=_input_restored_at(path))
         self.embed = TokenEmbedding(path)
         self.vocabulary = Vocabulary(self.model)
@@ -534,6 +539,7 @@ class WholeModel:
     """An unsplit model on token ids: one-member sessions, and the reference for every split."""
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
+        settings = replace(settings, max_outputs=settings.n_seq_max)  # a row of logits per sequence
         self.model = LlamaModel(path, settings)
         self.vocabulary = Vocabulary(self.model)
         self.timer = StageTimer()

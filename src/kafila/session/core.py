@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 GUESS_BUDGET = 3  # failed proofs of the code a host takes in its whole life, over every code it issues
+MEMORY_LOWERINGS = 3  # smaller shares a member that runs out of memory gets before it is left out
+MEMORY_LOWERED_TO = 0.75  # of what the stage it could not load needed
 REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
 
 
@@ -243,11 +245,26 @@ class Deployed:
 
 
 @dataclass(frozen=True)
+class MemoryShortage:
+    """A member's stage did not fit in its memory: what the plan thought it needed, and what the
+    member said it could hold, if it could tell."""
+
+    blocks: tuple[int, int]  # [first, end)
+    needed_bytes: int  # the plan's estimate: weights, KV cache and llama.cpp's context
+    can_hold_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class MemberFailed:
-    """A member failed its part of a deployment (stalled, left, or could not take its stage)."""
+    """A member failed its part of a deployment (stalled, left, or could not take its stage);
+    `shortage`: it could not load its stage for lack of memory, so a smaller share may fit it,
+    down to `smallest_stage_bytes` (a block and its cache)."""
 
     member: str
     message: str
+    shortage: MemoryShortage | None = None
+    smallest_stage_bytes: int = 0
+    name: str = ""  # the member's name, as people read it
 
 
 @dataclass(frozen=True)
@@ -360,6 +377,15 @@ class Deploy:
 
 
 @dataclass(frozen=True)
+class LowerMemory:
+    """Plan with at most `memory_bytes` of the member's memory from now on (it ran out loading its
+    share)."""
+
+    member: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
 class Dismiss:
     """→ Dismissed. Send a member home with the reason."""
 
@@ -407,8 +433,8 @@ class AbandonRing:
 
 
 Command = (
-    Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | Dismiss | ForgetRing
-    | ServeAlone | PriceRebalance | RenewCode | SendAway | Fail | AbandonRing
+    Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | LowerMemory | Dismiss
+    | ForgetRing | ServeAlone | PriceRebalance | RenewCode | SendAway | Fail | AbandonRing
 )  # fmt: skip
 ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
 
@@ -451,6 +477,8 @@ class SessionCore:
     join_line: str = ""
     deployment: _Deployment | None = None  # the deployment under way, while DEPLOYING
     paused: bool = False  # /v1 holds requests for a replan by choice
+    deploying: tuple[str, ...] = ()  # the members of the deployment under way
+    lowerings: dict[str, int] = field(default_factory=dict)  # member → smaller shares it was given
 
     @classmethod
     def one_machine(cls, serving: ServingCore) -> SessionCore:
@@ -604,7 +632,7 @@ class SessionCore:
         return [*first, retire]
 
     def _deploy(self, deployment: _Deployment, members: tuple[str, ...]) -> list[Command]:
-        self.phase, self.deployment = Phase.DEPLOYING, deployment
+        self.phase, self.deployment, self.deploying = Phase.DEPLOYING, deployment, members
         return [Deploy(members)]
 
     def _deploying(self, event: Event) -> list[Command]:
@@ -616,11 +644,10 @@ class SessionCore:
                 if isinstance(deployment, _Recover):
                     return [ServeAlone("replanned")]
                 return self._deploy(deployment, alive) if alive else self._no_member_left(deployment)
+            case MemberFailed(shortage=MemoryShortage() as shortage):
+                return self._short_of_memory(event, shortage)
             case MemberFailed(member=member, message=message):
-                return [
-                    Warn("leaving a member out", message),
-                    Dismiss(member, f"the host left this member out: {message}"),
-                ]
+                return self._leave_out(member, message)
             case Dismissed(member=member, alive=alive):
                 left = tuple(m for m in alive if m != member)
                 return self._deploy(deployment, left) if left else self._no_member_left(deployment)
@@ -634,6 +661,36 @@ class SessionCore:
             case DeployFailed(message=message, refused=refused):
                 return self._no_ring(deployment, message, refused)
         return []
+
+    @staticmethod
+    def _leave_out(member: str, message: str) -> list[Command]:
+        return [Warn("leaving a member out", message), Dismiss(member, f"the host left this member out: {message}")]
+
+    def _short_of_memory(self, failed: MemberFailed, shortage: MemoryShortage) -> list[Command]:
+        """A member ran out of memory loading its share: plan the same members again with less of
+        its memory (MEMORY_LOWERED_TO of what the share needed, or what it said it can hold, if
+        less), rather than lose all it can hold; left out after MEMORY_LOWERINGS smaller shares,
+        or once it could not hold even the smallest stage."""
+        member, name = failed.member, failed.name or failed.member
+        lowered = int(shortage.needed_bytes * MEMORY_LOWERED_TO)
+        if shortage.can_hold_bytes is not None:
+            lowered = min(lowered, shortage.can_hold_bytes)
+        times = self.lowerings.get(member, 0)
+        if times >= MEMORY_LOWERINGS:
+            return self._leave_out(member, f"{failed.message} (still short of memory after {times} smaller shares)")
+        if lowered < failed.smallest_stage_bytes:
+            return self._leave_out(member, f"{failed.message} (it cannot hold even the smallest stage)")
+        self.lowerings[member] = times + 1
+        first, end = shortage.blocks
+        return [
+            Warn(
+                f"{name} ran out of memory loading blocks {first}-{end - 1} (needed "
+                f"{shortage.needed_bytes / 2**30:.2f} GiB); replanning with {lowered / 2**30:.2f} GiB for it",
+                failed.message,
+            ),
+            LowerMemory(member, lowered),
+            Deploy(self.deploying),
+        ]
 
     def _no_member_left(self, deployment: _Deployment) -> list[Command]:
         if isinstance(deployment, _Replan):

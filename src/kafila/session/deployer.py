@@ -29,6 +29,7 @@ from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine, prefix_cut_of
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
+from kafila.session.core import MemoryShortage
 from kafila.session.member import serve_stage
 from kafila.session.protocol import Assign, Failed, Hello, Load, Loaded, RingEdge, Staged
 from kafila.session.quic_ring import QuicRing
@@ -44,12 +45,14 @@ class SessionFailed(RuntimeError):
     """The session cannot go on as planned; the message says why, for the person at the host.
 
     `member`: the member that failed its part (stalled, left, or could not take its stage), if
-    one did; the host can then leave it out and plan again with the others.
+    one did; the host can then leave it out and plan again with the others. `shortage`: it could
+    not load its stage for lack of memory, so a smaller share may fit it.
     """
 
-    def __init__(self, message: str, member: str | None = None) -> None:
+    def __init__(self, message: str, member: str | None = None, shortage: MemoryShortage | None = None) -> None:
         super().__init__(message)
         self.member = member
+        self.shortage = shortage
 
 
 async def all_or_none(work: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -204,7 +207,7 @@ class Deployer:
                 n_ctx=self.settings.n_ctx, n_batch=self.settings.n_batch, n_seq_max=self.settings.n_seq_max,
                 relink=sorted({p for p in (predecessor, successor) if frozenset((member, p)) in self.broken_edges}),
                 fingerprints={p: self.roster.known[p].fingerprint for p in (predecessor, successor) if p != me},
-                head=index == last,
+                head=index == last, need_bytes=plan.stages[index].resident_bytes,
             )  # fmt: skip
         for router in self.roster.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
@@ -234,7 +237,7 @@ class Deployer:
                 continue
             assign = assigns[member]
             await self.roster.routers[member].send_control(Load(epoch=assign.epoch))
-            loaded = await self._expect(member, assign.epoch, Loaded, "load its stage")
+            loaded = await self._expect(member, assign.epoch, Loaded, "load its stage", assign)
             self.say(
                 f"{self.roster.name(member)} loaded blocks {assign.first_block}-{assign.end_block - 1} "
                 f"in {loaded.seconds:.1f} s"
@@ -295,8 +298,11 @@ class Deployer:
                 raise SessionFailed(f"{name} could not receive its stage: {error}", member) from None
         return await self._expect(member, assign.epoch, Staged, "link to its neighbours and get its stage")
 
-    async def _expect(self, member: str, epoch: int, kind: type[Reply], what: str) -> Reply:
-        """The member's next `kind` message of this epoch; SessionFailed if it fails, leaves or stalls."""
+    async def _expect(
+        self, member: str, epoch: int, kind: type[Reply], what: str, loading: Assign | None = None
+    ) -> Reply:
+        """The member's next `kind` message of this epoch; SessionFailed if it fails, leaves or stalls
+        (with the shortage, where it could not load the stage `loading` for lack of memory)."""
         name = self.roster.name(member)
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while True:
@@ -309,7 +315,11 @@ class Deployer:
             if isinstance(message, kind) and message.epoch == epoch:
                 return message
             if isinstance(message, Failed) and message.epoch == epoch:
-                raise SessionFailed(f"{name} could not {what}: {message.message}", member)
+                shortage = None
+                if message.out_of_memory and loading is not None and loading.need_bytes is not None:
+                    blocks = (loading.first_block, loading.end_block)
+                    shortage = MemoryShortage(blocks, loading.need_bytes, message.can_hold_bytes)
+                raise SessionFailed(f"{name} could not {what}: {message.message}", member, shortage)
 
     def _listen(self, members: Sequence[str], epoch: int) -> None:
         """Hear members while the ring serves: a stage that lost a ring link says so, and the host replans."""

@@ -85,6 +85,7 @@ class HostSession:
     own_pricings: tuple[ModelPricing, ...] = ()  # the models this machine priced itself (`kafila probe --model`)
     own_backend: BackendReport | None = None  # llama.cpp's devices here, for /status
     newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
+    memory_caps: dict[str, int] = field(default_factory=dict)  # member → bytes it held at most (it ran out)
     _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
     renewing: Callable[[], bool] = lambda: True  # whether the session at the rendezvous must live on
     rendezvous_lost: Callable[[str], None] = lambda _why: None  # told once if the rendezvous ends it first
@@ -288,6 +289,7 @@ class HostSession:
         self.roster.hellos[member_id] = await self._hello(member_id)
         self._note_members_on_this_machine({member_id: self.roster.hellos[member_id]})
         self.prices.forget(member_id)  # the seat may now be another machine
+        self.memory_caps.pop(member_id, None)
         self.newcomers.add(member_id)
 
     def waiting_newcomers(self) -> list[str]:
@@ -306,8 +308,14 @@ class HostSession:
             if member != self.me:
                 hello = self.roster.hellos.get(member)
                 pricings = tuple(hello.priced_models) if hello is not None else ()
-                found[member] = Machine(self.member_name(member), info.capability, pricings)
+                capability = info.capability.lending(self.memory_caps.get(member))
+                found[member] = Machine(self.member_name(member), capability, pricings)
         return found
+
+    def lower_memory(self, member: str, memory_bytes: int) -> None:
+        """Plan with at most `memory_bytes` of the member's memory from now on: it ran out loading a
+        larger share (the session core decides by how much)."""
+        self.memory_caps[member] = min(memory_bytes, self.memory_caps.get(member, memory_bytes))
 
     def _planned_ring(self) -> PlannedRing | None:
         deployment = self.deployment

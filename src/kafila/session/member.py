@@ -29,7 +29,8 @@ from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import receive_stage_file
 from kafila.planner.fleet import ModelPricing
-from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.llama_backend import ContextSettings, llama, out_of_memory
+from kafila.runtime.probe import ProbeError, available_memory
 from kafila.runtime.slicer import block_range_file, file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
 from kafila.runtime.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
@@ -299,6 +300,16 @@ async def _prepare(assign: Assign, links: RingLinks, state: MemberState) -> tupl
     return edges.result(), path.result()
 
 
+def free_memory() -> int | None:
+    """Bytes a stage may fill on this machine now (`probe.available_memory`), None where there is
+    no telling: a member with less free than its stage needs says so before it tries to load."""
+    llama_cpp = llama()
+    try:
+        return available_memory(llama_cpp, bool(llama_cpp.llama_supports_gpu_offload()))[0]
+    except ProbeError:
+        return None
+
+
 async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: MemberState) -> None:
     """Load the staged file and serve it between the neighbours; a lost ring link is reported to the host."""
     host = links.host
@@ -306,15 +317,24 @@ async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: M
     settings = ContextSettings(
         n_ctx=assign.n_ctx, n_batch=assign.n_batch, n_seq_max=assign.n_seq_max, n_threads=state.threads
     )
+    loop = asyncio.get_running_loop()
+    blocks = f"blocks {assign.first_block}-{assign.end_block - 1}"
+    free = await loop.run_in_executor(state.executor, free_memory)
+    if assign.need_bytes is not None and free is not None and free < assign.need_bytes:
+        why = f"{free / 2**30:.2f} GiB free here; {blocks} need {assign.need_bytes / 2**30:.2f} GiB"
+        state.say(f"cannot load stage {assign.stage_index}: {why}")
+        await host.send_control(Failed(epoch=assign.epoch, message=why, out_of_memory=True, can_hold_bytes=free))
+        return
     try:
-        loop = asyncio.get_running_loop()
         stage: RingStage = await loop.run_in_executor(
             state.executor, HeadStage if assign.head else BlockStage, path, settings
         )
         state.stage = stage
     except Exception as error:
         state.say(f"cannot load stage {assign.stage_index}: {error}")
-        await host.send_control(Failed(epoch=assign.epoch, message=str(error)))
+        await host.send_control(
+            Failed(epoch=assign.epoch, message=str(error)[:4000], out_of_memory=out_of_memory(error))
+        )
         return
     inbound = links.routers[assign.predecessor].activation
     outbound = links.routers[assign.successor].activation

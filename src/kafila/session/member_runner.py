@@ -21,6 +21,7 @@ from kafila.network.edges import connect_edges
 from kafila.network.link import DatagramDemux
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousClosed, RendezvousError, verify_host
 from kafila.network.session_codes import channel_part
+from kafila.portability import run
 from kafila.runtime.backends import backend_or_none
 from kafila.runtime.local_plan import cache_dir, cached_model_pricings, hash_model, this_device
 from kafila.session.member import LostHost, MemberState, RingLinks, SessionEnded, edge_connector, follow_host
@@ -98,7 +99,7 @@ def run_member(config: MemberConfig, ui: MemberUi) -> str:
     while True:
         started = time.monotonic()
         try:
-            return asyncio.run(join_once(config, ui))
+            return run(join_once(config, ui))
         except LostHost as lost:  # the host may still serve: its seat for this machine is open
             if not rejoins.after_loss(time.monotonic() - started):
                 raise MemberGaveUp(f"{lost} ({rejoins.limit} joins again did not last)") from None

@@ -23,6 +23,7 @@ from kafila.contracts import NatBehaviour
 from kafila.network.identity import Identity, create_identity
 from kafila.network.nat import NatReport, probe_nat, reflexive_address
 from kafila.planner.fleet import FleetDevice
+from kafila.portability import ignore_udp_connection_resets
 
 Address = tuple[str, int]
 INFO_TIMEOUT_S = 5.0
@@ -95,6 +96,7 @@ async def present(name: str, rendezvous: Address, device: FleetDevice, bind_ip: 
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.bind((bind_ip, 0))
+        ignore_udp_connection_resets(sock)
         port = sock.getsockname()[1]
         host_candidate = (_local_address_toward(stun) if bind_ip == "0.0.0.0" else bind_ip, port)
         reached = await reach(sock, stun)

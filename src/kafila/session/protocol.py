@@ -19,6 +19,7 @@ from kafila.validation import first_problem
 CONTROL_SEQUENCE = 2**64 - 1  # the control stream's sequence id: request slots are small numbers
 MAX_CONTROL_BYTES = 64 * 1024
 MAX_MODEL_PRICINGS = 16
+MAX_MEMORY_BYTES = 2**60  # beyond any machine's memory, and beyond exact int64 arithmetic
 MAX_CACHED_STAGES = 512  # with the pricings, a hello of the most of each stays under MAX_CONTROL_BYTES
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 MemberId = Annotated[str, Field(min_length=1, max_length=64)]
@@ -75,6 +76,9 @@ class Assign(_Message):
     # The head: the model's last blocks and its output. It answers each step with a LOGITS row,
     # to its successor, the host (which cannot hold the head itself, or the plan put it here).
     head: bool = False
+    # The plan's estimate of the stage's memory (weights and KV cache): a member with less free
+    # says so before it tries to load (`Failed.out_of_memory`).
+    need_bytes: Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)] | None = None
 
 
 EdgePath = Literal["direct", "relayed"]
@@ -119,6 +123,10 @@ class Failed(_Message):
     epoch: Annotated[int, Field(ge=0)]
     message: Annotated[str, Field(max_length=4000)]
     lost_peer: MemberId | None = None  # while serving: the neighbour whose link went down
+    # The stage did not fit in this machine's memory (llama.cpp could not allocate, or too little
+    # was free to try): the host plans again with a smaller share for it rather than leave it out.
+    out_of_memory: bool = False
+    can_hold_bytes: Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)] | None = None  # what was free, if it could tell
 
 
 class End(_Message):

@@ -27,6 +27,7 @@ from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner import PlanRefused
 from kafila.planner.fleet import FleetDevice
+from kafila.planner.plan import smallest_stage_bytes
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
 from kafila.runtime.backends import backend_or_none
@@ -54,6 +55,7 @@ from kafila.session.core import (
     Interrupted,
     JoinerRefused,
     Judged,
+    LowerMemory,
     MemberFailed,
     NewcomerChecked,
     Observed,
@@ -230,6 +232,9 @@ class HostRunner:
                 assert network is not None
                 await network.end(reason)
                 return await self._open_and_gather()
+            case LowerMemory(member=member, memory_bytes=memory):
+                assert network is not None
+                network.lower_memory(member, memory)
             case SendAway(members=members):
                 assert network is not None
                 await network.send_away(members)
@@ -439,7 +444,10 @@ class HostRunner:
             return Deployed(machines)
         except SessionFailed as failure:
             if failure.member is not None and failure.member in members:
-                return MemberFailed(failure.member, str(failure))
+                assert self.network is not None
+                smallest = smallest_stage_bytes(self.manifest, self.config.session)
+                name = self.network.member_name(failure.member)
+                return MemberFailed(failure.member, str(failure), failure.shortage, smallest, name)
             return no_ring(failure)
         except Exception as error:
             return no_ring(error)

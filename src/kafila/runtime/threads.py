@@ -1,0 +1,110 @@
+"""How many threads llama.cpp computes with on this machine: one per physical "math" core.
+
+llama.cpp's own default (`cpu_get_num_math`) is one thread per physical core, without the second
+hyperthread of a core and, on Apple silicon, without the efficiency cores: its matrix kernels
+gain nothing from a core's second thread, and a thread on a slow core holds back every step
+waiting for it. The probe measures with this count and serving runs with it, so what the
+planner prices is what runs; `--threads` still overrides it for serving.
+
+`math_threads` is the pure count from the figures; `read_thread_figures` reads them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+THREADS_HELP = "Threads for llama.cpp; default: one per physical core (on Apple silicon, per performance core)."
+
+
+@dataclass(frozen=True)
+class ThreadFigures:
+    """What decides the count: the platform, the CPUs this process may use, and what the system
+    says about its cores (Linux's /proc/cpuinfo text; macOS's sysctl counts), None where unknown."""
+
+    platform: str  # as sys.platform spells it
+    usable_cpus: int  # logical CPUs this process may run on
+    cpuinfo: str | None = None
+    performance_cores: int | None = None  # macOS hw.perflevel0.physicalcpu: Apple silicon's P cores
+    physical_cores: int | None = None  # macOS hw.physicalcpu
+
+
+def physical_cores(cpuinfo: str) -> int | None:
+    """Distinct (package, core) pairs in /proc/cpuinfo text; None where the file says neither."""
+    cores: set[tuple[str, str]] = set()
+    package = core = None
+    for line in [*cpuinfo.splitlines(), ""]:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "physical id":
+            package = value.strip()
+        elif key == "core id":
+            core = value.strip()
+        elif not key:
+            if core is not None:
+                cores.add((package or "0", core))
+            package = core = None
+    return len(cores) or None
+
+
+def math_threads(figures: ThreadFigures) -> int:
+    """One thread per physical math core this process may use: on Linux the cores /proc/cpuinfo
+    names, on macOS the performance cores (else all physical ones), elsewhere every usable CPU;
+    never more than the usable CPUs, never fewer than one."""
+    usable = max(1, figures.usable_cpus)
+    if figures.platform == "darwin":
+        cores = figures.performance_cores or figures.physical_cores
+    elif figures.platform.startswith("linux") and figures.cpuinfo is not None:
+        cores = physical_cores(figures.cpuinfo)
+    else:
+        cores = None
+    return max(1, min(usable, cores or usable))
+
+
+def _usable_cpus() -> int:
+    getter = getattr(os, "sched_getaffinity", None)  # Linux: what taskset or a container allows
+    return len(getter(0)) if getter is not None else (os.cpu_count() or 1)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def sysctl_int(name: str) -> int | None:
+    """An integer sysctl by name through libc's `sysctlbyname` (macOS, the BSDs); None where
+    the system has no such call or no such name."""
+    try:
+        libc = ctypes.CDLL(None)
+        call = libc.sysctlbyname
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows cannot open the process itself
+        return None
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    call.argtypes = [ctypes.c_char_p, ctypes.c_void_p, size_p, ctypes.c_void_p, ctypes.c_size_t]
+    call.restype = ctypes.c_int
+    buffer = ctypes.create_string_buffer(8)
+    size = ctypes.c_size_t(len(buffer))
+    if call(name.encode(), buffer, ctypes.byref(size), None, 0) != 0 or size.value not in (4, 8):
+        return None
+    return int.from_bytes(buffer.raw[: size.value], sys.byteorder, signed=True)
+
+
+def read_thread_figures(platform: str = sys.platform) -> ThreadFigures:
+    """This machine's figures, each read only on the platform that has it."""
+    usable = _usable_cpus()
+    if platform.startswith("linux"):
+        return ThreadFigures(platform, usable, cpuinfo=_read_text("/proc/cpuinfo"))
+    if platform == "darwin":
+        performance, physical = sysctl_int("hw.perflevel0.physicalcpu"), sysctl_int("hw.physicalcpu")
+        return ThreadFigures(platform, usable, performance_cores=performance, physical_cores=physical)
+    return ThreadFigures(platform, usable)
+
+
+def serving_threads() -> int:
+    """llama.cpp's thread count on this machine, for the probe and for serving alike."""
+    return math_threads(read_thread_figures())

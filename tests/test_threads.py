@@ -1,0 +1,52 @@
+"""One thread count for the probe and for serving: llama.cpp's one per physical math core."""
+
+from __future__ import annotations
+
+import os
+
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.probe import probe_threads
+from kafila.runtime.threads import ThreadFigures, math_threads, read_thread_figures, serving_threads, sysctl_int
+
+# Two packages of two cores with two hyperthreads each, as Linux's /proc/cpuinfo lists them.
+HYPERTHREADED = "".join(
+    f"processor\t: {i}\nphysical id\t: {i // 4}\ncore id\t\t: {i % 2}\nsiblings\t: 4\n\n" for i in range(8)
+)
+ARM_WITHOUT_CORE_IDS = "".join(f"processor\t: {i}\nBogoMIPS\t: 50.00\n\n" for i in range(4))
+
+
+def test_linux_counts_physical_cores_within_the_usable_cpus() -> None:
+    assert math_threads(ThreadFigures("linux", usable_cpus=8, cpuinfo=HYPERTHREADED)) == 4
+    assert math_threads(ThreadFigures("linux", usable_cpus=3, cpuinfo=HYPERTHREADED)) == 3  # taskset, a container
+    assert math_threads(ThreadFigures("linux", usable_cpus=4, cpuinfo=ARM_WITHOUT_CORE_IDS)) == 4
+    assert math_threads(ThreadFigures("linux", usable_cpus=6, cpuinfo=None)) == 6
+
+
+def test_macos_counts_performance_cores_then_physical_ones() -> None:
+    m2_pro = ThreadFigures("darwin", usable_cpus=12, performance_cores=8, physical_cores=12)
+    assert math_threads(m2_pro) == 8  # the four efficiency cores would hold every step back
+    intel = ThreadFigures("darwin", usable_cpus=16, performance_cores=None, physical_cores=8)
+    assert math_threads(intel) == 8  # no perflevels: the physical cores, without hyperthreads
+    assert math_threads(ThreadFigures("darwin", usable_cpus=10)) == 10  # sysctl unreadable
+
+
+def test_other_systems_use_every_usable_cpu_and_never_fewer_than_one() -> None:
+    assert math_threads(ThreadFigures("win32", usable_cpus=16, cpuinfo=HYPERTHREADED)) == 16
+    assert math_threads(ThreadFigures("freebsd14", usable_cpus=4)) == 4
+    assert math_threads(ThreadFigures("linux", usable_cpus=0, cpuinfo=None)) == 1
+
+
+def test_this_machine_probes_and_serves_with_one_count() -> None:
+    figures = read_thread_figures()
+    assert figures.platform.startswith("linux") and figures.cpuinfo is not None
+    assert figures.usable_cpus == len(os.sched_getaffinity(0))
+    assert serving_threads() == probe_threads() == ContextSettings().n_threads == math_threads(figures)
+    assert 1 <= serving_threads() <= figures.usable_cpus
+
+
+def test_sysctl_and_darwin_figures_where_there_is_no_sysctl() -> None:
+    assert sysctl_int("hw.physicalcpu") is None  # glibc has no sysctlbyname
+    darwin_here = read_thread_figures("darwin")
+    assert (darwin_here.performance_cores, darwin_here.physical_cores) == (None, None)
+    assert math_threads(darwin_here) == darwin_here.usable_cpus
+    assert read_thread_figures("win32") == ThreadFigures("win32", darwin_here.usable_cpus)
