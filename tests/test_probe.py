@@ -23,11 +23,13 @@ from gguf.quants import dequantize
 from kafila.planner.fleet import FleetDevice
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.probe import (
+    GIB,
     NARROW,
     PROBE_MODELS,
     Q8_0_BLOCK_BYTES,
     ProbeModel,
     fit_line,
+    gpu_headroom,
     low_quantile,
     mem_available_bytes,
     q8_0_bytes,
@@ -114,6 +116,13 @@ def test_fit_reports_scatter_and_refuses_a_single_size() -> None:
 def test_low_quantile_ignores_a_slow_tail() -> None:
     assert low_quantile([1.0] * 18 + [90.0, 100.0]) == pytest.approx(1.0)
     assert low_quantile([5.0]) == 5.0
+
+
+def test_a_gpu_keeps_a_margin_of_its_free_memory() -> None:
+    """A twentieth of a large card, at least 256 MiB of a small one, never more than it has."""
+    assert gpu_headroom(24 * GIB) == 24 * GIB // 20
+    assert gpu_headroom(2 * GIB) == 256 * 2**20
+    assert gpu_headroom(100 * 2**20) == 100 * 2**20
 
 
 def test_meminfo_and_cpuinfo_parsers() -> None:

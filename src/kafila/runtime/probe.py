@@ -372,12 +372,25 @@ def backend_free_memory(llama_cpp: Any, device_types: tuple[int, ...]) -> int | 
     return total_free if devices and total_free > 0 else None
 
 
+GPU_HEADROOM_SHARE = 20  # a twentieth of a GPU's free memory, and at least GPU_HEADROOM_MIN_BYTES
+GPU_HEADROOM_MIN_BYTES = 256 * 2**20
+
+
+def gpu_headroom(free: int) -> int:
+    """What a GPU keeps back from its free memory for what no stage's plan counts: the backend's
+    library workspaces (cuBLAS, CUDA graphs) and its allocator's rounding. The planner counts each
+    stage's own buffers (`ContextNeeds`); this is the device's margin beyond them."""
+    return min(free, max(GPU_HEADROOM_MIN_BYTES, free // GPU_HEADROOM_SHARE))
+
+
 def available_memory(llama_cpp: Any, gpu: bool) -> tuple[int, MemorySource]:
-    """Bytes a stage may fill: the GPU's free memory when layers go there, else available RAM."""
+    """Bytes a stage may fill: the GPU's free memory less its headroom when layers go there, else
+    available RAM."""
     if gpu:
         free = backend_free_memory(llama_cpp, (1, 2))
         if free is not None:
-            return stage_memory(free, system_available_bytes()), "gpu"  # macOS: others' use of unified memory
+            usable = max(1, free - gpu_headroom(free))
+            return stage_memory(usable, system_available_bytes()), "gpu"  # macOS: others' use of unified memory
     meminfo = _read_text("/proc/meminfo")
     available = mem_available_bytes(meminfo) if meminfo is not None else None
     if available:
