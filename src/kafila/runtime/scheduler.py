@@ -49,6 +49,7 @@ class Suspended:
     text: StopAwareText | None = None
     generated: list[int] = field(default_factory=list)
     cached: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of drawn tokens whose text is held back
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class Batcher:
                 kept.append(Suspended(sequence.job))
             elif sequence.sampler.portable:
                 job, sampler, text = sequence.job, sequence.sampler, sequence.text
-                kept.append(Suspended(job, sampler, text, sequence.generated, sequence.cached))
+                kept.append(Suspended(job, sampler, text, sequence.generated, sequence.cached, sequence.logprobs))
             else:
                 sequence.sampler.close()
                 why = "its sampler ran on the member that holds the head, whose state is gone with the ring"
@@ -311,6 +312,7 @@ class Batcher:
             sequence = _Sequence(
                 job, slot, resumed.sampler, resumed.text, fed=keep, generated=resumed.generated,
                 cached=resumed.cached, held=keep, trimmed=held is None, replayed=len(resumed.generated),
+                logprobs=resumed.logprobs,
             )  # fmt: skip
         else:
             sampler = self._make_sampler(job.sampling)
