@@ -1,7 +1,7 @@
 """The OpenAI request bodies Kafila accepts, validated strictly at the boundary.
 
-Fields the OpenAI API defines but Kafila does not implement (several choices, log
-probabilities, tools) are refused with a clear 400 rather than silently ignored; fields it does
+Fields the OpenAI API defines but Kafila does not implement (several choices, logit biases,
+tools) are refused with a clear 400 rather than silently ignored; fields it does
 not know at all are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
 """
 
@@ -10,12 +10,15 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from kafila.network.frames import MAX_TOP_LOGPROBS
 from kafila.runtime.sampling import SamplingSettings
 
 MAX_STOP_STRINGS = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_CHAT_TOP_LOGPROBS = MAX_TOP_LOGPROBS  # OpenAI's limits on the alternatives per token: 20 and 5
+MAX_COMPLETION_LOGPROBS = 5
 ONE_PROMPT = "one prompt per request: this server does not batch prompts in one request"
 
 
@@ -35,7 +38,6 @@ class Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
-    logprobs: Literal[False] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
@@ -61,6 +63,10 @@ class Request(BaseModel):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprob_alternatives(self) -> int | None:
+        """How many alternatives per token to report log probabilities with; None: none asked."""
+        return None
 
     def sampling(self) -> SamplingSettings:
         """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set."""
@@ -132,6 +138,17 @@ class Message(BaseModel):
 class ChatRequest(Request):
     messages: list[Message] = Field(min_length=1, max_length=4096)
     tools: list[Any] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod
@@ -143,6 +160,7 @@ class ChatRequest(Request):
 
 class CompletionRequest(Request):
     prompt: str | list[str] | list[int]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: Literal[False] | None = None
     suffix: None = None
 
@@ -155,6 +173,9 @@ class CompletionRequest(Request):
                 raise ValueError(ONE_PROMPT)
             return value[0]
         return value
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     def token_limit(self) -> int | None:
         """OpenAI's legacy completions stop at 16 tokens unless told otherwise (chat runs to the end)."""

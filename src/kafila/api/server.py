@@ -9,6 +9,7 @@ usual exceptions.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import time
@@ -31,6 +32,7 @@ from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.contracts import HostStatus, Incident, SessionStatus
 from kafila.runtime.chat_template import ChatTemplate, TemplateError
 from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
+from kafila.runtime.logprobs import Alternative, TokenLogprob
 from kafila.runtime.pipeline import Engine, StageFailed
 from kafila.runtime.scheduler import Event, Finished, Job, TextDelta
 from kafila.validation import first_problem, one_line
@@ -369,7 +371,8 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
                 "messages" if chat else "prompt", "context_length_exceeded",
             )  # fmt: skip
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        job = Job(request_id, prompt, limit or context, body.sampling(), body.stop_strings())
+        alternatives = body.logprob_alternatives()
+        job = Job(request_id, prompt, limit or context, body.sampling(), body.stop_strings(), alternatives)
         queue: asyncio.Queue[Event] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
@@ -377,7 +380,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             event_loop.call_soon_threadsafe(queue.put_nowait, event)
 
         loop = await submit(loop, job, sink)
-        reply = _Reply(request_id, config.model_id, chat, time.monotonic(), metrics)
+        reply = _Reply(request_id, config.model_id, chat, time.monotonic(), metrics, alternatives is not None)
 
         def cancel() -> None:
             """On the loop it was submitted to, and on the one serving now, where a broken ring's
@@ -521,6 +524,27 @@ def _model_card(config: ApiConfig) -> dict[str, Any]:
     return {"id": config.model_id, "object": "model", "created": config.created, "owned_by": "kafila"}
 
 
+class _TextOffsets:
+    """Where each token's text starts in the completion's text, in characters. A token that is
+    whole UTF-8 starts where its own text does (after any replacement characters that bytes
+    left pending before it turn into); one that is part of a character, where that character
+    does (a stray byte's replacement character included)."""
+
+    def __init__(self) -> None:
+        self.characters = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, piece: bytes) -> int:
+        before = self.characters
+        added = len(self.decoder.decode(piece))
+        self.characters += added
+        try:
+            return before + added - len(piece.decode("utf-8"))
+        except UnicodeDecodeError:  # part of a character: the one it leaves pending, or the last it completed
+            pending = bool(self.decoder.getstate()[0])
+            return self.characters if pending else max(before, self.characters - 1)
+
+
 @dataclass
 class _Reply:
     """Shapes one request's events as OpenAI chat or text completion objects."""
@@ -530,8 +554,11 @@ class _Reply:
     chat: bool
     started: float
     metrics: _Metrics
+    logprobs: bool = False  # the request asked for log probabilities
     created: int = field(default_factory=lambda: int(time.time()))
     first_text: bool = True
+    gathered: list[TokenLogprob] = field(default_factory=list)  # a whole reply's log probabilities
+    offsets: _TextOffsets = field(default_factory=_TextOffsets)
 
     async def collect(self, queue: asyncio.Queue[Event]) -> tuple[str, Finished]:
         parts = []
@@ -540,6 +567,7 @@ class _Reply:
             if isinstance(event, TextDelta):
                 self.observe_text()
                 parts.append(event.text)
+                self.gathered += event.logprobs
             elif isinstance(event, Finished):
                 self.observe_end(event)
                 return "".join(parts), event
@@ -573,27 +601,71 @@ class _Reply:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, text: str, finished: Finished) -> dict[str, Any]:
+        logprobs = self.logprobs_of(self.gathered)
         if self.chat:
             choice = {
                 "index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": finished.reason.value, "logprobs": None,
+                "finish_reason": finished.reason.value, "logprobs": logprobs,
             }  # fmt: skip
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finished.reason.value, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finished.reason.value, "logprobs": logprobs}
         return {**self._envelope(False), "choices": [choice], "usage": self.usage(finished)}
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str | None, finish: str | None, role: bool = False, tokens: Sequence[TokenLogprob] = ()
+    ) -> dict[str, Any]:
+        logprobs = self.logprobs_of(tokens) if text is not None and finish is None and not role else None
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return {**self._envelope(True), "choices": [choice]}
+
+    def logprobs_of(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` object for these tokens, or None where the request asked for none:
+        chat's `content` list, or the legacy completion's parallel lists."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            content = [
+                {**_chat_token(t.piece, t.logprob), "top_logprobs": [_chat_token(a.piece, a.logprob) for a in t.top]}
+                for t in tokens
+            ]
+            return {"content": content, "refusal": None}
+        return {
+            "tokens": [_token_text(t.piece) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [_by_text(t.top) for t in tokens],
+            "text_offset": [self.offsets.next(t.piece) for t in tokens],
+        }
 
     def usage_chunk(self, finished: Finished) -> dict[str, Any]:
         return {**self._envelope(True), "choices": [], "usage": self.usage(finished)}
+
+
+def _token_text(piece: bytes) -> str:
+    """A token as text; one that is not whole UTF-8 (part of a character) as OpenAI writes it,
+    `bytes:` and its bytes escaped."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+def _by_text(top: Sequence[Alternative]) -> dict[str, float]:
+    """The legacy completion's alternatives, keyed by text, most likely first: of two tokens that
+    read the same, the likelier."""
+    out: dict[str, float] = {}
+    for alternative in top:
+        out.setdefault(_token_text(alternative.piece), alternative.logprob)
+    return out
+
+
+def _chat_token(piece: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": _token_text(piece), "logprob": logprob, "bytes": list(piece)}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -619,7 +691,7 @@ async def _stream(
             for event in events:
                 if isinstance(event, TextDelta):
                     reply.observe_text()
-                    out.append(_sse(reply.chunk(event.text, None)))
+                    out.append(_sse(reply.chunk(event.text, None, tokens=event.logprobs)))
                     continue
                 if isinstance(event, Finished):
                     reply.observe_end(event)
