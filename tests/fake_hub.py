@@ -30,6 +30,7 @@ class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     drop_after: dict[str, int] = field(default_factory=dict)  # file → bytes sent before the first GET is cut off
     seen: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Range)
+    authorizations: set[tuple[str, str | None]] = field(default_factory=set)  # (method path, Authorization)
     url: str = ""
 
     def gets_of(self, filename: str) -> list[str | None]:
@@ -71,6 +72,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             path = unquote(urlsplit(self.path).path)
             with lock:
                 hub.seen.append(("GET", path, self.headers.get("Range")))
+                hub.authorizations.add((f"GET {path}", self.headers.get("Authorization")))
             info = _INFO.match(path)
             if info is not None:
                 repo = hub.repos.get(info["repo"])
@@ -96,6 +98,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if not send:
                 with lock:
                     hub.seen.append(("HEAD", path, None))
+                    hub.authorizations.add((f"HEAD {path}", self.headers.get("Authorization")))
             found = _RESOLVE.match(path)
             repo = hub.repos.get(found["repo"]) if found else None
             if found is None or repo is None or found["file"] not in repo.files:

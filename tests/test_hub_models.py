@@ -5,6 +5,9 @@ that speaks the hub's API (tests/fake_hub.py), serving tiny GGUF models."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -233,11 +236,18 @@ def test_a_split_model_on_the_hub_is_downloaded_checked_and_merged_once(
 
 
 def test_kafila_host_serves_a_model_named_on_the_hub(hub: FakeHub, tmp_path: Path) -> None:
-    """The whole path: HF_ENDPOINT and HF_HUB_CACHE as a person sets them, `kafila host --model
-    hf://…` downloading, checking and serving the file, and the official client's completion."""
-    env = {"HF_ENDPOINT": "", "HF_HUB_CACHE": str(tmp_path / "hf"), "KAFILA_CACHE": str(tmp_path / "kafila")}
+    """The whole path: HF_ENDPOINT, HF_TOKEN and HF_HUB_CACHE as a person sets them, `kafila host
+    --model hf://…` downloading, checking and serving the file, and the official client's completion."""
+    env = {"HF_HUB_CACHE": str(tmp_path / "hf"), "KAFILA_CACHE": str(tmp_path / "kafila"), "HF_TOKEN": "hf_kafila"}
     with serving_hub(hub):
         env["HF_ENDPOINT"] = hub.url
+        refused = subprocess.run(
+            [sys.executable, "-m", "kafila", "host", "--model", f"{REPO}:Q4_K_M", "--port", "0"],
+            env={**os.environ, **env, "COLUMNS": "300"}, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        assert "no GGUF file for quant Q4_K_M; it has: F16, Q8_0" in refused.stderr
+        assert "taken as a hub name" in refused.stderr  # no hf://: it could have been a mistyped path
         args = ("--model", f"hf://{REPO}:Q8_0", "--context", "256", "--concurrency", "1", "--threads", "1")
         with running_host(*args, env=env) as host:
             client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
@@ -246,3 +256,6 @@ def test_kafila_host_serves_a_model_named_on_the_hub(hub: FakeHub, tmp_path: Pat
             assert done.usage is not None and done.usage.completion_tokens == 4
             assert f"model hf://{REPO}:Q8_0:" in host.output()
     assert hub.gets_of("Tiny-Q8_0.gguf") == [None]
+    asked = {(what, token) for what, token in hub.authorizations if "/api/models/" in what or "/resolve/" in what}
+    assert {token for _, token in asked} == {"Bearer hf_kafila"}  # the listings, the HEAD and the download
+    assert {what.split()[0] for what, _ in asked} == {"GET", "HEAD"}
