@@ -5,6 +5,7 @@ X-Linked-Size and Range. Tests point HF_ENDPOINT (or `endpoint=`) at it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -32,6 +33,7 @@ class FakeHub:
     seen: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Range)
     authorizations: set[tuple[str, str | None]] = field(default_factory=set)  # (method path, Authorization)
     url: str = ""
+    connections: set[socket.socket] = field(default_factory=set)  # open ones, closed when the hub stops
 
     def gets_of(self, filename: str) -> list[str | None]:
         """The Range header of every GET of `filename` so far (None: the whole file)."""
@@ -53,6 +55,11 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            with lock:
+                hub.connections.add(self.connection)
 
         def log_message(self, format: str, *args: object) -> None:
             return
@@ -150,4 +157,7 @@ def serving_hub(hub: FakeHub) -> Iterator[FakeHub]:
     finally:
         server.shutdown()
         server.server_close()
+        for connection in list(hub.connections):  # a client's kept-alive connection ends too: the hub is gone
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
         thread.join(timeout=10)

@@ -159,6 +159,13 @@ def test_a_quant_is_downloaded_once_checked_and_then_taken_from_the_cache(
         assert second.path == first.path
         assert hub.gets_of("Tiny-Q8_0.gguf") == [None]  # no second download
         assert again == []  # nor a second hash: remembered by path, size and time
+        assert first.offline is None
+    # the hub gone (its port closed): the copy this machine checked is served, said to be that
+    offline = fetch(hub, f"hf://{REPO}:Q8_0", tmp_path / "hf")
+    assert offline.path == first.path and offline.commit == first.commit
+    assert offline.offline is not None and "refused" in offline.offline.lower()
+    with pytest.raises(ModelFetchError, match="could not reach the hub for tiny-org/Other.*no earlier download"):
+        fetch(hub, "hf://tiny-org/Other:Q8_0", tmp_path / "hf")
 
 
 def test_an_interrupted_download_resumes_with_a_range_request(

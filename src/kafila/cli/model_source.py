@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kafila.cli.bars import transfer_bars
-from kafila.cli.errors import fail, stderr
+from kafila.cli.errors import fail, stderr, warn
 from kafila.hub.fetch import ModelFetchError, fetch_model
 from kafila.hub.reference import PREFIX, ModelNameError, parse_reference
 
@@ -33,5 +33,7 @@ def model_file(value: str) -> Path:
             "" if value.strip().startswith(PREFIX) else f" (there is no local file {value}: it was taken as a hub name)"
         )
         fail(f"{error}{taken}", False)
+    if fetched.offline is not None:
+        warn(f"the hub could not be reached ({fetched.offline}): serving the copy cached from commit {fetched.commit}")
     stderr.print(f"model {reference}: {fetched.path}", highlight=False, soft_wrap=True)
     return fetched.path

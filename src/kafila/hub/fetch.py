@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
 from huggingface_hub.utils import tqdm as HubTqdm
 
 from kafila.hub.reference import HubChoice, HubFile, HubReference, choose_file, merged_name
@@ -42,6 +44,7 @@ class FetchedModel:
     path: Path
     choice: HubChoice
     commit: str
+    offline: str | None = None  # why the hub was not asked, where the cache's copy was taken instead
 
 
 def fetch_model(
@@ -55,20 +58,22 @@ def fetch_model(
     cache and downloads nothing. A file whose sha256 is not the one the hub lists is deleted and
     refused. A split GGUF's parts are all downloaded, checked and merged into one file, kept in
     Kafila's cache: its GGUF reader, planner and slicer read a model from one file."""
-    commit, files = _listing(reference, endpoint)
+    commit, files, offline = _listing(reference, endpoint, hub_cache)
     choice = choose_file(reference, files)
     if not choice.split:
-        return FetchedModel(_download(reference, choice.first, commit, progress, endpoint, hub_cache), choice, commit)
-    merged = merged_path(choice, commit)
-    if merged.is_file():  # written whole or not at all: the parts were checked before it was
-        return FetchedModel(merged, choice, commit)
-    parts = [_download(reference, part, commit, progress, endpoint, hub_cache) for part in choice.parts]
-    what = f"merging {len(parts)} parts into {merged.name}"
-    try:
-        merge_parts(parts, merged, (lambda done, total: progress(what, done, total)) if progress else None)
-    except (GGUFFormatError, OSError) as error:
-        raise ModelFetchError(f"{reference}: merging its {len(parts)} parts failed: {error}") from None
-    return FetchedModel(merged, choice, commit)
+        path = _download(reference, choice.first, commit, progress, endpoint, hub_cache)
+    else:
+        path = merged_path(choice, commit)
+        if not path.is_file():  # written whole or not at all: the parts were checked before it was
+            parts = [_download(reference, part, commit, progress, endpoint, hub_cache) for part in choice.parts]
+            what = f"merging {len(parts)} parts into {path.name}"
+            try:
+                merge_parts(parts, path, (lambda done, total: progress(what, done, total)) if progress else None)
+            except (GGUFFormatError, OSError) as error:
+                raise ModelFetchError(f"{reference}: merging its {len(parts)} parts failed: {error}") from None
+    if offline is None:
+        _remember(reference, commit, hub_cache)
+    return FetchedModel(path, choice, commit, offline)
 
 
 def merged_path(choice: HubChoice, commit: str) -> Path:
@@ -104,8 +109,11 @@ def _download(
     return path
 
 
-def _listing(reference: HubReference, endpoint: str | None) -> tuple[str, list[HubFile]]:
-    """The repository's commit at the reference's revision and its files, with LFS hashes."""
+def _listing(
+    reference: HubReference, endpoint: str | None, hub_cache: Path | None
+) -> tuple[str, list[HubFile], str | None]:
+    """The repository's commit at the reference's revision and its files, with LFS hashes; where
+    the hub cannot be reached (or HF_HUB_OFFLINE is set), what an earlier run left in the cache."""
     try:
         info = HfApi(endpoint=endpoint).model_info(reference.repo_id, revision=reference.revision, files_metadata=True)
     except GatedRepoError:
@@ -118,14 +126,49 @@ def _listing(reference: HubReference, endpoint: str | None) -> tuple[str, list[H
         ) from None
     except RevisionNotFoundError:
         raise ModelFetchError(f"{reference.repo_id} has no revision {reference.revision}") from None
-    except (HfHubHTTPError, OSError, ValueError) as error:
+    except HfHubHTTPError as error:
         raise ModelFetchError(f"could not list {reference.repo_id} on the hub: {error}") from None
-    except Exception as error:  # httpx's connection errors, whose module differs between hub versions
-        raise ModelFetchError(f"could not reach the hub for {reference.repo_id}: {error}") from None
+    except Exception as error:  # unreachable: refused, no name, a timeout (httpx's errors), or HF_HUB_OFFLINE
+        cached = _cached_listing(reference, hub_cache)
+        if cached is None:
+            raise ModelFetchError(
+                f"could not reach the hub for {reference.repo_id}, and no earlier download of it is cached: {error}"
+            ) from None
+        return (*cached, str(error) or type(error).__name__)
     if info.sha is None or info.siblings is None:
         raise ModelFetchError(f"the hub gave no file listing for {reference.repo_id}")
     files = [HubFile(s.rfilename, s.size, s.lfs.sha256.lower() if s.lfs is not None else None) for s in info.siblings]
-    return info.sha, files
+    return info.sha, files, None
+
+
+def _storage(reference: HubReference, hub_cache: Path | None) -> Path:
+    """The repository's folder in the hub's cache (its documented layout: refs/, snapshots/, blobs/)."""
+    return Path(hub_cache or hub_constants.HF_HUB_CACHE) / repo_folder_name(
+        repo_id=reference.repo_id, repo_type="model"
+    )
+
+
+def _remember(reference: HubReference, commit: str, hub_cache: Path | None) -> None:
+    """`refs/<revision>` → the commit whose file was checked: what a run without the hub finds.
+    (Downloading by commit, huggingface_hub writes no ref itself.)"""
+    ref = _storage(reference, hub_cache) / "refs" / reference.revision
+    with contextlib.suppress(OSError):
+        if not ref.is_file() or ref.read_text().strip() != commit:
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            ref.write_text(commit)
+
+
+def _cached_listing(reference: HubReference, hub_cache: Path | None) -> tuple[str, list[HubFile]] | None:
+    """The files of the commit an earlier run downloaded and checked (a file that failed its check
+    was deleted), without hashes: they were checked when they came."""
+    storage = _storage(reference, hub_cache)
+    try:
+        commit = (storage / "refs" / reference.revision).read_text().strip()
+        snapshot = storage / "snapshots" / commit
+        files = [HubFile(path.relative_to(snapshot).as_posix()) for path in snapshot.rglob("*.gguf") if path.is_file()]
+    except (OSError, ValueError):
+        return None
+    return (commit, files) if files and REGEX_COMMIT_HASH.fullmatch(commit) else None
 
 
 def _check(path: Path, file: HubFile, progress: Update | None) -> None:
