@@ -164,7 +164,7 @@ def test_a_quant_is_downloaded_once_checked_and_then_taken_from_the_cache(
     offline = fetch(hub, f"hf://{REPO}:Q8_0", tmp_path / "hf")
     assert offline.path == first.path and offline.commit == first.commit
     assert offline.offline is not None and "refused" in offline.offline.lower()
-    with pytest.raises(ModelFetchError, match="could not reach the hub for tiny-org/Other.*no earlier download"):
+    with pytest.raises(ModelFetchError, match=r"could not reach the hub for tiny-org/Other.*no earlier download"):
         fetch(hub, "hf://tiny-org/Other:Q8_0", tmp_path / "hf")
 
 
