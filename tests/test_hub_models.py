@@ -33,6 +33,7 @@ from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
+from kafila.units import human_bytes
 
 REPO = "tiny-org/Tiny-GGUF"
 
@@ -261,7 +262,12 @@ def test_kafila_host_serves_a_model_named_on_the_hub(hub: FakeHub, tmp_path: Pat
             assert [m.id for m in client.models.list().data] == ["Tiny-Q8_0"]
             done = client.completions.create(model="Tiny-Q8_0", prompt="hello", max_tokens=4, temperature=0)
             assert done.usage is not None and done.usage.completion_tokens == 4
-            assert f"model hf://{REPO}:Q8_0:" in host.output()
+            said = host.output()
+            assert f"model hf://{REPO}:Q8_0:" in said
+            # stderr is a log here, not a terminal: a line as each long job starts and one as it ends
+            size = human_bytes(len(hub.repos[REPO].files["Tiny-Q8_0.gguf"]))
+            assert f"downloading Tiny-Q8_0.gguf: {size}" in said and f"checking Tiny-Q8_0.gguf: {size}" in said
+            assert said.count("Tiny-Q8_0.gguf: done in") == 2
     assert hub.gets_of("Tiny-Q8_0.gguf") == [None]
     asked = {(what, token) for what, token in hub.authorizations if "/api/models/" in what or "/resolve/" in what}
     assert {token for _, token in asked} == {"Bearer hf_kafila"}  # the listings, the HEAD and the download
