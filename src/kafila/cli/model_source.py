@@ -28,6 +28,8 @@ def model_file(value: str) -> Path:
     try:
         with transfer_bars() as update:
             fetched = fetch_model(reference, update)
+    except KeyboardInterrupt:
+        fail("interrupted while the model was fetched", False, 130)
     except (ModelFetchError, ModelNameError) as error:
         taken = (
             "" if value.strip().startswith(PREFIX) else f" (there is no local file {value}: it was taken as a hub name)"

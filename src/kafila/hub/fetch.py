@@ -102,7 +102,7 @@ def _download(
             cache_dir=hub_cache,
             tqdm_class=_bar_class(f"downloading {name}", progress) if progress else None,
         )
-    except (HfHubHTTPError, OSError, ValueError) as error:
+    except Exception as error:  # the hub's errors, the disk's, and httpx's (whose module differs between versions)
         raise ModelFetchError(f"downloading {file.path} from {reference.repo_id} failed: {error}") from None
     path = Path(local)
     _check(path, file, progress)
