@@ -137,6 +137,8 @@ def _listing(
         return (*cached, str(error) or type(error).__name__)
     if info.sha is None or info.siblings is None:
         raise ModelFetchError(f"the hub gave no file listing for {reference.repo_id}")
+    if REGEX_COMMIT_HASH.fullmatch(info.sha) is None:  # it names folders in the caches
+        raise ModelFetchError(f"the hub named {reference.repo_id}'s commit {info.sha[:80]!r}, not a commit hash")
     files = [HubFile(s.rfilename, s.size, s.lfs.sha256.lower() if s.lfs is not None else None) for s in info.siblings]
     return info.sha, files, None
 
