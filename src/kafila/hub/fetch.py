@@ -201,20 +201,29 @@ def _discard(path: Path) -> None:
 
 
 def _bar_class(what: str, progress: Update) -> type[HubTqdm]:
-    """A tqdm that draws nothing itself and tells `progress`, the way every long job in kafila is shown."""
+    """A tqdm that draws nothing itself and tells `progress` the bytes written, the way every long
+    job in kafila is shown. It has `update_transfer`, so a Xet download (most GGUFs on the hub)
+    makes one bar of it rather than two (bytes written, bytes received); the second is ignored."""
 
     class Bar(HubTqdm):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.pop("name", None)
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
             self.done = int(kwargs.get("initial") or 0)
-            self.whole = int(kwargs.get("total") or 0)
-            progress(what, self.done, self.whole)
+            progress(what, self.done, self._whole())
+
+        def _whole(self) -> int:
+            return int(getattr(self, "total", None) or 0)  # the Xet reporter raises it as it learns more
 
         def update(self, n: float | None = 1) -> bool | None:
             self.done += int(n or 0)
-            progress(what, self.done, self.whole)
+            progress(what, self.done, self._whole())
+            return None
+
+        def update_transfer(self, n: float | None = 1) -> None:
+            return None
+
+        def set_transfer_postfix_str(self, postfix: str, refresh: bool = False) -> None:
             return None
 
     return Bar
