@@ -243,6 +243,17 @@ def test_a_split_model_on_the_hub_is_downloaded_checked_and_merged_once(
         assert [s for s in hub.seen[len(before) :] if "/resolve/" in s[1]] == []  # the merged file is kept
 
 
+def test_a_member_resolves_no_names() -> None:
+    """Only the host downloads: `kafila join --model` takes this machine's own file, and says so."""
+    code = "7-crimson-harbor-lemon-tiger-orbit-cactus"
+    refused = subprocess.run(
+        [sys.executable, "-m", "kafila", "join", code, "--rendezvous", "127.0.0.1:9", "--model", f"hf://{REPO}:Q8_0"],
+        env={**os.environ, "COLUMNS": "300"}, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "a model on the hub is for the host to name" in refused.stderr
+
+
 def test_kafila_host_serves_a_model_named_on_the_hub(hub: FakeHub, tmp_path: Path) -> None:
     """The whole path: HF_ENDPOINT, HF_TOKEN and HF_HUB_CACHE as a person sets them, `kafila host
     --model hf://…` downloading, checking and serving the file, and the official client's completion."""
