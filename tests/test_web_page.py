@@ -1,0 +1,102 @@
+"""The host's web page in a real headless Chromium, against a real three-member demo: the ring shows
+its members, a chat message streams an answer into the page, and a member killed shows up on the
+timeline. The system's Chromium is driven (playwright's `executable_path`); where it or playwright
+is missing, the test skips and says why."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from host_process import Host, running_host
+from test_demo import demo_members
+from tiny_models import write_tiny_model
+
+try:
+    from playwright.sync_api import Browser, Page, expect, sync_playwright
+except ImportError:  # the [test] extra brings it; a bare install may not have it
+    sync_playwright = None  # type: ignore[assignment]
+
+CHROMIUM = os.environ.get("KAFILA_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "web-page.png"
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+pytestmark = [
+    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed (pip: kafila[test])"),
+    pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (Debian: apt-get install chromium)"),
+]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    assert sync_playwright is not None and CHROMIUM is not None
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    model = write_tiny_model(
+        tmp_path_factory.mktemp("web") / "tiny.gguf", "llama", n_blocks=6, chat_template=TEMPLATE
+    )
+    # No rebalance: the ring this test draws and kills a member of stays the one it was planned as.
+    args = ("--demo", "--members", "3", "--model", model, "--context", "256", "--threads", "1", "--no-rebalance")
+    with running_host(*args) as host:
+        yield host
+
+
+def timeline(page: Page, kind: str, text: str) -> Any:
+    return page.locator(f"#timeline li[data-kind={kind}]", has_text=text)
+
+
+def test_the_page_shows_the_ring_streams_a_chat_and_a_member_killed(demo: Host, browser: Browser) -> None:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(demo.base_url + "/")
+
+    # The ring: the host and its two local members, linked in a circle.
+    expect(page.locator("#ring .node")).to_have_count(3, timeout=20_000)
+    expect(page.locator("#ring .link")).to_have_count(3)
+    expect(page.locator("#ring .node.host")).to_have_count(1)
+    expect(page.locator("#stages tbody tr")).to_have_count(3)
+    expect(page.locator("#state")).to_have_text("ready")
+    expect(timeline(page, "joined", "demo-member-1")).to_have_count(1)
+    expect(timeline(page, "ready", "ready")).to_have_count(1)
+
+    # A chat message streams an answer: text appears, then the stream ends.
+    page.fill("#prompt", "Hello there")
+    page.click("#send")
+    expect(page.locator(".message.user")).to_have_text("Hello there")
+    answer = page.locator(".message.assistant")
+    expect(answer).to_have_class("message assistant done", timeout=30_000)
+    assert answer.inner_text().strip(), "the streamed answer is empty"
+    expect(page.locator("#stages tbody td:nth-child(3)", has_text="–")).to_have_count(0, timeout=10_000)  # measured
+
+    # A member killed: its death, the broken ring and the member's leaving reach the timeline,
+    # the ring drawn without it once the host has replanned.
+    victim = next(m for m in demo_members(demo.process.pid) if b"demo-member-2" in Path(f"/proc/{m}/cmdline").read_bytes())
+    os.kill(victim, signal.SIGKILL)
+    expect(timeline(page, "incident", "demo-member-2 died")).to_have_count(1, timeout=30_000)
+    expect(timeline(page, "left", "demo-member-2 left the ring")).to_have_count(1, timeout=30_000)
+    expect(timeline(page, "replanned", "replanned with 2 members")).to_have_count(1, timeout=60_000)
+    expect(page.locator("#ring-note")).to_contain_text("epoch 2, 2 members", timeout=10_000)
+    expect(page.locator("#ring .node:not(.left):not(.down)")).to_have_count(2)
+    expect(page.locator("#ring .link")).to_have_count(2)  # the host and the member left, both ways
+    expect(page.locator("#stages tbody tr")).to_have_count(2)
+    assert errors == [], errors
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)  # the README shows it
+    page.close()
