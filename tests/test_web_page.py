@@ -48,9 +48,7 @@ def browser() -> Iterator[Browser]:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    model = write_tiny_model(
-        tmp_path_factory.mktemp("web") / "tiny.gguf", "llama", n_blocks=6, chat_template=TEMPLATE
-    )
+    model = write_tiny_model(tmp_path_factory.mktemp("web") / "tiny.gguf", "llama", n_blocks=6, chat_template=TEMPLATE)
     # No rebalance: the ring this test draws and kills a member of stays the one it was planned as.
     args = ("--demo", "--members", "3", "--model", model, "--context", "256", "--threads", "1", "--no-rebalance")
     with running_host(*args) as host:
@@ -87,7 +85,9 @@ def test_the_page_shows_the_ring_streams_a_chat_and_a_member_killed(demo: Host, 
 
     # A member killed: its death, the broken ring and the member's leaving reach the timeline,
     # the ring drawn without it once the host has replanned.
-    victim = next(m for m in demo_members(demo.process.pid) if b"demo-member-2" in Path(f"/proc/{m}/cmdline").read_bytes())
+    victim = next(
+        m for m in demo_members(demo.process.pid) if b"demo-member-2" in Path(f"/proc/{m}/cmdline").read_bytes()
+    )
     os.kill(victim, signal.SIGKILL)
     expect(timeline(page, "incident", "demo-member-2 died")).to_have_count(1, timeout=30_000)
     expect(timeline(page, "left", "demo-member-2 left the ring")).to_have_count(1, timeout=30_000)
