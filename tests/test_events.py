@@ -118,6 +118,19 @@ def test_event_clients_are_bounded_and_one_that_goes_away_is_forgotten(served: t
         pass
 
 
+def test_a_feed_closed_ends_its_streams_and_takes_no_more(served: tuple[str, Availability]) -> None:
+    """As `kafila host` does on Ctrl-C: an open page must not hold the server's shutdown up."""
+    base_url, serving = served
+    serving.events.publish("joined", "laptop joined")
+    with open_events(base_url) as stream:
+        assert next_event(stream)["text"] == "laptop joined"
+        serving.events.close()
+        assert stream.read() in (b"\n", b"\n: heartbeat\n\n")  # then the end, long before any timeout
+    with pytest.raises(HTTPError) as refused:
+        open_events(base_url)
+    assert refused.value.code == 503 and json.loads(refused.value.read())["error"]["code"] == "shutting_down"
+
+
 @pytest.mark.parametrize("last_id", ["abc", "-1", "9" * 40])
 def test_a_last_event_id_that_is_no_id_is_a_400(served: tuple[str, Availability], last_id: str) -> None:
     with pytest.raises(HTTPError) as refused:

@@ -29,7 +29,7 @@ class Subscription:
     `dropped` once it fell MAX_CLIENT_BACKLOG events behind: its stream then ends."""
 
     backlog: list[HostEvent]
-    queue: asyncio.Queue[HostEvent]
+    queue: asyncio.Queue[HostEvent | None]  # None: the feed has closed
     loop: asyncio.AbstractEventLoop
     dropped: bool = False
 
@@ -41,6 +41,12 @@ class Subscription:
             self.queue.put_nowait(event)
         except asyncio.QueueFull:  # the queue holds events, so its stream is awake and will see this
             self.dropped = True
+
+    def end(self) -> None:
+        """On the client's event loop: the stream ends after what it has been sent."""
+        self.dropped = True
+        with contextlib.suppress(asyncio.QueueFull):  # a full queue's stream is awake anyway
+            self.queue.put_nowait(None)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class EventFeed:
     _clients: set[Subscription] = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last_id: int = 0
+    _closed: bool = False
 
     def __post_init__(self) -> None:
         self._recent = deque(maxlen=self.keep)
@@ -78,18 +85,32 @@ class EventFeed:
 
     def subscribe(self, after: int = 0) -> Subscription | None:
         """A stream of what came after event `after` (those still kept) and all that follows, on
-        the running event loop; None when `max_clients` already follow."""
+        the running event loop; None when `max_clients` already follow, or the feed has closed."""
         with self._lock:
-            if len(self._clients) >= self.max_clients:
+            if self._closed or len(self._clients) >= self.max_clients:
                 return None
             backlog = [e for e in self._recent if e.id > after]
             client = Subscription(backlog, asyncio.Queue(self.client_backlog), asyncio.get_running_loop())
             self._clients.add(client)
             return client
 
+    def close(self) -> None:
+        """The host is stopping: end every stream now (the server would otherwise wait for open
+        ones, up to its graceful-shutdown bound) and take no more clients."""
+        with self._lock:
+            self._closed = True
+            clients = list(self._clients)
+        for client in clients:
+            with contextlib.suppress(RuntimeError):
+                client.loop.call_soon_threadsafe(client.end)
+
     def unsubscribe(self, client: Subscription) -> None:
         with self._lock:
             self._clients.discard(client)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def clients(self) -> int:

@@ -453,6 +453,8 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         if not after.isdigit() or len(after) > 18:
             raise _invalid("Last-Event-ID (or after) is the id of an event: a whole number.", "after")
         client = serving.events.subscribe(int(after))
+        if client is None and serving.events.closed:
+            raise ApiError(503, "The host is shutting down.", "server_error", "shutting_down")
         if client is None:
             raise ApiError(
                 503, "Too many clients follow /events; try again later.", "server_error", "too_many_clients",
@@ -559,7 +561,7 @@ async def _event_stream(feed: EventFeed, client: Subscription, heartbeat_s: floa
             except TimeoutError:
                 yield b": heartbeat\n\n"
                 continue
-            if not client.dropped:
+            if event is not None and not client.dropped:
                 yield _sse_event(event)
     finally:
         feed.unsubscribe(client)
