@@ -14,8 +14,13 @@ from typing import Any
 
 import pytest
 from host_process import Host, running_host
+from serving_checks import serving_in_thread
 from test_demo import demo_members
 from tiny_models import write_tiny_model
+
+from kafila.api.server import ApiConfig
+from kafila.contracts import EdgeStatus, MemberStatus, PlanStatus, SessionStatus
+from kafila.session.availability import Availability
 
 try:
     from playwright.sync_api import Browser, Page, expect, sync_playwright
@@ -100,3 +105,51 @@ def test_the_page_shows_the_ring_streams_a_chat_and_a_member_killed(demo: Host, 
     SCREENSHOT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOT), full_page=True)  # the README shows it
     page.close()
+
+
+ODD = "<img src=x onerror=document.title='owned'>"  # a member may name itself anything
+
+
+def drawn_session() -> SessionStatus:
+    """A ring of the host and a relayed member with a hostile name, and a newcomer waiting."""
+    return SessionStatus(
+        members=[
+            MemberStatus(name="host", host=True, blocks=(0, 2), predicted_ms_per_token=1.5),
+            MemberStatus(name=ODD, path="relayed", link="up", rtt_ms=40.0, blocks=(2, 4), predicted_ms_per_token=2.0),
+            MemberStatus(name="newcomer", path="direct", link="up", joining=True),
+        ],
+        edges=[
+            EdgeStatus(source="host", to=ODD, path="relayed", rtt_ms=40.0),
+            EdgeStatus(source=ODD, to="host", path="relayed", rtt_ms=41.0),
+        ],
+        plan=PlanStatus(tier="cost-model", ring=["host", ODD], head="host"),
+        epoch=3,
+    )
+
+
+def test_the_page_asks_for_the_key_and_draws_relayed_links_joiners_and_names_as_text(browser: Browser) -> None:
+    """No model needed: the page over the real API app, with what a session's /status may say."""
+    serving = Availability()
+    serving.session_described_by(drawn_session)
+    serving.events.publish("joined", f"{ODD} joined")
+    config = ApiConfig(model_id="tiny", context_per_sequence=256, api_key="secret")
+    with serving_in_thread(serving, 256, config) as base_url:
+        page = browser.new_page()
+        page.goto(base_url + "/")
+        expect(page.locator("#key-form")).to_be_visible()  # /status answered 401
+        page.fill("#key", "secret")
+        page.click("#key-form button")
+        expect(page.locator("#ring .node")).to_have_count(3)
+        expect(page.locator("#ring .edge.relayed")).to_have_count(2)
+        expect(page.locator("#ring .node.joining")).to_have_count(1)
+        expect(page.locator("#ring .edge-label", has_text="relayed 40.0 ms")).to_have_count(1)
+        expect(page.locator("#state")).to_have_text("waiting for the model to load")
+        expect(page.locator("#stages tbody tr")).to_have_count(2)
+        expect(timeline(page, "joined", ODD)).to_have_count(1)
+        serving.events.publish("left", "newcomer left the ring")  # live, from this thread
+        expect(timeline(page, "left", "newcomer left the ring")).to_have_count(1)
+        page.fill("#prompt", "hello")
+        page.click("#send")  # not ready: the API's 503 is shown, not thrown
+        expect(page.locator(".message.error")).to_contain_text("not ready")
+        assert page.locator("img").count() == 0 and page.title() == "kafila"  # names are text, never markup
+        page.close()
