@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -57,11 +57,18 @@ SERVED_ROUTES = (
 )
 EVENT_HEARTBEAT_S = 15.0  # an SSE comment this often: proxies keep the stream, and a client gone is noticed
 # The web page's files, in the package (api/static): read once, served as they are.
-PAGE_FILES = {"/": ("index.html", "text/html; charset=utf-8"), "/ui/app.js": ("app.js", "text/javascript"),
-              "/ui/app.css": ("app.css", "text/css")}  # fmt: skip
-# The page loads only its own files and talks only to this server.
-PAGE_POLICY = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; " \
-    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"  # fmt: skip
+PAGE_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/ui/app.js": ("app.js", "text/javascript"),
+    "/ui/app.css": ("app.css", "text/css"),
+}
+PAGE_HEADERS = {
+    # The page loads only its own files and talks only to this server; no one may frame it.
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 
 
 class ApiError(Exception):
@@ -468,19 +475,13 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
 
     pages = {path: (_page_file(name), kind) for path, (name, kind) in PAGE_FILES.items()}
 
-    def page(path: str) -> Callable[[], Any]:
-        body, kind = pages[path]
-
-        async def serve_file() -> Response:
-            """The web page (no secret in it: the data routes it calls ask for the API key)."""
-            headers = {"Content-Security-Policy": PAGE_POLICY, "X-Content-Type-Options": "nosniff",
-                       "Cache-Control": "no-cache"}  # fmt: skip
-            return Response(body, media_type=kind, headers=headers)
-
-        return serve_file
+    async def page(request: Request) -> Response:
+        """The web page's files: no secret in them, so no key asked; the routes the page calls ask."""
+        body, kind = pages[request.url.path]
+        return Response(body, media_type=kind, headers=PAGE_HEADERS)
 
     for path in PAGE_FILES:
-        app.add_api_route(path, page(path), methods=["GET"], response_class=HTMLResponse, include_in_schema=False)
+        app.add_api_route(path, page, methods=["GET"], include_in_schema=False)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> PlainTextResponse:
