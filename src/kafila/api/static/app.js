@@ -142,7 +142,8 @@ function drawRing(status) {
       y1: from[1] + uy * r + py * 4, x2: to[0] - ux * (r + 2) + px * 4, y2: to[1] - uy * (r + 2) + py * 4,
       "marker-end": "url(#arrow)" }));
     const rtt = edge.rtt_ms != null ? " " + edge.rtt_ms.toFixed(1) + " ms" : "";
-    group.append(el("text", { class: "edge-label", x: mx + side * px * 16, y: my + side * py * 16 + 4,
+    const away = 14 + 34 * Math.abs(px); // a label is wide: further from an upright link
+    group.append(el("text", { class: "edge-label", x: mx + side * px * away, y: my + side * py * away + 4,
       "text-anchor": "middle" }, (edge.path || "") + rtt));
     svg.append(group);
   }
