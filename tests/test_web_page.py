@@ -43,8 +43,9 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     assert sync_playwright is not None and CHROMIUM is not None
+    expect.set_options(timeout=15_000)  # a wait on the page's state, generous for a busy CI machine
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])  # CI runs as root
         try:
             yield browser
         finally:
