@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.client import HTTPResponse
 from typing import Any
 from urllib.error import HTTPError
@@ -80,7 +80,7 @@ def next_event(stream: HTTPResponse) -> dict[str, Any]:
     raise AssertionError("the stream ended")
 
 
-def until(condition: Any, what: str, timeout: float = 10.0) -> None:
+def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, what
