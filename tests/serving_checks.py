@@ -121,12 +121,12 @@ def _shared_start(a: str, b: str) -> int:
 
 
 @contextmanager
-def serving_in_thread(serving: Availability, context: int) -> Iterator[str]:
+def serving_in_thread(serving: Availability, context: int, config: ApiConfig | None = None) -> Iterator[str]:
     """The real API app on uvicorn, on a free loopback port, in a thread with its own event loop;
     yields its base URL. The caller owns the engine behind `serving`."""
     import uvicorn
 
-    app = create_app(serving, ApiConfig(model_id="tiny", context_per_sequence=context))
+    app = create_app(serving, config or ApiConfig(model_id="tiny", context_per_sequence=context))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     sock = socket.create_server(("127.0.0.1", 0))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)

@@ -36,6 +36,7 @@ from host_process import (
     start_member,
     status_of,
     stop,
+    until_event,
     until_status,
     wait_ready,
 )
@@ -574,6 +575,8 @@ def test_a_member_that_cannot_take_its_stage_is_left_out_and_the_rest_serve(tmp_
                 chain = [m["name"] for m in json.loads(response.read())["members"] if "blocks" in m]
             assert "good" in chain and "unlucky" not in chain, chain
             members[1].wait(timeout=30)  # sent home
+            sent_home = until_event(host, "left", "unlucky was sent home")  # on the web page's timeline too
+            assert "the host left this member out" in sent_home["detail"], sent_home
     finally:
         outputs = [stop(member) for member in members]
     assert "the host left this member out" in outputs[1], outputs[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import hmac
+import importlib.resources
 import json
 import time
 import uuid
@@ -29,7 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.guards import BodyRefused, TrustedHosts, json_object
 from kafila.api.schemas import ChatRequest, CompletionRequest
-from kafila.contracts import HostStatus, Incident, SessionStatus
+from kafila.contracts import HostEvent, HostStatus, Incident, SessionStatus
+from kafila.event_feed import EventFeed, Subscription
 from kafila.runtime.chat_template import ChatTemplate, TemplateError
 from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
 from kafila.runtime.logprobs import Alternative, TokenLogprob
@@ -51,7 +53,24 @@ TOKENIZE_IN_THREAD_CHARACTERS = 1 << 15
 # retry a 503 twice by default and wait what `Retry-After` says.
 RETRY_AFTER_S = 2
 _TRY_AGAIN = {"Retry-After": str(RETRY_AFTER_S)}
-SERVED_ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /status and /metrics"
+SERVED_ROUTES = (
+    "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /status, /events, /metrics "
+    "and the web page at /"
+)
+EVENT_HEARTBEAT_S = 15.0  # an SSE comment this often: proxies keep the stream, and a client gone is noticed
+# The web page's files, in the package (api/static): read once, served as they are.
+PAGE_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/ui/app.js": ("app.js", "text/javascript"),
+    "/ui/app.css": ("app.css", "text/css"),
+}
+PAGE_HEADERS = {
+    # The page loads only its own files and talks only to this server; no one may frame it.
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 
 
 class ApiError(Exception):
@@ -87,6 +106,7 @@ class ApiConfig:
     context_per_sequence: int
     api_key: str | None = None
     allowed_hosts: frozenset[str] = frozenset()  # host names it answers to besides addresses and localhost
+    event_heartbeat_s: float = EVENT_HEARTBEAT_S
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -111,6 +131,8 @@ class Served(Protocol):
     def ready(self) -> bool: ...
     @property
     def incidents(self) -> Sequence[Incident]: ...
+    @property
+    def events(self) -> EventFeed: ...
     async def until_resumed(self) -> None: ...
     def session_status(self) -> SessionStatus: ...
 
@@ -432,6 +454,38 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             **{name: getattr(session, name) for name in session.model_fields_set},
         ).wire()
 
+    @app.get("/events", response_model=None)
+    async def events(request: Request) -> Response:
+        """The host's events as server-sent events: those kept that came after `Last-Event-ID` (or
+        `?after=`), then each as it happens, with a heartbeat comment while nothing does."""
+        authorise(request)
+        after = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+        if not after.isdigit() or len(after) > 18:
+            raise _invalid("Last-Event-ID (or after) is the id of an event: a whole number.", "after")
+        client = serving.events.subscribe(int(after))
+        if client is None and serving.events.closed:
+            raise ApiError(503, "The host is shutting down.", "server_error", "shutting_down")
+        if client is None:
+            raise ApiError(
+                503, "Too many clients follow /events; try again later.", "server_error", "too_many_clients",
+                headers=_TRY_AGAIN,
+            )  # fmt: skip
+        return StreamingResponse(
+            _event_stream(serving.events, client, config.event_heartbeat_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    pages = {path: (_page_file(name), kind) for path, (name, kind) in PAGE_FILES.items()}
+
+    async def page(request: Request) -> Response:
+        """The web page's files: no secret in them, so no key asked; the routes the page calls ask."""
+        body, kind = pages[request.url.path]
+        return Response(body, media_type=kind, headers=PAGE_HEADERS)
+
+    for path in PAGE_FILES:
+        app.add_api_route(path, page, methods=["GET"], include_in_schema=False)
+
     @app.get("/metrics")
     async def prometheus(request: Request) -> PlainTextResponse:
         authorise(request)
@@ -493,6 +547,33 @@ async def _bounded_body(request: Request) -> bytes:
             413, f"The request body exceeds {MAX_BODY_BYTES >> 20} MiB.", "invalid_request_error", "request_too_large"
         )
     return b"".join(chunks)
+
+
+def _page_file(name: str) -> bytes:
+    return importlib.resources.files("kafila.api").joinpath("static", name).read_bytes()
+
+
+async def _event_stream(feed: EventFeed, client: Subscription, heartbeat_s: float) -> AsyncIterator[bytes]:
+    """A client's events, each with its id (for Last-Event-ID on reconnect). The stream ends when
+    the client falls too far behind, and the feed forgets it when the client goes away (the
+    write of the next event or heartbeat fails, or the server sees the disconnect)."""
+    try:
+        yield b"retry: 2000\n\n" + b"".join(_sse_event(e) for e in client.backlog)
+        while not client.dropped:
+            try:
+                event = await asyncio.wait_for(client.queue.get(), heartbeat_s)
+            except TimeoutError:
+                yield b": heartbeat\n\n"
+                continue
+            if event is not None and not client.dropped:
+                yield _sse_event(event)
+    finally:
+        feed.unsubscribe(client)
+
+
+def _sse_event(event: HostEvent) -> bytes:
+    """Unnamed ("message") events: the kind is in the data, so `EventSource.onmessage` sees them all."""
+    return f"id: {event.id}\ndata: ".encode() + json.dumps(event.wire(), separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _client_gone(request: Request) -> None:

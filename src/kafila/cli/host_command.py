@@ -267,6 +267,7 @@ async def _serve(config: HostConfig) -> None:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             host.interrupt("the host is shutting down")
+            serving.events.close()  # open /events streams end now, not at the graceful-shutdown bound
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
