@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kafila.network.frames import MAX_SAMPLER_START_BYTES, SAMPLE_ON_HEAD
-from kafila.runtime.llama_backend import llama
+from kafila.runtime.llama_backend import llama, load_llama
 from kafila.validation import one_line
 
 # The layout of llama_token_data: id (int32), logit (float), p (float).
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+# A GBNF grammar's text: the JSON schemas the API admits convert to a few KiB; this bounds what a
+# SAMPLER frame or a request can make llama.cpp parse.
+MAX_GRAMMAR_CHARS = 1 << 18
 
 
 class SamplingSettings(BaseModel):
@@ -29,6 +32,9 @@ class SamplingSettings(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int = Field(default=0, ge=0, lt=2**32)
+    # GBNF (root rule "root") that every generated token must keep matching: structured output and
+    # tool calls. llama.cpp's grammar sampler needs the whole row and the model's vocabulary.
+    grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
     @property
     def penalised(self) -> bool:
@@ -45,6 +51,8 @@ class SamplingSettings(BaseModel):
         a token outside those, at least k unpenalised tokens stay above it. A penalty that raises
         logits, or top_k 0 with a temperature, needs the whole row.
         """
+        if self.grammar is not None:  # the grammar may allow none of the largest: it needs them all
+            return 0
         keep = 1 if self.temperature == 0.0 else self.top_k
         if keep == 0:
             return 0
@@ -62,7 +70,7 @@ class SamplingSettings(BaseModel):
     @property
     def greedy(self) -> bool:
         """A plain argmax: temperature zero and no penalty to apply first."""
-        return self.temperature == 0.0 and not self.penalised
+        return self.temperature == 0.0 and not self.penalised and self.grammar is None
 
 
 class TokenSampler(Protocol):
@@ -76,16 +84,46 @@ class TokenSampler(Protocol):
     def close(self) -> None: ...
 
 
+class GrammarRefused(ValueError):
+    """llama.cpp could not parse a grammar (the client's fault where the client wrote it)."""
+
+
+def grammar_sampler(vocab: Any, grammar: str) -> Any:
+    """llama.cpp's grammar sampler over `vocab` (a `llama_vocab *`); the caller frees it."""
+    lib = load_llama()
+    sampler = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not sampler:
+        raise GrammarRefused("llama.cpp could not parse the grammar")
+    return sampler
+
+
+def check_grammar(vocab: Any, grammar: str) -> None:
+    """Raises GrammarRefused unless llama.cpp parses `grammar`: before a request is queued."""
+    load_llama().llama_sampler_free(grammar_sampler(vocab, grammar))
+
+
 class Sampler:
     """One sequence's sampler. Greedy is an argmax; otherwise llama.cpp's chain does the work:
-    repeat penalty, top-k, top-p, temperature, then a seeded draw."""
+    repeat penalty, top-k, top-p, temperature, then a seeded draw. A grammar, when set, masks the
+    row first (so top-k and top-p pick among what it allows) and sees only generated tokens, not
+    the prompt; it needs the model's `vocab` (`llama_vocab *`)."""
 
     portable = True
 
-    def __init__(self, settings: SamplingSettings, n_vocab: int) -> None:
+    def __init__(self, settings: SamplingSettings, n_vocab: int, vocab: Any = None) -> None:
         self.settings = settings
         self._chain = None
         self._llama = None
+        self._grammar = None
+        self._end = -1
+        if settings.grammar is not None:
+            if vocab is None:
+                raise GrammarRefused("a grammar needs the model's vocabulary, which this sampler was not given")
+            self._grammar = grammar_sampler(vocab, settings.grammar)
+            lib = load_llama()
+            self._end = int(lib.llama_vocab_eos(vocab))
+            if self._end < 0:
+                self._end = int(lib.llama_vocab_eot(vocab))
         if not settings.greedy:
             self._llama = llama()
             lib = self._llama
@@ -132,15 +170,26 @@ class Sampler:
             selected=-1,
             sorted=False,
         )
+        if self._grammar is not None:
+            self._llama.llama_sampler_apply(self._grammar, ctypes.byref(array))
+            if not np.isfinite(candidates["logit"]).any():
+                # Only a vocabulary that cannot spell what the grammar needs gets here: end the
+                # sequence rather than hand llama.cpp a token its grammar would abort on.
+                return self._end if self._end >= 0 else int(np.argmax(logits))
         self._llama.llama_sampler_apply(self._chain, ctypes.byref(array))
         token = int(candidates["id"][array.selected])
         self._llama.llama_sampler_accept(self._chain, token)
+        if self._grammar is not None:
+            self._llama.llama_sampler_accept(self._grammar, token)
         return token
 
     def close(self) -> None:
         if self._chain is not None and self._llama is not None:
             self._llama.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None and self._llama is not None:
+            self._llama.llama_sampler_free(self._grammar)
+            self._grammar = None
 
 
 class SamplerStart(BaseModel):
