@@ -62,11 +62,13 @@ values = st.recursive(
     leaves,
     lambda inner: (
         st.builds(_array, inner, st.integers(0, 2))
-        | st.builds(_object, st.dictionaries(names, inner, max_size=2), st.lists(names, max_size=2))
+        | st.builds(_object, st.dictionaries(names, inner, max_size=2), st.lists(names, max_size=2, unique=True))
     ),
     max_leaves=4,
 )
-schemas = st.builds(_object, st.dictionaries(names, values, min_size=1, max_size=3), st.lists(names, max_size=3))
+schemas = st.builds(
+    _object, st.dictionaries(names, values, min_size=1, max_size=3), st.lists(names, max_size=3, unique=True)
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -122,6 +124,10 @@ def test_legacy_completions_follow_a_schema_too(client: openai.OpenAI) -> None:
         (json.loads('{"type": "array", "items": ' * 14 + "{}" + "}" * 14), "nests deeper"),
         ({"type": "object", "properties": {f"p{i}": {"description": "x" * 200} for i in range(200)}}, "bytes of JSON"),
         ([1, 2], "valid dictionary"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
+        ({"type": "object", "properties": {"x": {"type": "number", "maximum": 3}}}, "bounds on a number"),
+        ({"type": "integer", "minimum": -4}, "one side only"),
+        ({"type": "integer", "minimum": 0, "maximum": 10**6}, "integer range"),
     ],
 )  # fmt: skip
 def test_a_schema_the_server_cannot_follow_is_a_400_naming_why(client: openai.OpenAI, schema: Any, says: str) -> None:

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from llama_cpp.llama_grammar import SchemaConverter
+from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
 # What a client's schema may be: its JSON text, how deeply it nests, and the largest count a
 # length or item bound may name (llama.cpp expands `x{0,n}` into n rules, so a bound of 10^6
@@ -25,6 +25,21 @@ MAX_TOOLS_SCHEMA_BYTES = 64 << 10
 MAX_SCHEMA_DEPTH = 12
 MAX_SCHEMA_COUNT = 256
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+# Keywords that constrain values in ways llama-cpp-python's converter would silently drop, so that
+# output could break the schema: refused instead (integer bounds are handled below).
+UNFOLLOWED = frozenset(
+    {
+        "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems", "not", "if", "then", "else",
+        "contains", "minContains", "maxContains", "patternProperties", "propertyNames", "dependentRequired",
+        "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems", "minProperties",
+        "maxProperties",
+    }
+)  # fmt: skip
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+MAX_INTEGER_CHOICES = 1024  # a bounded integer becomes an alternation of its values
+_DIGITS = "([1-9] [0-9]{0,15})"
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -58,15 +73,70 @@ def _check_nesting(node: Any, what: str, depth: int) -> None:
             _check_nesting(value, what, depth + 1)
 
 
+def _check_followed(schema: Any, what: str) -> None:
+    """SchemaRefused where `schema` (or a schema inside it) uses a keyword the grammar cannot keep."""
+    if not isinstance(schema, dict):
+        return
+    for key in schema.keys() & UNFOLLOWED:
+        raise SchemaRefused(f"{what} uses '{key}', which this server cannot enforce while generating")
+    kind = schema.get("type")
+    if kind == "number" and ("minimum" in schema or "maximum" in schema):
+        raise SchemaRefused(f"{what}: bounds on a number are not enforced here; use an integer or none")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for inner in schema[key]:
+                _check_followed(inner, what)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for inner in schema[key].values():
+                _check_followed(inner, what)
+    for key in ("items", "additionalProperties"):
+        _check_followed(schema.get(key), what)
+
+
+class _Converter(SchemaConverter):
+    """llama-cpp-python's converter, which ignores integer bounds, taught the ones it can keep:
+    a range of up to MAX_INTEGER_CHOICES values, or at least 0 or 1."""
+
+    def visit(self, schema: Any, name: str) -> Any:
+        if (
+            isinstance(schema, dict)
+            and schema.get("type") == "integer"
+            and ("minimum" in schema or "maximum" in schema)
+        ):
+            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+            return self._add_rule(rule_name, _integer_rule(schema.get("minimum"), schema.get("maximum")))
+        return super().visit(schema, name)
+
+
+def _integer_rule(low: Any, high: Any) -> str:
+    for bound in (low, high):
+        if bound is not None and (not isinstance(bound, int | float) or bound != int(bound)):
+            raise SchemaRefused(f"an integer's bound {str(bound)[:40]} is not an integer")
+    if low is not None and high is not None:
+        low, high = int(low), int(high)
+        if high < low:
+            raise SchemaRefused(f"an integer's minimum {low} is above its maximum {high}")
+        if high - low >= MAX_INTEGER_CHOICES:
+            raise SchemaRefused(f"an integer range of more than {MAX_INTEGER_CHOICES} values is not enforced here")
+        return "(" + " | ".join(f'"{value}"' for value in range(low, high + 1)) + ") space"
+    if high is None and low in (0, 1):
+        return ('("0" | ' if low == 0 else "(") + _DIGITS + ") space"
+    raise SchemaRefused("an integer bounded on one side only is enforced here for minimum 0 or 1 alone")
+
+
 def _converter() -> SchemaConverter:
-    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    return _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
 def _visit(converter: SchemaConverter, schema: dict[str, Any], name: str, what: str) -> str:
     """The rule that matches `schema`, added to `converter`; SchemaRefused where it cannot convert."""
+    _check_followed(schema, what)
     try:
         resolved = converter.resolve_refs(schema, "input")
         return str(converter.visit(resolved, name))
+    except SchemaRefused as refused:
+        raise SchemaRefused(f"{what}: {refused}") from None
     except RecursionError:
         raise SchemaRefused(f"{what} refers to itself too deeply to convert") from None
     except Exception as error:  # the converter asserts and raises on what it does not know
