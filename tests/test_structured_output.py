@@ -158,6 +158,7 @@ def test_schema_bounds_are_checked_before_conversion() -> None:
     with pytest.raises(SchemaRefused, match="nests deeper"):
         schema_grammar(deep)
     assert "root ::=" in schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert "root ::=" in schema_grammar({"type": "array", "items": {}, "maxItems": 2})  # any items
 
 
 def test_a_grammar_makes_sampling_take_the_whole_row_and_never_plain_argmax() -> None:

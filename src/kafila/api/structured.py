@@ -40,6 +40,7 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 MAX_INTEGER_CHOICES = 1024  # a bounded integer becomes an alternation of its values
 _DIGITS = "([1-9] [0-9]{0,15})"
+_ANY = {"type": ["string", "number", "boolean", "object", "array", "null"]}
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -99,6 +100,8 @@ class _Converter(SchemaConverter):
     a range of up to MAX_INTEGER_CHOICES values, or at least 0 or 1."""
 
     def visit(self, schema: Any, name: str) -> Any:
+        if isinstance(schema, dict) and schema.get("items") in ({}, True):  # "any items": its KeyError
+            schema = {**schema, "items": _ANY}
         if (
             isinstance(schema, dict)
             and schema.get("type") == "integer"
