@@ -17,7 +17,7 @@ from serving_checks import engine_served
 from tiny_models import write_tiny_model
 
 from kafila.api.schemas import Message
-from kafila.api.structured import ToolCallStream, ToolSpec, split_tool_calls, tool_call_grammar
+from kafila.api.structured import ToolCallDelta, ToolCallStream, ToolSpec, split_tool_calls, tool_call_grammar
 from kafila.runtime.chat_template import HERMES, ChatTemplate
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import open_engine
@@ -115,17 +115,20 @@ def test_parallel_calls_and_their_stream_in_openais_delta_shape(client: openai.O
         _valid_call(call, set(SCHEMAS))
     built: dict[int, dict[str, str]] = {}
     reasons = []
+    argument_pieces = 0
     for chunk in client.chat.completions.create(**asked, stream=True):
         for piece in chunk.choices[0].delta.tool_calls or []:
             entry = built.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
             entry["id"] += piece.id or ""
             entry["name"] += piece.function.name if piece.function and piece.function.name else ""
             entry["arguments"] += piece.function.arguments if piece.function and piece.function.arguments else ""
+            argument_pieces += bool(piece.function and piece.function.arguments)
         reasons.append(chunk.choices[0].finish_reason)
     assert [(b["name"], b["arguments"]) for _, b in sorted(built.items())] == [
         (c.function.name, c.function.arguments) for c in calls
     ]
     assert all(b["id"].startswith("call_") for b in built.values())
+    assert argument_pieces > 2 * len(calls)  # the arguments stream as they are written
     expected_reason = whole.choices[0].finish_reason
     assert reasons[-1] == expected_reason and expected_reason in ("tool_calls", "length")
 
@@ -191,21 +194,26 @@ def test_the_template_renders_tools_calls_and_results() -> None:
 
 
 def test_hermes_blocks_split_from_text_whole_and_in_any_pieces() -> None:
+    """Fed in pieces of any size, the stream's deltas add up to the whole reply's calls; the first
+    call's arguments leave as they come, the second (arguments before name) whole at its end."""
     text = (
-        'Let me look.<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "b", "arguments": "{}"}\n</tool_call>'
+        'Let me look.<tool_call>\n{"name": "a", "arguments": {"x": {"y": 1}} }\n</tool_call>\n'
+        '<tool_call>\n{"arguments": "{}", "name": "b"}\n</tool_call>'
     )
     content, calls = split_tool_calls(text)
-    assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("a", {"x": 1}),
-        ("b", {}),
-    ]
+    assert content == "Let me look."
+    assert [(c.name, c.arguments) for c in calls] == [("a", '{"x": {"y": 1}}'), ("b", "{}")]
     assert len(split_tool_calls(text, parallel=False)[1]) == 1
     for size in (1, 3, 7):
         stream = ToolCallStream()
         pieces = [p for i in range(0, len(text), size) for p in stream.feed(text[i : i + size])] + stream.finish()
         assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look."
-        assert [getattr(p, "name", None) for p in pieces if not isinstance(p, str)] == ["a", "b"]
+        deltas = [p for p in pieces if isinstance(p, ToolCallDelta)]
+        assert [d.name for d in deltas if d.id is not None] == ["a", "b"]
+        for index, call in enumerate(calls):
+            assert "".join(d.arguments for d in deltas if d.index == index) == call.arguments
+        if size == 1:
+            assert sum(d.index == 0 and d.id is None for d in deltas) > 5  # streamed, not whole
     assert split_tool_calls("<tool_call>not json</tool_call> and <tool_") == (
         "<tool_call>not json</tool_call> and <tool_",
         [],

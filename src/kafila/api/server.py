@@ -32,7 +32,7 @@ from kafila.api.schemas import Request as ApiRequest
 from kafila.api.structured import (
     JSON_OBJECT_GRAMMAR_SCHEMA,
     SchemaRefused,
-    ToolCall,
+    ToolCallDelta,
     ToolCallStream,
     ToolSpec,
     schema_grammar,
@@ -673,30 +673,15 @@ class _Reply:
         """OpenAI's "tool_calls" where the model ended its turn with calls; "length" stays."""
         return "tool_calls" if called and finished.reason is FinishReason.STOP else finished.reason.value
 
-    def tool_chunks(self, pieces: list[str | ToolCall], first_index: int) -> list[dict[str, Any]]:
-        """Content and whole calls as OpenAI's deltas: a call's id and name, then its arguments."""
+    def tool_chunks(self, pieces: list[str | ToolCallDelta]) -> list[dict[str, Any]]:
+        """Content and tool-call deltas as OpenAI's chunks."""
         out = []
-        index = first_index
         for piece in pieces:
             if isinstance(piece, str):
                 out.append(self.chunk(piece, None))
                 continue
-            opening = {
-                "index": index,
-                "id": piece.id,
-                "type": "function",
-                "function": {"name": piece.name, "arguments": ""},
-            }
-            for call in (opening, {"index": index, "function": {"arguments": piece.arguments}}):
-                out.append(
-                    {
-                        **self._envelope(True),
-                        "choices": [
-                            {"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None, "logprobs": None}
-                        ],
-                    }
-                )
-            index += 1
+            choice = {"index": 0, "delta": {"tool_calls": [piece.wire()]}, "finish_reason": None, "logprobs": None}
+            out.append({**self._envelope(True), "choices": [choice]})
         return out
 
     def usage_chunk(self, finished: Finished) -> dict[str, Any]:
@@ -752,8 +737,6 @@ async def _stream(
         cancel()  # the client went away, or the stream ended: either way the slot is free
 
 
-def _tool_sse(reply: _Reply, pieces: list[str | ToolCall]) -> list[bytes]:
-    """SSE events for what a tool-reading stream released; a call's index counts the calls before it."""
-    assert reply.tools is not None
-    calls = sum(isinstance(p, ToolCall) for p in pieces)
-    return [_sse(chunk) for chunk in reply.tool_chunks(pieces, reply.tools.stream.calls - calls)]
+def _tool_sse(reply: _Reply, pieces: list[str | ToolCallDelta]) -> list[bytes]:
+    """SSE events for what a tool-reading stream released."""
+    return [_sse(chunk) for chunk in reply.tool_chunks(pieces)]

@@ -11,6 +11,7 @@ Tool calls use the Hermes syntax that Qwen 2.5 and Qwen 3 templates write and re
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -186,13 +187,35 @@ class ToolCall:
 
     id: str
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text, as the model wrote it
 
     def wire(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _parse_call(body: str) -> ToolCall | None:
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of the `index`th call, as OpenAI streams it: its id and name first (with empty
+    arguments), then pieces of its arguments' text."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def wire(self) -> dict[str, Any]:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _parse_call(body: str) -> tuple[str, str] | None:
+    """A whole block's name and arguments (JSON text), where it is a call."""
     try:
         call = json.loads(body)
     except ValueError:
@@ -207,62 +230,105 @@ def _parse_call(body: str) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall("call_" + uuid.uuid4().hex[:24], call["name"], json.dumps(arguments, ensure_ascii=False))
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+# The start of a block as the template's example writes it (and the grammar forces): the name,
+# then the arguments object, whose text then streams as it comes.
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
 class ToolCallStream:
-    """Splits generated text into content and tool calls as it comes: text that may be the start
-    of a `<tool_call>` block is held back until it is known not to be, and a block leaves whole,
-    as one `ToolCall`, once its closing tag arrives. A block that does not parse stays content."""
+    """Splits generated text into content and tool-call deltas as it comes.
+
+    Text that may begin a `<tool_call>` block is held back until it is known not to. In a block
+    that starts `{"name": ..., "arguments": {`, the call's id and name leave at once and its
+    arguments stream, all but their last `}` (which may be the block's own) held back until more
+    comes. Any other block is read whole at its closing tag, and stays content if it is no call.
+    Without `parallel`, blocks after the first call are dropped."""
 
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel
         self.calls = 0
         self._buffer = ""
-        self._in_call = False
+        self._state = "text"  # "text", "header" (in a block, before its arguments), "arguments"
+        self._sent = 0  # of the buffer's arguments text, what has left already
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[str | ToolCallDelta]:
         self._buffer += text
-        out: list[str | ToolCall] = []
-        while True:
-            if not self._in_call:
-                start = self._buffer.find(TOOL_CALL_OPEN)
-                if start < 0:
-                    keep = _partial_suffix(self._buffer, TOOL_CALL_OPEN)
-                    self._emit_text(out, self._buffer[: len(self._buffer) - keep])
-                    self._buffer = self._buffer[len(self._buffer) - keep :]
-                    return out
-                self._emit_text(out, self._buffer[:start])
-                self._buffer = self._buffer[start + len(TOOL_CALL_OPEN) :]
-                self._in_call = True
-            end = self._buffer.find(TOOL_CALL_CLOSE)
-            if end < 0:
-                return out
-            self._emit_call(out, self._buffer[:end], closed=True)
-            self._buffer = self._buffer[end + len(TOOL_CALL_CLOSE) :]
-            self._in_call = False
-
-    def finish(self) -> list[str | ToolCall]:
-        """What is left at the end: an unclosed block is taken if it parses."""
-        out: list[str | ToolCall] = []
-        if self._in_call:
-            self._emit_call(out, self._buffer, closed=False)
-        else:
-            self._emit_text(out, self._buffer)
-        self._buffer, self._in_call = "", False
+        out: list[str | ToolCallDelta] = []
+        while self._step(out):
+            pass
         return out
 
-    def _emit_text(self, out: list[str | ToolCall], text: str) -> None:
+    def finish(self) -> list[str | ToolCallDelta]:
+        """What is left at the end: an unclosed block's arguments, or a block read whole if it parses."""
+        out: list[str | ToolCallDelta] = []
+        if self._state == "arguments":
+            self._emit_arguments(out, len(self._buffer))
+        elif self._state == "header":
+            self._whole_block(out, self._buffer, closed=False)
+        else:
+            self._emit_text(out, self._buffer)
+        self._buffer, self._state, self._sent = "", "text", 0
+        return out
+
+    def _step(self, out: list[str | ToolCallDelta]) -> bool:
+        """One move through the buffer; False once it must wait for more text."""
+        if self._state == "text":
+            start = self._buffer.find(TOOL_CALL_OPEN)
+            if start < 0:
+                keep = _partial_suffix(self._buffer, TOOL_CALL_OPEN)
+                self._emit_text(out, self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                return False
+            self._emit_text(out, self._buffer[:start])
+            self._buffer, self._state = self._buffer[start + len(TOOL_CALL_OPEN) :], "header"
+            return True
+        end = self._buffer.find(TOOL_CALL_CLOSE)
+        if self._state == "header":
+            header = _HEADER.match(self._buffer)
+            if header is not None and (end < 0 or header.end() < end):
+                if self.parallel or not self.calls:
+                    out.append(ToolCallDelta(self.calls, "", _call_id(), header.group(1)))
+                self.calls += 1
+                self._buffer, self._state, self._sent = self._buffer[header.end() :], "arguments", 0
+                return True
+            if end < 0:
+                return False
+            self._whole_block(out, self._buffer[:end], closed=True)
+        else:
+            if end < 0:  # all but the last "}" and what may begin the closing tag
+                last = self._buffer.rfind("}")
+                self._emit_arguments(
+                    out, last if last >= 0 else len(self._buffer) - _partial_suffix(self._buffer, TOOL_CALL_CLOSE)
+                )
+                return False
+            body = self._buffer[:end].rstrip()
+            self._emit_arguments(out, len(body) - 1 if body.endswith("}") else len(body))  # less the block's "}"
+        self._buffer, self._state, self._sent = self._buffer[end + len(TOOL_CALL_CLOSE) :], "text", 0
+        return True
+
+    def _emit_arguments(self, out: list[str | ToolCallDelta], upto: int) -> None:
+        upto = len(self._buffer[:upto].rstrip())  # whitespace waits: it may be all before the block's "}"
+        if upto > self._sent:
+            if self.parallel or self.calls == 1:
+                out.append(ToolCallDelta(self.calls - 1, self._buffer[self._sent : upto]))
+            self._sent = upto
+
+    def _emit_text(self, out: list[str | ToolCallDelta], text: str) -> None:
         if text and not (self.calls and text.isspace()):  # the newlines between calls are no content
             out.append(text)
 
-    def _emit_call(self, out: list[str | ToolCall], body: str, closed: bool) -> None:
+    def _whole_block(self, out: list[str | ToolCallDelta], body: str, closed: bool) -> None:
         call = _parse_call(body)
         if call is None:
             self._emit_text(out, TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else ""))
-        elif self.parallel or not self.calls:  # without parallel calls, the first one only
-            self.calls += 1
-            out.append(call)
+            return
+        if self.parallel or not self.calls:
+            out.append(ToolCallDelta(self.calls, "", _call_id(), call[0]))
+            out.append(ToolCallDelta(self.calls, call[1]))
+        self.calls += 1
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -274,10 +340,17 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def split_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply's content (None if there is none besides the calls) and its tool calls."""
+    """A whole reply's content (None if there is none besides the calls) and its tool calls:
+    the same deltas a stream of it sends, put together."""
     stream = ToolCallStream(parallel)
     pieces = stream.feed(text) + stream.finish()
-    calls = [p for p in pieces if isinstance(p, ToolCall)]
+    calls: list[ToolCall] = []
+    for piece in pieces:
+        if isinstance(piece, ToolCallDelta):
+            if piece.id is not None:
+                calls.append(ToolCall(piece.id, piece.name or "", ""))
+            else:
+                calls[-1] = ToolCall(calls[-1].id, calls[-1].name, calls[-1].arguments + piece.arguments)
     content = "".join(p for p in pieces if isinstance(p, str))
     if calls:
         content = content.strip()
