@@ -133,6 +133,17 @@ def _converter() -> SchemaConverter:
     return _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
+# llama-cpp-python's string character allows raw control characters, which JSON forbids in a
+# string (llama.cpp's own converter excludes them), and code points that are no characters
+# (surrogates, past U+10FFFF), which byte tokens can spell: swapped for one that excludes them.
+_LOOSE_CHAR = 'char ::= [^"\\\\] |'
+_JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF\\U00110000-\\U7FFFFFFF] |'
+
+
+def _grammar_text(converter: SchemaConverter) -> str:
+    return str(converter.format_grammar()).replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
 def _visit(converter: SchemaConverter, schema: dict[str, Any], name: str, what: str) -> str:
     """The rule that matches `schema`, added to `converter`; SchemaRefused where it cannot convert."""
     _check_followed(schema, what)
@@ -151,7 +162,7 @@ def schema_grammar(schema: dict[str, Any], what: str = "the response_format sche
     """GBNF (root "root") for JSON text that `schema` accepts."""
     converter = _converter()
     _visit(converter, bounded_schema(schema, what), "", what)
-    return str(converter.format_grammar())
+    return _grammar_text(converter)
 
 
 JSON_OBJECT_GRAMMAR_SCHEMA: dict[str, Any] = {"type": "object"}
@@ -178,7 +189,7 @@ def tool_call_grammar(tools: list[ToolSpec], parallel: bool) -> str:
     converter._add_rule("call", " | ".join(alternatives))
     block = json.dumps(TOOL_CALL_OPEN + "\n") + " call " + json.dumps("\n" + TOOL_CALL_CLOSE)
     converter._add_rule("root", f"{block} ({json.dumps(chr(10))} {block})*" if parallel else block)
-    return str(converter.format_grammar())
+    return _grammar_text(converter)
 
 
 @dataclass(frozen=True)
@@ -264,8 +275,9 @@ class ToolCallStream:
     def finish(self) -> list[str | ToolCallDelta]:
         """What is left at the end: an unclosed block's arguments, or a block read whole if it parses."""
         out: list[str | ToolCallDelta] = []
-        if self._state == "arguments":
-            self._emit_arguments(out, len(self._buffer))
+        if self._state == "arguments":  # cut off (max_tokens): less a closing tag begun and the block's "}"
+            body = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, TOOL_CALL_CLOSE)].rstrip()
+            self._emit_arguments(out, len(body) - 1 if body.endswith("}") and _is_json(body[:-1]) else len(body))
         elif self._state == "header":
             self._whole_block(out, self._buffer, closed=False)
         else:
@@ -329,6 +341,14 @@ class ToolCallStream:
             out.append(ToolCallDelta(self.calls, "", _call_id(), call[0]))
             out.append(ToolCallDelta(self.calls, call[1]))
         self.calls += 1
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _partial_suffix(text: str, tag: str) -> int:

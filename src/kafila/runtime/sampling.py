@@ -158,30 +158,54 @@ class Sampler:
                 self._llama.llama_sampler_accept(self._chain, token)
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        """The chain's token; with a grammar, as llama.cpp's own samplers do it: the chain draws
+        from the whole row, and only if the grammar refuses that token does it draw again from
+        what the grammar allows (masking a 262k vocabulary each token costs more than one check)."""
         if self._chain is None or self._llama is None:
             return int(np.argmax(logits))
-        candidates = self._candidates
-        candidates["id"] = self._ids
-        candidates["logit"] = logits
-        candidates["p"] = 0.0
-        array = self._llama.llama_token_data_array(
+        token = self._draw(logits, grammar_first=False)
+        if self._grammar is not None and not self._allows(token):
+            token = self._draw(logits, grammar_first=True)
+            if token < 0:
+                # Only a vocabulary that cannot spell what the grammar needs gets here: end the
+                # sequence rather than hand llama.cpp a token its grammar would abort on.
+                return self._end if self._end >= 0 else int(np.argmax(logits))
+        self._llama.llama_sampler_accept(self._chain, token)
+        if self._grammar is not None:
+            self._llama.llama_sampler_accept(self._grammar, token)
+        return token
+
+    def _array(self, candidates: npt.NDArray[np.void]) -> Any:
+        assert self._llama is not None
+        return self._llama.llama_token_data_array(
             data=candidates.ctypes.data_as(ctypes.POINTER(self._llama.llama_token_data)),
             size=len(candidates),
             selected=-1,
             sorted=False,
         )
-        if self._grammar is not None:
+
+    def _draw(self, logits: npt.NDArray[np.float32], grammar_first: bool) -> int:
+        """The chain's pick from the row (masked by the grammar first if asked); -1 where the
+        grammar allows nothing."""
+        assert self._llama is not None
+        candidates = self._candidates
+        candidates["id"] = self._ids
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        array = self._array(candidates)
+        if grammar_first:
             self._llama.llama_sampler_apply(self._grammar, ctypes.byref(array))
             if not np.isfinite(candidates["logit"]).any():
-                # Only a vocabulary that cannot spell what the grammar needs gets here: end the
-                # sequence rather than hand llama.cpp a token its grammar would abort on.
-                return self._end if self._end >= 0 else int(np.argmax(logits))
+                return -1
         self._llama.llama_sampler_apply(self._chain, ctypes.byref(array))
-        token = int(candidates["id"][array.selected])
-        self._llama.llama_sampler_accept(self._chain, token)
-        if self._grammar is not None:
-            self._llama.llama_sampler_accept(self._grammar, token)
-        return token
+        return int(candidates["id"][array.selected])
+
+    def _allows(self, token: int) -> bool:
+        assert self._llama is not None
+        single = np.zeros(1, dtype=_TOKEN_DATA)
+        single["id"] = token
+        self._llama.llama_sampler_apply(self._grammar, ctypes.byref(self._array(single)))
+        return bool(np.isfinite(single["logit"][0]))
 
     def close(self) -> None:
         if self._chain is not None and self._llama is not None:
@@ -206,7 +230,8 @@ class SamplerStart(BaseModel):
     prompt: list[Annotated[int, Field(ge=0, lt=1 << 31)]]
 
     def payload(self) -> bytes:
-        return self.model_dump_json().encode()
+        """Without a null grammar, so that a member from before grammars takes what it always did."""
+        return self.model_dump_json(exclude_none=True).encode()
 
     @classmethod
     def from_payload(cls, payload: bytes) -> SamplerStart:
