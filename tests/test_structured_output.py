@@ -122,6 +122,9 @@ def test_legacy_completions_follow_a_schema_too(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(reply.choices[0].text), schema)
 
 
+THOUSAND = {"type": "integer", "minimum": 0, "maximum": 999}  # an alternation of 1000 values
+
+
 @pytest.mark.parametrize(
     ("schema", "says"),
     [
@@ -135,6 +138,11 @@ def test_legacy_completions_follow_a_schema_too(client: openai.OpenAI) -> None:
         ({"type": "object", "properties": {"x": {"type": "number", "maximum": 3}}}, "bounds on a number"),
         ({"type": "integer", "minimum": -4}, "one side only"),
         ({"type": "integer", "minimum": 0, "maximum": 10**6}, "integer range"),
+        ({"type": "integer", "maximum": 9}, "one side only"),
+        (
+            {"type": "object", "properties": {f"n{i}": THOUSAND for i in range(60)}},
+            "the grammar for this schema would be",
+        ),
     ],
 )  # fmt: skip
 def test_a_schema_the_server_cannot_follow_is_a_400_naming_why(client: openai.OpenAI, schema: Any, says: str) -> None:

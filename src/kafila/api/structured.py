@@ -18,6 +18,8 @@ from typing import Any
 
 from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
+from kafila.runtime.sampling import MAX_GRAMMAR_CHARS
+
 # What a client's schema may be: its JSON text, how deeply it nests, and the largest count a
 # length or item bound may name (llama.cpp expands `x{0,n}` into n rules, so a bound of 10^6
 # would make one request's grammar cost gigabytes).
@@ -141,7 +143,12 @@ _JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF\\U00110000-\\U7FFF
 
 
 def _grammar_text(converter: SchemaConverter) -> str:
-    return str(converter.format_grammar()).replace(_LOOSE_CHAR, _JSON_CHAR)
+    grammar = str(converter.format_grammar()).replace(_LOOSE_CHAR, _JSON_CHAR)
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise SchemaRefused(
+            f"the grammar for this schema would be {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS}"
+        )
+    return grammar
 
 
 def _visit(converter: SchemaConverter, schema: dict[str, Any], name: str, what: str) -> str:
