@@ -13,7 +13,10 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from serving_checks import engine_served
+from test_api_fuzz import json_values, post, schemas
 from tiny_models import write_tiny_model
 
 from kafila.api.schemas import Message
@@ -137,6 +140,39 @@ def test_parallel_calls_and_their_stream_in_openais_delta_shape(client: openai.O
     assert argument_pieces > 2 * len(calls)  # the arguments stream as they are written
     expected_reason = whole.choices[0].finish_reason
     assert reasons[-1] == expected_reason and expected_reason in ("tool_calls", "length")
+
+
+functions = st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"])}, optional={"parameters": schemas | json_values, "strict": json_values}
+)
+tool_lists = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": functions}), max_size=3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    tools=tool_lists | json_values,
+    choice=st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]) | json_values,
+    parallel=st.booleans(),
+    stream=st.booleans(),
+)
+def test_any_tools_are_served_or_refused_with_a_400(
+    client: openai.OpenAI, tools: Any, choice: Any, parallel: bool, stream: bool
+) -> None:
+    """Random tool lists and parameter schemas to a model that takes tools: an answer, or a 400."""
+    body = {
+        "model": "tiny", "messages": ASK, "tools": tools, "tool_choice": choice,
+        "parallel_tool_calls": parallel, "max_tokens": 24, "stream": stream,
+    }  # fmt: skip
+    base_url = str(client.base_url).removesuffix("/v1/")
+    status, _, payload = post(base_url, "/v1/chat/completions", json.dumps(body).encode())
+    event(f"status {status}")
+    assert status in (200, 400), payload[:300]
+    if status == 400:
+        assert json.loads(payload)["error"]["type"] == "invalid_request_error"
+    elif stream:
+        assert payload.rstrip().endswith(b"data: [DONE]") and b'"error"' not in payload
+    else:
+        assert json.loads(payload)["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
 
 
 def test_tool_choice_none_writes_plain_text(client: openai.OpenAI) -> None:
