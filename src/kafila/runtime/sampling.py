@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: greedy, or llama.cpp's own sampler chain with a seed."""
+"""Choosing the next token from logits: greedy, or llama.cpp's own sampler chain with a seed, held
+to a GBNF grammar where the request asks for structured output or a tool call."""
 
 from __future__ import annotations
 
