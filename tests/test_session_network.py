@@ -44,7 +44,9 @@ from tiny_models import write_tiny_model, write_wide_model
 
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous_client import RendezvousClient, send_abort
+from kafila.planner.cost import ChainPrefix
 from kafila.planner.fleet import FleetDevice
+from kafila.planner.types import SessionSpec
 from kafila.runtime.backends import backend_report
 from kafila.runtime.sampling import SamplingSettings
 from kafila.session.core import GUESS_BUDGET
@@ -271,8 +273,9 @@ def head_elsewhere(model: Path) -> tuple[str, ...]:
 
     manifest = read_manifest(model)
     context, concurrency = 2048, 4  # a cache of 1 MiB a block: what makes --memory's 1 MiB floor fit
-    blocks = zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
-    lend = min(weights + kv * context * concurrency for weights, kv in blocks) + manifest.head_bytes - 1
+    session = SessionSpec(context=context, concurrency=concurrency)
+    prefix = ChainPrefix.of(manifest, session)
+    lend = min(int(prefix.resident_matrix(True)[i, i + 1]) for i in range(manifest.n_blocks)) - 1
     return ("--context", str(context), "--concurrency", str(concurrency), "--memory", f"{lend}B")
 
 
