@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -20,10 +21,18 @@ from test_api_fuzz import json_values, post, schemas
 from tiny_models import write_tiny_model
 
 from kafila.api.schemas import Message
-from kafila.api.structured import ToolCallDelta, ToolCallStream, ToolSpec, split_tool_calls, tool_call_grammar
+from kafila.api.structured import (
+    TOOL_CALL_TRIGGER,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolSpec,
+    split_tool_calls,
+    tool_call_grammar,
+)
 from kafila.runtime.chat_template import HERMES, ChatTemplate
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import open_engine
+from kafila.runtime.sampling import SamplingSettings
 
 CONTEXT = 2048  # the tiny vocabulary spells the tools prompt mostly byte by byte: ~1000 tokens
 SETTINGS = ContextSettings(n_ctx=CONTEXT * 2, n_batch=256, n_seq_max=2, n_threads=1)
@@ -265,6 +274,36 @@ def test_hermes_blocks_split_from_text_whole_and_in_any_pieces() -> None:
     assert [c.arguments for c in split_tool_calls(cut)[1]] == ['{"x": {"y": 1}}']
     unfinished = '<tool_call>\n{"name": "a", "arguments": {"x": {"y": 1}'
     assert [c.arguments for c in split_tool_calls(unfinished)[1]] == ['{"x": {"y": 1}']  # its own "}" kept
+
+
+def test_in_auto_the_grammar_holds_a_call_from_its_opening_tag_on(tmp_path: Path) -> None:
+    """tool_choice "auto": text is free until the model writes `<tool_call>`; from there the
+    sampler holds the call to the tool's schema. Logits that force the opening, then random ones."""
+    engine = open_engine(write_tiny_model(tmp_path / "q.gguf", "qwen3", n_blocks=2), [2], SETTINGS)
+    grammar = tool_call_grammar([ToolSpec("get_weather", WEATHER)], parallel=False, opened=True)
+    sampler = engine.sampler(
+        SamplingSettings(temperature=1.0, top_k=0, seed=3, grammar=grammar, grammar_trigger=TOOL_CALL_TRIGGER)
+    )
+    rng = np.random.default_rng(0)
+    try:
+        written = engine.tokenize("Let me check. <tool_call>", add_special=False)
+        for token in written:
+            logits = rng.normal(size=engine.n_vocab()).astype(np.float32)
+            logits[token] = 100.0
+            assert sampler.sample(logits) == token  # no grammar yet: the forced token, even mid-tag
+        for _ in range(200):
+            token = sampler.sample(rng.normal(size=engine.n_vocab()).astype(np.float32) * 4)
+            if engine.is_end(token):
+                break
+            written.append(token)
+        else:
+            pytest.fail("the grammar never ended the call")
+        content, calls = split_tool_calls(engine.detokenize(written), parallel=False)
+        assert content == "Let me check." and len(calls) == 1 and calls[0].name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    finally:
+        sampler.close()
+        engine.close()
 
 
 def test_the_call_grammar_names_each_tool_once_per_block() -> None:

@@ -63,11 +63,12 @@ class Request(BaseModel):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def sampling(self, grammar: str | None = None) -> SamplingSettings:
+    def sampling(self, grammar: str | None = None, trigger: str | None = None) -> SamplingSettings:
         """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set;
-        `grammar` constrains the output (structured output, tool calls)."""
+        `grammar` constrains the output (structured output, tool calls), from `trigger` on if given."""
         return SamplingSettings(
             grammar=grammar,
+            grammar_trigger=trigger if grammar is not None else None,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,

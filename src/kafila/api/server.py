@@ -31,6 +31,7 @@ from kafila.api.schemas import ChatRequest, CompletionRequest, Tool
 from kafila.api.schemas import Request as ApiRequest
 from kafila.api.structured import (
     JSON_OBJECT_GRAMMAR_SCHEMA,
+    TOOL_CALL_TRIGGER,
     SchemaRefused,
     ToolCallDelta,
     ToolCallStream,
@@ -301,7 +302,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
                 "This model's chat template writes no tool-call syntax this server reads (the Hermes/Qwen "
                 "<tool_call> blocks); send tool_choice 'none' or no tools.", "tools",
             )  # fmt: skip
-        grammar = _grammar_of(body)
+        grammar, trigger = _grammar_of(body)
         tools = [tool.for_template() for tool in body.tools or []] if calling else None
         try:
             rendered = serving.template.render([m.for_template() for m in body.messages], tools)
@@ -309,7 +310,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             raise _invalid(str(error), "messages") from None
         prompt = await tokenize(engine, rendered.text, not rendered.starts_with_bos, True, "messages")
         reading = ToolReading(body.parallel_tool_calls is not False) if calling else None
-        return await _serve(request, body, prompt, loop, chat=True, grammar=grammar, tools=reading)
+        return await _serve(request, body, prompt, loop, chat=True, grammar=grammar, trigger=trigger, tools=reading)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -327,7 +328,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             prompt = text
         else:
             prompt = await tokenize(engine, text, True, False, "prompt")
-        return await _serve(request, body, prompt, loop, chat=False, grammar=_grammar_of(body))
+        return await _serve(request, body, prompt, loop, chat=False, grammar=_grammar_of(body)[0])
 
     async def tokenize(engine: Engine, text: str, add_special: bool, parse_special: bool, param: str) -> list[int]:
         """Token ids, off the event loop for long texts (8 MB takes seconds, and every stream
@@ -382,6 +383,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         loop: EngineLoop,
         chat: bool,
         grammar: str | None = None,
+        trigger: str | None = None,
         tools: ToolReading | None = None,
     ) -> Response:
         context = config.context_per_sequence
@@ -403,7 +405,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
                 "messages" if chat else "prompt", "context_length_exceeded",
             )  # fmt: skip
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        job = Job(request_id, prompt, limit or context, body.sampling(grammar), body.stop_strings())
+        job = Job(request_id, prompt, limit or context, body.sampling(grammar, trigger), body.stop_strings())
         queue: asyncio.Queue[Event] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
@@ -555,24 +557,31 @@ def _model_card(config: ApiConfig) -> dict[str, Any]:
     return {"id": config.model_id, "object": "model", "created": config.created, "owned_by": "kafila"}
 
 
-def _grammar_of(body: ApiRequest) -> str | None:
-    """The grammar a request's output must follow: a forced tool call's, else its response
-    format's, else none. Every tool's parameters are converted, used or not, so that a schema this
-    server cannot follow is a 400 whatever tool_choice says."""
+def _grammar_of(body: ApiRequest) -> tuple[str | None, str | None]:
+    """The grammar a request's output must follow, and the trigger from which it does (None: from
+    the first token): a forced tool call's; else the response format's; else, with tools in
+    "auto", the calls' grammar once the model opens a block. Every tool's parameters are
+    converted, used or not, so that a schema this server cannot follow is a 400 whatever
+    tool_choice says."""
+    calls = None
     if isinstance(body, ChatRequest) and body.tools:
+        parallel = body.parallel_tool_calls is not False
         try:
-            tool_call_grammar([_spec(t) for t in body.tools], parallel=True)
+            calls = tool_call_grammar([_spec(t) for t in body.tools], parallel, opened=True)
             forced = body.forced_tools()
             if forced:
-                return tool_call_grammar([_spec(t) for t in forced], body.parallel_tool_calls is not False)
+                return tool_call_grammar([_spec(t) for t in forced], parallel), None
         except SchemaRefused as error:
             raise _invalid(str(error), "tools") from None
     form = body.response_format
     if form is None or form.type == "text":
-        return None
+        calling = isinstance(body, ChatRequest) and body.calling_tools()
+        return (calls, TOOL_CALL_TRIGGER) if calls is not None and calling else (None, None)
     schema = form.json_schema.json_schema if form.json_schema is not None else None
     try:
-        return schema_grammar(JSON_OBJECT_GRAMMAR_SCHEMA if form.type == "json_object" or schema is None else schema)
+        return schema_grammar(
+            JSON_OBJECT_GRAMMAR_SCHEMA if form.type == "json_object" or schema is None else schema
+        ), None
     except SchemaRefused as error:
         raise _invalid(str(error), "response_format") from None
 

@@ -47,6 +47,9 @@ _ANY = {"type": ["string", "number", "boolean", "object", "array", "null"]}
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+# Where a call may come or not ("auto"), its grammar waits for the model to open a block, and
+# holds from just after this tag (`tool_call_grammar(..., opened=True)`).
+TOOL_CALL_TRIGGER = TOOL_CALL_OPEN
 
 
 class SchemaRefused(ValueError):
@@ -183,9 +186,10 @@ class ToolSpec:
     parameters: dict[str, Any]
 
 
-def tool_call_grammar(tools: list[ToolSpec], parallel: bool) -> str:
+def tool_call_grammar(tools: list[ToolSpec], parallel: bool, opened: bool = False) -> str:
     """GBNF for one (or, with `parallel`, one or more) Hermes tool-call blocks, each naming one of
-    `tools` with arguments its schema accepts, and nothing else."""
+    `tools` with arguments its schema accepts, and nothing else; `opened`: from just after the
+    first block's opening tag (the model wrote it before the grammar began), whitespace optional."""
     converter = _converter()
     alternatives = []
     for index, tool in enumerate(tools):
@@ -195,7 +199,8 @@ def tool_call_grammar(tools: list[ToolSpec], parallel: bool) -> str:
         alternatives.append(f'{head} {rule} "}}"')
     converter._add_rule("call", " | ".join(alternatives))
     block = json.dumps(TOOL_CALL_OPEN + "\n") + " call " + json.dumps("\n" + TOOL_CALL_CLOSE)
-    converter._add_rule("root", f"{block} ({json.dumps(chr(10))} {block})*" if parallel else block)
+    first = '[ \\t\\n]? call "\\n" ' + json.dumps(TOOL_CALL_CLOSE) if opened else block
+    converter._add_rule("root", f"{first} ({json.dumps(chr(10))} {block})*" if parallel else first)
     return _grammar_text(converter)
 
 
