@@ -127,6 +127,19 @@ def until_status(
         time.sleep(0.2)
 
 
+def until_event(host: Host, kind: str, text: str, timeout: float = 30.0) -> dict[str, Any]:
+    """The first event of `kind` whose text has `text` on the host's /events stream (those kept,
+    then those to come): the host's typed account of what happened, waited on as it comes."""
+    deadline = time.monotonic() + timeout
+    with urlopen(f"{host.base_url}/events", timeout=timeout) as stream:
+        while time.monotonic() < deadline and (line := stream.readline()):
+            if line.startswith(b"data: "):
+                event: dict[str, Any] = json.loads(line[6:])
+                if event["kind"] == kind and text in event["text"]:
+                    return event
+    raise AssertionError(f"no {kind} event saying {text!r} in {timeout} s; the host's output: {host.output()}")
+
+
 def said(host: Host, text: str, timeout: float = 10.0) -> bool:
     """Whether the host's log has `text`, allowing the moment its words take to follow its state:
     an assertion on what a person is told, made once the state it reports has been reached."""

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import openai
 
 from kafila.api.server import ApiConfig, create_app
@@ -17,7 +18,7 @@ from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.pipeline import Engine, generate, open_engine
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.sampling import Sampler, SamplingSettings
 from kafila.session.availability import Availability
 
 PROMPTS = ("the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog")
@@ -36,6 +37,31 @@ def unsplit_text(model: Path, prompt: str, tokens: int, sampling: SamplingSettin
     try:
         return generate(engine, prompt, tokens, sampling).text
     finally:
+        engine.close()
+
+
+def unsplit_logprobs(model: Path, prompt: str, tokens: int, sampling: SamplingSettings) -> list[float]:
+    """The log probability (log-softmax of the unsplit model's row) of each token the host's
+    sampler draws, up to an end-of-generation token: what a split or a head elsewhere must report."""
+    engine = open_engine(
+        model, [read_manifest(model).n_blocks], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1)
+    )
+    sampler = Sampler(sampling, engine.n_vocab())
+    try:
+        prompt_tokens = engine.tokenize(prompt)
+        sampler.accept(prompt_tokens)
+        row, out = engine.step(0, 0, prompt_tokens, decode=False), []
+        for i in range(tokens):
+            token = sampler.sample(row)
+            if engine.is_end(token):
+                break
+            values = row.astype(np.float64)
+            peak = values.max()
+            out.append(float(values[token] - peak - np.log(np.exp(values - peak).sum())))
+            row = engine.step(0, len(prompt_tokens) + i, [token], decode=True)
+        return out
+    finally:
+        sampler.close()
         engine.close()
 
 
@@ -95,12 +121,12 @@ def _shared_start(a: str, b: str) -> int:
 
 
 @contextmanager
-def serving_in_thread(serving: Availability, context: int) -> Iterator[str]:
+def serving_in_thread(serving: Availability, context: int, config: ApiConfig | None = None) -> Iterator[str]:
     """The real API app on uvicorn, on a free loopback port, in a thread with its own event loop;
     yields its base URL. The caller owns the engine behind `serving`."""
     import uvicorn
 
-    app = create_app(serving, ApiConfig(model_id="tiny", context_per_sequence=context))
+    app = create_app(serving, config or ApiConfig(model_id="tiny", context_per_sequence=context))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     sock = socket.create_server(("127.0.0.1", 0))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)

@@ -97,6 +97,7 @@ OPTIONAL = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
     "n": numbers,
     "logprobs": json_values,
+    "top_logprobs": json_values,
     "logit_bias": json_values,
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
     | st.fixed_dictionaries(
@@ -144,6 +145,8 @@ edgy = {
     "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "logprobs": st.booleans() | st.integers(-1, 7),
+    "top_logprobs": st.integers(-1, 22),
 }
 plain_text = st.text(st.characters(codec="utf-8"), max_size=60)
 near_valid_chats = st.fixed_dictionaries(

@@ -252,7 +252,9 @@ def test_a_session_that_loses_a_member_mid_stream_replans_then_takes_it_back_whe
     ]
     assert host.phase == Phase.DEPLOYING
     assert host.handle(Retired(("laptop",))) == [Deploy(("laptop",))]
-    assert said(host.handle(Deployed(2))) == ["replanned with 2 members", f"a seat is free again; to fill it: {JOIN}"]
+    replanned = host.handle(Deployed(2))
+    assert said(replanned) == ["replanned with 2 members", f"a seat is free again; to fill it: {JOIN}"]
+    assert [c.kind for c in replanned if isinstance(c, Say)] == ["replanned", "note"]  # as /events files them
     back = frozenset({"laptop"})
     assert host.handle(seen(6.0, deployed=back, alive=back, arrivals=("workstation",))) == [Admit("workstation")]
     assert said(host.handle(NewcomerChecked("workstation"))) == [

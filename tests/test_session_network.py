@@ -23,6 +23,7 @@ from typing import Any
 from urllib.error import HTTPError
 from urllib.request import urlopen
 
+import numpy as np
 import openai
 import pytest
 from host_process import (
@@ -35,11 +36,12 @@ from host_process import (
     start_member,
     status_of,
     stop,
+    until_event,
     until_status,
     wait_ready,
 )
 from openai.types import Completion
-from serving_checks import PROMPTS, check_concurrent_streams, unsplit_greedy, unsplit_text
+from serving_checks import PROMPTS, check_concurrent_streams, unsplit_greedy, unsplit_logprobs, unsplit_text
 from tiny_models import write_tiny_model, write_wide_model
 
 from kafila.network.pake import TrustError
@@ -573,6 +575,8 @@ def test_a_member_that_cannot_take_its_stage_is_left_out_and_the_rest_serve(tmp_
                 chain = [m["name"] for m in json.loads(response.read())["members"] if "blocks" in m]
             assert "good" in chain and "unlucky" not in chain, chain
             members[1].wait(timeout=30)  # sent home
+            sent_home = until_event(host, "left", "unlucky was sent home")  # on the web page's timeline too
+            assert "the host left this member out" in sent_home["detail"], sent_home
     finally:
         outputs = [stop(member) for member in members]
     assert "the host left this member out" in outputs[1], outputs[1]
@@ -684,6 +688,15 @@ def test_a_host_too_small_for_the_head_serves_with_the_head_on_a_member(tmp_path
         sampled = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11)
         drawn = unsplit_text(model, PROMPT, 12, SamplingSettings(temperature=0.9, top_k=0, top_p=1.0, seed=11))
         assert sampled.choices[0].text == drawn != unsplit_greedy(model, PROMPT, 12)
+        # Its log probabilities too: the head sends the row's log-sum-exp and top entries with the token.
+        asked = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11, logprobs=3
+        ).choices[0]
+        assert asked.text == drawn and asked.logprobs is not None and asked.logprobs.token_logprobs is not None
+        expected = unsplit_logprobs(model, PROMPT, 12, SamplingSettings(temperature=0.9, top_k=0, top_p=1.0, seed=11))
+        assert np.allclose(asked.logprobs.token_logprobs, expected, atol=2e-3)
+        tops = asked.logprobs.top_logprobs or []
+        assert len(tops) == len(expected) and all(list(t.values()) == sorted(t.values(), reverse=True) for t in tops)
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
         host_entry = next(m for m in status["members"] if m["host"])

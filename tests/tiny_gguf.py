@@ -130,3 +130,32 @@ def rewrite(
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def write_split_parts(source: Path, out: Path, n_parts: int) -> list[Path]:
+    """`source` split as llama-gguf-split splits a model: `stem-0000N-of-0000M.gguf`, the metadata
+    in the first part, each part's tensors a contiguous run, every part saying which it is."""
+    reader = FastGGUFReader(source)
+    tensors = list(reader.tensors)
+    share = -(-len(tensors) // n_parts)
+    paths = []
+    for index in range(n_parts):
+        path = out / f"{source.stem}-{index + 1:05d}-of-{n_parts:05d}.gguf"
+        writer = RawCopyWriter(path, arch=str(reader.scalar("general.architecture")))
+        if index == 0:
+            for key, field in reader.fields.items():
+                if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+                    continue
+                vtype, value = raw_value(reader, key)
+                writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
+        writer.add_uint16("split.no", index)
+        writer.add_uint16("split.count", n_parts)
+        writer.add_int32("split.tensors.count", len(tensors))
+        for tensor in tensors[index * share : (index + 1) * share]:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(path)
+    return paths

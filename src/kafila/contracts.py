@@ -237,6 +237,25 @@ class Incident(Strict):
     at: float  # Unix time
 
 
+EventKind = Literal["joined", "left", "replanned", "ready", "incident", "warning", "failed", "note"]
+
+
+class HostEvent(Strict):
+    """One thing that happened to the session, as the host's `/events` stream sends it (and its
+    web page's timeline shows it): a member joined or left, the ring was replanned, something
+    went wrong. `id` counts up from 1 over the host's life, so a client that reconnects can ask
+    for what came after the last one it saw."""
+
+    id: Annotated[int, Field(ge=1)]
+    kind: EventKind
+    text: str
+    detail: str = ""
+    at: float  # Unix time
+
+    def wire(self) -> dict[str, object]:
+        return self.model_dump(mode="json")
+
+
 class HostStatus(SessionStatus):
     """All of `/status`: the server's state, the stages' reports and the session's part."""
 

@@ -1,7 +1,7 @@
 """The OpenAI request bodies Kafila accepts, validated strictly at the boundary.
 
-Fields the OpenAI API defines but Kafila does not implement (several choices, log
-probabilities) are refused with a clear 400 rather than silently ignored; fields it does
+Fields the OpenAI API defines but Kafila does not implement (several choices, logit biases)
+are refused with a clear 400 rather than silently ignored; fields it does
 not know at all are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
 """
 
@@ -11,12 +11,15 @@ import json
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from kafila.network.frames import MAX_TOP_LOGPROBS
 from kafila.runtime.sampling import SamplingSettings
 
 MAX_STOP_STRINGS = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_CHAT_TOP_LOGPROBS = MAX_TOP_LOGPROBS  # OpenAI's limits on the alternatives per token: 20 and 5
+MAX_COMPLETION_LOGPROBS = 5
 ONE_PROMPT = "one prompt per request: this server does not batch prompts in one request"
 
 
@@ -36,7 +39,6 @@ class Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
-    logprobs: Literal[False] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
@@ -62,6 +64,10 @@ class Request(BaseModel):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprob_alternatives(self) -> int | None:
+        """How many alternatives per token to report log probabilities with; None: none asked."""
+        return None
 
     def sampling(self, grammar: str | None = None, trigger: str | None = None) -> SamplingSettings:
         """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set;
@@ -237,6 +243,17 @@ class ChatRequest(Request):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _choice_among_tools(self) -> ChatRequest:
@@ -269,6 +286,7 @@ class ChatRequest(Request):
 
 class CompletionRequest(Request):
     prompt: str | list[str] | list[int]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: Literal[False] | None = None
     suffix: None = None
 
@@ -281,6 +299,9 @@ class CompletionRequest(Request):
                 raise ValueError(ONE_PROMPT)
             return value[0]
         return value
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     def token_limit(self) -> int | None:
         """OpenAI's legacy completions stop at 16 tokens unless told otherwise (chat runs to the end)."""

@@ -9,7 +9,9 @@ usual exceptions.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
+import importlib.resources
 import json
 import time
 import uuid
@@ -40,9 +42,11 @@ from kafila.api.structured import (
     split_tool_calls,
     tool_call_grammar,
 )
-from kafila.contracts import HostStatus, Incident, SessionStatus
+from kafila.contracts import HostEvent, HostStatus, Incident, SessionStatus
+from kafila.event_feed import EventFeed, Subscription
 from kafila.runtime.chat_template import ChatTemplate, TemplateError
 from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
+from kafila.runtime.logprobs import Alternative, TokenLogprob
 from kafila.runtime.pipeline import Engine, StageFailed
 from kafila.runtime.sampling import GrammarRefused
 from kafila.runtime.scheduler import Event, Finished, FinishReason, Job, TextDelta
@@ -62,7 +66,24 @@ TOKENIZE_IN_THREAD_CHARACTERS = 1 << 15
 # retry a 503 twice by default and wait what `Retry-After` says.
 RETRY_AFTER_S = 2
 _TRY_AGAIN = {"Retry-After": str(RETRY_AFTER_S)}
-SERVED_ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /status and /metrics"
+SERVED_ROUTES = (
+    "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, /status, /events, /metrics "
+    "and the web page at /"
+)
+EVENT_HEARTBEAT_S = 15.0  # an SSE comment this often: proxies keep the stream, and a client gone is noticed
+# The web page's files, in the package (api/static): read once, served as they are.
+PAGE_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/ui/app.js": ("app.js", "text/javascript"),
+    "/ui/app.css": ("app.css", "text/css"),
+}
+PAGE_HEADERS = {
+    # The page loads only its own files and talks only to this server; no one may frame it.
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 
 
 class ApiError(Exception):
@@ -98,6 +119,7 @@ class ApiConfig:
     context_per_sequence: int
     api_key: str | None = None
     allowed_hosts: frozenset[str] = frozenset()  # host names it answers to besides addresses and localhost
+    event_heartbeat_s: float = EVENT_HEARTBEAT_S
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -122,6 +144,8 @@ class Served(Protocol):
     def ready(self) -> bool: ...
     @property
     def incidents(self) -> Sequence[Incident]: ...
+    @property
+    def events(self) -> EventFeed: ...
     async def until_resumed(self) -> None: ...
     def session_status(self) -> SessionStatus: ...
 
@@ -405,7 +429,10 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
                 "messages" if chat else "prompt", "context_length_exceeded",
             )  # fmt: skip
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        job = Job(request_id, prompt, limit or context, body.sampling(grammar, trigger), body.stop_strings())
+        alternatives = body.logprob_alternatives()
+        job = Job(
+            request_id, prompt, limit or context, body.sampling(grammar, trigger), body.stop_strings(), alternatives
+        )
         queue: asyncio.Queue[Event] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
@@ -413,7 +440,9 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             event_loop.call_soon_threadsafe(queue.put_nowait, event)
 
         loop = await submit(loop, job, sink)
-        reply = _Reply(request_id, config.model_id, chat, time.monotonic(), metrics, tools=tools)
+        reply = _Reply(
+            request_id, config.model_id, chat, time.monotonic(), metrics, alternatives is not None, tools=tools
+        )
 
         def cancel() -> None:
             """On the loop it was submitted to, and on the one serving now, where a broken ring's
@@ -464,6 +493,38 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             incidents=list(serving.incidents),
             **{name: getattr(session, name) for name in session.model_fields_set},
         ).wire()
+
+    @app.get("/events", response_model=None)
+    async def events(request: Request) -> Response:
+        """The host's events as server-sent events: those kept that came after `Last-Event-ID` (or
+        `?after=`), then each as it happens, with a heartbeat comment while nothing does."""
+        authorise(request)
+        after = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+        if not after.isdigit() or len(after) > 18:
+            raise _invalid("Last-Event-ID (or after) is the id of an event: a whole number.", "after")
+        client = serving.events.subscribe(int(after))
+        if client is None and serving.events.closed:
+            raise ApiError(503, "The host is shutting down.", "server_error", "shutting_down")
+        if client is None:
+            raise ApiError(
+                503, "Too many clients follow /events; try again later.", "server_error", "too_many_clients",
+                headers=_TRY_AGAIN,
+            )  # fmt: skip
+        return StreamingResponse(
+            _event_stream(serving.events, client, config.event_heartbeat_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    pages = {path: (_page_file(name), kind) for path, (name, kind) in PAGE_FILES.items()}
+
+    async def page(request: Request) -> Response:
+        """The web page's files: no secret in them, so no key asked; the routes the page calls ask."""
+        body, kind = pages[request.url.path]
+        return Response(body, media_type=kind, headers=PAGE_HEADERS)
+
+    for path in PAGE_FILES:
+        app.add_api_route(path, page, methods=["GET"], include_in_schema=False)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> PlainTextResponse:
@@ -526,6 +587,33 @@ async def _bounded_body(request: Request) -> bytes:
             413, f"The request body exceeds {MAX_BODY_BYTES >> 20} MiB.", "invalid_request_error", "request_too_large"
         )
     return b"".join(chunks)
+
+
+def _page_file(name: str) -> bytes:
+    return importlib.resources.files("kafila.api").joinpath("static", name).read_bytes()
+
+
+async def _event_stream(feed: EventFeed, client: Subscription, heartbeat_s: float) -> AsyncIterator[bytes]:
+    """A client's events, each with its id (for Last-Event-ID on reconnect). The stream ends when
+    the client falls too far behind, and the feed forgets it when the client goes away (the
+    write of the next event or heartbeat fails, or the server sees the disconnect)."""
+    try:
+        yield b"retry: 2000\n\n" + b"".join(_sse_event(e) for e in client.backlog)
+        while not client.dropped:
+            try:
+                event = await asyncio.wait_for(client.queue.get(), heartbeat_s)
+            except TimeoutError:
+                yield b": heartbeat\n\n"
+                continue
+            if event is not None and not client.dropped:
+                yield _sse_event(event)
+    finally:
+        feed.unsubscribe(client)
+
+
+def _sse_event(event: HostEvent) -> bytes:
+    """Unnamed ("message") events: the kind is in the data, so `EventSource.onmessage` sees them all."""
+    return f"id: {event.id}\ndata: ".encode() + json.dumps(event.wire(), separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _client_gone(request: Request) -> None:
@@ -601,6 +689,27 @@ class ToolReading:
         self.stream = ToolCallStream(self.parallel)
 
 
+class _TextOffsets:
+    """Where each token's text starts in the completion's text, in characters. A token that is
+    whole UTF-8 starts where its own text does (after any replacement characters that bytes
+    left pending before it turn into); one that is part of a character, where that character
+    does (a stray byte's replacement character included)."""
+
+    def __init__(self) -> None:
+        self.characters = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, piece: bytes) -> int:
+        before = self.characters
+        added = len(self.decoder.decode(piece))
+        self.characters += added
+        try:
+            return before + added - len(piece.decode("utf-8"))
+        except UnicodeDecodeError:  # part of a character: the one it leaves pending, or the last it completed
+            pending = bool(self.decoder.getstate()[0])
+            return self.characters if pending else max(before, self.characters - 1)
+
+
 @dataclass
 class _Reply:
     """Shapes one request's events as OpenAI chat or text completion objects."""
@@ -610,8 +719,11 @@ class _Reply:
     chat: bool
     started: float
     metrics: _Metrics
+    logprobs: bool = False  # the request asked for log probabilities
     created: int = field(default_factory=lambda: int(time.time()))
     first_text: bool = True
+    gathered: list[TokenLogprob] = field(default_factory=list)  # a whole reply's log probabilities
+    offsets: _TextOffsets = field(default_factory=_TextOffsets)
     tools: ToolReading | None = None
 
     async def collect(self, queue: asyncio.Queue[Event]) -> tuple[str, Finished]:
@@ -621,6 +733,7 @@ class _Reply:
             if isinstance(event, TextDelta):
                 self.observe_text()
                 parts.append(event.text)
+                self.gathered += event.logprobs
             elif isinstance(event, Finished):
                 self.observe_end(event)
                 return "".join(parts), event
@@ -654,6 +767,7 @@ class _Reply:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, text: str, finished: Finished) -> dict[str, Any]:
+        logprobs = self.logprobs_of(self.gathered)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             reason = finished.reason.value
@@ -662,19 +776,22 @@ class _Reply:
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": [c.wire() for c in calls]}
                     reason = self.finish_reason(finished, bool(calls))
-            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finished.reason.value, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finished.reason.value, "logprobs": logprobs}
         return {**self._envelope(False), "choices": [choice], "usage": self.usage(finished)}
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str | None, finish: str | None, role: bool = False, tokens: Sequence[TokenLogprob] = ()
+    ) -> dict[str, Any]:
+        logprobs = self.logprobs_of(tokens) if text is not None and finish is None and not role else None
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return {**self._envelope(True), "choices": [choice]}
 
     @staticmethod
@@ -693,8 +810,48 @@ class _Reply:
             out.append({**self._envelope(True), "choices": [choice]})
         return out
 
+    def logprobs_of(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` object for these tokens, or None where the request asked for none:
+        chat's `content` list, or the legacy completion's parallel lists."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            content = [
+                {**_chat_token(t.piece, t.logprob), "top_logprobs": [_chat_token(a.piece, a.logprob) for a in t.top]}
+                for t in tokens
+            ]
+            return {"content": content, "refusal": None}
+        return {
+            "tokens": [_token_text(t.piece) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [_by_text(t.top) for t in tokens],
+            "text_offset": [self.offsets.next(t.piece) for t in tokens],
+        }
+
     def usage_chunk(self, finished: Finished) -> dict[str, Any]:
         return {**self._envelope(True), "choices": [], "usage": self.usage(finished)}
+
+
+def _token_text(piece: bytes) -> str:
+    """A token as text; one that is not whole UTF-8 (part of a character) as OpenAI writes it,
+    `bytes:` and its bytes escaped."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+def _by_text(top: Sequence[Alternative]) -> dict[str, float]:
+    """The legacy completion's alternatives, keyed by text, most likely first: of two tokens that
+    read the same, the likelier."""
+    out: dict[str, float] = {}
+    for alternative in top:
+        out.setdefault(_token_text(alternative.piece), alternative.logprob)
+    return out
+
+
+def _chat_token(piece: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": _token_text(piece), "logprob": logprob, "bytes": list(piece)}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -720,10 +877,10 @@ async def _stream(
             for event in events:
                 if isinstance(event, TextDelta):
                     reply.observe_text()
-                    if reply.tools is not None:
+                    if reply.tools is not None:  # content and calls as the stream releases them
                         out += _tool_sse(reply, reply.tools.stream.feed(event.text))
                     else:
-                        out.append(_sse(reply.chunk(event.text, None)))
+                        out.append(_sse(reply.chunk(event.text, None, tokens=event.logprobs)))
                     continue
                 if isinstance(event, Finished):
                     reply.observe_end(event)

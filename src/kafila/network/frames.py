@@ -7,7 +7,7 @@ knows how its frames travelled. The layout is documented in docs/protocol.md.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import numpy as np
@@ -25,6 +25,13 @@ MAX_TOP = (1 << 16) - 1  # the header's `top` field
 # SAMPLER frame started for the sequence, and answer with the chosen token alone (a top-1 LOGITS
 # frame). `SamplingSettings.top_logits` never asks for this many.
 SAMPLE_ON_HEAD = MAX_TOP
+# A frame's `flags` byte, on PREFILL/DECODE frames and the LOGITS frame that answers them: 0, or
+# LOGPROBS_FLAG | k for a request that asks for log probabilities with k alternatives per token.
+# The head then appends to its LOGITS payload the row's log-sum-exp (f32) and the row's k largest
+# entries (k int32 ids, then k f32 logits), so the host can normalise what it samples from.
+LOGPROBS_FLAG = 0x80
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's top_logprobs; completions allow 5
+NO_LOGPROBS = -1
 MAX_SAMPLER_START_BYTES = 1 << 23  # a SAMPLER frame's JSON: the settings and a prompt of ~10^6 token ids
 MAX_PAYLOAD = 1 << 28  # 256 MiB: a 4096-token prefill chunk of a hidden-16384 model in f32
 # Sequence ids from 2**63 up are reserved for control streams, never request slots, so their
@@ -79,6 +86,9 @@ class Frame:
     # On PREFILL/DECODE frames: how many of the largest logits the host's sampler needs after this
     # step (0: all). Every stage passes it on; a head on a member then sends only those.
     top: int = 0
+    # On PREFILL/DECODE and LOGITS frames: how many alternatives per token a request's log
+    # probabilities carry (0..MAX_TOP_LOGPROBS), or NO_LOGPROBS; travels in the header's flags.
+    logprobs: int = NO_LOGPROBS
 
     def header(self) -> bytes:
         """The 32-byte header alone: a sender can write it and then the payload, uncopied."""
@@ -87,7 +97,7 @@ class Frame:
             VERSION,
             self.kind,
             self.dtype,
-            0,
+            0 if self.logprobs < 0 else LOGPROBS_FLAG | self.logprobs,
             self.top,
             self.sequence_id,
             self.position,
@@ -108,13 +118,16 @@ class Frame:
         states: npt.NDArray[np.floating],
         dtype: DType = DType.F32,
         top: int = 0,
+        logprobs: int = NO_LOGPROBS,
     ) -> Frame:
         rows = np.ascontiguousarray(states, dtype=_NUMPY[dtype])
         if rows.ndim != 2:
             raise ValueError("hidden states must be a (tokens, hidden) matrix")
         if not 0 <= top <= MAX_TOP:
             raise ValueError(f"top {top} is outside 0..{MAX_TOP}")
-        return cls(kind, sequence_id, position, rows.shape[0], rows.shape[1], dtype, rows.tobytes(), top)
+        if not NO_LOGPROBS <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs {logprobs} is outside {NO_LOGPROBS}..{MAX_TOP_LOGPROBS}")
+        return cls(kind, sequence_id, position, rows.shape[0], rows.shape[1], dtype, rows.tobytes(), top, logprobs)
 
     @classmethod
     def of_logits(cls, sequence_id: int, position: int, logits: npt.NDArray[np.floating], top: int = 0) -> Frame:
@@ -137,6 +150,34 @@ class Frame:
         payload = np.array([token], dtype=np.int32).tobytes() + np.array([logit], dtype=np.float32).tobytes()
         return cls(Kind.LOGITS, sequence_id, position, 1, vocabulary, DType.I32, payload)
 
+    def with_logprobs(self, row: npt.NDArray[np.floating], alternatives: int) -> Frame:
+        """This LOGITS frame with what the host needs to report log probabilities of the token it
+        takes from it: the whole row's log-sum-exp, and its `alternatives` largest entries."""
+        values = np.asarray(row, dtype=np.float64).reshape(-1)
+        peak = float(values.max())
+        logsumexp = peak + float(np.log(np.exp(values - peak).sum()))
+        ids = top_ids(values, alternatives).astype(np.int32)
+        trailer = (
+            np.array([logsumexp], dtype=np.float32).tobytes() + ids.tobytes() + values[ids].astype(np.float32).tobytes()
+        )
+        return replace(self, payload=self.payload + trailer, logprobs=alternatives)
+
+    def logprob_trailer(self) -> tuple[float, npt.NDArray[np.int32], npt.NDArray[np.float32]] | None:
+        """A LOGITS frame's log-sum-exp and largest entries (ids, logits), or None where the host
+        asked for none; checked, since a member sent them."""
+        if self.kind is not Kind.LOGITS or self.logprobs < 0:
+            return None
+        k = self.logprobs
+        start = len(self.payload) - 4 - 8 * k
+        logsumexp = float(np.frombuffer(self.payload, dtype=np.float32, count=1, offset=start)[0])
+        ids = np.frombuffer(self.payload, dtype=np.int32, count=k, offset=start + 4)
+        values = np.frombuffer(self.payload, dtype=np.float32, count=k, offset=start + 4 + 4 * k)
+        if not np.isfinite(logsumexp) or not np.all(np.isfinite(values)) or np.any(values > logsumexp + 1e-3):
+            raise FrameError("a LOGITS frame's log probabilities are not finite or exceed their log-sum-exp")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.hidden or np.unique(ids).size != ids.size):
+            raise FrameError(f"a LOGITS frame's top {k} log probabilities name a token twice or outside its vocabulary")
+        return logsumexp, ids, values
+
     @classmethod
     def of_tokens(cls, sequence_id: int, position: int, tokens: list[int]) -> Frame:
         payload = np.asarray(tokens, dtype=np.int32).tobytes()
@@ -155,12 +196,12 @@ class Frame:
         if self.kind is not Kind.LOGITS:
             raise FrameError(f"a {self.kind.name} frame carries no logits")
         if self.dtype is DType.F32:
-            return np.frombuffer(self.payload, dtype=np.float32).copy()
+            return np.frombuffer(self.payload, dtype=np.float32, count=self.hidden).copy()
         ids = np.frombuffer(self.payload, dtype=np.int32, count=self.n_tokens)
         if ids.size and (ids.min() < 0 or ids.max() >= self.hidden):
             raise FrameError(f"a top-{self.n_tokens} LOGITS frame names a token outside its {self.hidden} entries")
         row = np.full(self.hidden, -np.inf, dtype=np.float32)
-        row[ids] = np.frombuffer(self.payload, dtype=np.float32, offset=4 * self.n_tokens)
+        row[ids] = np.frombuffer(self.payload, dtype=np.float32, count=self.n_tokens, offset=4 * self.n_tokens)
         return row
 
     def tokens(self) -> list[int]:
@@ -172,11 +213,40 @@ class Frame:
         return self.payload.decode("utf-8", errors="replace")
 
 
-def _validate(kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, length: int, top: int) -> tuple[Kind, DType]:
+def top_ids(row: npt.NDArray[np.floating], k: int) -> npt.NDArray[np.intp]:
+    """The indices of a row's k largest entries, largest first (ties: lowest index first)."""
+    if k <= 0:
+        return np.zeros(0, dtype=np.intp)
+    k = min(k, row.shape[0])
+    part = np.argpartition(-row, k - 1)[:k] if k < row.shape[0] else np.arange(row.shape[0])
+    return part[np.lexsort((part, -row[part]))]
+
+
+def logprobs_of_flags(flags: int) -> int:
+    """The alternatives a header's flags ask for, or NO_LOGPROBS; FrameError on any other bits."""
+    if flags == 0:
+        return NO_LOGPROBS
+    if flags & LOGPROBS_FLAG and (flags & ~LOGPROBS_FLAG) <= MAX_TOP_LOGPROBS:
+        return flags & ~LOGPROBS_FLAG
+    raise FrameError(f"frame flags {flags:#04x}: only log probabilities with at most {MAX_TOP_LOGPROBS} alternatives")
+
+
+def _validate(
+    kind: int, dtype: int, seq: int, n_tokens: int, hidden: int, length: int, top: int, logprobs: int = NO_LOGPROBS
+) -> tuple[Kind, DType]:
     try:
         kind_, dtype_ = Kind(kind), DType(dtype)
     except ValueError as error:
         raise FrameError(str(error)) from None
+    if logprobs >= 0:
+        if kind_ not in (*HIDDEN_KINDS, Kind.LOGITS):
+            raise FrameError(f"a {kind_.name} frame asking for log probabilities: only hidden and logits frames do")
+        if kind_ is Kind.LOGITS:
+            if logprobs > hidden:
+                raise FrameError(f"{logprobs} log probability alternatives of a {hidden}-entry vocabulary")
+            length -= 4 + 8 * logprobs  # the trailer: log-sum-exp, ids, logits
+            if length < 0:
+                raise FrameError(f"a LOGITS frame too short for its {logprobs} log probability alternatives")
     if length > MAX_PAYLOAD:
         raise FrameError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
     width_limit = MAX_VOCAB if kind_ is Kind.LOGITS else MAX_HIDDEN
@@ -228,7 +298,7 @@ class FrameDecoder:
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._broken: FrameError | None = None
-        self._header: tuple[Kind, DType, int, int, int, int, int, int] | None = None  # of the frame in progress
+        self._header: tuple[Kind, DType, int, int, int, int, int, int, int] | None = None  # of the frame in progress
         self._need = HEADER_SIZE  # bytes the buffer must hold before there is anything to decode
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
@@ -239,21 +309,23 @@ class FrameDecoder:
         try:
             while len(self._buffer) >= self._need:
                 if self._header is None:
-                    magic, version, kind, dtype, _, top, seq, pos, n, hidden, length = HEADER.unpack_from(self._buffer)
+                    header = HEADER.unpack_from(self._buffer)
+                    magic, version, kind, dtype, flags, top, seq, pos, n, hidden, length = header
                     if magic != MAGIC:
                         raise FrameError("not a Kafila frame (bad magic)")
                     if version != VERSION:
                         raise FrameError(f"frame version {version}; this peer speaks version {VERSION}")
-                    kind_, dtype_ = _validate(kind, dtype, seq, n, hidden, length, top)
-                    self._header = (kind_, dtype_, seq, pos, n, hidden, length, top)
+                    logprobs = logprobs_of_flags(flags)
+                    kind_, dtype_ = _validate(kind, dtype, seq, n, hidden, length, top, logprobs)
+                    self._header = (kind_, dtype_, seq, pos, n, hidden, length, top, logprobs)
                     self._need = HEADER_SIZE + length
                     continue
-                kind_, dtype_, seq, pos, n, hidden, length, top = self._header
+                kind_, dtype_, seq, pos, n, hidden, length, top, logprobs = self._header
                 with memoryview(self._buffer) as view:
                     payload = bytes(view[HEADER_SIZE : self._need])
                 del self._buffer[: self._need]
                 self._header, self._need = None, HEADER_SIZE
-                frames.append(Frame(kind_, seq, pos, n, hidden, dtype_, payload, top))
+                frames.append(Frame(kind_, seq, pos, n, hidden, dtype_, payload, top, logprobs))
         except FrameError as error:
             self._broken = error
             raise

@@ -46,6 +46,12 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
     arch = reader.scalar("general.architecture")
     if not isinstance(arch, str):
         raise GGUFFormatError(f"{path} has no general.architecture")
+    parts = reader.scalar("split.count", 0)
+    if isinstance(parts, int) and parts > 1:  # llama-gguf-split's parts: the reader and the slicer read one file
+        raise GGUFFormatError(
+            f"{path} is one part of a model split in {parts} files; Kafila reads a model from one file: merge "
+            f"the parts with `llama-gguf-split --merge FIRST-PART.gguf MERGED.gguf` and give MERGED.gguf"
+        )
     stored = reader.scalar(f"{arch}.block_count")
     if not isinstance(stored, int) or stored < 1:
         raise GGUFFormatError(f"{path} has no positive {arch}.block_count")

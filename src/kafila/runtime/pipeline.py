@@ -30,7 +30,7 @@ import numpy.typing as npt
 from pydantic import ValidationError
 
 from kafila.contracts import StageReport
-from kafila.network.frames import SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
+from kafila.network.frames import NO_LOGPROBS, SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 from kafila.runtime.cpu_safety import died_by_signal, signal_of
 from kafila.runtime.families import attention_windowed
 from kafila.runtime.gguf_file import FastGGUFReader
@@ -42,6 +42,7 @@ from kafila.runtime.llama_backend import (
     shares_cores_env,
     system_info,
 )
+from kafila.runtime.logprobs import HeadRow
 from kafila.runtime.process_log import last_lines
 from kafila.runtime.sampling import (
     Sampler,
@@ -245,6 +246,9 @@ class EngineStep:
     # On a request's first prompt chunk: its sampler's settings and prompt, for an engine whose
     # head is on a member to start the sampler there (`RingEngine`); other engines ignore it.
     sampler: SamplerStart | None = None
+    # A request that asks for log probabilities: how many alternatives per token (0..20), else
+    # NO_LOGPROBS. A head on a member then sends the row's log-sum-exp and top entries (`HeadRow`).
+    logprobs: int = NO_LOGPROBS
 
 
 Logits = npt.NDArray[np.float32]
@@ -263,7 +267,9 @@ class SequenceFailed:
     cancelled: bool = False  # its request had ended: dropped by the head, no stage's fault
 
 
-StepResult = Logits | SequenceFailed | None  # None: a step that asked for no logits
+# None: a step that asked for no logits; a HeadRow: a head on a member's answer to a step that
+# asked for log probabilities.
+StepResult = Logits | HeadRow | SequenceFailed | None
 
 
 @dataclass(frozen=True)
@@ -387,7 +393,7 @@ class _Vocabulary:
         (logits,) = self.step_many([EngineStep(sequence_id, position, list(tokens), decode)])
         if isinstance(logits, SequenceFailed):
             raise StageFailed(logits.message)
-        assert logits is not None
+        assert logits is not None and not isinstance(logits, HeadRow)  # no log probabilities asked
         return logits
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
@@ -540,6 +546,7 @@ class RingEngine(_Vocabulary):
                 self._embed(s.tokens),
                 self._dtype,
                 self._top(s),
+                s.logprobs if s.logits else NO_LOGPROBS,
             )
             for s in steps
         )
@@ -633,7 +640,18 @@ class RingEngine(_Vocabulary):
                 f"{came.kind.name} frame at position {came.position} of width {came.hidden}, not "
                 f"{self.llama_model.n_vocab} logits"
             )
-        return came.logits() if step.logits else None
+        if not step.logits:
+            return None
+        if came.logprobs != step.logprobs:
+            raise StageFailed(
+                f"the ring's head answered sequence {sent.sequence_id} with {came.logprobs} log probability "
+                f"alternatives; the host asked for {step.logprobs}"
+            )
+        trailer = came.logprob_trailer()
+        if trailer is None:
+            return came.logits()
+        logsumexp, ids, values = trailer
+        return HeadRow(came.logits(), logsumexp, ids, values)
 
     def _take(self, count: int) -> None:
         """Receive `count` frames and file each under the wave that sent it. Each sequence's frames

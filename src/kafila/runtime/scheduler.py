@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kafila.network.frames import NO_LOGPROBS
+from kafila.runtime.logprobs import HeadRow, TokenLogprob, token_logprob
 from kafila.runtime.pipeline import EngineStep, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.sampling import SamplerStart, SamplingSettings, TokenSampler
 from kafila.runtime.text import StopAwareText
@@ -47,6 +49,7 @@ class Suspended:
     text: StopAwareText | None = None
     generated: list[int] = field(default_factory=list)
     cached: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of drawn tokens whose text is held back
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,18 @@ class Job:
     max_tokens: int
     sampling: SamplingSettings
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # alternatives per token to report log probabilities with; None: none
 
 
 @dataclass(frozen=True)
 class TextDelta:
+    """Text released, with the log probabilities (where the request asked) of the tokens generated
+    since the last delta: a token whose text is held back (part of a character, or perhaps of a
+    stop string) goes with the delta that releases it."""
+
     request_id: str
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,7 @@ class _Sequence:
     held: int = 0  # rows landed in the cache: prompt tokens, then generated ones fed back
     trimmed: bool = True  # False until the engine has cut the slot's cache to `cached`
     replayed: int = 0  # generated tokens prefilled again after the prompt: a request resumed on a new ring
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens whose text is held back
 
     @property
     def prefill(self) -> list[int]:
@@ -127,6 +137,11 @@ class _Sequence:
     def tokens_held(self) -> list[int]:
         """The tokens whose rows every stage holds for this sequence, in position order."""
         return (self.job.prompt + self.generated)[: self.held]
+
+
+def _asked(job: Job) -> int:
+    """The alternatives a step asks a head on a member for, or NO_LOGPROBS."""
+    return NO_LOGPROBS if job.logprobs is None else job.logprobs
 
 
 def _job_of(waiting: Job | Suspended) -> Job:
@@ -208,7 +223,7 @@ class Batcher:
                 kept.append(Suspended(sequence.job))
             elif sequence.sampler.portable:
                 job, sampler, text = sequence.job, sequence.sampler, sequence.text
-                kept.append(Suspended(job, sampler, text, sequence.generated, sequence.cached))
+                kept.append(Suspended(job, sampler, text, sequence.generated, sequence.cached, sequence.logprobs))
             else:
                 sequence.sampler.close()
                 why = "its sampler ran on the member that holds the head, whose state is gone with the ring"
@@ -297,6 +312,7 @@ class Batcher:
             sequence = _Sequence(
                 job, slot, resumed.sampler, resumed.text, fed=keep, generated=resumed.generated,
                 cached=resumed.cached, held=keep, trimmed=held is None, replayed=len(resumed.generated),
+                logprobs=resumed.logprobs,
             )  # fmt: skip
         else:
             sampler = self._make_sampler(job.sampling)
@@ -331,7 +347,9 @@ class Batcher:
             if not sequence.prefilling:
                 token = sequence.generated[-1]
                 top = sequence.job.sampling.top_logits
-                step = EngineStep(sequence.slot, sequence.position, [token], decode=True, top=top)
+                step = EngineStep(
+                    sequence.slot, sequence.position, [token], decode=True, top=top, logprobs=_asked(sequence.job)
+                )
                 planned.append((sequence, step, True))
                 budget -= 1
         for sequence in ready:
@@ -345,7 +363,10 @@ class Batcher:
                 if sequence.fed == sequence.cached and sampling.needs_whole_row and not sequence.replayed:
                     start = SamplerStart(settings=sampling, prompt=list(sequence.job.prompt))
                 top = sampling.top_logits
-                step = EngineStep(sequence.slot, sequence.fed, chunk, False, logits=ends, top=top, sampler=start)
+                step = EngineStep(
+                    sequence.slot, sequence.fed, chunk, False, logits=ends, top=top, sampler=start,
+                    logprobs=_asked(sequence.job),
+                )  # fmt: skip
                 planned.append((sequence, step, ends))
                 budget -= len(chunk)
         if planned:
@@ -380,16 +401,19 @@ class Batcher:
                 continue
             if row is None:
                 raise ValueError(f"the engine returned no logits for sequence {step.sequence_id}")
-            events += self._next_token(sequence, sequence.sampler.sample(row))
+            token = sequence.sampler.sample(row.logits if isinstance(row, HeadRow) else row)
+            alternatives = sequence.job.logprobs
+            if alternatives is not None and not self._is_end(token):
+                sequence.logprobs.append(token_logprob(row, token, alternatives, self._piece))
+            events += self._next_token(sequence, token)
         return events
 
     def _next_token(self, sequence: _Sequence, token: int) -> list[Event]:
-        request_id = sequence.job.request_id
         if self._is_end(token):
             return self._finish(sequence, FinishReason.STOP, [])
         sequence.generated.append(token)
         update = sequence.text.feed(self._piece(token))
-        events: list[Event] = [TextDelta(request_id, update.delta)] if update.delta else []
+        events: list[Event] = [self._delta(sequence, update.delta)] if update.delta else []
         if update.stopped:
             return self._finish(sequence, FinishReason.STOP, events)
         if len(sequence.generated) >= sequence.job.max_tokens or sequence.position >= self.context:
@@ -398,13 +422,18 @@ class Batcher:
 
     def _finish(self, sequence: _Sequence, reason: FinishReason, events: list[Event]) -> list[Event]:
         rest = sequence.text.flush()
-        if rest:
-            events.append(TextDelta(sequence.job.request_id, rest))
+        if rest or sequence.logprobs:
+            events.append(self._delta(sequence, rest))
         del self._active[sequence.job.request_id]
         self._release(sequence)
         prompt, generated = len(sequence.job.prompt), len(sequence.generated)
         events.append(Finished(sequence.job.request_id, reason, prompt, generated, sequence.cached))
         return events
+
+    @staticmethod
+    def _delta(sequence: _Sequence, text: str) -> TextDelta:
+        logprobs, sequence.logprobs = tuple(sequence.logprobs), []
+        return TextDelta(sequence.job.request_id, text, logprobs)
 
     def _fail(self, sequence: _Sequence, message: str) -> Failed:
         del self._active[sequence.job.request_id]

@@ -51,12 +51,14 @@ def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
             assert row is not None  # every step's last row is asked for
             if frame.top == SAMPLE_ON_HEAD:  # handle_frames has checked that the sequence has a sampler
                 token = stage.sample(frame.sequence_id, row)
-                logits.append(Frame.of_choice(frame.sequence_id, frame.position, token, row[token], row.shape[0]))
+                answer = Frame.of_choice(frame.sequence_id, frame.position, token, row[token], row.shape[0])
             else:
-                logits.append(Frame.of_logits(frame.sequence_id, frame.position, row, frame.top))
+                answer = Frame.of_logits(frame.sequence_id, frame.position, row, frame.top)
+            # The host sees at most part of the row: it needs the whole row's log-sum-exp to normalise.
+            logits.append(answer.with_logprobs(row, frame.logprobs) if frame.logprobs >= 0 else answer)
         return logits
     return [
-        Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype, frame.top)
+        Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype, frame.top, frame.logprobs)
         for frame, states in zip(batch, stage.forward(steps, decode=decode), strict=True)
     ]
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kafila.contracts import Incident, SessionStatus
+from kafila.event_feed import EventFeed
 from kafila.runtime.chat_template import ChatTemplate
 from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.pipeline import Engine
@@ -41,6 +42,7 @@ class Availability:
     pause_wait_s: float = PLANNED_PAUSE_WAIT_S
     _resumed: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
     incidents: deque[Incident] = field(default_factory=lambda: deque(maxlen=MAX_INCIDENTS))
+    events: EventFeed = field(default_factory=EventFeed)  # joins, leaves, replans, incidents: for /events
 
     def session_status(self) -> SessionStatus:
         return self.describe_session()
@@ -50,6 +52,7 @@ class Availability:
 
     def record_incident(self, what: str, detail: str) -> None:
         self.incidents.append(Incident(what=what, detail=detail, at=time.time()))
+        self.events.publish("incident", what, detail)
 
     def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
         bos, eos = engine.special_text()

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from kafila.contracts import EventKind
+
 GUESS_BUDGET = 3  # failed proofs of the code a host takes in its whole life, over every code it issues
 MEMORY_LOWERINGS = 3  # smaller shares a member that runs out of memory gets before it is left out
 MEMORY_LOWERED_TO = 0.75  # of what the stage it could not load needed
@@ -313,7 +315,10 @@ Event = (
 
 @dataclass(frozen=True)
 class Say:
+    """Tell the person at the host; `kind` files it on the host's event timeline (`/events`)."""
+
     text: str
+    kind: EventKind = "note"
 
 
 @dataclass(frozen=True)
@@ -654,7 +659,7 @@ class SessionCore:
             case Deployed(machines=machines):
                 commands: list[Command] = []
                 if isinstance(deployment, _Replan):
-                    commands.append(Say(f"replanned with {machines} members{deployment.why}"))
+                    commands.append(Say(f"replanned with {machines} members{deployment.why}", "replanned"))
                 return commands + self._serving(deployment)
             case ServedAlone():
                 return self._serving(deployment)

@@ -215,6 +215,7 @@ class HostRunner:
                 return [await self._deployed(list(members))]
             case Dismiss(member=member, reason=reason):
                 assert network is not None
+                self.serving.events.publish("left", f"{network.member_name(member)} was sent home", reason)
                 await network.dismiss(member, reason)
                 return [Dismissed(member, tuple(network.alive()))]
             case ServeAlone(why=why):
@@ -237,11 +238,14 @@ class HostRunner:
                 network.lower_memory(member, memory)
             case SendAway(members=members):
                 assert network is not None
+                for member in members:
+                    self.serving.events.publish("left", f"{network.member_name(member)} left the ring")
                 await network.send_away(members)
             case Admit(member=member):
                 assert network is not None
                 name = network.joiner_name(member)
                 self.ui.say(f"{name} joined; checking its code")
+                self.serving.events.publish("joined", f"{name} joined; checking its code")
                 network.admit(member, functools.partial(self._admitted, name))
             case Refuse(member=member, reason=reason):
                 assert network is not None
@@ -259,10 +263,12 @@ class HostRunner:
     def _tell(self, command: Command) -> None:
         """Carry out a command that needs no waiting (a callback's, or a signal handler's)."""
         match command:
-            case Say(text=text):
+            case Say(text=text, kind=kind):
                 self.ui.say(text)
+                self.serving.events.publish(kind, text)
             case Warn(what=what, detail=detail):
                 self.ui.warn(what, detail)
+                self.serving.events.publish("warning", what, detail)
             case RecordIncident(what=what, detail=detail):
                 self.incident(what, detail)
             case Unready(waiting_for=waits, paused=paused, failure=failure):
@@ -423,6 +429,8 @@ class HostRunner:
             )
         except TrustError as error:
             return [CodeRefused(str(error))]
+        for member in network.alive():
+            self.serving.events.publish("joined", f"{network.member_name(member)} joined")
         return [Gathered(tuple(network.alive()))]
 
     def _refused_while_forming(self, member: str, error: TrustError) -> None:
@@ -478,10 +486,12 @@ class HostRunner:
     # --- both ---
     def _announce_ready(self, where: str) -> None:
         session = self.config.session
-        self.ui.say(
+        text = (
             f"ready: {self.config.path.stem}, {where}, context {session.context} × {session.concurrency} requests, "
             f"chat template: {self.serving.chat_template_source}"
         )
+        self.ui.say(text)
+        self.serving.events.publish("ready", text)
 
     def incident(self, what: str, detail: str) -> None:
         """Something went wrong: the person at the host is told, and /status keeps it."""
@@ -505,6 +515,7 @@ class HostRunner:
         and requests a broken ring left end with it."""
         self.serving.become_unready([], failure=message)
         self.ui.error(message)
+        self.serving.events.publish("failed", message)
         self._fail_held(message)
 
     async def stop(self, reason: str) -> None:

@@ -1,0 +1,229 @@
+"""The thin shell around `huggingface_hub`: list a repository, download the chosen GGUF once into
+the hub's cache (resumable), and check it against the sha256 the hub lists before anyone uses it.
+
+huggingface_hub reads HF_TOKEN, HF_ENDPOINT and HF_HUB_CACHE itself; nothing here sets them.
+`endpoint` and `hub_cache` exist for callers that must differ from the environment (tests in one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
+from huggingface_hub.utils import tqdm as HubTqdm
+
+from kafila.hub.reference import HubChoice, HubFile, HubReference, choose_file, merged_name
+from kafila.runtime.gguf_file import GGUFFormatError
+from kafila.runtime.gguf_merge import merge_parts
+from kafila.runtime.local_plan import cache_dir as kafila_cache
+from kafila.runtime.local_plan import model_sha256
+
+Update = Callable[[str, int, int], None]  # (what, bytes done, bytes in all), as kafila.cli.bars draws them
+
+
+class ModelFetchError(Exception):
+    """The hub could not give the model: unreachable, no such repository, a refused or corrupt file."""
+
+
+@dataclass(frozen=True)
+class FetchedModel:
+    """A model file from the hub, in its cache and checked: what `--model` then means."""
+
+    path: Path
+    choice: HubChoice
+    commit: str
+    offline: str | None = None  # why the hub was not asked, where the cache's copy was taken instead
+
+
+def fetch_model(
+    reference: HubReference,
+    progress: Update | None = None,
+    *,
+    endpoint: str | None = None,
+    hub_cache: Path | None = None,
+) -> FetchedModel:
+    """Resolve `reference` on the hub and download its file, once: a later call finds it in the
+    cache and downloads nothing. A file whose sha256 is not the one the hub lists is deleted and
+    refused. A split GGUF's parts are all downloaded, checked and merged into one file, kept in
+    Kafila's cache: its GGUF reader, planner and slicer read a model from one file."""
+    commit, files, offline = _listing(reference, endpoint, hub_cache)
+    choice = choose_file(reference, files)
+    if not choice.split:
+        path = _download(reference, choice.first, commit, progress, endpoint, hub_cache)
+    else:
+        path = merged_path(choice, commit)
+        if not path.is_file():  # written whole or not at all: the parts were checked before it was
+            parts = [_download(reference, part, commit, progress, endpoint, hub_cache) for part in choice.parts]
+            what = f"merging {len(parts)} parts into {path.name}"
+            try:
+                merge_parts(parts, path, (lambda done, total: progress(what, done, total)) if progress else None)
+            except (GGUFFormatError, OSError) as error:
+                raise ModelFetchError(f"{reference}: merging its {len(parts)} parts failed: {error}") from None
+    if offline is None:
+        _remember(reference, commit, hub_cache)
+    return FetchedModel(path, choice, commit, offline)
+
+
+def merged_path(choice: HubChoice, commit: str) -> Path:
+    """Where a split model's parts, merged, are kept: Kafila's cache, by repository and commit
+    (the parts stay in the hub's cache; `hf cache` deletes them)."""
+    name = merged_name(choice.first.path)
+    return kafila_cache() / "hub-merged" / choice.repo_id.replace("/", "--") / commit / name
+
+
+def _download(
+    reference: HubReference,
+    file: HubFile,
+    commit: str,
+    progress: Update | None,
+    endpoint: str | None,
+    hub_cache: Path | None,
+) -> Path:
+    """One file into the hub's cache, once, then checked against the listing."""
+    name = Path(file.path).name
+    try:
+        local = hf_hub_download(
+            reference.repo_id,
+            file.path,
+            revision=commit,  # the listing's commit: the file the hash below was listed for
+            endpoint=endpoint,
+            cache_dir=hub_cache,
+            tqdm_class=_bar_class(f"downloading {name}", progress) if progress else None,
+        )
+    except Exception as error:  # the hub's errors, the disk's, and httpx's (whose module differs between versions)
+        raise ModelFetchError(f"downloading {file.path} from {reference.repo_id} failed: {error}") from None
+    path = Path(local)
+    _check(path, file, progress)
+    return path
+
+
+def _listing(
+    reference: HubReference, endpoint: str | None, hub_cache: Path | None
+) -> tuple[str, list[HubFile], str | None]:
+    """The repository's commit at the reference's revision and its files, with LFS hashes; where
+    the hub cannot be reached (or HF_HUB_OFFLINE is set), what an earlier run left in the cache."""
+    try:
+        info = HfApi(endpoint=endpoint).model_info(reference.repo_id, revision=reference.revision, files_metadata=True)
+    except GatedRepoError:
+        raise ModelFetchError(
+            f"{reference.repo_id} is gated: accept its terms on the hub and set HF_TOKEN to a token of yours"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelFetchError(
+            f"no repository {reference.repo_id} on the hub (or it is private: set HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelFetchError(f"{reference.repo_id} has no revision {reference.revision}") from None
+    except HfHubHTTPError as error:
+        raise ModelFetchError(f"could not list {reference.repo_id} on the hub: {error}") from None
+    except Exception as error:  # unreachable: refused, no name, a timeout (httpx's errors), or HF_HUB_OFFLINE
+        cached = _cached_listing(reference, hub_cache)
+        if cached is None:
+            raise ModelFetchError(
+                f"could not reach the hub for {reference.repo_id}, and no earlier download of it is cached: {error}"
+            ) from None
+        return (*cached, str(error) or type(error).__name__)
+    if info.sha is None or info.siblings is None:
+        raise ModelFetchError(f"the hub gave no file listing for {reference.repo_id}")
+    if REGEX_COMMIT_HASH.fullmatch(info.sha) is None:  # it names folders in the caches
+        raise ModelFetchError(f"the hub named {reference.repo_id}'s commit {info.sha[:80]!r}, not a commit hash")
+    files = [HubFile(s.rfilename, s.size, s.lfs.sha256.lower() if s.lfs is not None else None) for s in info.siblings]
+    return info.sha, files, None
+
+
+def _storage(reference: HubReference, hub_cache: Path | None) -> Path:
+    """The repository's folder in the hub's cache (its documented layout: refs/, snapshots/, blobs/)."""
+    return Path(hub_cache or hub_constants.HF_HUB_CACHE) / repo_folder_name(
+        repo_id=reference.repo_id, repo_type="model"
+    )
+
+
+def _remember(reference: HubReference, commit: str, hub_cache: Path | None) -> None:
+    """`refs/<revision>` → the commit whose file was checked: what a run without the hub finds.
+    (Downloading by commit, huggingface_hub writes no ref itself.)"""
+    ref = _storage(reference, hub_cache) / "refs" / reference.revision
+    with contextlib.suppress(OSError):
+        if not ref.is_file() or ref.read_text().strip() != commit:
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            ref.write_text(commit)
+
+
+def _cached_listing(reference: HubReference, hub_cache: Path | None) -> tuple[str, list[HubFile]] | None:
+    """The files of the commit an earlier run downloaded and checked (a file that failed its check
+    was deleted), without hashes: they were checked when they came."""
+    storage = _storage(reference, hub_cache)
+    try:
+        commit = (storage / "refs" / reference.revision).read_text().strip()
+        snapshot = storage / "snapshots" / commit
+        files = [HubFile(path.relative_to(snapshot).as_posix()) for path in snapshot.rglob("*.gguf") if path.is_file()]
+    except (OSError, ValueError):
+        return None
+    return (commit, files) if files and REGEX_COMMIT_HASH.fullmatch(commit) else None
+
+
+def _check(path: Path, file: HubFile, progress: Update | None) -> None:
+    """Refuse, and delete from the cache, a file that is not the one the hub lists. The hash is
+    remembered by path, size and time (`model_sha256`), so a cached model is hashed once."""
+    size = path.stat().st_size
+    if file.size is not None and size != file.size:
+        _discard(path)
+        raise ModelFetchError(f"{file.path}: the hub lists {file.size} bytes, the download has {size}; deleted it")
+    if file.sha256 is None:
+        return  # a file kept in git, not LFS: the hub lists no sha256 (GGUF models are in LFS)
+    what = f"checking {path.name}"
+    digest = model_sha256(path, (lambda done, total: progress(what, done, total)) if progress else None)
+    if digest != file.sha256:
+        _discard(path)
+        raise ModelFetchError(
+            f"{file.path}: its sha256 is {digest}, the hub lists {file.sha256}; the file is corrupt or not the "
+            "one listed, and was deleted from the cache"
+        )
+
+
+def _discard(path: Path) -> None:
+    """The cache's blob and the snapshot's link to it: a later run downloads it afresh."""
+    blob = path.resolve()
+    for each in (path, blob):
+        with contextlib.suppress(OSError):
+            each.unlink()
+
+
+def _bar_class(what: str, progress: Update) -> type[HubTqdm]:
+    """A tqdm that draws nothing itself and tells `progress` the bytes written, the way every long
+    job in kafila is shown. It has `update_transfer`, so a Xet download (most GGUFs on the hub)
+    makes one bar of it rather than two (bytes written, bytes received); the second is ignored."""
+
+    class Bar(HubTqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            self.done = int(kwargs.get("initial") or 0)
+            progress(what, self.done, self._whole())
+
+        def _whole(self) -> int:
+            return int(getattr(self, "total", None) or 0)  # the Xet reporter raises it as it learns more
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self.done += int(n or 0)
+            progress(what, self.done, self._whole())
+            return None
+
+        def update_transfer(self, n: float | None = 1) -> None:
+            return None
+
+        def set_transfer_postfix_str(self, postfix: str, refresh: bool = False) -> None:
+            return None
+
+    return Bar

@@ -1,0 +1,163 @@
+"""A Hugging Face hub on a loopback socket, speaking the parts of its API huggingface_hub calls to
+list a repository and download a file: `/api/models/{repo}/revision/{rev}?blobs=true`, and HEAD and
+GET `/{repo}/resolve/{rev}/{file}` with X-Repo-Commit, X-Linked-Etag (the sha256 of an LFS file),
+X-Linked-Size and Range. Tests point HF_ENDPOINT (or `endpoint=`) at it."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@dataclass
+class Repo:
+    files: dict[str, bytes]
+    listed_sha256: dict[str, str] = field(default_factory=dict)  # a hash the listing claims instead of the true one
+
+
+@dataclass
+class FakeHub:
+    repos: dict[str, Repo] = field(default_factory=dict)
+    drop_after: dict[str, int] = field(default_factory=dict)  # file → bytes sent before the first GET is cut off
+    seen: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Range)
+    authorizations: set[tuple[str, str | None]] = field(default_factory=set)  # (method path, Authorization)
+    url: str = ""
+    connections: set[socket.socket] = field(default_factory=set)  # open ones, closed when the hub stops
+
+    def gets_of(self, filename: str) -> list[str | None]:
+        """The Range header of every GET of `filename` so far (None: the whole file)."""
+        return [
+            r for method, path, r in self.seen if method == "GET" and path.endswith(f"/resolve/{COMMIT}/{filename}")
+        ]
+
+    def sha256(self, repo: str, filename: str) -> str:
+        listed = self.repos[repo].listed_sha256.get(filename)
+        return listed or hashlib.sha256(self.repos[repo].files[filename]).hexdigest()
+
+
+_RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
+_INFO = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")
+
+
+def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            with lock:
+                hub.connections.add(self.connection)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return
+
+        def _reply(self, status: int, body: bytes, headers: dict[str, str] | None = None, send: bool = True) -> None:
+            self.send_response(status)
+            for key, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if send:
+                self.wfile.write(body)
+
+        def do_HEAD(self) -> None:
+            self._resolve(send=False)
+
+        def do_GET(self) -> None:
+            path = unquote(urlsplit(self.path).path)
+            with lock:
+                hub.seen.append(("GET", path, self.headers.get("Range")))
+                hub.authorizations.add((f"GET {path}", self.headers.get("Authorization")))
+            info = _INFO.match(path)
+            if info is not None:
+                repo = hub.repos.get(info["repo"])
+                if repo is None:
+                    self._reply(404, b'{"error":"Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+                    return
+                siblings = [
+                    {
+                        "rfilename": name,
+                        "size": len(data),
+                        "blobId": hashlib.sha1(data).hexdigest(),
+                        "lfs": {"size": len(data), "sha256": hub.sha256(info["repo"], name), "pointerSize": 134},
+                    }
+                    for name, data in repo.files.items()
+                ]
+                body = json.dumps({"id": info["repo"], "modelId": info["repo"], "sha": COMMIT, "siblings": siblings})
+                self._reply(200, body.encode(), {"Content-Type": "application/json"})
+                return
+            self._resolve(send=True)
+
+        def _resolve(self, send: bool) -> None:
+            path = unquote(urlsplit(self.path).path)
+            if not send:
+                with lock:
+                    hub.seen.append(("HEAD", path, None))
+                    hub.authorizations.add((f"HEAD {path}", self.headers.get("Authorization")))
+            found = _RESOLVE.match(path)
+            repo = hub.repos.get(found["repo"]) if found else None
+            if found is None or repo is None or found["file"] not in repo.files:
+                self._reply(404, b"not found", {"X-Error-Code": "EntryNotFound"}, send)
+                return
+            data = repo.files[found["file"]]
+            sha = hub.sha256(found["repo"], found["file"])
+            headers = {
+                "X-Repo-Commit": COMMIT,
+                "X-Linked-Etag": f'"{sha}"',
+                "X-Linked-Size": str(len(data)),
+                "ETag": f'"{sha}"',
+                "Accept-Ranges": "bytes",
+                "Content-Type": "application/octet-stream",
+            }
+            start = 0
+            asked = self.headers.get("Range")
+            if send and asked and (m := re.fullmatch(r"bytes=(\d+)-", asked)):
+                start = int(m[1])
+                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            body = data[start:]
+            with lock:
+                cut = hub.drop_after.pop(found["file"], None) if send else None
+            if cut is None:
+                self._reply(206 if start else 200, body, headers, send)
+                return
+            self.send_response(200)  # the first GET: the whole length promised, then the connection drops
+            for key, value in {"Content-Length": str(len(body)), **headers}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(body[:cut])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    return Handler
+
+
+@contextmanager
+def serving_hub(hub: FakeHub) -> Iterator[FakeHub]:
+    """`hub` on a free loopback port, in a thread, for the block; its `url` set."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    hub.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield hub
+    finally:
+        server.shutdown()
+        server.server_close()
+        for connection in list(hub.connections):  # a client's kept-alive connection ends too: the hub is gone
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        thread.join(timeout=10)
