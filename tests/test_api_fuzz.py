@@ -62,6 +62,20 @@ messages = st.lists(
     ),
     max_size=4,
 )
+# JSON Schema-like objects: the keywords a schema uses, with any values, nested.
+schema_keys = st.sampled_from(
+    ["type", "properties", "items", "required", "enum", "const", "minimum", "maximum", "maxLength", "pattern",
+     "anyOf", "$ref", "additionalProperties", "format", "prefixItems", "minItems", "uniqueItems"]
+)  # fmt: skip
+schemas = st.recursive(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "array", "object"])}
+    ),
+    lambda inner: st.dictionaries(
+        schema_keys, inner | json_values | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_size=4
+    ),
+    max_leaves=8,
+)
 prompts = st.one_of(
     st.text(max_size=80),
     st.lists(st.integers(-2, 400), max_size=20),
@@ -85,8 +99,29 @@ OPTIONAL = {
     "logprobs": json_values,
     "top_logprobs": json_values,
     "logit_bias": json_values,
-    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}) | json_values,
-    "tools": json_values,
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries({"name": st.just("x"), "schema": schemas}),
+        }
+    )
+    | json_values,
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function") | json_values,
+                "function": st.fixed_dictionaries(
+                    {"name": st.sampled_from(["f", "g", "bad name"])},
+                    optional={"parameters": schemas | json_values, "description": json_values},
+                ),
+            }
+        ),
+        max_size=2,
+    )
+    | json_values,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
+    "parallel_tool_calls": json_values,
     "user": json_values,
     "echo": json_values,
     "suffix": json_values,

@@ -25,14 +25,16 @@ from kafila.runtime.stage import HeadStage
 from kafila.runtime.worker import handle_frames
 
 SETTINGS = ContextSettings(n_ctx=4 * 64, n_batch=64, n_seq_max=4, n_threads=1)
-PROMPTS = ["the quick brown fox", "hello world", "a model of the world"]
+PROMPTS = ["the quick brown fox", "hello world", "a model of the world", "write in small letters"]
 STEPS = 12
 # Each needs the whole row: a plain draw at a temperature; a greedy pick after a penalty that
-# raises logits; and a draw with penalties, top_p and a low temperature.
+# raises logits; a draw with penalties, top_p and a low temperature; and a draw held to a grammar
+# (structured output), whose sampler needs the model's vocabulary, on the member that holds the head.
 WHOLE_ROW = [
     SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, seed=7),
     SamplingSettings(temperature=0.0, presence_penalty=-1.5, seed=1),
     SamplingSettings(temperature=0.6, top_k=0, top_p=0.9, frequency_penalty=0.5, presence_penalty=-0.5, seed=42),
+    SamplingSettings(temperature=1.0, seed=5, grammar="root ::= [a-z ]+"),
 ]
 
 
@@ -44,7 +46,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sampled_here(model: Path, prompt: list[int], settings: SamplingSettings) -> list[int]:
     """The reference: the unsplit model, and the host's sampler on the whole row."""
     engine = open_engine(model, [4], SETTINGS)
-    sampler = Sampler(settings, engine.n_vocab())
+    sampler = Sampler(settings, engine.n_vocab(), engine.llama_model.vocab)
     try:
         sampler.accept(prompt)
         out = [sampler.sample(engine.step(0, 0, prompt, decode=False))]
@@ -90,6 +92,7 @@ def test_a_head_on_the_ring_samples_as_the_host_would(model: Path, tmp_path: Pat
                 assert isinstance(row, np.ndarray) and np.isfinite(row).sum() == 1  # the chosen token alone
                 outs[s].append(samplers[s].sample(row))
         assert outs == expected
+        assert set(remote.detokenize(outs[3])) <= set("abcdefghijklmnopqrstuvwxyz ")  # the grammar held
         # A slot forgotten and reused by a greedy request: the head no longer samples it.
         remote.forget(0)
         (row,) = remote.step_many([EngineStep(0, 0, prompts[1], decode=False, top=1)])

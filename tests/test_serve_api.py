@@ -196,8 +196,8 @@ def test_openai_errors_carry_openais_status_codes(client: openai.OpenAI, host: H
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logit_bias={"5": 10})
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "x"}]
-    with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="response_format"):  # json_schema without its schema
+        client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_schema"})  # type: ignore[typeddict-item]
     text_format: ResponseFormatText = {"type": "text"}
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, response_format=text_format)
     assert plain.choices[0].finish_reason in ("length", "stop")

@@ -1,12 +1,13 @@
 """The OpenAI request bodies Kafila accepts, validated strictly at the boundary.
 
-Fields the OpenAI API defines but Kafila does not implement (several choices, logit biases,
-tools) are refused with a clear 400 rather than silently ignored; fields it does
+Fields the OpenAI API defines but Kafila does not implement (several choices, logit biases)
+are refused with a clear 400 rather than silently ignored; fields it does
 not know at all are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -68,9 +69,12 @@ class Request(BaseModel):
         """How many alternatives per token to report log probabilities with; None: none asked."""
         return None
 
-    def sampling(self) -> SamplingSettings:
-        """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set."""
+    def sampling(self, grammar: str | None = None, trigger: str | None = None) -> SamplingSettings:
+        """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set;
+        `grammar` constrains the output (structured output, tool calls), from `trigger` on if given."""
         return SamplingSettings(
+            grammar=grammar,
+            grammar_trigger=trigger if grammar is not None else None,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
@@ -84,12 +88,28 @@ def _fresh_seed() -> int:
     return secrets.randbelow(2**32)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    """Plain text only: this server cannot constrain output to JSON or a schema."""
+    """Text, any JSON object, or JSON that a schema accepts: the latter two become a grammar."""
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a response_format of type json_schema needs its json_schema")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -105,12 +125,88 @@ class TextPart(BaseModel):
     text: str
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+MAX_TOOLS = 64
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """Arguments as an object, as transformers and llama.cpp hand them to templates (Qwen's
+        writes them with `tojson`); kept as text where they are not a JSON object."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = Field(default=None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("a function's parameters must be a JSON Schema of type object")
+        return value
+
+    def schema_of_arguments(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -130,14 +226,23 @@ class Message(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for the system role; templates know only "system".
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 class ChatRequest(Request):
     messages: list[Message] = Field(min_length=1, max_length=4096)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
 
@@ -150,12 +255,33 @@ class ChatRequest(Request):
     def logprob_alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools are not supported by this server")
-        return value
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> ChatRequest:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions share a name")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    def tool_choice_or_default(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def calling_tools(self) -> bool:
+        """Whether the model is shown the tools and its reply is read for calls."""
+        return bool(self.tools) and self.tool_choice_or_default() != "none"
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools a call must be to, where one must be made ("required" or a named one); else none."""
+        choice = self.tool_choice_or_default()
+        if isinstance(choice, NamedToolChoice):
+            return [t for t in self.tools or [] if t.function.name == choice.function.name]
+        return list(self.tools or []) if choice == "required" else []
 
 
 class CompletionRequest(Request):

@@ -29,14 +29,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.guards import BodyRefused, TrustedHosts, json_object
-from kafila.api.schemas import ChatRequest, CompletionRequest
+from kafila.api.schemas import ChatRequest, CompletionRequest, Tool
+from kafila.api.schemas import Request as ApiRequest
+from kafila.api.structured import (
+    JSON_OBJECT_GRAMMAR_SCHEMA,
+    TOOL_CALL_TRIGGER,
+    SchemaRefused,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolSpec,
+    schema_grammar,
+    split_tool_calls,
+    tool_call_grammar,
+)
 from kafila.contracts import HostEvent, HostStatus, Incident, SessionStatus
 from kafila.event_feed import EventFeed, Subscription
 from kafila.runtime.chat_template import ChatTemplate, TemplateError
 from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
 from kafila.runtime.logprobs import Alternative, TokenLogprob
 from kafila.runtime.pipeline import Engine, StageFailed
-from kafila.runtime.scheduler import Event, Finished, Job, TextDelta
+from kafila.runtime.sampling import GrammarRefused
+from kafila.runtime.scheduler import Event, Finished, FinishReason, Job, TextDelta
 from kafila.validation import first_problem, one_line
 
 # A whole context of text (a token is a few bytes) with room to spare: 131,072 tokens of chat
@@ -307,12 +320,21 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         body: ChatRequest = await parse(request, ChatRequest)
         loop, engine = await ready_loop(body.model)
         assert serving.template is not None
+        calling = body.calling_tools()
+        if calling and serving.template.tool_syntax is None:
+            raise _invalid(
+                "This model's chat template writes no tool-call syntax this server reads (the Hermes/Qwen "
+                "<tool_call> blocks); send tool_choice 'none' or no tools.", "tools",
+            )  # fmt: skip
+        grammar, trigger = _grammar_of(body)
+        tools = [tool.for_template() for tool in body.tools or []] if calling else None
         try:
-            rendered = serving.template.render([m.for_template() for m in body.messages])
+            rendered = serving.template.render([m.for_template() for m in body.messages], tools)
         except TemplateError as error:
             raise _invalid(str(error), "messages") from None
         prompt = await tokenize(engine, rendered.text, not rendered.starts_with_bos, True, "messages")
-        return await _serve(request, body, prompt, loop, chat=True)
+        reading = ToolReading(body.parallel_tool_calls is not False) if calling else None
+        return await _serve(request, body, prompt, loop, chat=True, grammar=grammar, trigger=trigger, tools=reading)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -330,7 +352,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             prompt = text
         else:
             prompt = await tokenize(engine, text, True, False, "prompt")
-        return await _serve(request, body, prompt, loop, chat=False)
+        return await _serve(request, body, prompt, loop, chat=False, grammar=_grammar_of(body)[0])
 
     async def tokenize(engine: Engine, text: str, add_special: bool, parse_special: bool, param: str) -> list[int]:
         """Token ids, off the event loop for long texts (8 MB takes seconds, and every stream
@@ -379,11 +401,25 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             raise _invalid(str(error)) from None
 
     async def _serve(
-        request: Request, body: ChatRequest | CompletionRequest, prompt: list[int], loop: EngineLoop, chat: bool
+        request: Request,
+        body: ChatRequest | CompletionRequest,
+        prompt: list[int],
+        loop: EngineLoop,
+        chat: bool,
+        grammar: str | None = None,
+        trigger: str | None = None,
+        tools: ToolReading | None = None,
     ) -> Response:
         context = config.context_per_sequence
         if not prompt:
             raise _invalid("The prompt is empty.", "prompt" if not chat else "messages")
+        if grammar is not None:
+            try:
+                loop.engine.check_grammar(grammar)
+            except GrammarRefused as error:
+                raise _invalid(f"{error}: the schema or tools asked for output it cannot describe") from None
+            except StageFailed:
+                raise _unavailable(serving, _not_ready_text(serving, serving.loop)) from None
         limit = body.token_limit()
         if len(prompt) >= context or (limit is not None and len(prompt) + limit > context):
             asked = f" and {limit} for the completion" if limit is not None else ""
@@ -394,7 +430,9 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             )  # fmt: skip
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         alternatives = body.logprob_alternatives()
-        job = Job(request_id, prompt, limit or context, body.sampling(), body.stop_strings(), alternatives)
+        job = Job(
+            request_id, prompt, limit or context, body.sampling(grammar, trigger), body.stop_strings(), alternatives
+        )
         queue: asyncio.Queue[Event] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
@@ -402,7 +440,9 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             event_loop.call_soon_threadsafe(queue.put_nowait, event)
 
         loop = await submit(loop, job, sink)
-        reply = _Reply(request_id, config.model_id, chat, time.monotonic(), metrics, alternatives is not None)
+        reply = _Reply(
+            request_id, config.model_id, chat, time.monotonic(), metrics, alternatives is not None, tools=tools
+        )
 
         def cancel() -> None:
             """On the loop it was submitted to, and on the one serving now, where a broken ring's
@@ -605,6 +645,50 @@ def _model_card(config: ApiConfig) -> dict[str, Any]:
     return {"id": config.model_id, "object": "model", "created": config.created, "owned_by": "kafila"}
 
 
+def _grammar_of(body: ApiRequest) -> tuple[str | None, str | None]:
+    """The grammar a request's output must follow, and the trigger from which it does (None: from
+    the first token): a forced tool call's; else the response format's; else, with tools in
+    "auto", the calls' grammar once the model opens a block. Every tool's parameters are
+    converted, used or not, so that a schema this server cannot follow is a 400 whatever
+    tool_choice says."""
+    calls = None
+    if isinstance(body, ChatRequest) and body.tools:
+        parallel = body.parallel_tool_calls is not False
+        try:
+            calls = tool_call_grammar([_spec(t) for t in body.tools], parallel, opened=True)
+            forced = body.forced_tools()
+            if forced:
+                return tool_call_grammar([_spec(t) for t in forced], parallel), None
+        except SchemaRefused as error:
+            raise _invalid(str(error), "tools") from None
+    form = body.response_format
+    if form is None or form.type == "text":
+        calling = isinstance(body, ChatRequest) and body.calling_tools()
+        return (calls, TOOL_CALL_TRIGGER) if calls is not None and calling else (None, None)
+    schema = form.json_schema.json_schema if form.json_schema is not None else None
+    try:
+        return schema_grammar(
+            JSON_OBJECT_GRAMMAR_SCHEMA if form.type == "json_object" or schema is None else schema
+        ), None
+    except SchemaRefused as error:
+        raise _invalid(str(error), "response_format") from None
+
+
+def _spec(tool: Tool) -> ToolSpec:
+    return ToolSpec(tool.function.name, tool.function.schema_of_arguments())
+
+
+@dataclass
+class ToolReading:
+    """How a reply is read for tool calls (Hermes blocks): several of them, or the first only."""
+
+    parallel: bool
+    stream: ToolCallStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = ToolCallStream(self.parallel)
+
+
 class _TextOffsets:
     """Where each token's text starts in the completion's text, in characters. A token that is
     whole UTF-8 starts where its own text does (after any replacement characters that bytes
@@ -640,6 +724,7 @@ class _Reply:
     first_text: bool = True
     gathered: list[TokenLogprob] = field(default_factory=list)  # a whole reply's log probabilities
     offsets: _TextOffsets = field(default_factory=_TextOffsets)
+    tools: ToolReading | None = None
 
     async def collect(self, queue: asyncio.Queue[Event]) -> tuple[str, Finished]:
         parts = []
@@ -684,10 +769,14 @@ class _Reply:
     def whole(self, text: str, finished: Finished) -> dict[str, Any]:
         logprobs = self.logprobs_of(self.gathered)
         if self.chat:
-            choice = {
-                "index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": finished.reason.value, "logprobs": logprobs,
-            }  # fmt: skip
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = finished.reason.value
+            if self.tools is not None:
+                content, calls = split_tool_calls(text, self.tools.parallel)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [c.wire() for c in calls]}
+                    reason = self.finish_reason(finished, bool(calls))
+            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finished.reason.value, "logprobs": logprobs}
         return {**self._envelope(False), "choices": [choice], "usage": self.usage(finished)}
@@ -704,6 +793,22 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return {**self._envelope(True), "choices": [choice]}
+
+    @staticmethod
+    def finish_reason(finished: Finished, called: bool) -> str:
+        """OpenAI's "tool_calls" where the model ended its turn with calls; "length" stays."""
+        return "tool_calls" if called and finished.reason is FinishReason.STOP else finished.reason.value
+
+    def tool_chunks(self, pieces: list[str | ToolCallDelta]) -> list[dict[str, Any]]:
+        """Content and tool-call deltas as OpenAI's chunks."""
+        out = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out.append(self.chunk(piece, None))
+                continue
+            choice = {"index": 0, "delta": {"tool_calls": [piece.wire()]}, "finish_reason": None, "logprobs": None}
+            out.append({**self._envelope(True), "choices": [choice]})
+        return out
 
     def logprobs_of(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         """OpenAI's `logprobs` object for these tokens, or None where the request asked for none:
@@ -772,11 +877,18 @@ async def _stream(
             for event in events:
                 if isinstance(event, TextDelta):
                     reply.observe_text()
-                    out.append(_sse(reply.chunk(event.text, None, tokens=event.logprobs)))
+                    if reply.tools is not None:  # content and calls as the stream releases them
+                        out += _tool_sse(reply, reply.tools.stream.feed(event.text))
+                    else:
+                        out.append(_sse(reply.chunk(event.text, None, tokens=event.logprobs)))
                     continue
                 if isinstance(event, Finished):
                     reply.observe_end(event)
-                    out.append(_sse(reply.chunk(None if reply.chat else "", event.reason.value)))
+                    reason = event.reason.value
+                    if reply.tools is not None:
+                        out += _tool_sse(reply, reply.tools.stream.finish())
+                        reason = reply.finish_reason(event, reply.tools.stream.calls > 0)
+                    out.append(_sse(reply.chunk(None if reply.chat else "", reason)))
                     if include_usage:
                         out.append(_sse(reply.usage_chunk(event)))
                 else:
@@ -789,3 +901,8 @@ async def _stream(
             yield b"".join(out)
     finally:
         cancel()  # the client went away, or the stream ended: either way the slot is free
+
+
+def _tool_sse(reply: _Reply, pieces: list[str | ToolCallDelta]) -> list[bytes]:
+    """SSE events for what a tool-reading stream released."""
+    return [_sse(chunk) for chunk in reply.tool_chunks(pieces)]

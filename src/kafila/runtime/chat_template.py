@@ -35,9 +35,20 @@ class RenderedPrompt:
     starts_with_bos: bool  # so the tokenizer must not add a second one
 
 
+HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call>: Qwen 2.5 and 3, Hermes
+
+
+def tool_syntax_of(jinja: str | None) -> str | None:
+    """The tool-call syntax a template writes, where it is one this server parses."""
+    if jinja and "<tool_call>" in jinja and "tools" in jinja:
+        return HERMES
+    return None
+
+
 class ChatTemplate:
     def __init__(self, jinja: str | None, bos: str, eos: str, architecture: str | None) -> None:
         self.bos, self.eos = bos, eos
+        self.tool_syntax = tool_syntax_of(jinja)
         self.built_in = BUILT_IN_BY_ARCHITECTURE.get(architecture or "", DEFAULT_BUILT_IN)
         self._formatter: Any = None
         self.source = f"llama.cpp built-in '{self.built_in}'"
@@ -49,11 +60,17 @@ class ChatTemplate:
                 self.source = "the model's own (GGUF tokenizer.chat_template)"
             except Exception:  # a template Jinja cannot compile: serve with the built-in rather than not at all
                 self._formatter = None
+                self.tool_syntax = None
 
-    def render(self, messages: Sequence[dict[str, str]]) -> RenderedPrompt:
+    def render(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> RenderedPrompt:
+        """The prompt; `tools` (OpenAI's tool objects) go to the template as transformers passes them."""
+        if tools and self._formatter is None:
+            raise TemplateError("this model's chat template does not describe tools; it cannot be given any")
         if self._formatter is not None:
             try:
-                text = self._formatter(messages=list(messages)).prompt
+                text = self._formatter(messages=list(messages), tools=list(tools) if tools else None).prompt
             except Exception as error:  # templates raise their own errors, e.g. on role order
                 raise TemplateError(f"the model's chat template rejected the messages: {error}") from None
         else:
@@ -61,7 +78,7 @@ class ChatTemplate:
         return RenderedPrompt(text, bool(self.bos) and text.startswith(self.bos))
 
 
-def _apply_built_in(name: str, messages: Sequence[dict[str, str]]) -> str:
+def _apply_built_in(name: str, messages: Sequence[dict[str, Any]]) -> str:
     llama_cpp = load_llama()
 
     encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]

@@ -44,7 +44,14 @@ from kafila.runtime.llama_backend import (
 )
 from kafila.runtime.logprobs import HeadRow
 from kafila.runtime.process_log import last_lines
-from kafila.runtime.sampling import Sampler, SamplerStart, SamplingSettings, TokenChosenOnHead, TokenSampler
+from kafila.runtime.sampling import (
+    Sampler,
+    SamplerStart,
+    SamplingSettings,
+    TokenChosenOnHead,
+    TokenSampler,
+    check_grammar,
+)
 from kafila.runtime.slicer import Progress, StageFile, cached_slices
 from kafila.runtime.stage import (
     HeadStage,
@@ -292,6 +299,7 @@ class Engine(Protocol):
     def piece(self, token: int) -> bytes: ...
     def is_end(self, token: int) -> bool: ...
     def n_vocab(self) -> int: ...
+    def check_grammar(self, grammar: str) -> None: ...
     def sampler(self, settings: SamplingSettings) -> TokenSampler: ...
     def chat_template(self) -> str | None: ...
     def special_text(self) -> tuple[str, str]: ...
@@ -366,9 +374,14 @@ class _Vocabulary:
     def n_vocab(self) -> int:
         return self.llama_model.n_vocab
 
+    def check_grammar(self, grammar: str) -> None:
+        """Raises GrammarRefused unless llama.cpp parses `grammar` over this model's vocabulary."""
+        with self._readers.reading():
+            check_grammar(self.llama_model.vocab, grammar)
+
     def sampler(self, settings: SamplingSettings) -> TokenSampler:
         """The host's sampler for one request: llama.cpp's chain on the logits that come back."""
-        return Sampler(settings, self.n_vocab())
+        return Sampler(settings, self.n_vocab(), self.llama_model.vocab)
 
     def chat_template(self) -> str | None:
         return self.vocabulary.chat_template()
@@ -567,7 +580,7 @@ class RingEngine(_Vocabulary):
     def sampler(self, settings: SamplingSettings) -> TokenSampler:
         if self.head is None and settings.needs_whole_row:
             return TokenChosenOnHead()
-        return Sampler(settings, self.n_vocab())
+        return Sampler(settings, self.n_vocab(), self.llama_model.vocab)
 
     def land(self, launched: Launched) -> list[StepResult]:
         """The wave's frames back from the ring, through the head: logits, or a sequence's failure.

@@ -1,21 +1,25 @@
-"""Choosing the next token from logits: greedy, or llama.cpp's own sampler chain with a seed."""
+"""Choosing the next token from logits: greedy, or llama.cpp's own sampler chain with a seed, held
+to a GBNF grammar where the request asks for structured output or a tool call."""
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kafila.network.frames import MAX_SAMPLER_START_BYTES, SAMPLE_ON_HEAD
-from kafila.runtime.llama_backend import llama
+from kafila.runtime.llama_backend import llama, load_llama
 from kafila.validation import one_line
 
 # The layout of llama_token_data: id (int32), logit (float), p (float).
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+# A GBNF grammar's text: the JSON schemas the API admits convert to a few KiB; this bounds what a
+# SAMPLER frame or a request can make llama.cpp parse.
+MAX_GRAMMAR_CHARS = 1 << 18
 
 
 class SamplingSettings(BaseModel):
@@ -29,6 +33,12 @@ class SamplingSettings(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int = Field(default=0, ge=0, lt=2**32)
+    # GBNF (root rule "root") that every generated token must keep matching: structured output and
+    # tool calls. llama.cpp's grammar sampler needs the whole row and the model's vocabulary.
+    grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    # With a trigger the grammar waits: text is free until the generated text holds this literal
+    # (a tool call's opening tag, in "auto"), and the grammar holds what follows it.
+    grammar_trigger: str | None = Field(default=None, min_length=1, max_length=64)
 
     @property
     def penalised(self) -> bool:
@@ -45,6 +55,8 @@ class SamplingSettings(BaseModel):
         a token outside those, at least k unpenalised tokens stay above it. A penalty that raises
         logits, or top_k 0 with a temperature, needs the whole row.
         """
+        if self.grammar is not None:  # the grammar may allow none of the largest: it needs them all
+            return 0
         keep = 1 if self.temperature == 0.0 else self.top_k
         if keep == 0:
             return 0
@@ -62,7 +74,7 @@ class SamplingSettings(BaseModel):
     @property
     def greedy(self) -> bool:
         """A plain argmax: temperature zero and no penalty to apply first."""
-        return self.temperature == 0.0 and not self.penalised
+        return self.temperature == 0.0 and not self.penalised and self.grammar is None
 
 
 class TokenSampler(Protocol):
@@ -76,16 +88,53 @@ class TokenSampler(Protocol):
     def close(self) -> None: ...
 
 
+class GrammarRefused(ValueError):
+    """llama.cpp could not parse a grammar (the client's fault where the client wrote it)."""
+
+
+def grammar_sampler(vocab: Any, grammar: str) -> Any:
+    """llama.cpp's grammar sampler over `vocab` (a `llama_vocab *`); the caller frees it."""
+    lib = load_llama()
+    sampler = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not sampler:
+        raise GrammarRefused("llama.cpp could not parse the grammar")
+    return sampler
+
+
+def check_grammar(vocab: Any, grammar: str) -> None:
+    """Raises GrammarRefused unless llama.cpp parses `grammar`: before a request is queued."""
+    load_llama().llama_sampler_free(grammar_sampler(vocab, grammar))
+
+
 class Sampler:
     """One sequence's sampler. Greedy is an argmax; otherwise llama.cpp's chain does the work:
-    repeat penalty, top-k, top-p, temperature, then a seeded draw."""
+    repeat penalty, top-k, top-p, temperature, then a seeded draw. A grammar, when set, masks the
+    row first (so top-k and top-p pick among what it allows) and sees only generated tokens, not
+    the prompt; it needs the model's `vocab` (`llama_vocab *`)."""
 
     portable = True
 
-    def __init__(self, settings: SamplingSettings, n_vocab: int) -> None:
+    def __init__(self, settings: SamplingSettings, n_vocab: int, vocab: Any = None) -> None:
         self.settings = settings
         self._chain = None
         self._llama = None
+        self._grammar = None
+        self._end = -1
+        self._vocab = vocab
+        self._waiting: bytes | None = None  # a trigger not yet seen: the grammar starts after it
+        self._tail = b""  # the end of the generated text, where the trigger may be arriving
+        if settings.grammar is not None:
+            if vocab is None:
+                raise GrammarRefused("a grammar needs the model's vocabulary, which this sampler was not given")
+            if settings.grammar_trigger is None:
+                self._grammar = grammar_sampler(vocab, settings.grammar)
+            else:
+                check_grammar(vocab, settings.grammar)  # refused now, not when the trigger comes
+                self._waiting = settings.grammar_trigger.encode()
+            lib = load_llama()
+            self._end = int(lib.llama_vocab_eos(vocab))
+            if self._end < 0:
+                self._end = int(lib.llama_vocab_eot(vocab))
         if not settings.greedy:
             self._llama = llama()
             lib = self._llama
@@ -120,27 +169,89 @@ class Sampler:
                 self._llama.llama_sampler_accept(self._chain, token)
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        """The chain's token; with a grammar, as llama.cpp's own samplers do it: the chain draws
+        from the whole row, and only if the grammar refuses that token does it draw again from
+        what the grammar allows (masking a 262k vocabulary each token costs more than one check)."""
         if self._chain is None or self._llama is None:
             return int(np.argmax(logits))
-        candidates = self._candidates
-        candidates["id"] = self._ids
-        candidates["logit"] = logits
-        candidates["p"] = 0.0
-        array = self._llama.llama_token_data_array(
+        token = self._draw(logits, grammar_first=False)
+        if self._grammar is not None and not self._allows(token):
+            token = self._draw(logits, grammar_first=True)
+            if token < 0:
+                # Only a vocabulary that cannot spell what the grammar needs gets here: end the
+                # sequence rather than hand llama.cpp a token its grammar would abort on.
+                return self._end if self._end >= 0 else int(np.argmax(logits))
+        self._llama.llama_sampler_accept(self._chain, token)
+        if self._grammar is not None:
+            self._llama.llama_sampler_accept(self._grammar, token)
+        elif self._waiting is not None:
+            self._watch_for_trigger(token)
+        return token
+
+    def _watch_for_trigger(self, token: int) -> None:
+        """Start the grammar once the trigger has been written, if the token that ended it wrote
+        nothing after it but whitespace (which the grammar's start allows). Otherwise llama.cpp
+        would be handed text its grammar may not match, on which it aborts; that call then goes
+        unconstrained, and is read as the model wrote it."""
+        assert self._waiting is not None and self._llama is not None
+        self._tail = (self._tail + _piece(self._llama, self._vocab, token))[-(len(self._waiting) + 256) :]
+        found = self._tail.find(self._waiting)
+        if found < 0:
+            return
+        rest = self._tail[found + len(self._waiting) :]
+        grammar, self._waiting, self._tail = self.settings.grammar, None, b""
+        if grammar is not None and not rest.strip():
+            self._grammar = grammar_sampler(self._vocab, grammar)
+
+    def _array(self, candidates: npt.NDArray[np.void]) -> Any:
+        assert self._llama is not None
+        return self._llama.llama_token_data_array(
             data=candidates.ctypes.data_as(ctypes.POINTER(self._llama.llama_token_data)),
             size=len(candidates),
             selected=-1,
             sorted=False,
         )
+
+    def _draw(self, logits: npt.NDArray[np.float32], grammar_first: bool) -> int:
+        """The chain's pick from the row (masked by the grammar first if asked); -1 where the
+        grammar allows nothing."""
+        assert self._llama is not None
+        candidates = self._candidates
+        candidates["id"] = self._ids
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        array = self._array(candidates)
+        if grammar_first:
+            self._llama.llama_sampler_apply(self._grammar, ctypes.byref(array))
+            if not np.isfinite(candidates["logit"]).any():
+                return -1
         self._llama.llama_sampler_apply(self._chain, ctypes.byref(array))
-        token = int(candidates["id"][array.selected])
-        self._llama.llama_sampler_accept(self._chain, token)
-        return token
+        return int(candidates["id"][array.selected])
+
+    def _allows(self, token: int) -> bool:
+        assert self._llama is not None
+        single = np.zeros(1, dtype=_TOKEN_DATA)
+        single["id"] = token
+        self._llama.llama_sampler_apply(self._grammar, ctypes.byref(self._array(single)))
+        return bool(np.isfinite(single["logit"][0]))
 
     def close(self) -> None:
         if self._chain is not None and self._llama is not None:
             self._llama.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None and self._llama is not None:
+            self._llama.llama_sampler_free(self._grammar)
+            self._grammar = None
+
+
+def _piece(lib: Any, vocab: Any, token: int) -> bytes:
+    """A token's text as the reply shows it (special tokens as nothing)."""
+    buffer = ctypes.create_string_buffer(64)
+    n = lib.llama_token_to_piece(vocab, token, buffer, 64, 0, False)
+    if n < 0:
+        buffer = ctypes.create_string_buffer(-n)
+        n = lib.llama_token_to_piece(vocab, token, buffer, -n, 0, False)
+    return buffer.raw[: max(0, n)]
 
 
 class SamplerStart(BaseModel):
@@ -157,7 +268,8 @@ class SamplerStart(BaseModel):
     prompt: list[Annotated[int, Field(ge=0, lt=1 << 31)]]
 
     def payload(self) -> bytes:
-        return self.model_dump_json().encode()
+        """Without a null grammar, so that a member from before grammars takes what it always did."""
+        return self.model_dump_json(exclude_none=True).encode()
 
     @classmethod
     def from_payload(cls, payload: bytes) -> SamplerStart:

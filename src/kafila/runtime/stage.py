@@ -482,7 +482,7 @@ class HeadStage:
             raise ValueError(f"the prompt names a token outside this model's {n_vocab}")
         self.stop_sampling(sequence_id)
         self._refused_samplers.pop(sequence_id, None)
-        sampler = Sampler(start.settings, n_vocab)
+        sampler = Sampler(start.settings, n_vocab, self.model.vocab)
         sampler.accept(start.prompt)
         self._samplers[sequence_id] = sampler
 
