@@ -10,13 +10,12 @@ Tool calls use the Hermes syntax that Qwen 2.5 and Qwen 3 templates write and re
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
-
-from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
 from kafila.runtime.sampling import MAX_GRAMMAR_CHARS
 
@@ -101,21 +100,30 @@ def _check_followed(schema: Any, what: str) -> None:
         _check_followed(schema.get(key), what)
 
 
-class _Converter(SchemaConverter):
+@functools.cache
+def _converter_class() -> Any:
     """llama-cpp-python's converter, which ignores integer bounds, taught the ones it can keep:
-    a range of up to MAX_INTEGER_CHOICES values, or at least 0 or 1."""
+    a range of up to MAX_INTEGER_CHOICES values, or at least 0 or 1.
 
-    def visit(self, schema: Any, name: str) -> Any:
-        if isinstance(schema, dict) and schema.get("items") in ({}, True):  # "any items": its KeyError
-            schema = {**schema, "items": _ANY}
-        if (
-            isinstance(schema, dict)
-            and schema.get("type") == "integer"
-            and ("minimum" in schema or "maximum" in schema)
-        ):
-            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
-            return self._add_rule(rule_name, _integer_rule(schema.get("minimum"), schema.get("maximum")))
-        return super().visit(schema, name)
+    Imported at first use, not with this module: importing any part of llama_cpp loads llama.cpp,
+    whose OpenMP settings a session's process makes first (`load_llama`), and every command must
+    still start, to say so in one line, where llama.cpp is not installed."""
+    from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
+
+    class Converter(SchemaConverter):
+        def visit(self, schema: Any, name: str) -> Any:
+            if isinstance(schema, dict) and schema.get("items") in ({}, True):  # "any items": its KeyError
+                schema = {**schema, "items": _ANY}
+            if (
+                isinstance(schema, dict)
+                and schema.get("type") == "integer"
+                and ("minimum" in schema or "maximum" in schema)
+            ):
+                rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+                return self._add_rule(rule_name, _integer_rule(schema.get("minimum"), schema.get("maximum")))
+            return super().visit(schema, name)
+
+    return Converter
 
 
 def _integer_rule(low: Any, high: Any) -> str:
@@ -134,8 +142,8 @@ def _integer_rule(low: Any, high: Any) -> str:
     raise SchemaRefused("an integer bounded on one side only is enforced here for minimum 0 or 1 alone")
 
 
-def _converter() -> SchemaConverter:
-    return _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+def _converter() -> Any:
+    return _converter_class()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
 # llama-cpp-python's string character allows raw control characters, which JSON forbids in a
@@ -145,7 +153,7 @@ _LOOSE_CHAR = 'char ::= [^"\\\\] |'
 _JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF\\U00110000-\\U7FFFFFFF] |'
 
 
-def _grammar_text(converter: SchemaConverter) -> str:
+def _grammar_text(converter: Any) -> str:
     grammar = str(converter.format_grammar()).replace(_LOOSE_CHAR, _JSON_CHAR)
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise SchemaRefused(
@@ -154,7 +162,7 @@ def _grammar_text(converter: SchemaConverter) -> str:
     return grammar
 
 
-def _visit(converter: SchemaConverter, schema: dict[str, Any], name: str, what: str) -> str:
+def _visit(converter: Any, schema: dict[str, Any], name: str, what: str) -> str:
     """The rule that matches `schema`, added to `converter`; SchemaRefused where it cannot convert."""
     _check_followed(schema, what)
     try:
