@@ -396,7 +396,9 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
     from kafila.runtime.local_plan import save_model_pricing
     from kafila.runtime.slicer import file_sha256
 
-    model = write_wide_model(tmp_path / "tiny.gguf", n_blocks=12)
+    # 24 blocks: with 12, the head's fixed cost on the host left the best division (priced by what
+    # the stages measured) about 20% faster than [11, 1], near the 25% a rebalance must gain
+    model = write_wide_model(tmp_path / "tiny.gguf", n_blocks=24)
     share_this_machines_probe(tmp_path, 2)  # cache-1 is the host's
     generic = FleetDevice.model_validate(json.loads((tmp_path / "cache-1" / "probe.json").read_text())["device"])
     assert generic.bandwidth_gb_s is not None and generic.overhead_us is not None
@@ -422,7 +424,7 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
             return {m["name"]: m["blocks"][1] - m["blocks"][0] for m in of["members"] if "blocks" in m}
 
         first = status()
-        assert blocks(first)["member-0"] >= 9, first
+        assert blocks(first)["member-0"] >= 18, first
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         expected = unsplit_greedy(model, PROMPT, 24)
         for _ in range(2):  # 46 single-token decodes on every stage: past MIN_STEPS_TO_REBALANCE
