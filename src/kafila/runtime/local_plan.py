@@ -23,7 +23,7 @@ from kafila.planner import plan_session
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.planner.types import ModelManifest, SessionSpec
 from kafila.runtime.backends import backend_or_none, device_set
-from kafila.runtime.llama_backend import load_llama, repack_choice
+from kafila.runtime.llama_backend import llama, load_llama, repack_choice
 from kafila.runtime.probe import ProbeError, available_memory
 from kafila.runtime.probe_child import probe_in_child
 from kafila.runtime.slicer import Progress, file_sha256
@@ -40,16 +40,22 @@ def this_device(progress: Callable[[str, float], None] | None = None, memory: in
     return free_now(_measured(progress)).lending(memory)
 
 
-def free_now(device: FleetDevice) -> FleetDevice:
-    """The device with at most the memory free at this moment, read as the probe reads it: a
-    cached probe's figure is what was free then, and a game or a browser may have taken some of
-    it since. As it was, where the memory cannot be read."""
-    llama_cpp = load_llama()
+def free_memory_now() -> int | None:
+    """Bytes a stage may fill on this machine now, read as the probe reads them (`available_memory`);
+    None where there is no telling."""
+    llama_cpp = llama()
     try:
-        free, _ = available_memory(llama_cpp, bool(llama_cpp.llama_supports_gpu_offload()))
+        return available_memory(llama_cpp, bool(llama_cpp.llama_supports_gpu_offload()))[0]
     except ProbeError:
-        return device
-    return device.lending(free)
+        return None
+
+
+def free_now(device: FleetDevice) -> FleetDevice:
+    """The device with at most the memory free at this moment: a cached probe's figure is what was
+    free then, and a game or a browser may have taken some of it since. As it was, where the
+    memory cannot be read."""
+    free = free_memory_now()
+    return device if free is None else device.lending(free)
 
 
 ProbeKey = dict[str, object]

@@ -29,8 +29,8 @@ from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import receive_stage_file
 from kafila.planner.fleet import ModelPricing
-from kafila.runtime.llama_backend import ContextSettings, llama, out_of_memory
-from kafila.runtime.probe import ProbeError, available_memory
+from kafila.runtime.llama_backend import ContextSettings, out_of_memory
+from kafila.runtime.local_plan import free_memory_now
 from kafila.runtime.slicer import block_range_file, file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
 from kafila.runtime.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
@@ -300,16 +300,6 @@ async def _prepare(assign: Assign, links: RingLinks, state: MemberState) -> tupl
     return edges.result(), path.result()
 
 
-def free_memory() -> int | None:
-    """Bytes a stage may fill on this machine now (`probe.available_memory`), None where there is
-    no telling: a member with less free than its stage needs says so before it tries to load."""
-    llama_cpp = llama()
-    try:
-        return available_memory(llama_cpp, bool(llama_cpp.llama_supports_gpu_offload()))[0]
-    except ProbeError:
-        return None
-
-
 async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: MemberState) -> None:
     """Load the staged file and serve it between the neighbours; a lost ring link is reported to the host."""
     host = links.host
@@ -319,7 +309,7 @@ async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: M
     )
     loop = asyncio.get_running_loop()
     blocks = f"blocks {assign.first_block}-{assign.end_block - 1}"
-    free = await loop.run_in_executor(state.executor, free_memory)
+    free = await loop.run_in_executor(state.executor, free_memory_now)  # less than its stage needs: said before loading
     if assign.need_bytes is not None and free is not None and free < assign.need_bytes:
         why = f"{free / 2**30:.2f} GiB free here; {blocks} need {assign.need_bytes / 2**30:.2f} GiB"
         state.say(f"cannot load stage {assign.stage_index}: {why}")
