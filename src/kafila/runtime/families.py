@@ -72,6 +72,10 @@ def _anywhere(_n_blocks: int, _value: Callable[[str], Any]) -> CutPoints:
     return CutPoints()
 
 
+# llama.cpp's graph size for most families: at least 1024 nodes, 8 a tensor, none a batch row
+DEFAULT_GRAPH_NODES = (1024, 8, 0)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -92,7 +96,7 @@ class Family:
     cut_points: Callable[[int, Callable[[str], Any]], CutPoints] = _anywhere
     # llama.cpp's graph size for the family (llama_context::graph_max_nodes): its scheduler keeps
     # about 24 KiB of metadata per node, so a delta-net family's 40 nodes a batch row weigh
-    graph_nodes: tuple[int, int, int] = (1024, 8, 0)  # at least, per tensor, per batch row
+    graph_nodes: tuple[int, int, int] = DEFAULT_GRAPH_NODES
     # Whether llama.cpp windows (or chunks) some of the family's attention layers beside full ones
     # (a batch then builds two masks, and a cache may be cut only near its end): True whatever the
     # file says, False whatever it says (phi3: llama.cpp ignores its window), None as the file says.

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kafila.planner.types import MAX_BLOCKS, ContextNeeds, ModelManifest
-from kafila.runtime.families import FAMILIES, Family, attention_windowed
+from kafila.runtime.families import DEFAULT_GRAPH_NODES, FAMILIES, Family, attention_windowed
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 from kafila.runtime.slicer import prediction_blocks
 
@@ -63,6 +63,7 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
 
     block_bytes = [0] * n_blocks
     expert_bytes = [0] * n_blocks
+    block_tensors = [0] * n_blocks  # what sizes each stage's graph (`ContextNeeds`)
     head_bytes = 0
     for tensor in reader.tensors:
         match = _BLOCK_TENSOR.match(tensor.name)
@@ -73,6 +74,7 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
             if index >= n_blocks:
                 continue  # a prediction block: never run, and no stage holds it
             block_bytes[index] += int(tensor.n_bytes)
+            block_tensors[index] += 1
             if _EXPERT_TENSOR.match(tensor.name):
                 expert_bytes[index] += int(tensor.n_bytes)
         elif tensor.name in HEAD_TENSORS:  # a tied output has no output.weight: counted once
@@ -100,11 +102,6 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
 
     name = reader.scalar("general.name") or path.stem
     family = FAMILIES.get(arch)
-    block_tensors = [0] * n_blocks
-    for tensor in reader.tensors:
-        match = _BLOCK_TENSOR.match(tensor.name)
-        if match and int(match.group(1)) < n_blocks:
-            block_tensors[int(match.group(1))] += 1
     context = _context_needs(
         reader, arch, family, block_tensors, len(reader.tensors) - sum(block_tensors), n_embd, max(n_head) * key_length
     )  # an unsupported family is planned as it is, and refused by the slicer
@@ -147,7 +144,7 @@ def _context_needs(
     heads = max(query_width, 2 * widest("ssm.inner_size"))
     values = ACTIVATION_VALUES["embd"] * n_embd + ACTIVATION_VALUES["heads"] * heads + ACTIVATION_VALUES["ffn"] * ffn
     windowed = attention_windowed(arch, reader.scalar(f"{arch}.attention.sliding_window"))
-    least, per_tensor, per_row = family.graph_nodes if family is not None else Family("").graph_nodes
+    least, per_tensor, per_row = family.graph_nodes if family is not None else DEFAULT_GRAPH_NODES
     return ContextNeeds(
         block_tensors=tuple(block_tensors),
         other_tensors=other_tensors,
