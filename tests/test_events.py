@@ -34,6 +34,12 @@ def test_the_feed_keeps_the_latest_events_and_counts_on() -> None:
     assert len(feed.recent()[-1].text) == len(feed.recent()[-1].detail) == 2000
 
 
+async def _turns_until(condition: Callable[[], bool]) -> None:
+    """Give the loop turns until `condition` holds (the caller bounds the wait)."""
+    while not condition():
+        await asyncio.sleep(0)
+
+
 def test_clients_are_capped_and_one_that_falls_behind_is_dropped() -> None:
     async def check() -> None:
         feed = EventFeed(max_clients=2, client_backlog=3)
@@ -43,7 +49,7 @@ def test_clients_are_capped_and_one_that_falls_behind_is_dropped() -> None:
         assert [e.text for e in first.backlog] == ["before"] and second.backlog == []
         for n in range(4):  # nobody reads `first`: its backlog of 3 overflows
             feed.publish("note", str(n))
-        await asyncio.sleep(0)  # the offers run on this loop
+        await asyncio.wait_for(_turns_until(lambda: first.dropped), 5)  # the offers run on this loop
         assert first.dropped and first.queue.qsize() == 3
         feed.unsubscribe(first)
         assert feed.clients == 1 and feed.subscribe() is not None
