@@ -360,10 +360,5 @@ def _holds_a_block(manifest: ModelManifest, device: Device, session: SessionSpec
 def smallest_stage_bytes(manifest: ModelManifest, session: SessionSpec) -> int:
     """The bytes of the smallest stage there can be (a block, where the model may be cut anywhere)
     with its KV cache and llama.cpp context: a machine that cannot lend that holds no stage at all."""
-    tokens = session.context * session.concurrency
-    need = [
-        weights + kv * tokens for weights, kv in zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)
-    ]
-    return min(
-        sum(need[a:b]) + manifest.context_bytes(a, b, False, session) for a, b in pairwise(manifest.cut_positions())
-    )
+    need = ChainPrefix.of(manifest, session).resident_matrix(is_head=False)  # the memory rule every plan applies
+    return min(int(need[a, b]) for a, b in pairwise(manifest.cut_positions()))
