@@ -10,20 +10,18 @@ and mapped chunks) plus the stage's mapped weights is held to the planner's figu
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_stage_memory import LIBC, settings_of, stage_allocation
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model, write_wide_model
 
 from kafila.planner.cost import ChainPrefix
 from kafila.planner.types import ContextNeeds, ModelManifest, SessionSpec
-from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.slicer import slice_model
-from kafila.runtime.stage import BlockStage, HeadStage, WholeModel
+from kafila.runtime.stage import WholeModel
 
 MiB = 2**20
 # The runner's settings: one context of context * concurrency cells, batches of 512 rows.
@@ -31,50 +29,7 @@ SESSIONS = (SessionSpec(context=4096, concurrency=4), SessionSpec(context=512, c
 N_BLOCKS = {"qwen3next": 8, "llama4": 8}  # cut where their families allow (after a full-attention block; at 4)
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-    ] + [("keepcost", ctypes.c_size_t)]
-
-
-def _heap_counter() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallinfo2.restype = _MallInfo2
-    except (OSError, AttributeError, TypeError):
-        return None
-    return libc
-
-
-LIBC = _heap_counter()
 pytestmark = pytest.mark.skipif(LIBC is None, reason="needs glibc's mallinfo2 to count what llama.cpp allocates")
-
-
-def allocated() -> int:
-    """Bytes of this process's heap in use, mapped chunks included (glibc)."""
-    assert LIBC is not None
-    info = LIBC.mallinfo2()
-    return int(info.uordblks + info.hblkhd)
-
-
-def settings_of(session: SessionSpec) -> ContextSettings:
-    n = session.concurrency
-    return ContextSettings(n_ctx=session.context * n, n_batch=512, n_seq_max=n, n_threads=2)
-
-
-def stage_allocation(path: Path, is_head: bool, whole: bool, session: SessionSpec) -> int:
-    """What building the stage allocated, plus the weights it maps from its file."""
-    before = allocated()
-    kind = WholeModel if whole else HeadStage if is_head else BlockStage
-    stage = kind(path, settings_of(session))
-    try:
-        grown = allocated() - before
-        weights = int(stage.model._llama.llama_model_size(stage.model.model))
-    finally:
-        stage.close()
-    return grown + weights
 
 
 def models(folder: Path, gemma: Path) -> list[tuple[str, Path]]:
