@@ -21,18 +21,13 @@ from test_api_fuzz import json_values, post, schemas
 from tiny_models import write_tiny_model
 
 from kafila.api.schemas import Message
-from kafila.api.structured import (
-    TOOL_CALL_TRIGGER,
-    ToolCallDelta,
-    ToolCallStream,
-    ToolSpec,
-    split_tool_calls,
-    tool_call_grammar,
-)
-from kafila.runtime.chat_template import HERMES, ChatTemplate
+from kafila.api.tool_calls import ToolCallDelta, ToolCallStream, ToolSpec, split_tool_calls, tool_call_grammar
+from kafila.runtime.chat_template import ChatTemplate, ReplySyntax
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import open_engine
 from kafila.runtime.sampling import SamplingSettings
+
+HERMES = ReplySyntax.HERMES
 
 CONTEXT = 2048  # the tiny vocabulary spells the tools prompt mostly byte by byte: ~1000 tokens
 SETTINGS = ContextSettings(n_ctx=CONTEXT * 2, n_batch=256, n_seq_max=2, n_threads=1)
@@ -251,12 +246,12 @@ def test_hermes_blocks_split_from_text_whole_and_in_any_pieces() -> None:
         'Let me look.<tool_call>\n{"name": "a", "arguments": {"x": {"y": 1}} }\n</tool_call>\n'
         '<tool_call>\n{"arguments": "{}", "name": "b"}\n</tool_call>'
     )
-    content, calls = split_tool_calls(text)
+    content, calls = split_tool_calls(text, HERMES)
     assert content == "Let me look."
     assert [(c.name, c.arguments) for c in calls] == [("a", '{"x": {"y": 1}}'), ("b", "{}")]
-    assert len(split_tool_calls(text, parallel=False)[1]) == 1
+    assert len(split_tool_calls(text, HERMES, parallel=False)[1]) == 1
     for size in (1, 3, 7):
-        stream = ToolCallStream()
+        stream = ToolCallStream(HERMES)
         pieces = [p for i in range(0, len(text), size) for p in stream.feed(text[i : i + size])] + stream.finish()
         assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look."
         deltas = [p for p in pieces if isinstance(p, ToolCallDelta)]
@@ -265,32 +260,30 @@ def test_hermes_blocks_split_from_text_whole_and_in_any_pieces() -> None:
             assert "".join(d.arguments for d in deltas if d.index == index) == call.arguments
         if size == 1:
             assert sum(d.index == 0 and d.id is None for d in deltas) > 5  # streamed, not whole
-    assert split_tool_calls("<tool_call>not json</tool_call> and <tool_") == (
+    assert split_tool_calls("<tool_call>not json</tool_call> and <tool_", HERMES) == (
         "<tool_call>not json</tool_call> and <tool_",
         [],
     )
-    assert split_tool_calls("plain") == ("plain", [])
+    assert split_tool_calls("plain", HERMES) == ("plain", [])
     cut = '<tool_call>\n{"name": "a", "arguments": {"x": {"y": 1}} }\n</tool_c'  # max_tokens came first
-    assert [c.arguments for c in split_tool_calls(cut)[1]] == ['{"x": {"y": 1}}']
+    assert [c.arguments for c in split_tool_calls(cut, HERMES)[1]] == ['{"x": {"y": 1}}']
     unfinished = '<tool_call>\n{"name": "a", "arguments": {"x": {"y": 1}'
-    assert [c.arguments for c in split_tool_calls(unfinished)[1]] == ['{"x": {"y": 1}']  # its own "}" kept
+    assert [c.arguments for c in split_tool_calls(unfinished, HERMES)[1]] == ['{"x": {"y": 1}']  # its own "}" kept
 
 
 def test_in_auto_the_grammar_holds_a_call_from_its_opening_tag_on(tmp_path: Path) -> None:
     """tool_choice "auto": text is free until the model writes `<tool_call>`; from there the
     sampler holds the call to the tool's schema. Logits that force the opening, then random ones."""
     engine = open_engine(write_tiny_model(tmp_path / "q.gguf", "qwen3", n_blocks=2), [2], SETTINGS)
-    grammar = tool_call_grammar([ToolSpec("get_weather", WEATHER)], parallel=False, opened=True)
-    sampler = engine.sampler(
-        SamplingSettings(temperature=1.0, top_k=0, seed=3, grammar=grammar, grammar_trigger=TOOL_CALL_TRIGGER)
-    )
+    grammar = tool_call_grammar(HERMES, [ToolSpec("get_weather", WEATHER)], parallel=False, forced=False)
+    sampler = engine.sampler(SamplingSettings(temperature=1.0, top_k=0, seed=3, grammar=grammar))
     rng = np.random.default_rng(0)
     try:
         written = engine.tokenize("Let me check. <tool_call>", add_special=False)
         for token in written:
             logits = rng.normal(size=engine.n_vocab()).astype(np.float32)
             logits[token] = 100.0
-            assert sampler.sample(logits) == token  # no grammar yet: the forced token, even mid-tag
+            assert sampler.sample(logits) == token  # free text: the forced token, even mid-tag
         for _ in range(200):
             token = sampler.sample(rng.normal(size=engine.n_vocab()).astype(np.float32) * 4)
             if engine.is_end(token):
@@ -298,7 +291,7 @@ def test_in_auto_the_grammar_holds_a_call_from_its_opening_tag_on(tmp_path: Path
             written.append(token)
         else:
             pytest.fail("the grammar never ended the call")
-        content, calls = split_tool_calls(engine.detokenize(written), parallel=False)
+        content, calls = split_tool_calls(engine.detokenize(written), HERMES, parallel=False)
         assert content == "Let me check." and len(calls) == 1 and calls[0].name == "get_weather"
         jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
     finally:
@@ -307,5 +300,5 @@ def test_in_auto_the_grammar_holds_a_call_from_its_opening_tag_on(tmp_path: Path
 
 
 def test_the_call_grammar_names_each_tool_once_per_block() -> None:
-    grammar = tool_call_grammar([ToolSpec("f", {"type": "object"})], parallel=False)
+    grammar = tool_call_grammar(HERMES, [ToolSpec("f", {"type": "object"})], parallel=False, forced=True)
     assert grammar.count("<tool_call>") == 1 and '\\"name\\": \\"f\\"' in grammar

@@ -7,7 +7,7 @@ are written on the spot with the gguf package, random weights and a few hundred 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -249,7 +249,7 @@ TINY_SHAPES: Mapping[str, ModelShape] = MappingProxyType(_SHAPES)
 _WORDS = ("the", "a", "and", "hello", "world", "of", "to", "is", "in", "it", "model", "block", "kafila")
 
 
-def _vocab(arch: str) -> tuple[list[str], list[float], list[int], dict[str, int]]:
+def _vocab(arch: str, extra_specials: Sequence[str] = ()) -> tuple[list[str], list[float], list[int], dict[str, int]]:
     """A SentencePiece ("llama") vocabulary: specials, all 256 byte fallbacks, some pieces.
 
     Byte fallback is what lets any text tokenize. Word pieces are listed with all their
@@ -262,6 +262,7 @@ def _vocab(arch: str) -> tuple[list[str], list[float], list[int], dict[str, int]
         specials += ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"]
     if arch == "phi3":  # llama.cpp looks these up in any model named phi3
         specials += ["<|endoftext|>", "<|end|>"]
+    specials += [s for s in extra_specials if s not in specials]
     tokens = list(specials)
     types = [TokenType.UNKNOWN] + [TokenType.CONTROL] * (len(specials) - 1)
     scores = [0.0] * len(specials)
@@ -287,13 +288,15 @@ def write_tiny_model(
     seed: int = 0,
     shape: ModelShape | None = None,
     chat_template: str | None = None,
+    extra_specials: Sequence[str] = (),
 ) -> Path:
     """Write a tiny random `arch` model to `path`; the same arguments give the same bytes.
 
     FFN storage cycles Q8_0 / F16 / F32 by block so block sizes differ; llama, qwen2, qwen3moe,
     mistral3 and gpt-oss carry their own output.weight, the others tie it to token_embd. `shape`
     replaces the architecture's tiny default (and its limit of 12 blocks); `chat_template` (Jinja) is
-    stored as tokenizer.chat_template, without which servers use their built-in one. Tensors
+    stored as tokenizer.chat_template, without which servers use their built-in one;
+    `extra_specials` are control tokens its syntax needs (`[TOOL_CALLS]`, `<|python_tag|>`). Tensors
     are written through a temporary file as they are made, so a model of a gigabyte needs
     little memory to write.
     """
@@ -307,7 +310,7 @@ def write_tiny_model(
         raise ValueError(f"n_blocks is {n_blocks}; a model needs at least 1")
     arch_index = SUPPORTED_TINY_ARCHS.index(arch)
     rng = np.random.default_rng([seed, arch_index])
-    tokens, scores, types, special_ids = _vocab(arch)
+    tokens, scores, types, special_ids = _vocab(arch, extra_specials)
     n_vocab = len(tokens)
     n_embd, n_ff, head_dim = shape.n_embd, shape.n_ff, shape.head_dim
     n_q, n_kv = shape.n_head * head_dim, shape.n_head_kv * head_dim

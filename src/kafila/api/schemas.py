@@ -69,12 +69,11 @@ class Request(BaseModel):
         """How many alternatives per token to report log probabilities with; None: none asked."""
         return None
 
-    def sampling(self, grammar: str | None = None, trigger: str | None = None) -> SamplingSettings:
+    def sampling(self, grammar: str | None = None) -> SamplingSettings:
         """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set;
-        `grammar` constrains the output (structured output, tool calls), from `trigger` on if given."""
+        `grammar` constrains the output (structured output, tool calls)."""
         return SamplingSettings(
             grammar=grammar,
-            grammar_trigger=trigger if grammar is not None else None,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
@@ -183,7 +182,10 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
     def for_template(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        """As templates read it: a description always (gpt-oss's writes one for every tool)."""
+        tool = self.model_dump(exclude_none=True)
+        tool["function"].setdefault("description", "")
+        return tool
 
 
 class NamedFunction(BaseModel):

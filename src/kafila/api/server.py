@@ -29,22 +29,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.guards import BodyRefused, TrustedHosts, json_object
+from kafila.api.harmony import HarmonyReader
 from kafila.api.schemas import ChatRequest, CompletionRequest, Tool
 from kafila.api.schemas import Request as ApiRequest
-from kafila.api.structured import (
-    JSON_OBJECT_GRAMMAR_SCHEMA,
-    TOOL_CALL_TRIGGER,
-    SchemaRefused,
-    ToolCallDelta,
+from kafila.api.structured import JSON_OBJECT_GRAMMAR_SCHEMA, SchemaRefused, schema_grammar
+from kafila.api.tool_calls import (
+    Piece,
+    Reasoning,
     ToolCallStream,
     ToolSpec,
-    schema_grammar,
-    split_tool_calls,
+    gather,
+    mistral_id_of,
+    single_call_only,
     tool_call_grammar,
 )
 from kafila.contracts import HostEvent, HostStatus, Incident, SessionStatus
 from kafila.event_feed import EventFeed, Subscription
-from kafila.runtime.chat_template import ChatTemplate, TemplateError
+from kafila.runtime.chat_template import ChatTemplate, ReplySyntax, TemplateError
 from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
 from kafila.runtime.logprobs import Alternative, TokenLogprob
 from kafila.runtime.pipeline import Engine, StageFailed
@@ -319,22 +320,29 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         authorise(request)
         body: ChatRequest = await parse(request, ChatRequest)
         loop, engine = await ready_loop(body.model)
-        assert serving.template is not None
+        template = serving.template
+        assert template is not None
         calling = body.calling_tools()
-        if calling and serving.template.tool_syntax is None:
+        if calling and template.tool_syntax is None:
             raise _invalid(
-                "This model's chat template writes no tool-call syntax this server reads (the Hermes/Qwen "
-                "<tool_call> blocks); send tool_choice 'none' or no tools.", "tools",
+                "This model's chat template writes no tool-call syntax this server reads (Hermes/Qwen "
+                "<tool_call>, Llama 3.x JSON, Mistral [TOOL_CALLS] or gpt-oss harmony); send tool_choice "
+                "'none' or no tools.", "tools",
             )  # fmt: skip
-        grammar, trigger = _grammar_of(body)
+        syntax = template.reply_syntax
+        parallel = body.parallel_tool_calls is not False and not (syntax and single_call_only(syntax))
+        grammar = _grammar_of(body, template.tool_syntax, parallel, syntax is ReplySyntax.HARMONY)
         tools = [tool.for_template() for tool in body.tools or []] if calling else None
+        mistral = template.tool_syntax in (ReplySyntax.MISTRAL, ReplySyntax.MISTRAL_ARGS)
         try:
-            rendered = serving.template.render([m.for_template() for m in body.messages], tools)
+            rendered = template.render(
+                [m.for_template() for m in body.messages], tools, mistral_id_of if mistral else None
+            )
         except TemplateError as error:
             raise _invalid(str(error), "messages") from None
         prompt = await tokenize(engine, rendered.text, not rendered.starts_with_bos, True, "messages")
-        reading = ToolReading(body.parallel_tool_calls is not False) if calling else None
-        return await _serve(request, body, prompt, loop, chat=True, grammar=grammar, trigger=trigger, tools=reading)
+        reader = _reader(syntax, calling, parallel)
+        return await _serve(request, body, prompt, loop, chat=True, grammar=grammar, reader=reader)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -352,7 +360,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             prompt = text
         else:
             prompt = await tokenize(engine, text, True, False, "prompt")
-        return await _serve(request, body, prompt, loop, chat=False, grammar=_grammar_of(body)[0])
+        return await _serve(request, body, prompt, loop, chat=False, grammar=_grammar_of(body, None, False, False))
 
     async def tokenize(engine: Engine, text: str, add_special: bool, parse_special: bool, param: str) -> list[int]:
         """Token ids, off the event loop for long texts (8 MB takes seconds, and every stream
@@ -407,8 +415,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         loop: EngineLoop,
         chat: bool,
         grammar: str | None = None,
-        trigger: str | None = None,
-        tools: ToolReading | None = None,
+        reader: ReplyReader | None = None,
     ) -> Response:
         context = config.context_per_sequence
         if not prompt:
@@ -430,9 +437,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             )  # fmt: skip
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         alternatives = body.logprob_alternatives()
-        job = Job(
-            request_id, prompt, limit or context, body.sampling(grammar, trigger), body.stop_strings(), alternatives
-        )
+        job = Job(request_id, prompt, limit or context, body.sampling(grammar), body.stop_strings(), alternatives)
         queue: asyncio.Queue[Event] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
@@ -441,7 +446,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
 
         loop = await submit(loop, job, sink)
         reply = _Reply(
-            request_id, config.model_id, chat, time.monotonic(), metrics, alternatives is not None, tools=tools
+            request_id, config.model_id, chat, time.monotonic(), metrics, alternatives is not None, reader=reader
         )
 
         def cancel() -> None:
@@ -645,48 +650,51 @@ def _model_card(config: ApiConfig) -> dict[str, Any]:
     return {"id": config.model_id, "object": "model", "created": config.created, "owned_by": "kafila"}
 
 
-def _grammar_of(body: ApiRequest) -> tuple[str | None, str | None]:
-    """The grammar a request's output must follow, and the trigger from which it does (None: from
-    the first token): a forced tool call's; else the response format's; else, with tools in
-    "auto", the calls' grammar once the model opens a block. Every tool's parameters are
-    converted, used or not, so that a schema this server cannot follow is a 400 whatever
-    tool_choice says."""
+def _grammar_of(body: ApiRequest, syntax: ReplySyntax | None, parallel: bool, harmony: bool) -> str | None:
+    """The grammar a request's output must follow: a forced tool call's; else the response
+    format's (after a harmony model's final-channel header); else, with tools in "auto", free
+    text or calls. Every tool's parameters are converted, used or not, so that a schema this
+    server cannot follow is a 400 whatever tool_choice says."""
     calls = None
     if isinstance(body, ChatRequest) and body.tools:
-        parallel = body.parallel_tool_calls is not False
+        written = syntax or ReplySyntax.HERMES  # with tool_choice "none" on a model without a syntax
         try:
-            calls = tool_call_grammar([_spec(t) for t in body.tools], parallel, opened=True)
+            calls = tool_call_grammar(written, [_spec(t) for t in body.tools], parallel, forced=False)
             forced = body.forced_tools()
             if forced:
-                return tool_call_grammar([_spec(t) for t in forced], parallel), None
+                return tool_call_grammar(written, [_spec(t) for t in forced], parallel, forced=True)
         except SchemaRefused as error:
             raise _invalid(str(error), "tools") from None
     form = body.response_format
     if form is None or form.type == "text":
-        calling = isinstance(body, ChatRequest) and body.calling_tools()
-        return (calls, TOOL_CALL_TRIGGER) if calls is not None and calling else (None, None)
+        return calls if isinstance(body, ChatRequest) and body.calling_tools() else None
     schema = form.json_schema.json_schema if form.json_schema is not None else None
     try:
         return schema_grammar(
-            JSON_OBJECT_GRAMMAR_SCHEMA if form.type == "json_object" or schema is None else schema
-        ), None
+            JSON_OBJECT_GRAMMAR_SCHEMA if form.type == "json_object" or schema is None else schema,
+            prefix=HARMONY_FINAL if harmony else "",
+        )
     except SchemaRefused as error:
         raise _invalid(str(error), "response_format") from None
+
+
+HARMONY_FINAL = "<|channel|>final<|message|>"  # where a harmony reply's answer begins
 
 
 def _spec(tool: Tool) -> ToolSpec:
     return ToolSpec(tool.function.name, tool.function.schema_of_arguments())
 
 
-@dataclass
-class ToolReading:
-    """How a reply is read for tool calls (Hermes blocks): several of them, or the first only."""
+ReplyReader = ToolCallStream | HarmonyReader
 
-    parallel: bool
-    stream: ToolCallStream = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.stream = ToolCallStream(self.parallel)
+def _reader(syntax: ReplySyntax | None, calling: bool, parallel: bool) -> ReplyReader | None:
+    """How a chat reply is read: a harmony model's always (its channels), others' for calls."""
+    if syntax is ReplySyntax.HARMONY:
+        return HarmonyReader(read_calls=calling, parallel=parallel)
+    if calling and syntax is not None:
+        return ToolCallStream(syntax, parallel)
+    return None
 
 
 class _TextOffsets:
@@ -724,7 +732,7 @@ class _Reply:
     first_text: bool = True
     gathered: list[TokenLogprob] = field(default_factory=list)  # a whole reply's log probabilities
     offsets: _TextOffsets = field(default_factory=_TextOffsets)
-    tools: ToolReading | None = None
+    reader: ReplyReader | None = None  # content, reasoning and calls out of the text
 
     async def collect(self, queue: asyncio.Queue[Event]) -> tuple[str, Finished]:
         parts = []
@@ -771,11 +779,14 @@ class _Reply:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             reason = finished.reason.value
-            if self.tools is not None:
-                content, calls = split_tool_calls(text, self.tools.parallel)
+            if self.reader is not None:
+                content, reasoning, calls = gather(self.reader.feed(text) + self.reader.finish())
+                message["content"] = (content.strip() or None) if calls else content
+                if reasoning:
+                    message["reasoning_content"] = reasoning
                 if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": [c.wire() for c in calls]}
-                    reason = self.finish_reason(finished, bool(calls))
+                    message["tool_calls"] = [c.wire() for c in calls]
+                    reason = self.finish_reason(finished, True)
             choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finished.reason.value, "logprobs": logprobs}
@@ -799,14 +810,18 @@ class _Reply:
         """OpenAI's "tool_calls" where the model ended its turn with calls; "length" stays."""
         return "tool_calls" if called and finished.reason is FinishReason.STOP else finished.reason.value
 
-    def tool_chunks(self, pieces: list[str | ToolCallDelta]) -> list[dict[str, Any]]:
-        """Content and tool-call deltas as OpenAI's chunks."""
+    def read_chunks(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+        """Content, reasoning and tool-call deltas as OpenAI's chunks (reasoning as llama.cpp's
+        and vLLM's servers send it, `reasoning_content`)."""
         out = []
         for piece in pieces:
             if isinstance(piece, str):
                 out.append(self.chunk(piece, None))
                 continue
-            choice = {"index": 0, "delta": {"tool_calls": [piece.wire()]}, "finish_reason": None, "logprobs": None}
+            delta: dict[str, Any] = (
+                {"reasoning_content": piece.text} if isinstance(piece, Reasoning) else {"tool_calls": [piece.wire()]}
+            )
+            choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
             out.append({**self._envelope(True), "choices": [choice]})
         return out
 
@@ -877,17 +892,17 @@ async def _stream(
             for event in events:
                 if isinstance(event, TextDelta):
                     reply.observe_text()
-                    if reply.tools is not None:  # content and calls as the stream releases them
-                        out += _tool_sse(reply, reply.tools.stream.feed(event.text))
+                    if reply.reader is not None:  # content, reasoning and calls as the reader releases them
+                        out += _read_sse(reply, reply.reader.feed(event.text))
                     else:
                         out.append(_sse(reply.chunk(event.text, None, tokens=event.logprobs)))
                     continue
                 if isinstance(event, Finished):
                     reply.observe_end(event)
                     reason = event.reason.value
-                    if reply.tools is not None:
-                        out += _tool_sse(reply, reply.tools.stream.finish())
-                        reason = reply.finish_reason(event, reply.tools.stream.calls > 0)
+                    if reply.reader is not None:
+                        out += _read_sse(reply, reply.reader.finish())
+                        reason = reply.finish_reason(event, reply.reader.calls > 0)
                     out.append(_sse(reply.chunk(None if reply.chat else "", reason)))
                     if include_usage:
                         out.append(_sse(reply.usage_chunk(event)))
@@ -903,6 +918,6 @@ async def _stream(
         cancel()  # the client went away, or the stream ended: either way the slot is free
 
 
-def _tool_sse(reply: _Reply, pieces: list[str | ToolCallDelta]) -> list[bytes]:
-    """SSE events for what a tool-reading stream released."""
-    return [_sse(chunk) for chunk in reply.tool_chunks(pieces)]
+def _read_sse(reply: _Reply, pieces: list[Piece]) -> list[bytes]:
+    """SSE events for what a reply's reader released."""
+    return [_sse(chunk) for chunk in reply.read_chunks(pieces)]

@@ -36,9 +36,6 @@ class SamplingSettings(BaseModel):
     # GBNF (root rule "root") that every generated token must keep matching: structured output and
     # tool calls. llama.cpp's grammar sampler needs the whole row and the model's vocabulary.
     grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
-    # With a trigger the grammar waits: text is free until the generated text holds this literal
-    # (a tool call's opening tag, in "auto"), and the grammar holds what follows it.
-    grammar_trigger: str | None = Field(default=None, min_length=1, max_length=64)
 
     @property
     def penalised(self) -> bool:
@@ -120,17 +117,10 @@ class Sampler:
         self._llama = None
         self._grammar = None
         self._end = -1
-        self._vocab = vocab
-        self._waiting: bytes | None = None  # a trigger not yet seen: the grammar starts after it
-        self._tail = b""  # the end of the generated text, where the trigger may be arriving
         if settings.grammar is not None:
             if vocab is None:
                 raise GrammarRefused("a grammar needs the model's vocabulary, which this sampler was not given")
-            if settings.grammar_trigger is None:
-                self._grammar = grammar_sampler(vocab, settings.grammar)
-            else:
-                check_grammar(vocab, settings.grammar)  # refused now, not when the trigger comes
-                self._waiting = settings.grammar_trigger.encode()
+            self._grammar = grammar_sampler(vocab, settings.grammar)
             lib = load_llama()
             self._end = int(lib.llama_vocab_eos(vocab))
             if self._end < 0:
@@ -184,24 +174,7 @@ class Sampler:
         self._llama.llama_sampler_accept(self._chain, token)
         if self._grammar is not None:
             self._llama.llama_sampler_accept(self._grammar, token)
-        elif self._waiting is not None:
-            self._watch_for_trigger(token)
         return token
-
-    def _watch_for_trigger(self, token: int) -> None:
-        """Start the grammar once the trigger has been written, if the token that ended it wrote
-        nothing after it but whitespace (which the grammar's start allows). Otherwise llama.cpp
-        would be handed text its grammar may not match, on which it aborts; that call then goes
-        unconstrained, and is read as the model wrote it."""
-        assert self._waiting is not None and self._llama is not None
-        self._tail = (self._tail + _piece(self._llama, self._vocab, token))[-(len(self._waiting) + 256) :]
-        found = self._tail.find(self._waiting)
-        if found < 0:
-            return
-        rest = self._tail[found + len(self._waiting) :]
-        grammar, self._waiting, self._tail = self.settings.grammar, None, b""
-        if grammar is not None and not rest.strip():
-            self._grammar = grammar_sampler(self._vocab, grammar)
 
     def _array(self, candidates: npt.NDArray[np.void]) -> Any:
         assert self._llama is not None
@@ -242,16 +215,6 @@ class Sampler:
         if self._grammar is not None and self._llama is not None:
             self._llama.llama_sampler_free(self._grammar)
             self._grammar = None
-
-
-def _piece(lib: Any, vocab: Any, token: int) -> bytes:
-    """A token's text as the reply shows it (special tokens as nothing)."""
-    buffer = ctypes.create_string_buffer(64)
-    n = lib.llama_token_to_piece(vocab, token, buffer, 64, 0, False)
-    if n < 0:
-        buffer = ctypes.create_string_buffer(-n)
-        n = lib.llama_token_to_piece(vocab, token, buffer, -n, 0, False)
-    return buffer.raw[: max(0, n)]
 
 
 class SamplerStart(BaseModel):

@@ -388,6 +388,18 @@ class Vocabulary:
     def __init__(self, model: LlamaModel | VocabularyOnly) -> None:
         self._model = model
         self._llama = model._llama
+        self._shown: frozenset[int] = frozenset()  # special tokens written out as text
+
+    def show_special(self, texts: Sequence[str]) -> None:
+        """Write these special tokens (where the vocabulary has them, as one token each) into the
+        text, as a reply's syntax needs (`[TOOL_CALLS]`, harmony's `<|channel|>`); other special
+        tokens stay unwritten."""
+        shown = set()
+        for text in texts:
+            ids = self.tokenize(text, add_special=False, parse_special=True)
+            if len(ids) == 1 and self.piece_special(ids[0]) == text:
+                shown.add(ids[0])
+        self._shown = frozenset(shown)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         data = text.encode("utf-8")
@@ -403,11 +415,12 @@ class Vocabulary:
         return list(buffer[:n])
 
     def piece(self, token: int) -> bytes:
+        special = token in self._shown
         buffer = ctypes.create_string_buffer(64)
-        n = self._llama.llama_token_to_piece(self._model.vocab, token, buffer, 64, 0, False)
+        n = self._llama.llama_token_to_piece(self._model.vocab, token, buffer, 64, 0, special)
         if n < 0:
             buffer = ctypes.create_string_buffer(-n)
-            n = self._llama.llama_token_to_piece(self._model.vocab, token, buffer, -n, 0, False)
+            n = self._llama.llama_token_to_piece(self._model.vocab, token, buffer, -n, 0, special)
         return buffer.raw[:n]
 
     def detokenize(self, tokens: Sequence[int]) -> str:

@@ -57,6 +57,7 @@ class Availability:
     def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
         bos, eos = engine.special_text()
         self.template = ChatTemplate(engine.chat_template(), bos, eos, architecture)
+        engine.show_special(self.template.shown_tokens)
         self.engine, self.loop = engine, loop
         self.waiting_for = []
         self.failure = None

@@ -1,0 +1,116 @@
+"""gpt-oss's harmony replies read as OpenAI's: the final channel is the content, the analysis
+channel the reasoning (`reasoning_content`), a message to `functions.name` a tool call.
+
+A reply continues the prompt's `<|start|>assistant`: messages, each a header (`<|channel|>analysis`,
+`<|channel|>commentary to=functions.f <|constrain|>json`, or the recipient before the channel),
+`<|message|>`, a body, and `<|end|>` before the next `<|start|>assistant`. The turn ends on
+`<|return|>` or, after a call, `<|call|>`: both end the sequence, so neither is in the text.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kafila.api.tool_calls import Piece, Reasoning, ToolCallDelta, openai_call_id
+
+_MESSAGE = "<|message|>"
+_BODY_ENDS = ("<|end|>", "<|start|>")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z]+)")
+_HEADER_STARTS = ("<|", "assistant", "to=")  # how a header may begin, the prompt's `<|start|>` aside
+_RECIPIENT = re.compile(r"to=([A-Za-z0-9_.\-]{1,80})")
+# A header is short; text that has gone on this long without `<|message|>` is no header.
+MAX_HEADER_CHARS = 256
+
+
+def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that begins one of `tags`."""
+    for size in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
+        if any(tag.startswith(text[-size:]) for tag in tags):
+            return size
+    return 0
+
+
+class HarmonyReader:
+    """Splits a harmony reply into content, reasoning and tool-call deltas as it comes.
+    `calls`: whether messages to functions are read as calls (the request gave tools); else
+    they are dropped, as a turn the client did not ask for."""
+
+    def __init__(self, read_calls: bool = True, parallel: bool = True) -> None:
+        self.read_calls = read_calls
+        self.parallel = parallel
+        self.calls = 0
+        self._buffer = ""
+        self._state = "header"  # "header" or "body"
+        self._kind = "content"  # the body's: "content", "reasoning", "call" or "dropped"
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buffer += text
+        out: list[Piece] = []
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        while self._buffer and self._step(out, final=True):
+            pass
+        if self._state == "header" and self._buffer.strip():  # a header never finished: say what was written
+            out.append(self._buffer)
+        elif self._state == "body":
+            self._emit(out, self._buffer)
+        self._buffer = ""
+        return out
+
+    def _step(self, out: list[Piece], final: bool) -> bool:
+        if self._state == "header":
+            return self._in_header(out, final)
+        ends = [i for i in (self._buffer.find(tag) for tag in _BODY_ENDS) if i >= 0]
+        if not ends:
+            keep = 0 if final else _partial_suffix(self._buffer, _BODY_ENDS)
+            self._emit(out, self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep :]
+            return False
+        end = min(ends)
+        self._emit(out, self._buffer[:end])
+        tag = next(t for t in _BODY_ENDS if self._buffer.startswith(t, end))
+        self._buffer = self._buffer[end + len(tag) :]
+        self._state = "header"
+        return True
+
+    def _in_header(self, out: list[Piece], final: bool) -> bool:
+        found = self._buffer.find(_MESSAGE)
+        if found < 0:
+            start = self._buffer.lstrip()
+            looks_like_header = any(start.startswith(h) or h.startswith(start) for h in _HEADER_STARTS)
+            if not final and looks_like_header and len(self._buffer) < MAX_HEADER_CHARS:
+                return False
+            self._state, self._kind = "body", "content"  # plain text, with no harmony around it
+            return True
+        header, self._buffer = self._buffer[:found], self._buffer[found + len(_MESSAGE) :]
+        channel = _CHANNEL.search(header)
+        recipient = _RECIPIENT.search(header)
+        self._state = "body"
+        if recipient is not None and recipient.group(1) != "assistant":
+            target = recipient.group(1)
+            if self.read_calls and target.startswith("functions.") and len(target) > len("functions."):
+                self._kind = "call"
+                if self.parallel or not self.calls:
+                    out.append(ToolCallDelta(self.calls, "", openai_call_id(), target.removeprefix("functions.")))
+                self.calls += 1
+            else:
+                self._kind = "dropped"
+        elif channel is not None and channel.group(1) == "analysis":
+            self._kind = "reasoning"
+        else:
+            self._kind = "content"
+        return True
+
+    def _emit(self, out: list[Piece], text: str) -> None:
+        if not text:
+            return
+        if self._kind == "content":
+            out.append(text)
+        elif self._kind == "reasoning":
+            out.append(Reasoning(text))
+        elif self._kind == "call" and (self.parallel or self.calls == 1):
+            out.append(ToolCallDelta(self.calls - 1, text))
