@@ -22,6 +22,7 @@ from test_tool_calls import ASK, CONTEXT, SCHEMAS, SETTINGS, TOOLS, WEATHER
 from tiny_models import write_tiny_model
 
 from kafila.api.harmony import HarmonyReader
+from kafila.api.schemas import Message, Tool
 from kafila.api.tool_calls import (
     ToolCallStream,
     ToolSpec,
@@ -293,3 +294,21 @@ def test_each_template_is_known_by_its_syntax() -> None:
     qwen = (FIXTURES / "qwen2.5-tools.jinja").read_text()
     assert ChatTemplate(qwen, "", "<|im_end|>", "qwen3").tool_syntax is ReplySyntax.HERMES
     assert ChatTemplate(None, "", "", "gpt-oss").reply_syntax is ReplySyntax.HARMONY  # channels, but no tools
+
+
+def test_gpt_oss_shows_the_reasoning_sent_back_before_its_call() -> None:
+    """A harmony reply's `reasoning_content`, sent back with its call, is the analysis the template
+    writes before that call (it drops it once a final answer follows)."""
+    template = ChatTemplate((FIXTURES / FAMILIES["gpt-oss"].template).read_text(), "", "", "gpt-oss")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    turns = [
+        *ASK,
+        {"role": "assistant", "content": None, "reasoning_content": "Need the time.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+    ]
+    tools = [Tool.model_validate(t).for_template() for t in TOOLS]
+    text = template.render([Message.model_validate(m).for_template() for m in turns], tools).text
+    assert (
+        "<|start|>assistant<|channel|>analysis<|message|>Need the time.<|end|>"
+        '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}<|call|>'
+    ) in text

@@ -209,6 +209,9 @@ class Message(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=256)
+    # What an assistant reasoned before (a reply's own `reasoning_content`, sent back): gpt-oss's
+    # template shows it before that turn's tool call, as "thinking"; Qwen 3's reads this name.
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -237,6 +240,8 @@ class Message(BaseModel):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
             message["name"] = self.name
+        if self.reasoning_content and self.role == "assistant":
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 
