@@ -17,8 +17,11 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serving_checks import engine_served
-from test_tool_calls import ASK, CONTEXT, SCHEMAS, SETTINGS, TOOLS, WEATHER
+from test_api_fuzz import json_values, post
+from test_tool_calls import ASK, CONTEXT, SCHEMAS, SETTINGS, TOOLS, WEATHER, tool_lists
 from tiny_models import write_tiny_model
 
 from kafila.api.harmony import HarmonyReader
@@ -312,3 +315,66 @@ def test_gpt_oss_shows_the_reasoning_sent_back_before_its_call() -> None:
         "<|start|>assistant<|channel|>analysis<|message|>Need the time.<|end|>"
         '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}<|call|>'
     ) in text
+
+
+MARKERS = {
+    ReplySyntax.HERMES: ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', "\n"],
+    ReplySyntax.LLAMA3: ["<|python_tag|>", '{"name": "f", "parameters": ', " "],
+    ReplySyntax.MISTRAL: ["[TOOL_CALLS]", '[{"name": "f", "arguments": ', ", ", "]"],
+    ReplySyntax.MISTRAL_ARGS: ["[TOOL_CALLS]", "f", "[ARGS]", "[CALL_ID]"],
+    ReplySyntax.HARMONY: ["<|channel|>", "analysis", "final", "<|message|>", "<|end|>", "<|start|>", " to=functions.f"],
+}
+fragments = st.sampled_from(["{", "}", "[", "]", '"', "\\", "a", ":", ",", " ", "é"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    syntax=st.sampled_from(list(ReplySyntax)),
+    data=st.data(),
+    cuts=st.lists(st.integers(1, 9), min_size=1, max_size=30),
+)
+def test_any_text_reads_the_same_in_any_pieces(syntax: ReplySyntax, data: st.DataObject, cuts: list[int]) -> None:
+    """Whatever a model writes, in whatever pieces it arrives: no error, and the same content,
+    reasoning and calls as the whole text read at once (call ids aside)."""
+    parts = data.draw(st.lists(st.sampled_from(MARKERS[syntax]) | fragments, max_size=40))
+    text = "".join(parts)
+
+    def read(pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+        reader = HarmonyReader() if syntax is ReplySyntax.HARMONY else ToolCallStream(syntax)
+        out = [p for piece in pieces for p in reader.feed(piece)] + reader.finish()
+        content, reasoning, calls = gather(out)
+        return content, reasoning, [(c.name, c.arguments) for c in calls]
+
+    pieces, at = [], 0
+    for cut in cuts:
+        pieces.append(text[at : at + cut])
+        at += cut
+    pieces.append(text[at:])
+    assert read(pieces) == read([text])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    tools=tool_lists | json_values,
+    choice=st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]) | json_values,
+    parallel=st.booleans(),
+    stream=st.booleans(),
+)
+def test_any_tools_in_any_syntax_are_served_or_refused_with_a_400(
+    served: tuple[Family, openai.OpenAI], tools: Any, choice: Any, parallel: bool, stream: bool
+) -> None:
+    family, client = served
+    body = {
+        "model": "tiny", "messages": _ask(family), "tools": tools, "tool_choice": choice,
+        "parallel_tool_calls": parallel, "max_tokens": 24, "stream": stream,
+    }  # fmt: skip
+    status, _, payload = post(
+        str(client.base_url).removesuffix("/v1/"), "/v1/chat/completions", json.dumps(body).encode()
+    )
+    assert status in (200, 400), payload[:300]
+    if status == 400:
+        assert json.loads(payload)["error"]["type"] == "invalid_request_error"
+    elif stream:
+        assert payload.rstrip().endswith(b"data: [DONE]") and b'"error"' not in payload
+    else:
+        assert json.loads(payload)["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")

@@ -78,13 +78,15 @@ class HarmonyReader:
         return True
 
     def _in_header(self, out: list[Piece], final: bool) -> bool:
-        found = self._buffer.find(_MESSAGE)
+        """A header: text that begins as one and reaches `<|message|>` within MAX_HEADER_CHARS;
+        anything else is content with no harmony around it."""
+        start = self._buffer.lstrip()
+        looks_like_header = any(start.startswith(h) or h.startswith(start) for h in _HEADER_STARTS)
+        found = self._buffer.find(_MESSAGE, 0, MAX_HEADER_CHARS + len(_MESSAGE)) if looks_like_header else -1
         if found < 0:
-            start = self._buffer.lstrip()
-            looks_like_header = any(start.startswith(h) or h.startswith(start) for h in _HEADER_STARTS)
-            if not final and looks_like_header and len(self._buffer) < MAX_HEADER_CHARS:
+            if looks_like_header and not final and len(self._buffer) < MAX_HEADER_CHARS + len(_MESSAGE):
                 return False
-            self._state, self._kind = "body", "content"  # plain text, with no harmony around it
+            self._state, self._kind = "body", "content"
             return True
         header, self._buffer = self._buffer[:found], self._buffer[found + len(_MESSAGE) :]
         channel = _CHANNEL.search(header)
