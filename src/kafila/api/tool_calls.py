@@ -30,19 +30,14 @@ from typing import Any
 
 import regex
 
-from kafila.api.structured import SchemaRefused, bounded_schema, grammar_text, new_converter, visit_schema
+from kafila.api.structured import bounded_schema, grammar_text, new_converter, visit_schema
 from kafila.runtime.chat_template import ReplySyntax
 
-MAX_NAME_CHARS = 64
 _NAME = r"(?P<name>[A-Za-z0-9_.\-]{1,64})"
 # How a call's start looks, up to its arguments' "{": the grammar writes the first spelling, a
 # model left free (no grammar) may write the others; Hermes and Mistral v3 blocks whose keys come
 # in another order are read whole (`_Format.whole`).
 _JSON_HEAD = r'\s*\{\s*"name"\s*:\s*"' + _NAME + r'"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
-
-
-class ToolsRefused(ValueError):
-    """Tools this model's syntax cannot carry as asked (a 400)."""
 
 
 @dataclass(frozen=True)
@@ -142,58 +137,63 @@ def _json_call(tools: Sequence[ToolSpec], rules: Sequence[str], key: str) -> str
 
 @dataclass(frozen=True)
 class _Grammar:
-    """A syntax's grammar: its calls (`call` is one of them, whichever tool), and how free text in
-    "auto" may come before them."""
+    """A syntax's grammar: `call` is one call to whichever tool (over each tool's arguments rule),
+    `calls` one or (parallel) more; in "auto" the root is `auto`, where "free" is text that never
+    writes `opening`; `rules` are the syntax's own."""
 
     call: Callable[[Sequence[ToolSpec], Sequence[str]], str]
-    calls: Callable[[bool], str]  # over the rule "call", one or (parallel) more
-    auto: Callable[[str], str]  # the root in "auto", over the rule "calls"
-
-
-def _opened_by(opening: str) -> Callable[[str], str]:
-    """Free text without `opening`, then the calls (which begin with it) or nothing."""
-    return lambda calls: f"free (calls)?\nfree ::= {_text_without(opening)}"
+    calls: Callable[[bool], str]
+    auto: str
+    opening: str | None = None
+    rules: tuple[tuple[str, str], ...] = ()
 
 
 _GRAMMARS: dict[ReplySyntax, _Grammar] = {
     ReplySyntax.HERMES: _Grammar(
         call=lambda tools, rules: _json_call(tools, rules, "arguments"),
         calls=lambda parallel: 'block ("\\n" block)*' if parallel else "block",
-        auto=_opened_by("<tool_call>"),
+        auto="free calls?",
+        opening="<tool_call>",
+        rules=(("block", '"<tool_call>\\n" call "\\n</tool_call>"'),),
     ),
     ReplySyntax.LLAMA3: _Grammar(
         call=lambda tools, rules: _json_call(tools, rules, "parameters"),
         calls=lambda parallel: "call",
-        # The call is the whole reply: free text must not begin with "{".
-        auto=lambda calls: "[ \\t\\n]* (calls | [^{ \\t\\n] [^\\x00]*)?",
+        auto="[ \\t\\n]* (calls | [^{ \\t\\n] [^\\x00]*)?",  # the call is the whole reply: text must not begin "{"
     ),
     ReplySyntax.MISTRAL: _Grammar(
         call=lambda tools, rules: _json_call(tools, rules, "arguments"),
         calls=lambda parallel: '"[TOOL_CALLS][" call ' + ('(", " call)* ' if parallel else "") + '"]"',
-        auto=_opened_by("[TOOL_CALLS]"),
+        auto="free calls?",
+        opening="[TOOL_CALLS]",
     ),
     ReplySyntax.MISTRAL_ARGS: _Grammar(
         call=lambda tools, rules: " | ".join(
             f"{_lit(t.name + '[ARGS]')} {r}" for t, r in zip(tools, rules, strict=True)
         ),
         calls=lambda parallel: '"[TOOL_CALLS]" call' + (' ("[TOOL_CALLS]" call)*' if parallel else ""),
-        auto=_opened_by("[TOOL_CALLS]"),
+        auto="free calls?",
+        opening="[TOOL_CALLS]",
     ),
+    # A call's message header may name its recipient in the role ("<|start|>assistant
+    # to=functions.f<|channel|>commentary json<|message|>") or on the channel; both write
+    # "to=functions.", from which "auto" holds the call. After the name: the channel where the
+    # recipient came in the role, then the content type.
     ReplySyntax.HARMONY: _Grammar(
         call=lambda tools, rules: " | ".join(
             f"{_lit(t.name)} recipient-rest {r}" for t, r in zip(tools, rules, strict=True)
         ),
         calls=lambda parallel: '"<|channel|>commentary to=functions." call',
-        # A call's message header may name its recipient in the role ("<|start|>assistant
-        # to=functions.f<|channel|>commentary json<|message|>") or on the channel: both hold
-        # "to=functions.", from which the grammar holds the call.
-        auto=lambda calls: 'free ("to=functions." call)?\nfree ::= ' + _text_without("to=functions."),
+        auto='free ("to=functions." call)?',
+        opening="to=functions.",
+        rules=(
+            (
+                "recipient-rest",
+                '("<|channel|>" ("commentary" | "analysis"))? " "? "<|constrain|>"? "json"? "<|message|>"',
+            ),
+        ),
     ),
 }
-# After the name: the channel where the recipient came in the role, then the content type.
-_HARMONY_REST = (
-    'recipient-rest ::= ("<|channel|>" ("commentary" | "analysis"))? " "? "<|constrain|>"? "json"? "<|message|>"'
-)
 
 
 def tool_call_grammar(syntax: ReplySyntax, tools: Sequence[ToolSpec], parallel: bool, forced: bool) -> str:
@@ -207,20 +207,15 @@ def tool_call_grammar(syntax: ReplySyntax, tools: Sequence[ToolSpec], parallel: 
         what = f"the parameters of tool '{tool.name}'"
         rules.append(visit_schema(converter, bounded_schema(tool.parameters, what), f"tool{index}-arguments", what))
     converter._add_rule("call", shape.call(tools, rules))
-    if syntax is ReplySyntax.HERMES:
-        converter._add_rule("block", '"<tool_call>\\n" call "\\n</tool_call>"')
-    if syntax is ReplySyntax.HARMONY:
-        name, _, rule = _HARMONY_REST.partition(" ::= ")
+    for name, rule in shape.rules:
         converter._add_rule(name, rule)
     converter._add_rule("calls", shape.calls(parallel))
     if forced:
         converter._add_rule("root", "calls")
     else:
-        root, _, extra = shape.auto("calls").partition("\n")
-        converter._add_rule("root", root)
-        if extra:
-            name, _, rule = extra.partition(" ::= ")
-            converter._add_rule(name, rule)
+        converter._add_rule("root", shape.auto)
+        if shape.opening is not None:
+            converter._add_rule("free", _text_without(shape.opening))
     return grammar_text(converter)
 
 
@@ -492,17 +487,3 @@ def split_tool_calls(text: str, syntax: ReplySyntax, parallel: bool = True) -> t
         content = content.strip()
         return content or None, calls
     return content, calls
-
-
-__all__ = [
-    "SchemaRefused",
-    "ToolCall",
-    "ToolCallDelta",
-    "ToolCallStream",
-    "ToolSpec",
-    "ToolsRefused",
-    "mistral_id_of",
-    "single_call_only",
-    "split_tool_calls",
-    "tool_call_grammar",
-]
