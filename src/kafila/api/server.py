@@ -149,6 +149,7 @@ class Served(Protocol):
     def events(self) -> EventFeed: ...
     async def until_resumed(self) -> None: ...
     def session_status(self) -> SessionStatus: ...
+    def client_gone(self, request_id: str) -> None: ...
 
 
 class _Metrics:
@@ -455,6 +456,8 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             loop.cancel(request_id)
             if serving.loop is not None and serving.loop is not loop:
                 serving.loop.cancel(request_id)
+            if loop.error is not None:  # its ring broke: the session may hold it for the next one
+                serving.client_gone(request_id)
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -103,9 +103,14 @@ class EngineLoop:
             self._lock.notify()
 
     def cancel(self, request_id: str) -> None:
+        """Stop a request: in flight, queued, or left by this loop's broken ring for the next."""
         with self._lock:
             self._sinks.pop(request_id, None)
             self.batcher.cancel(request_id)
+            for suspended, sink in [held for held in self._suspended if held[0].job.request_id == request_id]:
+                self._suspended.remove((suspended, sink))
+                if suspended.sampler is not None:
+                    suspended.sampler.close()
             self._lock.notify()
 
     @property

@@ -11,19 +11,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kafila.contracts import Incident, SessionStatus
 from kafila.event_feed import EventFeed
 from kafila.runtime.chat_template import ChatTemplate
-from kafila.runtime.engine_loop import EngineLoop
+from kafila.runtime.engine_loop import EngineLoop, Sink, fail_suspended
 from kafila.runtime.pipeline import Engine
+from kafila.runtime.scheduler import Suspended
 
 # How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
 # turned away with 503: a replan streams and loads stage files, which can take minutes.
 PLANNED_PAUSE_WAIT_S = 120.0
 MAX_INCIDENTS = 16  # the latest things that went wrong, kept for /status
+MAX_GONE = 4096  # requests whose clients left while a broken ring's requests waited for the next
 
 
 @dataclass
@@ -43,12 +45,31 @@ class Availability:
     _resumed: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
     incidents: deque[Incident] = field(default_factory=lambda: deque(maxlen=MAX_INCIDENTS))
     events: EventFeed = field(default_factory=EventFeed)  # joins, leaves, replans, incidents: for /events
+    gone: set[str] = field(default_factory=set)  # request ids whose clients left after their ring broke
 
     def session_status(self) -> SessionStatus:
         return self.describe_session()
 
     def session_described_by(self, source: Callable[[], SessionStatus]) -> None:
         self.describe_session = source
+
+    def client_gone(self, request_id: str) -> None:
+        """A request's client left after its ring broke: if the session holds it for the next
+        ring, it does not go on there (`still_wanted`)."""
+        if len(self.gone) < MAX_GONE:
+            self.gone.add(request_id)
+
+    def still_wanted(self, held: Sequence[tuple[Suspended, Sink]]) -> list[tuple[Suspended, Sink]]:
+        """The requests a broken ring left that a client still waits for, for the next ring to
+        take on; the others end here. Forgets who left: the next ring serves from now."""
+        wanted = []
+        for suspended, sink in held:
+            if suspended.job.request_id in self.gone:
+                fail_suspended(suspended, sink, "the client hung up")
+            else:
+                wanted.append((suspended, sink))
+        self.gone.clear()
+        return wanted
 
     def record_incident(self, what: str, detail: str) -> None:
         self.incidents.append(Incident(what=what, detail=detail, at=time.time()))

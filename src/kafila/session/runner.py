@@ -309,8 +309,8 @@ class HostRunner:
             engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
         )
         loop.start()
-        if self._held:  # what the broken ring left goes on here, ahead of new requests
-            held, self._held = self._held, []
+        held, self._held = self.serving.still_wanted(self._held), []
+        if held:  # what the broken ring left goes on here, ahead of new requests, unless its client left
             loop.resume(held)
             self.ui.say(f"{len(held)} request{'s' if len(held) != 1 else ''} the broken ring left go on on this one")
         self.engine_loop = loop
