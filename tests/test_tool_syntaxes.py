@@ -25,7 +25,9 @@ from test_tool_calls import ASK, CONTEXT, SCHEMAS, SETTINGS, TOOLS, WEATHER, too
 from tiny_models import write_tiny_model
 
 from kafila.api.harmony import HarmonyReader
+from kafila.api.reasoning import ThinkReader
 from kafila.api.schemas import Message, Tool
+from kafila.api.server import reply_reader
 from kafila.api.tool_calls import (
     ToolCallStream,
     ToolSpec,
@@ -51,9 +53,14 @@ class Family:
     specials: tuple[str, ...]
     opening: str  # what a model writes to begin a call in "auto"
     system: str | None = None  # Mistral Small's default system message alone is thousands of tiny tokens
+    reasons: bool = False  # the opening reasons first ("Checking."), in <think> or on harmony's analysis channel
 
 
 FAMILIES = {
+    "qwen3": Family(
+        ReplySyntax.HERMES, "qwen3", "Qwen-Qwen3-0.6B.jinja", ("<think>", "</think>", "<|im_start|>", "<|im_end|>"),
+        "<think>\nChecking.\n</think>\n\n<tool_call>", reasons=True,
+    ),
     "llama3": Family(
         ReplySyntax.LLAMA3, "llama", "meta-llama-Llama-3.1-8B-Instruct.jinja",
         ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
@@ -72,6 +79,7 @@ FAMILIES = {
     "gpt-oss": Family(
         ReplySyntax.HARMONY, "gpt-oss", "openai-gpt-oss-120b.jinja", ("<|constrain|>",),
         "<|channel|>analysis<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.",
+        reasons=True,
     ),
 }  # fmt: skip
 
@@ -191,13 +199,12 @@ def test_in_auto_a_call_the_model_opens_is_held_to_its_schema(tmp_path: Path, na
         else:
             pytest.fail("the grammar never ended the call")
         text = engine.detokenize(written)
-        if family.syntax is ReplySyntax.HARMONY:
-            reader = HarmonyReader(parallel=False)
-            content, reasoning, calls = gather(reader.feed(text) + reader.finish())
-            assert reasoning.strip() == "Checking."  # the tiny tokenizer's word after a special token: " Checking"
-        else:
-            content, calls = split_tool_calls(text, family.syntax, parallel=False)
-        assert (content or "").strip() in ("", "Let me see.") and len(calls) == 1, text
+        reader = reply_reader(template, calling=True, parallel=False, thinking=False)
+        assert reader is not None
+        content, reasoning, calls = gather(reader.feed(text) + reader.finish())
+        # (the tiny tokenizer writes a word after a special token with a space: " Checking")
+        assert reasoning.strip() == ("Checking." if family.reasons else ""), text
+        assert content.strip() in ("", "Let me see.") and len(calls) == 1, text
         assert calls[0].name == "get_weather"
         jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
     finally:
@@ -378,3 +385,52 @@ def test_any_tools_in_any_syntax_are_served_or_refused_with_a_400(
         assert payload.rstrip().endswith(b"data: [DONE]") and b'"error"' not in payload
     else:
         assert json.loads(payload)["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+THINKING = [
+    ("<think>\nWeigh it.\n</think>\n\nThe answer.", False, False, "The answer.", "Weigh it.", []),
+    ("Weigh it.</think>The answer.", True, False, "The answer.", "Weigh it.", []),  # the template opened it
+    ("No reasoning at all.", False, False, "No reasoning at all.", "", []),
+    (
+        '<think>Call it.</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": "</think>"}}\n</tool_call>',
+        False, True, "", "Call it.", [("f", {"a": "</think>"})],
+    ),
+    ("<think>cut off mid-thought", False, False, "", "cut off mid-thought", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "opened", "calling", "content", "reasoning", "calls"), THINKING)
+def test_a_thinking_model_s_reasoning_is_read_apart_from_its_answer(
+    text: str, opened: bool, calling: bool, content: str, reasoning: str, calls: list[tuple[str, Any]]
+) -> None:
+    for size in (1, 4, len(text)):
+        reader = ThinkReader(ToolCallStream(ReplySyntax.HERMES) if calling else None, opened)
+        pieces = [p for i in range(0, len(text), size) for p in reader.feed(text[i : i + size])] + reader.finish()
+        got = gather(pieces)
+        assert (got[0].strip(), got[1].strip()) == (content, reasoning)
+        assert [(c.name, json.loads(c.arguments)) for c in got[2]] == calls
+        assert reader.calls == len(calls)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from(["<think>", "</think>", "<tool_call>", "</tool_call>", "\n", "a"]) | fragments),
+    opened=st.booleans(),
+    calling=st.booleans(),
+    cuts=st.lists(st.integers(1, 9), min_size=1, max_size=30),
+)
+def test_any_thinking_text_reads_the_same_in_any_pieces(
+    parts: list[str], opened: bool, calling: bool, cuts: list[int]
+) -> None:
+    text = "".join(parts)
+
+    def read(pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+        reader = ThinkReader(ToolCallStream(ReplySyntax.HERMES) if calling else None, opened)
+        content, reasoning, calls = gather([p for piece in pieces for p in reader.feed(piece)] + reader.finish())
+        return content, reasoning, [(c.name, c.arguments) for c in calls]
+
+    pieces, at = [], 0
+    for cut in cuts:
+        pieces.append(text[at : at + cut])
+        at += cut
+    assert read([*pieces, text[at:]]) == read([text])

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.guards import BodyRefused, TrustedHosts, json_object
 from kafila.api.harmony import HarmonyReader
+from kafila.api.reasoning import ThinkReader
 from kafila.api.schemas import ChatRequest, CompletionRequest, Tool
 from kafila.api.schemas import Request as ApiRequest
 from kafila.api.structured import JSON_OBJECT_GRAMMAR_SCHEMA, SchemaRefused, schema_grammar
@@ -342,7 +343,10 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         except TemplateError as error:
             raise _invalid(str(error), "messages") from None
         prompt = await tokenize(engine, rendered.text, not rendered.starts_with_bos, True, "messages")
-        reader = _reader(syntax, calling, parallel)
+        held_from_the_start = bool(body.forced_tools()) or (
+            body.response_format is not None and body.response_format.type != "text"
+        )  # a grammar from the first token: no reasoning first, even where the template opened it
+        reader = reply_reader(template, calling, parallel, rendered.opens_thinking and not held_from_the_start)
         return await _serve(request, body, prompt, loop, chat=True, grammar=grammar, reader=reader)
 
     @app.post("/v1/completions", response_model=None)
@@ -688,16 +692,17 @@ def _spec(tool: Tool) -> ToolSpec:
     return ToolSpec(tool.function.name, tool.function.schema_of_arguments())
 
 
-ReplyReader = ToolCallStream | HarmonyReader
+ReplyReader = ToolCallStream | HarmonyReader | ThinkReader
 
 
-def _reader(syntax: ReplySyntax | None, calling: bool, parallel: bool) -> ReplyReader | None:
-    """How a chat reply is read: a harmony model's always (its channels), others' for calls."""
+def reply_reader(template: ChatTemplate, calling: bool, parallel: bool, thinking: bool) -> ReplyReader | None:
+    """How a chat reply is read: a harmony model's always (its channels), a thinking model's for
+    its reasoning, others' for calls; `thinking`: the reply starts inside its reasoning."""
+    syntax = template.reply_syntax
     if syntax is ReplySyntax.HARMONY:
         return HarmonyReader(read_calls=calling, parallel=parallel)
-    if calling and syntax is not None:
-        return ToolCallStream(syntax, parallel)
-    return None
+    answer = ToolCallStream(syntax, parallel) if calling and syntax is not None else None
+    return ThinkReader(answer, thinking) if template.thinks else answer
 
 
 class _TextOffsets:
@@ -785,8 +790,8 @@ class _Reply:
             if self.reader is not None:
                 content, reasoning, calls = gather(self.reader.feed(text) + self.reader.finish())
                 message["content"] = (content.strip() or None) if calls else content
-                if reasoning:
-                    message["reasoning_content"] = reasoning
+                if reasoning.strip():
+                    message["reasoning_content"] = reasoning.strip()
                 if calls:
                     message["tool_calls"] = [c.wire() for c in calls]
                     reason = self.finish_reason(finished, True)

@@ -35,6 +35,11 @@ class RenderedPrompt:
     text: str
     starts_with_bos: bool  # so the tokenizer must not add a second one
 
+    @property
+    def opens_thinking(self) -> bool:
+        """The template opened `<think>` for the model: its reply starts inside its reasoning."""
+        return self.text.rstrip().endswith("<think>")
+
 
 class ReplySyntax(enum.StrEnum):
     """How a model writes tool calls (and, for harmony, its whole reply), read from its template."""
@@ -79,6 +84,8 @@ class ChatTemplate:
         # gpt-oss without a template of its own replies (llama.cpp's built-in writes its turns).
         self.tool_syntax = tool_syntax_of(jinja)
         self.reply_syntax = self.tool_syntax or (ReplySyntax.HARMONY if architecture == "gpt-oss" else None)
+        # Whether replies may reason in <think>…</think> first (Qwen 3, QwQ, DeepSeek-R1).
+        self.thinks = jinja is not None and "</think>" in jinja and self.reply_syntax is not ReplySyntax.HARMONY
         self.built_in = BUILT_IN_BY_ARCHITECTURE.get(architecture or "", DEFAULT_BUILT_IN)
         self._formatter: Any = None
         self.source = f"llama.cpp built-in '{self.built_in}'"
@@ -95,7 +102,8 @@ class ChatTemplate:
 
     @property
     def shown_tokens(self) -> tuple[str, ...]:
-        return SHOWN_TOKENS[self.reply_syntax] if self.reply_syntax is not None else ()
+        shown = SHOWN_TOKENS[self.reply_syntax] if self.reply_syntax is not None else ()
+        return (*shown, "<think>", "</think>") if self.thinks else shown
 
     def render(
         self,
