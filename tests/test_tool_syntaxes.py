@@ -20,8 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving_checks import engine_served
-from test_api_fuzz import json_values, post
-from test_tool_calls import ASK, CONTEXT, SCHEMAS, SETTINGS, TOOLS, WEATHER, tool_lists
+from test_tool_calls import ASK, CONTEXT, SCHEMAS, SETTINGS, TOOLS, WEATHER, served_or_refused, tool_requests
 from tiny_models import write_tiny_model
 
 from kafila.api.harmony import HarmonyReader
@@ -324,6 +323,15 @@ def test_gpt_oss_shows_the_reasoning_sent_back_before_its_call() -> None:
     ) in text
 
 
+def cut(text: str, sizes: list[int]) -> list[str]:
+    """`text` in pieces of these sizes, and the rest."""
+    pieces, at = [], 0
+    for size in sizes:
+        pieces.append(text[at : at + size])
+        at += size
+    return [*pieces, text[at:]]
+
+
 MARKERS = {
     ReplySyntax.HERMES: ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', "\n"],
     ReplySyntax.LLAMA3: ["<|python_tag|>", '{"name": "f", "parameters": ', " "],
@@ -352,39 +360,16 @@ def test_any_text_reads_the_same_in_any_pieces(syntax: ReplySyntax, data: st.Dat
         content, reasoning, calls = gather(out)
         return content, reasoning, [(c.name, c.arguments) for c in calls]
 
-    pieces, at = [], 0
-    for cut in cuts:
-        pieces.append(text[at : at + cut])
-        at += cut
-    pieces.append(text[at:])
-    assert read(pieces) == read([text])
+    assert read(cut(text, cuts)) == read([text])
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    tools=tool_lists | json_values,
-    choice=st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]) | json_values,
-    parallel=st.booleans(),
-    stream=st.booleans(),
-)
+@given(asked=tool_requests)
 def test_any_tools_in_any_syntax_are_served_or_refused_with_a_400(
-    served: tuple[Family, openai.OpenAI], tools: Any, choice: Any, parallel: bool, stream: bool
+    served: tuple[Family, openai.OpenAI], asked: dict[str, Any]
 ) -> None:
     family, client = served
-    body = {
-        "model": "tiny", "messages": _ask(family), "tools": tools, "tool_choice": choice,
-        "parallel_tool_calls": parallel, "max_tokens": 24, "stream": stream,
-    }  # fmt: skip
-    status, _, payload = post(
-        str(client.base_url).removesuffix("/v1/"), "/v1/chat/completions", json.dumps(body).encode()
-    )
-    assert status in (200, 400), payload[:300]
-    if status == 400:
-        assert json.loads(payload)["error"]["type"] == "invalid_request_error"
-    elif stream:
-        assert payload.rstrip().endswith(b"data: [DONE]") and b'"error"' not in payload
-    else:
-        assert json.loads(payload)["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    served_or_refused(client, {"model": "tiny", "messages": _ask(family), "max_tokens": 24, **asked})
 
 
 THINKING = [
@@ -429,8 +414,4 @@ def test_any_thinking_text_reads_the_same_in_any_pieces(
         content, reasoning, calls = gather([p for piece in pieces for p in reader.feed(piece)] + reader.finish())
         return content, reasoning, [(c.name, c.arguments) for c in calls]
 
-    pieces, at = [], 0
-    for cut in cuts:
-        pieces.append(text[at : at + cut])
-        at += cut
-    assert read([*pieces, text[at:]]) == read([text])
+    assert read(cut(text, cuts)) == read([text])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from kafila.api.tool_calls import Piece, Reasoning, ToolCallDelta, openai_call_id
+from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, ToolCallDelta, openai_call_id, partial_suffix
 
 _MESSAGE = "<|message|>"
 _BODY_ENDS = ("<|end|>", "<|start|>")
@@ -22,51 +22,28 @@ _RECIPIENT = re.compile(r"to=([A-Za-z0-9_.\-]{1,80})")
 MAX_HEADER_CHARS = 256
 
 
-def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """The length of the longest end of `text` that begins one of `tags`."""
-    for size in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        if any(tag.startswith(text[-size:]) for tag in tags):
-            return size
-    return 0
-
-
-class HarmonyReader:
+class HarmonyReader(ReplyReader):
     """Splits a harmony reply into content, reasoning and tool-call deltas as it comes.
-    `calls`: whether messages to functions are read as calls (the request gave tools); else
+    `read_calls`: whether messages to functions are read as calls (the request gave tools); else
     they are dropped, as a turn the client did not ask for."""
 
     def __init__(self, read_calls: bool = True, parallel: bool = True) -> None:
+        super().__init__()
         self.read_calls = read_calls
         self.parallel = parallel
-        self.calls = 0
-        self._buffer = ""
         self._state = "header"  # "header" or "body"
         self._kind = "content"  # the body's: "content", "reasoning", "call" or "dropped"
 
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        out: list[Piece] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> list[Piece]:
-        out: list[Piece] = []
-        while self._buffer and self._step(out, final=True):
-            pass
-        if self._state == "header" and self._buffer.strip():  # a header never finished: say what was written
-            out.append(self._buffer)
-        elif self._state == "body":
+    def _flush(self, out: list[Piece]) -> None:
+        if self._state == "body":
             self._emit(out, self._buffer)
-        self._buffer = ""
-        return out
 
     def _step(self, out: list[Piece], final: bool) -> bool:
         if self._state == "header":
             return self._in_header(out, final)
         ends = [i for i in (self._buffer.find(tag) for tag in _BODY_ENDS) if i >= 0]
         if not ends:
-            keep = 0 if final else _partial_suffix(self._buffer, _BODY_ENDS)
+            keep = 0 if final else partial_suffix(self._buffer, _BODY_ENDS)
             self._emit(out, self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep :]
             return False
@@ -98,7 +75,7 @@ class HarmonyReader:
                 self._kind = "call"
                 if self.parallel or not self.calls:
                     out.append(ToolCallDelta(self.calls, "", openai_call_id(), target.removeprefix("functions.")))
-                self.calls += 1
+                self._calls += 1
             else:
                 self._kind = "dropped"
         elif channel is not None and channel.group(1) == "analysis":

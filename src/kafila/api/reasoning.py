@@ -4,50 +4,30 @@ the tool-call reader, or is the content."""
 
 from __future__ import annotations
 
-from kafila.api.tool_calls import Piece, Reasoning, ToolCallStream
+from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, ToolCallStream, partial_suffix
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
-
-
-class ThinkReader:
+class ThinkReader(ReplyReader):
     """Splits a reply into its reasoning and the rest, as it comes. `opened`: the prompt ended in
     `<think>` (some templates open it for the model), so the reply starts inside it."""
 
     def __init__(self, answer: ToolCallStream | None, opened: bool) -> None:
+        super().__init__()
         self.answer = answer
         self._state = "thinking" if opened else "start"  # then "after" (whitespace), "answer"
-        self._buffer = ""
 
     @property
     def calls(self) -> int:
         return self.answer.calls if self.answer is not None else 0
 
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        out: list[Piece] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> list[Piece]:
-        out: list[Piece] = []
-        while self._buffer and self._step(out, final=True):
-            pass
+    def _flush(self, out: list[Piece]) -> None:
         if self._state == "thinking" and self._buffer:
             out.append(Reasoning(self._buffer))
-        self._buffer = ""
         if self.answer is not None:
             out += self.answer.finish()
-        return out
 
     def _step(self, out: list[Piece], final: bool) -> bool:
         if self._state == "start":
@@ -62,7 +42,7 @@ class ThinkReader:
         if self._state == "thinking":
             end = self._buffer.find(THINK_CLOSE)
             if end < 0:
-                keep = _partial_suffix(self._buffer, THINK_CLOSE)
+                keep = partial_suffix(self._buffer, (THINK_CLOSE,))
                 if len(self._buffer) > keep:
                     out.append(Reasoning(self._buffer[: len(self._buffer) - keep]))
                 self._buffer = self._buffer[len(self._buffer) - keep :]

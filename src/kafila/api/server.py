@@ -37,6 +37,7 @@ from kafila.api.structured import JSON_OBJECT_GRAMMAR_SCHEMA, SchemaRefused, sch
 from kafila.api.tool_calls import (
     Piece,
     Reasoning,
+    ReplyReader,
     ToolCallStream,
     ToolSpec,
     gather,
@@ -690,9 +691,6 @@ HARMONY_FINAL = "<|channel|>final<|message|>"  # where a harmony reply's answer 
 
 def _spec(tool: Tool) -> ToolSpec:
     return ToolSpec(tool.function.name, tool.function.schema_of_arguments())
-
-
-ReplyReader = ToolCallStream | HarmonyReader | ThinkReader
 
 
 def reply_reader(template: ChatTemplate, calling: bool, parallel: bool, thinking: bool) -> ReplyReader | None:

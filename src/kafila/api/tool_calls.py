@@ -306,6 +306,50 @@ _FORMATS: dict[ReplySyntax, _Format] = {
 }
 
 
+def partial_suffix(text: str, tags: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins one of `tags` (and is not all of it)."""
+    for size in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
+        if any(tag.startswith(text[-size:]) for tag in tags):
+            return size
+    return 0
+
+
+class ReplyReader:
+    """Reads generated text into pieces as it comes: each subclass's `_step` moves through the
+    buffer (False once it must wait for more text, or, when `final`, has nothing more to
+    do), and `_flush` says what is left at the end."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._calls = 0
+
+    @property
+    def calls(self) -> int:
+        """How many tool calls have been read so far."""
+        return self._calls
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buffer += text
+        out: list[Piece] = []
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        while self._buffer and self._step(out, final=True):
+            pass
+        self._flush(out)
+        self._buffer = ""
+        return out
+
+    def _step(self, out: list[Piece], final: bool) -> bool:
+        raise NotImplementedError
+
+    def _flush(self, out: list[Piece]) -> None:
+        raise NotImplementedError
+
+
 class _ObjectEnd:
     """Finds where a JSON object's text ends, fed in pieces: braces counted outside strings."""
 
@@ -335,7 +379,7 @@ class _ObjectEnd:
         return len(text)
 
 
-class ToolCallStream:
+class ToolCallStream(ReplyReader):
     """Splits generated text into content and tool-call deltas as it comes.
 
     Text that may begin a call is held back until it is known not to. A call that begins as
@@ -346,29 +390,16 @@ class ToolCallStream:
     def __init__(self, syntax: ReplySyntax, parallel: bool = True) -> None:
         if syntax is ReplySyntax.HARMONY:
             raise ValueError("harmony replies are read by harmony.HarmonyReader")
+        super().__init__()
         self.format = _FORMATS[syntax]
         self.parallel = parallel
-        self.calls = 0
-        self._buffer = ""
         self._state = "start" if self.format.at_start else "text"  # "text", "arguments", "after", "done"
         self._object = _ObjectEnd()
 
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        out: list[Piece] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> list[Piece]:
-        """What is left at the end: held text, or a block read whole if it parses."""
-        out: list[Piece] = []
-        while self._buffer and self._step(out, final=True):
-            pass
+    def _flush(self, out: list[Piece]) -> None:
+        """Held text is content; a call's arguments cut off have left already."""
         if self._state in ("text", "start", "done"):
             self._emit_text(out, self._buffer)
-        self._buffer = ""
-        return out
 
     def _step(self, out: list[Piece], final: bool) -> bool:
         """One move through the buffer; False once it must wait for more text."""
@@ -453,7 +484,7 @@ class ToolCallStream:
     def _begin_call(self, out: list[Piece], name: str) -> None:
         if self.parallel or not self.calls:
             out.append(ToolCallDelta(self.calls, "", self.format.call_id(), name))
-        self.calls += 1
+        self._calls += 1
         self._state, self._object = "arguments", _ObjectEnd()
 
     def _emit_arguments(self, out: list[Piece], text: str) -> None:
