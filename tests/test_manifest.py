@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llama_cpp
 import pytest
 from tiny_gguf import write_tiny_llama
-from tiny_models import write_tiny_model
+from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 from kafila.runtime.manifest import read_manifest
@@ -176,3 +177,31 @@ def test_llama4_interleaves_expert_blocks_with_dense_ones(tmp_path: Path) -> Non
     assert all(dense[i] > shared[i] for i in range(1, 8, 2))  # the shared expert is read whole
     assert manifest.read_bytes() == tuple(d + e // n for d, e in zip(dense, routed, strict=True))
     assert manifest.stage_starts == (4,) and manifest.max_stages == 2
+
+
+# What llama.cpp saves of a sequence besides its cells' K and V: a cell's position and sequence id
+# (12 bytes a cell, in each of the two caches of a windowed model), and headers.
+CELL_METADATA_BYTES = 24
+SEQUENCE_HEADER_BYTES = 256
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
+def test_the_cache_the_planner_counts_is_what_llama_cpp_keeps_for_a_sequence(tmp_path: Path, arch: str) -> None:
+    """llama.cpp's own size of one sequence's saved state, after one token and after two: the step
+    is a token's KV (the manifest's `kv_bytes_per_token`, blocks with a KV cache only), what is
+    left is the recurrent state of a hybrid's linear-attention blocks (`state_bytes_per_sequence`)."""
+    path = write_tiny_model(tmp_path / "m.gguf", arch, n_blocks=8 if arch in ("qwen3next", "llama4") else 4)
+    manifest = read_manifest(path)
+    llm = llama_cpp.Llama(str(path), n_ctx=256, verbose=False)
+    try:
+        sizes = []
+        for _ in range(2):
+            llm.eval([5])
+            sizes.append(llama_cpp.llama_state_seq_get_size(llm.ctx, 0))
+    finally:
+        llm.close()
+    per_token = sizes[1] - sizes[0]
+    assert 0 <= per_token - sum(manifest.kv_bytes_per_token) <= CELL_METADATA_BYTES
+    state = sum(manifest.state_bytes_per_sequence or ())
+    assert 0 <= sizes[0] - per_token - state <= SEQUENCE_HEADER_BYTES
+    assert (state > 0) == (arch == "qwen3next")

@@ -32,7 +32,7 @@ class ChainPrefix:
     @classmethod
     def of(cls, manifest: ModelManifest, session: SessionSpec) -> ChainPrefix:
         weights = np.asarray(manifest.block_bytes, dtype=np.int64)
-        kv = np.asarray(manifest.kv_bytes_per_token, dtype=np.int64) * session.context * session.concurrency
+        kv = np.asarray(manifest.cache_bytes(session.context, session.concurrency), dtype=np.int64)
         zero = np.zeros(1, dtype=np.int64)
         cuts = np.zeros(manifest.n_blocks + 1, dtype=bool)
         cuts[list(manifest.cut_positions())] = True

@@ -281,7 +281,7 @@ def plan_session(
             "every member needs at least one block",
             device=None,
         )
-    total_need = manifest.total_bytes + sum(manifest.kv_bytes_per_token) * session.context * session.concurrency
+    total_need = manifest.total_bytes + sum(manifest.cache_bytes(session.context, session.concurrency))
     if total_need > 2**60:  # beyond any fleet's memory, and beyond exact int64 arithmetic
         raise PlanRefused(
             f"the session needs {total_need / 2**30:.3g} GiB in all; the members have "

@@ -70,6 +70,11 @@ class ModelManifest(Strict):
     kv_bytes_per_token: tuple[Annotated[int, Field(ge=0, le=2**24)], ...] = Field(
         description="KV-cache bytes per token of context, one entry per block (f16 cache)."
     )
+    state_bytes_per_sequence: tuple[Annotated[int, Field(ge=0, le=2**34)], ...] | None = Field(
+        default=None,
+        description="Recurrent state bytes per sequence, one entry per block (a hybrid's linear-attention "
+        "blocks keep a fixed state instead of a KV cache); None: none.",
+    )
     expert_bytes: tuple[Annotated[int, Field(ge=0, le=2**40)], ...] | None = Field(
         default=None,
         description="Of each block's bytes, those of its routed experts (a mixture of experts); None: dense.",
@@ -90,6 +95,7 @@ class ModelManifest(Strict):
         tensors = self.context.block_tensors if self.context is not None else None
         for name, values in (
             ("kv_bytes_per_token", self.kv_bytes_per_token),
+            ("state_bytes_per_sequence", self.state_bytes_per_sequence),
             ("expert_bytes", self.expert_bytes),
             ("context.block_tensors", tensors),
         ):
@@ -106,6 +112,14 @@ class ModelManifest(Strict):
         ):
             raise ValueError(f"stage_starts {list(starts)} are not ascending blocks between 1 and {self.n_blocks - 1}")
         return self
+
+    def cache_bytes(self, context: int, sequences: int) -> tuple[int, ...]:
+        """Each block's cache for `sequences` of `context` tokens: its KV cells, or its recurrent
+        state (a fixed size a sequence)."""
+        state = self.state_bytes_per_sequence or (0,) * self.n_blocks
+        return tuple(
+            kv * context * sequences + s * sequences for kv, s in zip(self.kv_bytes_per_token, state, strict=True)
+        )
 
     def cut_positions(self) -> tuple[int, ...]:
         """Where a stage may begin or end, from 0 to n_blocks: every block boundary, or the first,

@@ -101,6 +101,9 @@ class Family:
     # (a batch then builds two masks, and a cache may be cut only near its end): True whatever the
     # file says, False whatever it says (phi3: llama.cpp ignores its window), None as the file says.
     windowed: bool | None = None
+    # A hybrid whose linear-attention blocks (`recurrent_blocks`) keep a recurrent state per
+    # sequence and no KV cache (qwen3next's gated delta nets)
+    recurrent_state: bool = False
 
     def token_input_scale(self, n_embd: int) -> np.float32 | None:
         """The factor llama.cpp applies to token embeddings only, as the float32 sqrtf it computes."""
@@ -298,7 +301,13 @@ FAMILIES = {
         Family("gemma3", scales_token_embeddings=True, sliding_window_period=6, rules=_gemma3_rules, windowed=True),
         # gpt-oss: llama.cpp requires its window and windows its even blocks, whatever the file lists
         Family("gpt-oss", sliding_window_period=2, output_required=True, always_windowed=True, windowed=True),
-        Family("qwen3next", rules=_hybrid_rules, cut_points=_hybrid_cut_points, graph_nodes=(0, 32, 40)),
+        Family(
+            "qwen3next",
+            rules=_hybrid_rules,
+            cut_points=_hybrid_cut_points,
+            graph_nodes=(0, 32, 40),
+            recurrent_state=True,
+        ),
         Family(
             "gemma2",
             scales_token_embeddings=True,

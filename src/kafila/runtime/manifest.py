@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kafila.planner.types import MAX_BLOCKS, ContextNeeds, ModelManifest
-from kafila.runtime.families import DEFAULT_GRAPH_NODES, FAMILIES, Family, attention_windowed
+from kafila.runtime.families import DEFAULT_GRAPH_NODES, FAMILIES, Family, attention_windowed, recurrent_blocks
 from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
 from kafila.runtime.slicer import prediction_blocks
 
@@ -16,6 +16,7 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")  # routed experts, stacked
 HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 KV_CACHE_BYTES_PER_VALUE = 2  # f16 cache, llama.cpp's default
+RECURRENT_STATE_BYTES_PER_VALUE = 4  # f32 recurrent state, llama.cpp's default
 # Per batch row, the widest block's intermediate results llama.cpp's graph holds at once, in
 # float32 values per unit of width: residual, norms and attention output (model width), query,
 # key and value (head width), and the feed-forward's gate, up, activation and routing (its width).
@@ -93,6 +94,13 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
     if reader.scalar(f"{arch}.attention.key_length_mla") and reader.scalar(f"{arch}.attention.value_length_mla"):
         value_length = 0  # latent attention: llama.cpp caches the latent as keys alone, and reads values from it
     kv = [KV_CACHE_BYTES_PER_VALUE * heads * (key_length + value_length) for heads in n_head_kv]
+    state = None
+    family = FAMILIES.get(arch)
+    if family is not None and family.recurrent_state:
+        recurrent = recurrent_blocks(arch, n_blocks, reader.scalar)
+        per_sequence = _recurrent_state_bytes(reader, arch)
+        kv = [0 if r else size for r, size in zip(recurrent, kv, strict=True)]
+        state = tuple(per_sequence if r else 0 for r in recurrent)
 
     experts = _count(reader.scalar(f"{arch}.expert_count", 0), "expert_count")
     experts_used = _count(reader.scalar(f"{arch}.expert_used_count", 0), "expert_used_count")
@@ -101,7 +109,6 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         raise GGUFFormatError(f"{path} has expert tensors but routes {experts_used} of {experts} experts a token")
 
     name = reader.scalar("general.name") or path.stem
-    family = FAMILIES.get(arch)
     context = _context_needs(
         reader, arch, family, block_tensors, len(reader.tensors) - sum(block_tensors), n_embd, max(n_head) * key_length
     )  # an unsupported family is planned as it is, and refused by the slicer
@@ -114,12 +121,25 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
         block_bytes=tuple(block_bytes),
         head_bytes=head_bytes,
         kv_bytes_per_token=tuple(kv),
+        state_bytes_per_sequence=state,
         expert_bytes=tuple(expert_bytes) if moe else None,
         experts=experts if moe else 0,
         experts_used=experts_used if moe else 0,
         stage_starts=stage_starts,
         context=context,
     )
+
+
+def _recurrent_state_bytes(reader: FastGGUFReader, arch: str) -> int:
+    """A linear-attention block's state for one sequence, as llama.cpp allocates it (f32): its
+    convolution's last inputs and the recurrence's matrix (llama_hparams::n_embd_r, n_embd_s)."""
+
+    def size(key: str) -> int:
+        return _count(reader.scalar(f"{arch}.ssm.{key}", 0), f"ssm.{key}")
+
+    inner, state, groups, kernel = size("inner_size"), size("state_size"), size("group_count"), size("conv_kernel")
+    convolution = max(kernel - 1, 0) * (inner + 2 * groups * state)
+    return RECURRENT_STATE_BYTES_PER_VALUE * (convolution + state * inner)
 
 
 def _context_needs(
