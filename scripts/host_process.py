@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,11 +163,16 @@ def serving_alone(status: dict[str, Any]) -> bool:
 
 @contextmanager
 def running_host(
-    *args: str | Path, api_key: str | None = None, ready: bool = True, env: dict[str, str] | None = None
+    *args: str | Path,
+    api_key: str | None = None,
+    ready: bool = True,
+    env: dict[str, str] | None = None,
+    launcher: Sequence[str] = (sys.executable, "-m", "kafila"),
 ) -> Iterator[Host]:
+    """`kafila host` with `args` on a free port; `launcher`: how `kafila` is started."""
     port = free_port()
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
-        command = [sys.executable, "-m", "kafila", "host", "--port", str(port), *map(str, args)]
+        command = [*launcher, "host", "--port", str(port), *map(str, args)]
         environment = {**os.environ, "COLUMNS": "200", **(env or {})}
         environment.pop("KAFILA_API_KEY", None)
         if api_key is not None:

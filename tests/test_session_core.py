@@ -35,11 +35,13 @@ from kafila.session.core import (
     Judged,
     JudgeRebalance,
     LowerMemory,
+    LowerOwnMemory,
     MemberFailed,
     MemoryShortage,
     NewcomerChecked,
     Observed,
     Opened,
+    OwnShortOfMemory,
     Phase,
     PriceRebalance,
     RecordIncident,
@@ -516,6 +518,49 @@ def test_a_member_that_could_not_hold_even_the_smallest_stage_is_left_out() -> N
         Dismiss(
             "workstation", f"the host left this member out: {OUT_OF_MEMORY} (it cannot hold even the smallest stage)"
         ),
+    ]
+
+
+OWN_OUT_OF_MEMORY = "this machine could not load its blocks 0-3: failed to allocate buffer for kv cache"
+
+
+def test_a_host_short_of_memory_for_its_own_share_plans_again_with_less_of_it_and_ends_when_that_is_spent() -> None:
+    """The host's own share is lowered as a member's is; a host cannot be left out, so when it is
+    still short after MEMORY_LOWERINGS smaller shares, nothing serves."""
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(Gathered(("laptop",)))
+    needed = 8 * GIB
+    commands = host.handle(OwnShortOfMemory(OWN_OUT_OF_MEMORY, MemoryShortage((0, 4), needed), GIB // 4))
+    assert commands == [
+        Warn(
+            "this machine ran out of memory loading blocks 0-3 (needed 8.00 GiB); replanning with 6.00 GiB of it",
+            OWN_OUT_OF_MEMORY,
+        ),
+        LowerOwnMemory(6 * GIB),
+        Deploy(("laptop",)),  # the same members again
+    ]
+    for _ in range(MEMORY_LOWERINGS - 1):
+        needed = needed * 3 // 4
+        assert host.handle(OwnShortOfMemory(OWN_OUT_OF_MEMORY, MemoryShortage((0, 4), needed)))[-1] == Deploy(
+            ("laptop",)
+        )
+    assert host.handle(OwnShortOfMemory(OWN_OUT_OF_MEMORY, MemoryShortage((0, 4), needed))) == [
+        Fail(
+            f"the session could not start: {OWN_OUT_OF_MEMORY} (still short after {MEMORY_LOWERINGS} smaller shares)",
+            exit=True,
+        )
+    ]
+    assert host.phase == Phase.FAILED
+
+
+def test_a_host_that_cannot_hold_even_the_smallest_stage_of_its_own_ends_at_once() -> None:
+    host = session()
+    host.handle(Opened(JOIN))
+    host.handle(Gathered(("laptop",)))
+    said_free = MemoryShortage((0, 4), 4 * GIB, can_hold_bytes=GIB // 8)
+    assert host.handle(OwnShortOfMemory(OWN_OUT_OF_MEMORY, said_free, GIB // 4)) == [
+        Fail(f"the session could not start: {OWN_OUT_OF_MEMORY} (it cannot hold even the smallest stage)", exit=True)
     ]
 
 

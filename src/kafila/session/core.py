@@ -270,6 +270,16 @@ class MemberFailed:
 
 
 @dataclass(frozen=True)
+class OwnShortOfMemory:
+    """This host could not load its own share of a deployment for lack of memory: a smaller one
+    may fit, down to `smallest_stage_bytes`, as for a member."""
+
+    message: str
+    shortage: MemoryShortage
+    smallest_stage_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Dismissed:
     member: str
     alive: tuple[str, ...]  # the members still linked once it went
@@ -306,7 +316,7 @@ class Interrupted:
 
 Event = (
     Observed | Opened | Gathered | CodeRefused | JoinerRefused | NewcomerChecked | Retired | Deployed
-    | MemberFailed | Dismissed | DeployFailed | ServedAlone | Judged | Interrupted
+    | MemberFailed | OwnShortOfMemory | Dismissed | DeployFailed | ServedAlone | Judged | Interrupted
 )  # fmt: skip
 
 
@@ -382,6 +392,14 @@ class Deploy:
 
 
 @dataclass(frozen=True)
+class LowerOwnMemory:
+    """Plan with at most `memory_bytes` of this host's memory from now on (it ran out loading its
+    own share)."""
+
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
 class LowerMemory:
     """Plan with at most `memory_bytes` of the member's memory from now on (it ran out loading its
     share)."""
@@ -438,7 +456,8 @@ class AbandonRing:
 
 
 Command = (
-    Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | LowerMemory | Dismiss
+    Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | LowerMemory | LowerOwnMemory
+    | Dismiss
     | ForgetRing | ServeAlone | PriceRebalance | RenewCode | SendAway | Fail | AbandonRing
 )  # fmt: skip
 ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
@@ -484,6 +503,7 @@ class SessionCore:
     paused: bool = False  # /v1 holds requests for a replan by choice
     deploying: tuple[str, ...] = ()  # the members of the deployment under way
     lowerings: dict[str, int] = field(default_factory=dict)  # member → smaller shares it was given
+    own_lowerings: int = 0  # smaller shares this host gave itself
 
     @classmethod
     def one_machine(cls, serving: ServingCore) -> SessionCore:
@@ -651,6 +671,8 @@ class SessionCore:
                 return self._deploy(deployment, alive) if alive else self._no_member_left(deployment)
             case MemberFailed(shortage=MemoryShortage() as shortage):
                 return self._short_of_memory(event, shortage)
+            case OwnShortOfMemory():
+                return self._own_short_of_memory(deployment, event)
             case MemberFailed(member=member, message=message):
                 return self._leave_out(member, message)
             case Dismissed(member=member, alive=alive):
@@ -677,9 +699,7 @@ class SessionCore:
         less), rather than lose all it can hold; left out after MEMORY_LOWERINGS smaller shares,
         or once it could not hold even the smallest stage."""
         member, name = failed.member, failed.name or failed.member
-        lowered = int(shortage.needed_bytes * MEMORY_LOWERED_TO)
-        if shortage.can_hold_bytes is not None:
-            lowered = min(lowered, shortage.can_hold_bytes)
+        lowered = _lowered(shortage)
         times = self.lowerings.get(member, 0)
         if times >= MEMORY_LOWERINGS:
             return self._leave_out(member, f"{failed.message} (still short of memory after {times} smaller shares)")
@@ -694,6 +714,29 @@ class SessionCore:
                 failed.message,
             ),
             LowerMemory(member, lowered),
+            Deploy(self.deploying),
+        ]
+
+    def _own_short_of_memory(self, deployment: _Deployment, short: OwnShortOfMemory) -> list[Command]:
+        """This host ran out of memory loading its own share: plan the same members again with less
+        of its memory, as for a member. No ring goes without the host, so once that is spent (or
+        not even the smallest stage fits) nothing serves."""
+        lowered = _lowered(short.shortage)
+        if self.own_lowerings >= MEMORY_LOWERINGS:
+            return self._no_ring(
+                deployment, f"{short.message} (still short after {self.own_lowerings} smaller shares)", False
+            )
+        if lowered < short.smallest_stage_bytes:
+            return self._no_ring(deployment, f"{short.message} (it cannot hold even the smallest stage)", False)
+        self.own_lowerings += 1
+        first, end = short.shortage.blocks
+        return [
+            Warn(
+                f"this machine ran out of memory loading blocks {first}-{end - 1} (needed "
+                f"{short.shortage.needed_bytes / 2**30:.2f} GiB); replanning with {lowered / 2**30:.2f} GiB of it",
+                short.message,
+            ),
+            LowerOwnMemory(lowered),
             Deploy(self.deploying),
         ]
 
@@ -733,6 +776,13 @@ class SessionCore:
             return commands
         self.phase = Phase.WAITING
         return [*commands, Say(f"waiting for members to join again: {self.join_line}"), *self._seat_free(deployment)]
+
+
+def _lowered(shortage: MemoryShortage) -> int:
+    """The memory to plan a machine that ran out with: MEMORY_LOWERED_TO of what its share needed,
+    or what it said it can hold, if less."""
+    lowered = int(shortage.needed_bytes * MEMORY_LOWERED_TO)
+    return lowered if shortage.can_hold_bytes is None else min(lowered, shortage.can_hold_bytes)
 
 
 _GUESSED = (

@@ -25,7 +25,8 @@ from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
 from kafila.planner.types import Plan
-from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.llama_backend import ContextSettings, out_of_memory
+from kafila.runtime.local_plan import free_memory_now
 from kafila.runtime.pipeline import RingEngine, prefix_cut_of
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
@@ -45,8 +46,9 @@ class SessionFailed(RuntimeError):
     """The session cannot go on as planned; the message says why, for the person at the host.
 
     `member`: the member that failed its part (stalled, left, or could not take its stage), if
-    one did; the host can then leave it out and plan again with the others. `shortage`: it could
-    not load its stage for lack of memory, so a smaller share may fit it.
+    one did; the host can then leave it out and plan again with the others. `shortage`: it (or,
+    with no `member`, this host) could not load its stage for lack of memory, so a smaller share
+    may fit it.
     """
 
     def __init__(self, message: str, member: str | None = None, shortage: MemoryShortage | None = None) -> None:
@@ -233,7 +235,7 @@ class Deployer:
             member = chain[index]
             if member == me:
                 if index < last:  # the head's own stage loads with the engine, last of all
-                    await self._load_own_stage(chain, index, stages[index])
+                    await self._load_own_stage(chain, index, stages[index], plan.stages[index].resident_bytes)
                 continue
             assign = assigns[member]
             await self.roster.routers[member].send_control(Load(epoch=assign.epoch))
@@ -249,18 +251,20 @@ class Deployer:
         self._listen(self.deployment.members, self.epoch)
         return self.deployment
 
-    async def _load_own_stage(self, chain: Sequence[str], index: int, stage_file: StageFile) -> None:
+    async def _load_own_stage(self, chain: Sequence[str], index: int, stage_file: StageFile, need_bytes: int) -> None:
         """Load this host's block range and serve it between its ring neighbours, as a member would;
         the engine feeds it directly when it holds block 0."""
         what = f"blocks {stage_file.first_block}-{stage_file.end_block - 1}"
         started = time.perf_counter()
         executor = ThreadPoolExecutor(1, thread_name_prefix="own-stage")
+        blocks = (stage_file.first_block, stage_file.end_block)
         try:
             loop = asyncio.get_running_loop()
-            stage = await loop.run_in_executor(executor, BlockStage, stage_file.path, self.settings)
-        except Exception as error:
+            load = functools.partial(BlockStage, stage_file.path, self.settings)
+            stage = await loop.run_in_executor(executor, load_here, blocks, need_bytes, load)
+        except SessionFailed:
             executor.shutdown(wait=False)
-            raise SessionFailed(f"this machine could not load its {what}: {error}") from None
+            raise
         local = LocalChannel() if index == 0 else None
         inbound = local if local is not None else self.roster.routers[chain[index - 1]].activation
         outbound = self.roster.routers[chain[index + 1]].activation
@@ -364,7 +368,12 @@ class Deployer:
         self.ring = ring
         cut = prefix_cut_of(self.model)
         if deployment.head_here:
-            return RingEngine([deployment.stages[-1]], self.settings, ring=ring, depth=depth, prefix_cut=cut)
+            head = deployment.stages[-1]
+            return load_here(
+                (head.first_block, head.end_block),
+                deployment.plan.stages[-1].resident_bytes,
+                lambda: RingEngine([head], self.settings, ring=ring, depth=depth, prefix_cut=cut),
+            )
         return RingEngine(deployment.stages, self.settings, ring=ring, depth=depth, model=self.model, prefix_cut=cut)
 
     def abandon_ring(self) -> None:
@@ -391,3 +400,22 @@ class Deployer:
             ends = {"from": self.roster.name(member), "to": self.roster.name(successor)}
             edges.append(EdgeStatus.model_validate({**ends, "path": way, "rtt_ms": rtt}))
         return edges
+
+
+def load_here(blocks: tuple[int, int], need_bytes: int, load: Callable[[], T]) -> T:
+    """Load this host's part of the ring (blocking), as a member loads its own: refused before
+    loading where less memory is free than the plan counted, and an allocation llama.cpp could not
+    make read as a shortage, so that the host plans again with less of its memory."""
+    what = f"blocks {blocks[0]}-{blocks[1] - 1}"
+    free = free_memory_now()
+    if free is not None and free < need_bytes:
+        raise SessionFailed(
+            f"this machine cannot load its {what}: {free / 2**30:.2f} GiB free here; they need "
+            f"{need_bytes / 2**30:.2f} GiB",
+            shortage=MemoryShortage(blocks, need_bytes, free),
+        )
+    try:
+        return load()
+    except Exception as error:
+        shortage = MemoryShortage(blocks, need_bytes) if out_of_memory(error) else None
+        raise SessionFailed(f"this machine could not load its {what}: {error}", shortage=shortage) from None

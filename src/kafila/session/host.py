@@ -302,7 +302,11 @@ class HostSession:
 
     def known_machines(self) -> dict[str, Machine]:
         """What this host knows of every machine it may plan with, itself included."""
-        own = Machine(self.member_name(self.me), self.presence.capability, self.own_pricings)
+        own = Machine(
+            self.member_name(self.me),
+            self.presence.capability.lending(self.memory_caps.get(self.me)),
+            self.own_pricings,
+        )
         found = {self.me: own}
         for member, info in self.known.items():
             if member != self.me:

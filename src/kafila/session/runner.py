@@ -56,10 +56,12 @@ from kafila.session.core import (
     JoinerRefused,
     Judged,
     LowerMemory,
+    LowerOwnMemory,
     MemberFailed,
     NewcomerChecked,
     Observed,
     Opened,
+    OwnShortOfMemory,
     Phase,
     PriceRebalance,
     RecordIncident,
@@ -236,6 +238,9 @@ class HostRunner:
             case LowerMemory(member=member, memory_bytes=memory):
                 assert network is not None
                 network.lower_memory(member, memory)
+            case LowerOwnMemory(memory_bytes=memory):
+                assert network is not None
+                network.lower_memory(network.me, memory)
             case SendAway(members=members):
                 assert network is not None
                 for member in members:
@@ -451,11 +456,13 @@ class HostRunner:
             machines = await self._deploy(members)
             return Deployed(machines)
         except SessionFailed as failure:
+            smallest = smallest_stage_bytes(self.manifest, self.config.session)
             if failure.member is not None and failure.member in members:
                 assert self.network is not None
-                smallest = smallest_stage_bytes(self.manifest, self.config.session)
                 name = self.network.member_name(failure.member)
                 return MemberFailed(failure.member, str(failure), failure.shortage, smallest, name)
+            if failure.member is None and failure.shortage is not None:  # this host's own share
+                return OwnShortOfMemory(str(failure), failure.shortage, smallest)
             return no_ring(failure)
         except Exception as error:
             return no_ring(error)
