@@ -20,7 +20,7 @@ from test_api_fuzz import json_values, post, schemas
 from tiny_models import write_tiny_model
 
 from kafila.api.schemas import Message
-from kafila.api.tool_calls import ToolCallDelta, ToolCallStream, ToolSpec, split_tool_calls, tool_call_grammar
+from kafila.api.tool_calls import ToolCall, ToolCallDelta, ToolCallStream, ToolSpec, tool_call_grammar
 from kafila.runtime.chat_template import ChatTemplate, ReplySyntax
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import open_engine
@@ -53,6 +53,12 @@ TOOLS: list[dict[str, Any]] = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def split_tool_calls(text: str, syntax: ReplySyntax, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply's content (None if there is none besides the calls) and its tool calls."""
+    content, _, calls = ToolCallStream(syntax, parallel).read_whole(text)
+    return content, calls
 
 
 def _served(path: Path) -> Iterator[openai.OpenAI]:

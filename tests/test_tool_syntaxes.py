@@ -20,7 +20,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving_checks import engine_served
-from test_tool_calls import ASK, CONTEXT, SCHEMAS, SETTINGS, TOOLS, WEATHER, served_or_refused, tool_requests
+from test_tool_calls import (
+    ASK,
+    CONTEXT,
+    SCHEMAS,
+    SETTINGS,
+    TOOLS,
+    WEATHER,
+    served_or_refused,
+    split_tool_calls,
+    tool_requests,
+)
 from tiny_models import write_tiny_model
 
 from kafila.api.harmony import HarmonyReader
@@ -32,7 +42,6 @@ from kafila.api.tool_calls import (
     ToolSpec,
     gather,
     mistral_id_of,
-    split_tool_calls,
     tool_call_grammar,
 )
 from kafila.runtime.chat_template import ChatTemplate, ReplySyntax

@@ -40,7 +40,6 @@ from kafila.api.tool_calls import (
     ReplyReader,
     ToolCallStream,
     ToolSpec,
-    gather,
     mistral_id_of,
     single_call_only,
     tool_call_grammar,
@@ -786,10 +785,9 @@ class _Reply:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             reason = finished.reason.value
             if self.reader is not None:
-                content, reasoning, calls = gather(self.reader.feed(text) + self.reader.finish())
-                message["content"] = (content.strip() or None) if calls else content
-                if reasoning.strip():
-                    message["reasoning_content"] = reasoning.strip()
+                message["content"], reasoning, calls = self.reader.read_whole(text)
+                if reasoning:
+                    message["reasoning_content"] = reasoning
                 if calls:
                     message["tool_calls"] = [c.wire() for c in calls]
                     reason = self.finish_reason(finished, True)

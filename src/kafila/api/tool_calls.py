@@ -343,6 +343,12 @@ class ReplyReader:
         self._buffer = ""
         return out
 
+    def read_whole(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
+        """A whole reply's content (None if there is none besides the calls), reasoning and calls:
+        what a stream of it sends, put together."""
+        content, reasoning, calls = gather(self.feed(text) + self.finish())
+        return ((content.strip() or None) if calls else content), reasoning.strip(), calls
+
     def _step(self, out: list[Piece], final: bool) -> bool:
         raise NotImplementedError
 
@@ -508,13 +514,3 @@ def gather(pieces: Sequence[Piece]) -> tuple[str, str, list[ToolCall]]:
     content = "".join(p for p in pieces if isinstance(p, str))
     reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
     return content, reasoning, calls
-
-
-def split_tool_calls(text: str, syntax: ReplySyntax, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply's content (None if there is none besides the calls) and its tool calls."""
-    stream = ToolCallStream(syntax, parallel)
-    content, _, calls = gather(stream.feed(text) + stream.finish())
-    if calls:
-        content = content.strip()
-        return content or None, calls
-    return content, calls
