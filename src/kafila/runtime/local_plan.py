@@ -50,6 +50,13 @@ def free_memory_now() -> int | None:
         return None
 
 
+def short_of_memory(need_bytes: int | None) -> int | None:
+    """What is free on this machine now, where that is less than `need_bytes` (a stage that would
+    not fit, refused before it is tried); None where enough is free, or there is no telling."""
+    free = free_memory_now() if need_bytes is not None else None
+    return free if free is not None and need_bytes is not None and free < need_bytes else None
+
+
 def free_now(device: FleetDevice) -> FleetDevice:
     """The device with at most the memory free at this moment: a cached probe's figure is what was
     free then, and a game or a browser may have taken some of it since. As it was, where the

@@ -26,7 +26,7 @@ from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
 from kafila.planner.types import Plan
 from kafila.runtime.llama_backend import ContextSettings, out_of_memory
-from kafila.runtime.local_plan import free_memory_now
+from kafila.runtime.local_plan import short_of_memory
 from kafila.runtime.pipeline import RingEngine, prefix_cut_of
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
@@ -407,8 +407,8 @@ def load_here(blocks: tuple[int, int], need_bytes: int, load: Callable[[], T]) -
     loading where less memory is free than the plan counted, and an allocation llama.cpp could not
     make read as a shortage, so that the host plans again with less of its memory."""
     what = f"blocks {blocks[0]}-{blocks[1] - 1}"
-    free = free_memory_now()
-    if free is not None and free < need_bytes:
+    free = short_of_memory(need_bytes)
+    if free is not None:
         raise SessionFailed(
             f"this machine cannot load its {what}: {free / 2**30:.2f} GiB free here; they need "
             f"{need_bytes / 2**30:.2f} GiB",

@@ -30,7 +30,7 @@ from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import receive_stage_file
 from kafila.planner.fleet import ModelPricing
 from kafila.runtime.llama_backend import ContextSettings, out_of_memory
-from kafila.runtime.local_plan import free_memory_now
+from kafila.runtime.local_plan import short_of_memory
 from kafila.runtime.slicer import block_range_file, file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
 from kafila.runtime.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
@@ -309,8 +309,8 @@ async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: M
     )
     loop = asyncio.get_running_loop()
     blocks = f"blocks {assign.first_block}-{assign.end_block - 1}"
-    free = await loop.run_in_executor(state.executor, free_memory_now)  # less than its stage needs: said before loading
-    if assign.need_bytes is not None and free is not None and free < assign.need_bytes:
+    free = await loop.run_in_executor(state.executor, short_of_memory, assign.need_bytes)
+    if free is not None and assign.need_bytes is not None:
         why = f"{free / 2**30:.2f} GiB free here; {blocks} need {assign.need_bytes / 2**30:.2f} GiB"
         state.say(f"cannot load stage {assign.stage_index}: {why}")
         await host.send_control(Failed(epoch=assign.epoch, message=why, out_of_memory=True, can_hold_bytes=free))
