@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterator
 from http.client import HTTPResponse
 from typing import Any
@@ -15,7 +14,7 @@ from urllib.error import HTTPError
 from urllib.request import Request, urlopen
 
 import pytest
-from serving_checks import serving_in_thread
+from serving_checks import serving_in_thread, until
 
 from kafila.api.server import ApiConfig
 from kafila.event_feed import EventFeed
@@ -86,13 +85,6 @@ def next_event(stream: HTTPResponse) -> dict[str, Any]:
     raise AssertionError("the stream ended")
 
 
-def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_events_stream_what_was_kept_then_what_happens_and_resume_after_the_last_seen(
     served: tuple[str, Availability],
 ) -> None:
@@ -114,12 +106,13 @@ def test_events_stream_what_was_kept_then_what_happens_and_resume_after_the_last
 def test_event_clients_are_bounded_and_one_that_goes_away_is_forgotten(served: tuple[str, Availability]) -> None:
     base_url, serving = served
     with open_events(base_url), open_events(base_url):
-        until(lambda: serving.events.clients == 2, "two clients follow")
+        until(lambda: serving.events.clients == 2, "two clients follow", timeout=10)
         with pytest.raises(HTTPError) as refused:
             open_events(base_url)
         assert refused.value.code == 503 and refused.value.headers["Retry-After"]
         assert json.loads(refused.value.read())["error"]["code"] == "too_many_clients"
-    until(lambda: serving.events.clients == 0, "the clients that hung up are forgotten")  # by the next heartbeat
+    # by the next heartbeat
+    until(lambda: serving.events.clients == 0, "the clients that hung up are forgotten", timeout=10)
     with open_events(base_url):
         pass
 

@@ -6,13 +6,11 @@ API server, engine loops and llama.cpp in this process; only the ring's break is
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
-from serving_checks import engine_served, unsplit_greedy
+from serving_checks import engine_served, unsplit_greedy, until
 from tiny_models import write_tiny_model
 
 from kafila.runtime.engine_loop import EngineLoop
@@ -42,13 +40,6 @@ class BreakingRing:
             raise StageFailed("member-1 is gone")
         self.lands -= 1
         return self._engine.land(launched)
-
-
-def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.02)
 
 
 def test_a_client_that_hangs_up_while_its_ring_is_broken_is_not_carried_to_the_next(tmp_path: Path) -> None:
