@@ -86,7 +86,8 @@ FAMILIES = {
     ),
     "gpt-oss": Family(
         ReplySyntax.HARMONY, "gpt-oss", "openai-gpt-oss-120b.jinja", ("<|constrain|>",),
-        "<|channel|>analysis<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.",
+        # (the recipient in the role: the tiny tokenizer would write "<|channel|> commentary", with a space)
+        "<|channel|>analysis<|message|>Checking.<|end|><|start|>assistant to=functions.",
         reasons=True,
     ),
 }  # fmt: skip
@@ -207,7 +208,7 @@ def test_in_auto_a_call_the_model_opens_is_held_to_its_schema(tmp_path: Path, na
         else:
             pytest.fail("the grammar never ended the call")
         text = engine.detokenize(written)
-        reader = reply_reader(template, calling=True, parallel=False, thinking=False)
+        reader = reply_reader(template, ["get_weather"], parallel=False, thinking=False)
         assert reader is not None
         content, reasoning, calls = gather(reader.feed(text) + reader.finish())
         # (the tiny tokenizer writes a word after a special token with a space: " Checking")
@@ -281,6 +282,9 @@ HARMONY_READS = [
     ),
     (' to=functions.f<|channel|>commentary json<|message|>{"a": 1}', "", "", [("f", {"a": 1})]),
     ("<|channel|>commentary to=browser.search<|message|>{}<|end|>", "", "", []),  # a call nobody offered
+    ('<|channel|>commentary to=functions.set_alarm json<|message|>{"at": 7}<|end|>', "", "", []),  # nor this
+    # Text run on past an offered name is not read into it (a tool the client never offered).
+    ('<|channel|>commentary to=functions.get_weatherjson<|message|>{"a": 1}', "", "", [("get_weather", {"a": 1})]),
     ("plain words", "plain words", "", []),
 ]  # fmt: skip
 
@@ -290,7 +294,7 @@ def test_harmony_reads_channels_and_calls_whole_and_in_pieces(
     text: str, content: str, reasoning: str, calls: list[tuple[str, Any]]
 ) -> None:
     for size in (1, 3, len(text)):
-        reader = HarmonyReader()
+        reader = HarmonyReader(("get_weather", "f"))
         pieces = [p for i in range(0, len(text), size) for p in reader.feed(text[i : i + size])] + reader.finish()
         got = gather(pieces)
         assert (got[0], got[1]) == (content, reasoning)
@@ -364,7 +368,7 @@ def test_any_text_reads_the_same_in_any_pieces(syntax: ReplySyntax, data: st.Dat
     text = "".join(parts)
 
     def read(pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
-        reader = HarmonyReader() if syntax is ReplySyntax.HARMONY else ToolCallStream(syntax)
+        reader = HarmonyReader(("f",)) if syntax is ReplySyntax.HARMONY else ToolCallStream(syntax)
         out = [p for piece in pieces for p in reader.feed(piece)] + reader.finish()
         content, reasoning, calls = gather(out)
         return content, reasoning, [(c.name, c.arguments) for c in calls]

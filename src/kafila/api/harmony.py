@@ -10,6 +10,7 @@ A reply continues the prompt's `<|start|>assistant`: messages, each a header (`<
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, ToolCallDelta, openai_call_id, partial_suffix
 
@@ -17,19 +18,32 @@ _MESSAGE = "<|message|>"
 _BODY_ENDS = ("<|end|>", "<|start|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z]+)")
 _HEADER_STARTS = ("<|", "assistant", "to=")  # how a header may begin, the prompt's `<|start|>` aside
-_RECIPIENT = re.compile(r"to=([A-Za-z0-9_.\-]{1,80})")
+# A recipient runs to a delimiter: whitespace (before the content type) or a special token.
+_RECIPIENT = re.compile(r"to=([^\s<]{1,80})")
 # A header is short; text that has gone on this long without `<|message|>` is no header.
 MAX_HEADER_CHARS = 256
 
 
+def offered_tool(recipient: str, tools: Collection[str]) -> str | None:
+    """The offered tool a message to `recipient` calls: `functions.` and a name on the list, read no
+    further than that name (the longest that fits, where text ran on past it); None where the
+    recipient is no function or none of `tools`, so a client is never sent a call it did not offer."""
+    if not recipient.startswith("functions."):
+        return None
+    name = recipient.removeprefix("functions.")
+    if name in tools:
+        return name
+    return max((tool for tool in tools if tool and name.startswith(tool)), key=len, default=None)
+
+
 class HarmonyReader(ReplyReader):
     """Splits a harmony reply into content, reasoning and tool-call deltas as it comes.
-    `read_calls`: whether messages to functions are read as calls (the request gave tools); else
-    they are dropped, as a turn the client did not ask for."""
+    `tools`: the names of the functions the request offered; a message to one of them is a call,
+    messages to any other recipient are dropped, as turns the client did not ask for."""
 
-    def __init__(self, read_calls: bool = True, parallel: bool = True) -> None:
+    def __init__(self, tools: Collection[str] = (), parallel: bool = True) -> None:
         super().__init__()
-        self.read_calls = read_calls
+        self.tools = frozenset(tools)
         self.parallel = parallel
         self._state = "header"  # "header" or "body"
         self._kind = "content"  # the body's: "content", "reasoning", "call" or "dropped"
@@ -66,15 +80,17 @@ class HarmonyReader(ReplyReader):
             self._state, self._kind = "body", "content"
             return True
         header, self._buffer = self._buffer[:found], self._buffer[found + len(_MESSAGE) :]
+        # A header never spans a message's end or start: one cut short there is no header at all.
+        header = header[max(header.rfind(tag) + len(tag) if tag in header else 0 for tag in _BODY_ENDS) :]
         channel = _CHANNEL.search(header)
         recipient = _RECIPIENT.search(header)
         self._state = "body"
         if recipient is not None and recipient.group(1) != "assistant":
-            target = recipient.group(1)
-            if self.read_calls and target.startswith("functions.") and len(target) > len("functions."):
+            name = offered_tool(recipient.group(1), self.tools)
+            if name is not None:
                 self._kind = "call"
                 if self.parallel or not self.calls:
-                    out.append(ToolCallDelta(self.calls, "", openai_call_id(), target.removeprefix("functions.")))
+                    out.append(ToolCallDelta(self.calls, "", openai_call_id(), name))
                 self._calls += 1
             else:
                 self._kind = "dropped"

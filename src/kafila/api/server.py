@@ -346,7 +346,8 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         held_from_the_start = bool(body.forced_tools()) or (
             body.response_format is not None and body.response_format.type != "text"
         )  # a grammar from the first token: no reasoning first, even where the template opened it
-        reader = reply_reader(template, calling, parallel, rendered.opens_thinking and not held_from_the_start)
+        offered = [tool.function.name for tool in body.tools or []] if calling else None
+        reader = reply_reader(template, offered, parallel, rendered.opens_thinking and not held_from_the_start)
         return await _serve(request, body, prompt, loop, chat=True, grammar=grammar, reader=reader)
 
     @app.post("/v1/completions", response_model=None)
@@ -692,13 +693,16 @@ def _spec(tool: Tool) -> ToolSpec:
     return ToolSpec(tool.function.name, tool.function.schema_of_arguments())
 
 
-def reply_reader(template: ChatTemplate, calling: bool, parallel: bool, thinking: bool) -> ReplyReader | None:
+def reply_reader(
+    template: ChatTemplate, offered: Sequence[str] | None, parallel: bool, thinking: bool
+) -> ReplyReader | None:
     """How a chat reply is read: a harmony model's always (its channels), a thinking model's for
-    its reasoning, others' for calls; `thinking`: the reply starts inside its reasoning."""
+    its reasoning, others' for calls to the `offered` tools (None: the request calls none);
+    `thinking`: the reply starts inside its reasoning."""
     syntax = template.reply_syntax
     if syntax is ReplySyntax.HARMONY:
-        return HarmonyReader(read_calls=calling, parallel=parallel)
-    answer = ToolCallStream(syntax, parallel) if calling and syntax is not None else None
+        return HarmonyReader(offered or (), parallel=parallel)
+    answer = ToolCallStream(syntax, parallel) if offered is not None and syntax is not None else None
     return ThinkReader(answer, thinking) if template.thinks else answer
 
 

@@ -99,6 +99,12 @@ def _converter_class() -> Any:
     from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
     class Converter(SchemaConverter):
+        def _format_literal(self, literal: str) -> str:
+            """A GBNF literal with its backslashes escaped too, as llama.cpp's own converter writes
+            it: llama-cpp-python's leaves them bare, so a property name or enum value holding `"`
+            or `\\` (JSON escapes it with one) broke the grammar or let invalid JSON through."""
+            return '"' + "".join(_LITERAL_ESCAPES.get(char, char) for char in literal) + '"'
+
         def visit(self, schema: Any, name: str) -> Any:
             if isinstance(schema, dict) and schema.get("items") in ({}, True):  # "any items": its KeyError
                 schema = {**schema, "items": _ANY}
@@ -112,6 +118,9 @@ def _converter_class() -> Any:
             return super().visit(schema, name)
 
     return Converter
+
+
+_LITERAL_ESCAPES = {"\\": "\\\\", '"': '\\"', "\r": "\\r", "\n": "\\n"}
 
 
 def _integer_rule(low: Any, high: Any) -> str:

@@ -177,19 +177,27 @@ _GRAMMARS: dict[ReplySyntax, _Grammar] = {
     ),
     # A call's message header may name its recipient in the role ("<|start|>assistant
     # to=functions.f<|channel|>commentary json<|message|>") or on the channel; both write
-    # "to=functions.", from which "auto" holds the call. After the name: the channel where the
-    # recipient came in the role, then the content type.
+    # "to=functions.", from which "auto" holds the call. After the name comes a delimiter, as
+    # harmony writes it: the channel (where the recipient came in the role), the content type
+    # after a space, or `<|message|>`; never a letter that a reader would take into the name.
     ReplySyntax.HARMONY: _Grammar(
         call=lambda tools, rules: " | ".join(
             f"{_lit(t.name)} recipient-rest {r}" for t, r in zip(tools, rules, strict=True)
         ),
         calls=lambda parallel: '"<|channel|>commentary to=functions." call',
-        auto='free ("to=functions." call)?',
+        auto='free | call-header "to=functions." call',
         opening="to=functions.",
         rules=(
             (
                 "recipient-rest",
-                '("<|channel|>" ("commentary" | "analysis"))? " "? "<|constrain|>"? "json"? "<|message|>"',
+                '("<|channel|>" ("commentary" | "analysis"))? (" <|constrain|>json" | " json")? "<|message|>"',
+            ),
+            # A call begins a message: the reply's first, or one after `<|start|>assistant` (which an
+            # SPM tokenizer may write with a space before the role).
+            (
+                "call-header",
+                '("<|channel|>commentary " | " ")? '
+                '| free "<|start|>" " "? "assistant" ("<|channel|>commentary " | " ")',
             ),
         ),
     ),
@@ -210,12 +218,9 @@ def tool_call_grammar(syntax: ReplySyntax, tools: Sequence[ToolSpec], parallel: 
     for name, rule in shape.rules:
         converter._add_rule(name, rule)
     converter._add_rule("calls", shape.calls(parallel))
-    if forced:
-        converter._add_rule("root", "calls")
-    else:
-        converter._add_rule("root", shape.auto)
-        if shape.opening is not None:
-            converter._add_rule("free", _text_without(shape.opening))
+    converter._add_rule("root", "calls" if forced else shape.auto)
+    if shape.opening is not None:  # (a syntax's own rules may name it in either case)
+        converter._add_rule("free", _text_without(shape.opening))
     return grammar_text(converter)
 
 
