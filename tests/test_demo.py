@@ -1,10 +1,12 @@
-"""The README's main job: `kafila host --demo` serves the bundled gemma-3-270m with two local
-members through the embedded rendezvous, answers the official client, and Ctrl-C ends it all."""
+"""The README's main job: `kafila host --demo` serves the bundled SmolLM2-135M-Instruct with two
+local members through the embedded rendezvous, answers the official client as a chat model, and
+Ctrl-C ends it all."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -40,15 +42,18 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_the_demo_serves_gemma_on_three_members_and_ends_cleanly() -> None:
+def test_the_demo_answers_like_a_chat_model_on_three_members_and_ends_cleanly() -> None:
     with running_host("--demo", "--context", "1024", "--concurrency", "2") as host:
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
         pid = host.process.pid
         (model,) = [m.id for m in client.models.list()]
+        assert model == "SmolLM2-135M-Instruct.Q4_1"
         reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16
+            model=model, messages=[{"role": "user", "content": "What is 2 + 2?"}], temperature=0, max_tokens=48
         )
-        assert reply.choices[0].message.content and reply.usage and reply.usage.completion_tokens > 0
+        answer = reply.choices[0].message.content or ""
+        assert reply.choices[0].finish_reason == "stop" and re.search(r"\b4\b|\bfour\b", answer, re.I), answer
+        assert not re.search(r"\b(3|5|22)\b", answer), answer
         members = demo_members(pid)
         assert len(members) == 2
         host.process.send_signal(signal.SIGINT)
@@ -58,6 +63,12 @@ def test_the_demo_serves_gemma_on_three_members_and_ends_cleanly() -> None:
             time.sleep(0.2)
         assert not any(running(m) for m in members)
         assert "3 stages" in host.output()
+        # The API's address is given once, on the line that says the session serves; before it, what it waits for.
+        output = host.output()
+        assert output.count(host.base_url.removeprefix("http://")) == 1, output
+        assert "waiting for 2 members to join" in output.split("ready: ")[0], output
+        (ready,) = [line for line in output.splitlines() if host.base_url.removeprefix("http://") in line]
+        assert ready.startswith(f"ready: {model} on {host.base_url}/v1, as 3 stages"), ready
         assert "Traceback" not in host.output() and "the ring broke" not in host.output()
         assert "on this machine too" not in host.output()  # the demo sets its processes up to share cores
 

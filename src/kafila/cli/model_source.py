@@ -12,7 +12,7 @@ from kafila.hub.reference import PREFIX, ModelNameError, parse_reference
 MODEL_HELP = (
     "A GGUF file, or a model on the Hugging Face hub, downloaded once into its cache and checked: "
     "hf://org/repo:QUANT (e.g. hf://Qwen/Qwen3-8B-GGUF:Q4_K_M), org/repo:QUANT, hf://org/repo/file.gguf. "
-    "HF_TOKEN and HF_ENDPOINT are honoured. Default: the bundled gemma-3-270m."
+    "HF_TOKEN and HF_ENDPOINT are honoured. Default: the bundled SmolLM2-135M-Instruct."
 )
 
 

@@ -147,6 +147,12 @@ class HostConfig:
     resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next one
 
     @property
+    def api_url(self) -> str:
+        """Where clients reach the API: the listening socket's address."""
+        address, port = self.sock.getsockname()[:2]
+        return f"http://{f'[{address}]' if ':' in address else address}:{port}/v1"
+
+    @property
     def settings(self) -> ContextSettings:
         n = self.session.concurrency
         return ContextSettings(n_ctx=self.session.context * n, n_batch=512, n_seq_max=n, n_threads=self.threads)
@@ -181,6 +187,7 @@ class HostRunner:
         self._device: FleetDevice | None = None  # this machine, as measured for the planner
         self._held: list[tuple[Suspended, Sink]] = []  # requests a broken ring left, for the next ring
         self._held_since = 0.0
+        self._url_given = False  # the first ready line gives the API's URL
 
     @property
     def going_on(self) -> bool:
@@ -492,13 +499,15 @@ class HostRunner:
 
     # --- both ---
     def _announce_ready(self, where: str) -> None:
-        session = self.config.session
-        text = (
-            f"ready: {self.config.path.stem}, {where}, context {session.context} × {session.concurrency} requests, "
+        """Says the session serves; the first time, where: the API's URL is given once, when it answers."""
+        session, model = self.config.session, self.config.path.stem
+        details = (
+            f"{where}, context {session.context} × {session.concurrency} requests, "
             f"chat template: {self.serving.chat_template_source}"
         )
-        self.ui.say(text)
-        self.serving.events.publish("ready", text)
+        self.serving.events.publish("ready", f"ready: {model}, {details}")
+        self.ui.say(f"ready: {model}{'' if self._url_given else f' on {self.config.api_url}'}, {details}")
+        self._url_given = True
 
     def incident(self, what: str, detail: str) -> None:
         """Something went wrong: the person at the host is told, and /status keeps it."""
