@@ -96,7 +96,7 @@ def test_a_forced_call_s_arguments_validate_and_its_result_goes_back(
 ) -> None:
     reply = client.chat.completions.create(
         model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,  # type: ignore[arg-type]
-        max_tokens=120, seed=seed, temperature=1.0,
+        max_tokens=200, seed=seed, temperature=1.0,
     )  # fmt: skip
     choice_out = reply.choices[0]
     assert choice_out.finish_reason == "tool_calls"

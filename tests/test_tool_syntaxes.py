@@ -127,7 +127,7 @@ def test_a_forced_call_is_read_and_its_result_goes_back_through_the_template(
     family, client = served
     reply = client.chat.completions.create(
         model="tiny", messages=_ask(family), tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
-        parallel_tool_calls=False, max_tokens=120, seed=seed, temperature=1.0,
+        parallel_tool_calls=False, max_tokens=200, seed=seed, temperature=1.0,
     )  # fmt: skip
     assert reply.choices[0].finish_reason == "tool_calls"
     calls = reply.choices[0].message.tool_calls or []
