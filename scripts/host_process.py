@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from urllib.error import URLError
 from urllib.request import urlopen
 
 READY_TIMEOUT_S = 120.0
+JOIN_LINE = re.compile(r"kafila\s+join\s+(\S+)\s+--rendezvous\s+(\S+)")  # the line the host prints for its members
 
 
 def free_port() -> int:
@@ -56,11 +58,9 @@ class Host:
         """The session code and rendezvous address the host printed for its members."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            words = self.output().replace("\n", " ").split()
-            if "join" in words:
-                at = words.index("join")
-                if "--rendezvous" in words[at:]:
-                    return words[at + 1], words[words.index("--rendezvous", at) + 1]
+            found = JOIN_LINE.search(self.output())
+            if found is not None:
+                return found.group(1), found.group(2)
             if self.process.poll() is not None:
                 break
             time.sleep(0.1)
