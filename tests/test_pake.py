@@ -24,6 +24,7 @@ from kafila.network.pake import (
     Abort,
     AbortReason,
     CodeMismatch,
+    Confirm,
     Exchange,
     FingerprintMismatch,
     PeerRefused,
@@ -33,6 +34,8 @@ from kafila.network.pake import (
     TrustProtocolError,
     abort_message,
     check_roster,
+    confirm_mac,
+    encode,
 )
 from kafila.network.rendezvous import (
     ConnId,
@@ -89,7 +92,8 @@ def pair(
 
 
 def run_pair(host: Exchange, joiner: Exchange) -> tuple[list[str], list[str]]:
-    """Both SPAKE2 messages, then both confirmations: what each side sent, in order."""
+    """Both SPAKE2 messages, then the joiner's confirmation (it proves first): what each side
+    sent, in order. The host's confirmation is its answer to the joiner's."""
     host_sent, joiner_sent = [host.start()], [joiner.start()]
     host_sent += host.receive(joiner_sent[0])
     joiner_sent += joiner.receive(host_sent[0])
@@ -99,7 +103,7 @@ def run_pair(host: Exchange, joiner: Exchange) -> tuple[list[str], list[str]]:
 def confirmed_pair() -> tuple[Exchange, Exchange, list[str], list[str]]:
     host, joiner = pair()
     host_sent, joiner_sent = run_pair(host, joiner)
-    host.receive(joiner_sent[1])
+    host_sent += host.receive(joiner_sent[1])
     joiner.receive(host_sent[1])
     assert host.confirmed and joiner.confirmed
     return host, joiner, host_sent, joiner_sent
@@ -114,8 +118,12 @@ ROSTER = {"m1": HOST_FP, "m2": JOINER_FP, "m3": OTHER_FP}
 def test_matching_codes_confirm_and_the_roster_arrives_intact() -> None:
     host, joiner = pair(joiner_code="  7 Crimson_HARBOR lemon TIGER orbit.Cactus ")  # what a person types is forgiven
     host_sent, joiner_sent = run_pair(host, joiner)
-    assert [json.loads(b)["kind"] for b in host_sent] == ["pake", "confirm"]
-    assert host.receive(joiner_sent[1]) == [] and joiner.receive(host_sent[1]) == []
+    assert [json.loads(b)["kind"] for b in host_sent] == ["pake"]  # nothing proved yet: nothing from the host
+    assert [json.loads(b)["kind"] for b in joiner_sent] == ["pake", "confirm"]
+    assert host.engaged and not host.confirmed
+    host_sent += host.receive(joiner_sent[1])
+    assert [json.loads(b)["kind"] for b in host_sent] == ["pake", "confirm"] and host.confirmed
+    assert joiner.receive(host_sent[1]) == []
     assert host.confirmed and joiner.confirmed and joiner.roster is None
     joiner.receive(host.seal_roster(ROSTER))
     assert joiner.roster == ROSTER
@@ -127,13 +135,18 @@ def test_matching_codes_confirm_and_the_roster_arrives_intact() -> None:
         assert body.isascii() and body.isprintable() and len(body) < 4096
 
 
-def test_a_wrong_secret_fails_on_both_sides_and_says_it_may_be_tampering() -> None:
+def test_a_wrong_secret_is_refused_before_the_host_proves_anything() -> None:
+    """A joiner with a wrong secret has only the host's SPAKE2 message, which says nothing of the
+    secret: the host refuses its confirmation and sends none of its own, so a guess is never
+    answered, only counted."""
     host, joiner = pair(joiner_code=WRONG)
     host_sent, joiner_sent = run_pair(host, joiner)
     with pytest.raises(CodeMismatch) as at_host:
         host.receive(joiner_sent[1])
-    with pytest.raises(CodeMismatch) as at_joiner:
-        joiner.receive(host_sent[1])
+    assert host_sent == [host_sent[0]] and host.engaged and not host.confirmed
+    forged = Confirm(fingerprint=HOST_FP, mac=confirm_mac(b"\x07" * 32, joiner.context, Role.HOST, HOST_FP))
+    with pytest.raises(CodeMismatch) as at_joiner:  # a host that does not hold the code cannot prove it either
+        joiner.receive(encode(forged))
     assert at_host.value.member == "m2" and "member m2 could not prove" in str(at_host.value)
     assert at_joiner.value.member == "m1" and "the host (m1) could not prove" in str(at_joiner.value)
     for error in (at_host.value, at_joiner.value):
@@ -174,7 +187,8 @@ def test_a_swapped_joiner_fingerprint_is_detected_by_the_host() -> None:
 
 def test_a_swapped_host_fingerprint_is_detected_by_the_joiner() -> None:
     host, joiner = pair(joiner_sees=EVIL_FP.upper())  # reported fingerprints are compared in lower case
-    host_sent, _ = run_pair(host, joiner)
+    host_sent, joiner_sent = run_pair(host, joiner)
+    host_sent += host.receive(joiner_sent[1])
     with pytest.raises(FingerprintMismatch) as caught:
         joiner.receive(host_sent[1])
     assert caught.value.member == "m1" and "substituted" in str(caught.value)
@@ -254,7 +268,8 @@ def test_out_of_order_and_misdirected_messages_are_protocol_errors() -> None:
     fresh_joiner.start()
     with pytest.raises(TrustProtocolError, match="confirmation out of order"):
         fresh_host.receive(joiner_sent[1])  # a confirmation before any SPAKE2 message
-    host.receive(joiner_sent[1])
+    assert not fresh_host.engaged  # nothing at stake: no key yet, so nothing was guessed
+    host_sent += host.receive(joiner_sent[1])
     joiner.receive(host_sent[1])
     roster = host.seal_roster(ROSTER)
     with pytest.raises(TrustProtocolError, match="only the host sends"):
@@ -271,9 +286,9 @@ def test_reflected_messages_are_refused() -> None:
     with pytest.raises(TrustProtocolError, match="invalid SPAKE2"):
         host.receive(first)  # our own SPAKE2 message back
     host, joiner = pair()
-    host_sent, _ = run_pair(host, joiner)
+    _, joiner_sent = run_pair(host, joiner)
     with pytest.raises(CodeMismatch):
-        host.receive(host_sent[1])  # our own confirmation back: the role tag differs
+        joiner.receive(joiner_sent[1])  # our own confirmation back: the role tag differs
 
 
 @pytest.mark.parametrize(
@@ -288,7 +303,7 @@ def test_reflected_messages_are_refused() -> None:
         '{"kind": "pake", "version": 1, "message": "53' + "ff" * 32 + '"}',
         '{"kind": "pake", "version": 1, "message": "41' + "11" * 32 + '"}',  # an asymmetric side byte
         '{"kind": "pake", "version": 1, "message": "53' + "11" * 31 + '"}',  # one byte short
-        '{"kind": "pake", "version": 2, "message": "53' + "11" * 32 + '"}',
+        '{"kind": "pake", "version": 3, "message": "53' + "11" * 32 + '"}',  # a version to come
         '{"kind": "confirm", "fingerprint": "xyz", "mac": "00"}',
         '{"kind": "roster", "members": {"bob": "00"}, "mac": ""}',
         '{"kind": "dance"}',
@@ -313,7 +328,7 @@ def test_every_truncation_of_every_message_is_a_trust_error() -> None:
         for cut in range(len(body)):  # no proper prefix of a JSON object parses, so the target stays fresh
             with pytest.raises(TrustProtocolError):
                 target.receive(body[:cut])
-    assert target.receive(joiner_sent[0])  # and it still works
+    assert target.receive(joiner_sent[0]) == [] and target.engaged  # and it still works
 
 
 @given(st.text(max_size=200) | st.binary(max_size=200))
@@ -483,7 +498,7 @@ def test_a_member_with_a_wrong_code_secret_is_refused() -> None:
 
     at_host, at_joiner = run(scenario())
     assert isinstance(at_host, CodeMismatch) and at_host.member == "m2"
-    assert isinstance(at_joiner, CodeMismatch) and at_joiner.member == "m1"
+    assert isinstance(at_joiner, PeerRefused) and at_joiner.member == "m1" and "code_mismatch" in str(at_joiner)
 
 
 def test_a_rendezvous_that_swaps_a_joiner_fingerprint_is_refused_by_the_host() -> None:
@@ -766,7 +781,8 @@ def test_a_newcomer_to_a_left_seat_proves_the_code_and_gets_who_is_here() -> Non
     assert proved == fingerprints[3]
     assert roster == {"m1": fingerprints[0], "m3": fingerprints[2], "m4": fingerprints[3]}
     assert isinstance(at_host, CodeMismatch) and at_host.member == "m5"
-    assert isinstance(at_guesser, CodeMismatch) and at_guesser.member == "m1"
+    # The guesser hears only the host's notice, after its guess was counted: no proof came from the host.
+    assert isinstance(at_guesser, PeerRefused) and at_guesser.member == "m1" and "code_mismatch" in str(at_guesser)
 
 
 def test_a_newcomer_that_proves_the_code_but_refuses_the_roster_is_no_guess() -> None:

@@ -9,10 +9,15 @@ member takes a fingerprint on the rendezvous's word. Instead (star topology, hos
    cannot learn the key, and cannot test guesses of the secret half offline: a wrong guess is a
    failed exchange that the host sees. The channel and both member ids are the SPAKE2 identity,
    so the exchange is bound to this session and this pair.
-2. Each side sends `confirm`: its own fingerprint and an HMAC over it, keyed by the SPAKE2 key
-   and tagged with its role. The receiver checks the MAC (a bad MAC means the two keys differ:
-   `CodeMismatch`), then that the fingerprint proved is the one the rendezvous reported for
-   that member (`FingerprintMismatch`).
+2. The joiner proves first: once it has the host's SPAKE2 message it sends `confirm`, its own
+   fingerprint and an HMAC over it, keyed by the SPAKE2 key and tagged with its role. The host
+   checks that MAC (a bad MAC means the two keys differ: `CodeMismatch`) and that the
+   fingerprint proved is the one the rendezvous reported (`FingerprintMismatch`), and only then
+   sends its own `confirm`, which the joiner checks the same way. So a joiner that guessed the
+   secret learns nothing from the host before it has proved its guess, and the host sees every
+   guess: an exchange whose SPAKE2 message came and that did not end in a valid proof, for
+   whatever reason (a wrong MAC, garbage, an abort, silence, leaving), is counted against the
+   host's budget (`engaged` and not `confirmed`: `rendezvous_client.UnprovenExchange`).
 3. Once every joiner has confirmed, the host sends each one the roster (member id →
    fingerprint), MAC'd with that pair's key. A joiner trusts another member's fingerprint only
    through this roster, and refuses if the rendezvous's member list differs from it
@@ -46,7 +51,7 @@ from kafila.network.session_codes import split_code
 from kafila.planner.fleet import MAX_MEMBERS
 from kafila.validation import first_problem
 
-PROTOCOL = b"kafila-trust-v1"
+PROTOCOL = b"kafila-trust-v2"  # v2: the joiner confirms first; v1's host confirmed at once (an oracle)
 _MEMBER_ID = re.compile(r"^m[1-9][0-9]{0,3}$")
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -63,11 +68,14 @@ class Role(StrEnum):
 
 
 class TrustError(Exception):
-    """A refusal to trust a member; `member` is the member id it concerns, when there is one."""
+    """A refusal to trust a member; `member` is the member id it concerns, when there is one.
+    `guess`: the host counts it against its guess budget (a joiner began the exchange and did
+    not prove the code, however it ended)."""
 
     def __init__(self, message: str, member: str | None = None) -> None:
         super().__init__(message)
         self.member = member
+        self.guess = False
 
 
 class CodeMismatch(TrustError):
@@ -122,7 +130,7 @@ class PakeMessage(Wire):
     """This side's SPAKE2 message: the symmetric side byte `S` (0x53) and a 32-byte group element."""
 
     kind: Literal["pake"] = "pake"
-    version: Literal[1] = 1
+    version: Literal[2] = 2
     message: Annotated[str, Field(pattern=r"^53[0-9a-f]{64}$")]
 
 
@@ -275,11 +283,12 @@ class Exchange:
     """One side of the exchange between the host and one joiner. Sans-IO.
 
     `start()` gives the first body to send; `receive()` takes each body from the peer and gives
-    the bodies to send back. Once `confirmed`, the peer has proved the code and
-    `peer_fingerprint`. The host then calls `seal_roster()`; the joiner's `receive()` of it
-    sets `roster` (authenticated, not yet compared with the rendezvous: see `check_roster`);
-    once that check passes the joiner sends `accept()`, and the host's `receive()` of it sets
-    `accepted`.
+    the bodies to send back. The host is `engaged` once the joiner's SPAKE2 message has come
+    (from then on, an exchange that ends unproven may have been a guess). Once `confirmed`, the
+    peer has proved the code and `peer_fingerprint` (the joiner proves first, then the host).
+    The host then calls `seal_roster()`; the joiner's `receive()` of it sets `roster`
+    (authenticated, not yet compared with the rendezvous: see `check_roster`); once that check
+    passes the joiner sends `accept()`, and the host's `receive()` of it sets `accepted`.
     """
 
     def __init__(
@@ -311,6 +320,7 @@ class Exchange:
         self._spake = SPAKE2_Symmetric(f"{channel}-{secret}".encode(), idSymmetric=self.context, entropy_f=entropy)
         self._key: bytes | None = None
         self._started = False
+        self.engaged = False  # the peer's SPAKE2 message came: a key to prove is at stake
         self.confirmed = False
         self.roster: dict[str, str] | None = None  # joiner: received; host: sealed
         self.accepted = False
@@ -335,8 +345,8 @@ class Exchange:
         if isinstance(message, PakeMessage):
             return self._on_pake(message)
         if isinstance(message, Confirm):
-            self._on_confirm(message)
-        elif isinstance(message, RosterMessage):
+            return self._on_confirm(message)
+        if isinstance(message, RosterMessage):
             self._on_roster(message)
         else:
             self._on_accepted(message)
@@ -348,16 +358,21 @@ class Exchange:
     def _on_pake(self, message: PakeMessage) -> list[str]:
         if self._key is not None:
             raise self._out_of_order("a second SPAKE2 message")
+        self.engaged = True  # even a message SPAKE2 refuses: whoever sent it tried
         try:
             self._key = bytes(self._spake.finish(bytes.fromhex(message.message)))
         except Exception as error:  # the library's errors (bad point, reflection) are all a bad peer message
             raise TrustProtocolError(
                 f"{self.peer_id} sent an invalid SPAKE2 message ({type(error).__name__}); refused", self.peer_id
             ) from None
-        mac = confirm_mac(self._key, self.context, self.role, self.own_fingerprint)
-        return [encode(Confirm(fingerprint=self.own_fingerprint, mac=mac))]
+        return [self._confirmation()] if self.role is Role.JOINER else []  # the host waits for the joiner's
 
-    def _on_confirm(self, message: Confirm) -> None:
+    def _confirmation(self) -> str:
+        assert self._key is not None
+        mac = confirm_mac(self._key, self.context, self.role, self.own_fingerprint)
+        return encode(Confirm(fingerprint=self.own_fingerprint, mac=mac))
+
+    def _on_confirm(self, message: Confirm) -> list[str]:
         if self._key is None or self.confirmed:
             raise self._out_of_order("a confirmation")
         peer_role = Role.JOINER if self.role is Role.HOST else Role.HOST
@@ -367,6 +382,7 @@ class Exchange:
         if message.fingerprint != self.peer_fingerprint:
             raise FingerprintMismatch(self.peer_id, self.peer_fingerprint, message.fingerprint, "it proved")
         self.confirmed = True
+        return [self._confirmation()] if self.role is Role.HOST else []  # proved: now the host proves too
 
     def _on_roster(self, message: RosterMessage) -> None:
         if self.role is Role.HOST:

@@ -435,6 +435,23 @@ class TrustTimeout(TrustError):
     """The other side did not complete its part of the trust exchange in time."""
 
 
+class LeftUnproven(TrustError):
+    """A joiner that began the exchange left before proving the code: a possible guess."""
+
+    def __init__(self, message: str, member: str) -> None:
+        super().__init__(message, member)
+        self.guess = True
+
+
+def _counted(error: TrustError, exchange: Exchange) -> TrustError:
+    """`error`, marked as a possible guess (`TrustError.guess`) where the joiner began the
+    exchange (its SPAKE2 message came) and did not prove the code, however it ended: a wrong
+    secret, garbage, an abort, silence. The host counts each against its budget
+    (`session.core.GUESS_BUDGET`): a guesser learns nothing before proving, and every try costs."""
+    error.guess = error.guess or (exchange.engaged and not exchange.confirmed)
+    return error
+
+
 class ProvenButRefused(TrustError):
     """A newcomer proved the code, then the exchange failed (it refused the member list, or went
     silent): no guess at the secret, so no reason to stop admitting others."""
@@ -548,11 +565,12 @@ async def verify_members(
     as long as it lives). A joiner that fails its part (a wrong code, garbage, silence, an abort,
     a fingerprint other than the rendezvous reported) is told why, removed at the rendezvous so
     that its seat is free again, and reported to `refused`; the session goes on forming with the
-    same code. `refused` may raise to end the forming: a `CodeMismatch`, a failed key
-    confirmation, may be a guess at the secret, which the caller counts against its budget
-    (`session.core.GUESS_BUDGET`). A joiner that leaves is forgotten, its seat free; one that
-    leaves after the roster went is left out of what is returned, and one that joins after it is
-    left for the host to admit as a newcomer.
+    same code. `refused` may raise to end the forming: an error marked `guess` (a joiner began the
+    exchange and did not prove the code, however it ended, leaving included) may be a guess at
+    the secret, which the caller counts against its budget (`session.core.GUESS_BUDGET`). A
+    joiner that leaves is forgotten, its seat free (reported to `refused` first if it left with a
+    guess at stake); one that leaves after the roster went is left out of what is returned, and
+    one that joins after it is left for the host to admit as a newcomer.
     """
     _check_session(client, code, host=True)
     own = normalize_fingerprint(fingerprint)
@@ -563,8 +581,10 @@ async def verify_members(
     roster: dict[str, str] | None = None  # once sent
 
     async def drop(member_id: str, error: TrustError) -> None:
-        exchanges.pop(member_id, None)
+        exchange = exchanges.pop(member_id, None)
         deadlines.pop(member_id, None)
+        if exchange is not None:
+            error = _counted(error, exchange)
         if not isinstance(error, PeerRefused):  # it told us; otherwise it hears why
             await send_abort(client, [member_id], error)
         try:
@@ -595,6 +615,8 @@ async def verify_members(
                 if member_id not in client.members:  # it left: its seat is free again
                     exchanges.pop(member_id)
                     deadlines.pop(member_id, None)
+                    if exchange.engaged and not exchange.confirmed:  # it left with a guess at stake
+                        refused(member_id, LeftUnproven(f"member {member_id} left before proving the code", member_id))
                     continue
                 try:
                     for body in client.take_signals(member_id):
@@ -653,9 +675,10 @@ async def verify_newcomer(
     verified earlier (`trusted`, id → fingerprint) that the rendezvous still lists, and itself.
 
     Returns the fingerprint the newcomer proved. Raises a `TrustError` (the newcomer is told
-    why): `ProvenButRefused` once it had proved the code; `CodeMismatch`, a failed key
-    confirmation, may be a guess at the secret, which the caller counts against its budget
-    (`session.core.GUESS_BUDGET`). `RendezvousError` if the newcomer leaves first.
+    why): `ProvenButRefused` once it had proved the code; one marked `guess` once it had begun
+    the exchange and did not prove it, however that ended (leaving included): a possible guess at
+    the secret, which the caller counts against its budget (`session.core.GUESS_BUDGET`).
+    `RendezvousError` if the newcomer leaves before it began.
     """
     _check_session(client, code, host=True)
     info = client.members.get(member_id)
@@ -686,4 +709,8 @@ async def verify_newcomer(
             await send_abort(client, [member_id], error)
         if exchange.confirmed:
             raise ProvenButRefused(str(error), member_id) from error
+        raise _counted(error, exchange) from error
+    except RendezvousError as error:  # it left mid-exchange
+        if exchange.engaged and not exchange.confirmed:
+            raise LeftUnproven(f"member {member_id} left before proving the code: {error}", member_id) from error
         raise

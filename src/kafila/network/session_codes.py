@@ -10,9 +10,10 @@ A full code has two halves:
   list of 2,048 (chosen so that no two words share their first four letters), so 2^44
   possibilities. It never goes to the rendezvous. Members use the whole code as the password of
   a SPAKE2 exchange (`kafila.network.pake`), which lets no one test guesses offline: each guess
-  costs an exchange that the host sees fail, and the host takes at most `GUESS_BUDGET` failed
-  proofs in its whole life (`session.core`), so an attacker, the rendezvous included, wins with a
-  chance of at most 3 in 2^44, about 1.7 × 10^-13.
+  costs an exchange in which the joiner must prove its key before the host answers, so the host
+  sees every try that is not a proof (a wrong one, an abort, garbage, silence, leaving) and takes
+  at most `GUESS_BUDGET` of them in its whole life (`session.core`), so an attacker, the
+  rendezvous included, wins with a chance of at most 3 in 2^44, about 1.7 × 10^-13.
 """
 
 from __future__ import annotations
