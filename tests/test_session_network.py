@@ -492,7 +492,7 @@ def test_a_wrong_session_code_is_refused_and_the_same_code_then_forms_the_sessio
         output = intruder.communicate(timeout=90)[0]
         assert intruder.returncode == 1
         assert "code" in output.lower() and "Traceback" not in output
-        assert "refused intruder" in host.output() and status_of(host)["code"] == code  # the code lives on
+        assert "refused intruder" in host.output() and status_of(host)["admitting"] is True  # the code lives on
         an_honest_member_then_forms_the_session(host, code, rendezvous, tmp_path, model)
 
 
@@ -527,7 +527,7 @@ def test_joiners_that_send_garbage_abort_go_silent_or_leave_the_last_seat_leave_
 
         asyncio.run(asyncio.wait_for(attacks(), 90))
         status = until_status(host, lambda status: "leaver" not in str(status.get("members")), "the last seat free")
-        assert status["code"] == code and host.process.poll() is None
+        assert status["admitting"] is True and host.process.poll() is None
         for name in ("garbler", "aborter", "silent"):
             assert f"refused {name}" in host.output(), host.output()
         an_honest_member_then_forms_the_session(host, code, rendezvous, tmp_path, model)

@@ -216,8 +216,10 @@ class SessionStatus(Strict):
     on a rebalance; one machine split locally says its division only."""
 
     members: list[MemberStatus] = Field(default_factory=list)
-    code: str | None = None
-    admitting: bool | None = None  # whether a freed seat may still be taken (no failed code so far)
+    code: str | None = None  # the session code: in /status only for the API key's holder
+    admitting: bool | None = None  # whether a freed seat may still be taken (the guess budget not spent)
+    failed_proofs: int | None = None  # exchanges begun and not proved (possible guesses), against `guess_budget`
+    guess_budget: int | None = None
     epoch: int | None = None
     edges: list[EdgeStatus] = Field(default_factory=list)
     plan: PlanStatus | None = None
@@ -263,6 +265,7 @@ class HostStatus(SessionStatus):
     ready: bool
     waiting_for: list[str] = Field(default_factory=list)
     error: str | None = None
+    join: str | None = None  # the line that joins a member (the session code): only for the API key's holder
     context_per_sequence: int
     queue_depth: int = 0
     running: int = 0

@@ -13,9 +13,11 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kafila.contracts import EventKind, HostEvent
+from kafila.untrusted import printable
 
 MAX_KEPT_EVENTS = 256  # the latest events, for a client that connects or reconnects
 MAX_EVENT_CLIENTS = 16  # streams at once; more are turned away (503) rather than held
@@ -56,6 +58,9 @@ class EventFeed:
     keep: int = MAX_KEPT_EVENTS
     max_clients: int = MAX_EVENT_CLIENTS
     client_backlog: int = MAX_CLIENT_BACKLOG
+    # What an event's texts become before anyone sees them: names and errors from the network in
+    # them lose their control characters (and the host's secrets are hidden: `Availability.public`).
+    scrub: Callable[[str], str] = field(default=lambda text: printable(text, MAX_EVENT_TEXT, newlines=True))
     _recent: deque[HostEvent] = field(init=False, repr=False)
     _clients: set[Subscription] = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -69,9 +74,8 @@ class EventFeed:
         """Keep the event and hand it to every client (safe from any thread)."""
         with self._lock:
             self._last_id += 1
-            event = HostEvent(
-                id=self._last_id, kind=kind, text=text[:MAX_EVENT_TEXT], detail=detail[:MAX_EVENT_TEXT], at=time.time()
-            )
+            text, detail = self.scrub(text)[:MAX_EVENT_TEXT], self.scrub(detail)[:MAX_EVENT_TEXT]
+            event = HostEvent(id=self._last_id, kind=kind, text=text, detail=detail, at=time.time())
             self._recent.append(event)
             clients = list(self._clients)
         for client in clients:

@@ -139,6 +139,8 @@ class Served(Protocol):
     @property
     def waiting_for(self) -> list[str]: ...
     @property
+    def join_line(self) -> str | None: ...
+    @property
     def failure(self) -> str | None: ...
     @property
     def paused(self) -> bool: ...
@@ -479,6 +481,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             gone.cancel()
             if not collecting.done():  # the client hung up (or the server is stopping): stop making it
                 collecting.cancel()
+                await asyncio.wait({collecting})  # cancelled once it has run again, not at cancel()
             cancel()  # a no-op once finished; frees the slot if the client went away
         if collecting.cancelled():
             return Response(status_code=499)  # nobody is left to read it
@@ -496,6 +499,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             ready=serving.ready,
             waiting_for=serving.waiting_for,
             error=serving.failure or (loop.error if loop else None),
+            join=serving.join_line if config.api_key is not None else None,  # an open /status never shows it
             context_per_sequence=config.context_per_sequence,
             queue_depth=loop.queued if loop else 0,
             running=loop.running if loop else 0,
@@ -504,7 +508,8 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             requests={"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
             stages=loop.stage_report if loop else [],
             incidents=list(serving.incidents),
-            **{name: getattr(session, name) for name in session.model_fields_set},
+            # the session code is for the API key's holder alone: an open /status never shows it
+            **{name: getattr(session, name) for name in session.model_fields_set if config.api_key or name != "code"},
         ).wire()
 
     @app.get("/events", response_model=None)

@@ -23,7 +23,7 @@ def shout_idle_gpu(idle: IdleGpu, console: Console = stderr) -> None:
 def say_backend(who: str = "") -> BackendReport | None:
     """At a command's start: which backend serves this machine's stages, then the idle-GPU
     warning where there is one. None where ggml cannot be asked (the stages may still run)."""
-    prefix = f"[dim]{who}:[/dim] " if who else ""
+    prefix = f"[dim]{escape(who)}:[/dim] " if who else ""
     try:
         report = backend_report()
     except LlamaUnavailable as error:

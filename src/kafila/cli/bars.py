@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from kafila.cli.errors import stderr
+from kafila.cli.errors import shown, stderr
 from kafila.units import human_bytes
 
 Update = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
@@ -34,7 +34,7 @@ def transfer_bars() -> Iterator[Update]:
 
         def update(what: str, done: int, total: int) -> None:
             if what not in tasks:
-                tasks[what] = bars.add_task(what, total=total)
+                tasks[what] = bars.add_task(shown(what), total=total)  # a member's name may be in it
             bars.update(tasks[what], completed=done)
 
         yield update
@@ -53,12 +53,12 @@ def _logged() -> Update:
         now = time.monotonic()
         if what not in started:
             started[what] = (now, done)
-            stderr.print(f"{what}: {human_bytes(total)}", highlight=False, soft_wrap=True)
+            stderr.print(f"{shown(what)}: {human_bytes(total)}", highlight=False, soft_wrap=True)
         if done >= total and what not in ended:
             ended.add(what)
             since, before = started[what]
             seconds = now - since
             rate = f", {human_bytes(int((done - before) / seconds))}/s" if seconds > 0.5 else ""
-            stderr.print(f"{what}: done in {seconds:.1f} s{rate}", highlight=False, soft_wrap=True)
+            stderr.print(f"{shown(what)}: done in {seconds:.1f} s{rate}", highlight=False, soft_wrap=True)
 
     return update

@@ -21,7 +21,7 @@ import uvicorn
 from kafila.api.server import ApiConfig, create_app
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
-from kafila.cli.errors import fail, stderr
+from kafila.cli.errors import device_name, fail, shown, stderr
 from kafila.cli.generate_command import NO_DEFAULT_MODEL, default_model, local_counts
 from kafila.cli.model_source import MODEL_HELP, model_file
 from kafila.cli.network_commands import parse_host_port
@@ -39,6 +39,7 @@ from kafila.runtime.stage_cache import check_stage_cache_setting
 from kafila.runtime.threads import THREADS_HELP, serving_threads
 from kafila.session.availability import Availability
 from kafila.session.runner import HostConfig, HostRunner, lan_address, supervised
+from kafila.untrusted import printable
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -189,6 +190,7 @@ def host(
     except ValueError as error:
         fail(str(error), False)
     session = SessionSpec(context=context, concurrency=concurrency)
+    host_name = device_name(name, f"host-{socket.gethostname()}"[:64])
     try:
         lent = parse_memory(memory)
         if not path.is_file():
@@ -208,7 +210,7 @@ def host(
         threads=threads or serving_threads(), members=n_members, rendezvous=external,
         rendezvous_bind="127.0.0.1" if demo else (rendezvous_bind or lan_address()),
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
-        demo=demo, name=name or (f"host-{socket.gethostname()}"[:64]), discovery_port=discovery_port or None,
+        demo=demo, name=host_name, discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
         resume_within_s=resume_within,
     )  # fmt: skip
@@ -229,13 +231,13 @@ class RichUi:
     """The host's messages on stderr, with rich: stdout stays free for programs."""
 
     def say(self, text: str) -> None:
-        stderr.print(text, highlight=False, soft_wrap=True)
+        stderr.print(printable(text, newlines=True), markup=False, highlight=False, soft_wrap=True)
 
     def warn(self, what: str, detail: str) -> None:
-        stderr.print(f"[yellow]{what}:[/yellow] {detail}", highlight=False, soft_wrap=True)
+        stderr.print(f"[yellow]{shown(what)}:[/yellow] {shown(detail, True)}", highlight=False, soft_wrap=True)
 
     def error(self, message: str) -> None:
-        stderr.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+        stderr.print(f"[red]error:[/red] {shown(message, True)}", highlight=False, soft_wrap=True)
 
     def announce_code(self, code: str, join_line: str, discoverable: bool = False) -> None:
         stderr.print(f"session code: [bold]{code}[/bold]", highlight=False, soft_wrap=True)

@@ -13,7 +13,7 @@ import typer
 
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
-from kafila.cli.errors import fail, stderr, warn
+from kafila.cli.errors import device_name, fail, shown, stderr, warn
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
@@ -63,7 +63,7 @@ def join(
         load_llama()
     except LlamaUnavailable as error:
         fail(str(error), False)
-    member = name or f"{socket.gethostname()}"[:64]
+    member = device_name(name, f"{socket.gethostname()}"[:64])
     say_backend(member)
     try:
         channel, _ = split_code(code)
@@ -99,11 +99,11 @@ def join(
     try:
         reason = run_member(config, MemberConsole(member))
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run may raise either
-        stderr.print(f"[dim]{member}:[/dim] left the session", highlight=False)
+        stderr.print(f"[dim]{shown(member)}:[/dim] left the session", highlight=False)
         return
     except Exception as error:  # every failure a person can meet: one line, no traceback
         fail(f"{member}: {error}", False)  # named like its other lines: a demo runs several here
-    stderr.print(f"[dim]{member}:[/dim] the session ended: {reason}", highlight=False)
+    stderr.print(f"[dim]{shown(member)}:[/dim] the session ended: {shown(reason, True)}", highlight=False)
 
 
 class MemberConsole:
@@ -113,7 +113,7 @@ class MemberConsole:
         self.name = name
 
     def say(self, text: str) -> None:
-        stderr.print(f"[dim]{self.name}:[/dim] {text}", highlight=False, soft_wrap=True)
+        stderr.print(f"[dim]{shown(self.name)}:[/dim] {shown(text, True)}", highlight=False, soft_wrap=True)
 
     def progress_bars(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
         return transfer_bars()

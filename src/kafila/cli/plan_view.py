@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from kafila.cli.errors import shown
 from kafila.planner.report import PlanReport
 
 
@@ -20,7 +21,7 @@ def _ratio(baseline: float | None, ours: float | None) -> str:
 
 def render_plan(report: PlanReport, console: Console) -> None:
     console.print(
-        f"[bold]Plan[/bold] — tier [cyan]{report.tier.value}[/cyan], head [cyan]{report.head}[/cyan], "
+        f"[bold]Plan[/bold] — tier [cyan]{report.tier.value}[/cyan], head [cyan]{shown(report.head)}[/cyan], "
         f"ring search {report.ring_search.value}, planned in {report.planner_ms:.1f} ms"
     )
     stages = Table(title="Stages in chain order (block 0 first, head last)")
@@ -29,7 +30,7 @@ def render_plan(report: PlanReport, console: Console) -> None:
     for name, (start, end) in report.ranges.items():
         memory = report.memory_bytes[name]
         stages.add_row(
-            name + (" (head)" if name == report.head else ""),
+            shown(name) + (" (head)" if name == report.head else ""),
             f"{start}–{end - 1} ({end - start})",
             _ms(report.stage_ms[name]),
             f"{memory['needed'] / 2**30:.2f} GiB",
@@ -43,7 +44,9 @@ def render_plan(report: PlanReport, console: Console) -> None:
             edges.add_column(column)
         for edge in report.edges:
             colour = "green" if edge.predicted.value == "direct" else "yellow"
-            edges.add_row(edge.a, edge.b, f"[{colour}]{edge.predicted.value}[/{colour}]", _ms(edge.cost_ms))
+            edges.add_row(
+                shown(edge.a), shown(edge.b), f"[{colour}]{edge.predicted.value}[/{colour}]", _ms(edge.cost_ms)
+            )
         console.print(edges)
 
     comparison = Table(title="Division compared on the same ring")
@@ -61,4 +64,4 @@ def render_plan(report: PlanReport, console: Console) -> None:
         )
     console.print(comparison)
     for note in report.notes:
-        console.print(f"• {note}")
+        console.print(f"• {shown(note)}")

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kafila.cli.errors import fail
+from kafila.cli.errors import fail, shown
 from kafila.contracts import BackendReport, HostStatus, MemberStatus
 from kafila.validation import one_line
 
@@ -25,11 +25,13 @@ def _number(value: float | None, digits: int = 2) -> str:
 
 def render_status(status: HostStatus, console: Console) -> None:
     ready = "[green]ready[/green]" if status.ready else "[yellow]not ready[/yellow]"
-    console.print(f"[bold]{status.model}[/bold]: {ready}", highlight=False, soft_wrap=True)
+    console.print(f"[bold]{shown(status.model)}[/bold]: {ready}", highlight=False, soft_wrap=True)
     for line in status.waiting_for:
-        console.print(f"  waiting for {line}", highlight=False, soft_wrap=True)
+        console.print(f"  waiting for {shown(line)}", highlight=False, soft_wrap=True)
     if status.error:
-        console.print(f"  [red]error:[/red] {status.error}", highlight=False, soft_wrap=True)
+        console.print(f"  [red]error:[/red] {shown(status.error, True)}", highlight=False, soft_wrap=True)
+    if status.join:
+        console.print(f"  a member joins with: {shown(status.join)}", highlight=False, soft_wrap=True)
     console.print(
         f"tokens/s {_number(status.tokens_per_s, 1)}, running {status.running}, "
         f"queued {status.queue_depth}, context {status.context_per_sequence} per request, "
@@ -58,7 +60,7 @@ def render_status(status: HostStatus, console: Console) -> None:
             if member.stages:  # one machine split into local stages
                 blocks = "stages " + ", ".join(map(str, member.stages))
             table.add_row(
-                member.name,
+                shown(member.name),
                 ("host" if member.host else "member")
                 + (" (head)" if member.name == head or (head is None and member.host) else "")
                 + (" (joining)" if member.joining else ""),
@@ -83,24 +85,26 @@ def render_status(status: HostStatus, console: Console) -> None:
         for column in ("from", "to", "path", "rtt ms"):
             ring.add_column(column, justify="right" if column == "rtt ms" else "left")
         for edge in status.edges:
-            ring.add_row(edge.source, edge.to, edge.path or "—", _number(edge.rtt_ms))
+            ring.add_row(shown(edge.source), shown(edge.to), shown(edge.path or "—"), _number(edge.rtt_ms))
         console.print(ring)
     plan = status.plan
     if plan:
         console.print(
-            f"plan (epoch {status.epoch}): tier {plan.tier}, ring {' → '.join(plan.ring)}, "
+            f"plan (epoch {status.epoch}): tier {shown(plan.tier)}, ring {shown(' → '.join(plan.ring))}, "
             f"division {plan.division}, predicted bottleneck {_number(plan.predicted_bottleneck_ms)} ms",
             highlight=False,
             soft_wrap=True,
         )
     if status.rebalance:
-        console.print(f"rebalance: {status.rebalance.reason}", highlight=False, soft_wrap=True)
+        console.print(f"rebalance: {shown(status.rebalance.reason)}", highlight=False, soft_wrap=True)
     if status.incidents:
         latest = status.incidents[-1]
         when = time.strftime("%H:%M:%S", time.localtime(latest.at))
         more = f" ({len(status.incidents) - 1} earlier: --json shows them)" if len(status.incidents) > 1 else ""
         console.print(f"last incident, at {when}{more}:", highlight=False)
-        console.print(f"  [yellow]{latest.what}:[/yellow] {latest.detail}", highlight=False, soft_wrap=True)
+        console.print(
+            f"  [yellow]{shown(latest.what)}:[/yellow] {shown(latest.detail, True)}", highlight=False, soft_wrap=True
+        )
 
 
 def _backend(report: BackendReport | None) -> str:

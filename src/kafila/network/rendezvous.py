@@ -36,6 +36,7 @@ from kafila.network.limits import TokenBucket
 from kafila.network.relay import TOKEN_BYTES
 from kafila.network.session_codes import new_code, normalise_code
 from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
+from kafila.untrusted import check_name
 
 PROTOCOL_VERSION = 1
 MAX_CANDIDATES = 8
@@ -167,7 +168,7 @@ class MemberInfo(Wire):
     """What every member learns of every other: enough to plan the ring and to dial and pin it."""
 
     member_id: MemberId
-    name: Annotated[str, Field(min_length=1, max_length=80)]  # the device's name, made unique
+    name: Annotated[str, Field(min_length=1, max_length=80), AfterValidator(check_name)]  # the device's, made unique
     host: bool
     capability: FleetDevice
     candidates: Candidates

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import AfterValidator, Field, PositiveInt, model_validator
 
 from kafila.contracts import NatBehaviour, NatClass
 from kafila.planner.types import MAX_BLOCKS, Device, ModelManifest, SessionSpec, Strict
+from kafila.untrusted import check_name
 
 MAX_MEMBERS = 32  # a person's own machines; the exact ring search covers 16
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -104,7 +105,7 @@ def pricing_from_serving(
 
 
 class FleetDevice(Strict):
-    name: str = Field(min_length=1, max_length=64)
+    name: Annotated[str, Field(min_length=1, max_length=64), AfterValidator(check_name)]
     memory_gib: Annotated[float, Field(gt=0, le=2**20)]
     bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None
     head_bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None

@@ -20,12 +20,14 @@ from kafila.runtime.chat_template import ChatTemplate
 from kafila.runtime.engine_loop import EngineLoop, Sink, fail_suspended
 from kafila.runtime.pipeline import Engine
 from kafila.runtime.scheduler import Suspended
+from kafila.untrusted import printable
 
 # How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
 # turned away with 503: a replan streams and loads stage files, which can take minutes.
 PLANNED_PAUSE_WAIT_S = 120.0
 MAX_INCIDENTS = 16  # the latest things that went wrong, kept for /status
 MAX_GONE = 4096  # requests whose clients left while a broken ring's requests waited for the next
+HIDDEN_SECRET = "[the session code: on the host's console]"
 
 
 @dataclass
@@ -46,6 +48,24 @@ class Availability:
     incidents: deque[Incident] = field(default_factory=lambda: deque(maxlen=MAX_INCIDENTS))
     events: EventFeed = field(default_factory=EventFeed)  # joins, leaves, replans, incidents: for /events
     gone: set[str] = field(default_factory=set)  # request ids whose clients left after their ring broke
+    secrets: list[str] = field(default_factory=list)  # never shown on the API's routes (`public`)
+    join_line: str | None = None  # `kafila join CODE ...`: shown to the API key's holder alone
+
+    def __post_init__(self) -> None:
+        self.events.scrub = self.public
+
+    def keep_secret(self, *secrets: str) -> None:
+        """`secrets` (the session code, its secret words) are hidden from now on in everything the
+        API shows."""
+        self.secrets += [secret for secret in secrets if secret and secret not in self.secrets]
+        self.secrets.sort(key=len, reverse=True)  # the whole code first, then its parts
+
+    def public(self, text: str) -> str:
+        """`text` as the API may show it to anyone who reaches it: the secrets hidden, no control
+        characters (names and errors in it may have come from the network)."""
+        for secret in self.secrets:
+            text = text.replace(secret, HIDDEN_SECRET)
+        return printable(text, newlines=True)
 
     def session_status(self) -> SessionStatus:
         return self.describe_session()
@@ -72,7 +92,7 @@ class Availability:
         return wanted
 
     def record_incident(self, what: str, detail: str) -> None:
-        self.incidents.append(Incident(what=what, detail=detail, at=time.time()))
+        self.incidents.append(Incident(what=self.public(what), detail=self.public(detail), at=time.time()))
         self.events.publish("incident", what, detail)
 
     def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
@@ -88,7 +108,9 @@ class Availability:
     def become_unready(self, waiting_for: list[str], failure: str | None = None, paused: bool = False) -> None:
         """`paused`: the host chose to replan (it is not broken), so requests that come meanwhile
         wait for the new ring, up to `pause_wait_s`; otherwise they get 503 at once."""
-        self.loop, self.engine, self.waiting_for, self.failure = None, None, waiting_for, failure
+        self.loop, self.engine = None, None
+        self.waiting_for = [self.public(wait) for wait in waiting_for]
+        self.failure = self.public(failure) if failure is not None else None
         self.paused = paused and failure is None
         self._wake()
 

@@ -370,8 +370,9 @@ class HostSession:
 
     # --- status and the end -----------------------------------------------------------------
 
-    def status(self, admitting: bool) -> SessionStatus:
-        """`admitting`: whether a freed seat may still be taken (the session core decides)."""
+    def status(self, admitting: bool, failed_proofs: int = 0, guess_budget: int | None = None) -> SessionStatus:
+        """`admitting`: whether a freed seat may still be taken, `failed_proofs` the possible
+        guesses counted so far of `guess_budget` (the session core decides and counts)."""
         deployment = self.deployment
         machines = self.known_machines() if deployment is not None else {}  # only a deployment's members are priced
         members = []
@@ -402,6 +403,8 @@ class HostSession:
         return SessionStatus(
             code=self.code,
             admitting=admitting,
+            failed_proofs=failed_proofs,
+            guess_budget=guess_budget,
             members=members,
             epoch=self.deployer.epoch,
             edges=self.deployer.chain_edges(deployment.chain) if deployment is not None else [],

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kafila.contracts import MemberStatus, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
-from kafila.network.pake import CodeMismatch, TrustError
+from kafila.network.pake import TrustError
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
+from kafila.network.session_codes import split_code
 from kafila.planner import PlanRefused
 from kafila.planner.fleet import FleetDevice
 from kafila.planner.plan import smallest_stage_bytes
@@ -39,6 +40,7 @@ from kafila.runtime.pipeline import open_engine
 from kafila.runtime.scheduler import Suspended
 from kafila.session.availability import Availability
 from kafila.session.core import (
+    GUESS_BUDGET,
     AbandonRing,
     Admit,
     CodeRefused,
@@ -158,6 +160,9 @@ class HostConfig:
         return ContextSettings(n_ctx=self.session.context * n, n_batch=512, n_seq_max=n, n_threads=self.threads)
 
 
+WATCH_ERRORS_TOLERATED = 25  # the same error on this many turns running (5 s) ends the watching
+
+
 class GuessBudgetSpent(TrustError):
     """Raised into the trust exchange to end a session's forming: too many joiners failed the code."""
 
@@ -204,12 +209,27 @@ class HostRunner:
                 pending.extend(await self._carry_out(command))
 
     async def watch(self) -> None:
-        """Several times a second, show the core the session as it is, until it can serve no more."""
+        """Several times a second, show the core the session as it is, until it can serve no more.
+
+        One bad turn (a member's hostile text in an error, a message nobody foresaw) is an
+        incident, not the end of watching: the same error WATCH_ERRORS_TOLERATED turns running
+        ends the session, as it cannot recover by itself."""
+        repeated, last = 0, ""
         while self.going_on and not self.stopping:
             await asyncio.sleep(0.2)
             if self.stopping:  # members leave when the session ends: that is not a failure
                 return
-            await self._drive([Observed(session_view(self.network, self.engine_loop, self.serving.ready))])
+            try:
+                await self._drive([Observed(session_view(self.network, self.engine_loop, self.serving.ready))])
+                repeated = 0
+            except Exception as error:
+                text = f"{type(error).__name__}: {error}"
+                repeated = repeated + 1 if text == last else 1
+                last = text
+                if repeated >= WATCH_ERRORS_TOLERATED:
+                    raise
+                if repeated == 1:
+                    self.incident("the host met an error watching its session", text)
             if self._held and time.monotonic() - self._held_since > self.config.resume_within_s:
                 self._fail_held(f"the ring broke, and no new ring served within {self.config.resume_within_s:g} s")
 
@@ -304,7 +324,7 @@ class HostRunner:
 
     def _admitted(self, name: str, error: BaseException | None) -> None:
         """An admission ended (`HostSession.admit`); a failed proof of the code may be a guess."""
-        guess = isinstance(error, CodeMismatch)  # a failed key confirmation: only that can be a guess
+        guess = isinstance(error, TrustError) and error.guess  # an exchange begun and not proved, however it ended
         detail = None if error is None else str(error) or type(error).__name__
         self._drive_now([NewcomerChecked(name, detail, guess)])
 
@@ -428,7 +448,11 @@ class HostRunner:
             where = f"on each of the other {others} machines" if others > 1 else "on the other machine"
         discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
         self.ui.announce_code(network.code, f"{where}: {join}", discoverable)
-        self.serving.waiting_for = [f"{others} member{'s' if others > 1 else ''} to join with: {join}"]
+        self.serving.keep_secret(network.code, split_code(network.code)[1])
+        self.serving.join_line = join
+        self.serving.waiting_for = [
+            f"{others} member{'s' if others > 1 else ''} to join with the code on the host's console"
+        ]
         self.serving.session_described_by(functools.partial(self._network_status, network))
         if config.demo and not self.demo.members:
             self.demo.start(network.code, self._advertised, others)
@@ -450,12 +474,13 @@ class HostRunner:
         failed proof of the code against the guess budget, and when that is spent, forming ends."""
         assert self.network is not None
         name = self.network.joiner_name(member)
-        self._drive_now([JoinerRefused(name, str(error) or type(error).__name__, isinstance(error, CodeMismatch))])
+        self._drive_now([JoinerRefused(name, str(error) or type(error).__name__, error.guess)])
         if not self.going_on:
             raise GuessBudgetSpent("the session admits no one: too many joiners failed to prove its code")
 
     def _network_status(self, network: HostSession) -> SessionStatus:
-        return network.status(admitting=self.core.admitting)
+        core = self.core
+        return network.status(admitting=core.admitting, failed_proofs=core.failed_proofs, guess_budget=GUESS_BUDGET)
 
     async def _deployed(self, members: list[str]) -> Event:
         """Deploy over `members`, answering how it went."""
