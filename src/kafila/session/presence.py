@@ -26,7 +26,8 @@ from kafila.planner.fleet import FleetDevice
 from kafila.portability import ignore_udp_connection_resets
 
 Address = tuple[str, int]
-INFO_TIMEOUT_S = 5.0
+INFO_TIMEOUT_S = 5.0  # for the whole answer, not each read: a rendezvous that drips it is refused too
+MAX_INFO_BYTES = 64 << 10  # a rendezvous's /v1/info is a few hundred bytes
 
 
 class RendezvousUnreachable(RuntimeError):
@@ -41,9 +42,19 @@ def rendezvous_endpoints(address: Address) -> tuple[str, Address]:
     """The signalling URL and the STUN address of the rendezvous at `address` (its HTTP port)."""
     host, port = address
     try:
+        deadline = time.monotonic() + INFO_TIMEOUT_S
         with urlopen(f"http://{_url_host(host)}:{port}/v1/info", timeout=INFO_TIMEOUT_S) as response:
-            info = json.loads(response.read())
-        path, stun_port = str(info["session_path"]), int(info["stun_port"])
+            body = bytearray()
+            while chunk := response.read1(MAX_INFO_BYTES + 1 - len(body)):
+                body += chunk
+                if len(body) > MAX_INFO_BYTES:
+                    raise ValueError(f"its /v1/info is longer than {MAX_INFO_BYTES >> 10} KiB")
+                if time.monotonic() > deadline:
+                    raise ValueError(f"its /v1/info took more than {INFO_TIMEOUT_S:g} s to arrive")
+        info = json.loads(body)
+        path, stun_port = info["session_path"], int(info["stun_port"])
+        if not isinstance(path, str) or not path.startswith("/") or len(path) > 256 or not 0 < stun_port < 65536:
+            raise ValueError("its /v1/info names no session path and STUN port")
     except (URLError, OSError, ValueError, KeyError, TypeError) as error:
         raise RendezvousUnreachable(f"no kafila rendezvous answers at {host}:{port}: {error}") from None
     return f"ws://{_url_host(host)}:{port}{path}", (host, stun_port)

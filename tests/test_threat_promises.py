@@ -1,0 +1,96 @@
+"""Smaller promises of the threat model (docs/protocol.md), each against the real part: a joiner
+reads a rendezvous's `/v1/info` within a bound, whatever the answer; a client that hangs up on a
+non-streamed request ends it without a traceback in the host's log."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from host_process import running_host, status_of, until_status
+from tiny_models import write_tiny_model
+
+from kafila.session.presence import INFO_TIMEOUT_S, MAX_INFO_BYTES, RendezvousUnreachable, rendezvous_endpoints
+
+
+@contextmanager
+def answering_info(body: bytes, length: int | None = None, drip_s: float = 0.0) -> Iterator[tuple[str, int]]:
+    """A hostile stand-in for a rendezvous: `/v1/info` answers `body` (claiming `length` bytes),
+    sleeping `drip_s` between its chunks of 1 KiB."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(length if length is not None else len(body)))
+            self.end_headers()
+            try:
+                for at in range(0, len(body), 1024):
+                    self.wfile.write(body[at : at + 1024])
+                    self.wfile.flush()
+                    time.sleep(drip_s)
+            except OSError:  # the joiner stopped reading, as it should
+                pass
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield "127.0.0.1", server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_rendezvous_info_is_read_whole_when_it_is_one() -> None:
+    info = json.dumps({"session_path": "/v1/session", "stun_port": 3478}).encode()
+    with answering_info(info) as address:
+        url, stun = rendezvous_endpoints(address)
+    assert url == f"ws://127.0.0.1:{address[1]}/v1/session" and stun == ("127.0.0.1", 3478)
+
+
+@pytest.mark.parametrize(
+    ("body", "length", "drip_s", "said"),
+    [
+        (b"{" + b" " * (4 << 20), 100 << 30, 0.0, "longer than 64 KiB"),  # claims 100 GB, sends 4 MB
+        (b" " * (MAX_INFO_BYTES - 10), None, INFO_TIMEOUT_S / 40, "took more than"),  # drips
+        (json.dumps({"session_path": "ws://elsewhere", "stun_port": 99999}).encode(), None, 0.0, "names no session"),
+    ],
+    ids=["huge", "dripped", "nonsense"],
+)
+def test_a_hostile_rendezvous_info_is_refused_in_bounded_time(
+    body: bytes, length: int | None, drip_s: float, said: str
+) -> None:
+    with answering_info(body, length, drip_s) as address:
+        started = time.monotonic()
+        with pytest.raises(RendezvousUnreachable, match=said):
+            rendezvous_endpoints(address)
+    assert time.monotonic() - started < 3 * INFO_TIMEOUT_S
+
+
+def test_a_client_that_hangs_up_on_a_whole_reply_ends_it_without_a_traceback(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=2)
+    with running_host("--model", model, "--context", "2048", "--threads", "1") as host:
+        body = json.dumps({"model": "tiny", "prompt": "the", "max_tokens": 1500, "temperature": 0}).encode()
+        port = int(host.base_url.rsplit(":", 1)[1])
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+                client.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                until_status(host, lambda status: status["running"] == 1, "generating the request")
+            until_status(host, lambda status: status["running"] == 0, "the hung-up request ended")
+        assert status_of(host)["requests"]["finished"] == 0  # all three ended early, none ran to its end
+        output = host.output()
+        assert "InvalidStateError" not in output and "Traceback" not in output, output
