@@ -203,3 +203,25 @@ def test_a_grammar_makes_sampling_take_the_whole_row_and_never_plain_argmax() ->
     constrained = SamplingSettings(temperature=0.0, grammar='root ::= "a"')
     assert plain.greedy and plain.top_logits == 1
     assert not constrained.greedy and constrained.needs_whole_row
+
+
+@pytest.mark.parametrize(
+    "pattern", ["^(a?){256}$", "^(a*)+$", "^(x|y?){40}$", "^(ab{0,64}){100}$"], ids=["optional", "star", "alt", "count"]
+)
+def test_a_pattern_that_would_hold_the_sampler_is_refused_before_it_runs(client: openai.OpenAI, pattern: str) -> None:
+    """A repetition of what may match nothing makes llama.cpp's grammar follow every reading of
+    every token (one such request held a server for minutes): a 400 naming the pattern."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}, "required": ["a"]}
+    with pytest.raises(openai.BadRequestError, match="pattern"):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+        )  # fmt: skip
+
+
+def test_a_pattern_with_an_escaped_dot_is_followed() -> None:
+    """`\\.` in a pattern is a literal dot (llama-cpp-python's converter wrote `\\.` into a GBNF
+    literal, which llama.cpp could not parse: a 400 for a valid pattern)."""
+    schema = {"type": "object", "properties": {"host": {"type": "string", "pattern": "^[a-z]{1,8}\\.com$"}}}
+    grammar = schema_grammar(schema)
+    assert '".com"' in grammar and "\\." not in grammar

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re._parser as regex_parser  # type: ignore[import-not-found]  # the standard library's own reading of a pattern
+from re import error as RegexError
 from typing import Any
 
 from kafila.runtime.sampling import MAX_GRAMMAR_CHARS
@@ -35,6 +37,7 @@ UNFOLLOWED = frozenset(
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 MAX_INTEGER_CHOICES = 1024  # a bounded integer becomes an alternation of its values
+MAX_PATTERN_EXPANSION = 4096  # a pattern's repetition counts, multiplied through its nesting
 _DIGITS = "([1-9] [0-9]{0,15})"
 _ANY = {"type": ["string", "number", "boolean", "object", "array", "null"]}
 
@@ -73,6 +76,8 @@ def _check_followed(schema: Any, what: str) -> None:
         return
     for key in schema.keys() & UNFOLLOWED:
         raise SchemaRefused(f"{what} uses '{key}', which this server cannot enforce while generating")
+    if isinstance(schema.get("pattern"), str):
+        check_pattern(schema["pattern"], what)
     kind = schema.get("type")
     if kind == "number" and ("minimum" in schema or "maximum" in schema):
         raise SchemaRefused(f"{what}: bounds on a number are not enforced here; use an integer or none")
@@ -88,6 +93,58 @@ def _check_followed(schema: Any, what: str) -> None:
         _check_followed(schema.get(key), what)
 
 
+def check_pattern(pattern: str, what: str) -> None:
+    """SchemaRefused for a pattern whose grammar would hold llama.cpp's sampler without bound: a
+    repetition of something that may match nothing (`(a?){256}`, `(a*)+`: each character could be
+    any of the repetitions', and the sampler follows every reading of every candidate token), or
+    repetition counts whose product passes MAX_PATTERN_EXPANSION (the converter writes each
+    repetition out as rules)."""
+    try:
+        parsed = regex_parser.parse(pattern)
+    except (RegexError, RecursionError, OverflowError) as error:
+        raise SchemaRefused(f"{what}: the pattern {pattern[:60]!r} is no regular expression ({error})") from None
+    _check_repeats(list(parsed), pattern, what, 1)
+
+
+def _check_repeats(items: list[Any], pattern: str, what: str, outer: int) -> None:
+    for op, value in items:
+        if op in (regex_parser.MAX_REPEAT, regex_parser.MIN_REPEAT):
+            low, high, inner = value
+            count = low if high == regex_parser.MAXREPEAT else high
+            if high > 1 and _may_be_empty(list(inner)):
+                raise SchemaRefused(
+                    f"{what}: the pattern {pattern[:60]!r} repeats something that may match nothing, which llama.cpp's "
+                    "grammar follows in every way at once; write the repetition once (a{0,n}, not (a?){n})"
+                )
+            if outer * max(count, 1) > MAX_PATTERN_EXPANSION:
+                raise SchemaRefused(
+                    f"{what}: the pattern {pattern[:60]!r} repeats more than {MAX_PATTERN_EXPANSION} times in all"
+                )
+            _check_repeats(list(inner), pattern, what, outer * max(count, 1))
+        elif op == regex_parser.SUBPATTERN:
+            _check_repeats(list(value[3]), pattern, what, outer)
+        elif op == regex_parser.BRANCH:
+            for branch in value[1]:
+                _check_repeats(list(branch), pattern, what, outer)
+
+
+def _may_be_empty(items: list[Any]) -> bool:
+    """Whether this part of a parsed pattern can match the empty string."""
+    for op, value in items:
+        if op in (regex_parser.MAX_REPEAT, regex_parser.MIN_REPEAT):
+            if value[0] > 0 and not _may_be_empty(list(value[2])):
+                return False
+        elif op == regex_parser.SUBPATTERN:
+            if not _may_be_empty(list(value[3])):
+                return False
+        elif op == regex_parser.BRANCH:
+            if not any(_may_be_empty(list(branch)) for branch in value[1]):
+                return False
+        elif op != regex_parser.AT:  # anchors match nothing; anything else takes a character
+            return False
+    return True
+
+
 @functools.cache
 def _converter_class() -> Any:
     """llama-cpp-python's converter, which ignores integer bounds, taught the ones it can keep:
@@ -96,7 +153,13 @@ def _converter_class() -> Any:
     Imported at first use, not with this module: importing any part of llama_cpp loads llama.cpp,
     whose OpenMP settings a session's process makes first (`load_llama`), and every command must
     still start, to say so in one line, where llama.cpp is not installed."""
+    from llama_cpp import llama_grammar
     from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
+
+    # A pattern's escaped `.`, `^` and `$` are literal characters, as llama.cpp's own converter
+    # has them; llama-cpp-python's list lacks them and writes `\.` into a GBNF literal, which
+    # llama.cpp cannot parse (`^[a-z]+\.com$` was a 400).
+    llama_grammar.ESCAPED_IN_REGEXPS_BUT_NOT_IN_LITERALS.update("^$.")
 
     class Converter(SchemaConverter):
         def _format_literal(self, literal: str) -> str:
