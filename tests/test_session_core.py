@@ -63,7 +63,13 @@ from kafila.session.core import (
     Unready,
     Warn,
 )
-from kafila.session.member_runner import REJOIN_WINDOW_S, UNREACHABLE_WINDOW_S, Rejoins, worth_retrying
+from kafila.session.member_runner import (
+    REJOIN_WINDOW_S,
+    UNREACHABLE_WINDOW_S,
+    Rejoins,
+    retry_pause,
+    worth_retrying,
+)
 from kafila.session.presence import RendezvousUnreachable
 
 PATIENCE_S = 30.0
@@ -676,15 +682,17 @@ def test_whatever_happens_at_most_one_command_answers_and_it_comes_last(history:
     assert host.handle(Interrupted("stop"))[-1] == AbandonRing("stop")
 
 
-def test_a_join_again_after_a_loss_keeps_trying_for_a_seat_still_held_or_a_network_coming_back() -> None:
+def test_a_join_keeps_trying_for_a_seat_another_holds_and_a_join_again_for_a_network_coming_back() -> None:
     full = RendezvousError("session_full", "session 7-red-fox is full")
-    assert worth_retrying(full, rejoining=True, since_loss_s=100.0)  # the rendezvous frees it in 120 s
-    assert not worth_retrying(full, rejoining=True, since_loss_s=REJOIN_WINDOW_S)  # not for ever
+    for rejoining in (False, True):  # a squatter's seat is freed once it fails the code; a dead one's in 120 s
+        assert worth_retrying(full, rejoining=rejoining, since_s=100.0)
+        assert not worth_retrying(full, rejoining=rejoining, since_s=REJOIN_WINDOW_S)  # not for ever
     unreachable = RendezvousUnreachable("no kafila rendezvous answers at 203.0.113.1:8470: timed out")
     for error in (unreachable, RendezvousClosed(), OSError("network is unreachable"), TimeoutError()):
-        assert worth_retrying(error, rejoining=True, since_loss_s=5.0), error
-        assert not worth_retrying(error, rejoining=True, since_loss_s=UNREACHABLE_WINDOW_S)  # the host is gone
-    for error in (full, unreachable):
-        assert not worth_retrying(error, rejoining=False, since_loss_s=0.0)  # a first join says why at once
+        assert worth_retrying(error, rejoining=True, since_s=5.0), error
+        assert not worth_retrying(error, rejoining=True, since_s=UNREACHABLE_WINDOW_S)  # the host is gone
+        assert not worth_retrying(error, rejoining=False, since_s=0.0)  # a first join says why at once
     for error in (RendezvousError("unknown_code", "no session has this code"), ValueError("bad")):
-        assert not worth_retrying(error, rejoining=True, since_loss_s=5.0), error
+        assert not worth_retrying(error, rejoining=True, since_s=5.0), error
+    assert [retry_pause(full, tries) for tries in range(1, 7)] == [3.0, 6.0, 12.0, 24.0, 30.0, 30.0]
+    assert retry_pause(RendezvousError("rate_limited", "slow down", retry_after_s=20), 1) == 20.0

@@ -1,9 +1,11 @@
 """Smaller promises of the threat model (docs/protocol.md), each against the real part: a joiner
 reads a rendezvous's `/v1/info` within a bound, whatever the answer; a client that hangs up on a
-non-streamed request ends it without a traceback in the host's log."""
+non-streamed request ends it without a traceback in the host's log; a join that finds the session
+full (a squatter in the last seat) tries again until the seat is free."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import socket
@@ -14,9 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from host_process import running_host, status_of, until_status
+from host_process import running_host, start_member, status_of, stop, until_status, wait_ready
+from test_session_network import share_this_machines_probe
 from tiny_models import write_tiny_model
 
+from kafila.network.rendezvous_client import RendezvousClient
+from kafila.planner.fleet import FleetDevice
 from kafila.session.presence import INFO_TIMEOUT_S, MAX_INFO_BYTES, RendezvousUnreachable, rendezvous_endpoints
 
 
@@ -94,3 +99,35 @@ def test_a_client_that_hangs_up_on_a_whole_reply_ends_it_without_a_traceback(tmp
         assert status_of(host)["requests"]["finished"] == 0  # all three ended early, none ran to its end
         output = host.output()
         assert "InvalidStateError" not in output and "Traceback" not in output, output
+
+
+def test_a_join_refused_a_full_session_tries_again_and_gets_the_seat_a_squatter_held(tmp_path: Path) -> None:
+    """Anyone with the code's public words can take the last seat and sit silent: the host sends
+    it away once the exchange's time is up, and a real `kafila join` that found the session full
+    meanwhile tries again, says so, and gets in; the session serves."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=2)
+    common = ("--context", "256", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
+    share_this_machines_probe(tmp_path, 1)  # the member joins at once, not after measuring itself
+    env = {"KAFILA_TRUST_EXCHANGE_S": "12"}  # the squatter holds the seat this long: the member finds it full
+    with running_host("--model", model, "--members", "2", *common, ready=False, env=env) as host:
+        code, rendezvous = host.join_line()
+        address, port = rendezvous.rsplit(":", 1)
+        url, _ = rendezvous_endpoints((address, int(port)))
+
+        async def squat() -> RendezvousClient:
+            device = FleetDevice(name="squatter", memory_gib=8)
+            return await RendezvousClient.join(url, code, capability=device, fingerprint="ab" * 32)
+
+        loop = asyncio.new_event_loop()
+        squatter = loop.run_until_complete(squat())  # holds the one free seat, says nothing
+        member = start_member(code, rendezvous, "patient", tmp_path / "cache-0", "--threads", "1")
+        try:
+            assert loop.run_until_complete(squatter.wait_closed(30)) is None  # sent away when its time was up
+            wait_ready(host)
+            assert status_of(host)["failed_proofs"] == 0  # it never tried the secret: no guess
+        finally:
+            output = stop(member)
+            loop.run_until_complete(squatter.close())
+            loop.close()
+        assert "could not join yet" in output and "session_full" not in output.split("could not join yet")[0], output
+        assert "Traceback" not in output, output

@@ -39,7 +39,8 @@ STEADY_S = 60.0
 # most likely gone.
 REJOIN_WINDOW_S = 180.0
 UNREACHABLE_WINDOW_S = 30.0
-RETRY_PAUSE_S = 3.0
+RETRY_PAUSE_S = 3.0  # the first pause before a try again; each next one doubles, up to MAX_RETRY_PAUSE_S
+MAX_RETRY_PAUSE_S = 30.0
 
 
 class MemberUi(Protocol):
@@ -79,23 +80,34 @@ class Rejoins:
         return self.count <= self.limit
 
 
-def worth_retrying(error: BaseException, rejoining: bool, since_loss_s: float) -> bool:
-    """Whether a join that failed before it got in should be tried again: only when joining
-    again after a loss, within REJOIN_WINDOW_S, for what time mends (a seat the rendezvous still
-    holds for this machine's old connection, a network still coming back)."""
-    if not rejoining:
-        return False
+def worth_retrying(error: BaseException, rejoining: bool, since_s: float) -> bool:
+    """Whether a join that failed before it got in should be tried again, for what time mends,
+    within REJOIN_WINDOW_S of the first try or of losing the host (`since_s`): a full session
+    (a seat another holds, which the host frees when its holder fails to prove the code, or that
+    the rendezvous still holds for this machine's old connection) or a rate limit; and, when
+    joining again after a loss, a network still coming back (for UNREACHABLE_WINDOW_S). A first
+    join says at once why anything else failed."""
     if isinstance(error, RendezvousError) and not isinstance(error, RendezvousClosed):
-        return error.code in ("session_full", "rate_limited") and since_loss_s < REJOIN_WINDOW_S
+        return error.code in ("session_full", "rate_limited") and since_s < REJOIN_WINDOW_S
     unreachable = (RendezvousUnreachable, RendezvousClosed, OSError, TimeoutError)
-    return isinstance(error, unreachable) and since_loss_s < UNREACHABLE_WINDOW_S
+    return rejoining and isinstance(error, unreachable) and since_s < UNREACHABLE_WINDOW_S
+
+
+def retry_pause(error: BaseException, tries: int) -> float:
+    """Seconds before try `tries + 1`: doubling from RETRY_PAUSE_S up to MAX_RETRY_PAUSE_S, and no
+    sooner than the rendezvous asked (`retry_after_s`)."""
+    pause = min(RETRY_PAUSE_S * 2 ** max(tries - 1, 0), MAX_RETRY_PAUSE_S)
+    asked = error.retry_after_s if isinstance(error, RendezvousError) else None
+    return max(pause, min(float(asked), MAX_RETRY_PAUSE_S)) if asked else pause
 
 
 def run_member(config: MemberConfig, ui: MemberUi) -> str:
     """Join and follow the host until it ends the session; returns why it ended. Joins again after
     losing the host (`Rejoins`); MemberGaveUp when that keeps failing."""
     rejoins = Rejoins()
+    first_try = time.monotonic()
     lost_at: float | None = None  # when the host was last lost; None on the first join
+    tries = 0  # failed tries since the first join or the last loss
     while True:
         started = time.monotonic()
         try:
@@ -104,14 +116,17 @@ def run_member(config: MemberConfig, ui: MemberUi) -> str:
             if not rejoins.after_loss(time.monotonic() - started):
                 raise MemberGaveUp(f"{lost} ({rejoins.limit} joins again did not last)") from None
             ui.say(f"{lost}; joining the session again")
-            lost_at = time.monotonic()
+            lost_at, tries = time.monotonic(), 0
             time.sleep(REJOIN_PAUSE_S)
         except Exception as error:
-            since = time.monotonic() - lost_at if lost_at is not None else 0.0
+            since = time.monotonic() - (lost_at if lost_at is not None else first_try)
             if not worth_retrying(error, lost_at is not None, since):
                 raise
-            ui.say(f"could not join again yet ({error}); trying again")
-            time.sleep(RETRY_PAUSE_S)
+            tries += 1
+            pause = retry_pause(error, tries)
+            again = "again " if lost_at is not None else ""
+            ui.say(f"could not join {again}yet ({error}); trying again in {pause:g} s")
+            time.sleep(pause)
 
 
 async def join_once(config: MemberConfig, ui: MemberUi) -> str:
