@@ -1,14 +1,17 @@
 """Smaller promises of the threat model (docs/protocol.md), each against the real part: a joiner
 reads a rendezvous's `/v1/info` within a bound, whatever the answer; a client that hangs up on a
 non-streamed request ends it without a traceback in the host's log; a join that finds the session
-full (a squatter in the last seat) tries again until the seat is free."""
+full (a squatter in the last seat) tries again until the seat is free; the API closes sockets that
+never send their request and raises the host's descriptor limit."""
 
 from __future__ import annotations
 
 import asyncio
 import http.server
 import json
+import resource
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +23,7 @@ from host_process import running_host, start_member, status_of, stop, until_stat
 from test_session_network import share_this_machines_probe
 from tiny_models import write_tiny_model
 
+from kafila.network.http_guard import MAX_OPEN_FILES
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.planner.fleet import FleetDevice
 from kafila.session.presence import INFO_TIMEOUT_S, MAX_INFO_BYTES, RendezvousUnreachable, rendezvous_endpoints
@@ -131,3 +135,49 @@ def test_a_join_refused_a_full_session_tries_again_and_gets_the_seat_a_squatter_
             loop.close()
         assert "could not join yet" in output and "session_full" not in output.split("could not join yet")[0], output
         assert "Traceback" not in output, output
+
+
+# `kafila`, started with the common default of 1,024 open files (the hard limit as it is).
+FEW_FILES = """
+import resource, sys
+from kafila.cli.app import main
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+sys.argv = ["kafila", *sys.argv[1:]]
+main()
+"""
+
+
+def _closed_by_the_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes `sock` (its end of file) within `within_s`."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_and_dripping_connections_to_the_api_are_closed_and_the_descriptor_limit_raised(tmp_path: Path) -> None:
+    """A socket that never sends its request's headers, or drips them, is closed once the headers'
+    time is up (1 s here), so idle sockets cannot exhaust the host's descriptors; the host raises
+    its soft descriptor limit from 1,024 as far as the hard one allows; a real request still gets
+    its answer."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=2)
+    launcher = (sys.executable, "-c", FEW_FILES)
+    env = {"KAFILA_API_HEADER_TIMEOUT_S": "1"}
+    with running_host("--model", model, "--threads", "1", env=env, launcher=launcher) as host:
+        limits = Path(f"/proc/{host.process.pid}/limits").read_text()
+        soft = int(next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3])
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        assert soft == min(MAX_OPEN_FILES, hard) if hard != resource.RLIM_INFINITY else soft == MAX_OPEN_FILES
+        port = int(host.base_url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
+        dripping = socket.create_connection(("127.0.0.1", port), timeout=10)
+        dripping.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+        try:
+            assert all(_closed_by_the_server(sock, 15) for sock in [*idle, dripping])
+        finally:
+            for sock in [*idle, dripping]:
+                sock.close()
+        assert status_of(host)["ready"] is True

@@ -28,6 +28,7 @@ from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
+from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_http, raise_open_file_limit
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
 from kafila.portability import reuse_listening_address, run, signals_handled
@@ -38,7 +39,7 @@ from kafila.runtime.slicer import check_family
 from kafila.runtime.stage_cache import check_stage_cache_setting
 from kafila.runtime.threads import THREADS_HELP, serving_threads
 from kafila.session.availability import Availability
-from kafila.session.runner import HostConfig, HostRunner, lan_address, supervised
+from kafila.session.runner import HostConfig, HostRunner, lan_address, seconds_from_env, supervised
 from kafila.untrusted import printable
 
 if TYPE_CHECKING:
@@ -256,6 +257,18 @@ class RichUi:
         return transfer_bars()
 
 
+API_HEADER_TIMEOUT_ENV = "KAFILA_API_HEADER_TIMEOUT_S"  # tests shorten it
+
+
+def api_gate(open_files: int) -> ConnectionGate:
+    """The API's connection cap, well under the descriptor limit that the session's links, stage
+    files and workers share: past it a connection is refused at the door, rather than every
+    socket failing with "Too many open files". One cap for every address: clients on loopback
+    (agents, the web page) all come from one."""
+    cap = max(64, min(4096, open_files // 2))
+    return ConnectionGate(per_address=cap, total=cap)
+
+
 async def _serve(config: HostConfig) -> None:
     serving = Availability()
     api = ApiConfig(
@@ -283,9 +296,11 @@ async def _serve(config: HostConfig) -> None:
         def install_signal_handlers(self) -> None:  # the name before uvicorn 0.29
             return
 
+    header_timeout_s = seconds_from_env(API_HEADER_TIMEOUT_ENV, HEADER_TIMEOUT_S)
     uvicorn_config = uvicorn.Config(
-        create_app(serving, api), log_level="warning", lifespan="off", timeout_graceful_shutdown=5, access_log=False
-    )
+        create_app(serving, api), log_level="warning", lifespan="off", timeout_graceful_shutdown=5, access_log=False,
+        http=guarded_http(api_gate(raise_open_file_limit()), header_timeout_s),
+    )  # fmt: skip
     server = Server(uvicorn_config)
     serve = asyncio.create_task(server.serve(sockets=[config.sock]))
     others = config.members - 1
