@@ -24,12 +24,15 @@ from kafila.contracts import (
 from kafila.network.frames import Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkConfig, open_link, should_dial
-from kafila.planner.fleet import ModelPricing
+from kafila.network.rendezvous_client import RendezvousClient
+from kafila.network.rendezvous_server import start_rendezvous
+from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine, StageFailed, generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
+from kafila.session.deployer import Deployer, Roster
 from kafila.session.member import cached_stage_hashes, serve_stage
 from kafila.session.protocol import (
     CONTROL_SEQUENCE,
@@ -357,3 +360,48 @@ def test_a_member_with_less_free_memory_than_its_stage_needs_says_so_without_loa
     assert failed.can_hold_bytes is not None and 0 < failed.can_hold_bytes < 2**59, failed
     assert "GiB free here; blocks 0-1 need 536870912.00 GiB" in failed.message, failed.message
     assert any("cannot load stage 0" in line for line in said), said
+
+
+def test_a_control_message_the_host_cannot_read_is_refused_and_the_next_one_heard(tmp_path: Path) -> None:
+    """A member's unknown or malformed control message while the ring serves costs only itself:
+    the host's listener to that member refuses it and still hears the member's genuine report
+    that its stage stopped (it used to stop listening at the first, and missed the report)."""
+
+    async def scenario() -> tuple[str | None, dict[str, int]]:
+        handle = await start_rendezvous("127.0.0.1", 0, 0)
+        clients: list[RendezvousClient] = []
+        host_router, member_router, demuxes = await _linked_routers()
+        try:
+            host = await RendezvousClient.open(
+                handle.url, model="m", expected_members=2, capability=FleetDevice(name="host", memory_gib=8),
+                fingerprint="a1" * 32,
+            )  # fmt: skip
+            clients.append(host)
+            member = await RendezvousClient.join(
+                handle.url, host.code, capability=FleetDevice(name="rack", memory_gib=8), fingerprint="b2" * 32
+            )
+            clients.append(member)
+            await host.wait_for_members(2, 10)
+            roster = Roster(client=host, machine="m", routers={member.member_id: host_router})
+            deployer = Deployer(roster, tmp_path / "m.gguf", SETTINGS, tmp_path, say=lambda _text: None)
+            deployer._listen([member.member_id], epoch=3)
+            for payload in (b'{"type": "no-such-message"}', b"\xff\x00 not json", b'{"type": "failed"}'):
+                await member_router.link.send(Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload))
+            await member_router.send_control(Failed(epoch=3, message="lost its successor", lost_peer="m1"))
+            async with asyncio.timeout(10):
+                while deployer.broken is None:
+                    await asyncio.sleep(0.05)
+            await deployer.stop_listening()
+            return deployer.broken, deployer.refused_controls
+        finally:
+            for client in clients:
+                await client.close()
+            for router in (host_router, member_router):
+                await router.close()
+            for demux in demuxes:
+                demux.close()
+            await handle.close()
+
+    broken, refused = asyncio.run(scenario())
+    assert broken == "rack: lost its successor"
+    assert list(refused.values()) == [3]

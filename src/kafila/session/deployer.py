@@ -32,7 +32,7 @@ from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
 from kafila.session.core import MemoryShortage
 from kafila.session.member import serve_stage
-from kafila.session.protocol import Assign, Failed, Hello, Load, Loaded, RingEdge, Staged
+from kafila.session.protocol import Assign, ControlError, Failed, Hello, Load, Loaded, RingEdge, Staged
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import FrameSink, LinkRouter, LocalChannel
 
@@ -164,6 +164,7 @@ class Deployer:
     broken_edges: set[frozenset[str]] = field(default_factory=set)  # member pairs whose ring link broke
     own_stage: OwnStage | None = None
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
+    refused_controls: dict[str, int] = field(default_factory=dict)  # member → control messages not understood
 
     async def deploy(
         self,
@@ -335,6 +336,9 @@ class Deployer:
         while True:
             try:
                 message = await router.next_control()
+            except ControlError:  # one unreadable or unknown message is refused; the next is heard
+                self.refused_controls[member] = self.refused_controls.get(member, 0) + 1
+                continue
             except Exception:  # its link went down: the host's watcher sees that by itself
                 return
             if isinstance(message, Failed) and message.epoch == epoch:
