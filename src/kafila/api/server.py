@@ -494,12 +494,13 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         loop = serving.loop
         now = time.monotonic()
         session = serving.session_status()
+        keyed = config.api_key is not None  # the session code is for the key's holder alone
         return HostStatus(
             model=config.model_id,
             ready=serving.ready,
             waiting_for=serving.waiting_for,
             error=serving.failure or (loop.error if loop else None),
-            join=serving.join_line if config.api_key is not None else None,  # an open /status never shows it
+            join=serving.join_line if keyed else None,
             context_per_sequence=config.context_per_sequence,
             queue_depth=loop.queued if loop else 0,
             running=loop.running if loop else 0,
@@ -508,8 +509,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             requests={"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
             stages=loop.stage_report if loop else [],
             incidents=list(serving.incidents),
-            # the session code is for the API key's holder alone: an open /status never shows it
-            **{name: getattr(session, name) for name in session.model_fields_set if config.api_key or name != "code"},
+            **{name: getattr(session, name) for name in session.model_fields_set if keyed or name != "code"},
         ).wire()
 
     @app.get("/events", response_model=None)

@@ -17,7 +17,7 @@ member takes a fingerprint on the rendezvous's word. Instead (star topology, hos
    secret learns nothing from the host before it has proved its guess, and the host sees every
    guess: an exchange whose SPAKE2 message came and that did not end in a valid proof, for
    whatever reason (a wrong MAC, garbage, an abort, silence, leaving), is counted against the
-   host's budget (`engaged` and not `confirmed`: `rendezvous_client.UnprovenExchange`).
+   host's budget (`Exchange.at_stake`, marked `TrustError.guess` by `rendezvous_client`).
 3. Once every joiner has confirmed, the host sends each one the roster (member id →
    fingerprint), MAC'd with that pair's key. A joiner trusts another member's fingerprint only
    through this roster, and refuses if the rendezvous's member list differs from it
@@ -324,6 +324,12 @@ class Exchange:
         self.confirmed = False
         self.roster: dict[str, str] | None = None  # joiner: received; host: sealed
         self.accepted = False
+
+    @property
+    def at_stake(self) -> bool:
+        """The peer began the exchange and has not proved the code: if it ends now, it may have
+        been a guess."""
+        return self.engaged and not self.confirmed
 
     def start(self) -> str:
         if self._started:

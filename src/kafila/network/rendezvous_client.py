@@ -448,7 +448,7 @@ def _counted(error: TrustError, exchange: Exchange) -> TrustError:
     exchange (its SPAKE2 message came) and did not prove the code, however it ended: a wrong
     secret, garbage, an abort, silence. The host counts each against its budget
     (`session.core.GUESS_BUDGET`): a guesser learns nothing before proving, and every try costs."""
-    error.guess = error.guess or (exchange.engaged and not exchange.confirmed)
+    error.guess = error.guess or exchange.at_stake
     return error
 
 
@@ -615,7 +615,7 @@ async def verify_members(
                 if member_id not in client.members:  # it left: its seat is free again
                     exchanges.pop(member_id)
                     deadlines.pop(member_id, None)
-                    if exchange.engaged and not exchange.confirmed:  # it left with a guess at stake
+                    if exchange.at_stake:  # it left with a guess at stake
                         refused(member_id, LeftUnproven(f"member {member_id} left before proving the code", member_id))
                     continue
                 try:
@@ -711,6 +711,6 @@ async def verify_newcomer(
             raise ProvenButRefused(str(error), member_id) from error
         raise _counted(error, exchange) from error
     except RendezvousError as error:  # it left mid-exchange
-        if exchange.engaged and not exchange.confirmed:
+        if exchange.at_stake:
             raise LeftUnproven(f"member {member_id} left before proving the code: {error}", member_id) from error
         raise
