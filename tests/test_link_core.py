@@ -18,10 +18,12 @@ from kafila.network.link import (
     LinkCore,
     LinkDead,
     LinkError,
+    LinkOverBound,
     LinkRefused,
     Received,
     Rejected,
     Up,
+    frame_bytes,
 )
 
 CONFIG = LinkConfig(idle_timeout_s=4.0, handshake_timeout_s=10.0)
@@ -32,11 +34,11 @@ IDENTITIES = (create_identity("dialler"), create_identity("listener"))
 class Pair:
     """A dialler and a listener, and the time, which only the test moves."""
 
-    def __init__(self, dialler_pins: str | None = None, now: float = 0.0) -> None:
+    def __init__(self, dialler_pins: str | None = None, now: float = 0.0, config: LinkConfig = CONFIG) -> None:
         dialler, listener = IDENTITIES
         self.now = now
-        self.dialler = LinkCore(dialler, dialler_pins or listener.fingerprint, LISTENER_AT, True, now, CONFIG)
-        self.listener = LinkCore(listener, dialler.fingerprint, DIALLER_AT, False, now, CONFIG)
+        self.dialler = LinkCore(dialler, dialler_pins or listener.fingerprint, LISTENER_AT, True, now, config)
+        self.listener = LinkCore(listener, dialler.fingerprint, DIALLER_AT, False, now, config)
 
     def transfer(self, drop: bool = False) -> int:
         """Move datagrams both ways until neither side has any to send; how many moved."""
@@ -214,3 +216,46 @@ def test_datagrams_that_are_not_quic_do_not_start_or_disturb_a_link() -> None:
     pair.listener.datagram_received(b"\x40" + b"\x00" * 40, DIALLER_AT, pair.now)  # a garbled short header
     pair.transfer()
     assert pair.listener.is_up and events(pair.listener) == []
+
+
+BOUNDED = CONFIG.model_copy(update={"max_held_bytes": 1 << 20})
+
+
+def test_frames_count_against_the_bound_until_released_and_one_past_it_sends_the_peer_away() -> None:
+    """aioquic grants credit as fast as a peer sends: what bounds the peer is what it makes us hold."""
+    pair = Pair(config=BOUNDED).up()
+    frame = Frame(Kind.PING, 9, payload=b"z" * (100 << 10))
+    for _ in range(10):
+        pair.dialler.send_frame(frame)
+    pair.settle()
+    got = frames(pair.listener)
+    assert len(got) == 10 and pair.listener.held_bytes == 10 * frame_bytes(frame)  # 1,024,320: within
+    for taken in got[:5]:  # the application took five: room for five more
+        pair.listener.release(frame_bytes(taken))
+    for _ in range(5):
+        pair.dialler.send_frame(frame)
+    pair.settle()
+    assert len(frames(pair.listener)) == 5 and pair.listener.is_up
+    pair.dialler.send_frame(frame)  # 11 unread: past 1 MiB
+    pair.settle()
+    refused = down(pair.listener)
+    assert isinstance(refused, LinkOverBound) and "past the 1,048,576-byte bound" in str(refused)
+    told = down(pair.dialler)
+    assert isinstance(told, LinkOverBound) and "sent away by peer" in str(told)
+
+
+def test_frames_that_never_finish_count_too_and_a_refused_stream_stops_counting() -> None:
+    """A peer that starts many large frames and finishes none holds our memory just the same."""
+    pair = Pair(config=BOUNDED).up()
+    started = Frame(Kind.PING, 3, payload=b"p" * (8 << 20)).encode()[: 300 << 10]  # 8 MiB declared, 300 KiB sent
+    pair.dialler.send_raw(started)
+    pair.settle()
+    assert pair.listener.held_bytes == 300 << 10 and events(pair.listener) == []
+    pair.dialler.send_raw(b"\xff" * (200 << 10))  # not a frame: refused, and nothing of it is kept
+    pair.settle()
+    assert [type(e) for e in events(pair.listener)] == [Rejected]
+    assert pair.listener.held_bytes == 300 << 10
+    for _ in range(3):
+        pair.dialler.send_raw(started)
+    pair.settle()
+    assert isinstance(down(pair.listener), LinkOverBound)  # four unfinished frames of 300 KiB: past 1 MiB

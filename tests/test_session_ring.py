@@ -23,7 +23,7 @@ from kafila.contracts import (
 )
 from kafila.network.frames import Frame, Kind
 from kafila.network.identity import create_identity
-from kafila.network.link import DatagramDemux, LinkConfig, open_link, should_dial
+from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, frame_bytes, open_link, should_dial
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.planner.fleet import FleetDevice, ModelPricing
@@ -50,7 +50,7 @@ from kafila.session.protocol import (
     parse_control,
 )
 from kafila.session.quic_ring import QuicRing
-from kafila.session.router import LinkRouter, traffic_of
+from kafila.session.router import TRANSFER_SEQUENCES, ChannelBounds, LinkRouter, traffic_of
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=1)
 FAST = LinkConfig(idle_timeout_s=2.0, handshake_timeout_s=3.0)
@@ -159,13 +159,13 @@ def _socket() -> socket.socket:
     return sock
 
 
-async def _linked_routers() -> tuple[LinkRouter, LinkRouter, list[DatagramDemux]]:
+async def _linked_routers(config: LinkConfig = FAST) -> tuple[LinkRouter, LinkRouter, list[DatagramDemux]]:
     host_id, member_id = create_identity(), create_identity()
     a, b = await DatagramDemux.over(_socket()), await DatagramDemux.over(_socket())
     dial = should_dial(host_id.fingerprint, member_id.fingerprint)
     host_link, member_link = await asyncio.gather(
-        open_link(a, b.local_address, host_id, member_id.fingerprint, dial, FAST),
-        open_link(b, a.local_address, member_id, host_id.fingerprint, not dial, FAST),
+        open_link(a, b.local_address, host_id, member_id.fingerprint, dial, config),
+        open_link(b, a.local_address, member_id, host_id.fingerprint, not dial, config),
     )
     return LinkRouter(host_link, "member"), LinkRouter(member_link, "host"), [a, b]
 
@@ -405,3 +405,40 @@ def test_a_control_message_the_host_cannot_read_is_refused_and_the_next_one_hear
     broken, refused = asyncio.run(scenario())
     assert broken == "rack: lost its successor"
     assert list(refused.values()) == [3]
+
+
+@pytest.mark.parametrize("traffic", ["control", "transfer", "activation"])
+def test_a_member_that_sends_what_the_host_does_not_read_is_sent_away_at_the_bound(traffic: str) -> None:
+    """A trusted member flooding any channel while the ring serves: the host holds at most the
+    bound of it, sends the member away (its link ends, so the session replans without it), and
+    the member learns why. Before, every frame was queued without end (about 1 MB per MB sent)."""
+    sequence = {"control": CONTROL_SEQUENCE, "transfer": TRANSFER_SEQUENCES[0], "activation": 5}[traffic]
+    bound = 8 << 20
+
+    async def scenario() -> tuple[BaseException, BaseException, int, int]:
+        host, member, demuxes = await _linked_routers(FAST.model_copy(update={"max_held_bytes": bound}))
+        frame = Frame(Kind.PING, sequence, payload=b"f" * (256 << 10))
+        sent, most_held = 0, 0
+        try:
+            async with asyncio.timeout(30):
+                while not host.link.closed.done():  # 256 KiB at a time, as fast as QUIC takes it
+                    with contextlib.suppress(LinkError):
+                        await member.link.send(frame)
+                        sent += frame_bytes(frame)
+                    held = host.link.held_bytes
+                    most_held = max(most_held, held)
+                    await asyncio.sleep(0)
+                await member.link.closed
+            return host.link.closed.result(), member.link.closed.result(), sent, most_held
+        finally:
+            for router in (host, member):
+                await router.close()
+            for demux in demuxes:
+                demux.close()
+
+    refused, told, sent, most_held = asyncio.run(scenario())
+    channel_bound = {"control": ChannelBounds().control, "transfer": bound, "activation": bound}[traffic]
+    assert isinstance(refused, LinkOverBound) and isinstance(told, LinkOverBound), (refused, told)
+    assert "sent away by peer" in str(told)
+    assert sent > channel_bound  # it did send past the bound ...
+    assert most_held <= bound + (256 << 10) + 64  # ... and the host held no more than that, and one frame

@@ -26,6 +26,12 @@ keeps each sequence in order while a lost packet of one sequence does not stall 
 about it: an ERROR frame when the receiver rejected what arrived. At most 128 sequences per
 direction can be open at once (aioquic's stream limit); more wait until one finishes.
 
+Bounds: aioquic grants flow-control credit as fast as a peer sends, so credit does not hold
+a peer back. What a link holds of its peer's data instead has one bound, `max_held_bytes`:
+frames still arriving in pieces, and frames delivered but not yet taken by the application
+(`Link.receive`, or whoever took over releasing them: `Link.release`). A peer that makes the
+link hold more is sent away (`LinkOverBound`, code OVER_BOUND) and learns why.
+
 Liveness: QUIC PINGs (answered by ACKs) whenever nothing was heard for
 min(keepalive, idle timeout / 3) seconds; they also refresh NAT mappings. A link that hears
 nothing from its peer for `idle_timeout_s` is down (`LinkDead`), whatever aioquic's own idle
@@ -52,7 +58,7 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from cryptography.hazmat.primitives.serialization import Encoding
 from pydantic import BaseModel, ConfigDict, Field
 
-from kafila.network.frames import DType, Frame, FrameDecoder, FrameError, Kind
+from kafila.network.frames import HEADER_SIZE, MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
 from kafila.network.identity import Identity, fingerprint_of, normalize_fingerprint
 from kafila.network.relay import HELLO_ACK, hello, parse_ack
 
@@ -66,12 +72,14 @@ RELAY_PUNCH_BYTES = range(0x10, 0x13)
 QUIC_BYTES = range(64, 256)
 # Datagrams read from the socket per wake-up before the links answer (see `DatagramDemux`).
 RECEIVE_BATCH = 16
+RECENT_REJECTIONS = 64  # a link keeps this many of its latest rejections, and counts them all
 
 # Application error codes in CONNECTION_CLOSE and STOP_SENDING.
 GOODBYE = 0
 REFUSED = 0x4B01  # the peer's certificate is not the pinned one
 DEAD = 0x4B02  # nothing heard from the peer for too long
 REJECTED = 0x4B03  # STOP_SENDING: a stream carried a malformed frame
+OVER_BOUND = 0x4B04  # the peer made us hold more of its data than the bound allows
 HELLO = b'{"hello": 1}'
 
 
@@ -91,6 +99,15 @@ class LinkClosed(LinkError):
     """Closed on purpose, by either side, or its socket went away."""
 
 
+class LinkOverBound(LinkError):
+    """One side sent more than the other would hold unread: it was sent away."""
+
+
+def frame_bytes(frame: Frame) -> int:
+    """What a received frame costs the side that holds it: its header and payload."""
+    return HEADER_SIZE + len(frame.payload)
+
+
 class LinkConfig(BaseModel):
     """Timings and sizes; defaults suit a ring over home connections."""
 
@@ -106,6 +123,10 @@ class LinkConfig(BaseModel):
     max_datagram_size: int = Field(default=1200, ge=1200, le=65_000)
     # aioquic's two; on loopback (no loss) they measure the same (docs/benchmarks.md).
     congestion_control: Literal["reno", "cubic"] = "reno"
+    # The peer's bytes this side holds at once: frames in pieces and frames not yet taken. One
+    # frame of the largest size the protocol allows, and 64 MiB besides (a transfer's window and a
+    # chunk, or a few waves of a ring's activations, with room to spare).
+    max_held_bytes: int = Field(default=MAX_PAYLOAD + (64 << 20), ge=1 << 16)
 
     @property
     def ping_interval_s(self) -> float:
@@ -225,6 +246,7 @@ class LinkCore:
         self._replies: dict[int, FrameDecoder] = {}  # our stream -> decoder of the peer's replies
         self._inbound: dict[int, _Inbound] = {}
         self._fin_sent: set[int] = set()
+        self.held_bytes = 0  # the peer's bytes held: frames in pieces, and frames not yet `release`d
         self.quic: _MutualTLSConnection | None = None
         if dial:
             self.quic = _MutualTLSConnection(configuration=self._configuration(is_client=True))
@@ -299,6 +321,10 @@ class LinkCore:
         if stream_id is not None:
             self._end_stream(stream_id)
 
+    def release(self, n_bytes: int) -> None:
+        """The application took a delivered frame of `n_bytes` (`frame_bytes`): it no longer counts."""
+        self.held_bytes = max(0, self.held_bytes - n_bytes)
+
     def send_raw(self, data: bytes, end: bool = False) -> int:
         """Write arbitrary bytes on a new stream (and end it if `end`): for tests and fault injection only."""
         if self.quic is None or not self.is_up:
@@ -315,6 +341,10 @@ class LinkCore:
         if self.quic is not None:
             self.quic.close(error_code=GOODBYE, reason_phrase=reason)
         self._down(LinkClosed(f"closed locally: {reason}"))
+
+    def send_away(self, error: LinkOverBound) -> None:
+        """End the link because the peer sent more than we hold unread; it learns why."""
+        self._fail(error, OVER_BOUND)
 
     def abort(self, error: LinkError) -> None:
         """Give up without a word to the peer (our socket is gone)."""
@@ -400,6 +430,10 @@ class LinkCore:
                 self._stop_sending(event.stream_id)
             elif isinstance(event, qe.ConnectionTerminated):
                 self._down(self._termination_error(event))
+        if self.error is None and self.held_bytes > self.config.max_held_bytes:
+            held, bound = self.held_bytes, self.config.max_held_bytes
+            why = f"{self._peer()} sent {held:,} bytes unread, past the {bound:,}-byte bound"
+            self.send_away(LinkOverBound(why))
 
     def _check_peer(self) -> None:
         assert self.quic is not None
@@ -435,7 +469,7 @@ class LinkCore:
         inbound = self._inbound.setdefault(stream_id, _Inbound())
         if not inbound.rejected:
             try:
-                frames = inbound.decoder.feed(data)
+                frames = self._decode(inbound.decoder, data)
                 for frame in frames:
                     if inbound.sequence_id is None:
                         inbound.sequence_id = frame.sequence_id
@@ -444,6 +478,7 @@ class LinkCore:
                             f"frame of sequence {frame.sequence_id} on the stream of sequence {inbound.sequence_id}"
                         )
                     if self.dial and stream_id == 1 and frame.payload == HELLO:
+                        self.release(frame_bytes(frame))
                         continue  # the server's hello is for the link, not the application
                     self._events.append(Received(frame))
             except FrameError as error:
@@ -451,7 +486,7 @@ class LinkCore:
         if end:
             if not inbound.rejected and inbound.decoder.pending_bytes:  # the sender hears of it too
                 self._reject(stream_id, inbound, "stream ended inside a frame", stop=False)
-            del self._inbound[stream_id]
+            self._drop_inbound(stream_id)
             self._end_stream(stream_id)
 
     def _reply_data(self, stream_id: int, data: bytes, end: bool) -> None:
@@ -459,29 +494,51 @@ class LinkCore:
         decoder = self._replies.get(stream_id)
         if decoder is not None:
             try:
-                for frame in decoder.feed(data):
+                for frame in self._decode(decoder, data):
                     if frame.kind is not Kind.ERROR:
                         raise FrameError(f"a {frame.kind.name} frame where only an ERROR reply may come")
                     self._events.append(Received(frame))
                 if end and decoder.pending_bytes:
                     raise FrameError("stream ended inside a frame")
             except FrameError as error:  # stop reading this half; our frames on the other go on
-                self._replies.pop(stream_id, None)
+                self._drop_replies(stream_id)
                 if not end and self.quic is not None:
                     self.quic.stop_stream(stream_id, REJECTED)
                 self._events.append(Rejected(stream_id, f"malformed reply: {error}"))
                 log.warning("malformed reply on stream %d: %s", stream_id, error)
         if end:
-            self._replies.pop(stream_id, None)
+            self._drop_replies(stream_id)
             for sequence_id, sid in list(self._outbound.items()):
                 if sid == stream_id:  # the peer gave up on this stream: the next frame opens another
                     del self._outbound[sequence_id]
             self._end_stream(stream_id)
 
+    def _decode(self, decoder: FrameDecoder, data: bytes) -> list[Frame]:
+        """Feed a stream's decoder, counting what it now holds and what it delivers."""
+        before = decoder.pending_bytes
+        try:
+            frames = decoder.feed(data)
+        finally:
+            self.held_bytes += decoder.pending_bytes - before
+        self.held_bytes += sum(frame_bytes(frame) for frame in frames)
+        return frames
+
+    def _drop_inbound(self, stream_id: int) -> None:
+        inbound = self._inbound.pop(stream_id, None)
+        if inbound is not None:
+            self.release(inbound.decoder.pending_bytes)
+
+    def _drop_replies(self, stream_id: int) -> None:
+        decoder = self._replies.pop(stream_id, None)
+        if decoder is not None:
+            self.release(decoder.pending_bytes)
+
     def _reject(self, stream_id: int, inbound: _Inbound, reason: str, stop: bool = True) -> None:
         """Tell the sender with an ERROR frame on that stream, stop reading it (if `stop`), keep the link."""
         assert self.quic is not None
         inbound.rejected = True
+        self.release(inbound.decoder.pending_bytes)  # nothing more of this stream is read
+        inbound.decoder = FrameDecoder()
         error = Frame(Kind.ERROR, inbound.sequence_id or 0, dtype=DType.NONE, payload=reason.encode())
         if stream_id not in self._fin_sent:
             self.quic.send_stream_data(stream_id, error.encode(), end_stream=True)
@@ -492,8 +549,8 @@ class LinkCore:
         log.warning("rejected stream %d from %s: %s", stream_id, self._peer(), reason)
 
     def _stream_reset(self, stream_id: int) -> None:
-        self._inbound.pop(stream_id, None)
-        self._replies.pop(stream_id, None)
+        self._drop_inbound(stream_id)
+        self._drop_replies(stream_id)
         for sequence_id, sid in list(self._outbound.items()):
             if sid == stream_id:  # our half is ended below: the sequence's next frame opens another
                 del self._outbound[sequence_id]
@@ -523,6 +580,8 @@ class LinkCore:
             return LinkRefused(f"refused by peer: {reason}")
         if event.error_code == DEAD:
             return LinkDead(f"peer gave up on the link: {reason}")
+        if event.error_code == OVER_BOUND:
+            return LinkOverBound(f"sent away by peer: {reason}")
         if event.reason_phrase == "Idle timeout":
             return LinkDead(f"nothing heard from {self._peer()} (QUIC idle timeout)")
         if not self.is_up:  # a close during the handshake loses its reason (RFC 9000 §10.2.3)
@@ -676,7 +735,11 @@ class Link:
         self.closed: asyncio.Future[LinkError] = self._loop.create_future()  # resolves to the reason
         self._queue: asyncio.Queue[Frame | None] = asyncio.Queue()
         self._timer: asyncio.TimerHandle | None = None
-        self.rejected: list[Rejected] = []
+        self.rejected: deque[Rejected] = deque(maxlen=RECENT_REJECTIONS)  # the latest, for a look
+        self.rejections = 0  # all of them
+        # Whether `receive` releases a frame's bytes; a reader that keeps frames for later (a
+        # router's queues) turns it off and calls `release` once the frame is taken from it.
+        self.release_on_receive = True
         demux.attach(core.peer_address, self)
 
     @property
@@ -713,7 +776,17 @@ class Link:
         if frame is None:
             self._queue.put_nowait(None)  # keep later callers from blocking
             raise self.closed.result()
+        if self.release_on_receive:
+            self.core.release(frame_bytes(frame))
         return frame
+
+    def release(self, frame: Frame) -> None:
+        """A frame taken from this link's reader is gone from memory: it no longer counts."""
+        self.core.release(frame_bytes(frame))
+
+    @property
+    def held_bytes(self) -> int:
+        return self.core.held_bytes
 
     async def frames(self) -> AsyncIterator[Frame]:
         """Every frame until the link goes down (then the iteration just ends)."""
@@ -727,6 +800,11 @@ class Link:
         if not self.closed.done():
             self.core.close(self._loop.time(), reason)
             self._transmit()
+
+    def send_away(self, error: LinkOverBound) -> None:
+        """End the link because the peer sent more than this side holds unread (a router's bound)."""
+        self.core.send_away(error)
+        self._transmit()
 
     def abort(self, error: LinkError) -> None:
         self.core.abort(error)
@@ -766,6 +844,7 @@ class Link:
                 self._queue.put_nowait(event.frame)
             elif isinstance(event, Rejected):
                 self.rejected.append(event)
+                self.rejections += 1
             elif isinstance(event, Down):
                 if not self.closed.done():
                     self.closed.set_result(event.error)
