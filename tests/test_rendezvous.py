@@ -176,7 +176,7 @@ def test_word_lists_are_big_distinct_and_plain() -> None:
 
 
 def test_codes_are_well_formed_and_unique() -> None:
-    world = World(Limits(max_sessions=600, max_sessions_per_ip=600, max_connections_per_ip=600))
+    world = World(Limits(max_sessions=600, max_sessions_per_ip=600, max_connections_per_ip=600, open_burst=600))
     codes = [world.open(2)[1].code for _ in range(500)]
     assert len(set(codes)) == 500
     for code in codes:
@@ -573,8 +573,8 @@ def test_session_and_member_counts_are_bounded() -> None:
     conn = world.connect("198.51.100.1")
     world.send(conn, open_message())
     assert world.error(conn).code is ErrorCode.TOO_MANY_SESSIONS and "this address" in world.error(conn).message
-    world.open(ip="198.51.100.2")
-    conn = world.connect("198.51.100.3")
+    world.open(ip="203.0.113.2")  # another network: this one's share (2 sessions) is taken
+    conn = world.connect("192.0.2.3")
     world.send(conn, open_message())
     assert world.error(conn).code is ErrorCode.TOO_MANY_SESSIONS and world.error(conn).retry_after_s == 60
     for expected in (1, 33):
@@ -590,6 +590,76 @@ def test_connection_count_is_bounded() -> None:
     world.connect("198.51.100.2")
     d = world.connect("198.51.100.3")
     assert d in world.closed and a not in world.closed and b not in world.closed
+
+
+def test_the_addresses_of_one_network_cannot_fill_the_rendezvous() -> None:
+    """64 addresses of one IPv6 /58 used to take all 4,096 connections (legitimate joins: 1 of 15)
+    and all 1,000 sessions (legitimate opens: 0 of 18). One network now holds an eighth of each."""
+    world = World(Limits(idle_timeout_s=10**6, hello_timeout_s=10**6))
+    attackers = [f"2001:db8:0:{i:x}::/64" for i in range(64)]  # how the shell names each /64: one /58
+    for ip in attackers:
+        for _ in range(64):
+            world.connect(ip)
+    assert len(world.core.connections) == 512  # 4,096 / 8
+    assert world.connect("198.51.100.7") not in world.closed  # a member elsewhere still gets in
+    world = World(Limits(idle_timeout_s=10**6, hello_timeout_s=10**6))
+    opened = 0
+    for ip in attackers[:50]:
+        for _ in range(20):
+            conn = world.connect(ip)
+            world.send(conn, open_message())
+            opened += isinstance(world.last(conn), Opened)
+    assert opened == 125 == len(world.core.sessions)  # 1,000 / 8
+    world.open(ip="198.51.100.7")  # a legitimate host elsewhere opens
+
+
+def test_opening_sessions_is_rate_limited_per_address() -> None:
+    world = World(Limits(opens_per_hour=30, open_burst=10, max_sessions_per_ip=100))
+    for _ in range(10):
+        world.open(ip="2001:db8::/64")
+    conn = world.connect("2001:db8::/64")
+    world.send(conn, open_message())
+    refusal = world.error(conn)
+    assert refusal.code is ErrorCode.RATE_LIMITED and refusal.retry_after_s == 120 and "opened" in refusal.message
+    world.now += 120  # one more an address may open every two minutes
+    world.open(ip="2001:db8::/64")
+    world.open(ip="2001:db8:1::/64")  # others open meanwhile
+
+
+@pytest.mark.parametrize("how", ["removed", "left"])
+def test_a_seat_held_and_not_kept_three_times_refuses_the_address_its_next_join(how: str) -> None:
+    """A silent joiner with the public words used to hold a forming session's free seat forever,
+    rejoining each time the host removed it (15 of 15 honest joins got session_full)."""
+    world = World(Limits(idle_timeout_s=10**6))
+    host, opened = world.open(expected=2)
+    holder_ip, honest_ip = "203.0.113.66", "198.51.100.20"
+    for _ in range(3):
+        conn, joined = world.join(opened.code, "holder", ip=holder_ip)
+        assert isinstance(joined, Joined), joined
+        world.now += 25  # silent, then sent away (or gone) before proving anything
+        if how == "removed":
+            world.send(host, {"type": "remove", "token": opened.token, "member": joined.member_id})
+        else:
+            world.send(conn, {"type": "leave", "token": joined.token})
+        assert joined.member_id not in world.core.sessions[world.core.by_code[opened.code]].members
+    conn, refusal = world.join(opened.code, "holder", ip=holder_ip)
+    assert isinstance(refusal, Error) and refusal.code is ErrorCode.RATE_LIMITED, refusal
+    assert "seats it did not keep" in refusal.message and 0 < (refusal.retry_after_s or 0) <= 600
+    _, honest = world.join(opened.code, "laptop", ip=honest_ip)
+    assert isinstance(honest, Joined)  # the seat is the honest member's
+    world.now += 600
+    _, ended = world.join(opened.code, "holder", ip=holder_ip)
+    assert isinstance(ended, Error) and ended.code is ErrorCode.SESSION_FULL  # its holds have expired
+
+
+def test_a_seat_kept_past_the_short_hold_costs_nothing_when_it_ends() -> None:
+    world = World(Limits(idle_timeout_s=10**6, session_idle_s=10**6))
+    _, opened = world.open(expected=3)
+    for _ in range(5):
+        conn, joined = world.join(opened.code, "laptop", ip="198.51.100.30")
+        assert isinstance(joined, Joined), joined
+        world.now += 121
+        world.send(conn, {"type": "leave", "token": joined.token})
 
 
 @pytest.mark.parametrize(

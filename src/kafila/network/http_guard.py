@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kafila.network.limits import address_group
+from kafila.network.limits import address_group, network_group
 
 if sys.platform != "win32":  # Windows has no descriptor limit of this kind, nor the module
     import resource
@@ -38,16 +38,24 @@ class Connection(Protocol):
 
 @dataclass
 class ConnectionGate:
-    """Open connections counted per address group and in all; `admit` refuses past either cap.
+    """Open connections counted per address group, per network and in all; `admit` refuses past
+    any cap. A network (`network_group`) holds at most `per_network` (None: an eighth of all, or
+    `per_address` if that is higher), so one network's many addresses leave room for others.
 
     A connection is released when its HTTP protocol loses it, or, once upgraded to a WebSocket
     (whose protocol the gate never sees), found closing when a cap is reached."""
 
     per_address: int = 64
     total: int = 4096
+    per_network: int | None = None
     _open: dict[Connection, str] = field(default_factory=dict)  # connection → its address group
     _per_group: dict[str, int] = field(default_factory=dict)
+    _per_network: dict[str, int] = field(default_factory=dict)
     refused: int = 0
+
+    @property
+    def network_cap(self) -> int:
+        return self.per_network or max(self.per_address, self.total // 8)
 
     def admit(self, connection: Connection, ip: str) -> bool:
         group = address_group(ip)
@@ -58,20 +66,27 @@ class ConnectionGate:
                 return False
         self._open[connection] = group
         self._per_group[group] = self._per_group.get(group, 0) + 1
+        network = network_group(group)
+        self._per_network[network] = self._per_network.get(network, 0) + 1
         return True
 
     def release(self, connection: Connection) -> None:
         group = self._open.pop(connection, None)
         if group is None:
             return
-        left = self._per_group[group] - 1
-        if left:
-            self._per_group[group] = left
-        else:
-            del self._per_group[group]
+        for counts, key in ((self._per_group, group), (self._per_network, network_group(group))):
+            left = counts[key] - 1
+            if left:
+                counts[key] = left
+            else:
+                del counts[key]
 
     def _full(self, group: str) -> bool:
-        return len(self._open) >= self.total or self._per_group.get(group, 0) >= self.per_address
+        return (
+            len(self._open) >= self.total
+            or self._per_group.get(group, 0) >= self.per_address
+            or self._per_network.get(network_group(group), 0) >= self.network_cap
+        )
 
     def _forget_closed(self) -> None:
         for connection in [c for c in self._open if c.is_closing()]:

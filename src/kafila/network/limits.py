@@ -4,6 +4,7 @@ rendezvous's HTTP side, STUN, LAN discovery and the relay."""
 from __future__ import annotations
 
 import ipaddress
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -20,6 +21,18 @@ def address_group(ip: str) -> str:
             return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, 64), strict=False))
     return str(address)
+
+
+def network_group(group: str) -> str:
+    """The network an address group sits in, for caps that leave room for other networks: an
+    IPv6 /56 (what one provider hands a home; its /64s are cheap to hold by the hundred), or an
+    IPv4 /24. Anything unreadable is a network of its own text."""
+    try:
+        network = ipaddress.ip_network(group.strip("[]").split("%", 1)[0], strict=False)
+    except ValueError:
+        return group
+    prefix = 56 if network.version == 6 else 24
+    return str(network.supernet(new_prefix=prefix)) if network.prefixlen > prefix else str(network)
 
 
 @dataclass
@@ -64,3 +77,43 @@ class RateByAddress:
     @property
     def tracked(self) -> int:
         return len(self._buckets)
+
+
+@dataclass
+class RecentByAddress:
+    """When each of an address's recent events happened, within a sliding window; past
+    `max_tracked` addresses the longest tracked is forgotten first (bounded memory)."""
+
+    window_s: float
+    max_tracked: int
+    _times: dict[str, deque[float]] = field(default_factory=dict)
+
+    def recent(self, address: str, now: float) -> deque[float]:
+        """The address's events still inside the window, oldest first (read-only)."""
+        times = self._times.get(address)
+        if times is None:
+            return deque()
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if not times:
+            del self._times[address]
+        return times
+
+    def add(self, address: str, now: float) -> None:
+        times = self._times.get(address)
+        if times is None:
+            while len(self._times) >= self.max_tracked:
+                del self._times[next(iter(self._times))]
+            times = self._times[address] = deque()
+        times.append(now)
+
+    def wait_s(self, address: str, now: float, allowed: int) -> float:
+        """How long until the address has fewer than `allowed` events in the window (0: now)."""
+        times = self.recent(address, now)
+        if len(times) < allowed:
+            return 0.0
+        return times[len(times) - allowed] + self.window_s - now
+
+    def expire(self, now: float) -> None:
+        for address in list(self._times):
+            self.recent(address, now)

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from kafila.network.events import emit
-from kafila.network.limits import TokenBucket
+from kafila.network.limits import RateByAddress, RecentByAddress, TokenBucket, network_group
 from kafila.network.relay import TOKEN_BYTES
 from kafila.network.session_codes import new_code, normalise_code
 from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
@@ -402,6 +402,11 @@ class Limits:
     max_message_bytes: int = 16 * 1024
     max_connections: int = 4096
     max_connections_per_ip: int = 64
+    # One network (an IPv6 /56, an IPv4 /24) holds at most this many connections and sessions
+    # (None: an eighth of all, or the per-address cap if higher), so that the many addresses of
+    # one network cannot fill the whole rendezvous.
+    max_connections_per_network: int | None = None
+    max_sessions_per_network: int | None = None
     code_ttl_s: float = 600.0  # a session that fills no further for this long expires
     session_lifetime_s: float = 24 * 3600.0
     session_idle_s: float = 3600.0  # a filled session with no join, signal, relay traffic or renew ends
@@ -409,6 +414,13 @@ class Limits:
     hello_timeout_s: float = 30.0  # from connecting to `open` or `join`
     join_failures: int = 10  # failed joins per source address per window
     join_failure_window_s: float = 60.0
+    # A seat held and not kept: removed by the host, or left within `short_hold_s` of joining.
+    # An address that did so this many times in the window is refused joins until it falls out.
+    short_hold_s: float = 120.0
+    short_holds: int = 3
+    short_hold_window_s: float = 600.0
+    opens_per_hour: float = 30.0  # per address, sustained, with a burst of `open_burst`
+    open_burst: float = 10.0
     relays_per_member: int = 2  # a session may hold this many × its expected members relays
     max_relays: int = 2000
     max_strikes: int = 5  # bad messages before a connection is closed
@@ -417,6 +429,14 @@ class Limits:
     tombstone_s: float = 3600.0  # how long an ended code is remembered, to say why it fails
     max_tombstones: int = 10_000
     max_tracked_ips: int = 65_536
+
+    @property
+    def connections_per_network(self) -> int:
+        return self.max_connections_per_network or max(self.max_connections_per_ip, self.max_connections // 8)
+
+    @property
+    def sessions_per_network(self) -> int:
+        return self.max_sessions_per_network or max(self.max_sessions_per_ip, self.max_sessions // 8)
 
 
 @dataclass
@@ -437,6 +457,7 @@ class _Member:
     token: str
     conn: ConnId
     info: MemberInfo
+    joined_at: float
 
 
 @dataclass
@@ -486,10 +507,14 @@ class Rendezvous:
         self.by_code: dict[str, str] = {}
         self.tombstones: dict[str, tuple[ErrorCode, float]] = {}
         self.connections: dict[ConnId, _Connection] = {}
-        self.failures: dict[str, deque[float]] = {}
+        self.failures = RecentByAddress(self.limits.join_failure_window_s, self.limits.max_tracked_ips)
+        self.short_holds = RecentByAddress(self.limits.short_hold_window_s, self.limits.max_tracked_ips)
+        limits = self.limits
+        self.opens = RateByAddress(limits.opens_per_hour / 3600, limits.open_burst, limits.max_tracked_ips)
         self.relays: dict[str, _RelayEdge] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=1024)
         self._per_ip: dict[str, int] = {}
+        self._per_network: dict[str, int] = {}
 
     def holds(self, channel: str) -> bool:
         """Whether a live session has this channel: what LAN discovery may answer for. Read-only."""
@@ -500,14 +525,20 @@ class Rendezvous:
     def connect(self, conn: ConnId, ip: str, now: float) -> list[Output]:
         if conn in self.connections:
             raise ValueError(f"connection {conn} is already open")
-        same_ip = self._per_ip.get(ip, 0)
-        if len(self.connections) >= self.limits.max_connections or same_ip >= self.limits.max_connections_per_ip:
+        same_ip, network = self._per_ip.get(ip, 0), network_group(ip)
+        same_network = self._per_network.get(network, 0)
+        if (
+            len(self.connections) >= self.limits.max_connections
+            or same_ip >= self.limits.max_connections_per_ip
+            or same_network >= self.limits.connections_per_network
+        ):
             self._event("connection_refused", ip=ip, connections=len(self.connections))
             busy = Error(code=ErrorCode.SERVER_BUSY, message="the rendezvous has too many connections; retry later")
             return [Send(conn, busy), Close(conn, CLOSE_TRY_LATER, "server busy")]
         bucket = TokenBucket(self.limits.message_rate, self.limits.message_burst)
         self.connections[conn] = _Connection(conn, ip, now, now, bucket)
         self._per_ip[ip] = same_ip + 1
+        self._per_network[network] = same_network + 1
         return []
 
     def receive(self, conn: ConnId, data: str | bytes, now: float) -> list[Output]:
@@ -558,8 +589,8 @@ class Rendezvous:
                 outputs += self._end(session, EndReason.LIFETIME, now)
             elif session.ready and now - session.active_at >= self.limits.session_idle_s:
                 outputs += self._end(session, EndReason.IDLE, now)
-        for ip in list(self.failures):
-            self._recent_failures(ip, now)
+        self.failures.expire(now)
+        self.short_holds.expire(now)
         for code in [c for c, (_, until) in self.tombstones.items() if until <= now]:
             del self.tombstones[code]
         return outputs
@@ -669,6 +700,14 @@ class Rendezvous:
             raise SignalError(ErrorCode.TOO_MANY_SESSIONS, "the rendezvous is full; retry later", retry_after_s=60)
         if sum(1 for s in self.sessions.values() if s.ip == connection.ip) >= self.limits.max_sessions_per_ip:
             raise SignalError(ErrorCode.TOO_MANY_SESSIONS, "too many open sessions from this address; close one first")
+        network = network_group(connection.ip)
+        if sum(1 for s in self.sessions.values() if network_group(s.ip) == network) >= self.limits.sessions_per_network:
+            raise SignalError(ErrorCode.TOO_MANY_SESSIONS, "too many open sessions from this network; close one first")
+        if not self.opens.allow(connection.ip, now):
+            wait = math.ceil(3600 / self.limits.opens_per_hour)
+            self._event("open_rate_limited", ip=connection.ip, retry_after_s=wait)
+            why = f"too many sessions opened from this address, retry in {wait} s"
+            raise SignalError(ErrorCode.RATE_LIMITED, why, retry_after_s=wait)
         code = self._fresh_code()
         session_id = self._fresh_id("s-", self.sessions)
         session = _Session(
@@ -684,7 +723,7 @@ class Rendezvous:
         )
         self.sessions[session_id] = session
         self.by_code[code] = session_id
-        member = self._add_member(session, connection, message.capability, message.candidates, message.fingerprint)
+        member = self._add_member(session, connection, message, now)
         self._event(
             "session_opened", session=session_id, member=member.member_id, ip=connection.ip, expected=session.expected
         )
@@ -702,11 +741,21 @@ class Rendezvous:
     def _join(self, connection: _Connection, message: JoinSession, now: float) -> list[Output]:
         if connection.member_id is not None:
             raise SignalError(ErrorCode.ALREADY_JOINED, "this connection is already in a session", strike=True)
-        recent = self._recent_failures(connection.ip, now)
-        if len(recent) >= self.limits.join_failures:
-            wait = max(1, math.ceil(recent[0] + self.limits.join_failure_window_s - now))
+        wait_s = self.failures.wait_s(connection.ip, now, self.limits.join_failures)
+        if wait_s > 0:
+            wait = max(1, math.ceil(wait_s))
             self._event("join_rate_limited", ip=connection.ip, retry_after_s=wait)
             raise SignalError(ErrorCode.RATE_LIMITED, f"too many attempts, retry in {wait} s", retry_after_s=wait)
+        wait_s = self.short_holds.wait_s(connection.ip, now, self.limits.short_holds)
+        if wait_s > 0:
+            wait = max(1, math.ceil(wait_s))
+            self._event("join_rate_limited", ip=connection.ip, retry_after_s=wait, reason="short_holds")
+            raise SignalError(
+                ErrorCode.RATE_LIMITED,
+                f"this address took {self.limits.short_holds} seats it did not keep in the last "
+                f"{self.limits.short_hold_window_s / 60:.0f} minutes; retry in {wait} s",
+                retry_after_s=wait,
+            )
         code = normalise_code(message.code)
         session_id = self.by_code.get(code)
         session = self.sessions.get(session_id) if session_id is not None else None
@@ -725,7 +774,7 @@ class Rendezvous:
                 ErrorCode.NAME_TAKEN,
                 f"a member named {message.capability.name!r} is already in this session; pick another name",
             )
-        member = self._add_member(session, connection, message.capability, message.candidates, message.fingerprint)
+        member = self._add_member(session, connection, message, now)
         session.code_deadline = now + self.limits.code_ttl_s
         session.active_at = now
         self._event("member_joined", session=session.session_id, member=member.member_id, ip=connection.ip)
@@ -837,6 +886,8 @@ class Rendezvous:
         self._event("member_left", session=session.session_id, member=member.member_id, reason=reason.value)
         if member.member_id == session.host_id:
             return outputs + self._end(session, EndReason.HOST_LEFT, now)
+        if reason is LeaveReason.REMOVED or now - member.joined_at < self.limits.short_hold_s:
+            self.short_holds.add(connection.ip, now)  # a seat taken and not kept: a silent holder's, often
         outputs += self._free_relays(session, member.member_id)
         session.relay_wants = {w for w in session.relay_wants if member.member_id not in w}
         notice = MemberLeft(member_id=member.member_id, reason=reason)
@@ -908,24 +959,19 @@ class Rendezvous:
         return outputs
 
     def _add_member(
-        self,
-        session: _Session,
-        connection: _Connection,
-        capability: FleetDevice,
-        candidates: list[str],
-        fingerprint: str,
+        self, session: _Session, connection: _Connection, message: OpenSession | JoinSession, now: float
     ) -> _Member:
         member_id = f"m{session.next_index}"
         session.next_index += 1
         info = MemberInfo(
             member_id=member_id,
-            name=capability.name,
+            name=message.capability.name,
             host=member_id == session.host_id,
-            capability=capability,
-            candidates=candidates,
-            fingerprint=fingerprint,
+            capability=message.capability,
+            candidates=message.candidates,
+            fingerprint=message.fingerprint,
         )
-        member = _Member(member_id, self.rng.randbytes(24).hex(), connection.conn, info)
+        member = _Member(member_id, self.rng.randbytes(24).hex(), connection.conn, info, now)
         session.members[member_id] = member
         connection.session_id, connection.member_id = session.session_id, member_id
         return member
@@ -933,28 +979,14 @@ class Rendezvous:
     def _forget(self, conn: ConnId) -> None:
         connection = self.connections.pop(conn, None)
         if connection is not None:
-            left = self._per_ip.pop(connection.ip, 1) - 1
-            if left > 0:
-                self._per_ip[connection.ip] = left
-
-    def _recent_failures(self, ip: str, now: float) -> deque[float]:
-        recent = self.failures.get(ip)
-        if recent is None:
-            return deque()
-        while recent and recent[0] <= now - self.limits.join_failure_window_s:
-            recent.popleft()
-        if not recent:
-            del self.failures[ip]
-        return recent
+            for counts, key in ((self._per_ip, connection.ip), (self._per_network, network_group(connection.ip))):
+                left = counts.pop(key, 1) - 1
+                if left > 0:
+                    counts[key] = left
 
     def _record_failure(self, ip: str, now: float, reason: str, session_id: str | None) -> None:
         self._event("join_refused", ip=ip, reason=reason, session=session_id)
-        recent = self.failures.get(ip)
-        if recent is None:
-            if len(self.failures) >= self.limits.max_tracked_ips:
-                del self.failures[next(iter(self.failures))]
-            recent = self.failures[ip] = deque()
-        recent.append(now)
+        self.failures.add(ip, now)
 
     def _fresh_code(self) -> str:
         for _ in range(64):

@@ -301,7 +301,7 @@ async def start_rendezvous(
     """
     limits = limits or Limits()
     raise_open_file_limit()
-    gate = ConnectionGate(per_address=limits.max_connections_per_ip, total=limits.max_connections)
+    gate = ConnectionGate(limits.max_connections_per_ip, limits.max_connections, limits.connections_per_network)
     stun = await StunServer.start(host, stun_port, alt_port, alt_address)
     try:
         listener = _listen(host, http_port)
