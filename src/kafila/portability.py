@@ -76,12 +76,9 @@ def reuse_listening_address(sock: socket.socket, platform: str = sys.platform) -
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 
 
-async def open_udp_endpoint(
-    factory: Callable[[], P], local_addr: tuple[str, int]
-) -> tuple[asyncio.DatagramTransport, P]:
-    """`create_datagram_endpoint(factory, local_addr=...)` on a socket bound here, so that
-    `ignore_udp_connection_resets` applies before its first datagram (asyncio's transport
-    hides the socket's `ioctl`). OSError if no address of `local_addr` can be bound."""
+async def bind_udp_socket(local_addr: tuple[str, int]) -> socket.socket:
+    """A non-blocking UDP socket bound to `local_addr`, with `ignore_udp_connection_resets`
+    applied before its first datagram. OSError if no address of `local_addr` can be bound."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(*local_addr, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
     if not infos:
@@ -93,7 +90,7 @@ async def open_udp_endpoint(
             sock.setblocking(False)
             sock.bind(address)
             ignore_udp_connection_resets(sock)
-            return await loop.create_datagram_endpoint(factory, sock=sock)
+            return sock
         except OSError as error:
             sock.close()
             failure = error
@@ -102,6 +99,19 @@ async def open_udp_endpoint(
             raise
     assert failure is not None
     raise failure
+
+
+async def open_udp_endpoint(
+    factory: Callable[[], P], local_addr: tuple[str, int]
+) -> tuple[asyncio.DatagramTransport, P]:
+    """`create_datagram_endpoint(factory, local_addr=...)` on a socket from `bind_udp_socket`
+    (asyncio's transport hides the socket's `ioctl`). OSError if `local_addr` cannot be bound."""
+    sock = await bind_udp_socket(local_addr)
+    try:
+        return await asyncio.get_running_loop().create_datagram_endpoint(factory, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,11 +3,13 @@ rendezvous's HTTP side, STUN, LAN discovery and the relay."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections import deque
 from dataclasses import dataclass, field
 
 
+@functools.lru_cache(maxsize=4096)  # on every datagram of a flood: one parse per source, not per datagram
 def address_group(ip: str) -> str:
     """The unit every per-address limit counts: an IPv4 address, or an IPv6 /64 (one home or
     host gets a whole /64, so counting single IPv6 addresses limits nothing). An IPv4 address

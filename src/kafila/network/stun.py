@@ -2,29 +2,36 @@
 
 The message codec is aioice's; what is here is the part aioice has no server for. The core,
 `StunResponder`, is sans-IO: given a datagram and the local endpoint it arrived on, it returns
-the reply and the local endpoint to send it from. `StunServer` is the thin asyncio shell that
-owns the sockets: two ports on the primary address and, when a second address is configured,
-the same two ports on it (RFC 5780 needs all four to answer CHANGE-REQUEST).
+the reply and the local endpoint to send it from. It counts each source against its rate before
+it parses anything, so a flood costs a lookup per datagram, not a parse. `StunServer` is the
+thin shell that owns the sockets: two ports on the primary address and, when a second address
+is configured, the same two ports on it (RFC 5780 needs all four to answer CHANGE-REQUEST). It
+reads them in a thread of its own, as fast as the kernel hands datagrams over: a UDP flood
+then costs STUN its own reads and never turns of the signalling's event loop, and a member's
+request is read before the socket's buffer overflows with the flood.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
+import selectors
+import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
 
 from aioice import stun
 
 from kafila.network.limits import RateByAddress, address_group
-from kafila.portability import open_udp_endpoint
+from kafila.portability import bind_udp_socket
 
 Address = tuple[str, int]
 CHANGE_IP = 0x04
 CHANGE_PORT = 0x02
 MAX_DATAGRAM = 2048
+RECEIVE_BUFFER = 4 << 20  # asked of the kernel for each socket (Linux caps it at net.core.rmem_max)
 # An answer is about 3× its request, so an attacker who spoofs a victim's address could use the
 # rendezvous to multiply its traffic: answers per source address are rate-limited. A member's
 # whole NAT classification asks a dozen or so, with retries, within a few seconds.
@@ -79,6 +86,9 @@ class StunResponder:
     )
 
     def handle(self, data: bytes, source: Address, received_on: Address, now: float) -> tuple[bytes, Address] | None:
+        if not self.rates.allow(address_group(source[0]), now):  # before parsing: a flood costs a lookup
+            self.counts["rate_limited"] += 1
+            return None
         try:
             request = stun.parse_message(data)
         except MALFORMED as error:  # malformed: never answered
@@ -87,9 +97,6 @@ class StunResponder:
             return None
         if request.message_method != stun.Method.BINDING or request.message_class != stun.Class.REQUEST:
             self.counts["ignored"] += 1
-            return None
-        if not self.rates.allow(address_group(source[0]), now):
-            self.counts["rate_limited"] += 1
             return None
         flags = request.attributes.get("CHANGE-REQUEST", 0)
         reply_from = self.endpoints.swap(received_on, bool(flags & CHANGE_IP), bool(flags & CHANGE_PORT))
@@ -111,33 +118,16 @@ class StunResponder:
         return bytes(response), reply_from
 
 
-class _Socket(asyncio.DatagramProtocol):
-    def __init__(self, server: StunServer, local: Address) -> None:
-        self.server, self.local = server, local
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.DatagramTransport, transport)
-
-    def datagram_received(self, data: bytes, addr: tuple[str | Any, ...]) -> None:
-        if len(data) > MAX_DATAGRAM or not data or data[0] > 3:  # STUN's first byte is 0 to 3
-            return
-        responder = self.server.responder
-        if responder is None:  # still binding its other sockets
-            return
-        source = (str(addr[0]), int(addr[1]))
-        answer = responder.handle(data, source, self.local, time.monotonic())
-        if answer is not None:
-            payload, reply_from = answer
-            self.server.send_from(reply_from, payload, source)
-
-
 class StunServer:
-    """The asyncio shell: one UDP socket per endpoint, replies sent from the one asked for."""
+    """The shell: one UDP socket per endpoint, read in a thread of its own; each reply leaves from
+    the endpoint it was asked to come from."""
 
-    def __init__(self) -> None:
-        self.responder: StunResponder | None = None
-        self._sockets: dict[Address, _Socket] = {}
+    def __init__(self, responder: StunResponder, sockets: dict[Address, socket.socket]) -> None:
+        self.responder = responder
+        self._sockets = sockets
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name="stun", daemon=True)
+        self._thread.start()
 
     @classmethod
     async def start(
@@ -150,42 +140,69 @@ class StunServer:
     ) -> StunServer:
         """Bind every endpoint; a port of 0 picks a free one (the alternate port then matches on both IPs).
         `rates`: answers allowed per source (default: ANSWERS_PER_S, ANSWER_BURST)."""
-        server = cls()
-        bound: dict[Address, _Socket] = {}
+        bound: dict[Address, socket.socket] = {}
         try:
-            primary = await open_udp_endpoint(lambda: _Socket(server, ("", 0)), (address, port))
-            port = primary[0].get_extra_info("sockname")[1]
-            bound[(address, port)] = primary[1]
-            alt = await open_udp_endpoint(lambda: _Socket(server, ("", 0)), (address, alt_port))
-            alt_port = alt[0].get_extra_info("sockname")[1]
-            bound[(address, alt_port)] = alt[1]
+            primary = await bind_udp_socket((address, port))
+            port = primary.getsockname()[1]
+            bound[(address, port)] = primary
+            alt = await bind_udp_socket((address, alt_port))
+            alt_port = alt.getsockname()[1]
+            bound[(address, alt_port)] = alt
             if alt_address is not None:
                 for p in (port, alt_port):
-                    _, protocol = await open_udp_endpoint(lambda: _Socket(server, ("", 0)), (alt_address, p))
-                    bound[(alt_address, p)] = protocol
+                    bound[(alt_address, p)] = await bind_udp_socket((alt_address, p))
         except BaseException:
-            for protocol in bound.values():
-                if protocol.transport is not None:
-                    protocol.transport.close()
+            for sock in bound.values():
+                sock.close()
             raise
-        for local, protocol in bound.items():
-            protocol.local = local
+        for sock in bound.values():
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         endpoints = StunEndpoints(address, port, alt_port, alt_address)
-        server.responder = StunResponder(endpoints) if rates is None else StunResponder(endpoints, rates=rates)
-        server._sockets = bound
-        return server
+        responder = StunResponder(endpoints) if rates is None else StunResponder(endpoints, rates=rates)
+        return cls(responder, bound)
 
     @property
     def endpoints(self) -> StunEndpoints:
-        assert self.responder is not None, "start() the server first"
         return self.responder.endpoints
 
-    def send_from(self, local: Address, payload: bytes, destination: Address) -> None:
-        protocol = self._sockets.get(local)
-        if protocol is not None and protocol.transport is not None:
-            protocol.transport.sendto(payload, destination)
-
     def close(self) -> None:
-        for protocol in self._sockets.values():
-            if protocol.transport is not None:
-                protocol.transport.close()
+        """Stop the reading thread, then close the sockets; calling it again does nothing."""
+        if self._thread.is_alive():
+            with contextlib.suppress(OSError):
+                self._wake_writer.send(b"x")
+            self._thread.join(timeout=5)
+        for sock in (*self._sockets.values(), self._wake_reader, self._wake_writer):
+            sock.close()
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            for local, sock in self._sockets.items():
+                selector.register(sock, selectors.EVENT_READ, local)
+            selector.register(self._wake_reader, selectors.EVENT_READ, None)
+            while True:
+                for key, _ in selector.select():
+                    if key.data is None:
+                        return
+                    self._read(self._sockets[key.data], key.data)
+
+    def _read(self, sock: socket.socket, local: Address) -> None:
+        """Everything the socket holds now, answering what the responder answers."""
+        while True:
+            try:
+                data, addr = sock.recvfrom(MAX_DATAGRAM + 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:  # an ICMP error from an earlier reply, or the socket closing
+                log.debug("STUN socket %s:%d: %s", local[0], local[1], error)
+                return
+            if len(data) > MAX_DATAGRAM or not data or data[0] > 3:  # STUN's first byte is 0 to 3
+                continue
+            source = (str(addr[0]), int(addr[1]))
+            answer = self.responder.handle(data, source, local, time.monotonic())
+            if answer is not None:
+                payload, reply_from = answer
+                out = self._sockets.get(reply_from)
+                if out is not None:
+                    with contextlib.suppress(OSError):
+                        out.sendto(payload, source)
