@@ -23,6 +23,7 @@ from kafila.cli.network_commands import nat, rendezvous
 from kafila.cli.plan_view import render_plan
 from kafila.cli.probe_command import probe
 from kafila.cli.status_command import status
+from kafila.log_repeats import summarise_repeats
 from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet
 from kafila.planner.report import plan_report
@@ -154,4 +155,5 @@ def root(
 
 def main() -> None:
     faulthandler.enable()  # a crash in native code (llama.cpp) leaves a Python traceback in the log
+    summarise_repeats()
     app()

@@ -300,6 +300,7 @@ async def _serve(config: HostConfig) -> None:
     uvicorn_config = uvicorn.Config(
         create_app(serving, api), log_level="warning", lifespan="off", timeout_graceful_shutdown=5, access_log=False,
         http=guarded_http(api_gate(raise_open_file_limit()), header_timeout_s),
+        log_config=None,  # uvicorn's lines go to the program's log, where repeats are summarised
     )  # fmt: skip
     server = Server(uvicorn_config)
     serve = asyncio.create_task(server.serve(sockets=[config.sock]))
