@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,23 +16,25 @@ from pathlib import Path
 import pytest
 from tiny_models import write_tiny_model
 
+from kafila.cli.host_command import RichUi
 from kafila.contracts import (
     MAX_BACKEND_DEVICES,
     MAX_REPORTED_FEATURES,
     BackendDevice,
     BackendReport,
 )
-from kafila.network.frames import Frame, Kind
+from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, frame_bytes, open_link, should_dial
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import RingEngine, StageFailed, generate, open_engine
+from kafila.runtime.pipeline import RingEngine, StageFailed, check_ring_error, generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
 from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
+from kafila.session.availability import Availability
 from kafila.session.deployer import Deployer, Roster
 from kafila.session.member import cached_stage_hashes, serve_stage
 from kafila.session.protocol import (
@@ -442,3 +445,39 @@ def test_a_member_that_sends_what_the_host_does_not_read_is_sent_away_at_the_bou
     assert "sent away by peer" in str(told)
     assert sent > channel_bound  # it did send past the bound ...
     assert most_held <= bound + (256 << 10) + 64  # ... and the host held no more than that, and one frame
+
+
+def test_random_bytes_a_member_sends_as_its_error_are_shown_and_kept_never_obeyed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A member's ERROR frame of random bytes, markup and terminal escapes, over a real link: the
+    request it names fails with that text, and the host's console and /status show it as text.
+    Before, such bytes reached rich as markup and killed the host's watcher (every request then
+    got 503 "the host stopped watching its session")."""
+    rng = random.Random(33)
+    hostile = b"[/]\x1b[2J\x1b]52;c;aGk=\x07[bold" + rng.randbytes(4000)
+
+    async def scenario() -> Frame:
+        host, member, demuxes = await _linked_routers()
+        try:
+            await member.activation.send(Frame(Kind.ERROR, 0, dtype=DType.NONE, payload=hostile))
+            return await asyncio.wait_for(host.activation.receive(), 10)
+        finally:
+            for router in (host, member):
+                await router.close()
+            for demux in demuxes:
+                demux.close()
+
+    frame = asyncio.run(scenario())
+    assert check_ring_error(frame) is frame  # an ERROR naming a request fails that request alone
+    failure = f"rack reported: {frame.text()}"  # as RingEngine words the request's failure
+    ui, serving = RichUi(), Availability()
+    ui.say(failure)
+    ui.warn("a request failed", failure)
+    ui.error(f"the session cannot serve: {failure}")
+    serving.record_incident("a request failed", failure)
+    shown = capsys.readouterr().err
+    assert "rack reported: [/]" in shown and "[bold" in shown  # shown as it is written ...
+    assert "\x1b" not in shown and "\x07" not in shown  # ... and nothing of it obeyed
+    kept = serving.incidents[-1].detail
+    assert "\x1b" not in kept and kept.startswith("rack reported: [/]")
