@@ -25,7 +25,7 @@ from fleets import FLEETS, fleet
 
 from kafila.contracts import NatBehaviour, NatClass
 from kafila.planner import PlanRefused, plan_session
-from kafila.planner.fleet import Fleet
+from kafila.planner.fleet import Fleet, device_of
 from kafila.planner.ring import best_ring
 from kafila.planner.types import Device, ModelManifest, SessionSpec
 
@@ -49,7 +49,7 @@ def division_table() -> None:
         for model in spec["benchmark"]:
             parsed = Fleet.model_validate(fleet(fleet_name, model))
             assert parsed.model is not None
-            devices = [d.device() for d in parsed.devices]
+            devices = [device_of(d) for d in parsed.devices]
             started = time.perf_counter()
             try:
                 plan = plan_session(parsed.model.manifest(), devices, parsed.session, parsed.anchor_name)
@@ -84,7 +84,7 @@ def memory_wall(fleet_name: str = "lan", model: str = "Qwen3-32B-Q4_K_M") -> Non
         assert parsed.model is not None
         try:
             plan = plan_session(
-                parsed.model.manifest(), [d.device() for d in parsed.devices], parsed.session, parsed.anchor_name
+                parsed.model.manifest(), [device_of(d) for d in parsed.devices], parsed.session, parsed.anchor_name
             )
         except PlanRefused as refusal:
             print(f"| {context} × {concurrency} | — | — | — | refused: {refusal} |")

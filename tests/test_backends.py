@@ -17,8 +17,7 @@ import pytest
 from pydantic import ValidationError
 from tiny_gguf import write_tiny_llama
 
-from kafila.contracts import BackendDevice, BackendReport
-from kafila.planner.fleet import FleetDevice
+from kafila.contracts import BackendDevice, BackendReport, FleetDevice
 from kafila.runtime.backends import backend_devices, backend_report, device_set, serving_devices
 from kafila.runtime.cpu_safety import reported_features
 from kafila.runtime.llama_backend import (

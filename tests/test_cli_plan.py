@@ -12,6 +12,7 @@ import pytest
 from tiny_gguf import write_other_family, write_tiny_llama
 from tiny_models import write_tiny_model
 
+from kafila.planner.fleet import device_of
 from kafila.runtime.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,7 +274,7 @@ def test_non_utf8_fleet_file(tmp_path: Path) -> None:
 
 def test_memory_sizes_people_type_and_what_a_device_then_lends() -> None:
     from kafila.cli.sizes import parse_memory
-    from kafila.planner.fleet import FleetDevice
+    from kafila.contracts import FleetDevice
 
     assert parse_memory(None) is None
     assert parse_memory("8G") == 8 * 10**9 and parse_memory("12GiB") == 12 * 2**30 and parse_memory(" 512MB ") == 512e6
@@ -282,5 +283,5 @@ def test_memory_sizes_people_type_and_what_a_device_then_lends() -> None:
             parse_memory(bad)
     device = FleetDevice(name="pc", memory_gib=16.0)
     assert device.lending(None) is device
-    assert device.lending(4 * 2**30).device().memory_bytes == 4 * 2**30
+    assert device_of(device.lending(4 * 2**30)).memory_bytes == 4 * 2**30
     assert device.lending(64 * 2**30).memory_gib == 16.0  # lending more than is free lends what is free

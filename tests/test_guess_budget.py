@@ -16,9 +16,9 @@ import pytest
 from host_process import Host, running_host, start_member, status_of, stop, until_status, wait_ready
 from tiny_models import write_tiny_model
 
+from kafila.contracts import FleetDevice
 from kafila.network.pake import Exchange, Role, TrustError, abort_message
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousError
-from kafila.planner.fleet import FleetDevice
 from kafila.session.presence import rendezvous_endpoints
 
 COMMON = ("--context", "256", "--concurrency", "2", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")

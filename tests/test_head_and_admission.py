@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from strategies import devices, manifests, sessions
 
 from kafila.planner import PlanRefused, plan_serving_host, plan_session
+from kafila.planner.fleet import device_of
 from kafila.planner.types import Device, ModelManifest, SessionSpec
 
 
@@ -171,8 +172,9 @@ def test_a_price_from_serving_scales_every_stage_by_what_one_stage_measured(
     """The whole cost function o + bytes/b (+ head/b_head) is scaled, so every range, the head's
     too, costs `scale` times what it did: the measured stage is met exactly, the rest keep their
     shape."""
+    from kafila.contracts import FleetDevice
     from kafila.planner.cost import ChainPrefix, cost_model_matrix
-    from kafila.planner.fleet import FleetDevice, pricing_from_serving
+    from kafila.planner.fleet import pricing_from_serving
 
     manifest = ModelManifest(
         name="m", block_bytes=(3 * 10**8, 2 * 10**8, 10**8, 4 * 10**8), head_bytes=10**9, kv_bytes_per_token=(0,) * 4
@@ -181,18 +183,19 @@ def test_a_price_from_serving_scales_every_stage_by_what_one_stage_measured(
     device = FleetDevice(
         name="a", memory_gib=64, bandwidth_gb_s=20.0, overhead_us=300.0, head_bandwidth_gb_s=45.0 if fast_head else None
     )
-    before = cost_model_matrix(device.device(), prefix, True)
+    before = cost_model_matrix(device_of(device), prefix, True)
     predicted = float(before[1, 3])
     pricing = pricing_from_serving(device, "ab" * 32, predicted, predicted * scale)
     assert pricing is not None
-    after = cost_model_matrix(device.priced(pricing).device(), prefix, head)
-    original = cost_model_matrix(device.device(), prefix, head)
+    after = cost_model_matrix(device_of(device.priced(pricing)), prefix, head)
+    original = cost_model_matrix(device_of(device), prefix, head)
     end = min(4, start + length)
     assert after[start, end] == pytest.approx(scale * original[start, end], rel=1e-9)
 
 
 def test_a_price_from_serving_is_refused_without_numbers_to_scale_or_past_its_limits() -> None:
-    from kafila.planner.fleet import FleetDevice, pricing_from_serving
+    from kafila.contracts import FleetDevice
+    from kafila.planner.fleet import pricing_from_serving
 
     probed = FleetDevice(name="a", memory_gib=8, bandwidth_gb_s=10.0, overhead_us=100.0)
     assert pricing_from_serving(FleetDevice(name="b", memory_gib=8), "ab" * 32, 0.01, 0.02) is None  # nothing measured

@@ -26,7 +26,7 @@ from serving_checks import unsplit_greedy
 from test_session_network import share_this_machines_probe
 from tiny_models import Q8_0, ModelShape, write_tiny_model
 
-from kafila.planner.fleet import FleetDevice
+from kafila.contracts import FleetDevice
 from kafila.runtime.llama_backend import out_of_memory
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.slicer import cached_slices

@@ -20,7 +20,8 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kafila.planner.fleet import FleetDevice
+from kafila.contracts import FleetDevice
+from kafila.planner.fleet import device_of
 from kafila.runtime.manifest import read_manifest
 from kafila.runtime.probe import (
     GIB,
@@ -181,7 +182,7 @@ def test_probe_json_is_a_plausible_fleet_device(probe_json: tuple[dict[str, Any]
     assert report["tflops"] > 0
     assert report["memory_gib"] > 0
     device = FleetDevice.model_validate({key: report[key] for key in FLEET_KEYS})
-    assert device.device().bandwidth_bytes_per_s == pytest.approx(report["bandwidth_gb_s"] * 1e9)
+    assert device_of(device).bandwidth_bytes_per_s == pytest.approx(report["bandwidth_gb_s"] * 1e9)
 
 
 @needs_llama_cpp
@@ -234,7 +235,7 @@ def test_probe_with_a_model_prices_that_models_stages(tmp_path: Path) -> None:
     assert report["head_bandwidth_gb_s"] == pytest.approx(stages["head_bandwidth_gb_s"], rel=1e-3)
     assert report["overhead_us"] == pytest.approx(stages["overhead_us"], rel=1e-3, abs=1e-3)
     device = FleetDevice.model_validate({key: report[key] for key in (*FLEET_KEYS, "head_bandwidth_gb_s")})
-    assert device.device().head_bandwidth_bytes_per_s == pytest.approx(report["head_bandwidth_gb_s"] * 1e9)
+    assert device_of(device).head_bandwidth_bytes_per_s == pytest.approx(report["head_bandwidth_gb_s"] * 1e9)
 
 
 @needs_llama_cpp
@@ -242,7 +243,8 @@ def test_kept_model_pricings_are_read_newest_first_and_stale_or_broken_ones_skip
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pricing from another llama.cpp build priced other kernels; a broken file is as if absent."""
-    from kafila.planner.fleet import ModelPricing, pricing_for
+    from kafila.contracts import ModelPricing
+    from kafila.planner.fleet import pricing_for
     from kafila.runtime.local_plan import cached_model_pricings, save_model_pricing
 
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kafila.contracts import FleetDevice
 from kafila.planner import ModelManifest, SessionSpec, plan_serving_host
 from kafila.planner.cost import ChainPrefix, cost_model_matrix
-from kafila.planner.fleet import FleetDevice, pricing_from_serving
+from kafila.planner.fleet import device_of, pricing_from_serving
 from kafila.planner.rebalance import REBALANCE_GAIN, judge_rebalance
 from kafila.planner.types import Plan
 
@@ -65,10 +66,10 @@ def test_a_ring_whose_machines_all_run_slower_or_faster_alike_is_never_divided_a
     every price alike, which moves no block: noise of that kind cannot make the ring flap."""
     manifest, devices = fleet
     session = SessionSpec(context=1)
-    plan = plan_serving_host(manifest, [d.device() for d in devices], session)
+    plan = plan_serving_host(manifest, [device_of(d) for d in devices], session)
     scale = data.draw(st.floats(0.1, 10.0))
     measured, learned = measured_and_learned(plan, devices, {d.name: scale for d in devices})
-    proposed = plan_serving_host(manifest, [d.device() for d in learned], session)
+    proposed = plan_serving_host(manifest, [device_of(d) for d in learned], session)
     verdict = judge_rebalance(plan, measured, proposed)
     assert verdict is not None and not verdict.worth_it, verdict
 
@@ -83,11 +84,11 @@ def test_a_rebalance_is_called_for_only_where_the_measured_prices_make_it_clearl
     a rebalance is called for only when the new plan's slowest stage is at least 25% faster."""
     manifest, devices = fleet
     session = SessionSpec(context=1)
-    plan = plan_serving_host(manifest, [d.device() for d in devices], session)
+    plan = plan_serving_host(manifest, [device_of(d) for d in devices], session)
     scales = {d.name: data.draw(st.floats(0.1, 10.0)) for d in devices}
     measured, learned = measured_and_learned(plan, devices, scales)
     prefix = ChainPrefix.of(manifest, session)
-    by_name = {d.name: d.device() for d in learned}
+    by_name = {d.name: device_of(d) for d in learned}
     for stage, seconds in zip(plan.stages, measured, strict=True):
         priced = cost_model_matrix(by_name[stage.device], prefix, stage.is_head)[stage.start, stage.end]
         assert priced == pytest.approx(seconds, rel=1e-9)
@@ -109,23 +110,23 @@ def test_a_member_four_times_slower_than_its_price_gives_blocks_back() -> None:
     host = FleetDevice(name="host", memory_gib=64, bandwidth_gb_s=20.0, overhead_us=200.0)
     boasting = FleetDevice(name="member", memory_gib=64, bandwidth_gb_s=80.0, overhead_us=50.0)
     session = SessionSpec(context=1)
-    plan = plan_serving_host(manifest, [host.device(), boasting.device()], session)
+    plan = plan_serving_host(manifest, [device_of(host), device_of(boasting)], session)
     assert [s.end - s.start for s in plan.stages if s.device == "member"] == [7]
     measured, learned = measured_and_learned(plan, [host, boasting], {"host": 1.0, "member": 4.0})
-    proposed = plan_serving_host(manifest, [d.device() for d in learned], session)
+    proposed = plan_serving_host(manifest, [device_of(d) for d in learned], session)
     verdict = judge_rebalance(plan, measured, proposed)
     assert verdict is not None and verdict.worth_it, verdict
     assert {s.device: s.end - s.start for s in proposed.stages} == {"member": 4, "host": 4}
     assert "worth it" in verdict.reason
     # Judged again on the plan it made, with its stages measuring what they now cost, it stands.
     again, relearned = measured_and_learned(proposed, learned, {"host": 1.0, "member": 1.0})
-    stands = judge_rebalance(proposed, again, plan_serving_host(manifest, [d.device() for d in relearned], session))
+    stands = judge_rebalance(proposed, again, plan_serving_host(manifest, [device_of(d) for d in relearned], session))
     assert stands is not None and not stands.worth_it and stands.reason == "the plan stands"
 
 
 def test_nothing_is_judged_before_every_stage_has_a_measurement() -> None:
     manifest = ModelManifest(name="m", block_bytes=(10**8,) * 4, head_bytes=0, kv_bytes_per_token=(0,) * 4)
-    devices = [FleetDevice(name=n, memory_gib=64, bandwidth_gb_s=10.0, overhead_us=100.0).device() for n in "ab"]
+    devices = [device_of(FleetDevice(name=n, memory_gib=64, bandwidth_gb_s=10.0, overhead_us=100.0)) for n in "ab"]
     plan = plan_serving_host(manifest, devices, SessionSpec(context=1))
     assert judge_rebalance(plan, [0.01, None], plan) is None
     assert judge_rebalance(plan, [0.01], plan) is None  # one time for two stages

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kafila.contracts import FleetDevice
 from kafila.network.limits import TokenBucket
 from kafila.network.relay import HELLO, HELLO_ACK, PAIRED, WAITING, Relay, RelayLimits, hello, parse_ack
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
-from kafila.planner.fleet import FleetDevice
 
 T = TypeVar("T")
 A, B, C = ("192.0.2.1", 4000), ("198.51.100.2", 5000), ("203.0.113.3", 6000)

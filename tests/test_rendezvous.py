@@ -17,6 +17,7 @@ import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kafila.contracts import FleetDevice
 from kafila.network.relay import hello
 from kafila.network.rendezvous import (
     CLOSE_NORMAL,
@@ -60,7 +61,6 @@ from kafila.network.session_codes import (
     normalise_code,
     split_code,
 )
-from kafila.planner.fleet import FleetDevice
 
 FP = "AB" * 32  # upper case on purpose: the rendezvous stores fingerprints in lower case
 T = TypeVar("T")

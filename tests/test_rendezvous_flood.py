@@ -17,9 +17,9 @@ from contextlib import asynccontextmanager
 import websockets
 from websockets.asyncio.server import ServerConnection
 
+from kafila.contracts import MAX_MEMBERS, FleetDevice
 from kafila.network.rendezvous import MAX_ERROR_MESSAGE, MAX_SIGNAL_BODY, Error, MemberInfo, Ready
 from kafila.network.rendezvous_client import MAX_MESSAGE_BYTES, MAX_PENDING_SIGNALS, RendezvousClient
-from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
 
 FP = "ab" * 32
 BODY = "x" * MAX_SIGNAL_BODY

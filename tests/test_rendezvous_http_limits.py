@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import pytest
 import websockets
 
+from kafila.contracts import FleetDevice
 from kafila.network.http_guard import ConnectionGate
 from kafila.network.limits import address_group
 from kafila.network.rendezvous import Limits, OpenSession
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
-from kafila.planner.fleet import FleetDevice
 
 FP = "ab" * 32
 HEADER_TIMEOUT_S = 0.5

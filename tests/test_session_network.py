@@ -44,10 +44,11 @@ from openai.types import Completion
 from serving_checks import PROMPTS, check_concurrent_streams, unsplit_greedy, unsplit_logprobs, unsplit_text
 from tiny_models import write_tiny_model, write_wide_model
 
+from kafila.contracts import FleetDevice
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous_client import RendezvousClient, send_abort
 from kafila.planner.cost import ChainPrefix
-from kafila.planner.fleet import FleetDevice
+from kafila.planner.fleet import device_of
 from kafila.planner.types import SessionSpec
 from kafila.runtime.backends import backend_report
 from kafila.runtime.sampling import SamplingSettings
@@ -325,7 +326,7 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
     """After serving, a member is killed. The replan prices the machines left by what their stages
     measured decoding one token at a time: each machine's cost function is scaled by measured /
     predicted, so its new stage is predicted at that scale times the generic probe's price."""
-    from kafila.planner.fleet import FleetDevice
+    from kafila.contracts import FleetDevice
     from kafila.runtime.manifest import read_manifest
 
     share_this_machines_probe(tmp_path, 3)  # cache-2 is the host's
@@ -339,7 +340,7 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
         record["device"]["overhead_us"] = PLAUSIBLE_OVERHEAD_US
         probe.write_text(json.dumps(record))
     generic = FleetDevice.model_validate(json.loads((tmp_path / "cache-2" / "probe.json").read_text())["device"])
-    device = generic.device()
+    device = device_of(generic)
     assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
     manifest = read_manifest(model)
 
@@ -392,7 +393,7 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
     measured times, finds the slowest stage clearly faster divided more evenly, and moves blocks
     back; the new ring serves the same greedy text and is not divided again. (That `--no-rebalance`
     keeps the first division is the session core's rule: tests/test_session_core.py.)"""
-    from kafila.planner.fleet import FleetDevice, ModelPricing
+    from kafila.contracts import FleetDevice, ModelPricing
     from kafila.runtime.local_plan import save_model_pricing
     from kafila.runtime.slicer import file_sha256
 
@@ -629,7 +630,7 @@ def test_machines_that_priced_the_model_are_planned_with_their_own_numbers(
     or as a member (it reports it in `hello`), the plan prices its stage with it. Each stage's
     predicted time is then the cost model's c = o + bytes / b (+ head bytes / b_head) with that
     machine's numbers: the host's and member-0's own, member-1's from the generic probe."""
-    from kafila.planner.fleet import FleetDevice, ModelPricing
+    from kafila.contracts import FleetDevice, ModelPricing
     from kafila.runtime.local_plan import save_model_pricing
     from kafila.runtime.manifest import read_manifest
     from kafila.runtime.slicer import file_sha256
@@ -656,7 +657,7 @@ def test_machines_that_priced_the_model_are_planned_with_their_own_numbers(
         for member in status["members"]:
             first, end = member["blocks"]
             pricing = numbers.get(member["name"])
-            device = generic.priced(pricing).device()
+            device = device_of(generic.priced(pricing))
             assert device.bandwidth_bytes_per_s is not None and device.overhead_s is not None
             head = manifest.head_bytes / (device.head_bandwidth_bytes_per_s or device.bandwidth_bytes_per_s)
             expected = device.overhead_s + sum(manifest.block_bytes[first:end]) / device.bandwidth_bytes_per_s

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kafila.contracts import StageReport
+from kafila.contracts import FleetDevice, ModelPricing, StageReport
 from kafila.planner import ModelManifest, SessionSpec
-from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.session.pricing import (
     GENERIC,
     MIN_STEPS_TO_REBALANCE,

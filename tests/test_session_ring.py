@@ -22,13 +22,14 @@ from kafila.contracts import (
     MAX_REPORTED_FEATURES,
     BackendDevice,
     BackendReport,
+    FleetDevice,
+    ModelPricing,
 )
 from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, frame_bytes, open_link, should_dial
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
-from kafila.planner.fleet import FleetDevice, ModelPricing
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import RingEngine, StageFailed, check_ring_error, generate, open_engine
 from kafila.runtime.sampling import SamplingSettings
@@ -294,8 +295,8 @@ def test_a_member_links_only_to_neighbours_with_the_fingerprint_the_host_verifie
     may be tampering), is refused before any packet is sent."""
     from types import SimpleNamespace
 
+    from kafila.contracts import FleetDevice
     from kafila.network.rendezvous import MemberInfo
-    from kafila.planner.fleet import FleetDevice
     from kafila.session.member import RingLinks, edge_connector
 
     verified, other = "ab" * 32, "cd" * 32

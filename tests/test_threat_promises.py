@@ -23,9 +23,9 @@ from host_process import running_host, start_member, status_of, stop, until_stat
 from test_session_network import share_this_machines_probe
 from tiny_models import write_tiny_model
 
+from kafila.contracts import FleetDevice
 from kafila.network.http_guard import MAX_OPEN_FILES
 from kafila.network.rendezvous_client import RendezvousClient
-from kafila.planner.fleet import FleetDevice
 from kafila.session.presence import INFO_TIMEOUT_S, MAX_INFO_BYTES, RendezvousUnreachable, rendezvous_endpoints
 
 

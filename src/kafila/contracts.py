@@ -9,7 +9,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from kafila.untrusted import check_name
 
 
 class Strict(BaseModel):
@@ -274,3 +276,55 @@ class HostStatus(SessionStatus):
     requests: dict[str, int] = Field(default_factory=dict)  # finished, failed
     stages: list[StageReport] = Field(default_factory=list)
     incidents: list[Incident] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Machines: what a member says of itself to the rendezvous, the host and the planner.
+# ---------------------------------------------------------------------------------------------
+
+MAX_MEMBERS = 32  # a person's own machines; the exact ring search covers 16
+
+
+class ModelPricing(Strict):
+    """One device's cost numbers for one model, measured on the model itself (`kafila probe --model`).
+
+    The generic probe times wide synthetic blocks, which are bandwidth-bound by design; a narrow
+    model's blocks are not, and its head streams faster than its blocks. A device that has priced
+    a model's own stages plans that model with these numbers instead.
+    """
+
+    model_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)]
+    head_bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)]
+    overhead_us: Annotated[float, Field(ge=0, le=1e7)]
+
+
+class FleetDevice(Strict):
+    """A machine's profile: its memory and measured speeds, as a fleet file or a probe gives them."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64), AfterValidator(check_name)]
+    memory_gib: Annotated[float, Field(gt=0, le=2**20)]
+    bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    head_bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    overhead_us: Annotated[float, Field(ge=0, le=1e7)] | None = None
+    tflops: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    nat: NatClass | NatBehaviour | None = None
+    rtt_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
+
+    def lending(self, memory_bytes: int | None) -> FleetDevice:
+        """This device with at most `memory_bytes` of its memory offered (`--memory`), or as it is."""
+        if memory_bytes is None:
+            return self
+        return self.model_copy(update={"memory_gib": min(self.memory_gib, max(1, memory_bytes) / 2**30)})
+
+    def priced(self, pricing: ModelPricing | None) -> FleetDevice:
+        """This device with a model's own o, b and b_head in place of the generic ones, or as it is."""
+        if pricing is None:
+            return self
+        return self.model_copy(
+            update={
+                "bandwidth_gb_s": pricing.bandwidth_gb_s,
+                "head_bandwidth_gb_s": pricing.head_bandwidth_gb_s,
+                "overhead_us": pricing.overhead_us,
+            }
+        )

@@ -25,7 +25,7 @@ from kafila.cli.probe_command import probe
 from kafila.cli.status_command import status
 from kafila.log_repeats import summarise_repeats
 from kafila.planner import PlanRefused, plan_session
-from kafila.planner.fleet import Fleet
+from kafila.planner.fleet import Fleet, device_of
 from kafila.planner.report import plan_report
 from kafila.runtime.cpu_safety import repack_mode
 from kafila.runtime.families import UnsupportedFamily
@@ -93,7 +93,7 @@ def plan(
             fail(f"{fleet_path}: model: {_validation_message(error)}", as_json, EXIT_BAD_INPUT)
     else:
         fail(f'{fleet_path} has no "model" section; give one or pass --model MODEL.gguf', as_json, EXIT_BAD_INPUT)
-    devices = [d.device() for d in fleet.devices]  # the fleet schema's bounds imply the device's
+    devices = [device_of(d) for d in fleet.devices]  # the fleet schema's bounds imply the device's
     if len(devices) > 1 and manifest.architecture is not None:
         try:  # a division the slicer would refuse is no plan: say so before any member is counted on
             check_family(manifest.architecture, manifest.n_blocks)

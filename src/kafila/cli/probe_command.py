@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kafila.cli.backend_view import shout_idle_gpu
 from kafila.cli.errors import fail, stderr, warn
-from kafila.planner.fleet import FleetDevice, ModelPricing
+from kafila.contracts import FleetDevice, ModelPricing
 from kafila.runtime.llama_backend import IdleGpu, LlamaUnavailable, load_llama, rebuild_for_gpu
 from kafila.runtime.local_plan import model_sha256, save_model_pricing
 from kafila.runtime.manifest import read_manifest

@@ -46,9 +46,9 @@ from typing import Annotated, Literal
 from pydantic import Field, TypeAdapter, ValidationError
 from spake2 import SPAKE2_Symmetric  # type: ignore[import-untyped]
 
+from kafila.contracts import MAX_MEMBERS
 from kafila.network.rendezvous import Fingerprint, MemberId, Wire
 from kafila.network.session_codes import split_code
-from kafila.planner.fleet import MAX_MEMBERS
 from kafila.validation import first_problem
 
 PROTOCOL = b"kafila-trust-v2"  # v2: the joiner confirms first; v1's host confirmed at once (an oracle)

@@ -31,11 +31,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
+from kafila.contracts import MAX_MEMBERS, FleetDevice
 from kafila.network.events import emit
 from kafila.network.limits import RateByAddress, RecentByAddress, TokenBucket, network_group
 from kafila.network.relay import TOKEN_BYTES
 from kafila.network.session_codes import new_code, normalise_code
-from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
 from kafila.untrusted import check_name
 
 PROTOCOL_VERSION = 1

@@ -30,6 +30,7 @@ import websockets
 from pydantic import ValidationError
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
+from kafila.contracts import MAX_MEMBERS, FleetDevice
 from kafila.network.identity import normalize_fingerprint
 from kafila.network.pake import (
     Exchange,
@@ -66,7 +67,6 @@ from kafila.network.rendezvous import (
     Wire,
 )
 from kafila.network.session_codes import channel_part, split_code
-from kafila.planner.fleet import MAX_MEMBERS, FleetDevice
 
 MAX_MESSAGE_BYTES = 128 << 10  # the largest legitimate message, a ready list of 32 members, is under 64 KiB
 REMOVE_WAIT_S = 5.0  # for the rendezvous to confirm that a removed member left

@@ -9,13 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated
 
-from pydantic import AfterValidator, Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
-from kafila.contracts import NatBehaviour, NatClass
+from kafila.contracts import MAX_MEMBERS, FleetDevice, ModelPricing, NatBehaviour, NatClass
 from kafila.planner.types import MAX_BLOCKS, Device, ModelManifest, SessionSpec, Strict
-from kafila.untrusted import check_name
 
-MAX_MEMBERS = 32  # a person's own machines; the exact ring search covers 16
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
@@ -55,20 +53,6 @@ class FleetModel(Strict):
         )
 
 
-class ModelPricing(Strict):
-    """One device's cost numbers for one model, measured on the model itself (`kafila probe --model`).
-
-    The generic probe times wide synthetic blocks, which are bandwidth-bound by design; a narrow
-    model's blocks are not, and its head streams faster than its blocks. A device that has priced
-    a model's own stages plans that model with these numbers instead.
-    """
-
-    model_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-    bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)]
-    head_bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)]
-    overhead_us: Annotated[float, Field(ge=0, le=1e7)]
-
-
 # How far a stage's measured time may stray from its price before the measurement is taken for
 # noise rather than a truer price (a stall, a swapped-out page, a clock jump).
 SERVED_SCALE_LIMITS = (1 / 20, 20.0)
@@ -104,46 +88,20 @@ def pricing_from_serving(
     )
 
 
-class FleetDevice(Strict):
-    name: Annotated[str, Field(min_length=1, max_length=64), AfterValidator(check_name)]
-    memory_gib: Annotated[float, Field(gt=0, le=2**20)]
-    bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None
-    head_bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)] | None = None
-    overhead_us: Annotated[float, Field(ge=0, le=1e7)] | None = None
-    tflops: Annotated[float, Field(gt=0, le=1e6)] | None = None
-    nat: NatClass | NatBehaviour | None = None
-    rtt_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
-
-    def lending(self, memory_bytes: int | None) -> FleetDevice:
-        """This device with at most `memory_bytes` of its memory offered (`--memory`), or as it is."""
-        if memory_bytes is None:
-            return self
-        return self.model_copy(update={"memory_gib": min(self.memory_gib, max(1, memory_bytes) / 2**30)})
-
-    def priced(self, pricing: ModelPricing | None) -> FleetDevice:
-        """This device with a model's own o, b and b_head in place of the generic ones, or as it is."""
-        if pricing is None:
-            return self
-        return self.model_copy(
-            update={
-                "bandwidth_gb_s": pricing.bandwidth_gb_s,
-                "head_bandwidth_gb_s": pricing.head_bandwidth_gb_s,
-                "overhead_us": pricing.overhead_us,
-            }
-        )
-
-    def device(self) -> Device:
-        nat = NatBehaviour.from_class(self.nat) if isinstance(self.nat, NatClass) else self.nat
-        return Device(
-            name=self.name,
-            memory_bytes=max(1, int(self.memory_gib * 2**30)),
-            bandwidth_bytes_per_s=self.bandwidth_gb_s * 1e9 if self.bandwidth_gb_s is not None else None,
-            head_bandwidth_bytes_per_s=self.head_bandwidth_gb_s * 1e9 if self.head_bandwidth_gb_s is not None else None,
-            overhead_s=self.overhead_us * 1e-6 if self.overhead_us is not None else None,
-            flops=self.tflops * 1e12 if self.tflops is not None else None,
-            nat=nat,
-            rtt_s=self.rtt_ms / 1e3 if self.rtt_ms is not None else None,
-        )
+def device_of(profile: FleetDevice) -> Device:
+    """A machine's profile in the planner's units: bytes, bytes a second, seconds, FLOP/s."""
+    nat = NatBehaviour.from_class(profile.nat) if isinstance(profile.nat, NatClass) else profile.nat
+    head_bandwidth = profile.head_bandwidth_gb_s
+    return Device(
+        name=profile.name,
+        memory_bytes=max(1, int(profile.memory_gib * 2**30)),
+        bandwidth_bytes_per_s=profile.bandwidth_gb_s * 1e9 if profile.bandwidth_gb_s is not None else None,
+        head_bandwidth_bytes_per_s=head_bandwidth * 1e9 if head_bandwidth is not None else None,
+        overhead_s=profile.overhead_us * 1e-6 if profile.overhead_us is not None else None,
+        flops=profile.tflops * 1e12 if profile.tflops is not None else None,
+        nat=nat,
+        rtt_s=profile.rtt_ms / 1e3 if profile.rtt_ms is not None else None,
+    )
 
 
 class Fleet(Strict):

@@ -18,9 +18,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kafila.contracts import BackendReport
+from kafila.contracts import BackendReport, FleetDevice, ModelPricing
 from kafila.planner import plan_session
-from kafila.planner.fleet import FleetDevice, ModelPricing
+from kafila.planner.fleet import device_of
 from kafila.planner.types import ModelManifest, SessionSpec
 from kafila.runtime.backends import backend_or_none, device_set
 from kafila.runtime.llama_backend import llama, load_llama, repack_choice
@@ -207,7 +207,7 @@ def cached_model_pricings(limit: int = 16) -> list[ModelPricing]:
 
 def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, session: SessionSpec) -> list[int]:
     """Block counts in chain order (head last) for n stages sharing this device."""
-    base = device.device()
+    base = device_of(device)
     share = max(1, base.memory_bytes // n_stages)
     members = [base.model_copy(update={"name": f"stage-{i}", "memory_bytes": share}) for i in range(n_stages)]
     plan = plan_session(manifest, members, session, anchor=members[-1].name)
@@ -216,4 +216,4 @@ def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, 
 
 def admit_alone(manifest: ModelManifest, device: FleetDevice, session: SessionSpec) -> None:
     """PlanRefused naming "this machine" unless it can hold every block, the head and the KV cache."""
-    plan_session(manifest, [device.device().model_copy(update={"name": "this machine"})], session)
+    plan_session(manifest, [device_of(device).model_copy(update={"name": "this machine"})], session)

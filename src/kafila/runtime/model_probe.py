@@ -26,8 +26,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from kafila.contracts import Strict
-from kafila.planner.fleet import ModelPricing
+from kafila.contracts import ModelPricing, Strict
 from kafila.planner.types import ModelManifest
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.local_plan import cache_dir

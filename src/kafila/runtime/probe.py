@@ -29,8 +29,7 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType, GGUFWriter
 from pydantic import Field, ValidationError
 
-from kafila.contracts import BackendReport, Strict
-from kafila.planner.fleet import FleetDevice
+from kafila.contracts import BackendReport, FleetDevice, Strict
 from kafila.runtime.backends import KINDS, backend_devices, backend_report
 from kafila.runtime.cpu_safety import RepackChoice, reported_features
 from kafila.runtime.llama_backend import LlamaUnavailable, last_error, llama, model_params, repack_choice, system_info

@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kafila.contracts import BackendReport, MemberStatus, PlanStatus, RebalanceStatus, SessionStatus, StageReport
+from kafila.contracts import (
+    BackendReport,
+    MemberStatus,
+    ModelPricing,
+    PlanStatus,
+    RebalanceStatus,
+    SessionStatus,
+    StageReport,
+)
 from kafila.network.edges import connect_edges
 from kafila.network.link import DatagramDemux
 from kafila.network.pake import TrustError
@@ -43,7 +51,6 @@ from kafila.network.rendezvous_client import (
     verify_newcomer,
 )
 from kafila.network.session_codes import full_code, new_secret
-from kafila.planner.fleet import ModelPricing
 from kafila.planner.rebalance import RebalanceVerdict
 from kafila.planner.types import ModelManifest, Plan, SessionSpec
 from kafila.runtime.backends import backend_or_none

@@ -21,14 +21,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kafila.contracts import BackendReport
+from kafila.contracts import BackendReport, ModelPricing
 from kafila.network.edges import connect_edges
 from kafila.network.frames import Frame, Kind
 from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import receive_stage_file
-from kafila.planner.fleet import ModelPricing
 from kafila.runtime.llama_backend import ContextSettings, out_of_memory
 from kafila.runtime.local_plan import short_of_memory
 from kafila.runtime.slicer import block_range_file, file_sha256

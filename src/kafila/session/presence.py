@@ -19,10 +19,9 @@ from pathlib import Path
 from urllib.error import URLError
 from urllib.request import urlopen
 
-from kafila.contracts import NatBehaviour
+from kafila.contracts import FleetDevice, NatBehaviour
 from kafila.network.identity import Identity, create_identity
 from kafila.network.nat import NatReport, probe_nat, reflexive_address
-from kafila.planner.fleet import FleetDevice
 from kafila.portability import ignore_udp_connection_resets
 
 Address = tuple[str, int]

@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kafila.contracts import StageReport
+from kafila.contracts import FleetDevice, ModelPricing, StageReport
 from kafila.planner import plan_serving_host
-from kafila.planner.fleet import FleetDevice, ModelPricing, pricing_for, pricing_from_serving
+from kafila.planner.fleet import device_of, pricing_for, pricing_from_serving
 from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
 from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec
 
@@ -83,10 +83,9 @@ class RingPricing:
     ) -> list[Device]:
         """Each machine as the planner sees it, named, and priced as `pricing` says."""
         return [
-            machines[m]
-            .capability.priced(self.pricing(machines, m, served))
-            .device()
-            .model_copy(update={"name": machines[m].name})
+            device_of(machines[m].capability.priced(self.pricing(machines, m, served))).model_copy(
+                update={"name": machines[m].name}
+            )
             for m in members
         ]
 

@@ -11,9 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from kafila.contracts import BackendReport
+from kafila.contracts import BackendReport, ModelPricing
 from kafila.network.frames import Frame, Kind
-from kafila.planner.fleet import ModelPricing
 from kafila.validation import first_problem
 
 CONTROL_SEQUENCE = 2**64 - 1  # the control stream's sequence id: request slots are small numbers

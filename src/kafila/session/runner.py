@@ -20,14 +20,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kafila.contracts import MemberStatus, SessionStatus
+from kafila.contracts import FleetDevice, MemberStatus, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.network.session_codes import split_code
 from kafila.planner import PlanRefused
-from kafila.planner.fleet import FleetDevice
 from kafila.planner.plan import smallest_stage_bytes
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
