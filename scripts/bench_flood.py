@@ -25,11 +25,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kafila.network.frames import Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, Link, LinkConfig, LinkError, frame_bytes, open_link, should_dial
-from kafila.session.protocol import CONTROL_SEQUENCE
 from kafila.session.router import TRANSFER_SEQUENCES, ChannelBounds, LinkRouter
+from kafila.wire.control import CONTROL_SEQUENCE
+from kafila.wire.frames import Frame, Kind
 
 SEQUENCES = {"control": CONTROL_SEQUENCE, "transfer": TRANSFER_SEQUENCES[0], "activation": 5}
 FRAME = 256 << 10

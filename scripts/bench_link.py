@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, Link, LinkConfig, open_link, should_dial
+from kafila.wire.frames import DType, Frame, Kind
 
 SIZES = [(hidden, dtype) for hidden in (640, 2048, 4096) for dtype in (DType.F32, DType.F16)]
 BULK = Frame.of_hidden(Kind.PREFILL, 2, 0, np.ones((16, 4096), dtype=np.float32))  # 256 KiB

@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from kafila.contracts import Mapping, NatBehaviour
-from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, Link, LinkError, bind_relay, open_link, should_dial
 from kafila.network.nat import reflexive_address
@@ -44,6 +43,7 @@ from kafila.network.punch import punch
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.planner.reachability import predict_edge
 from kafila.planner.types import EdgePrediction
+from kafila.wire.frames import DType, Frame, Kind
 
 LINK_DOWN_EXIT = 3  # the agent's exit status when its link went down while held
 RTT_SIZES = [(hidden, dtype) for hidden in (640, 2048, 4096) for dtype in (DType.F32, DType.F16)]

@@ -19,8 +19,8 @@ from kafila.contracts import (
     SessionStatus,
     StageReport,
 )
-from kafila.network.frames import Frame, Kind
 from kafila.runtime.pipeline import StageFailed, ring_stats
+from kafila.wire.frames import Frame, Kind
 
 
 def test_a_stage_report_goes_to_json_and_back_unchanged() -> None:

@@ -20,12 +20,12 @@ from test_rendezvous import capability
 
 from kafila.network import edges as edges_module
 from kafila.network.edges import Edge, EdgeError, connect_edges, edge_session, parse_candidates
-from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import Identity, create_identity
 from kafila.network.link import DatagramDemux, LinkClosed, LinkConfig
 from kafila.network.punch import PROBE
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
+from kafila.wire.frames import DType, Frame, Kind
 
 UNREACHABLE = "127.0.0.1:9"  # nothing answers there: a member advertising only this cannot be punched to
 CONFIG = LinkConfig(idle_timeout_s=3.0)

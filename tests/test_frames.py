@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.network.frames import (
+from kafila.wire.frames import (
     CONTROL_SEQUENCE_BASE,
     HEADER,
     HEADER_SIZE,

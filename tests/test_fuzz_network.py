@@ -36,7 +36,15 @@ from test_link import FAST, WAIT, bound_socket, exchange, pair, run, shut
 from test_relay import UdpPeer
 from test_rendezvous import FP, capability, join_message, open_message
 
-from kafila.network.frames import (
+from kafila.network.identity import create_identity
+from kafila.network.limits import RateByAddress
+from kafila.network.link import DatagramDemux, Link, Rejected, open_link, should_dial
+from kafila.network.relay import HELLO, HELLO_ACK, hello, parse_ack
+from kafila.network.rendezvous import CLOSE_POLICY
+from kafila.network.rendezvous_client import RendezvousClient
+from kafila.network.rendezvous_server import start_rendezvous
+from kafila.network.stun import MAX_DATAGRAM, StunServer
+from kafila.wire.frames import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -50,14 +58,6 @@ from kafila.network.frames import (
     FrameError,
     Kind,
 )
-from kafila.network.identity import create_identity
-from kafila.network.limits import RateByAddress
-from kafila.network.link import DatagramDemux, Link, Rejected, open_link, should_dial
-from kafila.network.relay import HELLO, HELLO_ACK, hello, parse_ack
-from kafila.network.rendezvous import CLOSE_POLICY
-from kafila.network.rendezvous_client import RendezvousClient
-from kafila.network.rendezvous_server import start_rendezvous
-from kafila.network.stun import MAX_DATAGRAM, StunServer
 
 SEED = 5  # the number; any other replays as well
 CASE_WAIT = 5.0  # the bound on one fuzz case's answer

@@ -158,7 +158,7 @@ def test_a_malformed_frame_is_answered_with_an_error(tmp_path: Path) -> None:
 def test_frames_of_the_wrong_width_are_refused(tmp_path: Path) -> None:
     import numpy as np
 
-    from kafila.network.frames import Frame, Kind
+    from kafila.wire.frames import Frame, Kind
 
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
     stages = slice_model(model, [2, 2], tmp_path / "stages")

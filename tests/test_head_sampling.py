@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from tiny_models import write_tiny_model
 
-from kafila.network.frames import SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import EngineStep, RingEngine, open_engine
 from kafila.runtime.sampling import Sampler, SamplerStart, SamplingSettings, TokenChosenOnHead
 from kafila.runtime.slicer import cached_slices
 from kafila.runtime.stage import HeadStage
 from kafila.runtime.worker import handle_frames
+from kafila.wire.frames import SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 
 SETTINGS = ContextSettings(n_ctx=4 * 64, n_batch=64, n_seq_max=4, n_threads=1)
 PROMPTS = ["the quick brown fox", "hello world", "a model of the world", "write in small letters"]

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import Identity, create_identity, fingerprint_of
 from kafila.network.link import (
     DatagramDemux,
@@ -26,6 +25,7 @@ from kafila.network.link import (
     should_dial,
 )
 from kafila.network.punch import punch
+from kafila.wire.frames import DType, Frame, Kind
 
 HIDDEN = 640
 FAST = LinkConfig(idle_timeout_s=2.0, handshake_timeout_s=3.0)

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 
 import pytest
 
-from kafila.network.frames import Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import (
     Down,
@@ -25,6 +24,7 @@ from kafila.network.link import (
     Up,
     frame_bytes,
 )
+from kafila.wire.frames import Frame, Kind
 
 CONFIG = LinkConfig(idle_timeout_s=4.0, handshake_timeout_s=10.0)
 DIALLER_AT, LISTENER_AT = ("10.0.0.1", 4000), ("10.0.0.2", 5000)

@@ -7,10 +7,10 @@ import os
 
 from test_link import FAST, WAIT, bound_socket, exchange, run, shut
 
-from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkDead, bind_relay, open_link, should_dial
 from kafila.network.relay import RelayServer
+from kafila.wire.frames import DType, Frame, Kind
 
 MARKER = b"KAFILA-SECRET-ACTIVATION-MARKER"
 

@@ -23,7 +23,13 @@ from tiny_models import write_tiny_model
 
 from kafila.api.schemas import ChatRequest
 from kafila.api.server import _TextOffsets
-from kafila.network.frames import (
+from kafila.runtime.llama_backend import ContextSettings
+from kafila.runtime.logprobs import HeadRow, logsumexp, token_logprob
+from kafila.runtime.pipeline import Engine, RingEngine, open_engine, prefix_cut_of
+from kafila.runtime.sampling import Sampler, SamplingSettings, TokenChosenOnHead
+from kafila.runtime.slicer import cached_slices
+from kafila.session.availability import Availability
+from kafila.wire.frames import (
     LOGPROBS_FLAG,
     NO_LOGPROBS,
     Frame,
@@ -32,12 +38,6 @@ from kafila.network.frames import (
     Kind,
     top_ids,
 )
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.logprobs import HeadRow, logsumexp, token_logprob
-from kafila.runtime.pipeline import Engine, RingEngine, open_engine, prefix_cut_of
-from kafila.runtime.sampling import Sampler, SamplingSettings, TokenChosenOnHead
-from kafila.runtime.slicer import cached_slices
-from kafila.session.availability import Availability
 
 CONTEXT = 128
 SETTINGS = ContextSettings(n_ctx=2 * CONTEXT, n_batch=64, n_seq_max=2, n_threads=1)

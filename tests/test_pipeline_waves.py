@@ -130,9 +130,9 @@ def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp
 def test_a_ring_that_answers_hidden_states_with_logits_is_broken_not_misread(model: Path, tmp_path: Path) -> None:
     """A member that sends the head here a LOGITS frame where hidden states belong (a peer
     speaking out of turn) fails the ring with what it sent, never reaching the head's forward."""
-    from kafila.network.frames import Frame
     from kafila.runtime.pipeline import StageFailed
     from kafila.runtime.slicer import cached_slices
+    from kafila.wire.frames import Frame
 
     class SpeaksOutOfTurn:
         def __init__(self) -> None:

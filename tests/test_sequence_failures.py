@@ -24,13 +24,13 @@ import pytest
 from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.network.frames import Frame, Kind
 from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.pipeline import EngineStep, LocalRing, RingEngine, SequenceFailed
 from kafila.runtime.slicer import slice_model
 from kafila.runtime.stage import BatchFailed, BlockStage, StepInput, run_isolating
 from kafila.runtime.worker import handle_frames
+from kafila.wire.frames import Frame, Kind
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_seq_max=4, n_threads=1)
 PROMPT = "the quick brown fox"

@@ -25,7 +25,6 @@ from kafila.contracts import (
     FleetDevice,
     ModelPricing,
 )
-from kafila.network.frames import DType, Frame, Kind
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, frame_bytes, open_link, should_dial
 from kafila.network.rendezvous_client import RendezvousClient
@@ -38,7 +37,9 @@ from kafila.runtime.stage import BlockStage
 from kafila.session.availability import Availability
 from kafila.session.deployer import Deployer, Roster
 from kafila.session.member import cached_stage_hashes, serve_stage
-from kafila.session.protocol import (
+from kafila.session.quic_ring import QuicRing
+from kafila.session.router import TRANSFER_SEQUENCES, ChannelBounds, LinkRouter, traffic_of
+from kafila.wire.control import (
     CONTROL_SEQUENCE,
     MAX_CACHED_STAGES,
     MAX_MODEL_PRICINGS,
@@ -53,8 +54,7 @@ from kafila.session.protocol import (
     control_frame,
     parse_control,
 )
-from kafila.session.quic_ring import QuicRing
-from kafila.session.router import TRANSFER_SEQUENCES, ChannelBounds, LinkRouter, traffic_of
+from kafila.wire.frames import DType, Frame, Kind
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=1)
 FAST = LinkConfig(idle_timeout_s=2.0, handshake_timeout_s=3.0)

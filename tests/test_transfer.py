@@ -15,7 +15,6 @@ import pytest
 from disks import small_disk
 from test_link import WAIT, pair, run, shut
 
-from kafila.network.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
 from kafila.network.link import Link, LinkError
 from kafila.network.transfer import (
     CHUNK_SIZE,
@@ -39,6 +38,7 @@ from kafila.network.transfer import (
     send_stage_file,
     transfer_sequence,
 )
+from kafila.wire.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
 
 SIZE = 20 * CHUNK_SIZE + 12345  # a short last chunk
 

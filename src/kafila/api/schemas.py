@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from kafila.network.frames import MAX_TOP_LOGPROBS
 from kafila.runtime.sampling import SamplingSettings
+from kafila.wire.frames import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions

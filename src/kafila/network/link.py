@@ -58,9 +58,9 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from cryptography.hazmat.primitives.serialization import Encoding
 from pydantic import BaseModel, ConfigDict, Field
 
-from kafila.network.frames import HEADER_SIZE, MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
 from kafila.network.identity import Identity, fingerprint_of, normalize_fingerprint
 from kafila.network.relay import HELLO_ACK, hello, parse_ack
+from kafila.wire.frames import HEADER_SIZE, MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
 
 Address = tuple[str, int]
 Handler = Callable[[bytes, Address], None]

@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kafila.network.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
 from kafila.network.link import LinkError
 from kafila.units import DISK_ROOM_HINT, human_bytes
+from kafila.wire.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
 
 log = logging.getLogger("kafila.transfer")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kafila.network.frames import MAX_TOP_LOGPROBS, top_ids
+from kafila.wire.frames import MAX_TOP_LOGPROBS, top_ids
 
 
 @dataclass(frozen=True)

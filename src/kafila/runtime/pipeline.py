@@ -30,7 +30,6 @@ import numpy.typing as npt
 from pydantic import ValidationError
 
 from kafila.contracts import StageReport
-from kafila.network.frames import NO_LOGPROBS, SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 from kafila.runtime.cpu_safety import died_by_signal, signal_of
 from kafila.runtime.families import attention_windowed
 from kafila.runtime.gguf_file import FastGGUFReader
@@ -63,6 +62,7 @@ from kafila.runtime.stage import (
     run_isolating,
 )
 from kafila.validation import one_line
+from kafila.wire.frames import NO_LOGPROBS, SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 
 RING_TIMEOUT_S = 300.0
 WORKER_EXIT_GRACE_S = 3.0  # how long a broken ring waits for the stage that broke it to be reaped

@@ -11,9 +11,9 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kafila.network.frames import MAX_SAMPLER_START_BYTES, SAMPLE_ON_HEAD
 from kafila.runtime.llama_backend import llama, load_llama
 from kafila.validation import one_line
+from kafila.wire.frames import MAX_SAMPLER_START_BYTES, SAMPLE_ON_HEAD
 
 # The layout of llama_token_data: id (int32), logit (float), p (float).
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])

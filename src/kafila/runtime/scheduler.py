@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kafila.network.frames import NO_LOGPROBS
 from kafila.runtime.logprobs import HeadRow, TokenLogprob, token_logprob
 from kafila.runtime.pipeline import EngineStep, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.sampling import SamplerStart, SamplingSettings, TokenSampler
 from kafila.runtime.text import StopAwareText
+from kafila.wire.frames import NO_LOGPROBS
 
 
 @dataclass

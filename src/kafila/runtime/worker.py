@@ -15,10 +15,10 @@ import sys
 from collections.abc import Sequence
 
 from kafila.contracts import StageReport
-from kafila.network.frames import HIDDEN_KINDS, SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 from kafila.runtime.llama_backend import ContextSettings
 from kafila.runtime.sampling import SamplerStart
 from kafila.runtime.stage import BlockStage, HeadStage, StepInput, run_isolating
+from kafila.wire.frames import HIDDEN_KINDS, SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 
 # The sequence id of a worker's last ERROR frame when it gives up its stream (a frame it cannot
 # decode poisons everything after it): in the control range, so it names no request, and the

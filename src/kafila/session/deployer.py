@@ -32,9 +32,9 @@ from kafila.runtime.slicer import StageFile, cached_slices
 from kafila.runtime.stage import BlockStage
 from kafila.session.core import MemoryShortage
 from kafila.session.member import serve_stage
-from kafila.session.protocol import Assign, ControlError, Failed, Hello, Load, Loaded, RingEdge, Staged
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import FrameSink, LinkRouter, LocalChannel
+from kafila.wire.control import Assign, ControlError, Failed, Hello, Load, Loaded, RingEdge, Staged
 
 Say = Callable[[str], None]
 Reply = TypeVar("Reply", Staged, Loaded)

@@ -59,8 +59,8 @@ from kafila.runtime.local_plan import cached_model_pricings
 from kafila.session.deployer import Deployer, Deployment, Roster, SessionFailed, all_or_none
 from kafila.session.presence import Presence, machine_tag
 from kafila.session.pricing import Machine, PlannedRing, RingPricing
-from kafila.session.protocol import End, Hello
 from kafila.session.router import LinkRouter
+from kafila.wire.control import End, Hello
 
 Say = Callable[[str], None]
 HELLO_TIMEOUT_S = 60.0

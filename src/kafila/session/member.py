@@ -23,7 +23,6 @@ from pathlib import Path
 
 from kafila.contracts import BackendReport, ModelPricing
 from kafila.network.edges import connect_edges
-from kafila.network.frames import Frame, Kind
 from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
@@ -34,7 +33,8 @@ from kafila.runtime.slicer import block_range_file, file_sha256
 from kafila.runtime.stage import BlockStage, HeadStage
 from kafila.runtime.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
 from kafila.runtime.worker import RingStage, handle_frames
-from kafila.session.protocol import (
+from kafila.session.router import FrameSink, FrameSource, LinkRouter
+from kafila.wire.control import (
     MAX_CACHED_STAGES,
     MAX_MODEL_PRICINGS,
     Assign,
@@ -47,7 +47,7 @@ from kafila.session.protocol import (
     RingEdge,
     Staged,
 )
-from kafila.session.router import FrameSink, FrameSource, LinkRouter
+from kafila.wire.frames import Frame, Kind
 
 Say = Callable[[str], None]
 

@@ -16,10 +16,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from kafila.contracts import StageReport
-from kafila.network.frames import Frame
 from kafila.network.link import LinkError
 from kafila.runtime.pipeline import StageFailed, check_ring_error, ring_stats
 from kafila.session.router import Channel, FrameSink
+from kafila.wire.frames import Frame
 
 T = TypeVar("T")
 STEP_TIMEOUT_S = 120.0  # a long prompt on a slow member; a dead one is caught sooner by its link

@@ -20,16 +20,16 @@ import contextlib
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kafila.network.frames import Frame
 from kafila.network.link import Link, LinkClosed, LinkError, LinkOverBound, frame_bytes
 from kafila.network.transfer import MAX_CHUNK, MAX_WINDOW
-from kafila.session.protocol import (
+from kafila.wire.control import (
     CONTROL_SEQUENCE,
     MAX_CONTROL_BYTES,
     ControlMessage,
     control_frame,
     parse_control,
 )
+from kafila.wire.frames import Frame
 
 TRANSFER_SEQUENCES = range(2**63, 2**64 - 1)  # below the control stream, above any request slot
 Traffic = Literal["control", "transfer", "activation"]

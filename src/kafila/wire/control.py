@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from kafila.contracts import BackendReport, ModelPricing
-from kafila.network.frames import Frame, Kind
 from kafila.validation import first_problem
+from kafila.wire.frames import Frame, Kind
 
 CONTROL_SEQUENCE = 2**64 - 1  # the control stream's sequence id: request slots are small numbers
 MAX_CONTROL_BYTES = 64 * 1024
