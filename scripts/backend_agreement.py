@@ -11,7 +11,7 @@ free-running greedy texts part. Exit status 0 within tolerance, 1 out of it, 2 b
     python scripts/backend_agreement.py --perturb blk.1.attn_norm.weight=1.1   # must fail
 
 The model: --model, else gemma-3-270m from its PyPI package where installed, else (or with
---tiny) a tiny random llama written on the spot (tests/tiny_models.py).
+--tiny) a tiny random llama written on the spot (tests/helpers/tiny_models.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from tiny_models import write_tiny_model
 
 from kafila.runtime.agreement import Tolerance

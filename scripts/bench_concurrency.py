@@ -11,7 +11,7 @@ all the weights from memory, while the arithmetic for one row is small, so a ste
 bench_serve.py's gemma-3-270m is the wrong regime on a 2-vCPU machine: its weights are tiny
 and its 262,144-token vocabulary makes the output projection's arithmetic dominate each row,
 so 4 rows cost about 2.2× one row. No bigger model can be downloaded, so this script writes
-one (tests/tiny_models.py's writer with a custom shape, random weights): TinyLlama-1.1B's
+one (tests/helpers/tiny_models.py's writer with a custom shape, random weights): TinyLlama-1.1B's
 block shape (llama, 22 blocks, n_embd 2048, n_ff 5632, 32 query heads and 4 KV heads of 64),
 every matrix Q8_0, and the tiny models' vocabulary of a few hundred tokens, so the blocks'
 weights (about 1.03 GB) are nearly all of each token's work and the head is negligible. The
@@ -59,9 +59,9 @@ from pathlib import Path
 from urllib.request import urlopen
 
 from bench_serve import concurrent, step_cost, through_api
-from host_process import Host, running_host, start_member, stop, wait_ready
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
+from host_process import Host, running_host, start_member, stop, wait_ready
 from tiny_models import BF16, F16, F32, Q8_0, ModelShape, write_tiny_model
 
 # Words the tiny vocabulary holds, about one token each: 13 prompt tokens with BOS and the newline.

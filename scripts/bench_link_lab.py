@@ -1,7 +1,7 @@
 """QUIC links in the NAT lab: the link matrix, round trips direct against relayed, killed neighbours.
 
 Builds a lab with a home of every NAT type (a second of a type for same-type pairs) and a real
-`kafila rendezvous`, then runs `scripts/natlab_punch_agent.py` pairs, each side a process in its
+`kafila rendezvous`, then runs `tests/helpers/natlab_punch_agent.py` pairs, each side a process in its
 home, introduced by the rendezvous:
 
 - **matrix**: for every ordered pair of NAT types, punch, link (direct, or through the relay the
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from natlab import NAT_TYPES
 from natlab_punch_agent import kill_one, lab_with_rendezvous, peer_home, predicted_edge, punch_pair
 

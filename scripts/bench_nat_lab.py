@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from natlab import NAT_BEHAVIOUR, NAT_TYPES
 from natlab_punch_agent import lab_with_rendezvous, peer_home, predicted_edge, punch_pair
 

@@ -1,6 +1,6 @@
 """Planner benchmark: Kafila's division against uniform and memory-proportional division.
 
-For each of the three fleets modelled on the paper's (scripts/fleets.py) and each Qwen3 model
+For each of the three fleets modelled on the paper's (tests/helpers/fleets.py) and each Qwen3 model
 (the dense 8B, 14B and 32B, and the mixture of experts 30B-A3B, priced by the experts a token reads)
 and gpt-oss-120b, and for DeepSeek-V3 on a fleet of five large-memory machines, plan the session
 and evaluate the two rules of thumb on the same ring and head, with the same cost model. Then
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from fleets import FLEETS, fleet
 
 from kafila.contracts import NatBehaviour, NatClass

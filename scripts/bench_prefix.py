@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 from llama_cpp import Llama, LlamaRAMCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from plain_llama import plain_llama
 
 from kafila.runtime.engine_loop import EngineLoop

@@ -40,6 +40,8 @@ from typing import Any
 
 from bench_concurrency import FULL, MESSAGES, SMALL, ensure_model, pinned
 from bench_serve import concurrent, through_api
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import Host, planned_and_measured, refreshed_status, running_host, start_member, stop, wait_ready
 
 USERS = (1, 4)

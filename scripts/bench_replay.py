@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import running_host, start_member, stop, wait_ready
 
 PROMPT = "<start_of_turn>user\nTell me about rivers.<end_of_turn>\n<start_of_turn>model\n"

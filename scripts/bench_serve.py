@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import running_host
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import one_user, planned_and_measured, refreshed_status, running_host, start_member, stop, wait_ready
 
 from kafila.runtime.llama_backend import load_llama, shares_cores_env

@@ -1,6 +1,6 @@
 """A whole session across the NAT lab at WAN round trips: tokens/s and time to first token.
 
-One session (scripts/lab_session.py: three homes behind real NATs, one edge relayed, gemma on
+One session (tests/helpers/lab_session.py: three homes behind real NATs, one edge relayed, gemma on
 a 3-member ring, the host holding the head) serves while the lab's delay line sets every
 home's uplink to a quarter of the per-hop round trip, so each ring edge, which crosses two
 uplinks each way, has that round trip. For each round trip:
@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from lab_session import DIRECT, HOMES, RELAYED, LabSession, lab_session
 from natlab import wan_unavailable_reason
 from natlab_wan import WanLink

@@ -16,7 +16,7 @@ as `kafila generate --stages 2` runs them), every layer on the GPU (on a build w
 CPU), rounds interleaved, medians. On this project's shared 2-vCPU machines the figures mean
 nothing (two stage processes there have beaten the model alone by 2x under others' load).
 
-The model: --model, else one written on the spot (tests/tiny_models.py's writer): a llama of 8
+The model: --model, else one written on the spot (tests/helpers/tiny_models.py's writer): a llama of 8
 blocks, n_embd 1024, n_ff 2816, every matrix Q8_0 (about 100 MB), big enough that its buffers
 are not lost in rounding and small enough to write in seconds. Its vocabulary is the tiny
 models' few hundred tokens, so the head is small and the blocks are nearly all of it.
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from tiny_models import Q8_0, ModelShape, write_tiny_model
 
 from kafila.planner import Device, PlanRefused, SessionSpec, plan_session

@@ -1,8 +1,7 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))  # shared with the benchmarks
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # shared with the benchmarks in scripts/
 
 
 import pytest

@@ -1,4 +1,4 @@
-"""The benchmark's models (scripts/fleets.py) against their publishers' figures, and its fleets.
+"""The benchmark's models (tests/helpers/fleets.py) against their publishers' figures, and its fleets.
 
 The planner benchmark is only as honest as these sizes: each model is sized tensor by tensor
 from its config, so its parameter counts must land on the published ones, and where a

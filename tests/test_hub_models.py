@@ -1,6 +1,6 @@
 """Models by name: `kafila host --model hf://org/repo:QUANT`. The pure core (names, choosing the
 file from a listing) and the shell around huggingface_hub, against a real HTTP server on loopback
-that speaks the hub's API (tests/fake_hub.py), serving tiny GGUF models."""
+that speaks the hub's API (tests/helpers/fake_hub.py), serving tiny GGUF models."""
 
 from __future__ import annotations
 

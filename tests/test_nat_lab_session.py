@@ -1,4 +1,4 @@
-"""Whole `kafila host` / `kafila join` sessions across the NAT lab (scripts/lab_session.py):
+"""Whole `kafila host` / `kafila join` sessions across the NAT lab (tests/helpers/lab_session.py):
 three homes behind real Linux NATs, each uplink 20 ms one way, a real `kafila rendezvous` on the
 lab's internet, and the official `openai` client inside the host's home. One ring edge relays
 (a symmetric NAT and a port-restricted one); the other two go direct.

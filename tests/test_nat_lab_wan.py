@@ -16,7 +16,7 @@ import pytest
 from natlab_fixtures import NatLab, natlab_wan_required  # noqa: F401
 from natlab_wan import MAX_QUEUE_S, WanLine, WanLink
 
-WAN_SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "natlab_wan.py")
+WAN_SCRIPT = str(Path(__file__).resolve().parent / "helpers" / "natlab_wan.py")
 ECHO_PORT = 9999
 
 

@@ -1,4 +1,4 @@
-"""The NAT lab (scripts/natlab.py): each home's NAT shows its RFC 4787 signature, and teardown
+"""The NAT lab (tests/helpers/natlab.py): each home's NAT shows its RFC 4787 signature, and teardown
 leaves nothing behind.
 
 Plain UDP sockets in the lab's namespaces, driven through `UdpAgent`; every wait is bounded.

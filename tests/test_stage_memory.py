@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bench_stage_memory import LIBC, settings_of, stage_allocation
+from stage_allocation import LIBC, settings_of, stage_allocation
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model, write_wide_model
 
 from kafila.planner.cost import ChainPrefix

@@ -1,6 +1,6 @@
 """Every reply a tool-call grammar allows is read back as the calls it wrote: calls to tools on the
 request's list, with arguments that validate against their schemas. Replies are drawn from the
-grammar itself (tests/grammar_samples.py), not from a model, so no verdict rests on what one seed
+grammar itself (tests/helpers/grammar_samples.py), not from a model, so no verdict rests on what one seed
 happens to sample on one CPU; llama.cpp's own grammar engine confirms each draw, token by token,
 and that the reply may end there."""
 

@@ -33,7 +33,7 @@ API_PORT = 8000
 
 
 class LabApi:
-    """The host's API as a client inside its home sees it (scripts/lab_api_agent.py)."""
+    """The host's API as a client inside its home sees it (tests/helpers/lab_api_agent.py)."""
 
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process

@@ -25,7 +25,7 @@ Usage:
         server = lab.run_public(["python3", "server.py"])
         client = lab.run_home(home, ["python3", "client.py"])
 
-CLI: `python scripts/natlab.py demo` builds the four homes, prints them, probes each NAT and
+CLI: `python tests/helpers/natlab.py demo` builds the four homes, prints them, probes each NAT and
 tears down; `up` builds and leaves the lab running; `down` deletes every lab namespace left
 behind (by `up` or by a crashed run). Needs root, iproute2, nftables and conntrack
 (`apt-get install -y iproute2 nftables conntrack`).

@@ -27,7 +27,7 @@ counts from the published shapes (config.json) and bytes from the ggml type's bl
   Q5_0. Its KV cache holds only the compressed latent and the rotary key (512 + 64 values a token
   a block): llama.cpp allocates no V cache for MLA.
 
-Run `python scripts/fleets.py` to rewrite the example fleets in examples/.
+Run `python tests/helpers/fleets.py` to rewrite the example fleets in examples/.
 """
 
 from __future__ import annotations
@@ -400,7 +400,7 @@ def fleet(name: str, model: str | None = None, context: int = 4096, concurrency:
 
 
 if __name__ == "__main__":
-    examples = Path(__file__).resolve().parent.parent / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     examples.mkdir(exist_ok=True)
     for fleet_name in FLEETS:
         target = examples / f"fleet-{fleet_name}.json"

@@ -1,24 +1,15 @@
-"""pytest fixtures for the NAT lab in scripts/natlab.py.
+"""pytest fixtures for the NAT lab (natlab.py, beside this file).
 
 conftest.py does not load these: a test module imports what it uses, e.g.
-`from natlab_fixtures import NatLab, natlab  # noqa: F401`. The lab's names are re-exported
-here because scripts/ is not a package: this module puts it on sys.path once, so test modules
-never import `natlab` before that has happened.
+`from natlab_fixtures import NatLab, natlab  # noqa: F401`; the lab's names are re-exported here.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-_SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
-if _SCRIPTS not in sys.path:
-    sys.path.insert(0, _SCRIPTS)
-
-from natlab import (  # noqa: E402
+from natlab import (
     NAT_BEHAVIOUR,
     NAT_TYPES,
     PUBLIC_ADDRESSES,
