@@ -14,7 +14,8 @@ from urllib.error import HTTPError
 from urllib.request import Request, urlopen
 
 import pytest
-from serving_checks import serving_in_thread, until
+from serving_checks import serving_in_thread
+from waiting import until
 
 from kafila.api.server import ApiConfig
 from kafila.event_feed import EventFeed

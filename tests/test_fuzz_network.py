@@ -35,6 +35,7 @@ from aioice import stun
 from test_link import FAST, WAIT, bound_socket, exchange, pair, run, shut
 from test_relay import UdpPeer
 from test_rendezvous import FP, capability, join_message, open_message
+from waiting import until_async
 
 from kafila.network.identity import create_identity
 from kafila.network.limits import RateByAddress
@@ -87,14 +88,10 @@ async def assert_silent(sock: socket.socket, wait: float = 0.2) -> None:
         sock.recvfrom(65536)
 
 
-async def until(counter: Callable[[], int], target: int, what: str, at_least: bool = False) -> None:
+async def count_reaches(counter: Callable[[], int], target: int, what: str, at_least: bool = False) -> None:
     """Poll a counter the code under test keeps until it equals (or reaches) `target`; fail, never hang."""
-    try:
-        async with asyncio.timeout(CASE_WAIT):
-            while not (counter() >= target if at_least else counter() == target):
-                await asyncio.sleep(0.002)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting: {what} ({counter()} of {target})") from None
+    reached = (lambda: counter() >= target) if at_least else (lambda: counter() == target)
+    await until_async(reached, lambda: f"{what} ({counter()} of {target})", CASE_WAIT, 0.002)
 
 
 # -- datagrams at a live link --------------------------------------------------------------------
@@ -163,8 +160,8 @@ def test_garbage_datagrams_at_a_live_link_are_dropped_and_the_link_goes_on() -> 
             for _ in range(16):
                 b.sendto(quic_garbage(rng, corpus), a.local_address)
                 a.sendto(quic_garbage(rng, corpus), b.local_address)
-            await until(lambda: heard[a], before[a] + 16, "garbage delivered to a", at_least=True)
-            await until(lambda: heard[b], before[b] + 16, "garbage delivered to b", at_least=True)
+            await count_reaches(lambda: heard[a], before[a] + 16, "garbage delivered to a", at_least=True)
+            await count_reaches(lambda: heard[b], before[b] + 16, "garbage delivered to b", at_least=True)
         assert not link_a.closed.done() and not link_b.closed.done()
         assert not link_a.rejected and not link_b.rejected  # QUIC discards it all: no stream saw a byte
         assert link_a._queue.empty() and link_b._queue.empty()
@@ -174,7 +171,7 @@ def test_garbage_datagrams_at_a_live_link_are_dropped_and_the_link_goes_on() -> 
             dropped = a.dropped
             for _ in range(16):
                 stranger.sendto(stranger_garbage(rng, corpus), a.local_address)
-            await until(lambda: a.dropped, dropped + 16, f"window {window}: every datagram counted as dropped")
+            await count_reaches(lambda: a.dropped, dropped + 16, f"window {window}: every datagram counted as dropped")
         await assert_silent(stranger)  # no answer to any of it: no reflection
         stranger.close()
 
@@ -216,7 +213,7 @@ def test_garbage_before_the_handshake_does_not_stop_the_link_coming_up() -> None
                     rng.choice([initial_shaped(rng), quic_garbage(rng, [initial_shaped(rng)])]), listener.local_address
                 )
             sent += 16
-            await until(lambda: heard["listener"], sent, "garbage delivered")
+            await count_reaches(lambda: heard["listener"], sent, "garbage delivered")
         assert not opening.done()
         link_d = await open_link(dialler, listener.local_address, dialler_id, listener_id.fingerprint, True, FAST)
         link_l = await asyncio.wait_for(opening, WAIT)
@@ -413,13 +410,13 @@ def test_garbage_on_the_reply_side_of_a_stream_is_refused_and_the_stream_goes_on
             if reply is None:  # or abandons that half outright: no fault, but a's next frame needs a new stream
                 quic.reset_stream(stream, 0x99)
                 link_b._transmit()
-                await until(lambda: len(link_a.core._outbound), 0, f"sequence {sequence}: the reset seen")
+                await count_reaches(lambda: len(link_a.core._outbound), 0, f"sequence {sequence}: the reset seen")
                 assert link_a.rejections == refused
             else:
                 data, end, why = reply
                 quic.send_stream_data(stream, data, end_stream=end)
                 link_b._transmit()
-                await until(lambda: link_a.rejections, refused + 1, f"sequence {sequence}: the reply refused")
+                await count_reaches(lambda: link_a.rejections, refused + 1, f"sequence {sequence}: the reply refused")
                 assert link_a.rejected[-1].stream_id == stream and why in link_a.rejected[-1].reason
                 refused += 1
             following = good_frame(rng, sequence, 1)  # the sequence goes on (on a new stream if b ended this one)
@@ -757,7 +754,7 @@ def test_the_rendezvous_refuses_every_bad_message_and_keeps_serving(caplog: pyte
             assert await host.ping(CASE_WAIT) < 2
             member = await RendezvousClient.join(handle.url, host.code, capability=capability("j"), fingerprint=FP)
             assert (await member.wait_ready(CASE_WAIT)).host == "m1"
-            await until(lambda: handle.core.stats()["connections"], 2, "the fuzzers' connections are gone")
+            await count_reaches(lambda: handle.core.stats()["connections"], 2, "the fuzzers' connections are gone")
             assert handle.core.stats()["sessions"] == 1
 
             await fuzz_relay(handle, host, member, rng)
@@ -805,7 +802,7 @@ async def fuzz_relay(handle: Any, host: RendezvousClient, member: RendezvousClie
                 stranger.sendto(data, relay)
                 window += bool(data)  # an empty datagram is not even counted
             unbound += window
-            await until(lambda: counts["unbound"], before + window, "each stranger datagram dropped")
+            await count_reaches(lambda: counts["unbound"], before + window, "each stranger datagram dropped")
         assert counts["datagrams"] == 0 and counts["unbound"] == unbound
 
         forwarded = [rng.randbytes(rng.randint(1, 1200)) for _ in range(100)]  # bound ends: any bytes go through

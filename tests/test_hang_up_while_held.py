@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from serving_checks import engine_served, unsplit_greedy, until
+from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
+from waiting import until
 
 from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings

@@ -16,6 +16,7 @@ import openai
 import pytest
 from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
+from waiting import until
 
 from kafila.runtime.engine_loop import EngineLoop
 from kafila.runtime.llama_backend import ContextSettings
@@ -43,10 +44,7 @@ class Served:
 
     def until_held(self, count: float = 1.0, timeout: float = 30.0) -> None:
         """Until the server counts `count` requests held for the replan (they wait, not turned away)."""
-        deadline = time.monotonic() + timeout
-        while self.held() < count:
-            assert time.monotonic() < deadline, "no request was held for the replan"
-            time.sleep(0.05)
+        until(lambda: self.held() >= count, "a request held for the replan", timeout)
 
 
 @pytest.fixture(scope="module")

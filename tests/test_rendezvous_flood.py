@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import tracemalloc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import websockets
+from waiting import until_async
 from websockets.asyncio.server import ServerConnection
 
 from kafila.contracts import MAX_MEMBERS, FleetDevice
@@ -79,7 +80,7 @@ def test_a_flooding_rendezvous_leaves_the_clients_memory_bounded() -> None:
                 client = await RendezvousClient.open(
                     url, model="m", expected_members=3, capability=FleetDevice(name="h", memory_gib=8), fingerprint=FP
                 )
-                await asyncio.wait_for(until(lambda: client.ended is not None), 60)
+                await until_async(lambda: client.ended is not None, "the client heard the session end", 60)
                 kept = tracemalloc.get_traced_memory()[0] - before
             finally:
                 tracemalloc.stop()
@@ -117,8 +118,3 @@ def test_a_refusal_is_kept_only_as_long_as_the_wire_allows() -> None:
         json.dumps({"type": "error", "code": "invalid_message", "message": "e" * 10_000})
     )
     assert len(refusal.message) == MAX_ERROR_MESSAGE
-
-
-async def until(condition: Callable[[], bool], interval: float = 0.01) -> None:
-    while not condition():
-        await asyncio.sleep(interval)

@@ -24,14 +24,6 @@ from kafila.session.availability import Availability
 PROMPTS = ("the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog")
 
 
-def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Wait for `condition`, polling; fails saying `what` never happened within `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.02)
-
-
 def unsplit_greedy(model: Path, prompt: str, tokens: int) -> str:
     """The model's greedy continuation in one process, unsplit: what every split must give."""
     return unsplit_text(model, prompt, tokens, SamplingSettings())
