@@ -2,7 +2,7 @@
 
 Each stage gets a backend (cpu: every layer and every op on the CPU; gpu: every layer on the GPU,
 where llama.cpp offloads) and a flash-attention setting; the unsplit model gets its own. The
-comparison is kafila.runtime.agreement's: relative error of the hidden states at each cut and of
+comparison is kafila.runtime.engine.agreement's: relative error of the hidden states at each cut and of
 the logits, teacher-forced top-token agreement (near-ties reported, not failed), and where
 free-running greedy texts part. Exit status 0 within tolerance, 1 out of it, 2 bad input.
 
@@ -27,12 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from tiny_models import write_tiny_model
 
-from kafila.runtime.agreement import Tolerance
-from kafila.runtime.agreement_ring import compare_ring, perturbed_copy
-from kafila.runtime.llama_backend import ContextSettings, llama
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.slicer import SliceError, slice_model
-from kafila.runtime.stage import WholeModel
+from kafila.runtime.engine.agreement import Tolerance
+from kafila.runtime.engine.agreement_ring import compare_ring, perturbed_copy
+from kafila.runtime.engine.stage import WholeModel
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import SliceError, slice_model
+from kafila.runtime.llama.llama_backend import ContextSettings, llama
 
 GEMMA_TURN = "<start_of_turn>user\nWrite a short story about a lighthouse keeper.<end_of_turn>\n<start_of_turn>model\n"
 TINY_PROMPT = "hello world, the kafila model is in a block of the world and it is to the model of the world"

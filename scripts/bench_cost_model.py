@@ -3,7 +3,7 @@
 The planner prices a stage as c = o + bytes / b (+ head bytes / b_head for the head). This
 script probes the machine two ways — the generic `kafila probe` (wide Q8_0 blocks; b_head = b)
 and the model-stage probe (the model itself as two-stage local rings under two calibration
-divisions, `kafila.runtime.model_probe`) — then runs gemma-3-270m under seven other divisions as
+divisions, `kafila.runtime.machine.model_probe`) — then runs gemma-3-270m under seven other divisions as
 real multi-process rings and compares each stage's measured decode time per token with both
 predictions, using the planner's own cost function. No checked division is a calibration one.
 
@@ -19,12 +19,12 @@ from pathlib import Path
 
 from kafila.planner.cost import ChainPrefix, cost_model_matrix
 from kafila.planner.types import Device, SessionSpec
-from kafila.runtime.llama_backend import ContextSettings, load_llama
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.model_probe import probe_model_stages
-from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.probe import run_probe
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.llama_backend import ContextSettings, load_llama
+from kafila.runtime.machine.model_probe import probe_model_stages
+from kafila.runtime.machine.probe import run_probe
 
 DIVISIONS = ([9, 9], [6, 6, 6], [3, 15], [15, 3], [12, 6], [4, 4, 10], [1, 16, 1])
 PROMPT = "The history of the printing press begins"

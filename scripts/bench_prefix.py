@@ -37,11 +37,11 @@ from llama_cpp import Llama, LlamaRAMCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from plain_llama import plain_llama
 
-from kafila.runtime.engine_loop import EngineLoop
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import Engine, PrefixCut, open_engine
-from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.scheduler import Event, Failed, Finished, Job
+from kafila.runtime.engine.pipeline import Engine, PrefixCut, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.serving.batcher import Event, Failed, Finished, Job
+from kafila.serving.engine_loop import EngineLoop
 
 GREEDY = SamplingSettings(top_k=1)
 ANSWER = 32

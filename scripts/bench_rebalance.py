@@ -123,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("this benchmark needs two cores: one per machine")
-    from kafila.runtime.local_plan import cache_dir, this_device
+    from kafila.runtime.machine.this_machine import cache_dir, this_device
 
     model = ensure_model(SMALL if args.small else FULL)
     probe = this_device()

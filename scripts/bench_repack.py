@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel, llama, repack_choice, system_info
-from kafila.runtime.local_plan import this_device
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.probe import run_probe
-from kafila.runtime.probe_child import probe_in_child
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, llama, repack_choice, system_info
+from kafila.runtime.machine.probe import run_probe
+from kafila.runtime.machine.probe_child import probe_in_child
+from kafila.runtime.machine.this_machine import this_device
 
 THREADS = max(1, os.cpu_count() or 1)
 LAYOUTS = {"repacked (on)": True, "not repacked (off)": False}

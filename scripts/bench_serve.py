@@ -132,8 +132,8 @@ def step_cost(model: Path, threads: int = THREADS, rounds: int = 20) -> dict[int
     """ms for one engine step decoding 1, 2 and 4 sequences at once, unsplit, in this process:
     how much a batch row costs on this machine, which bounds what concurrency can gain.
     Also used by scripts/bench_concurrency.py."""
-    from kafila.runtime.llama_backend import ContextSettings
-    from kafila.runtime.pipeline import EngineStep, open_engine
+    from kafila.runtime.engine.pipeline import EngineStep, open_engine
+    from kafila.runtime.llama.llama_backend import ContextSettings
 
     engine = open_engine(
         model, [read_blocks(model)], ContextSettings(n_ctx=4096, n_batch=512, n_seq_max=4, n_threads=threads)
@@ -159,14 +159,14 @@ def step_cost(model: Path, threads: int = THREADS, rounds: int = 20) -> dict[int
 
 
 def read_blocks(model: Path) -> int:
-    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.gguf.manifest import read_manifest
 
     return read_manifest(model).n_blocks
 
 
 def head_elsewhere(model: Path, cached_tokens: int) -> int:
     """Bytes a host can lend to hold any one block and its cache, but never the head as well."""
-    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.gguf.manifest import read_manifest
 
     manifest = read_manifest(model)
     blocks = zip(manifest.block_bytes, manifest.kv_bytes_per_token, strict=True)

@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import one_user, planned_and_measured, refreshed_status, running_host, start_member, stop, wait_ready
 
-from kafila.runtime.llama_backend import load_llama, shares_cores_env
+from kafila.runtime.llama.llama_backend import load_llama, shares_cores_env
 
 ROLES = ("host", "member-0", "member-1")
 PROMPT = "The history of the printing press begins"
@@ -33,9 +33,9 @@ PROMPT = "The history of the printing press begins"
 
 def prepare(root: Path, model: Path) -> dict[str, Path]:
     """Two arms of three caches each: the same generic probe everywhere, the model pricing in one arm."""
-    from kafila.runtime.local_plan import cache_dir, save_model_pricing, this_device
-    from kafila.runtime.model_probe import model_pricing, probe_model_stages
-    from kafila.runtime.slicer import file_sha256
+    from kafila.runtime.gguf.slicer import file_sha256
+    from kafila.runtime.machine.model_probe import model_pricing, probe_model_stages
+    from kafila.runtime.machine.this_machine import cache_dir, save_model_pricing, this_device
 
     os.environ["KAFILA_CACHE"] = str(root / "measured")
     device = this_device()

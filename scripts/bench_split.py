@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel, load_llama
-from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.slicer import slice_model
-from kafila.runtime.stage import BlockStage, StepInput
+from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.engine.stage import BlockStage, StepInput
+from kafila.runtime.gguf.slicer import slice_model
+from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, load_llama
 
 PROMPT = "The history of the printing press begins"
 # The even splits, and the 2-stage division the planner picks on this machine (the head, which

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from kafila.planner.cost import ChainPrefix
 from kafila.planner.types import SessionSpec
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.slicer import slice_model
-from kafila.runtime.stage import WholeModel
+from kafila.runtime.engine.stage import WholeModel
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import slice_model
+from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel
 
 MiB = 2**20
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))

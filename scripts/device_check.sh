@@ -12,7 +12,7 @@
 #      with the blocks on the GPU (hidden states are read out of device memory by the graph
 #      callback);
 #   3b. scripts/backend_agreement.py: a 2-stage ring with one CPU stage and one GPU stage (both
-#      orders) against the unsplit model on the CPU, by kafila.runtime.agreement's tolerance
+#      orders) against the unsplit model on the CPU, by kafila.runtime.engine.agreement's tolerance
 #      (relative error at the cut and of the logits, teacher-forced top tokens, where free-running
 #      greedy parts): gemma-3-270m where a GGUF travelled in .devkit/models/, and always a tiny
 #      llama written on the spot; then the same ring with one norm weight scaled, which must fail;
@@ -91,7 +91,7 @@ fi
 
 say "2b. what llama.cpp reports of this CPU, and the AMX rule's choice (runtime.md, \"Every common CPU\")"
 grep -m1 "model name" /proc/cpuinfo | tee -a "$OUT/summary.txt"
-timeout 60 python3 -c "from kafila.runtime.llama_backend import system_info, repack_choice; print(system_info()); print(repack_choice())" 2>&1 | tee -a "$OUT/summary.txt"
+timeout 60 python3 -c "from kafila.runtime.llama.llama_backend import system_info, repack_choice; print(system_info()); print(repack_choice())" 2>&1 | tee -a "$OUT/summary.txt"
 
 if ! skip 3; then
   say "3. split correctness on the GPU"

@@ -45,10 +45,10 @@ from tiny_models import Q8_0, ModelShape, write_tiny_model
 
 from kafila.planner import Device, PlanRefused, SessionSpec, plan_session
 from kafila.planner.cost import ChainPrefix
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel, llama
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import Engine, open_engine
-from kafila.runtime.slicer import slice_model
+from kafila.runtime.engine.pipeline import Engine, open_engine
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import slice_model
+from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, llama
 
 MEDIUM = ModelShape(
     n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_ff=2816, tied_output=False,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tiny_models import write_tiny_model
 
-from kafila.runtime.agreement import (
+from kafila.runtime.engine.agreement import (
     AgreementReport,
     CutError,
     ErrorSpread,
@@ -28,10 +28,10 @@ from kafila.runtime.agreement import (
     spread,
     top_token_agreement,
 )
-from kafila.runtime.agreement_ring import compare_ring, perturbed_copy
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.slicer import slice_model
-from kafila.runtime.stage import WholeModel
+from kafila.runtime.engine.agreement_ring import compare_ring, perturbed_copy
+from kafila.runtime.engine.stage import WholeModel
+from kafila.runtime.gguf.slicer import slice_model
+from kafila.runtime.llama.llama_backend import ContextSettings
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SETTINGS = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=1, n_threads=2)

@@ -13,9 +13,9 @@ from pathlib import Path
 from plain_llama import plain_llama
 from tiny_models import write_tiny_model
 
-from kafila.runtime.chat_template import ChatTemplate
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import open_engine
+from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.serving.chat_template import ChatTemplate
 
 HARMONY = (Path(__file__).parent / "fixtures" / "openai-gpt-oss-120b.jinja").read_text()
 SETTINGS = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1, n_threads=2)

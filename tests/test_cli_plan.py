@@ -13,7 +13,7 @@ from tiny_gguf import write_other_family, write_tiny_llama
 from tiny_models import write_tiny_model
 
 from kafila.planner.fleet import device_of
-from kafila.runtime.manifest import read_manifest
+from kafila.runtime.gguf.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("fleet-*.json"))

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kafila.runtime import local_plan
-from kafila.runtime.backends import backend_report
-from kafila.runtime.cpu_safety import (
+from kafila.runtime.llama.backends import backend_report
+from kafila.runtime.llama.cpu_safety import (
     AMX_NOTE,
     REPACK_SETTING,
     RepackMode,
@@ -28,10 +27,11 @@ from kafila.runtime.cpu_safety import (
     reported_features,
     signal_name,
 )
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel, model_params, repack_choice, system_info
-from kafila.runtime.probe import LlamaCppMissing, ProbeError
-from kafila.runtime.probe_child import probe_in_child
-from kafila.runtime.process_log import lines_worth_showing
+from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, model_params, repack_choice, system_info
+from kafila.runtime.llama.process_log import lines_worth_showing
+from kafila.runtime.machine import this_machine
+from kafila.runtime.machine.probe import LlamaCppMissing, ProbeError
+from kafila.runtime.machine.probe_child import probe_in_child
 
 # As llama.cpp prints them (`llama_print_system_info`) on the machines people have.
 SAPPHIRE_RAPIDS = (
@@ -197,15 +197,15 @@ def test_this_machines_probe_is_kept_per_llama_cpp_version_repack_choice_and_dev
     """A kept probe spares the host the child; one made with other devices (the same llama.cpp
     rebuilt for CUDA, say) is measured again. Every part of the key: `test_backends`."""
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
-    version = local_plan.load_llama().__version__
+    version = this_machine.load_llama().__version__
     kept = {"name": "kept", "bandwidth_gb_s": 1.5, "overhead_us": 10.0, "tflops": 0.5, "memory_gib": 1.0}
-    key = local_plan.probe_key(version, repack_choice().repack, backend_report())
+    key = this_machine.probe_key(version, repack_choice().repack, backend_report())
     (tmp_path / "probe.json").write_text(json.dumps({**key, "device": kept}))
-    assert local_plan.this_device().name == "kept"  # no child: a made-up device comes back as it was
+    assert this_machine.this_device().name == "kept"  # no child: a made-up device comes back as it was
 
     elsewhere = {**key, "devices": ["CUDA0", "CPU: AMD EPYC", "CUDA0: NVIDIA GeForce RTX 4090"], "device": kept}
     (tmp_path / "probe.json").write_text(json.dumps(elsewhere))
-    measured = local_plan.this_device()
+    measured = this_machine.this_device()
     assert measured.name != "kept" and measured.bandwidth_gb_s > 0
     again = json.loads((tmp_path / "probe.json").read_text())
     assert {name: again[name] for name in key} == key

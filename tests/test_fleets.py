@@ -13,7 +13,7 @@ import pytest
 from fleets import DEEPSEEK_V3, DEVICES, FLEETS, GPT_OSS_120B, MODELS, model_entry, model_tensors, parameters
 
 from kafila.planner.fleet import FleetModel
-from kafila.runtime.manifest import _EXPERT_TENSOR
+from kafila.runtime.gguf.manifest import _EXPERT_TENSOR
 
 # name: (total, active, whether the publisher counts the token embedding as active), from the
 # model cards: Qwen3's "30.5B in total and 3.3B activated"; gpt-oss-120b's 116.83B and 5.13B;

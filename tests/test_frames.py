@@ -161,7 +161,7 @@ def test_the_top_logits_of_a_row_are_all_a_sampler_keeping_that_many_needs() -> 
     """A head on a member sends the host only the entries its sampler can pick from: the argmax
     for greedy, the top k for top-k sampling. The row rebuilt from them is -inf elsewhere, and
     llama.cpp's chain draws exactly what it draws from the whole row."""
-    from kafila.runtime.sampling import Sampler, SamplingSettings
+    from kafila.runtime.engine.sampling import Sampler, SamplingSettings
 
     rng = np.random.default_rng(3)
     row = rng.standard_normal(5000).astype(np.float32)
@@ -212,7 +212,7 @@ def test_top_travels_on_hidden_frames_only_and_a_top_k_frame_is_checked() -> Non
 def test_with_penalties_the_top_k_plus_the_window_give_the_draws_the_whole_row_does(settings: dict) -> None:
     """The history is drawn from the very tokens at the top, so the penalties push some of them out
     of the k kept and let lower ones in: those must have come across too."""
-    from kafila.runtime.sampling import Sampler, SamplingSettings
+    from kafila.runtime.engine.sampling import Sampler, SamplingSettings
 
     sampling = SamplingSettings(**settings, seed=9)
     rng = np.random.default_rng(4)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from tiny_models import write_tiny_model
 
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import RingEngine, StageFailed
-from kafila.runtime.slicer import slice_model
+from kafila.runtime.engine.pipeline import RingEngine, StageFailed
+from kafila.runtime.gguf.slicer import slice_model
+from kafila.runtime.llama.llama_backend import ContextSettings
 
 PROMPT = "The capital of France is"
 

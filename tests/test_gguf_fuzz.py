@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from tiny_gguf import rewrite, write_tiny_llama
 
-from kafila.runtime.gguf_file import GGUFFormatError
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel
-from kafila.runtime.manifest import read_manifest
+from kafila.runtime.gguf.gguf_file import GGUFFormatError
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 from waiting import until
 
-from kafila.runtime.engine_loop import EngineLoop
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import Engine, Launched, StageFailed, StepResult, open_engine
+from kafila.runtime.engine.pipeline import Engine, Launched, StageFailed, StepResult, open_engine
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.serving.engine_loop import EngineLoop
 
 PROMPT = "the quick brown fox"
 SETTINGS = ContextSettings(n_ctx=256 * 4, n_batch=64, n_seq_max=4, n_threads=1)

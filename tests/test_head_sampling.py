@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from tiny_models import write_tiny_model
 
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import EngineStep, RingEngine, open_engine
-from kafila.runtime.sampling import Sampler, SamplerStart, SamplingSettings, TokenChosenOnHead
-from kafila.runtime.slicer import cached_slices
-from kafila.runtime.stage import HeadStage
-from kafila.runtime.worker import handle_frames
+from kafila.runtime.engine.pipeline import EngineStep, RingEngine, open_engine
+from kafila.runtime.engine.sampling import Sampler, SamplerStart, SamplingSettings, TokenChosenOnHead
+from kafila.runtime.engine.stage import HeadStage
+from kafila.runtime.engine.worker import handle_frames
+from kafila.runtime.gguf.slicer import cached_slices
+from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.wire.frames import SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 
 SETTINGS = ContextSettings(n_ctx=4 * 64, n_batch=64, n_seq_max=4, n_threads=1)

@@ -27,12 +27,12 @@ from kafila.hub.reference import (
     parse_reference,
     quant_of,
 )
-from kafila.runtime.gguf_file import GGUFFormatError
-from kafila.runtime.gguf_merge import merge_parts
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.gguf.gguf_file import GGUFFormatError
+from kafila.runtime.gguf.gguf_merge import merge_parts
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.units import human_bytes
 
 REPO = "tiny-org/Tiny-GGUF"

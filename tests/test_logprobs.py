@@ -23,11 +23,11 @@ from tiny_models import write_tiny_model
 
 from kafila.api.schemas import ChatRequest
 from kafila.api.server import _TextOffsets
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.logprobs import HeadRow, logsumexp, token_logprob
-from kafila.runtime.pipeline import Engine, RingEngine, open_engine, prefix_cut_of
-from kafila.runtime.sampling import Sampler, SamplingSettings, TokenChosenOnHead
-from kafila.runtime.slicer import cached_slices
+from kafila.runtime.engine.logprobs import HeadRow, logsumexp, token_logprob
+from kafila.runtime.engine.pipeline import Engine, RingEngine, open_engine, prefix_cut_of
+from kafila.runtime.engine.sampling import Sampler, SamplingSettings, TokenChosenOnHead
+from kafila.runtime.gguf.slicer import cached_slices
+from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.session.availability import Availability
 from kafila.wire.frames import (
     LOGPROBS_FLAG,

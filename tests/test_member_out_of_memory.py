@@ -27,9 +27,9 @@ from test_session_network import share_this_machines_probe
 from tiny_models import Q8_0, ModelShape, write_tiny_model
 
 from kafila.contracts import FleetDevice
-from kafila.runtime.llama_backend import out_of_memory
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.slicer import cached_slices
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import cached_slices
+from kafila.runtime.llama.llama_backend import out_of_memory
 
 # 384 MiB of KV cache a block at 12288 tokens × 4 requests (8 KiB a token: 8 KV heads of 256, f16),
 # against 4 MB of weights: what a stage needs is its cache.
@@ -43,8 +43,8 @@ PROMPT = "the quick brown fox"
 # What loading a stage adds to a fresh process's writable memory (VmData), once llama.cpp is loaded.
 MEASURE_LOAD = """
 import sys
-from kafila.runtime.llama_backend import ContextSettings, llama
-from kafila.runtime.stage import BlockStage, HeadStage
+from kafila.runtime.llama.llama_backend import ContextSettings, llama
+from kafila.runtime.engine.stage import BlockStage, HeadStage
 
 def data():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmData:"))
@@ -63,7 +63,7 @@ LIMITED_KAFILA = """
 import resource, sys
 import kafila.api.server, kafila.session.runner, uvicorn
 from kafila.cli.app import main
-from kafila.runtime.llama_backend import llama
+from kafila.runtime.llama.llama_backend import llama
 
 llama()
 data = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmData:"))

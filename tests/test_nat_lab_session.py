@@ -21,7 +21,7 @@ from natlab_wan import WanLink
 from serving_checks import PROMPTS, unsplit_greedy
 
 from kafila.planner.reachability import predict_edge
-from kafila.runtime.chat_template import ChatTemplate
+from kafila.serving.chat_template import ChatTemplate
 
 WAN = WanLink(delay_ms=20)
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from tiny_models import write_tiny_model
 
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import EngineStep, RingEngine, SequenceFailed, open_engine
+from kafila.runtime.engine.pipeline import EngineStep, RingEngine, SequenceFailed, open_engine
+from kafila.runtime.llama.llama_backend import ContextSettings
 
 SETTINGS = ContextSettings(n_ctx=4 * 64, n_batch=64, n_seq_max=4, n_threads=1)
 PROMPTS = ["the quick brown fox", "hello world", "a model of the world", "kafila"]
@@ -87,7 +87,7 @@ def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp
     """The head as a ring stage of its own (a worker answering with LOGITS frames), this engine
     holding only the vocabulary and embedding from the whole file: the same logits, waves,
     forgetting and stage report as with the head here."""
-    from kafila.runtime.slicer import cached_slices
+    from kafila.runtime.gguf.slicer import cached_slices
 
     stages = cached_slices(model, [2, 1, 1], tmp_path)
     remote = RingEngine(stages, SETTINGS, model=model)
@@ -130,8 +130,8 @@ def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp
 def test_a_ring_that_answers_hidden_states_with_logits_is_broken_not_misread(model: Path, tmp_path: Path) -> None:
     """A member that sends the head here a LOGITS frame where hidden states belong (a peer
     speaking out of turn) fails the ring with what it sent, never reaching the head's forward."""
-    from kafila.runtime.pipeline import StageFailed
-    from kafila.runtime.slicer import cached_slices
+    from kafila.runtime.engine.pipeline import StageFailed
+    from kafila.runtime.gguf.slicer import cached_slices
     from kafila.wire.frames import Frame
 
     class SpeaksOutOfTurn:
@@ -167,7 +167,7 @@ def test_closing_an_engine_waits_out_a_tokenization_and_refuses_later_ones(model
     refused with StageFailed rather than reading freed memory."""
     import threading
 
-    from kafila.runtime.pipeline import StageFailed
+    from kafila.runtime.engine.pipeline import StageFailed
 
     engine = open_engine(model, [4], SETTINGS)
     closed = threading.Event()
@@ -190,9 +190,9 @@ def test_the_stage_report_stays_current_while_the_ring_is_never_idle(
     not the last idle moment; the requests still run to their last token."""
     import threading
 
-    from kafila.runtime import engine_loop as service
-    from kafila.runtime.sampling import SamplingSettings
-    from kafila.runtime.scheduler import Finished, Job, TextDelta
+    from kafila.runtime.engine.sampling import SamplingSettings
+    from kafila.serving import engine_loop as service
+    from kafila.serving.batcher import Finished, Job, TextDelta
 
     monkeypatch.setattr(service, "STATS_REFRESH_S", 0.02)
     settings = ContextSettings(n_ctx=4 * 512, n_batch=64, n_seq_max=4, n_threads=1)

@@ -18,9 +18,9 @@ from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 from waiting import until
 
-from kafila.runtime.engine_loop import EngineLoop
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import Engine, open_engine
+from kafila.runtime.engine.pipeline import Engine, open_engine
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.serving.engine_loop import EngineLoop
 from kafila.session.availability import Availability
 
 PROMPT = "the quick brown fox"

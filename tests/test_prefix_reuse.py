@@ -17,12 +17,12 @@ from serving_checks import engine_served, unsplit_greedy
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
-from kafila.runtime.engine_loop import EngineLoop
-from kafila.runtime.llama_backend import ContextSettings, LlamaModel
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import Engine, PrefixCut, open_engine, prefix_cut, prefix_cut_of
-from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.scheduler import Event, Failed, Finished, Job, TextDelta
+from kafila.runtime.engine.pipeline import Engine, PrefixCut, open_engine, prefix_cut, prefix_cut_of
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel
+from kafila.serving.batcher import Event, Failed, Finished, Job, TextDelta
+from kafila.serving.engine_loop import EngineLoop
 
 SETTINGS = ContextSettings(n_ctx=512, n_batch=16, n_seq_max=2, n_threads=2)
 GREEDY = SamplingSettings(top_k=1)

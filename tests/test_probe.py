@@ -22,8 +22,9 @@ from gguf.quants import dequantize
 
 from kafila.contracts import FleetDevice
 from kafila.planner.fleet import device_of
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.probe import (
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.threads import physical_cores
+from kafila.runtime.machine.probe import (
     GIB,
     NARROW,
     PROBE_MODELS,
@@ -38,7 +39,6 @@ from kafila.runtime.probe import (
     significant,
     write_probe_model,
 )
-from kafila.runtime.threads import physical_cores
 
 T = TypeVar("T")
 FLEET_KEYS = {"name", "bandwidth_gb_s", "overhead_us", "tflops", "memory_gib"}
@@ -79,7 +79,7 @@ BUSY = "the device is too busy to measure"  # the probe's own answer to noise, n
 
 def when_not_busy(probe: Callable[[], T]) -> T:
     """The model-stage probe, asked once more if noise swamped a tiny model's microsecond stages."""
-    from kafila.runtime.probe import ProbeError
+    from kafila.runtime.machine.probe import ProbeError
 
     try:
         return probe()
@@ -213,7 +213,7 @@ def test_probe_with_a_model_prices_that_models_stages(tmp_path: Path) -> None:
     Its blocks are a few MB each: a block of a tiny model costs microseconds, below the noise."""
     from tiny_models import write_wide_model
 
-    from kafila.runtime.slicer import file_sha256
+    from kafila.runtime.gguf.slicer import file_sha256
 
     model = write_wide_model(tmp_path / "llama.gguf", n_blocks=4)
     env = {"KAFILA_CACHE": str(tmp_path / "cache")}
@@ -245,7 +245,7 @@ def test_kept_model_pricings_are_read_newest_first_and_stale_or_broken_ones_skip
     """A pricing from another llama.cpp build priced other kernels; a broken file is as if absent."""
     from kafila.contracts import ModelPricing
     from kafila.planner.fleet import pricing_for
-    from kafila.runtime.local_plan import cached_model_pricings, save_model_pricing
+    from kafila.runtime.machine.this_machine import cached_model_pricings, save_model_pricing
 
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
     assert cached_model_pricings() == []  # nothing kept yet, not even the folder
@@ -271,7 +271,7 @@ def test_a_models_hash_is_remembered_until_the_file_changes(tmp_path: Path, monk
     file's path, size and modification time, and taken again when any of them changes."""
     import hashlib
 
-    from kafila.runtime.local_plan import model_sha256
+    from kafila.runtime.machine.this_machine import model_sha256
 
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
     model = tmp_path / "model.gguf"
@@ -318,7 +318,7 @@ def test_model_stage_probe_prices_a_model_from_its_own_rings(tmp_path: Path) -> 
     """The model-stage probe runs real local rings and derives o, b and b_head from their stage times."""
     from tiny_models import write_tiny_model
 
-    from kafila.runtime.model_probe import probe_model_stages
+    from kafila.runtime.machine.model_probe import probe_model_stages
 
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
     result = when_not_busy(lambda: probe_model_stages(model, repeats=1, n_threads=1))
@@ -337,8 +337,8 @@ def test_a_model_too_big_for_this_machine_is_priced_on_the_part_that_fits(tmp_pa
     cut as a small model of their own, and refuse where not even three blocks fit."""
     from tiny_models import write_tiny_model
 
-    from kafila.runtime.model_probe import blocks_that_fit, probe_model_stages
-    from kafila.runtime.probe import ProbeError
+    from kafila.runtime.machine.model_probe import blocks_that_fit, probe_model_stages
+    from kafila.runtime.machine.probe import ProbeError
 
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=8)
     manifest = read_manifest(model)
@@ -356,7 +356,7 @@ def test_a_model_too_big_for_this_machine_is_priced_on_the_part_that_fits(tmp_pa
 def test_model_stage_costs_are_recovered_from_exact_stage_times() -> None:
     """Stage times made from known o, b and b_head give back exactly those numbers."""
     from kafila.planner.types import ModelManifest
-    from kafila.runtime.model_probe import calibration_divisions, derive_costs, stage_times
+    from kafila.runtime.machine.model_probe import calibration_divisions, derive_costs, stage_times
 
     manifest = ModelManifest(
         name="m", block_bytes=(4_000_000,) * 17 + (3_000_000,), head_bytes=180_000_000, kv_bytes_per_token=(0,) * 18
@@ -378,8 +378,8 @@ def test_a_model_cut_only_at_some_blocks_is_calibrated_and_kept_there() -> None:
     """llama4's stages start at multiples of 4: the calibration rings cut there, and a part that
     fits begins there."""
     from kafila.planner.types import ModelManifest
-    from kafila.runtime.model_probe import blocks_that_fit, calibration_divisions
-    from kafila.runtime.probe import ProbeError
+    from kafila.runtime.machine.model_probe import blocks_that_fit, calibration_divisions
+    from kafila.runtime.machine.probe import ProbeError
 
     starts = tuple(range(4, 45, 4))
     assert calibration_divisions(48, starts) == [[4, 44], [44, 4]]
@@ -394,8 +394,8 @@ def test_a_model_cut_only_at_some_blocks_is_calibrated_and_kept_there() -> None:
 
 def test_model_stage_probe_refuses_what_it_cannot_measure() -> None:
     from kafila.planner.types import ModelManifest
-    from kafila.runtime.model_probe import StageTime, calibration_divisions, derive_costs
-    from kafila.runtime.probe import ProbeError
+    from kafila.runtime.machine.model_probe import StageTime, calibration_divisions, derive_costs
+    from kafila.runtime.machine.probe import ProbeError
 
     with pytest.raises(ProbeError, match="at least 3"):
         calibration_divisions(2)

@@ -140,7 +140,7 @@ def test_a_stages_time_alone_follows_its_recent_decodes_so_a_machine_that_slows_
     the time per token alone within RECENT_ALONE_STEPS decodes, where a few decodes held up by the
     operating system do not move it; batched decodes and prefill are not counted there, and the
     count of decodes alone keeps growing."""
-    from kafila.runtime.stage import RECENT_ALONE_STEPS, StageTimer
+    from kafila.runtime.engine.stage import RECENT_ALONE_STEPS, StageTimer
 
     timer = StageTimer()
     assert timer.ms_per_token_alone is None

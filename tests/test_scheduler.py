@@ -8,10 +8,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kafila.runtime.engine_loop import LoopStats
-from kafila.runtime.pipeline import EngineStep, PrefixCut, SequenceFailed
-from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.scheduler import Batcher, Failed, Finished, FinishReason, Job, TextDelta, Trim
+from kafila.runtime.engine.pipeline import EngineStep, PrefixCut, SequenceFailed
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.serving.batcher import Batcher, Failed, Finished, FinishReason, Job, TextDelta, Trim
+from kafila.serving.engine_loop import LoopStats
 
 VOCAB = 16
 END = 0

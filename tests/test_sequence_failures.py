@@ -24,12 +24,12 @@ import pytest
 from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine_loop import EngineLoop
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import EngineStep, LocalRing, RingEngine, SequenceFailed
-from kafila.runtime.slicer import slice_model
-from kafila.runtime.stage import BatchFailed, BlockStage, StepInput, run_isolating
-from kafila.runtime.worker import handle_frames
+from kafila.runtime.engine.pipeline import EngineStep, LocalRing, RingEngine, SequenceFailed
+from kafila.runtime.engine.stage import BatchFailed, BlockStage, StepInput, run_isolating
+from kafila.runtime.engine.worker import handle_frames
+from kafila.runtime.gguf.slicer import slice_model
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.serving.engine_loop import EngineLoop
 from kafila.wire.frames import Frame, Kind
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_seq_max=4, n_threads=1)
@@ -315,7 +315,7 @@ def test_only_a_spoiled_sequence_is_not_retried() -> None:
 def test_a_stage_that_refuses_request_after_request_marks_the_ring_broken(small_stage_host: InProcessHost) -> None:
     """One refusal is that request's; eight in a row with nothing served between is a broken stage,
     and the loop says so (the host's watcher then replans), failing what is in flight."""
-    from kafila.runtime.engine_loop import REFUSALS_TO_BREAK
+    from kafila.serving.engine_loop import REFUSALS_TO_BREAK
 
     client = openai.OpenAI(base_url=f"{small_stage_host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
     for _ in range(REFUSALS_TO_BREAK - 1):

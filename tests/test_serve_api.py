@@ -21,7 +21,7 @@ from openai.types.shared_params import ResponseFormatText
 from serving_checks import check_concurrent_streams, unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.runtime.backends import backend_report
+from kafila.runtime.llama.backends import backend_report
 
 KEY = "test-key-123"
 MODEL = "tiny-llama"

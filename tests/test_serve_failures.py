@@ -22,9 +22,9 @@ from host_process import running_host
 from tiny_gguf import write_other_family
 from tiny_models import write_tiny_model
 
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.llama.llama_backend import ContextSettings
 
 
 def health(base_url: str) -> int:

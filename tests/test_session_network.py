@@ -50,8 +50,8 @@ from kafila.network.rendezvous_client import RendezvousClient, send_abort
 from kafila.planner.cost import ChainPrefix
 from kafila.planner.fleet import device_of
 from kafila.planner.types import SessionSpec
-from kafila.runtime.backends import backend_report
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.llama.backends import backend_report
 from kafila.session.core import GUESS_BUDGET
 
 PROMPT = "the quick brown fox"
@@ -272,7 +272,7 @@ def test_a_ring_link_that_breaks_between_members_is_rebuilt_through_the_relay(tm
 
 def head_elsewhere(model: Path) -> tuple[str, ...]:
     """Host options that leave it room for any one block and its cache, but never with the head too."""
-    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.gguf.manifest import read_manifest
 
     manifest = read_manifest(model)
     context, concurrency = 2048, 4  # a cache of 1 MiB a block: what makes --memory's 1 MiB floor fit
@@ -327,7 +327,7 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
     measured decoding one token at a time: each machine's cost function is scaled by measured /
     predicted, so its new stage is predicted at that scale times the generic probe's price."""
     from kafila.contracts import FleetDevice
-    from kafila.runtime.manifest import read_manifest
+    from kafila.runtime.gguf.manifest import read_manifest
 
     share_this_machines_probe(tmp_path, 3)  # cache-2 is the host's
     # A tiny model's stages take about 15 times what this machine's probe predicts, near the 20x
@@ -394,8 +394,8 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
     back; the new ring serves the same greedy text and is not divided again. (That `--no-rebalance`
     keeps the first division is the session core's rule: tests/test_session_core.py.)"""
     from kafila.contracts import FleetDevice, ModelPricing
-    from kafila.runtime.local_plan import save_model_pricing
-    from kafila.runtime.slicer import file_sha256
+    from kafila.runtime.gguf.slicer import file_sha256
+    from kafila.runtime.machine.this_machine import save_model_pricing
 
     # 24 blocks: with 12, the head's fixed cost on the host left the best division (priced by what
     # the stages measured) about 20% faster than [11, 1], near the 25% a rebalance must gain
@@ -615,7 +615,7 @@ def share_this_machines_probe(tmp_path: Path, members: int) -> None:
     """Give each member of `session` the host's own probe of this machine, as members on identical
     hardware would measure: otherwise each measures itself while the others do, and their noisy
     numbers, not the layout a test means, decide the division."""
-    from kafila.runtime.local_plan import cache_dir, this_device
+    from kafila.runtime.machine.this_machine import cache_dir, this_device
 
     this_device()  # measured once, or read from the cache the host reads too
     for i in range(members):
@@ -631,9 +631,9 @@ def test_machines_that_priced_the_model_are_planned_with_their_own_numbers(
     predicted time is then the cost model's c = o + bytes / b (+ head bytes / b_head) with that
     machine's numbers: the host's and member-0's own, member-1's from the generic probe."""
     from kafila.contracts import FleetDevice, ModelPricing
-    from kafila.runtime.local_plan import save_model_pricing
-    from kafila.runtime.manifest import read_manifest
-    from kafila.runtime.slicer import file_sha256
+    from kafila.runtime.gguf.manifest import read_manifest
+    from kafila.runtime.gguf.slicer import file_sha256
+    from kafila.runtime.machine.this_machine import save_model_pricing
 
     share_this_machines_probe(tmp_path, 3)  # cache-2 is the host's
     digest = file_sha256(model)

@@ -29,11 +29,11 @@ from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, frame_bytes, open_link, should_dial
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.pipeline import RingEngine, StageFailed, check_ring_error, generate, open_engine
-from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.slicer import StageFile, cached_slices
-from kafila.runtime.stage import BlockStage
+from kafila.runtime.engine.pipeline import RingEngine, StageFailed, check_ring_error, generate, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.engine.stage import BlockStage
+from kafila.runtime.gguf.slicer import StageFile, cached_slices
+from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.session.availability import Availability
 from kafila.session.deployer import Deployer, Roster
 from kafila.session.member import cached_stage_hashes, serve_stage
@@ -259,7 +259,7 @@ def test_a_sequence_a_member_refuses_fails_alone_over_quic(tmp_path: Path) -> No
     other sequence gets the logits it gets alone, and the ring serves on."""
     import numpy as np
 
-    from kafila.runtime.pipeline import EngineStep, SequenceFailed
+    from kafila.runtime.engine.pipeline import EngineStep, SequenceFailed
 
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
     stages = cached_slices(model, [2, 2], tmp_path / "stages")

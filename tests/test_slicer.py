@@ -16,11 +16,11 @@ from test_split_correctness import SETTINGS, greedy_split, greedy_unsplit
 from tiny_gguf import rewrite, write_other_family
 from tiny_models import TINY_SHAPES, ModelShape, write_tiny_model
 
-from kafila.runtime.families import FAMILIES, UnsupportedFamily, family_of
-from kafila.runtime.gguf_file import FastGGUFReader
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.slicer import UNREACHED_WINDOW, SliceError, block_range_file, check_family, slice_model
-from kafila.runtime.stage import BlockStage, HeadStage, StepInput, WholeModel
+from kafila.runtime.engine.stage import BlockStage, HeadStage, StepInput, WholeModel
+from kafila.runtime.gguf.families import FAMILIES, UnsupportedFamily, family_of
+from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import UNREACHED_WINDOW, SliceError, block_range_file, check_family, slice_model
 
 
 def test_same_model_and_division_give_the_same_bytes(tmp_path: Path) -> None:
@@ -143,7 +143,7 @@ def test_unsupported_family_is_named_with_the_supported_ones(tmp_path: Path) -> 
 
 
 def test_cached_slices_reuse_an_earlier_cut(tmp_path: Path) -> None:
-    from kafila.runtime.slicer import cached_slices
+    from kafila.runtime.gguf.slicer import cached_slices
 
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
     first = cached_slices(model, [2, 2], tmp_path / "cache")
@@ -165,8 +165,8 @@ def _recorder() -> tuple[list[tuple[int, int, str]], Callable[[int, int], None]]
 def test_cutting_reports_its_progress_from_writing_through_hashing_and_cuts_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kafila.runtime.slicer as slicer
-    from kafila.runtime.slicer import block_range_file
+    import kafila.runtime.gguf.slicer as slicer
+    from kafila.runtime.gguf.slicer import block_range_file
 
     monkeypatch.setattr(slicer, "SIZE_POLL_S", 0.001)  # the test model is written in milliseconds
     shape = dataclasses.replace(ModelShape(64, 4, 2, 16, 128, tied_output=False), n_embd=512, n_ff=2048)
@@ -193,7 +193,7 @@ def test_hashing_a_model_reports_its_bytes_and_stops_when_its_caller_is_cancelle
 ) -> None:
     import asyncio
 
-    from kafila.runtime.local_plan import hash_model
+    from kafila.runtime.machine.this_machine import hash_model
 
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
     small = tmp_path / "small.gguf"

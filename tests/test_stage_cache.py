@@ -14,8 +14,8 @@ import pytest
 from disks import small_disk
 from tiny_models import write_tiny_model
 
-from kafila.runtime.slicer import SliceError, block_range_file, cached_slices
-from kafila.runtime.stage_cache import (
+from kafila.runtime.gguf.slicer import SliceError, block_range_file, cached_slices
+from kafila.runtime.gguf.stage_cache import (
     RECENT_S,
     STAGE_CACHE_ENV,
     CachedFile,

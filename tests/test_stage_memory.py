@@ -19,9 +19,9 @@ from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model, write_wide_model
 
 from kafila.planner.cost import ChainPrefix
 from kafila.planner.types import ContextNeeds, ModelManifest, SessionSpec
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.slicer import slice_model
-from kafila.runtime.stage import WholeModel
+from kafila.runtime.engine.stage import WholeModel
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import slice_model
 
 MiB = 2**20
 # The runner's settings: one context of context * concurrency cells, batches of 512 rows.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kafila.runtime.text import StopAwareText
+from kafila.serving.text import StopAwareText
 
 pieces = st.lists(st.binary(min_size=0, max_size=4), max_size=30)
 stops = st.lists(st.text(alphabet="abc\n", min_size=1, max_size=3), max_size=4)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.probe import probe_threads
-from kafila.runtime.threads import ThreadFigures, math_threads, read_thread_figures, serving_threads, sysctl_int
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.threads import ThreadFigures, math_threads, read_thread_figures, serving_threads, sysctl_int
+from kafila.runtime.machine.probe import probe_threads
 
 # Two packages of two cores with two hyperthreads each, as Linux's /proc/cpuinfo lists them.
 HYPERTHREADED = "".join(

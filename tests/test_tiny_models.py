@@ -10,7 +10,7 @@ from gguf import GGUFReader
 from plain_llama import plain_llama
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
-from kafila.runtime.manifest import read_manifest
+from kafila.runtime.gguf.manifest import read_manifest
 
 # Longer than gemma3's 16-token sliding window, and with text that no word piece
 # covers, so byte fallback and the windowed layers are both exercised.

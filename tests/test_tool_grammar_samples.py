@@ -24,9 +24,9 @@ from test_tool_syntaxes import FAMILIES, _model
 from kafila.api.harmony import HarmonyReader
 from kafila.api.structured import SchemaRefused
 from kafila.api.tool_calls import ReplyReader, ToolCallStream, ToolSpec, single_call_only, tool_call_grammar
-from kafila.runtime.chat_template import ReplySyntax
-from kafila.runtime.pipeline import Engine, open_engine
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.engine.pipeline import Engine, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.serving.chat_template import ReplySyntax
 
 DRAWS = 12  # replies drawn from each grammar (one hypothesis example: a syntax, tools and a seed)
 ARGUMENTS_RULE = re.compile(r"tool(\d+)-arguments")  # how tool_call_grammar names each tool's arguments

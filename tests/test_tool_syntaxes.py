@@ -44,9 +44,9 @@ from kafila.api.tool_calls import (
     mistral_id_of,
     tool_call_grammar,
 )
-from kafila.runtime.chat_template import ChatTemplate, ReplySyntax
-from kafila.runtime.pipeline import open_engine
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.serving.chat_template import ChatTemplate, ReplySyntax
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MISTRAL_TOKENS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]")

@@ -3,13 +3,13 @@ is available, and a warning when the system has less than a member lends."""
 
 from __future__ import annotations
 
-from kafila.runtime.probe import memory_pressure
-from kafila.runtime.unified_memory import (
+from kafila.runtime.llama.unified_memory import (
     pressure_warning,
     stage_memory,
     system_available_bytes,
     vm_stat_available_bytes,
 )
+from kafila.runtime.machine.probe import memory_pressure
 
 GIB = 2**30
 # `vm_stat` on an Apple silicon Mac (16 KiB pages), as macOS 14 prints it.

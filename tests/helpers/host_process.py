@@ -50,7 +50,7 @@ class Host:
             except OSError:
                 continue
             parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent == self.process.pid and b"kafila.runtime.worker" in cmdline:
+            if parent == self.process.pid and b"kafila.runtime.engine.worker" in cmdline:
                 found.append(int(entry.name))
         return found
 

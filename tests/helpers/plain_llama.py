@@ -2,7 +2,7 @@
 
 Tests and benchmarks hold Kafila to `Llama` as the reference: llama.cpp alone. `Llama` has no
 argument for llama.cpp's `use_extra_bufts`, so on a CPU where Kafila's AMX rule keeps weights
-unrepacked (`kafila.runtime.cpu_safety`) plain `Llama` would repack them, and there crash. While
+unrepacked (`kafila.runtime.llama.cpu_safety`) plain `Llama` would repack them, and there crash. While
 one is built, the binding's default model parameters carry Kafila's choice; nothing else changes.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import llama_cpp
 import llama_cpp.llama as high_level
 
-from kafila.runtime.llama_backend import repack_choice
+from kafila.runtime.llama.llama_backend import repack_choice
 
 _BUILDING = threading.Lock()  # the defaults are swapped for one construction at a time
 

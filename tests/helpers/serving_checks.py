@@ -14,11 +14,11 @@ import numpy as np
 import openai
 
 from kafila.api.server import ApiConfig, create_app
-from kafila.runtime.engine_loop import EngineLoop
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import Engine, generate, open_engine
-from kafila.runtime.sampling import Sampler, SamplingSettings
+from kafila.runtime.engine.pipeline import Engine, generate, open_engine
+from kafila.runtime.engine.sampling import Sampler, SamplingSettings
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.serving.engine_loop import EngineLoop
 from kafila.session.availability import Availability
 
 PROMPTS = ("the quick brown fox", "a b c d", "hello world", "jumps over the lazy dog")

@@ -8,8 +8,8 @@ import ctypes.util
 from pathlib import Path
 
 from kafila.planner.types import SessionSpec
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.stage import BlockStage, HeadStage, WholeModel
+from kafila.runtime.engine.stage import BlockStage, HeadStage, WholeModel
+from kafila.runtime.llama.llama_backend import ContextSettings
 
 
 class _MallInfo2(ctypes.Structure):

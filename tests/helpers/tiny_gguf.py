@@ -9,7 +9,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from kafila.runtime.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
+from kafila.runtime.gguf.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
 
 
 def write_tiny_llama(

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from kafila.runtime.sampling import SamplingSettings
+from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.wire.frames import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4

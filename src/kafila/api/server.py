@@ -46,12 +46,12 @@ from kafila.api.tool_calls import (
 )
 from kafila.contracts import HostEvent, HostStatus, Incident, SessionStatus
 from kafila.event_feed import EventFeed, Subscription
-from kafila.runtime.chat_template import ChatTemplate, ReplySyntax, TemplateError
-from kafila.runtime.engine_loop import EngineLoop, EngineUnavailable
-from kafila.runtime.logprobs import Alternative, TokenLogprob
-from kafila.runtime.pipeline import Engine, StageFailed
-from kafila.runtime.sampling import GrammarRefused
-from kafila.runtime.scheduler import Event, Finished, FinishReason, Job, TextDelta
+from kafila.runtime.engine.logprobs import Alternative, TokenLogprob
+from kafila.runtime.engine.pipeline import Engine, StageFailed
+from kafila.runtime.engine.sampling import GrammarRefused
+from kafila.serving.batcher import Event, Finished, FinishReason, Job, TextDelta
+from kafila.serving.chat_template import ChatTemplate, ReplySyntax, TemplateError
+from kafila.serving.engine_loop import EngineLoop, EngineUnavailable
 from kafila.validation import first_problem, one_line
 
 # A whole context of text (a token is a few bytes) with room to spare: 131,072 tokens of chat

@@ -13,7 +13,7 @@ import re._parser as regex_parser  # type: ignore[import-not-found]  # the stand
 from re import error as RegexError
 from typing import Any
 
-from kafila.runtime.sampling import MAX_GRAMMAR_CHARS
+from kafila.runtime.engine.sampling import MAX_GRAMMAR_CHARS
 
 # What a client's schema may be: its JSON text, how deeply it nests, and the largest count a
 # length or item bound may name (llama.cpp expands `x{0,n}` into n rules, so a bound of 10^6

@@ -31,7 +31,7 @@ from typing import Any
 import regex
 
 from kafila.api.structured import bounded_schema, grammar_text, new_converter, visit_schema
-from kafila.runtime.chat_template import ReplySyntax
+from kafila.serving.chat_template import ReplySyntax
 
 _NAME = r"(?P<name>[A-Za-z0-9_.\-]{1,64})"
 # How a call's start looks, up to its arguments' "{": the grammar writes the first spelling, a

@@ -27,11 +27,11 @@ from kafila.log_repeats import summarise_repeats
 from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet, device_of
 from kafila.planner.report import plan_report
-from kafila.runtime.cpu_safety import repack_mode
-from kafila.runtime.families import UnsupportedFamily
-from kafila.runtime.gguf_file import GGUFFormatError
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.slicer import SliceError, check_family
+from kafila.runtime.gguf.families import UnsupportedFamily
+from kafila.runtime.gguf.gguf_file import GGUFFormatError
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import SliceError, check_family
+from kafila.runtime.llama.cpu_safety import repack_mode
 
 app = typer.Typer(
     name="kafila",

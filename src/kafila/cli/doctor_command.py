@@ -25,9 +25,11 @@ from kafila.cli.network_commands import parse_host_port
 from kafila.contracts import NatClass
 from kafila.network.rendezvous_server import DEFAULT_HTTP_PORT
 from kafila.portability import ignore_udp_connection_resets, run
-from kafila.runtime.backends import backend_report
-from kafila.runtime.families import UnsupportedFamily
-from kafila.runtime.llama_backend import (
+from kafila.runtime.gguf.families import UnsupportedFamily
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import SliceError, check_family
+from kafila.runtime.llama.backends import backend_report
+from kafila.runtime.llama.llama_backend import (
     IdleGpu,
     LlamaUnavailable,
     gpu_present,
@@ -35,9 +37,7 @@ from kafila.runtime.llama_backend import (
     rebuild_for_gpu,
     system_info,
 )
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.probe import available_memory
-from kafila.runtime.slicer import SliceError, check_family
+from kafila.runtime.machine.probe import available_memory
 from kafila.session.presence import RendezvousUnreachable, reach, rendezvous_endpoints
 
 Status = Literal["ok", "warn", "fail", "skip"]

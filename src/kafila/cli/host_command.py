@@ -32,12 +32,12 @@ from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_
 from kafila.planner import PlanRefused
 from kafila.planner.types import SessionSpec
 from kafila.portability import reuse_listening_address, run, signals_handled
-from kafila.runtime.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
-from kafila.runtime.local_plan import admit_alone, this_device
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.slicer import check_family
-from kafila.runtime.stage_cache import check_stage_cache_setting
-from kafila.runtime.threads import THREADS_HELP, serving_threads
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import check_family
+from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
+from kafila.runtime.llama.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
+from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
+from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.session.availability import Availability
 from kafila.session.runner import HostConfig, HostRunner, lan_address, seconds_from_env, supervised
 from kafila.untrusted import printable

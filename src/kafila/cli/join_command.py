@@ -19,10 +19,10 @@ from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
 from kafila.network.session_codes import CodeFormatError, split_code
 from kafila.portability import run
-from kafila.runtime.llama_backend import LlamaUnavailable, load_llama
-from kafila.runtime.probe import memory_pressure
-from kafila.runtime.stage_cache import check_stage_cache_setting
-from kafila.runtime.threads import THREADS_HELP, serving_threads
+from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
+from kafila.runtime.llama.llama_backend import LlamaUnavailable, load_llama
+from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
+from kafila.runtime.machine.probe import memory_pressure
 from kafila.session.member_runner import MemberConfig, run_member
 
 

@@ -25,10 +25,10 @@ from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
 from huggingface_hub.utils import tqdm as HubTqdm
 
 from kafila.hub.reference import HubChoice, HubFile, HubReference, choose_file, merged_name
-from kafila.runtime.gguf_file import GGUFFormatError
-from kafila.runtime.gguf_merge import merge_parts
-from kafila.runtime.local_plan import cache_dir as kafila_cache
-from kafila.runtime.local_plan import model_sha256
+from kafila.runtime.gguf.gguf_file import GGUFFormatError
+from kafila.runtime.gguf.gguf_merge import merge_parts
+from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
+from kafila.runtime.machine.this_machine import model_sha256
 
 Update = Callable[[str, int, int], None]  # (what, bytes done, bytes in all), as kafila.cli.bars draws them
 

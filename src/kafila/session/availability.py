@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from kafila.contracts import Incident, SessionStatus
 from kafila.event_feed import EventFeed
-from kafila.runtime.chat_template import ChatTemplate
-from kafila.runtime.engine_loop import EngineLoop, Sink, fail_suspended
-from kafila.runtime.pipeline import Engine
-from kafila.runtime.scheduler import Suspended
+from kafila.runtime.engine.pipeline import Engine
+from kafila.serving.batcher import Suspended
+from kafila.serving.chat_template import ChatTemplate
+from kafila.serving.engine_loop import EngineLoop, Sink, fail_suspended
 from kafila.untrusted import printable
 
 # How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is

@@ -25,11 +25,11 @@ from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
 from kafila.planner.types import Plan
-from kafila.runtime.llama_backend import ContextSettings, out_of_memory
-from kafila.runtime.local_plan import short_of_memory
-from kafila.runtime.pipeline import RingEngine, prefix_cut_of
-from kafila.runtime.slicer import StageFile, cached_slices
-from kafila.runtime.stage import BlockStage
+from kafila.runtime.engine.pipeline import RingEngine, prefix_cut_of
+from kafila.runtime.engine.stage import BlockStage
+from kafila.runtime.gguf.slicer import StageFile, cached_slices
+from kafila.runtime.llama.llama_backend import ContextSettings, out_of_memory
+from kafila.runtime.machine.this_machine import short_of_memory
 from kafila.session.core import MemoryShortage
 from kafila.session.member import serve_stage
 from kafila.session.quic_ring import QuicRing

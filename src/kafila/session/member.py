@@ -27,12 +27,12 @@ from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import receive_stage_file
-from kafila.runtime.llama_backend import ContextSettings, out_of_memory
-from kafila.runtime.local_plan import short_of_memory
-from kafila.runtime.slicer import block_range_file, file_sha256
-from kafila.runtime.stage import BlockStage, HeadStage
-from kafila.runtime.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
-from kafila.runtime.worker import RingStage, handle_frames
+from kafila.runtime.engine.stage import BlockStage, HeadStage
+from kafila.runtime.engine.worker import RingStage, handle_frames
+from kafila.runtime.gguf.slicer import block_range_file, file_sha256
+from kafila.runtime.gguf.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
+from kafila.runtime.llama.llama_backend import ContextSettings, out_of_memory
+from kafila.runtime.machine.this_machine import short_of_memory
 from kafila.session.router import FrameSink, FrameSource, LinkRouter
 from kafila.wire.control import (
     MAX_CACHED_STAGES,

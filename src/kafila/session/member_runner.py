@@ -22,8 +22,8 @@ from kafila.network.link import DatagramDemux
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousClosed, RendezvousError, verify_host
 from kafila.network.session_codes import channel_part
 from kafila.portability import run
-from kafila.runtime.backends import backend_or_none
-from kafila.runtime.local_plan import cache_dir, cached_model_pricings, hash_model, this_device
+from kafila.runtime.llama.backends import backend_or_none
+from kafila.runtime.machine.this_machine import cache_dir, cached_model_pricings, hash_model, this_device
 from kafila.session.member import LostHost, MemberState, RingLinks, SessionEnded, edge_connector, follow_host
 from kafila.session.presence import RendezvousUnreachable, machine_tag, present
 from kafila.session.router import LinkRouter

@@ -30,13 +30,13 @@ from kafila.planner import PlanRefused
 from kafila.planner.plan import smallest_stage_bytes
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
-from kafila.runtime.backends import backend_or_none
-from kafila.runtime.engine_loop import EngineLoop, Sink, fail_suspended
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.local_plan import admit_alone, cache_dir, hash_model, this_device
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import open_engine
-from kafila.runtime.scheduler import Suspended
+from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.backends import backend_or_none
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.machine.this_machine import admit_alone, cache_dir, hash_model, this_device
+from kafila.serving.batcher import Suspended
+from kafila.serving.engine_loop import EngineLoop, Sink, fail_suspended
 from kafila.session.availability import Availability
 from kafila.session.core import (
     GUESS_BUDGET,
@@ -107,7 +107,7 @@ def newcomer_patience_s() -> float:
 
 
 if TYPE_CHECKING:
-    from kafila.runtime.pipeline import Engine
+    from kafila.runtime.engine.pipeline import Engine
 
 
 class HostUi(Protocol):

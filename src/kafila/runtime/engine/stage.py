@@ -32,11 +32,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kafila.contracts import StageReport
-from kafila.runtime.families import FAMILIES, family_of
-from kafila.runtime.gguf_file import FastGGUFReader
-from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel, VocabularyOnly
-from kafila.runtime.sampling import Sampler, SamplerStart
-from kafila.runtime.slicer import IDENTITY_BLOCKS_KEY
+from kafila.runtime.engine.sampling import Sampler, SamplerStart
+from kafila.runtime.gguf.families import FAMILIES, family_of
+from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.gguf.slicer import IDENTITY_BLOCKS_KEY
+from kafila.runtime.llama.llama_backend import ContextSettings, GGMLBase, LlamaModel, VocabularyOnly
 
 FloatRows = npt.NDArray[np.float32]
 T = TypeVar("T")

@@ -30,20 +30,8 @@ import numpy.typing as npt
 from pydantic import ValidationError
 
 from kafila.contracts import StageReport
-from kafila.runtime.cpu_safety import died_by_signal, signal_of
-from kafila.runtime.families import attention_windowed
-from kafila.runtime.gguf_file import FastGGUFReader
-from kafila.runtime.llama_backend import (
-    ContextSettings,
-    LlamaModel,
-    VocabularyOnly,
-    repack_choice,
-    shares_cores_env,
-    system_info,
-)
-from kafila.runtime.logprobs import HeadRow
-from kafila.runtime.process_log import last_lines
-from kafila.runtime.sampling import (
+from kafila.runtime.engine.logprobs import HeadRow
+from kafila.runtime.engine.sampling import (
     Sampler,
     SamplerStart,
     SamplingSettings,
@@ -51,8 +39,7 @@ from kafila.runtime.sampling import (
     TokenSampler,
     check_grammar,
 )
-from kafila.runtime.slicer import Progress, StageFile, cached_slices
-from kafila.runtime.stage import (
+from kafila.runtime.engine.stage import (
     HeadStage,
     StepInput,
     TokenEmbedding,
@@ -61,6 +48,19 @@ from kafila.runtime.stage import (
     WholeModel,
     run_isolating,
 )
+from kafila.runtime.gguf.families import attention_windowed
+from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.gguf.slicer import Progress, StageFile, cached_slices
+from kafila.runtime.llama.cpu_safety import died_by_signal, signal_of
+from kafila.runtime.llama.llama_backend import (
+    ContextSettings,
+    LlamaModel,
+    VocabularyOnly,
+    repack_choice,
+    shares_cores_env,
+    system_info,
+)
+from kafila.runtime.llama.process_log import last_lines
 from kafila.validation import one_line
 from kafila.wire.frames import NO_LOGPROBS, SAMPLE_ON_HEAD, DType, Frame, FrameDecoder, Kind, is_control_sequence
 
@@ -114,7 +114,7 @@ class LocalRing:
             for stage in stages:
                 stderr = tempfile.TemporaryFile("w+")
                 command = [
-                    sys.executable, "-m", "kafila.runtime.worker", "--model", str(stage.path),
+                    sys.executable, "-m", "kafila.runtime.engine.worker", "--model", str(stage.path),
                     "--n-ctx", str(settings.n_ctx), "--n-batch", str(settings.n_batch),
                     "--n-seq", str(settings.n_seq_max), "--threads", str(settings.n_threads),
                     *(["--head"] if stage.is_head else []),

@@ -22,11 +22,11 @@ from kafila.contracts import BackendReport, FleetDevice, ModelPricing
 from kafila.planner import plan_session
 from kafila.planner.fleet import device_of
 from kafila.planner.types import ModelManifest, SessionSpec
-from kafila.runtime.backends import backend_or_none, device_set
-from kafila.runtime.llama_backend import llama, load_llama, repack_choice
-from kafila.runtime.probe import ProbeError, available_memory
-from kafila.runtime.probe_child import probe_in_child
-from kafila.runtime.slicer import Progress, file_sha256
+from kafila.runtime.gguf.slicer import Progress, file_sha256
+from kafila.runtime.llama.backends import backend_or_none, device_set
+from kafila.runtime.llama.llama_backend import llama, load_llama, repack_choice
+from kafila.runtime.machine.probe import ProbeError, available_memory
+from kafila.runtime.machine.probe_child import probe_in_child
 
 
 def cache_dir() -> Path:

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType, GGUFReader
 
-from kafila.runtime.agreement import (
+from kafila.runtime.engine.agreement import (
     AgreementReport,
     CutError,
     Tolerance,
@@ -27,8 +27,8 @@ from kafila.runtime.agreement import (
     spread,
     top_token_agreement,
 )
-from kafila.runtime.llama_backend import ContextSettings, GGMLBase, LlamaModel
-from kafila.runtime.stage import BlockStage, HeadStage, StepInput
+from kafila.runtime.engine.stage import BlockStage, HeadStage, StepInput
+from kafila.runtime.llama.llama_backend import ContextSettings, GGMLBase, LlamaModel
 
 FloatRows = npt.NDArray[np.float32]
 

@@ -1,6 +1,6 @@
 """A block stage in its own process: frames in from its ring predecessor, frames out to its successor.
 
-Started by the local pipeline as `python -m kafila.runtime.worker`. It loads its stage, listens,
+Started by the local pipeline as `python -m kafila.runtime.engine.worker`. It loads its stage, listens,
 prints `READY <port>`, reads `NEXT <port>` on stdin, connects to its successor and serves until
 its predecessor hangs up. Frames that arrive together are run as one batched decode.
 """
@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 
 from kafila.contracts import StageReport
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.sampling import SamplerStart
-from kafila.runtime.stage import BlockStage, HeadStage, StepInput, run_isolating
+from kafila.runtime.engine.sampling import SamplerStart
+from kafila.runtime.engine.stage import BlockStage, HeadStage, StepInput, run_isolating
+from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.wire.frames import HIDDEN_KINDS, SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 
 # The sequence id of a worker's last ERROR frame when it gives up its stream (a frame it cannot
@@ -138,7 +138,7 @@ def serve(stage: RingStage, upstream: socket.socket, downstream: socket.socket) 
 
 def main(argv: Sequence[str] | None = None) -> None:
     faulthandler.enable()  # a native crash leaves the Python stack in the log the host reads
-    parser = argparse.ArgumentParser(prog="python -m kafila.runtime.worker")
+    parser = argparse.ArgumentParser(prog="python -m kafila.runtime.engine.worker")
     parser.add_argument("--model", required=True)
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--n-batch", type=int, default=512)

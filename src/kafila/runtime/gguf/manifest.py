@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from kafila.planner.types import MAX_BLOCKS, ContextNeeds, ModelManifest
-from kafila.runtime.families import DEFAULT_GRAPH_NODES, FAMILIES, Family, attention_windowed, recurrent_blocks
-from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError
-from kafila.runtime.slicer import prediction_blocks
+from kafila.runtime.gguf.families import DEFAULT_GRAPH_NODES, FAMILIES, Family, attention_windowed, recurrent_blocks
+from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError
+from kafila.runtime.gguf.slicer import prediction_blocks
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 _EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.")  # routed experts, stacked

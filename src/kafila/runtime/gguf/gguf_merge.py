@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
-from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
-from kafila.runtime.slicer import _reporting_size
+from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
+from kafila.runtime.gguf.slicer import _reporting_size
 from kafila.units import DISK_ROOM_HINT
 
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import get_args
 
 from kafila.contracts import MAX_BACKEND_DEVICES, MAX_REPORTED_FEATURES, BackendDevice, BackendReport, DeviceKind
-from kafila.runtime.cpu_safety import reported_features
-from kafila.runtime.llama_backend import LlamaUnavailable, ggml_library, gpu_present, llama, system_info
+from kafila.runtime.llama.cpu_safety import reported_features
+from kafila.runtime.llama.llama_backend import LlamaUnavailable, ggml_library, gpu_present, llama, system_info
 
 KINDS: tuple[DeviceKind, ...] = get_args(DeviceKind)
 

@@ -28,13 +28,13 @@ from pydantic import Field
 
 from kafila.contracts import ModelPricing, Strict
 from kafila.planner.types import ModelManifest
-from kafila.runtime.llama_backend import ContextSettings
-from kafila.runtime.local_plan import cache_dir
-from kafila.runtime.manifest import read_manifest
-from kafila.runtime.pipeline import generate, open_engine
-from kafila.runtime.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, load_llama_cpp, significant
-from kafila.runtime.sampling import SamplingSettings
-from kafila.runtime.slicer import block_range_file
+from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import block_range_file
+from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.machine.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, load_llama_cpp, significant
+from kafila.runtime.machine.this_machine import cache_dir
 from kafila.units import human_bytes
 
 CALIBRATION_PROMPT = "The history of the printing press begins"

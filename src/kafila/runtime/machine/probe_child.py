@@ -4,7 +4,7 @@ The probe runs llama.cpp's first prompt batch on a machine, where a CPU-specific
 kernels shows first (AMX: `cpu_safety`). In the caller's process that would be a bare
 "Segmentation fault" and a dead host; in a child it is a death by a signal, which the parent
 explains: the signal, the CPU features llama.cpp reported, the likely cause and the setting that
-avoids it. The result is cached (`local_plan`), so a host pays for the child once per machine.
+avoids it. The result is cached (`this_machine`), so a host pays for the child once per machine.
 
 The child speaks JSON lines on the stdout it was given (progress, then a result or an error);
 its own fd 1 is pointed at stderr, so nothing native can garble them. Its stderr is kept and its
@@ -27,12 +27,12 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
-from kafila.runtime.cpu_safety import died_by_signal, signal_of
-from kafila.runtime.llama_backend import repack_choice, system_info
-from kafila.runtime.probe import DeviceProbe, LlamaCppMissing, ProbeError, ProgressFn, load_llama_cpp, run_probe
-from kafila.runtime.process_log import last_lines
+from kafila.runtime.llama.cpu_safety import died_by_signal, signal_of
+from kafila.runtime.llama.llama_backend import repack_choice, system_info
+from kafila.runtime.llama.process_log import last_lines
+from kafila.runtime.machine.probe import DeviceProbe, LlamaCppMissing, ProbeError, ProgressFn, load_llama_cpp, run_probe
 
-CHILD_COMMAND = (sys.executable, "-m", "kafila.runtime.probe_child")
+CHILD_COMMAND = (sys.executable, "-m", "kafila.runtime.machine.probe_child")
 PROBE_TIMEOUT_S = 600.0  # the probe ends itself in well under a minute; this catches a hang
 INTERRUPTED = 130  # the child's status after Ctrl-C, as a shell reports one
 MAX_LINE = 1 << 20  # characters of one message; a result is a few kilobytes

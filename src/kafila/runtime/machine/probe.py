@@ -30,11 +30,18 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from pydantic import Field, ValidationError
 
 from kafila.contracts import BackendReport, FleetDevice, Strict
-from kafila.runtime.backends import KINDS, backend_devices, backend_report
-from kafila.runtime.cpu_safety import RepackChoice, reported_features
-from kafila.runtime.llama_backend import LlamaUnavailable, last_error, llama, model_params, repack_choice, system_info
-from kafila.runtime.threads import serving_threads
-from kafila.runtime.unified_memory import pressure_warning, stage_memory, system_available_bytes
+from kafila.runtime.llama.backends import KINDS, backend_devices, backend_report
+from kafila.runtime.llama.cpu_safety import RepackChoice, reported_features
+from kafila.runtime.llama.llama_backend import (
+    LlamaUnavailable,
+    last_error,
+    llama,
+    model_params,
+    repack_choice,
+    system_info,
+)
+from kafila.runtime.llama.threads import serving_threads
+from kafila.runtime.llama.unified_memory import pressure_warning, stage_memory, system_available_bytes
 
 GB = 1e9
 GIB = 2**30

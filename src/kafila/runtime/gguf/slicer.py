@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, ReaderTensor
 
-from kafila.runtime.families import SliceView, family_of
-from kafila.runtime.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
-from kafila.runtime.stage_cache import make_room, mark_used, trim_stage_cache
+from kafila.runtime.gguf.families import SliceView, family_of
+from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
+from kafila.runtime.gguf.stage_cache import make_room, mark_used, trim_stage_cache
 from kafila.units import DISK_ROOM_HINT, human_bytes
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kafila.contracts import StageReport
-from kafila.runtime.pipeline import Engine, EngineStep, Launched, SequenceFailed, StageFailed, StepResult
-from kafila.runtime.scheduler import Batcher, Event, Failed, Finished, Job, Suspended, TextDelta
+from kafila.runtime.engine.pipeline import Engine, EngineStep, Launched, SequenceFailed, StageFailed, StepResult
+from kafila.serving.batcher import Batcher, Event, Failed, Finished, Job, Suspended, TextDelta
 
 Sink = Callable[[Event], None]
 STATS_REFRESH_S = 2.0

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kafila.runtime.cpu_safety import REPACK_SETTING, RepackChoice, choose_repack, repack_mode
-from kafila.runtime.threads import serving_threads
+from kafila.runtime.llama.cpu_safety import REPACK_SETTING, RepackChoice, choose_repack, repack_mode
+from kafila.runtime.llama.threads import serving_threads
 
 
 class LlamaUnavailable(RuntimeError):
