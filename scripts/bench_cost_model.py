@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kafila.planner.cost import ChainPrefix, cost_model_matrix
 from kafila.planner.types import Device, SessionSpec
-from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.llama_backend import ContextSettings, load_llama

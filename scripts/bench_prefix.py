@@ -37,7 +37,8 @@ from llama_cpp import Llama, LlamaRAMCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from plain_llama import plain_llama
 
-from kafila.runtime.engine.pipeline import Engine, PrefixCut, open_engine
+from kafila.runtime.engine.engines import Engine, PrefixCut
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.serving.batcher import Event, Failed, Finished, Job

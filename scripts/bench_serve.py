@@ -132,7 +132,8 @@ def step_cost(model: Path, threads: int = THREADS, rounds: int = 20) -> dict[int
     """ms for one engine step decoding 1, 2 and 4 sequences at once, unsplit, in this process:
     how much a batch row costs on this machine, which bounds what concurrency can gain.
     Also used by scripts/bench_concurrency.py."""
-    from kafila.runtime.engine.pipeline import EngineStep, open_engine
+    from kafila.runtime.engine.engines import EngineStep
+    from kafila.runtime.engine.local_ring import open_engine
     from kafila.runtime.llama.llama_backend import ContextSettings
 
     engine = open_engine(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.stage import BlockStage, StepInput
 from kafila.runtime.gguf.slicer import slice_model

@@ -45,7 +45,8 @@ from tiny_models import Q8_0, ModelShape, write_tiny_model
 
 from kafila.planner import Device, PlanRefused, SessionSpec, plan_session
 from kafila.planner.cost import ChainPrefix
-from kafila.runtime.engine.pipeline import Engine, open_engine
+from kafila.runtime.engine.engines import Engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import slice_model
 from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, llama

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from serving_checks import engine_served
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.llama.llama_backend import ContextSettings
 
 CONTEXT = 128

@@ -13,7 +13,7 @@ from pathlib import Path
 from plain_llama import plain_llama
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.serving.chat_template import ChatTemplate
 

@@ -19,7 +19,7 @@ from kafila.contracts import (
     SessionStatus,
     StageReport,
 )
-from kafila.runtime.engine.pipeline import StageFailed, ring_stats
+from kafila.runtime.engine.ring import StageFailed, ring_stats
 from kafila.wire.frames import Frame, Kind
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine.pipeline import RingEngine, StageFailed
+from kafila.runtime.engine.local_ring import local_ring_engine
+from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.gguf.slicer import slice_model
 from kafila.runtime.llama.llama_backend import ContextSettings
 
@@ -128,7 +129,7 @@ def test_missing_and_broken_models(tmp_path: Path) -> None:
 def test_a_stage_that_dies_is_reported_not_waited_on(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
     stages = slice_model(model, [1, 1, 2], tmp_path / "stages")
-    engine = RingEngine(stages, ContextSettings(n_ctx=128, n_batch=16, n_seq_max=1, n_threads=1))
+    engine = local_ring_engine(stages, ContextSettings(n_ctx=128, n_batch=16, n_seq_max=1, n_threads=1))
     try:
         prompt = engine.tokenize("hello world")
         engine.step(0, 0, prompt, decode=False)
@@ -146,7 +147,7 @@ def test_a_stage_that_dies_is_reported_not_waited_on(tmp_path: Path) -> None:
 def test_a_malformed_frame_is_answered_with_an_error(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
     stages = slice_model(model, [2, 2], tmp_path / "stages")
-    engine = RingEngine(stages, ContextSettings(n_ctx=128, n_batch=16, n_seq_max=1, n_threads=1))
+    engine = local_ring_engine(stages, ContextSettings(n_ctx=128, n_batch=16, n_seq_max=1, n_threads=1))
     try:
         engine.ring._out.sendall(b"this is not a frame at all, not even close")
         with pytest.raises(StageFailed, match="bad magic"):
@@ -162,7 +163,7 @@ def test_frames_of_the_wrong_width_are_refused(tmp_path: Path) -> None:
 
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
     stages = slice_model(model, [2, 2], tmp_path / "stages")
-    engine = RingEngine(stages, ContextSettings(n_ctx=128, n_batch=16, n_seq_max=1, n_threads=1))
+    engine = local_ring_engine(stages, ContextSettings(n_ctx=128, n_batch=16, n_seq_max=1, n_threads=1))
     try:
         engine.ring.send([Frame.of_hidden(Kind.DECODE, 0, 0, np.zeros((1, 3), dtype=np.float32))])
         (refusal,) = engine.ring.receive(1)  # an error for that sequence alone: the stage serves on

@@ -14,7 +14,9 @@ from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 from waiting import until
 
-from kafila.runtime.engine.pipeline import Engine, Launched, StageFailed, StepResult, open_engine
+from kafila.runtime.engine.engines import Engine, Launched, StepResult
+from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.serving.engine_loop import EngineLoop
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine.pipeline import EngineStep, RingEngine, open_engine
+from kafila.runtime.engine.engines import EngineStep
+from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.sampling import Sampler, SamplerStart, SamplingSettings, TokenChosenOnHead
 from kafila.runtime.engine.stage import HeadStage
 from kafila.runtime.engine.worker import handle_frames
@@ -70,7 +71,7 @@ def test_a_head_on_the_ring_samples_as_the_host_would(model: Path, tmp_path: Pat
     """Three requests at once, each started on the head and sampled there, in waves beside a
     greedy one: every token equals what the host's sampler draws from the whole row, and only
     the chosen token comes back."""
-    remote = RingEngine(cached_slices(model, [2, 1, 1], tmp_path), SETTINGS, model=model)
+    remote = local_ring_engine(cached_slices(model, [2, 1, 1], tmp_path), SETTINGS, model=model)
     try:
         prompts = [remote.tokenize(p) for p in PROMPTS]
         expected = [sampled_here(model, p, s) for p, s in zip(prompts, WHOLE_ROW, strict=True)]

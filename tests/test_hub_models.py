@@ -27,7 +27,7 @@ from kafila.hub.reference import (
     parse_reference,
     quant_of,
 )
-from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.gguf_merge import merge_parts

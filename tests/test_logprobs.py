@@ -23,8 +23,9 @@ from tiny_models import write_tiny_model
 
 from kafila.api.schemas import ChatRequest
 from kafila.api.server import _TextOffsets
+from kafila.runtime.engine.engines import Engine, RingEngine, prefix_cut_of
+from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.logprobs import HeadRow, logsumexp, token_logprob
-from kafila.runtime.engine.pipeline import Engine, RingEngine, open_engine, prefix_cut_of
 from kafila.runtime.engine.sampling import Sampler, SamplingSettings, TokenChosenOnHead
 from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.llama_backend import ContextSettings
@@ -81,9 +82,7 @@ def served(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest
     elif request.param == "ring":
         engine = open_engine(model, [2, 2], SETTINGS, stages)
     else:
-        engine = RingEngine(
-            cached_slices(model, [2, 2], stages), SETTINGS, model=model, prefix_cut=prefix_cut_of(model)
-        )
+        engine = local_ring_engine(cached_slices(model, [2, 2], stages), SETTINGS, prefix_cut_of(model), model=model)
     with engine_served(engine, 2, SETTINGS.n_batch, CONTEXT) as (url, serving):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         yield Served(client, serving, engine)

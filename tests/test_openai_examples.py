@@ -22,7 +22,7 @@ from serving_checks import engine_served
 from test_tool_calls import QWEN_TEMPLATE
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.llama.llama_backend import ContextSettings
 
 CONTEXT = 2048

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine.pipeline import EngineStep, RingEngine, SequenceFailed, open_engine
+from kafila.runtime.engine.engines import EngineStep, RingEngine, SequenceFailed
+from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.llama.llama_backend import ContextSettings
 
 SETTINGS = ContextSettings(n_ctx=4 * 64, n_batch=64, n_seq_max=4, n_threads=1)
@@ -90,7 +91,7 @@ def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp
     from kafila.runtime.gguf.slicer import cached_slices
 
     stages = cached_slices(model, [2, 1, 1], tmp_path)
-    remote = RingEngine(stages, SETTINGS, model=model)
+    remote = local_ring_engine(stages, SETTINGS, model=model)
     try:
         whole = open_engine(model, [4], SETTINGS)
         assert remote.head is None and remote.n_vocab() == whole.n_vocab()
@@ -130,7 +131,7 @@ def test_a_head_on_the_ring_gives_the_logits_the_head_here_does(model: Path, tmp
 def test_a_ring_that_answers_hidden_states_with_logits_is_broken_not_misread(model: Path, tmp_path: Path) -> None:
     """A member that sends the head here a LOGITS frame where hidden states belong (a peer
     speaking out of turn) fails the ring with what it sent, never reaching the head's forward."""
-    from kafila.runtime.engine.pipeline import StageFailed
+    from kafila.runtime.engine.ring import StageFailed
     from kafila.runtime.gguf.slicer import cached_slices
     from kafila.wire.frames import Frame
 
@@ -167,7 +168,7 @@ def test_closing_an_engine_waits_out_a_tokenization_and_refuses_later_ones(model
     refused with StageFailed rather than reading freed memory."""
     import threading
 
-    from kafila.runtime.engine.pipeline import StageFailed
+    from kafila.runtime.engine.ring import StageFailed
 
     engine = open_engine(model, [4], SETTINGS)
     closed = threading.Event()

@@ -18,7 +18,8 @@ from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 from waiting import until
 
-from kafila.runtime.engine.pipeline import Engine, open_engine
+from kafila.runtime.engine.engines import Engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.llama.llama_backend import ContextSettings
 from kafila.serving.engine_loop import EngineLoop
 from kafila.session.availability import Availability

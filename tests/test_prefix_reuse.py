@@ -17,7 +17,8 @@ from serving_checks import engine_served, unsplit_greedy
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
-from kafila.runtime.engine.pipeline import Engine, PrefixCut, open_engine, prefix_cut, prefix_cut_of
+from kafila.runtime.engine.engines import Engine, PrefixCut, prefix_cut, prefix_cut_of
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel

@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kafila.runtime.engine.pipeline import EngineStep, PrefixCut, SequenceFailed
+from kafila.runtime.engine.engines import EngineStep, PrefixCut, SequenceFailed
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.serving.batcher import Batcher, Failed, Finished, FinishReason, Job, TextDelta, Trim
 from kafila.serving.engine_loop import LoopStats

@@ -24,7 +24,8 @@ import pytest
 from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine.pipeline import EngineStep, LocalRing, RingEngine, SequenceFailed
+from kafila.runtime.engine.engines import EngineStep, RingEngine, SequenceFailed
+from kafila.runtime.engine.local_ring import LocalRing, local_ring_engine
 from kafila.runtime.engine.stage import BatchFailed, BlockStage, StepInput, run_isolating
 from kafila.runtime.engine.worker import handle_frames
 from kafila.runtime.gguf.slicer import slice_model
@@ -56,7 +57,7 @@ def test_a_frame_out_of_position_fails_its_sequence_alone_in_a_local_ring(model:
     position 5), the stage after it passes the ERROR on, and sequence 0 of the same batch gets
     exactly the logits it gets alone, then decodes on as it does alone."""
     stages = slice_model(model, [1, 1, 2], tmp_path / "stages")
-    engine = RingEngine(stages, SETTINGS)
+    engine = local_ring_engine(stages, SETTINGS)
     try:
         prompt = engine.tokenize(PROMPT)
         (alone,) = engine.step_many([EngineStep(0, 0, prompt, decode=False)])

@@ -22,7 +22,7 @@ from host_process import running_host
 from tiny_gguf import write_other_family
 from tiny_models import write_tiny_model
 
-from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.llama_backend import ContextSettings
 

@@ -29,7 +29,9 @@ from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, frame_bytes, open_link, should_dial
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
-from kafila.runtime.engine.pipeline import RingEngine, StageFailed, check_ring_error, generate, open_engine
+from kafila.runtime.engine.engines import RingEngine
+from kafila.runtime.engine.local_ring import generate, open_engine
+from kafila.runtime.engine.ring import StageFailed, check_ring_error
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.stage import BlockStage
 from kafila.runtime.gguf.slicer import StageFile, cached_slices
@@ -259,7 +261,7 @@ def test_a_sequence_a_member_refuses_fails_alone_over_quic(tmp_path: Path) -> No
     other sequence gets the logits it gets alone, and the ring serves on."""
     import numpy as np
 
-    from kafila.runtime.engine.pipeline import EngineStep, SequenceFailed
+    from kafila.runtime.engine.engines import EngineStep, SequenceFailed
 
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
     stages = cached_slices(model, [2, 2], tmp_path / "stages")

@@ -17,7 +17,7 @@ from serving_checks import engine_served
 from tiny_models import write_tiny_model
 
 from kafila.api.structured import MAX_SCHEMA_COUNT, MAX_SCHEMA_DEPTH, SchemaRefused, schema_grammar
-from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.llama_backend import ContextSettings
 

@@ -24,7 +24,8 @@ from test_tool_syntaxes import FAMILIES, _model
 from kafila.api.harmony import HarmonyReader
 from kafila.api.structured import SchemaRefused
 from kafila.api.tool_calls import ReplyReader, ToolCallStream, ToolSpec, single_call_only, tool_call_grammar
-from kafila.runtime.engine.pipeline import Engine, open_engine
+from kafila.runtime.engine.engines import Engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.serving.chat_template import ReplySyntax
 

@@ -44,7 +44,7 @@ from kafila.api.tool_calls import (
     mistral_id_of,
     tool_call_grammar,
 )
-from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.serving.chat_template import ChatTemplate, ReplySyntax
 

@@ -14,7 +14,8 @@ import numpy as np
 import openai
 
 from kafila.api.server import ApiConfig, create_app
-from kafila.runtime.engine.pipeline import Engine, generate, open_engine
+from kafila.runtime.engine.engines import Engine
+from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import Sampler, SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.llama_backend import ContextSettings

@@ -46,8 +46,9 @@ from kafila.api.tool_calls import (
 )
 from kafila.contracts import HostEvent, HostStatus, Incident, SessionStatus
 from kafila.event_feed import EventFeed, Subscription
+from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.logprobs import Alternative, TokenLogprob
-from kafila.runtime.engine.pipeline import Engine, StageFailed
+from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.sampling import GrammarRefused
 from kafila.serving.batcher import Event, Finished, FinishReason, Job, TextDelta
 from kafila.serving.chat_template import ChatTemplate, ReplySyntax, TemplateError

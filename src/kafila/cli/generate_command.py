@@ -14,8 +14,9 @@ from kafila.cli.errors import fail, stderr
 from kafila.planner import PlanRefused
 from kafila.planner.fleet import pricing_for
 from kafila.planner.types import SessionSpec
-from kafila.runtime.engine.pipeline import StageFailed, open_engine
-from kafila.runtime.engine.pipeline import generate as run_generation
+from kafila.runtime.engine.local_ring import generate as run_generation
+from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.families import UnsupportedFamily
 from kafila.runtime.gguf.gguf_file import GGUFFormatError

@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kafila.runtime.engine.engines import EngineStep, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.engine.logprobs import HeadRow, TokenLogprob, token_logprob
-from kafila.runtime.engine.pipeline import EngineStep, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.engine.sampling import SamplerStart, SamplingSettings, TokenSampler
 from kafila.serving.text import StopAwareText
 from kafila.wire.frames import NO_LOGPROBS

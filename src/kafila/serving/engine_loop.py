@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kafila.contracts import StageReport
-from kafila.runtime.engine.pipeline import Engine, EngineStep, Launched, SequenceFailed, StageFailed, StepResult
+from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
+from kafila.runtime.engine.ring import StageFailed
 from kafila.serving.batcher import Batcher, Event, Failed, Finished, Job, Suspended, TextDelta
 
 Sink = Callable[[Event], None]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kafila.contracts import Incident, SessionStatus
 from kafila.event_feed import EventFeed
-from kafila.runtime.engine.pipeline import Engine
+from kafila.runtime.engine.engines import Engine
 from kafila.serving.batcher import Suspended
 from kafila.serving.chat_template import ChatTemplate
 from kafila.serving.engine_loop import EngineLoop, Sink, fail_suspended

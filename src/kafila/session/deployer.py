@@ -25,7 +25,7 @@ from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
 from kafila.planner.types import Plan
-from kafila.runtime.engine.pipeline import RingEngine, prefix_cut_of
+from kafila.runtime.engine.engines import RingEngine, prefix_cut_of
 from kafila.runtime.engine.stage import BlockStage
 from kafila.runtime.gguf.slicer import StageFile, cached_slices
 from kafila.runtime.llama.llama_backend import ContextSettings, out_of_memory

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from kafila.contracts import StageReport
 from kafila.network.link import LinkError
-from kafila.runtime.engine.pipeline import StageFailed, check_ring_error, ring_stats
+from kafila.runtime.engine.ring import StageFailed, check_ring_error, ring_stats
 from kafila.session.router import Channel, FrameSink
 from kafila.wire.frames import Frame
 

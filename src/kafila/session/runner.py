@@ -30,7 +30,7 @@ from kafila.planner import PlanRefused
 from kafila.planner.plan import smallest_stage_bytes
 from kafila.planner.report import PlanReport, plan_report
 from kafila.planner.types import SessionSpec
-from kafila.runtime.engine.pipeline import open_engine
+from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.backends import backend_or_none
 from kafila.runtime.llama.llama_backend import ContextSettings
@@ -107,7 +107,7 @@ def newcomer_patience_s() -> float:
 
 
 if TYPE_CHECKING:
-    from kafila.runtime.engine.pipeline import Engine
+    from kafila.runtime.engine.engines import Engine
 
 
 class HostUi(Protocol):

@@ -28,7 +28,7 @@ from pydantic import Field
 
 from kafila.contracts import ModelPricing, Strict
 from kafila.planner.types import ModelManifest
-from kafila.runtime.engine.pipeline import generate, open_engine
+from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import block_range_file
