@@ -30,7 +30,7 @@ from kafila.runtime.llama.llama_backend import (
     repack_choice,
     system_info,
 )
-from kafila.runtime.machine.probe import available_memory
+from kafila.runtime.machine.memory import available_memory
 from kafila.runtime.machine.this_machine import cached_device, probe_key, this_device
 
 GIB = 2**30
@@ -232,7 +232,7 @@ def test_the_memory_offered_is_never_more_than_is_free_now(tmp_path: Path, monke
     huge = {**KEPT, "memory_gib": 1 << 20}  # a mebi-GiB: more than this machine has
     (tmp_path / "probe.json").write_text(json.dumps({**key, "device": huge}))
     offered = this_device()
-    free, _ = available_memory(llama_cpp, False)
+    free, _ = available_memory(False)
     assert offered.name == "kept" and 0 < offered.memory_gib < huge["memory_gib"]
     assert offered.memory_gib <= 1.05 * free / GIB  # what was free then, give or take what moved since
     small = {**KEPT, "memory_gib": 0.25}

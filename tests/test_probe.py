@@ -24,6 +24,7 @@ from kafila.contracts import FleetDevice
 from kafila.planner.fleet import device_of
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.threads import physical_cores
+from kafila.runtime.machine.memory import gpu_headroom, mem_available_bytes
 from kafila.runtime.machine.probe import (
     GIB,
     NARROW,
@@ -31,9 +32,7 @@ from kafila.runtime.machine.probe import (
     Q8_0_BLOCK_BYTES,
     ProbeModel,
     fit_line,
-    gpu_headroom,
     low_quantile,
-    mem_available_bytes,
     q8_0_bytes,
     random_q8_0,
     significant,

@@ -9,7 +9,7 @@ from kafila.runtime.llama.unified_memory import (
     system_available_bytes,
     vm_stat_available_bytes,
 )
-from kafila.runtime.machine.probe import memory_pressure
+from kafila.runtime.machine.memory import memory_pressure
 
 GIB = 2**30
 # `vm_stat` on an Apple silicon Mac (16 KiB pages), as macOS 14 prints it.

@@ -37,7 +37,7 @@ from kafila.runtime.llama.llama_backend import (
     rebuild_for_gpu,
     system_info,
 )
-from kafila.runtime.machine.probe import available_memory
+from kafila.runtime.machine.memory import available_memory
 from kafila.session.presence import RendezvousUnreachable, reach, rendezvous_endpoints
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -221,7 +221,7 @@ def _measure_llama() -> dict[str, object]:
     except LlamaUnavailable:  # ggml's device calls are not where they should be: the build is still named
         pass
     try:
-        found["free_memory"] = available_memory(llama_cpp, gpu_offload)[0]
+        found["free_memory"] = available_memory(gpu_offload)[0]
     except Exception:  # judged as "cannot tell"
         pass
     return found

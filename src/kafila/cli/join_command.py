@@ -22,7 +22,7 @@ from kafila.portability import run
 from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
 from kafila.runtime.llama.llama_backend import LlamaUnavailable, load_llama
 from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
-from kafila.runtime.machine.probe import memory_pressure
+from kafila.runtime.machine.memory import memory_pressure
 from kafila.session.member_runner import MemberConfig, run_member
 
 

@@ -20,8 +20,9 @@ from kafila.cli.errors import fail, stderr, warn
 from kafila.contracts import FleetDevice, ModelPricing
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.llama_backend import IdleGpu, LlamaUnavailable, load_llama, rebuild_for_gpu
+from kafila.runtime.machine.memory import memory_pressure
 from kafila.runtime.machine.model_probe import ModelStageProbe, model_pricing, probe_model_stages
-from kafila.runtime.machine.probe import GIB, DeviceProbe, ProbeError, ProgressFn, memory_pressure
+from kafila.runtime.machine.probe import GIB, DeviceProbe, ProbeError, ProgressFn
 from kafila.runtime.machine.probe_child import probe_in_child
 from kafila.runtime.machine.this_machine import model_sha256, save_model_pricing
 

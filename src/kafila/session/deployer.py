@@ -29,7 +29,7 @@ from kafila.runtime.engine.engines import RingEngine, prefix_cut_of
 from kafila.runtime.engine.stage import BlockStage
 from kafila.runtime.gguf.slicer import StageFile, cached_slices
 from kafila.runtime.llama.llama_backend import ContextSettings, out_of_memory
-from kafila.runtime.machine.this_machine import short_of_memory
+from kafila.runtime.machine.memory import short_of_memory
 from kafila.session.core import MemoryShortage
 from kafila.session.member import serve_stage
 from kafila.session.quic_ring import QuicRing

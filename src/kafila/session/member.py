@@ -32,7 +32,7 @@ from kafila.runtime.engine.worker import RingStage, handle_frames
 from kafila.runtime.gguf.slicer import block_range_file, file_sha256
 from kafila.runtime.gguf.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
 from kafila.runtime.llama.llama_backend import ContextSettings, out_of_memory
-from kafila.runtime.machine.this_machine import short_of_memory
+from kafila.runtime.machine.memory import short_of_memory
 from kafila.session.router import FrameSink, FrameSource, LinkRouter
 from kafila.wire.control import (
     MAX_CACHED_STAGES,

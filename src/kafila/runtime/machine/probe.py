@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import socket
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from pydantic import Field, ValidationError
 
 from kafila.contracts import BackendReport, FleetDevice, Strict
-from kafila.runtime.llama.backends import KINDS, backend_devices, backend_report
+from kafila.runtime.llama.backends import backend_report
 from kafila.runtime.llama.cpu_safety import RepackChoice, reported_features
 from kafila.runtime.llama.llama_backend import (
     LlamaUnavailable,
@@ -41,12 +40,11 @@ from kafila.runtime.llama.llama_backend import (
     system_info,
 )
 from kafila.runtime.llama.threads import serving_threads
-from kafila.runtime.llama.unified_memory import pressure_warning, stage_memory, system_available_bytes
+from kafila.runtime.machine.memory import MemorySource, MemoryUnknown, available_memory
 
 GB = 1e9
 GIB = 2**30
 
-MemorySource = Literal["gpu", "MemAvailable", "vm_stat", "ggml-cpu", "sysconf"]
 ProgressFn = Callable[[str, float], None]
 """Told what the probe is doing and how far along it is, as a fraction from 0 to 1."""
 
@@ -171,18 +169,6 @@ def low_quantile(samples: Sequence[float], fraction: float = QUANTILE) -> float:
     if not samples:
         raise ValueError("no samples")
     return float(np.quantile(np.asarray(samples, dtype=np.float64), fraction))
-
-
-def mem_available_bytes(meminfo: str) -> int | None:
-    """MemAvailable from /proc/meminfo text: what can be allocated without swapping."""
-    for line in meminfo.splitlines():
-        key, _, rest = line.partition(":")
-        if key.strip() == "MemAvailable":
-            fields = rest.split()
-            if fields and fields[0].isdigit():
-                unit = fields[1].lower() if len(fields) > 1 else "b"
-                return int(fields[0]) * (1024 if unit == "kb" else 1)
-    return None
 
 
 def significant(value: float, digits: int = 4) -> float:
@@ -365,67 +351,6 @@ def load_llama_cpp() -> Any:
         raise LlamaCppMissing(str(error)) from None
 
 
-def backend_free_memory(llama_cpp: Any, device_types: tuple[int, ...]) -> int | None:
-    """Free bytes summed over ggml backend devices of the given types (0 CPU, 1 GPU, 2 iGPU), as
-    `backends.backend_devices` reads them now; None where there is none or ggml cannot say."""
-    del llama_cpp  # the devices are those of the ggml next to the libllama that loaded
-    kinds = {KINDS[t] for t in device_types if 0 <= t < len(KINDS)}
-    try:
-        devices = [device for device in backend_devices() if device.kind in kinds]
-    except LlamaUnavailable:
-        return None
-    total_free = sum(device.free_bytes for device in devices)
-    return total_free if devices and total_free > 0 else None
-
-
-GPU_HEADROOM_SHARE = 20  # a twentieth of a GPU's free memory, and at least GPU_HEADROOM_MIN_BYTES
-GPU_HEADROOM_MIN_BYTES = 256 * 2**20
-
-
-def gpu_headroom(free: int) -> int:
-    """What a GPU keeps back from its free memory for what no stage's plan counts: the backend's
-    library workspaces (cuBLAS, CUDA graphs) and its allocator's rounding. The planner counts each
-    stage's own buffers (`ContextNeeds`); this is the device's margin beyond them."""
-    return min(free, max(GPU_HEADROOM_MIN_BYTES, free // GPU_HEADROOM_SHARE))
-
-
-def available_memory(llama_cpp: Any, gpu: bool) -> tuple[int, MemorySource]:
-    """Bytes a stage may fill: the GPU's free memory less its headroom when layers go there, else
-    available RAM."""
-    if gpu:
-        free = backend_free_memory(llama_cpp, (1, 2))
-        if free is not None:
-            usable = max(1, free - gpu_headroom(free))
-            return stage_memory(usable, system_available_bytes()), "gpu"  # macOS: others' use of unified memory
-    meminfo = _read_text("/proc/meminfo")
-    available = mem_available_bytes(meminfo) if meminfo is not None else None
-    if available:
-        return available, "MemAvailable"
-    available = system_available_bytes()  # macOS, where ggml's CPU figure would be all of RAM
-    if available:
-        return available, "vm_stat"
-    free = backend_free_memory(llama_cpp, (0,))
-    if free is not None:
-        return free, "ggml-cpu"
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if pages > 0:
-            return pages, "sysconf"
-    raise ProbeError("cannot tell how much memory this device has available")
-
-
-def memory_pressure(lent: int | None) -> str | None:
-    """On macOS, a warning where unified memory is under pressure (`pressure_warning`); None elsewhere."""
-    system = system_available_bytes()
-    if system is None:
-        return None
-    try:
-        gpu_free = backend_free_memory(load_llama_cpp(), (1, 2))
-    except LlamaCppMissing:
-        gpu_free = None
-    return pressure_warning(system, gpu_free, lent)
-
-
 class LlamaStage:
     """One probe model loaded in llama.cpp with a context, timed one decode call at a time."""
 
@@ -546,7 +471,10 @@ def run_probe(progress: ProgressFn = _quiet) -> DeviceProbe:
         devices: BackendReport | None = backend_report()
     except LlamaUnavailable:  # ggml's libraries are not where they should be: measured all the same
         devices = None
-    memory_bytes, memory_source = available_memory(llama_cpp, gpu)
+    try:
+        memory_bytes, memory_source = available_memory(gpu)
+    except MemoryUnknown as error:
+        raise ProbeError(str(error)) from None
     threads = probe_threads()
     weights_needed = sum(model.weight_bytes for model in PROBE_MODELS)
     if not gpu and memory_bytes < 2 * weights_needed:

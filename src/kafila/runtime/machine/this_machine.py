@@ -24,8 +24,8 @@ from kafila.planner.fleet import device_of
 from kafila.planner.types import ModelManifest, SessionSpec
 from kafila.runtime.gguf.slicer import Progress, file_sha256
 from kafila.runtime.llama.backends import backend_or_none, device_set
-from kafila.runtime.llama.llama_backend import llama, load_llama, repack_choice
-from kafila.runtime.machine.probe import ProbeError, available_memory
+from kafila.runtime.llama.llama_backend import load_llama, repack_choice
+from kafila.runtime.machine.memory import free_now
 from kafila.runtime.machine.probe_child import probe_in_child
 
 
@@ -38,31 +38,6 @@ def this_device(progress: Callable[[str, float], None] | None = None, memory: in
     no more memory than is free now; with `memory`, offering at most that many bytes of it (what
     `--memory` lends)."""
     return free_now(_measured(progress)).lending(memory)
-
-
-def free_memory_now() -> int | None:
-    """Bytes a stage may fill on this machine now, read as the probe reads them (`available_memory`);
-    None where there is no telling."""
-    llama_cpp = llama()
-    try:
-        return available_memory(llama_cpp, bool(llama_cpp.llama_supports_gpu_offload()))[0]
-    except ProbeError:
-        return None
-
-
-def short_of_memory(need_bytes: int | None) -> int | None:
-    """What is free on this machine now, where that is less than `need_bytes` (a stage that would
-    not fit, refused before it is tried); None where enough is free, or there is no telling."""
-    free = free_memory_now() if need_bytes is not None else None
-    return free if free is not None and need_bytes is not None and free < need_bytes else None
-
-
-def free_now(device: FleetDevice) -> FleetDevice:
-    """The device with at most the memory free at this moment: a cached probe's figure is what was
-    free then, and a game or a browser may have taken some of it since. As it was, where the
-    memory cannot be read."""
-    free = free_memory_now()
-    return device if free is None else device.lending(free)
 
 
 ProbeKey = dict[str, object]
