@@ -6,12 +6,18 @@ what one hands another is one of these frozen models, serialised only at the HTT
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kafila.untrusted import check_name
+
+# A long job's progress: (what, done, in all), as `kafila.cli.bars` draws it; `CountProgress` is
+# one named job's (done, in all), a `Progress` with its `what` given.
+Progress = Callable[[str, int, int], None]
+CountProgress = Callable[[int, int], None]
 
 
 class Strict(BaseModel):

@@ -6,19 +6,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, TextColumn, TransferSpeedColumn
+from rich.progress import Progress as Bars
 
 from kafila.cli.errors import shown, stderr
+from kafila.contracts import Progress
 from kafila.units import human_bytes
-
-Update = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
 
 
 @contextlib.contextmanager
-def transfer_bars() -> Iterator[Update]:
+def transfer_bars() -> Iterator[Progress]:
     """One bar per thing named in the updates, gone once the block ends (the log lines stay).
 
     Where stderr is no terminal (a log file, a service's journal) no bar is drawn, and a bar
@@ -29,7 +29,7 @@ def transfer_bars() -> Iterator[Update]:
         yield _logged()
         return
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, console=stderr, transient=True) as bars:
+    with Bars(*columns, console=stderr, transient=True) as bars:
         tasks: dict[str, Any] = {}
 
         def update(what: str, done: int, total: int) -> None:
@@ -40,7 +40,7 @@ def transfer_bars() -> Iterator[Update]:
         yield update
 
 
-def _logged() -> Update:
+def _logged() -> Progress:
     started: dict[str, tuple[float, int]] = {}  # what → when its first update came, and its bytes done then
     ended: set[str] = set()
     lock = threading.Lock()  # a cut reports from two threads: the writer's watcher and the hash

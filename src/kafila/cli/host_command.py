@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -27,6 +27,7 @@ from kafila.cli.model_source import MODEL_HELP, model_file
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
+from kafila.contracts import Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_http, raise_open_file_limit
 from kafila.planner import PlanRefused
@@ -253,7 +254,7 @@ class RichUi:
     def show_plan(self, report: PlanReport) -> None:
         render_plan(report, stderr)
 
-    def progress_bars(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
+    def progress_bars(self) -> AbstractContextManager[Progress]:
         return transfer_bars()
 
 

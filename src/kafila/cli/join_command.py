@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +15,7 @@ from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import device_name, fail, shown, stderr, warn
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
+from kafila.contracts import Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
 from kafila.network.session_codes import CodeFormatError, split_code
 from kafila.portability import run
@@ -115,5 +115,5 @@ class MemberConsole:
     def say(self, text: str) -> None:
         stderr.print(f"[dim]{shown(self.name)}:[/dim] {shown(text, True)}", highlight=False, soft_wrap=True)
 
-    def progress_bars(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
+    def progress_bars(self) -> AbstractContextManager[Progress]:
         return transfer_bars()

@@ -8,7 +8,6 @@ huggingface_hub reads HF_TOKEN, HF_ENDPOINT and HF_HUB_CACHE itself; nothing her
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,12 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
 from huggingface_hub.utils import tqdm as HubTqdm
 
+from kafila.contracts import Progress
 from kafila.hub.reference import HubChoice, HubFile, HubReference, choose_file, merged_name
 from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.gguf_merge import merge_parts
 from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
 from kafila.runtime.machine.this_machine import model_sha256
-
-Update = Callable[[str, int, int], None]  # (what, bytes done, bytes in all), as kafila.cli.bars draws them
 
 
 class ModelFetchError(Exception):
@@ -49,7 +47,7 @@ class FetchedModel:
 
 def fetch_model(
     reference: HubReference,
-    progress: Update | None = None,
+    progress: Progress | None = None,
     *,
     endpoint: str | None = None,
     hub_cache: Path | None = None,
@@ -87,7 +85,7 @@ def _download(
     reference: HubReference,
     file: HubFile,
     commit: str,
-    progress: Update | None,
+    progress: Progress | None,
     endpoint: str | None,
     hub_cache: Path | None,
 ) -> Path:
@@ -173,7 +171,7 @@ def _cached_listing(reference: HubReference, hub_cache: Path | None) -> tuple[st
     return (commit, files) if files and REGEX_COMMIT_HASH.fullmatch(commit) else None
 
 
-def _check(path: Path, file: HubFile, progress: Update | None) -> None:
+def _check(path: Path, file: HubFile, progress: Progress | None) -> None:
     """Refuse, and delete from the cache, a file that is not the one the hub lists. The hash is
     remembered by path, size and time (`model_sha256`), so a cached model is hashed once."""
     size = path.stat().st_size
@@ -200,7 +198,7 @@ def _discard(path: Path) -> None:
             each.unlink()
 
 
-def _bar_class(what: str, progress: Update) -> type[HubTqdm]:
+def _bar_class(what: str, progress: Progress) -> type[HubTqdm]:
     """A tqdm that draws nothing itself and tells `progress` the bytes written, the way every long
     job in kafila is shown. It has `update_transfer`, so a Xet download (most GGUFs on the hub)
     makes one bar of it rather than two (bytes written, bytes received); the second is ignored."""

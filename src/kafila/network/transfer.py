@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kafila.contracts import CountProgress
 from kafila.network.link import LinkError
 from kafila.units import DISK_ROOM_HINT, human_bytes
 from kafila.wire.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
@@ -64,8 +65,6 @@ STALL_TIMEOUT_S = 120.0  # nothing heard about a transfer in progress for this l
 TRANSFER_SEQUENCES = 1 << 32  # transfers use sequence ids [2**63, 2**63 + 2**32)
 SUFFIX = ".gguf"  # the slicer's naming: <sha256>.gguf
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-Progress = Callable[[int, int], None]
 
 
 class TransferError(Exception):
@@ -650,7 +649,7 @@ async def send_stage_file(
     path: Path,
     sha256: str,
     stage_index: int,
-    progress: Progress | None = None,
+    progress: CountProgress | None = None,
     *,
     channel: TransferChannel | None = None,
     sequence_id: int | None = None,
@@ -717,7 +716,7 @@ _receiving: set[Path] = set()  # partial files being written in this process
 async def receive_stage_file(
     link: FrameLink,
     cache_dir: Path,
-    progress: Progress | None = None,
+    progress: CountProgress | None = None,
     *,
     channel: TransferChannel | None = None,
     stall_timeout_s: float = STALL_TIMEOUT_S,
@@ -770,7 +769,7 @@ async def _receive(
     offer: Offer,
     final: Path,
     partial: Path,
-    progress: Progress | None,
+    progress: CountProgress | None,
     stall_timeout_s: float,
 ) -> Path:
     sequence_id, size = core.sequence_id, offer.size
@@ -825,7 +824,7 @@ async def _finish_cached(
     source: FrameSource,
     core: ReceiverCore,
     final: Path,
-    progress: Progress | None,
+    progress: CountProgress | None,
     stall_timeout_s: float,
 ) -> Path:
     result = core.handle(await source.get(core.sequence_id, stall_timeout_s))

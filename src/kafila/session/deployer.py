@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from kafila.contracts import EdgeStatus
+from kafila.contracts import EdgeStatus, Progress
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
@@ -170,7 +170,7 @@ class Deployer:
         self,
         plan: Plan,
         model_sha256: str | None,
-        progress: Callable[[str, int, int], None],
+        progress: Progress,
         pending: Callable[[list[str]], None] = lambda _names: None,
     ) -> Deployment:
         """Assign, deliver and wait for every member's stage; raises SessionFailed.
@@ -285,9 +285,7 @@ class Deployer:
         if own is not None:
             await own.close()
 
-    async def _stage(
-        self, member: str, assign: Assign, stage: StageFile, progress: Callable[[str, int, int], None]
-    ) -> Staged:
+    async def _stage(self, member: str, assign: Assign, stage: StageFile, progress: Progress) -> Staged:
         """Stream the stage file if the member needs it, then wait until it has linked and verified."""
         if assign.source == "transfer":
             name = self.roster.name(member)

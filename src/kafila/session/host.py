@@ -34,6 +34,7 @@ from kafila.contracts import (
     MemberStatus,
     ModelPricing,
     PlanStatus,
+    Progress,
     RebalanceStatus,
     SessionStatus,
     StageReport,
@@ -365,7 +366,7 @@ class HostSession:
     async def deploy(
         self,
         members: Sequence[str],
-        progress: Callable[[str, int, int], None],
+        progress: Progress,
         pending: Callable[[list[str]], None] = lambda _names: None,
     ) -> Deployment:
         """Plan over `members` and put the plan in place (`Deployer.deploy`); raises SessionFailed or PlanRefused."""

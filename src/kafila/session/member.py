@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kafila.contracts import BackendReport, ModelPricing
+from kafila.contracts import BackendReport, ModelPricing, Progress
 from kafila.network.edges import connect_edges
 from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
@@ -106,7 +106,7 @@ class MemberState:
     serving: asyncio.Task[None] | None = None
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="stage"))
     reports: list[asyncio.Future[None]] = field(default_factory=list)  # failures on their way to the host
-    bars: Callable[[], AbstractContextManager[Callable[[str, int, int], None]]] | None = None  # transfer progress
+    bars: Callable[[], AbstractContextManager[Progress]] | None = None  # transfer progress
 
     async def drop_stage(self) -> None:
         if self.serving is not None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kafila.contracts import Progress
 from kafila.network.edges import connect_edges
 from kafila.network.link import DatagramDemux
 from kafila.network.rendezvous_client import RendezvousClient, RendezvousClosed, RendezvousError, verify_host
@@ -47,7 +47,7 @@ class MemberUi(Protocol):
     """What a person at a member sees."""
 
     def say(self, text: str) -> None: ...
-    def progress_bars(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
+    def progress_bars(self) -> AbstractContextManager[Progress]:
         """A bar per thing named in the updates (what, bytes done, bytes in all), gone at the end."""
         ...
 

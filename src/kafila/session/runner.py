@@ -14,13 +14,13 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kafila.contracts import FleetDevice, MemberStatus, SessionStatus
+from kafila.contracts import FleetDevice, MemberStatus, Progress, SessionStatus
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous import Limits
@@ -120,7 +120,7 @@ class HostUi(Protocol):
         """`discoverable`: members on this network can join with the code alone (LAN discovery)."""
 
     def show_plan(self, report: PlanReport) -> None: ...
-    def progress_bars(self) -> AbstractContextManager[Callable[[str, int, int], None]]:
+    def progress_bars(self) -> AbstractContextManager[Progress]:
         """A bar per thing named in the updates (what, bytes done, bytes in all), gone at the end."""
         ...
 

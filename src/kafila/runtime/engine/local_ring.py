@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from kafila.contracts import StageReport
+from kafila.contracts import CountProgress, StageReport
 from kafila.runtime.engine.engines import Engine, PrefixCut, RingEngine, UnsplitEngine, prefix_cut_of
 from kafila.runtime.engine.ring import StageFailed, check_ring_error, ring_stats
 from kafila.runtime.engine.sampling import (
     Sampler,
     SamplingSettings,
 )
-from kafila.runtime.gguf.slicer import Progress, StageFile, cached_slices
+from kafila.runtime.gguf.slicer import StageFile, cached_slices
 from kafila.runtime.llama.cpu_safety import died_by_signal, signal_of
 from kafila.runtime.llama.llama_backend import (
     ContextSettings,
@@ -217,7 +217,7 @@ def open_engine(
     counts: Sequence[int],
     settings: ContextSettings,
     cache_dir: Path | None = None,
-    progress: Progress | None = None,
+    progress: CountProgress | None = None,
 ) -> Engine:
     """An engine over the model cut as `counts` (chain order, head last); one count runs it unsplit.
     `progress` hears the cutting, where the stage files are not cached yet."""

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, ReaderTensor
 
+from kafila.contracts import CountProgress
 from kafila.runtime.gguf.families import SliceView, family_of
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
 from kafila.runtime.gguf.stage_cache import make_room, mark_used, trim_stage_cache
@@ -45,7 +46,6 @@ UNREACHED_WINDOW = 1 << 20
 SIZE_POLL_S = 0.2
 IDENTITY_BLOCKS_KEY = "kafila.slice.identity_blocks"  # blocks run before the slice's own (families.SliceRules)
 
-Progress = Callable[[int, int], None]
 """(bytes done, bytes in all) of long work on a model file: hashing it, cutting it. A model of
 tens of gigabytes takes minutes either way, and whoever waits should see it move."""
 
@@ -65,7 +65,7 @@ class SliceError(ValueError):
     """The division does not fit the model, or the model cannot be cut."""
 
 
-def file_sha256(path: Path, progress: Progress | None = None) -> str:
+def file_sha256(path: Path, progress: CountProgress | None = None) -> str:
     """A file's sha256, read in 4 MiB pieces: what stage files are named and checked by."""
     digest = hashlib.sha256()
     total = path.stat().st_size if progress is not None else 0
@@ -371,12 +371,12 @@ def _write(piece: _Slice, out: Path, progress: Callable[[int], None] | None = No
     return final, digest
 
 
-def _past(base: int, total: int, progress: Progress) -> Callable[[int], None]:
+def _past(base: int, total: int, progress: CountProgress) -> Callable[[int], None]:
     """A piece's progress, reported as the whole's: `base` bytes of it were done before."""
     return lambda done: progress(min(total, base + done), total)
 
 
-def _write_all(pieces: Sequence[_Slice], out: Path, progress: Progress | None) -> list[tuple[Path, str]]:
+def _write_all(pieces: Sequence[_Slice], out: Path, progress: CountProgress | None) -> list[tuple[Path, str]]:
     """`_write` each piece, with `progress` over them all (the tensor bytes, which are nearly all
     of each file: the count is held at the total for the headers past it)."""
     total = sum(piece.data_bytes() for piece in pieces)
@@ -395,7 +395,7 @@ def slice_model(
     source: str | os.PathLike[str],
     counts: Sequence[int],
     out_dir: str | os.PathLike[str],
-    progress: Progress | None = None,
+    progress: CountProgress | None = None,
 ) -> list[StageFile]:
     """Write one file per stage for a division given in chain order (block 0 first, head last).
 
@@ -425,7 +425,7 @@ def cached_slices(
     source: str | os.PathLike[str],
     counts: Sequence[int],
     out_dir: str | os.PathLike[str],
-    progress: Progress | None = None,
+    progress: CountProgress | None = None,
 ) -> list[StageFile]:
     """`slice_model`, reusing the files of an earlier cut of the same file and division.
 
@@ -479,7 +479,7 @@ def block_range_file(
     end: int,
     out_dir: str | os.PathLike[str],
     is_head: bool = False,
-    progress: Progress | None = None,
+    progress: CountProgress | None = None,
 ) -> StageFile:
     """The stage file for blocks [first, end) alone, byte for byte what `slice_model` writes for that
     stage (`is_head`: the last blocks with the head): a member with its own copy of the model cuts

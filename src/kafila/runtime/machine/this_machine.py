@@ -18,11 +18,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kafila.contracts import BackendReport, FleetDevice, ModelPricing
+from kafila.contracts import BackendReport, CountProgress, FleetDevice, ModelPricing
 from kafila.planner import plan_session
 from kafila.planner.fleet import device_of
 from kafila.planner.types import ModelManifest, SessionSpec
-from kafila.runtime.gguf.slicer import Progress, file_sha256
+from kafila.runtime.gguf.slicer import file_sha256
 from kafila.runtime.llama.backends import backend_or_none, device_set
 from kafila.runtime.llama.llama_backend import load_llama, repack_choice
 from kafila.runtime.machine.memory import free_now
@@ -87,7 +87,7 @@ def _measured(progress: Callable[[str, float], None] | None) -> FleetDevice:
     return device
 
 
-def model_sha256(path: Path, progress: Progress | None = None) -> str:
+def model_sha256(path: Path, progress: CountProgress | None = None) -> str:
     """The model file's sha256, remembered by its path, size and modification time: a model of
     tens of gigabytes takes a minute to hash, and every session start asks for it.
 
@@ -120,7 +120,7 @@ class HashingStopped(Exception):
     """Raised in the hashing thread when whoever waits for the hash has gone."""
 
 
-async def hash_model(path: Path, progress: Progress | None = None) -> str:
+async def hash_model(path: Path, progress: CountProgress | None = None) -> str:
     """`model_sha256` off the event loop. A caller that is cancelled (Ctrl-C) stops the hashing
     thread too, at its next 4 MiB: a thread cannot be cancelled, and the process would otherwise
     wait out the rest of a large model's hash before it could exit."""
