@@ -41,7 +41,7 @@ from kafila.runtime.engine.engines import Engine, PrefixCut
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.llama_backend import ContextSettings
-from kafila.serving.batcher import Event, Failed, Finished, Job
+from kafila.serving.batcher import Finished, Job, RequestEvent, RequestFailed
 from kafila.serving.engine_loop import EngineLoop
 
 GREEDY = SamplingSettings(top_k=1)
@@ -60,14 +60,14 @@ def history_text(engine: Engine, tokens: int) -> str:
 
 def run(loop: EngineLoop, prompt: list[int], max_tokens: int, name: str) -> tuple[float, Finished]:
     """Seconds from submitting to the request's end, and how it ended."""
-    events: queue.Queue[Event] = queue.Queue()
+    events: queue.Queue[RequestEvent] = queue.Queue()
     started = time.perf_counter()
     loop.submit(Job(name, prompt, max_tokens, GREEDY), events.put)
     while True:
         event = events.get(timeout=600)
         if isinstance(event, Finished):
             return time.perf_counter() - started, event
-        if isinstance(event, Failed):
+        if isinstance(event, RequestFailed):
             raise RuntimeError(event.message)
 
 

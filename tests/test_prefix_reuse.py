@@ -22,7 +22,7 @@ from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel
-from kafila.serving.batcher import Event, Failed, Finished, Job, TextDelta
+from kafila.serving.batcher import Finished, Job, RequestEvent, RequestFailed, TextDelta
 from kafila.serving.engine_loop import EngineLoop
 
 SETTINGS = ContextSettings(n_ctx=512, n_batch=16, n_seq_max=2, n_threads=2)
@@ -40,7 +40,7 @@ class Served:
         self._count = 0
 
     def ask(self, prompt: list[int], max_tokens: int = STEPS) -> tuple[str, Finished]:
-        events: queue.Queue[Event] = queue.Queue()
+        events: queue.Queue[RequestEvent] = queue.Queue()
         self._count += 1
         self.loop.submit(Job(f"r{self._count}", prompt, max_tokens, GREEDY), events.put)
         text: list[str] = []
@@ -51,7 +51,7 @@ class Served:
             elif isinstance(event, Finished):
                 return "".join(text), event
             else:
-                assert not isinstance(event, Failed), event.message
+                assert not isinstance(event, RequestFailed), event.message
 
     def close(self) -> None:
         self.loop.stop()

@@ -10,7 +10,7 @@ import pytest
 
 from kafila.runtime.engine.engines import EngineStep, PrefixCut, SequenceFailed
 from kafila.runtime.engine.sampling import SamplingSettings
-from kafila.serving.batcher import Batcher, Failed, Finished, FinishReason, Job, TextDelta, Trim
+from kafila.serving.batcher import Batcher, Finished, FinishReason, Job, RequestFailed, TextDelta, Trim
 from kafila.serving.engine_loop import LoopStats
 
 VOCAB = 16
@@ -181,7 +181,7 @@ def test_a_broken_engine_fails_every_request() -> None:
     b.submit(job("a", 2))
     b.submit(job("b", 2))
     b.plan()
-    assert b.fail_all("ring broke") == [Failed("a", "ring broke"), Failed("b", "ring broke")]
+    assert b.fail_all("ring broke") == [RequestFailed("a", "ring broke"), RequestFailed("b", "ring broke")]
     assert b.idle
 
 
@@ -195,7 +195,9 @@ def test_a_sequence_a_stage_refused_fails_alone_and_frees_its_slot() -> None:
     events = b.advance([one_hot(5), refused])
     assert events == [
         TextDelta("a", "<5>"),
-        Failed("b", "this request failed: the stage holding blocks 0-1 refused sequence 0: no room", "stage_error"),
+        RequestFailed(
+            "b", "this request failed: the stage holding blocks 0-1 refused sequence 0: no room", "stage_error"
+        ),
     ]
     assert b.running == 1 and b.queued == 1
     assert [s.decode for s in b.plan()] == [True]  # a decodes on; c waits for b's slot to be cut

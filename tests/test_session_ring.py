@@ -49,10 +49,10 @@ from kafila.wire.control import (
     ControlError,
     EdgePath,
     End,
-    Failed,
     Hello,
     Load,
     Staged,
+    StageFailedReport,
     control_frame,
     parse_control,
 )
@@ -107,7 +107,9 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
             idle_gpu="V" * 64,
         ),
     )  # the most a member may report still fits in one control message
-    short = Failed(epoch=3, message="failed to allocate buffer for kv cache", out_of_memory=True, can_hold_bytes=2**30)
+    short = StageFailedReport(
+        epoch=3, message="failed to allocate buffer for kv cache", out_of_memory=True, can_hold_bytes=2**30
+    )
     planned = assign.model_copy(update={"need_bytes": 3 * 2**30})
     for message in (hello, fullest, assign, planned, short, End(reason="bye")):
         assert parse_control(control_frame(message)) == message
@@ -362,7 +364,7 @@ def test_a_member_with_less_free_memory_than_its_stage_needs_says_so_without_loa
                 demux.close()
 
     failed, said = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert isinstance(failed, Failed) and failed.epoch == 1 and failed.out_of_memory, failed
+    assert isinstance(failed, StageFailedReport) and failed.epoch == 1 and failed.out_of_memory, failed
     assert failed.can_hold_bytes is not None and 0 < failed.can_hold_bytes < 2**59, failed
     assert "GiB free here; blocks 0-1 need 536870912.00 GiB" in failed.message, failed.message
     assert any("cannot load stage 0" in line for line in said), said
@@ -393,7 +395,7 @@ def test_a_control_message_the_host_cannot_read_is_refused_and_the_next_one_hear
             deployer._listen([member.member_id], epoch=3)
             for payload in (b'{"type": "no-such-message"}', b"\xff\x00 not json", b'{"type": "failed"}'):
                 await member_router.link.send(Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload))
-            await member_router.send_control(Failed(epoch=3, message="lost its successor", lost_peer="m1"))
+            await member_router.send_control(StageFailedReport(epoch=3, message="lost its successor", lost_peer="m1"))
             async with asyncio.timeout(10):
                 while deployer.broken is None:
                     await asyncio.sleep(0.05)

@@ -50,7 +50,7 @@ from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.logprobs import Alternative, TokenLogprob
 from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.sampling import GrammarRefused
-from kafila.serving.batcher import Event, Finished, FinishReason, Job, TextDelta
+from kafila.serving.batcher import Finished, FinishReason, Job, RequestEvent, TextDelta
 from kafila.serving.chat_template import ChatTemplate, ReplySyntax, TemplateError
 from kafila.serving.engine_loop import EngineLoop, EngineUnavailable
 from kafila.validation import first_problem, one_line
@@ -397,7 +397,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             return engine.tokenize(text, add_special, parse_special)
         return await asyncio.to_thread(engine.tokenize, text, add_special, parse_special)
 
-    async def submit(loop: EngineLoop, job: Job, sink: Callable[[Event], None]) -> EngineLoop:
+    async def submit(loop: EngineLoop, job: Job, sink: Callable[[RequestEvent], None]) -> EngineLoop:
         """Queue the job on the loop, or on the new ring's loop if a planned replan stopped this
         one since the request took it. Returns the loop the job runs on."""
         if not submitted(loop, job, sink, may_wait=True):
@@ -405,7 +405,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             submitted(loop, job, sink, may_wait=False)
         return loop
 
-    def submitted(loop: EngineLoop, job: Job, sink: Callable[[Event], None], may_wait: bool) -> bool:
+    def submitted(loop: EngineLoop, job: Job, sink: Callable[[RequestEvent], None], may_wait: bool) -> bool:
         """False when a planned replan stopped the loop and the caller may wait for the new one."""
         try:
             loop.submit(job, sink)
@@ -447,10 +447,10 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         alternatives = body.logprob_alternatives()
         job = Job(request_id, prompt, limit or context, body.sampling(grammar), body.stop_strings(), alternatives)
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
-        def sink(event: Event) -> None:
+        def sink(event: RequestEvent) -> None:
             event_loop.call_soon_threadsafe(queue.put_nowait, event)
 
         loop = await submit(loop, job, sink)
@@ -749,7 +749,7 @@ class _Reply:
     offsets: _TextOffsets = field(default_factory=_TextOffsets)
     reader: ReplyReader | None = None  # content, reasoning and calls out of the text
 
-    async def collect(self, queue: asyncio.Queue[Event]) -> tuple[str, Finished]:
+    async def collect(self, queue: asyncio.Queue[RequestEvent]) -> tuple[str, Finished]:
         parts = []
         while True:
             event = await queue.get()
@@ -888,7 +888,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 async def _stream(
-    queue: asyncio.Queue[Event], reply: _Reply, include_usage: bool, cancel: Callable[[], None]
+    queue: asyncio.Queue[RequestEvent], reply: _Reply, include_usage: bool, cancel: Callable[[], None]
 ) -> AsyncIterator[bytes]:
     """Server-sent events: a role chunk, text chunks, a finish chunk, usage if asked, then [DONE].
 

@@ -96,13 +96,13 @@ class Finished:
 
 
 @dataclass(frozen=True)
-class Failed:
+class RequestFailed:
     request_id: str
     message: str
     code: str = "ring_failed"  # the API's error code: the whole ring, or "stage_error" for this request alone
 
 
-Event = TextDelta | Finished | Failed
+RequestEvent = TextDelta | Finished | RequestFailed
 
 
 @dataclass
@@ -194,10 +194,10 @@ class Batcher:
         self._release(sequence)
         return True
 
-    def fail_all(self, message: str) -> list[Event]:
+    def fail_all(self, message: str) -> list[RequestEvent]:
         """The engine broke: every running and queued request ends with `message`."""
-        events: list[Event] = [Failed(s.job.request_id, message) for s in self._active.values()]
-        events += [Failed(_job_of(waiting).request_id, message) for waiting in self._queue]
+        events: list[RequestEvent] = [RequestFailed(s.job.request_id, message) for s in self._active.values()]
+        events += [RequestFailed(_job_of(waiting).request_id, message) for waiting in self._queue]
         for waiting in self._queue:
             if isinstance(waiting, Suspended) and waiting.sampler is not None:
                 waiting.sampler.close()
@@ -211,12 +211,12 @@ class Batcher:
         self._to_trim.clear()
         return events
 
-    def suspend_all(self, message: str) -> tuple[list[Suspended], list[Event]]:
+    def suspend_all(self, message: str) -> tuple[list[Suspended], list[RequestEvent]]:
         """The ring broke: every request is kept to go on on the next ring (`resume`), in the order
         they came, but one whose sampler ran on the lost ring (a head on a member sampling it),
         which ends with `message` and the reason. The batcher is left empty, as `fail_all` leaves it."""
         kept: list[Suspended] = []
-        events: list[Event] = []
+        events: list[RequestEvent] = []
         for sequence in self._active.values():
             if not sequence.generated:  # nothing drawn yet: it starts again as it came
                 sequence.sampler.close()
@@ -227,7 +227,7 @@ class Batcher:
             else:
                 sequence.sampler.close()
                 why = "its sampler ran on the member that holds the head, whose state is gone with the ring"
-                events.append(Failed(sequence.job.request_id, f"{message}; {why}"))
+                events.append(RequestFailed(sequence.job.request_id, f"{message}; {why}"))
         kept += [w if isinstance(w, Suspended) else Suspended(w) for w in self._queue]
         self._active.clear()
         self._queue.clear()
@@ -375,7 +375,7 @@ class Batcher:
                 sequence.in_flight = True
         return [step for _, step, _ in planned]
 
-    def advance(self, logits: Sequence[StepResult]) -> list[Event]:
+    def advance(self, logits: Sequence[StepResult]) -> list[RequestEvent]:
         """Land the oldest wave: sample from its logits; return the text it released and the requests it ended.
 
         A sequence that a stage refused (`SequenceFailed`) ends its request with the stage's
@@ -386,7 +386,7 @@ class Batcher:
             raise ValueError(f"{len(logits)} results for a wave of {len(planned)} sequences")
         if self._waves:
             self._waves.popleft()
-        events: list[Event] = []
+        events: list[RequestEvent] = []
         for (sequence, step, wanted), row in zip(planned, logits, strict=True):
             sequence.in_flight = False
             if self._active.get(sequence.job.request_id) is not sequence:
@@ -408,19 +408,19 @@ class Batcher:
             events += self._next_token(sequence, token)
         return events
 
-    def _next_token(self, sequence: _Sequence, token: int) -> list[Event]:
+    def _next_token(self, sequence: _Sequence, token: int) -> list[RequestEvent]:
         if self._is_end(token):
             return self._finish(sequence, FinishReason.STOP, [])
         sequence.generated.append(token)
         update = sequence.text.feed(self._piece(token))
-        events: list[Event] = [self._delta(sequence, update.delta)] if update.delta else []
+        events: list[RequestEvent] = [self._delta(sequence, update.delta)] if update.delta else []
         if update.stopped:
             return self._finish(sequence, FinishReason.STOP, events)
         if len(sequence.generated) >= sequence.job.max_tokens or sequence.position >= self.context:
             return self._finish(sequence, FinishReason.LENGTH, events)
         return events
 
-    def _finish(self, sequence: _Sequence, reason: FinishReason, events: list[Event]) -> list[Event]:
+    def _finish(self, sequence: _Sequence, reason: FinishReason, events: list[RequestEvent]) -> list[RequestEvent]:
         rest = sequence.text.flush()
         if rest or sequence.logprobs:
             events.append(self._delta(sequence, rest))
@@ -435,10 +435,10 @@ class Batcher:
         logprobs, sequence.logprobs = tuple(sequence.logprobs), []
         return TextDelta(sequence.job.request_id, text, logprobs)
 
-    def _fail(self, sequence: _Sequence, message: str) -> Failed:
+    def _fail(self, sequence: _Sequence, message: str) -> RequestFailed:
         del self._active[sequence.job.request_id]
         self._release(sequence, kept=False)  # the stages' caches of it may disagree: none is reused
-        return Failed(sequence.job.request_id, message, "stage_error")
+        return RequestFailed(sequence.job.request_id, message, "stage_error")
 
     def _release(self, sequence: _Sequence, kept: bool = True) -> None:
         """Free the slot, remembering what its cache holds for a later request to reuse (rows

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from kafila.contracts import StageReport
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
 from kafila.runtime.engine.ring import StageFailed
-from kafila.serving.batcher import Batcher, Event, Failed, Finished, Job, Suspended, TextDelta
+from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, RequestFailed, Suspended
 
-Sink = Callable[[Event], None]
+Sink = Callable[[RequestEvent], None]
 STATS_REFRESH_S = 2.0
 REFUSALS_TO_BREAK = 8  # requests failed by stages in a row, none served between: the ring is broken
 
@@ -257,10 +257,10 @@ class EngineLoop:
         with self._lock:
             self.stage_report = report
 
-    def _dispatch(self, events: list[Event]) -> None:
+    def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:
             sink = self._sinks.get(event.request_id)
-            if isinstance(event, Finished | Failed):
+            if isinstance(event, Finished | RequestFailed):
                 self._sinks.pop(event.request_id, None)
                 if isinstance(event, Finished):
                     self.stats.finished += 1
@@ -278,9 +278,6 @@ def fail_suspended(suspended: Suspended, sink: Sink, message: str) -> None:
     if suspended.sampler is not None:
         suspended.sampler.close()
     try:
-        sink(Failed(suspended.job.request_id, message))
+        sink(RequestFailed(suspended.job.request_id, message))
     except RuntimeError:  # the handler's event loop has closed: nobody is listening
         pass
-
-
-__all__ = ["EngineLoop", "EngineUnavailable", "Event", "Failed", "Finished", "Job", "TextDelta"]

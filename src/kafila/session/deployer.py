@@ -34,7 +34,7 @@ from kafila.session.core import MemoryShortage
 from kafila.session.member import serve_stage
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import FrameSink, LinkRouter, LocalChannel
-from kafila.wire.control import Assign, ControlError, Failed, Hello, Load, Loaded, RingEdge, Staged
+from kafila.wire.control import Assign, ControlError, Hello, Load, Loaded, RingEdge, Staged, StageFailedReport
 
 Say = Callable[[str], None]
 Reply = TypeVar("Reply", Staged, Loaded)
@@ -317,7 +317,7 @@ class Deployer:
                 raise SessionFailed(f"{name} left before it could {what}: {error}", member) from None
             if isinstance(message, kind) and message.epoch == epoch:
                 return message
-            if isinstance(message, Failed) and message.epoch == epoch:
+            if isinstance(message, StageFailedReport) and message.epoch == epoch:
                 shortage = None
                 if message.out_of_memory and loading is not None and loading.need_bytes is not None:
                     blocks = (loading.first_block, loading.end_block)
@@ -339,7 +339,7 @@ class Deployer:
                 continue
             except Exception:  # its link went down: the host's watcher sees that by itself
                 return
-            if isinstance(message, Failed) and message.epoch == epoch:
+            if isinstance(message, StageFailedReport) and message.epoch == epoch:
                 self.broken = f"{self.roster.name(member)}: {message.message}"
                 if message.lost_peer is not None:  # both ends rebuild it if the next plan keeps it
                     self.broken_edges.add(frozenset((member, message.lost_peer)))

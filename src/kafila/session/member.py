@@ -40,12 +40,12 @@ from kafila.wire.control import (
     Assign,
     EdgePath,
     End,
-    Failed,
     Hello,
     Load,
     Loaded,
     RingEdge,
     Staged,
+    StageFailedReport,
 )
 from kafila.wire.frames import Frame, Kind
 
@@ -275,7 +275,7 @@ async def follow_host(
                     edges, path = await _prepare(message, links, state)
                 except Exception as error:
                     state.say(f"cannot take stage {message.stage_index}: {error}")
-                    await host.send_control(Failed(epoch=message.epoch, message=str(error)))
+                    await host.send_control(StageFailedReport(epoch=message.epoch, message=str(error)))
                     continue
                 staged = (message, path)
                 await host.send_control(Staged(epoch=message.epoch, edges=edges))
@@ -312,7 +312,9 @@ async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: M
     if free is not None and assign.need_bytes is not None:
         why = f"{free / 2**30:.2f} GiB free here; {blocks} need {assign.need_bytes / 2**30:.2f} GiB"
         state.say(f"cannot load stage {assign.stage_index}: {why}")
-        await host.send_control(Failed(epoch=assign.epoch, message=why, out_of_memory=True, can_hold_bytes=free))
+        await host.send_control(
+            StageFailedReport(epoch=assign.epoch, message=why, out_of_memory=True, can_hold_bytes=free)
+        )
         return
     try:
         stage: RingStage = await loop.run_in_executor(
@@ -322,7 +324,7 @@ async def _load_and_serve(assign: Assign, path: Path, links: RingLinks, state: M
     except Exception as error:
         state.say(f"cannot load stage {assign.stage_index}: {error}")
         await host.send_control(
-            Failed(epoch=assign.epoch, message=str(error)[:4000], out_of_memory=out_of_memory(error))
+            StageFailedReport(epoch=assign.epoch, message=str(error)[:4000], out_of_memory=out_of_memory(error))
         )
         return
     inbound = links.routers[assign.predecessor].activation
@@ -344,5 +346,5 @@ def _report_stopped(task: asyncio.Task[None], assign: Assign, links: RingLinks, 
     lost = next((p for p in neighbours if p in links.routers and links.routers[p].link.closed.done()), None)
     reason = f"stage {assign.stage_index} stopped: {task.exception()}"
     state.say(reason)
-    report = Failed(epoch=assign.epoch, message=reason, lost_peer=lost)
+    report = StageFailedReport(epoch=assign.epoch, message=reason, lost_peer=lost)
     state.reports.append(asyncio.ensure_future(host.send_control(report)))

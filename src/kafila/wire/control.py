@@ -76,7 +76,7 @@ class Assign(_Message):
     # to its successor, the host (which cannot hold the head itself, or the plan put it here).
     head: bool = False
     # The plan's estimate of the stage's memory (weights and KV cache): a member with less free
-    # says so before it tries to load (`Failed.out_of_memory`).
+    # says so before it tries to load (`StageFailedReport.out_of_memory`).
     need_bytes: Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)] | None = None
 
 
@@ -115,7 +115,7 @@ class Loaded(_Message):
     seconds: Annotated[float, Field(ge=0)]
 
 
-class Failed(_Message):
+class StageFailedReport(_Message):
     """member → host: the assignment could not be carried out, or a serving stage lost a ring link."""
 
     type: Literal["failed"] = "failed"
@@ -135,7 +135,9 @@ class End(_Message):
     reason: Annotated[str, Field(max_length=1000)]
 
 
-ControlMessage = Annotated[Hello | Assign | Staged | Load | Loaded | Failed | End, Field(discriminator="type")]
+ControlMessage = Annotated[
+    Hello | Assign | Staged | Load | Loaded | StageFailedReport | End, Field(discriminator="type")
+]
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 
 
