@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from kafila.planner.cost import ChainPrefix, cost_model_matrix
-from kafila.planner.types import Device, SessionSpec
+from kafila.planner.types import Device, ServingSpec
 from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
@@ -61,7 +61,7 @@ def main() -> None:
     manifest = read_manifest(model)
     generic, own = run_probe(), probe_model_stages(model)
     assert not {tuple(d) for d in own.divisions} & {tuple(d) for d in DIVISIONS}
-    prefix = ChainPrefix.of(manifest, SessionSpec(context=1024, concurrency=1))
+    prefix = ChainPrefix.of(manifest, ServingSpec(context=1024, concurrency=1))
     probes = {
         "generic probe": (generic.bandwidth_gb_s, generic.bandwidth_gb_s, generic.overhead_us),
         "model's stages": (own.bandwidth_gb_s, own.head_bandwidth_gb_s, own.overhead_us),

@@ -27,7 +27,7 @@ from kafila.contracts import NatBehaviour, NatClass
 from kafila.planner import PlanRefused, plan_session
 from kafila.planner.fleet import Fleet, device_of
 from kafila.planner.ring import best_ring
-from kafila.planner.types import Device, ModelManifest, SessionSpec
+from kafila.planner.types import Device, ModelManifest, ServingSpec
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -117,7 +117,7 @@ def planner_timing(repeats: int = 15) -> None:
         head_bytes=1_600_000_000,
         kv_bytes_per_token=(4096,) * 64,
     )
-    session = SessionSpec(context=4096, concurrency=4)
+    session = ServingSpec(context=4096, concurrency=4)
     print("\n| blocks × members | planner median ms | min ms | max ms | target |")
     print("|---|---|---|---|---|")
     for n_devices in (4, 8, 12, 16):

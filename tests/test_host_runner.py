@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tiny_models import write_tiny_model
 
-from kafila.planner.types import SessionSpec
+from kafila.planner.types import ServingSpec
 from kafila.session.availability import Availability
 from kafila.session.core import Phase, SessionCore
 from kafila.session.runner import HostConfig, HostRunner
@@ -21,7 +21,7 @@ def test_the_host_hands_its_core_the_rebalance_setting_and_one_machine_never_reb
 
     def core_of(members: int, rebalance: bool) -> SessionCore:
         config = HostConfig(
-            path=model, counts=[2], session=SessionSpec(context=256, concurrency=1), sock=socket.socket(),
+            path=model, counts=[2], session=ServingSpec(context=256, concurrency=1), sock=socket.socket(),
             api_key=None, threads=1, members=members, rendezvous=None, rendezvous_bind="127.0.0.1",
             rendezvous_port=0, stun_port=0, demo=False, name="host", rebalance=rebalance,
         )  # fmt: skip

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kafila.contracts import FleetDevice
-from kafila.planner import ModelManifest, SessionSpec, plan_serving_host
+from kafila.planner import ModelManifest, ServingSpec, plan_serving_host
 from kafila.planner.cost import ChainPrefix, cost_model_matrix
 from kafila.planner.fleet import device_of, pricing_from_serving
 from kafila.planner.rebalance import REBALANCE_GAIN, judge_rebalance
@@ -65,7 +65,7 @@ def test_a_ring_whose_machines_all_run_slower_or_faster_alike_is_never_divided_a
     """A load that slows every machine alike (the shared machine busy with something else) scales
     every price alike, which moves no block: noise of that kind cannot make the ring flap."""
     manifest, devices = fleet
-    session = SessionSpec(context=1)
+    session = ServingSpec(context=1)
     plan = plan_serving_host(manifest, [device_of(d) for d in devices], session)
     scale = data.draw(st.floats(0.1, 10.0))
     measured, learned = measured_and_learned(plan, devices, {d.name: scale for d in devices})
@@ -83,7 +83,7 @@ def test_a_rebalance_is_called_for_only_where_the_measured_prices_make_it_clearl
     sides: the current division, priced by the learned numbers, costs exactly what was measured;
     a rebalance is called for only when the new plan's slowest stage is at least 25% faster."""
     manifest, devices = fleet
-    session = SessionSpec(context=1)
+    session = ServingSpec(context=1)
     plan = plan_serving_host(manifest, [device_of(d) for d in devices], session)
     scales = {d.name: data.draw(st.floats(0.1, 10.0)) for d in devices}
     measured, learned = measured_and_learned(plan, devices, scales)
@@ -109,7 +109,7 @@ def test_a_member_four_times_slower_than_its_price_gives_blocks_back() -> None:
     manifest = ModelManifest(name="m", block_bytes=(10**8,) * 8, head_bytes=10**8, kv_bytes_per_token=(0,) * 8)
     host = FleetDevice(name="host", memory_gib=64, bandwidth_gb_s=20.0, overhead_us=200.0)
     boasting = FleetDevice(name="member", memory_gib=64, bandwidth_gb_s=80.0, overhead_us=50.0)
-    session = SessionSpec(context=1)
+    session = ServingSpec(context=1)
     plan = plan_serving_host(manifest, [device_of(host), device_of(boasting)], session)
     assert [s.end - s.start for s in plan.stages if s.device == "member"] == [7]
     measured, learned = measured_and_learned(plan, [host, boasting], {"host": 1.0, "member": 4.0})
@@ -127,7 +127,7 @@ def test_a_member_four_times_slower_than_its_price_gives_blocks_back() -> None:
 def test_nothing_is_judged_before_every_stage_has_a_measurement() -> None:
     manifest = ModelManifest(name="m", block_bytes=(10**8,) * 4, head_bytes=0, kv_bytes_per_token=(0,) * 4)
     devices = [device_of(FleetDevice(name=n, memory_gib=64, bandwidth_gb_s=10.0, overhead_us=100.0)) for n in "ab"]
-    plan = plan_serving_host(manifest, devices, SessionSpec(context=1))
+    plan = plan_serving_host(manifest, devices, ServingSpec(context=1))
     assert judge_rebalance(plan, [0.01, None], plan) is None
     assert judge_rebalance(plan, [0.01], plan) is None  # one time for two stages
     assert judge_rebalance(plan, [0.01, 0.0], plan) is None

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kafila.contracts import NatBehaviour, NatClass
 from kafila.planner import plan_session
 from kafila.planner.ring import best_ring, ring_key
-from kafila.planner.types import Device, EdgePrediction, ModelManifest, SessionSpec
+from kafila.planner.types import Device, EdgePrediction, ModelManifest, ServingSpec
 
 
 @st.composite
@@ -72,7 +72,7 @@ def _member(name: str, nat: NatClass | None = None, rtt_ms: float | None = None)
 
 def test_without_nat_or_rtt_the_file_order_is_kept() -> None:
     fleet = [_member(f"m{i}") for i in range(6)]
-    plan = plan_session(_manifest(), fleet, SessionSpec(), anchor="m0")
+    plan = plan_session(_manifest(), fleet, ServingSpec(), anchor="m0")
     assert plan.ring == tuple(f"m{i}" for i in range(6))
     assert all(edge.cost_s is None for edge in plan.edges)
 
@@ -87,7 +87,7 @@ def test_restrictive_members_are_separated_by_permissive_ones() -> None:
         NatClass.PERMISSIVE,
     ]
     fleet = [_member(n, c) for n, c in zip(names, classes, strict=True)]
-    plan = plan_session(_manifest(), fleet, SessionSpec(), anchor="anchor")
+    plan = plan_session(_manifest(), fleet, ServingSpec(), anchor="anchor")
     relayed = [e for e in plan.edges if e.predicted is EdgePrediction.RELAYED]
     assert relayed == []  # an all-direct ring exists: permissive members are at least as many
     order = list(plan.ring)
@@ -101,7 +101,7 @@ def test_the_fewest_relays_when_a_direct_ring_is_impossible() -> None:
     names = ["anchor", "r1", "r2", "p1", "p2"]
     classes = [NatClass.ORDINARY, NatClass.RESTRICTIVE, NatClass.RESTRICTIVE, NatClass.PERMISSIVE, NatClass.PERMISSIVE]
     plan = plan_session(
-        _manifest(), [_member(n, c) for n, c in zip(names, classes, strict=True)], SessionSpec(), anchor="anchor"
+        _manifest(), [_member(n, c) for n, c in zip(names, classes, strict=True)], ServingSpec(), anchor="anchor"
     )
     assert sum(e.predicted is EdgePrediction.RELAYED for e in plan.edges) == 1
 
@@ -111,7 +111,7 @@ def test_rtt_priced_ring_prefers_direct_edges_and_breaks_all_relayed_ties_by_sep
     # tie-break puts members of similar distance to the rendezvous next to each other.
     rtts = {"anchor": 80.0, "far1": 230.0, "near1": 82.0, "far2": 228.0, "near2": 85.0}
     fleet = [_member(n, NatClass.RESTRICTIVE, r) for n, r in rtts.items()]
-    plan = plan_session(_manifest(), fleet, SessionSpec(), anchor="anchor")
+    plan = plan_session(_manifest(), fleet, ServingSpec(), anchor="anchor")
     assert all(e.predicted is EdgePrediction.RELAYED for e in plan.edges)
     total = sum(e.cost_s for e in plan.edges if e.cost_s is not None)
     assert abs(total - 2 * sum(rtts.values()) / 1e3) < 1e-9

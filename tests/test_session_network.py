@@ -49,7 +49,7 @@ from kafila.network.pake import TrustError
 from kafila.network.rendezvous_client import RendezvousClient, send_abort
 from kafila.planner.cost import ChainPrefix
 from kafila.planner.fleet import device_of
-from kafila.planner.types import SessionSpec
+from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.backends import backend_report
 from kafila.session.core import GUESS_BUDGET
@@ -276,7 +276,7 @@ def head_elsewhere(model: Path) -> tuple[str, ...]:
 
     manifest = read_manifest(model)
     context, concurrency = 2048, 4  # a cache of 1 MiB a block: what makes --memory's 1 MiB floor fit
-    session = SessionSpec(context=context, concurrency=concurrency)
+    session = ServingSpec(context=context, concurrency=concurrency)
     prefix = ChainPrefix.of(manifest, session)
     lend = min(int(prefix.resident_matrix(True)[i, i + 1]) for i in range(manifest.n_blocks)) - 1
     return ("--context", str(context), "--concurrency", str(concurrency), "--memory", f"{lend}B")

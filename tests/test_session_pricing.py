@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kafila.contracts import FleetDevice, ModelPricing, StageReport
-from kafila.planner import ModelManifest, SessionSpec
+from kafila.planner import ModelManifest, ServingSpec
 from kafila.session.pricing import (
     GENERIC,
     MIN_STEPS_TO_REBALANCE,
@@ -22,7 +22,7 @@ from kafila.session.pricing import (
 
 DIGEST = "ab" * 32
 MANIFEST = ModelManifest(name="m", block_bytes=(100_000_000,) * 12, head_bytes=50_000_000, kv_bytes_per_token=(0,) * 12)
-SESSION = SessionSpec(context=1024, concurrency=1)
+SESSION = ServingSpec(context=1024, concurrency=1)
 
 
 def device(name: str, bandwidth: float) -> FleetDevice:

@@ -18,14 +18,14 @@ from stage_allocation import LIBC, settings_of, stage_allocation
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model, write_wide_model
 
 from kafila.planner.cost import ChainPrefix
-from kafila.planner.types import ContextNeeds, ModelManifest, SessionSpec
+from kafila.planner.types import ContextNeeds, ModelManifest, ServingSpec
 from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import slice_model
 
 MiB = 2**20
 # The runner's settings: one context of context * concurrency cells, batches of 512 rows.
-SESSIONS = (SessionSpec(context=4096, concurrency=4), SessionSpec(context=512, concurrency=1))
+SESSIONS = (ServingSpec(context=4096, concurrency=4), ServingSpec(context=512, concurrency=1))
 N_BLOCKS = {"qwen3next": 8, "llama4": 8}  # cut where their families allow (after a full-attention block; at 4)
 
 
@@ -89,7 +89,7 @@ def test_the_planner_charges_each_stage_its_context() -> None:
             block_tensors=(9,) * 4, other_tensors=3, activation_bytes_per_row=0, attention_masks=1, n_vocab=0
         ),
     )
-    session = SessionSpec(context=1, concurrency=1)
+    session = ServingSpec(context=1, concurrency=1)
     prefix = ChainPrefix.of(manifest, session)
     bare = ChainPrefix.of(manifest.model_copy(update={"context": None}), session)
     extra = prefix.resident_matrix(False)[0, 2] - bare.resident_matrix(False)[0, 2]

@@ -7,12 +7,12 @@ import itertools
 import pytest
 
 from kafila.planner import PlanRefused, Tier, plan_session
-from kafila.planner.types import Device, ModelManifest, SessionSpec
+from kafila.planner.types import Device, ModelManifest, ServingSpec
 
 MANIFEST = ModelManifest(
     name="m", block_bytes=(100, 300, 100, 200, 100, 100), head_bytes=250, kv_bytes_per_token=(1,) * 6
 )
-SESSION = SessionSpec(context=10, concurrency=1)
+SESSION = ServingSpec(context=10, concurrency=1)
 
 
 def test_cost_model_when_every_member_measured_bandwidth_and_overhead() -> None:

@@ -6,7 +6,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
-from kafila.planner.types import Device, ModelManifest, SessionSpec
+from kafila.planner.types import Device, ModelManifest, ServingSpec
 
 
 def compositions(n_blocks: int, n_parts: int, starts: Sequence[int] | None = None) -> Iterator[tuple[int, ...]]:
@@ -17,7 +17,7 @@ def compositions(n_blocks: int, n_parts: int, starts: Sequence[int] | None = Non
         yield tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
-def need_bytes(manifest: ModelManifest, session: SessionSpec, start: int, end: int, is_head: bool) -> int:
+def need_bytes(manifest: ModelManifest, session: ServingSpec, start: int, end: int, is_head: bool) -> int:
     blocks = sum(manifest.block_bytes[start:end])
     kv = sum(manifest.kv_bytes_per_token[start:end]) * session.context * session.concurrency
     return blocks + kv + manifest.context_bytes(start, end, is_head, session) + (manifest.head_bytes if is_head else 0)
@@ -40,7 +40,7 @@ def stage_cost(device: Device, manifest: ModelManifest, start: int, end: int, is
 
 
 def best_division(
-    manifest: ModelManifest, session: SessionSpec, chain: Sequence[Device]
+    manifest: ModelManifest, session: ServingSpec, chain: Sequence[Device]
 ) -> tuple[float, tuple[int, ...]] | None:
     """Minimum bottleneck over every division that fits, with the head last in the chain."""
     best: tuple[float, tuple[int, ...]] | None = None
@@ -64,7 +64,7 @@ def chain_for_head(ring: Sequence[Device], head: int) -> list[Device]:
 
 
 def head_by_rule(
-    manifest: ModelManifest, session: SessionSpec, ring: Sequence[Device], margin: float = 0.05
+    manifest: ModelManifest, session: ServingSpec, ring: Sequence[Device], margin: float = 0.05
 ) -> tuple[int, float] | None:
     """Ring position of the head the rule picks, and its bottleneck; the anchor is position 0."""
     solved = [best_division(manifest, session, chain_for_head(ring, r)) for r in range(len(ring))]
@@ -77,7 +77,7 @@ def head_by_rule(
     return (0, anchor[0]) if anchor is not None else None
 
 
-def any_division_fits(manifest: ModelManifest, session: SessionSpec, ring: Sequence[Device]) -> bool:
+def any_division_fits(manifest: ModelManifest, session: ServingSpec, ring: Sequence[Device]) -> bool:
     for r in range(len(ring)):
         chain = chain_for_head(ring, r)
         for counts in compositions(manifest.n_blocks, len(chain), manifest.stage_starts):

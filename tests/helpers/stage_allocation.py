@@ -7,7 +7,7 @@ import ctypes
 import ctypes.util
 from pathlib import Path
 
-from kafila.planner.types import SessionSpec
+from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.stage import BlockStage, HeadStage, WholeModel
 from kafila.runtime.llama.llama_backend import ContextSettings
 
@@ -41,13 +41,13 @@ def allocated() -> int:
     return int(info.uordblks + info.hblkhd)
 
 
-def settings_of(session: SessionSpec) -> ContextSettings:
+def settings_of(session: ServingSpec) -> ContextSettings:
     """A stage's context as a session's runner makes it."""
     n = session.concurrency
     return ContextSettings(n_ctx=session.context * n, n_batch=512, n_seq_max=n, n_threads=2)
 
 
-def stage_allocation(path: Path, is_head: bool, whole: bool, session: SessionSpec) -> int:
+def stage_allocation(path: Path, is_head: bool, whole: bool, session: ServingSpec) -> int:
     """What building the stage allocated, plus the weights it maps from its file."""
     before = allocated()
     kind = WholeModel if whole else HeadStage if is_head else BlockStage

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kafila.planner.types import Device, ModelManifest, SessionSpec
+from kafila.planner.types import Device, ModelManifest, ServingSpec
 
 
 @st.composite
@@ -32,7 +32,7 @@ def manifests(draw: st.DrawFn, max_blocks: int = 8) -> ModelManifest:
     )
 
 
-sessions = st.builds(SessionSpec, context=st.integers(1, 4), concurrency=st.integers(1, 3))
+sessions = st.builds(ServingSpec, context=st.integers(1, 4), concurrency=st.integers(1, 3))
 
 
 @st.composite

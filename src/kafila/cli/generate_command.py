@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from kafila.cli.errors import fail, stderr
 from kafila.planner import PlanRefused
 from kafila.planner.fleet import pricing_for
-from kafila.planner.types import SessionSpec
+from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.local_ring import generate as run_generation
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.ring import StageFailed
@@ -47,7 +47,7 @@ def default_model() -> Path | None:
 
 
 def local_counts(
-    path: Path, stages: int | None, division: str | None, session: SessionSpec, memory: int | None = None
+    path: Path, stages: int | None, division: str | None, session: ServingSpec, memory: int | None = None
 ) -> list[int]:
     """Block counts for the model cut into local stages: as given, or planned for this device."""
     manifest = read_manifest(path)
@@ -124,7 +124,7 @@ def generate(
     except ValueError as error:
         fail(str(error), as_json)
     try:
-        counts = local_counts(path, stages, division, SessionSpec(context=context, concurrency=1))
+        counts = local_counts(path, stages, division, ServingSpec(context=context, concurrency=1))
         check_this_machine(as_json)
         sampling = SamplingSettings(
             temperature=temperature, top_k=top_k, top_p=top_p, repeat_penalty=repeat_penalty, seed=seed

@@ -31,7 +31,7 @@ from kafila.contracts import Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_http, raise_open_file_limit
 from kafila.planner import PlanRefused
-from kafila.planner.types import SessionSpec
+from kafila.planner.types import ServingSpec
 from kafila.portability import reuse_listening_address, run, signals_handled
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import check_family
@@ -191,7 +191,7 @@ def host(
         check_stage_cache_setting()
     except ValueError as error:
         fail(str(error), False)
-    session = SessionSpec(context=context, concurrency=concurrency)
+    session = ServingSpec(context=context, concurrency=concurrency)
     host_name = device_name(name, f"host-{socket.gethostname()}"[:64])
     try:
         lent = parse_memory(memory)
@@ -222,7 +222,7 @@ def host(
         pass
 
 
-def _admit(path: Path, session: SessionSpec, memory: int | None) -> None:
+def _admit(path: Path, session: ServingSpec, memory: int | None) -> None:
     """Refuse, before anything loads, a session this machine cannot hold: weights plus KV cache."""
     with stderr.status("measuring this device for the planner (cached afterwards)"):
         device = this_device(memory=memory)

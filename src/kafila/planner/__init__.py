@@ -5,6 +5,6 @@ inputs and testable against brute force.
 """
 
 from kafila.planner.plan import plan_serving_host, plan_session
-from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec, Tier
+from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, ServingSpec, Tier
 
-__all__ = ["Device", "ModelManifest", "Plan", "PlanRefused", "SessionSpec", "Tier", "plan_serving_host", "plan_session"]
+__all__ = ["Device", "ModelManifest", "Plan", "PlanRefused", "ServingSpec", "Tier", "plan_serving_host", "plan_session"]

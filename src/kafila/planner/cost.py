@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kafila.planner.types import Device, ModelManifest, SessionSpec
+from kafila.planner.types import Device, ModelManifest, ServingSpec
 
 FloatMatrix = npt.NDArray[np.float64]
 IntMatrix = npt.NDArray[np.int64]
@@ -30,7 +30,7 @@ class ChainPrefix:
     cuts: BoolMatrix  # one per chain position: whether a stage may begin or end there (ModelManifest.stage_starts)
 
     @classmethod
-    def of(cls, manifest: ModelManifest, session: SessionSpec) -> ChainPrefix:
+    def of(cls, manifest: ModelManifest, session: ServingSpec) -> ChainPrefix:
         weights = np.asarray(manifest.block_bytes, dtype=np.int64)
         kv = np.asarray(manifest.cache_bytes(session.context, session.concurrency), dtype=np.int64)
         zero = np.zeros(1, dtype=np.int64)
@@ -64,7 +64,7 @@ class ChainPrefix:
         return (index[None, :] > index[:, None]) & self.cuts[:, None] & self.cuts[None, :]
 
 
-def _context_matrix(manifest: ModelManifest, session: SessionSpec, is_head: bool) -> IntMatrix:
+def _context_matrix(manifest: ModelManifest, session: ServingSpec, is_head: bool) -> IntMatrix:
     """[a, b]: what the stage of blocks [a, b) needs for its llama.cpp context (`ContextNeeds`)."""
     n = manifest.n_blocks
     needs = manifest.context

@@ -12,7 +12,7 @@ from typing import Annotated
 from pydantic import Field, PositiveInt, model_validator
 
 from kafila.contracts import MAX_MEMBERS, FleetDevice, ModelPricing, NatBehaviour, NatClass
-from kafila.planner.types import MAX_BLOCKS, Device, ModelManifest, SessionSpec, Strict
+from kafila.planner.types import MAX_BLOCKS, Device, ModelManifest, ServingSpec, Strict
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
@@ -106,7 +106,7 @@ def device_of(profile: FleetDevice) -> Device:
 
 class Fleet(Strict):
     model: FleetModel | None = None
-    session: SessionSpec = SessionSpec()
+    session: ServingSpec = ServingSpec()
     anchor: str | None = None
     devices: list[FleetDevice] = Field(min_length=1, max_length=MAX_MEMBERS)
 

@@ -28,7 +28,7 @@ from kafila.planner.types import (
     Plan,
     PlanRefused,
     RingEdge,
-    SessionSpec,
+    ServingSpec,
     Stage,
     Tier,
 )
@@ -253,7 +253,7 @@ def _summaries(
 def plan_session(
     manifest: ModelManifest,
     devices: Sequence[Device],
-    session: SessionSpec,
+    session: ServingSpec,
     anchor: str | None = None,
     pin_head: bool = False,
 ) -> Plan:
@@ -328,7 +328,7 @@ def plan_session(
     )
 
 
-def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], session: SessionSpec) -> Plan:
+def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], session: ServingSpec) -> Plan:
     """The plan for a session served from `devices[0]`: the head there if it can hold it, else
     wherever it fits.
 
@@ -352,12 +352,12 @@ def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], sessio
         return plan_session(manifest, devices, session, anchor=host.name)  # its refusal weighs every head
 
 
-def _holds_a_block(manifest: ModelManifest, device: Device, session: SessionSpec) -> bool:
+def _holds_a_block(manifest: ModelManifest, device: Device, session: ServingSpec) -> bool:
     """Whether the device can hold the smallest stage there can be, with its cache and context."""
     return smallest_stage_bytes(manifest, session) <= device.memory_bytes
 
 
-def smallest_stage_bytes(manifest: ModelManifest, session: SessionSpec) -> int:
+def smallest_stage_bytes(manifest: ModelManifest, session: ServingSpec) -> int:
     """The bytes of the smallest stage there can be (a block, where the model may be cut anywhere)
     with its KV cache and llama.cpp context: a machine that cannot lend that holds no stage at all."""
     need = ChainPrefix.of(manifest, session).resident_matrix(is_head=False)  # the memory rule every plan applies

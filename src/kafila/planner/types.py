@@ -150,7 +150,7 @@ class ModelManifest(Strict):
     def n_blocks(self) -> int:
         return len(self.block_bytes)
 
-    def context_bytes(self, first: int, end: int, is_head: bool, session: SessionSpec) -> int:
+    def context_bytes(self, first: int, end: int, is_head: bool, session: ServingSpec) -> int:
         """What the stage of blocks [first, end) needs for its llama.cpp context (`ContextNeeds`)."""
         if self.context is None:
             return 0
@@ -178,8 +178,9 @@ class Device(Strict):
     rtt_s: Annotated[float, Field(ge=0, le=60)] | None = None
 
 
-class SessionSpec(Strict):
-    """What the session promises to serve at once, which sizes every member's KV cache."""
+class ServingSpec(Strict):
+    """What a session serves at once: `concurrency` requests of up to `context` tokens each, which
+    sizes every member's KV cache."""
 
     context: Annotated[int, Field(ge=1, le=2**24)] = 4096
     concurrency: Annotated[int, Field(ge=1, le=4096)] = 1

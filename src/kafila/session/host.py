@@ -53,7 +53,7 @@ from kafila.network.rendezvous_client import (
 )
 from kafila.network.session_codes import full_code, new_secret
 from kafila.planner.rebalance import RebalanceVerdict
-from kafila.planner.types import ModelManifest, Plan, SessionSpec
+from kafila.planner.types import ModelManifest, Plan, ServingSpec
 from kafila.runtime.llama.backends import backend_or_none
 from kafila.runtime.llama.llama_backend import ContextSettings, set_up_to_share_cores, sharing_cores_hint
 from kafila.runtime.machine.this_machine import cached_model_pricings
@@ -81,7 +81,7 @@ class HostSession:
     code: str
     manifest: ModelManifest
     model: Path
-    session: SessionSpec
+    session: ServingSpec
     settings: ContextSettings
     cache: Path
     say: Say
@@ -134,7 +134,7 @@ class HostSession:
         members: int,
         manifest: ModelManifest,
         model: Path,
-        session: SessionSpec,
+        session: ServingSpec,
         settings: ContextSettings,
         cache: Path,
         say: Say,

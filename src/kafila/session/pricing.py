@@ -18,7 +18,7 @@ from kafila.contracts import FleetDevice, ModelPricing, StageReport
 from kafila.planner import plan_serving_host
 from kafila.planner.fleet import device_of, pricing_for, pricing_from_serving
 from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
-from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, SessionSpec
+from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, ServingSpec
 
 MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before a replan trusts them
 # A rebalance moves blocks on the strength of the measurements alone, so it waits for more of
@@ -50,7 +50,7 @@ class RingPricing:
     """The host's prices for the machines of its session, and what serving taught it."""
 
     manifest: ModelManifest
-    session: SessionSpec
+    session: ServingSpec
     model_sha256: str | None = None  # known once the host has hashed its model
     served: dict[str, ModelPricing] = field(default_factory=dict)  # machine → priced by what it served
     last_verdict: RebalanceVerdict | None = None  # the latest reading of the serving ring's measurements

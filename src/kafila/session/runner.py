@@ -29,7 +29,7 @@ from kafila.network.session_codes import split_code
 from kafila.planner import PlanRefused
 from kafila.planner.plan import smallest_stage_bytes
 from kafila.planner.report import PlanReport, plan_report
-from kafila.planner.types import SessionSpec
+from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.backends import backend_or_none
@@ -129,7 +129,7 @@ class HostUi(Protocol):
 class HostConfig:
     path: Path
     counts: list[int]  # the local division, for a session of one member
-    session: SessionSpec
+    session: ServingSpec
     sock: socket.socket
     api_key: str | None
     threads: int

@@ -21,7 +21,7 @@ from pathlib import Path
 from kafila.contracts import BackendReport, CountProgress, FleetDevice, ModelPricing
 from kafila.planner import plan_session
 from kafila.planner.fleet import device_of
-from kafila.planner.types import ModelManifest, SessionSpec
+from kafila.planner.types import ModelManifest, ServingSpec
 from kafila.runtime.gguf.slicer import file_sha256
 from kafila.runtime.llama.backends import backend_or_none, device_set
 from kafila.runtime.llama.llama_backend import load_llama, repack_choice
@@ -180,7 +180,7 @@ def cached_model_pricings(limit: int = 16) -> list[ModelPricing]:
     return found
 
 
-def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, session: SessionSpec) -> list[int]:
+def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, session: ServingSpec) -> list[int]:
     """Block counts in chain order (head last) for n stages sharing this device."""
     base = device_of(device)
     share = max(1, base.memory_bytes // n_stages)
@@ -189,6 +189,6 @@ def local_division(manifest: ModelManifest, n_stages: int, device: FleetDevice, 
     return [stage.end - stage.start for stage in plan.stages]
 
 
-def admit_alone(manifest: ModelManifest, device: FleetDevice, session: SessionSpec) -> None:
+def admit_alone(manifest: ModelManifest, device: FleetDevice, session: ServingSpec) -> None:
     """PlanRefused naming "this machine" unless it can hold every block, the head and the KV cache."""
     plan_session(manifest, [device_of(device).model_copy(update={"name": "this machine"})], session)
