@@ -170,8 +170,8 @@ class HostRunner:
     """The shell around `SessionCore`: it feeds the core what happens, and does what the core
     decides (load or gather, serve, replan, stop), around the HTTP server."""
 
-    def __init__(self, config: HostConfig, serving: Availability, ui: HostUi) -> None:
-        self.config, self.serving, self.ui = config, serving, ui
+    def __init__(self, config: HostConfig, availability: Availability, ui: HostUi) -> None:
+        self.config, self.availability, self.ui = config, availability, ui
         self.manifest = read_manifest(config.path)
         self.engine: Engine | None = None
         self.engine_loop: EngineLoop | None = None  # the one serving, even while /v1 turns requests away
@@ -181,7 +181,7 @@ class HostRunner:
             rebalance=config.rebalance and config.members > 1,
         )
         self.core = SessionCore(rules) if config.members > 1 else SessionCore.one_machine(rules)
-        self.network: HostSession | None = None
+        self.rendezvous_session: HostSession | None = None
         self.rendezvous: RendezvousHandle | None = None  # the embedded one, when the host runs it
         self.demo = DemoMembers(self._demo_member_failed)
         self.stopping = False
@@ -219,7 +219,9 @@ class HostRunner:
             if self.stopping:  # members leave when the session ends: that is not a failure
                 return
             try:
-                await self._drive([Observed(session_view(self.network, self.engine_loop, self.serving.ready))])
+                await self._drive(
+                    [Observed(session_view(self.rendezvous_session, self.engine_loop, self.availability.ready))]
+                )
                 repeated = 0
             except Exception as error:
                 text = f"{type(error).__name__}: {error}"
@@ -234,7 +236,7 @@ class HostRunner:
 
     async def _carry_out(self, command: Command) -> list[Event]:
         """Do what the core decided; the events it answers with, if any."""
-        network = self.network
+        network = self.rendezvous_session
         match command:
             case Retire(reason=reason, learn=learn):
                 await self._retire(reason, learn)
@@ -243,7 +245,7 @@ class HostRunner:
                 return [await self._deployed(list(members))]
             case Dismiss(member=member, reason=reason):
                 assert network is not None
-                self.serving.events.publish("left", f"{network.member_name(member)} was sent home", reason)
+                self.availability.events.publish("left", f"{network.member_name(member)} was sent home", reason)
                 await network.dismiss(member, reason)
                 return [Dismissed(member, tuple(network.alive()))]
             case ServeAlone(why=why):
@@ -270,13 +272,13 @@ class HostRunner:
             case SendAway(members=members):
                 assert network is not None
                 for member in members:
-                    self.serving.events.publish("left", f"{network.member_name(member)} left the ring")
+                    self.availability.events.publish("left", f"{network.member_name(member)} left the ring")
                 await network.send_away(members)
             case Admit(member=member):
                 assert network is not None
                 name = network.joiner_name(member)
                 self.ui.say(f"{name} joined; checking its code")
-                self.serving.events.publish("joined", f"{name} joined; checking its code")
+                self.availability.events.publish("joined", f"{name} joined; checking its code")
                 network.admit(member, functools.partial(self._admitted, name))
             case Refuse(member=member, reason=reason):
                 assert network is not None
@@ -286,7 +288,7 @@ class HostRunner:
                     network.forget_ring()
             case Resume():
                 if self.engine is not None and self.engine_loop is not None:
-                    self.serving.become_ready(self.engine, self.engine_loop, self.manifest.architecture)
+                    self.availability.become_ready(self.engine, self.engine_loop, self.manifest.architecture)
             case _:
                 self._tell(command)
         return []
@@ -296,19 +298,19 @@ class HostRunner:
         match command:
             case Say(text=text, kind=kind):
                 self.ui.say(text)
-                self.serving.events.publish(kind, text)
+                self.availability.events.publish(kind, text)
             case Warn(what=what, detail=detail):
                 self.ui.warn(what, detail)
-                self.serving.events.publish("warning", what, detail)
+                self.availability.events.publish("warning", what, detail)
             case RecordIncident(what=what, detail=detail):
                 self.incident(what, detail)
             case Unready(waiting_for=waits, paused=paused, failure=failure):
-                self.serving.become_unready(list(waits), failure=failure, paused=paused)
+                self.availability.become_unready(list(waits), failure=failure, paused=paused)
             case Fail(message=message):
                 self.fail(message)
             case AbandonRing(reason=reason):
-                if self.network is not None:
-                    self.network.deployer.abandon_ring()  # a step waiting on the ring ends at once
+                if self.rendezvous_session is not None:
+                    self.rendezvous_session.deployer.abandon_ring()  # a step waiting on the ring ends at once
                 loop = self.engine_loop
                 if loop is not None:
                     threading.Thread(target=loop.stop, args=(reason,), daemon=True).start()
@@ -340,12 +342,12 @@ class HostRunner:
             engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
         )
         loop.start()
-        held, self._held = self.serving.still_wanted(self._held), []
+        held, self._held = self.availability.still_wanted(self._held), []
         if held:  # what the broken ring left goes on here, ahead of new requests, unless its client left
             loop.resume(held)
             self.ui.say(f"{len(held)} request{'s' if len(held) != 1 else ''} the broken ring left go on on this one")
         self.engine_loop = loop
-        self.serving.become_ready(engine, loop, self.manifest.architecture)
+        self.availability.become_ready(engine, loop, self.manifest.architecture)
 
     def _hold(self, loop: EngineLoop) -> None:
         """Keep what a broken ring left for the next ring (`resume_within_s` at the most)."""
@@ -362,11 +364,11 @@ class HostRunner:
     async def _retire(self, reason: str, learn: bool = False) -> None:
         """Stop the engine loop and close the engine. The ring is abandoned first: its engine thread
         may be waiting on the event loop, and a stale wait would steal the next ring's frames."""
-        if self.network is not None:
-            self.network.deployer.abandon_ring()
+        if self.rendezvous_session is not None:
+            self.rendezvous_session.deployer.abandon_ring()
         loop, self.engine_loop = self.engine_loop, None
-        if loop is not None and self.network is not None and learn and not self.stopping:
-            repriced = self.network.learn_from_serving(loop.stage_report)  # for the replan that follows
+        if loop is not None and self.rendezvous_session is not None and learn and not self.stopping:
+            repriced = self.rendezvous_session.learn_from_serving(loop.stage_report)  # for the replan that follows
             if repriced:
                 self.ui.say(f"the next plan prices {', '.join(repriced)} by what their stages measured serving")
         if loop is not None and not self.stopping:
@@ -376,8 +378,8 @@ class HostRunner:
         engine, self.engine = self.engine, None
         if engine is not None:
             await asyncio.to_thread(engine.close)
-        if self.network is not None:
-            await self.network.deployer.drop_own_stage()  # its memory may be needed to serve alone
+        if self.rendezvous_session is not None:
+            await self.rendezvous_session.deployer.drop_own_stage()  # its memory may be needed to serve alone
 
     async def _serve_alone(self, why: str) -> None:
         """Every block on this machine, if it can hold them: where a session falls back to."""
@@ -389,7 +391,7 @@ class HostRunner:
         alone = SessionStatus(
             division=[self.manifest.n_blocks], members=[MemberStatus(name="this machine", backend=backend)]
         )
-        self.serving.session_described_by(lambda: alone)
+        self.availability.session_described_by(lambda: alone)
         self.ui.say(f"{why}: serving on this machine alone")
 
     # --- one machine ---
@@ -397,12 +399,12 @@ class HostRunner:
         """Load this machine's own stages and serve; False if the session cannot go on."""
         counts = self.config.counts
         where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
-        self.serving.waiting_for = [f"{self.config.path.name} to load {where}"]
+        self.availability.waiting_for = [f"{self.config.path.name} to load {where}"]
         backend = await asyncio.to_thread(backend_or_none)
         local = SessionStatus(
             division=counts, members=[MemberStatus(name="this machine", stages=counts, backend=backend)]
         )
-        self.serving.session_described_by(lambda: local)
+        self.availability.session_described_by(lambda: local)
         cutting = f"cutting {self.config.path.name} into {len(counts)} stage files"
         with self.ui.progress_bars() as progress:
             engine = await asyncio.to_thread(
@@ -425,7 +427,7 @@ class HostRunner:
         # Begun now, it runs while the members join: the first hash of a large model takes a minute.
         self._hashing = hashing = asyncio.ensure_future(hash_with_progress(config.path, self.ui))
         hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
-        self.serving.waiting_for = ["this machine to be measured"]
+        self.availability.waiting_for = ["this machine to be measured"]
         self._device = await asyncio.to_thread(this_device, memory=config.memory)
         await self._drive(await self._open_and_gather())
         return self.going_on
@@ -436,7 +438,7 @@ class HostRunner:
         config, others = self.config, self.config.members - 1
         assert self._hashing is not None and self._device is not None
         presence = await present(config.name, self._rendezvous_at, self._device)
-        self.network = network = await HostSession.open(
+        self.rendezvous_session = network = await HostSession.open(
             presence, config.members, self.manifest, config.path, config.session, config.settings,
             cache_dir() / "stages", self.ui.say, self._hashing, config.open_token,
         )  # fmt: skip
@@ -447,12 +449,12 @@ class HostRunner:
             where = f"on each of the other {others} machines" if others > 1 else "on the other machine"
         discoverable = not config.demo and self.rendezvous is not None and self.rendezvous.discovery is not None
         self.ui.announce_code(network.code, f"{where}: {join}", discoverable)
-        self.serving.keep_secret(network.code, split_code(network.code)[1])
-        self.serving.join_line = join
-        self.serving.waiting_for = [
+        self.availability.keep_secret(network.code, split_code(network.code)[1])
+        self.availability.join_line = join
+        self.availability.waiting_for = [
             f"{others} member{'s' if others > 1 else ''} to join with the code on the host's console"
         ]
-        self.serving.session_described_by(functools.partial(self._network_status, network))
+        self.availability.session_described_by(functools.partial(self._network_status, network))
         if config.demo and not self.demo.members:
             self.demo.start(network.code, self._advertised, others)
         network.renewing = lambda: self.core.wants_rendezvous_session
@@ -465,14 +467,14 @@ class HostRunner:
         except TrustError as error:
             return [CodeRefused(str(error))]
         for member in network.alive():
-            self.serving.events.publish("joined", f"{network.member_name(member)} joined")
+            self.availability.events.publish("joined", f"{network.member_name(member)} joined")
         return [Gathered(tuple(network.alive()))]
 
     def _refused_while_forming(self, member: str, error: TrustError) -> None:
         """A joiner was sent away while the session formed (`verify_members`); the core counts a
         failed proof of the code against the guess budget, and when that is spent, forming ends."""
-        assert self.network is not None
-        name = self.network.joiner_name(member)
+        assert self.rendezvous_session is not None
+        name = self.rendezvous_session.joiner_name(member)
         self._drive_now([JoinerRefused(name, str(error) or type(error).__name__, error.guess)])
         if not self.going_on:
             raise GuessBudgetSpent("the session admits no one: too many joiners failed to prove its code")
@@ -489,8 +491,8 @@ class HostRunner:
         except SessionFailed as failure:
             smallest = smallest_stage_bytes(self.manifest, self.config.session)
             if failure.member is not None and failure.member in members:
-                assert self.network is not None
-                name = self.network.member_name(failure.member)
+                assert self.rendezvous_session is not None
+                name = self.rendezvous_session.member_name(failure.member)
                 return MemberFailed(failure.member, str(failure), failure.shortage, smallest, name)
             if failure.member is None and failure.shortage is not None:  # this host's own share
                 return OwnShortOfMemory(str(failure), failure.shortage, smallest)
@@ -500,17 +502,17 @@ class HostRunner:
 
     async def _deploy(self, members: list[str]) -> int:
         """Plan, deliver, load and serve; the machines in the ring."""
-        network = self.network
+        network = self.rendezvous_session
         assert network is not None
-        self.serving.waiting_for = ["the members to load their stages"]
+        self.availability.waiting_for = ["the members to load their stages"]
         started = time.perf_counter()
         plan = network.plan(members)  # refusals surface here, before anything is sent
         self.ui.show_plan(plan_report(plan, time.perf_counter() - started))
         self.ui.say(network.pricing_note(members))
-        self.serving.session_described_by(functools.partial(self._network_status, network))  # after serving alone
+        self.availability.session_described_by(functools.partial(self._network_status, network))  # after serving alone
 
         def pending(waits: list[str]) -> None:
-            self.serving.waiting_for = waits or ["the head to load"]
+            self.availability.waiting_for = waits or ["the head to load"]
 
         with self.ui.progress_bars() as progress:
             deployment = await network.deploy(members, progress, pending)
@@ -527,19 +529,19 @@ class HostRunner:
         session, model = self.config.session, self.config.path.stem
         details = (
             f"{where}, context {session.context} × {session.concurrency} requests, "
-            f"chat template: {self.serving.chat_template_source}"
+            f"chat template: {self.availability.chat_template_source}"
         )
-        self.serving.events.publish("ready", f"ready: {model}, {details}")
+        self.availability.events.publish("ready", f"ready: {model}, {details}")
         self.ui.say(f"ready: {model}{'' if self._url_given else f' on {self.config.api_url}'}, {details}")
         self._url_given = True
 
     def incident(self, what: str, detail: str) -> None:
         """Something went wrong: the person at the host is told, and /status keeps it."""
         self.ui.warn(what, detail)
-        self.serving.record_incident(what, detail)
+        self.availability.record_incident(what, detail)
 
     def _rendezvous_lost(self, network: HostSession, why: str) -> None:
-        if not self.stopping and network is self.network:
+        if not self.stopping and network is self.rendezvous_session:
             self.incident(
                 "the rendezvous session ended",
                 f"{why}: the ring serves on over its own links, but no member can join or rejoin it; "
@@ -553,9 +555,9 @@ class HostRunner:
     def fail(self, message: str) -> None:
         """The session cannot serve: /v1 says why from now on, and so does the host's terminal,
         and requests a broken ring left end with it."""
-        self.serving.become_unready([], failure=message)
+        self.availability.become_unready([], failure=message)
         self.ui.error(message)
-        self.serving.events.publish("failed", message)
+        self.availability.events.publish("failed", message)
         self._fail_held(message)
 
     async def stop(self, reason: str) -> None:
@@ -564,8 +566,8 @@ class HostRunner:
             self._hashing.cancel()
         await self._retire(reason)
         self._fail_held(reason)
-        if self.network is not None:
-            await self.network.end(reason)
+        if self.rendezvous_session is not None:
+            await self.rendezvous_session.end(reason)
         await self.demo.stop()
         if self.rendezvous is not None:
             await self.rendezvous.close()
