@@ -21,8 +21,8 @@ import pytest
 from serving_checks import engine_served
 from tiny_models import write_tiny_model
 
+from kafila.api.replies import TextOffsets
 from kafila.api.schemas import ChatRequest
-from kafila.api.server import _TextOffsets
 from kafila.runtime.engine.engines import Engine, RingEngine, prefix_cut_of
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.logprobs import HeadRow, logsumexp, token_logprob
@@ -286,7 +286,7 @@ def test_logprob_flags_and_trailers_are_checked_on_receipt() -> None:
 def test_text_offsets_point_at_each_tokens_text_whatever_bytes_came_before() -> None:
     """A stray byte turns into a replacement character only once the next byte shows it is no
     character: a whole token after it still points at its own text."""
-    offsets = _TextOffsets()
+    offsets = TextOffsets()
     pieces = [b"\xf4", b"\xf4", b"P", b"ab", "é".encode()[:1], "é".encode()[1:], b"c"]
     text = b"".join(pieces).decode("utf-8", errors="replace")
     found = [offsets.next(p) for p in pieces]

@@ -200,7 +200,7 @@ def test_the_official_clients_retries_wait_out_a_session_getting_ready_and_stop_
     official client's default two retries, waiting that long, reach the ring once it is back (its
     own backoff alone would have given up after about 1.5 s). A session that cannot serve says
     `x-should-retry: false`, and the client gives up at once."""
-    from kafila.api.server import RETRY_AFTER_S
+    from kafila.api.errors import RETRY_AFTER_S
 
     client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="none", timeout=60)  # max_retries: the default
     served.serving.become_unready(["the host to replan with the members that are left"])

@@ -35,8 +35,8 @@ from tiny_models import write_tiny_model
 
 from kafila.api.harmony import HarmonyReader
 from kafila.api.reasoning import ThinkReader
+from kafila.api.requests import reply_reader
 from kafila.api.schemas import Message, Tool
-from kafila.api.server import reply_reader
 from kafila.api.tool_calls import (
     ToolCallStream,
     ToolSpec,

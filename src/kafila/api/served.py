@@ -1,0 +1,43 @@
+"""The seam between the API and whoever runs the model: the routes read a `Served`, the session
+changes it (`session.availability.Availability`), and neither package imports the other."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kafila.contracts import Incident, SessionStatus
+from kafila.event_feed import EventFeed
+from kafila.runtime.engine.engines import Engine
+from kafila.serving.chat_template import ChatTemplate
+from kafila.serving.engine_loop import EngineLoop
+
+
+class Served(Protocol):
+    """What the routes read of whoever runs the model (`session.availability.Availability`):
+    ready or not and why, the engine loop to submit to and cancel on, and the session's status.
+    The API only reads it; the session changes it."""
+
+    @property
+    def loop(self) -> EngineLoop | None: ...
+    @property
+    def engine(self) -> Engine | None: ...
+    @property
+    def template(self) -> ChatTemplate | None: ...
+    @property
+    def waiting_for(self) -> list[str]: ...
+    @property
+    def join_line(self) -> str | None: ...
+    @property
+    def failure(self) -> str | None: ...
+    @property
+    def paused(self) -> bool: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def incidents(self) -> Sequence[Incident]: ...
+    @property
+    def events(self) -> EventFeed: ...
+    async def until_resumed(self) -> None: ...
+    def session_status(self) -> SessionStatus: ...
+    def client_gone(self, request_id: str) -> None: ...

@@ -1,0 +1,128 @@
+"""What the API counts for Prometheus (`/metrics`): requests by route and outcome, tokens,
+times, and the ring's stages as the session last measured them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kafila.api.served import Served
+
+
+class Metrics:
+    def __init__(self, serving: Served) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kafila_requests", "Requests by route and HTTP status", ["route", "status"], registry=self.registry
+        )
+        self.prompt_tokens = Counter("kafila_prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            "kafila_prompt_tokens_cached", "Prompt tokens an earlier request left in the cache", registry=self.registry
+        )
+        self.computed_prompt_tokens = Counter(
+            "kafila_prompt_tokens_computed", "Prompt tokens every stage computed", registry=self.registry
+        )
+        self.completion_tokens = Counter("kafila_completion_tokens", "Tokens generated", registry=self.registry)
+        self.first_token = Histogram(
+            "kafila_time_to_first_token_seconds", "From request to first generated text", registry=self.registry
+        )
+        self.held = Counter(
+            "kafila_requests_held", "Requests that waited for a planned replan, not turned away", registry=self.registry
+        )
+        queue = Gauge("kafila_queue_depth", "Requests waiting for a slot", registry=self.registry)
+        queue.set_function(lambda: serving.loop.queued if serving.loop else 0)
+        running = Gauge("kafila_running_requests", "Requests generating now", registry=self.registry)
+        running.set_function(lambda: serving.loop.running if serving.loop else 0)
+        rate = Gauge("kafila_tokens_per_second", "Generated tokens per second, last 10 s", registry=self.registry)
+        rate.set_function(lambda: serving.loop.stats.tokens_per_s(time.monotonic()) if serving.loop else 0.0)
+        ready = Gauge("kafila_ready", "1 when every stage is ready", registry=self.registry)
+        ready.set_function(lambda: 1.0 if serving.ready else 0.0)
+        self.registry.register(RingCollector(serving))
+
+
+def _blocks(span: object) -> str | None:
+    """A [first, end) block range as the "first-last" label /status and the plan table use."""
+    if isinstance(span, list | tuple) and len(span) == 2 and all(isinstance(b, int) for b in span):
+        return f"{span[0]}-{span[1] - 1}"
+    return None
+
+
+class RingCollector(Collector):
+    """The ring's measured and predicted stage times and its links' round trips, read from the
+    same reports as /status at each scrape, so a dashboard can set measurement against plan."""
+
+    def __init__(self, serving: Served) -> None:
+        self.serving = serving
+
+    def collect(self) -> Iterator[Metric]:
+        measured = GaugeMetricFamily(
+            "kafila_stage_ms_per_token", "Measured decode ms per token of each stage, batched rows included",
+            labels=["blocks"],
+        )  # fmt: skip
+        alone = GaugeMetricFamily(
+            "kafila_stage_ms_per_token_alone",
+            "Measured ms of each stage's decodes of one token alone, which the plan's prediction prices",
+            labels=["blocks"],
+        )
+        for stage in self.serving.loop.stage_report if self.serving.loop else []:
+            span = _blocks(stage.range)
+            for family, ms in ((measured, stage.ms_per_token), (alone, stage.ms_per_token_alone)):
+                if span is not None and ms is not None:
+                    family.add_metric([span], ms)
+        predicted = GaugeMetricFamily(
+            "kafila_stage_predicted_ms_per_token", "The plan's decode ms per token of each member's stage",
+            labels=["member", "blocks"],
+        )  # fmt: skip
+        rtt = GaugeMetricFamily(
+            "kafila_link_rtt_ms", "Round trip of the host's link to each member", labels=["member", "path"]
+        )
+        for member in self.serving.session_status().members:
+            span = _blocks(member.blocks)
+            if span is not None and member.predicted_ms_per_token is not None:
+                predicted.add_metric([member.name, span], member.predicted_ms_per_token)
+            if member.rtt_ms is not None and member.link == "up":  # not one that left
+                rtt.add_metric([member.name, member.path or ""], member.rtt_ms)
+        yield measured
+        yield alone
+        yield predicted
+        yield rtt
+
+
+def route_paths(app: FastAPI) -> list[str]:
+    return [path for route in app.routes if isinstance(path := getattr(route, "path", None), str)]
+
+
+class CountRequests:
+    """Counts responses by route and status for /metrics.
+
+    Plain ASGI rather than `@app.middleware("http")`: that wrapper passes every chunk of a
+    streamed response through a memory stream and another task, a cost paid on every token.
+    Paths that are no route count as "other", so random URLs cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, requests: Counter, routes: frozenset[str]) -> None:
+        self.app, self.requests, self.routes = app, requests, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            self.requests.labels(route, str(status)).inc()
