@@ -32,7 +32,8 @@ from kafila.runtime.engine.agreement_ring import compare_ring, perturbed_copy
 from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import SliceError, slice_model
-from kafila.runtime.llama.llama_backend import ContextSettings, llama
+from kafila.runtime.llama.loading import llama
+from kafila.runtime.llama.model import ContextSettings
 
 GEMMA_TURN = "<start_of_turn>user\nWrite a short story about a lighthouse keeper.<end_of_turn>\n<start_of_turn>model\n"
 TINY_PROMPT = "hello world, the kafila model is in a block of the world and it is to the model of the world"

@@ -22,7 +22,8 @@ from kafila.planner.types import Device, ServingSpec
 from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
-from kafila.runtime.llama.llama_backend import ContextSettings, load_llama
+from kafila.runtime.llama.loading import load_llama
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.model_probe import probe_model_stages
 from kafila.runtime.machine.probe import run_probe
 

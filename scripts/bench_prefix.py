@@ -40,7 +40,7 @@ from plain_llama import plain_llama
 from kafila.runtime.engine.engines import Engine, PrefixCut
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Finished, Job, RequestEvent, RequestFailed
 from kafila.serving.engine_loop import EngineLoop
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from kafila.runtime.gguf.manifest import read_manifest
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, llama, repack_choice, system_info
+from kafila.runtime.llama.loading import llama, repack_choice, system_info
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 from kafila.runtime.machine.probe import run_probe
 from kafila.runtime.machine.probe_child import probe_in_child
 from kafila.runtime.machine.this_machine import this_device

@@ -34,7 +34,7 @@ from host_process import (
 )
 
 from kafila.planner.fleet import device_of
-from kafila.runtime.llama.llama_backend import load_llama, shares_cores_env
+from kafila.runtime.llama.loading import load_llama, shares_cores_env
 
 PROMPT = "The history of the printing press begins"
 

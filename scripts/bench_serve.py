@@ -134,7 +134,7 @@ def step_cost(model: Path, threads: int = THREADS, rounds: int = 20) -> dict[int
     Also used by scripts/bench_concurrency.py."""
     from kafila.runtime.engine.engines import EngineStep
     from kafila.runtime.engine.local_ring import open_engine
-    from kafila.runtime.llama.llama_backend import ContextSettings
+    from kafila.runtime.llama.model import ContextSettings
 
     engine = open_engine(
         model, [read_blocks(model)], ContextSettings(n_ctx=4096, n_batch=512, n_seq_max=4, n_threads=threads)

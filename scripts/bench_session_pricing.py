@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import one_user, planned_and_measured, refreshed_status, running_host, start_member, stop, wait_ready
 
-from kafila.runtime.llama.llama_backend import load_llama, shares_cores_env
+from kafila.runtime.llama.loading import load_llama, shares_cores_env
 
 ROLES = ("host", "member-0", "member-1")
 PROMPT = "The history of the printing press begins"

@@ -26,7 +26,8 @@ from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.stage import BlockStage, StepInput
 from kafila.runtime.gguf.slicer import slice_model
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, load_llama
+from kafila.runtime.llama.loading import load_llama
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
 PROMPT = "The history of the printing press begins"
 # The even splits, and the 2-stage division the planner picks on this machine (the head, which

@@ -24,7 +24,7 @@ from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import slice_model
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
 MiB = 2**20
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))

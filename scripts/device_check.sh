@@ -91,7 +91,7 @@ fi
 
 say "2b. what llama.cpp reports of this CPU, and the AMX rule's choice (runtime.md, \"Every common CPU\")"
 grep -m1 "model name" /proc/cpuinfo | tee -a "$OUT/summary.txt"
-timeout 60 python3 -c "from kafila.runtime.llama.llama_backend import system_info, repack_choice; print(system_info()); print(repack_choice())" 2>&1 | tee -a "$OUT/summary.txt"
+timeout 60 python3 -c "from kafila.runtime.llama.loading import system_info, repack_choice; print(system_info()); print(repack_choice())" 2>&1 | tee -a "$OUT/summary.txt"
 
 if ! skip 3; then
   say "3. split correctness on the GPU"

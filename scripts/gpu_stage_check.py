@@ -49,7 +49,8 @@ from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import slice_model
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, llama
+from kafila.runtime.llama.loading import llama
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
 MEDIUM = ModelShape(
     n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_ff=2816, tied_output=False,
@@ -83,7 +84,7 @@ def loaded_buffers(path: Path, settings: ContextSettings) -> tuple[dict[str, flo
     and the GPU memory the load took (MiB, nvidia-smi; None without one)."""
     before = gpu_used_mib()
     log = io.StringIO()
-    os.environ["KAFILA_LLAMA_LOG"] = "1"  # llama_backend's log callback then prints to sys.stderr
+    os.environ["KAFILA_LLAMA_LOG"] = "1"  # llama.errors' log callback then prints to sys.stderr
     try:
         with contextlib.redirect_stderr(log):
             model = LlamaModel(path, settings)

@@ -31,7 +31,7 @@ from kafila.runtime.engine.agreement import (
 from kafila.runtime.engine.agreement_ring import compare_ring, perturbed_copy
 from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.slicer import slice_model
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SETTINGS = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=1, n_threads=2)

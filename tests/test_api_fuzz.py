@@ -20,7 +20,7 @@ from serving_checks import engine_served
 from tiny_models import write_tiny_model
 
 from kafila.runtime.engine.local_ring import open_engine
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 
 CONTEXT = 128
 SETTINGS = ContextSettings(n_ctx=CONTEXT * 2, n_batch=64, n_seq_max=2, n_threads=1)

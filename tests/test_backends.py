@@ -20,9 +20,7 @@ from tiny_gguf import write_tiny_llama
 from kafila.contracts import BackendDevice, BackendReport, FleetDevice
 from kafila.runtime.llama.backends import backend_devices, backend_report, device_set, serving_devices
 from kafila.runtime.llama.cpu_safety import reported_features
-from kafila.runtime.llama.llama_backend import (
-    ContextSettings,
-    LlamaModel,
+from kafila.runtime.llama.loading import (
     ggml_library_path,
     load_llama,
     loaded_llama_path,
@@ -30,6 +28,7 @@ from kafila.runtime.llama.llama_backend import (
     repack_choice,
     system_info,
 )
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 from kafila.runtime.machine.memory import available_memory
 from kafila.runtime.machine.this_machine import cached_device, probe_key, this_device
 
@@ -171,7 +170,8 @@ def test_ggml_is_found_next_to_a_libllama_loaded_from_elsewhere(tmp_path: Path) 
         import json, math
         from pathlib import Path
         from kafila.runtime.llama.backends import backend_report
-        from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, ggml_library_path, loaded_llama_path
+        from kafila.runtime.llama.model import ContextSettings, LlamaModel
+        from kafila.runtime.llama.loading import ggml_library_path, loaded_llama_path
         settings = ContextSettings(n_ctx=64, n_batch=8, n_seq_max=1, n_threads=1)
         with LlamaModel({str(model)!r}, settings, input_restored_at="no_node") as llm:
             llm.decode([0, 0], [0, 1], [False, True], tokens=[1, 2])

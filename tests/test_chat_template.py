@@ -14,7 +14,7 @@ from plain_llama import plain_llama
 from tiny_models import write_tiny_model
 
 from kafila.runtime.engine.local_ring import open_engine
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.chat_template import ChatTemplate
 
 HARMONY = (Path(__file__).parent / "fixtures" / "openai-gpt-oss-120b.jinja").read_text()

@@ -27,7 +27,8 @@ from kafila.runtime.llama.cpu_safety import (
     reported_features,
     signal_name,
 )
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel, model_params, repack_choice, system_info
+from kafila.runtime.llama.loading import model_params, repack_choice, system_info
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 from kafila.runtime.llama.process_log import lines_worth_showing
 from kafila.runtime.machine import this_machine
 from kafila.runtime.machine.probe import LlamaCppMissing, ProbeError

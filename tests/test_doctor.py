@@ -15,7 +15,7 @@ from tiny_models import write_tiny_model
 
 from kafila.cli.doctor_command import Check, Findings, judge
 from kafila.contracts import NatClass
-from kafila.runtime.llama.llama_backend import llama, rebuild_for_gpu
+from kafila.runtime.llama.loading import llama, rebuild_for_gpu
 
 HEALTHY = Findings(
     rendezvous="203.0.113.1:8470", rtt_ms=24.0, nat_class=NatClass.ORDINARY, llama_version="0.3.36",

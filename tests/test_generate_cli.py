@@ -16,7 +16,7 @@ from tiny_models import write_tiny_model
 from kafila.runtime.engine.local_ring import local_ring_engine
 from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.gguf.slicer import slice_model
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 
 PROMPT = "The capital of France is"
 

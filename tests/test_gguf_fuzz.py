@@ -12,7 +12,7 @@ from tiny_gguf import rewrite, write_tiny_llama
 
 from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.manifest import read_manifest
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from waiting import until
 from kafila.runtime.engine.engines import Engine, Launched, StepResult
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.ring import StageFailed
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.engine_loop import EngineLoop
 
 PROMPT = "the quick brown fox"

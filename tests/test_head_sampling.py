@@ -22,7 +22,7 @@ from kafila.runtime.engine.sampling import Sampler, SamplerStart, SamplingSettin
 from kafila.runtime.engine.stage import HeadStage
 from kafila.runtime.engine.worker import handle_frames
 from kafila.runtime.gguf.slicer import cached_slices
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.wire.frames import SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 
 SETTINGS = ContextSettings(n_ctx=4 * 64, n_batch=64, n_seq_max=4, n_threads=1)

@@ -32,7 +32,7 @@ from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.gguf_merge import merge_parts
 from kafila.runtime.gguf.manifest import read_manifest
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.units import human_bytes
 
 REPO = "tiny-org/Tiny-GGUF"

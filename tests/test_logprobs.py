@@ -28,7 +28,7 @@ from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.logprobs import HeadRow, logsumexp, token_logprob
 from kafila.runtime.engine.sampling import Sampler, SamplingSettings, TokenChosenOnHead
 from kafila.runtime.gguf.slicer import cached_slices
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.session.availability import Availability
 from kafila.wire.frames import (
     LOGPROBS_FLAG,

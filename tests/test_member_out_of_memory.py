@@ -29,7 +29,7 @@ from tiny_models import Q8_0, ModelShape, write_tiny_model
 from kafila.contracts import FleetDevice
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import cached_slices
-from kafila.runtime.llama.llama_backend import out_of_memory
+from kafila.runtime.llama.errors import out_of_memory
 
 # 384 MiB of KV cache a block at 12288 tokens × 4 requests (8 KiB a token: 8 KV heads of 256, f16),
 # against 4 MB of weights: what a stage needs is its cache.
@@ -43,7 +43,8 @@ PROMPT = "the quick brown fox"
 # What loading a stage adds to a fresh process's writable memory (VmData), once llama.cpp is loaded.
 MEASURE_LOAD = """
 import sys
-from kafila.runtime.llama.llama_backend import ContextSettings, llama
+from kafila.runtime.llama.model import ContextSettings
+from kafila.runtime.llama.loading import llama
 from kafila.runtime.engine.stage import BlockStage, HeadStage
 
 def data():
@@ -63,7 +64,7 @@ LIMITED_KAFILA = """
 import resource, sys
 import kafila.api.server, kafila.session.runner, uvicorn
 from kafila.cli.app import main
-from kafila.runtime.llama.llama_backend import llama
+from kafila.runtime.llama.loading import llama
 
 llama()
 data = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmData:"))

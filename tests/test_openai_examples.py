@@ -23,7 +23,7 @@ from test_tool_calls import QWEN_TEMPLATE
 from tiny_models import write_tiny_model
 
 from kafila.runtime.engine.local_ring import open_engine
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 
 CONTEXT = 2048
 SETTINGS = ContextSettings(n_ctx=CONTEXT, n_batch=256, n_seq_max=1, n_threads=2)

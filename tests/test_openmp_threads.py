@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(
 REPORT = """
 import json, os, sys, threading
 from pathlib import Path
-from kafila.runtime.llama.llama_backend import ContextSettings, load_llama
+from kafila.runtime.llama.model import ContextSettings
+from kafila.runtime.llama.loading import load_llama
 from kafila.runtime.engine.stage import WholeModel
 
 load_llama(shared_machine=sys.argv[2] != "alone", bind_teams=sys.argv[2] == "session")

@@ -13,7 +13,7 @@ from tiny_models import write_tiny_model
 
 from kafila.runtime.engine.engines import EngineStep, RingEngine, SequenceFailed
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 
 SETTINGS = ContextSettings(n_ctx=4 * 64, n_batch=64, n_seq_max=4, n_threads=1)
 PROMPTS = ["the quick brown fox", "hello world", "a model of the world", "kafila"]

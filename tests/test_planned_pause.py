@@ -20,7 +20,7 @@ from waiting import until
 
 from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.local_ring import open_engine
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.engine_loop import EngineLoop
 from kafila.session.availability import Availability
 

@@ -21,7 +21,7 @@ from kafila.runtime.engine.engines import Engine, PrefixCut, prefix_cut, prefix_
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 from kafila.serving.batcher import Finished, Job, RequestEvent, RequestFailed, TextDelta
 from kafila.serving.engine_loop import EngineLoop
 

@@ -29,7 +29,7 @@ from kafila.runtime.engine.local_ring import LocalRing, local_ring_engine
 from kafila.runtime.engine.stage import BatchFailed, BlockStage, StepInput, run_isolating
 from kafila.runtime.engine.worker import handle_frames
 from kafila.runtime.gguf.slicer import slice_model
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.engine_loop import EngineLoop
 from kafila.wire.frames import Frame, Kind
 

@@ -24,7 +24,7 @@ from tiny_models import write_tiny_model
 
 from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 
 
 def health(base_url: str) -> int:

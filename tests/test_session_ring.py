@@ -35,7 +35,7 @@ from kafila.runtime.engine.ring import StageFailed, check_ring_error
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.stage import BlockStage
 from kafila.runtime.gguf.slicer import StageFile, cached_slices
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.session.availability import Availability
 from kafila.session.deployer import Deployer, Roster
 from kafila.session.member import cached_stage_hashes, serve_stage

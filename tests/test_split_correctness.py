@@ -20,7 +20,7 @@ from tiny_models import SUPPORTED_TINY_ARCHS, TINY_SHAPES, write_tiny_model
 from kafila.runtime.engine.stage import BlockStage, HeadStage, StepInput, WholeModel
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import SliceError, slice_model
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaModel
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=4, n_threads=2)
 PROMPT = "hello world, the kafila model is in a block of the world and it is to the model of the world"

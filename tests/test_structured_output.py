@@ -19,7 +19,7 @@ from tiny_models import write_tiny_model
 from kafila.api.structured import MAX_SCHEMA_COUNT, MAX_SCHEMA_DEPTH, SchemaRefused, schema_grammar
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 
 CONTEXT = 512
 SETTINGS = ContextSettings(n_ctx=CONTEXT * 2, n_batch=64, n_seq_max=2, n_threads=1)

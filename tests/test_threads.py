@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.llama.threads import ThreadFigures, math_threads, read_thread_figures, serving_threads, sysctl_int
 from kafila.runtime.machine.probe import probe_threads
 

@@ -22,7 +22,7 @@ from tiny_models import write_tiny_model
 from kafila.api.schemas import Message
 from kafila.api.tool_calls import ToolCall, ToolCallDelta, ToolCallStream, ToolSpec, tool_call_grammar
 from kafila.runtime.engine.local_ring import open_engine
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.chat_template import ChatTemplate, ReplySyntax
 
 HERMES = ReplySyntax.HERMES

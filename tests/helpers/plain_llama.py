@@ -14,7 +14,7 @@ from typing import Any
 import llama_cpp
 import llama_cpp.llama as high_level
 
-from kafila.runtime.llama.llama_backend import repack_choice
+from kafila.runtime.llama.loading import repack_choice
 
 _BUILDING = threading.Lock()  # the defaults are swapped for one construction at a time
 

@@ -18,7 +18,7 @@ from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import Sampler, SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.engine_loop import EngineLoop
 from kafila.session.availability import Availability
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.stage import BlockStage, HeadStage, WholeModel
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 
 
 class _MallInfo2(ctypes.Structure):

@@ -9,7 +9,7 @@ from rich.markup import escape
 from kafila.cli.errors import stderr
 from kafila.contracts import BackendReport
 from kafila.runtime.llama.backends import backend_report
-from kafila.runtime.llama.llama_backend import IdleGpu, LlamaUnavailable, idle_gpu
+from kafila.runtime.llama.loading import IdleGpu, LlamaUnavailable, idle_gpu
 
 
 def shout_idle_gpu(idle: IdleGpu, console: Console = stderr) -> None:

@@ -29,7 +29,7 @@ from kafila.runtime.gguf.families import UnsupportedFamily
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import SliceError, check_family
 from kafila.runtime.llama.backends import backend_report
-from kafila.runtime.llama.llama_backend import (
+from kafila.runtime.llama.loading import (
     IdleGpu,
     LlamaUnavailable,
     gpu_present,

@@ -23,7 +23,8 @@ from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import SliceError
 from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
-from kafila.runtime.llama.llama_backend import ContextSettings, LlamaUnavailable, load_llama
+from kafila.runtime.llama.loading import LlamaUnavailable, load_llama
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
 from kafila.runtime.machine.this_machine import cached_model_pricings, local_division, model_sha256, this_device
 

@@ -36,7 +36,7 @@ from kafila.portability import reuse_listening_address, run, signals_handled
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import check_family
 from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
-from kafila.runtime.llama.llama_backend import LlamaUnavailable, load_llama, shares_cores_env
+from kafila.runtime.llama.loading import LlamaUnavailable, load_llama, shares_cores_env
 from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
 from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.session.availability import Availability

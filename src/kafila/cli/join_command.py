@@ -20,7 +20,7 @@ from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError
 from kafila.network.session_codes import CodeFormatError, split_code
 from kafila.portability import run
 from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
-from kafila.runtime.llama.llama_backend import LlamaUnavailable, load_llama
+from kafila.runtime.llama.loading import LlamaUnavailable, load_llama
 from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
 from kafila.runtime.machine.memory import memory_pressure
 from kafila.session.member_runner import MemberConfig, run_member

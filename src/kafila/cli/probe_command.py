@@ -19,7 +19,7 @@ from kafila.cli.backend_view import shout_idle_gpu
 from kafila.cli.errors import fail, stderr, warn
 from kafila.contracts import FleetDevice, ModelPricing
 from kafila.runtime.gguf.manifest import read_manifest
-from kafila.runtime.llama.llama_backend import IdleGpu, LlamaUnavailable, load_llama, rebuild_for_gpu
+from kafila.runtime.llama.loading import IdleGpu, LlamaUnavailable, load_llama, rebuild_for_gpu
 from kafila.runtime.machine.memory import memory_pressure
 from kafila.runtime.machine.model_probe import ModelStageProbe, model_pricing, probe_model_stages
 from kafila.runtime.machine.probe import GIB, DeviceProbe, ProbeError, ProgressFn

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kafila.runtime.llama.llama_backend import load_llama
+from kafila.runtime.llama.loading import load_llama
 
 BUILT_IN_BY_ARCHITECTURE = {
     "gemma3": "gemma",

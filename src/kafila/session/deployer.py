@@ -28,7 +28,8 @@ from kafila.planner.types import Plan
 from kafila.runtime.engine.engines import RingEngine, prefix_cut_of
 from kafila.runtime.engine.stage import BlockStage
 from kafila.runtime.gguf.slicer import StageFile, cached_slices
-from kafila.runtime.llama.llama_backend import ContextSettings, out_of_memory
+from kafila.runtime.llama.errors import out_of_memory
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.memory import short_of_memory
 from kafila.session.core import MemoryShortage
 from kafila.session.member import serve_stage

@@ -55,7 +55,8 @@ from kafila.network.session_codes import full_code, new_secret
 from kafila.planner.rebalance import RebalanceVerdict
 from kafila.planner.types import ModelManifest, Plan, ServingSpec
 from kafila.runtime.llama.backends import backend_or_none
-from kafila.runtime.llama.llama_backend import ContextSettings, set_up_to_share_cores, sharing_cores_hint
+from kafila.runtime.llama.loading import set_up_to_share_cores, sharing_cores_hint
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.this_machine import cached_model_pricings
 from kafila.session.deployer import Deployer, Deployment, Roster, SessionFailed, all_or_none
 from kafila.session.presence import Presence, machine_tag

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import IO
 
 from kafila.runtime.llama.cpu_safety import died_by_signal, signal_of
-from kafila.runtime.llama.llama_backend import repack_choice, system_info
+from kafila.runtime.llama.loading import repack_choice, system_info
 from kafila.runtime.llama.process_log import KEPT_LINES, MAX_LINE, lines_worth_showing
 
 READERS_DRAIN_S = 2.0  # after a member exits, how long its last lines may take to be read

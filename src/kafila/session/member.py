@@ -31,7 +31,8 @@ from kafila.runtime.engine.stage import BlockStage, HeadStage
 from kafila.runtime.engine.worker import RingStage, handle_frames
 from kafila.runtime.gguf.slicer import block_range_file, file_sha256
 from kafila.runtime.gguf.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
-from kafila.runtime.llama.llama_backend import ContextSettings, out_of_memory
+from kafila.runtime.llama.errors import out_of_memory
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.memory import short_of_memory
 from kafila.session.router import FrameSink, FrameSource, LinkRouter
 from kafila.wire.control import (

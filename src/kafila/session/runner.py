@@ -33,7 +33,7 @@ from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.backends import backend_or_none
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.this_machine import admit_alone, cache_dir, hash_model, this_device
 from kafila.serving.batcher import Suspended
 from kafila.serving.engine_loop import EngineLoop, Sink, fail_suspended

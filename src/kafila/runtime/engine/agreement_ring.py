@@ -28,7 +28,8 @@ from kafila.runtime.engine.agreement import (
     top_token_agreement,
 )
 from kafila.runtime.engine.stage import BlockStage, HeadStage, StepInput
-from kafila.runtime.llama.llama_backend import ContextSettings, GGMLBase, LlamaModel
+from kafila.runtime.llama.loading import GGMLBase
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
 FloatRows = npt.NDArray[np.float32]
 

@@ -41,11 +41,7 @@ from kafila.runtime.engine.stage import (
 from kafila.runtime.gguf.families import attention_windowed
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.slicer import StageFile
-from kafila.runtime.llama.llama_backend import (
-    ContextSettings,
-    LlamaModel,
-    VocabularyOnly,
-)
+from kafila.runtime.llama.model import ContextSettings, LlamaModel, VocabularyOnly
 from kafila.wire.frames import NO_LOGPROBS, SAMPLE_ON_HEAD, DType, Frame, Kind
 
 

@@ -29,12 +29,8 @@ from kafila.runtime.engine.sampling import (
 )
 from kafila.runtime.gguf.slicer import StageFile, cached_slices
 from kafila.runtime.llama.cpu_safety import died_by_signal, signal_of
-from kafila.runtime.llama.llama_backend import (
-    ContextSettings,
-    repack_choice,
-    shares_cores_env,
-    system_info,
-)
+from kafila.runtime.llama.loading import repack_choice, shares_cores_env, system_info
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.llama.process_log import last_lines
 from kafila.wire.frames import Frame, FrameDecoder
 

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kafila.runtime.llama.llama_backend import llama, load_llama
+from kafila.runtime.llama.loading import llama, load_llama
 from kafila.validation import one_line
 from kafila.wire.frames import MAX_SAMPLER_START_BYTES, SAMPLE_ON_HEAD
 

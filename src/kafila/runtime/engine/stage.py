@@ -36,7 +36,8 @@ from kafila.runtime.engine.sampling import Sampler, SamplerStart
 from kafila.runtime.gguf.families import FAMILIES, family_of
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.slicer import IDENTITY_BLOCKS_KEY
-from kafila.runtime.llama.llama_backend import ContextSettings, GGMLBase, LlamaModel, VocabularyOnly
+from kafila.runtime.llama.loading import GGMLBase
+from kafila.runtime.llama.model import ContextSettings, LlamaModel, VocabularyOnly
 
 FloatRows = npt.NDArray[np.float32]
 T = TypeVar("T")

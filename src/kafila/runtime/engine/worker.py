@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from kafila.contracts import StageReport
 from kafila.runtime.engine.sampling import SamplerStart
 from kafila.runtime.engine.stage import BlockStage, HeadStage, StepInput, run_isolating
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.wire.frames import HIDDEN_KINDS, SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 
 # The sequence id of a worker's last ERROR frame when it gives up its stream (a frame it cannot

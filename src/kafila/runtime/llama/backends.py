@@ -1,5 +1,5 @@
 """Which of llama.cpp's backends serves this machine: the ggml devices its build sees, read once
-from the ggml libraries next to the loaded libllama (`llama_backend.ggml_library`).
+from the ggml libraries next to the loaded libllama (`loading.ggml_library`).
 
 `serving_devices` decides, purely, which devices hold a stage's layers, as llama.cpp does when a
 model loads with every layer offloaded: the dedicated GPUs if there are any, else the integrated
@@ -15,7 +15,7 @@ from typing import get_args
 
 from kafila.contracts import MAX_BACKEND_DEVICES, MAX_REPORTED_FEATURES, BackendDevice, BackendReport, DeviceKind
 from kafila.runtime.llama.cpu_safety import reported_features
-from kafila.runtime.llama.llama_backend import LlamaUnavailable, ggml_library, gpu_present, llama, system_info
+from kafila.runtime.llama.loading import LlamaUnavailable, ggml_library, gpu_present, llama, system_info
 
 KINDS: tuple[DeviceKind, ...] = get_args(DeviceKind)
 

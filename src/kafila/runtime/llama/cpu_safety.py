@@ -1,7 +1,7 @@
 """What llama.cpp says of this CPU, how weights are laid out for it, and what a native crash means.
 
 Pure: the text of `llama_print_system_info()`, the environment's setting and a child's exit
-status go in; a choice or a message comes out. `llama_backend` applies the choice to every
+status go in; a choice or a message comes out. `llama.loading` applies the choice to every
 model it loads.
 
 Why it exists: on Intel Xeons with AMX (Sapphire Rapids and later), llama.cpp repacks weights

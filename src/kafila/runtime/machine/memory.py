@@ -14,7 +14,7 @@ from typing import Literal
 
 from kafila.contracts import FleetDevice
 from kafila.runtime.llama.backends import KINDS, backend_devices
-from kafila.runtime.llama.llama_backend import LlamaUnavailable, llama
+from kafila.runtime.llama.loading import LlamaUnavailable, llama
 from kafila.runtime.llama.unified_memory import pressure_warning, stage_memory, system_available_bytes
 
 MemorySource = Literal["gpu", "MemAvailable", "vm_stat", "ggml-cpu", "sysconf"]

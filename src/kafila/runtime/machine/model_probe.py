@@ -32,7 +32,7 @@ from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import block_range_file
-from kafila.runtime.llama.llama_backend import ContextSettings
+from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, load_llama_cpp, significant
 from kafila.runtime.machine.this_machine import cache_dir
 from kafila.units import human_bytes

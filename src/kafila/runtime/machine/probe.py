@@ -31,14 +31,8 @@ from pydantic import Field, ValidationError
 from kafila.contracts import BackendReport, FleetDevice, Strict
 from kafila.runtime.llama.backends import backend_report
 from kafila.runtime.llama.cpu_safety import RepackChoice, reported_features
-from kafila.runtime.llama.llama_backend import (
-    LlamaUnavailable,
-    last_error,
-    llama,
-    model_params,
-    repack_choice,
-    system_info,
-)
+from kafila.runtime.llama.errors import last_error
+from kafila.runtime.llama.loading import LlamaUnavailable, llama, model_params, repack_choice, system_info
 from kafila.runtime.llama.threads import serving_threads
 from kafila.runtime.machine.memory import MemorySource, MemoryUnknown, available_memory
 

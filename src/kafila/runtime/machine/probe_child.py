@@ -28,7 +28,7 @@ from typing import IO, Any
 from pydantic import ValidationError
 
 from kafila.runtime.llama.cpu_safety import died_by_signal, signal_of
-from kafila.runtime.llama.llama_backend import repack_choice, system_info
+from kafila.runtime.llama.loading import repack_choice, system_info
 from kafila.runtime.llama.process_log import last_lines
 from kafila.runtime.machine.probe import DeviceProbe, LlamaCppMissing, ProbeError, ProgressFn, load_llama_cpp, run_probe
 

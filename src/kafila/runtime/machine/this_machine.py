@@ -24,7 +24,7 @@ from kafila.planner.fleet import device_of
 from kafila.planner.types import ModelManifest, ServingSpec
 from kafila.runtime.gguf.slicer import file_sha256
 from kafila.runtime.llama.backends import backend_or_none, device_set
-from kafila.runtime.llama.llama_backend import load_llama, repack_choice
+from kafila.runtime.llama.loading import load_llama, repack_choice
 from kafila.runtime.machine.memory import free_now
 from kafila.runtime.machine.probe_child import probe_in_child
 
