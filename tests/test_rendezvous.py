@@ -652,6 +652,17 @@ def test_a_seat_held_and_not_kept_three_times_refuses_the_address_its_next_join(
     assert isinstance(ended, Error) and ended.code is ErrorCode.SESSION_FULL  # its holds have expired
 
 
+def test_seats_this_machine_takes_and_gives_up_are_never_held_against_it() -> None:
+    """Loopback is the host's own machine (the demo's members, a test's joiners): a seat it gives up
+    quickly says nothing of a stranger holding seats."""
+    world = World(Limits(idle_timeout_s=10**6))
+    host, opened = world.open(expected=2)
+    for _ in range(5):
+        _, joined = world.join(opened.code, "local", ip="127.0.0.1")
+        assert isinstance(joined, Joined), joined
+        world.send(host, {"type": "remove", "token": opened.token, "member": joined.member_id})
+
+
 def test_a_seat_kept_past_the_short_hold_costs_nothing_when_it_ends() -> None:
     world = World(Limits(idle_timeout_s=10**6, session_idle_s=10**6))
     _, opened = world.open(expected=3)

@@ -37,6 +37,15 @@ def network_group(group: str) -> str:
     return str(network.supernet(new_prefix=prefix)) if network.prefixlen > prefix else str(network)
 
 
+def is_loopback(group: str) -> bool:
+    """Whether an address group (`address_group`) is this machine's own loopback."""
+    try:
+        network = ipaddress.ip_network(group.strip("[]").split("%", 1)[0], strict=False)
+    except ValueError:
+        return False
+    return network.is_loopback or (network.version == 6 and ipaddress.ip_address("::1") in network)
+
+
 @dataclass
 class TokenBucket:
     """`rate` units a second, at most `burst` saved up; starts full."""

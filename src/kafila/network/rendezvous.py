@@ -33,7 +33,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from kafila.contracts import MAX_MEMBERS, FleetDevice
 from kafila.network.events import emit
-from kafila.network.limits import RateByAddress, RecentByAddress, TokenBucket, network_group
+from kafila.network.limits import RateByAddress, RecentByAddress, TokenBucket, is_loopback, network_group
 from kafila.network.relay import TOKEN_BYTES
 from kafila.network.session_codes import new_code, normalise_code
 from kafila.untrusted import check_name
@@ -886,7 +886,8 @@ class Rendezvous:
         self._event("member_left", session=session.session_id, member=member.member_id, reason=reason.value)
         if member.member_id == session.host_id:
             return outputs + self._end(session, EndReason.HOST_LEFT, now)
-        if reason is LeaveReason.REMOVED or now - member.joined_at < self.limits.short_hold_s:
+        not_kept = reason is LeaveReason.REMOVED or now - member.joined_at < self.limits.short_hold_s
+        if not_kept and not is_loopback(connection.ip):  # loopback is this machine: its own members
             self.short_holds.add(connection.ip, now)  # a seat taken and not kept: a silent holder's, often
         outputs += self._free_relays(session, member.member_id)
         session.relay_wants = {w for w in session.relay_wants if member.member_id not in w}
