@@ -120,11 +120,11 @@ class World:
                 self.freed.append(output.relay_id)
         return outputs
 
-    def connect(self, ip: str = "198.51.100.1") -> int:
+    def connect(self, ip: str = "198.51.100.1", own_machine: bool = False) -> int:
         conn = self.next_conn
         self.next_conn += 1
         self.inbox[conn] = []
-        self.route(self.core.connect(conn, ip, self.now))
+        self.route(self.core.connect(conn, ip, self.now, own_machine))
         return conn
 
     def send(self, conn: int, message: dict[str, Any] | str | bytes) -> list[Output]:
@@ -653,12 +653,14 @@ def test_a_seat_held_and_not_kept_three_times_refuses_the_address_its_next_join(
 
 
 def test_seats_this_machine_takes_and_gives_up_are_never_held_against_it() -> None:
-    """Loopback is the host's own machine (the demo's members, a test's joiners): a seat it gives up
-    quickly says nothing of a stranger holding seats."""
+    """The rendezvous's own machine (an embedded rendezvous's host: the demo's members, a test's
+    joiners) shares its address with nobody: a seat it gives up quickly says nothing of a stranger."""
     world = World(Limits(idle_timeout_s=10**6))
     host, opened = world.open(expected=2)
     for _ in range(5):
-        _, joined = world.join(opened.code, "local", ip="127.0.0.1")
+        conn = world.connect("192.0.2.2", own_machine=True)
+        world.send(conn, join_message(opened.code, "local"))
+        joined = world.inbox[conn][0]
         assert isinstance(joined, Joined), joined
         world.send(host, {"type": "remove", "token": opened.token, "member": joined.member_id})
 

@@ -33,7 +33,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from kafila.contracts import MAX_MEMBERS, FleetDevice
 from kafila.network.events import emit
-from kafila.network.limits import RateByAddress, RecentByAddress, TokenBucket, is_loopback, network_group
+from kafila.network.limits import RateByAddress, RecentByAddress, TokenBucket, network_group
 from kafila.network.relay import TOKEN_BYTES
 from kafila.network.session_codes import new_code, normalise_code
 from kafila.untrusted import check_name
@@ -449,6 +449,7 @@ class _Connection:
     strikes: int = 0
     session_id: str | None = None
     member_id: str | None = None
+    own_machine: bool = False  # from the machine the rendezvous runs on
 
 
 @dataclass
@@ -522,7 +523,8 @@ class Rendezvous:
 
     # -- connections ---------------------------------------------------------------------------
 
-    def connect(self, conn: ConnId, ip: str, now: float) -> list[Output]:
+    def connect(self, conn: ConnId, ip: str, now: float, own_machine: bool = False) -> list[Output]:
+        """A connection from `ip` (an address group); `own_machine`: from the machine this runs on."""
         if conn in self.connections:
             raise ValueError(f"connection {conn} is already open")
         same_ip, network = self._per_ip.get(ip, 0), network_group(ip)
@@ -536,7 +538,7 @@ class Rendezvous:
             busy = Error(code=ErrorCode.SERVER_BUSY, message="the rendezvous has too many connections; retry later")
             return [Send(conn, busy), Close(conn, CLOSE_TRY_LATER, "server busy")]
         bucket = TokenBucket(self.limits.message_rate, self.limits.message_burst)
-        self.connections[conn] = _Connection(conn, ip, now, now, bucket)
+        self.connections[conn] = _Connection(conn, ip, now, now, bucket, own_machine=own_machine)
         self._per_ip[ip] = same_ip + 1
         self._per_network[network] = same_network + 1
         return []
@@ -887,7 +889,7 @@ class Rendezvous:
         if member.member_id == session.host_id:
             return outputs + self._end(session, EndReason.HOST_LEFT, now)
         not_kept = reason is LeaveReason.REMOVED or now - member.joined_at < self.limits.short_hold_s
-        if not_kept and not is_loopback(connection.ip):  # loopback is this machine: its own members
+        if not_kept and not connection.own_machine:  # the rendezvous's own machine: the host's own members
             self.short_holds.add(connection.ip, now)  # a seat taken and not kept: a silent holder's, often
         outputs += self._free_relays(session, member.member_id)
         session.relay_wants = {w for w in session.relay_wants if member.member_id not in w}

@@ -31,7 +31,7 @@ from kafila.network.http_guard import (
     guarded_http,
     raise_open_file_limit,
 )
-from kafila.network.limits import address_group
+from kafila.network.limits import address_group, is_loopback
 from kafila.network.relay import RelayLimits, RelayServer
 from kafila.network.rendezvous import (
     Close,
@@ -82,7 +82,9 @@ class RendezvousService:
         writer = asyncio.create_task(self._write(conn, peer))
         peer.tasks = [reader, writer]
         ip = websocket.client.host if websocket.client is not None else "unknown"
-        self.dispatch(self.core.connect(conn, address_group(ip), self.clock()))  # an IPv6 /64 counts as one
+        local = websocket.scope.get("server")
+        own_machine = is_loopback(ip) or (local is not None and ip == local[0])  # it reached us from our address
+        self.dispatch(self.core.connect(conn, address_group(ip), self.clock(), own_machine))  # a /64 counts as one
         try:
             await asyncio.wait(peer.tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
