@@ -4,6 +4,7 @@ reader that splits the reply the template writes (tool calls, reasoning, harmony
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kafila.api.errors import invalid
 from kafila.api.harmony import HarmonyReader
@@ -15,9 +16,11 @@ from kafila.api.tool_calls import (
     ReplyReader,
     ToolCallStream,
     ToolSpec,
+    mistral_id_of,
+    single_call_only,
     tool_call_grammar,
 )
-from kafila.serving.chat_template import ChatTemplate, ReplySyntax
+from kafila.serving.chat_template import ChatTemplate, ReplySyntax, TemplateError
 
 
 def grammar_of(body: ApiRequest, syntax: ReplySyntax | None, parallel: bool, harmony: bool) -> str | None:
@@ -66,3 +69,42 @@ def reply_reader(
         return HarmonyReader(offered or (), parallel=parallel)
     answer = ToolCallStream(syntax, parallel) if offered is not None and syntax is not None else None
     return ThinkReader(answer, thinking) if template.thinks else answer
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request as the engine takes it: its prompt's text (tokenized by the route, off the
+    event loop where it is long), the grammar its tools or response format ask for, and the
+    reader of the reply the template writes."""
+
+    text: str
+    add_bos: bool  # the template did not write the BOS itself
+    grammar: str | None
+    reader: ReplyReader | None
+
+
+def prepare_chat(body: ChatRequest, template: ChatTemplate) -> PreparedChat:
+    """The prompt, grammar and reader of a chat request; an `ApiError` (400) for tools the
+    template cannot write or messages it cannot render."""
+    calling = body.calling_tools()
+    if calling and template.tool_syntax is None:
+        raise invalid(
+            "This model's chat template writes no tool-call syntax this server reads (Hermes/Qwen "
+            "<tool_call>, Llama 3.x JSON, Mistral [TOOL_CALLS] or gpt-oss harmony); send tool_choice "
+            "'none' or no tools.", "tools",
+        )  # fmt: skip
+    syntax = template.reply_syntax
+    parallel = body.parallel_tool_calls is not False and not (syntax and single_call_only(syntax))
+    grammar = grammar_of(body, template.tool_syntax, parallel, syntax is ReplySyntax.HARMONY)
+    tools = [tool.for_template() for tool in body.tools or []] if calling else None
+    mistral = template.tool_syntax in (ReplySyntax.MISTRAL, ReplySyntax.MISTRAL_ARGS)
+    try:
+        rendered = template.render([m.for_template() for m in body.messages], tools, mistral_id_of if mistral else None)
+    except TemplateError as error:
+        raise invalid(str(error), "messages") from None
+    held_from_the_start = bool(body.forced_tools()) or (
+        body.response_format is not None and body.response_format.type != "text"
+    )  # a grammar from the first token: no reasoning first, even where the template opened it
+    offered = [tool.function.name for tool in body.tools or []] if calling else None
+    reader = reply_reader(template, offered, parallel, rendered.opens_thinking and not held_from_the_start)
+    return PreparedChat(rendered.text, not rendered.starts_with_bos, grammar, reader)

@@ -29,21 +29,18 @@ from kafila.api.errors import TRY_AGAIN, ApiError, invalid
 from kafila.api.events_stream import EVENT_HEARTBEAT_S, event_stream
 from kafila.api.guards import BodyRefused, TrustedHosts, json_object
 from kafila.api.replies import Reply, stream_reply
-from kafila.api.requests import grammar_of, reply_reader
+from kafila.api.requests import grammar_of, prepare_chat
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.served import Served
 from kafila.api.telemetry import CountRequests, Metrics, route_paths
 from kafila.api.tool_calls import (
     ReplyReader,
-    mistral_id_of,
-    single_call_only,
 )
 from kafila.contracts import HostStatus
 from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.sampling import GrammarRefused
 from kafila.serving.batcher import Job, RequestEvent
-from kafila.serving.chat_template import ReplySyntax, TemplateError
 from kafila.serving.engine_loop import EngineLoop, EngineUnavailable
 from kafila.validation import first_problem, one_line
 
@@ -179,31 +176,9 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         loop, engine = await ready_loop(body.model)
         template = serving.template
         assert template is not None
-        calling = body.calling_tools()
-        if calling and template.tool_syntax is None:
-            raise invalid(
-                "This model's chat template writes no tool-call syntax this server reads (Hermes/Qwen "
-                "<tool_call>, Llama 3.x JSON, Mistral [TOOL_CALLS] or gpt-oss harmony); send tool_choice "
-                "'none' or no tools.", "tools",
-            )  # fmt: skip
-        syntax = template.reply_syntax
-        parallel = body.parallel_tool_calls is not False and not (syntax and single_call_only(syntax))
-        grammar = grammar_of(body, template.tool_syntax, parallel, syntax is ReplySyntax.HARMONY)
-        tools = [tool.for_template() for tool in body.tools or []] if calling else None
-        mistral = template.tool_syntax in (ReplySyntax.MISTRAL, ReplySyntax.MISTRAL_ARGS)
-        try:
-            rendered = template.render(
-                [m.for_template() for m in body.messages], tools, mistral_id_of if mistral else None
-            )
-        except TemplateError as error:
-            raise invalid(str(error), "messages") from None
-        prompt = await tokenize(engine, rendered.text, not rendered.starts_with_bos, True, "messages")
-        held_from_the_start = bool(body.forced_tools()) or (
-            body.response_format is not None and body.response_format.type != "text"
-        )  # a grammar from the first token: no reasoning first, even where the template opened it
-        offered = [tool.function.name for tool in body.tools or []] if calling else None
-        reader = reply_reader(template, offered, parallel, rendered.opens_thinking and not held_from_the_start)
-        return await _serve(request, body, prompt, loop, chat=True, grammar=grammar, reader=reader)
+        prepared = prepare_chat(body, template)
+        prompt = await tokenize(engine, prepared.text, prepared.add_bos, True, "messages")
+        return await _serve(request, body, prompt, loop, chat=True, grammar=prepared.grammar, reader=prepared.reader)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:

@@ -1,0 +1,71 @@
+"""A chat request prepared for the engine without a model: the prompt the template writes, the
+grammar the tools or response format ask for, and the reader of the reply (`api.requests`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kafila.api.errors import ApiError
+from kafila.api.harmony import HarmonyReader
+from kafila.api.reasoning import ThinkReader
+from kafila.api.requests import prepare_chat
+from kafila.api.schemas import ChatRequest
+from kafila.api.tool_calls import ToolCallStream
+from kafila.serving.chat_template import ChatTemplate
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN25 = ChatTemplate((FIXTURES / "qwen2.5-tools.jinja").read_text(), "", "<|im_end|>", "qwen2")
+QWEN3 = ChatTemplate((FIXTURES / "Qwen-Qwen3-0.6B.jinja").read_text(), "", "<|im_end|>", "qwen3")
+HARMONY = ChatTemplate((FIXTURES / "openai-gpt-oss-120b.jinja").read_text(), "", "", "gpt-oss")
+PLAIN = ChatTemplate("{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "", "", "llama")
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def chat(**fields: object) -> ChatRequest:
+    return ChatRequest.model_validate({"model": "m", "messages": ASK, **fields})
+
+
+def test_a_plain_chat_has_no_grammar_and_no_reader() -> None:
+    prepared = prepare_chat(chat(), PLAIN)
+    assert prepared.text == "Weather in Oslo?\n" and prepared.add_bos
+    assert prepared.grammar is None and prepared.reader is None
+
+
+def test_offered_tools_are_written_into_the_prompt_and_read_out_of_the_reply() -> None:
+    prepared = prepare_chat(chat(tools=[WEATHER]), QWEN25)
+    assert '"name": "get_weather"' in prepared.text and "<tools>" in prepared.text
+    assert prepared.grammar is not None  # "auto": free text, or calls in the template's syntax
+    assert isinstance(prepared.reader, ToolCallStream)
+    forced = prepare_chat(chat(tools=[WEATHER], tool_choice="required"), QWEN25)
+    assert forced.grammar is not None and forced.grammar != prepared.grammar
+    none = prepare_chat(chat(tools=[WEATHER], tool_choice="none"), QWEN25)
+    assert "get_weather" not in none.text and none.reader is None
+
+
+def test_a_thinking_template_is_read_for_its_reasoning_and_harmony_always_for_its_channels() -> None:
+    assert isinstance(prepare_chat(chat(), QWEN3).reader, ThinkReader)
+    assert isinstance(prepare_chat(chat(tools=[WEATHER]), HARMONY).reader, HarmonyReader)
+    assert isinstance(prepare_chat(chat(), HARMONY).reader, HarmonyReader)
+
+
+def test_a_response_format_asks_for_a_grammar_from_the_first_token() -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    prepared = prepare_chat(
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}), PLAIN
+    )
+    assert prepared.grammar is not None and "answer" in prepared.grammar
+
+
+def test_tools_a_template_cannot_write_are_a_400_naming_tools() -> None:
+    with pytest.raises(ApiError) as refused:
+        prepare_chat(chat(tools=[WEATHER]), PLAIN)
+    assert refused.value.status == 400 and refused.value.param == "tools"
