@@ -644,7 +644,10 @@ def test_a_seat_held_and_not_kept_three_times_refuses_the_address_its_next_join(
         assert joined.member_id not in world.core.sessions[world.core.by_code[opened.code]].members
     conn, refusal = world.join(opened.code, "holder", ip=holder_ip)
     assert isinstance(refusal, Error) and refusal.code is ErrorCode.RATE_LIMITED, refusal
-    assert "seats it did not keep" in refusal.message and 0 < (refusal.retry_after_s or 0) <= 600
+    assert "seats of this session it did not keep" in refusal.message and 0 < (refusal.retry_after_s or 0) <= 600
+    _, elsewhere = world.open(expected=2, ip="198.51.100.99")
+    _, other = world.join(elsewhere.code, "holder", ip=holder_ip)
+    assert isinstance(other, Joined)  # counted in this session only: a crashed member's own session is another
     _, honest = world.join(opened.code, "laptop", ip=honest_ip)
     assert isinstance(honest, Joined)  # the seat is the honest member's
     world.now += 600

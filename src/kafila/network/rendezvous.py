@@ -415,12 +415,13 @@ class Limits:
     join_failures: int = 10  # failed joins per source address per window
     join_failure_window_s: float = 60.0
     # A seat held and not kept: removed by the host, or left within `short_hold_s` of joining.
-    # An address that did so this many times in the window is refused joins until it falls out.
+    # An address that did so this many times in one session in the window is refused joins to that
+    # session until it falls out (other sessions, a crashed member's own among them, are not its).
     short_hold_s: float = 120.0
     short_holds: int = 3
     short_hold_window_s: float = 600.0
-    opens_per_hour: float = 30.0  # per address, sustained, with a burst of `open_burst`
-    open_burst: float = 10.0
+    opens_per_hour: float = 60.0  # per address, sustained, with a burst of `open_burst`
+    open_burst: float = 30.0
     relays_per_member: int = 2  # a session may hold this many × its expected members relays
     max_relays: int = 2000
     max_strikes: int = 5  # bad messages before a connection is closed
@@ -486,6 +487,11 @@ class _Session:
     ready: bool = False
     relay_wants: set[tuple[str, str]] = field(default_factory=set)
     relays: dict[frozenset[str], str] = field(default_factory=dict)  # edge → relay id
+
+
+def _seat_holder(session: _Session, connection: _Connection) -> str:
+    """Who a seat not kept is counted against: an address, in one session."""
+    return f"{session.session_id} {connection.ip}"
 
 
 class Rendezvous:
@@ -748,16 +754,6 @@ class Rendezvous:
             wait = max(1, math.ceil(wait_s))
             self._event("join_rate_limited", ip=connection.ip, retry_after_s=wait)
             raise SignalError(ErrorCode.RATE_LIMITED, f"too many attempts, retry in {wait} s", retry_after_s=wait)
-        wait_s = self.short_holds.wait_s(connection.ip, now, self.limits.short_holds)
-        if wait_s > 0:
-            wait = max(1, math.ceil(wait_s))
-            self._event("join_rate_limited", ip=connection.ip, retry_after_s=wait, reason="short_holds")
-            raise SignalError(
-                ErrorCode.RATE_LIMITED,
-                f"this address took {self.limits.short_holds} seats it did not keep in the last "
-                f"{self.limits.short_hold_window_s / 60:.0f} minutes; retry in {wait} s",
-                retry_after_s=wait,
-            )
         code = normalise_code(message.code)
         session_id = self.by_code.get(code)
         session = self.sessions.get(session_id) if session_id is not None else None
@@ -768,6 +764,16 @@ class Rendezvous:
             return ended + self._refuse(connection, refusal, now)
         if session is None:
             raise self._join_failed(connection, code, now)
+        wait_s = self.short_holds.wait_s(_seat_holder(session, connection), now, self.limits.short_holds)
+        if wait_s > 0:
+            wait = max(1, math.ceil(wait_s))
+            self._event("join_rate_limited", ip=connection.ip, retry_after_s=wait, reason="short_holds")
+            raise SignalError(
+                ErrorCode.RATE_LIMITED,
+                f"this address took {self.limits.short_holds} seats of this session it did not keep in the "
+                f"last {self.limits.short_hold_window_s / 60:.0f} minutes; retry in {wait} s",
+                retry_after_s=wait,
+            )
         if len(session.members) >= session.expected:
             self._record_failure(connection.ip, now, "session_full", session.session_id)
             raise SignalError(ErrorCode.SESSION_FULL, f"session {code} is full: its code admits no more members")
@@ -890,7 +896,7 @@ class Rendezvous:
             return outputs + self._end(session, EndReason.HOST_LEFT, now)
         not_kept = reason is LeaveReason.REMOVED or now - member.joined_at < self.limits.short_hold_s
         if not_kept and not connection.own_machine:  # the rendezvous's own machine: the host's own members
-            self.short_holds.add(connection.ip, now)  # a seat taken and not kept: a silent holder's, often
+            self.short_holds.add(_seat_holder(session, connection), now)  # a silent holder's, often
         outputs += self._free_relays(session, member.member_id)
         session.relay_wants = {w for w in session.relay_wants if member.member_id not in w}
         notice = MemberLeft(member_id=member.member_id, reason=reason)
