@@ -10,8 +10,8 @@ import pytest
 from kafila.api.errors import ApiError
 from kafila.api.harmony import HarmonyReader
 from kafila.api.reasoning import ThinkReader
-from kafila.api.requests import prepare_chat
-from kafila.api.schemas import ChatRequest
+from kafila.api.requests import prepare_chat, prepare_completion
+from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.tool_calls import ToolCallStream
 from kafila.serving.chat_template import ChatTemplate
 
@@ -69,3 +69,20 @@ def test_tools_a_template_cannot_write_are_a_400_naming_tools() -> None:
     with pytest.raises(ApiError) as refused:
         prepare_chat(chat(tools=[WEATHER]), PLAIN)
     assert refused.value.status == 400 and refused.value.param == "tools"
+
+
+def completion(**fields: object) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", **fields})
+
+
+def test_a_completion_prompt_is_text_to_tokenize_or_ids_of_this_vocabulary() -> None:
+    text = prepare_completion(completion(prompt="Once upon a time"), 32)
+    assert (text.text, text.tokens, text.grammar) == ("Once upon a time", None, None)
+    ids = prepare_completion(completion(prompt=[1, 5, 31]), 32)
+    assert (ids.text, ids.tokens) == (None, [1, 5, 31])
+    with pytest.raises(ApiError) as refused:
+        prepare_completion(completion(prompt=[1, 32]), 32)
+    assert refused.value.param == "prompt" and "from 0 to 31" in refused.value.message
+    with pytest.raises(ApiError) as several:
+        prepare_completion(completion(prompt=["one", "two"]), 32)
+    assert several.value.status == 400 and several.value.param == "prompt"

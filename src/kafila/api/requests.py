@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kafila.api.errors import invalid
 from kafila.api.harmony import HarmonyReader
 from kafila.api.reasoning import ThinkReader
-from kafila.api.schemas import ChatRequest, Tool
+from kafila.api.schemas import ChatRequest, CompletionRequest, Tool
 from kafila.api.schemas import Request as ApiRequest
 from kafila.api.structured import JSON_OBJECT_GRAMMAR_SCHEMA, SchemaRefused, schema_grammar
 from kafila.api.tool_calls import (
@@ -108,3 +108,28 @@ def prepare_chat(body: ChatRequest, template: ChatTemplate) -> PreparedChat:
     offered = [tool.function.name for tool in body.tools or []] if calling else None
     reader = reply_reader(template, offered, parallel, rendered.opens_thinking and not held_from_the_start)
     return PreparedChat(rendered.text, not rendered.starts_with_bos, grammar, reader)
+
+
+@dataclass(frozen=True)
+class PreparedCompletion:
+    """A completion request as the engine takes it: its prompt as text (tokenized by the route)
+    or as token ids already, and the grammar its response format asks for."""
+
+    text: str | None
+    tokens: list[int] | None
+    grammar: str | None
+
+
+def prepare_completion(body: CompletionRequest, n_vocab: int) -> PreparedCompletion:
+    """The prompt and grammar of a completion request; an `ApiError` (400) for a prompt that is
+    neither one text nor one list of this model's token ids."""
+    try:
+        prompt = body.prompt_text()
+    except ValueError as error:
+        raise invalid(str(error), "prompt") from None
+    grammar = grammar_of(body, None, False, False)
+    if isinstance(prompt, str):
+        return PreparedCompletion(prompt, None, grammar)
+    if any(not 0 <= token < n_vocab for token in prompt):
+        raise invalid(f"prompt token ids must be from 0 to {n_vocab - 1}, this model's vocabulary", "prompt")
+    return PreparedCompletion(None, prompt, grammar)

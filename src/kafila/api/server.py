@@ -29,7 +29,7 @@ from kafila.api.errors import TRY_AGAIN, ApiError, invalid
 from kafila.api.events_stream import EVENT_HEARTBEAT_S, event_stream
 from kafila.api.guards import BodyRefused, TrustedHosts, json_object
 from kafila.api.replies import Reply, stream_reply
-from kafila.api.requests import grammar_of, prepare_chat
+from kafila.api.requests import prepare_chat, prepare_completion
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.served import Served
 from kafila.api.telemetry import CountRequests, Metrics, route_paths
@@ -185,18 +185,12 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         authorise(request)
         body: CompletionRequest = await parse(request, CompletionRequest)
         loop, engine = await ready_loop(body.model)
-        try:
-            text = body.prompt_text()
-        except ValueError as error:
-            raise invalid(str(error), "prompt") from None
-        if isinstance(text, list):
-            if any(not 0 <= t < engine.n_vocab() for t in text):
-                last = engine.n_vocab() - 1
-                raise invalid(f"prompt token ids must be from 0 to {last}, this model's vocabulary", "prompt")
-            prompt = text
-        else:
-            prompt = await tokenize(engine, text, True, False, "prompt")
-        return await _serve(request, body, prompt, loop, chat=False, grammar=grammar_of(body, None, False, False))
+        prepared = prepare_completion(body, engine.n_vocab())
+        prompt = prepared.tokens
+        if prompt is None:
+            assert prepared.text is not None
+            prompt = await tokenize(engine, prepared.text, True, False, "prompt")
+        return await _serve(request, body, prompt, loop, chat=False, grammar=prepared.grammar)
 
     async def tokenize(engine: Engine, text: str, add_special: bool, parse_special: bool, param: str) -> list[int]:
         """Token ids, off the event loop for long texts (8 MB takes seconds, and every stream
