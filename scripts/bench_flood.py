@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+from bench_transfer import PeakRss, bound, rss
 
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, Link, LinkConfig, LinkError, frame_bytes, open_link, should_dial
@@ -38,20 +38,6 @@ UNBOUNDED = 1 << 50
 IN_FLIGHT = 4 << 20  # the member queues no more than this ahead of the host's acknowledgements
 
 
-def bound_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-    return sock
-
-
-def resident_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def unacknowledged(link: Link) -> int:
     """Bytes the member queued that the host has not acknowledged (aioquic keeps them to resend)."""
     quic = link.core.quic
@@ -61,7 +47,7 @@ def unacknowledged(link: Link) -> int:
 # --- the child: the flooding member ---
 async def member() -> None:
     order = json.loads(sys.stdin.readline())
-    demux = await DatagramDemux.over(bound_socket())
+    demux = await DatagramDemux.over(bound())
     identity = create_identity()
     print(json.dumps({"fingerprint": identity.fingerprint, "address": demux.local_address}), flush=True)
     dial = should_dial(identity.fingerprint, order["fingerprint"])
@@ -100,7 +86,7 @@ class Run:
 async def flood(kind: str, bounded: bool, n_bytes: int) -> Run:
     config = CONFIG if bounded else CONFIG.model_copy(update={"max_held_bytes": UNBOUNDED})
     bounds = ChannelBounds() if bounded else ChannelBounds(control=UNBOUNDED, transfer=UNBOUNDED)
-    demux = await DatagramDemux.over(bound_socket())
+    demux = await DatagramDemux.over(bound())
     identity = create_identity()
     child = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--member", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
@@ -111,21 +97,17 @@ async def flood(kind: str, bounded: bool, n_bytes: int) -> Run:
     await child.stdin.drain()
     answer = json.loads(await child.stdout.readline())
     dial = should_dial(identity.fingerprint, answer["fingerprint"])
-    start = resident_bytes()
     started = time.perf_counter()
-    link = await open_link(demux, tuple(answer["address"]), identity, answer["fingerprint"], dial, config)
-    router = LinkRouter(link, "member", bounds)
-    peak = start
-    report = asyncio.create_task(child.stdout.readline())
-    while not report.done():
-        peak = max(peak, resident_bytes())
-        await asyncio.wait([report], timeout=0.02)
-    result = json.loads(report.result())
+    async with PeakRss() as memory:
+        link = await open_link(demux, tuple(answer["address"]), identity, answer["fingerprint"], dial, config)
+        router = LinkRouter(link, "member", bounds)
+        result = json.loads(await child.stdout.readline())
     seconds = time.perf_counter() - started
     await router.close()
     await child.wait()
     demux.close()
-    return Run(kind, bounded, result["sent"], peak - start, resident_bytes() - start, result["reason"], seconds)
+    grown = memory.peak - memory.start
+    return Run(kind, bounded, result["sent"], grown, rss() - memory.start, result["reason"], seconds)
 
 
 def mib(n: int) -> str:
