@@ -63,7 +63,7 @@ def test_the_gate_caps_connections_per_address_group_and_in_all() -> None:
 
 def test_the_gate_leaves_room_beyond_one_network() -> None:
     """One IPv6 /56 (or IPv4 /24) holds an eighth of the connections, however many /64s it has."""
-    gate = ConnectionGate(per_address=4, total=64)
+    gate = ConnectionGate(per_address=4, total=64, per_network=8)
     admitted = sum(gate.admit(Socket(), f"2001:db8:0:{i:x}::1") for i in range(64))  # 64 /64s of one /58
     assert admitted == 8 and gate.refused == 56
     assert gate.admit(Socket(), "2001:db8:1::1") and gate.admit(Socket(), "192.0.2.1")  # other networks

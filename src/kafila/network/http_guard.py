@@ -39,8 +39,8 @@ class Connection(Protocol):
 @dataclass
 class ConnectionGate:
     """Open connections counted per address group, per network and in all; `admit` refuses past
-    any cap. A network (`network_group`) holds at most `per_network` (None: an eighth of all, or
-    `per_address` if that is higher), so one network's many addresses leave room for others.
+    any cap. A network (`network_group`) holds at most `per_network` (None: no cap of its own), so
+    one network's many addresses leave room for others.
 
     A connection is released when its HTTP protocol loses it, or, once upgraded to a WebSocket
     (whose protocol the gate never sees), found closing when a cap is reached."""
@@ -52,10 +52,6 @@ class ConnectionGate:
     _per_group: dict[str, int] = field(default_factory=dict)
     _per_network: dict[str, int] = field(default_factory=dict)
     refused: int = 0
-
-    @property
-    def network_cap(self) -> int:
-        return self.per_network or max(self.per_address, self.total // 8)
 
     def admit(self, connection: Connection, ip: str) -> bool:
         group = address_group(ip)
@@ -85,7 +81,7 @@ class ConnectionGate:
         return (
             len(self._open) >= self.total
             or self._per_group.get(group, 0) >= self.per_address
-            or self._per_network.get(network_group(group), 0) >= self.network_cap
+            or (self.per_network is not None and self._per_network.get(network_group(group), 0) >= self.per_network)
         )
 
     def _forget_closed(self) -> None:

@@ -29,9 +29,8 @@ def network_group(group: str) -> str:
     """The network an address group sits in, for caps that leave room for other networks: an
     IPv6 /56 (what one provider hands a home; its /64s are cheap to hold by the hundred), or an
     IPv4 /24. Anything unreadable is a network of its own text."""
-    try:
-        network = ipaddress.ip_network(group.strip("[]").split("%", 1)[0], strict=False)
-    except ValueError:
+    network = _network(group)
+    if network is None:
         return group
     prefix = 56 if network.version == 6 else 24
     return str(network.supernet(new_prefix=prefix)) if network.prefixlen > prefix else str(network)
@@ -39,11 +38,18 @@ def network_group(group: str) -> str:
 
 def is_loopback(group: str) -> bool:
     """Whether an address group (`address_group`) is this machine's own loopback."""
-    try:
-        network = ipaddress.ip_network(group.strip("[]").split("%", 1)[0], strict=False)
-    except ValueError:
+    network = _network(group)
+    if network is None:
         return False
     return network.is_loopback or (network.version == 6 and ipaddress.ip_address("::1") in network)
+
+
+def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    """An address or address group as a network (an address is a network of one); None if unreadable."""
+    try:
+        return ipaddress.ip_network(text.strip("[]").split("%", 1)[0], strict=False)
+    except ValueError:
+        return None
 
 
 @dataclass
