@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from tiny_models import write_tiny_model
+from waiting import until_async
 
 from kafila.cli.host_command import RichUi
 from kafila.contracts import (
@@ -396,9 +397,7 @@ def test_a_control_message_the_host_cannot_read_is_refused_and_the_next_one_hear
             for payload in (b'{"type": "no-such-message"}', b"\xff\x00 not json", b'{"type": "failed"}'):
                 await member_router.link.send(Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload))
             await member_router.send_control(StageFailedReport(epoch=3, message="lost its successor", lost_peer="m1"))
-            async with asyncio.timeout(10):
-                while deployer.broken is None:
-                    await asyncio.sleep(0.05)
+            await until_async(lambda: deployer.broken is not None, "the member's report that its stage stopped", 10)
             await deployer.stop_listening()
             return deployer.broken, deployer.refused_controls
         finally:

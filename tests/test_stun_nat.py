@@ -13,6 +13,7 @@ import pytest
 from aioice import stun
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from waiting import until_async
 
 from kafila.contracts import Mapping, NatClass
 from kafila.network.nat import classify, probe_nat
@@ -248,9 +249,7 @@ def test_one_address_flooding_stun_does_not_keep_another_from_being_answered() -
         client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             await flood.stdout.readline()
-            async with asyncio.timeout(10):
-                while server.responder.counts["rate_limited"] < 50_000:  # the flood is in full spate
-                    await asyncio.sleep(0.01)
+            await until_async(lambda: server.responder.counts["rate_limited"] >= 50_000, "the flood in full spate", 10)
             client.bind(("127.0.0.3", 0))
             client.settimeout(0.5)
             answered = 0
