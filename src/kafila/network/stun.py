@@ -31,6 +31,7 @@ Address = tuple[str, int]
 CHANGE_IP = 0x04
 CHANGE_PORT = 0x02
 MAX_DATAGRAM = 2048
+READ_BATCH = 256  # datagrams read from one socket before the others' turn
 RECEIVE_BUFFER = 4 << 20  # asked of the kernel for each socket (Linux caps it at net.core.rmem_max)
 # An answer is about 3× its request, so an attacker who spoofs a victim's address could use the
 # rendezvous to multiply its traffic: answers per source address are rate-limited. A member's
@@ -187,8 +188,9 @@ class StunServer:
                     self._read(self._sockets[key.data], key.data)
 
     def _read(self, sock: socket.socket, local: Address) -> None:
-        """Everything the socket holds now, answering what the responder answers."""
-        while True:
+        """What the socket holds now, up to a batch, answering what the responder answers; then the
+        other sockets and a request to stop get their turn, however long a flood on this one lasts."""
+        for _ in range(READ_BATCH):
             try:
                 data, addr = sock.recvfrom(MAX_DATAGRAM + 1)
             except (BlockingIOError, InterruptedError):
