@@ -1,6 +1,6 @@
-"""The host's decisions, driven through every path of its lifecycle with made-up events, views
-and times: no process, socket, model or clock (the core's shell is tested end to end in
-test_session_network), as aioquic's tests drive a connection with made-up datagrams."""
+"""The host's decisions, driven through every path of its lifecycle with made-up events, looks
+and times: no process, socket, model or clock (the core's shell is tested in test_host_runner and
+end to end in test_session_network), as aioquic's tests drive a connection with made-up datagrams."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ from kafila.network.rendezvous_client import RendezvousClosed, RendezvousError
 from kafila.session.core import (
     ANSWERED,
     GUESS_BUDGET,
+    LOOK_AT_LEAST_EVERY_S,
     MEMORY_LOWERINGS,
     REBALANCE_CHECK_S,
-    WAIT,
+    ServingPolicy,
+    SessionCore,
+)
+from kafila.session.lifecycle import (
     AbandonRing,
     Admit,
     CodeRefused,
@@ -27,19 +31,18 @@ from kafila.session.core import (
     Dismissed,
     Event,
     Fail,
+    FailHeld,
     ForgetRing,
     Gathered,
-    HoldRequests,
     Interrupted,
     JoinerRefused,
     Judged,
-    JudgeRebalance,
+    Look,
     LowerMemory,
     LowerOwnMemory,
     MemberFailed,
     MemoryShortage,
     NewcomerChecked,
-    Observed,
     Opened,
     OwnShortOfMemory,
     Phase,
@@ -47,8 +50,6 @@ from kafila.session.core import (
     RecordIncident,
     Refuse,
     RenewCode,
-    ReplanAfterBreak,
-    ReplanWithNewcomers,
     Resume,
     Retire,
     Retired,
@@ -56,10 +57,9 @@ from kafila.session.core import (
     SendAway,
     ServeAlone,
     ServedAlone,
-    ServingCore,
-    SessionCore,
-    SessionView,
-    StopHolding,
+    StageBroken,
+    StartFailed,
+    Stopped,
     Unready,
     Warn,
 )
@@ -74,135 +74,29 @@ from kafila.session.presence import RendezvousUnreachable
 
 PATIENCE_S = 30.0
 COOLDOWN_S = 60.0
+RESUME_S = 60.0
 RING = frozenset({"laptop", "workstation"})
-
-
-def core(rebalance: bool = True) -> ServingCore:
-    return ServingCore(newcomer_patience_s=PATIENCE_S, rebalance_cooldown_s=COOLDOWN_S, rebalance=rebalance)
-
-
-def serving(now: float, **changes: object) -> SessionView:
-    """A ring of two members serving, busy unless told otherwise."""
-    view = SessionView(now=now, deployed=RING, alive=RING, idle=False)
-    return dataclasses.replace(view, **changes)  # type: ignore[arg-type]
-
-
-def test_a_busy_healthy_ring_is_left_alone() -> None:
-    host = core()
-    assert [host.next_action(serving(t)) for t in (0.0, 1.0, 100.0)] == [WAIT] * 3
-
-
-def test_arrivals_are_checked_one_at_a_time_before_anything_else() -> None:
-    host = core()
-    view = serving(0.0, arrivals=("phone", "tablet"), alive=frozenset({"laptop"}))  # the ring broke too
-    assert host.next_action(view) == Admit("phone")
-    assert host.next_action(dataclasses.replace(view, arrivals=("tablet",))) == Admit("tablet")
-    assert host.next_action(dataclasses.replace(view, arrivals=())) == ReplanAfterBreak(("workstation",))
-
-
-def test_a_member_lost_mid_stream_is_replanned_without_then_taken_back_when_it_rejoins() -> None:
-    host = core()
-    assert host.next_action(serving(5.0, alive=frozenset({"laptop"}))) == ReplanAfterBreak(("workstation",))
-    replanned = frozenset({"laptop"})  # the ring the replan made, while requests run on it
-    assert host.next_action(serving(6.0, deployed=replanned, alive=replanned)) == WAIT
-    back = serving(7.0, deployed=replanned, alive=RING, arrivals=("workstation",))
-    assert host.next_action(back) == Admit("workstation")
-    admitted = serving(8.0, deployed=replanned, alive=RING, newcomers=("workstation",), idle=True)
-    assert host.next_action(admitted) == ReplanWithNewcomers(("workstation",))
-
-
-def test_a_stage_or_engine_failure_breaks_the_ring_with_no_member_lost() -> None:
-    host = core()
-    assert host.next_action(serving(0.0, broken="laptop: its stage stopped")) == ReplanAfterBreak(())
-    assert host.next_action(serving(0.0, engine_error="the link to laptop is down")) == ReplanAfterBreak(())
-
-
-def test_a_newcomer_on_an_idle_ring_is_taken_in_at_once() -> None:
-    host = core()
-    assert host.next_action(serving(0.0, newcomers=("phone",), idle=True)) == ReplanWithNewcomers(("phone",))
-    assert host.newcomers_waiting_since is None and not host.holding
-
-
-def test_a_newcomer_under_steady_load_gets_its_replan_after_the_hosts_patience() -> None:
-    host = core()
-    waiting = serving(0.0, newcomers=("phone",))
-    assert host.next_action(waiting) == WAIT  # the patience starts
-    assert host.next_action(dataclasses.replace(waiting, now=PATIENCE_S - 1)) == WAIT
-    assert host.next_action(dataclasses.replace(waiting, now=PATIENCE_S)) == HoldRequests(("phone",))
-    held = dataclasses.replace(waiting, now=PATIENCE_S + 1, ready=False)  # /v1 holds new requests now
-    assert host.next_action(held) == WAIT  # said once; the running requests finish
-    drained = dataclasses.replace(held, now=PATIENCE_S + 5, idle=True)
-    assert host.next_action(drained) == ReplanWithNewcomers(("phone",))
-    assert host.newcomers_waiting_since is None and not host.holding
-
-
-def test_newcomers_that_leave_before_their_replan_release_the_held_requests() -> None:
-    host = core()
-    host.next_action(serving(0.0, newcomers=("phone",)))
-    assert host.next_action(serving(PATIENCE_S, newcomers=("phone",))) == HoldRequests(("phone",))
-    assert host.next_action(serving(PATIENCE_S + 1, ready=False)) == StopHolding()
-    assert host.next_action(serving(PATIENCE_S + 2)) == WAIT
-
-
-def test_newcomers_that_leave_before_anything_was_held_change_nothing() -> None:
-    host = core()
-    host.next_action(serving(0.0, newcomers=("phone",)))
-    assert host.next_action(serving(1.0)) == WAIT
-    assert host.newcomers_waiting_since is None and not host.holding
-
-
-def test_an_idle_ring_is_judged_for_a_rebalance_every_few_seconds() -> None:
-    host = core()
-    idle = serving(10.0, idle=True)
-    assert host.next_action(idle) == JudgeRebalance()
-    assert host.next_action(dataclasses.replace(idle, now=10.0 + REBALANCE_CHECK_S / 2)) == WAIT
-    assert host.next_action(dataclasses.replace(idle, now=10.0 + REBALANCE_CHECK_S)) == JudgeRebalance()
-    assert host.next_action(serving(20.0)) == WAIT  # busy: never judged under load
-
-
-def test_a_rebalance_is_followed_by_a_cool_down_that_doubles() -> None:
-    host = core()
-    assert host.next_action(serving(0.0, idle=True)) == JudgeRebalance()
-    host.rebalanced(0.0)
-    assert host.next_action(serving(COOLDOWN_S - 1, idle=True)) == WAIT
-    assert host.next_action(serving(COOLDOWN_S, idle=True)) == JudgeRebalance()
-    host.rebalanced(COOLDOWN_S)
-    assert host.next_action(serving(COOLDOWN_S + 2 * COOLDOWN_S - 1, idle=True)) == WAIT
-    assert host.next_action(serving(3 * COOLDOWN_S, idle=True)) == JudgeRebalance()
-
-
-def test_no_rebalance_when_turned_off_or_with_no_engine() -> None:
-    assert core(rebalance=False).next_action(serving(0.0, idle=True)) == WAIT
-    assert core().next_action(serving(0.0, idle=True, engine=False)) == WAIT
-
-
-def test_a_ring_is_judged_again_only_when_its_stages_measured_something_new() -> None:
-    host = core()
-    steps = [((0, 4), 40), ((4, 8), 40)]
-    assert host.worth_judging(steps)
-    assert not host.worth_judging(list(steps))
-    assert host.worth_judging([((0, 4), 41), ((4, 8), 41)])
-
-
-def test_a_member_joins_again_while_its_joins_last_and_a_few_times_in_a_row() -> None:
-    rejoins = Rejoins(limit=3, steady_s=60.0)
-    assert [rejoins.after_loss(5.0) for _ in range(4)] == [True, True, True, False]  # quick losses run out
-    steady = Rejoins(limit=3, steady_s=60.0)
-    assert all(steady.after_loss(lasted) for lasted in (5.0, 5.0, 120.0, 5.0, 5.0, 61.0))  # a lasting join resets
-
-
-# --- the whole lifecycle (SessionCore) ---------------------------------------------------------
-
 JOIN = "kafila join blue-fox-… --rendezvous 192.0.2.7:8470"
 NAMES = {"laptop": "laptop", "workstation": "workstation", "phone": "phone"}
+MEASURED = (((0, 4), 40), ((4, 8), 40))
+
+
+def policy(rebalance: bool = True) -> ServingPolicy:
+    return ServingPolicy(
+        newcomer_patience_s=PATIENCE_S, rebalance_cooldown_s=COOLDOWN_S, rebalance=rebalance, resume_within_s=RESUME_S
+    )
 
 
 def session(networked: bool = True) -> SessionCore:
-    return SessionCore(core()) if networked else SessionCore.one_machine(core(rebalance=False))
+    return SessionCore(policy()) if networked else SessionCore.one_machine(policy(rebalance=False))
 
 
-def seen(now: float, **changes: object) -> Observed:
-    return Observed(serving(now, names=NAMES, **changes))
+def seen(now: float, **changes: object) -> Look:
+    """A look at a ring of two members serving, busy unless told otherwise; the rendezvous lists
+    every member linked."""
+    look = Look(now=now, alive=RING, idle=False, names=NAMES)
+    look = dataclasses.replace(look, **changes)  # type: ignore[arg-type]
+    return look if "listed" in changes else dataclasses.replace(look, listed=look.alive)
 
 
 def said(commands: list[Command]) -> list[str]:
@@ -213,9 +107,159 @@ def serving_ring(members: tuple[str, ...] = ("laptop", "workstation")) -> Sessio
     host = session()
     host.handle(Opened(JOIN))
     assert host.handle(Gathered(members)) == [Deploy(members)]
-    assert host.handle(Deployed(len(members) + 1)) == []  # the first plan: nothing "replanned"
+    assert host.handle(Deployed(members)) == []  # the first plan: nothing "replanned"
     assert host.phase == Phase.SERVING
     return host
+
+
+def admitted(host: SessionCore, member: str) -> list[Command]:
+    return host.handle(NewcomerChecked(member, member=member))
+
+
+# --- while a ring serves ----------------------------------------------------------------------
+
+
+def test_a_busy_healthy_ring_is_left_alone() -> None:
+    host = serving_ring()
+    assert [host.handle(seen(t)) for t in (0.0, 1.0, 100.0)] == [[]] * 3
+
+
+def test_arrivals_are_answered_before_anything_else() -> None:
+    host = serving_ring()
+    commands = host.handle(seen(0.0, arrivals=("phone", "tablet"), alive=frozenset({"laptop"})))  # the ring broke too
+    assert commands[:2] == [Admit("phone"), Admit("tablet")]
+    assert commands[2] == RecordIncident("the ring broke", "lost workstation")
+    assert commands[-1] == Retire("lost workstation")
+
+
+def test_a_stage_or_engine_failure_breaks_the_ring_with_no_member_lost() -> None:
+    host = serving_ring()
+    assert host.handle(StageBroken("laptop: its stage stopped", epoch=7)) == []  # a ring before this one
+    assert host.handle(seen(0.0)) == []
+    assert host.handle(StageBroken("laptop: its stage stopped", epoch=0)) == []
+    assert host.handle(seen(0.5))[-1] == Retire("laptop: its stage stopped")
+    other = serving_ring()
+    assert other.handle(seen(0.0, engine_error="the link to laptop is down"))[-1] == Retire(
+        "the link to laptop is down"
+    )
+
+
+def test_a_broken_stage_is_forgotten_once_a_new_ring_serves() -> None:
+    host = serving_ring()
+    host.handle(StageBroken("laptop: its stage stopped", epoch=0))
+    host.handle(seen(0.0))
+    host.handle(Retired(tuple(RING)))
+    assert host.handle(Deployed(("laptop", "workstation"), epoch=1))[0].text.startswith("replanned")  # type: ignore[union-attr]
+    assert host.broken is None and host.handle(seen(1.0)) == []
+
+
+def test_a_newcomer_on_an_idle_ring_is_taken_in_at_once() -> None:
+    host = serving_ring()
+    admitted(host, "phone")
+    commands = host.handle(seen(0.0, alive=RING | {"phone"}, idle=True))
+    assert commands[-1] == Retire("the host is replanning, taking in phone")
+    assert host.handle(Retired(("laptop", "workstation", "phone"))) == [Deploy(("laptop", "workstation", "phone"))]
+    assert not host.newcomers
+
+
+def test_a_newcomer_under_steady_load_gets_its_replan_after_the_hosts_patience() -> None:
+    host = serving_ring()
+    admitted(host, "phone")
+    waiting = seen(0.0, alive=RING | {"phone"})
+    assert host.handle(waiting) == []  # the patience starts
+    assert host.next_deadline() == LOOK_AT_LEAST_EVERY_S
+    assert host.handle(dataclasses.replace(waiting, now=PATIENCE_S - 1)) == []
+    assert host.next_deadline() == PATIENCE_S  # when the patience ends, if nothing happens first
+    assert host.handle(dataclasses.replace(waiting, now=PATIENCE_S))[-1] == Unready(
+        ("the requests running to finish, then the host to replan taking in phone",), True
+    )
+    assert host.handle(dataclasses.replace(waiting, now=PATIENCE_S + 1)) == []  # said once; running requests finish
+    drained = host.handle(dataclasses.replace(waiting, now=PATIENCE_S + 5, idle=True))
+    assert drained[-1] == Retire("the host is replanning, taking in phone")
+
+
+def test_newcomers_that_leave_before_anything_was_held_change_nothing() -> None:
+    host = serving_ring()
+    admitted(host, "phone")
+    host.handle(seen(0.0, alive=RING | {"phone"}))
+    assert host.handle(seen(1.0)) == []
+    assert host.newcomers_waiting_since is None and not host.newcomers and host.phase == Phase.SERVING
+
+
+def test_a_newcomer_the_rendezvous_no_longer_lists_is_forgotten_though_its_link_is_up() -> None:
+    host = serving_ring()
+    admitted(host, "phone")
+    assert host.handle(seen(0.0, alive=RING | {"phone"}, listed=RING, idle=True)) == []
+    assert not host.newcomers
+
+
+def test_a_newcomer_already_in_the_ring_a_replan_made_waits_for_nothing() -> None:
+    """Its admission ended while a replan after a break was under way, which took it in."""
+    host = serving_ring()
+    host.handle(seen(0.0, alive=frozenset({"laptop", "phone"})))  # workstation lost; phone linked meanwhile
+    host.handle(Retired(("laptop", "phone")))
+    host.handle(Deployed(("laptop", "phone"), epoch=1))
+    admitted(host, "phone")
+    assert host.handle(seen(1.0, alive=frozenset({"laptop", "phone"}), idle=True)) == []
+
+
+def test_an_idle_ring_is_judged_for_a_rebalance_every_few_seconds_when_it_measured_something_new() -> None:
+    host = serving_ring()
+    assert host.handle(seen(10.0, idle=True, measurements=MEASURED)) == [PriceRebalance()]
+    assert host.next_deadline() == 10.0 + LOOK_AT_LEAST_EVERY_S
+    assert host.handle(seen(10.0 + REBALANCE_CHECK_S / 2, idle=True, measurements=(((0, 4), 41),))) == []
+    assert host.next_deadline() == 10.0 + REBALANCE_CHECK_S
+    assert host.handle(seen(10.0 + REBALANCE_CHECK_S, idle=True, measurements=(((0, 4), 41),))) == [PriceRebalance()]
+    assert host.handle(seen(20.0, measurements=(((0, 4), 42),))) == []  # busy: never judged under load
+
+
+def test_no_rebalance_when_turned_off() -> None:
+    host = SessionCore(policy(rebalance=False))
+    host.handle(Gathered(("laptop",)))
+    host.handle(Deployed(("laptop",)))
+    assert host.handle(seen(10.0, alive=frozenset({"laptop"}), idle=True, measurements=MEASURED)) == []
+
+
+def test_a_rebalance_is_followed_by_a_cool_down_that_doubles() -> None:
+    host = serving_ring()
+    now = 0.0
+    for cooldown in (COOLDOWN_S, 2 * COOLDOWN_S):
+        assert host.handle(seen(now, idle=True, measurements=((((0, 4), int(now)),)))) == [PriceRebalance()]
+        host.handle(Judged(now, worth_it=True, reason="laptop is 2× slower"))
+        host.handle(Retired(tuple(RING)))
+        host.handle(Deployed(tuple(RING)))
+        soon = (((0, 4), int(now) + 1),)
+        assert host.handle(seen(now + cooldown - 1, idle=True, measurements=soon)) == []  # cooling down
+        now += cooldown
+
+
+def test_requests_a_broken_ring_left_end_when_no_ring_serves_in_time() -> None:
+    host = serving_ring()
+    host.handle(seen(0.0, alive=frozenset({"laptop"})))
+    host.handle(Retired(("laptop",), held_since=0.0))
+    host.handle(DeployFailed("the link to laptop went down"))  # nothing serves: waiting for members
+    assert host.phase == Phase.WAITING and host.held_since is None  # the failure ended them
+    again = serving_ring()
+    again.handle(seen(0.0, alive=frozenset({"laptop"})))
+    again.handle(Retired(("laptop",), held_since=0.0))
+    again.handle(Deployed(("laptop",), epoch=1))
+    assert again.held_since is None  # the new ring took them on
+
+
+def test_requests_a_broken_ring_left_end_if_the_replan_takes_longer_than_resume_within_s() -> None:
+    host = serving_ring()
+    host.handle(seen(0.0, alive=frozenset({"laptop"})))
+    host.handle(Retired(("laptop",), held_since=1.0))
+    assert host.phase == Phase.DEPLOYING
+    assert host.handle(seen(RESUME_S + 0.5, arrivals=("phone",))) == []  # no joiner is answered while deploying
+    assert host.next_deadline() == 1.0 + RESUME_S  # sooner than the next look it would ask for anyway
+    assert host.handle(seen(1.0 + RESUME_S)) == [
+        FailHeld(f"the ring broke, and no new ring served within {RESUME_S:g} s")
+    ]
+    assert host.held_since is None and host.phase == Phase.DEPLOYING
+
+
+# --- the whole lifecycle -------------------------------------------------------------------------
 
 
 def test_a_session_forms_deploys_and_serves() -> None:
@@ -223,7 +267,7 @@ def test_a_session_forms_deploys_and_serves() -> None:
     assert host.handle(Opened(JOIN)) == [] and host.phase == Phase.GATHERING
     assert host.handle(Gathered(("laptop", "workstation"))) == [Deploy(("laptop", "workstation"))]
     assert host.phase == Phase.DEPLOYING
-    assert host.handle(Deployed(3)) == []
+    assert host.handle(Deployed(("laptop", "workstation"))) == []
     assert host.phase == Phase.SERVING
 
 
@@ -246,7 +290,7 @@ def test_the_rendezvous_session_is_wanted_while_anyone_may_join() -> None:
     for _ in range(GUESS_BUDGET):  # nobody may join any more: relay traffic alone keeps it
         host.handle(NewcomerChecked("guesser", "it proved a different code", guess=True))
     assert not host.wants_rendezvous_session
-    assert not SessionCore.one_machine(core()).wants_rendezvous_session
+    assert not SessionCore.one_machine(policy()).wants_rendezvous_session
 
 
 def test_a_session_that_loses_a_member_mid_stream_replans_then_takes_it_back_when_it_rejoins() -> None:
@@ -260,21 +304,23 @@ def test_a_session_that_loses_a_member_mid_stream_replans_then_takes_it_back_whe
     ]
     assert host.phase == Phase.DEPLOYING
     assert host.handle(Retired(("laptop",))) == [Deploy(("laptop",))]
-    replanned = host.handle(Deployed(2))
+    replanned = host.handle(Deployed(("laptop",), epoch=1))
     assert said(replanned) == ["replanned with 2 members", f"a seat is free again; to fill it: {JOIN}"]
     assert [c.kind for c in replanned if isinstance(c, Say)] == ["replanned", "note"]  # as /events files them
     back = frozenset({"laptop"})
-    assert host.handle(seen(6.0, deployed=back, alive=back, arrivals=("workstation",))) == [Admit("workstation")]
-    assert said(host.handle(NewcomerChecked("workstation"))) == [
+    assert host.handle(seen(6.0, alive=back, arrivals=("workstation",))) == [Admit("workstation")]
+    assert said(admitted(host, "workstation")) == [
         "workstation verified and linked; it joins the ring once no request is running"
     ]
-    taking_in = host.handle(seen(7.0, deployed=back, alive=RING, newcomers=("workstation",), idle=True))
+    taking_in = host.handle(seen(7.0, alive=RING, idle=True))
     assert taking_in == [
         Unready(("the host to replan, taking in workstation",), paused=True),
         Retire("the host is replanning, taking in workstation"),
     ]
     assert host.handle(Retired(("laptop", "workstation"))) == [Deploy(("laptop", "workstation"))]
-    assert said(host.handle(Deployed(3))) == ["replanned with 3 members, taking in workstation"]
+    assert said(host.handle(Deployed(("laptop", "workstation"), epoch=2))) == [
+        "replanned with 3 members, taking in workstation"
+    ]
     assert host.phase == Phase.SERVING and not host.paused
 
 
@@ -282,22 +328,22 @@ def test_a_newcomer_takes_a_freed_seat_until_the_guess_budget_is_spent() -> None
     host = serving_ring()
     host.handle(seen(1.0, alive=frozenset({"laptop"})))
     host.handle(Retired(("laptop",)))
-    host.handle(Deployed(2))
+    host.handle(Deployed(("laptop",), epoch=1))
     ring = frozenset({"laptop"})
-    assert host.handle(seen(2.0, deployed=ring, alive=ring, arrivals=("phone", "tablet"))) == [
+    assert host.handle(seen(2.0, alive=ring, arrivals=("phone", "tablet"))) == [
         Admit("phone"),
         Admit("tablet"),
     ]
     for guess in range(1, GUESS_BUDGET):  # one wrong code, or two, close nothing
         failed = host.handle(NewcomerChecked(f"guesser-{guess}", "it proved a different code", guess=True))
         assert failed == [Warn(f"did not admit guesser-{guess}", "it proved a different code")]
-        assert host.admitting
-        assert host.handle(seen(3.0, deployed=ring, alive=ring, arrivals=(f"g{guess}",))) == [Admit(f"g{guess}")]
+        assert host.guesses.admitting
+        assert host.handle(seen(3.0, alive=ring, arrivals=(f"g{guess}",))) == [Admit(f"g{guess}")]
     spent = host.handle(NewcomerChecked("tablet", "it proved a different code", guess=True))
     assert spent[0] == Warn("did not admit tablet", "it proved a different code")
     assert said(spent)[0].startswith(f"this session admits no more members: {GUESS_BUDGET} joiners failed")
-    assert not host.admitting and host.failed_proofs == GUESS_BUDGET
-    refused = host.handle(seen(3.0, deployed=ring, alive=ring, arrivals=("guesser",)))
+    assert not host.guesses.admitting and host.guesses.failed_proofs == GUESS_BUDGET
+    refused = host.handle(seen(3.0, alive=ring, arrivals=("guesser",)))
     assert refused == [
         Refuse("guesser", "this session admits no more members; the host must start over with a new code")
     ]
@@ -305,7 +351,7 @@ def test_a_newcomer_takes_a_freed_seat_until_the_guess_budget_is_spent() -> None
     other = serving_ring()
     for _ in range(2 * GUESS_BUDGET):
         other.handle(NewcomerChecked("phone", "phone left after proving the code"))
-    assert other.admitting and other.failed_proofs == 0
+    assert other.guesses.admitting and other.guesses.failed_proofs == 0
 
 
 def test_joiners_refused_while_the_session_forms_keep_its_code_until_the_guess_budget_is_spent() -> None:
@@ -313,7 +359,7 @@ def test_joiners_refused_while_the_session_forms_keep_its_code_until_the_guess_b
     host.handle(Opened(JOIN))
     for why in ("did not prove the session code within 30 s", "sent garbage", "aborted"):  # no guesses
         assert host.handle(JoinerRefused("laptop", why)) == [Warn("refused laptop", why)]
-    assert host.phase == Phase.GATHERING and host.failed_proofs == 0 and host.join_line == JOIN
+    assert host.phase == Phase.GATHERING and host.guesses.failed_proofs == 0 and host.join_line == JOIN
     for _ in range(GUESS_BUDGET - 1):
         assert host.handle(JoinerRefused("guesser", "a different code", guess=True)) == [
             Warn("refused guesser", "a different code")
@@ -321,7 +367,7 @@ def test_joiners_refused_while_the_session_forms_keep_its_code_until_the_guess_b
     ended = host.handle(JoinerRefused("guesser", "a different code", guess=True))
     assert ended[0] == Warn("refused guesser", "a different code")
     assert isinstance(ended[-1], Fail) and ended[-1].exit and "admits no one" in ended[-1].message
-    assert host.phase == Phase.FAILED and not host.admitting
+    assert host.phase == Phase.FAILED and not host.guesses.admitting
     assert host.handle(Gathered(("laptop",))) == []  # too late: forming has ended
 
 
@@ -330,11 +376,11 @@ def test_guesses_count_over_the_hosts_whole_life() -> None:
     host.handle(Opened(JOIN))
     host.handle(JoinerRefused("guesser", "a different code", guess=True))
     host.handle(Gathered(("laptop",)))
-    host.handle(Deployed(2))
+    host.handle(Deployed(("laptop",)))
     host.handle(NewcomerChecked("guesser", "a different code", guess=True))
-    assert host.admitting
+    assert host.guesses.admitting
     spent = host.handle(NewcomerChecked("guesser", "a different code", guess=True))
-    assert not host.admitting and said(spent)[0].startswith("this session admits no more members")
+    assert not host.guesses.admitting and said(spent)[0].startswith("this session admits no more members")
 
 
 def test_a_session_whose_joiners_all_left_before_it_formed_serves_alone() -> None:
@@ -346,7 +392,8 @@ def test_a_session_whose_joiners_all_left_before_it_formed_serves_alone() -> Non
 
 def test_a_planned_replan_under_load_holds_new_requests_then_takes_the_newcomer_in() -> None:
     host = serving_ring()
-    waiting = dict(newcomers=("phone",), alive=RING | {"phone"})
+    admitted(host, "phone")
+    waiting = dict(alive=RING | {"phone"})
     assert host.handle(seen(0.0, **waiting)) == []
     held = host.handle(seen(PATIENCE_S, **waiting))
     assert held == [
@@ -354,18 +401,22 @@ def test_a_planned_replan_under_load_holds_new_requests_then_takes_the_newcomer_
         Unready(("the requests running to finish, then the host to replan taking in phone",), paused=True),
     ]
     assert host.phase == Phase.PAUSED
-    assert host.handle(seen(PATIENCE_S + 1, ready=False, **waiting)) == []
-    drained = host.handle(seen(PATIENCE_S + 2, ready=False, idle=True, **waiting))
+    assert host.handle(seen(PATIENCE_S + 1, **waiting)) == []
+    drained = host.handle(seen(PATIENCE_S + 2, idle=True, **waiting))
     assert drained[-1] == Retire("the host is replanning, taking in phone")
     assert host.handle(Retired(("laptop", "workstation", "phone"))) == [Deploy(("laptop", "workstation", "phone"))]
-    assert said(host.handle(Deployed(4))) == ["replanned with 4 members, taking in phone"]
+    assert said(host.handle(Deployed(("laptop", "workstation", "phone"), epoch=1))) == [
+        "replanned with 4 members, taking in phone"
+    ]
 
 
 def test_newcomers_that_leave_while_requests_are_held_release_them() -> None:
     host = serving_ring()
-    host.handle(seen(0.0, newcomers=("phone",)))
-    host.handle(seen(PATIENCE_S, newcomers=("phone",)))
-    assert host.handle(seen(PATIENCE_S + 1, ready=False)) == [
+    admitted(host, "phone")
+    host.handle(seen(0.0, alive=RING | {"phone"}))
+    host.handle(seen(PATIENCE_S, alive=RING | {"phone"}))
+    assert host.phase == Phase.PAUSED
+    assert host.handle(seen(PATIENCE_S + 1)) == [
         Resume(),
         Say("the newcomers left before the replan; serving on with the ring as it is"),
     ]
@@ -374,12 +425,12 @@ def test_newcomers_that_leave_while_requests_are_held_release_them() -> None:
 
 def test_an_idle_ring_that_measured_something_new_is_priced_and_rebalanced_when_worth_it() -> None:
     host = serving_ring()
-    measured = [((0, 4), 40), ((4, 8), 40)]
+    measured = MEASURED
     assert host.handle(seen(10.0, idle=True, measurements=measured)) == [PriceRebalance()]
     assert host.handle(Judged(10.0, worth_it=False)) == []
     later = 10.0 + REBALANCE_CHECK_S
-    assert host.handle(seen(later, idle=True, measurements=list(measured))) == []  # nothing new to judge
-    more = [((0, 4), 41), ((4, 8), 41)]
+    assert host.handle(seen(later, idle=True, measurements=tuple(measured))) == []  # nothing new to judge
+    more = (((0, 4), 41), ((4, 8), 41))
     assert host.handle(seen(later + REBALANCE_CHECK_S, idle=True, measurements=more)) == [PriceRebalance()]
     why = "rebalancing by what the stages measured serving"
     rebalance = host.handle(Judged(later + REBALANCE_CHECK_S, worth_it=True, reason="laptop is 2× slower"))
@@ -389,9 +440,9 @@ def test_an_idle_ring_that_measured_something_new_is_priced_and_rebalanced_when_
         Retire(f"the host is replanning, {why}"),
     ]
     host.handle(Retired(("laptop", "workstation")))
-    assert said(host.handle(Deployed(3))) == [f"replanned with 3 members, {why}"]
+    assert said(host.handle(Deployed(tuple(RING), epoch=1))) == [f"replanned with 3 members, {why}"]
     soon = later + REBALANCE_CHECK_S + COOLDOWN_S / 2
-    assert host.handle(seen(soon, idle=True, measurements=[((0, 3), 30)])) == []  # cooling down
+    assert host.handle(seen(soon, idle=True, measurements=(((0, 3), 30),))) == []  # cooling down
 
 
 def test_a_plan_refused_at_the_start_ends_the_host_naming_the_device() -> None:
@@ -418,14 +469,12 @@ def test_a_plan_refused_after_a_break_waits_for_members_while_anyone_may_join() 
     ]
     assert host.phase == Phase.WAITING
     # A member that joins again is taken in as a newcomer would be.
-    none = frozenset[str]()
-    assert host.handle(seen(2.0, deployed=none, alive=frozenset({"laptop"}), arrivals=("workstation",))) == [
-        Admit("workstation")
-    ]
-    back = host.handle(seen(3.0, deployed=none, alive=RING, newcomers=("workstation",), engine=False, idle=True))
+    assert host.handle(seen(2.0, alive=frozenset({"laptop"}), arrivals=("workstation",))) == [Admit("workstation")]
+    admitted(host, "workstation")
+    back = host.handle(seen(3.0, alive=RING, idle=True))
     assert back[-1] == Retire("the host is replanning, taking in workstation")
     host.handle(Retired(("laptop", "workstation")))
-    host.handle(Deployed(3))
+    host.handle(Deployed(("laptop", "workstation"), epoch=1))
     assert host.phase == Phase.SERVING
 
 
@@ -478,7 +527,7 @@ def test_a_member_that_runs_out_of_memory_is_planned_again_with_less_of_it_not_s
         Deploy(("laptop", "workstation")),  # the same members again
     ]
     assert host.phase == Phase.DEPLOYING
-    assert host.handle(Deployed(3)) == [] and host.phase == Phase.SERVING
+    assert host.handle(Deployed(("laptop", "workstation"))) == [] and host.phase == Phase.SERVING
 
 
 def test_what_a_member_says_it_can_hold_lowers_its_memory_further() -> None:
@@ -553,7 +602,8 @@ def test_a_host_short_of_memory_for_its_own_share_plans_again_with_less_of_it_an
         )
     assert host.handle(OwnShortOfMemory(OWN_OUT_OF_MEMORY, MemoryShortage((0, 4), needed))) == [
         Fail(
-            f"the session could not start: {OWN_OUT_OF_MEMORY} (still short after {MEMORY_LOWERINGS} smaller shares)",
+            f"the session could not start: {OWN_OUT_OF_MEMORY} (still short of memory after {MEMORY_LOWERINGS} smaller "
+            "shares)",
             exit=True,
         )
     ]
@@ -572,10 +622,10 @@ def test_a_host_that_cannot_hold_even_the_smallest_stage_of_its_own_ends_at_once
 
 def test_a_member_short_of_memory_in_a_replan_is_planned_again_with_the_members_of_that_replan() -> None:
     host = serving_ring(("laptop", "workstation", "phone"))
-    host.handle(seen(1.0, deployed=frozenset({"laptop", "workstation", "phone"}), alive=RING))  # phone lost
+    host.handle(seen(1.0, alive=RING))  # phone lost
     assert host.handle(Retired(("laptop", "workstation"))) == [Deploy(("laptop", "workstation"))]
     assert host.handle(ran_out(2 * GIB))[-1] == Deploy(("laptop", "workstation"))
-    assert said(host.handle(Deployed(3))) == [
+    assert said(host.handle(Deployed(("laptop", "workstation"), epoch=1))) == [
         "replanned with 3 members",
         f"a seat is free again; to fill it: {JOIN}",
     ]
@@ -583,11 +633,10 @@ def test_a_member_short_of_memory_in_a_replan_is_planned_again_with_the_members_
 
 def test_a_replan_with_no_member_left_serves_alone() -> None:
     host = serving_ring(("laptop",))
-    host.handle(seen(1.0, deployed=frozenset({"laptop"}), alive=frozenset()))
+    host.handle(seen(1.0, alive=frozenset()))
     assert host.handle(Retired(())) == [ForgetRing(), ServeAlone("replanned: no member is left")]
     assert said(host.handle(ServedAlone())) == [f"a seat is free again; to fill it: {JOIN}"]
-    alone = frozenset[str]()
-    assert host.handle(seen(2.0, deployed=alone, alive=alone, engine_error="out of memory")) == [
+    assert host.handle(seen(2.0, alive=frozenset(), engine_error="out of memory")) == [
         Fail("serving alone failed: out of memory")
     ]
     assert host.phase == Phase.FAILED
@@ -598,12 +647,13 @@ def test_ctrl_c_ends_the_session_and_losses_after_it_are_no_failure() -> None:
     assert host.handle(Interrupted("the host is shutting down")) == [AbandonRing("the host is shutting down")]
     assert host.phase == Phase.STOPPING
     assert host.handle(seen(1.0, alive=frozenset())) == []
-    assert host.handle(Deployed(3)) == []
+    assert host.handle(Deployed(tuple(RING))) == []
 
 
 def test_ctrl_c_while_requests_wait_for_a_replan_tells_them_there_will_be_none() -> None:
     host = serving_ring()
-    host.handle(seen(0.0, newcomers=("phone",), idle=True))  # the replan by choice begins
+    admitted(host, "phone")
+    host.handle(seen(0.0, alive=RING | {"phone"}, idle=True))  # the replan by choice begins
     assert host.paused
     assert host.handle(Interrupted("the host is shutting down")) == [
         Unready((), failure="the host is shutting down"),
@@ -615,8 +665,7 @@ def test_one_machines_failed_stages_are_loaded_again_as_one() -> None:
     host = session(networked=False)
     assert host.phase == Phase.DEPLOYING  # `kafila host` with no members loads its own stages
     assert host.handle(ServedAlone()) == [] and host.phase == Phase.SERVING
-    alone = frozenset[str]()
-    failed = host.handle(Observed(SessionView(now=1.0, deployed=alone, alive=alone, engine_error="stage 1 stopped")))
+    failed = host.handle(Look(now=1.0, engine_error="stage 1 stopped"))
     assert failed == [
         RecordIncident("a stage failed", "stage 1 stopped"),
         Unready(("the host to replan without the failed stage",)),
@@ -626,36 +675,31 @@ def test_one_machines_failed_stages_are_loaded_again_as_one() -> None:
     assert host.handle(DeployFailed("needs 3.1 GiB, has 2.0 GiB", refused=True)) == [
         Fail("stage 1 stopped; the host cannot serve alone: needs 3.1 GiB, has 2.0 GiB")
     ]
-    idle = Observed(SessionView(now=10.0, deployed=alone, alive=alone, idle=True))
-    assert host.handle(idle) == []  # no rebalance on one machine
+    assert host.handle(Look(now=10.0, idle=True, measurements=MEASURED)) == []  # no rebalance on one machine
 
 
 MEMBERS = ("laptop", "workstation", "phone")
 
 
-def observed(
-    now: float,
-    alive: set[str],
-    arrivals: list[str],
-    newcomers: list[str],
-    flags: tuple[bool, bool, bool],
-    broken: str | None,
-) -> Observed:
-    idle, ready, engine = flags
-    return seen(now, alive=frozenset(alive), arrivals=tuple(arrivals), newcomers=tuple(newcomers), idle=idle,
-                ready=ready, broken=broken, engine=engine, measurements=now)  # fmt: skip
+def looked(now: float, alive: set[str], listed: set[str], arrivals: list[str], idle: bool, error: str | None) -> Look:
+    measurements = (((0, 2), int(now)),)
+    return seen(now, alive=frozenset(alive), listed=frozenset(listed), arrivals=tuple(arrivals), idle=idle,
+                engine_error=error, measurements=measurements)  # fmt: skip
 
 
 some = st.lists(st.sampled_from(MEMBERS), max_size=2)
 events = st.one_of(
-    st.builds(observed, st.floats(0, 1000), st.sets(st.sampled_from(MEMBERS)), some, some,
-              st.tuples(st.booleans(), st.booleans(), st.booleans()), st.none() | st.just("a stage stopped")),
+    st.builds(looked, st.floats(0, 1000), st.sets(st.sampled_from(MEMBERS)), st.sets(st.sampled_from(MEMBERS)), some,
+              st.booleans(), st.none() | st.just("the engine failed")),
+    st.builds(StageBroken, st.just("a stage stopped"), st.integers(0, 3)),
+    st.builds(StartFailed, st.just("no rendezvous"), st.booleans()),
     st.builds(Gathered, st.tuples(st.sampled_from(MEMBERS))),
     st.builds(CodeRefused, st.just("did not fill")),
     st.builds(JoinerRefused, st.sampled_from(MEMBERS), st.just("wrong code"), st.booleans()),
-    st.builds(NewcomerChecked, st.sampled_from(MEMBERS), st.none() | st.just("no"), st.booleans()),
-    st.builds(Retired, st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple)),
-    st.builds(Deployed, st.integers(1, 4)),
+    st.builds(NewcomerChecked, st.sampled_from(MEMBERS), st.none() | st.just("no"), st.booleans(),
+              st.sampled_from(MEMBERS)),
+    st.builds(Retired, st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple), st.none() | st.floats(0, 1000)),
+    st.builds(Deployed, st.lists(st.sampled_from(MEMBERS), max_size=3).map(tuple), st.integers(0, 3)),
     st.builds(MemberFailed, st.sampled_from(MEMBERS), st.just("stalled")),
     st.builds(MemberFailed, st.sampled_from(MEMBERS), st.just("ran out of memory"),
               st.builds(MemoryShortage, st.just((0, 2)), st.integers(0, 2**40), st.none() | st.integers(0, 2**40)),
@@ -679,7 +723,11 @@ def test_whatever_happens_at_most_one_command_answers_and_it_comes_last(history:
         answered = [i for i, c in enumerate(commands) if isinstance(c, ANSWERED)]
         assert len(answered) <= 1 and answered in ([], [len(commands) - 1]), (event, commands)
         assert (host.deployment is not None) == (host.phase == Phase.DEPLOYING), (event, host)
+        assert host.next_deadline() > host.last_look, (event, host)  # the shell never spins
+        if host.phase != Phase.DEPLOYING:  # the newcomers left for a plan are none of the ring's
+            assert not host.newcomers & host.ring, (event, host)
     assert host.handle(Interrupted("stop"))[-1] == AbandonRing("stop")
+    assert host.handle(Stopped("stop")) == [] and host.phase == Phase.STOPPING
 
 
 def test_a_join_keeps_trying_for_a_seat_another_holds_and_a_join_again_for_a_network_coming_back() -> None:
@@ -696,3 +744,10 @@ def test_a_join_keeps_trying_for_a_seat_another_holds_and_a_join_again_for_a_net
         assert not worth_retrying(error, rejoining=True, since_s=5.0), error
     assert [retry_pause(full, tries) for tries in range(1, 7)] == [3.0, 6.0, 12.0, 24.0, 30.0, 30.0]
     assert retry_pause(RendezvousError("rate_limited", "slow down", retry_after_s=20), 1) == 20.0
+
+
+def test_a_member_joins_again_while_its_joins_last_and_a_few_times_in_a_row() -> None:
+    rejoins = Rejoins(limit=3, steady_s=60.0)
+    assert [rejoins.after_loss(5.0) for _ in range(4)] == [True, True, True, False]  # quick losses run out
+    steady = Rejoins(limit=3, steady_s=60.0)
+    assert all(steady.after_loss(lasted) for lasted in (5.0, 5.0, 120.0, 5.0, 5.0, 61.0))  # a lasting join resets

@@ -39,6 +39,7 @@ from kafila.runtime.gguf.slicer import StageFile, cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.session.availability import Availability
 from kafila.session.deployer import Deployer, Roster
+from kafila.session.lifecycle import StageBroken
 from kafila.session.member import cached_stage_hashes, serve_stage
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import TRANSFER_SEQUENCES, ChannelBounds, LinkRouter, traffic_of
@@ -376,7 +377,7 @@ def test_a_control_message_the_host_cannot_read_is_refused_and_the_next_one_hear
     the host's listener to that member refuses it and still hears the member's genuine report
     that its stage stopped (it used to stop listening at the first, and missed the report)."""
 
-    async def scenario() -> tuple[str | None, dict[str, int]]:
+    async def scenario() -> tuple[str, dict[str, int]]:
         handle = await start_rendezvous("127.0.0.1", 0, 0)
         clients: list[RendezvousClient] = []
         host_router, member_router, demuxes = await _linked_routers()
@@ -393,13 +394,16 @@ def test_a_control_message_the_host_cannot_read_is_refused_and_the_next_one_hear
             await host.wait_for_members(2, 10)
             roster = Roster(client=host, machine="m", routers={member.member_id: host_router})
             deployer = Deployer(roster, tmp_path / "m.gguf", SETTINGS, tmp_path, say=lambda _text: None)
+            reports: list[StageBroken] = []
+            deployer.stage_broken = reports.append
             deployer._listen([member.member_id], epoch=3)
             for payload in (b'{"type": "no-such-message"}', b"\xff\x00 not json", b'{"type": "failed"}'):
                 await member_router.link.send(Frame(Kind.PING, CONTROL_SEQUENCE, payload=payload))
             await member_router.send_control(StageFailedReport(epoch=3, message="lost its successor", lost_peer="m1"))
-            await until_async(lambda: deployer.broken is not None, "the member's report that its stage stopped", 10)
+            await until_async(lambda: bool(reports), "the member's report that its stage stopped", 10)
             await deployer.stop_listening()
-            return deployer.broken, deployer.refused_controls
+            assert [report.epoch for report in reports] == [3]
+            return reports[0].report, deployer.refused_controls
         finally:
             for client in clients:
                 await client.close()

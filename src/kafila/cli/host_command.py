@@ -30,7 +30,6 @@ from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.contracts import Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_http, raise_open_file_limit
-from kafila.planner import PlanRefused
 from kafila.planner.types import ServingSpec
 from kafila.portability import reuse_listening_address, run, signals_handled
 from kafila.runtime.gguf.manifest import read_manifest
@@ -40,7 +39,8 @@ from kafila.runtime.llama.loading import LlamaUnavailable, load_llama, shares_co
 from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
 from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.session.availability import Availability
-from kafila.session.runner import HostConfig, HostRunner, lan_address, seconds_from_env, supervised
+from kafila.session.host_config import HostConfig, lan_address, seconds_from_env
+from kafila.session.runner import HostRunner, supervised
 from kafila.untrusted import printable
 
 if TYPE_CHECKING:
@@ -312,17 +312,9 @@ async def _serve(config: HostConfig) -> None:
 
     async def run() -> None:
         nonlocal watcher
-        try:
-            going_on = await (host.start_local() if config.members == 1 else host.start_network())
-            if not going_on:  # the host said why
-                server.should_exit = True
-                return
+        if await host.start():
             watcher = supervised(host.watch(), host)
-        except PlanRefused as refused:
-            host.fail(f"the model does not fit: {refused}")
-            server.should_exit = True
-        except Exception as error:
-            host.fail(f"the session could not start: {error}")
+        else:  # the host said why
             server.should_exit = True
 
     starting = asyncio.create_task(run())

@@ -113,6 +113,7 @@ class RendezvousClient:
         self._signals: dict[str, deque[str]] = {}  # from members, until read
         self._signal_errors: dict[str, Error] = {}  # for signals sent, until read
         self.departed: dict[str, LeaveReason] = {}  # members that left, and why (at most the member ids there are)
+        self.roster_changed: Callable[[], None] = lambda: None  # told when a member joins or leaves
         self._asked: set[str] = set()  # peers this member signalled, asked a relay to, or removed
         self._removals_refused: set[str] = set()
         self._changes = 0  # messages received so far: what `_wait_change` watches
@@ -222,6 +223,8 @@ class RendezvousClient:
                     continue
                 self._apply(message)
                 self._changes += 1
+                if isinstance(message, MemberJoined | MemberLeft | Ready):
+                    self.roster_changed()
                 async with self._changed:
                     self._changed.notify_all()
         except ConnectionClosed:

@@ -81,6 +81,8 @@ class EngineLoop:
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
         self.error: str | None = None
+        # Told from the engine thread when the loop drains or breaks: what a host waits on to replan.
+        self.on_change: Callable[[], None] = lambda: None
         self._sinks: dict[str, Sink] = {}
         self._suspended: list[tuple[Suspended, Sink]] = []  # what a broken ring left, for the next loop
         self._lock = threading.Condition()
@@ -122,14 +124,25 @@ class EngineLoop:
     def running(self) -> int:
         return self.batcher.running
 
-    def stop(self, message: str = "the host is shutting down") -> None:
-        """End the loop; requests still in flight, or left by its ring and not taken on, fail
-        with `message`."""
+    def halt(self) -> None:
+        """Stop the engine thread; the requests it holds stay, for `suspend` or `stop`."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+
+    def suspend(self, reason: str) -> None:
+        """After `halt`: the ring is known broken though the thread did not see it fail (the host
+        heard first that a member's link went down), so its requests wait for the next ring, as
+        they would had it failed under them."""
+        if self.error is None:
+            self._break(StageFailed(reason))
+
+    def stop(self, message: str = "the host is shutting down") -> None:
+        """End the loop; requests still in flight, or left by its ring and not taken on, fail
+        with `message`."""
+        self.halt()
         for suspended, sink in self.take_suspended():
             fail_suspended(suspended, sink, message)
         with self._lock:
@@ -199,6 +212,9 @@ class EngineLoop:
                     decoded=sum(1 for s in steps if s.decode),
                 )
                 self._dispatch(events)
+                drained = self.batcher.idle
+            if drained:
+                self.on_change()
 
     def _refused_in_a_row(self, results: list[StepResult]) -> int:
         """Sequences refused by a stage with none served since: a stage that refuses everything
@@ -223,6 +239,7 @@ class EngineLoop:
                 if sink is not None:
                     self._suspended.append((suspended, sink))
             self._dispatch(failed)
+        self.on_change()
 
     def take_suspended(self) -> list[tuple[Suspended, Sink]]:
         """The requests this loop's broken ring left, each with where its events go: for the next

@@ -1,7 +1,11 @@
 """A session across machines: `kafila host` and `kafila join`, over the rendezvous and QUIC links.
 
-`protocol` is the pure control vocabulary between the host and its members; `router` splits one
-link's frames into control, file and activation traffic; `quic_ring` lets the host's blocking
-engine drive activations over links; `member` and `host` are the two sides' orchestration;
-`runner` is the host's lifecycle around its HTTP server (load or gather, serve, replan, stop).
+The host: `core` decides, pure, in the vocabulary of `lifecycle`; `event_shell` feeds it what
+happens and carries out what it decides; `runner` wires the two to the world, with
+`host_engines` (the engine of each ring), `host` (the session at the rendezvous: roster,
+pricing, planning), `admissions` (who gets in), `deployer` (a plan put in place), `pricing`,
+`availability` (what the API may serve) and `host_status`. The member: `member_runner` (its whole
+time in a session) and `member` (following its host). Both: `router` (one link's channels),
+`quic_ring` (the host's engine over links), `presence` (what a machine brings), and
+`local_members` (the demo's member processes).
 """

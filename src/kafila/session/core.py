@@ -1,466 +1,100 @@
 """The host's decisions, pure: what to do next, given what happened and what its session looks like.
 
 `SessionCore` is the whole lifecycle as a state machine (gathering, deploying, serving, paused,
-waiting, failed, stopping). The shell (`runner.HostRunner`) feeds it typed events, carries out
-the commands `handle` returns, in order, and feeds back the answer of the last one; several
-times a second it also feeds what it sees of the serving session (`Observed`). The core reads no
-clock and does no I/O: events bring the time. So a test drives every path with made-up events
-(tests/test_session_core.py), as aioquic's tests drive a connection with made-up datagrams.
+waiting, failed, stopping). The shell (`runner.HostRunner`) hands it typed events (the vocabulary
+is `session.lifecycle`), carries out the commands `handle` returns, in order, and hands back the
+answer of the last one. After each batch of events, and at `next_deadline()` if nothing happens
+first, the shell hands it a `Look` at the facts that are states rather than happenings (links
+up, the engine idle). The core reads no clock and does no I/O: events bring the time. So a test
+drives every path with made-up events (tests/test_session_core.py), as aioquic's tests drive a
+connection with made-up datagrams.
 
-While a ring serves, `ServingCore` decides; its rules, in the order they are tried (the first
-that applies decides):
-1. members arrived: check their code (the session core decides whether anyone may);
-2. the ring broke (a member lost, a stage's report of failure, the engine's error): replan with
+Every decision's state lives here: the ring that serves, its epoch and whether a stage broke,
+the newcomers waiting for a plan and since when, requests a broken ring left and since when,
+the rebalance schedule, the guess budget and the memory each machine is planned with.
+
+While a ring serves, each look first answers joiners (admit, or refuse once the guess budget is
+spent) and ends requests a broken ring left that waited too long; then one chain of rules, the
+first that applies deciding:
+1. the ring broke (a member's link down, a stage's report, the engine's error): replan with
    those left;
-3. admitted newcomers wait: replan with them once no request runs; under steady load, after
+2. admitted newcomers wait: replan with them once no request runs; under steady load, after
    `newcomer_patience_s`, hold new requests so the running ones can finish;
-4. the newcomers left before their replan: stop holding requests;
-5. an idle ring, every `rebalance_check_s` after any cool-down: judge whether to divide again.
+3. the newcomers left while requests were held for them: serve on;
+4. an idle ring whose stages measured something new, every `REBALANCE_CHECK_S` after any
+   cool-down: price whether dividing again is clearly faster.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from dataclasses import dataclass, field
 
-from kafila.contracts import EventKind
+from kafila.session.lifecycle import (
+    AbandonRing,
+    Admit,
+    CodeRefused,
+    Command,
+    Deploy,
+    Deployed,
+    DeployFailed,
+    Dismiss,
+    Dismissed,
+    Event,
+    Fail,
+    FailHeld,
+    ForgetRing,
+    Gathered,
+    Interrupted,
+    JoinerRefused,
+    Judged,
+    Look,
+    LowerMemory,
+    LowerOwnMemory,
+    Measurements,
+    MemberFailed,
+    MemoryShortage,
+    NewcomerChecked,
+    Opened,
+    OwnShortOfMemory,
+    Phase,
+    PriceRebalance,
+    RecordIncident,
+    Refuse,
+    RenewCode,
+    Resume,
+    Retire,
+    Retired,
+    Say,
+    SendAway,
+    ServeAlone,
+    ServedAlone,
+    StageBroken,
+    StartFailed,
+    Stopped,
+    Unready,
+    Warn,
+)
 
 GUESS_BUDGET = 3  # failed proofs of the code a host takes in its whole life, over every code it issues
-MEMORY_LOWERINGS = 3  # smaller shares a member that runs out of memory gets before it is left out
+MEMORY_LOWERINGS = 3  # smaller shares a machine that runs out of memory gets before it is left out
 MEMORY_LOWERED_TO = 0.75  # of what the stage it could not load needed
 REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
-
-
-@dataclass(frozen=True)
-class SessionView:
-    """What the host sees of its serving session at one moment."""
-
-    now: float  # monotonic seconds
-    deployed: frozenset[str]  # the members the ring was planned with
-    alive: frozenset[str]  # members still linked
-    engine: bool = True  # an engine loop serves (or turns requests away while paused)
-    arrivals: tuple[str, ...] = ()  # joined, their code not yet checked
-    newcomers: tuple[str, ...] = ()  # admitted, waiting for a plan that takes them in
-    broken: str | None = None  # a stage's report that it stopped
-    engine_error: str | None = None  # the engine loop's failure
-    idle: bool = True  # no request running or queued
-    ready: bool = True  # /v1 serves (not paused, not replanning)
-    names: Mapping[str, str] = field(default_factory=dict)  # member id → the name people read
-    measurements: object = None  # what the stages measured serving, compared between judgements
-
-
-@dataclass(frozen=True)
-class Admit:
-    member: str
-
-
-@dataclass(frozen=True)
-class ReplanAfterBreak:
-    lost: tuple[str, ...]  # members of the ring no longer linked (none: a stage or the engine failed)
-
-
-@dataclass(frozen=True)
-class ReplanWithNewcomers:
-    newcomers: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class HoldRequests:
-    """New requests wait while those running finish, so the newcomers get their replan."""
-
-    newcomers: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class StopHolding:
-    """The newcomers left before their replan: serve on with the ring as it is."""
-
-
-@dataclass(frozen=True)
-class JudgeRebalance:
-    """Read the idle ring's measurements and replan if a division clearly faster fits."""
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Nothing to do until the session changes."""
-
-
-Action = Admit | ReplanAfterBreak | ReplanWithNewcomers | HoldRequests | StopHolding | JudgeRebalance | Wait
-WAIT = Wait()
-
-
-@dataclass
-class ServingCore:
-    """The host's patience with newcomers and its rebalance schedule, and the rules that use them."""
-
-    newcomer_patience_s: float
-    rebalance_cooldown_s: float
-    rebalance: bool = True  # divide again when the stages' measured times clearly call for it
-    newcomers_waiting_since: float | None = None
-    holding: bool = False  # new requests are held for the newcomers' replan
-    next_rebalance_check: float = 0.0
-    judged: object = None  # the stages' measurements when last judged for a rebalance
-
-    def next_action(self, view: SessionView) -> Action:
-        return (
-            self._admit_arrivals(view)
-            or self._replan_after_break(view)
-            or self._take_in_newcomers(view)
-            or self._newcomers_left(view)
-            or self._judge_rebalance(view)
-            or WAIT
-        )
-
-    def rebalanced(self, now: float) -> None:
-        """A rebalance was judged worth it and begins: no other for a cool-down, doubled each time,
-        so a ring on a machine whose load comes and goes cannot flap between divisions."""
-        self.next_rebalance_check = now + self.rebalance_cooldown_s
-        self.rebalance_cooldown_s *= 2
-
-    def worth_judging(self, measurements: object) -> bool:
-        """Whether the stages measured anything since the last judgement (an idle ring's report
-        refreshes without news)."""
-        if measurements == self.judged:
-            return False
-        self.judged = measurements
-        return True
-
-    def replanned(self) -> None:
-        """A replan took the newcomers in (or the ring broke first): nothing is held for them now."""
-        self.newcomers_waiting_since = None
-        self.holding = False
-
-    # --- the rules ---
-    @staticmethod
-    def _admit_arrivals(view: SessionView) -> Action | None:
-        return Admit(view.arrivals[0]) if view.arrivals else None
-
-    @staticmethod
-    def _replan_after_break(view: SessionView) -> Action | None:
-        lost = tuple(sorted(view.deployed - view.alive))
-        if lost or view.broken is not None or view.engine_error is not None:
-            return ReplanAfterBreak(lost)
-        return None
-
-    def _take_in_newcomers(self, view: SessionView) -> Action | None:
-        if not view.newcomers:
-            return None
-        if view.idle:
-            self.replanned()
-            return ReplanWithNewcomers(view.newcomers)
-        if self.newcomers_waiting_since is None:
-            self.newcomers_waiting_since = view.now
-        elif view.now - self.newcomers_waiting_since >= self.newcomer_patience_s and view.ready and not self.holding:
-            self.holding = True
-            return HoldRequests(view.newcomers)
-        return WAIT
-
-    def _newcomers_left(self, view: SessionView) -> Action | None:
-        if self.newcomers_waiting_since is None:
-            return None
-        was_holding = self.holding
-        self.replanned()
-        return StopHolding() if was_holding else WAIT
-
-    def _judge_rebalance(self, view: SessionView) -> Action | None:
-        if not self.rebalance or not view.engine or not view.idle or view.now < self.next_rebalance_check:
-            return None
-        self.next_rebalance_check = view.now + REBALANCE_CHECK_S
-        return JudgeRebalance()
-
-
-# --- the whole lifecycle ----------------------------------------------------------------------
-
-
-class Phase(StrEnum):
-    GATHERING = "gathering"  # members join and prove the code
-    DEPLOYING = "deploying"  # a plan's stages are cut, delivered and loaded (or this machine loads alone)
-    SERVING = "serving"  # a ring serves, or this machine alone
-    PAUSED = "paused"  # requests wait while those running finish, for the newcomers' replan
-    WAITING = "waiting"  # nothing can serve: the session waits for members to join again
-    FAILED = "failed"  # nothing serves and nothing will: /v1 says why
-    STOPPING = "stopping"  # the person at the host ended it
-
-
-# Events: what happened, with what the shell saw when it did. ------------------------------------
-
-
-@dataclass(frozen=True)
-class Observed:
-    """A look at the serving session (the shell's tick)."""
-
-    view: SessionView
-
-
-@dataclass(frozen=True)
-class Opened:
-    """A session opened at the rendezvous; `join_line` is what a member runs to join it."""
-
-    join_line: str
-
-
-@dataclass(frozen=True)
-class Gathered:
-    """Every seat is taken by a member that proved the code, linked and said what it holds."""
-
-    members: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class CodeRefused:
-    """The session's forming failed as a whole (it did not fill in time, say): a new code follows."""
-
-    error: str
-
-
-@dataclass(frozen=True)
-class JoinerRefused:
-    """While the session formed, a joiner failed its part and was sent away, its seat free again;
-    `guess`: it failed the code's proof (a wrong secret), so it may have been a guess."""
-
-    name: str
-    error: str
-    guess: bool = False
-
-
-@dataclass(frozen=True)
-class NewcomerChecked:
-    """An admission ended; `guess`: it failed the code's proof, so it may have been a guess."""
-
-    name: str
-    error: str | None = None
-    guess: bool = False
-
-
-@dataclass(frozen=True)
-class Retired:
-    """The engine and this machine's stage are stopped; `alive` are the members still linked."""
-
-    alive: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Deployed:
-    machines: int  # in the ring, this one included
-
-
-@dataclass(frozen=True)
-class MemoryShortage:
-    """A member's stage did not fit in its memory: what the plan thought it needed, and what the
-    member said it could hold, if it could tell."""
-
-    blocks: tuple[int, int]  # [first, end)
-    needed_bytes: int  # the plan's estimate: weights, KV cache and llama.cpp's context
-    can_hold_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class MemberFailed:
-    """A member failed its part of a deployment (stalled, left, or could not take its stage);
-    `shortage`: it could not load its stage for lack of memory, so a smaller share may fit it,
-    down to `smallest_stage_bytes` (a block and its cache)."""
-
-    member: str
-    message: str
-    shortage: MemoryShortage | None = None
-    smallest_stage_bytes: int = 0
-    name: str = ""  # the member's name, as people read it
-
-
-@dataclass(frozen=True)
-class OwnShortOfMemory:
-    """This host could not load its own share of a deployment for lack of memory: a smaller one
-    may fit, down to `smallest_stage_bytes`, as for a member."""
-
-    message: str
-    shortage: MemoryShortage
-    smallest_stage_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class Dismissed:
-    member: str
-    alive: tuple[str, ...]  # the members still linked once it went
-
-
-@dataclass(frozen=True)
-class DeployFailed:
-    """No ring came of the deployment: `refused`, the plan found the model does not fit."""
-
-    message: str
-    refused: bool = False
-
-
-@dataclass(frozen=True)
-class ServedAlone:
-    pass
-
-
-@dataclass(frozen=True)
-class Judged:
-    """The idle ring's measurements were priced: a division clearly faster fits, or not."""
-
-    now: float
-    worth_it: bool
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class Interrupted:
-    """Ctrl-C or SIGTERM: the host ends."""
-
-    reason: str
-
-
-Event = (
-    Observed | Opened | Gathered | CodeRefused | JoinerRefused | NewcomerChecked | Retired | Deployed
-    | MemberFailed | OwnShortOfMemory | Dismissed | DeployFailed | ServedAlone | Judged | Interrupted
-)  # fmt: skip
-
-
-# Commands: what the shell is to do. Those marked "→" answer with the event named. --------------
-
-
-@dataclass(frozen=True)
-class Say:
-    """Tell the person at the host; `kind` files it on the host's event timeline (`/events`)."""
-
-    text: str
-    kind: EventKind = "note"
-
-
-@dataclass(frozen=True)
-class Warn:
-    what: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class RecordIncident:
-    """Warn, and keep it for /status."""
-
-    what: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class Unready:
-    """/v1 turns new requests away, saying what it waits for; `paused`: they wait instead (a
-    replan by choice); `failure`: nothing will serve, and why."""
-
-    waiting_for: tuple[str, ...]
-    paused: bool = False
-    failure: str | None = None
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Serve on with the engine as it is."""
-
-
-@dataclass(frozen=True)
-class Refuse:
-    """Turn a joiner away without checking its code."""
-
-    member: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Retire:
-    """→ Retired. Stop the engine (after pricing its machines by what they measured, if `learn`)."""
-
-    reason: str
-    learn: bool = True
-
-
-@dataclass(frozen=True)
-class SendAway:
-    """Free lost members' seats at the rendezvous: their connections there can outlive their links
-    by minutes (an uplink that went down), and each must be able to join again at once."""
-
-    members: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Deploy:
-    """→ Deployed, MemberFailed or DeployFailed. Plan over this host and `members`, and serve."""
-
-    members: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class LowerOwnMemory:
-    """Plan with at most `memory_bytes` of this host's memory from now on (it ran out loading its
-    own share)."""
-
-    memory_bytes: int
-
-
-@dataclass(frozen=True)
-class LowerMemory:
-    """Plan with at most `memory_bytes` of the member's memory from now on (it ran out loading its
-    share)."""
-
-    member: str
-    memory_bytes: int
-
-
-@dataclass(frozen=True)
-class Dismiss:
-    """→ Dismissed. Send a member home with the reason."""
-
-    member: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ForgetRing:
-    """No ring is deployed any more: nothing to watch for breaks."""
-
-
-@dataclass(frozen=True)
-class ServeAlone:
-    """→ ServedAlone or DeployFailed. Every block on this machine."""
-
-    why: str
-
-
-@dataclass(frozen=True)
-class PriceRebalance:
-    """→ Judged. Price the idle ring by what its stages measured."""
-
-
-@dataclass(frozen=True)
-class RenewCode:
-    """→ Opened, then Gathered or CodeRefused. End this session at the rendezvous and open another."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Fail:
-    """Nothing serves: /v1 and the host's terminal say why. `exit`: the host ends too."""
-
-    message: str
-    exit: bool = False
-
-
-@dataclass(frozen=True)
-class AbandonRing:
-    """End every wait on the ring at once and stop the engine, from a signal handler."""
-
-    reason: str
-
-
-Command = (
-    Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | LowerMemory | LowerOwnMemory
-    | Dismiss
-    | ForgetRing | ServeAlone | PriceRebalance | RenewCode | SendAway | Fail | AbandonRing
-)  # fmt: skip
+# The longest the shell goes without a look: the sources push what happens (a link down, a stage's
+# report, an admission, the engine going idle), and this is the net under a fact none pushes
+# (a request starting) and any a source might miss.
+LOOK_AT_LEAST_EVERY_S = 1.0
+LOOK_GAP_S = 0.05  # the least time between two looks the core asks for
 ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
+
+
+@dataclass(frozen=True)
+class ServingPolicy:
+    """The host's patience, from its command line and environment."""
+
+    newcomer_patience_s: float = 30.0  # admitted newcomers wait this long under load before requests are held
+    rebalance_cooldown_s: float = 60.0  # the least time between two rebalances, doubled after each
+    rebalance: bool = True  # divide again when the stages' measured times clearly call for it
+    resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next ring
 
 
 @dataclass(frozen=True)
@@ -488,43 +122,172 @@ _Deployment = _Start | _Replan | _Recover
 
 
 @dataclass
+class Lowerings:
+    """The smaller shares each machine that ran out of memory loading its own was given: each time
+    MEMORY_LOWERED_TO of what the share needed (or what it said it can hold, if less), at most
+    MEMORY_LOWERINGS times, and never below the smallest stage."""
+
+    members: dict[str, int] = field(default_factory=dict)  # member → smaller shares it was given
+    own: int = 0  # smaller shares this host gave itself
+
+    def replan(
+        self,
+        member: str | None,
+        name: str,
+        failed: str,
+        shortage: MemoryShortage,
+        smallest: int,
+        members: tuple[str, ...],
+    ) -> list[Command] | str:
+        """Plan `members` again with less of the memory of the machine that ran out (`member`
+        named `name`, or None: this host); or why it cannot be lowered."""
+        times = self.own if member is None else self.members.get(member, 0)
+        if times >= MEMORY_LOWERINGS:
+            return f"still short of memory after {times} smaller shares"
+        lowered = int(shortage.needed_bytes * MEMORY_LOWERED_TO)
+        if shortage.can_hold_bytes is not None:
+            lowered = min(lowered, shortage.can_hold_bytes)
+        if lowered < smallest:
+            return "it cannot hold even the smallest stage"
+        if member is None:
+            self.own += 1
+        else:
+            self.members[member] = times + 1
+        (first, end), needed = shortage.blocks, shortage.needed_bytes / 2**30
+        whose = "of it" if member is None else "for it"
+        return [
+            Warn(
+                f"{name} ran out of memory loading blocks {first}-{end - 1} (needed {needed:.2f} GiB); "
+                f"replanning with {lowered / 2**30:.2f} GiB {whose}",
+                failed,
+            ),
+            LowerOwnMemory(lowered) if member is None else LowerMemory(member, lowered),
+            Deploy(members),
+        ]
+
+
+@dataclass
+class GuessBudget:
+    """Failed proofs of the code over the host's whole life, every code it issued included: each
+    may be someone guessing the secret, so after GUESS_BUDGET no one is admitted any more."""
+
+    failed_proofs: int = 0
+
+    @property
+    def admitting(self) -> bool:
+        return self.failed_proofs < GUESS_BUDGET
+
+    def spent_by_one_more(self) -> bool:
+        """Count a failed proof; True when that spends the budget."""
+        self.failed_proofs += 1
+        return not self.admitting
+
+    def answer(self, member: str) -> Command:
+        """Who may take a freed seat: anyone who proves the code, until someone fails to."""
+        if self.admitting:
+            return Admit(member)
+        return Refuse(member, "this session admits no more members; the host must start over with a new code")
+
+
+@dataclass
+class RebalanceSchedule:
+    """When an idle ring's measurements are read next, and the cool-down after each rebalance,
+    doubled each time, so a ring on a machine whose load comes and goes cannot flap between
+    divisions. An idle ring's report refreshes without news: it is judged only on news."""
+
+    cooldown_s: float
+    next_check: float = 0.0
+    judged: Measurements | None = None  # the stages' measurements when last judged
+    due: bool = False  # the last look brought news to judge
+
+    def looked(self, look: Look, rebalancing: bool) -> None:
+        self.due = False
+        if rebalancing and look.idle and look.now >= self.next_check:
+            self.next_check = look.now + REBALANCE_CHECK_S
+            self.due, self.judged = look.measurements != self.judged, look.measurements
+
+    def judge(self, _look: Look) -> list[Command] | None:
+        """The rule: news to judge, and nothing before it decided."""
+        return [PriceRebalance()] if self.due else None
+
+    def begun(self, now: float) -> None:
+        """A rebalance was judged worth it and begins."""
+        self.next_check = now + self.cooldown_s
+        self.cooldown_s *= 2
+
+
+@dataclass
 class SessionCore:
     """The host's whole lifecycle, pure: `handle(event)` changes the state and returns the commands
     for the shell (`runner.HostRunner`) to carry out, in order; a command that answers (`ANSWERED`)
     comes last, and its answer is the next event. It reads no clock and does no I/O."""
 
-    serving: ServingCore
+    policy: ServingPolicy = field(default_factory=ServingPolicy)
     networked: bool = True  # members may come and go; False: one machine's own stages
     phase: Phase = Phase.GATHERING
-    admitting: bool = True  # until GUESS_BUDGET joiners have failed the code's proof (maybe guesses)
-    failed_proofs: int = 0  # over the host's whole life, every code it issued
+    guesses: GuessBudget = field(default_factory=GuessBudget)
     join_line: str = ""
     deployment: _Deployment | None = None  # the deployment under way, while DEPLOYING
     paused: bool = False  # /v1 holds requests for a replan by choice
     deploying: tuple[str, ...] = ()  # the members of the deployment under way
-    lowerings: dict[str, int] = field(default_factory=dict)  # member → smaller shares it was given
-    own_lowerings: int = 0  # smaller shares this host gave itself
+    lowerings: Lowerings = field(default_factory=Lowerings)
+    ring: frozenset[str] = frozenset()  # the members of the ring that serves
+    epoch: int = 0  # the serving ring's: a stage's report of another epoch is stale
+    broken: str | None = None  # a stage's report that it stopped
+    newcomers: frozenset[str] = frozenset()  # admitted, waiting for a plan that takes them in
+    newcomers_waiting_since: float | None = None  # since when they wait on a busy ring
+    held_since: float | None = None  # requests a broken ring left wait for the next ring since then
+    rebalances: RebalanceSchedule = field(init=False)
+    last_look: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.rebalances = RebalanceSchedule(self.policy.rebalance_cooldown_s)
 
     @classmethod
-    def one_machine(cls, serving: ServingCore) -> SessionCore:
+    def one_machine(cls, policy: ServingPolicy) -> SessionCore:
         """A session of this machine's own stages, loading them: `ServedAlone` once they serve."""
-        return cls(serving, networked=False, phase=Phase.DEPLOYING, deployment=_Start())
+        return cls(policy, networked=False, phase=Phase.DEPLOYING, deployment=_Start())
 
     @property
     def wants_rendezvous_session(self) -> bool:
         """Whether the session at the rendezvous must live on: while anyone may still join (a
         member that blips rejoins through it); once the guess budget is spent, relay traffic
         alone keeps it."""
-        return self.networked and self.admitting and self.phase not in (Phase.FAILED, Phase.STOPPING)
+        return self.networked and self.guesses.admitting and self.phase not in (Phase.FAILED, Phase.STOPPING)
+
+    def next_deadline(self) -> float:
+        """When the shell is to look next if nothing happens first (aioquic's `get_timer`); never
+        sooner than LOOK_GAP_S after the last look, so a deadline no look moves cannot spin it."""
+        due = [self.last_look + LOOK_AT_LEAST_EVERY_S]
+        if self.held_since is not None:
+            due.append(self.held_since + self.policy.resume_within_s)
+        if self.phase == Phase.SERVING:
+            if self.newcomers_waiting_since is not None:
+                due.append(self.newcomers_waiting_since + self.policy.newcomer_patience_s)
+            if self._rebalancing and self.rebalances.next_check > self.last_look:  # a busy ring's drain wakes it
+                due.append(self.rebalances.next_check)
+        return max(min(due), self.last_look + LOOK_GAP_S)
 
     def handle(self, event: Event) -> list[Command]:
         if self.phase == Phase.STOPPING:
             return []  # members leave when the session ends: that is not a failure
         match event:
+            case Look():
+                return self._looked(event)
             case Interrupted(reason=reason):
-                return self._interrupted(reason)
-            case Observed(view=view):
-                return self._observed(view)
+                held = self.paused  # requests waiting for a planned replan: there will be none
+                self.phase, self.paused = Phase.STOPPING, False
+                return [*([Unready((), failure=reason)] if held else []), AbandonRing(reason)]
+            case Stopped():
+                self.phase = Phase.STOPPING
+                return []
+            case StageBroken(report=report, epoch=epoch):
+                if epoch == self.epoch and self.ring:
+                    self.broken = self.broken or report
+                return []
+            case StartFailed(message=message, refused=refused) if self.phase != Phase.FAILED:
+                self.phase, self.deployment = Phase.FAILED, None
+                return [self._fail(_start_failure(message, refused), exit=True)]
             case Opened(join_line=line) if self.phase == Phase.GATHERING:
                 self.join_line = line
                 return []
@@ -535,9 +298,9 @@ class SessionCore:
                 return self._deploy(_Start(), members)
             case JoinerRefused(name=name, error=error, guess=guess) if self.phase == Phase.GATHERING:
                 # Sent away, its seat free again: the session goes on forming with the same code.
-                if guess and self._guessed():
+                if guess and self.guesses.spent_by_one_more():
                     self.phase = Phase.FAILED
-                    return [Warn(f"refused {name}", error), Fail(_GUESSED_WHILE_FORMING, exit=True)]
+                    return [Warn(f"refused {name}", error), self._fail(_GUESSED_WHILE_FORMING, exit=True)]
                 return [Warn(f"refused {name}", error)]
             case CodeRefused(error=error) if self.phase == Phase.GATHERING:
                 # The forming failed as a whole: a new code follows, and those who had joined
@@ -549,77 +312,65 @@ class SessionCore:
                 ]
             case NewcomerChecked():
                 return self._newcomer_checked(event)
-            case Judged():
-                return self._judged(event)
-            case Opened() | Gathered() | CodeRefused() | JoinerRefused():
+            case Judged(now=now, worth_it=worth_it, reason=reason):
+                if not worth_it or self.phase != Phase.SERVING:
+                    return []
+                self.rebalances.begun(now)
+                why = "rebalancing by what the stages measured serving"
+                return [Say(f"{why}: {reason}"), *self._replan_by_choice(why)]
+            case Opened() | Gathered() | CodeRefused() | JoinerRefused() | StartFailed():
                 return []
         return self._deploying(event)
 
     # --- serving ---
-    def _observed(self, view: SessionView) -> list[Command]:
+    def _looked(self, look: Look) -> list[Command]:
+        self.last_look = look.now
+        commands: list[Command] = []
+        if self.held_since is not None and look.now - self.held_since >= self.policy.resume_within_s:
+            # A replan may move stages for minutes: a client waits this long at the most.
+            self.held_since = None
+            commands.append(
+                FailHeld(f"the ring broke, and no new ring served within {self.policy.resume_within_s:g} s")
+            )
         if self.phase not in (Phase.SERVING, Phase.PAUSED, Phase.WAITING):
-            return []
-        commands: list[Command] = [self._admission(member) for member in view.arrivals]
-        match self.serving.next_action(replace(view, arrivals=())):
-            case ReplanAfterBreak(lost=lost):
-                commands += self._after_break(view, lost)
-            case ReplanWithNewcomers(newcomers=newcomers):
-                commands += self._replan_by_choice(f"taking in {_names(view, newcomers)}")
-            case HoldRequests(newcomers=newcomers):
-                # Under steady load a moment without requests may never come: new requests wait
-                # while those running and queued finish, so nothing in flight is lost.
-                names = _names(view, newcomers)
-                self.phase, self.paused = Phase.PAUSED, True
-                commands += [
-                    Say(f"the requests running finish first; new ones wait for the replan taking in {names}"),
-                    Unready((f"the requests running to finish, then the host to replan taking in {names}",), True),
-                ]
-            case StopHolding():
-                self.phase, self.paused = Phase.SERVING, False
-                if not view.ready and view.engine:
-                    commands += [
-                        Resume(),
-                        Say("the newcomers left before the replan; serving on with the ring as it is"),
-                    ]
-            case JudgeRebalance():
-                if self.serving.worth_judging(view.measurements):
-                    commands.append(PriceRebalance())
+            return commands
+        self._apply(look)
+        commands += [self.guesses.answer(member) for member in look.arrivals]
+        for rule in (self._replan_after_break, self._take_in_newcomers, self._newcomers_left, self.rebalances.judge):
+            decided = rule(look)
+            if decided is not None:
+                return commands + decided
         return commands
 
-    def _admission(self, member: str) -> Command:
-        """Who may take a freed seat: anyone who proves the code, until someone fails to."""
-        if self.admitting:
-            return Admit(member)
-        return Refuse(member, "this session admits no more members; the host must start over with a new code")
+    def _apply(self, look: Look) -> None:
+        """What a look changes: the newcomers still there, since when they wait, and the rebalance
+        schedule (an idle ring's report refreshes without news, and is judged only on news)."""
+        self.newcomers = (self.newcomers & look.alive & look.listed) - self.ring
+        if not self.newcomers:
+            self.newcomers_waiting_since = None
+        elif self.newcomers_waiting_since is None and not look.idle:
+            self.newcomers_waiting_since = look.now
+        self.rebalances.looked(look, self._rebalancing)
 
-    def _newcomer_checked(self, checked: NewcomerChecked) -> list[Command]:
-        if checked.error is None:
-            return [Say(f"{checked.name} verified and linked; it joins the ring once no request is running")]
-        commands: list[Command] = [Warn(f"did not admit {checked.name}", checked.error)]
-        if checked.guess and self._guessed():
-            commands.append(Say(_GUESSED_WHILE_SERVING))
-        return commands
+    @property
+    def _rebalancing(self) -> bool:
+        return self.policy.rebalance and self.networked and self.phase == Phase.SERVING
 
-    def _guessed(self) -> bool:
-        """Count a failed proof of the code; True when that spends the budget: no one is admitted
-        from then on, so anyone guessing the secret gets GUESS_BUDGET tries in all."""
-        self.failed_proofs += 1
-        if self.failed_proofs >= GUESS_BUDGET:
-            self.admitting = False
-        return not self.admitting
-
-    def _after_break(self, view: SessionView, lost: tuple[str, ...]) -> list[Command]:
+    def _replan_after_break(self, look: Look) -> list[Command] | None:
+        lost = tuple(sorted(self.ring - look.alive))
+        if not lost and self.broken is None and look.engine_error is None:
+            return None
         if not self.networked:
-            error = view.engine_error or "a stage stopped"
+            error = look.engine_error or "a stage stopped"
             return self._retire_then_deploy(
                 _Recover(error),
                 [RecordIncident("a stage failed", error), Unready(("the host to replan without the failed stage",))],
                 Retire(error, learn=False),
             )
-        if not view.deployed:  # serving alone, and that engine failed
+        if not self.ring:  # serving alone, and that engine failed
             self.phase = Phase.FAILED
-            return [Fail(f"serving alone failed: {view.engine_error or 'no engine'}")]
-        error = view.engine_error or view.broken or f"lost {_names(view, lost)}"
+            return [self._fail(f"serving alone failed: {look.engine_error or 'no engine'}")]
+        error = look.engine_error or self.broken or f"lost {_names(look, lost)}"
         self.paused = False  # requests held for newcomers are turned away now: the ring broke
         first: list[Command] = [
             RecordIncident("the ring broke", error),
@@ -628,6 +379,38 @@ class SessionCore:
         return self._retire_then_deploy(
             _Replan(error, after_break=True), [*first, *([SendAway(lost)] if lost else [])], Retire(error)
         )
+
+    def _take_in_newcomers(self, look: Look) -> list[Command] | None:
+        if not self.newcomers:
+            return None
+        names = _names(look, tuple(sorted(self.newcomers)))
+        if look.idle:
+            return self._replan_by_choice(f"taking in {names}")
+        waited = self.newcomers_waiting_since
+        if self.phase == Phase.SERVING and waited is not None and look.now - waited >= self.policy.newcomer_patience_s:
+            # Under steady load a moment without requests may never come: new requests wait
+            # while those running and queued finish, so nothing in flight is lost.
+            self.phase, self.paused = Phase.PAUSED, True
+            return [
+                Say(f"the requests running finish first; new ones wait for the replan taking in {names}"),
+                Unready((f"the requests running to finish, then the host to replan taking in {names}",), True),
+            ]
+        return []
+
+    def _newcomers_left(self, look: Look) -> list[Command] | None:
+        if self.phase != Phase.PAUSED:
+            return None
+        self.phase, self.paused = Phase.SERVING, False
+        return [Resume(), Say("the newcomers left before the replan; serving on with the ring as it is")]
+
+    def _newcomer_checked(self, checked: NewcomerChecked) -> list[Command]:
+        if checked.error is None:
+            self.newcomers |= {checked.member} - self.ring
+            return [Say(f"{checked.name} verified and linked; it joins the ring once no request is running")]
+        commands: list[Command] = [Warn(f"did not admit {checked.name}", checked.error)]
+        if checked.guess and self.guesses.spent_by_one_more():
+            commands.append(Say(_GUESSED_WHILE_SERVING))
+        return commands
 
     def _replan_by_choice(self, why: str) -> list[Command]:
         """Replan a ring that is not broken (no request in flight): requests that come meanwhile
@@ -639,17 +422,10 @@ class SessionCore:
             Retire(f"the host is replanning, {why}"),
         )
 
-    def _judged(self, judged: Judged) -> list[Command]:
-        if not judged.worth_it or self.phase != Phase.SERVING:
-            return []
-        self.serving.rebalanced(judged.now)
-        why = "rebalancing by what the stages measured serving"
-        return [Say(f"{why}: {judged.reason}"), *self._replan_by_choice(why)]
-
-    def _interrupted(self, reason: str) -> list[Command]:
-        held = self.paused  # requests waiting for a planned replan: there will be none
-        self.phase, self.paused = Phase.STOPPING, False
-        return [*([Unready((), failure=reason)] if held else []), AbandonRing(reason)]
+    def _fail(self, message: str, exit: bool = False) -> Fail:
+        """Nothing serves: requests a broken ring left end with the failure too."""
+        self.held_since = None
+        return Fail(message, exit)
 
     # --- deploying ---
     def _retire_then_deploy(self, deployment: _Deployment, first: list[Command], retire: Retire) -> list[Command]:
@@ -658,6 +434,7 @@ class SessionCore:
 
     def _deploy(self, deployment: _Deployment, members: tuple[str, ...]) -> list[Command]:
         self.phase, self.deployment, self.deploying = Phase.DEPLOYING, deployment, members
+        self.newcomers -= set(members)
         return [Deploy(members)]
 
     def _deploying(self, event: Event) -> list[Command]:
@@ -665,92 +442,51 @@ class SessionCore:
         if self.phase != Phase.DEPLOYING or deployment is None:
             return []
         match event:
-            case Retired(alive=alive):
+            case Retired(alive=alive, held_since=held_since):
+                if held_since is not None and self.held_since is None:
+                    self.held_since = held_since
                 if isinstance(deployment, _Recover):
                     return [ServeAlone("replanned")]
                 return self._deploy(deployment, alive) if alive else self._no_member_left(deployment)
             case MemberFailed(shortage=MemoryShortage() as shortage):
-                return self._short_of_memory(event, shortage)
-            case OwnShortOfMemory():
-                return self._own_short_of_memory(deployment, event)
+                # Planned again with less of its memory rather than lose all it can hold.
+                smallest, name = event.smallest_stage_bytes, event.name or event.member
+                lowered = self.lowerings.replan(event.member, name, event.message, shortage, smallest, self.deploying)
+                return _left_out(event.member, f"{event.message} ({lowered})") if isinstance(lowered, str) else lowered
+            case OwnShortOfMemory(message=message, shortage=shortage, smallest_stage_bytes=smallest):
+                lowered = self.lowerings.replan(None, "this machine", message, shortage, smallest, self.deploying)
+                if isinstance(lowered, str):
+                    return self._no_ring(deployment, f"{message} ({lowered})", False)
+                return lowered
             case MemberFailed(member=member, message=message):
-                return self._leave_out(member, message)
+                return _left_out(member, message)
             case Dismissed(member=member, alive=alive):
                 left = tuple(m for m in alive if m != member)
                 return self._deploy(deployment, left) if left else self._no_member_left(deployment)
-            case Deployed(machines=machines):
+            case Deployed(members=members, epoch=epoch):
                 commands: list[Command] = []
                 if isinstance(deployment, _Replan):
-                    commands.append(Say(f"replanned with {machines} members{deployment.why}", "replanned"))
+                    commands.append(Say(f"replanned with {len(members) + 1} members{deployment.why}", "replanned"))
+                self.ring, self.epoch = frozenset(members), epoch
+                self.newcomers -= self.ring
                 return commands + self._serving(deployment)
             case ServedAlone():
+                self.ring = frozenset()
                 return self._serving(deployment)
             case DeployFailed(message=message, refused=refused):
                 return self._no_ring(deployment, message, refused)
         return []
 
-    @staticmethod
-    def _leave_out(member: str, message: str) -> list[Command]:
-        return [Warn("leaving a member out", message), Dismiss(member, f"the host left this member out: {message}")]
-
-    def _short_of_memory(self, failed: MemberFailed, shortage: MemoryShortage) -> list[Command]:
-        """A member ran out of memory loading its share: plan the same members again with less of
-        its memory (MEMORY_LOWERED_TO of what the share needed, or what it said it can hold, if
-        less), rather than lose all it can hold; left out after MEMORY_LOWERINGS smaller shares,
-        or once it could not hold even the smallest stage."""
-        member, name = failed.member, failed.name or failed.member
-        lowered = _lowered(shortage)
-        times = self.lowerings.get(member, 0)
-        if times >= MEMORY_LOWERINGS:
-            return self._leave_out(member, f"{failed.message} (still short of memory after {times} smaller shares)")
-        if lowered < failed.smallest_stage_bytes:
-            return self._leave_out(member, f"{failed.message} (it cannot hold even the smallest stage)")
-        self.lowerings[member] = times + 1
-        first, end = shortage.blocks
-        return [
-            Warn(
-                f"{name} ran out of memory loading blocks {first}-{end - 1} (needed "
-                f"{shortage.needed_bytes / 2**30:.2f} GiB); replanning with {lowered / 2**30:.2f} GiB for it",
-                failed.message,
-            ),
-            LowerMemory(member, lowered),
-            Deploy(self.deploying),
-        ]
-
-    def _own_short_of_memory(self, deployment: _Deployment, short: OwnShortOfMemory) -> list[Command]:
-        """This host ran out of memory loading its own share: plan the same members again with less
-        of its memory, as for a member. No ring goes without the host, so once that is spent (or
-        not even the smallest stage fits) nothing serves."""
-        lowered = _lowered(short.shortage)
-        if self.own_lowerings >= MEMORY_LOWERINGS:
-            return self._no_ring(
-                deployment, f"{short.message} (still short after {self.own_lowerings} smaller shares)", False
-            )
-        if lowered < short.smallest_stage_bytes:
-            return self._no_ring(deployment, f"{short.message} (it cannot hold even the smallest stage)", False)
-        self.own_lowerings += 1
-        first, end = short.shortage.blocks
-        return [
-            Warn(
-                f"this machine ran out of memory loading blocks {first}-{end - 1} (needed "
-                f"{short.shortage.needed_bytes / 2**30:.2f} GiB); replanning with {lowered / 2**30:.2f} GiB of it",
-                short.message,
-            ),
-            LowerOwnMemory(lowered),
-            Deploy(self.deploying),
-        ]
-
     def _no_member_left(self, deployment: _Deployment) -> list[Command]:
         if isinstance(deployment, _Replan):
+            self.ring = frozenset()
             return [ForgetRing(), ServeAlone(f"replanned{deployment.why}: no member is left")]
         return [ServeAlone("every member failed its part")]
 
     def _serving(self, deployment: _Deployment) -> list[Command]:
-        self.phase, self.deployment, self.paused = Phase.SERVING, None, False
-        return self._seat_free(deployment)
-
-    def _seat_free(self, deployment: _Deployment) -> list[Command]:
-        if isinstance(deployment, _Replan) and deployment.after_break and self.admitting and self.join_line:
+        """A ring (or this machine alone) serves: the requests a broken ring left go on on it."""
+        self.phase, self.deployment, self.paused, self.broken, self.held_since = Phase.SERVING, None, False, None, None
+        if isinstance(deployment, _Replan) and deployment.after_break and self.guesses.admitting and self.join_line:
             return [Say(f"a seat is free again; to fill it: {self.join_line}")]
         return []
 
@@ -760,29 +496,29 @@ class SessionCore:
         self.deployment, self.paused = None, False
         if isinstance(deployment, _Start):
             self.phase = Phase.FAILED
-            return [
-                Fail(
-                    f"the model does not fit: {message}" if refused else f"the session could not start: {message}",
-                    exit=True,
-                )
-            ]
+            return [self._fail(_start_failure(message, refused), exit=True)]
         if isinstance(deployment, _Recover):
             self.phase = Phase.FAILED
-            return [Fail(f"{deployment.error}; the host cannot serve alone: {message}")]
+            return [self._fail(f"{deployment.error}; the host cannot serve alone: {message}")]
         why = "the members that are left cannot hold the model" if refused else "replanning failed"
-        commands: list[Command] = [ForgetRing(), Fail(f"{deployment.error}; {why}: {message}")]
-        if not self.admitting:
+        self.ring, self.broken = frozenset(), None
+        commands: list[Command] = [ForgetRing(), self._fail(f"{deployment.error}; {why}: {message}")]
+        if not self.guesses.admitting:
             self.phase = Phase.FAILED
             return commands
         self.phase = Phase.WAITING
-        return [*commands, Say(f"waiting for members to join again: {self.join_line}"), *self._seat_free(deployment)]
+        commands.append(Say(f"waiting for members to join again: {self.join_line}"))
+        if deployment.after_break and self.join_line:
+            commands.append(Say(f"a seat is free again; to fill it: {self.join_line}"))
+        return commands
 
 
-def _lowered(shortage: MemoryShortage) -> int:
-    """The memory to plan a machine that ran out with: MEMORY_LOWERED_TO of what its share needed,
-    or what it said it can hold, if less."""
-    lowered = int(shortage.needed_bytes * MEMORY_LOWERED_TO)
-    return lowered if shortage.can_hold_bytes is None else min(lowered, shortage.can_hold_bytes)
+def _left_out(member: str, message: str) -> list[Command]:
+    return [Warn("leaving a member out", message), Dismiss(member, f"the host left this member out: {message}")]
+
+
+def _start_failure(message: str, refused: bool) -> str:
+    return f"the model does not fit: {message}" if refused else f"the session could not start: {message}"
 
 
 _GUESSED = (
@@ -799,5 +535,5 @@ _GUESSED_WHILE_SERVING = (
 )
 
 
-def _names(view: SessionView, members: tuple[str, ...]) -> str:
-    return ", ".join(view.names.get(m, m) for m in members)
+def _names(look: Look, members: tuple[str, ...]) -> str:
+    return ", ".join(look.names.get(m, m) for m in members)

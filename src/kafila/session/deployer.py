@@ -31,7 +31,7 @@ from kafila.runtime.gguf.slicer import StageFile, cached_slices
 from kafila.runtime.llama.errors import out_of_memory
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.memory import short_of_memory
-from kafila.session.core import MemoryShortage
+from kafila.session.lifecycle import MemoryShortage, StageBroken
 from kafila.session.member import serve_stage
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import FrameSink, LinkRouter, LocalChannel
@@ -80,10 +80,16 @@ class Roster:
     routers: dict[str, LinkRouter] = field(default_factory=dict)
     paths: dict[str, str] = field(default_factory=dict)  # member id → "direct" / "relayed"
     hellos: dict[str, Hello] = field(default_factory=dict)
+    link_down: Callable[[str], None] = lambda _member: None  # told when a member's link closes
 
     @property
     def me(self) -> str:
         return self.client.member_id
+
+    def linked(self, member_id: str, router: LinkRouter, path: str) -> None:
+        """A verified member's link is up; `link_down` hears when it closes."""
+        self.routers[member_id], self.paths[member_id] = router, path
+        router.link.closed.add_done_callback(lambda _closed: self.link_down(member_id))
 
     def name(self, member_id: str) -> str:
         """Unique, readable names for the planner's table: the member's own, with its id if shared."""
@@ -150,7 +156,7 @@ class OwnStage:
 @dataclass
 class Deployer:
     """Puts one plan after another in place over the roster's links, and hears the stages while
-    they serve: a stage that lost a ring link says so (`broken`), and the host replans."""
+    they serve: a stage that lost a ring link says so (`stage_broken`), and the host replans."""
 
     roster: Roster
     model: Path
@@ -161,7 +167,7 @@ class Deployer:
     deployment: Deployment | None = None
     ring: QuicRing | None = None
     ring_edges: dict[str, dict[str, RingEdge]] = field(default_factory=dict)  # member → neighbour → edge
-    broken: str | None = None  # a serving member's report that its stage stopped
+    stage_broken: Callable[[StageBroken], None] = lambda _report: None  # told when a serving stage stops
     broken_edges: set[frozenset[str]] = field(default_factory=set)  # member pairs whose ring link broke
     own_stage: OwnStage | None = None
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
@@ -271,14 +277,14 @@ class Deployer:
         inbound = local if local is not None else self.roster.routers[chain[index - 1]].activation
         outbound = self.roster.routers[chain[index + 1]].activation
         task = asyncio.create_task(serve_stage(stage, inbound, outbound, executor), name="own-stage")
-        task.add_done_callback(self._own_stage_stopped)
+        task.add_done_callback(functools.partial(self._own_stage_stopped, self.epoch))
         self.own_stage = OwnStage(stage, task, local, executor)
         self.say(f"this machine loaded {what} in {time.perf_counter() - started:.1f} s")
 
-    def _own_stage_stopped(self, task: asyncio.Task[None]) -> None:
+    def _own_stage_stopped(self, epoch: int, task: asyncio.Task[None]) -> None:
         """This host's stage stopped by itself (a ring link it serves went down): replan."""
         if not task.cancelled() and task.exception() is not None:
-            self.broken = f"this machine's stage stopped: {task.exception()}"
+            self.stage_broken(StageBroken(f"this machine's stage stopped: {task.exception()}", epoch))
 
     async def drop_own_stage(self) -> None:
         """Stop serving this host's block range and free it: before a new plan, or alone, or at the end."""
@@ -327,7 +333,6 @@ class Deployer:
 
     def _listen(self, members: Sequence[str], epoch: int) -> None:
         """Hear members while the ring serves: a stage that lost a ring link says so, and the host replans."""
-        self.broken = None
         self._listeners = [asyncio.create_task(self._listen_to(m, epoch)) for m in members]
 
     async def _listen_to(self, member: str, epoch: int) -> None:
@@ -341,9 +346,9 @@ class Deployer:
             except Exception:  # its link went down: the host's watcher sees that by itself
                 return
             if isinstance(message, StageFailedReport) and message.epoch == epoch:
-                self.broken = f"{self.roster.name(member)}: {message.message}"
                 if message.lost_peer is not None:  # both ends rebuild it if the next plan keeps it
                     self.broken_edges.add(frozenset((member, message.lost_peer)))
+                self.stage_broken(StageBroken(f"{self.roster.name(member)}: {message.message}", epoch))
                 return
 
     async def stop_listening(self) -> None:

@@ -24,49 +24,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kafila.contracts import (
     BackendReport,
-    MemberStatus,
     ModelPricing,
-    PlanStatus,
     Progress,
-    RebalanceStatus,
-    SessionStatus,
     StageReport,
 )
-from kafila.network.edges import connect_edges
-from kafila.network.link import DatagramDemux
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import (
     RendezvousClient,
     RendezvousClosed,
-    RendezvousError,
-    send_abort,
-    verify_members,
-    verify_newcomer,
 )
 from kafila.network.session_codes import full_code, new_secret
 from kafila.planner.rebalance import RebalanceVerdict
 from kafila.planner.types import ModelManifest, Plan, ServingSpec
 from kafila.runtime.llama.backends import backend_or_none
-from kafila.runtime.llama.loading import set_up_to_share_cores, sharing_cores_hint
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.this_machine import cached_model_pricings
-from kafila.session.deployer import Deployer, Deployment, Roster, SessionFailed, all_or_none
+from kafila.session.admissions import TRUST_EXCHANGE_S, Admissions
+from kafila.session.deployer import Deployer, Deployment, Roster
 from kafila.session.presence import Presence, machine_tag
 from kafila.session.pricing import Machine, PlannedRing, RingPricing
 from kafila.session.router import LinkRouter
-from kafila.wire.control import End, Hello
+from kafila.wire.control import End
 
 Say = Callable[[str], None]
-HELLO_TIMEOUT_S = 60.0
-TRUST_EXCHANGE_S = 30.0  # for a joiner to prove the code, and to accept the member list
 RENEW_EVERY_S = 600.0  # a rendezvous that does not say how long an idle session lasts gets renewed this often
 GOODBYE_WAIT_S = 2.0  # how long the host waits for members to close their links after their End
 
@@ -87,15 +74,13 @@ class HostSession:
     cache: Path
     say: Say
     model_hash: asyncio.Future[str]  # the model's sha256, begun before the members came
-    demux: DatagramDemux | None = None  # the links' socket, once the members are verified
     roster: Roster = field(init=False)
+    admissions: Admissions = field(init=False)
     deployer: Deployer = field(init=False)
     prices: RingPricing = field(init=False)  # each machine's price for the planner (`session.pricing`)
     own_pricings: tuple[ModelPricing, ...] = ()  # the models this machine priced itself (`kafila probe --model`)
     own_backend: BackendReport | None = None  # llama.cpp's devices here, for /status
-    newcomers: set[str] = field(default_factory=set)  # verified and linked since the last plan, waiting for one
     memory_caps: dict[str, int] = field(default_factory=dict)  # member → bytes it held at most (it ran out)
-    _admissions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission
     renewing: Callable[[], bool] = lambda: True  # whether the session at the rendezvous must live on
     rendezvous_lost: Callable[[str], None] = lambda _why: None  # told once if the rendezvous ends it first
     _renewals: asyncio.Task[None] = field(init=False)
@@ -104,6 +89,7 @@ class HostSession:
 
     def __post_init__(self) -> None:
         self.roster = Roster(self.client, machine_tag(self.client.code))
+        self.admissions = Admissions(self.client, self.code, self.presence, self.roster, self.say, self._admitted)
         self.deployer = Deployer(self.roster, self.model, self.settings, self.cache, self.say)
         self.prices = RingPricing(self.manifest, self.session)
         loop = asyncio.get_running_loop()
@@ -177,14 +163,9 @@ class HostSession:
     def deployment(self) -> Deployment | None:
         return self.deployer.deployment
 
-    @property
-    def broken(self) -> str | None:
-        """A serving stage's report that it stopped (the ring is broken), if one came."""
-        return self.deployer.broken
-
     def forget_ring(self) -> None:
         """Nothing serves now: no ring is left to watch."""
-        self.deployer.deployment, self.deployer.broken = None, None
+        self.deployer.deployment = None
 
     # --- gathering ---------------------------------------------------------------------------
 
@@ -194,118 +175,17 @@ class HostSession:
         refused: Callable[[str, TrustError], None],
         exchange_timeout: float = TRUST_EXCHANGE_S,
     ) -> None:
-        """Trust, links, hellos: after this every member is verified, linked and has said what it holds.
-        A joiner that fails the trust exchange is sent away and reported to `refused` (`verify_members`)."""
-        proved = await verify_members(
-            self.client, self.code, self.presence.identity.fingerprint,
-            exchange_timeout=exchange_timeout, ready_timeout=ready_timeout, refused=refused,
-        )  # fmt: skip
-        # Pin what each proved, whatever the rendezvous has said of them since.
-        self.roster.known.update(
-            {
-                m: info.model_copy(update={"fingerprint": proved[m]})
-                for m, info in self.client.members.items()
-                if m in proved
-            }
-        )
-        self.say(f"all {len(self.known)} members verified; connecting")
-        self.demux = await DatagramDemux.over(self.presence.sock)
-        edges = await connect_edges(
-            self.client, self.demux, self.presence.identity, self.client.code, self.roster.others()
-        )
-        for member_id, edge in edges.items():
-            self.roster.routers[member_id] = LinkRouter(edge.link, member_id)
-            self.roster.paths[member_id] = edge.path
-        members = list(self.roster.routers)
-        hellos = await all_or_none([self._hello(m) for m in members])
-        self.roster.hellos.update(zip(members, hellos, strict=True))
-        self._note_members_on_this_machine(self.roster.hellos)
+        """Every member verified, linked and heard (`Admissions.gather`); then what this host
+        prices itself by."""
+        await self.admissions.gather(ready_timeout, refused, exchange_timeout)
         self.prices.model_sha256 = await self.model_hash
         self.own_pricings = tuple(await asyncio.to_thread(cached_model_pricings))
         self.own_backend = await asyncio.to_thread(backend_or_none)
 
-    def _note_members_on_this_machine(self, hellos: Mapping[str, Hello]) -> None:
-        """Stages on one machine take turns on its cores. The demo sets its processes up for that
-        (1.4× the tokens/s of two processes left to libgomp's defaults, measured with gemma), but
-        a process can only be set up before llama.cpp loads, so a host and members started by
-        hand on one machine are told how."""
-        here = [self.member_name(m) for m, hello in hellos.items() if hello.machine == self.roster.machine]
-        if here and not set_up_to_share_cores():
-            self.say(
-                f"{', '.join(here)} {'runs' if len(here) == 1 else 'run'} on this machine too, sharing its cores "
-                f"with this host's stage; for their best speed together, {sharing_cores_hint()}"
-            )
-
-    async def _hello(self, member_id: str) -> Hello:
-        try:
-            message = await self.roster.routers[member_id].next_control(HELLO_TIMEOUT_S)
-        except TimeoutError:
-            raise SessionFailed(f"{self.member_name(member_id)} did not report in {HELLO_TIMEOUT_S:.0f} s") from None
-        if not isinstance(message, Hello):
-            raise SessionFailed(f"{self.member_name(member_id)} sent {message.type} before hello")
-        return message
-
-    # --- newcomers: a member that takes a seat another left ---------------------------------------
-
-    def arrivals(self) -> list[str]:
-        """Members the rendezvous introduced after the session formed, not yet being admitted."""
-        return [m for m in self.client.members if m != self.me and m not in self.known and m not in self._admissions]
-
-    def admit(self, member_id: str, done: Callable[[BaseException | None], None]) -> None:
-        """Verify, link and hear from a newcomer in the background; `done(error)` says how it went
-        (None: admitted). A verified newcomer joins `newcomers`, for the next plan."""
-        self._in_background(member_id, self._admit(member_id), done)
-
-    def refuse(self, member_id: str, reason: str, done: Callable[[BaseException | None], None]) -> None:
-        """Turn a joiner away without checking its code; `done` hears the refusal."""
-        self._in_background(member_id, self._refuse(member_id, reason), done)
-
-    def _in_background(
-        self, member_id: str, admission: Coroutine[Any, Any, None], done: Callable[[BaseException | None], None]
-    ) -> None:
-        task = asyncio.create_task(admission)
-        self._admissions[member_id] = task
-        task.add_done_callback(lambda t: None if t.cancelled() else done(t.exception()))
-
-    async def _refuse(self, member_id: str, reason: str) -> None:
-        refusal = TrustError(reason)
-        await send_abort(self.client, [member_id], refusal)
-        with contextlib.suppress(RendezvousError):
-            await self.client.remove(member_id)
-        raise refusal
-
-    async def _admit(self, member_id: str) -> None:
-        trusted = {m: info.fingerprint for m, info in self.known.items()}
-        try:
-            proved = await verify_newcomer(
-                self.client, self.code, self.presence.identity.fingerprint, member_id, trusted
-            )
-        except TrustError:  # it was told why; its seat is free again for whoever proves the code
-            with contextlib.suppress(RendezvousError):
-                await self.client.remove(member_id)
-            raise
-        info = self.client.members.get(member_id)
-        if info is None:
-            raise RendezvousError("member_left", f"{member_id} left after proving the code")
-        # What it proved, not what the rendezvous says now: this is what its link and its ring
-        # neighbours pin.
-        info = info.model_copy(update={"fingerprint": proved})
-        self.known[member_id] = info
-        assert self.demux is not None  # newcomers come after the session formed
-        edges = await connect_edges(self.client, self.demux, self.presence.identity, self.client.code, [info])
-        self.roster.routers[member_id] = LinkRouter(edges[member_id].link, member_id)
-        self.roster.paths[member_id] = edges[member_id].path
-        self.roster.hellos[member_id] = await self._hello(member_id)
-        self._note_members_on_this_machine({member_id: self.roster.hellos[member_id]})
-        self.prices.forget(member_id)  # the seat may now be another machine
+    def _admitted(self, member_id: str) -> None:
+        """A newcomer took a seat: the seat may now be another machine."""
+        self.prices.forget(member_id)
         self.memory_caps.pop(member_id, None)
-        self.newcomers.add(member_id)
-
-    def waiting_newcomers(self) -> list[str]:
-        """Admitted newcomers still linked and in the session, for the next plan; one that went is
-        forgotten (the rendezvous says so at once, its link's idle bound only seconds later)."""
-        self.newcomers &= set(self.alive()) & set(self.client.members)
-        return sorted(self.newcomers)
 
     # --- pricing and planning ----------------------------------------------------------------
 
@@ -372,63 +252,11 @@ class HostSession:
     ) -> Deployment:
         """Plan over `members` and put the plan in place (`Deployer.deploy`); raises SessionFailed or PlanRefused."""
         plan = self.plan(members)
-        self.newcomers -= set(members)
         deployment = await self.deployer.deploy(plan, self.prices.model_sha256, progress, pending)
         self.prices.last_verdict = None  # a new plan has measured nothing yet
         return deployment
 
     # --- status and the end -----------------------------------------------------------------
-
-    def status(self, admitting: bool, failed_proofs: int = 0, guess_budget: int | None = None) -> SessionStatus:
-        """`admitting`: whether a freed seat may still be taken, `failed_proofs` the possible
-        guesses counted so far of `guess_budget` (the session core decides and counts)."""
-        deployment = self.deployment
-        machines = self.known_machines() if deployment is not None else {}  # only a deployment's members are priced
-        members = []
-        for member_id, info in (self.known or self.client.members).items():
-            entry: dict[str, Any] = {"id": member_id, "name": self.member_name(member_id), "host": info.host}
-            hello = self.roster.hellos.get(member_id)
-            backend = self.own_backend if member_id == self.me else hello.backend if hello is not None else None
-            if backend is not None:
-                entry["backend"] = backend
-            router = self.roster.routers.get(member_id)
-            if router is not None:
-                entry["path"] = self.roster.paths.get(member_id)
-                entry["link"] = "down" if router.link.closed.done() else "up"
-                if member_id not in self.client.members:
-                    entry["left"] = True
-                if member_id in self.newcomers:
-                    entry["joining"] = True
-                if router.link.core.rtt_ms is not None:
-                    entry["rtt_ms"] = router.link.core.rtt_ms
-            if deployment is not None and member_id in deployment.chain:
-                stage = deployment.plan.stages[deployment.chain.index(member_id)]
-                entry["blocks"] = (stage.start, stage.end)
-                entry["predicted_ms_per_token"] = round(stage.cost_s * 1e3, 3) if stage.cost_s is not None else None
-                entry["priced_on"] = self.prices.priced_on(machines, member_id)
-            members.append(MemberStatus(**entry))  # only what applies is set, and shown
-        plan = deployment.plan if deployment else None
-        verdict = self.prices.last_verdict
-        return SessionStatus(
-            code=self.code,
-            admitting=admitting,
-            failed_proofs=failed_proofs,
-            guess_budget=guess_budget,
-            members=members,
-            epoch=self.deployer.epoch,
-            edges=self.deployer.chain_edges(deployment.chain) if deployment is not None else [],
-            plan=None if plan is None else PlanStatus(
-                tier=plan.tier.value, ring=list(plan.ring), head=plan.head,
-                division=deployment.counts if deployment else None,
-                predicted_bottleneck_ms=round(plan.bottleneck_s * 1e3, 3) if plan.bottleneck_s else None,
-            ),
-            rebalance=None if verdict is None else RebalanceStatus(
-                reason=verdict.reason,
-                measured_bottleneck_ms=round(verdict.measured_bottleneck_s * 1e3, 3),
-                planned_bottleneck_ms=None if verdict.planned_bottleneck_s is None
-                else round(verdict.planned_bottleneck_s * 1e3, 3),
-            ),
-        )  # fmt: skip
 
     async def dismiss(self, member: str, reason: str) -> None:
         """Send one member home (it failed its part): it hears why, and its link closes."""
@@ -455,15 +283,14 @@ class HostSession:
         self._ending = True
         self._renewals.cancel()
         self._watching.cancel()
-        for admission in self._admissions.values():
-            admission.cancel()
+        self.admissions.cancel()
         await self.deployer.stop_listening()
         await self.deployer.drop_own_stage()
         await _send_home(list(self.roster.routers.values()), reason)
         with contextlib.suppress(Exception):
             await self.client.close()
-        if self.demux is not None:
-            self.demux.close()
+        if self.admissions.demux is not None:
+            self.admissions.demux.close()
         self.presence.sock.close()
 
 

@@ -1,0 +1,142 @@
+"""What a host is started with, what a person at it sees, and where it and its members meet: the
+host's settings and the small I/O around them that the runner uses (the embedded rendezvous,
+this machine's address, the model's hash)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from kafila.contracts import Progress
+from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
+from kafila.network.rendezvous import Limits
+from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
+from kafila.planner.report import PlanReport
+from kafila.planner.types import ServingSpec
+from kafila.runtime.llama.model import ContextSettings
+from kafila.runtime.machine.this_machine import hash_model
+from kafila.session.core import ServingPolicy
+
+# How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
+# so that the running ones can finish and the ring be replanned with them.
+NEWCOMER_PATIENCE_S = 30.0
+# The least time between two rebalances, doubled after each: a ring measured on a machine whose
+# load comes and goes cannot flap between divisions more than a few times an hour.
+REBALANCE_COOLDOWN_S = 60.0
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A duration the environment may shorten (tests do), never negative; `default` if unreadable."""
+    try:
+        return max(0.0, float(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
+class HostUi(Protocol):
+    """What a person at the host sees."""
+
+    def say(self, text: str) -> None: ...
+    def warn(self, what: str, detail: str) -> None: ...
+    def error(self, message: str) -> None: ...
+    def announce_code(self, code: str, join_line: str, discoverable: bool = False) -> None:
+        """`discoverable`: members on this network can join with the code alone (LAN discovery)."""
+
+    def show_plan(self, report: PlanReport) -> None: ...
+    def progress_bars(self) -> AbstractContextManager[Progress]:
+        """A bar per thing named in the updates (what, bytes done, bytes in all), gone at the end."""
+        ...
+
+
+@dataclass
+class HostConfig:
+    path: Path
+    counts: list[int]  # the local division, for a session of one member
+    session: ServingSpec
+    sock: socket.socket
+    api_key: str | None
+    threads: int
+    members: int
+    rendezvous: tuple[str, int] | None  # an external one; None: embedded
+    rendezvous_bind: str
+    rendezvous_port: int
+    stun_port: int
+    demo: bool
+    name: str
+    memory: int | None = None  # bytes this machine lends (`--memory`); None: what is free
+    discovery_port: int | None = DEFAULT_DISCOVERY_PORT  # LAN discovery by the embedded rendezvous; None: off
+    rebalance: bool = True  # divide the blocks again when the stages' measured times clearly call for it
+    allowed_hosts: tuple[str, ...] = ()  # host names the API answers to besides addresses and localhost
+    open_token: str | None = None  # what an external rendezvous asks of hosts that open a session
+    resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next one
+
+    @property
+    def api_url(self) -> str:
+        """Where clients reach the API: the listening socket's address."""
+        address, port = self.sock.getsockname()[:2]
+        return f"http://{f'[{address}]' if ':' in address else address}:{port}/v1"
+
+    @property
+    def settings(self) -> ContextSettings:
+        n = self.session.concurrency
+        return ContextSettings(n_ctx=self.session.context * n, n_batch=512, n_seq_max=n, n_threads=self.threads)
+
+    @property
+    def policy(self) -> ServingPolicy:
+        """The session core's patience: the command line's, shortened by the environment (tests do)."""
+        return ServingPolicy(
+            newcomer_patience_s=seconds_from_env("KAFILA_NEWCOMER_PATIENCE_S", NEWCOMER_PATIENCE_S),
+            rebalance_cooldown_s=seconds_from_env("KAFILA_REBALANCE_COOLDOWN_S", REBALANCE_COOLDOWN_S),
+            rebalance=self.rebalance and self.members > 1,
+            resume_within_s=self.resume_within_s,
+        )
+
+
+def rendezvous_address(config: HostConfig, embedded: RendezvousHandle | None) -> tuple[str, int]:
+    """Where this host and its members reach the rendezvous. The host reaches its own at the
+    address it gives members, so that every member's candidates are on the same network and
+    punches between them line up."""
+    if config.rendezvous is not None:
+        return config.rendezvous
+    assert embedded is not None, "with no --rendezvous, the host runs one"
+    host, port = embedded.http_address
+    return (lan_address() if host in ("0.0.0.0", "::") else host), port
+
+
+async def start_embedded_rendezvous(config: HostConfig) -> RendezvousHandle:
+    """The rendezvous this host runs for its members, when none is given."""
+    try:
+        bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
+        idle = max(1.0, seconds_from_env("KAFILA_SESSION_IDLE_S", Limits().session_idle_s))
+        return await start_rendezvous(
+            bind, *ports, discovery_port=config.discovery_port, limits=Limits(session_idle_s=idle)
+        )
+    except OSError as error:
+        raise OSError(
+            f"the embedded rendezvous cannot listen on {config.rendezvous_bind} (port "
+            f"{config.rendezvous_port}, STUN port {config.stun_port}): {error.strerror or error}. Is another "
+            "kafila host running here? `--rendezvous-port 0 --stun-port 0` take free ports (the join line "
+            "says which)"
+        ) from None
+
+
+async def hash_with_progress(path: Path, ui: HostUi) -> str:
+    """The model's sha256, for members with their own copy of it (the first hash of a large model
+    takes a minute; it is cached after)."""
+    with ui.progress_bars() as progress:
+        return await hash_model(path, functools.partial(progress, f"hashing {path.name} (once)"))
+
+
+def lan_address() -> str:
+    """This machine's address on its default route, for the join line a person copies."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET: nothing is sent
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
