@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from tiny_gguf import write_tiny_llama
+from tiny_models import write_tiny_llama
 
 from kafila.contracts import BackendDevice, BackendReport, FleetDevice
 from kafila.runtime.llama.backends import backend_devices, backend_report, device_set, serving_devices

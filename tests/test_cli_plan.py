@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_gguf import write_other_family, write_tiny_llama
-from tiny_models import write_tiny_model
+from tiny_gguf import write_other_family
+from tiny_models import write_tiny_llama, write_tiny_model
 
 from kafila.planner.fleet import device_of
 from kafila.runtime.gguf.manifest import read_manifest

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from tiny_gguf import rewrite, write_tiny_llama
+from tiny_gguf import rewrite
+from tiny_models import write_tiny_llama
 
 from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.manifest import read_manifest

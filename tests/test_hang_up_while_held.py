@@ -49,7 +49,8 @@ def test_a_client_that_hangs_up_while_its_ring_is_broken_is_not_carried_to_the_n
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=2)
     ring = BreakingRing(open_engine(model, [2], SETTINGS), lands=3)
     with engine_served(ring, 3, SETTINGS.n_batch, CONTEXT) as (base_url, serving):  # type: ignore[arg-type]
-        broken = serving.loop
+        assert serving.ring is not None
+        broken = serving.ring.loop
         assert broken is not None
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
         asked = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}

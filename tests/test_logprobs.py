@@ -183,8 +183,8 @@ def test_completions_report_the_models_log_probabilities(served: Served, whole: 
 def test_chat_reports_the_models_log_probabilities_streamed_or_not(
     served: Served, whole: Engine, sampling: dict[str, object]
 ) -> None:
-    assert served.serving.template is not None
-    rendered = served.serving.template.render(MESSAGES)
+    assert served.serving.ring.template is not None
+    rendered = served.serving.ring.template.render(MESSAGES)
     prompt = served.engine.tokenize(rendered.text, not rendered.starts_with_bos, True)
     body = {k: v for k, v in sampling.items() if k != "extra_body"} | dict(sampling.get("extra_body", {}))  # type: ignore[call-overload]
     settings = ChatRequest.model_validate({"model": "tiny", "messages": MESSAGES, **body}).sampling()

@@ -6,14 +6,13 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
-from tiny_gguf import write_tiny_llama
-from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
+from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_llama, write_tiny_model
 
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError
 from kafila.runtime.gguf.manifest import read_manifest
 
 # Byte sizes by hand: Q8_0 stores 32 values in 34 bytes, F16 2 bytes and F32 4 bytes a value.
-N_EMBD, N_FF, N_VOCAB, N_HEAD_KV, HEAD_DIM = 64, 128, 32, 2, 16
+N_EMBD, N_FF, N_VOCAB, N_HEAD_KV, HEAD_DIM = 64, 128, 512, 2, 16  # write_tiny_llama's defaults
 Q8 = 34 / 32
 ATTENTION = int((2 * N_EMBD * N_EMBD + 2 * N_HEAD_KV * HEAD_DIM * N_EMBD) * Q8)
 NORMS = 2 * N_EMBD * 4

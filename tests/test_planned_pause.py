@@ -57,8 +57,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def served(model: Path) -> Iterator[Served]:
     engine = open_engine(model, [2], SETTINGS)
     with engine_served(engine, 2, SETTINGS.n_batch, 256) as (base_url, serving):
-        assert serving.loop is not None
-        yield Served(serving, base_url, engine, serving.loop)
+        assert serving.ring is not None
+        yield Served(serving, base_url, engine, serving.ring.loop)
 
 
 def in_background(served: Served) -> tuple[threading.Thread, dict[str, object]]:

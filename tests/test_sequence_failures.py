@@ -213,8 +213,8 @@ def small_stage_host(model: Path, tmp_path: Path) -> Iterator[InProcessHost]:
     head = ContextSettings(n_ctx=512 * 4, n_batch=512, n_seq_max=4, n_threads=1)
     engine = RingEngine(stages, head, ring=LocalRing(stages[:-1], SETTINGS))
     with engine_served(engine, 4, head.n_batch, 512) as (base_url, serving):
-        assert serving.loop is not None
-        yield InProcessHost(base_url, serving.loop, engine)
+        assert serving.ring is not None
+        yield InProcessHost(base_url, serving.ring.loop, engine)
 
 
 def test_one_request_a_stage_cannot_hold_fails_alone_and_the_server_serves_on(

@@ -1,4 +1,6 @@
-"""Write tiny GGUF models with the gguf package: random weights, a tiny vocabulary, few blocks."""
+"""GGUF files for what is refused or rewritten rather than run: header-only stand-ins for families
+no llama.cpp runs, copies with metadata changed or tensors left out, and a model split into parts
+as llama-gguf-split writes it. Runnable tiny models: `tiny_models`."""
 
 from __future__ import annotations
 
@@ -6,75 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
-from gguf.quants import quantize
+from gguf import GGUFValueType, GGUFWriter
 
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, RawCopyWriter, raw_value
-
-
-def write_tiny_llama(
-    path: Path,
-    n_blocks: int = 4,
-    n_embd: int = 64,
-    n_head: int = 4,
-    n_head_kv: int = 2,
-    n_ff: int = 128,
-    n_vocab: int = 32,
-    tied_output: bool = False,
-    wide_blocks: tuple[int, ...] = (),
-    seed: int = 0,
-) -> Path:
-    """A llama-family model; blocks listed in `wide_blocks` store their FFN in F16, others Q8_0."""
-    rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), arch="llama")
-    writer.add_name("tiny-llama")
-    writer.add_block_count(n_blocks)
-    writer.add_context_length(256)
-    writer.add_embedding_length(n_embd)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(n_vocab - 3)])
-    writer.add_token_scores([0.0] * n_vocab)
-    writer.add_token_types([2, 3, 3] + [1] * (n_vocab - 3))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-    def weight(shape: tuple[int, int]) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
-
-    def add(name: str, values: np.ndarray, qtype: GGMLQuantizationType) -> None:
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            dtype = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
-            writer.add_tensor(name, values.astype(dtype))
-        else:
-            writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
-
-    q8, f16, f32 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.F32
-    head_dim = n_embd // n_head
-    add("token_embd.weight", weight((n_vocab, n_embd)), q8)
-    add("output_norm.weight", np.ones(n_embd, dtype=np.float32), f32)
-    if not tied_output:
-        add("output.weight", weight((n_vocab, n_embd)), q8)
-    for i in range(n_blocks):
-        ffn_type = f16 if i in wide_blocks else q8
-        add(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32), f32)
-        add(f"blk.{i}.attn_q.weight", weight((n_embd, n_embd)), q8)
-        add(f"blk.{i}.attn_k.weight", weight((n_head_kv * head_dim, n_embd)), q8)
-        add(f"blk.{i}.attn_v.weight", weight((n_head_kv * head_dim, n_embd)), q8)
-        add(f"blk.{i}.attn_output.weight", weight((n_embd, n_embd)), q8)
-        add(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32), f32)
-        add(f"blk.{i}.ffn_gate.weight", weight((n_ff, n_embd)), ffn_type)
-        add(f"blk.{i}.ffn_up.weight", weight((n_ff, n_embd)), ffn_type)
-        add(f"blk.{i}.ffn_down.weight", weight((n_embd, n_ff)), ffn_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def write_other_family(

@@ -289,6 +289,7 @@ def write_tiny_model(
     shape: ModelShape | None = None,
     chat_template: str | None = None,
     extra_specials: Sequence[str] = (),
+    n_vocab: int | None = None,
 ) -> Path:
     """Write a tiny random `arch` model to `path`; the same arguments give the same bytes.
 
@@ -296,7 +297,8 @@ def write_tiny_model(
     mistral3 and gpt-oss carry their own output.weight, the others tie it to token_embd. `shape`
     replaces the architecture's tiny default (and its limit of 12 blocks); `chat_template` (Jinja) is
     stored as tokenizer.chat_template, without which servers use their built-in one;
-    `extra_specials` are control tokens its syntax needs (`[TOOL_CALLS]`, `<|python_tag|>`). Tensors
+    `extra_specials` are control tokens its syntax needs (`[TOOL_CALLS]`, `<|python_tag|>`);
+    `n_vocab` pads the vocabulary with plain pieces to that many tokens (a larger head). Tensors
     are written through a temporary file as they are made, so a model of a gigabyte needs
     little memory to write.
     """
@@ -311,6 +313,13 @@ def write_tiny_model(
     arch_index = SUPPORTED_TINY_ARCHS.index(arch)
     rng = np.random.default_rng([seed, arch_index])
     tokens, scores, types, special_ids = _vocab(arch, extra_specials)
+    if n_vocab is not None:
+        if n_vocab < len(tokens):
+            raise ValueError(f"n_vocab is {n_vocab}; the {arch} vocabulary has {len(tokens)} tokens at least")
+        padding = n_vocab - len(tokens)
+        tokens += [f"▁pad{i}" for i in range(padding)]
+        scores += [-float(len(scores) + i) for i in range(padding)]
+        types += [int(TokenType.NORMAL)] * padding
     n_vocab = len(tokens)
     n_embd, n_ff, head_dim = shape.n_embd, shape.n_ff, shape.head_dim
     n_q, n_kv = shape.n_head * head_dim, shape.n_head_kv * head_dim
@@ -608,3 +617,25 @@ def write_wide_model(path: Path, n_blocks: int) -> Path:
         ffn_types=(Q8_0,), attn_v_type=Q8_0,
     )  # fmt: skip
     return write_tiny_model(path, "llama", n_blocks=n_blocks, shape=shape)
+
+
+def write_tiny_llama(
+    path: Path,
+    n_blocks: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 512,
+    tied_output: bool = False,
+    wide_blocks: tuple[int, ...] = (),
+    seed: int = 0,
+) -> Path:
+    """A llama of any size whose bytes are easy to count: every matrix Q8_0 but the FFN of the
+    blocks in `wide_blocks`, F16; norms F32."""
+    shape = ModelShape(
+        n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=n_embd // n_head, n_ff=n_ff,
+        tied_output=tied_output, embd_std=1.0, attn_v_type=Q8_0,
+        ffn_types=tuple(F16 if i in wide_blocks else Q8_0 for i in range(n_blocks)),
+    )  # fmt: skip
+    return write_tiny_model(path, "llama", n_blocks=n_blocks, seed=seed, shape=shape, n_vocab=n_vocab)

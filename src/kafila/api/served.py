@@ -3,41 +3,28 @@ changes it (`session.availability.Availability`), and neither package imports th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
-from kafila.contracts import Incident, SessionStatus
+from kafila.contracts import SessionStatus
 from kafila.event_feed import EventFeed
-from kafila.runtime.engine.engines import Engine
-from kafila.serving.chat_template import ChatTemplate
-from kafila.serving.engine_loop import EngineLoop
+from kafila.serving.handle import ServedState, ServingHandle
 
 
 class Served(Protocol):
-    """What the routes read of whoever runs the model (`session.availability.Availability`):
-    ready or not and why, the engine loop to submit to and cancel on, and the session's status.
-    The API only reads it; the session changes it."""
+    """What the routes read of whoever runs the model: the ring serving now (requests are
+    submitted to it and cancelled on it), the state to tell callers, the session's status and
+    its events. The API only reads it; the session changes it."""
 
     @property
-    def loop(self) -> EngineLoop | None: ...
-    @property
-    def engine(self) -> Engine | None: ...
-    @property
-    def template(self) -> ChatTemplate | None: ...
-    @property
-    def waiting_for(self) -> list[str]: ...
-    @property
-    def join_line(self) -> str | None: ...
-    @property
-    def failure(self) -> str | None: ...
-    @property
-    def paused(self) -> bool: ...
-    @property
-    def ready(self) -> bool: ...
-    @property
-    def incidents(self) -> Sequence[Incident]: ...
+    def ring(self) -> ServingHandle | None:
+        """The ring serving now, or broken and not yet replaced; None while nothing serves."""
+
     @property
     def events(self) -> EventFeed: ...
-    async def until_resumed(self) -> None: ...
+    def state(self) -> ServedState: ...
     def session_status(self) -> SessionStatus: ...
-    def client_gone(self, request_id: str) -> None: ...
+    async def until_resumed(self) -> None:
+        """Wait while a planned replan runs (up to a bound); the caller then looks again."""
+
+    def client_gone(self, request_id: str) -> None:
+        """A request's client left after its ring broke: the next ring is not to take it on."""

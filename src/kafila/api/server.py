@@ -37,11 +37,11 @@ from kafila.api.tool_calls import (
     ReplyReader,
 )
 from kafila.contracts import HostStatus
-from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.sampling import GrammarRefused
 from kafila.serving.batcher import Job, RequestEvent
-from kafila.serving.engine_loop import EngineLoop, EngineUnavailable
+from kafila.serving.engine_loop import EngineUnavailable
+from kafila.serving.handle import ServingHandle
 from kafila.validation import first_problem, one_line
 
 # A whole context of text (a token is a few bytes) with room to spare: 131,072 tokens of chat
@@ -109,26 +109,27 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             where, _ = first_problem(error)
             raise invalid(one_line(error), param=where or None) from None
 
-    async def ready_loop(model: str) -> tuple[EngineLoop, Engine]:
-        """The engine to serve with; during a planned replan, once it is done."""
+    async def ready_ring(model: str) -> ServingHandle:
+        """The ring to serve on; during a planned replan, once it is done."""
         if model != config.model_id:
             raise ApiError(
                 404, f"The model '{model}' does not exist; this server serves '{config.model_id}'.",
                 "invalid_request_error", "model_not_found", "model",
             )  # fmt: skip
-        if serving.paused and not serving.ready:
+        state = serving.state()
+        if state.paused and not state.ready:
             metrics.held.inc()
             await serving.until_resumed()
-        loop, engine = serving.loop, serving.engine
-        if loop is None or engine is None or loop.error is not None:
-            raise _unavailable(serving, _not_ready_text(serving, loop))
-        return loop, engine
+        ring = serving.ring
+        if ring is None or ring.error is not None:
+            raise _unavailable(serving)
+        return ring
 
-    def replanned_since(taken: EngineLoop | Engine) -> bool:
-        """The host stopped this engine (or its loop) to replan by choice, and the replan runs or
-        is done: a request that took it just before can wait for the new ring, as one that comes
-        during the pause does, instead of being told the host is shutting down."""
-        return serving.paused or (serving.loop is not None and taken not in (serving.loop, serving.engine))
+    def replanned_since(taken: ServingHandle) -> bool:
+        """The host stopped this ring to replan by choice, and the replan runs or is done: a
+        request that took it just before can wait for the new ring, as one that comes during the
+        pause does, instead of being told the host is shutting down."""
+        return serving.state().paused or (serving.ring is not None and taken is not serving.ring)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -149,12 +150,13 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if serving.ready:
+        state, ring = serving.state(), serving.ring
+        if state.ready:
             return JSONResponse({"status": "ready", "model": config.model_id})
-        body: dict[str, Any] = {"status": "failed" if serving.failure else "starting", "model": config.model_id}
-        body["waiting_for"] = serving.waiting_for
-        if serving.failure or (serving.loop and serving.loop.error):
-            body["error"] = serving.failure or (serving.loop.error if serving.loop else None)
+        body: dict[str, Any] = {"status": "failed" if state.failure else "starting", "model": config.model_id}
+        body["waiting_for"] = list(state.waiting_for)
+        if state.failure or (ring and ring.error):
+            body["error"] = state.failure or (ring.error if ring else None)
         return JSONResponse(body, status_code=503)
 
     @app.get("/v1/models")
@@ -173,26 +175,24 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
     async def chat(request: Request) -> Response:
         authorise(request)
         body: ChatRequest = await parse(request, ChatRequest)
-        loop, engine = await ready_loop(body.model)
-        template = serving.template
-        assert template is not None
-        prepared = prepare_chat(body, template)
-        prompt = await tokenize(engine, prepared.text, prepared.add_bos, True, "messages")
-        return await _serve(request, body, prompt, loop, chat=True, grammar=prepared.grammar, reader=prepared.reader)
+        ring = await ready_ring(body.model)
+        prepared = prepare_chat(body, ring.template)
+        prompt = await tokenize(ring, prepared.text, prepared.add_bos, True, "messages")
+        return await _serve(request, body, prompt, ring, chat=True, grammar=prepared.grammar, reader=prepared.reader)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         authorise(request)
         body: CompletionRequest = await parse(request, CompletionRequest)
-        loop, engine = await ready_loop(body.model)
-        prepared = prepare_completion(body, engine.n_vocab())
+        ring = await ready_ring(body.model)
+        prepared = prepare_completion(body, ring.n_vocab())
         prompt = prepared.tokens
         if prompt is None:
             assert prepared.text is not None
-            prompt = await tokenize(engine, prepared.text, True, False, "prompt")
-        return await _serve(request, body, prompt, loop, chat=False, grammar=prepared.grammar)
+            prompt = await tokenize(ring, prepared.text, True, False, "prompt")
+        return await _serve(request, body, prompt, ring, chat=False, grammar=prepared.grammar)
 
-    async def tokenize(engine: Engine, text: str, add_special: bool, parse_special: bool, param: str) -> list[int]:
+    async def tokenize(ring: ServingHandle, text: str, add_special: bool, parse_special: bool, param: str) -> list[int]:
         """Token ids, off the event loop for long texts (8 MB takes seconds, and every stream
         would stall meanwhile); a text too long to fit the context at any tokenizer's longest
         token is refused without tokenizing it at all."""
@@ -203,36 +203,36 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
                 f"{len(text)} characters, more than that many tokens can hold.", param, "context_length_exceeded",
             )  # fmt: skip
         try:
-            return await tokenize_with(engine, text, add_special, parse_special)
+            return await tokenize_with(ring, text, add_special, parse_special)
         except StageFailed:  # the host closed this engine meanwhile, to replan
-            if not replanned_since(engine):
-                raise _unavailable(serving, _not_ready_text(serving, serving.loop)) from None
-        _, engine = await ready_loop(config.model_id)
+            if not replanned_since(ring):
+                raise _unavailable(serving) from None
+        ring = await ready_ring(config.model_id)
         try:
-            return await tokenize_with(engine, text, add_special, parse_special)
+            return await tokenize_with(ring, text, add_special, parse_special)
         except StageFailed:
-            raise _unavailable(serving, _not_ready_text(serving, serving.loop)) from None
+            raise _unavailable(serving) from None
 
-    async def tokenize_with(engine: Engine, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    async def tokenize_with(ring: ServingHandle, text: str, add_special: bool, parse_special: bool) -> list[int]:
         if len(text) <= TOKENIZE_IN_THREAD_CHARACTERS:
-            return engine.tokenize(text, add_special, parse_special)
-        return await asyncio.to_thread(engine.tokenize, text, add_special, parse_special)
+            return ring.tokenize(text, add_special, parse_special)
+        return await asyncio.to_thread(ring.tokenize, text, add_special, parse_special)
 
-    async def submit(loop: EngineLoop, job: Job, sink: Callable[[RequestEvent], None]) -> EngineLoop:
-        """Queue the job on the loop, or on the new ring's loop if a planned replan stopped this
-        one since the request took it. Returns the loop the job runs on."""
-        if not submitted(loop, job, sink, may_wait=True):
-            loop, _ = await ready_loop(config.model_id)
-            submitted(loop, job, sink, may_wait=False)
-        return loop
+    async def submit(ring: ServingHandle, job: Job, sink: Callable[[RequestEvent], None]) -> ServingHandle:
+        """Queue the job on the ring, or on the new ring if a planned replan stopped this one
+        since the request took it. Returns the ring the job runs on."""
+        if not submitted(ring, job, sink, may_wait=True):
+            ring = await ready_ring(config.model_id)
+            submitted(ring, job, sink, may_wait=False)
+        return ring
 
-    def submitted(loop: EngineLoop, job: Job, sink: Callable[[RequestEvent], None], may_wait: bool) -> bool:
-        """False when a planned replan stopped the loop and the caller may wait for the new one."""
+    def submitted(ring: ServingHandle, job: Job, sink: Callable[[RequestEvent], None], may_wait: bool) -> bool:
+        """False when a planned replan stopped the ring and the caller may wait for the new one."""
         try:
-            loop.submit(job, sink)
+            ring.submit(job, sink)
             return True
         except EngineUnavailable as error:
-            if may_wait and replanned_since(loop):
+            if may_wait and replanned_since(ring):
                 return False
             raise _unavailable(serving, str(error)) from None
         except ValueError as error:
@@ -242,7 +242,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         request: Request,
         body: ChatRequest | CompletionRequest,
         prompt: list[int],
-        loop: EngineLoop,
+        ring: ServingHandle,
         chat: bool,
         grammar: str | None = None,
         reader: ReplyReader | None = None,
@@ -252,11 +252,11 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             raise invalid("The prompt is empty.", "prompt" if not chat else "messages")
         if grammar is not None:
             try:
-                loop.engine.check_grammar(grammar)
+                ring.check_grammar(grammar)
             except GrammarRefused as error:
                 raise invalid(f"{error}: the schema or tools asked for output it cannot describe") from None
             except StageFailed:
-                raise _unavailable(serving, _not_ready_text(serving, serving.loop)) from None
+                raise _unavailable(serving) from None
         limit = body.token_limit()
         if len(prompt) >= context or (limit is not None and len(prompt) + limit > context):
             asked = f" and {limit} for the completion" if limit is not None else ""
@@ -274,7 +274,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         def sink(event: RequestEvent) -> None:
             event_loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        loop = await submit(loop, job, sink)
+        ring = await submit(ring, job, sink)
         reply = Reply(
             request_id, config.model_id, chat, time.monotonic(), metrics, alternatives is not None, reader=reader
         )
@@ -282,10 +282,11 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         def cancel() -> None:
             """On the loop it was submitted to, and on the one serving now, where a broken ring's
             requests go on."""
-            loop.cancel(request_id)
-            if serving.loop is not None and serving.loop is not loop:
-                serving.loop.cancel(request_id)
-            if loop.error is not None:  # its ring broke: the session may hold it for the next one
+            ring.cancel(request_id)
+            now = serving.ring
+            if now is not None and now is not ring:
+                now.cancel(request_id)
+            if ring.error is not None:  # it broke: the session may hold the request for the next ring
                 serving.client_gone(request_id)
 
         if body.stream:
@@ -313,24 +314,24 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
         authorise(request)
-        loop = serving.loop
+        ring, state = serving.ring, serving.state()
         now = time.monotonic()
         session = serving.session_status()
         keyed = config.api_key is not None  # the session code is for the key's holder alone
         return HostStatus(
             model=config.model_id,
-            ready=serving.ready,
-            waiting_for=serving.waiting_for,
-            error=serving.failure or (loop.error if loop else None),
-            join=serving.join_line if keyed else None,
+            ready=state.ready,
+            waiting_for=list(state.waiting_for),
+            error=state.failure or (ring.error if ring else None),
+            join=state.join_line if keyed else None,
             context_per_sequence=config.context_per_sequence,
-            queue_depth=loop.queued if loop else 0,
-            running=loop.running if loop else 0,
-            pipeline_waves=loop.engine.depth if loop else None,
-            tokens_per_s=round(loop.stats.tokens_per_s(now), 3) if loop else 0.0,
-            requests={"finished": loop.stats.finished, "failed": loop.stats.failed} if loop else {},
-            stages=loop.stage_report if loop else [],
-            incidents=list(serving.incidents),
+            queue_depth=ring.queued if ring else 0,
+            running=ring.running if ring else 0,
+            pipeline_waves=ring.waves if ring else None,
+            tokens_per_s=round(ring.stats.tokens_per_s(now), 3) if ring else 0.0,
+            requests={"finished": ring.stats.finished, "failed": ring.stats.failed} if ring else {},
+            stages=ring.stage_report if ring else [],
+            incidents=list(state.incidents),
             **{name: getattr(session, name) for name in session.model_fields_set if keyed or name != "code"},
         ).wire()
 
@@ -407,21 +408,21 @@ async def _client_gone(request: Request) -> None:
         await asyncio.sleep(0.05)
 
 
-def _unavailable(serving: Served, message: str) -> ApiError:
-    """OpenAI's 503, with what a client should do next: while the session gets ready, or replans
-    after its ring broke, try again shortly (`Retry-After`); where it cannot serve (the model does
-    not fit, every member failed), not at all (`x-should-retry: false`, which the official SDKs
-    heed), since a retry could only fail the same way."""
-    headers = {"x-should-retry": "false"} if serving.failure else TRY_AGAIN
+def _unavailable(serving: Served, message: str | None = None) -> ApiError:
+    """OpenAI's 503, saying why (`message`, or what the session waits for), with what a client
+    should do next: while the session gets ready, or replans after its ring broke, try again
+    shortly (`Retry-After`); where it cannot serve (the model does not fit, every member failed),
+    not at all (`x-should-retry: false`, which the official SDKs heed), since a retry could only
+    fail the same way."""
+    state, ring = serving.state(), serving.ring
+    if message is None and ring is not None and ring.error is not None:
+        message = f"The session cannot serve: {ring.error}"
+    elif message is None and state.failure:
+        message = f"The session cannot serve: {state.failure}"
+    elif message is None:
+        message = "The session is not ready yet: waiting for " + ", ".join(state.waiting_for or ["the model"]) + "."
+    headers = {"x-should-retry": "false"} if state.failure else TRY_AGAIN
     return ApiError(503, message, "server_error", "not_ready", headers=headers)
-
-
-def _not_ready_text(serving: Served, loop: EngineLoop | None) -> str:
-    if loop is not None and loop.error is not None:
-        return f"The session cannot serve: {loop.error}"
-    if serving.failure:
-        return f"The session cannot serve: {serving.failure}"
-    return "The session is not ready yet: waiting for " + ", ".join(serving.waiting_for or ["the model"]) + "."
 
 
 def _model_card(config: ApiConfig) -> dict[str, Any]:

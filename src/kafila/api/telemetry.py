@@ -36,13 +36,13 @@ class Metrics:
             "kafila_requests_held", "Requests that waited for a planned replan, not turned away", registry=self.registry
         )
         queue = Gauge("kafila_queue_depth", "Requests waiting for a slot", registry=self.registry)
-        queue.set_function(lambda: serving.loop.queued if serving.loop else 0)
+        queue.set_function(lambda: ring.queued if (ring := serving.ring) else 0)
         running = Gauge("kafila_running_requests", "Requests generating now", registry=self.registry)
-        running.set_function(lambda: serving.loop.running if serving.loop else 0)
+        running.set_function(lambda: ring.running if (ring := serving.ring) else 0)
         rate = Gauge("kafila_tokens_per_second", "Generated tokens per second, last 10 s", registry=self.registry)
-        rate.set_function(lambda: serving.loop.stats.tokens_per_s(time.monotonic()) if serving.loop else 0.0)
+        rate.set_function(lambda: ring.stats.tokens_per_s(time.monotonic()) if (ring := serving.ring) else 0.0)
         ready = Gauge("kafila_ready", "1 when every stage is ready", registry=self.registry)
-        ready.set_function(lambda: 1.0 if serving.ready else 0.0)
+        ready.set_function(lambda: 1.0 if (ring := serving.ring) and ring.error is None else 0.0)
         self.registry.register(RingCollector(serving))
 
 
@@ -70,7 +70,8 @@ class RingCollector(Collector):
             "Measured ms of each stage's decodes of one token alone, which the plan's prediction prices",
             labels=["blocks"],
         )
-        for stage in self.serving.loop.stage_report if self.serving.loop else []:
+        ring = self.serving.ring
+        for stage in ring.stage_report if ring else []:
             span = _blocks(stage.range)
             for family, ms in ((measured, stage.ms_per_token), (alone, stage.ms_per_token_alone)):
                 if span is not None and ms is not None:

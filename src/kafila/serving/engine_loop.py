@@ -81,7 +81,9 @@ class EngineLoop:
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
         self.error: str | None = None
-        # Told from the engine thread when the loop drains or breaks: what a host waits on to replan.
+        # Told from the engine thread when the loop breaks: a host replans at once. (Not when it
+        # drains: a host that looked at once would take every instant between two requests for
+        # a pause in the load, which its patience with newcomers is there to wait out.)
         self.on_change: Callable[[], None] = lambda: None
         self._sinks: dict[str, Sink] = {}
         self._suspended: list[tuple[Suspended, Sink]] = []  # what a broken ring left, for the next loop
@@ -212,9 +214,6 @@ class EngineLoop:
                     decoded=sum(1 for s in steps if s.decode),
                 )
                 self._dispatch(events)
-                drained = self.batcher.idle
-            if drained:
-                self.on_change()
 
     def _refused_in_a_row(self, results: list[StepResult]) -> int:
         """Sequences refused by a stage with none served since: a stage that refuses everything

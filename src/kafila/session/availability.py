@@ -1,6 +1,6 @@
 """What the host's API may serve at each moment, as the session tells it.
 
-The session (`runner.HostRunner`) makes it ready with an engine and its loop, or unready with
+The session (`runner.HostRunner`) makes it ready with a ring's engine and loop, or unready with
 what it waits for, or paused for a replan it chose (requests then wait rather than be turned
 away), or failed with the reason. The API (`api.server`) only reads it, through its `Served`
 protocol: neither package imports the other, and `kafila host` hands this to both.
@@ -18,8 +18,8 @@ from kafila.contracts import Incident, SessionStatus
 from kafila.event_feed import EventFeed
 from kafila.runtime.engine.engines import Engine
 from kafila.serving.batcher import Suspended
-from kafila.serving.chat_template import ChatTemplate
 from kafila.serving.engine_loop import EngineLoop, Sink, fail_suspended
+from kafila.serving.handle import ServedState, ServingHandle
 from kafila.untrusted import printable
 
 # How long a request waits for a planned replan (newcomers taken in, a rebalance) before it is
@@ -32,13 +32,12 @@ HIDDEN_SECRET = "[the session code: on the host's console]"
 
 @dataclass
 class Availability:
-    """What the host's API may serve now, as the session tells it: once ready, the engine loop;
-    until then, or after a break, what it waits for or why it cannot serve. The session changes
-    it; the API reads it (`api.server.Served`)."""
+    """What the host's API may serve now, as the session tells it: once ready, the ring's
+    `ServingHandle`; until then, or after a break, what it waits for or why it cannot serve. The
+    session changes it; the API reads it (`api.served.Served`)."""
 
-    loop: EngineLoop | None = None
-    engine: Engine | None = None
-    template: ChatTemplate | None = None
+    ring: ServingHandle | None = None
+    _last_ring: ServingHandle | None = field(default=None, repr=False)
     waiting_for: list[str] = field(default_factory=lambda: ["the model to load"])
     failure: str | None = None
     describe_session: Callable[[], SessionStatus] = SessionStatus  # the session's part of /status, on demand
@@ -96,10 +95,11 @@ class Availability:
         self.events.publish("incident", what, detail)
 
     def become_ready(self, engine: Engine, loop: EngineLoop, architecture: str | None) -> None:
-        bos, eos = engine.special_text()
-        self.template = ChatTemplate(engine.chat_template(), bos, eos, architecture)
-        engine.show_special(self.template.shown_tokens)
-        self.engine, self.loop = engine, loop
+        """Serve on `engine` and its `loop`, with the chat template built for them (`ServingHandle.of`)."""
+        last = self._last_ring  # the same ring ready again (a pause ended) keeps its handle
+        if last is None or last.engine is not engine or last.loop is not loop:
+            last = self._last_ring = ServingHandle.of(engine, loop, architecture)
+        self.ring = last
         self.waiting_for = []
         self.failure = None
         self.paused = False
@@ -108,7 +108,7 @@ class Availability:
     def become_unready(self, waiting_for: list[str], failure: str | None = None, paused: bool = False) -> None:
         """`paused`: the host chose to replan (it is not broken), so requests that come meanwhile
         wait for the new ring, up to `pause_wait_s`; otherwise they get 503 at once."""
-        self.loop, self.engine = None, None
+        self.ring = None
         self.waiting_for = [self.public(wait) for wait in waiting_for]
         self.failure = self.public(failure) if failure is not None else None
         self.paused = paused and failure is None
@@ -133,12 +133,17 @@ class Availability:
 
     @property
     def ready(self) -> bool:
-        return self.loop is not None and self.loop.error is None
+        return self.ring is not None and self.ring.error is None
+
+    def state(self) -> ServedState:
+        return ServedState(
+            self.ready, self.paused, self.failure, tuple(self.waiting_for), self.join_line, tuple(self.incidents)
+        )
 
     @property
     def chat_template_source(self) -> str | None:
         """Where the chat template in use came from (the model's own, or a fallback), once ready."""
-        return self.template.source if self.template is not None else None
+        return self.ring.template.source if self.ring is not None else None
 
 
 def _settle(waiter: asyncio.Future[None]) -> None:

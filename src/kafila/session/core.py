@@ -80,8 +80,8 @@ MEMORY_LOWERINGS = 3  # smaller shares a machine that runs out of memory gets be
 MEMORY_LOWERED_TO = 0.75  # of what the stage it could not load needed
 REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the stage report's refresh)
 # The longest the shell goes without a look: the sources push what happens (a link down, a stage's
-# report, an admission, the engine going idle), and this is the net under a fact none pushes
-# (a request starting) and any a source might miss.
+# report, an admission, the engine breaking), and this is how soon a fact none pushes is seen
+# (the ring idle, a request starting).
 LOOK_AT_LEAST_EVERY_S = 1.0
 LOOK_GAP_S = 0.05  # the least time between two looks the core asks for
 ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
@@ -264,7 +264,7 @@ class SessionCore:
         if self.phase == Phase.SERVING:
             if self.newcomers_waiting_since is not None:
                 due.append(self.newcomers_waiting_since + self.policy.newcomer_patience_s)
-            if self._rebalancing and self.rebalances.next_check > self.last_look:  # a busy ring's drain wakes it
+            if self._rebalancing and self.rebalances.next_check > self.last_look:  # else the next look
                 due.append(self.rebalances.next_check)
         return max(min(due), self.last_look + LOOK_GAP_S)
 

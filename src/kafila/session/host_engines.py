@@ -43,7 +43,7 @@ class HostEngines:
     def __init__(self, config: HostConfig, availability: Availability, ui: HostUi, changed: Callable[[], None]):
         self.config, self.availability, self.ui = config, availability, ui
         self.manifest = read_manifest(config.path)
-        self.changed = changed  # told, from the engine thread, when the loop drains or breaks
+        self.changed = changed  # told, from the engine thread, when the loop breaks
         self.engine: Engine | None = None
         self.loop: EngineLoop | None = None
         self.held: list[tuple[Suspended, Sink]] = []  # requests a broken ring left, for the next ring

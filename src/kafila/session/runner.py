@@ -3,7 +3,7 @@ carried out, around the HTTP server.
 
 Sources push typed events into the queue: the rendezvous client (a member joined or left), the
 links (one closed), the deployer's listeners (a stage stopped), admissions (one ended) and the
-engine loop (it drained or broke). `watch` waits on the queue with the core's `next_deadline()`
+engine loop (it broke). `watch` waits on the queue with the core's `next_deadline()`
 as its timeout, as aioquic's shell re-arms one timer from `get_timer()`; it hands the core what
 came, then a `Look` at what is a state rather than a happening, and carries out the commands.
 Decisions are the core's; the runner drives, carries out and tells.

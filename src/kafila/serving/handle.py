@@ -1,0 +1,88 @@
+"""One engine and its loop as a front end serves them: the chat template built for the model,
+tokenizing, grammar checks, submitting and cancelling, and the loop's counts. The host hands
+the API a new `ServingHandle` with each ring, so a handle is compared by identity: a request
+that took one ring's handle can tell that another serves now."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kafila.contracts import Incident, StageReport
+from kafila.runtime.engine.engines import Engine
+from kafila.serving.batcher import Job
+from kafila.serving.chat_template import ChatTemplate
+from kafila.serving.engine_loop import EngineLoop, LoopStats, Sink
+
+
+@dataclass(eq=False)
+class ServingHandle:
+    engine: Engine
+    loop: EngineLoop
+    template: ChatTemplate
+
+    @classmethod
+    def of(cls, engine: Engine, loop: EngineLoop, architecture: str | None) -> ServingHandle:
+        """The handle of a ring: its chat template is the model's own, or a fallback by its
+        architecture, and the engine shows the special tokens that template's syntax needs."""
+        bos, eos = engine.special_text()
+        template = ChatTemplate(engine.chat_template(), bos, eos, architecture)
+        engine.show_special(template.shown_tokens)
+        return cls(engine, loop, template)
+
+    # --- requests ---
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self.engine.tokenize(text, add_special, parse_special)
+
+    def n_vocab(self) -> int:
+        return self.engine.n_vocab()
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raises GrammarRefused for a grammar llama.cpp cannot use (StageFailed if the ring is gone)."""
+        self.engine.check_grammar(grammar)
+
+    def submit(self, job: Job, sink: Sink) -> None:
+        """Raises ValueError for a prompt the batcher refuses, EngineUnavailable when broken or stopped."""
+        self.loop.submit(job, sink)
+
+    def cancel(self, request_id: str) -> None:
+        self.loop.cancel(request_id)
+
+    # --- state and counts ---
+    @property
+    def error(self) -> str | None:
+        """Why this ring stopped serving, once it broke."""
+        return self.loop.error
+
+    @property
+    def queued(self) -> int:
+        return self.loop.queued
+
+    @property
+    def running(self) -> int:
+        return self.loop.running
+
+    @property
+    def waves(self) -> int:
+        """Waves of steps the engine keeps in flight along the ring."""
+        return self.engine.depth
+
+    @property
+    def stats(self) -> LoopStats:
+        return self.loop.stats
+
+    @property
+    def stage_report(self) -> list[StageReport]:
+        return self.loop.stage_report
+
+
+@dataclass(frozen=True)
+class ServedState:
+    """What a front end may tell its callers of the host at one moment."""
+
+    ready: bool
+    paused: bool = False  # a planned replan runs: requests wait for it rather than be turned away
+    failure: str | None = None  # nothing serves, and why
+    waiting_for: Sequence[str] = ()
+    join_line: str | None = None  # shown to the API key's holder alone
+    incidents: Sequence[Incident] = ()
