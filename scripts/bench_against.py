@@ -3,7 +3,7 @@ noise then falls on both alike. Each side runs its own copy of the benchmark scr
 `src/` first on the path (child processes, `kafila host` among them, inherit it), so the other
 commit's code runs whole. Prints each run's output under its side's name.
 
-    python scripts/bench_against.py ec08103 --times 2 -- scripts/bench_serve.py --members --rounds 1
+    python scripts/bench_against.py --times 2 ec08103 -- scripts/bench_serve.py --members --rounds 1
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from bench_transfer import PeakRss, bound, rss
 
 from kafila.network.identity import create_identity
-from kafila.network.link import DatagramDemux, Link, LinkConfig, LinkError, frame_bytes, open_link, should_dial
+from kafila.network.link import DatagramDemux, Link, LinkConfig, LinkError, open_link, should_dial
 from kafila.session.router import TRANSFER_SEQUENCES, ChannelBounds, LinkRouter
 from kafila.wire.control import CONTROL_SEQUENCE
 from kafila.wire.frames import Frame, Kind
@@ -57,7 +57,7 @@ async def member() -> None:
     try:
         while sent < order["bytes"] and not link.closed.done():
             await link.send(frame)
-            sent += frame_bytes(frame)
+            sent += frame.wire_bytes
             while not link.closed.done() and unacknowledged(link) > IN_FLIGHT:
                 await asyncio.sleep(0.001)  # what the host has not acknowledged is not yet sent
         while not link.closed.done() and unacknowledged(link) > 0:

@@ -22,7 +22,6 @@ from kafila.network.link import (
     Received,
     Rejected,
     Up,
-    frame_bytes,
 )
 from kafila.wire.frames import Frame, Kind
 
@@ -229,9 +228,9 @@ def test_frames_count_against_the_bound_until_released_and_one_past_it_sends_the
         pair.dialler.send_frame(frame)
     pair.settle()
     got = frames(pair.listener)
-    assert len(got) == 10 and pair.listener.held_bytes == 10 * frame_bytes(frame)  # 1,024,320: within
+    assert len(got) == 10 and pair.listener.held_bytes == 10 * frame.wire_bytes  # 1,024,320: within
     for taken in got[:5]:  # the application took five: room for five more
-        pair.listener.release(frame_bytes(taken))
+        pair.listener.release(taken.wire_bytes)
     for _ in range(5):
         pair.dialler.send_frame(frame)
     pair.settle()

@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kafila.network.identity import Identity, fingerprint_of, normalize_fingerprint
 from kafila.network.relay import HELLO_ACK, hello, parse_ack
-from kafila.wire.frames import HEADER_SIZE, MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
+from kafila.wire.frames import MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
 
 Address = tuple[str, int]
 Handler = Callable[[bytes, Address], None]
@@ -101,11 +101,6 @@ class LinkClosed(LinkError):
 
 class LinkOverBound(LinkError):
     """One side sent more than the other would hold unread: it was sent away."""
-
-
-def frame_bytes(frame: Frame) -> int:
-    """What a received frame costs the side that holds it: its header and payload."""
-    return HEADER_SIZE + len(frame.payload)
 
 
 class LinkConfig(BaseModel):
@@ -322,7 +317,7 @@ class LinkCore:
             self._end_stream(stream_id)
 
     def release(self, n_bytes: int) -> None:
-        """The application took a delivered frame of `n_bytes` (`frame_bytes`): it no longer counts."""
+        """The application took a delivered frame of `n_bytes` (`Frame.wire_bytes`): it no longer counts."""
         self.held_bytes = max(0, self.held_bytes - n_bytes)
 
     def send_raw(self, data: bytes, end: bool = False) -> int:
@@ -478,7 +473,7 @@ class LinkCore:
                             f"frame of sequence {frame.sequence_id} on the stream of sequence {inbound.sequence_id}"
                         )
                     if self.dial and stream_id == 1 and frame.payload == HELLO:
-                        self.release(frame_bytes(frame))
+                        self.release(frame.wire_bytes)
                         continue  # the server's hello is for the link, not the application
                     self._events.append(Received(frame))
             except FrameError as error:
@@ -520,7 +515,7 @@ class LinkCore:
             frames = decoder.feed(data)
         finally:
             self.held_bytes += decoder.pending_bytes - before
-        self.held_bytes += sum(frame_bytes(frame) for frame in frames)
+        self.held_bytes += sum(frame.wire_bytes for frame in frames)
         return frames
 
     def _drop_inbound(self, stream_id: int) -> None:
@@ -777,12 +772,12 @@ class Link:
             self._queue.put_nowait(None)  # keep later callers from blocking
             raise self.closed.result()
         if self.release_on_receive:
-            self.core.release(frame_bytes(frame))
+            self.core.release(frame.wire_bytes)
         return frame
 
     def release(self, frame: Frame) -> None:
         """A frame taken from this link's reader is gone from memory: it no longer counts."""
-        self.core.release(frame_bytes(frame))
+        self.core.release(frame.wire_bytes)
 
     @property
     def held_bytes(self) -> int:

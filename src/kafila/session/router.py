@@ -20,7 +20,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kafila.network.link import Link, LinkClosed, LinkError, LinkOverBound, frame_bytes
+from kafila.network.link import Link, LinkClosed, LinkError, LinkOverBound
 from kafila.network.transfer import MAX_CHUNK, MAX_WINDOW
 from kafila.wire.control import (
     CONTROL_SEQUENCE,
@@ -125,14 +125,14 @@ class Channel:
         return dropped
 
     def _taken(self, frame: Frame) -> Frame:
-        self.held_bytes -= frame_bytes(frame)
+        self.held_bytes -= frame.wire_bytes
         self.link.release(frame)
         return frame
 
     def _put(self, frame: Frame | None) -> bool:
         """Hold a frame for the reader; False if that takes this channel past its bound."""
         if frame is not None:
-            self.held_bytes += frame_bytes(frame)
+            self.held_bytes += frame.wire_bytes
         self._queue.put_nowait(frame)
         return self.bound is None or self.held_bytes <= self.bound
 

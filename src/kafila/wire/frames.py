@@ -90,6 +90,11 @@ class Frame:
     # probabilities carry (0..MAX_TOP_LOGPROBS), or NO_LOGPROBS; travels in the header's flags.
     logprobs: int = NO_LOGPROBS
 
+    @property
+    def wire_bytes(self) -> int:
+        """What the frame takes on the wire, and costs a side that holds it: header and payload."""
+        return HEADER_SIZE + len(self.payload)
+
     def header(self) -> bytes:
         """The 32-byte header alone: a sender can write it and then the payload, uncopied."""
         return HEADER.pack(
