@@ -18,6 +18,7 @@ from kafila.untrusted import check_name
 # one named job's (done, in all), a `Progress` with its `what` given.
 Progress = Callable[[str, int, int], None]
 CountProgress = Callable[[int, int], None]
+Tell = Callable[[str], None]  # a line for the person at this machine (`say` in the session's shells)
 
 
 class Strict(BaseModel):

@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafila.contracts import Tell
 from kafila.network.edges import connect_edges
 from kafila.network.link import DatagramDemux
 from kafila.network.pake import TrustError
@@ -39,7 +40,7 @@ class Admissions:
     code: str  # the full session code, with its secret
     presence: Presence
     roster: Roster
-    say: Callable[[str], None]
+    say: Tell
     admitted: Callable[[str], None] = lambda _member: None  # told when a newcomer took a seat
     demux: DatagramDemux | None = None  # the links' socket, once the members are verified
     _tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # member id → its admission

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from kafila.contracts import EdgeStatus, Progress
+from kafila.contracts import EdgeStatus, Progress, Tell
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
@@ -37,7 +37,6 @@ from kafila.session.quic_ring import QuicRing
 from kafila.session.router import FrameSink, LinkRouter, LocalChannel
 from kafila.wire.control import Assign, ControlError, Hello, Load, Loaded, RingEdge, Staged, StageFailedReport
 
-Say = Callable[[str], None]
 Reply = TypeVar("Reply", Staged, Loaded)
 T = TypeVar("T")
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
@@ -162,7 +161,7 @@ class Deployer:
     model: Path
     settings: ContextSettings
     cache: Path
-    say: Say
+    say: Tell
     epoch: int = 0
     deployment: Deployment | None = None
     ring: QuicRing | None = None

@@ -33,6 +33,7 @@ from kafila.contracts import (
     ModelPricing,
     Progress,
     StageReport,
+    Tell,
 )
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous import MemberInfo
@@ -53,7 +54,6 @@ from kafila.session.pricing import Machine, PlannedRing, RingPricing
 from kafila.session.router import LinkRouter
 from kafila.wire.control import End
 
-Say = Callable[[str], None]
 RENEW_EVERY_S = 600.0  # a rendezvous that does not say how long an idle session lasts gets renewed this often
 GOODBYE_WAIT_S = 2.0  # how long the host waits for members to close their links after their End
 
@@ -72,7 +72,7 @@ class HostSession:
     session: ServingSpec
     settings: ContextSettings
     cache: Path
-    say: Say
+    say: Tell
     model_hash: asyncio.Future[str]  # the model's sha256, begun before the members came
     roster: Roster = field(init=False)
     admissions: Admissions = field(init=False)
@@ -124,7 +124,7 @@ class HostSession:
         session: ServingSpec,
         settings: ContextSettings,
         cache: Path,
-        say: Say,
+        say: Tell,
         model_hash: asyncio.Future[str],
         open_token: str | None = None,
     ) -> HostSession:

@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kafila.contracts import BackendReport, ModelPricing, Progress
+from kafila.contracts import BackendReport, ModelPricing, Progress, Tell
 from kafila.network.edges import connect_edges
 from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
@@ -49,8 +49,6 @@ from kafila.wire.control import (
     StageFailedReport,
 )
 from kafila.wire.frames import Frame, Kind
-
-Say = Callable[[str], None]
 
 
 class SessionEnded(Exception):
@@ -102,7 +100,7 @@ class MemberState:
     cache: Path
     model: Path | None
     threads: int
-    say: Say
+    say: Tell
     stage: RingStage | None = None
     serving: asyncio.Task[None] | None = None
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="stage"))
@@ -200,7 +198,7 @@ class RingLinks:
 
     host: LinkRouter
     connect: Connect
-    say: Say
+    say: Tell
     name_of: Callable[[str], str] = lambda member_id: member_id[:6]
     routers: dict[str, LinkRouter] = field(default_factory=dict)
     paths: dict[str, EdgePath] = field(default_factory=dict)
