@@ -27,7 +27,7 @@ from kafila.contracts import (
     ModelPricing,
 )
 from kafila.network.identity import create_identity
-from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, frame_bytes, open_link, should_dial
+from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, open_link, should_dial
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.runtime.engine.engines import RingEngine
@@ -435,7 +435,7 @@ def test_a_member_that_sends_what_the_host_does_not_read_is_sent_away_at_the_bou
                 while not host.link.closed.done():  # 256 KiB at a time, as fast as QUIC takes it
                     with contextlib.suppress(LinkError):
                         await member.link.send(frame)
-                        sent += frame_bytes(frame)
+                        sent += frame.wire_bytes
                     held = host.link.held_bytes
                     most_held = max(most_held, held)
                     await asyncio.sleep(0)
