@@ -647,6 +647,31 @@ def test_silence_is_a_timeout_not_a_hang() -> None:
     run(scenario())
 
 
+def test_a_joiner_turned_away_before_it_said_anything_hears_the_hosts_reason() -> None:
+    """A host that admits no one refuses a joiner the moment it arrives: it tells it why, then frees
+    its seat, which closes the joiner's connection before its first message goes out. The joiner
+    reports the host's reason, not a closed connection."""
+
+    async def scenario() -> None:
+        handle, _ = await serve()
+        try:
+            host = await RendezvousClient.open(
+                handle.url, model="m", expected_members=3, capability=capability("h"), fingerprint=HOST_FP
+            )
+            code = CODE.replace("7-crimson-harbor", host.code)
+            joiner = await RendezvousClient.join(handle.url, code, capability=capability("j"), fingerprint=JOINER_FP)
+            await send_abort(host, [joiner.member_id], TrustError("this session admits no more members"))
+            await host.remove(joiner.member_id)
+            await joiner.wait_closed(5)  # gone before it could start the exchange
+            with pytest.raises(PeerRefused, match="admits no more members"):
+                await verify_host(joiner, code, JOINER_FP, exchange_timeout=5)
+            await host.close()
+        finally:
+            await handle.close()
+
+    run(scenario())
+
+
 def test_a_joiner_that_fails_its_part_is_dropped_and_the_same_code_then_forms_the_session() -> None:
     """A wrong secret, garbage, an abort, silence, and a joiner that takes the last seat and leaves:
     each is dropped (told why and removed at the rendezvous, its seat free again) and reported;

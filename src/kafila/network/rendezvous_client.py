@@ -438,6 +438,9 @@ class TrustTimeout(TrustError):
     """The other side did not complete its part of the trust exchange in time."""
 
 
+CLOSED_DRAIN_S = 2.0  # how long a closing connection may take to deliver what it still had
+
+
 class LeftUnproven(TrustError):
     """A joiner that began the exchange left before proving the code: a possible guess."""
 
@@ -547,6 +550,15 @@ async def verify_host(
     except TrustError as error:
         if not isinstance(error, PeerRefused):  # the host already knows
             await send_abort(client, [host_id], error)
+        raise
+    except RendezvousClosed:
+        # A host that turns a joiner away tells it why, then frees its seat, which closes this
+        # connection: perhaps before this side's first message went out. Its reason is then a
+        # signal already here, read once the connection has delivered all it had.
+        with contextlib.suppress(TimeoutError):
+            await client.wait_closed(CLOSED_DRAIN_S)
+        for body in client.take_signals(host_id):
+            exchange.receive(body)  # the host's abort raises PeerRefused, saying why
         raise
 
 
