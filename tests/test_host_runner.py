@@ -207,7 +207,6 @@ def test_a_link_down_wakes_the_watcher_which_frees_the_seat_and_replans_without_
         runner, engines, session = serving(tmp_path, ("laptop", "workstation"), {"laptop", "workstation"})
         runner.core.last_look = time.monotonic() + 3600  # no look falls due by itself: only the wake-up
         watcher = watched(runner)
-        await asyncio.sleep(0)
         session.linked.discard("workstation")
         runner.shell.wake()  # as the link's closed callback does
         await until_async(lambda: engines.deployments, "a deployment without the member lost", 5)

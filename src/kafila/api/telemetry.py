@@ -42,7 +42,7 @@ class Metrics:
         rate = Gauge("kafila_tokens_per_second", "Generated tokens per second, last 10 s", registry=self.registry)
         rate.set_function(lambda: ring.stats.tokens_per_s(time.monotonic()) if (ring := serving.ring) else 0.0)
         ready = Gauge("kafila_ready", "1 when every stage is ready", registry=self.registry)
-        ready.set_function(lambda: 1.0 if (ring := serving.ring) and ring.error is None else 0.0)
+        ready.set_function(lambda: 1.0 if serving.state().ready else 0.0)
         self.registry.register(RingCollector(serving))
 
 

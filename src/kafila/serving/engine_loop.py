@@ -84,7 +84,7 @@ class EngineLoop:
         # Told from the engine thread when the loop breaks: a host replans at once. (Not when it
         # drains: a host that looked at once would take every instant between two requests for
         # a pause in the load, which its patience with newcomers is there to wait out.)
-        self.on_change: Callable[[], None] = lambda: None
+        self.on_break: Callable[[], None] = lambda: None
         self._sinks: dict[str, Sink] = {}
         self._suspended: list[tuple[Suspended, Sink]] = []  # what a broken ring left, for the next loop
         self._lock = threading.Condition()
@@ -238,7 +238,7 @@ class EngineLoop:
                 if sink is not None:
                     self._suspended.append((suspended, sink))
             self._dispatch(failed)
-        self.on_change()
+        self.on_break()
 
     def take_suspended(self) -> list[tuple[Suspended, Sink]]:
         """The requests this loop's broken ring left, each with where its events go: for the next

@@ -40,10 +40,10 @@ class HostEngines:
     """The engine that serves, its loop (kept even while /v1 turns requests away), and the
     requests a broken ring left, which go on on the next ring unless their client left."""
 
-    def __init__(self, config: HostConfig, availability: Availability, ui: HostUi, changed: Callable[[], None]):
+    def __init__(self, config: HostConfig, availability: Availability, ui: HostUi, broke: Callable[[], None]):
         self.config, self.availability, self.ui = config, availability, ui
         self.manifest = read_manifest(config.path)
-        self.changed = changed  # told, from the engine thread, when the loop breaks
+        self.broke = broke  # told, from the engine thread, when the loop breaks
         self.engine: Engine | None = None
         self.loop: EngineLoop | None = None
         self.held: list[tuple[Suspended, Sink]] = []  # requests a broken ring left, for the next ring
@@ -68,7 +68,7 @@ class HostEngines:
         loop = EngineLoop(
             engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
         )
-        loop.on_change = self.changed
+        loop.on_break = self.broke
         loop.start()
         held, self.held, self.held_since = self.availability.still_wanted(self.held), [], None
         if held:
