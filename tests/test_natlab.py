@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import subprocess
 
+import natlab as natlab_module
 import pytest
 from natlab_fixtures import (  # noqa: F401  (natlab and natlab_required are fixtures)
     NAT_BEHAVIOUR,
     NAT_TYPES,
+    LabBroken,
     NatLab,
     NatObservation,
     lab_unavailable_reason,
@@ -137,5 +139,21 @@ def test_unavailable_reason_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> No
     lab_unavailable_reason.cache_clear()
     try:
         assert lab_unavailable_reason() == "NAT lab disabled by KAFILA_NO_NATLAB"
+    finally:
+        lab_unavailable_reason.cache_clear()
+
+
+def test_a_ruleset_of_the_labs_own_that_is_refused_is_a_failure_not_a_skip(
+    natlab_required: None,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """This machine has nftables NAT (natlab_required passed), so when nft refuses the lab's own
+    ruleset, the lab is wrong: the check raises rather than naming a reason to skip."""
+    real = natlab_module.nft_ruleset
+    monkeypatch.setattr(natlab_module, "nft_ruleset", lambda nat: real(nat).replace("masquerade", "masqerade"))
+    lab_unavailable_reason.cache_clear()
+    try:
+        with pytest.raises(LabBroken, match=r"(?s)its own full-cone ruleset failed .*masqerade"):
+            lab_unavailable_reason()
     finally:
         lab_unavailable_reason.cache_clear()

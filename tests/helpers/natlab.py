@@ -81,6 +81,15 @@ class LabError(RuntimeError):
     """A lab command failed; the message carries the command and its stderr."""
 
 
+class LabTimeout(LabError):
+    """A lab command ran past COMMAND_TIMEOUT_S: a slow or stuck machine, never a missing feature."""
+
+
+class LabBroken(LabError):
+    """The lab failed on a machine that has everything it needs (its own ruleset was refused, or a
+    command hung): a failure wherever it happens, never a reason to skip."""
+
+
 @dataclass
 class Host:
     """One machine in a home: its namespace and LAN address."""
@@ -120,7 +129,7 @@ def _run(argv: list[str], stdin: str | None = None, check: bool = True) -> subpr
     try:
         done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as exc:
-        raise LabError(f"timed out after {COMMAND_TIMEOUT_S} s: {' '.join(argv)}") from exc
+        raise LabTimeout(f"timed out after {COMMAND_TIMEOUT_S} s: {' '.join(argv)}") from exc
     except OSError as exc:
         raise LabError(f"cannot run {argv[0]}: {exc}") from exc
     if check and done.returncode != 0:
@@ -144,11 +153,15 @@ def wan_unavailable_reason() -> str | None:
     reason = lab_unavailable_reason()
     if reason is not None:
         return reason
+    if not os.path.exists("/dev/net/tun"):
+        return "NAT lab WAN links need TUN devices, and this machine has no /dev/net/tun"
     probe = f"kl{secrets.token_hex(3)}-probe"
     try:
         _run(["ip", "netns", "add", probe])
         _run(["ip", "-n", probe, "tuntap", "add", "dev", "wan0", "mode", "tun"])
         return None
+    except LabTimeout as exc:
+        raise LabBroken(f"NAT lab: a TUN device's set-up hung: {exc}") from exc
     except LabError as exc:
         return f"NAT lab WAN links need TUN devices (/dev/net/tun): {exc}"
     finally:
@@ -222,7 +235,7 @@ def nft_ruleset(nat: str) -> str:
         lines += [
             # A filter-type chain sees every packet (nat chains see a flow's first only), so the
             # entries are refreshed for as long as the host keeps sending.
-            "  chain track { type filter hook prerouting priority mangle; policy accept;",
+            "  chain probe_track { type filter hook prerouting priority mangle; policy accept;",
             '    iifname "lan" meta l4proto udp update @hosts { udp sport : ip saddr }',
             *(['    iifname "lan" meta l4proto udp update @contacted { udp sport . ip daddr }'] if restricted else []),
             "  }",
@@ -245,12 +258,39 @@ def nft_ruleset(nat: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# What the lab needs of the kernel, in the plainest nftables: a NAT table with masquerade (plain
+# and fully random), a dynamic set and map updated from the packet path, and conntrack's state and
+# status. Where this is refused, the machine lacks something; where it passes and the lab's own
+# rulesets (nft_ruleset) are refused, the rulesets are wrong.
+_NFT_CAPABILITIES = """table ip kafila_capabilities {
+  set seen { type inet_service . ipv4_addr; flags dynamic, timeout; timeout 10s; }
+  map owner { type inet_service : ipv4_addr; flags dynamic, timeout; timeout 10s; }
+  chain probe_track { type filter hook prerouting priority mangle; policy accept;
+    meta l4proto udp update @seen { udp sport . ip saddr }
+    meta l4proto udp update @owner { udp sport : ip saddr }
+  }
+  chain probe_dnat { type nat hook prerouting priority dstnat; policy accept;
+    meta l4proto udp dnat to udp dport map @owner
+  }
+  chain probe_filter { type filter hook forward priority filter; policy accept;
+    ct state new ct status dnat accept
+  }
+  chain probe_snat { type nat hook postrouting priority srcnat; policy accept;
+    oifname "va" masquerade
+    oifname "vb" masquerade fully-random
+  }
+}
+"""
+
+
 @functools.cache
 def lab_unavailable_reason() -> str | None:
-    """None when a lab can be built here, else why not (for pytest.skip and the CLI).
+    """None when a lab can be built here, else what this machine lacks (for pytest.skip and the CLI).
 
     Probes the real thing once per process: a throwaway namespace with a veth pair, a bridge,
-    an nftables NAT table with a dynamic set, and a conntrack listing.
+    nftables NAT with dynamic sets, a conntrack listing and IP forwarding. Then, with all of that
+    present, it loads the lab's own ruleset for every NAT type: a refusal there, or a command that
+    hangs, is the lab's fault and raises LabBroken rather than naming a reason to skip.
     """
     if os.environ.get(DISABLE_ENV):
         return f"NAT lab disabled by {DISABLE_ENV}"
@@ -264,28 +304,36 @@ def lab_unavailable_reason() -> str | None:
     probe = f"kl{secrets.token_hex(3)}-probe"
     try:
         _run(["ip", "netns", "add", probe])
+    except LabTimeout as exc:
+        raise LabBroken(f"NAT lab: creating a network namespace hung: {exc}") from exc
     except LabError as exc:
         return f"NAT lab cannot create a network namespace: {exc}"
     try:
+        nft = ["ip", "netns", "exec", probe, "nft", "-f", "-"]
         steps: list[tuple[str, list[str], str | None]] = [
             (
                 "veth and bridge links",
                 ["ip", "-n", probe, "-batch", "-"],
                 "link set lo up\nlink add name va type veth peer name vb\nlink add name vbr type bridge\n",
             ),
-            (
-                "nftables NAT with dynamic sets",
-                ["ip", "netns", "exec", probe, "nft", "-f", "-"],
-                nft_ruleset("restricted-cone"),
-            ),
+            ("nftables NAT with dynamic sets", nft, _NFT_CAPABILITIES),
             ("conntrack", ["ip", "netns", "exec", probe, "conntrack", "-L"], None),
             ("IP forwarding", ["ip", "netns", "exec", probe, "sysctl", "-qw", "net.ipv4.ip_forward=1"], None),
         ]
         for what, argv, stdin in steps:
             try:
                 _run(argv, stdin=stdin)
+            except LabTimeout as exc:
+                raise LabBroken(f"NAT lab: {what} hung: {exc}") from exc
             except LabError as exc:
                 return f"NAT lab: {what} unusable here: {exc}"
+        # The machine has all the lab needs: from here on, a refusal is the lab's own bug.
+        for nat in NAT_TYPES:
+            try:
+                _run(nft, stdin=nft_ruleset(nat))
+                _run(["ip", "netns", "exec", probe, "nft", "delete", "table", "ip", "natlab"])
+            except LabError as exc:
+                raise LabBroken(f"NAT lab: its own {nat} ruleset failed on a machine with nftables NAT: {exc}") from exc
         return None
     finally:
         _delete_namespace(probe)

@@ -14,6 +14,7 @@ from natlab import (
     NAT_TYPES,
     PUBLIC_ADDRESSES,
     Home,
+    LabBroken,
     LabError,
     NatLab,
     NatObservation,
@@ -30,6 +31,7 @@ __all__ = [
     "NAT_TYPES",
     "PUBLIC_ADDRESSES",
     "Home",
+    "LabBroken",
     "LabError",
     "NatLab",
     "NatObservation",
@@ -47,7 +49,9 @@ __all__ = [
 
 @pytest.fixture(scope="session")
 def natlab_required() -> None:
-    """Skip, with the reason, where no lab can be built (not root, tools missing, no netns)."""
+    """Skip, with the reason, where no lab can be built (not root, tools missing, no netns); under
+    KAFILA_CI the skip fails (ci_guard). A lab that fails on a machine with all it needs raises
+    LabBroken: an error everywhere."""
     reason = lab_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)

@@ -1,0 +1,76 @@
+"""A pytest plugin (tests/conftest.py loads it): under CI, a skip is a failure unless listed here.
+
+`.ci/run` exports KAFILA_CI=1. Elsewhere a test that needs what a machine lacks (root, the NAT
+lab's tools, /dev/net/tun, a system Chromium, a tmpfs) skips and says why; on the CI machine,
+which has all of them, the same skip would hide a failure (a broken nft ruleset, a removed
+package), so it fails instead, with the reason it would have skipped for. The session's summary
+says how many tests skipped and which of those were expected.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+CI_ENV = "KAFILA_CI"
+
+# Tests CI may skip, by node id prefix, with why. Empty: the CI machine (Debian, root, 2 cores,
+# no GPU) runs every test; nothing in the suite needs a GPU (the GPU paths are tested through
+# the probe's readings, which run anywhere). Add an entry only for a test that cannot run on CI.
+EXPECTED_SKIPS: dict[str, str] = {}
+
+
+def in_ci() -> bool:
+    return os.environ.get(CI_ENV, "") not in ("", "0")
+
+
+def _prefix(nodeid: str) -> str:
+    return next((prefix for prefix in EXPECTED_SKIPS if nodeid.startswith(prefix)), "")
+
+
+def _expected(nodeid: str) -> bool:
+    return _prefix(nodeid) != ""
+
+
+def _reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+_SKIPS = pytest.StashKey[dict[str, list[str]]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    if report.skipped and not hasattr(report, "wasxfail") and in_ci():
+        if _expected(item.nodeid):
+            item.config.stash[_SKIPS]["expected"].append(item.nodeid)
+        else:
+            item.config.stash[_SKIPS]["unexpected"].append(item.nodeid)
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{CI_ENV} is set, where a test may skip only if ci_guard.EXPECTED_SKIPS lists it; "
+                f"this one would have skipped: {_reason(report)}"
+            )
+    return report
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_SKIPS] = {"expected": [], "unexpected": []}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    if not in_ci():
+        return
+    skips = config.stash[_SKIPS]
+    terminalreporter.write_sep(
+        "-", f"{CI_ENV}: {len(skips['expected'])} expected skips, {len(skips['unexpected'])} unexpected (failed)"
+    )
+    for nodeid in skips["expected"]:
+        terminalreporter.write_line(f"expected skip: {nodeid} ({EXPECTED_SKIPS[_prefix(nodeid)]})")
+    for nodeid in skips["unexpected"]:
+        terminalreporter.write_line(f"unexpected skip, failed: {nodeid}")
