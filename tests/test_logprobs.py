@@ -21,7 +21,7 @@ import pytest
 from serving_checks import engine_served
 from tiny_models import write_tiny_model
 
-from kafila.api.replies import TextOffsets
+from kafila.api.openai_replies import TextOffsets
 from kafila.api.schemas import ChatRequest
 from kafila.runtime.engine.engines import Engine, RingEngine, prefix_cut_of
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine

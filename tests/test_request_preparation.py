@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kafila.api.asks import CallMade, ChatAsk, FunctionTool, OutputFormat, TextAsk, ToolChoice, Turn
 from kafila.api.errors import ApiError
 from kafila.api.harmony import HarmonyReader
 from kafila.api.reasoning import ThinkReader
@@ -30,8 +31,8 @@ WEATHER = {
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
-def chat(**fields: object) -> ChatRequest:
-    return ChatRequest.model_validate({"model": "m", "messages": ASK, **fields})
+def chat(**fields: object) -> ChatAsk:
+    return ChatRequest.model_validate({"model": "m", "messages": ASK, **fields}).ask()
 
 
 def test_a_plain_chat_has_no_grammar_and_no_reader() -> None:
@@ -71,8 +72,8 @@ def test_tools_a_template_cannot_write_are_a_400_naming_tools() -> None:
     assert refused.value.status == 400 and refused.value.param == "tools"
 
 
-def completion(**fields: object) -> CompletionRequest:
-    return CompletionRequest.model_validate({"model": "m", **fields})
+def completion(**fields: object) -> TextAsk:
+    return CompletionRequest.model_validate({"model": "m", **fields}).ask()
 
 
 def test_a_completion_prompt_is_text_to_tokenize_or_ids_of_this_vocabulary() -> None:
@@ -83,6 +84,33 @@ def test_a_completion_prompt_is_text_to_tokenize_or_ids_of_this_vocabulary() -> 
     with pytest.raises(ApiError) as refused:
         prepare_completion(completion(prompt=[1, 32]), 32)
     assert refused.value.param == "prompt" and "from 0 to 31" in refused.value.message
-    with pytest.raises(ApiError) as several:
-        prepare_completion(completion(prompt=["one", "two"]), 32)
-    assert several.value.status == 400 and several.value.param == "prompt"
+    with pytest.raises(ValueError, match="one prompt per request"):
+        completion(prompt=["one", "two"])
+
+
+def test_an_openai_chat_request_reads_into_what_it_asks() -> None:
+    """The parser's part: roles as templates know them, calls and results, the tool choice with
+    OpenAI's default, the output format, and how to generate."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "Look it up."},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "rain"},
+    ]
+    ask = ChatRequest.model_validate(
+        {"model": "m", "messages": messages, "tools": [WEATHER], "max_tokens": 9, "stop": "x", "temperature": 0}
+    ).ask()
+    assert ask.turns == (
+        Turn("system", "Be brief."),
+        Turn("user", "Weather in Oslo?"),
+        Turn("assistant", "", (CallMade("call_1", "get_weather", '{"city": "Oslo"}'),), reasoning="Look it up."),
+        Turn("tool", "rain", call_id="call_1", name="get_weather"),
+    )
+    assert ask.tools == (FunctionTool("get_weather", "", WEATHER["function"]["parameters"]),)  # type: ignore[index]
+    assert ask.choice == ToolChoice("auto") and ask.calling_tools() and ask.forced_tools() == ()
+    assert (ask.generation.limit, ask.generation.stops, ask.generation.sampling.temperature) == (9, ("x",), 0.0)
+    named = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.choice == ToolChoice("required", "get_weather") and named.forced_tools() == named.tools
+    assert chat().choice == ToolChoice("none") and not chat().calling_tools()
+    assert chat(response_format={"type": "json_object"}).output == OutputFormat("json_object")

@@ -247,7 +247,7 @@ def test_the_template_renders_tools_calls_and_results() -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
     result = {"role": "tool", "tool_call_id": "call_1", "content": "noon"}
     messages = [Message.model_validate(m) for m in (*ASK, {"role": "assistant", "tool_calls": [call]}, result)]
-    text = template.render([m.for_template() for m in messages], TOOLS).text
+    text = template.render([m.turn().for_template() for m in messages], TOOLS).text
     assert '"name": "get_weather"' in text and "<tools>" in text
     assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in text
     assert "<tool_response>\nnoon\n</tool_response>" in text

@@ -328,8 +328,8 @@ def test_gpt_oss_shows_the_reasoning_sent_back_before_its_call() -> None:
         {"role": "assistant", "content": None, "reasoning_content": "Need the time.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
     ]
-    tools = [Tool.model_validate(t).for_template() for t in TOOLS]
-    text = template.render([Message.model_validate(m).for_template() for m in turns], tools).text
+    tools = [Tool.model_validate(t).function.tool().for_template() for t in TOOLS]
+    text = template.render([Message.model_validate(m).turn().for_template() for m in turns], tools).text
     assert (
         "<|start|>assistant<|channel|>analysis<|message|>Need the time.<|end|>"
         '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}<|call|>'

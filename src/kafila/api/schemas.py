@@ -1,4 +1,5 @@
-"""The OpenAI request bodies Kafila accepts, validated strictly at the boundary.
+"""The OpenAI request bodies Kafila accepts, validated strictly at the boundary, and read into
+what they ask (`asks`), as every dialect's parser does.
 
 Fields the OpenAI API defines but Kafila does not implement (several choices, logit biases)
 are refused with a clear 400 rather than silently ignored; fields it does
@@ -7,12 +8,21 @@ not know at all are ignored, as OpenAI-compatible servers do, so newer SDKs keep
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from kafila.api.asks import (
+    CallMade,
+    ChatAsk,
+    FunctionTool,
+    Generation,
+    OutputFormat,
+    TextAsk,
+    ToolChoice,
+    Turn,
+)
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.wire.frames import MAX_TOP_LOGPROBS
 
@@ -69,11 +79,19 @@ class Request(BaseModel):
         """How many alternatives per token to report log probabilities with; None: none asked."""
         return None
 
-    def sampling(self, grammar: str | None = None) -> SamplingSettings:
-        """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set;
-        `grammar` constrains the output (structured output, tool calls)."""
+    def generation(self) -> Generation:
+        return Generation(self.token_limit(), self.sampling(), self.stop_strings(), self.logprob_alternatives())
+
+    def output(self) -> OutputFormat:
+        form = self.response_format
+        if form is None or form.type == "text":
+            return OutputFormat()
+        schema = form.json_schema.json_schema if form.json_schema is not None else None
+        return OutputFormat(form.type if schema is not None else "json_object", schema)
+
+    def sampling(self) -> SamplingSettings:
+        """OpenAI's defaults (temperature 1, top_p 1, no top-k), then whatever the request set."""
         return SamplingSettings(
-            grammar=grammar,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
@@ -144,16 +162,8 @@ class ToolCallIn(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionCall
 
-    def for_template(self) -> dict[str, Any]:
-        """Arguments as an object, as transformers and llama.cpp hand them to templates (Qwen's
-        writes them with `tojson`); kept as text where they are not a JSON object."""
-        try:
-            arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
-        if not isinstance(arguments, dict):
-            arguments = self.function.arguments
-        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+    def call(self) -> CallMade:
+        return CallMade(self.id, self.function.name, self.function.arguments)
 
 
 class FunctionDefinition(BaseModel):
@@ -171,8 +181,8 @@ class FunctionDefinition(BaseModel):
             raise ValueError("a function's parameters must be a JSON Schema of type object")
         return value
 
-    def schema_of_arguments(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+    def tool(self) -> FunctionTool:
+        return FunctionTool(self.name, self.description or "", self.parameters)
 
 
 class Tool(BaseModel):
@@ -180,12 +190,6 @@ class Tool(BaseModel):
 
     type: Literal["function"]
     function: FunctionDefinition
-
-    def for_template(self) -> dict[str, Any]:
-        """As templates read it: a description always (gpt-oss's writes one for every tool)."""
-        tool = self.model_dump(exclude_none=True)
-        tool["function"].setdefault("description", "")
-        return tool
 
 
 class NamedFunction(BaseModel):
@@ -231,18 +235,16 @@ class Message(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def for_template(self) -> dict[str, Any]:
+    def turn(self) -> Turn:
         # "developer" is OpenAI's newer name for the system role; templates know only "system".
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.tool_calls:
-            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role == "tool":
-            message["name"] = self.name
-        if self.reasoning_content and self.role == "assistant":
-            message["reasoning_content"] = message["thinking"] = self.reasoning_content
-        return message
+        return Turn(
+            "system" if self.role == "developer" else self.role,
+            self.text(),
+            tuple(call.call() for call in self.tool_calls or ()),
+            self.tool_call_id,
+            self.name if self.role == "tool" else None,
+            self.reasoning_content if self.role == "assistant" else None,
+        )
 
 
 class ChatRequest(Request):
@@ -273,22 +275,23 @@ class ChatRequest(Request):
             raise ValueError("tool_choice 'required' needs tools")
         return self
 
-    def tool_choice_or_default(self) -> str | NamedToolChoice:
+    def tool_choice_or_default(self) -> ToolChoice:
         """OpenAI's default: "auto" with tools, "none" without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolChoice("required", self.tool_choice.function.name)
         if self.tool_choice is not None:
-            return self.tool_choice
-        return "auto" if self.tools else "none"
+            return ToolChoice(self.tool_choice)
+        return ToolChoice("auto" if self.tools else "none")
 
-    def calling_tools(self) -> bool:
-        """Whether the model is shown the tools and its reply is read for calls."""
-        return bool(self.tools) and self.tool_choice_or_default() != "none"
-
-    def forced_tools(self) -> list[Tool]:
-        """The tools a call must be to, where one must be made ("required" or a named one); else none."""
-        choice = self.tool_choice_or_default()
-        if isinstance(choice, NamedToolChoice):
-            return [t for t in self.tools or [] if t.function.name == choice.function.name]
-        return list(self.tools or []) if choice == "required" else []
+    def ask(self) -> ChatAsk:
+        return ChatAsk(
+            tuple(message.turn() for message in self.messages),
+            self.generation(),
+            tuple(tool.function.tool() for tool in self.tools or ()),
+            self.tool_choice_or_default(),
+            self.parallel_tool_calls is not False,
+            self.output(),
+        )
 
 
 class CompletionRequest(Request):
@@ -313,6 +316,10 @@ class CompletionRequest(Request):
     def token_limit(self) -> int | None:
         """OpenAI's legacy completions stop at 16 tokens unless told otherwise (chat runs to the end)."""
         return super().token_limit() or COMPLETION_DEFAULT_MAX_TOKENS
+
+    def ask(self) -> TextAsk:
+        """What it asks; a ValueError for a prompt that is not one text or one list of ids."""
+        return TextAsk(self.prompt_text(), self.generation(), self.output())
 
     def prompt_text(self) -> str | list[int]:
         if isinstance(self.prompt, str):

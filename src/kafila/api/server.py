@@ -28,14 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kafila.api.errors import TRY_AGAIN, ApiError, invalid
 from kafila.api.events_stream import EVENT_HEARTBEAT_S, event_stream
 from kafila.api.guards import BodyRefused, TrustedHosts, json_object
-from kafila.api.replies import Reply, stream_reply
-from kafila.api.requests import prepare_chat, prepare_completion
+from kafila.api.openai_replies import ChatWriter, CompletionWriter
+from kafila.api.replies import ReplyMeter, ReplyWriter, collect, stream_reply
+from kafila.api.requests import ServeRequest, prepare_chat, prepare_completion
 from kafila.api.schemas import ChatRequest, CompletionRequest
 from kafila.api.served import Served
 from kafila.api.telemetry import CountRequests, Metrics, route_paths
-from kafila.api.tool_calls import (
-    ReplyReader,
-)
 from kafila.contracts import HostStatus
 from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.sampling import GrammarRefused
@@ -175,22 +173,32 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
     async def chat(request: Request) -> Response:
         authorise(request)
         body: ChatRequest = await parse(request, ChatRequest)
+        ask = body.ask()
         ring = await ready_ring(body.model)
-        prepared = prepare_chat(body, ring.template)
+        prepared = prepare_chat(ask, ring.template)
         prompt = await tokenize(ring, prepared.text, prepared.add_bos, True, "messages")
-        return await _serve(request, body, prompt, ring, chat=True, grammar=prepared.grammar, reader=prepared.reader)
+        logprobs, usage = _openai_options(body)
+        writer = ChatWriter(_new_id("chatcmpl-"), config.model_id, logprobs, usage, reader=prepared.reader)
+        served = ServeRequest(prompt, "messages", ask.generation, prepared.grammar, body.stream)
+        return await serve(request, served, ring, writer)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         authorise(request)
         body: CompletionRequest = await parse(request, CompletionRequest)
+        try:
+            ask = body.ask()
+        except ValueError as error:
+            raise invalid(str(error), "prompt") from None
         ring = await ready_ring(body.model)
-        prepared = prepare_completion(body, ring.n_vocab())
+        prepared = prepare_completion(ask, ring.n_vocab())
         prompt = prepared.tokens
         if prompt is None:
             assert prepared.text is not None
             prompt = await tokenize(ring, prepared.text, True, False, "prompt")
-        return await _serve(request, body, prompt, ring, chat=False, grammar=prepared.grammar)
+        writer = CompletionWriter(_new_id("cmpl-"), config.model_id, *_openai_options(body))
+        served = ServeRequest(prompt, "prompt", ask.generation, prepared.grammar, body.stream)
+        return await serve(request, served, ring, writer)
 
     async def tokenize(ring: ServingHandle, text: str, add_special: bool, parse_special: bool, param: str) -> list[int]:
         """Token ids, off the event loop for long texts (8 MB takes seconds, and every stream
@@ -238,46 +246,38 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         except ValueError as error:
             raise invalid(str(error)) from None
 
-    async def _serve(
-        request: Request,
-        body: ChatRequest | CompletionRequest,
-        prompt: list[int],
-        ring: ServingHandle,
-        chat: bool,
-        grammar: str | None = None,
-        reader: ReplyReader | None = None,
-    ) -> Response:
-        context = config.context_per_sequence
-        if not prompt:
-            raise invalid("The prompt is empty.", "prompt" if not chat else "messages")
-        if grammar is not None:
+    async def serve(request: Request, served: ServeRequest, ring: ServingHandle, writer: ReplyWriter) -> Response:
+        """Run a request, whatever its dialect, and answer in the writer's shape: whole once it
+        ends, or streamed as it comes."""
+        context, generation = config.context_per_sequence, served.generation
+        if not served.prompt:
+            raise invalid("The prompt is empty.", served.param)
+        if served.grammar is not None:
             try:
-                ring.check_grammar(grammar)
+                ring.check_grammar(served.grammar)
             except GrammarRefused as error:
                 raise invalid(f"{error}: the schema or tools asked for output it cannot describe") from None
             except StageFailed:
                 raise _unavailable(serving) from None
-        limit = body.token_limit()
-        if len(prompt) >= context or (limit is not None and len(prompt) + limit > context):
+        limit = generation.limit
+        if len(served.prompt) >= context or (limit is not None and len(served.prompt) + limit > context):
             asked = f" and {limit} for the completion" if limit is not None else ""
             raise invalid(
                 f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{len(prompt)} tokens in the prompt{asked}. Please reduce the length of the prompt or completion.",
-                "messages" if chat else "prompt", "context_length_exceeded",
+                f"{len(served.prompt)} tokens in the prompt{asked}. Please reduce the length of the prompt or "
+                "completion.", served.param, "context_length_exceeded",
             )  # fmt: skip
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        alternatives = body.logprob_alternatives()
-        job = Job(request_id, prompt, limit or context, body.sampling(grammar), body.stop_strings(), alternatives)
+        request_id = writer.request_id
+        sampling = generation.sampling.model_copy(update={"grammar": served.grammar})
+        job = Job(request_id, served.prompt, limit or context, sampling, generation.stops, generation.alternatives)
         queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
         def sink(event: RequestEvent) -> None:
             event_loop.call_soon_threadsafe(queue.put_nowait, event)
 
+        meter = ReplyMeter(metrics)
         ring = await submit(ring, job, sink)
-        reply = Reply(
-            request_id, config.model_id, chat, time.monotonic(), metrics, alternatives is not None, reader=reader
-        )
 
         def cancel() -> None:
             """On the loop it was submitted to, and on the one serving now, where a broken ring's
@@ -289,14 +289,13 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             if ring.error is not None:  # it broke: the session may hold the request for the next ring
                 serving.client_gone(request_id)
 
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if served.stream:
             return StreamingResponse(
-                stream_reply(queue, reply, include_usage, cancel),
-                media_type="text/event-stream",
+                stream_reply(queue, writer, meter, cancel),
+                media_type=writer.media_type,
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        collecting = asyncio.ensure_future(reply.collect(queue))
+        collecting = asyncio.ensure_future(collect(queue, meter))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -308,8 +307,8 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             cancel()  # a no-op once finished; frees the slot if the client went away
         if collecting.cancelled():
             return Response(status_code=499)  # nobody is left to read it
-        text, finished = collecting.result()
-        return JSONResponse(reply.whole(text, finished))
+        gathered = collecting.result()
+        return JSONResponse(writer.whole(gathered.text, gathered.finished, gathered.logprobs))
 
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
@@ -423,6 +422,17 @@ def _unavailable(serving: Served, message: str | None = None) -> ApiError:
         message = "The session is not ready yet: waiting for " + ", ".join(state.waiting_for or ["the model"]) + "."
     headers = {"x-should-retry": "false"} if state.failure else TRY_AGAIN
     return ApiError(503, message, "server_error", "not_ready", headers=headers)
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def _openai_options(body: ChatRequest | CompletionRequest) -> tuple[bool, bool]:
+    """What an OpenAI request asks of its reply's shape beyond its text: log probabilities, and
+    a stream's closing usage chunk."""
+    usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    return body.logprob_alternatives() is not None, usage
 
 
 def _model_card(config: ApiConfig) -> dict[str, Any]:
