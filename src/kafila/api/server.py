@@ -148,13 +148,13 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        state, ring = serving.state(), serving.ring
+        state = serving.state()
         if state.ready:
             return JSONResponse({"status": "ready", "model": config.model_id})
         body: dict[str, Any] = {"status": "failed" if state.failure else "starting", "model": config.model_id}
         body["waiting_for"] = list(state.waiting_for)
-        if state.failure or (ring and ring.error):
-            body["error"] = state.failure or (ring.error if ring else None)
+        if error := _what_fails(serving):
+            body["error"] = error
         return JSONResponse(body, status_code=503)
 
     @app.get("/v1/models")
@@ -321,7 +321,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             model=config.model_id,
             ready=state.ready,
             waiting_for=list(state.waiting_for),
-            error=state.failure or (ring.error if ring else None),
+            error=_what_fails(serving),
             join=state.join_line if keyed else None,
             context_per_sequence=config.context_per_sequence,
             queue_depth=ring.queued if ring else 0,
@@ -422,6 +422,12 @@ def _unavailable(serving: Served, message: str | None = None) -> ApiError:
         message = "The session is not ready yet: waiting for " + ", ".join(state.waiting_for or ["the model"]) + "."
     headers = {"x-should-retry": "false"} if state.failure else TRY_AGAIN
     return ApiError(503, message, "server_error", "not_ready", headers=headers)
+
+
+def _what_fails(serving: Served) -> str | None:
+    """Why nothing serves, or why the ring that serves broke."""
+    ring = serving.ring
+    return serving.state().failure or (ring.error if ring else None)
 
 
 def _new_id(prefix: str) -> str:
