@@ -6,7 +6,7 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # shared with the be
 
 import pytest
 
-pytest_plugins = ["ci_guard"]  # tests/helpers/ci_guard.py: under KAFILA_CI, a skip fails
+pytest_plugins = ["ci_guard"]  # tests/helpers/ci_guard.py: under KAFILA_CI a skip fails; Hypothesis's profiles
 
 
 @pytest.fixture(scope="session")

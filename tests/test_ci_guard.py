@@ -1,5 +1,7 @@
 """The suite's own guards, each run on a planted test in a separate pytest: under KAFILA_CI a skip
-fails (tests/helpers/ci_guard.py)."""
+fails (tests/helpers/ci_guard.py), Hypothesis runs the same examples every time with no clock, and
+a test that waits forever is stopped with its stack (pytest-timeout, as pyproject.toml configures
+it)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 from pathlib import Path
 
 HELPERS = Path(__file__).parent / "helpers"
+PYPROJECT = Path(__file__).parent.parent / "pyproject.toml"
 
 PLANTED_SKIP = """
 import pytest
@@ -20,9 +23,41 @@ def test_needs_what_this_machine_lacks():
     pytest.skip("this machine lacks a frobnicator")
 """
 
+PLANTED_PROPERTIES = """
+import os
+import time
 
-def run_pytest(directory: Path, ci: bool, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(HELPERS), "KAFILA_CI": "1" if ci else ""}
+from hypothesis import given, settings, strategies as st
+
+
+@settings(max_examples=5)
+@given(st.integers())
+def test_slow_examples(n):
+    with open(os.environ["EXAMPLES"], "a") as seen:
+        seen.write(f"{n}\\n")
+    time.sleep(0.25)  # past Hypothesis's own 200 ms deadline
+
+
+@given(st.integers())
+def test_false_for_some(n):
+    assert n < 1000
+"""
+
+PLANTED_HANG = """
+import threading
+
+def test_waits_forever():
+    threading.Event().wait()  # a reply that never comes
+
+def test_after_it():
+    pass
+"""
+
+
+def run_pytest(
+    directory: Path, ci: bool, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(HELPERS), "KAFILA_CI": "1" if ci else ""}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "ci_guard", "-p", "no:cacheprovider", "-rA", *args, str(directory)],
         check=False,
@@ -45,3 +80,32 @@ def test_a_skip_is_a_skip_outside_ci_and_a_failure_with_its_reason_in_ci(tmp_pat
     assert "this one would have skipped: this machine lacks a frobnicator" in inside.stdout
     assert "KAFILA_CI: 0 expected skips, 1 unexpected (failed)" in inside.stdout
     assert "unexpected skip, failed: test_planted.py::test_needs_what_this_machine_lacks" in inside.stdout
+
+
+def test_a_test_that_waits_forever_is_stopped_with_its_stack_and_the_run_goes_on(tmp_path: Path) -> None:
+    (tmp_path / "test_planted.py").write_text(PLANTED_HANG)
+    # The project's own settings (method, faulthandler), with a timeout short enough to wait for.
+    done = run_pytest(tmp_path, False, "-c", str(PYPROJECT), "--rootdir", str(tmp_path), "--timeout", "3")
+    assert done.returncode == 1, done.stdout
+    assert "1 failed, 1 passed" in done.stdout
+    assert "timeout method: signal" in done.stdout
+    assert "Failed: Timeout (>3.0s) from pytest-timeout" in done.stdout
+    # The stack, down to the wait that never ended.
+    assert "threading.Event().wait()  # a reply that never comes" in done.stdout
+    assert "test_planted.py:5: " in done.stdout and "in wait" in done.stdout
+
+
+def test_hypothesis_under_ci_has_no_deadline_draws_the_same_examples_and_prints_how_to_reproduce(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "test_planted.py").write_text(PLANTED_PROPERTIES)
+    runs = []
+    for n in range(2):
+        examples = tmp_path / f"examples-{n}"
+        done = run_pytest(tmp_path, True, env={"EXAMPLES": str(examples)})
+        assert done.returncode == 1, done.stdout
+        assert "1 failed, 1 passed" in done.stdout  # the slow one passes: no deadline
+        assert "FAILED test_planted.py::test_false_for_some" in done.stdout
+        assert "@reproduce_failure(" in done.stdout and "n=1000" in done.stdout
+        runs.append(examples.read_text().split())
+    assert len(runs[0]) >= 5 and runs[0] == runs[1]

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from natlab_fixtures import NatLab, natlab_required  # noqa: F401
+from waiting import line_from
 
 from kafila.network.discovery import (
     MAGIC,
@@ -328,7 +329,7 @@ def test_a_joiner_finds_the_host_by_broadcast_on_a_real_lan() -> None:
             text=True,
         )
         assert host.stdout is not None and host.stdin is not None
-        code, http_port = host.stdout.readline().split()
+        code, http_port = line_from(host.stdout, "the host's session code").split()
         done = subprocess.run(
             ["ip", "netns", "exec", joiner_host.namespace, sys.executable, "-c", _DISCOVERER, code, str(port)],
             capture_output=True,
@@ -416,8 +417,8 @@ def test_a_standalone_kafila_rendezvous_answers_discovery_when_asked_to() -> Non
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert process.stdout is not None
-        assert process.stdout.readline().startswith("READY ")
-        http = process.stdout.readline().split()[1]
+        assert line_from(process.stdout, "the rendezvous's READY line").startswith("READY ")
+        http = line_from(process.stdout, "the rendezvous's HTTP line").split()[1]
 
         async def scenario() -> tuple[str, int]:
             host = await open_session(f"ws://{http}/v1/session")

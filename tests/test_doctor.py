@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from tiny_models import write_tiny_model
+from waiting import line_from
 
 from kafila.cli.doctor_command import Check, Findings, judge
 from kafila.contracts import NatClass
@@ -76,7 +77,8 @@ def rendezvous() -> Iterator[str]:
     )  # fmt: skip
     try:
         assert server.stdout is not None
-        ready, http = server.stdout.readline().split(), server.stdout.readline().split()
+        ready = line_from(server.stdout, "the rendezvous's READY line").split()
+        http = line_from(server.stdout, "the rendezvous's HTTP line").split()
         assert ready[0] == "READY" and http[0] == "HTTP", (ready, http)
         yield http[1]
     finally:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from natlab_fixtures import NatLab, natlab_wan_required  # noqa: F401
 from natlab_wan import MAX_QUEUE_S, WanLine, WanLink
+from waiting import line_from
 
 WAN_SCRIPT = str(Path(__file__).resolve().parent / "helpers" / "natlab_wan.py")
 ECHO_PORT = 9999
@@ -75,7 +76,7 @@ def lab(natlab_wan_required: None) -> Iterator[NatLab]:  # noqa: F811
 def echo(lab: NatLab, namespace: str, address: str, *open_toward: str) -> subprocess.Popen[str]:
     process = lab.run(namespace, [sys.executable, WAN_SCRIPT, "echo", address, str(ECHO_PORT), *open_toward],
                       stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert process.stdout is not None and json.loads(process.stdout.readline()) == {"ready": ECHO_PORT}
+    assert json.loads(line_from(process.stdout, "the echo's ready line")) == {"ready": ECHO_PORT}
     return process
 
 

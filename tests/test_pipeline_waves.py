@@ -220,7 +220,9 @@ def test_the_stage_report_stays_current_while_the_ring_is_never_idle(
         for n in range(8):
             loop.submit(Job(f"r{n}", prompt, 400, SamplingSettings(top_k=1)), sink)
         rows_seen_busy: set[int] = set()
+        deadline = time.monotonic() + 300
         while loop.running or loop.queued:
+            assert time.monotonic() < deadline, f"8 requests of 400 tokens still running after 300 s: {lengths}"
             report = loop.stage_report
             if report and loop.running:
                 rows_seen_busy.add(report[0].rows or 0)

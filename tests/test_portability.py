@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from waiting import line_from
 
 from kafila.network.link import DatagramDemux
 from kafila.portability import (
@@ -203,8 +204,9 @@ def test_kafila_rendezvous_without_add_signal_handler_starts_and_ends_on_a_signa
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
-        assert process.stdout.readline().startswith("READY ")
-        assert process.stdout.readline().startswith("HTTP ")  # printed once the handlers are in
+        assert line_from(process.stdout, "the rendezvous's READY line").startswith("READY ")
+        # printed once the handlers are in
+        assert line_from(process.stdout, "the rendezvous's HTTP line").startswith("HTTP ")
         process.send_signal(signum)
         _, errors = process.communicate(timeout=WAIT * 3)
     finally:

@@ -16,6 +16,7 @@ import pytest
 import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from waiting import line_from
 
 from kafila.contracts import FleetDevice
 from kafila.network.relay import hello
@@ -1159,7 +1160,8 @@ def test_cli_rendezvous_prints_ready_then_http_and_serves_sessions() -> None:
     )
     try:
         assert server.stdout is not None
-        ready, http = server.stdout.readline().split(), server.stdout.readline().split()
+        ready = line_from(server.stdout, "the rendezvous's READY line").split()
+        http = line_from(server.stdout, "the rendezvous's HTTP line").split()
         assert ready[0] == "READY" and http[0] == "HTTP", (ready, http)
 
         async def scenario() -> None:

@@ -43,6 +43,7 @@ from host_process import (
 from openai.types import Completion
 from serving_checks import PROMPTS, check_concurrent_streams, unsplit_greedy, unsplit_logprobs, unsplit_text
 from tiny_models import write_tiny_model, write_wide_model
+from waiting import line_from
 
 from kafila.contracts import FleetDevice
 from kafila.network.pake import TrustError
@@ -1133,8 +1134,8 @@ def test_a_host_whose_rendezvous_goes_says_so_and_serves_on(tmp_path: Path, mode
     )  # fmt: skip
     joiner: subprocess.Popen[str] | None = None
     try:
-        assert rendezvous.stdout is not None and rendezvous.stdout.readline().startswith("READY")
-        address = rendezvous.stdout.readline().split()[1]
+        assert line_from(rendezvous.stdout, "the rendezvous's READY line").startswith("READY")
+        address = line_from(rendezvous.stdout, "the rendezvous's HTTP line").split()[1]
         args = ("--model", model, "--members", "2", "--context", "256", "--concurrency", "4", "--threads", "1",
                 "--rendezvous", address)  # fmt: skip
         with running_host(*args, ready=False) as host:

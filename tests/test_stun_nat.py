@@ -13,7 +13,7 @@ import pytest
 from aioice import stun
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from waiting import until_async
+from waiting import line_from, until_async
 
 from kafila.contracts import Mapping, NatClass
 from kafila.network.nat import classify, probe_nat
@@ -195,7 +195,7 @@ def test_cli_rendezvous_and_nat_together() -> None:
     )
     try:
         assert server.stdout is not None
-        ready = server.stdout.readline().split()
+        ready = line_from(server.stdout, "the rendezvous's READY line").split()
         assert ready[0] == "READY"
         result = kafila("nat", "--rendezvous", ready[1], "--bind", "127.0.0.1", "--json")
         assert result.returncode == 0, result.stderr
@@ -248,7 +248,7 @@ def test_one_address_flooding_stun_does_not_keep_another_from_being_answered() -
         assert flood.stdout is not None
         client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            await flood.stdout.readline()
+            await asyncio.wait_for(flood.stdout.readline(), 60)  # the flood has begun
             await until_async(lambda: server.responder.counts["rate_limited"] >= 50_000, "the flood in full spate", 10)
             client.bind(("127.0.0.3", 0))
             client.settimeout(0.5)

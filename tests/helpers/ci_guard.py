@@ -4,7 +4,7 @@
 lab's tools, /dev/net/tun, a system Chromium, a tmpfs) skips and says why; on the CI machine,
 which has all of them, the same skip would hide a failure (a broken nft ruleset, a removed
 package), so it fails instead, with the reason it would have skipped for. The session's summary
-says how many tests skipped and which of those were expected.
+says how many tests skipped and which of those were expected. It also picks Hypothesis's profile.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 CI_ENV = "KAFILA_CI"
 
@@ -19,6 +20,21 @@ CI_ENV = "KAFILA_CI"
 # no GPU) runs every test; nothing in the suite needs a GPU (the GPU paths are tested through
 # the probe's readings, which run anywhere). Add an entry only for a test that cannot run on CI.
 EXPECTED_SKIPS: dict[str, str] = {}
+
+
+# Hypothesis under CI: the same examples on every run (a failure is reproduced by running again, and
+# its @reproduce_failure blob is printed), no example database, and no clock: a loaded 2-core
+# machine may take longer than 200 ms an example or to generate one, which proves nothing.
+# Elsewhere Hypothesis explores with a fresh seed each run, which it prints with a failure.
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", print_blob=True)
 
 
 def in_ci() -> bool:
@@ -61,6 +77,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SKIPS] = {"expected": [], "unexpected": []}
+    settings.load_profile("ci" if in_ci() else "dev")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:

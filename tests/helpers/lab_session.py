@@ -22,6 +22,7 @@ from typing import Any
 from host_process import Host
 from natlab import NAT_BEHAVIOUR, PUBLIC_ADDRESSES, LabError, NatLab, ask_json_line
 from natlab_wan import WanLink
+from waiting import line_from
 
 from kafila.contracts import NatBehaviour
 
@@ -116,7 +117,7 @@ def lab_session(model: Path, tmp: Path, wan: WanLink, session_idle_s: float = 36
              PUBLIC_ADDRESSES[1], "--session-idle", str(session_idle_s)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )  # fmt: skip
-        if rendezvous.stdout is None or not rendezvous.stdout.readline().startswith("READY"):
+        if not line_from(rendezvous.stdout, "the lab's rendezvous's READY line").startswith("READY"):
             raise RuntimeError("the lab's rendezvous did not start")
         log = tmp / "host.log"
         process = lab.run_home(

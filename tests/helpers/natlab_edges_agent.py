@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from natlab_punch_agent import exchange, member_socket, stop
+from natlab_punch_agent import AGENT_LINE_S, exchange, member_socket, stop
+from waiting import line_from
 
 from kafila.network.edges import EdgeError, connect_edges
 from kafila.network.identity import create_identity
@@ -93,7 +94,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
-    text = process.stdout.readline() if process.stdout else ""
+    text = line_from(process.stdout, "the edges agent's report", timeout=AGENT_LINE_S)
     if not text:
         process.kill()
         raise RuntimeError(f"edges agent failed: {process.stderr.read() if process.stderr else ''}")

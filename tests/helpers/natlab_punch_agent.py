@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from waiting import line_from
 
 from kafila.contracts import Mapping, NatBehaviour
 from kafila.network.identity import create_identity
@@ -48,6 +49,7 @@ from kafila.wire.frames import DType, Frame, Kind
 LINK_DOWN_EXIT = 3  # the agent's exit status when its link went down while held
 RTT_SIZES = [(hidden, dtype) for hidden in (640, 2048, 4096) for dtype in (DType.F32, DType.F16)]
 RTT_WARMUP = 20  # round trips per size before timing starts
+AGENT_LINE_S = 120.0  # the longest an agent may take to print a line: its own waits are shorter
 PROBE = 0x20  # first byte of raw UDP floor probes: no protocol on the member socket uses it
 Address = tuple[str, int]
 
@@ -270,8 +272,8 @@ def start_rendezvous(lab: Any) -> tuple[subprocess.Popen[str], str, str]:
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    ready = process.stdout.readline().split() if process.stdout else []
-    http = process.stdout.readline().split() if process.stdout else []
+    ready = line_from(process.stdout, "the lab's rendezvous's READY line").split()
+    http = line_from(process.stdout, "the lab's rendezvous's HTTP line").split()
     if len(ready) != 2 or ready[0] != "READY" or len(http) != 2 or http[0] != "HTTP":
         process.kill()
         raise RuntimeError("the lab's rendezvous did not start")
@@ -322,7 +324,7 @@ def predicted_edge(a: str, b: str) -> EdgePrediction:
 
 
 def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
-    text = process.stdout.readline() if process.stdout else ""
+    text = line_from(process.stdout, "the punch agent's report", timeout=AGENT_LINE_S)
     if not text:
         process.kill()
         raise RuntimeError(f"punch agent failed: {process.stderr.read() if process.stderr else ''}")
@@ -396,7 +398,7 @@ def kill_one(
         survivor = agents[1 - victim]
         agents[victim].kill()  # SIGKILL: no goodbye, no chance to clean up
         killed = time.monotonic()
-        line = survivor.stdout.readline() if survivor.stdout else ""
+        line = line_from(survivor.stdout, "the survivor's report or its exit", timeout=hold + AGENT_LINE_S)
         reported_s = time.monotonic() - killed
         status = survivor.wait(timeout=10)
     finally:
