@@ -106,6 +106,7 @@ def a_ring_status() -> HostStatus:
     )  # fmt: skip
     return HostStatus(
         model="tiny", ready=True, context_per_sequence=256, tokens_per_s=12.5,
+        requests_by_dialect={"openai chat": 3, "anthropic messages": 1},
         stages=[StageReport(range=(0, 4), ms_per_token=3.0, ms_per_token_alone=3.25, steps_alone=20)],
         incidents=[Incident(what="the ring broke", detail="the link to gone is down", at=1.0)],
         **{name: getattr(session, name) for name in session.model_fields_set},
@@ -126,6 +127,7 @@ def test_kafila_status_shows_every_part_of_a_typed_status() -> None:
     render_status(a_ring_status(), console)
     shown = console.export_text()
     assert "tiny: ready" in shown and "tokens/s 12.5" in shown
+    assert "requests by dialect: anthropic messages 1, openai chat 3" in shown
     assert "laptop" in shown and "relayed, up, 31.50 ms" in shown and "3.50 *" in shown  # a generic price, starred
     assert "3.25" in shown and "0–3" in shown  # measured alone, beside the member holding those blocks
     assert "gone" in shown and "left" in shown

@@ -237,6 +237,7 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     assert f"llama.cpp serves on {backend_report().serving[0]} (" in host.output()  # said as it started
     assert info["pipeline_waves"] == 2
     assert info["requests"]["finished"] >= 1  # type: ignore[index]
+    assert info["requests_by_dialect"]["openai completions"] >= 1  # type: ignore[index]
     assert raw(host, "/status", key=None)[0] == 401
     assert raw(host, "/metrics", key=None)[0] == 401  # with --api-key, what the session looks like is the key's too
     text = metrics(host)
@@ -245,6 +246,7 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     assert float(completion_total.split()[-1]) >= 4
     # Requests are counted by route and status; a path that is no route counts as "other".
     assert 'kafila_requests_total{route="/v1/completions",status="200"}' in text
+    assert 'kafila_dialect_requests_total{dialect="openai completions"}' in text
     raw(host, "/v1/no-such-route-1234", key=None)
     text = metrics(host)
     assert 'kafila_requests_total{route="other",status="404"}' in text and "no-such-route" not in text

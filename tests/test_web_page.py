@@ -87,6 +87,7 @@ def test_the_page_shows_the_ring_streams_a_chat_and_a_member_killed(demo: Host, 
     answer = page.locator(".message.assistant")
     expect(answer).to_have_class("message assistant done", timeout=30_000)
     assert answer.inner_text().strip(), "the streamed answer is empty"
+    expect(page.locator("#dialects")).to_have_text("openai chat 1")  # the page's own chat, counted
     expect(page.locator("#stages tbody td:nth-child(3)", has_text="–")).to_have_count(0, timeout=10_000)  # measured
 
     # A member killed: its death, the broken ring and the member's leaving reach the timeline,

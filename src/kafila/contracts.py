@@ -281,6 +281,7 @@ class HostStatus(SessionStatus):
     pipeline_waves: int | None = None
     tokens_per_s: float = 0.0
     requests: dict[str, int] = Field(default_factory=dict)  # finished, failed
+    requests_by_dialect: dict[str, int] = Field(default_factory=dict)  # every request to a dialect's routes
     stages: list[StageReport] = Field(default_factory=list)
     incidents: list[Incident] = Field(default_factory=list)
 

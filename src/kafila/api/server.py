@@ -98,6 +98,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             pipeline_waves=ring.waves if ring else None,
             tokens_per_s=round(ring.stats.tokens_per_s(now), 3) if ring else 0.0,
             requests={"finished": ring.stats.finished, "failed": ring.stats.failed} if ring else {},
+            requests_by_dialect=dict(metrics.by_dialect),
             stages=ring.stage_report if ring else [],
             incidents=list(state.incidents),
             **{name: getattr(session, name) for name in session.model_fields_set if keyed or name != "code"},
@@ -138,7 +139,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     openai_routes.install(app, front)
-    app.add_middleware(CountRequests, requests=metrics.requests, routes=frozenset(route_paths(app)))
+    app.add_middleware(CountRequests, metrics=metrics, routes=frozenset(route_paths(app)))
     app.add_middleware(TrustedHosts, allowed=config.allowed_hosts)  # outermost: before anything else
     return app
 

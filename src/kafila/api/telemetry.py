@@ -14,6 +14,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kafila.api.served import Served
 
+# Which API dialect a route belongs to, by its path's start: for counting, in /metrics and /status.
+DIALECT_PATHS = (
+    ("/v1/chat/completions", "openai chat"),
+    ("/v1/completions", "openai completions"),
+    ("/v1/responses", "openai responses"),
+    ("/v1/messages", "anthropic messages"),
+    ("/api/", "ollama"),
+)
+
+
+def dialect_of(path: str) -> str | None:
+    return next((name for prefix, name in DIALECT_PATHS if path.startswith(prefix)), None)
+
 
 class Metrics:
     def __init__(self, serving: Served) -> None:
@@ -21,6 +34,10 @@ class Metrics:
         self.requests = Counter(
             "kafila_requests", "Requests by route and HTTP status", ["route", "status"], registry=self.registry
         )
+        self.dialect_requests = Counter(
+            "kafila_dialect_requests", "Requests by API dialect", ["dialect"], registry=self.registry
+        )
+        self.by_dialect: dict[str, int] = {}  # the same counts, for /status
         self.prompt_tokens = Counter("kafila_prompt_tokens", "Prompt tokens processed", registry=self.registry)
         self.cached_prompt_tokens = Counter(
             "kafila_prompt_tokens_cached", "Prompt tokens an earlier request left in the cache", registry=self.registry
@@ -100,15 +117,15 @@ def route_paths(app: FastAPI) -> list[str]:
 
 
 class CountRequests:
-    """Counts responses by route and status for /metrics.
+    """Counts responses by route and status, and by dialect, for /metrics and /status.
 
     Plain ASGI rather than `@app.middleware("http")`: that wrapper passes every chunk of a
     streamed response through a memory stream and another task, a cost paid on every token.
     Paths that are no route count as "other", so random URLs cannot grow the label set.
     """
 
-    def __init__(self, app: ASGIApp, requests: Counter, routes: frozenset[str]) -> None:
-        self.app, self.requests, self.routes = app, requests, routes
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: frozenset[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,4 +143,7 @@ class CountRequests:
             await self.app(scope, receive, send_counting)
         finally:
             route = scope["path"] if scope["path"] in self.routes else "other"
-            self.requests.labels(route, str(status)).inc()
+            self.metrics.requests.labels(route, str(status)).inc()
+            if route != "other" and (dialect := dialect_of(route)) is not None:
+                self.metrics.dialect_requests.labels(dialect).inc()
+                self.metrics.by_dialect[dialect] = self.metrics.by_dialect.get(dialect, 0) + 1

@@ -39,6 +39,9 @@ def render_status(status: HostStatus, console: Console) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    if status.requests_by_dialect:
+        counts = ", ".join(f"{shown(name)} {count}" for name, count in sorted(status.requests_by_dialect.items()))
+        console.print(f"requests by dialect: {counts}", highlight=False, soft_wrap=True)
     reports = {stage.range: stage for stage in status.stages}
     head = status.plan.head if status.plan else None  # none planned: one machine, which holds it
     if status.members:

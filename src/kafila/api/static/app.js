@@ -89,6 +89,8 @@ function render(status) {
   while (samples.length && samples[0].t < now - HISTORY_MS) samples.shift();
   $("rate-now").textContent = (status.tokens_per_s || 0).toFixed(1);
   $("queue-now").textContent = String(status.queue_depth || 0);
+  const dialects = Object.entries(status.requests_by_dialect || {}).sort();
+  $("dialects").textContent = dialects.length ? dialects.map(([name, count]) => name + " " + count).join(", ") : "none yet";
   spark($("rate"), samples.map((s) => [s.t, s.rate]), now);
   spark($("queue"), samples.map((s) => [s.t, s.queue]), now);
 }
