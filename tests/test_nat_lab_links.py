@@ -6,7 +6,9 @@ link on the same socket, directly or through a relay allocation the rendezvous g
 exchange 1,000 activation frames each way. The path taken must be the planner's prediction.
 
 A killed neighbour: on direct and relayed edges, one agent process is SIGKILLed right after
-an exchange (no goodbye) and the survivor must report the broken link within 5 s.
+an exchange (no goodbye) and the survivor must report the broken link at its idle timeout
+(issue 5's 5 s, which test_link.py holds on the link's own loop; here, seen across processes,
+within twice the timeout).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 from natlab_fixtures import NAT_TYPES, NatLab, lab_rendezvous, natlab, natlab_required  # noqa: F401
 from natlab_punch_agent import LINK_DOWN_EXIT, kill_one, peer_home, predicted_edge, punch_pair
 
+from kafila.network.link import LinkConfig
 from kafila.planner.types import EdgePrediction
 
 
@@ -49,7 +52,7 @@ def test_link_takes_the_predicted_path_and_carries_frames(
     ],
     ids=["direct-joiner-killed", "direct-host-killed", "relayed-host-killed", "relayed-joiner-killed"],
 )
-def test_a_killed_neighbour_is_reported_within_5_s(
+def test_a_killed_neighbour_is_reported_at_its_idle_timeout(
     natlab: NatLab,  # noqa: F811
     lab_rendezvous: tuple[str, str],  # noqa: F811
     a: str,
@@ -63,4 +66,9 @@ def test_a_killed_neighbour_is_reported_within_5_s(
     assert report is not None, "the survivor never reported the broken link"
     assert report["down"] == "LinkDead" and "nothing heard" in report["reason"], report
     assert outcome["status"] == LINK_DOWN_EXIT
-    assert outcome["reported_s"] < 5.0, f"{want} edge: reported {outcome['reported_s']:.2f} s after the kill"
+    # At the idle timeout (4 s), not at the relay's or QUIC's own, later ones or never. Seen from this
+    # process across two others and a pipe, so with a generous allowance for a loaded machine:
+    # issue 5's 5 s bound itself is held by test_link.py, as an order on the link's own loop.
+    seconds = outcome["reported_s"]
+    assert seconds >= LinkConfig().idle_timeout_s - 0.5, f"{want} edge: reported {seconds:.2f} s after the kill"
+    assert seconds < 2 * LinkConfig().idle_timeout_s, f"{want} edge: reported {seconds:.2f} s after the kill"

@@ -88,20 +88,29 @@ def ping(lab: NatLab, namespace: str, address: str, count: int, interval_s: floa
     return answer["rtt_ms"], answer["lost"]
 
 
-def test_each_homes_delay_is_within_a_tenth_of_its_setting_each_way_and_across_two_homes(lab: NatLab) -> None:
+def held_as_set(measured_ms: float, setting_ms: float) -> bool:
+    """A packet never leaves the line before its delay (an order: the line holds it first), and the
+    line adds its delay once, not twice: beyond it, only scheduling, which on a loaded machine is
+    allowed 5 ms and a tenth of the setting."""
+    return 0.98 * setting_ms <= measured_ms <= setting_ms + 5.0 + 0.1 * setting_ms
+
+
+def test_each_homes_delay_is_as_set_each_way_and_across_two_homes(lab: NatLab) -> None:
     cone, home = lab.homes["cone"], lab.homes["home"]
     rendezvous = lab.public_addresses[0]
     for delay in (10.0, 40.0, 100.0):
         lab.set_wan(home, WanLink(delay_ms=delay))
         lab.set_wan(cone, WanLink(delay_ms=delay / 2))
+        passed_before, _ = lab.wan_counts(home)
         rtts, lost = ping(lab, home.host_ns, rendezvous, 30, 0.02)
         assert lost == 0
+        assert lab.wan_counts(home)[0] - passed_before >= 2 * 30  # every ping, out and back, crossed the line
         one_way = statistics.median(rtts) / 2  # the home's line, once out and once back
-        assert abs(one_way - delay) <= 0.1 * delay, (delay, rtts)
+        assert held_as_set(one_way, delay), (delay, rtts)
         rtts, lost = ping(lab, home.host_ns, cone.public_address, 30, 0.02)
         assert lost == 0
         across = statistics.median(rtts) / 2  # both homes' lines, each way
-        assert abs(across - 1.5 * delay) <= 0.1 * 1.5 * delay, (delay, rtts)
+        assert held_as_set(across, 1.5 * delay), (delay, rtts)
 
 
 def test_loss_and_a_link_that_goes_down_and_comes_back(lab: NatLab) -> None:

@@ -66,3 +66,17 @@ def test_held_text_that_never_becomes_a_stop_is_released() -> None:
     assert text.feed(b"AY").delta == "STAY"
     assert text.feed(b"S").delta == ""
     assert text.flush() == "S"
+
+
+@given(texts, stops)
+def test_the_stop_that_ended_the_text_is_told(parts: list[str], stop: list[str]) -> None:
+    """`matched` is a stop string found where the text was cut (Anthropic's `stop_sequence`), and
+    None while none has."""
+    text = StopAwareText(stop)
+    seen = ""
+    for part in parts:
+        seen += part
+        if text.feed(part.encode()).stopped:
+            assert text.matched in stop and seen.startswith(text.matched, len(text.text))
+            return
+    assert text.matched is None

@@ -93,6 +93,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # of the prompt tokens, those whose cache an earlier request left
+    stop: str | None = None  # the stop string that ended it, where one did (Anthropic's `stop_sequence`)
 
 
 @dataclass(frozen=True)
@@ -427,7 +428,8 @@ class Batcher:
         del self._active[sequence.job.request_id]
         self._release(sequence)
         prompt, generated = len(sequence.job.prompt), len(sequence.generated)
-        events.append(Finished(sequence.job.request_id, reason, prompt, generated, sequence.cached))
+        stop = sequence.text.matched
+        events.append(Finished(sequence.job.request_id, reason, prompt, generated, sequence.cached, stop))
         return events
 
     @staticmethod

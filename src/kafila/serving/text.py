@@ -26,6 +26,7 @@ class StopAwareText:
         self._held = ""
         self.text = ""  # everything sent so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one has
 
     def feed(self, piece: bytes) -> TextUpdate:
         """The text that `piece` (one token's bytes) makes safe to send."""
@@ -35,6 +36,7 @@ class StopAwareText:
         cut = self._first_stop(pending)
         if cut is not None:
             self.stopped = True
+            self.matched = next(s for s in self._stop if pending.startswith(s, cut))
             self._held = ""
             return self._send(pending[:cut], True)
         keep = self._longest_partial_stop(pending)
