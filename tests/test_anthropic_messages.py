@@ -288,7 +288,7 @@ def test_a_tool_use_and_its_result_round_trip(client: anthropic.Anthropic) -> No
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     message = client.messages.create(
         model="tiny", max_tokens=200, messages=ask, tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}, extra_body=GREEDY,
     )  # fmt: skip
     assert message.stop_reason == "tool_use"
     uses = [block for block in message.content if block.type == "tool_use"]
@@ -306,14 +306,16 @@ def test_a_tool_use_and_its_result_round_trip(client: anthropic.Anthropic) -> No
 
 def test_a_streamed_tool_use_carries_its_input_as_json_deltas(client: anthropic.Anthropic) -> None:
     with client.messages.stream(
-        model="tiny", max_tokens=200, tools=TOOLS, tool_choice={"type": "any"},  # type: ignore[arg-type]
+        model="tiny", max_tokens=200, tools=TOOLS[:1], extra_body=GREEDY,  # type: ignore[arg-type]
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
         messages=[{"role": "user", "content": "Weather in Paris?"}],
     ) as stream:  # fmt: skip
         deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and "input_json_delta" in deltas
     uses = [block for block in final.content if block.type == "tool_use"]
-    assert uses and all(isinstance(use.input, dict) for use in uses)
+    assert len(uses) == 1 and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER)
 
 
 def test_the_key_is_taken_as_x_api_key_or_bearer_and_a_wrong_one_is_refused(host: tuple[str, Availability]) -> None:
