@@ -20,6 +20,7 @@ class ServingHandle:
     engine: Engine
     loop: EngineLoop
     template: ChatTemplate
+    architecture: str | None = None  # the model's (GGUF general.architecture), where known
 
     @classmethod
     def of(cls, engine: Engine, loop: EngineLoop, architecture: str | None) -> ServingHandle:
@@ -28,7 +29,7 @@ class ServingHandle:
         bos, eos = engine.special_text()
         template = ChatTemplate(engine.chat_template(), bos, eos, architecture)
         engine.show_special(template.shown_tokens)
-        return cls(engine, loop, template)
+        return cls(engine, loop, template, architecture)
 
     # --- requests ---
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
