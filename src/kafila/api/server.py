@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kafila.api import anthropic_routes, ollama_routes, openai_routes
+from kafila.api import anthropic_routes, ollama_routes, openai_routes, responses_routes
 from kafila.api.errors import TRY_AGAIN, ApiError, invalid
 from kafila.api.events_stream import event_stream
 from kafila.api.front import STREAM_HEADERS, ApiConfig, Front
@@ -30,7 +30,7 @@ from kafila.contracts import HostStatus
 __all__ = ["ApiConfig", "create_app"]
 
 SERVED_ROUTES = (
-    f"{openai_routes.ROUTES}, {anthropic_routes.ROUTES}, {ollama_routes.ROUTES}, "
+    f"{openai_routes.ROUTES}, {responses_routes.ROUTES}, {anthropic_routes.ROUTES}, {ollama_routes.ROUTES}, "
     "/health, /status, /events, /metrics and the web page at /"
 )
 # The web page's files, in the package (api/static): read once, served as they are.
@@ -142,6 +142,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     openai_routes.install(app, front)
+    responses_routes.install(app, front)
     anthropic_routes.install(app, front)
     ollama_routes.install(app, front)
     app.add_middleware(CountRequests, metrics=metrics, routes=frozenset(route_paths(app)))

@@ -1,0 +1,489 @@
+"""OpenAI's Responses API through the official `openai` SDK and the real server, on a tiny qwen3
+model with Qwen's tool template (tests/test_tool_calls.py): `responses.create` whole and streamed,
+a function call's round trip through `function_call_output` (sent back, or continued with
+`previous_response_id`), `responses.parse` with a pydantic model, `GET` and `DELETE`, the key,
+greedy text equal to chat completions', and bad input as a clear 4xx, never a 500. The SDK's
+own types (openai.types.responses) are the oracle of every shape. The parser, the writer and the
+store alone are tested without a model first."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, get_args
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field
+from serving_checks import serving_in_thread
+from test_tool_calls import QWEN_TEMPLATE, SETTINGS, WEATHER
+from tiny_models import write_tiny_model
+from waiting import until
+
+from kafila.api.asks import CallMade, Turn
+from kafila.api.errors import ApiError
+from kafila.api.reasoning import ThinkReader
+from kafila.api.responses_routes import ResponsesRequest, ResponsesWriter, param_of
+from kafila.api.responses_store import ResponseStore, StoredResponse
+from kafila.api.server import ApiConfig
+from kafila.api.tool_calls import ToolCallStream
+from kafila.runtime.engine.local_ring import open_engine
+from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
+from kafila.serving.chat_template import ReplySyntax
+from kafila.serving.engine_loop import EngineLoop
+from kafila.session.availability import Availability
+
+CONTEXT = 2048
+KEY = "sk-kafila-test"
+# Each event type's own class in the SDK (its union is discriminated by `type`, which pydantic
+# alone does not know).
+EVENTS = {get_args(cls.model_fields["type"].annotation)[0]: cls for cls in get_args(get_args(ResponseStreamEvent)[0])}
+TOOLS: list[Any] = [
+    {"type": "function", "name": "get_weather", "description": "Forecast", "parameters": WEATHER, "strict": True},
+    {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}},
+]
+CONVERSATION: list[Any] = [
+    {"role": "user", "content": "hello world"},
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "the model"}]},
+    {"role": "user", "content": [{"type": "input_text", "text": "and the "}, {"type": "input_text", "text": "parts"}]},
+]
+CHAT_CONVERSATION: list[Any] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hello world"},
+    {"role": "assistant", "content": "the model"},
+    {"role": "user", "content": "and the parts"},
+]
+
+
+# --- the parser, the writer and the store, without a model -----------------------------------------
+
+
+def body(**fields: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": CONVERSATION, **fields})
+
+
+OSLO = '{"city": "Oslo"}'
+
+
+def test_input_reads_into_the_turns_templates_read() -> None:
+    ask, calls = body(
+        instructions="Be brief.",
+        input=[
+            *CONVERSATION,
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": OSLO},
+            {"type": "function_call_output", "call_id": "c2", "output": "rain"},
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "noon"}]},
+            {"role": "developer", "content": "Answer now."},
+        ],
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_time"},
+        parallel_tool_calls=False,
+        text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True}},
+        max_output_tokens=7, temperature=0.5, top_p=0.9,
+    ).ask()  # fmt: skip
+    assert ask.turns == (
+        Turn("system", "Be brief."),
+        Turn("user", "hello world"),
+        Turn("assistant", "the model"),
+        Turn("user", "and the parts"),
+        Turn("assistant", "Let me see.", (CallMade("c1", "get_time", "{}"), CallMade("c2", "get_weather", OSLO)),
+             reasoning="Hm."),
+        Turn("tool", "rain", call_id="c2", name="get_weather"),
+        Turn("tool", "noon", call_id="c1", name="get_time"),
+        Turn("system", "Answer now."),
+    )  # fmt: skip
+    assert calls == {"c1": "get_time", "c2": "get_weather"}
+    assert ask.choice.mode == "required" and ask.choice.name == "get_time" and not ask.parallel_calls
+    assert ask.output.kind == "json_schema" and ask.output.schema == WEATHER
+    generation = ask.generation
+    assert generation.limit == 7 and generation.sampling.temperature == 0.5 and generation.sampling.top_p == 0.9
+    assert [tool.name for tool in ask.tools] == ["get_weather", "get_time"]
+    plain, _ = body(input="hi").ask()
+    assert plain.turns == (Turn("user", "hi"),) and plain.choice.mode == "none" and plain.generation.limit is None
+
+
+def test_a_call_output_finds_its_call_in_the_response_it_continues_or_is_refused() -> None:
+    earlier = (Turn("user", "hi"), Turn("assistant", "", (CallMade("c9", "get_time", "{}"),)))
+    output = [{"type": "function_call_output", "call_id": "c9", "output": "noon"}]
+    ask, _ = body(input=output, instructions="New.").ask(earlier, {"c9": "get_time"})
+    assert ask.turns == (Turn("system", "New."), *earlier, Turn("tool", "noon", call_id="c9", name="get_time"))
+    with pytest.raises(ApiError) as refused:
+        body(input=output).ask()
+    assert refused.value.status == 400 and refused.value.param == "input[0].call_id" and "c9" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools", "built-in tool 'web_search'"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools", "built-in tool 'file_search'"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "not supported"),
+        ({"tool_choice": "required"}, None, "needs tools"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "type 'input_image'"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "item_reference"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type", "text parts"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "required"),
+        ({"input": []}, "input", "at least 1"),
+        ({"max_output_tokens": "many"}, "max_output_tokens", "integer"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "name and schema"),
+        ({"background": True}, "background", "False"),
+    ],
+)
+def test_what_this_server_cannot_do_is_refused_naming_the_field(
+    fields: dict[str, Any], param: str | None, words: str
+) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as refused:
+        body(**fields)
+    error = refused.value.errors()[0]
+    assert param_of(error["loc"]) == (param or "")
+    assert words in str(refused.value)
+
+
+def events_of(stream: Sequence[bytes]) -> list[Any]:
+    """Server-sent events as the SDK's types, each `event:` name the same as its type."""
+    out = []
+    for chunk in b"".join(stream).decode().split("\n\n"):
+        if not chunk:
+            continue
+        name, data = chunk.split("\n")
+        parsed = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {parsed['type']}"
+        out.append(EVENTS[parsed["type"]].model_validate(parsed))
+    return out
+
+
+def writer(reader: Any = None, kept: list[dict[str, Any]] | None = None) -> ResponsesWriter:
+    echo = body().echo()
+    return ResponsesWriter("resp_1", "m", echo, reader, None if kept is None else kept.append, len)
+
+
+THOUGHT = (
+    '<think>Look it up.</think>\n\nSure. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+)
+
+
+def test_a_stream_tells_reasoning_text_and_a_call_in_the_documented_order() -> None:
+    kept: list[dict[str, Any]] = []
+    written = writer(ThinkReader(ToolCallStream(ReplySyntax.HERMES, True), False), kept)
+    stream = written.opening()
+    for start in range(0, len(THOUGHT), 5):
+        stream += written.delta(TextDelta("r", THOUGHT[start : start + 5]))
+    stream += written.end(Finished("r", FinishReason.STOP, 30, 20, cached_tokens=4))
+    events = events_of(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    distinct = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+    assert distinct == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    final = events[-1].response
+    assert final.status == "completed" and [item.type for item in final.output] == [
+        "reasoning",
+        "message",
+        "function_call",
+    ]
+    reasoning, message, call = final.output
+    assert reasoning.content[0].text == "Look it up." and message.content[0].text.strip() == "Sure."
+    assert (
+        call.name == "get_time" and json.loads(call.arguments) == {"zone": "UTC"} and call.call_id.startswith("call_")
+    )
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == call.arguments
+    usage = final.usage
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (30, 20, 50)
+    assert usage.input_tokens_details.cached_tokens == 4 and usage.output_tokens_details.reasoning_tokens == len(
+        "Look it up."
+    )
+    assert [Response.model_validate(response) for response in kept] == [final]
+    whole = writer(ThinkReader(ToolCallStream(ReplySyntax.HERMES, True), False))
+    response = Response.model_validate(whole.whole(THOUGHT, Finished("r", FinishReason.STOP, 30, 20), ()))
+    assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
+    assert response.output_text.strip() == "Sure."
+
+
+def test_a_reply_cut_short_is_incomplete_and_a_failure_fails() -> None:
+    written = writer()
+    stream = [
+        *written.opening(),
+        *written.delta(TextDelta("r", " partial")),
+        *written.end(Finished("r", FinishReason.LENGTH, 3, 2)),
+    ]
+    events = events_of(stream)
+    assert events[-1].type == "response.incomplete"
+    response = events[-1].response
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[0].status == "incomplete" and response.output_text == " partial"
+    failed = writer()
+    events = events_of([*failed.opening(), *failed.failed(RequestFailed("r", "the ring broke"))])
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.status == "failed" and events[-1].response.error.message == "the ring broke"
+    empty = Response.model_validate(writer().whole("", Finished("r", FinishReason.STOP, 3, 1), ()))
+    assert [item.type for item in empty.output] == ["message"] and empty.output_text == ""
+
+
+def test_the_store_is_bounded_in_count_and_bytes_and_says_why_an_id_is_missing() -> None:
+    store = ResponseStore(max_count=2, max_bytes=2000)
+
+    def stored(n: int, text: str = "") -> StoredResponse:
+        return StoredResponse({"id": f"resp_{n}"}, (Turn("user", text),), {})
+
+    for n in range(3):
+        store.put(f"resp_{n}", stored(n))
+    assert len(store) == 2 and store.get("resp_2").response["id"] == "resp_2"
+    with pytest.raises(ApiError) as missing:
+        store.get("resp_0", "previous_response_id")
+    error = missing.value
+    assert error.status == 404 and error.param == "previous_response_id" and "resp_0" in error.message
+    assert "expired" in error.message and "last 2" in error.message
+    store.put("resp_older", stored(8, "x" * 1500))
+    store.put("resp_big", stored(9, "x" * 1500))
+    assert len(store) == 1 and store.bytes <= 2000 and store.get("resp_big")
+    store.put("resp_huge", stored(9, "x" * 5000))
+    with pytest.raises(ApiError, match="expired"):
+        store.get("resp_huge")
+    store.delete("resp_big")
+    with pytest.raises(ApiError, match="deleted"):
+        store.get("resp_big")
+    with pytest.raises(ApiError, match="never stored"):
+        store.get("resp_nobody")
+    assert store.bytes == 0
+
+
+# --- through the SDK and the real server ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Availability]]:
+    """The tiny qwen3 model with Qwen's tool template, served with an API key."""
+    path = write_tiny_model(tmp_path_factory.mktemp("responses") / "q.gguf", "qwen3", 2, chat_template=QWEN_TEMPLATE)
+    engine = open_engine(path, [2], SETTINGS)
+    loop = EngineLoop(engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=CONTEXT)
+    loop.start()
+    serving = Availability()
+    serving.become_ready(engine, loop, "llama")
+    config = ApiConfig(model_id="tiny", context_per_sequence=CONTEXT, api_key=KEY)
+    try:
+        with serving_in_thread(serving, CONTEXT, config) as url:
+            yield url, serving
+    finally:
+        loop.stop()
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(host: tuple[str, Availability]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=host[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def raw_create(client: openai.OpenAI, **asked: Any) -> Response:
+    """`responses.create`'s JSON, validated strictly against the SDK's type."""
+    raw = client.responses.with_raw_response.create(**asked)
+    return Response.model_validate(raw.http_response.json())
+
+
+def test_create_answers_with_a_message_and_usage(client: openai.OpenAI) -> None:
+    response = raw_create(
+        client, model="tiny", instructions="Be brief.", input=CONVERSATION, max_output_tokens=6, temperature=0,
+        metadata={"who": "test"},
+    )  # fmt: skip
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == "tiny"
+    assert response.status in ("completed", "incomplete") and response.instructions == "Be brief."
+    assert [item.type for item in response.output] == ["message"]
+    message = response.output[0]
+    assert message.role == "assistant" and message.id.startswith("msg_") and message.content[0].type == "output_text"
+    usage = response.usage
+    assert usage is not None and 0 < usage.output_tokens <= 6 and usage.input_tokens > 0
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    again = client.responses.create(
+        model="tiny", instructions="Be brief.", input=CONVERSATION, max_output_tokens=6, temperature=0
+    )
+    assert again.output_text == response.output_text
+    assert again.usage is not None and again.usage.input_tokens_details.cached_tokens > 0  # the prefix was reused
+    assert response.metadata == {"who": "test"}
+
+
+def test_max_output_tokens_leaves_the_response_incomplete(client: openai.OpenAI) -> None:
+    response = client.responses.create(model="tiny", input="count to one hundred", max_output_tokens=3, temperature=0)
+    if response.status == "incomplete":  # (a random tiny model may end at once)
+        assert response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
+        assert response.usage is not None and response.usage.output_tokens == 3
+
+
+def test_greedy_text_equals_chat_completions_whole_and_streamed(client: openai.OpenAI) -> None:
+    expected = client.chat.completions.create(model="tiny", messages=CHAT_CONVERSATION, max_tokens=24, temperature=0)
+    text = expected.choices[0].message.content
+    response = client.responses.create(
+        model="tiny", instructions="Be brief.", input=CONVERSATION, max_output_tokens=24, temperature=0
+    )
+    assert response.output_text == text
+    with client.responses.stream(
+        model="tiny", instructions="Be brief.", input=CONVERSATION, max_output_tokens=24, temperature=0
+    ) as stream:
+        events = list(stream)
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    # (the SDK's `get_final_response` wants `response.completed`: past max_output_tokens it is `response.incomplete`)
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[-1].type == f"response.{response.status}"
+    assert deltas == text and final.output_text == text
+
+
+def test_a_stream_is_the_documented_event_sequence(host: tuple[str, Availability], client: openai.OpenAI) -> None:
+    asked = {"model": "tiny", "input": "hello", "max_output_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", host[0] + "/v1/responses", json=asked, headers={"Authorization": f"Bearer {KEY}"}) as got:
+        assert got.status_code == 200 and got.headers["content-type"].startswith("text/event-stream")
+        events = events_of([got.read()])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:5] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta",
+    ]  # fmt: skip
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert final.output_text == text == events[-4].text
+    sdk_kinds = [event.type for event in client.responses.create(**asked)]
+    assert sdk_kinds[0] == "response.created" and sdk_kinds[-1] == kinds[-1]
+
+
+def test_a_function_call_goes_round_through_its_output_and_previous_response_id(client: openai.OpenAI) -> None:
+    asked: dict[str, Any] = {
+        "model": "tiny", "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+        "max_output_tokens": 200, "temperature": 0,
+    }  # fmt: skip
+    first = raw_create(client, input="Weather in Paris?", **asked)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1
+    call = calls[0]
+    assert call.call_id.startswith("call_") and call.id is not None and call.id.startswith("fc_")
+    assert call.name in ("get_weather", "get_time")
+    if call.name == "get_weather":
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sun"}'}
+    sent_back = client.responses.create(
+        model="tiny", tools=TOOLS, max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump() for item in first.output], output],
+    )  # fmt: skip
+    continued = client.responses.create(
+        model="tiny", tools=TOOLS, max_output_tokens=8, temperature=0, previous_response_id=first.id, input=[output]
+    )
+    assert continued.previous_response_id == first.id
+    assert sent_back.usage is not None and continued.usage is not None and first.usage is not None
+    assert continued.usage.input_tokens == sent_back.usage.input_tokens > first.usage.input_tokens
+    assert continued.output_text == sent_back.output_text
+    with client.responses.stream(input="Weather in Paris?", **asked) as stream:
+        arguments = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        streamed = stream.get_final_response()
+    streamed_call = streamed.output[-1]
+    assert streamed_call.type == "function_call" and streamed_call.arguments == arguments == call.arguments
+
+
+class Forecast(BaseModel):
+    city: Literal["Paris", "Oslo", "Lagos"]
+    days: int = Field(ge=1, le=7)
+
+
+def test_parse_reads_the_answer_into_a_pydantic_model(client: openai.OpenAI) -> None:
+    response = client.responses.parse(
+        model="tiny", input="Forecast for Oslo as JSON", text_format=Forecast, max_output_tokens=200, temperature=0
+    )
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, Forecast)
+    shape = client.responses.create(
+        model="tiny", input="Any JSON object", text={"format": {"type": "json_object"}}, max_output_tokens=200,
+        temperature=0,
+    )  # fmt: skip
+    if shape.status == "completed":  # (else max_output_tokens cut it: a random model may write a long key)
+        assert isinstance(json.loads(shape.output_text), dict)
+    assert shape.output_text.lstrip().startswith("{")
+
+
+def test_get_returns_a_stored_response_and_delete_removes_it(client: openai.OpenAI) -> None:
+    made = client.responses.create(model="tiny", input="hello", max_output_tokens=4, temperature=0)
+    got = client.responses.retrieve(made.id)
+    assert got.model_dump() == made.model_dump()
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError, match="deleted"):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError, match="deleted"):
+        client.responses.create(model="tiny", input="again", previous_response_id=made.id, max_output_tokens=2)
+    unstored = client.responses.create(model="tiny", input="hello", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.retrieve(unstored.id)
+    assert missing.value.body["code"] == "not_found" and unstored.id in missing.value.message  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_nothing", max_output_tokens=2)
+    assert unknown.value.body["param"] == "previous_response_id" and "resp_nothing" in unknown.value.message  # type: ignore[index]
+
+
+def test_the_key_guards_every_route(host: tuple[str, Availability]) -> None:
+    wrong = openai.OpenAI(base_url=host[0] + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.responses.create(model="tiny", input="hi", max_output_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.responses.retrieve("resp_x")
+    with pytest.raises(openai.AuthenticationError):
+        wrong.responses.delete("resp_x")
+
+
+NOPE = {"type": "nope"}
+BAD: list[tuple[Any, int, str | None]] = [
+    ({"input": "hi"}, 400, "model"),
+    ({"model": "tiny"}, 400, "input"),
+    ({"model": "tiny", "input": 5}, 400, "input"),
+    ({"model": "tiny", "input": [{"role": "captain", "content": "x"}]}, 400, "input[0].role"),
+    ({"model": "tiny", "input": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
+    ({"model": "tiny", "input": "x", "tools": [{"type": "function", "name": "bad name"}]}, 400, "tools[0].name"),
+    ({"model": "tiny", "input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400,
+     "input[0].call_id"),
+    ({"model": "tiny", "input": "x", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+    ({"model": "other", "input": "x"}, 404, "model"),
+    ({"model": "tiny", "input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": NOPE}}}, 400,
+     None),
+    ({"model": "tiny", "input": "x", "max_output_tokens": 5000}, 400, "input"),
+    ([1, 2], 400, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("data", "status", "param"), BAD)
+def test_bad_input_is_a_clear_4xx_in_openais_shape(
+    host: tuple[str, Availability], data: Any, status: int, param: str | None
+) -> None:
+    got = httpx.post(host[0] + "/v1/responses", json=data, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert got.status_code == status, got.text
+    error = got.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_an_abandoned_stream_frees_its_slot(host: tuple[str, Availability], client: openai.OpenAI) -> None:
+    url, serving = host
+    asked = {"model": "tiny", "input": CONVERSATION, "max_output_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/responses", json=asked, headers={"Authorization": f"Bearer {KEY}"}) as got:
+        assert got.status_code == 200
+        lines = got.iter_lines()
+        assert next(lines) == "event: response.created"
+        assert any(line == "event: response.output_text.delta" for line in lines)  # it is generating
+        # (the tiny model may write its 1500 tokens within the second: the slot may be free already)
+    until(lambda: serving.ring is not None and serving.ring.running == 0, "the abandoned stream's slot is free")
+    again = client.responses.create(model="tiny", input="hello", max_output_tokens=3)
+    assert again.usage is not None and again.usage.output_tokens <= 3
