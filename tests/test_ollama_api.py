@@ -37,11 +37,12 @@ from kafila.api.ollama_routes import (
     served_id,
 )
 from kafila.api.reasoning import ThinkReader
+from kafila.api.requests import prepare_chat
 from kafila.api.tool_calls import ToolCallStream
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
-from kafila.serving.chat_template import ReplySyntax
+from kafila.serving.chat_template import ChatTemplate, ReplySyntax
 from kafila.serving.engine_loop import EngineLoop
 from kafila.session.availability import Availability
 
@@ -49,7 +50,8 @@ GEMMA = "gemma-3-270m-q4_k_m"
 KEY = "ollama-test-key"
 CONTEXT = 1024
 TOOLS_CONTEXT = 2048
-QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen2.5-tools.jinja").read_text()
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN3_TEMPLATE = (FIXTURES / "Qwen-Qwen3-0.6B.jinja").read_text()  # tools, and reasoning in <think>
 CONVERSATION = [
     {"role": "system", "content": "You are brief."},
     {"role": "user", "content": "Name a colour of the sky."},
@@ -162,6 +164,19 @@ def test_tool_results_answer_the_calls_an_assistant_turn_made() -> None:
         conversation([*messages[:2], Message(role="tool", content="?", tool_call_id="call_x")], set())
 
 
+def test_think_reaches_the_template_where_it_can_be_told() -> None:
+    qwen3 = ChatTemplate(QWEN3_TEMPLATE, "", "<|im_end|>", "qwen3")
+    harmony = ChatTemplate((FIXTURES / "openai-gpt-oss-120b.jinja").read_text(), "", "", "gpt-oss")
+
+    def prompt(template: ChatTemplate, think: Any) -> str:
+        body = ChatBody.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], "think": think})
+        return prepare_chat(body.ask(CONTEXT), template).text
+
+    assert prompt(qwen3, False).endswith("<think>\n\n</think>\n\n")  # Qwen 3's way to answer at once
+    assert not prompt(qwen3, True).endswith("</think>\n\n") and prompt(qwen3, True) == prompt(qwen3, None)
+    assert "Reasoning: high" in prompt(harmony, "high") and "Reasoning: medium" in prompt(harmony, None)
+
+
 def _lines(chunks: list[bytes]) -> list[dict[str, Any]]:
     text = b"".join(chunks).decode()
     assert text.endswith("\n")
@@ -271,10 +286,10 @@ def gemma(gemma_path: Path) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """A tiny random qwen3 with Qwen's tool template; `<tool_call>` is one token of its
-    vocabulary, so that the model, free to call or not, calls now and then."""
+    """A tiny random qwen3 with Qwen 3's template (tools, and thinking); `<tool_call>` is one
+    token of its vocabulary, so that the model, free to call or not, calls now and then."""
     path = write_tiny_model(
-        tmp_path_factory.mktemp("ollama") / "qwen.gguf", "qwen3", n_blocks=2, chat_template=QWEN_TEMPLATE,
+        tmp_path_factory.mktemp("ollama") / "qwen.gguf", "qwen3", n_blocks=2, chat_template=QWEN3_TEMPLATE,
         extra_specials=("<tool_call>", "</tool_call>"),
     )  # fmt: skip
     with served(path, "qwen3", "tiny-qwen", TOOLS_CONTEXT) as running:
@@ -504,7 +519,7 @@ def test_tools_a_call_and_its_result_round_trip(qwen: Served) -> None:
     }
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     shown = client.show("tiny-qwen:latest")
-    assert shown.capabilities == ["completion", "tools"]
+    assert shown.capabilities == ["completion", "tools", "thinking"]
     bare = client.chat("tiny-qwen", ask, options={"num_predict": 1})
     offered = client.chat("tiny-qwen", ask, tools=[weather], options={"num_predict": 1})
     assert offered.prompt_eval_count and bare.prompt_eval_count and offered.prompt_eval_count > bare.prompt_eval_count
@@ -535,3 +550,15 @@ def test_tools_a_call_and_its_result_round_trip(qwen: Served) -> None:
     with pytest.raises(ollama.ResponseError) as refused:
         client.chat("tiny-qwen", [*ask, reply.message, {**result, "tool_name": "get_time"}], tools=[weather])
     assert refused.value.status_code == 400 and "get_time" in refused.value.error
+
+
+def test_think_on_a_thinking_model(qwen: Served) -> None:
+    client = qwen.client()
+    ask = [{"role": "user", "content": "Why?"}]
+    thinking = client.chat("tiny-qwen", ask, think=True, options={"num_predict": 1})
+    direct = client.chat("tiny-qwen", ask, think=False, options={"num_predict": 1})
+    assert thinking.done and direct.done and direct.message.thinking is None
+    assert thinking.prompt_eval_count and direct.prompt_eval_count
+    assert direct.prompt_eval_count > thinking.prompt_eval_count  # the template closed an empty <think>
+    generated = client.generate("tiny-qwen", "Why?", think=False, options={"num_predict": 1})
+    assert generated.prompt_eval_count == direct.prompt_eval_count

@@ -129,6 +129,19 @@ class ChatAsk:
     choice: ToolChoice = ToolChoice("none")
     parallel_calls: bool = True
     output: OutputFormat = TEXT
+    # Whether a thinking model reasons before it answers, where its template can be told
+    # (Qwen 3's `enable_thinking`); None: as the template does by default.
+    thinking: bool | None = None
+    effort: Literal["low", "medium", "high"] | None = None  # how hard a model that takes one reasons (gpt-oss)
+
+    def template_options(self) -> dict[str, Any]:
+        """What the chat template is told beside the messages and tools (the names templates read)."""
+        options: dict[str, Any] = {}
+        if self.thinking is not None:
+            options["enable_thinking"] = self.thinking
+        if self.effort is not None:
+            options["reasoning_effort"] = self.effort
+        return options
 
     def calling_tools(self) -> bool:
         """Whether the model is shown the tools and its reply is read for calls."""

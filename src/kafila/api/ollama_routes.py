@@ -259,6 +259,13 @@ class Body(BaseModel):
         """How many alternatives per token to report log probabilities with; None: none asked."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def thinking(self) -> tuple[bool | None, Literal["low", "medium", "high"] | None]:
+        """What the template is told of reasoning: `think` false turns it off where the template
+        can (Qwen 3's `enable_thinking`), a level sets the effort where it takes one (gpt-oss)."""
+        if isinstance(self.think, str):
+            return True, self.think
+        return self.think, None
+
     def generation(self, context: int) -> Generation:
         options = self.options or Options()
         if options.num_ctx is not None and options.num_ctx > context:
@@ -288,7 +295,8 @@ class ChatBody(Body):
         )
         turns = conversation(self.messages or [], {tool.name for tool in tools})
         choice = ToolChoice("auto" if tools else "none")
-        return ChatAsk(turns, self.generation(context), tools, choice, True, self.output())
+        thinking, effort = self.thinking()
+        return ChatAsk(turns, self.generation(context), tools, choice, True, self.output(), thinking, effort)
 
 
 class GenerateBody(Body):
@@ -339,7 +347,8 @@ class GenerateBody(Body):
         if self.raw:
             return TextAsk(self.prompt or "", generation, self.output())
         turns = ((Turn("system", self.system),) if self.system else ()) + (Turn("user", self.prompt or ""),)
-        return ChatAsk(turns, generation, output=self.output())
+        thinking, effort = self.thinking()
+        return ChatAsk(turns, generation, output=self.output(), thinking=thinking, effort=effort)
 
 
 class ShowBody(BaseModel):

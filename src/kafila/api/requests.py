@@ -97,7 +97,7 @@ def prepare_chat(ask: ChatAsk, template: ChatTemplate) -> PreparedChat:
     mistral = template.tool_syntax in (ReplySyntax.MISTRAL, ReplySyntax.MISTRAL_ARGS)
     try:
         turns = [turn.for_template() for turn in ask.turns]
-        rendered = template.render(turns, tools, mistral_id_of if mistral else None)
+        rendered = template.render(turns, tools, mistral_id_of if mistral else None, ask.template_options())
     except TemplateError as error:
         raise invalid(str(error), "messages") from None
     # A grammar from the first token: no reasoning first, even where the template opened it.

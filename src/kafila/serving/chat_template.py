@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,17 +110,21 @@ class ChatTemplate:
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None = None,
         call_id: Callable[[str], str] | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> RenderedPrompt:
         """The prompt; `tools` (OpenAI's tool objects) go to the template as transformers passes them.
         `call_id` rewrites the calls' ids (and the results' `tool_call_id`) where the template
-        takes only ids of its own shape (Mistral's)."""
+        takes only ids of its own shape (Mistral's). `options` are variables the template may read
+        (`enable_thinking`, `reasoning_effort`); llama.cpp's built-in templates read none."""
         if tools and self._formatter is None:
             raise TemplateError("this model's chat template does not describe tools; it cannot be given any")
         if call_id is not None:
             messages = [_with_call_ids(m, call_id) for m in messages]
         if self._formatter is not None:
             try:
-                text = self._formatter(messages=list(messages), tools=list(tools) if tools else None).prompt
+                text = self._formatter(
+                    messages=list(messages), tools=list(tools) if tools else None, **(options or {})
+                ).prompt
             except Exception as error:  # templates raise their own errors, e.g. on role order
                 raise TemplateError(f"the model's chat template rejected the messages: {error}") from None
         else:
