@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,14 +75,15 @@ def served_id(name: str, config: ApiConfig) -> str:
 
 # --- bodies ----------------------------------------------------------------------------------------
 
-Strict = ConfigDict(extra="ignore", allow_inf_nan=False)
+# Fields Ollama does not define are ignored, as its server ignores them.
+BODY = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class Options(BaseModel):
     """`options`: the sampler's settings this server has, and the context. Unknown keys and the
     runner's (`num_gpu`, `num_thread`, …) are ignored, as Ollama ignores what it does not know."""
 
-    model_config = Strict
+    model_config = BODY
 
     num_predict: StrictInt | None = None  # 0 or less: no limit (to the end of the context)
     temperature: Annotated[StrictFloat | StrictInt, Field(ge=0.0, le=10.0)] | None = None
@@ -147,8 +149,6 @@ class Options(BaseModel):
 
 
 def _fresh_seed() -> int:
-    import secrets
-
     return secrets.randbelow(2**32)
 
 
@@ -159,7 +159,7 @@ def refuse_images(value: Any) -> Any:
 
 
 class CallFunction(BaseModel):
-    model_config = Strict
+    model_config = BODY
 
     name: str = Field(min_length=1, max_length=64)
     arguments: dict[str, Any] = Field(default_factory=dict)
@@ -179,14 +179,14 @@ class CallFunction(BaseModel):
 class CallIn(BaseModel):
     """A call an earlier assistant turn made, as Ollama sends it back: arguments as an object."""
 
-    model_config = Strict
+    model_config = BODY
 
     id: str | None = Field(default=None, max_length=256)
     function: CallFunction
 
 
 class Message(BaseModel):
-    model_config = Strict
+    model_config = BODY
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
@@ -203,7 +203,7 @@ class Message(BaseModel):
 
 
 class FunctionIn(BaseModel):
-    model_config = Strict
+    model_config = BODY
 
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = Field(default=None, max_length=8192)
@@ -218,7 +218,7 @@ class FunctionIn(BaseModel):
 
 
 class ToolIn(BaseModel):
-    model_config = Strict
+    model_config = BODY
 
     type: Literal["function"] = "function"
     function: FunctionIn
@@ -227,7 +227,7 @@ class ToolIn(BaseModel):
 class Body(BaseModel):
     """What `/api/chat` and `/api/generate` share."""
 
-    model_config = Strict
+    model_config = BODY
 
     model: str = Field(min_length=1, max_length=256)
     stream: StrictBool | None = None  # Ollama streams unless told not to
@@ -352,7 +352,7 @@ class GenerateBody(Body):
 
 
 class ShowBody(BaseModel):
-    model_config = Strict
+    model_config = BODY
 
     model: str | None = Field(default=None, min_length=1, max_length=256)
     name: str | None = Field(default=None, min_length=1, max_length=256)  # older clients' name for it
