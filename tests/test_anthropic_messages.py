@@ -7,6 +7,8 @@ The parser and the writer alone are tested without a model first."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from agent_models import write_tool_caller
 from serving_checks import serving_in_thread
 from test_tool_calls import QWEN_TEMPLATE, SETTINGS, WEATHER
 from tiny_models import write_tiny_model
@@ -29,6 +32,7 @@ from kafila.api.requests import prepare_chat
 from kafila.api.server import ApiConfig
 from kafila.api.tool_calls import ToolCallStream
 from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 from kafila.serving.chat_template import ChatTemplate, ReplySyntax
 from kafila.serving.engine_loop import EngineLoop
@@ -83,6 +87,17 @@ def test_system_blocks_text_and_tool_results_read_into_template_turns() -> None:
     assert ask.generation.limit == 10 and ask.generation.sampling.temperature == 1.0
 
 
+def test_a_system_message_mid_conversation_and_deferred_tools_as_claude_code_sends_them() -> None:
+    """Claude Code sends a system message after the first user message, and a placeholder tool
+    with `defer_loading` (its definition is loaded only when a tool search finds it): the first is
+    a system turn, the second is not shown to the model."""
+    messages = [*CONVERSATION[:1], {"role": "system", "content": [{"type": "text", "text": "Note."}]}]
+    deferred = {"name": "Later", "input_schema": {"type": "object"}, "defer_loading": True}
+    ask = body(messages=messages, tools=[*TOOLS, deferred]).ask()
+    assert ask.turns == (Turn("user", "hello world"), Turn("system", "Note."))
+    assert [tool.name for tool in ask.tools] == ["get_weather", "get_time"]
+
+
 def test_tool_choice_sampling_and_stops_map_to_the_ask() -> None:
     ask = body(
         tools=TOOLS, tool_choice={"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
@@ -116,7 +131,7 @@ def test_thinking_sent_back_reaches_a_thinking_template() -> None:
         ({"max_tokens": "ten"}, "max_tokens"),
         ({"temperature": 1.5}, "temperature"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' block"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "runs none"),
         ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),
     ],
@@ -400,3 +415,70 @@ def test_an_abandoned_stream_frees_its_slot(host: tuple[str, Availability], clie
     until(lambda: serving.ring is not None and serving.ring.running == 0, "the abandoned stream's slot is free")
     again = client.messages.create(model="tiny", max_tokens=3, messages=CONVERSATION)
     assert again.usage.output_tokens <= 3
+
+
+# --- Claude Code, the real agent ------------------------------------------------------------------
+
+CLAUDE_CODE = Path(__file__).parent.parent / ".agents" / "node_modules" / ".bin" / "claude"  # .ci/run installs it
+AGENT_CONTEXT = 16384  # Claude Code's system prompt and the Write tool: about 9,000 tiny tokens (one a byte)
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A host serving the tiny model that makes a tool call (agent_models), with a key."""
+    settings = ContextSettings(n_ctx=AGENT_CONTEXT, n_batch=512, n_seq_max=1, n_threads=2)
+    engine = open_engine(write_tool_caller(tmp_path_factory.mktemp("caller") / "caller.gguf"), [2], settings)
+    loop = EngineLoop(engine, concurrency=1, batch_rows=settings.n_batch, context_per_sequence=AGENT_CONTEXT)
+    loop.start()
+    serving = Availability()
+    serving.become_ready(engine, loop, "llama")
+    config = ApiConfig(model_id="tiny-caller", context_per_sequence=AGENT_CONTEXT, api_key=KEY)
+    try:
+        with serving_in_thread(serving, AGENT_CONTEXT, config) as url:
+            yield url
+    finally:
+        loop.stop()
+        engine.close()
+
+
+@pytest.mark.timeout(420)
+def test_claude_code_makes_a_tool_call_and_sends_its_result_back(caller: str, tmp_path: Path) -> None:
+    """`claude -p` against the host, one turn with a tool call: the call it is answered with runs
+    (Write, held by the grammar to empty strings, which Claude Code refuses as a directory) and
+    its result comes back as a `tool_result`, which the host reads and answers (with another call,
+    where `--max-turns 2` stops it). Claude Code is told only the host's address, key and model,
+    with its own settings for the rest: no telemetry or other traffic, its output within the
+    context (it asks 32,000 tokens), and the Write tool alone (the schemas of some of its other
+    tools hold keywords the server's grammar cannot keep, which it refuses with a 400)."""
+    if not CLAUDE_CODE.exists():
+        pytest.skip(f"Claude Code is not installed at {CLAUDE_CODE} (.ci/run installs it with npm)")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    environment = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": caller,
+        "ANTHROPIC_API_KEY": KEY,
+        "ANTHROPIC_MODEL": "tiny-caller",
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",
+    }
+    command = [
+        str(CLAUDE_CODE), "-p", "Write hello to a file.", "--tools", "Write", "--max-turns", "2",
+        "--output-format", "stream-json", "--verbose",
+    ]  # fmt: skip
+    done = subprocess.run(command, check=False, cwd=work, env=environment, capture_output=True, text=True, timeout=360)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    said = f"exit {done.returncode}; stderr: {done.stderr[-2000:]}; stdout: {done.stdout[-4000:]}"
+    blocks = [(line["type"], block) for line in lines if line["type"] in ("assistant", "user")
+              for block in line["message"]["content"]]  # fmt: skip
+    uses = [block for kind, block in blocks if kind == "assistant" and block["type"] == "tool_use"]
+    results = [block for kind, block in blocks if kind == "user" and block["type"] == "tool_result"]
+    assert len(uses) == 2 and all(use["name"] == "Write" and use["id"].startswith("toolu_") for use in uses), said
+    assert uses[0]["input"] == {"file_path": "", "content": ""}, said
+    assert [result["tool_use_id"] for result in results] == [use["id"] for use in uses], said
+    final = lines[-1]
+    assert final["type"] == "result" and final["subtype"] == "error_max_turns", said
+    assert list(work.iterdir()) == []  # nothing written

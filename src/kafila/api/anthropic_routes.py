@@ -138,7 +138,7 @@ def _refuse_blocks(value: Any, allowed: Sequence[str]) -> Any:
 
 
 class MessageIn(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # (a system message mid-conversation, as Claude Code sends)
     content: str | list[Block]
 
     @field_validator("content", mode="before")
@@ -158,6 +158,7 @@ class ToolIn(_Body):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     input_schema: dict[str, Any]
+    defer_loading: bool | None = None  # not shown to the model until a tool search finds it
 
     @model_validator(mode="before")
     @classmethod
@@ -248,6 +249,8 @@ class CountTokensRequest(_Body):
         for index, message in enumerate(self.messages):
             if message.role == "assistant":
                 turns.append(_assistant_turn(message.blocks(), called))
+            elif message.role == "system":
+                turns.append(_system_turn(message.blocks(), index))
             else:
                 turns += _user_turns(message.blocks(), called, index)
         return tuple(turns)
@@ -274,7 +277,9 @@ class CountTokensRequest(_Body):
 
     def ask(self) -> ChatAsk:
         choice, parallel = self.tool_choice_of()
-        tools = tuple(tool.tool() for tool in self.tools or ())
+        # A deferred tool is not in the model's context (Anthropic loads it when a search finds it;
+        # this server runs no tool search), so it is not shown to the template either.
+        tools = tuple(tool.tool() for tool in self.tools or () if not tool.defer_loading)
         return ChatAsk(self.turns(), self.generation(), tools, choice, parallel, self.output())
 
 
@@ -311,6 +316,12 @@ def _assistant_turn(blocks: Sequence[Any], called: dict[str, str]) -> Turn:
         elif isinstance(block, ToolResultBlock):
             raise invalid("a tool_result block belongs in a user message", "messages")
     return Turn("assistant", "".join(text), tuple(calls), reasoning="".join(reasoning) or None)
+
+
+def _system_turn(blocks: Sequence[Any], index: int) -> Turn:
+    if any(not isinstance(block, TextBlock) for block in blocks):
+        raise invalid("a system message holds text blocks only", f"messages.{index}.content")
+    return Turn("system", "".join(block.text for block in blocks))
 
 
 def _user_turns(blocks: Sequence[Any], called: dict[str, str], index: int) -> list[Turn]:
