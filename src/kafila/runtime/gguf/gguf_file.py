@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 _LENGTH = np.dtype("<u8")
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")  # what llama-gguf-split adds to each part
 
 
 class GGUFFormatError(ValueError):
     """The file is not a GGUF model this program can read."""
+
+
+class HeaderIncomplete(GGUFFormatError):
+    """The bytes given end inside the GGUF header: a caller reading it in pieces reads more."""
 
 
 class FastGGUFReader(GGUFReader):
@@ -30,7 +35,7 @@ class FastGGUFReader(GGUFReader):
         self._string_array_offsets: dict[int, npt.NDArray[np.int64]] = {}
         try:
             super().__init__(path, "r")
-        except FileNotFoundError:
+        except (FileNotFoundError, HeaderIncomplete):
             raise
         except (ValueError, IndexError, KeyError, OverflowError) as error:
             raise GGUFFormatError(f"{path} is not a readable GGUF file: {error}") from error
@@ -70,19 +75,22 @@ class FastGGUFReader(GGUFReader):
         raw = self.data.data
         limit = len(self.data)
         if count > (limit - offs) // 8:
-            raise GGUFFormatError("string array is longer than the file")
+            raise self._past_end("string array is longer than the file")
         starts = np.empty(count + 1, dtype=np.int64)
         position = offs
         from_bytes = int.from_bytes
         for i in range(count):
             starts[i] = position - offs
             if position + 8 > limit:
-                raise GGUFFormatError("string array runs past the end of the file")
+                raise self._past_end("string array runs past the end of the file")
             position += 8 + from_bytes(raw[position : position + 8], "little")
         if position > limit:
-            raise GGUFFormatError("string array runs past the end of the file")
+            raise self._past_end("string array runs past the end of the file")
         starts[count] = position - offs
         return starts
+
+    def _past_end(self, why: str) -> GGUFFormatError:
+        return GGUFFormatError(why)
 
     def scalar(self, key: str, default: Any = None) -> Any:
         """A scalar or string value, or the whole list for a numeric array."""
@@ -116,6 +124,43 @@ class FastGGUFReader(GGUFReader):
     @staticmethod
     def _key_header_size(field: Any) -> int:
         return 8 + int(field.parts[1].nbytes) + 4
+
+
+class HeaderReader(FastGGUFReader):
+    """A GGUF model read from its header alone (the file's first bytes, up to where tensor data
+    begins, or more): metadata and the tensor table, as from the whole file. Each tensor's `data`
+    is a stand-in of its type and shape that holds no memory (zeros, stride 0); its bytes come from
+    elsewhere (`kafila.runtime.gguf.header.PackedTensors`). Bytes that end inside the header raise
+    `HeaderIncomplete`, so a caller fetching it over the network knows to fetch more."""
+
+    def __init__(self, path: os.PathLike[str] | str) -> None:
+        self._tensors_start: int | None = None
+        super().__init__(path)
+        if len(self.data) < self.data_offset:  # the padding before tensor data is the header's too
+            raise HeaderIncomplete(f"the header is {self.data_offset} bytes; {len(self.data)} were read")
+
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: Literal["I", "S", "<"] | None = None
+    ) -> npt.NDArray[Any]:
+        kind = np.dtype(dtype)
+        if self._tensors_start is not None and offset >= self._tensors_start:  # a tensor's data: a stand-in
+            kind = kind.newbyteorder(self.byte_order if override_order is None else override_order)
+            return np.broadcast_to(np.zeros((), dtype=kind), (int(count),))
+        if offset + kind.itemsize * int(count) > len(self.data):
+            raise HeaderIncomplete(f"the header runs past the {len(self.data)} bytes read")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        self._tensors_start = start_offs
+        super()._build_tensors(start_offs, fields)
+
+    def _past_end(self, why: str) -> GGUFFormatError:
+        return HeaderIncomplete(f"the header runs past the {len(self.data)} bytes read ({why})")
+
+    @property
+    def header_bytes(self) -> int:
+        """How long the header is: tensor data starts here (after the alignment's padding)."""
+        return int(self.data_offset)
 
 
 class RawValue(NamedTuple):

@@ -13,11 +13,29 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
-from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
+from gguf import ReaderTensor
+
+from kafila.runtime.gguf.gguf_file import SPLIT_KEYS, FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
 from kafila.runtime.gguf.slicer import _reporting_size
 from kafila.units import DISK_ROOM_HINT
 
-SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+
+def check_parts(readers: Sequence[FastGGUFReader], names: Sequence[str]) -> list[ReaderTensor]:
+    """Every part's tensors, in order, once the parts are checked to be the whole split model, first
+    part first (`names` name them in errors): what merging them, or reading their headers as one
+    model, relies on."""
+    first = readers[0]
+    count = first.scalar("split.count", 0)
+    if count != len(readers):
+        raise GGUFFormatError(f"{names[0]} says the model is split in {count} parts; {len(readers)} were given")
+    for index, (name, reader) in enumerate(zip(names, readers, strict=True)):
+        if reader.scalar("split.no") != index or reader.scalar("split.count") != count:
+            raise GGUFFormatError(f"{name} is not part {index + 1} of {count} of {Path(names[0]).name}'s model")
+    tensors = [tensor for reader in readers for tensor in reader.tensors]
+    expected = first.scalar("split.tensors.count")
+    if isinstance(expected, int) and expected != len(tensors):
+        raise GGUFFormatError(f"{Path(names[0]).name}'s model has {expected} tensors; its parts hold {len(tensors)}")
+    return tensors
 
 
 def merge_parts(parts: Sequence[Path], out: Path, progress: Callable[[int, int], None] | None = None) -> Path:
@@ -25,16 +43,7 @@ def merge_parts(parts: Sequence[Path], out: Path, progress: Callable[[int, int],
     temporary file, so `out` exists only whole). `progress` hears (bytes written, bytes in all)."""
     readers = [FastGGUFReader(part) for part in parts]
     first = readers[0]
-    count = first.scalar("split.count", 0)
-    if count != len(parts):
-        raise GGUFFormatError(f"{parts[0]} says the model is split in {count} parts; {len(parts)} were given")
-    for index, (part, reader) in enumerate(zip(parts, readers, strict=True)):
-        if reader.scalar("split.no") != index or reader.scalar("split.count") != count:
-            raise GGUFFormatError(f"{part} is not part {index + 1} of {count} of {parts[0].name}'s model")
-    tensors = [tensor for reader in readers for tensor in reader.tensors]
-    expected = first.scalar("split.tensors.count")
-    if isinstance(expected, int) and expected != len(tensors):
-        raise GGUFFormatError(f"{parts[0].name}'s model has {expected} tensors; its parts hold {len(tensors)}")
+    tensors = check_parts(readers, [str(part) for part in parts])
     arch = first.scalar("general.architecture")
     if not isinstance(arch, str):
         raise GGUFFormatError(f"{parts[0]} has no general.architecture")

@@ -43,24 +43,30 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no model file at {path}")
-    reader = FastGGUFReader(path)
+    return manifest_of(FastGGUFReader(path), str(path), path.stem)
+
+
+def manifest_of(reader: FastGGUFReader, label: str, stem: str) -> ModelManifest:
+    """The manifest of an open model: a whole file, or a header alone (`HeaderReader`: a model on the
+    hub planned before any weight is fetched). Only the header is read. `label` names the model in
+    errors; `stem` is its name where the metadata gives none."""
     arch = reader.scalar("general.architecture")
     if not isinstance(arch, str):
-        raise GGUFFormatError(f"{path} has no general.architecture")
+        raise GGUFFormatError(f"{label} has no general.architecture")
     parts = reader.scalar("split.count", 0)
     if isinstance(parts, int) and parts > 1:  # llama-gguf-split's parts: the reader and the slicer read one file
         raise GGUFFormatError(
-            f"{path} is one part of a model split in {parts} files; Kafila reads a model from one file: merge "
+            f"{label} is one part of a model split in {parts} files; Kafila reads a model from one file: merge "
             f"the parts with `llama-gguf-split --merge FIRST-PART.gguf MERGED.gguf` and give MERGED.gguf"
         )
     stored = reader.scalar(f"{arch}.block_count")
     if not isinstance(stored, int) or stored < 1:
-        raise GGUFFormatError(f"{path} has no positive {arch}.block_count")
+        raise GGUFFormatError(f"{label} has no positive {arch}.block_count")
     n_blocks = stored - prediction_blocks(reader, arch)  # what runs, and what a division covers
     if n_blocks < 1:
-        raise GGUFFormatError(f"{path} has {stored} blocks, all of them for multi-token prediction")
+        raise GGUFFormatError(f"{label} has {stored} blocks, all of them for multi-token prediction")
     if n_blocks > MAX_BLOCKS:
-        raise GGUFFormatError(f"{path} declares {n_blocks} blocks; Kafila plans models of up to {MAX_BLOCKS}")
+        raise GGUFFormatError(f"{label} declares {n_blocks} blocks; Kafila plans models of up to {MAX_BLOCKS}")
 
     block_bytes = [0] * n_blocks
     expert_bytes = [0] * n_blocks
@@ -82,7 +88,7 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
             head_bytes += int(tensor.n_bytes)
     empty = [i for i, size in enumerate(block_bytes) if size == 0]
     if empty:
-        raise GGUFFormatError(f"{path} has no tensors for blocks {empty}")
+        raise GGUFFormatError(f"{label} has no tensors for blocks {empty}")
 
     n_embd = _count(reader.scalar(f"{arch}.embedding_length", 0), "embedding_length")
     n_head = _per_block(reader.scalar(f"{arch}.attention.head_count", 0), stored, "head_count")
@@ -106,9 +112,9 @@ def read_manifest(path: str | PathLike[str]) -> ModelManifest:
     experts_used = _count(reader.scalar(f"{arch}.expert_used_count", 0), "expert_used_count")
     moe = any(expert_bytes)
     if moe and not 0 < experts_used <= experts:
-        raise GGUFFormatError(f"{path} has expert tensors but routes {experts_used} of {experts} experts a token")
+        raise GGUFFormatError(f"{label} has expert tensors but routes {experts_used} of {experts} experts a token")
 
-    name = reader.scalar("general.name") or path.stem
+    name = reader.scalar("general.name") or stem
     context = _context_needs(
         reader, arch, family, block_tensors, len(reader.tensors) - sum(block_tensors), n_embd, max(n_head) * key_length
     )  # an unsupported family is planned as it is, and refused by the slicer

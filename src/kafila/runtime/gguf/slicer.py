@@ -49,6 +49,16 @@ IDENTITY_BLOCKS_KEY = "kafila.slice.identity_blocks"  # blocks run before the sl
 """(bytes done, bytes in all) of long work on a model file: hashing it, cutting it. A model of
 tens of gigabytes takes minutes either way, and whoever waits should see it move."""
 
+# A tensor's bytes, as an array of the type and shape the reader gives it: from the model file
+# itself (`stored_data`), or from elsewhere for a model known by its header alone (a stage
+# fetched from the hub by ranges: `kafila.runtime.gguf.header.PackedTensors`).
+TensorData = Callable[[ReaderTensor], np.ndarray]
+
+
+def stored_data(tensor: ReaderTensor) -> np.ndarray:
+    """The tensor's bytes in the file the reader opened."""
+    return tensor.data
+
 
 @dataclass(frozen=True)
 class StageFile:
@@ -125,8 +135,9 @@ def prediction_blocks(reader: FastGGUFReader, arch: str) -> int:
     return count
 
 
-class _Slice:
-    """Everything needed to write one stage file from an open source model.
+class StagePiece:
+    """Everything needed to write one stage file from an open source model (its header: the
+    tensors' bytes are given when it is written, `TensorData`).
 
     `n_blocks` counts the blocks the source's graph runs; per-layer arrays list one value for
     each stored block, prediction blocks included."""
@@ -259,21 +270,26 @@ class _Slice:
     def data_bytes(self) -> int:
         """The tensor bytes this stage file will hold: what its disk space is mostly for."""
         pieces = itertools.chain(self._identity_tensors(), self._kept())
-        return sum(int(tensor.data.nbytes) for _name, tensor in pieces)
+        return sum(int(tensor.n_bytes) for _name, tensor in pieces)
 
-    def tensors(self, writer: RawCopyWriter) -> None:
+    def source_tensors(self) -> list[ReaderTensor]:
+        """The source's tensors whose bytes this stage reads: exactly what a stage fetched by
+        ranges fetches (identity blocks and stand-ins take only shapes)."""
+        return [tensor for _name, tensor in self._kept()]
+
+    def tensors(self, writer: RawCopyWriter, data: TensorData = stored_data) -> None:
         for name, tensor in self._identity_tensors():
             writer.add_tensor(name, np.zeros_like(tensor.data), raw_dtype=tensor.tensor_type)  # zeros in any type
         for name, tensor in self._kept():
             match = _BLOCK_TENSOR.match(name)
             factor = self.rules.tensor_scales.get(match.group(2)) if match else None
             if factor is None:
-                writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
+                writer.add_tensor(name, data(tensor), raw_dtype=tensor.tensor_type)
             elif tensor.tensor_type != GGMLQuantizationType.F32:
                 kind = tensor.tensor_type.name
                 raise SliceError(f"{tensor.name} must be float32 for this slice to scale it; it is {kind}")
             else:
-                writer.add_tensor(name, (np.asarray(tensor.data, dtype=np.float32) * np.float32(factor)))
+                writer.add_tensor(name, (np.asarray(data(tensor), dtype=np.float32) * np.float32(factor)))
         if not self.is_head:
             embedding = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
             if embedding is None:
@@ -294,7 +310,10 @@ def _array_type(values: list[Any]) -> GGUFValueType:
 
 def _open(source: Path) -> tuple[FastGGUFReader, str, int]:
     """The model, its family and the blocks its graph runs (those a division covers)."""
-    reader = FastGGUFReader(source)
+    return _model(FastGGUFReader(source), source)
+
+
+def _model(reader: FastGGUFReader, source: str | Path) -> tuple[FastGGUFReader, str, int]:
     arch = reader.scalar("general.architecture")
     if not isinstance(arch, str):
         raise GGUFFormatError(f"{source} has no general.architecture")
@@ -331,7 +350,7 @@ def check_cuts(arch: str, n_blocks: int, value: Callable[[str], Any], cuts: Sequ
     )
 
 
-def _ensure_room(out: Path, pieces: Sequence[_Slice], what: str) -> None:
+def _ensure_room(out: Path, pieces: Sequence[StagePiece], what: str) -> None:
     """SliceError before a byte is written, where the folder's disk cannot hold the stage files."""
     out.mkdir(parents=True, exist_ok=True)
     need = sum(piece.data_bytes() for piece in pieces)
@@ -342,7 +361,9 @@ def _ensure_room(out: Path, pieces: Sequence[_Slice], what: str) -> None:
         )
 
 
-def _write(piece: _Slice, out: Path, progress: Callable[[int], None] | None = None) -> tuple[Path, str]:
+def _write(
+    piece: StagePiece, out: Path, progress: Callable[[int], None] | None = None, data: TensorData = stored_data
+) -> tuple[Path, str]:
     """Write one stage file under a temporary name, then rename it to its sha256. `progress` hears
     the bytes done, each byte counting half when written and half when hashed."""
     out.mkdir(parents=True, exist_ok=True)
@@ -352,7 +373,7 @@ def _write(piece: _Slice, out: Path, progress: Callable[[int], None] | None = No
         with _reporting_size(partial, lambda n: progress(n // 2)) if progress is not None else nullcontext():
             writer = RawCopyWriter(partial, arch=piece.arch)
             piece.metadata(writer)
-            piece.tensors(writer)
+            piece.tensors(writer, data)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
@@ -376,14 +397,16 @@ def _past(base: int, total: int, progress: CountProgress) -> Callable[[int], Non
     return lambda done: progress(min(total, base + done), total)
 
 
-def _write_all(pieces: Sequence[_Slice], out: Path, progress: CountProgress | None) -> list[tuple[Path, str]]:
+def _write_all(
+    pieces: Sequence[StagePiece], out: Path, progress: CountProgress | None, data: TensorData = stored_data
+) -> list[tuple[Path, str]]:
     """`_write` each piece, with `progress` over them all (the tensor bytes, which are nearly all
     of each file: the count is held at the total for the headers past it)."""
     total = sum(piece.data_bytes() for piece in pieces)
     written: list[tuple[Path, str]] = []
     finished = 0
     for piece in pieces:
-        path, digest = _write(piece, out, None if progress is None else _past(finished, total, progress))
+        path, digest = _write(piece, out, None if progress is None else _past(finished, total, progress), data)
         written.append((path, digest))
         finished += path.stat().st_size
     if progress is not None:
@@ -410,7 +433,7 @@ def slice_model(
     bounds = list(itertools.accumulate(counts, initial=0))
     check_cuts(arch, n_blocks, reader.scalar, bounds[1:-1])
     pieces = [
-        _Slice(reader, arch, n_blocks, first, end, index == len(counts) - 1)
+        StagePiece(reader, arch, n_blocks, first, end, index == len(counts) - 1)
         for index, (first, end) in enumerate(itertools.pairwise(bounds))
     ]
     _ensure_room(Path(out_dir), pieces, f"cutting {source.name} into {len(counts)} stage files")
@@ -484,14 +507,33 @@ def block_range_file(
     """The stage file for blocks [first, end) alone, byte for byte what `slice_model` writes for that
     stage (`is_head`: the last blocks with the head): a member with its own copy of the model cuts
     its stage itself."""
-    reader, arch, n_blocks = _open(Path(source))
+    piece = stage_piece(FastGGUFReader(Path(source)), first, end, is_head, str(source))
+    return write_stage(piece, out_dir, progress, name=Path(source).name)
+
+
+def stage_piece(reader: FastGGUFReader, first: int, end: int, is_head: bool, label: str) -> StagePiece:
+    """The stage of blocks [first, end) of an open model (a whole file, or a header alone), checked
+    as `slice_model` checks a division: what `write_stage` writes, and `source_tensors` lists."""
+    reader, arch, n_blocks = _model(reader, label)
     if not 0 <= first < end <= n_blocks:
         raise SliceError(f"blocks {first}..{end} are not a range of the model's {n_blocks}")
     check_family(arch, n_blocks)
     if is_head and end != n_blocks:
         raise SliceError(f"the head holds the last blocks; blocks {first}..{end} stop short of {n_blocks}")
     check_cuts(arch, n_blocks, reader.scalar, [cut for cut in (first, end) if 0 < cut < n_blocks])
-    piece = _Slice(reader, arch, n_blocks, first, end, is_head)
-    _ensure_room(Path(out_dir), [piece], f"cutting blocks {first}-{end - 1} of {Path(source).name}")
-    [(path, digest)] = _write_all([piece], Path(out_dir), progress)
-    return StageFile(0, first, end, is_head, path, digest, path.stat().st_size)
+    return StagePiece(reader, arch, n_blocks, first, end, is_head)
+
+
+def write_stage(
+    piece: StagePiece,
+    out_dir: str | os.PathLike[str],
+    progress: CountProgress | None = None,
+    data: TensorData = stored_data,
+    name: str = "the model",
+) -> StageFile:
+    """One stage file, named by its sha256, its tensors' bytes from `data`: the same bytes whichever
+    source gives them."""
+    what = f"cutting blocks {piece.first}-{piece.end - 1} of {name}"
+    _ensure_room(Path(out_dir), [piece], what)
+    [(path, digest)] = _write_all([piece], Path(out_dir), progress, data)
+    return StageFile(0, piece.first, piece.end, piece.is_head, path, digest, path.stat().st_size)

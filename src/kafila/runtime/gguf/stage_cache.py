@@ -12,22 +12,29 @@ each knows only its own files. Partial transfers (`.partial`) are left alone, so
 can still resume.
 
 The choice is pure (`choose_evictions`); `trim_stage_cache` reads the folder and deletes.
+
+A stage fetched from the hub is found again by what it is a stage of (`HubStageKey`: repository,
+commit, file, block range, head or not), with no model file here to key it by; a stage cut from a
+local file is found by that file (`slicer.cached_slices`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import re
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 STAGE_CACHE_ENV = "KAFILA_STAGE_CACHE_GB"
 RECENT_S = 3600.0  # a file used this recently may be another process's: it stays
 _STAGE_FILE = re.compile(r"^[0-9a-f]{64}\.gguf$")
+HUB_INDEX = "hub-stages.json"
 
 
 @dataclass(frozen=True)
@@ -119,3 +126,71 @@ def make_room(directory: Path, incoming_bytes: int) -> list[Path]:
     they set (by default, twice their size), on a disk that old cuts may have filled."""
     budget = stage_cache_budget(incoming_bytes, os.environ.get(STAGE_CACHE_ENV))
     return trim_stage_cache(directory, [], max(0, budget - incoming_bytes))
+
+
+@dataclass(frozen=True)
+class HubStageKey:
+    """A stage of a model on the hub, as the cache knows it: the same repository, commit, file (a
+    split model's first part), blocks and head or not make the same stage file, byte for byte."""
+
+    repo_id: str
+    commit: str
+    file: str
+    first: int
+    end: int
+    is_head: bool
+
+    def text(self) -> str:
+        return json.dumps(astuple(self))
+
+    def digest(self) -> str:
+        """A short name for folders of this stage's work (its partial fetch)."""
+        return hashlib.sha256(self.text().encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class CachedStage:
+    path: Path
+    sha256: str
+    n_bytes: int
+
+
+def _hub_index(directory: Path) -> dict[str, object]:
+    try:
+        index = json.loads((directory / HUB_INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def find_hub_stage(directory: Path, key: HubStageKey) -> CachedStage | None:
+    """The stage file kept for `key`, while it is there with the size it had (marked used), else None."""
+    entry = _hub_index(directory).get(key.text())
+    if not isinstance(entry, dict):
+        return None
+    name, size = entry.get("name"), entry.get("n_bytes")
+    if not isinstance(name, str) or not _STAGE_FILE.match(name) or not isinstance(size, int):
+        return None
+    path = directory / name
+    try:
+        if path.stat().st_size != size:
+            return None
+    except OSError:
+        return None
+    mark_used(path)
+    return CachedStage(path, name.removesuffix(".gguf"), size)
+
+
+def remember_hub_stage(directory: Path, key: HubStageKey, path: Path) -> None:
+    """Note that `path` (a stage file in `directory`) is the stage `key` names; entries whose files
+    are gone are dropped. Best effort: a lost entry costs a fetch, never a wrong stage."""
+    index = {k: v for k, v in _hub_index(directory).items() if _present(directory, v)}
+    index[key.text()] = {"name": path.name, "n_bytes": path.stat().st_size}
+    partial = directory / f"{HUB_INDEX}.{os.getpid()}.partial"
+    with contextlib.suppress(OSError):
+        partial.write_text(json.dumps(index))
+        os.replace(partial, directory / HUB_INDEX)
+
+
+def _present(directory: Path, entry: object) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("name"), str) and (directory / entry["name"]).is_file()
