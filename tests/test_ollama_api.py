@@ -25,17 +25,9 @@ from waiting import until
 from kafila.api.asks import ChatAsk, TextAsk
 from kafila.api.errors import ApiError
 from kafila.api.front import ApiConfig
-from kafila.api.ollama_routes import (
-    NDJSON,
-    ChatBody,
-    GenerateBody,
-    Message,
-    OllamaWriter,
-    Options,
-    conversation,
-    ollama_name,
-    served_id,
-)
+from kafila.api.ollama_replies import NDJSON, OllamaWriter
+from kafila.api.ollama_routes import ollama_name, served_id
+from kafila.api.ollama_schemas import ChatBody, GenerateBody, Message, Options, conversation
 from kafila.api.reasoning import ThinkReader
 from kafila.api.requests import prepare_chat
 from kafila.api.tool_calls import ToolCallStream
