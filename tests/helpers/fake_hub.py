@@ -1,7 +1,10 @@
 """A Hugging Face hub on a loopback socket, speaking the parts of its API huggingface_hub calls to
 list a repository and download a file: `/api/models/{repo}/revision/{rev}?blobs=true`, and HEAD and
 GET `/{repo}/resolve/{rev}/{file}` with X-Repo-Commit, X-Linked-Etag (the sha256 of an LFS file),
-X-Linked-Size and Range. Tests point HF_ENDPOINT (or `endpoint=`) at it."""
+X-Linked-Size and Range (`bytes=A-` and `bytes=A-B`, answered 206 with Content-Range). A gated
+repository answers a request without a token 401, as the hub does. It counts the bytes of file it
+sent, per client (the Authorization header a client sends: a token each) and per file. Tests point
+HF_ENDPOINT (or `endpoint=`) at it."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 class Repo:
     files: dict[str, bytes]
     listed_sha256: dict[str, str] = field(default_factory=dict)  # a hash the listing claims instead of the true one
+    gated: bool = False  # its files only to a client that sends a token
 
 
 @dataclass
@@ -34,6 +38,17 @@ class FakeHub:
     authorizations: set[tuple[str, str | None]] = field(default_factory=set)  # (method path, Authorization)
     url: str = ""
     connections: set[socket.socket] = field(default_factory=set)  # open ones, closed when the hub stops
+    sent_to: dict[str | None, int] = field(default_factory=dict)  # Authorization → bytes of files sent
+    sent_of: dict[str, int] = field(default_factory=dict)  # file → bytes of it sent
+
+    def ranges_of(self, filename: str) -> list[tuple[int, int]]:
+        """The byte ranges [start, end) of every ranged GET of `filename` so far."""
+        asked = []
+        for r in self.gets_of(filename):
+            if r is not None and (m := re.fullmatch(r"bytes=(\d+)-(\d*)", r)):
+                size = len(next(repo.files[filename] for repo in self.repos.values() if filename in repo.files))
+                asked.append((int(m[1]), int(m[2]) + 1 if m[2] else size))
+        return asked
 
     def gets_of(self, filename: str) -> list[str | None]:
         """The Range header of every GET of `filename` so far (None: the whole file)."""
@@ -111,6 +126,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if found is None or repo is None or found["file"] not in repo.files:
                 self._reply(404, b"not found", {"X-Error-Code": "EntryNotFound"}, send)
                 return
+            if repo.gated and not (self.headers.get("Authorization") or "").startswith("Bearer "):
+                self._reply(401, b"gated", {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access restricted"}, send)
+                return
             data = repo.files[found["file"]]
             sha = hub.sha256(found["repo"], found["file"])
             headers = {
@@ -121,18 +139,23 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 "Accept-Ranges": "bytes",
                 "Content-Type": "application/octet-stream",
             }
-            start = 0
+            status, body = 200, data
             asked = self.headers.get("Range")
-            if send and asked and (m := re.fullmatch(r"bytes=(\d+)-", asked)):
-                start = int(m[1])
-                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-            body = data[start:]
+            if send and asked and (m := re.fullmatch(r"bytes=(\d+)-(\d*)", asked)):
+                start, end = int(m[1]), min(int(m[2]) + 1 if m[2] else len(data), len(data))
+                status, body = 206, data[start:end]
+                headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
             with lock:
                 cut = hub.drop_after.pop(found["file"], None) if send else None
+                if send:
+                    sent = len(body) if cut is None else min(cut, len(body))
+                    who = self.headers.get("Authorization")
+                    hub.sent_to[who] = hub.sent_to.get(who, 0) + sent
+                    hub.sent_of[found["file"]] = hub.sent_of.get(found["file"], 0) + sent
             if cut is None:
-                self._reply(206 if start else 200, body, headers, send)
+                self._reply(status, body, headers, send)
                 return
-            self.send_response(200)  # the first GET: the whole length promised, then the connection drops
+            self.send_response(status)  # the first GET: the whole length promised, then the connection drops
             for key, value in {"Content-Length": str(len(body)), **headers}.items():
                 self.send_header(key, value)
             self.end_headers()

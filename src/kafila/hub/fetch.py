@@ -35,6 +35,15 @@ class ModelFetchError(Exception):
     """The hub could not give the model: unreachable, no such repository, a refused or corrupt file."""
 
 
+class HubUnreachable(ModelFetchError):
+    """The hub did not answer (no route, refused, timed out, HF_HUB_OFFLINE): another source may."""
+
+
+class HubRefused(ModelFetchError):
+    """The hub answered no: a gated or private repository without a token that may read it, or no
+    such repository, revision or file."""
+
+
 @dataclass(frozen=True)
 class FetchedModel:
     """A model file from the hub, in its cache and checked: what `--model` then means."""
@@ -56,7 +65,7 @@ def fetch_model(
     cache and downloads nothing. A file whose sha256 is not the one the hub lists is deleted and
     refused. A split GGUF's parts are all downloaded, checked and merged into one file, kept in
     Kafila's cache: its GGUF reader, planner and slicer read a model from one file."""
-    commit, files, offline = _listing(reference, endpoint, hub_cache)
+    commit, files, offline = listing(reference, endpoint, hub_cache)
     choice = choose_file(reference, files)
     if not choice.split:
         path = _download(reference, choice.first, commit, progress, endpoint, hub_cache)
@@ -107,29 +116,21 @@ def _download(
     return path
 
 
-def _listing(
+def listing(
     reference: HubReference, endpoint: str | None, hub_cache: Path | None
 ) -> tuple[str, list[HubFile], str | None]:
     """The repository's commit at the reference's revision and its files, with LFS hashes; where
     the hub cannot be reached (or HF_HUB_OFFLINE is set), what an earlier run left in the cache."""
     try:
         info = HfApi(endpoint=endpoint).model_info(reference.repo_id, revision=reference.revision, files_metadata=True)
-    except GatedRepoError:
-        raise ModelFetchError(
-            f"{reference.repo_id} is gated: accept its terms on the hub and set HF_TOKEN to a token of yours"
-        ) from None
-    except RepositoryNotFoundError:
-        raise ModelFetchError(
-            f"no repository {reference.repo_id} on the hub (or it is private: set HF_TOKEN)"
-        ) from None
-    except RevisionNotFoundError:
-        raise ModelFetchError(f"{reference.repo_id} has no revision {reference.revision}") from None
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError) as error:
+        raise refusal(error, reference.repo_id, reference.revision) from None
     except HfHubHTTPError as error:
-        raise ModelFetchError(f"could not list {reference.repo_id} on the hub: {error}") from None
+        raise refusal(error, reference.repo_id, reference.revision, f"could not list {reference.repo_id}") from None
     except Exception as error:  # unreachable: refused, no name, a timeout (httpx's errors), or HF_HUB_OFFLINE
         cached = _cached_listing(reference, hub_cache)
         if cached is None:
-            raise ModelFetchError(
+            raise HubUnreachable(
                 f"could not reach the hub for {reference.repo_id}, and no earlier download of it is cached: {error}"
             ) from None
         return (*cached, str(error) or type(error).__name__)
@@ -139,6 +140,19 @@ def _listing(
         raise ModelFetchError(f"the hub named {reference.repo_id}'s commit {info.sha[:80]!r}, not a commit hash")
     files = [HubFile(s.rfilename, s.size, s.lfs.sha256.lower() if s.lfs is not None else None) for s in info.siblings]
     return info.sha, files, None
+
+
+def refusal(error: HfHubHTTPError, repo_id: str, revision: str, doing: str | None = None) -> ModelFetchError:
+    """The hub's no, in words and typed: refused (4xx), or unreachable where it failed (5xx, 429)."""
+    if isinstance(error, GatedRepoError):
+        return HubRefused(f"{repo_id} is gated: accept its terms on the hub and set HF_TOKEN to a token of yours")
+    if isinstance(error, RevisionNotFoundError):
+        return HubRefused(f"{repo_id} has no revision {revision}")
+    if isinstance(error, RepositoryNotFoundError):
+        return HubRefused(f"no repository {repo_id} on the hub (or it is private: set HF_TOKEN)")
+    status = error.response.status_code if error.response is not None else 0
+    what = f"{doing or repo_id} on the hub: {error}"
+    return HubUnreachable(what) if status >= 500 or status == 429 else HubRefused(what)
 
 
 def _storage(reference: HubReference, hub_cache: Path | None) -> Path:

@@ -1,0 +1,481 @@
+"""A model on the hub, fetched by the bytes each machine needs: its header to plan from, and one
+stage's tensors to serve, by HTTP Range requests at a pinned commit (`resolve/<commit>/<file>`).
+Nobody downloads the whole model.
+
+huggingface_hub builds the URL (`hf_hub_url`) and the headers (`build_hf_headers`: HF_TOKEN),
+reads the endpoint (HF_ENDPOINT), asks for the file's metadata (`get_hf_file_metadata`: commit,
+sha256, size, the CDN's location) and retries a request that fails to open
+(`http_stream_backoff`). Kafila's part: checking that each answer is the range asked of the file
+planned from (the hub's `http_get` takes a Range but checks no Content-Range), resuming a range
+cut off where it broke, and keeping what arrived across runs (`_Journal`).
+
+Not wired into the session yet: `read_hub_header` is for the host's plan, `fetch_stage` for each
+machine's own stage (docs/architecture.md, "Models from the hub").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
+
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import get_hf_file_metadata, hf_hub_url
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+from pydantic import Field
+
+from kafila.contracts import Progress, Strict
+from kafila.hub.fetch import HubUnreachable, ModelFetchError, listing, refusal
+from kafila.hub.reference import HubReference, choose_file, merged_name
+from kafila.planner.types import ModelManifest
+from kafila.runtime.gguf.gguf_file import GGUFFormatError, HeaderIncomplete, HeaderReader
+from kafila.runtime.gguf.header import JOIN_GAP, ByteRun, ModelHeader, PackedTensors, check_spans, packed_layout
+from kafila.runtime.gguf.manifest import manifest_of
+from kafila.runtime.gguf.slicer import StageFile, stage_piece, write_stage
+from kafila.runtime.gguf.stage_cache import (
+    HubStageKey,
+    find_hub_stage,
+    make_room,
+    remember_hub_stage,
+    trim_stage_cache,
+)
+from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
+
+HEADER_FIRST_READ = 8 << 20  # a large vocabulary's header is a few MB: most are read in one request
+RETRIES = 5  # a range cut off this many times running, with no byte more: the hub is not reachable
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+class HubMismatch(ModelFetchError):
+    """The hub's copy is not the one planned from: its header, size, sha256 or a range's bytes differ."""
+
+
+class HubPart(Strict):
+    """One file of a model on the hub (a split model has several), as the host planned from it."""
+
+    path: str = Field(min_length=1, max_length=1000)
+    size: int = Field(ge=0)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # the file's, as the hub lists it (LFS)
+    header_bytes: int = Field(gt=0)  # where its tensor data begins
+    header_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class HubModel(Strict):
+    """A model on the hub at a commit, as the host planned from it: what a machine needs to fetch its
+    own stage, and to check that it is a stage of the model planned (`fetch_stage`)."""
+
+    repo_id: str = Field(min_length=3, max_length=200)
+    commit: str = Field(pattern=r"^[0-9a-f]{40}$")
+    parts: tuple[HubPart, ...] = Field(min_length=1, max_length=1000)
+
+    def key(self, first: int, end: int, is_head: bool) -> HubStageKey:
+        return HubStageKey(self.repo_id, self.commit, self.parts[0].path, first, end, is_head)
+
+    @property
+    def label(self) -> str:
+        return f"hf://{self.repo_id}/{self.parts[0].path}@{self.commit[:12]}"
+
+
+@dataclass(frozen=True)
+class HubHeader:
+    """What the host plans from: the model on the hub at a commit, and its header(s) read as one model."""
+
+    model: HubModel
+    header: ModelHeader
+
+    def manifest(self) -> ModelManifest:
+        """The planner's manifest, the same as `read_manifest` gives for the whole file."""
+        stem = PurePosixPath(merged_name(self.model.parts[0].path)).stem
+        return manifest_of(self.header.reader, self.model.label, stem)
+
+
+@dataclass(frozen=True)
+class RangeSettings:
+    """How a stage's ranges are fetched: in pieces of at most `piece_bytes`, `workers` at a time,
+    each piece's progress noted in the journal every `journal_bytes` (what a process cut off
+    fetches again, at most, per piece); tensors less than `join_gap` apart fetched as one range."""
+
+    workers: int = 8
+    piece_bytes: int = 16 << 20
+    journal_bytes: int = 1 << 20
+    join_gap: int = JOIN_GAP
+
+
+def read_hub_header(
+    reference: HubReference, *, endpoint: str | None = None, first_read: int = HEADER_FIRST_READ
+) -> HubHeader:
+    """The model `reference` names, known from its header alone: the revision resolved to a commit,
+    each part's header fetched by range (a first read of `first_read` bytes, doubled until the
+    header fits), nothing of the weights."""
+    commit, files, offline = listing(reference, endpoint, None)
+    if offline is not None:
+        raise HubUnreachable(f"could not reach the hub for {reference.repo_id}: {offline}")
+    choice = choose_file(reference, files)
+    readers, parts = [], []
+    for file in choice.parts:
+        remote = _Remote(choice.repo_id, commit, file.path, endpoint, file.size, file.sha256)
+        header, reader = _probe_header(remote, first_read)
+        readers.append(reader)
+        parts.append(
+            HubPart(
+                path=file.path,
+                size=remote.size,
+                sha256=file.sha256,
+                header_bytes=len(header),
+                header_sha256=hashlib.sha256(header).hexdigest(),
+            )
+        )
+    model = HubModel(repo_id=choice.repo_id, commit=commit, parts=tuple(parts))
+    return HubHeader(model, _joined(model, readers))
+
+
+def fetch_stage(
+    model: HubModel,
+    first: int,
+    end: int,
+    is_head: bool,
+    out_dir: str | os.PathLike[str],
+    progress: Progress | None = None,
+    *,
+    endpoint: str | None = None,
+    settings: RangeSettings | None = None,
+) -> StageFile:
+    """The stage file of blocks [first, end) (`is_head`: with the head) of `model`, fetched by the
+    ranges of exactly the tensors it holds and cut by the slicer: byte for byte the file the
+    slicer cuts from the whole model. A stage kept from before is taken without fetching; a fetch
+    cut off resumes from what it kept. The headers are fetched again and must be the ones planned
+    from, byte for byte, and every tensor must lie where its header says in a file of the planned
+    size: else `HubMismatch`. `HubRefused` and `HubUnreachable` where the hub says no or is not
+    there: the caller falls back to another source."""
+    out = Path(out_dir)
+    settings = settings or RangeSettings()
+    key = model.key(first, end, is_head)
+    kept = find_hub_stage(out, key)
+    if kept is not None:
+        return StageFile(0, first, end, is_head, kept.path, kept.sha256, kept.n_bytes)
+    remotes = [_Remote(model.repo_id, model.commit, p.path, endpoint, p.size, p.sha256) for p in model.parts]
+    readers = [_checked_header(remote, part) for remote, part in zip(remotes, model.parts, strict=True)]
+    header = _joined(model, readers)
+    piece = stage_piece(header.reader, first, end, is_head, model.label)
+    runs, where = packed_layout(header.spans_of(piece.source_tensors()), settings.join_gap)
+    work = out / "hub-partial" / key.digest()
+    make_room(out, piece.data_bytes())
+    name = PurePosixPath(model.parts[0].path).name
+    plan = json.dumps([model.model_dump(mode="json"), [asdict(run) for run in runs], settings.piece_bytes])
+    _fetch_runs(remotes, runs, work, plan, f"fetching blocks {first}-{end - 1} of {name}", progress, settings)
+    tensors = PackedTensors(work / "ranges.bin", where)
+    what = f"writing blocks {first}-{end - 1} of {name}"
+    stage = write_stage(
+        piece, out, (lambda done, total: progress(what, done, total)) if progress else None, tensors, name
+    )
+    del tensors  # its map of the fetched ranges, before they are deleted
+    remember_hub_stage(out, key, stage.path)
+    trim_stage_cache(out, [stage.path])
+    shutil.rmtree(work, ignore_errors=True)
+    return stage
+
+
+def _joined(model: HubModel, readers: Sequence[HeaderReader]) -> ModelHeader:
+    """The parts' headers as one model, every tensor checked to lie in its part as the header says."""
+    try:
+        header = ModelHeader(readers, [part.path for part in model.parts])
+        check_spans(header.spans.values(), header.header_bytes, [part.size for part in model.parts])
+    except GGUFFormatError as error:
+        raise HubMismatch(f"{model.label} on the hub: {error}") from None
+    return header
+
+
+class _Remote:
+    """One file at the pinned commit: its metadata asked once and checked against what was planned,
+    then its bytes fetched by range from where the hub sends them (its CDN, for LFS files)."""
+
+    def __init__(
+        self, repo_id: str, commit: str, path: str, endpoint: str | None, size: int | None, sha256: str | None
+    ) -> None:
+        self.name = f"{repo_id}/{path}"
+        self.repo_id, self.commit = repo_id, commit
+        url = hf_hub_url(repo_id, path, revision=commit, endpoint=endpoint)
+        try:
+            meta = get_hf_file_metadata(url, endpoint=endpoint)
+        except Exception as error:
+            raise self._failed(error, f"asking for {self.name}") from None
+        if meta.commit_hash is not None and meta.commit_hash != commit:
+            raise HubMismatch(f"{self.name}: the hub serves commit {meta.commit_hash[:40]!r}, not {commit}")
+        if size is not None and meta.size is not None and meta.size != size:
+            raise HubMismatch(f"{self.name}: the hub serves {meta.size} bytes, the model planned from has {size}")
+        if sha256 is not None and meta.etag is not None and _SHA256.match(meta.etag) and meta.etag != sha256:
+            raise HubMismatch(
+                f"{self.name}: the hub's copy has sha256 {meta.etag}, the model planned from has {sha256}: "
+                "not the same file"
+            )
+        known = meta.size if meta.size is not None else size
+        if known is None:
+            raise HubMismatch(f"{self.name}: the hub gives no size for it")
+        self.size = known
+        self.location = meta.location
+        self.headers = build_hf_headers()
+        self.headers["Accept-Encoding"] = "identity"  # the bytes as stored: ranges count them
+        if _origin(self.location) != _origin(url):
+            self.headers.pop("authorization", None)  # a signed CDN address: the token stays with the hub
+
+    def _failed(self, error: Exception, doing: str) -> ModelFetchError:
+        if isinstance(error, ModelFetchError):
+            return error
+        if isinstance(error, HfHubHTTPError):
+            return refusal(error, self.repo_id, self.commit, doing)
+        return HubUnreachable(f"{doing}: the hub did not answer: {error or type(error).__name__}")
+
+    def read(self, start: int, length: int, write: Callable[[bytes], None], done: int = 0) -> None:
+        """Bytes [start + done, start + length) of the file, handed to `write` as they arrive (none
+        held back: a cut loses nothing that came); a connection cut off is resumed where it broke,
+        up to RETRIES times running with no byte more."""
+        misses = 0
+        cut: Exception | None = None
+        while done < length:
+            before = done
+            asked = {**self.headers, "Range": f"bytes={start + done}-{start + length - 1}"}
+            with contextlib.ExitStack() as stack:
+                try:
+                    response = stack.enter_context(
+                        http_stream_backoff(
+                            "GET", self.location, headers=asked, timeout=hub_constants.HF_HUB_DOWNLOAD_TIMEOUT
+                        )
+                    )
+                    hf_raise_for_status(response)
+                except HfHubHTTPError as error:
+                    raise self._failed(error, f"fetching {self.name}") from None
+                except Exception as error:  # the network's: httpx's or httpx2's, by huggingface_hub's version
+                    cut = error
+                else:
+                    self._check_range(response, start + done, start + length)
+                    arriving = response.iter_bytes()
+                    while True:
+                        try:
+                            chunk = next(arriving)
+                        except StopIteration:
+                            break
+                        except Exception as error:  # cut off while the bytes came
+                            cut = error
+                            break
+                        if done + len(chunk) > length:
+                            raise HubMismatch(f"{self.name}: the hub sent more than the {length} bytes asked")
+                        write(chunk)
+                        done += len(chunk)
+            if done < length:
+                misses = 0 if done > before else misses + 1
+                if misses >= RETRIES:
+                    why = f"{cut}" if cut is not None else "the answer ended early"
+                    raise HubUnreachable(f"fetching {self.name}: cut off {RETRIES} times without progress: {why}")
+                time.sleep(0.2 * misses)  # a hub that fails at once is not asked again at once
+
+    def _check_range(self, response: Any, start: int, end: int) -> None:
+        """HubMismatch unless the answer is the range asked, of a file of the planned size."""
+        if response.status_code != 206:
+            raise HubMismatch(f"{self.name}: the hub answered a range request with {response.status_code}, not 206")
+        given = response.headers.get("Content-Range", "")
+        found = _CONTENT_RANGE.match(given.strip())
+        if found is None or int(found[1]) != start or int(found[2]) != end - 1:
+            raise HubMismatch(f"{self.name}: asked for bytes {start}-{end - 1}, the hub sent {given[:80]!r}")
+        if found[3] != "*" and int(found[3]) != self.size:
+            raise HubMismatch(f"{self.name}: the hub's copy has {found[3]} bytes, the model planned from {self.size}")
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    return parts.scheme, parts.netloc.lower()
+
+
+def _read_bytes(remote: _Remote, start: int, length: int) -> bytes:
+    out = bytearray()
+    remote.read(start, length, out.extend)
+    return bytes(out)
+
+
+def _header_path(remote: _Remote) -> Path:
+    """Where a file's header is kept for its reader (read from the disk): by repository, commit and
+    a hash of the path, so no name the hub gives becomes a path here."""
+    digest = hashlib.sha256(remote.name.encode()).hexdigest()[:24]
+    folder = kafila_cache() / "hub-headers" / remote.repo_id.replace("/", "--") / remote.commit
+    return folder / f"{digest}.gguf-header"
+
+
+def _keep_header(remote: _Remote, header: bytes) -> HeaderReader:
+    """The header on disk, written whole or not at all, and read."""
+    path = _header_path(remote)
+    try:
+        if not path.is_file() or path.read_bytes() != header:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+            partial.write_bytes(header)
+            os.replace(partial, path)
+        return HeaderReader(path)
+    except GGUFFormatError as error:
+        raise HubMismatch(f"{remote.name} on the hub is not a GGUF model Kafila reads: {error}") from None
+
+
+def _probe_header(remote: _Remote, first_read: int) -> tuple[bytes, HeaderReader]:
+    """The header, however long: read a first piece, and twice as much as long as it ends inside it."""
+    data = _read_bytes(remote, 0, min(max(first_read, 64), remote.size))
+    probe = _header_path(remote).with_suffix(f".{os.getpid()}.{threading.get_ident()}.probe")
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        while True:
+            probe.write_bytes(data)
+            try:
+                length = HeaderReader(probe).header_bytes
+                break
+            except HeaderIncomplete:
+                if len(data) >= remote.size:
+                    raise HubMismatch(f"{remote.name}: the GGUF header runs past the end of the file") from None
+                data += _read_bytes(remote, len(data), min(len(data), remote.size - len(data)))
+            except GGUFFormatError as error:
+                raise HubMismatch(f"{remote.name} on the hub is not a GGUF model Kafila reads: {error}") from None
+    finally:
+        probe.unlink(missing_ok=True)
+    header = data[:length]
+    return header, _keep_header(remote, header)
+
+
+def _checked_header(remote: _Remote, part: HubPart) -> HeaderReader:
+    """The part's header fetched again, refused unless it is byte for byte the one planned from."""
+    header = _read_bytes(remote, 0, part.header_bytes)
+    digest = hashlib.sha256(header).hexdigest()
+    if digest != part.header_sha256:
+        raise HubMismatch(
+            f"{remote.name}: the header on the hub at {remote.commit[:12]} is not the one planned from "
+            f"(sha256 {digest}, planned {part.header_sha256})"
+        )
+    reader = _keep_header(remote, header)
+    if reader.header_bytes != part.header_bytes:
+        raise HubMismatch(f"{remote.name}: its header is {reader.header_bytes} bytes, planned {part.header_bytes}")
+    return reader
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A part of a range fetched by one worker at a time."""
+
+    part: int
+    start: int
+    length: int
+    packed: int
+
+
+def _pieces(runs: Sequence[ByteRun], size: int) -> list[_Piece]:
+    return [
+        _Piece(run.part, run.start + at, min(size, run.length - at), run.packed + at)
+        for run in runs
+        for at in range(0, run.length, size)
+    ]
+
+
+class _Journal:
+    """What arrived of each piece, a line as each write lands (after the bytes): a fetch cut off, the
+    process gone included, resumes from it. Kept beside the bytes, with the plan it belongs to; a
+    different plan starts afresh."""
+
+    def __init__(self, work: Path, plan: str, pieces: Sequence[_Piece]) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        self.path, self.data = work / "journal", work / "ranges.bin"
+        plan_path = work / "plan.json"
+        try:
+            same = plan_path.read_text() == plan
+        except OSError:
+            same = False
+        if not same:
+            self.path.unlink(missing_ok=True)
+            self.data.unlink(missing_ok=True)
+            plan_path.write_text(plan)
+        self.done = [0] * len(pieces)
+        with contextlib.suppress(OSError):
+            for line in self.path.read_text().splitlines():
+                index, _, count = line.partition(" ")
+                if index.isdigit() and count.isdigit() and int(index) < len(pieces):
+                    self.done[int(index)] = max(self.done[int(index)], min(int(count), pieces[int(index)].length))
+        self.data.touch()
+        self.lock = threading.Lock()
+        self.file = self.path.open("a")
+
+    def record(self, index: int, done: int) -> int:
+        """Note the piece's bytes so far; the bytes of every piece so far."""
+        with self.lock:
+            self.file.write(f"{index} {done}\n")
+            self.file.flush()
+            self.done[index] = done
+            return sum(self.done)
+
+
+class _Stopped(Exception):
+    """Another piece failed: this one stops where it is (its journal kept)."""
+
+
+def _fetch_runs(
+    remotes: Sequence[_Remote],
+    runs: Sequence[ByteRun],
+    work: Path,
+    plan: str,
+    what: str,
+    progress: Progress | None,
+    settings: RangeSettings,
+) -> None:
+    """Every run's bytes into `work/ranges.bin` at its packed place, pieces in parallel, resuming
+    what an earlier fetch of the same plan kept."""
+    pieces = _pieces(runs, max(1, settings.piece_bytes))
+    journal = _Journal(work, plan, pieces)
+    total = sum(p.length for p in pieces)
+    stop = threading.Event()
+    shown = threading.Lock()
+    if progress is not None:
+        progress(what, sum(journal.done), total)
+
+    def fetch(index: int) -> None:
+        piece = pieces[index]
+        done = journal.done[index]
+        if done >= piece.length or stop.is_set():
+            return
+        noted = done
+        with journal.data.open("r+b") as data:
+            data.seek(piece.packed + done)
+
+            def write(chunk: bytes) -> None:
+                nonlocal done, noted
+                if stop.is_set():
+                    raise _Stopped
+                data.write(chunk)
+                done += len(chunk)
+                if done - noted < settings.journal_bytes and done < piece.length:
+                    return
+                data.flush()  # the bytes reach the system before the journal says they did
+                noted = done
+                so_far = journal.record(index, done)
+                if progress is not None:
+                    with shown:
+                        progress(what, so_far, total)
+
+            remotes[piece.part].read(piece.start, piece.length, write, done)
+
+    try:
+        with ThreadPoolExecutor(max(1, settings.workers), thread_name_prefix="kafila-ranges") as pool:
+            futures: list[Future[None]] = [pool.submit(fetch, i) for i in range(len(pieces))]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                stop.set()
+                for future in futures:
+                    future.cancel()
+                raise failed
+    finally:
+        journal.file.close()

@@ -1,0 +1,242 @@
+"""Nobody downloads the whole model (issue 36, its core): a model on the hub planned from its header
+alone, and one stage fetched by the ranges of exactly its tensors, checked against what was planned
+from. Against the fake hub on loopback (tests/helpers/fake_hub.py), with tiny models the `gguf`
+package writes; the stages are compared with what the slicer cuts from the whole file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_hub import COMMIT, FakeHub, Repo, serving_hub
+from test_split_correctness import greedy_split, greedy_unsplit
+from tiny_gguf import write_split_parts
+from tiny_models import write_tiny_model
+
+from kafila.hub.fetch import HubRefused, HubUnreachable
+from kafila.hub.ranges import HubHeader, HubMismatch, HubModel, RangeSettings, fetch_stage, read_hub_header
+from kafila.hub.reference import HubReference
+from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
+from kafila.runtime.gguf.header import TensorSpan, check_spans
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import StageFile, block_range_file, stage_piece
+
+REPO = "tiny-org/Tiny-GGUF"
+FILE = "Tiny-Q8_0.gguf"
+DIVISION = [(0, 1, False), (1, 3, False), (3, 4, True)]  # 4 blocks in three stages, the head last
+# Small pieces, so that the tiny model's stages are fetched in many ranges, two at a time.
+SMALL = RangeSettings(workers=2, piece_bytes=8 << 10, journal_bytes=1 << 10, join_gap=4 << 10)
+SLACK = 4 << 10  # what joining neighbours may fetch beyond the tensors, per range
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("ranges") / "Tiny-Q8_0.gguf", "llama", n_blocks=4)
+
+
+@pytest.fixture
+def hub(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "kafila"))  # the headers kept for their readers
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    return FakeHub({REPO: Repo({FILE: tiny.read_bytes(), "README.md": b"# tiny\n"})})
+
+
+class Shown(list[tuple[str, int, int]]):
+    def append_args(self, what: str, done: int, total: int) -> None:
+        self.append((what, done, total))
+
+
+def plan(hub: FakeHub, first_read: int = 1024) -> HubHeader:
+    """The host's part: the model planned from its header, read from 1 KiB up."""
+    return read_hub_header(HubReference(REPO, filename=FILE), endpoint=hub.url, first_read=first_read)
+
+
+def fetch(
+    hub: FakeHub, model: HubModel, stage: tuple[int, int, bool], out: Path, token: str, **options: object
+) -> StageFile:
+    """One member's fetch of its stage, with its own token: the hub counts what it sent to each."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_TOKEN", token)
+        return fetch_stage(model, *stage, out, endpoint=hub.url, settings=SMALL, **options)  # type: ignore[arg-type]
+
+
+def needed_bytes(header: HubHeader, stage: tuple[int, int, bool]) -> int:
+    """The bytes of the tensors the stage reads from the model: what a fetch should cost."""
+    return sum(int(t.n_bytes) for t in stage_piece(header.header.reader, *stage, "tiny").source_tensors())
+
+
+def test_the_header_alone_gives_the_manifest_the_whole_file_gives(hub: FakeHub, tiny: Path) -> None:
+    with serving_hub(hub):
+        header = plan(hub)
+    whole = FastGGUFReader(tiny)
+    assert header.manifest() == read_manifest(tiny)
+    assert header.model.commit == COMMIT and header.model.repo_id == REPO
+    [part] = header.model.parts
+    assert part.path == FILE and part.size == tiny.stat().st_size and part.header_bytes == whole.data_offset
+    assert part.sha256 == hub.sha256(REPO, FILE)
+    # read in pieces from 1 KiB, each twice the last, until the header fitted: never the weights
+    assert hub.sent_of[FILE] < 2 * whole.data_offset < tiny.stat().st_size // 10
+    assert all(end <= 2 * whole.data_offset for _, end in hub.ranges_of(FILE))
+    tensors = {t.name: (t.data_offset, t.n_bytes) for t in whole.tensors}
+    assert {s.name: (s.start, s.n_bytes) for s in header.header.spans.values()} == tensors
+
+
+def test_bytes_that_end_inside_the_header_say_so(tiny: Path, tmp_path: Path) -> None:
+    data = tiny.read_bytes()
+    length = FastGGUFReader(tiny).data_offset
+    for cut in (8, 1000, length - 1):
+        (tmp_path / "h").write_bytes(data[:cut])
+        with pytest.raises(HeaderIncomplete):
+            HeaderReader(tmp_path / "h")
+    (tmp_path / "h").write_bytes(data[:length])
+    assert HeaderReader(tmp_path / "h").header_bytes == length
+    with pytest.raises(GGUFFormatError, match="runs into"):
+        check_spans([TensorSpan("a", 0, length, 100), TensorSpan("b", 0, length + 99, 10)], [length], [len(data)])
+    with pytest.raises(GGUFFormatError, match="past the end of the file"):
+        check_spans([TensorSpan("a", 0, length, len(data))], [length], [len(data)])
+
+
+def test_each_stage_fetched_by_ranges_is_the_slicers_stage_and_generates_the_same_text(
+    hub: FakeHub, tiny: Path, tmp_path: Path
+) -> None:
+    with serving_hub(hub):
+        header = plan(hub)
+        planning = hub.sent_of[FILE]
+        header_bytes = header.model.parts[0].header_bytes
+        fetched = []
+        for index, stage in enumerate(DIVISION):
+            seen = Shown()
+            token = f"hf_member{index}"
+            got = fetch(hub, header.model, stage, tmp_path / f"member{index}", token, progress=seen.append_args)
+            cut = block_range_file(tiny, stage[0], stage[1], tmp_path / "cut", is_head=stage[2])
+            assert got.path.read_bytes() == cut.path.read_bytes() and got.sha256 == cut.sha256
+            assert (got.first_block, got.end_block, got.is_head) == (stage[0], stage[1], stage[2])
+            # the hub sent this member its header again and its stage's tensors, about nothing else
+            need = needed_bytes(header, stage) + header_bytes
+            assert need <= hub.sent_to[f"Bearer {token}"] <= need + SLACK
+            fetching = [s for s in seen if s[0].startswith("fetching blocks")]
+            assert fetching[-1][1] == fetching[-1][2] >= need - header_bytes and fetching[0][1] == 0
+            assert any(s[0].startswith("writing blocks") and s[1] == s[2] for s in seen)
+            fetched.append(got.path)
+        assert sum(hub.sent_to.values()) - planning < tiny.stat().st_size + 3 * (header_bytes + SLACK)
+        # a stage kept from before is taken from the cache: the hub is not asked
+        before = dict(hub.sent_to)
+        again = fetch(hub, header.model, DIVISION[1], tmp_path / "member1", "hf_member1")
+        assert again.path == fetched[1] and hub.sent_to == before
+    prompt = [2, 10, 20, 30, 40]
+    assert greedy_split(fetched, prompt, 16) == greedy_unsplit(tiny, prompt, 16)
+
+
+def test_a_split_model_is_planned_from_every_parts_header_and_fetched_from_the_parts_holding_its_tensors(
+    hub: FakeHub, tiny: Path, tmp_path: Path
+) -> None:
+    parts = write_split_parts(tiny, tmp_path, 3)
+    hub.repos["tiny-org/Big-GGUF"] = Repo({p.name: p.read_bytes() for p in parts})
+    with serving_hub(hub):
+        header = read_hub_header(HubReference("tiny-org/Big-GGUF", quant="Q8_0"), endpoint=hub.url, first_read=512)
+        assert [p.path for p in header.model.parts] == [p.name for p in parts]
+        assert header.manifest() == read_manifest(tiny)
+        for index, stage in enumerate(DIVISION):
+            got = fetch(hub, header.model, stage, tmp_path / "member", f"hf_m{index}")
+            cut = block_range_file(tiny, stage[0], stage[1], tmp_path / "cut", is_head=stage[2])
+            assert got.path.read_bytes() == cut.path.read_bytes()
+    assert sum(hub.sent_of[p.name] for p in parts) < 2 * sum(p.stat().st_size for p in parts)
+
+
+def test_a_connection_cut_off_resumes_where_it_broke(hub: FakeHub, tiny: Path, tmp_path: Path) -> None:
+    with serving_hub(hub):
+        header = plan(hub)
+        hub.drop_after[FILE] = 3000  # the next GET (the header again) is cut after 3000 bytes
+        gets = len(hub.gets_of(FILE))
+        got = fetch(hub, header.model, DIVISION[2], tmp_path / "m", "hf_m")
+    first, second = hub.ranges_of(FILE)[gets:][:2]
+    assert first == (0, header.model.parts[0].header_bytes) and second == (3000, first[1])
+    cut = block_range_file(tiny, 3, 4, tmp_path / "cut", is_head=True)
+    assert got.path.read_bytes() == cut.path.read_bytes()
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_fetch_stopped_midway_resumes_without_fetching_again_what_it_kept(
+    hub: FakeHub, tiny: Path, tmp_path: Path
+) -> None:
+    """The first fetch stops (as a process killed would) once half its bytes are in; the second
+    fetches the rest alone: its ranges start where each piece's bytes ended."""
+    stage = DIVISION[1]
+    with serving_hub(hub):
+        header = plan(hub)
+        shown: list[tuple[str, int, int]] = []
+
+        def stop_halfway(what: str, done: int, total: int) -> None:
+            shown.append((what, done, total))
+            if what.startswith("fetching") and done >= total // 2:
+                raise Interrupted
+
+        with pytest.raises(Interrupted):
+            fetch(hub, header.model, stage, tmp_path / "m", "hf_first", progress=stop_halfway)
+        kept, total = shown[-1][1], shown[-1][2]
+        assert 0 < kept < total
+        assert list((tmp_path / "m" / "hub-partial").iterdir())  # what arrived is kept in the cache
+        resumed = Shown()
+        asked_before = len(hub.ranges_of(FILE))
+        got = fetch(hub, header.model, stage, tmp_path / "m", "hf_second", progress=resumed.append_args)
+        asked = hub.ranges_of(FILE)[asked_before:]
+    assert resumed[0][0].startswith("fetching") and resumed[0][1] >= kept  # the count starts from what was kept
+    header_bytes = header.model.parts[0].header_bytes
+    assert asked[0] == (0, header_bytes)  # the header, checked again
+    assert sum(end - start for start, end in asked[1:]) == total - resumed[0][1]
+    cut = block_range_file(tiny, stage[0], stage[1], tmp_path / "cut", is_head=stage[2])
+    assert got.path.read_bytes() == cut.path.read_bytes()
+    assert not (tmp_path / "m" / "hub-partial" / header.model.key(*stage).digest()).exists()
+
+
+def mirror_of(copy: bytes, listed: str | None = None) -> FakeHub:
+    """A hub with another copy of the file under the same commit, listing `listed` as its sha256
+    (a mirror that does not know its copy differs) or its true one."""
+    return FakeHub({REPO: Repo({FILE: copy}, listed_sha256={FILE: listed} if listed else {})})
+
+
+def test_a_hub_copy_that_differs_is_refused_and_says_how(hub: FakeHub, tiny: Path, tmp_path: Path) -> None:
+    """A member's hub (HF_ENDPOINT: a mirror, say) serving another copy under the same commit: its
+    header differs, or its size, or its sha256 (one tensor's bytes): each refused, with the reason."""
+    data = tiny.read_bytes()
+    length = FastGGUFReader(tiny).data_offset
+    name_at = data.index(b"general.name") + len(b"general.name") + 4 + 8  # the value's first byte
+    header_changed = data[:name_at] + bytes([data[name_at] ^ 1]) + data[name_at + 1 :]
+    tensor_changed = data[:-10] + bytes(b ^ 0xFF for b in data[-10:])
+    shorter = data[:-64]
+    with serving_hub(hub):
+        header = plan(hub)
+    planned = header.model.parts[0].sha256
+    cases = [
+        (mirror_of(header_changed, planned), r"header on the hub at 0123456789ab is not the one planned from \(sha256"),
+        (mirror_of(tensor_changed), r"the hub's copy has sha256 [0-9a-f]{64}, the model planned from has"),
+        (mirror_of(shorter, planned), rf"the hub serves {len(shorter)} bytes, the model planned from has {len(data)}"),
+    ]
+    for mirror, reason in cases:
+        with serving_hub(mirror), pytest.raises(HubMismatch, match=reason):
+            fetch_stage(header.model, *DIVISION[2], tmp_path / "m", endpoint=mirror.url, settings=SMALL)
+        assert sum(mirror.sent_of.values()) <= length  # refused before any tensor was fetched
+    assert not list((tmp_path / "m").glob("*.gguf"))
+
+
+def test_a_gated_repository_without_a_token_and_an_unreachable_hub_are_typed_errors(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with serving_hub(hub):
+        header = plan(hub)
+        hub.repos[REPO].gated = True
+        with pytest.raises(HubRefused, match="is gated: accept its terms on the hub and set HF_TOKEN"):
+            fetch_stage(header.model, *DIVISION[0], tmp_path / "m", endpoint=hub.url, settings=SMALL)
+        with pytest.raises(HubRefused, match="gated"):
+            plan(hub)
+        monkeypatch.setenv("HF_TOKEN", "hf_allowed")
+        assert plan(hub).model == header.model  # the same repository, with a token
+        monkeypatch.delenv("HF_TOKEN")
+    # the hub gone (its port closed)
+    with pytest.raises(HubUnreachable, match="the hub did not answer"):
+        fetch_stage(header.model, *DIVISION[0], tmp_path / "m", endpoint=hub.url, settings=SMALL)
+    with pytest.raises(HubUnreachable, match="could not reach the hub"):
+        plan(hub)
