@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fake_hub import COMMIT, FakeHub, Repo, serving_hub
-from test_split_correctness import greedy_split, greedy_unsplit
+from test_split_correctness import N_BLOCKS, greedy_split, greedy_unsplit
 from tiny_gguf import write_split_parts
 from tiny_models import write_tiny_model
 
@@ -17,9 +17,9 @@ from kafila.hub.fetch import HubRefused, HubUnreachable
 from kafila.hub.ranges import HubHeader, HubMismatch, HubModel, RangeSettings, fetch_stage, read_hub_header
 from kafila.hub.reference import HubReference
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
-from kafila.runtime.gguf.header import TensorSpan, check_spans
-from kafila.runtime.gguf.manifest import read_manifest
-from kafila.runtime.gguf.slicer import StageFile, block_range_file, stage_piece
+from kafila.runtime.gguf.header import ModelHeader, PackedTensors, TensorSpan, check_spans, packed_layout
+from kafila.runtime.gguf.manifest import manifest_of, read_manifest
+from kafila.runtime.gguf.slicer import StageFile, block_range_file, stage_piece, write_stage
 
 REPO = "tiny-org/Tiny-GGUF"
 FILE = "Tiny-Q8_0.gguf"
@@ -94,6 +94,31 @@ def test_bytes_that_end_inside_the_header_say_so(tiny: Path, tmp_path: Path) -> 
         check_spans([TensorSpan("a", 0, length, 100), TensorSpan("b", 0, length + 99, 10)], [length], [len(data)])
     with pytest.raises(GGUFFormatError, match="past the end of the file"):
         check_spans([TensorSpan("a", 0, length, len(data))], [length], [len(data)])
+
+
+@pytest.mark.parametrize("arch", sorted(N_BLOCKS))
+def test_every_family_cut_from_its_header_and_its_stages_ranges_gives_the_slicers_stages(
+    arch: str, tmp_path: Path
+) -> None:
+    """No network: the header alone and the ranges `packed_layout` lists, copied from the file, make
+    the stages the slicer cuts from the whole file, in every family (identity blocks, scaled
+    tensors, rewritten windows); and the manifest the whole file gives."""
+    model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
+    data = model.read_bytes()
+    (tmp_path / "header").write_bytes(data[: FastGGUFReader(model).data_offset])
+    header = ModelHeader([HeaderReader(tmp_path / "header")], [model.name])
+    manifest = read_manifest(model)
+    assert manifest_of(header.reader, model.name, model.stem) == manifest
+    cut = (manifest.stage_starts or range(1, manifest.n_blocks))[-1]
+    for first, end, is_head in [(0, cut, False), (cut, manifest.n_blocks, True)]:
+        piece = stage_piece(header.reader, first, end, is_head, model.name)
+        runs, where = packed_layout(header.spans_of(piece.source_tensors()))
+        packed = bytearray(max(run.packed + run.length for run in runs))
+        for run in runs:
+            packed[run.packed : run.packed + run.length] = data[run.start : run.end]
+        (tmp_path / "packed").write_bytes(packed)
+        got = write_stage(piece, tmp_path / "ranges", data=PackedTensors(tmp_path / "packed", where))
+        assert got.sha256 == block_range_file(model, first, end, tmp_path / "whole", is_head=is_head).sha256
 
 
 def test_each_stage_fetched_by_ranges_is_the_slicers_stage_and_generates_the_same_text(
