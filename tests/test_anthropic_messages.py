@@ -124,6 +124,17 @@ def test_thinking_sent_back_reaches_a_thinking_template() -> None:
     assert "<think>\nNeed the clock.\n</think>" in prepared.text and "noon" in prepared.text
 
 
+def test_thinking_disabled_or_enabled_is_told_to_the_template_and_effort_too() -> None:
+    ask = [{"role": "user", "content": "Hi"}]
+    assert prepare_chat(body(messages=ask, thinking={"type": "disabled"}).ask(), QWEN3).text.endswith(
+        "<think>\n\n</think>\n\n"
+    )
+    for thinking in ({"type": "enabled", "budget_tokens": 2048}, {"type": "adaptive"}):
+        assert not prepare_chat(body(messages=ask, thinking=thinking).ask(), QWEN3).text.endswith("</think>\n\n")
+    assert body(output_config={"effort": "max"}).ask().effort == "high"
+    assert body(output_config={"effort": "low"}).ask().effort == "low"
+
+
 @pytest.mark.parametrize(
     ("fields", "says"),
     [
@@ -297,6 +308,15 @@ def test_a_stop_sequence_ends_the_text_and_is_named(client: anthropic.Anthropic)
                 message = streamed.get_final_message()
         assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
         assert text_of(message) == free[: free.index(stop)]
+
+
+def test_output_config_s_schema_holds_the_reply(client: anthropic.Anthropic) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    form = {"format": {"type": "json_schema", "schema": schema}}
+    message = client.messages.create(model="tiny", max_tokens=60, messages=CONVERSATION, output_config=form)  # type: ignore[arg-type]
+    if message.stop_reason == "end_turn":  # (a reply cut at max_tokens is a prefix of one)
+        jsonschema.validate(json.loads(text_of(message)), schema)
+    assert text_of(message).lstrip().startswith("{")
 
 
 def test_a_tool_use_and_its_result_round_trip(client: anthropic.Anthropic) -> None:

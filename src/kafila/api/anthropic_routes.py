@@ -204,8 +204,9 @@ class OutputFormatIn(_Body):
 
 
 class OutputConfigIn(_Body):
-    """`effort` (ignored: a model here thinks as its template says) and `format`."""
+    """How hard to reason (told to a template that takes it: gpt-oss's), and the output's format."""
 
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormatIn | None = None
 
 
@@ -280,7 +281,20 @@ class CountTokensRequest(_Body):
         # A deferred tool is not in the model's context (Anthropic loads it when a search finds it;
         # this server runs no tool search), so it is not shown to the template either.
         tools = tuple(tool.tool() for tool in self.tools or () if not tool.defer_loading)
-        return ChatAsk(self.turns(), self.generation(), tools, choice, parallel, self.output())
+        return ChatAsk(
+            self.turns(), self.generation(), tools, choice, parallel, self.output(), self.reasons(), self.effort()
+        )
+
+    def reasons(self) -> bool | None:
+        """`thinking` "enabled" or "disabled" told to a thinking model's template; "adaptive" (or
+        none) leaves it to the template. (A budget of thinking tokens is not enforced.)"""
+        if self.thinking is None or self.thinking.type == "adaptive":
+            return None
+        return self.thinking.type == "enabled"
+
+    def effort(self) -> Literal["low", "medium", "high"] | None:
+        effort = self.output_config.effort if self.output_config is not None else None
+        return "high" if effort in ("xhigh", "max") else effort  # type: ignore[return-value]
 
 
 class MessagesRequest(CountTokensRequest):
