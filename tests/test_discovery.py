@@ -371,7 +371,7 @@ def test_kafila_join_without_rendezvous_says_nobody_answered() -> None:
 
 
 def test_kafila_join_finds_a_real_host_on_this_machine(tmp_path: Path) -> None:
-    from host_process import running_host, stop, wait_ready
+    from host_process import running_host, seeded_cache, stop, wait_ready
     from tiny_models import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
@@ -379,7 +379,7 @@ def test_kafila_join_finds_a_real_host_on_this_machine(tmp_path: Path) -> None:
     common = ("--context", "256", "--concurrency", "2", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
     with running_host("--model", model, "--members", "2", *common, "--discovery-port", str(port), ready=False) as host:
         code, _ = host.join_line()
-        env = {**os.environ, "KAFILA_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+        env = {**os.environ, "KAFILA_CACHE": str(seeded_cache(tmp_path / "cache")), "COLUMNS": "200"}
         env.pop("KAFILA_RENDEZVOUS", None)
         member = subprocess.Popen(
             [

@@ -31,6 +31,7 @@ from host_process import (
     Host,
     running_host,
     said,
+    seeded_cache,
     serving_alone,
     serving_past,
     start_member,
@@ -615,13 +616,9 @@ PLAUSIBLE_OVERHEAD_US = 150.0  # a tiny model's stage decodes in a few tenths of
 def share_this_machines_probe(tmp_path: Path, members: int) -> None:
     """Give each member of `session` the host's own probe of this machine, as members on identical
     hardware would measure: otherwise each measures itself while the others do, and their noisy
-    numbers, not the layout a test means, decide the division."""
-    from kafila.runtime.machine.this_machine import cache_dir, this_device
-
-    this_device()  # measured once, or read from the cache the host reads too
+    numbers, not the layout a test means, decide the division. (start_member seeds its own.)"""
     for i in range(members):
-        (tmp_path / f"cache-{i}").mkdir(parents=True, exist_ok=True)
-        shutil.copy(cache_dir() / "probe.json", tmp_path / f"cache-{i}" / "probe.json")
+        seeded_cache(tmp_path / f"cache-{i}")
 
 
 def test_machines_that_priced_the_model_are_planned_with_their_own_numbers(

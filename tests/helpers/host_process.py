@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -79,10 +80,37 @@ def stop(process: subprocess.Popen[str], timeout: float = 20.0) -> str:
     return process.stdout.read() if process.stdout else ""
 
 
-def start_member(code: str, rendezvous: str, name: str, cache: Path, *extra: str) -> subprocess.Popen[str]:
-    """A real `kafila join` with its own cache, as if on another machine; its output is piped."""
+_MEASURE = "from kafila.runtime.machine.this_machine import this_device; this_device()"
+
+
+def session_probe() -> Path:
+    """This test session's one probe of this machine: probe.json in the session's KAFILA_CACHE
+    (tests/conftest.py sets it), measured in a child process the first time it is asked for, as
+    `kafila host` and `kafila join` measure and keep it."""
+    path = Path(os.environ["KAFILA_CACHE"]) / "probe.json"
+    if not path.exists():
+        subprocess.run([sys.executable, "-c", _MEASURE], check=True, timeout=300, capture_output=True)
+    return path
+
+
+def seeded_cache(cache: Path) -> Path:
+    """`cache`, a process's own KAFILA_CACHE, holding the session's probe (unless it has one):
+    a member starts from it as from its own earlier run on this machine, rather than running
+    the full hardware probe again (once for every member of every test), and members on one
+    machine are priced alike rather than by their own noisy numbers."""
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / "probe.json").exists():
+        shutil.copy(session_probe(), cache / "probe.json")
+    return cache
+
+
+def start_member(
+    code: str, rendezvous: str, name: str, cache: Path, *extra: str, seed_probe: bool = True
+) -> subprocess.Popen[str]:
+    """A real `kafila join` with its own cache, as if on another machine; its output is piped. The
+    cache starts with the session's probe of this machine unless `seed_probe` is False."""
     command = [sys.executable, "-m", "kafila", "join", code, "--rendezvous", rendezvous, "--name", name, *extra]
-    env = {**os.environ, "KAFILA_CACHE": str(cache), "COLUMNS": "200"}
+    env = {**os.environ, "KAFILA_CACHE": str(seeded_cache(cache) if seed_probe else cache), "COLUMNS": "200"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 

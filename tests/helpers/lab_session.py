@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from host_process import Host
+from host_process import Host, seeded_cache
 from natlab import NAT_BEHAVIOUR, PUBLIC_ADDRESSES, LabError, NatLab, ask_json_line
 from natlab_wan import WanLink
 from waiting import line_from
@@ -64,7 +64,7 @@ class LabSession:
             [sys.executable, "-m", "kafila", "join", self.code, "--rendezvous", RENDEZVOUS, "--name", name,
              "--threads", "1"],
             stdout=log, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KAFILA_CACHE": str(self.tmp / f"cache-{name}"), "COLUMNS": "200"},
+            env={**os.environ, "KAFILA_CACHE": str(seeded_cache(self.tmp / f"cache-{name}")), "COLUMNS": "200"},
         )  # fmt: skip
 
     def member_log(self, name: str) -> str:
@@ -126,7 +126,7 @@ def lab_session(model: Path, tmp: Path, wan: WanLink, session_idle_s: float = 36
              RENDEZVOUS, "--port", str(API_PORT), "--context", "1024", "--concurrency", "4", "--threads", "1",
              "--resume-within", "300", "--name", HOST],
             stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KAFILA_CACHE": str(tmp / "cache-host"), "COLUMNS": "200"},
+            env={**os.environ, "KAFILA_CACHE": str(seeded_cache(tmp / "cache-host")), "COLUMNS": "200"},
         )  # fmt: skip
         session = LabSession(lab, Host(process, f"http://127.0.0.1:{API_PORT}", log), tmp)
         session.code, session.printed_rendezvous = session.host.join_line(timeout=180)
