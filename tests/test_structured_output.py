@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from serving_checks import engine_served
 from tiny_models import write_tiny_model
 
-from kafila.api.structured import MAX_SCHEMA_COUNT, MAX_SCHEMA_DEPTH, SchemaRefused, schema_grammar
+from kafila.api.structured import MAX_SCHEMA_COUNT, MAX_SCHEMA_DEPTH, SchemaRefused, relaxed, schema_grammar
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.model import ContextSettings
@@ -225,3 +225,28 @@ def test_a_pattern_with_an_escaped_dot_is_followed() -> None:
     schema = {"type": "object", "properties": {"host": {"type": "string", "pattern": "^[a-z]{1,8}\\.com$"}}}
     grammar = schema_grammar(schema)
     assert '".com"' in grammar and "\\." not in grammar
+
+
+def test_a_tools_parameters_lose_only_what_no_grammar_keeps() -> None:
+    """`relaxed`: what the grammar can hold stays (small integer ranges, followable patterns,
+    small counts, nested schemas); what it cannot goes, wherever it sits."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "few": {"type": "integer", "minimum": 1, "maximum": 5},
+            "many": {"type": "integer", "minimum": 0, "maximum": 10**9},
+            "code": {"type": "string", "pattern": "^[a-z]{2}$", "maxLength": 2},
+            "runaway": {"type": "string", "pattern": "(a?){300}", "maxLength": 10**6},
+            "rate": {"type": ["number", "null"], "minimum": 0, "exclusiveMaximum": 1},
+            "list": {"type": "array", "items": {"anyOf": [{"type": "string", "not": {"const": ""}}]}, "maxItems": 3},
+        },
+    }
+    assert relaxed(schema)["properties"] == {
+        "few": {"type": "integer", "minimum": 1, "maximum": 5},
+        "many": {"type": "integer"},
+        "code": {"type": "string", "pattern": "^[a-z]{2}$", "maxLength": 2},
+        "runaway": {"type": "string"},
+        "rate": {"type": ["number", "null"]},
+        "list": {"type": "array", "items": {"anyOf": [{"type": "string"}]}, "maxItems": 3},
+    }
+    assert relaxed(schema) != schema and schema["properties"]["many"]["maximum"] == 10**9  # a copy

@@ -32,7 +32,25 @@ SETTINGS = ContextSettings(n_ctx=CONTEXT * 2, n_batch=256, n_seq_max=2, n_thread
 QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen2.5-tools.jinja").read_text()
 
 BAD_TYPE = {"type": "object", "properties": {"a": {"type": "nope"}}}
-HUGE_STRING = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 99999}}}
+HUGE_SCHEMA = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "description": "x" * 400} for i in range(99)},
+}
+# An agent's description of its own tool, with constraints no grammar here keeps (Claude Code's
+# and Codex's tools have each of these): served, the call held to the rest.
+AGENT_TOOL = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string", "maxLength": 524288},
+        "offset": {"type": "integer", "exclusiveMinimum": 0},
+        "lines": {"type": "integer", "minimum": 1, "maximum": 9007199254740991},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "mode": {"type": "string", "enum": ["read", "write"]},
+    },
+    "required": ["path", "mode"],
+    "additionalProperties": False,
+}
 WEATHER = {
     "type": "object",
     "properties": {
@@ -115,6 +133,41 @@ def test_a_forced_call_s_arguments_validate_and_its_result_goes_back(
     )  # fmt: skip
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert answer.usage is not None and answer.usage.prompt_tokens > reply.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_an_agents_tool_with_constraints_no_grammar_keeps_is_served_and_held_to_the_rest(
+    client: openai.OpenAI,
+) -> None:
+    """The grammar drops what it cannot keep of a tool's parameters (the agent checks its own
+    calls), and holds the call to everything else: types, properties, required keys, enums."""
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": AGENT_TOOL}}
+    kept = {
+        **AGENT_TOOL,
+        "properties": {
+            "path": {"type": "string"},
+            "offset": {"type": "integer"},
+            "lines": {"type": "integer"},
+            "ratio": {"type": "number"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "mode": {"type": "string", "enum": ["read", "write"]},
+        },
+    }
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="tiny", messages=ASK, tools=[tool], tool_choice="required", max_tokens=300, seed=seed,  # type: ignore[list-item]
+            temperature=1.0,
+        )  # fmt: skip
+        calls = reply.choices[0].message.tool_calls or []
+        if reply.choices[0].finish_reason == "length":
+            continue  # cut off inside its arguments: nothing to check
+        assert len(calls) >= 1 and all(call.function.name == "read_file" for call in calls)  # type: ignore[union-attr]
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), kept)  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError, match="maxLength 524288"):  # a response format stays strict
+        client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": AGENT_TOOL}},
+        )  # fmt: skip
 
 
 def test_parallel_calls_and_their_stream_in_openais_delta_shape(client: openai.OpenAI) -> None:
@@ -214,7 +267,7 @@ def test_tool_choice_none_writes_plain_text(client: openai.OpenAI) -> None:
         ([{"type": "function", "function": {"name": "bad name!"}}], "auto", "pattern"),
         ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "auto", "type object"),
         ([{"type": "function", "function": {"name": "f", "parameters": BAD_TYPE}}], "auto", "into a grammar"),
-        ([{"type": "function", "function": {"name": "f", "parameters": HUGE_STRING}}], "required", "exceeds"),
+        ([{"type": "function", "function": {"name": "f", "parameters": HUGE_SCHEMA}}], "required", "bytes of JSON"),
         (TOOLS, {"type": "function", "function": {"name": "absent"}}, "not among the tools"),
         (TOOLS + TOOLS[:1], "auto", "share a name"),
         (None, "required", "needs tools"),

@@ -19,7 +19,7 @@ from kafila.runtime.engine.sampling import MAX_GRAMMAR_CHARS
 # length or item bound may name (llama.cpp expands `x{0,n}` into n rules, so a bound of 10^6
 # would make one request's grammar cost gigabytes).
 MAX_SCHEMA_BYTES = 16 << 10
-MAX_TOOLS_SCHEMA_BYTES = 64 << 10
+MAX_TOOL_SCHEMA_BYTES = 32 << 10  # one tool's parameters (agents describe their tools at length)
 MAX_SCHEMA_DEPTH = 12
 MAX_SCHEMA_COUNT = 256
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
@@ -143,6 +143,41 @@ def _may_be_empty(items: list[Any]) -> bool:
         elif op != regex_parser.AT:  # anchors match nothing; anything else takes a character
             return False
     return True
+
+
+def relaxed(schema: Any) -> Any:
+    """`schema` without the constraints the grammar cannot keep, for a tool's parameters.
+
+    A response format is the client's demand on the answer, so a constraint it cannot keep is a
+    400. A tool's parameters are the agent's description of its own function, which it checks
+    itself when the call comes (Claude Code's and Codex's tools carry `exclusiveMinimum`, bounds
+    on numbers and strings of half a million characters): refusing them would turn the agent away,
+    so the grammar holds the call to everything else (types, properties, required keys, enums,
+    integer ranges it can write, patterns it can follow) and drops what it cannot keep."""
+    if isinstance(schema, list):
+        return [relaxed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: relaxed(value) for key, value in schema.items() if key not in UNFOLLOWED}
+    for key in _COUNTS:
+        if isinstance(out.get(key), int | float) and out[key] > MAX_SCHEMA_COUNT:
+            del out[key]
+    if isinstance(out.get("pattern"), str):
+        try:
+            check_pattern(out["pattern"], "a pattern")
+        except SchemaRefused:
+            del out["pattern"]
+    kind = out.get("type")
+    if kind == "number" or (isinstance(kind, list) and "number" in kind):
+        out.pop("minimum", None)
+        out.pop("maximum", None)
+    elif kind == "integer" and ("minimum" in out or "maximum" in out):
+        try:
+            _integer_rule(out.get("minimum"), out.get("maximum"))
+        except SchemaRefused:
+            out.pop("minimum", None)
+            out.pop("maximum", None)
+    return out
 
 
 @functools.cache

@@ -30,7 +30,14 @@ from typing import Any
 
 import regex
 
-from kafila.api.structured import bounded_schema, grammar_text, new_converter, visit_schema
+from kafila.api.structured import (
+    MAX_TOOL_SCHEMA_BYTES,
+    bounded_schema,
+    grammar_text,
+    new_converter,
+    relaxed,
+    visit_schema,
+)
 from kafila.serving.chat_template import ReplySyntax
 
 _NAME = r"(?P<name>[A-Za-z0-9_.\-]{1,64})"
@@ -207,13 +214,14 @@ _GRAMMARS: dict[ReplySyntax, _Grammar] = {
 def tool_call_grammar(syntax: ReplySyntax, tools: Sequence[ToolSpec], parallel: bool, forced: bool) -> str:
     """GBNF (root "root") for a reply in `syntax`: with `forced`, one call (or, with `parallel`,
     one or more) to one of `tools` and nothing else; else free text, then calls or none. Every
-    call's arguments match its tool's schema."""
+    call's arguments match its tool's schema, but for what the grammar cannot keep (`relaxed`)."""
     shape = _GRAMMARS[syntax]
     converter = new_converter()
     rules = []
     for index, tool in enumerate(tools):
         what = f"the parameters of tool '{tool.name}'"
-        rules.append(visit_schema(converter, bounded_schema(tool.parameters, what), f"tool{index}-arguments", what))
+        schema = bounded_schema(relaxed(tool.parameters), what, MAX_TOOL_SCHEMA_BYTES)
+        rules.append(visit_schema(converter, schema, f"tool{index}-arguments", what))
     converter._add_rule("call", shape.call(tools, rules))
     for name, rule in shape.rules:
         converter._add_rule(name, rule)
