@@ -9,13 +9,17 @@ store alone are tested without a model first."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from agent_models import write_tool_caller
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field
 from serving_checks import serving_in_thread
@@ -31,6 +35,7 @@ from kafila.api.responses_store import ResponseStore, StoredResponse
 from kafila.api.server import ApiConfig
 from kafila.api.tool_calls import ToolCallStream
 from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 from kafila.serving.chat_template import ReplySyntax
 from kafila.serving.engine_loop import EngineLoop
@@ -487,3 +492,102 @@ def test_an_abandoned_stream_frees_its_slot(host: tuple[str, Availability], clie
     until(lambda: serving.ring is not None and serving.ring.running == 0, "the abandoned stream's slot is free")
     again = client.responses.create(model="tiny", input="hello", max_output_tokens=3)
     assert again.usage is not None and again.usage.output_tokens <= 3
+
+
+# --- Codex CLI, the real agent --------------------------------------------------------------------
+
+CODEX = Path(__file__).parent.parent / ".agents" / "node_modules" / ".bin" / "codex"  # .ci/run installs it
+# Codex's request (its instructions as developer messages, its four function tools) is about
+# 27,000 characters, which the tiny vocabulary spells in about 25,000 tokens: room for that and
+# the turns after it.
+CODEX_CONTEXT = 32768
+CODEX_CONFIG = """\
+model = "tiny-caller"
+model_provider = "kafila"
+model_context_window = {context}
+web_search = "disabled"
+check_for_update_on_startup = false
+[analytics]
+enabled = false
+[feedback]
+enabled = false
+[features]
+goals = false
+plugins = false
+remote_plugin = false
+[agents]
+enabled = false
+[model_providers.kafila]
+name = "Kafila"
+base_url = "{url}/v1"
+wire_api = "responses"
+env_key = "KAFILA_API_KEY"
+"""
+
+
+@pytest.fixture(scope="module")
+def codex_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A host serving the tiny model that makes tool calls (agent_models), its names led by "e"."""
+    settings = ContextSettings(n_ctx=CODEX_CONTEXT, n_batch=512, n_seq_max=1, n_threads=2)
+    path = write_tool_caller(tmp_path_factory.mktemp("codex") / "caller.gguf", prefer=(("e", 5.0),))
+    engine = open_engine(path, [2], settings)
+    loop = EngineLoop(engine, concurrency=1, batch_rows=settings.n_batch, context_per_sequence=CODEX_CONTEXT)
+    loop.start()
+    serving = Availability()
+    serving.become_ready(engine, loop, "llama")
+    config = ApiConfig(model_id="tiny-caller", context_per_sequence=CODEX_CONTEXT, api_key=KEY)
+    try:
+        with serving_in_thread(serving, CODEX_CONTEXT, config) as url:
+            yield url
+    finally:
+        loop.stop()
+        engine.close()
+
+
+@pytest.mark.timeout(420)
+def test_codex_runs_its_shell_tool_and_sends_the_output_back(codex_host: str, tmp_path: Path) -> None:
+    """`codex exec` against the host on the Responses API (streamed, store false): the model's
+    call runs as Codex's shell tool (exec_command, its command held by the grammar to an empty
+    string, so nothing runs but `bash -lc ''`), and its output comes back as a
+    function_call_output that the host pairs with the call and answers with another call, which
+    runs too. The tiny model would call forever, and Codex has no turn limit, so the test stops
+    it there (by its process id). Codex is told the host (a model provider with wire_api
+    "responses"), key and model, with its own settings for the rest: a read-only sandbox and no
+    approvals, no web search (a built-in tool), no sub-agent or goal tools, no update check,
+    analytics, feedback or plugin sync (its only other traffic, a look-up of github.com)."""
+    if not CODEX.exists():
+        pytest.skip(f"Codex CLI is not installed at {CODEX} (.ci/run installs it with npm)")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / "config.toml").write_text(CODEX_CONFIG.format(context=CODEX_CONTEXT, url=codex_host))
+    environment = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "CODEX_HOME": str(home),
+        "KAFILA_API_KEY": KEY,
+    }  # fmt: skip
+    command = [
+        str(CODEX), "exec", "--json", "--strict-config", "--skip-git-repo-check", "--sandbox", "read-only",
+        "--cd", str(work), "List the files here.",
+    ]  # fmt: skip
+    agent = subprocess.Popen(
+        command, cwd=work, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    events: list[dict[str, Any]] = []
+    try:
+        assert agent.stdout is not None
+        for line in agent.stdout:  # (pytest-timeout bounds this, should Codex hang)
+            if line.startswith("{"):
+                events.append(json.loads(line))
+            ran = [e for e in events if e["type"] == "item.completed" and e["item"]["type"] == "command_execution"]
+            if len(ran) == 2 or (events and events[-1]["type"] in ("turn.completed", "turn.failed", "error")):
+                break
+    finally:
+        agent.terminate()
+        _, errors = agent.communicate(timeout=30)
+    said = f"stderr: {errors[-3000:]}; events: {json.dumps(events)[-4000:]}"
+    ran = [e["item"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "command_execution"]
+    assert len(ran) == 2, said
+    for item in ran:
+        assert item["command"] == "/bin/bash -lc ''" and item["exit_code"] == 0 and item["status"] == "completed", said
+    assert list(work.iterdir()) == []

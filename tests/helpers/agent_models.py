@@ -21,6 +21,7 @@ dialect, the agent) is as it is for any model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +45,10 @@ PREFERRED = (
 QUOTE_SELF = 300.0  # `"` after `"`: 100² + 300² beats `<tool_call>`'s 400 × 100
 
 
-def write_tool_caller(path: Path) -> Path:
-    """Write the model to `path` (a GGUF file); the same bytes every time."""
+def write_tool_caller(path: Path, prefer: Sequence[tuple[str, float]] = ()) -> Path:
+    """Write the model to `path` (a GGUF file); the same bytes every time. `prefer`: more tokens
+    ranked above the rest, with their scores (below `,`'s): ("e", 5.0) makes a name the grammar
+    leaves open start with "e" (Codex's exec_command among its tools)."""
     write_tiny_model(path, "qwen3", n_blocks=2, chat_template=QWEN_TEMPLATE, extra_specials=CALL_TOKENS)
     reader = GGUFReader(str(path), "r+")
     tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in _token_parts(reader)]
@@ -56,7 +59,7 @@ def write_tool_caller(path: Path) -> Path:
     rows = np.zeros((n_vocab, n_embd), dtype=np.float32)
     rows[:, 0] = 1.0
     rows[:, half] = 1.0
-    for text, score in PREFERRED:
+    for text, score in (*PREFERRED, *prefer):
         rows[_ids(tokens, text), half] = score
     rows[_ids(tokens, '"'), half // 2] = QUOTE_SELF
     _write(embd, rows)
