@@ -468,8 +468,8 @@ def test_claude_code_makes_a_tool_call_and_sends_its_result_back(caller: str, tm
     its result comes back as a `tool_result`, which the host reads and answers (with another call,
     where `--max-turns 2` stops it). Claude Code is told only the host's address, key and model,
     with its own settings for the rest: no telemetry or other traffic, its output within the
-    context (it asks 32,000 tokens), and the Write tool alone (the schemas of some of its other
-    tools hold keywords the server's grammar cannot keep, which it refuses with a 400)."""
+    context (it asks 32,000 tokens), and the Write tool alone (a prompt of 9,000 tiny tokens rather
+    than about 80,000 with all its tools)."""
     if not CLAUDE_CODE.exists():
         pytest.skip(f"Claude Code is not installed at {CLAUDE_CODE} (.ci/run installs it with npm)")
     home, work = tmp_path / "home", tmp_path / "work"
