@@ -47,6 +47,7 @@ AGENT_TOOL = {
         "ratio": {"type": "number", "minimum": 0, "maximum": 1},
         "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
         "mode": {"type": "string", "enum": ["read", "write"]},
+        "args": {"description": "Any value, passed on verbatim."},  # no type: any value (Claude Code's Workflow)
     },
     "required": ["path", "mode"],
     "additionalProperties": False,
@@ -150,6 +151,7 @@ def test_an_agents_tool_with_constraints_no_grammar_keeps_is_served_and_held_to_
             "ratio": {"type": "number"},
             "tags": {"type": "array", "items": {"type": "string"}},
             "mode": {"type": "string", "enum": ["read", "write"]},
+            "args": {"description": "Any value, passed on verbatim."},
         },
     }
     for seed in range(3):

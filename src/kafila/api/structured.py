@@ -40,6 +40,15 @@ MAX_INTEGER_CHOICES = 1024  # a bounded integer becomes an alternation of its va
 MAX_PATTERN_EXPANSION = 4096  # a pattern's repetition counts, multiplied through its nesting
 _DIGITS = "([1-9] [0-9]{0,15})"
 _ANY = {"type": ["string", "number", "boolean", "object", "array", "null"]}
+# Keywords that say what a value may be; a schema with none of them (only a description, say)
+# accepts any value, which the converter does not know.
+_SHAPING = frozenset(
+    {
+        "type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "properties", "additionalProperties",
+        "required", "items", "prefixItems", "pattern", "format", "minLength", "maxLength", "minItems", "maxItems",
+        "minimum", "maximum",
+    }
+)  # fmt: skip
 
 
 class SchemaRefused(ValueError):
@@ -206,6 +215,8 @@ def _converter_class() -> Any:
         def visit(self, schema: Any, name: str) -> Any:
             if isinstance(schema, dict) and schema.get("items") in ({}, True):  # "any items": its KeyError
                 schema = {**schema, "items": _ANY}
+            if isinstance(schema, dict) and schema and not schema.keys() & _SHAPING:  # annotations only: any value
+                schema = {**schema, **_ANY}
             if (
                 isinstance(schema, dict)
                 and schema.get("type") == "integer"
