@@ -30,7 +30,8 @@ from waiting import until
 from kafila.api.asks import CallMade, Turn
 from kafila.api.errors import ApiError
 from kafila.api.reasoning import ThinkReader
-from kafila.api.responses_routes import ResponsesRequest, ResponsesWriter, param_of
+from kafila.api.responses_replies import ResponsesWriter
+from kafila.api.responses_schemas import ResponsesRequest, param_of
 from kafila.api.responses_store import ResponseStore, StoredResponse
 from kafila.api.server import ApiConfig
 from kafila.api.tool_calls import ToolCallStream
