@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from kafila.runtime.llama.cpu_safety import (
     reported_features,
     signal_name,
 )
-from kafila.runtime.llama.loading import model_params, repack_choice, system_info
+from kafila.runtime.llama.loading import llama, model_params, repack_choice, system_info
 from kafila.runtime.llama.model import ContextSettings, LlamaModel
 from kafila.runtime.llama.process_log import lines_worth_showing
 from kafila.runtime.machine import this_machine
@@ -87,9 +88,29 @@ def test_auto_keeps_llama_cpps_default_elsewhere(system_info: str) -> None:
     assert model_params(repack=choice.repack).use_extra_bufts is True
 
 
-def test_this_process_loads_as_the_rule_says_for_this_machine() -> None:
-    assert repack_choice() == choose_repack(system_info(), repack_mode(os.environ))
-    assert model_params().use_extra_bufts is repack_choice().repack
+@pytest.mark.parametrize("setting", [None, "on", "off"])
+def test_this_process_loads_as_the_rule_says_for_this_machine(
+    setting: str | None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What llama.cpp's struct gets, against the rule read straight from llama.cpp's own text: on
+    and off as set, else repacked unless its CPU backend reports AMX_INT8 = 1 (read here with a
+    pattern, not the parser under test); the note is said exactly where AMX changed the default."""
+    raw = llama().llama_print_system_info()
+    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+    cpu_part = text[text.index("CPU :") :] if "CPU :" in text else text
+    amx_here = re.search(r"\bAMX_INT8 = [1-9]", re.split(r"\|\s*[A-Za-z]+ :", cpu_part)[0]) is not None
+    if setting is None:
+        monkeypatch.delenv(REPACK_SETTING, raising=False)
+    else:
+        monkeypatch.setenv(REPACK_SETTING, setting)
+    repack_choice.cache_clear()
+    try:
+        expected = {None: not amx_here, "on": True, "off": False}[setting]
+        assert repack_choice().repack is expected and repack_choice().amx is amx_here
+        assert model_params().use_extra_bufts is expected  # llama.cpp's own struct
+        assert (AMX_NOTE in capsys.readouterr().err) is (setting is None and amx_here)
+    finally:
+        repack_choice.cache_clear()  # the next caller reads this process's own setting again
 
 
 @pytest.mark.parametrize("system_info", [SAPPHIRE_RAPIDS, ZEN4])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.llama.threads import ThreadFigures, math_threads, read_thread_figures, serving_threads, sysctl_int
@@ -36,11 +38,25 @@ def test_other_systems_use_every_usable_cpu_and_never_fewer_than_one() -> None:
     assert math_threads(ThreadFigures("linux", usable_cpus=0, cpuinfo=None)) == 1
 
 
+def physical_cores_by_sysfs() -> int:
+    """This machine's physical cores as llama.cpp's `cpu_get_num_physical_cores` counts them on
+    Linux: distinct sets of hyperthread siblings in sysfs, a source the code under test never reads."""
+    sibling_sets = {
+        path.read_text().strip() for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings")
+    }
+    assert sibling_sets, "sysfs lists no CPU topology"
+    return len(sibling_sets)
+
+
 def test_this_machine_probes_and_serves_with_one_count() -> None:
+    """The count is this machine's physical cores (sysfs, as llama.cpp counts them), no more than
+    the CPUs this process may use (coreutils' nproc), whichever path asks for it."""
     figures = read_thread_figures()
     assert figures.platform.startswith("linux") and figures.cpuinfo is not None
-    assert figures.usable_cpus == len(os.sched_getaffinity(0))
-    assert serving_threads() == probe_threads() == ContextSettings().n_threads == math_threads(figures)
+    usable = int(subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout)
+    assert figures.usable_cpus == usable == len(os.sched_getaffinity(0))
+    expected = max(1, min(usable, physical_cores_by_sysfs()))
+    assert serving_threads() == probe_threads() == ContextSettings().n_threads == math_threads(figures) == expected
     assert 1 <= serving_threads() <= figures.usable_cpus
 
 
