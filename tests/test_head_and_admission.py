@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from brute import any_division_fits, chain_for_head, compositions, head_by_rule, need_bytes
+from brute import any_division_fits, chain_for_head, compositions, context_bytes, head_by_rule, need_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import devices, manifests, sessions
@@ -37,6 +37,24 @@ def test_head_placement_and_admission_equal_brute_force(
 ) -> None:
     m = data.draw(st.integers(1, min(4, manifest.max_stages)))
     ring = data.draw(devices(m))  # no NAT or RTT data: the ring keeps the listed order
+    check_against_brute_force(manifest, session, ring)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), manifest=manifests(max_blocks=6, with_context=True), session=sessions)
+def test_with_each_stages_llama_context_placement_and_admission_equal_brute_force(
+    data: st.DataObject, manifest: ModelManifest, session: ServingSpec
+) -> None:
+    """Each stage's llama.cpp context counted too, by brute force's own count: the devices' memory
+    lies in the band where which stages fit turns on their graph nodes, masks and vocabulary."""
+    m = data.draw(st.integers(1, min(4, manifest.max_stages)))
+    floor = context_bytes(manifest, session, 0, 0, is_head=False)  # the least any stage's context needs
+    drawn = data.draw(devices(m))
+    ring = [d.model_copy(update={"memory_bytes": floor + d.memory_bytes * 200}) for d in drawn]
+    check_against_brute_force(manifest, session, ring)
+
+
+def check_against_brute_force(manifest: ModelManifest, session: ServingSpec, ring: list[Device]) -> None:
     expected = head_by_rule(manifest, session, ring)
     assert (expected is not None) == any_division_fits(manifest, session, ring)
     if expected is None:

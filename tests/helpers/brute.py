@@ -17,10 +17,30 @@ def compositions(n_blocks: int, n_parts: int, starts: Sequence[int] | None = Non
         yield tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
+def context_bytes(manifest: ModelManifest, session: ServingSpec, start: int, end: int, is_head: bool) -> int:
+    """A stage's llama.cpp context beyond weights and KV, by the table in docs/runtime.md ("A
+    stage's memory"), counted here in plain integers: 24 KiB a graph node, nodes the most of the
+    floor, the per-row count at 512 rows and the per-tensor count; 512 rows of activations; 4 bytes
+    a KV cell and row for each attention mask; 16 MiB of slack; at the head, each vocabulary entry's
+    8 bytes a sequence and 256 of tokenizer."""
+    needs = manifest.context
+    if needs is None:
+        return 0
+    rows = 512
+    tensors = sum(needs.block_tensors[start:end]) + needs.other_tensors
+    nodes = max(needs.min_graph_nodes, needs.graph_nodes_per_row * rows, needs.graph_nodes_per_tensor * tensors)
+    cells = session.context * session.concurrency
+    total = nodes * 24 * 1024 + rows * needs.activation_bytes_per_row + needs.attention_masks * cells * rows * 4
+    total += 16 * 1024 * 1024
+    if is_head:
+        total += needs.n_vocab * (8 * session.concurrency + 256)
+    return total
+
+
 def need_bytes(manifest: ModelManifest, session: ServingSpec, start: int, end: int, is_head: bool) -> int:
     blocks = sum(manifest.block_bytes[start:end])
     kv = sum(manifest.kv_bytes_per_token[start:end]) * session.context * session.concurrency
-    return blocks + kv + manifest.context_bytes(start, end, is_head, session) + (manifest.head_bytes if is_head else 0)
+    return blocks + kv + context_bytes(manifest, session, start, end, is_head) + (manifest.head_bytes if is_head else 0)
 
 
 def decode_read_bytes(manifest: ModelManifest, block: int) -> int:

@@ -4,13 +4,31 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kafila.planner.types import Device, ModelManifest, ServingSpec
+from kafila.planner.types import ContextNeeds, Device, ModelManifest, ServingSpec
 
 
 @st.composite
-def manifests(draw: st.DrawFn, max_blocks: int = 8) -> ModelManifest:
+def context_needs(draw: st.DrawFn, n_blocks: int) -> ContextNeeds:
+    """A stage's llama.cpp context figures, small enough that stages differ by a few graph nodes,
+    rows, masks and vocabulary entries above the 16 MiB every stage needs."""
+    small = st.integers(0, 3)
+    return ContextNeeds(
+        block_tensors=tuple(draw(st.lists(small, min_size=n_blocks, max_size=n_blocks))),
+        other_tensors=draw(small),
+        min_graph_nodes=draw(st.integers(0, 8)),
+        graph_nodes_per_tensor=draw(small),
+        graph_nodes_per_row=draw(st.integers(0, 1)),
+        activation_bytes_per_row=draw(st.integers(0, 64)),
+        attention_masks=draw(st.integers(0, 2)),
+        n_vocab=draw(st.integers(0, 2000)),
+    )
+
+
+@st.composite
+def manifests(draw: st.DrawFn, max_blocks: int = 8, with_context: bool = False) -> ModelManifest:
     """Dense models, and mixtures of experts whose blocks hold experts of any share of their bytes;
-    some may be cut only before some of their blocks (llama4's rule), or not at all."""
+    some may be cut only before some of their blocks (llama4's rule), or not at all. `with_context`:
+    each stage also needs its llama.cpp context (`ContextNeeds`)."""
     n_blocks = draw(st.integers(1, max_blocks))
     block_bytes = tuple(draw(st.lists(st.integers(1, 1000), min_size=n_blocks, max_size=n_blocks)))
     moe: dict[str, object] = {}
@@ -28,6 +46,7 @@ def manifests(draw: st.DrawFn, max_blocks: int = 8) -> ModelManifest:
         block_bytes=block_bytes,
         head_bytes=draw(st.integers(0, 3000)),
         kv_bytes_per_token=tuple(draw(st.lists(st.integers(0, 40), min_size=n_blocks, max_size=n_blocks))),
+        context=draw(context_needs(n_blocks)) if with_context else None,
         **moe,  # type: ignore[arg-type]
     )
 
