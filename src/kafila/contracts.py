@@ -193,6 +193,13 @@ class MemberStatus(Strict):
     priced_on: str | None = None  # where its stage's price came from
     stages: list[int] | None = None  # one machine split into local stages: their block counts
     backend: BackendReport | None = None  # llama.cpp's devices there, as it said when it joined
+    # Where its stage file came from: fetched by its ranges from the hub, sent by the host, found in
+    # its cache, or cut from its own copy of the model (`join --model`); its size, the seconds it
+    # took, and why not from the hub where the host offered that.
+    stage_source: Literal["hub", "host", "cache", "slice"] | None = None
+    stage_bytes: int | None = None
+    stage_seconds: float | None = None
+    stage_why: str | None = None
 
 
 class EdgeStatus(Strict):

@@ -23,7 +23,7 @@ from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import device_name, fail, shown, stderr
 from kafila.cli.generate_command import NO_DEFAULT_MODEL, default_model, local_counts
-from kafila.cli.model_source import MODEL_HELP, model_file
+from kafila.cli.model_source import MODEL_HELP, model_source
 from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
@@ -180,7 +180,8 @@ def host(
     say_backend()
     if shared:
         os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
-    path = model_file(model) if model is not None else default_model()  # only the host resolves hub names
+    # Only the host resolves hub names; its members fetch their stages from the hub by range.
+    path, hub = model_source(model, n_members > 1) if model is not None else (default_model(), None)
     if path is None:
         fail(NO_DEFAULT_MODEL, False)
     if n_members > 1 and (stages is not None or division is not None):
@@ -214,7 +215,7 @@ def host(
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=host_name, discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
-        resume_within_s=resume_within,
+        resume_within_s=resume_within, hub=hub,
     )  # fmt: skip
     try:
         run(_serve(config))

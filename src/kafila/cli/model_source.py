@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr, warn
 from kafila.hub.fetch import ModelFetchError, fetch_model
-from kafila.hub.reference import PREFIX, ModelNameError, parse_reference
+from kafila.hub.ranges import HubModel, read_hub_header
+from kafila.hub.reference import PREFIX, HubReference, ModelNameError, parse_reference
 
 MODEL_HELP = (
     "A GGUF file, or a model on the Hugging Face hub, downloaded once into its cache and checked: "
@@ -18,13 +20,20 @@ MODEL_HELP = (
 
 def model_file(value: str) -> Path:
     """The local file `value` names, downloading it first where it names one on the hub."""
+    return model_source(value, False)[0]
+
+
+def model_source(value: str, for_members: bool) -> tuple[Path, HubModel | None]:
+    """The local file `value` names, downloading it first where it names one on the hub; and, with
+    `for_members`, the model on the hub at that file's commit, known from its headers, for members
+    to fetch their stages from (None for a local file, or where the hub cannot say)."""
     local = Path(value).expanduser()
     try:
         reference = parse_reference(value, local_file_exists=local.is_file())
     except ModelNameError as error:
         fail(str(error), False)
     if reference is None:
-        return local
+        return local, None
     try:
         with transfer_bars() as update:
             fetched = fetch_model(reference, update)
@@ -38,4 +47,16 @@ def model_file(value: str) -> Path:
     if fetched.offline is not None:
         warn(f"the hub could not be reached ({fetched.offline}): serving the copy cached from commit {fetched.commit}")
     stderr.print(f"model {reference}: {fetched.path}", highlight=False, soft_wrap=True)
-    return fetched.path
+    hub = _hub_model(reference, fetched.commit) if for_members and fetched.offline is None else None
+    return fetched.path, hub
+
+
+def _hub_model(reference: HubReference, commit: str) -> HubModel | None:
+    """The model's headers at the commit downloaded, for members to fetch their stages by range;
+    None, said, where they cannot be read: the host then sends every stage itself."""
+    try:
+        with stderr.status(f"reading {reference}'s header at {commit[:12]} for the members"):
+            return read_hub_header(dataclasses.replace(reference, revision=commit)).model
+    except ModelFetchError as error:
+        warn(f"the hub's header could not be read ({error}): members receive their stages from this machine")
+        return None

@@ -47,11 +47,12 @@ def render_status(status: HostStatus, console: Console) -> None:
     if status.members:
         table = Table(title="Members")
         columns = (
-            "member", "role", "blocks", "link", "backend", "predicted ms/token", "measured ms/token",
+            "member", "role", "blocks", "link", "backend", "stage from", "predicted ms/token", "measured ms/token",
             "ms/row, all decodes",
         )  # fmt: skip
+        left = ("member", "role", "link", "backend", "stage from")
         for column in columns:
-            table.add_column(column, justify="left" if column in ("member", "role", "link", "backend") else "right")
+            table.add_column(column, justify="left" if column in left else "right")
         for member in status.members:
             span = member.blocks
             state = "left" if member.left else (member.link or "?")
@@ -70,12 +71,17 @@ def render_status(status: HostStatus, console: Console) -> None:
                 blocks,
                 link,
                 _backend(member.backend),
+                _stage_from(member),
                 _number(member.predicted_ms_per_token) + (" *" if _generic(member) else ""),
                 # a decode of one token alone is what the prediction prices; batched rows cost less each
                 _number(report.ms_per_token_alone) if report else "—",
                 _number(report.ms_per_token) if report else "—",
             )
         console.print(table)
+        for member in status.members:
+            if member.stage_why:
+                why = f"{shown(member.name)}'s stage came from the host, not the hub: {shown(member.stage_why, True)}"
+                console.print(why, highlight=False, soft_wrap=True)
         if any(_generic(member) for member in status.members):
             console.print(
                 "* predicted from the generic probe, which misjudges narrow models: `kafila probe --model` on that "
@@ -147,3 +153,12 @@ def status(
     except ValidationError as invalid:
         fail(f"{url}/status is not a kafila host's status: {one_line(invalid)}", as_json)
     render_status(parsed, Console())
+
+
+def _stage_from(member: MemberStatus) -> str:
+    """Where a member's stage file came from, its size and how long that took: "hub, 12.3 MB in 4.1 s"."""
+    if member.stage_source is None:
+        return "—"
+    size = f", {member.stage_bytes / 1e6:.1f} MB" if member.stage_bytes is not None else ""
+    took = f" in {member.stage_seconds:.1f} s" if member.stage_seconds is not None else ""
+    return f"{member.stage_source}{size}{took}"

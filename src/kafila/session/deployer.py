@@ -18,9 +18,10 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from kafila.contracts import EdgeStatus, Progress, Tell
+from kafila.hub.ranges import HubModel
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
@@ -35,9 +36,21 @@ from kafila.session.lifecycle import MemoryShortage, StageBroken
 from kafila.session.member import serve_stage
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import FrameSink, LinkRouter, LocalChannel
-from kafila.wire.control import Assign, ControlError, Hello, Load, Loaded, RingEdge, Staged, StageFailedReport
+from kafila.wire.control import (
+    MAX_CONTROL_BYTES,
+    Assign,
+    ControlError,
+    Hello,
+    Load,
+    Loaded,
+    RingEdge,
+    Staged,
+    StageFailedReport,
+    StageSource,
+    StageWanted,
+)
 
-Reply = TypeVar("Reply", Staged, Loaded)
+Reply = TypeVar("Reply", Staged, Loaded, Staged | StageWanted)
 T = TypeVar("T")
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
 
@@ -152,6 +165,36 @@ class OwnStage:
         self.executor.shutdown(wait=False)
 
 
+@dataclass(frozen=True)
+class StageOrigin:
+    """Where a member's stage file came from, as it said (`Staged`), for /status."""
+
+    source: StageSource
+    n_bytes: int
+    seconds: float | None
+    why: str | None = None  # why not from the hub, where it was offered
+
+
+def stage_source(
+    stage: StageFile, hello: Hello, model_sha256: str | None, hub: HubModel | None
+) -> Literal["cache", "slice", "hub", "transfer"]:
+    """How a member gets its stage: from its cache, cut from its own copy of the model, fetched from
+    the hub by its ranges (the host sends it where that fails), or sent by the host."""
+    if stage.sha256 in hello.cached_stages:
+        return "cache"
+    if hello.model_sha256 is not None and hello.model_sha256 == model_sha256:
+        return "slice"
+    return "hub" if hub is not None else "transfer"
+
+
+def offered(assign: Assign) -> Assign:
+    """`assign`, or, where naming the hub model makes it more than a control message carries (a
+    model split in very many parts), the same stage sent by the host."""
+    if assign.source != "hub" or len(assign.model_dump_json()) <= MAX_CONTROL_BYTES - 1024:
+        return assign
+    return assign.model_copy(update={"source": "transfer", "hub": None})
+
+
 @dataclass
 class Deployer:
     """Puts one plan after another in place over the roster's links, and hears the stages while
@@ -171,6 +214,8 @@ class Deployer:
     own_stage: OwnStage | None = None
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
     refused_controls: dict[str, int] = field(default_factory=dict)  # member → control messages not understood
+    hub: HubModel | None = None  # the model on the hub, for members to fetch their stages from: hf:// only
+    origins: dict[str, StageOrigin] = field(default_factory=dict)  # member → where its stage came from
 
     async def deploy(
         self,
@@ -200,24 +245,19 @@ class Deployer:
             if member == me:
                 continue
             stage = stages[index]
-            hello = self.roster.hellos[member]
-            source: Literal["cache", "slice", "transfer"] = (
-                "cache" if stage.sha256 in hello.cached_stages
-                else "slice" if hello.model_sha256 is not None and hello.model_sha256 == model_sha256
-                else "transfer"
-            )  # fmt: skip
+            source = stage_source(stage, self.roster.hellos[member], model_sha256, self.hub)
             # Block 0 is fed by the host (the embedding), and the head answers the host (the logits).
             predecessor = chain[index - 1] if index > 0 else me
             successor = chain[index + 1] if index < last else me
-            assigns[member] = Assign(
+            assigns[member] = offered(Assign(
                 epoch=self.epoch, stage_index=index, first_block=stage.first_block, end_block=stage.end_block,
-                sha256=stage.sha256, size=stage.n_bytes, source=source,
+                sha256=stage.sha256, size=stage.n_bytes, source=source, hub=self.hub if source == "hub" else None,
                 predecessor=predecessor, successor=successor,
                 n_ctx=self.settings.n_ctx, n_batch=self.settings.n_batch, n_seq_max=self.settings.n_seq_max,
                 relink=sorted({p for p in (predecessor, successor) if frozenset((member, p)) in self.broken_edges}),
                 fingerprints={p: self.roster.known[p].fingerprint for p in (predecessor, successor) if p != me},
                 head=index == last, need_bytes=plan.stages[index].resident_bytes,
-            )  # fmt: skip
+            ))  # fmt: skip
         for router in self.roster.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
         for member, assign in assigns.items():
@@ -237,6 +277,10 @@ class Deployer:
         report()
 
         staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
+        self.origins = {
+            m: StageOrigin(s.source or ("host" if a.source == "transfer" else a.source), a.size, s.seconds, s.why)
+            for (m, a), s in zip(assigns.items(), staged, strict=True)
+        }
         self.ring_edges = {m: {e.peer: e for e in s.edges} for m, s in zip(assigns, staged, strict=True)}
         for index in reversed(range(len(chain))):  # downstream first: a stage serves only once its successor does
             member = chain[index]
@@ -292,8 +336,17 @@ class Deployer:
             await own.close()
 
     async def _stage(self, member: str, assign: Assign, stage: StageFile, progress: Progress) -> Staged:
-        """Stream the stage file if the member needs it, then wait until it has linked and verified."""
-        if assign.source == "transfer":
+        """Stream the stage file if the member needs it (or asks for it, where the hub would not give
+        it), then wait until it has linked and verified."""
+        what = "link to its neighbours and get its stage"
+        if assign.source == "hub":
+            either = cast(type[Staged | StageWanted], (Staged, StageWanted))  # `isinstance` takes the pair
+            answer: Staged | StageWanted = await self._expect(member, assign.epoch, either, what)
+            if isinstance(answer, Staged):
+                return answer
+            name = self.roster.name(member)
+            self.say(f"{name} could not fetch its stage from the hub ({answer.reason}): sending it from here")
+        if assign.source in ("transfer", "hub"):
             name = self.roster.name(member)
             try:
                 await send_stage_file(
@@ -305,10 +358,15 @@ class Deployer:
                 )
             except Exception as error:  # its side gave up, or its link went down
                 raise SessionFailed(f"{name} could not receive its stage: {error}", member) from None
-        return await self._expect(member, assign.epoch, Staged, "link to its neighbours and get its stage")
+        return await self._expect(member, assign.epoch, Staged, what)
 
     async def _expect(
-        self, member: str, epoch: int, kind: type[Reply], what: str, loading: Assign | None = None
+        self,
+        member: str,
+        epoch: int,
+        kind: type[Reply],
+        what: str,
+        loading: Assign | None = None,
     ) -> Reply:
         """The member's next `kind` message of this epoch; SessionFailed if it fails, leaves or stalls
         (with the shortage, where it could not load the stage `loading` for lack of memory)."""

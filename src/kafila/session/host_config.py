@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kafila.contracts import Progress
+from kafila.hub.ranges import HubModel
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
@@ -74,6 +75,7 @@ class HostConfig:
     allowed_hosts: tuple[str, ...] = ()  # host names the API answers to besides addresses and localhost
     open_token: str | None = None  # what an external rendezvous asks of hosts that open a session
     resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next one
+    hub: HubModel | None = None  # the model on the hub (`hf://`): members fetch their stages from it
 
     @property
     def api_url(self) -> str:

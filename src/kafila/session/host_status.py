@@ -43,6 +43,11 @@ def session_status(
             entry["blocks"] = (stage.start, stage.end)
             entry["predicted_ms_per_token"] = round(stage.cost_s * 1e3, 3) if stage.cost_s is not None else None
             entry["priced_on"] = session.prices.priced_on(machines, member_id)
+        origin = session.deployer.origins.get(member_id) if deployment is not None else None
+        if origin is not None:
+            entry.update(stage_source=origin.source, stage_bytes=origin.n_bytes, stage_seconds=origin.seconds)
+            if origin.why is not None:
+                entry["stage_why"] = origin.why
         members.append(MemberStatus(**entry))  # only what applies is set, and shown
     plan = deployment.plan if deployment else None
     verdict = session.prices.last_verdict

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kafila.contracts import BackendReport, ModelPricing, Progress, Tell
+from kafila.hub.fetch import ModelFetchError
+from kafila.hub.ranges import fetch_stage
 from kafila.network.edges import connect_edges
 from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
@@ -29,7 +31,7 @@ from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import receive_stage_file
 from kafila.runtime.engine.stage import BlockStage, HeadStage
 from kafila.runtime.engine.worker import RingStage, handle_frames
-from kafila.runtime.gguf.slicer import block_range_file, file_sha256
+from kafila.runtime.gguf.slicer import StageFile, block_range_file, file_sha256
 from kafila.runtime.gguf.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
 from kafila.runtime.llama.errors import out_of_memory
 from kafila.runtime.llama.model import ContextSettings
@@ -47,6 +49,8 @@ from kafila.wire.control import (
     RingEdge,
     Staged,
     StageFailedReport,
+    StageSource,
+    StageWanted,
 )
 from kafila.wire.frames import Frame, Kind
 
@@ -128,14 +132,34 @@ def _bar(state: MemberState, what: str) -> Iterator[Callable[[int, int], None] |
         yield functools.partial(update, what)
 
 
-async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState) -> Path:
+@dataclass(frozen=True)
+class Obtained:
+    """A stage file here, verified, and where it came from (for the host's /status)."""
+
+    path: Path
+    source: StageSource
+    seconds: float
+    why: str | None = None  # why it did not come from the hub, where the host offered that
+
+
+async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState) -> Obtained:
     """The assigned stage file in the cache, verified by its hash, by whichever way the host said."""
+    started = time.perf_counter()
     path = state.cache / f"{assign.sha256}.gguf"
     digest = None  # known without reading the file again where this member just wrote it
+    source: StageSource = "host"
+    why = None
     if assign.source == "cache":
         mark_used(path)
+        source = "cache"
     else:
         await asyncio.to_thread(make_room, state.cache, assign.size)
+    if assign.source == "hub":
+        made, why = await _from_hub(assign, state)
+        if made is not None:
+            path, digest, source = made.path, made.sha256, "hub"
+        else:
+            await host.send_control(StageWanted(epoch=assign.epoch, reason=why or "the hub failed"))
     if assign.source == "slice":
         if state.model is None:
             raise ValueError("the host asked for a local slice, but this member has no --model")
@@ -146,10 +170,10 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
             made = await asyncio.to_thread(
                 block_range_file, state.model, assign.first_block, assign.end_block, state.cache, assign.head, progress
             )
-        path, digest = Path(made.path), made.sha256
-    elif assign.source == "transfer":
-        why = f" (--model {state.model.name} is not the host's model file)" if state.model is not None else ""
-        state.say(f"receiving stage {assign.stage_index} ({assign.size / 1e6:.1f} MB) from the host{why}")
+        path, digest, source = Path(made.path), made.sha256, "slice"
+    elif assign.source == "transfer" or (assign.source == "hub" and source == "host"):
+        why_here = f" (--model {state.model.name} is not the host's model file)" if state.model is not None else ""
+        state.say(f"receiving stage {assign.stage_index} ({assign.size / 1e6:.1f} MB) from the host{why_here}")
         with _bar(state, f"stage {assign.stage_index} from the host") as progress:
             path = Path(await receive_stage_file(host.transfer, state.cache, progress))
     if not path.is_file():
@@ -159,7 +183,30 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
     if digest != assign.sha256:
         raise ValueError(f"stage file {path.name} has sha256 {digest[:12]}…, not the assigned {assign.sha256[:12]}…")
     await asyncio.to_thread(trim_stage_cache, state.cache, [path])
-    return path
+    return Obtained(path, source, time.perf_counter() - started, why)
+
+
+async def _from_hub(assign: Assign, state: MemberState) -> tuple[StageFile | None, str | None]:
+    """The stage fetched by its ranges from the hub the host named, checked against the header the
+    host planned from; else None and why (the hub out of reach, refusing this machine, or sending
+    other bytes than planned), said here too: the host then sends the stage."""
+    assert assign.hub is not None  # the Assign's own check
+    blocks = f"blocks {assign.first_block}-{assign.end_block - 1}"
+    state.say(f"fetching {blocks} from the hub ({assign.hub.label}, {assign.size / 1e6:.1f} MB)")
+    bars: AbstractContextManager[Progress | None] = state.bars() if state.bars else contextlib.nullcontext()
+    with bars as progress:  # its bars: fetching the ranges, then writing the stage file
+        try:
+            made = await asyncio.to_thread(
+                fetch_stage, assign.hub, assign.first_block, assign.end_block, assign.head, state.cache, progress
+            )
+        except ModelFetchError as error:  # HubRefused, HubUnreachable, HubMismatch
+            why = f"{type(error).__name__}: {error}"[:3000]
+        else:
+            if made.sha256 == assign.sha256:
+                return made, None
+            why = f"HubMismatch: the hub's {blocks} are not the host's (sha256 {made.sha256[:12]}…)"
+    state.say(f"could not fetch {blocks} from the hub ({why}); asking the host for them")
+    return None, why
 
 
 Connect = Callable[[dict[str, str]], Awaitable[dict[str, tuple[LinkRouter, EdgePath]]]]
@@ -271,13 +318,21 @@ async def follow_host(
                 staged = None
                 await state.drop_stage()
                 try:
-                    edges, path = await _prepare(message, links, state)
+                    edges, obtained = await _prepare(message, links, state)
                 except Exception as error:
                     state.say(f"cannot take stage {message.stage_index}: {error}")
                     await host.send_control(StageFailedReport(epoch=message.epoch, message=str(error)))
                     continue
-                staged = (message, path)
-                await host.send_control(Staged(epoch=message.epoch, edges=edges))
+                staged = (message, obtained.path)
+                await host.send_control(
+                    Staged(
+                        epoch=message.epoch,
+                        edges=edges,
+                        source=obtained.source,
+                        seconds=round(obtained.seconds, 3),
+                        why=obtained.why,
+                    )
+                )
             elif isinstance(message, Load) and staged is not None and staged[0].epoch == message.epoch:
                 assign, path = staged
                 staged = None
@@ -287,7 +342,7 @@ async def follow_host(
         state.executor.shutdown(wait=False)
 
 
-async def _prepare(assign: Assign, links: RingLinks, state: MemberState) -> tuple[list[RingEdge], Path]:
+async def _prepare(assign: Assign, links: RingLinks, state: MemberState) -> tuple[list[RingEdge], Obtained]:
     """Link to the neighbours and get the stage file at the same time; if one fails, both stop."""
     try:
         async with asyncio.TaskGroup() as group:

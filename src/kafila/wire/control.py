@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from kafila.contracts import BackendReport, ModelPricing
+from kafila.hub.ranges import HubModel
 from kafila.validation import first_problem
 from kafila.wire.frames import Frame, Kind
 
@@ -23,6 +24,10 @@ MAX_CACHED_STAGES = 512  # with the pricings, a hello of the most of each stays 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 MemberId = Annotated[str, Field(min_length=1, max_length=64)]
 Fingerprint = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Reason = Annotated[str, Field(max_length=4000)]
+# Where a member's stage file came from: fetched by its ranges from the hub, sent by the host, found
+# in its cache, or cut from its own copy of the model (`join --model`).
+StageSource = Literal["hub", "host", "cache", "slice"]
 
 
 class ControlError(ValueError):
@@ -62,7 +67,9 @@ class Assign(_Message):
     end_block: Annotated[int, Field(ge=1)]
     sha256: Sha256
     size: Annotated[int, Field(ge=1)]
-    source: Literal["cache", "transfer", "slice"]  # slice: cut it from the member's own copy of the model
+    # slice: cut it from the member's own copy of the model; hub: fetch its ranges from `hub`, and
+    # where that fails, say so (`StageWanted`) and receive it from the host as with transfer.
+    source: Literal["cache", "transfer", "slice", "hub"]
     predecessor: MemberId
     successor: MemberId
     n_ctx: Annotated[int, Field(ge=16, le=1 << 30)]
@@ -78,6 +85,24 @@ class Assign(_Message):
     # The plan's estimate of the stage's memory (weights and KV cache): a member with less free
     # says so before it tries to load (`StageFailedReport.out_of_memory`).
     need_bytes: Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)] | None = None
+    # With source hub: the model on the hub at the commit the host planned from, with each part's
+    # size and header sha256; the member checks what the hub sends against it (`fetch_stage`).
+    hub: HubModel | None = None
+
+    @model_validator(mode="after")
+    def _hub_named(self) -> Assign:
+        if (self.source == "hub") != (self.hub is not None):
+            raise ValueError("a hub model goes with source hub, and only with it")
+        return self
+
+
+class StageWanted(_Message):
+    """member → host, for an `Assign` with source hub: the hub would not give this member its stage
+    (unreachable, refused, or not the bytes planned from); the host sends it, as for transfer."""
+
+    type: Literal["wanted"] = "wanted"
+    epoch: Annotated[int, Field(ge=0)]
+    reason: Reason
 
 
 EdgePath = Literal["direct", "relayed"]
@@ -97,6 +122,11 @@ class Staged(_Message):
     type: Literal["staged"] = "staged"
     epoch: Annotated[int, Field(ge=0)]
     edges: list[RingEdge] = Field(default_factory=list, max_length=2)
+    # Where the stage file came from and how long getting it took, for the host's /status; `why`:
+    # why it did not come from the hub, where the host offered that.
+    source: StageSource | None = None
+    seconds: Annotated[float, Field(ge=0, le=1e7)] | None = None
+    why: Reason | None = None
 
 
 class Load(_Message):
@@ -136,7 +166,7 @@ class End(_Message):
 
 
 ControlMessage = Annotated[
-    Hello | Assign | Staged | Load | Loaded | StageFailedReport | End, Field(discriminator="type")
+    Hello | Assign | StageWanted | Staged | Load | Loaded | StageFailedReport | End, Field(discriminator="type")
 ]
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 

@@ -1,0 +1,159 @@
+"""Members fetch their own stages from the hub (issue 36): `kafila host --model hf://…` with real
+`kafila join` processes, each fetching by range exactly the tensors of its stage from the fake hub
+(tests/helpers/fake_hub.py), told apart there by the token each sends; where a member cannot have
+its stage from the hub (the hub out of its reach, or a gated repository and no token), the host
+sends it, and /status says so and why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from fake_hub import FakeHub, Repo, serving_hub
+from host_process import Host, free_port, running_host, seeded_cache, stop, until_status
+from serving_checks import unsplit_greedy
+from tiny_models import write_tiny_model
+
+from kafila.runtime.gguf.gguf_file import HeaderReader
+from kafila.runtime.gguf.header import JOIN_GAP
+from kafila.runtime.gguf.slicer import stage_piece
+
+REPO = "tiny-org/Tiny-GGUF"
+FILE = "Tiny-Q8_0.gguf"
+PROMPT = "the quick brown fox"
+COMMON = ("--context", "256", "--concurrency", "1", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("hub-stages") / FILE, "llama", n_blocks=4)
+
+
+def hub_env(tmp_path: Path, who: str, endpoint: str, token: str | None) -> dict[str, str]:
+    """A machine's own view of the hub: its endpoint, its token (or none at all) and its caches."""
+    env = {
+        "HF_ENDPOINT": endpoint,
+        "HF_HOME": str(tmp_path / f"hf-home-{who}"),  # no token file but the one given here
+        "HF_HUB_CACHE": str(tmp_path / f"hf-{who}"),
+        "KAFILA_CACHE": str(tmp_path / f"kafila-{who}"),
+    }
+    if token is not None:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def start_joiner(code: str, rendezvous: str, name: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """A real `kafila join` as another machine with its own hub settings, its output piped."""
+    seeded_cache(Path(env["KAFILA_CACHE"]))
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | env | {"COLUMNS": "200"}
+    command = [sys.executable, "-m", "kafila", "join", code, "--rendezvous", rendezvous, "--name", name]
+    command += ["--threads", "1"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+
+
+@contextmanager
+def hub_session(
+    tmp_path: Path, hub: FakeHub, members: dict[str, dict[str, str]], outputs: dict[str, str]
+) -> Iterator[Host]:
+    """A host on `hf://` with HF_TOKEN hf_host and the members named, each with its own hub settings;
+    their outputs land in `outputs` once the host has stopped (and on stderr when the test fails)."""
+    joiners: dict[str, subprocess.Popen[str]] = {}
+    failed = False
+    host_env = hub_env(tmp_path, "host", hub.url, "hf_host")
+    args = ("--model", f"hf://{REPO}:Q8_0", "--members", str(len(members) + 1), *COMMON)
+    try:
+        with running_host(*args, ready=False, env=host_env) as host:
+            code, rendezvous = host.join_line()
+            joiners = {name: start_joiner(code, rendezvous, name, env) for name, env in members.items()}
+            yield host
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for name, joiner in joiners.items():
+            outputs[name] = stop(joiner)
+            if failed:
+                print(f"--- {name} said:\n{outputs[name]}", file=sys.stderr)
+
+
+def staged(count: int) -> Any:
+    """/status with the ring serving and each of `count` members' stage source said."""
+
+    def holds(status: dict[str, Any]) -> bool:
+        members = [m for m in status.get("members", []) if not m.get("host")]
+        return bool(status.get("ready")) and len(members) == count and all("stage_source" in m for m in members)
+
+    return holds
+
+
+def members_of(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["name"]: m for m in status["members"] if not m.get("host")}
+
+
+def test_every_member_fetches_its_own_stage_from_the_hub_and_the_ring_serves_the_unsplit_model(
+    tmp_path: Path, model: Path
+) -> None:
+    hub = FakeHub({REPO: Repo({FILE: model.read_bytes()})})
+    outputs: dict[str, str] = {}
+    with serving_hub(hub):
+        members = {f"member-{i}": hub_env(tmp_path, f"m{i}", hub.url, f"hf_member{i}") for i in range(2)}
+        with hub_session(tmp_path, hub, members, outputs) as host:
+            status = until_status(host, staged(2), "a ring whose members said where their stages came from", 240)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+            table = subprocess.run(
+                [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
+                timeout=60, check=True, env={**os.environ, "COLUMNS": "250"},
+            ).stdout  # fmt: skip
+    reader = HeaderReader(model)
+    head = status["plan"]["head"]
+    seen = members_of(status)
+    assert {m["stage_source"] for m in seen.values()} == {"hub"}, seen
+    whole = model.stat().st_size
+    for i, name in enumerate(sorted(seen)):
+        member = seen[name]
+        assert member["stage_bytes"] > 0 and member["stage_seconds"] >= 0 and "stage_why" not in member
+        got = hub.sent_to.get(f"Bearer hf_member{i}", 0)
+        # the model's header again, checked, and its stage's tensors, with what lies in gaps under
+        # JOIN_GAP between them (one request rather than two): never the whole model
+        piece = stage_piece(reader, *member["blocks"], name == head, FILE)
+        need = reader.header_bytes + sum(int(t.n_bytes) for t in piece.source_tensors())
+        assert need <= got <= need + JOIN_GAP and got < whole, (name, got, need, whole)
+        assert "fetching blocks" in outputs[name] and "receiving stage" not in outputs[name], outputs[name]
+    assert table.count("hub, ") == 2, table
+
+
+def test_a_member_the_hub_will_not_serve_receives_its_stage_from_the_host_and_says_why(
+    tmp_path: Path, model: Path
+) -> None:
+    """One member's hub is out of its reach (HF_ENDPOINT on a closed port), another has no token
+    for a gated repository: both fall back to the host, and both say why, in their output and in
+    the host's /status."""
+    hub = FakeHub({REPO: Repo({FILE: model.read_bytes()}, gated=True)})
+    outputs: dict[str, str] = {}
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with serving_hub(hub):
+        members = {
+            "cut-off": hub_env(tmp_path, "cut", nowhere, "hf_cut"),
+            "no-token": hub_env(tmp_path, "anon", hub.url, None),
+        }
+        with hub_session(tmp_path, hub, members, outputs) as host:
+            status = until_status(host, staged(2), "a ring whose members said where their stages came from", 240)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+    seen = members_of(status)
+    assert {m["stage_source"] for m in seen.values()} == {"host"}, seen
+    assert "HubUnreachable" in seen["cut-off"]["stage_why"], seen
+    assert "HubRefused" in seen["no-token"]["stage_why"], seen
+    assert hub.sent_to.get(None, 0) == 0  # the gated repository sent nothing without a token
+    for name in members:
+        assert "could not fetch blocks" in outputs[name] and "receiving stage" in outputs[name], outputs[name]
