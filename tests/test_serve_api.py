@@ -18,9 +18,10 @@ import pytest
 from host_process import Host, running_host
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.shared_params import ResponseFormatText
-from serving_checks import check_concurrent_streams, unsplit_greedy
+from serving_checks import check_concurrent_streams, unsplit_greedy, unsplit_text
 from tiny_models import write_tiny_model
 
+from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.backends import backend_report
 
 KEY = "test-key-123"
@@ -133,7 +134,7 @@ def test_a_completion_without_max_tokens_stops_at_openais_default_of_16(client: 
     assert result.choices[0].finish_reason == "length"
 
 
-def test_stop_strings_seed_and_penalties_are_honoured(client: openai.OpenAI) -> None:
+def test_stop_strings_seed_and_penalties_are_honoured(client: openai.OpenAI, model: Path) -> None:
     free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     # Three characters past the start, whatever the random model wrote: none a byte not yet UTF-8
     # (U+FFFD), which a stop string cannot match as the tokens come.
@@ -146,10 +147,20 @@ def test_stop_strings_seed_and_penalties_are_honoured(client: openai.OpenAI) -> 
     a = client.completions.create(**kwargs, seed=7).choices[0].text  # type: ignore[call-overload]
     b = client.completions.create(**kwargs, seed=7).choices[0].text  # type: ignore[call-overload]
     assert a == b
-    penalised = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
-    )
-    assert penalised.usage is not None and penalised.usage.completion_tokens >= 1
+    # Each penalty alone and both, against the unsplit model sampled the same way (OpenAI's defaults:
+    # no top-k, top_p 1): each reached the sampler, and changed what greedy decoding alone writes.
+    greedy = unsplit_greedy(model, PROMPT, 24)
+    for frequency, presence in ((2.0, 0.0), (0.0, 2.0), (2.0, 2.0)):
+        penalised = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, frequency_penalty=frequency,
+            presence_penalty=presence,
+        )  # fmt: skip
+        assert penalised.usage is not None and penalised.usage.completion_tokens >= 1
+        same_way = SamplingSettings(
+            temperature=0.0, top_k=0, top_p=1.0, frequency_penalty=frequency, presence_penalty=presence
+        )
+        assert penalised.choices[0].text == unsplit_text(model, PROMPT, 24, same_way), (frequency, presence)
+        assert penalised.choices[0].text != greedy, (frequency, presence)
 
 
 def test_four_concurrent_streams_all_complete_with_their_own_text(client: openai.OpenAI, model: Path) -> None:
