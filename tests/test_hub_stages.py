@@ -6,6 +6,7 @@ sends it, and /status says so and why."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -157,3 +158,33 @@ def test_a_member_the_hub_will_not_serve_receives_its_stage_from_the_host_and_sa
     assert hub.sent_to.get(None, 0) == 0  # the gated repository sent nothing without a token
     for name in members:
         assert "could not fetch blocks" in outputs[name] and "receiving stage" in outputs[name], outputs[name]
+
+
+def test_a_member_whose_hub_sends_other_tensor_bytes_refuses_them_and_receives_its_stage_from_the_host(
+    tmp_path: Path, model: Path
+) -> None:
+    """The member's hub (its own HF_ENDPOINT) serves the same header, size and listed sha256 at the
+    same commit, but one byte differs in every block's first tensor: the stage it cuts is not the
+    host's, so it refuses it and the host sends it."""
+    original = model.read_bytes()
+    tampered = bytearray(original)
+    seen_blocks = set()
+    for tensor in HeaderReader(model).tensors:
+        block = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else None
+        if block is not None and block not in seen_blocks:
+            seen_blocks.add(block)
+            tampered[int(tensor.data_offset)] ^= 0x01
+    honest = FakeHub({REPO: Repo({FILE: original})})
+    lying = FakeHub({REPO: Repo({FILE: bytes(tampered)}, listed_sha256={FILE: hashlib.sha256(original).hexdigest()})})
+    outputs: dict[str, str] = {}
+    with serving_hub(honest), serving_hub(lying):
+        members = {"misled": hub_env(tmp_path, "misled", lying.url, "hf_misled")}
+        with hub_session(tmp_path, honest, members, outputs) as host:
+            status = until_status(host, staged(1), "a ring whose member said where its stage came from", 240)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+    member = members_of(status)["misled"]
+    assert member["stage_source"] == "host" and "HubMismatch" in member["stage_why"], member
+    assert lying.sent_to.get("Bearer hf_misled", 0) > 0  # it did fetch, and refused what came
+    assert "could not fetch blocks" in outputs["misled"] and "receiving stage" in outputs["misled"]
