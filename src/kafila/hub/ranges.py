@@ -9,8 +9,9 @@ sha256, size, the CDN's location) and retries a request that fails to open
 planned from (the hub's `http_get` takes a Range but checks no Content-Range), resuming a range
 cut off where it broke, and keeping what arrived across runs (`_Journal`).
 
-Not wired into the session yet: `read_hub_header` is for the host's plan, `fetch_stage` for each
-machine's own stage (docs/architecture.md, "Models from the hub").
+In the session, each member without its stage calls `fetch_stage` (`session/member.py`) with the
+`HubModel` the host read by `read_hub_header`; the host itself still downloads the whole file
+(docs/architecture.md, "Stages by ranges").
 """
 
 from __future__ import annotations
