@@ -19,12 +19,16 @@ import openai
 import pytest
 from fake_hub import FakeHub, Repo, serving_hub
 from host_process import Host, free_port, running_host, seeded_cache, stop, until_status
+from pydantic import ValidationError
 from serving_checks import unsplit_greedy
 from tiny_models import write_tiny_model
 
+from kafila.hub.ranges import HubModel, HubPart
 from kafila.runtime.gguf.gguf_file import HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP
 from kafila.runtime.gguf.slicer import stage_piece
+from kafila.session.deployer import offered
+from kafila.wire.control import MAX_CONTROL_BYTES, Assign, ControlError, control_frame, parse_control
 
 REPO = "tiny-org/Tiny-GGUF"
 FILE = "Tiny-Q8_0.gguf"
@@ -35,6 +39,39 @@ COMMON = ("--context", "256", "--concurrency", "1", "--threads", "1", "--rendezv
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("hub-stages") / FILE, "llama", n_blocks=4)
+
+
+def assign(source: str, hub: HubModel | None) -> Assign:
+    return Assign(
+        epoch=1, stage_index=0, first_block=0, end_block=2, sha256="a" * 64, size=1000, source=source,  # type: ignore[arg-type]
+        predecessor="host", successor="host", n_ctx=256, n_batch=32, n_seq_max=1, hub=hub,
+    )  # fmt: skip
+
+
+def hub_model(parts: int, path_chars: int = 20) -> HubModel:
+    part = HubPart(path="p" * path_chars + ".gguf", size=10, sha256="b" * 64, header_bytes=8, header_sha256="c" * 64)
+    return HubModel(repo_id="org/repo", commit="d" * 40, parts=(part,) * parts)
+
+
+def test_an_assign_names_a_hub_model_exactly_when_its_stage_comes_from_the_hub() -> None:
+    assert assign("hub", hub_model(1)).hub == hub_model(1)
+    with pytest.raises(ValidationError, match="a hub model goes with source hub"):
+        assign("hub", None)
+    with pytest.raises(ValidationError, match="a hub model goes with source hub"):
+        assign("transfer", hub_model(1))
+    # it travels as a control message, and comes back the same
+    message = assign("hub", hub_model(2))
+    assert parse_control(control_frame(message)) == message
+
+
+def test_a_hub_model_too_long_for_a_control_message_is_offered_as_a_transfer() -> None:
+    small = assign("hub", hub_model(3))
+    assert offered(small) is small
+    huge = offered(assign("hub", hub_model(1000, 200)))  # 1,000 parts of long names: past 64 KiB
+    assert huge.source == "transfer" and huge.hub is None
+    assert len(control_frame(huge).payload) <= MAX_CONTROL_BYTES
+    with pytest.raises(ControlError, match="the limit is"):  # what a member would have refused
+        parse_control(control_frame(assign("hub", hub_model(1000, 200))))
 
 
 def hub_env(tmp_path: Path, who: str, endpoint: str, token: str | None) -> dict[str, str]:

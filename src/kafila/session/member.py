@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +111,10 @@ class MemberState:
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="stage"))
     reports: list[asyncio.Future[None]] = field(default_factory=list)  # failures on their way to the host
     bars: Callable[[], AbstractContextManager[Progress]] | None = None  # transfer progress
+    # One fetch from the hub at a time: a fetch left running by an assignment that failed (its
+    # thread cannot be stopped) must finish before the next, which may fetch the same ranges
+    # into the same journal, begins; that one then finds the stage kept.
+    hub_fetch: threading.Lock = field(default_factory=threading.Lock)
 
     async def drop_stage(self) -> None:
         if self.serving is not None:
@@ -196,9 +201,7 @@ async def _from_hub(assign: Assign, state: MemberState) -> tuple[StageFile | Non
     bars: AbstractContextManager[Progress | None] = state.bars() if state.bars else contextlib.nullcontext()
     with bars as progress:  # its bars: fetching the ranges, then writing the stage file
         try:
-            made = await asyncio.to_thread(
-                fetch_stage, assign.hub, assign.first_block, assign.end_block, assign.head, state.cache, progress
-            )
+            made = await asyncio.to_thread(_fetch_alone, state.hub_fetch, assign, state.cache, progress)
         except ModelFetchError as error:  # HubRefused, HubUnreachable, HubMismatch
             why = f"{type(error).__name__}: {error}"[:3000]
         else:
@@ -207,6 +210,13 @@ async def _from_hub(assign: Assign, state: MemberState) -> tuple[StageFile | Non
             why = f"HubMismatch: the hub's {blocks} are not the host's (sha256 {made.sha256[:12]}…)"
     state.say(f"could not fetch {blocks} from the hub ({why}); asking the host for them")
     return None, why
+
+
+def _fetch_alone(lock: threading.Lock, assign: Assign, cache: Path, progress: Progress | None) -> StageFile:
+    """`fetch_stage` for `assign`, once no other fetch of this member's runs (blocking)."""
+    assert assign.hub is not None
+    with lock:
+        return fetch_stage(assign.hub, assign.first_block, assign.end_block, assign.head, cache, progress)
 
 
 Connect = Callable[[dict[str, str]], Awaitable[dict[str, tuple[LinkRouter, EdgePath]]]]
