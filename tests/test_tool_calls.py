@@ -52,6 +52,12 @@ AGENT_TOOL = {
     "required": ["path", "mode"],
     "additionalProperties": False,
 }
+# A tool's result, and the same with nine more digits: the tiny vocabulary has no piece with a
+# digit (tests/helpers/tiny_models.py), so each is one byte token, and JSON escaping leaves digits
+# as they are. A prompt that holds the result is longer by exactly those nine tokens.
+RESULT = '{"forecast": "sun", "code": 7}'
+LONGER_RESULT = '{"forecast": "sun", "code": 7123456789}'
+EXTRA_RESULT_TOKENS = 9
 WEATHER = {
     "type": "object",
     "properties": {
@@ -124,16 +130,21 @@ def test_a_forced_call_s_arguments_validate_and_its_result_goes_back(
     names = {"get_time"} if isinstance(choice, dict) else set(SCHEMAS)
     _valid_call(calls[0], names)
 
-    answer = client.chat.completions.create(
-        model="tiny", max_tokens=8, seed=seed, tools=TOOLS,  # type: ignore[arg-type]
-        messages=[
-            *ASK,
-            {"role": "assistant", "content": None, "tool_calls": [call.model_dump() for call in calls]},  # type: ignore[misc]
-            {"role": "tool", "tool_call_id": calls[0].id, "content": '{"forecast": "sun"}'},
-        ],
-    )  # fmt: skip
+    def answered(result: str, max_tokens: int) -> Any:
+        return client.chat.completions.create(
+            model="tiny", max_tokens=max_tokens, seed=seed, tools=TOOLS,  # type: ignore[arg-type]
+            messages=[
+                *ASK,
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump() for call in calls]},  # type: ignore[misc]
+                {"role": "tool", "tool_call_id": calls[0].id, "content": result},
+            ],
+        )  # fmt: skip
+
+    answer = answered(RESULT, 8)
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert answer.usage is not None and answer.usage.prompt_tokens > reply.usage.prompt_tokens  # type: ignore[union-attr]
+    longer = answered(LONGER_RESULT, 1)
+    assert longer.usage.prompt_tokens - answer.usage.prompt_tokens == EXTRA_RESULT_TOKENS  # the result is in the prompt
 
 
 def test_an_agents_tool_with_constraints_no_grammar_keeps_is_served_and_held_to_the_rest(

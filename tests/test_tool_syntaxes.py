@@ -23,6 +23,9 @@ from serving_checks import engine_served
 from test_tool_calls import (
     ASK,
     CONTEXT,
+    EXTRA_RESULT_TOKENS,
+    LONGER_RESULT,
+    RESULT,
     SCHEMAS,
     SETTINGS,
     TOOLS,
@@ -135,16 +138,22 @@ def test_a_forced_call_is_read_and_its_result_goes_back_through_the_template(
     _valid_call(family, calls[0], set(SCHEMAS))
     for call_id in (calls[0].id, "call_from_another_server"):  # Mistral's: any client id is mapped to 9
         sent = calls[0].model_copy(update={"id": call_id})
-        answer = client.chat.completions.create(
-            model="tiny", max_tokens=6, seed=seed, tools=TOOLS,  # type: ignore[arg-type]
-            messages=[
-                *_ask(family),
-                {"role": "assistant", "content": None, "tool_calls": [sent.model_dump()]},  # type: ignore[misc]
-                {"role": "tool", "tool_call_id": call_id, "content": '{"forecast": "sun"}'},
-            ],
-        )  # fmt: skip
+
+        def answered(result: str, max_tokens: int, call_id: str = call_id, sent: Any = sent) -> Any:
+            return client.chat.completions.create(
+                model="tiny", max_tokens=max_tokens, seed=seed, tools=TOOLS,  # type: ignore[arg-type]
+                messages=[
+                    *_ask(family),
+                    {"role": "assistant", "content": None, "tool_calls": [sent.model_dump()]},  # type: ignore[misc]
+                    {"role": "tool", "tool_call_id": call_id, "content": result},
+                ],
+            )  # fmt: skip
+
+        answer = answered(RESULT, 6)
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
         assert answer.usage is not None and answer.usage.prompt_tokens > reply.usage.prompt_tokens  # type: ignore[union-attr]
+        longer = answered(LONGER_RESULT, 1)  # the result is in the prompt: nine digits more, nine tokens more
+        assert longer.usage.prompt_tokens - answer.usage.prompt_tokens == EXTRA_RESULT_TOKENS, call_id
 
 
 def test_a_named_call_streams_in_openais_delta_shape(served: tuple[Family, openai.OpenAI]) -> None:
