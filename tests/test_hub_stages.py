@@ -167,6 +167,12 @@ def test_every_member_fetches_its_own_stage_from_the_hub_and_the_ring_serves_the
         assert need <= got <= need + JOIN_GAP and got < whole, (name, got, need, whole)
         assert "fetching blocks" in outputs[name] and "receiving stage" not in outputs[name], outputs[name]
     assert table.count("hub, ") == 2, table
+    # Again, with the same machines: each finds its stage in its cache, and the hub sends them nothing.
+    before = {f"Bearer hf_member{i}": hub.sent_to.get(f"Bearer hf_member{i}", 0) for i in range(2)}
+    with serving_hub(hub), hub_session(tmp_path, hub, members, outputs) as host:
+        again = until_status(host, staged(2), "the same ring again, its stages said", 240)
+    assert {m["stage_source"] for m in members_of(again).values()} == {"cache"}, members_of(again)
+    assert {token: hub.sent_to.get(token, 0) for token in before} == before
 
 
 def test_a_member_the_hub_will_not_serve_receives_its_stage_from_the_host_and_says_why(
