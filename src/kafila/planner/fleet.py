@@ -7,14 +7,19 @@ and seconds happens here, once, at the boundary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import combinations
 from typing import Annotated
 
 from pydantic import Field, PositiveInt, model_validator
 
 from kafila.contracts import MAX_MEMBERS, FleetDevice, ModelPricing, NatBehaviour, NatClass
+from kafila.planner.round_trips import RoundTrips
 from kafila.planner.types import MAX_BLOCKS, Device, ModelManifest, ServingSpec, Strict
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
+RoundTripMs = Annotated[float, Field(ge=0, le=60_000, allow_inf_nan=False)]
+# Two ends' measurements of one edge differ by noise; by more than this, one of them is a typo.
+ROUND_TRIP_AGREEMENT = 1.25
 
 
 class FleetModel(Strict):
@@ -109,6 +114,8 @@ class Fleet(Strict):
     session: ServingSpec = ServingSpec()
     anchor: str | None = None
     devices: list[FleetDevice] = Field(min_length=1, max_length=MAX_MEMBERS)
+    # The measured round trip of every edge, in ms: {"a": {"b": 12.5}}, each pair one way or both.
+    rtt_ms: dict[str, dict[str, RoundTripMs]] | None = None
 
     @model_validator(mode="after")
     def _names_unique_and_anchor_known(self) -> Fleet:
@@ -118,7 +125,41 @@ class Fleet(Strict):
             raise ValueError(f"device names must be unique; repeated: {', '.join(duplicates)}")
         if self.anchor is not None and self.anchor not in names:
             raise ValueError(f"anchor '{self.anchor}' is not one of the devices ({', '.join(names)})")
+        if self.rtt_ms is not None:
+            self._check_round_trips(names, self.rtt_ms)
         return self
+
+    @staticmethod
+    def _check_round_trips(names: list[str], rtt_ms: dict[str, dict[str, float]]) -> None:
+        """Every pair of devices has a round trip, between devices the fleet has, agreeing both ways."""
+        for a, row in rtt_ms.items():
+            for b, value in row.items():
+                unknown = [n for n in (a, b) if n not in names]
+                if unknown:
+                    raise ValueError(
+                        f"rtt_ms names '{unknown[0]}', which is not one of the devices ({', '.join(names)})"
+                    )
+                if a == b and value != 0:
+                    raise ValueError(f"rtt_ms gives '{a}' a round trip of {value} ms to itself")
+        for a, b in combinations(names, 2):
+            given = [v for v in (rtt_ms.get(a, {}).get(b), rtt_ms.get(b, {}).get(a)) if v is not None]
+            if not given:
+                raise ValueError(f"rtt_ms has no round trip between '{a}' and '{b}': every pair needs one")
+            if len(given) == 2 and max(given) > ROUND_TRIP_AGREEMENT * min(given) + 1:
+                raise ValueError(f"rtt_ms gives '{a}'–'{b}' {given[0]} ms one way and {given[1]} ms the other")
+
+    def round_trips(self) -> RoundTrips | None:
+        """The edges' round trips in seconds; a pair given both ways takes their mean."""
+        if self.rtt_ms is None:
+            return None
+        names = [d.name for d in self.devices]
+        rtt_ms = self.rtt_ms
+
+        def between(a: str, b: str) -> float:
+            given = [v for v in (rtt_ms.get(a, {}).get(b), rtt_ms.get(b, {}).get(a)) if v is not None]
+            return sum(given) / len(given) / 1e3 if a != b else 0.0
+
+        return RoundTrips(members=tuple(names), seconds=tuple(tuple(between(a, b) for b in names) for a in names))
 
     @property
     def anchor_name(self) -> str:

@@ -63,7 +63,7 @@ def _reachable(cost_matrices: Sequence[FloatMatrix], bound: float) -> list[npt.N
     return history if reach[-1] else None
 
 
-def _balanced_division(cost_matrices: Sequence[FloatMatrix], bound: float) -> tuple[int, ...]:
+def balanced_division(cost_matrices: Sequence[FloatMatrix], bound: float) -> tuple[int, ...]:
     """Among the divisions within `bound`, the one whose stage costs are most even.
 
     Many divisions share the smallest bottleneck: when one stage (often the head) sets it, the
@@ -123,7 +123,7 @@ def partition(
         else:
             high = middle
     bound = float(values[high])
-    bounds = _balanced_division(cost_matrices, bound)
+    bounds = balanced_division(cost_matrices, bound)
     division = Division(bottleneck=bound, bounds=bounds)
     achieved = max(float(matrix[a, b]) for matrix, (a, b) in zip(cost_matrices, division.spans, strict=True))
     assert achieved == bound  # the bound is the smallest feasible candidate, so some stage meets it

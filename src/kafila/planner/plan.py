@@ -20,6 +20,7 @@ from kafila.planner.division import proportional_division, summarise
 from kafila.planner.partition import Division, candidate_bottlenecks, partition
 from kafila.planner.reachability import edge_cost_s, predict_edge
 from kafila.planner.ring import EXACT_LIMIT, best_ring, combine
+from kafila.planner.round_trips import RoundTrips
 from kafila.planner.types import (
     Device,
     DivisionSummary,
@@ -84,7 +85,7 @@ def _roles(chain: Sequence[int]) -> list[tuple[int, bool]]:
     return [(d, i == len(chain) - 1) for i, d in enumerate(chain)]
 
 
-def _search_matrices(prices: Sequence[DevicePrices], chain: Sequence[int]) -> list[FloatMatrix]:
+def search_matrices(prices: Sequence[DevicePrices], chain: Sequence[int]) -> list[FloatMatrix]:
     return [prices[d].search[is_head] for d, is_head in _roles(chain)]
 
 
@@ -104,7 +105,7 @@ def place_head(
     (a host that serves the API holds the head itself).
     """
     chains = [chain_from_head(ring, r) for r in range(1 if pinned else len(ring))]
-    matrices = [_search_matrices(prices, chain) for chain in chains]
+    matrices = [search_matrices(prices, chain) for chain in chains]
     if tier is not Tier.COST_MODEL:
         for r, chain_matrices in enumerate(matrices):
             division = partition(chain_matrices)
@@ -169,10 +170,17 @@ def refuse(
     return PlanRefused(message, device=device.name, shortfall_bytes=shortfall)
 
 
-def ring_weights(devices: Sequence[Device]) -> tuple[np.ndarray, list[list[EdgePrediction]], bool]:
-    """Integer edge weights for the ring search, and whether they are priced in time."""
+def ring_weights(
+    devices: Sequence[Device], round_trips: RoundTrips | None = None
+) -> tuple[np.ndarray, list[list[EdgePrediction]], bool]:
+    """Integer edge weights for the ring search, and whether they are priced in time: the measured
+    round trips where given, else estimates from each member's trip to the rendezvous."""
     m = len(devices)
     predicted = [[predict_edge(devices[i].nat, devices[j].nat) for j in range(m)] for i in range(m)]
+    if round_trips is not None:
+        names = [d.name for d in devices]
+        measured = [[round(round_trips.between(a, b) * 1e6) for b in names] for a in names]
+        return np.array(measured, dtype=np.int64), predicted, True
     rtts = [d.rtt_s for d in devices]
     if all(r is not None for r in rtts):
         rtt_us = [round(r * 1e6) for r in rtts if r is not None]
@@ -186,7 +194,7 @@ def ring_weights(devices: Sequence[Device]) -> tuple[np.ndarray, list[list[EdgeP
     return relayed, predicted, False
 
 
-def _stages(
+def plan_stages(
     devices: Sequence[Device],
     prices: Sequence[DevicePrices],
     prefix: ChainPrefix,
@@ -210,25 +218,40 @@ def _stages(
     return tuple(stages)
 
 
-def _edges(
+def edge_round_trip_s(
+    devices: Sequence[Device],
+    predicted: list[list[EdgePrediction]],
+    d: int,
+    e: int,
+    round_trips: RoundTrips | None = None,
+) -> float | None:
+    """The round trip of the edge d–e: measured where given, else bounded from the members' trips
+    to the rendezvous, else unknown."""
+    if round_trips is not None:
+        return round_trips.between(devices[d].name, devices[e].name)
+    rtt_d, rtt_e = devices[d].rtt_s, devices[e].rtt_s
+    if rtt_d is None or rtt_e is None:
+        return None
+    return edge_cost_s(predicted[d][e], rtt_d, rtt_e)
+
+
+def ring_edges(
     devices: Sequence[Device],
     ring_from_head: Sequence[int],
     predicted: list[list[EdgePrediction]],
     priced_in_time: bool,
+    round_trips: RoundTrips | None = None,
 ) -> tuple[RingEdge, ...]:
     if len(ring_from_head) == 1:
         return ()
     edges = []
     for d, e in zip(ring_from_head, [*ring_from_head[1:], ring_from_head[0]], strict=True):
-        rtt_d, rtt_e = devices[d].rtt_s, devices[e].rtt_s
-        edge_cost = None
-        if priced_in_time and rtt_d is not None and rtt_e is not None:
-            edge_cost = edge_cost_s(predicted[d][e], rtt_d, rtt_e)
+        edge_cost = edge_round_trip_s(devices, predicted, d, e, round_trips) if priced_in_time else None
         edges.append(RingEdge(a=devices[d].name, b=devices[e].name, predicted=predicted[d][e], cost_s=edge_cost))
     return tuple(edges)
 
 
-def _summaries(
+def compare_divisions(
     devices: Sequence[Device],
     prices: Sequence[DevicePrices],
     chain: Sequence[int],
@@ -256,10 +279,12 @@ def plan_session(
     session: ServingSpec,
     anchor: str | None = None,
     pin_head: bool = False,
+    round_trips: RoundTrips | None = None,
 ) -> Plan:
     """Decide ring, head, division and admission before a single weight is loaded.
 
-    `pin_head` keeps the head on the anchor (the serving host) instead of wherever is fastest.
+    `pin_head` keeps the head on the anchor (the serving host) instead of wherever is fastest;
+    `round_trips`, the measured round trip of every edge, orders the ring in their place.
     """
     names = [d.name for d in devices]
     if not devices:
@@ -268,6 +293,8 @@ def plan_session(
         raise ValueError("device names must be unique")
     if anchor is not None and anchor not in names:
         raise ValueError(f"anchor '{anchor}' is not one of the devices")
+    if round_trips is not None and (missing := round_trips.missing(names)):
+        raise ValueError(f"no round trips for {', '.join(missing)}")
     anchor_index = names.index(anchor) if anchor is not None else 0
     if len(devices) > manifest.max_stages:
         limit = ""
@@ -290,7 +317,7 @@ def plan_session(
         )
     notes: list[str] = []
     tier = choose_tier(devices)
-    weights, predicted, priced_in_time = ring_weights(devices)
+    weights, predicted, priced_in_time = ring_weights(devices, round_trips)
     found = best_ring(weights, anchor_index)
     if found.search.value == "heuristic":
         notes.append(f"ring order by 2-opt local search: the exact search covers up to {EXACT_LIMIT} members")
@@ -306,10 +333,10 @@ def plan_session(
         notes.append(head_note)
 
     chain = chain_from_head(ring, choice.head_position)
-    stages = _stages(devices, prices, prefix, chain, choice.division)
+    stages = plan_stages(devices, prices, prefix, chain, choice.division)
     ring_from_head = [chain[-1], *chain[:-1]]
-    edges = _edges(devices, ring_from_head, predicted, priced_in_time)
-    own, baselines = _summaries(devices, prices, chain, choice.division, manifest.cut_positions(), tier)
+    edges = ring_edges(devices, ring_from_head, predicted, priced_in_time, round_trips)
+    own, baselines = compare_divisions(devices, prices, chain, choice.division, manifest.cut_positions(), tier)
     if tier is Tier.THROUGHPUT:
         notes.append("some members have no bandwidth or overhead: stages priced by arithmetic throughput")
     elif tier is Tier.MEMORY:

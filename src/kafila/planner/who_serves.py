@@ -1,0 +1,376 @@
+"""Who serves: the members, ring and division of least time per token at the session's load.
+
+A short pure policy over typed candidates, after petals' block_selection and Parallax's
+scheduler. Each set of members that includes the anchor is a candidate: planned on the ring of
+least round trip (ring.py), with the division of least time per token (time_per_token.py) for
+every head, the head kept on the anchor unless another is clearly faster, as plan.py keeps it.
+The largest set within STANDBY_MARGIN of the fastest serves; the others stand by. A set the model
+does not fit is no candidate, so a member the others cannot do without always serves.
+
+Every set is tried up to EXACT_MEMBERS members (2^(m-1) sets); beyond, members are dropped one at
+a time while dropping one is clearly faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from itertools import combinations, pairwise
+
+from kafila.planner.cost import ChainPrefix
+from kafila.planner.plan import (
+    HEAD_MARGIN,
+    DevicePrices,
+    chain_from_head,
+    choose_tier,
+    compare_divisions,
+    edge_round_trip_s,
+    plan_session,
+    plan_stages,
+    price_devices,
+    ring_edges,
+    ring_weights,
+    search_matrices,
+)
+from kafila.planner.reachability import predict_edge
+from kafila.planner.ring import EXACT_LIMIT, best_ring
+from kafila.planner.round_trips import RoundTrips
+from kafila.planner.time_per_token import TimedDivision, fastest_division
+from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, RingSearch, ServingSpec, Strict, Tier
+
+EXACT_MEMBERS = 8  # 128 sets of members with the anchor in each
+STANDBY_MARGIN = 0.05  # a member stands by only when the ring is this much faster without it
+
+
+class Role(StrEnum):
+    SERVES = "serves"
+    STANDS_BY = "stands-by"
+
+
+class Why(StrEnum):
+    ANCHOR = "anchor"  # it opened the session
+    NEEDED = "needed"  # the others cannot hold the model without it
+    HOLDS_SHARE = "holds-share"  # the members serving cannot hold the model without it
+    PAYS = "pays"  # tokens come faster with it, or not clearly slower
+    COSTS_MORE = "costs-more"  # tokens come clearly slower with it
+    NO_ROOM = "no-room"  # the model cannot be cut into one more stage
+    UNPRICED = "unpriced"  # no speeds measured: nothing to weigh, so every member serves
+
+
+class MemberSearch(StrEnum):
+    EXACT = "exact"
+    GREEDY = "greedy"
+
+
+class Membership(Strict):
+    """Whether a member serves, why, and the numbers behind it."""
+
+    device: str
+    role: Role
+    why: Why
+    blocks: int | None  # the blocks it holds, or would hold were it to serve
+    time_with_s: float | None  # time per token with it serving
+    time_without_s: float | None  # and without it
+    added_ring_s: float | None  # what its place adds to a pass of the ring (one way round)
+    words: str
+
+
+class ServingChoice(Strict):
+    """The plan for the members who serve, and who stands by."""
+
+    plan: Plan
+    concurrency: int
+    time_per_token_s: float | None
+    ring_trip_s: float | None  # one way round the serving ring: half the sum of its edges' round trips
+    members: tuple[Membership, ...]
+    member_search: MemberSearch
+
+    @property
+    def standby(self) -> tuple[str, ...]:
+        return tuple(m.device for m in self.members if m.role is Role.STANDS_BY)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One set of members, planned."""
+
+    members: frozenset[int]
+    chain: tuple[int, ...]  # block 0 first, head last
+    timed: TimedDivision
+    ring_trip_s: float
+    ring_search: RingSearch
+
+    @property
+    def time_per_token_s(self) -> float:
+        return self.timed.time_per_token_s
+
+    def blocks_of(self, member: int) -> int:
+        return self.timed.division.counts[self.chain.index(member)]
+
+
+@dataclass
+class _Search:
+    devices: Sequence[Device]
+    prices: Sequence[DevicePrices]
+    anchor: int
+    concurrency: int
+    max_stages: int
+    pin_head: bool
+    round_trips: RoundTrips | None
+    seen: dict[frozenset[int], Candidate | None]
+
+    def plan(self, members: frozenset[int]) -> Candidate | None:
+        if members not in self.seen:
+            self.seen[members] = self._plan(members)
+        return self.seen[members]
+
+    def _plan(self, members: frozenset[int]) -> Candidate | None:
+        if len(members) > self.max_stages:
+            return None
+        order = [self.anchor, *sorted(members - {self.anchor})]
+        local = [self.devices[i] for i in order]
+        weights, predicted, priced_in_time = ring_weights(local, self.round_trips)
+        found = best_ring(weights, 0)
+        ring = [order[i] for i in found.order]
+        trip = 0.0
+        if priced_in_time and len(ring) > 1:
+            closed = [*found.order, found.order[0]]
+            trip = sum(edge_round_trip_s(local, predicted, a, b, self.round_trips) or 0.0 for a, b in pairwise(closed))
+            trip /= 2
+        directions = [ring] if len(ring) < 3 else [ring, [ring[0], *reversed(ring[1:])]]
+        anchor_best = self._fastest(directions, [0], trip)
+        choice = anchor_best
+        if not self.pin_head and len(ring) > 1:
+            below = anchor_best[1].time_per_token_s * (1 - HEAD_MARGIN) if anchor_best else float("inf")
+            other = self._fastest(directions, range(1, len(ring)), trip, below)
+            choice = other or anchor_best
+        if choice is None:
+            return None
+        chain, timed = choice
+        return Candidate(members, tuple(chain), timed, trip, found.search)
+
+    def _fastest(
+        self, directions: list[list[int]], heads: Sequence[int], trip: float, below: float = float("inf")
+    ) -> tuple[list[int], TimedDivision] | None:
+        """The fastest chain over these rings and head positions, strictly faster than `below`."""
+        best: tuple[list[int], TimedDivision] | None = None
+        for head in heads:
+            for ring in directions:
+                chain = chain_from_head(ring, head)
+                timed = fastest_division(search_matrices(self.prices, chain), trip, self.concurrency, below)
+                if timed is not None:
+                    best, below = (chain, timed), timed.time_per_token_s
+        return best
+
+
+def _exact(search: _Search, m: int) -> tuple[Candidate | None, MemberSearch]:
+    others = [i for i in range(m) if i != search.anchor]
+    planned = [
+        search.plan(frozenset({search.anchor, *chosen})) for size in range(m) for chosen in combinations(others, size)
+    ]
+    feasible = [c for c in planned if c is not None]
+    if not feasible:
+        return None, MemberSearch.EXACT
+    fastest = min(c.time_per_token_s for c in feasible)
+    close = [c for c in feasible if c.time_per_token_s <= fastest * (1 + STANDBY_MARGIN)]
+    return min(close, key=lambda c: (-len(c.members), c.time_per_token_s, sorted(c.members))), MemberSearch.EXACT
+
+
+def _greedy(search: _Search, m: int) -> tuple[Candidate | None, MemberSearch]:
+    current = search.plan(frozenset(range(m)))
+    while current is not None and len(current.members) > 1:
+        fewer = [search.plan(current.members - {i}) for i in sorted(current.members - {search.anchor})]
+        best = min(filter(None, fewer), key=lambda c: c.time_per_token_s, default=None)
+        if best is None or best.time_per_token_s * (1 + STANDBY_MARGIN) >= current.time_per_token_s:
+            break
+        current = best
+    return current, MemberSearch.GREEDY
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _its_blocks(count: int, verb: str) -> str:
+    """'its block saves', 'its 6 blocks save'."""
+    return f"its block {verb}s" if count == 1 else f"its {count} blocks {verb}"
+
+
+def _serving(search: _Search, chosen: Candidate, member: int, needed: bool) -> Membership:
+    name, blocks, with_it = search.devices[member].name, chosen.blocks_of(member), chosen.time_per_token_s
+    without = search.plan(chosen.members - {member}) if member != search.anchor else None
+    without_s = without.time_per_token_s if without is not None else None
+    if member == search.anchor:
+        why, words = Why.ANCHOR, f"{name} serves: it opened the session"
+    elif needed:
+        why, words = Why.NEEDED, f"{name} serves: the others cannot hold the model without it"
+    elif without_s is None:
+        why, words = Why.HOLDS_SHARE, f"{name} serves: the members serving cannot hold the model without it"
+    elif without_s > with_it:
+        why = Why.PAYS
+        words = (
+            f"{name} serves: {_its_blocks(blocks, 'save')} more than its place costs "
+            f"({_ms(with_it)} a token with it, {_ms(without_s)} without)"
+        )
+    else:
+        why = Why.PAYS
+        words = (
+            f"{name} serves: without it a token takes {_ms(without_s)} against {_ms(with_it)}, "
+            f"within the {STANDBY_MARGIN:.0%} a member must cost to stand by"
+        )
+    return Membership(
+        device=name,
+        role=Role.SERVES,
+        why=why,
+        blocks=blocks,
+        time_with_s=with_it,
+        time_without_s=without_s,
+        added_ring_s=chosen.ring_trip_s - without.ring_trip_s if without is not None else None,
+        words=words,
+    )
+
+
+def _membership(search: _Search, chosen: Candidate, member: int, needed: bool) -> Membership:
+    if member in chosen.members:
+        return _serving(search, chosen, member, needed)
+    name = search.devices[member].name
+    more = search.plan(chosen.members | {member})
+    if more is None:
+        return Membership(
+            device=name,
+            role=Role.STANDS_BY,
+            why=Why.NO_ROOM,
+            blocks=None,
+            time_with_s=None,
+            time_without_s=chosen.time_per_token_s,
+            added_ring_s=None,
+            words=f"{name} stands by: the model divides into at most {search.max_stages} stages",
+        )
+    blocks, added = more.blocks_of(member), more.ring_trip_s - chosen.ring_trip_s
+    cost = "its place costs more than"
+    if added > 0:
+        cost = f"its edges add {_ms(added)} to each pass of the ring, more than"
+    return Membership(
+        device=name,
+        role=Role.STANDS_BY,
+        why=Why.COSTS_MORE,
+        blocks=blocks,
+        time_with_s=more.time_per_token_s,
+        time_without_s=chosen.time_per_token_s,
+        added_ring_s=added,
+        words=(
+            f"{name} stands by: {cost} {_its_blocks(blocks, 'save')} "
+            f"({_ms(more.time_per_token_s)} a token with it, {_ms(chosen.time_per_token_s)} without)"
+        ),
+    )
+
+
+def _needed(search: _Search, m: int, member: int) -> bool:
+    """Whether no set of members without it can hold the model (what was searched of them)."""
+    return member != search.anchor and not any(c is not None and member not in c.members for c in search.seen.values())
+
+
+def _unpriced(plan: Plan, concurrency: int) -> ServingChoice:
+    members = tuple(
+        Membership(
+            device=name,
+            role=Role.SERVES,
+            why=Why.UNPRICED,
+            blocks=next(s.end - s.start for s in plan.stages if s.device == name),
+            time_with_s=None,
+            time_without_s=None,
+            added_ring_s=None,
+            words=f"{name} serves: no speeds were measured, so every member serves",
+        )
+        for name in plan.ring
+    )
+    return ServingChoice(
+        plan=plan,
+        concurrency=concurrency,
+        time_per_token_s=None,
+        ring_trip_s=None,
+        members=members,
+        member_search=MemberSearch.EXACT,
+    )
+
+
+def plan_who_serves(
+    manifest: ModelManifest,
+    devices: Sequence[Device],
+    session: ServingSpec,
+    anchor: str | None = None,
+    round_trips: RoundTrips | None = None,
+    pin_head: bool = False,
+) -> ServingChoice:
+    """The members of least time per token at `session.concurrency`, their ring and division.
+
+    Refuses as `plan_session` does when no set of members can hold the model.
+    """
+    names = [d.name for d in devices]
+    whole = plan_session  # the refusals, and the plan where nothing can be weighed
+    if len(set(names)) != len(names) or (anchor is not None and anchor not in names) or not devices:
+        whole(manifest, devices, session, anchor, pin_head, round_trips)  # raises the reason
+    if round_trips is not None and (missing := round_trips.missing(names)):
+        raise ValueError(f"no round trips for {', '.join(missing)}")
+    tier = choose_tier(devices)
+    if tier is Tier.MEMORY:
+        return _unpriced(whole(manifest, devices, session, anchor, pin_head, round_trips), session.concurrency)
+    m, anchor_index = len(devices), names.index(anchor) if anchor is not None else 0
+    prefix = ChainPrefix.of(manifest, session)
+    prices = price_devices(devices, prefix, tier)
+    search = _Search(devices, prices, anchor_index, session.concurrency, manifest.max_stages, pin_head, round_trips, {})
+    chosen, member_search = (_exact if m <= EXACT_MEMBERS else _greedy)(search, m)
+    if chosen is None:
+        whole(manifest, devices, session, anchor, pin_head, round_trips)  # raises the refusal
+        raise PlanRefused("no set of members can hold the model", device=None)
+    plan = _plan_of(devices, prices, prefix, manifest, tier, chosen, anchor_index, round_trips)
+    if member_search is MemberSearch.GREEDY:
+        note = f"who serves by dropping one member at a time: the exact search covers up to {EXACT_MEMBERS} members"
+        plan = plan.model_copy(update={"notes": (*plan.notes, note)})
+    members = tuple(_membership(search, chosen, i, _needed(search, m, i)) for i in range(m))
+    return ServingChoice(
+        plan=plan,
+        concurrency=session.concurrency,
+        time_per_token_s=chosen.time_per_token_s,
+        ring_trip_s=chosen.ring_trip_s,
+        members=members,
+        member_search=member_search,
+    )
+
+
+def _plan_of(
+    devices: Sequence[Device],
+    prices: Sequence[DevicePrices],
+    prefix: ChainPrefix,
+    manifest: ModelManifest,
+    tier: Tier,
+    chosen: Candidate,
+    anchor: int,
+    round_trips: RoundTrips | None,
+) -> Plan:
+    chain, division = list(chosen.chain), chosen.timed.division
+    m = len(devices)
+    predicted = [[predict_edge(devices[i].nat, devices[j].nat) for j in range(m)] for i in range(m)]
+    priced_in_time = round_trips is not None or all(d.rtt_s is not None for d in devices)
+    ring_from_head = [chain[-1], *chain[:-1]]
+    own, baselines = compare_divisions(devices, prices, chain, division, manifest.cut_positions(), tier)
+    notes = []
+    if chosen.ring_search is RingSearch.HEURISTIC:
+        notes.append(f"ring order by 2-opt local search: the exact search covers up to {EXACT_LIMIT} members")
+    if chain[-1] != anchor:
+        notes.append(f"the head moved off the anchor: it is more than {HEAD_MARGIN:.0%} faster per token")
+    if tier is Tier.THROUGHPUT:
+        notes.append("some members have no bandwidth or overhead: stages priced by arithmetic throughput")
+    return Plan(
+        tier=tier,
+        ring=tuple(devices[d].name for d in ring_from_head),
+        head=devices[chain[-1]].name,
+        stages=plan_stages(devices, prices, prefix, chain, division),
+        bottleneck_s=own.bottleneck_s,
+        utilisation=own.utilisation,
+        edges=ring_edges(devices, ring_from_head, predicted, priced_in_time, round_trips),
+        ring_search=chosen.ring_search,
+        baselines=baselines,
+        notes=tuple(notes),
+    )
