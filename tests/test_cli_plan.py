@@ -57,12 +57,14 @@ def assert_valid_plan(plan: dict, n_blocks: int, names: set[str]) -> None:
         "planner_ms",
         "baselines",
     }
-    assert set(plan["ring"]) == names and plan["ring"][0] == plan["head"]
+    serving = set(plan["ring"])  # the members who serve; the others stand by
+    assert serving | set(plan.get("standby", [])) == names and plan["ring"][0] == plan["head"]
+    assert not serving & set(plan.get("standby", []))
     ranges = [plan["ranges"][name] for name in plan["ring"][1:] + plan["ring"][:1]]
     assert ranges[0][0] == 0 and ranges[-1][1] == n_blocks
     assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert set(plan["baselines"]) == {"uniform", "memory"}
-    assert len(plan["edges"]) == (len(names) if len(names) > 1 else 0)
+    assert len(plan["edges"]) == (len(serving) if len(serving) > 1 else 0)
 
 
 @pytest.mark.parametrize("fleet_path", EXAMPLES, ids=lambda p: p.stem)
@@ -74,8 +76,8 @@ def test_example_fleets_plan(fleet_path: Path) -> None:
     assert_valid_plan(plan, fleet["model"]["n_blocks"], {d["name"] for d in fleet["devices"]})
     assert plan["tier"] == "cost-model" and plan["ring_search"] == "exact"
     assert plan["bottleneck_ms"] == max(plan["stage_ms"].values())
-    for baseline in plan["baselines"].values():
-        assert baseline["bottleneck_ms"] >= plan["bottleneck_ms"]
+    for baseline in plan["baselines"].values():  # the division of least time per token, among those that fit
+        assert not baseline["fits"] or baseline["ms_per_token"] >= plan["ms_per_token"] * (1 - 1e-9)
 
 
 def test_readable_output_names_members_and_baselines() -> None:
@@ -94,14 +96,55 @@ def test_plan_for_a_gguf_file(tmp_path: Path) -> None:
 
 
 def test_plan_for_gemma(tmp_path: Path, gemma_path: Path) -> None:
-    fleet = write_fleet(tmp_path / "fleet.json", {"anchor": "desktop", "devices": DEVICES})
-    result = kafila("plan", fleet, "--model", gemma_path, "--json")
+    # On a LAN, under load, both serve.
+    lan = [dict(d, rtt_ms=1) for d in DEVICES]
+    loaded = {"anchor": "desktop", "devices": lan, "session": {"concurrency": 64}}
+    result = kafila("plan", write_fleet(tmp_path / "fleet.json", loaded), "--model", gemma_path, "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert_valid_plan(plan, 18, {"laptop", "desktop"})
     # The head reads 178 MB per token, ~47 blocks' worth: the faster member holds it, with few blocks.
-    assert plan["head"] == "desktop"
+    assert plan["head"] == "desktop" and plan["standby"] == []
     assert plan["ranges"]["desktop"][1] - plan["ranges"]["desktop"][0] < 9
+
+    # One user pays the whole pass: the laptop's 100 ms relayed edge costs more than its blocks save.
+    alone = {"anchor": "desktop", "devices": DEVICES}
+    result = kafila("plan", write_fleet(tmp_path / "alone.json", alone), "--model", gemma_path, "--json")
+    plan = json.loads(result.stdout)
+    assert plan["standby"] == ["laptop"] and plan["ranges"] == {"desktop": [0, 18]}
+    laptop = next(m for m in plan["members"] if m["device"] == "laptop")
+    assert laptop["why"] == "costs-more" and laptop["words"].startswith("laptop stands by: its edges add 100.0 ms")
+
+
+def test_plan_reads_a_round_trip_matrix(tmp_path: Path) -> None:
+    """The fleet's measured round trips decide who serves; a bad matrix is refused with a clear error."""
+    model = {
+        "n_blocks": 24,
+        "block_bytes": 100_000_000,
+        "head_bytes": 200_000_000,
+        "kv_bytes_per_token_per_block": 1000,
+    }
+    devices = [
+        {"name": name, "memory_gib": 2, "bandwidth_gb_s": 50, "overhead_us": 100}
+        for name in ("home", "near", "far-laptop")
+    ]
+    rtt_ms = {"home": {"near": 2, "far-laptop": 95}, "near": {"far-laptop": 95}}
+    fleet = {"model": model, "session": {"context": 512, "concurrency": 4}, "devices": devices, "rtt_ms": rtt_ms}
+    result = kafila("plan", write_fleet(tmp_path / "fleet.json", fleet), "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert_valid_plan(plan, 24, {"home", "near", "far-laptop"})
+    assert plan["standby"] == ["far-laptop"] and plan["ring_trip_ms"] == pytest.approx(2.0)
+    assert [e["cost_ms"] for e in plan["edges"]] == [pytest.approx(2.0)] * 2
+    assert plan["ms_per_token"] == pytest.approx(max(plan["stage_ms"].values()))
+
+    readable = kafila("plan", tmp_path / "fleet.json")
+    assert "far-laptop stands by: its edges add 94.0 ms" in " ".join(readable.stdout.split())
+
+    del rtt_ms["near"]
+    result = kafila("plan", write_fleet(tmp_path / "bad.json", fleet), "--json")
+    assert result.returncode == 1
+    assert "rtt_ms has no round trip between 'near' and 'far-laptop'" in json.loads(result.stdout)["error"]
 
 
 def test_refusal_exits_2_naming_the_member(tmp_path: Path) -> None:

@@ -24,9 +24,10 @@ from kafila.cli.plan_view import render_plan
 from kafila.cli.probe_command import probe
 from kafila.cli.status_command import status
 from kafila.log_repeats import summarise_repeats
-from kafila.planner import PlanRefused, plan_session
+from kafila.planner import PlanRefused
 from kafila.planner.fleet import Fleet, device_of
 from kafila.planner.report import plan_report
+from kafila.planner.who_serves import plan_who_serves
 from kafila.runtime.gguf.families import UnsupportedFamily
 from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.manifest import read_manifest
@@ -79,7 +80,7 @@ def plan(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
-    """Plan a session: ring order, head, block division and admission."""
+    """Plan a session: who serves, ring order, head, block division and admission."""
     fleet = _load_fleet(fleet_path, as_json)
     if model is not None:
         try:
@@ -101,10 +102,12 @@ def plan(
             fail(str(error), as_json, EXIT_REFUSED)
     started = time.perf_counter()
     try:
-        result = plan_session(manifest, devices, fleet.session, anchor=fleet.anchor_name)
+        choice = plan_who_serves(
+            manifest, devices, fleet.session, anchor=fleet.anchor_name, round_trips=fleet.round_trips()
+        )
     except PlanRefused as refusal:
         fail(str(refusal), as_json, EXIT_REFUSED, device=refusal.device, shortfall_bytes=refusal.shortfall_bytes)
-    report = plan_report(result, time.perf_counter() - started)
+    report = plan_report(choice.plan, time.perf_counter() - started, choice)
     if as_json:
         print(report.model_dump_json())
     else:

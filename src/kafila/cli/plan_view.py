@@ -37,6 +37,7 @@ def render_plan(report: PlanReport, console: Console) -> None:
             f"{memory['available'] / 2**30:.2f} GiB",
         )
     console.print(stages)
+    _render_members(report, console)
 
     if report.edges:
         edges = Table(title="Ring edges (activations flow head → … → head)")
@@ -50,18 +51,41 @@ def render_plan(report: PlanReport, console: Console) -> None:
         console.print(edges)
 
     comparison = Table(title="Division compared on the same ring")
-    for column in ("division", "bottleneck ms", "utilisation", "fits", "bottleneck vs Kafila"):
+    timed = report.ms_per_token is not None
+    columns = ["division", "bottleneck ms", "utilisation", "fits", "bottleneck vs Kafila"]
+    columns += ["ms a token", "vs Kafila"] if timed else []
+    for column in columns:
         comparison.add_column(column, justify="left" if column == "division" else "right")
     utilisation = "—" if report.utilisation is None else f"{report.utilisation:.0%}"
-    comparison.add_row("Kafila", _ms(report.bottleneck_ms), utilisation, "yes", "1.00×")
+    ours = ["Kafila", _ms(report.bottleneck_ms), utilisation, "yes", "1.00×"]
+    comparison.add_row(*ours, *([_ms(report.ms_per_token), "1.00×"] if timed else []))
     for name, baseline in report.baselines.items():
-        comparison.add_row(
+        row = [
             name,
             _ms(baseline.bottleneck_ms),
             "—" if baseline.utilisation is None else f"{baseline.utilisation:.0%}",
             "yes" if baseline.fits else "[red]no[/red]",
             _ratio(baseline.bottleneck_ms, report.bottleneck_ms),
-        )
+        ]
+        if timed:
+            row += [_ms(baseline.ms_per_token), _ratio(baseline.ms_per_token, report.ms_per_token)]
+        comparison.add_row(*row)
     console.print(comparison)
     for note in report.notes:
         console.print(f"• {shown(note)}")
+
+
+def _render_members(report: PlanReport, console: Console) -> None:
+    """Who serves and who stands by, each with its reason in words."""
+    if not report.members:
+        return
+    title = "Who serves"
+    if report.ms_per_token is not None:
+        title += f" ({report.ms_per_token:.1f} ms a token at {report.concurrency} concurrent)"
+    members = Table(title=title)
+    for column in ("member", "role", "why"):
+        members.add_column(column)
+    for member in report.members:
+        colour = "green" if member.role.value == "serves" else "yellow"
+        members.add_row(shown(member.device), f"[{colour}]{member.role.value}[/{colour}]", shown(member.words))
+    console.print(members)
