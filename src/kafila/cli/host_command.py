@@ -187,7 +187,7 @@ def host(
     if n_members > 1 and (stages is not None or division is not None):
         fail("--stages and --division split the model on this machine; with --members the planner divides it", False)
     if api_key is not None and not api_key.strip():
-        fail("--api-key is empty", False)
+        fail("--api-key is empty: give the key clients must send, or leave --api-key out to serve without one", False)
     try:
         check_stage_cache_setting()
     except ValueError as error:

@@ -108,7 +108,7 @@ def rendezvous(
                 limits=Limits(session_idle_s=session_idle),
             )
         except OSError as error:
-            fail(f"cannot bind the rendezvous's sockets: {error}", False)
+            fail(f"cannot bind the rendezvous's sockets: {error.strerror or error}", False)
         stop = asyncio.Event()
         try:  # the handlers are in before READY: whoever waits for it may stop the rendezvous at once
             with signals_handled(asyncio.get_running_loop(), lambda _signum: stop.set()):

@@ -304,11 +304,17 @@ async def start_rendezvous(
     limits = limits or Limits()
     raise_open_file_limit()
     gate = ConnectionGate(limits.max_connections_per_ip, limits.max_connections, limits.connections_per_network)
-    stun = await StunServer.start(host, stun_port, alt_port, alt_address)
+    try:
+        stun = await StunServer.start(host, stun_port, alt_port, alt_address)
+    except OSError as error:  # which socket, for the person told: errno and message alone name no port
+        alternate = f" or its second port {alt_port}" if alt_port else ""
+        raise OSError(error.errno, f"STUN's UDP port {stun_port}{alternate} on {host}: {error.strerror}") from error
     try:
         listener = _listen(host, http_port)
-    except BaseException:
+    except BaseException as error:
         stun.close()
+        if isinstance(error, OSError):
+            raise OSError(error.errno, f"the signalling TCP port {http_port} on {host}: {error.strerror}") from error
         raise
     advertised = relay_host if relay_host is not None else (None if host in ("0.0.0.0", "::", "") else host)
     relay = RelayServer(host, relay_limits, clock)
