@@ -261,7 +261,7 @@ class Deployer:
         for router in self.roster.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
         for member, assign in assigns.items():
-            await self.roster.routers[member].send_control(assign)
+            await self._tell(member, assign, "take its part")
         # Every member links to its neighbours and gets its file at once; they load one by one.
         preparing = {self.roster.name(m): "to link and get its stage" for m in assigns}
 
@@ -289,7 +289,7 @@ class Deployer:
                     await self._load_own_stage(chain, index, stages[index], plan.stages[index].resident_bytes)
                 continue
             assign = assigns[member]
-            await self.roster.routers[member].send_control(Load(epoch=assign.epoch))
+            await self._tell(member, Load(epoch=assign.epoch), "load its stage")
             loaded = await self._expect(member, assign.epoch, Loaded, "load its stage", assign)
             self.say(
                 f"{self.roster.name(member)} loaded blocks {assign.first_block}-{assign.end_block - 1} "
@@ -359,6 +359,14 @@ class Deployer:
             except Exception as error:  # its side gave up, or its link went down
                 raise SessionFailed(f"{name} could not receive its stage: {error}", member) from None
         return await self._expect(member, assign.epoch, Staged, what)
+
+    async def _tell(self, member: str, message: Assign | Load, what: str) -> None:
+        """Send a member its part of the deployment; SessionFailed naming it where its link is down
+        (it died, say, while the host replanned for another reason), so the host leaves it out."""
+        try:
+            await self.roster.routers[member].send_control(message)
+        except Exception as error:
+            raise SessionFailed(f"{self.roster.name(member)} left before it could {what}: {error}", member) from None
 
     async def _expect(
         self,
