@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
+import numpy.typing as npt
 
 from kafila.planner.cost import FloatMatrix
 from kafila.planner.partition import Division, balanced_division, candidate_bottlenecks
@@ -61,25 +62,32 @@ def _timed(matrices: Sequence[FloatMatrix], bounds: tuple[int, ...], round_trip_
 
 
 def fastest_division(
-    matrices: Sequence[FloatMatrix], ring_round_trip_s: float, concurrency: int, below: float = np.inf
+    matrices: Sequence[FloatMatrix],
+    ring_round_trip_s: float,
+    concurrency: int,
+    below: float = np.inf,
+    candidates: npt.NDArray[np.float64] | None = None,
 ) -> TimedDivision | None:
     """The division of least t_c on this chain (None if none fits, or none is faster than `below`);
     among near-equals (TIE_TOLERANCE) the one of least bottleneck, and then the most even, as
-    partition.py breaks its ties.
+    partition.py breaks its ties. `candidates`, sorted, may be any superset of the values a
+    bottleneck can take (one set shared by every chain of a fleet saves sorting each).
 
     For a bound B on every stage, S(B) is the least total price: t_c is at best max(B, (S(B)+L)/c).
     B grows while S(B) falls, so the best B is where they cross, found by binary search over the
     values a bottleneck can take, a least-sum dynamic programme per step.
     """
     n_blocks = matrices[0].shape[0] - 1
-    values = np.unique(candidate_bottlenecks(matrices))
-    if len(matrices) > n_blocks or len(values) == 0:
-        return None
     c, trip = concurrency, ring_round_trip_s
+    if len(matrices) > n_blocks:
+        return None
     if below < np.inf:  # one test: a division faster than `below` has its stages and its pass within it
         under = _least_sum(matrices, below)
         if under is None or (under[0] + trip) / c >= below:
             return None
+    values = np.unique(candidate_bottlenecks(matrices)) if candidates is None else candidates
+    if len(values) == 0:
+        return None
     sums: dict[int, tuple[float, tuple[int, ...]] | None] = {}
 
     def least(i: int) -> tuple[float, tuple[int, ...]] | None:

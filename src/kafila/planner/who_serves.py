@@ -8,7 +8,7 @@ The largest set within STANDBY_MARGIN of the fastest serves; the others stand by
 does not fit is no candidate, so a member the others cannot do without always serves.
 
 Every set is tried up to EXACT_MEMBERS members (2^(m-1) sets); beyond, members are dropped one at
-a time while dropping one is clearly faster.
+a time while dropping one is faster, and the same rule chooses among the sets passed through.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import combinations, pairwise
 
+import numpy as np
+import numpy.typing as npt
+
 from kafila.planner.cost import ChainPrefix
+from kafila.planner.partition import candidate_bottlenecks
 from kafila.planner.plan import (
     HEAD_MARGIN,
     DevicePrices,
@@ -118,6 +122,7 @@ class _Search:
     max_stages: int
     pin_head: bool
     round_trips: RoundTrips | None
+    candidates: npt.NDArray[np.float64]  # every value a bottleneck can take in this fleet, sorted
     seen: dict[frozenset[int], Candidate | None]
 
     def plan(self, members: frozenset[int]) -> Candidate | None:
@@ -158,7 +163,8 @@ class _Search:
         for head in heads:
             for ring in directions:
                 chain = chain_from_head(ring, head)
-                timed = fastest_division(search_matrices(self.prices, chain), trip, self.concurrency, below)
+                matrices = search_matrices(self.prices, chain)
+                timed = fastest_division(matrices, trip, self.concurrency, below, self.candidates)
                 if timed is not None:
                     best, below = (chain, timed), timed.time_per_token_s
         return best
@@ -169,23 +175,31 @@ def _exact(search: _Search, m: int) -> tuple[Candidate | None, MemberSearch]:
     planned = [
         search.plan(frozenset({search.anchor, *chosen})) for size in range(m) for chosen in combinations(others, size)
     ]
-    feasible = [c for c in planned if c is not None]
-    if not feasible:
-        return None, MemberSearch.EXACT
-    fastest = min(c.time_per_token_s for c in feasible)
-    close = [c for c in feasible if c.time_per_token_s <= fastest * (1 + STANDBY_MARGIN)]
-    return min(close, key=lambda c: (-len(c.members), c.time_per_token_s, sorted(c.members))), MemberSearch.EXACT
+    return _largest_close_to_fastest([c for c in planned if c is not None]), MemberSearch.EXACT
 
 
 def _greedy(search: _Search, m: int) -> tuple[Candidate | None, MemberSearch]:
+    """Drop the member whose leaving is fastest while that is faster; then choose among the sets
+    passed through by the exact rule (the largest within the margin of the fastest)."""
     current = search.plan(frozenset(range(m)))
+    path = [current] if current is not None else []
     while current is not None and len(current.members) > 1:
         fewer = [search.plan(current.members - {i}) for i in sorted(current.members - {search.anchor})]
         best = min(filter(None, fewer), key=lambda c: c.time_per_token_s, default=None)
-        if best is None or best.time_per_token_s * (1 + STANDBY_MARGIN) >= current.time_per_token_s:
+        if best is None or best.time_per_token_s >= current.time_per_token_s:
             break
         current = best
-    return current, MemberSearch.GREEDY
+        path.append(current)
+    return _largest_close_to_fastest(path), MemberSearch.GREEDY
+
+
+def _largest_close_to_fastest(candidates: Sequence[Candidate]) -> Candidate | None:
+    """The largest set within STANDBY_MARGIN of the fastest; among those, the fastest."""
+    if not candidates:
+        return None
+    fastest = min(c.time_per_token_s for c in candidates)
+    close = [c for c in candidates if c.time_per_token_s <= fastest * (1 + STANDBY_MARGIN)]
+    return min(close, key=lambda c: (-len(c.members), c.time_per_token_s, sorted(c.members)))
 
 
 def _ms(seconds: float) -> str:
@@ -319,7 +333,10 @@ def plan_who_serves(
     m, anchor_index = len(devices), names.index(anchor) if anchor is not None else 0
     prefix = ChainPrefix.of(manifest, session)
     prices = price_devices(devices, prefix, tier)
-    search = _Search(devices, prices, anchor_index, session.concurrency, manifest.max_stages, pin_head, round_trips, {})
+    candidates = np.unique(candidate_bottlenecks([matrix for device in prices for matrix in device.search]))
+    search = _Search(
+        devices, prices, anchor_index, session.concurrency, manifest.max_stages, pin_head, round_trips, candidates, {}
+    )
     chosen, member_search = (_exact if m <= EXACT_MEMBERS else _greedy)(search, m)
     if chosen is None:
         whole(manifest, devices, session, anchor, pin_head, round_trips)  # raises the refusal
