@@ -115,6 +115,9 @@ class Candidate:
 
 @dataclass
 class _Search:
+    """One fleet's prices and the sets of its members planned so far: the exact search, the greedy
+    one and the reasons each member is given all ask of the same sets."""
+
     devices: Sequence[Device]
     prices: Sequence[DevicePrices]
     anchor: int
@@ -322,14 +325,14 @@ def plan_who_serves(
     Refuses as `plan_session` does when no set of members can hold the model.
     """
     names = [d.name for d in devices]
-    whole = plan_session  # the refusals, and the plan where nothing can be weighed
     if len(set(names)) != len(names) or (anchor is not None and anchor not in names) or not devices:
-        whole(manifest, devices, session, anchor, pin_head, round_trips)  # raises the reason
+        plan_session(manifest, devices, session, anchor, pin_head, round_trips)  # raises what is wrong
     if round_trips is not None and (missing := round_trips.missing(names)):
         raise ValueError(f"no round trips for {', '.join(missing)}")
     tier = choose_tier(devices)
     if tier is Tier.MEMORY:
-        return _unpriced(whole(manifest, devices, session, anchor, pin_head, round_trips), session.concurrency)
+        every_member = plan_session(manifest, devices, session, anchor, pin_head, round_trips)
+        return _unpriced(every_member, session.concurrency)
     m, anchor_index = len(devices), names.index(anchor) if anchor is not None else 0
     prefix = ChainPrefix.of(manifest, session)
     prices = price_devices(devices, prefix, tier)
@@ -339,7 +342,7 @@ def plan_who_serves(
     )
     chosen, member_search = (_exact if m <= EXACT_MEMBERS else _greedy)(search, m)
     if chosen is None:
-        whole(manifest, devices, session, anchor, pin_head, round_trips)  # raises the refusal
+        plan_session(manifest, devices, session, anchor, pin_head, round_trips)  # raises its refusal
         raise PlanRefused("no set of members can hold the model", device=None)
     plan = _plan_of(devices, prices, prefix, manifest, tier, chosen, anchor_index, round_trips)
     if member_search is MemberSearch.GREEDY:
