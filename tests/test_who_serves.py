@@ -214,6 +214,7 @@ def test_members_ring_and_division_equal_brute_force(instance: tuple[Modelled, i
     assert achieved(f, index, choice.plan) == pytest.approx(choice.time_per_token_s, rel=1e-9)
     assert {m.device for m in choice.members if m.role is Role.SERVES} == set(choice.plan.ring)
     assert set(choice.standby) == set(names) - set(choice.plan.ring)
+    assert names[anchor] in choice.plan.ring and (not pin_head or choice.plan.head == names[anchor])
     event(f"{len(names)} members, {len(choice.standby)} standing by")
 
 
@@ -399,3 +400,24 @@ def test_a_fleet_file_gives_round_trips_by_name() -> None:
 def test_a_bad_round_trip_matrix_gets_a_clear_error(rtt_ms: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         Fleet.model_validate(fleet_json(rtt_ms))
+
+
+def test_a_member_the_model_has_no_stage_for_stands_by() -> None:
+    manifest = ModelManifest(name="m", block_bytes=(10**8,) * 2, head_bytes=0, kv_bytes_per_token=(0,) * 2)
+    devices = [Device(name=n, memory_bytes=GIB, bandwidth_bytes_per_s=50e9, overhead_s=0.0) for n in "abc"]
+    round_trips = RoundTrips(members=tuple("abc"), seconds=((0, 0, 0), (0, 0, 0), (0, 0, 0)))
+    choice = plan_who_serves(manifest, devices, ServingSpec(concurrency=64), "a", round_trips)
+    assert len(choice.plan.ring) == 2
+    (left_out,) = (m for m in choice.members if m.role is Role.STANDS_BY)
+    assert left_out.why is Why.NO_ROOM and left_out.words.endswith("the model divides into at most 2 stages")
+
+
+def test_members_priced_by_arithmetic_throughput_are_chosen_alike() -> None:
+    """Without bandwidth and overhead, stages are priced by FLOP/s; who serves follows the same rule."""
+    manifest, devices, session, round_trips = three_homes(0.095, concurrency=4)
+    throughput = [Device(name=d.name, memory_bytes=d.memory_bytes, flops=5e12) for d in devices]
+    choice = plan_who_serves(manifest, throughput, session, "home", round_trips)
+    assert choice.plan.tier is Tier.THROUGHPUT and choice.standby == ("far-laptop",)
+    costs = [s.cost_s or 0.0 for s in choice.plan.stages]
+    assert choice.ring_trip_s == pytest.approx(0.002)  # home-near both ways: one round trip
+    assert choice.time_per_token_s == pytest.approx(time_per_token_s(costs, 0.002, 4))
