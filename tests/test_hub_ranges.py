@@ -13,8 +13,9 @@ from test_split_correctness import N_BLOCKS, greedy_split, greedy_unsplit
 from tiny_gguf import write_split_parts
 from tiny_models import write_tiny_model
 
+from kafila.contracts import HubModel
 from kafila.hub.fetch import HubRefused, HubUnreachable
-from kafila.hub.ranges import HubHeader, HubMismatch, HubModel, RangeSettings, fetch_stage, read_hub_header
+from kafila.hub.ranges import HubHeader, HubMismatch, RangeSettings, fetch_stage, read_hub_header, stage_key
 from kafila.hub.reference import HubReference
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
 from kafila.runtime.gguf.header import ModelHeader, PackedTensors, TensorSpan, check_spans, packed_layout
@@ -214,7 +215,7 @@ def test_a_fetch_stopped_midway_resumes_without_fetching_again_what_it_kept(
     assert sum(end - start for start, end in asked[1:]) == total - resumed[0][1]
     cut = block_range_file(tiny, stage[0], stage[1], tmp_path / "cut", is_head=stage[2])
     assert got.path.read_bytes() == cut.path.read_bytes()
-    assert not (tmp_path / "m" / "hub-partial" / header.model.key(*stage).digest()).exists()
+    assert not (tmp_path / "m" / "hub-partial" / stage_key(header.model, *stage).digest()).exists()
 
 
 def mirror_of(copy: bytes, listed: str | None = None) -> FakeHub:

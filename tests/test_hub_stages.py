@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from serving_checks import unsplit_greedy
 from tiny_models import write_tiny_model
 
-from kafila.hub.ranges import HubModel, HubPart
+from kafila.contracts import HubModel, HubPart
 from kafila.runtime.gguf.gguf_file import HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP
 from kafila.runtime.gguf.slicer import stage_piece

@@ -294,6 +294,34 @@ class HostStatus(SessionStatus):
 
 
 # ---------------------------------------------------------------------------------------------
+# Models on the hub: what the host planned from, which the members fetch their stages by.
+# ---------------------------------------------------------------------------------------------
+
+
+class HubPart(Strict):
+    """One file of a model on the hub (a split model has several), as the host planned from it."""
+
+    path: str = Field(min_length=1, max_length=1000)
+    size: int = Field(ge=0)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # the file's, as the hub lists it (LFS)
+    header_bytes: int = Field(gt=0)  # where its tensor data begins
+    header_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class HubModel(Strict):
+    """A model on the hub at a commit, as the host planned from it: what a machine needs to fetch its
+    own stage, and to check that it is a stage of the model planned (`fetch_stage`)."""
+
+    repo_id: str = Field(min_length=3, max_length=200)
+    commit: str = Field(pattern=r"^[0-9a-f]{40}$")
+    parts: tuple[HubPart, ...] = Field(min_length=1, max_length=1000)
+
+    @property
+    def label(self) -> str:
+        return f"hf://{self.repo_id}/{self.parts[0].path}@{self.commit[:12]}"
+
+
+# ---------------------------------------------------------------------------------------------
 # Machines: what a member says of itself to the rendezvous, the host and the planner.
 # ---------------------------------------------------------------------------------------------
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr, warn
+from kafila.contracts import HubModel
 from kafila.hub.fetch import ModelFetchError, fetch_model
-from kafila.hub.ranges import HubModel, read_hub_header
+from kafila.hub.ranges import read_hub_header
 from kafila.hub.reference import PREFIX, HubReference, ModelNameError, parse_reference
 
 MODEL_HELP = (

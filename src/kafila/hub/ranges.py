@@ -35,9 +35,8 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
-from pydantic import Field
 
-from kafila.contracts import Progress, Strict
+from kafila.contracts import HubModel, HubPart, Progress
 from kafila.hub.fetch import HubUnreachable, ModelFetchError, listing, refusal
 from kafila.hub.reference import HubReference, choose_file, merged_name
 from kafila.planner.types import ModelManifest
@@ -64,30 +63,9 @@ class HubMismatch(ModelFetchError):
     """The hub's copy is not the one planned from: its header, size, sha256 or a range's bytes differ."""
 
 
-class HubPart(Strict):
-    """One file of a model on the hub (a split model has several), as the host planned from it."""
-
-    path: str = Field(min_length=1, max_length=1000)
-    size: int = Field(ge=0)
-    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")  # the file's, as the hub lists it (LFS)
-    header_bytes: int = Field(gt=0)  # where its tensor data begins
-    header_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-
-class HubModel(Strict):
-    """A model on the hub at a commit, as the host planned from it: what a machine needs to fetch its
-    own stage, and to check that it is a stage of the model planned (`fetch_stage`)."""
-
-    repo_id: str = Field(min_length=3, max_length=200)
-    commit: str = Field(pattern=r"^[0-9a-f]{40}$")
-    parts: tuple[HubPart, ...] = Field(min_length=1, max_length=1000)
-
-    def key(self, first: int, end: int, is_head: bool) -> HubStageKey:
-        return HubStageKey(self.repo_id, self.commit, self.parts[0].path, first, end, is_head)
-
-    @property
-    def label(self) -> str:
-        return f"hf://{self.repo_id}/{self.parts[0].path}@{self.commit[:12]}"
+def stage_key(model: HubModel, first: int, end: int, is_head: bool) -> HubStageKey:
+    """Where the stage cache keeps this model's blocks [first, end) (and the head, or not)."""
+    return HubStageKey(model.repo_id, model.commit, model.parts[0].path, first, end, is_head)
 
 
 @dataclass(frozen=True)
@@ -163,7 +141,7 @@ def fetch_stage(
     there: the caller falls back to another source."""
     out = Path(out_dir)
     settings = settings or RangeSettings()
-    key = model.key(first, end, is_head)
+    key = stage_key(model, first, end, is_head)
     kept = find_hub_stage(out, key)
     if kept is not None:
         return StageFile(0, first, end, is_head, kept.path, kept.sha256, kept.n_bytes)

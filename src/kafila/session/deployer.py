@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
-from kafila.contracts import EdgeStatus, Progress, Tell
-from kafila.hub.ranges import HubModel
+from kafila.contracts import EdgeStatus, HubModel, Progress, Tell
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from kafila.contracts import Progress
-from kafila.hub.ranges import HubModel
+from kafila.contracts import HubModel, Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous

@@ -11,8 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from kafila.contracts import BackendReport, ModelPricing
-from kafila.hub.ranges import HubModel
+from kafila.contracts import BackendReport, HubModel, ModelPricing
 from kafila.validation import first_problem
 from kafila.wire.frames import Frame, Kind
 
