@@ -147,7 +147,7 @@ def test_an_end_token_stops_and_a_stop_string_cuts_the_text() -> None:
     steps = b.plan()
     events = b.advance([one_hot(END), one_hot(7)])
     assert Finished("a", FinishReason.STOP, 2, 0) in events
-    assert Finished("b", FinishReason.STOP, 2, 1) in events
+    assert Finished("b", FinishReason.STOP, 2, 1, stop="<7>") in events  # which stop string ended it
     assert not [e for e in events if isinstance(e, TextDelta)]
     assert len(steps) == 2 and b.idle
 
