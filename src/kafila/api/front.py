@@ -93,12 +93,7 @@ class Front:
             raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
 
     async def parse(self, request: Request, schema: type[BaseModel]) -> Any:
-        body = await bounded_body(request)
-        try:
-            data = json_object(body, request.headers.get("content-type"))
-        except BodyRefused as refused:
-            code = "unsupported_media_type" if refused.status == 415 else None
-            raise ApiError(refused.status, str(refused), "invalid_request_error", code) from None
+        data = await json_body(request)
         try:
             return schema.model_validate(data)
         except ValidationError as error:
@@ -263,6 +258,16 @@ async def _tokenize_with(ring: ServingHandle, text: str, add_special: bool, pars
     if len(text) <= TOKENIZE_IN_THREAD_CHARACTERS:
         return ring.tokenize(text, add_special, parse_special)
     return await asyncio.to_thread(ring.tokenize, text, add_special, parse_special)
+
+
+async def json_body(request: Request) -> Any:
+    """The body's JSON object, bounded (`bounded_body`) and sent as JSON (`guards.json_object`)."""
+    body = await bounded_body(request)
+    try:
+        return json_object(body, request.headers.get("content-type"))
+    except BodyRefused as refused:
+        code = "unsupported_media_type" if refused.status == 415 else None
+        raise ApiError(refused.status, str(refused), "invalid_request_error", code) from None
 
 
 async def bounded_body(request: Request) -> bytes:

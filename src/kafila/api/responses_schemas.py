@@ -22,11 +22,11 @@ from pydantic import (
     model_validator,
 )
 
-from kafila.api.asks import CallMade, ChatAsk, FunctionTool, Generation, OutputFormat, ToolChoice, Turn
-from kafila.api.errors import ApiError, invalid
-from kafila.api.front import bounded_body
-from kafila.api.guards import BodyRefused, json_object
-from kafila.api.schemas import FUNCTION_NAME, MAX_TOOLS
+from kafila.api.asks import CallMade, ChatAsk, Generation, OutputFormat, ToolChoice, Turn
+from kafila.api.errors import invalid
+from kafila.api.front import json_body
+from kafila.api.schemas import MAX_TOOLS
+from kafila.api.schemas import FunctionDefinition as ChatFunctionDefinition
 from kafila.runtime.engine.sampling import SamplingSettings
 
 MAX_ITEMS = 4096
@@ -119,22 +119,10 @@ Item = Annotated[
 ITEMS: TypeAdapter[list[Item]] = TypeAdapter(list[Item])
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(ChatFunctionDefinition):
+    """A function tool in this API's flat shape: chat completions' definition, typed beside it."""
+
     type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: str | None = Field(default=None, max_length=8192)
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _an_object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "object") != "object":
-            raise ValueError("a function's parameters must be a JSON Schema of type object")
-        return value
-
-    def tool(self) -> FunctionTool:
-        return FunctionTool(self.name, self.description or "", self.parameters)
 
     def wire(self) -> dict[str, Any]:
         strict = True if self.strict is None else self.strict  # OpenAI's default for function tools
@@ -353,12 +341,7 @@ def param_of(location: Sequence[int | str]) -> str:
 
 async def parse(request: Request) -> ResponsesRequest:
     """The body, validated; a 400 naming the field at fault as this API names it."""
-    body = await bounded_body(request)
-    try:
-        data = json_object(body, request.headers.get("content-type"))
-    except BodyRefused as refused:
-        code = "unsupported_media_type" if refused.status == 415 else None
-        raise ApiError(refused.status, str(refused), "invalid_request_error", code) from None
+    data = await json_body(request)
     try:
         return ResponsesRequest.model_validate(data)
     except ValidationError as error:
