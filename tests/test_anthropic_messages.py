@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 from agent_models import write_tool_caller
-from serving_checks import serving_in_thread
+from serving_checks import engine_served
 from test_tool_calls import QWEN_TEMPLATE, SETTINGS, WEATHER
 from tiny_models import write_tiny_model
 from waiting import until
@@ -35,7 +35,6 @@ from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 from kafila.serving.chat_template import ChatTemplate, ReplySyntax
-from kafila.serving.engine_loop import EngineLoop
 from kafila.session.availability import Availability
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -242,18 +241,9 @@ def test_a_failure_mid_stream_is_an_error_event() -> None:
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Availability]]:
     """The tiny qwen3 model with Qwen's tool template, served with an API key."""
     path = write_tiny_model(tmp_path_factory.mktemp("anthropic") / "q.gguf", "qwen3", 2, chat_template=QWEN_TEMPLATE)
-    engine = open_engine(path, [2], SETTINGS)
-    loop = EngineLoop(engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=CONTEXT)
-    loop.start()
-    serving = Availability()
-    serving.become_ready(engine, loop, "llama")
     config = ApiConfig(model_id="tiny", context_per_sequence=CONTEXT, api_key=KEY)
-    try:
-        with serving_in_thread(serving, CONTEXT, config) as url:
-            yield url, serving
-    finally:
-        loop.stop()
-        engine.close()
+    with engine_served(open_engine(path, [2], SETTINGS), 2, SETTINGS.n_batch, CONTEXT, config) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -448,17 +438,9 @@ def caller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A host serving the tiny model that makes a tool call (agent_models), with a key."""
     settings = ContextSettings(n_ctx=AGENT_CONTEXT, n_batch=512, n_seq_max=1, n_threads=2)
     engine = open_engine(write_tool_caller(tmp_path_factory.mktemp("caller") / "caller.gguf"), [2], settings)
-    loop = EngineLoop(engine, concurrency=1, batch_rows=settings.n_batch, context_per_sequence=AGENT_CONTEXT)
-    loop.start()
-    serving = Availability()
-    serving.become_ready(engine, loop, "llama")
     config = ApiConfig(model_id="tiny-caller", context_per_sequence=AGENT_CONTEXT, api_key=KEY)
-    try:
-        with serving_in_thread(serving, AGENT_CONTEXT, config) as url:
-            yield url
-    finally:
-        loop.stop()
-        engine.close()
+    with engine_served(engine, 1, settings.n_batch, AGENT_CONTEXT, config) as (url, _serving):
+        yield url
 
 
 @pytest.mark.timeout(420)

@@ -22,7 +22,7 @@ import pytest
 from agent_models import write_tool_caller
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field
-from serving_checks import serving_in_thread
+from serving_checks import engine_served
 from test_tool_calls import QWEN_TEMPLATE, SETTINGS, WEATHER
 from tiny_models import write_tiny_model
 from waiting import until
@@ -39,7 +39,6 @@ from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 from kafila.serving.chat_template import ReplySyntax
-from kafila.serving.engine_loop import EngineLoop
 from kafila.session.availability import Availability
 
 CONTEXT = 2048
@@ -277,18 +276,9 @@ def test_the_store_is_bounded_in_count_and_bytes_and_says_why_an_id_is_missing()
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Availability]]:
     """The tiny qwen3 model with Qwen's tool template, served with an API key."""
     path = write_tiny_model(tmp_path_factory.mktemp("responses") / "q.gguf", "qwen3", 2, chat_template=QWEN_TEMPLATE)
-    engine = open_engine(path, [2], SETTINGS)
-    loop = EngineLoop(engine, concurrency=2, batch_rows=SETTINGS.n_batch, context_per_sequence=CONTEXT)
-    loop.start()
-    serving = Availability()
-    serving.become_ready(engine, loop, "llama")
     config = ApiConfig(model_id="tiny", context_per_sequence=CONTEXT, api_key=KEY)
-    try:
-        with serving_in_thread(serving, CONTEXT, config) as url:
-            yield url, serving
-    finally:
-        loop.stop()
-        engine.close()
+    with engine_served(open_engine(path, [2], SETTINGS), 2, SETTINGS.n_batch, CONTEXT, config) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -531,18 +521,9 @@ def codex_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A host serving the tiny model that makes tool calls (agent_models), its names led by "e"."""
     settings = ContextSettings(n_ctx=CODEX_CONTEXT, n_batch=512, n_seq_max=1, n_threads=2)
     path = write_tool_caller(tmp_path_factory.mktemp("codex") / "caller.gguf", prefer=(("e", 5.0),))
-    engine = open_engine(path, [2], settings)
-    loop = EngineLoop(engine, concurrency=1, batch_rows=settings.n_batch, context_per_sequence=CODEX_CONTEXT)
-    loop.start()
-    serving = Availability()
-    serving.become_ready(engine, loop, "llama")
     config = ApiConfig(model_id="tiny-caller", context_per_sequence=CODEX_CONTEXT, api_key=KEY)
-    try:
-        with serving_in_thread(serving, CODEX_CONTEXT, config) as url:
-            yield url
-    finally:
-        loop.stop()
-        engine.close()
+    with engine_served(open_engine(path, [2], settings), 1, settings.n_batch, CODEX_CONTEXT, config) as (url, _):
+        yield url
 
 
 @pytest.mark.timeout(420)

@@ -146,16 +146,17 @@ def serving_in_thread(serving: Availability, context: int, config: ApiConfig | N
 
 @contextmanager
 def engine_served(
-    engine: Engine, concurrency: int, batch_rows: int, context: int
+    engine: Engine, concurrency: int, batch_rows: int, context: int, config: ApiConfig | None = None
 ) -> Iterator[tuple[str, Availability]]:
     """`engine` behind its engine loop and the real API app, as `kafila host` serves it; yields
-    the base URL and the `Availability` the API reads. The loop stops and the engine closes at the end."""
+    the base URL and the `Availability` the API reads. `config`: the API's (a model id, a key),
+    else "tiny" with no key. The loop stops and the engine closes at the end."""
     loop = EngineLoop(engine, concurrency=concurrency, batch_rows=batch_rows, context_per_sequence=context)
     loop.start()
     serving = Availability()
     serving.become_ready(engine, loop, "llama")
     try:
-        with serving_in_thread(serving, context) as base_url:
+        with serving_in_thread(serving, context, config) as base_url:
             yield base_url, serving
     finally:
         loop.stop()
