@@ -12,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from disks import small_disk
 from fake_hub import FakeHub, Repo, serving_hub
 from host_process import running_host
 from huggingface_hub import constants as hub_constants
@@ -283,3 +284,27 @@ def test_kafila_host_serves_a_model_named_on_the_hub(hub: FakeHub, tmp_path: Pat
     asked = {(what, token) for what, token in hub.authorizations if "/api/models/" in what or "/resolve/" in what}
     assert {token for _, token in asked} == {"Bearer hf_kafila"}  # the listings, the HEAD and the download
     assert {what.split()[0] for what, _ in asked} == {"GET", "HEAD"}
+
+
+def test_a_hub_that_ignores_range_still_gives_the_whole_file_after_a_cut(
+    hub: FakeHub, tiny_bytes: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server (a mirror, a proxy) that answers a resumed download's Range with the whole file
+    (200): the client takes that answer from its start, and the file is whole and checked."""
+    monkeypatch.setattr(hub_constants, "DOWNLOAD_CHUNK_SIZE", 1024)
+    hub.ranges = False
+    hub.drop_after["Tiny-F16.gguf"] = 4096
+    with serving_hub(hub):
+        fetched = fetch(hub, f"{REPO}/Tiny-F16.gguf", tmp_path / "hf")
+    assert hub.gets_of("Tiny-F16.gguf") == [None, "bytes=4096-"]  # it asked for the rest, and got all of it
+    assert fetched.path.read_bytes() == tiny_bytes
+
+
+def test_a_disk_that_fills_mid_download_is_a_clear_error(hub: FakeHub, tiny_bytes: bytes, tmp_path: Path) -> None:
+    """The hub's cache on a disk with room for a part of the model: the download stops with an
+    error that says the disk is full, not a traceback, and no file passes for the model."""
+    with small_disk(tmp_path / "disk", "64k") as disk, serving_hub(hub):
+        assert len(tiny_bytes) > 64 << 10
+        with pytest.raises(ModelFetchError, match=r"downloading Tiny-F16.gguf .* failed: .*No space left on device"):
+            fetch(hub, f"{REPO}/Tiny-F16.gguf", disk / "hf")
+        assert not list(disk.rglob("Tiny-F16.gguf"))  # no file by the model's name: nothing passes for it

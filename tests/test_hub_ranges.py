@@ -266,3 +266,17 @@ def test_a_gated_repository_without_a_token_and_an_unreachable_hub_are_typed_err
         fetch_stage(header.model, *DIVISION[0], tmp_path / "m", endpoint=hub.url, settings=SMALL)
     with pytest.raises(HubUnreachable, match="could not reach the hub"):
         plan(hub)
+
+
+def test_a_hub_that_ignores_range_is_refused_with_a_typed_error_for_the_fallback(hub: FakeHub, tmp_path: Path) -> None:
+    """A server that answers a range with the whole file (200) cannot give a stage by its ranges:
+    the fetch is refused with a typed error (the member then takes its stage from the host), and
+    planning, which needs only the header, is refused the same way rather than reading the file."""
+    with serving_hub(hub):
+        header = plan(hub)
+        hub.ranges = False
+        with pytest.raises(HubMismatch, match="answered a range request with 200, not 206"):
+            fetch(hub, header.model, DIVISION[1], tmp_path / "m", "hf_m")
+        with pytest.raises(HubMismatch, match="not 206"):
+            plan(hub)
+    assert not list((tmp_path / "m").rglob("*.gguf"))

@@ -40,6 +40,7 @@ class FakeHub:
     connections: set[socket.socket] = field(default_factory=set)  # open ones, closed when the hub stops
     sent_to: dict[str | None, int] = field(default_factory=dict)  # Authorization → bytes of files sent
     sent_of: dict[str, int] = field(default_factory=dict)  # file → bytes of it sent
+    ranges: bool = True  # False: a server that ignores Range and always sends the whole file (200)
 
     def ranges_of(self, filename: str) -> list[tuple[int, int]]:
         """The byte ranges [start, end) of every ranged GET of `filename` so far."""
@@ -136,11 +137,12 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 "X-Linked-Etag": f'"{sha}"',
                 "X-Linked-Size": str(len(data)),
                 "ETag": f'"{sha}"',
-                "Accept-Ranges": "bytes",
                 "Content-Type": "application/octet-stream",
             }
+            if hub.ranges:
+                headers["Accept-Ranges"] = "bytes"
             status, body = 200, data
-            asked = self.headers.get("Range")
+            asked = self.headers.get("Range") if hub.ranges else None
             if send and asked and (m := re.fullmatch(r"bytes=(\d+)-(\d*)", asked)):
                 start, end = int(m[1]), min(int(m[2]) + 1 if m[2] else len(data), len(data))
                 status, body = 206, data[start:end]
