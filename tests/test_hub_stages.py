@@ -98,19 +98,23 @@ def start_joiner(code: str, rendezvous: str, name: str, env: dict[str, str]) -> 
 
 @contextmanager
 def hub_session(
-    tmp_path: Path, hub: FakeHub, members: dict[str, dict[str, str]], outputs: dict[str, str]
+    tmp_path: Path, hub: FakeHub, members: dict[str, dict[str, str]], outputs: dict[str, str], host: str = "host"
 ) -> Iterator[Host]:
-    """A host on `hf://` with HF_TOKEN hf_host and the members named, each with its own hub settings;
-    their outputs land in `outputs` once the host has stopped (and on stderr when the test fails)."""
+    """A host on `hf://` with HF_TOKEN hf_host (its caches named `host`) and the members named, each
+    with its own hub settings, joining one after another in the order given (so that a second
+    session on the same machines plans them as the first did); their outputs land in `outputs` once
+    the host has stopped (and on stderr when the test fails)."""
     joiners: dict[str, subprocess.Popen[str]] = {}
     failed = False
-    host_env = hub_env(tmp_path, "host", hub.url, "hf_host")
+    host_env = hub_env(tmp_path, host, hub.url, "hf_host")
     args = ("--model", f"hf://{REPO}:Q8_0", "--members", str(len(members) + 1), *COMMON)
     try:
-        with running_host(*args, ready=False, env=host_env) as host:
-            code, rendezvous = host.join_line()
-            joiners = {name: start_joiner(code, rendezvous, name, env) for name, env in members.items()}
-            yield host
+        with running_host(*args, ready=False, env=host_env) as serving:
+            code, rendezvous = serving.join_line()
+            for name, env in members.items():
+                joiners[name] = start_joiner(code, rendezvous, name, env)
+                until_status(serving, lambda status, name=name: name in members_of(status), f"{name} to join", 120)
+            yield serving
     except BaseException:
         failed = True
         raise
@@ -167,10 +171,12 @@ def test_every_member_fetches_its_own_stage_from_the_hub_and_the_ring_serves_the
         assert need <= got <= need + JOIN_GAP and got < whole, (name, got, need, whole)
         assert "fetching blocks" in outputs[name] and "receiving stage" not in outputs[name], outputs[name]
     assert table.count("hub, ") == 2, table
-    # Again, with the same machines: each finds its stage in its cache, and the hub sends them nothing.
+    # Again, with the same machines (the host with a fresh cache, so that it prices and divides as
+    # the first time): each finds its stage in its cache, and the hub sends them nothing.
     before = {f"Bearer hf_member{i}": hub.sent_to.get(f"Bearer hf_member{i}", 0) for i in range(2)}
-    with serving_hub(hub), hub_session(tmp_path, hub, members, outputs) as host:
+    with serving_hub(hub), hub_session(tmp_path, hub, members, outputs, host="host-again") as host:
         again = until_status(host, staged(2), "the same ring again, its stages said", 240)
+    assert {n: m["blocks"] for n, m in members_of(again).items()} == {n: m["blocks"] for n, m in seen.items()}
     assert {m["stage_source"] for m in members_of(again).values()} == {"cache"}, members_of(again)
     assert {token: hub.sent_to.get(token, 0) for token in before} == before
 
