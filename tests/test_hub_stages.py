@@ -107,6 +107,7 @@ def hub_session(
     joiners: dict[str, subprocess.Popen[str]] = {}
     failed = False
     host_env = hub_env(tmp_path, host, hub.url, "hf_host")
+    seeded_cache(Path(host_env["KAFILA_CACHE"]))  # the test session's one probe, as the members': one division
     args = ("--model", f"hf://{REPO}:Q8_0", "--members", str(len(members) + 1), *COMMON)
     try:
         with running_host(*args, ready=False, env=host_env) as serving:
