@@ -32,3 +32,18 @@ def gemma_path() -> Path:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(SESSION_CACHES, ignore_errors=True)
+
+
+# With pytest-xdist (`-n`), tests are spread over workers by group: each file stays whole on one
+# worker (its module fixtures are built once), and what builds network namespaces or listens for
+# LAN broadcasts stays on one worker, one file after another.
+ONE_WORKER_FILES = ("test_discovery.py", "test_natlab.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        name = item.path.name
+        group = "lab" if name.startswith("test_nat_lab") or name in ONE_WORKER_FILES else name
+        item.add_marker(pytest.mark.xdist_group(group))
