@@ -24,7 +24,7 @@ from kafila.api.asks import CallMade, ChatAsk, FunctionTool, Generation, OutputF
 from kafila.api.errors import ApiError, invalid
 from kafila.api.front import Front, new_id
 from kafila.api.replies import sse
-from kafila.api.requests import ServeRequest, prepare_chat
+from kafila.api.requests import ServeRequest
 from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, ToolCall, ToolCallDelta
 from kafila.runtime.engine.logprobs import TokenLogprob
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -540,8 +540,7 @@ def install(app: FastAPI, front: Front) -> None:
         body: MessagesRequest = await front.parse(request, MessagesRequest)
         ask = body.ask()
         ring = await front.ready_ring(body.model)
-        prepared = prepare_chat(ask, ring.template)
-        prompt = await front.tokenize(ring, prepared.text, prepared.add_bos, True, "messages")
+        prepared, prompt = await front.chat_prompt(ring, ask, "messages")
         writer = MessagesWriter(new_id("msg_"), config.model_id, len(prompt), prepared.reader)
         served = ServeRequest(prompt, "messages", ask.generation, prepared.grammar, body.stream)
         return await front.serve(request, served, ring, writer)
@@ -552,6 +551,5 @@ def install(app: FastAPI, front: Front) -> None:
         body: CountTokensRequest = await front.parse(request, CountTokensRequest)
         ask = body.ask()
         ring = await front.ready_ring(body.model)
-        prepared = prepare_chat(ask, ring.template)
-        prompt = await front.tokenize(ring, prepared.text, prepared.add_bos, True, "messages")
+        _, prompt = await front.chat_prompt(ring, ask, "messages")
         return {"input_tokens": len(prompt)}

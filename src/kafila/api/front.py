@@ -20,11 +20,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from kafila.api.asks import ChatAsk
 from kafila.api.errors import TRY_AGAIN, ApiError, invalid
 from kafila.api.events_stream import EVENT_HEARTBEAT_S
 from kafila.api.guards import BodyRefused, json_object
 from kafila.api.replies import ReplyMeter, ReplyWriter, collect, stream_reply
-from kafila.api.requests import ServeRequest
+from kafila.api.requests import PreparedChat, ServeRequest, prepare_chat
 from kafila.api.served import Served
 from kafila.api.telemetry import Metrics
 from kafila.runtime.engine.ring import StageFailed
@@ -144,6 +145,12 @@ class Front:
             return await _tokenize_with(ring, text, add_special, parse_special)
         except StageFailed:
             raise self.unavailable() from None
+
+    async def chat_prompt(self, ring: ServingHandle, ask: ChatAsk, param: str) -> tuple[PreparedChat, list[int]]:
+        """A chat ask rendered by the ring's template (`requests.prepare_chat`) and its prompt's
+        token ids; `param`: the request's field that holds the conversation, for errors."""
+        prepared = prepare_chat(ask, ring.template)
+        return prepared, await self.tokenize(ring, prepared.text, prepared.add_bos, True, param)
 
     async def serve(self, request: Request, served: ServeRequest, ring: ServingHandle, writer: ReplyWriter) -> Response:
         """Run a request, whatever its dialect, and answer in the writer's shape: whole once it

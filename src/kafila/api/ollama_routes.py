@@ -30,7 +30,7 @@ from kafila.api.errors import ApiError, invalid
 from kafila.api.front import ApiConfig, Front, new_id
 from kafila.api.ollama_replies import OllamaWriter, loaded
 from kafila.api.ollama_schemas import ChatBody, GenerateBody, ShowBody
-from kafila.api.requests import ServeRequest, prepare_chat, prepare_completion
+from kafila.api.requests import ServeRequest, prepare_completion
 from kafila.serving.chat_template import ReplySyntax
 from kafila.serving.handle import ServingHandle
 
@@ -126,8 +126,7 @@ def install(app: FastAPI, front: Front) -> None:
         ask = body.ask(config.context_per_sequence)
         ring = await front.ready_ring(model_id)
         show_thinking = thinking_asked(body.think, body.model, ring)
-        prepared = prepare_chat(ask, ring.template)
-        prompt = await front.tokenize(ring, prepared.text, prepared.add_bos, True, "messages")
+        prepared, prompt = await front.chat_prompt(ring, ask, "messages")
         writer = OllamaWriter(new_id("chat-"), body.model, True, prepared.reader, show_thinking, body.logprobs is True)
         served = ServeRequest(prompt, "messages", ask.generation, prepared.grammar, body.streams())
         return await front.serve(request, served, ring, writer)
@@ -150,8 +149,7 @@ def install(app: FastAPI, front: Front) -> None:
             served = ServeRequest(prompt, "prompt", ask.generation, completion.grammar, body.streams())
             return await front.serve(request, served, ring, writer)
         show_thinking = thinking_asked(body.think, body.model, ring)
-        prepared = prepare_chat(ask, ring.template)
-        prompt = await front.tokenize(ring, prepared.text, prepared.add_bos, True, "prompt")
+        prepared, prompt = await front.chat_prompt(ring, ask, "prompt")
         writer = OllamaWriter(new_id("gen-"), body.model, False, prepared.reader, show_thinking, logprobs)
         served = ServeRequest(prompt, "prompt", ask.generation, prepared.grammar, body.streams())
         return await front.serve(request, served, ring, writer)

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request, Response
 from kafila.api.errors import ApiError, invalid
 from kafila.api.front import ApiConfig, Front, new_id
 from kafila.api.openai_replies import ChatWriter, CompletionWriter
-from kafila.api.requests import ServeRequest, prepare_chat, prepare_completion
+from kafila.api.requests import ServeRequest, prepare_completion
 from kafila.api.schemas import ChatRequest, CompletionRequest
 
 ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
@@ -37,8 +37,7 @@ def install(app: FastAPI, front: Front) -> None:
         body: ChatRequest = await front.parse(request, ChatRequest)
         ask = body.ask()
         ring = await front.ready_ring(body.model)
-        prepared = prepare_chat(ask, ring.template)
-        prompt = await front.tokenize(ring, prepared.text, prepared.add_bos, True, "messages")
+        prepared, prompt = await front.chat_prompt(ring, ask, "messages")
         logprobs, usage = reply_options(body)
         writer = ChatWriter(new_id("chatcmpl-"), config.model_id, logprobs, usage, reader=prepared.reader)
         served = ServeRequest(prompt, "messages", ask.generation, prepared.grammar, body.stream)

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request, Response
 from kafila.api.asks import Turn
 from kafila.api.errors import ApiError, invalid
 from kafila.api.front import Front, new_id
-from kafila.api.requests import ServeRequest, prepare_chat
+from kafila.api.requests import ServeRequest
 from kafila.api.responses_replies import ResponsesWriter
 from kafila.api.responses_schemas import ITEMS, parse, read_items
 from kafila.api.responses_store import ResponseStore, StoredResponse
@@ -53,11 +53,10 @@ def install(app: FastAPI, front: Front, store: ResponseStore | None = None) -> R
         ask, calls = body.ask(earlier, made)
         ring = await front.ready_ring(body.model)
         try:
-            prepared = prepare_chat(ask, ring.template)
+            prepared, prompt = await front.chat_prompt(ring, ask, "input")
         except ApiError as error:
             error.param = PARAMS.get(error.param or "", error.param)
             raise
-        prompt = await front.tokenize(ring, prepared.text, prepared.add_bos, True, "input")
         conversation = ask.turns[1:] if body.instructions is not None else ask.turns
 
         def keep(response: dict[str, Any]) -> None:
