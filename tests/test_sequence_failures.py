@@ -30,7 +30,7 @@ from kafila.runtime.engine.stage import BatchFailed, BlockStage, StepInput, run_
 from kafila.runtime.engine.worker import handle_frames
 from kafila.runtime.gguf.slicer import slice_model
 from kafila.runtime.llama.model import ContextSettings
-from kafila.serving.engine_loop import EngineLoop
+from kafila.serving.engine_loop import REFUSALS_TO_BREAK, EngineLoop
 from kafila.wire.frames import Frame, Kind
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_seq_max=4, n_threads=1)
@@ -316,16 +316,37 @@ def test_only_a_spoiled_sequence_is_not_retried() -> None:
 
 def test_a_stage_that_refuses_request_after_request_marks_the_ring_broken(small_stage_host: InProcessHost) -> None:
     """One refusal is that request's; eight in a row with nothing served between is a broken stage,
-    and the loop says so (the host's watcher then replans), failing what is in flight."""
-    from kafila.serving.engine_loop import REFUSALS_TO_BREAK
-
+    and the loop says so (the host's watcher then replans). The request that made the eighth waits,
+    held for the next ring, and fails with the reason the host gives when none comes."""
     client = openai.OpenAI(base_url=f"{small_stage_host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    loop = small_stage_host.loop
+    too_long = "hello world " * 150
     for _ in range(REFUSALS_TO_BREAK - 1):
         with pytest.raises(openai.InternalServerError, match="no room"):
-            client.completions.create(model="tiny", prompt="hello world " * 150, max_tokens=4)
-    assert small_stage_host.loop.error is None
+            client.completions.create(model="tiny", prompt=too_long, max_tokens=4)
+    assert loop.error is None
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)  # one served: the count starts again
-    for _ in range(REFUSALS_TO_BREAK):
-        with pytest.raises(openai.APIError):
-            client.completions.create(model="tiny", prompt="hello world " * 150, max_tokens=4)
-    assert small_stage_host.loop.error is not None and "8 requests' rows in a row" in small_stage_host.loop.error
+    for _ in range(REFUSALS_TO_BREAK - 1):
+        with pytest.raises(openai.InternalServerError, match="no room"):
+            client.completions.create(model="tiny", prompt=too_long, max_tokens=4)
+    assert loop.error is None
+    held: list[BaseException] = []
+
+    def eighth() -> None:
+        try:
+            client.completions.create(model="tiny", prompt=too_long, max_tokens=4)
+        except BaseException as error:
+            held.append(error)
+
+    thread = threading.Thread(target=eighth)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while loop.error is None:
+        assert time.monotonic() < deadline, "eight refusals in a row never broke the loop"
+        time.sleep(0.05)
+    assert "8 requests' rows in a row" in loop.error
+    assert thread.is_alive()  # held for the next ring, not failed
+    loop.stop("no ring came back")
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert len(held) == 1 and isinstance(held[0], openai.APIError) and "no ring came back" in str(held[0]), held
