@@ -22,13 +22,14 @@ from kafila.planner.types import ServingSpec
 from kafila.session.availability import Availability
 from kafila.session.core import Phase, SessionCore
 from kafila.session.host_config import HostConfig
+from kafila.session.host_model import LocalModel
 from kafila.session.lifecycle import Deployed, Gathered, Look, NewcomerChecked, Opened, StageBroken
 from kafila.session.runner import HostRunner
 
 
 def config_of(model: Path, members: int, rebalance: bool = True, resume_within_s: float = 60.0) -> HostConfig:
     config = HostConfig(
-        path=model, counts=[2], session=ServingSpec(context=256, concurrency=1), sock=socket.socket(),
+        model=LocalModel(model), counts=[2], session=ServingSpec(context=256, concurrency=1), sock=socket.socket(),
         api_key=None, threads=1, members=members, rendezvous=None, rendezvous_bind="127.0.0.1",
         rendezvous_port=0, stun_port=0, demo=False, name="host", rebalance=rebalance,
         resume_within_s=resume_within_s,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fake_hub import COMMIT, FakeHub, Repo, serving_hub
 from test_split_correctness import N_BLOCKS, greedy_split, greedy_unsplit
@@ -15,12 +16,24 @@ from tiny_models import write_tiny_model
 
 from kafila.contracts import HubModel
 from kafila.hub.fetch import HubRefused, HubUnreachable
-from kafila.hub.ranges import HubHeader, HubMismatch, RangeSettings, fetch_stage, read_hub_header, stage_key
+from kafila.hub.ranges import (
+    HubHeader,
+    HubMismatch,
+    RangeSettings,
+    fetch_stage,
+    fetch_vocabulary,
+    read_hub_header,
+    stage_key,
+)
 from kafila.hub.reference import HubReference
+from kafila.runtime.engine.engines import prefix_cut_from, prefix_cut_of
+from kafila.runtime.engine.stage import TokenEmbedding, Vocabulary
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
 from kafila.runtime.gguf.header import ModelHeader, PackedTensors, TensorSpan, check_spans, packed_layout
 from kafila.runtime.gguf.manifest import manifest_of, read_manifest
 from kafila.runtime.gguf.slicer import StageFile, block_range_file, stage_piece, write_stage
+from kafila.runtime.llama.loading import load_llama
+from kafila.runtime.llama.model import VocabularyOnly
 
 REPO = "tiny-org/Tiny-GGUF"
 FILE = "Tiny-Q8_0.gguf"
@@ -151,6 +164,37 @@ def test_each_stage_fetched_by_ranges_is_the_slicers_stage_and_generates_the_sam
         assert again.path == fetched[1] and hub.sent_to == before
     prompt = [2, 10, 20, 30, 40]
     assert greedy_split(fetched, prompt, 16) == greedy_unsplit(tiny, prompt, 16)
+
+
+def test_the_vocabulary_a_host_without_the_head_needs_is_one_range_and_reads_as_the_whole_file(
+    hub: FakeHub, tiny: Path, tmp_path: Path
+) -> None:
+    """A host whose head is on a member tokenizes, applies the chat template, embeds and cuts
+    caches from the model's metadata and token embedding alone: fetched by the embedding's range
+    (and the header again, checked), kept, and read by llama.cpp as it reads the whole file."""
+    with serving_hub(hub):
+        header = plan(hub)
+        planning = hub.sent_to.get("Bearer hf_host", 0)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("HF_TOKEN", "hf_host")
+            path = fetch_vocabulary(header.model, tmp_path / "host", endpoint=hub.url, settings=SMALL)
+            sent = hub.sent_to["Bearer hf_host"] - planning
+            assert fetch_vocabulary(header.model, tmp_path / "host", endpoint=hub.url) == path  # kept
+            assert hub.sent_to["Bearer hf_host"] - planning == sent
+    embedding = next(t for t in FastGGUFReader(tiny).tensors if t.name == "token_embd.weight")
+    need = header.model.parts[0].header_bytes + int(embedding.n_bytes)
+    assert need <= sent <= need + SLACK < tiny.stat().st_size
+    assert prefix_cut_of(path) == prefix_cut_of(tiny) == prefix_cut_from(header.header.reader)
+    tokens = [1, 5, 9, 200]
+    assert np.array_equal(TokenEmbedding(path)(tokens), TokenEmbedding(tiny)(tokens))
+    load_llama()
+    text = "the quick brown fox"
+    whole, alone = VocabularyOnly(tiny), VocabularyOnly(path)
+    try:
+        assert Vocabulary(alone).tokenize(text) == Vocabulary(whole).tokenize(text) and alone.n_vocab == whole.n_vocab
+    finally:
+        whole.close()
+        alone.close()
 
 
 def test_a_split_model_is_planned_from_every_parts_header_and_fetched_from_the_parts_holding_its_tensors(

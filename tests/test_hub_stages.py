@@ -1,8 +1,9 @@
-"""Members fetch their own stages from the hub (issue 36): `kafila host --model hf://…` with real
-`kafila join` processes, each fetching by range exactly the tensors of its stage from the fake hub
-(tests/helpers/fake_hub.py), told apart there by the token each sends; where a member cannot have
-its stage from the hub (the hub out of its reach, or a gated repository and no token), the host
-sends it, and /status says so and why."""
+"""Every machine fetches its own stage from the hub (issue 36): `kafila host --model hf://…` with
+real `kafila join` processes, the host planning from the model's header and each machine, the host
+too, fetching by range exactly the tensors of its stage from the fake hub (tests/helpers/fake_hub.py),
+told apart there by the token each sends; nobody downloads the whole file. Where a member cannot
+have its stage from the hub (the hub out of its reach, or a gated repository and no token), the
+host sends it (fetching it first), and /status says so and why."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from serving_checks import unsplit_greedy
 from tiny_models import write_tiny_model
 
 from kafila.contracts import HubModel, HubPart
+from kafila.hub.fetch import fetch_model
+from kafila.hub.reference import HubReference
 from kafila.runtime.gguf.gguf_file import HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP
 from kafila.runtime.gguf.slicer import stage_piece
@@ -62,6 +65,22 @@ def test_an_assign_names_a_hub_model_exactly_when_its_stage_comes_from_the_hub()
     # it travels as a control message, and comes back the same
     message = assign("hub", hub_model(2))
     assert parse_control(control_frame(message)) == message
+
+
+def test_only_a_stage_the_member_makes_from_a_source_it_trusts_may_come_unnamed_by_the_host() -> None:
+    """A host that knows the model by its header alone holds no file of a member's stage, so it
+    names no sha256 for it: the member checks what the hub sends against the planned headers, or
+    cuts it from its own copy of the model (same sha256). A file the host sends, or one a cache
+    holds, is always named."""
+    unnamed = assign("hub", hub_model(1)).model_copy(update={"sha256": None})
+    assert parse_control(control_frame(unnamed)).sha256 is None  # type: ignore[union-attr]
+    for source in ("hub", "slice"):
+        Assign.model_validate(
+            {**unnamed.model_dump(), "source": source, "hub": unnamed.hub if source == "hub" else None}
+        )
+    for source in ("transfer", "cache"):
+        with pytest.raises(ValidationError, match="is named by its sha256"):
+            Assign.model_validate({**unnamed.model_dump(), "source": source, "hub": None})
 
 
 def test_a_hub_model_too_long_for_a_control_message_is_offered_as_a_transfer() -> None:
@@ -140,15 +159,21 @@ def members_of(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {m["name"]: m for m in status["members"] if not m.get("host")}
 
 
-def test_every_member_fetches_its_own_stage_from_the_hub_and_the_ring_serves_the_unsplit_model(
+def fetched_for(reader: HeaderReader, blocks: list[int], is_head: bool) -> int:
+    """What a machine fetches for a stage: the model's header again, checked, and the stage's tensors."""
+    piece = stage_piece(reader, *blocks, is_head, FILE)
+    return reader.header_bytes + sum(int(t.n_bytes) for t in piece.source_tensors())
+
+
+def test_every_machine_fetches_only_its_own_stage_from_the_hub_and_the_ring_serves_the_unsplit_model(
     tmp_path: Path, model: Path
 ) -> None:
     hub = FakeHub({REPO: Repo({FILE: model.read_bytes()})})
     outputs: dict[str, str] = {}
     with serving_hub(hub):
-        members = {f"member-{i}": hub_env(tmp_path, f"m{i}", hub.url, f"hf_member{i}") for i in range(2)}
+        members = {f"member-{i}": hub_env(tmp_path, f"m{i}", hub.url, f"hf_member{i}") for i in range(3)}
         with hub_session(tmp_path, hub, members, outputs) as host:
-            status = until_status(host, staged(2), "a ring whose members said where their stages came from", 240)
+            status = until_status(host, staged(3), "a ring whose members said where their stages came from", 240)
             client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
             result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
             assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
@@ -167,16 +192,24 @@ def test_every_member_fetches_its_own_stage_from_the_hub_and_the_ring_serves_the
         got = hub.sent_to.get(f"Bearer hf_member{i}", 0)
         # the model's header again, checked, and its stage's tensors, with what lies in gaps under
         # JOIN_GAP between them (one request rather than two): never the whole model
-        piece = stage_piece(reader, *member["blocks"], name == head, FILE)
-        need = reader.header_bytes + sum(int(t.n_bytes) for t in piece.source_tensors())
+        need = fetched_for(reader, member["blocks"], name == head)
         assert need <= got <= need + JOIN_GAP and got < whole, (name, got, need, whole)
         assert "fetching blocks" in outputs[name] and "receiving stage" not in outputs[name], outputs[name]
-    assert table.count("hub, ") == 2, table
+    assert table.count("hub, ") == 3, table
+    # The host planned from the header (read once by a probe of at most twice its length, or a
+    # sixteenth of the file) and fetched its own stage as a member does: not the whole file.
+    own = next(m for m in status["members"] if m.get("host"))
+    assert head == own["name"], status["plan"]  # the head here: its stage holds the vocabulary too
+    need = fetched_for(reader, own["blocks"], True)
+    got = hub.sent_to.get("Bearer hf_host", 0)
+    probe = max(2 * reader.header_bytes, whole // 16)
+    assert need <= got <= need + probe + JOIN_GAP and got < whole, (got, need, whole)
+    assert 0 < hub.sent_of[FILE] - sum(hub.sent_to.get(f"Bearer hf_member{i}", 0) for i in range(3)) == got
     # Again, with the same machines (the host with a fresh cache, so that it prices and divides as
     # the first time): each finds its stage in its cache, and the hub sends them nothing.
-    before = {f"Bearer hf_member{i}": hub.sent_to.get(f"Bearer hf_member{i}", 0) for i in range(2)}
+    before = {f"Bearer hf_member{i}": hub.sent_to.get(f"Bearer hf_member{i}", 0) for i in range(3)}
     with serving_hub(hub), hub_session(tmp_path, hub, members, outputs, host="host-again") as host:
-        again = until_status(host, staged(2), "the same ring again, its stages said", 240)
+        again = until_status(host, staged(3), "the same ring again, its stages said", 240)
     assert {n: m["blocks"] for n, m in members_of(again).items()} == {n: m["blocks"] for n, m in seen.items()}
     assert {m["stage_source"] for m in members_of(again).values()} == {"cache"}, members_of(again)
     assert {token: hub.sent_to.get(token, 0) for token in before} == before
@@ -215,7 +248,10 @@ def test_a_member_whose_hub_sends_other_tensor_bytes_refuses_them_and_receives_i
 ) -> None:
     """The member's hub (its own HF_ENDPOINT) serves the same header, size and listed sha256 at the
     same commit, but one byte differs in every block's first tensor: the stage it cuts is not the
-    host's, so it refuses it and the host sends it."""
+    host's, so it refuses it and the host sends it. Only a host that holds the whole file can tell
+    (here, downloaded before into its hub cache: it cuts every stage from it and names each by its
+    sha256); a host that knows the model by its header alone trusts the hub at the pinned commit
+    for the tensors' bytes, as docs/protocol.md says."""
     original = model.read_bytes()
     tampered = bytearray(original)
     seen_blocks = set()
@@ -228,6 +264,7 @@ def test_a_member_whose_hub_sends_other_tensor_bytes_refuses_them_and_receives_i
     lying = FakeHub({REPO: Repo({FILE: bytes(tampered)}, listed_sha256={FILE: hashlib.sha256(original).hexdigest()})})
     outputs: dict[str, str] = {}
     with serving_hub(honest), serving_hub(lying):
+        fetch_model(HubReference(REPO, quant="Q8_0"), endpoint=honest.url, hub_cache=tmp_path / "hf-host")
         members = {"misled": hub_env(tmp_path, "misled", lying.url, "hf_misled")}
         with hub_session(tmp_path, honest, members, outputs) as host:
             status = until_status(host, staged(1), "a ring whose member said where its stage came from", 240)

@@ -39,6 +39,7 @@ from kafila.runtime.gguf.slicer import StageFile, cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.session.availability import Availability
 from kafila.session.deployer import Deployer, Roster
+from kafila.session.host_model import LocalModel
 from kafila.session.lifecycle import StageBroken
 from kafila.session.member import cached_stage_hashes, serve_stage
 from kafila.session.quic_ring import QuicRing
@@ -393,7 +394,7 @@ def test_a_control_message_the_host_cannot_read_is_refused_and_the_next_one_hear
             clients.append(member)
             await host.wait_for_members(2, 10)
             roster = Roster(client=host, machine="m", routers={member.member_id: host_router})
-            deployer = Deployer(roster, tmp_path / "m.gguf", SETTINGS, tmp_path, say=lambda _text: None)
+            deployer = Deployer(roster, LocalModel(tmp_path / "m.gguf"), SETTINGS, tmp_path, say=lambda _text: None)
             reports: list[StageBroken] = []
             deployer.stage_broken = reports.append
             deployer._listen([member.member_id], epoch=3)

@@ -89,7 +89,7 @@ def _get(url: str, key: str | None = None) -> tuple[int, str]:
 
 
 def _events_kept(host: Host, key: str | None) -> str:
-    """The events the host kept, read from /events until its stream pauses (its first heartbeat)."""
+    """The events the host kept, read from /events up to the comment that says they are all sent."""
     request = Request(f"{host.base_url}/events?after=0", headers={"Authorization": f"Bearer {key}"} if key else {})
     lines = []
     with urlopen(request, timeout=30) as stream:

@@ -11,14 +11,16 @@ from kafila.contracts import HostEvent
 from kafila.event_feed import EventFeed, Subscription
 
 EVENT_HEARTBEAT_S = 15.0  # an SSE comment this often: proxies keep the stream, and a client gone is noticed
+CAUGHT_UP = b": caught up\n\n"  # after the kept events: a reader of the past knows it has it all
 
 
 async def event_stream(feed: EventFeed, client: Subscription, heartbeat_s: float) -> AsyncIterator[bytes]:
-    """A client's events, each with its id (for Last-Event-ID on reconnect). The stream ends when
-    the client falls too far behind, and the feed forgets it when the client goes away (the
-    write of the next event or heartbeat fails, or the server sees the disconnect)."""
+    """A client's events, each with its id (for Last-Event-ID on reconnect): those kept, a comment
+    saying so, then each as it happens. The stream ends when the client falls too far behind, and
+    the feed forgets it when the client goes away (the write of the next event or heartbeat fails,
+    or the server sees the disconnect)."""
     try:
-        yield b"retry: 2000\n\n" + b"".join(sse_event(e) for e in client.backlog)
+        yield b"retry: 2000\n\n" + b"".join(sse_event(e) for e in client.backlog) + CAUGHT_UP
         while not client.dropped:
             try:
                 event = await asyncio.wait_for(client.queue.get(), heartbeat_s)

@@ -40,6 +40,7 @@ from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
 from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.session.availability import Availability
 from kafila.session.host_config import HostConfig, lan_address, seconds_from_env
+from kafila.session.host_model import LocalModel
 from kafila.session.runner import HostRunner, supervised
 from kafila.untrusted import printable
 
@@ -180,10 +181,11 @@ def host(
     say_backend()
     if shared:
         os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
-    # Only the host resolves hub names; its members fetch their stages from the hub by range.
-    path, hub = model_source(model, n_members > 1) if model is not None else (default_model(), None)
-    if path is None:
+    # Only the host resolves hub names; with members, each machine fetches its own stage from the hub by range.
+    bundled = default_model() if model is None else None
+    if model is None and bundled is None:
         fail(NO_DEFAULT_MODEL, False)
+    source = model_source(model, n_members > 1) if model is not None else LocalModel(bundled or Path())
     if n_members > 1 and (stages is not None or division is not None):
         fail("--stages and --division split the model on this machine; with --members the planner divides it", False)
     if api_key is not None and not api_key.strip():
@@ -196,26 +198,28 @@ def host(
     host_name = device_name(name, f"host-{socket.gethostname()}"[:64])
     try:
         lent = parse_memory(memory)
-        if not path.is_file():
-            raise ValueError(f"no model file at {path}")
+        if isinstance(source, LocalModel) and not source.path.is_file():
+            raise ValueError(f"no model file at {source.path}")
         if n_members > 1:  # refused before a code is printed, where the planner's division could not be cut
-            manifest = read_manifest(path)
+            manifest = source.manifest
             check_family(manifest.architecture or "", manifest.n_blocks)
-        counts = local_counts(path, stages, division, session, lent) if n_members == 1 else []
+        counts = []
         if n_members == 1:
-            _admit(path, session, lent)
+            assert isinstance(source, LocalModel), "a host alone holds the whole file"
+            counts = local_counts(source.path, stages, division, session, lent)
+            _admit(source.path, session, lent)
         sock = _listening_socket(bind_ip, port)
         external = parse_host_port(rendezvous.strip(), 8470) if rendezvous is not None else None
     except Exception as error:  # a bad file, division or address: one line, no traceback
         fail(str(error), False)
     config = HostConfig(
-        path=path, counts=counts, session=session, sock=sock, api_key=api_key,
+        model=source, counts=counts, session=session, sock=sock, api_key=api_key,
         threads=threads or serving_threads(), members=n_members, rendezvous=external,
         rendezvous_bind="127.0.0.1" if demo else (rendezvous_bind or lan_address()),
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=host_name, discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
-        resume_within_s=resume_within, hub=hub,
+        resume_within_s=resume_within,
     )  # fmt: skip
     try:
         run(_serve(config))
@@ -274,7 +278,7 @@ def api_gate(open_files: int) -> ConnectionGate:
 async def _serve(config: HostConfig) -> None:
     serving = Availability()
     api = ApiConfig(
-        model_id=config.path.stem,
+        model_id=config.model.name,
         context_per_sequence=config.session.context,
         api_key=config.api_key,
         allowed_hosts=frozenset(config.allowed_hosts),
@@ -308,7 +312,7 @@ async def _serve(config: HostConfig) -> None:
     serve = asyncio.create_task(server.serve(sockets=[config.sock]))
     others = config.members - 1
     waiting = "the model to load" if not others else f"{others} member{'s' if others > 1 else ''} to join"
-    stderr.print(f"[bold]kafila[/bold] {config.path.stem}: waiting for {waiting}", highlight=False)
+    stderr.print(f"[bold]kafila[/bold] {config.model.name}: waiting for {waiting}", highlight=False)
     watcher: asyncio.Task[None] | None = None
 
     async def run() -> None:

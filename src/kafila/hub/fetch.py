@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -23,7 +23,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import REGEX_COMMIT_HASH, repo_folder_name
 from huggingface_hub.utils import tqdm as HubTqdm
 
-from kafila.contracts import Progress
+from kafila.contracts import HubModel, Progress
 from kafila.hub.reference import HubChoice, HubFile, HubReference, choose_file, merged_name
 from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.gguf_merge import merge_parts
@@ -83,11 +83,33 @@ def fetch_model(
     return FetchedModel(path, choice, commit, offline)
 
 
+def cached_whole(model: HubModel, hub_cache: Path | None = None) -> Path | None:
+    """The whole file of `model` where an earlier download left it here, checked (a file is checked
+    as it arrives, and its hash is kept: `model_sha256`); else None, with nothing downloaded."""
+    first = model.parts[0]
+    if len(model.parts) > 1:
+        merged = _merged_at(model.repo_id, first.path, model.commit)
+        return merged if merged.is_file() else None
+    found = try_to_load_from_cache(model.repo_id, first.path, cache_dir=hub_cache, revision=model.commit)
+    if not isinstance(found, str):
+        return None
+    path = Path(found)
+    try:
+        if path.stat().st_size != first.size or (first.sha256 is not None and model_sha256(path) != first.sha256):
+            return None
+    except OSError:
+        return None
+    return path
+
+
 def merged_path(choice: HubChoice, commit: str) -> Path:
     """Where a split model's parts, merged, are kept: Kafila's cache, by repository and commit
     (the parts stay in the hub's cache; `hf cache` deletes them)."""
-    name = merged_name(choice.first.path)
-    return kafila_cache() / "hub-merged" / choice.repo_id.replace("/", "--") / commit / name
+    return _merged_at(choice.repo_id, choice.first.path, commit)
+
+
+def _merged_at(repo_id: str, first_part: str, commit: str) -> Path:
+    return kafila_cache() / "hub-merged" / repo_id.replace("/", "--") / commit / merged_name(first_part)
 
 
 def _download(

@@ -9,8 +9,10 @@ sha256, size, the CDN's location) and retries a request that fails to open
 planned from (the hub's `http_get` takes a Range but checks no Content-Range), resuming a range
 cut off where it broke, and keeping what arrived across runs (`_Journal`).
 
-In the session, each member without its stage calls `fetch_stage` (`session/member.py`) with the
-`HubModel` the host read by `read_hub_header`; the host itself still downloads the whole file
+In the session, the host plans from `read_hub_header` and fetches its own stage with `fetch_stage`
+(and, where the head is on a member, the vocabulary and token embedding it samples and embeds with:
+`fetch_vocabulary`); each member fetches its own stage with the `HubModel` the host read
+(`session/member.py`). Only a machine that serves every block downloads the whole file
 (docs/architecture.md, "Stages by ranges").
 """
 
@@ -43,7 +45,7 @@ from kafila.planner.types import ModelManifest
 from kafila.runtime.gguf.gguf_file import GGUFFormatError, HeaderIncomplete, HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP, ByteRun, ModelHeader, PackedTensors, check_spans, packed_layout
 from kafila.runtime.gguf.manifest import manifest_of
-from kafila.runtime.gguf.slicer import StageFile, stage_piece, write_stage
+from kafila.runtime.gguf.slicer import StageFile, StagePiece, stage_piece, vocabulary_piece, write_stage
 from kafila.runtime.gguf.stage_cache import (
     HubStageKey,
     find_hub_stage,
@@ -54,6 +56,7 @@ from kafila.runtime.gguf.stage_cache import (
 from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
 
 HEADER_FIRST_READ = 8 << 20  # a large vocabulary's header is a few MB: most are read in one request
+HEADER_SHARE = 16  # nor more than this share of the file at first: a small model's header is small too
 RETRIES = 5  # a range cut off this many times running, with no byte more: the hub is not reachable
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
@@ -140,29 +143,78 @@ def fetch_stage(
     size: else `HubMismatch`. `HubRefused` and `HubUnreachable` where the hub says no or is not
     there: the caller falls back to another source."""
     out = Path(out_dir)
-    settings = settings or RangeSettings()
     key = stage_key(model, first, end, is_head)
     kept = find_hub_stage(out, key)
     if kept is not None:
         return StageFile(0, first, end, is_head, kept.path, kept.sha256, kept.n_bytes)
+    stage = _fetch_piece(
+        model,
+        lambda header: stage_piece(header.reader, first, end, is_head, model.label),
+        out,
+        key,
+        f"blocks {first}-{end - 1}",
+        progress,
+        endpoint,
+        settings or RangeSettings(),
+    )
+    remember_hub_stage(out, key, stage.path)
+    trim_stage_cache(out, [stage.path])
+    return stage
+
+
+def fetch_vocabulary(
+    model: HubModel,
+    out_dir: str | os.PathLike[str],
+    progress: Progress | None = None,
+    *,
+    endpoint: str | None = None,
+    settings: RangeSettings | None = None,
+) -> Path:
+    """What a host whose head is on a member tokenizes, samples and embeds with, fetched by the one
+    range of the token embedding (`slicer.vocabulary_piece`: the model's metadata and that tensor);
+    kept in `out_dir` by the model's commit and file, as a stage is, and checked as `fetch_stage`
+    checks one."""
+    out = Path(out_dir)
+    key = stage_key(model, 0, 0, False)  # no stage has no blocks: the vocabulary's own key
+    kept = find_hub_stage(out, key)
+    if kept is not None:
+        return kept.path
+    made = _fetch_piece(
+        model, lambda header: vocabulary_piece(header.reader, model.label), out, key, "the vocabulary",
+        progress, endpoint, settings or RangeSettings(),
+    )  # fmt: skip
+    remember_hub_stage(out, key, made.path)
+    return made.path
+
+
+def _fetch_piece(
+    model: HubModel,
+    cut: Callable[[ModelHeader], StagePiece],
+    out: Path,
+    key: HubStageKey,
+    what: str,
+    progress: Progress | None,
+    endpoint: str | None,
+    settings: RangeSettings,
+) -> StageFile:
+    """The piece `cut` makes of the model's headers (fetched again and checked), its tensors fetched
+    by their ranges into a journalled work folder and written with the slicer."""
     remotes = [_Remote(model.repo_id, model.commit, p.path, endpoint, p.size, p.sha256) for p in model.parts]
     readers = [_checked_header(remote, part) for remote, part in zip(remotes, model.parts, strict=True)]
     header = _joined(model, readers)
-    piece = stage_piece(header.reader, first, end, is_head, model.label)
+    piece = cut(header)
     runs, where = packed_layout(header.spans_of(piece.source_tensors()), settings.join_gap)
     work = out / "hub-partial" / key.digest()
     make_room(out, piece.data_bytes())
     name = PurePosixPath(model.parts[0].path).name
     plan = json.dumps([model.model_dump(mode="json"), [asdict(run) for run in runs], settings.piece_bytes])
-    _fetch_runs(remotes, runs, work, plan, f"fetching blocks {first}-{end - 1} of {name}", progress, settings)
+    _fetch_runs(remotes, runs, work, plan, f"fetching {what} of {name}", progress, settings)
     tensors = PackedTensors(work / "ranges.bin", where)
-    what = f"writing blocks {first}-{end - 1} of {name}"
+    writing = f"writing {what} of {name}"
     stage = write_stage(
-        piece, out, (lambda done, total: progress(what, done, total)) if progress else None, tensors, name
+        piece, out, (lambda done, total: progress(writing, done, total)) if progress else None, tensors, name
     )
     del tensors  # its map of the fetched ranges, before they are deleted
-    remember_hub_stage(out, key, stage.path)
-    trim_stage_cache(out, [stage.path])
     shutil.rmtree(work, ignore_errors=True)
     return stage
 
@@ -306,8 +358,9 @@ def _keep_header(remote: _Remote, header: bytes) -> HeaderReader:
 
 
 def _probe_header(remote: _Remote, first_read: int) -> tuple[bytes, HeaderReader]:
-    """The header, however long: read a first piece, and twice as much as long as it ends inside it."""
-    data = _read_bytes(remote, 0, min(max(first_read, 64), remote.size))
+    """The header, however long: read a first piece (`first_read`, or a share of a small file: its
+    header is small too), and twice as much as long as the header ends inside it."""
+    data = _read_bytes(remote, 0, min(max(min(first_read, remote.size // HEADER_SHARE), 64), remote.size))
     probe = _header_path(remote).with_suffix(f".{os.getpid()}.{threading.get_ident()}.probe")
     probe.parent.mkdir(parents=True, exist_ok=True)
     try:

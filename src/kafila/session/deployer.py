@@ -2,7 +2,7 @@
 
 The host assigns each member its stage and ring neighbours; members link to their neighbours
 (only the planned edges come up) while their stage files arrive from their cache, from their own
-copy of the model, or over their link, and each answers `Staged`. Then the stages load
+copy of the model, from the hub, or over their link, and each answers `Staged`. Then the stages load
 downstream-first (`Load`, `Loaded`), this machine's own in its turn (the head's, if it holds the
 head, last of all, with the engine).
 """
@@ -25,12 +25,13 @@ from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import send_stage_file
 from kafila.planner.types import Plan
-from kafila.runtime.engine.engines import RingEngine, prefix_cut_of
+from kafila.runtime.engine.engines import RingEngine
 from kafila.runtime.engine.stage import BlockStage
-from kafila.runtime.gguf.slicer import StageFile, cached_slices
+from kafila.runtime.gguf.slicer import StageFile
 from kafila.runtime.llama.errors import out_of_memory
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.memory import short_of_memory
+from kafila.session.host_model import HostModel, PlannedStage
 from kafila.session.lifecycle import MemoryShortage, StageBroken
 from kafila.session.member import serve_stage
 from kafila.session.quic_ring import QuicRing
@@ -134,8 +135,9 @@ class Deployment:
     plan: Plan
     chain: list[str]  # member ids in chain order, the head last (this host, unless it cannot hold it)
     counts: list[int]
-    stages: list[StageFile]
+    stages: list[PlannedStage]
     host: str  # this host's member id
+    vocabulary: Path | None = None  # what the engine samples and embeds with, where the head is on a member
 
     @property
     def members(self) -> list[str]:
@@ -175,11 +177,11 @@ class StageOrigin:
 
 
 def stage_source(
-    stage: StageFile, hello: Hello, model_sha256: str | None, hub: HubModel | None
+    stage: PlannedStage, hello: Hello, model_sha256: str | None, hub: HubModel | None
 ) -> Literal["cache", "slice", "hub", "transfer"]:
     """How a member gets its stage: from its cache, cut from its own copy of the model, fetched from
     the hub by its ranges (the host sends it where that fails), or sent by the host."""
-    if stage.sha256 in hello.cached_stages:
+    if stage.sha256 is not None and stage.sha256 in hello.cached_stages:
         return "cache"
     if hello.model_sha256 is not None and hello.model_sha256 == model_sha256:
         return "slice"
@@ -200,7 +202,7 @@ class Deployer:
     they serve: a stage that lost a ring link says so (`stage_broken`), and the host replans."""
 
     roster: Roster
-    model: Path
+    model: HostModel
     settings: ContextSettings
     cache: Path
     say: Tell
@@ -213,7 +215,6 @@ class Deployer:
     own_stage: OwnStage | None = None
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
     refused_controls: dict[str, int] = field(default_factory=dict)  # member → control messages not understood
-    hub: HubModel | None = None  # the model on the hub, for members to fetch their stages from: hf:// only
     origins: dict[str, StageOrigin] = field(default_factory=dict)  # member → where its stage came from
 
     async def deploy(
@@ -226,8 +227,8 @@ class Deployer:
         """Assign, deliver and wait for every member's stage; raises SessionFailed.
 
         `model_sha256`: the model's, for members with their own copy of it; `progress` hears (what,
-        bytes done, bytes in all) of cutting the stage files and of sending each; `pending` hears
-        what the ring still waits for, member by member, as that shrinks.
+        bytes done, bytes in all) of cutting (or fetching) the stage files and of sending each;
+        `pending` hears what the ring still waits for, member by member, as that shrinks.
         """
         me = self.roster.me
         await self.stop_listening()  # the replies to this deployment are read below
@@ -236,21 +237,22 @@ class Deployer:
         chain = [by_name[stage.device] for stage in plan.stages]
         counts = [stage.end - stage.start for stage in plan.stages]
         self.epoch += 1
-        cutting = functools.partial(progress, f"cutting {self.model.name} into {len(counts)} stage files")
-        stages = await asyncio.to_thread(cached_slices, self.model, counts, self.cache, cutting)
+        own = {index for index, member in enumerate(chain) if member == me}
+        stages = await asyncio.to_thread(self.model.stages, counts, own, self.cache, progress)
+        hub = self.model.hub
         assigns: dict[str, Assign] = {}
         last = len(chain) - 1
         for index, member in enumerate(chain):
             if member == me:
                 continue
             stage = stages[index]
-            source = stage_source(stage, self.roster.hellos[member], model_sha256, self.hub)
+            source = stage_source(stage, self.roster.hellos[member], model_sha256, hub)
             # Block 0 is fed by the host (the embedding), and the head answers the host (the logits).
             predecessor = chain[index - 1] if index > 0 else me
             successor = chain[index + 1] if index < last else me
             assigns[member] = offered(Assign(
                 epoch=self.epoch, stage_index=index, first_block=stage.first_block, end_block=stage.end_block,
-                sha256=stage.sha256, size=stage.n_bytes, source=source, hub=self.hub if source == "hub" else None,
+                sha256=stage.sha256, size=stage.n_bytes, source=source, hub=hub if source == "hub" else None,
                 predecessor=predecessor, successor=successor,
                 n_ctx=self.settings.n_ctx, n_batch=self.settings.n_batch, n_seq_max=self.settings.n_seq_max,
                 relink=sorted({p for p in (predecessor, successor) if frozenset((member, p)) in self.broken_edges}),
@@ -275,7 +277,18 @@ class Deployer:
 
         report()
 
-        staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
+        async def vocabulary() -> Path | None:
+            """The head on a member: what this host samples and embeds with, got while they prepare."""
+            if chain[-1] == me:
+                return None
+            return await asyncio.to_thread(self.model.vocabulary, self.cache, progress)
+
+        vocabulary_task = asyncio.ensure_future(vocabulary())
+        try:
+            staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
+            vocabulary_path = await vocabulary_task
+        finally:
+            vocabulary_task.cancel()
         self.origins = {
             m: StageOrigin(s.source or ("host" if a.source == "transfer" else a.source), a.size, s.seconds, s.why)
             for (m, a), s in zip(assigns.items(), staged, strict=True)
@@ -284,8 +297,10 @@ class Deployer:
         for index in reversed(range(len(chain))):  # downstream first: a stage serves only once its successor does
             member = chain[index]
             if member == me:
+                own_file = stages[index].file
+                assert own_file is not None, "this host's own stages are at hand"
                 if index < last:  # the head's own stage loads with the engine, last of all
-                    await self._load_own_stage(chain, index, stages[index], plan.stages[index].resident_bytes)
+                    await self._load_own_stage(chain, index, own_file, plan.stages[index].resident_bytes)
                 continue
             assign = assigns[member]
             await self._tell(member, Load(epoch=assign.epoch), "load its stage")
@@ -296,7 +311,7 @@ class Deployer:
             )
             del preparing[self.roster.name(member)]
             report()
-        self.deployment = Deployment(self.epoch, plan, chain, counts, stages, me)
+        self.deployment = Deployment(self.epoch, plan, chain, counts, stages, me, vocabulary_path)
         self.broken_edges.clear()  # rebuilt, or no longer in the ring
         self._listen(self.deployment.members, self.epoch)
         return self.deployment
@@ -334,9 +349,10 @@ class Deployer:
         if own is not None:
             await own.close()
 
-    async def _stage(self, member: str, assign: Assign, stage: StageFile, progress: Progress) -> Staged:
+    async def _stage(self, member: str, assign: Assign, stage: PlannedStage, progress: Progress) -> Staged:
         """Stream the stage file if the member needs it (or asks for it, where the hub would not give
-        it), then wait until it has linked and verified."""
+        it: this host then gets the file first, where it does not hold it), then wait until it has
+        linked and verified."""
         what = "link to its neighbours and get its stage"
         if assign.source == "hub":
             either = cast(type[Staged | StageWanted], (Staged, StageWanted))  # `isinstance` takes the pair
@@ -348,10 +364,14 @@ class Deployer:
         if assign.source in ("transfer", "hub"):
             name = self.roster.name(member)
             try:
+                file = stage.file
+                if file is None:
+                    self.say(f"fetching {name}'s blocks {stage.first_block}-{stage.end_block - 1} here, to send them")
+                    file = await asyncio.to_thread(self.model.stage_file, stage, self.cache, progress)
                 await send_stage_file(
                     self.roster.routers[member].transfer,
-                    stage.path,
-                    stage.sha256,
+                    file.path,
+                    file.sha256,
                     assign.stage_index,
                     functools.partial(progress, f"stage file to {name}"),
                 )
@@ -438,15 +458,18 @@ class Deployer:
             first, first_name = self.roster.routers[chain[0]].activation, self.roster.name(chain[0])
         ring = QuicRing(loop, first, first_name, self.roster.routers[back].activation, self.roster.name(back), members)
         self.ring = ring
-        cut = prefix_cut_of(self.model)
+        cut = self.model.prefix_cut()
         if deployment.head_here:
-            head = deployment.stages[-1]
+            head = deployment.stages[-1].file
+            assert head is not None, "this host's own stages are at hand"
             return load_here(
                 (head.first_block, head.end_block),
                 deployment.plan.stages[-1].resident_bytes,
                 lambda: RingEngine([head], self.settings, ring=ring, depth=depth, prefix_cut=cut),
             )
-        return RingEngine(deployment.stages, self.settings, ring=ring, depth=depth, model=self.model, prefix_cut=cut)
+        vocabulary = deployment.vocabulary
+        assert vocabulary is not None, "got with the deployment"
+        return RingEngine(deployment.stages, self.settings, ring=ring, depth=depth, model=vocabulary, prefix_cut=cut)
 
     def abandon_ring(self) -> None:
         """End every wait of the current ring at once, before its engine is retired for a new plan."""

@@ -11,7 +11,8 @@ The order, and why:
    deliver the stage files, have the stages load downstream-first, and serve.
 
 With the head here, the ring runs host → block 0 … → host. With the head on a member, the host
-embeds each step's tokens from the model file and serves its own block range as a plain stage;
+embeds each step's tokens from the model file (or, for a model on the hub, from the vocabulary
+file it fetched: `HostModel.vocabulary`) and serves its own block range as a plain stage;
 the head member sends each step's logits back to the host, which samples: host → block 0 … →
 head → host, the host's own stage somewhere along the way.
 
@@ -49,6 +50,7 @@ from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.this_machine import cached_model_pricings
 from kafila.session.admissions import TRUST_EXCHANGE_S, Admissions
 from kafila.session.deployer import Deployer, Deployment, Roster
+from kafila.session.host_model import HostModel
 from kafila.session.presence import Presence, machine_tag
 from kafila.session.pricing import Machine, PlannedRing, RingPricing
 from kafila.session.router import LinkRouter
@@ -68,12 +70,12 @@ class HostSession:
     client: RendezvousClient
     code: str
     manifest: ModelManifest
-    model: Path
+    model: HostModel
     session: ServingSpec
     settings: ContextSettings
     cache: Path
     say: Tell
-    model_hash: asyncio.Future[str]  # the model's sha256, begun before the members came
+    model_hash: asyncio.Future[str | None]  # the model's sha256 (`HostModel.identity`), begun before the members came
     roster: Roster = field(init=False)
     admissions: Admissions = field(init=False)
     deployer: Deployer = field(init=False)
@@ -120,17 +122,17 @@ class HostSession:
         presence: Presence,
         members: int,
         manifest: ModelManifest,
-        model: Path,
+        model: HostModel,
         session: ServingSpec,
         settings: ContextSettings,
         cache: Path,
         say: Tell,
-        model_hash: asyncio.Future[str],
+        model_hash: asyncio.Future[str | None],
         open_token: str | None = None,
     ) -> HostSession:
         client = await RendezvousClient.open(
             presence.url,
-            model=model.stem[:64],
+            model=model.name[:64],
             expected_members=members,
             capability=presence.capability,
             fingerprint=presence.identity.fingerprint,
@@ -237,7 +239,7 @@ class HostSession:
 
     def pricing_note(self, members: Sequence[str]) -> str:
         """Which machines' stage times come from what, for the plan's reader."""
-        return self.prices.note(self.known_machines(), [self.me, *members], self.model)
+        return self.prices.note(self.known_machines(), [self.me, *members], self.model.label)
 
     def plan(self, members: Sequence[str]) -> Plan:
         """The plan over this host and `members`, the head here if it fits (`plan_serving_host`);

@@ -4,23 +4,21 @@ this machine's address, the model's hash)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-from kafila.contracts import HubModel, Progress
+from kafila.contracts import Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner.report import PlanReport
 from kafila.planner.types import ServingSpec
 from kafila.runtime.llama.model import ContextSettings
-from kafila.runtime.machine.this_machine import hash_model
 from kafila.session.core import ServingPolicy
+from kafila.session.host_model import HostModel
 
 # How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
 # so that the running ones can finish and the ring be replanned with them.
@@ -55,7 +53,7 @@ class HostUi(Protocol):
 
 @dataclass
 class HostConfig:
-    path: Path
+    model: HostModel  # a local file, or a model on the hub known by its header (`host_model`)
     counts: list[int]  # the local division, for a session of one member
     session: ServingSpec
     sock: socket.socket
@@ -74,7 +72,6 @@ class HostConfig:
     allowed_hosts: tuple[str, ...] = ()  # host names the API answers to besides addresses and localhost
     open_token: str | None = None  # what an external rendezvous asks of hosts that open a session
     resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next one
-    hub: HubModel | None = None  # the model on the hub (`hf://`): members fetch their stages from it
 
     @property
     def api_url(self) -> str:
@@ -126,11 +123,11 @@ async def start_embedded_rendezvous(config: HostConfig) -> RendezvousHandle:
         ) from None
 
 
-async def hash_with_progress(path: Path, ui: HostUi) -> str:
+async def hash_with_progress(model: HostModel, ui: HostUi) -> str | None:
     """The model's sha256, for members with their own copy of it (the first hash of a large model
-    takes a minute; it is cached after)."""
+    takes a minute; it is cached after); a model on the hub's, as its listing gives it."""
     with ui.progress_bars() as progress:
-        return await hash_model(path, functools.partial(progress, f"hashing {path.name} (once)"))
+        return await model.identity(progress)
 
 
 def lan_address() -> str:

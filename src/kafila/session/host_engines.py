@@ -9,6 +9,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from kafila.contracts import MemberStatus, SessionStatus
 from kafila.planner import PlanRefused
@@ -16,7 +17,6 @@ from kafila.planner.plan import smallest_stage_bytes
 from kafila.planner.report import plan_report
 from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.local_ring import open_engine
-from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.backends import backend_or_none
 from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.serving.batcher import Suspended
@@ -42,7 +42,7 @@ class HostEngines:
 
     def __init__(self, config: HostConfig, availability: Availability, ui: HostUi, broke: Callable[[], None]):
         self.config, self.availability, self.ui = config, availability, ui
-        self.manifest = read_manifest(config.path)
+        self.manifest = config.model.manifest
         self.broke = broke  # told, from the engine thread, when the loop breaks
         self.engine: Engine | None = None
         self.loop: EngineLoop | None = None
@@ -115,7 +115,8 @@ class HostEngines:
         """Every block on this machine, if it can hold them: where a session falls back to."""
         device = await asyncio.to_thread(this_device, memory=self.config.memory)
         admit_alone(self.manifest, device, self.config.session)
-        engine = await asyncio.to_thread(open_engine, self.config.path, [self.manifest.n_blocks], self.config.settings)
+        path = await self._whole_model()
+        engine = await asyncio.to_thread(open_engine, path, [self.manifest.n_blocks], self.config.settings)
         self.activate(engine)
         backend = await asyncio.to_thread(backend_or_none)
         alone = SessionStatus(
@@ -128,19 +129,26 @@ class HostEngines:
         """Load this machine's own stages, as the command line divided them, and serve."""
         counts = self.config.counts
         where = "in this process" if len(counts) == 1 else f"as {len(counts)} local stages {counts}"
-        self.availability.waiting_for = [f"{self.config.path.name} to load {where}"]
+        self.availability.waiting_for = [f"{self.config.model.name} to load {where}"]
         backend = await asyncio.to_thread(backend_or_none)
         local = SessionStatus(
             division=counts, members=[MemberStatus(name="this machine", stages=counts, backend=backend)]
         )
         self.availability.session_described_by(lambda: local)
-        cutting = f"cutting {self.config.path.name} into {len(counts)} stage files"
+        path = await self._whole_model()
+        cutting = f"cutting {path.name} into {len(counts)} stage files"
         with self.ui.progress_bars() as progress:
             engine = await asyncio.to_thread(
-                open_engine, self.config.path, counts, self.config.settings, None, functools.partial(progress, cutting)
+                open_engine, path, counts, self.config.settings, None, functools.partial(progress, cutting)
             )
         self.activate(engine)
         self.announce_ready(where)
+
+    async def _whole_model(self) -> Path:
+        """The whole model file, to serve every block here: a model on the hub known by its header
+        alone is downloaded now (said, with its progress)."""
+        with self.ui.progress_bars() as progress:
+            return await asyncio.to_thread(self.config.model.whole, progress, self.ui.say)
 
     async def deploy_ring(
         self, network: HostSession, members: list[str], describe: Callable[[], SessionStatus]
@@ -178,7 +186,7 @@ class HostEngines:
 
     def announce_ready(self, where: str) -> None:
         """Says the session serves; the first time, where: the API's URL is given once, when it answers."""
-        session, model = self.config.session, self.config.path.stem
+        session, model = self.config.session, self.config.model.name
         details = (
             f"{where}, context {session.context} × {session.concurrency} requests, "
             f"chat template: {self.availability.chat_template_source}"

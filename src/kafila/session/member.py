@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kafila.contracts import BackendReport, ModelPricing, Progress, Tell
 from kafila.hub.fetch import ModelFetchError
-from kafila.hub.ranges import fetch_stage
+from kafila.hub.ranges import fetch_stage, stage_key
 from kafila.network.edges import connect_edges
 from kafila.network.identity import Identity
 from kafila.network.link import DatagramDemux, LinkError
@@ -33,7 +33,7 @@ from kafila.network.transfer import receive_stage_file
 from kafila.runtime.engine.stage import BlockStage, HeadStage
 from kafila.runtime.engine.worker import RingStage, handle_frames
 from kafila.runtime.gguf.slicer import StageFile, block_range_file, file_sha256
-from kafila.runtime.gguf.stage_cache import make_room, mark_used, stage_files, trim_stage_cache
+from kafila.runtime.gguf.stage_cache import find_hub_stage, make_room, mark_used, stage_files, trim_stage_cache
 from kafila.runtime.llama.errors import out_of_memory
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.memory import short_of_memory
@@ -150,7 +150,7 @@ class Obtained:
 async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState) -> Obtained:
     """The assigned stage file in the cache, verified by its hash, by whichever way the host said."""
     started = time.perf_counter()
-    path = state.cache / f"{assign.sha256}.gguf"
+    path = state.cache / f"{assign.sha256 or 'unnamed'}.gguf"  # where the cache keeps it, or made below
     digest = None  # known without reading the file again where this member just wrote it
     source: StageSource = "host"
     why = None
@@ -160,9 +160,9 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
     else:
         await asyncio.to_thread(make_room, state.cache, assign.size)
     if assign.source == "hub":
-        made, why = await _from_hub(assign, state)
+        made, why, kept = await _from_hub(assign, state)
         if made is not None:
-            path, digest, source = made.path, made.sha256, "hub"
+            path, digest, source = made.path, made.sha256, "cache" if kept else "hub"
         else:
             await host.send_control(StageWanted(epoch=assign.epoch, reason=why or "the hub failed"))
     if assign.source == "slice":
@@ -182,21 +182,28 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
         with _bar(state, f"stage {assign.stage_index} from the host") as progress:
             path = Path(await receive_stage_file(host.transfer, state.cache, progress))
     if not path.is_file():
-        raise ValueError(f"stage file {assign.sha256[:12]}… is not in the cache at {state.cache}")
+        raise ValueError(f"stage file {path.name} is not in the cache at {state.cache}")
     if digest is None:
         digest = await asyncio.to_thread(file_sha256, path)
-    if digest != assign.sha256:
+    if assign.sha256 is not None and digest != assign.sha256:
         raise ValueError(f"stage file {path.name} has sha256 {digest[:12]}…, not the assigned {assign.sha256[:12]}…")
     await asyncio.to_thread(trim_stage_cache, state.cache, [path])
     return Obtained(path, source, time.perf_counter() - started, why)
 
 
-async def _from_hub(assign: Assign, state: MemberState) -> tuple[StageFile | None, str | None]:
+async def _from_hub(assign: Assign, state: MemberState) -> tuple[StageFile | None, str | None, bool]:
     """The stage fetched by its ranges from the hub the host named, checked against the header the
-    host planned from; else None and why (the hub out of reach, refusing this machine, or sending
-    other bytes than planned), said here too: the host then sends the stage."""
+    host planned from (and the stage's sha256, where the host holds the stage too); else None and
+    why (the hub out of reach, refusing this machine, or sending other bytes than planned), said
+    here too: the host then sends the stage. True where this cache kept it from before."""
     assert assign.hub is not None  # the Assign's own check
     blocks = f"blocks {assign.first_block}-{assign.end_block - 1}"
+    key = stage_key(assign.hub, assign.first_block, assign.end_block, assign.head)
+    kept = await asyncio.to_thread(find_hub_stage, state.cache, key)
+    if kept is not None and assign.sha256 in (None, kept.sha256):
+        state.say(f"{blocks} of {assign.hub.label} are in this machine's stage cache")
+        first, end = assign.first_block, assign.end_block
+        return StageFile(0, first, end, assign.head, kept.path, kept.sha256, kept.n_bytes), None, True
     state.say(f"fetching {blocks} from the hub ({assign.hub.label}, {assign.size / 1e6:.1f} MB)")
     bars: AbstractContextManager[Progress | None] = state.bars() if state.bars else contextlib.nullcontext()
     with bars as progress:  # its bars: fetching the ranges, then writing the stage file
@@ -205,11 +212,11 @@ async def _from_hub(assign: Assign, state: MemberState) -> tuple[StageFile | Non
         except ModelFetchError as error:  # HubRefused, HubUnreachable, HubMismatch
             why = f"{type(error).__name__}: {error}"[:3000]
         else:
-            if made.sha256 == assign.sha256:
-                return made, None
+            if assign.sha256 in (None, made.sha256):
+                return made, None, False
             why = f"HubMismatch: the hub's {blocks} are not the host's (sha256 {made.sha256[:12]}…)"
     state.say(f"could not fetch {blocks} from the hub ({why}); asking the host for them")
-    return None, why
+    return None, why, False
 
 
 def _fetch_alone(lock: threading.Lock, assign: Assign, cache: Path, progress: Progress | None) -> StageFile:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kafila.contracts import FleetDevice, ModelPricing, StageReport
 from kafila.planner import plan_serving_host
@@ -161,7 +160,7 @@ class RingPricing:
         self.last_verdict = verdict
         return verdict
 
-    def note(self, machines: Mapping[str, Machine], members: Sequence[str], model: Path) -> str:
+    def note(self, machines: Mapping[str, Machine], members: Sequence[str], model: str) -> str:
         """Which machines' stage times come from what, for the plan's reader."""
         sources = {SERVING: "from what their stages measured serving", THE_MODEL: "priced on this model's own stages"}
         how = f"`kafila probe --model {model}` on a machine prices this model's stages there (kept)"

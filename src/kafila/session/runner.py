@@ -104,7 +104,7 @@ class HostRunner:
         self.shell = EventShell(self.core, self._look, self._tell, self._carry_out, FOLLOWED, self.incident)
         self.engines = HostEngines(config, availability, ui, self.shell.wake_from_thread)
         self.manifest = self.engines.manifest
-        self._hashing: asyncio.Future[str] | None = None  # the model's sha256, for members with a copy
+        self._hashing: asyncio.Future[str | None] | None = None  # the model's sha256, for members with a copy
         self._rendezvous_at: tuple[str, int] = ("", 0)  # where this host and its members reach the rendezvous
         self._advertised = ""  # the same, as the join line gives it
         self._device: FleetDevice | None = None  # this machine, as measured for the planner
@@ -262,7 +262,7 @@ class HostRunner:
         self._rendezvous_at = rendezvous_address(config, self.rendezvous)
         self._advertised = f"{self._rendezvous_at[0]}:{self._rendezvous_at[1]}"
         # Begun now, it runs while the members join: the first hash of a large model takes a minute.
-        self._hashing = hashing = asyncio.ensure_future(hash_with_progress(config.path, self.ui))
+        self._hashing = hashing = asyncio.ensure_future(hash_with_progress(config.model, self.ui))
         hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
         self.availability.waiting_for = ["this machine to be measured"]
         self._device = await asyncio.to_thread(this_device, memory=config.memory)
@@ -275,13 +275,12 @@ class HostRunner:
         assert self._hashing is not None and self._device is not None
         presence = await present(config.name, self._rendezvous_at, self._device)
         self.rendezvous_session = network = await HostSession.open(
-            presence, config.members, self.manifest, config.path, config.session, config.settings,
+            presence, config.members, self.manifest, config.model, config.session, config.settings,
             cache_dir() / "stages", self.ui.say, self._hashing, config.open_token,
         )  # fmt: skip
         network.client.roster_changed = self.shell.wake
         network.roster.link_down = lambda _member: self.shell.wake()
         network.deployer.stage_broken = self.shell.push
-        network.deployer.hub = config.hub
         join = f"kafila join {network.code} --rendezvous {self._advertised}"
         if config.demo:  # the members are this host's own processes; the line is for a look only
             where = f"the demo starts {others} local member{'s' if others > 1 else ''} with"

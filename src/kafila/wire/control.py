@@ -64,8 +64,11 @@ class Assign(_Message):
     stage_index: Annotated[int, Field(ge=0)]
     first_block: Annotated[int, Field(ge=0)]
     end_block: Annotated[int, Field(ge=1)]
-    sha256: Sha256
-    size: Annotated[int, Field(ge=1)]
+    # The stage file's, where the host holds it (it cut it, or fetched it); None only where the member
+    # makes it from a source both trust without the host's file: the hub at `hub`'s commit, checked
+    # against its headers (`fetch_stage`), or its own copy of the model (slice, by the model's sha256).
+    sha256: Sha256 | None
+    size: Annotated[int, Field(ge=1)]  # the file's bytes; where the host holds no file, its tensor bytes
     # slice: cut it from the member's own copy of the model; hub: fetch its ranges from `hub`, and
     # where that fails, say so (`StageWanted`) and receive it from the host as with transfer.
     source: Literal["cache", "transfer", "slice", "hub"]
@@ -92,6 +95,8 @@ class Assign(_Message):
     def _hub_named(self) -> Assign:
         if (self.source == "hub") != (self.hub is not None):
             raise ValueError("a hub model goes with source hub, and only with it")
+        if self.sha256 is None and self.source not in ("hub", "slice"):
+            raise ValueError(f"a stage from {self.source} is named by its sha256")
         return self
 
 

@@ -70,9 +70,15 @@ def prefix_cut(recurrent: bool, windowed: bool) -> PrefixCut:
 
 def prefix_cut_of(model: Path) -> PrefixCut:
     """Where a cache of `model` can be cut, from its header alone: a ring's host holds no stage
-    that sees the whole model, so it reads the whole model's file. A family whose llama.cpp code
-    windows (or chunks) attention whatever the file says is windowed (`attention_windowed`)."""
-    reader = FastGGUFReader(model)
+    that sees the whole model, so it reads the whole model's file (or a file with all its
+    metadata: `slicer.VocabularyPiece`)."""
+    return prefix_cut_from(FastGGUFReader(model))
+
+
+def prefix_cut_from(reader: FastGGUFReader) -> PrefixCut:
+    """`prefix_cut_of` an open model, a header alone included (a model on the hub). A family whose
+    llama.cpp code windows (or chunks) attention whatever the file says is windowed
+    (`attention_windowed`)."""
     arch = str(reader.scalar("general.architecture", ""))
     recurrent = any(key.startswith(arch) and any(mark in key for mark in _RECURRENT_KEYS) for key in reader.fields)
     return prefix_cut(recurrent, attention_windowed(arch, reader.scalar(f"{arch}.attention.sliding_window")))
@@ -292,19 +298,28 @@ class UnsplitEngine(_Vocabulary):
         self.model.close()
 
 
+class StageSpan(Protocol):
+    """A stage known by its blocks alone: one on the ring whose file this machine need not hold."""
+
+    @property
+    def first_block(self) -> int: ...
+    @property
+    def end_block(self) -> int: ...
+
+
 class RingEngine(_Vocabulary):
     """Frames round a ring transport, with the head here or on the ring itself.
 
     With the head here, this engine embeds each step's tokens, sends the rows round the ring and
     runs the head's blocks and output on what comes back. With the head on the ring (`model`
-    given: a host that cannot hold the head), it embeds from the whole model's file, which it
-    reads only row by row, and the ring's last stage answers each step with a LOGITS frame; this
+    given: a host that cannot hold the head), it embeds from the model's file, or a file of its
+    metadata and token embedding alone (`slicer.VocabularyPiece`), which it reads only row by row, and the ring's last stage answers each step with a LOGITS frame; this
     engine keeps only the vocabulary, to tokenize and sample.
     """
 
     def __init__(
         self,
-        stages: Sequence[StageFile],
+        stages: Sequence[StageFile | StageSpan],
         settings: ContextSettings,
         dtype: DType = DType.F32,
         *,
@@ -323,7 +338,10 @@ class RingEngine(_Vocabulary):
         self.head: HeadStage | None = None
         self._vocabulary_only: VocabularyOnly | None = None
         if model is None:
-            self.head = HeadStage(stages[-1].path, settings)
+            head = stages[-1]
+            if not isinstance(head, StageFile):
+                raise TypeError("with the head here, its stage file")
+            self.head = HeadStage(head.path, settings)
             self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
             self._embed: Callable[[Sequence[int]], npt.NDArray[np.float32]] = self.head.embed
         else:

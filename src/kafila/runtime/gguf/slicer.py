@@ -301,6 +301,46 @@ class StagePiece:
                 writer.add_tensor("output.weight", np.zeros((len(STAND_IN_TOKENS), n_embd), dtype=np.float32))
 
 
+class VocabularyPiece(StagePiece):
+    """What a host whose head is on a member reads of the model: every metadata key (the tokenizer,
+    the chat template, the family's settings: `VocabularyOnly` and `prefix_cut_of` read them as
+    from the whole file) and the token embedding (`TokenEmbedding`), and no block. For a model
+    known by its header alone, that is one range to fetch rather than the whole file."""
+
+    def __init__(self, reader: FastGGUFReader, arch: str, n_blocks: int) -> None:  # no slice, so no slice rules
+        self.reader, self.arch, self.n_blocks = reader, arch, n_blocks
+        self.first, self.end, self.is_head = 0, 0, False
+        self.embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if self.embedding is None:
+            raise SliceError("the model has no token_embd.weight")
+
+    def metadata(self, writer: RawCopyWriter) -> None:
+        for key in self.reader.fields:
+            if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+                continue  # the writer adds these itself
+            vtype, value = raw_value(self.reader, key)
+            writer.add_key_value(key, value, vtype)
+        writer.add_bool("kafila.vocabulary_only", True)
+
+    def data_bytes(self) -> int:
+        assert self.embedding is not None
+        return int(self.embedding.n_bytes)
+
+    def source_tensors(self) -> list[ReaderTensor]:
+        assert self.embedding is not None
+        return [self.embedding]
+
+    def tensors(self, writer: RawCopyWriter, data: TensorData = stored_data) -> None:
+        assert self.embedding is not None
+        writer.add_tensor(self.embedding.name, data(self.embedding), raw_dtype=self.embedding.tensor_type)
+
+
+def vocabulary_piece(reader: FastGGUFReader, label: str) -> VocabularyPiece:
+    """The vocabulary file of an open model (a whole file, or a header alone): `write_stage` writes it."""
+    reader, arch, n_blocks = _model(reader, label)
+    return VocabularyPiece(reader, arch, n_blocks)
+
+
 def _array_type(values: list[Any]) -> GGUFValueType:
     """The GGUF type of a rule's array's items: bools, whole numbers as int32, or float32."""
     if all(isinstance(v, bool) for v in values):

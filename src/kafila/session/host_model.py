@@ -1,0 +1,200 @@
+"""The model a host serves, and what the host reads of it: its manifest to plan from, the stage
+files of a plan, what it samples and embeds with when the head is on a member, and the whole file
+only where it serves every block.
+
+A local file (`LocalModel`) is all of these at once: the host cuts every stage from it and knows
+each stage's sha256. A model on the hub (`HubOnlyModel`) is known by its header alone
+(`hub.ranges.read_hub_header`): the host fetches by range only its own stage (and, with the head
+on a member, the vocabulary and token embedding), each member fetches its own, and the whole file
+is downloaded only to serve alone. A hub model whose whole file this host already holds is a
+`LocalModel` that offers members the hub too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+
+from kafila.contracts import HubModel, Progress
+from kafila.hub.fetch import fetch_model
+from kafila.hub.ranges import HubHeader, fetch_stage, fetch_vocabulary
+from kafila.hub.reference import HubReference, merged_name
+from kafila.planner.types import ModelManifest
+from kafila.runtime.engine.engines import PrefixCut, prefix_cut_from, prefix_cut_of
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import StageFile, cached_slices, stage_piece
+from kafila.runtime.machine.this_machine import hash_model
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One stage of a plan as the host knows it: its blocks, its size, and its file where the host
+    holds one (it cut it, or fetched it: its own stage); a stage a member fetches from the hub
+    itself has none here, and its size is its tensors' bytes."""
+
+    first_block: int
+    end_block: int
+    is_head: bool
+    n_bytes: int
+    file: StageFile | None = None
+
+    @property
+    def sha256(self) -> str | None:
+        return self.file.sha256 if self.file is not None else None
+
+
+def held(file: StageFile) -> PlannedStage:
+    return PlannedStage(file.first_block, file.end_block, file.is_head, file.n_bytes, file)
+
+
+class HostModel(Protocol):
+    """What the host needs of the model it serves, wherever its bytes are."""
+
+    @property
+    def name(self) -> str:
+        """Its name for the API and the rendezvous: the file's stem."""
+        ...
+
+    @property
+    def label(self) -> str:
+        """Where it is, for a person: its path, or hf://repository/file@commit."""
+        ...
+
+    @property
+    def manifest(self) -> ModelManifest: ...
+
+    @property
+    def hub(self) -> HubModel | None:
+        """The model on the hub, for members to fetch their stages from; None for a local file."""
+        ...
+
+    async def identity(self, progress: Progress) -> str | None:
+        """The whole file's sha256, for members with their own copy and pricings by model; None where
+        no one here can say it (a split model on the hub)."""
+        ...
+
+    def stages(
+        self, counts: Sequence[int], own: Collection[int], cache: Path, progress: Progress
+    ) -> list[PlannedStage]:
+        """The plan's stages (blocking): the files of those at the indices `own` (this host's) at least."""
+        ...
+
+    def stage_file(self, stage: PlannedStage, cache: Path, progress: Progress) -> StageFile:
+        """A stage's file, for a member that could not make it itself (blocking)."""
+        ...
+
+    def vocabulary(self, cache: Path, progress: Progress) -> Path:
+        """A file with the model's tokenizer, chat template and token embedding (blocking)."""
+        ...
+
+    def prefix_cut(self) -> PrefixCut: ...
+
+    def whole(self, progress: Progress, say: Callable[[str], None]) -> Path:
+        """The whole file, to serve every block here (blocking)."""
+        ...
+
+
+@dataclass
+class LocalModel:
+    """A model file on this machine (given, or downloaded from the hub before: then `hub` is offered
+    to the members, and the stage sha256s the host cuts are what they check their fetches by)."""
+
+    path: Path
+    hub: HubModel | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    @property
+    def label(self) -> str:
+        return str(self.path)
+
+    @functools.cached_property
+    def manifest(self) -> ModelManifest:
+        return read_manifest(self.path)
+
+    async def identity(self, progress: Progress) -> str | None:
+        return await hash_model(self.path, functools.partial(progress, f"hashing {self.path.name} (once)"))
+
+    def stages(
+        self, counts: Sequence[int], own: Collection[int], cache: Path, progress: Progress
+    ) -> list[PlannedStage]:
+        cutting = functools.partial(progress, f"cutting {self.path.name} into {len(counts)} stage files")
+        return [held(file) for file in cached_slices(self.path, counts, cache, cutting)]
+
+    def stage_file(self, stage: PlannedStage, cache: Path, progress: Progress) -> StageFile:
+        assert stage.file is not None, "every stage of a local file is cut"
+        return stage.file
+
+    def vocabulary(self, cache: Path, progress: Progress) -> Path:
+        return self.path
+
+    def prefix_cut(self) -> PrefixCut:
+        return prefix_cut_of(self.path)
+
+    def whole(self, progress: Progress, say: Callable[[str], None]) -> Path:
+        return self.path
+
+
+@dataclass
+class HubOnlyModel:
+    """A model on the hub known by its header alone: this host fetches only what it serves."""
+
+    header: HubHeader
+    reference: HubReference  # what `--model` named, at the commit planned from
+
+    @property
+    def hub(self) -> HubModel:
+        return self.header.model
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(merged_name(self.hub.parts[0].path)).stem
+
+    @property
+    def label(self) -> str:
+        return self.hub.label
+
+    @functools.cached_property
+    def manifest(self) -> ModelManifest:
+        return self.header.manifest()
+
+    async def identity(self, progress: Progress) -> str | None:
+        parts = self.hub.parts
+        return parts[0].sha256 if len(parts) == 1 else None  # the hub's listing, checked by every fetch
+
+    def stages(
+        self, counts: Sequence[int], own: Collection[int], cache: Path, progress: Progress
+    ) -> list[PlannedStage]:
+        planned, first = [], 0
+        for index, count in enumerate(counts):
+            end, is_head = first + count, index == len(counts) - 1
+            if index in own:
+                planned.append(held(self._fetch(first, end, is_head, cache, progress)))
+            else:
+                piece = stage_piece(self.header.header.reader, first, end, is_head, self.label)
+                planned.append(PlannedStage(first, end, is_head, max(1, piece.data_bytes())))
+            first = end
+        return planned
+
+    def _fetch(self, first: int, end: int, is_head: bool, cache: Path, progress: Progress) -> StageFile:
+        return fetch_stage(self.hub, first, end, is_head, cache, progress)
+
+    def stage_file(self, stage: PlannedStage, cache: Path, progress: Progress) -> StageFile:
+        if stage.file is not None:
+            return stage.file
+        return self._fetch(stage.first_block, stage.end_block, stage.is_head, cache, progress)
+
+    def vocabulary(self, cache: Path, progress: Progress) -> Path:
+        return fetch_vocabulary(self.hub, cache, progress)
+
+    def prefix_cut(self) -> PrefixCut:
+        return prefix_cut_from(self.header.header.reader)
+
+    def whole(self, progress: Progress, say: Callable[[str], None]) -> Path:
+        say(f"this machine serves every block of {self.label}: it downloads the whole file (its whole stage)")
+        return fetch_model(self.reference, progress).path
