@@ -30,15 +30,24 @@ def unsplit_greedy(model: Path, prompt: str, tokens: int) -> str:
     return unsplit_text(model, prompt, tokens, SamplingSettings())
 
 
+# Each reference computed once per test process: the same model file (by path, size and time
+# written), prompt, length and sampling always give the same text.
+_UNSPLIT_TEXTS: dict[tuple[str, int, int, str, int, str], str] = {}
+
+
 def unsplit_text(model: Path, prompt: str, tokens: int, sampling: SamplingSettings) -> str:
     """The model's continuation in one process, unsplit, drawn by the host's own sampler."""
-    engine = open_engine(
-        model, [read_manifest(model).n_blocks], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1)
-    )
-    try:
-        return generate(engine, prompt, tokens, sampling).text
-    finally:
-        engine.close()
+    written = model.stat()
+    key = (str(model.resolve()), written.st_size, written.st_mtime_ns, prompt, tokens, sampling.model_dump_json())
+    if key not in _UNSPLIT_TEXTS:
+        engine = open_engine(
+            model, [read_manifest(model).n_blocks], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1)
+        )
+        try:
+            _UNSPLIT_TEXTS[key] = generate(engine, prompt, tokens, sampling).text
+        finally:
+            engine.close()
+    return _UNSPLIT_TEXTS[key]
 
 
 def unsplit_logprobs(model: Path, prompt: str, tokens: int, sampling: SamplingSettings) -> list[float]:

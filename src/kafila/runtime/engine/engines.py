@@ -313,8 +313,9 @@ class RingEngine(_Vocabulary):
     With the head here, this engine embeds each step's tokens, sends the rows round the ring and
     runs the head's blocks and output on what comes back. With the head on the ring (`model`
     given: a host that cannot hold the head), it embeds from the model's file, or a file of its
-    metadata and token embedding alone (`slicer.VocabularyPiece`), which it reads only row by row, and the ring's last stage answers each step with a LOGITS frame; this
-    engine keeps only the vocabulary, to tokenize and sample.
+    metadata and token embedding alone (`slicer.VocabularyPiece`), which it reads only row by row,
+    and the ring's last stage answers each step with a LOGITS frame; this engine keeps only the
+    vocabulary, to tokenize and sample.
     """
 
     def __init__(
