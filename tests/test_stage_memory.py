@@ -18,7 +18,7 @@ from stage_allocation import LIBC, settings_of, stage_allocation
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model, write_wide_model
 
 from kafila.planner.cost import ChainPrefix
-from kafila.planner.types import ContextNeeds, ModelManifest, ServingSpec
+from kafila.planner.types import DRAFT_ROWS, ContextNeeds, ModelManifest, ServingSpec
 from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import slice_model
@@ -74,7 +74,7 @@ def test_context_needs_follow_llama_cpp_rules() -> None:
     masks = needs.stage_bytes(np.asarray(23), cells=2048, sequences=2, is_head=False) - small
     assert masks == 2 * 1024 * 512 * 4
     head = needs.stage_bytes(np.asarray(23), cells=1024, sequences=2, is_head=True) - small
-    assert head == 1000 * (2 * 8 + 256)
+    assert head == 1000 * ((2 + DRAFT_ROWS) * 8 + 256)  # a row per sequence and the drafted rows of a wave
     delta_net = needs.model_copy(update={"min_graph_nodes": 0, "graph_nodes_per_tensor": 32, "graph_nodes_per_row": 40})
     assert int(delta_net.stage_bytes(np.asarray(23), 1024, 2, False, rows=512)) > int(small) + 19_000 * 24 * 2**10
 

@@ -22,6 +22,9 @@ MAX_BLOCKS = 512  # four times the deepest model in common use; planning time gr
 # measured against the allocations of every supported family in docs/runtime.md ("A stage's memory").
 GRAPH_NODE_BYTES = 24 * 2**10  # per graph node: the scheduler's split inputs (60 tensors' metadata) and more
 LOGITS_BYTES_PER_TOKEN = 2 * 4  # per vocabulary entry and sequence: the output buffer and the graph's logits row
+# Rows of logits the head keeps beyond one per sequence, for the drafted tokens of one wave
+# (speculative decoding: `runtime.engine.speculation`), which every sequence of the wave shares.
+DRAFT_ROWS = 8
 VOCABULARY_BYTES_PER_TOKEN = 256  # llama.cpp's tokenizer tables, per vocabulary entry (about 160 measured)
 MASK_BYTES_PER_CELL = 4  # per KV cell and batch row, for each mask a batch builds (f16 with flash attention)
 CONTEXT_SLACK_BYTES = 16 * 2**20  # batch inputs, ggml contexts, the thread pool: a stated margin
@@ -56,7 +59,7 @@ class ContextNeeds(Strict):
             + CONTEXT_SLACK_BYTES
         )
         if is_head:
-            need += self.n_vocab * (sequences * LOGITS_BYTES_PER_TOKEN + VOCABULARY_BYTES_PER_TOKEN)
+            need += self.n_vocab * ((sequences + DRAFT_ROWS) * LOGITS_BYTES_PER_TOKEN + VOCABULARY_BYTES_PER_TOKEN)
         return need
 
 

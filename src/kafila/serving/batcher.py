@@ -19,6 +19,15 @@ agent's repeated system prompt is computed once. Where a family's cache cannot b
 (`PrefixCut`), less or nothing is reused. When a ring breaks, the requests it held are kept
 (`suspend_all`) for the next ring to take on where they stopped (`resume`).
 
+Speculative decoding (`runtime.engine.speculation`): a generating sequence's decode row may carry
+drafted tokens behind it, which the head answers row by row (`EngineStep.every_row`). The
+sequence's own sampler then samples each row in turn, as it would the rows of successive trips,
+and a draft is kept only while it equals the token sampled before it; the first token that
+differs is emitted in its place, and the rejected rows' cache is cut on every stage (a `Trim`,
+taken before the sequence's next wave), so the output, the sampler's state, grammars, stop
+strings and log probabilities are those of decoding without drafts. Where the engine cannot
+answer every row, or a family's cache cannot be cut back (a recurrent state), nothing is drafted.
+
 Pure: the engine and the samplers are passed in as callables, and nothing here blocks, so the
 whole policy is testable without a model.
 """
@@ -31,9 +40,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kafila.runtime.engine.engines import EngineStep, PrefixCut, SequenceFailed, StepResult
+from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.engine.logprobs import HeadRow, TokenLogprob, token_logprob
 from kafila.runtime.engine.sampling import SamplerStart, SamplingSettings, TokenSampler
+from kafila.runtime.engine.speculation import (
+    DRAFT_ROWS_PER_WAVE,
+    MAX_DRAFT,
+    DraftWindow,
+    NgramDrafter,
+    Speculate,
+    SpeculationStats,
+    draft_shares,
+)
 from kafila.serving.text import StopAwareText
 from kafila.wire.frames import NO_LOGPROBS
 
@@ -120,6 +138,8 @@ class _Sequence:
     trimmed: bool = True  # False until the engine has cut the slot's cache to `cached`
     replayed: int = 0  # generated tokens prefilled again after the prompt: a request resumed on a new ring
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens whose text is held back
+    drafter: NgramDrafter | None = None  # None: this sequence drafts nothing
+    window: DraftWindow = field(default_factory=DraftWindow)
 
     @property
     def prefill(self) -> list[int]:
@@ -159,7 +179,11 @@ class Batcher:
         piece: Callable[[int], bytes],
         is_end: Callable[[int], bool],
         prefix_cut: PrefixCut = PrefixCut.ANYWHERE,
+        speculate: Speculate = Speculate.OFF,
+        speculation_refused: str | None = None,
     ) -> None:
+        """`speculate`: what to draft with; `speculation_refused`: why the engine cannot check
+        drafts (`Engine.speculation_refused`), None where it can."""
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
         self.concurrency, self.batch_rows, self.context = concurrency, batch_rows, context_per_sequence
@@ -171,6 +195,9 @@ class Batcher:
         self._held: dict[int, list[int]] = {}  # free slot → the tokens its cache holds on every stage
         self._to_trim: list[Trim] = []
         self._waves: deque[list[tuple[_Sequence, EngineStep, bool]]] = deque()  # planned, not landed, oldest first
+        self.speculation_off = _speculation_off(speculate, speculation_refused, prefix_cut)  # why, or None
+        self.speculation = SpeculationStats()
+        self.tokens_generated = 0  # tokens sampled, over the batcher's life (several per trip where drafts are kept)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -321,6 +348,8 @@ class Batcher:
             sequence = _Sequence(
                 job, slot, sampler, StopAwareText(job.stop), fed=keep, cached=keep, held=keep, trimmed=held is None
             )
+        if self.speculation_off is None:
+            sequence.drafter = NgramDrafter(rows)
         self._active[job.request_id] = sequence
 
     # --- the step ---------------------------------------------------------------------------
@@ -344,15 +373,18 @@ class Batcher:
         ready = [s for s in self._active.values() if not s.in_flight and s.trimmed][:share]
         planned: list[tuple[_Sequence, EngineStep, bool]] = []
         budget = self.batch_rows
-        for sequence in ready:
-            if not sequence.prefilling:
-                token = sequence.generated[-1]
-                top = sequence.job.sampling.top_logits
-                step = EngineStep(
-                    sequence.slot, sequence.position, [token], decode=True, top=top, logprobs=_asked(sequence.job)
-                )
-                planned.append((sequence, step, True))
-                budget -= 1
+        decoding = [s for s in ready if not s.prefilling]
+        budget -= len(decoding)
+        drafts = self._drafts(decoding, min(budget, DRAFT_ROWS_PER_WAVE))
+        for sequence, drafted in zip(decoding, drafts, strict=True):
+            token = sequence.generated[-1]
+            top = sequence.job.sampling.top_logits
+            step = EngineStep(
+                sequence.slot, sequence.position, [token, *drafted], decode=True, top=top,
+                logprobs=_asked(sequence.job), every_row=bool(drafted),
+            )  # fmt: skip
+            planned.append((sequence, step, True))
+            budget -= len(drafted)
         for sequence in ready:
             if sequence.prefilling and budget > 0:
                 prefill = sequence.prefill
@@ -395,12 +427,17 @@ class Batcher:
             if isinstance(row, SequenceFailed):
                 events.append(self._fail(sequence, f"this request failed: {row.message}"))
                 continue
+            if step.every_row:
+                if not isinstance(row, EveryRowLogits) or row.rows.shape[0] != len(step.tokens):
+                    raise ValueError(f"the engine did not answer every row of sequence {step.sequence_id}'s drafts")
+                events += self._verify(sequence, step, row)
+                continue
             if not step.decode:
                 sequence.fed += len(step.tokens)
             sequence.held += len(step.tokens)
             if not wanted:
                 continue
-            if row is None:
+            if row is None or isinstance(row, EveryRowLogits):
                 raise ValueError(f"the engine returned no logits for sequence {step.sequence_id}")
             token = sequence.sampler.sample(row.logits if isinstance(row, HeadRow) else row)
             alternatives = sequence.job.logprobs
@@ -409,10 +446,65 @@ class Batcher:
             events += self._next_token(sequence, token)
         return events
 
+    def _drafts(self, decoding: Sequence[_Sequence], rows: int) -> list[list[int]]:
+        """Each decoding sequence's drafts for this wave, `rows` of them at most in all, shared
+        fairly (`draft_shares`); none where speculation is off or a sequence's window rests. A
+        sequence is never drafted past its max_tokens or its context."""
+        if self.speculation_off is not None:
+            return [[] for _ in decoding]
+        proposed: list[list[int]] = []
+        for sequence in decoding:
+            room = min(
+                sequence.window.allowed,
+                sequence.job.max_tokens - len(sequence.generated) - 1,
+                self.context - sequence.position - 1,
+                MAX_DRAFT,
+            )
+            drafter = sequence.drafter
+            proposed.append(drafter.draft(room) if drafter is not None else [])
+        shares = draft_shares([len(p) for p in proposed], max(0, rows))
+        drafts = [p[:share] for p, share in zip(proposed, shares, strict=True)]
+        for sequence, drafted in zip(decoding, drafts, strict=True):
+            if not drafted:
+                sequence.window.skip()
+        return drafts
+
+    def _verify(self, sequence: _Sequence, step: EngineStep, row: EveryRowLogits) -> list[RequestEvent]:
+        """Land a token and its drafts: sample each row in turn, as decoding without drafts would
+        sample successive trips' rows, keeping drafts while each equals the token sampled before
+        it; the first token that differs (or the one after the last draft) is emitted too. The
+        rows of rejected drafts are cut on every stage before the sequence's next wave."""
+        drafts = step.tokens[1:]
+        accepted = 0
+        events: list[RequestEvent] = []
+        sequence.held += 1  # the last token's row
+        alternatives = sequence.job.logprobs
+        for index, logits in enumerate(row.rows):
+            token = sequence.sampler.sample(logits)
+            if alternatives is not None and not self._is_end(token):
+                sequence.logprobs.append(token_logprob(logits, token, alternatives, self._piece))
+            events += self._next_token(sequence, token)
+            if self._active.get(sequence.job.request_id) is not sequence:
+                break  # it ended: its slot's cache is cut by whoever takes the slot next
+            if index < len(drafts) and token == drafts[index]:
+                accepted += 1
+                sequence.held += 1  # the draft's row holds the token just emitted
+                continue
+            break
+        sequence.window.landed(len(drafts), accepted)
+        self.speculation.record(len(drafts), accepted)
+        if accepted < len(drafts) and self._active.get(sequence.job.request_id) is sequence:
+            self._to_trim.append(Trim(sequence.slot, sequence.position))
+            sequence.trimmed = False
+        return events
+
     def _next_token(self, sequence: _Sequence, token: int) -> list[RequestEvent]:
+        self.tokens_generated += 1
         if self._is_end(token):
             return self._finish(sequence, FinishReason.STOP, [])
         sequence.generated.append(token)
+        if sequence.drafter is not None:
+            sequence.drafter.extend((token,))
         update = sequence.text.feed(self._piece(token))
         events: list[RequestEvent] = [self._delta(sequence, update.delta)] if update.delta else []
         if update.stopped:
@@ -448,3 +540,14 @@ class Batcher:
         sequence.sampler.close()
         self._held[sequence.slot] = sequence.tokens_held() if kept and sequence.trimmed else []
         self._free_slots.append(sequence.slot)
+
+
+def _speculation_off(speculate: Speculate, refused: str | None, prefix_cut: PrefixCut) -> str | None:
+    """Why no sequence drafts, or None where they may."""
+    if speculate is Speculate.OFF:
+        return "speculation is off (--speculate off)"
+    if refused is not None:
+        return f"the engine cannot check drafts: {refused}"
+    if prefix_cut is PrefixCut.NOWHERE:
+        return "the model keeps a recurrent state, which cannot be cut back to drop rejected drafts"
+    return None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from kafila.contracts import StageReport
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
 from kafila.runtime.engine.ring import StageFailed
+from kafila.runtime.engine.speculation import Speculate
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, RequestFailed, Suspended
 
 Sink = Callable[[RequestEvent], None]
@@ -67,8 +68,16 @@ class LoopStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, concurrency: int, batch_rows: int, context_per_sequence: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        concurrency: int,
+        batch_rows: int,
+        context_per_sequence: int,
+        speculate: Speculate = Speculate.OFF,
+    ) -> None:
         self.engine = engine
+        self.speculate = speculate
         self.batcher = Batcher(
             concurrency,
             batch_rows,
@@ -77,6 +86,8 @@ class EngineLoop:
             piece=engine.piece,
             is_end=engine.is_end,
             prefix_cut=engine.prefix_cut,
+            speculate=speculate,
+            speculation_refused=engine.speculation_refused,
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
@@ -207,11 +218,12 @@ class EngineLoop:
                 self._break(StageFailed(f"the ring refused {self._refusals} requests' rows in a row, the last: {last}"))
                 return
             with self._lock:
+                before = self.batcher.tokens_generated
                 events = self.batcher.advance(results)
                 self._count(
                     steps_rows=sum(len(s.tokens) for s in steps if not s.decode),
                     elapsed=elapsed,
-                    decoded=sum(1 for s in steps if s.decode),
+                    decoded=self.batcher.tokens_generated - before,
                 )
                 self._dispatch(events)
 

@@ -38,7 +38,7 @@ from kafila.runtime.engine.stage import (
     WholeModel,
     run_isolating,
 )
-from kafila.runtime.gguf.families import attention_windowed
+from kafila.runtime.gguf.families import FAMILIES, attention_windowed
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.slicer import StageFile
 from kafila.runtime.llama.model import ContextSettings, LlamaModel, VocabularyOnly
@@ -66,6 +66,14 @@ def prefix_cut(recurrent: bool, windowed: bool) -> PrefixCut:
     if recurrent:
         return PrefixCut.NOWHERE
     return PrefixCut.AT_END if windowed else PrefixCut.ANYWHERE
+
+
+def speculation_refused_for(path: Path) -> str | None:
+    """Why drafts must not be checked on the model whose (stage) file is `path`: its family's
+    reason (`Family.speculation_refused`), or None."""
+    arch = str(FastGGUFReader(path).scalar("general.architecture", ""))
+    family = FAMILIES.get(arch)
+    return (family.speculation_refused or None) if family is not None else None
 
 
 def prefix_cut_of(model: Path) -> PrefixCut:
@@ -100,9 +108,20 @@ class EngineStep:
     # A request that asks for log probabilities: how many alternatives per token (0..20), else
     # NO_LOGPROBS. A head on a member then sends the row's log-sum-exp and top entries (`HeadRow`).
     logprobs: int = NO_LOGPROBS
+    # A token and its drafted successors (speculative decoding): logits after each row, so the
+    # host can check every draft in this one trip (`EveryRowLogits`). Only where the engine can
+    # (`Engine.speculation_refused` is None).
+    every_row: bool = False
 
 
 Logits = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class EveryRowLogits:
+    """The answer to an `every_row` step: row i holds the logits that follow the step's token i."""
+
+    rows: Logits  # (the step's rows, vocabulary)
 
 
 @dataclass(frozen=True)
@@ -120,7 +139,7 @@ class SequenceFailed:
 
 # None: a step that asked for no logits; a HeadRow: a head on a member's answer to a step that
 # asked for log probabilities.
-StepResult = Logits | HeadRow | SequenceFailed | None
+StepResult = Logits | HeadRow | EveryRowLogits | SequenceFailed | None
 
 
 @dataclass(frozen=True)
@@ -140,6 +159,8 @@ class Engine(Protocol):
     """
 
     depth: int
+    # Why this engine cannot answer `every_row` steps (speculative decoding), or None where it can.
+    speculation_refused: str | None
 
     def launch(self, steps: Sequence[EngineStep]) -> Launched: ...
     def land(self, launched: Launched) -> list[StepResult]: ...
@@ -200,6 +221,7 @@ class _Vocabulary:
     vocabulary: Vocabulary
     llama_model: LlamaModel | VocabularyOnly
     depth = 1
+    speculation_refused: str | None = None
     _readers: _Readers
 
     def launch(self, steps: Sequence[EngineStep]) -> Launched:
@@ -249,7 +271,7 @@ class _Vocabulary:
         (logits,) = self.step_many([EngineStep(sequence_id, position, list(tokens), decode)])
         if isinstance(logits, SequenceFailed):
             raise StageFailed(logits.message)
-        assert logits is not None and not isinstance(logits, HeadRow)  # no log probabilities asked
+        assert logits is not None and not isinstance(logits, HeadRow | EveryRowLogits)  # a plain step
         return logits
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
@@ -267,6 +289,11 @@ def _sequence(step: EngineStep) -> int:
     return step.sequence_id
 
 
+def _answer(step: EngineStep, logits: Logits | None) -> StepResult:
+    """A head's logits as the step asked for them: a row, None, or every row's."""
+    return EveryRowLogits(logits) if step.every_row and logits is not None else logits
+
+
 class UnsplitEngine(_Vocabulary):
     """The original file, unchanged, on one llama.cpp context: a one-member session."""
 
@@ -277,6 +304,7 @@ class UnsplitEngine(_Vocabulary):
         self._blocks = int(self.model.model._llama.llama_model_n_layer(self.model.model.model))
         loaded = self.model.model
         self.prefix_cut = prefix_cut(not loaded.holds_positions, loaded.sliding_window > 0)
+        self.speculation_refused = speculation_refused_for(path)
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:
         """All the steps in one decode; if that fails, each alone, so a fault fails only its sequence."""
@@ -285,7 +313,9 @@ class UnsplitEngine(_Vocabulary):
     def _forward(self, steps: Sequence[EngineStep]) -> list[StepResult]:
         decode = all(s.decode for s in steps)
         token_steps = [TokenStep(s.sequence_id, s.position, s.tokens) for s in steps]
-        return list(self.model.forward_steps(token_steps, decode, [s.logits for s in steps]))
+        every_row = [s.every_row for s in steps]
+        rows = self.model.forward_steps(token_steps, decode, [s.logits for s in steps], every_row)
+        return [_answer(step, row) for step, row in zip(steps, rows, strict=True)]
 
     def forget(self, sequence_id: int, keep: int = 0) -> None:
         self.model.forget(sequence_id, keep)
@@ -343,12 +373,15 @@ class RingEngine(_Vocabulary):
             if not isinstance(head, StageFile):
                 raise TypeError("with the head here, its stage file")
             self.head = HeadStage(head.path, settings)
+            self.speculation_refused = speculation_refused_for(head.path)
             self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
             self._embed: Callable[[Sequence[int]], npt.NDArray[np.float32]] = self.head.embed
         else:
             self._embed = TokenEmbedding(model)  # first: it holds nothing to free if the vocabulary fails
             self._vocabulary_only = VocabularyOnly(model)
             self.vocabulary, self.llama_model = Vocabulary(self._vocabulary_only), self._vocabulary_only
+            # Not yet: the wire's LOGITS frame answers a step with its last row only.
+            self.speculation_refused = "the head is on a member, which answers a step with one row of logits"
         self._head_range = (stages[-1].first_block, stages[-1].end_block)
         self._dtype = dtype
         self.depth = pipeline_depth(depth)
@@ -365,6 +398,8 @@ class RingEngine(_Vocabulary):
     def launch(self, steps: Sequence[EngineStep]) -> Launched:
         """Embed the wave and send one frame per sequence round the ring; stages run frames that
         arrive together as one decode, so while this wave is at one stage the next can be at another."""
+        if self.speculation_refused is not None and any(s.every_row for s in steps):
+            raise ValueError(f"this engine cannot answer every row of a step: {self.speculation_refused}")
         wave = next(self._waves)
         starts = self._sampler_starts(steps)
         frames = tuple(
@@ -451,7 +486,9 @@ class RingEngine(_Vocabulary):
             assert local_head is not None
             decode = all(steps[i].decode for i in indices)
             wanted = [steps[i].logits for i in indices]
-            return list(local_head.forward([inputs[i] for i in indices], decode, wanted))
+            every_row = [steps[i].every_row for i in indices]
+            rows = local_head.forward([inputs[i] for i in indices], decode, wanted, every_row)
+            return [_answer(steps[i], row) for i, row in zip(indices, rows, strict=True)]
 
         head_range = f"the head (blocks {self._head_range[0]}-{self._head_range[1] - 1})"
         if whole:

@@ -33,6 +33,7 @@ from gguf.quants import dequantize
 
 from kafila.contracts import StageReport
 from kafila.runtime.engine.sampling import Sampler, SamplerStart
+from kafila.runtime.engine.speculation import DRAFT_ROWS_PER_WAVE, MAX_DRAFT
 from kafila.runtime.gguf.families import FAMILIES, family_of
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.slicer import IDENTITY_BLOCKS_KEY
@@ -40,6 +41,7 @@ from kafila.runtime.llama.loading import GGMLBase
 from kafila.runtime.llama.model import ContextSettings, LlamaModel, VocabularyOnly
 
 FloatRows = npt.NDArray[np.float32]
+WHOLE_STEP_ROWS = MAX_DRAFT + 1  # a step this short never straddles two decodes (`_decodes`)
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -198,11 +200,22 @@ class _TokenRows:
 
 
 def _decodes(
-    steps: Sequence[_Rows], limit: int, one_sequence_each: bool = False, max_ends: int | None = None
+    steps: Sequence[_Rows],
+    limit: int,
+    one_sequence_each: bool = False,
+    max_ends: int | None = None,
+    every_row: Sequence[bool] | None = None,
 ) -> list[list[_Piece]]:
     """Group steps into decodes of at most `limit` rows; a long prompt spans several. With
     `one_sequence_each`, no decode holds rows of two steps; with `max_ends`, no decode holds the
-    ends of more steps than that (each end may ask for logits)."""
+    ends of more steps than that (each end may ask for logits). A step marked in `every_row` (a
+    token and its drafts) asks for logits after each of its rows: each counts as an end.
+
+    A step of at most WHOLE_STEP_ROWS rows is never split between two decodes: a sliding-window
+    cache reuses cells that fell out of the window of the sequence's last position before a
+    decode, so in a decode's second part it may reuse cells that a cut back into its first part
+    (the rejected drafts') would need again. Within one decode every cell it reuses is out of the
+    window of the step's first row, hence of every later one."""
     if one_sequence_each:
         alone = (_decodes([step], limit) for step in steps)
         return [[replace(piece, step=index) for piece in d] for index, ds in enumerate(alone) for d in ds]
@@ -210,6 +223,19 @@ def _decodes(
     room, ends = limit, 0
     for index, step in enumerate(steps):
         n, start = step.states.shape[0], 0
+        if every_row is not None and every_row[index]:
+            if n > limit or (max_ends is not None and n > max_ends):
+                raise ValueError(f"a step of {n} rows, each asking for logits, exceeds what one decode returns")
+            if n > room or (max_ends is not None and ends + n > max_ends):
+                decodes.append([])
+                room, ends = limit, 0
+            decodes[-1].append(_Piece(step.sequence_id, step.position, step.states, True, index))
+            room -= n
+            ends += n
+            continue
+        if n <= min(WHOLE_STEP_ROWS, limit) and n > room:
+            decodes.append([])
+            room, ends = limit, 0
         while start < n:
             if room == 0 or (max_ends is not None and ends == max_ends):
                 decodes.append([])
@@ -225,6 +251,11 @@ def _decodes(
     return [d for d in decodes if d]
 
 
+def head_outputs(settings: ContextSettings) -> int:
+    """Rows of logits a head's decode may return: one per sequence, and the drafted rows of a wave."""
+    return settings.n_seq_max + DRAFT_ROWS_PER_WAVE
+
+
 def _rows(pieces: Sequence[_Piece]) -> tuple[list[int], list[int], npt.NDArray[Any]]:
     sequences: list[int] = []
     positions: list[int] = []
@@ -237,21 +268,30 @@ def _rows(pieces: Sequence[_Piece]) -> tuple[list[int], list[int], npt.NDArray[A
 
 
 def _logits_of_steps(
-    model: LlamaModel, steps: Sequence[_Rows], wanted: Sequence[bool] | None, as_tokens: bool
+    model: LlamaModel,
+    steps: Sequence[_Rows],
+    wanted: Sequence[bool] | None,
+    as_tokens: bool,
+    every_row: Sequence[bool] | None = None,
 ) -> list[npt.NDArray[np.float32] | None]:
-    """Run the steps in as few decodes as the batch allows; logits after each wanted step's last row."""
+    """Run the steps in as few decodes as the batch allows; logits after each wanted step's last
+    row, or, for a step marked in `every_row`, after each of its rows (a matrix, row by row)."""
     out: list[npt.NDArray[np.float32] | None] = [None] * len(steps)
     starts = {s.sequence_id: model.next_position(s.sequence_id) for s in steps}
     completed: set[int] = set()
     try:
-        for pieces in _decodes(steps, model.settings.n_batch, max_ends=model.settings.max_outputs):
+        for pieces in _decodes(steps, model.settings.n_batch, max_ends=model.settings.max_outputs, every_row=every_row):
             sequences, positions, rows = _rows(pieces)
             outputs = [False] * len(sequences)
             owners: dict[int, int] = {}
+            all_rows: dict[int, range] = {}
             end = 0
             for piece in pieces:
-                end += piece.states.shape[0]
-                if piece.ends_step and (wanted is None or wanted[piece.step]):
+                first, end = end, end + piece.states.shape[0]
+                if every_row is not None and every_row[piece.step]:
+                    outputs[first:end] = [True] * (end - first)
+                    all_rows[piece.step] = range(first, end)
+                elif piece.ends_step and (wanted is None or wanted[piece.step]):
                     outputs[end - 1] = True
                     owners[end - 1] = piece.step
             if as_tokens:
@@ -261,6 +301,8 @@ def _logits_of_steps(
             completed.update(sequences)
             for row, step in owners.items():
                 out[step] = model.logits(row)
+            for step, span in all_rows.items():
+                out[step] = np.stack([model.logits(row) for row in span])
     except Exception as error:
         raise _undo(model, starts, completed, error) from error
     return out
@@ -476,7 +518,7 @@ class HeadStage:
     """The last blocks and the output: hidden states in, logits out; embeds tokens itself."""
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
-        settings = replace(settings, max_outputs=settings.n_seq_max)  # a row of logits per sequence
+        settings = replace(settings, max_outputs=head_outputs(settings))
         self.model = LlamaModel(path, settings, input_restored_at=_input_restored_at(path))
         self.embed = TokenEmbedding(path)
         self.vocabulary = Vocabulary(self.model)
@@ -522,16 +564,21 @@ class HeadStage:
             sampler.close()
 
     def forward(
-        self, steps: Sequence[StepInput], decode: bool = False, wanted: Sequence[bool] | None = None
+        self,
+        steps: Sequence[StepInput],
+        decode: bool = False,
+        wanted: Sequence[bool] | None = None,
+        every_row: Sequence[bool] | None = None,
     ) -> list[npt.NDArray[np.float32] | None]:
-        """Logits for the last row of every wanted step (all by default); None for the others.
+        """Logits for the last row of every wanted step (all by default); None for the others; for
+        a step marked in `every_row` (a token and its drafts), logits after each row, as a matrix.
 
         Rows out of position order are refused with ValueError before anything runs, as a
         block stage refuses them: on a member, the head is fed by the ring, not by the engine.
         """
         following = _following_positions(self.model, self._next_position, steps)
         started = time.perf_counter()
-        logits = _logits_of_steps(self.model, steps, wanted, as_tokens=False)
+        logits = _logits_of_steps(self.model, steps, wanted, as_tokens=False, every_row=every_row)
         self._next_position = following
         rows = sum(s.states.shape[0] for s in steps)
         self.timer.add(time.perf_counter() - started, rows, decode)
@@ -553,7 +600,7 @@ class WholeModel:
     """An unsplit model on token ids: one-member sessions, and the reference for every split."""
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
-        settings = replace(settings, max_outputs=settings.n_seq_max)  # a row of logits per sequence
+        settings = replace(settings, max_outputs=head_outputs(settings))
         self.model = LlamaModel(path, settings)
         self.vocabulary = Vocabulary(self.model)
         self.timer = StageTimer()
@@ -568,12 +615,17 @@ class WholeModel:
         return logits
 
     def forward_steps(
-        self, steps: Sequence[TokenStep], decode: bool = False, wanted: Sequence[bool] | None = None
+        self,
+        steps: Sequence[TokenStep],
+        decode: bool = False,
+        wanted: Sequence[bool] | None = None,
+        every_row: Sequence[bool] | None = None,
     ) -> list[npt.NDArray[np.float32] | None]:
-        """Logits after the last token of every wanted step; the steps of many sequences share decodes."""
+        """Logits after the last token of every wanted step (after each token, as a matrix, for a
+        step marked in `every_row`); the steps of many sequences share decodes."""
         started = time.perf_counter()
         rows = [_TokenRows(s.sequence_id, s.position, np.asarray(s.tokens, dtype=np.int32)[:, None]) for s in steps]
-        logits = _logits_of_steps(self.model, rows, wanted, as_tokens=True)
+        logits = _logits_of_steps(self.model, rows, wanted, as_tokens=True, every_row=every_row)
         self.timer.add(time.perf_counter() - started, sum(len(s.tokens) for s in steps), decode)
         return logits
 

@@ -1,0 +1,179 @@
+"""Speculative decoding's pure parts: n-gram drafts and the window that decides how many to send.
+
+Across homes a token costs a round trip of the ring. A sequence's drafted tokens ride behind its
+last token as extra rows of the same wave; the head answers every row, and the host samples row
+by row, keeping a draft only while it equals the token sampled there (`Batcher.advance`). The
+sampler sees exactly the rows and tokens it would without drafts, so the output is the one
+decoding without speculation gives, greedy or seeded (with a draft that is one token, q is a
+point mass: drawing from p and accepting iff the draw equals the draft is the min(1, p/q) rule,
+and the draw that disagrees is the residual's). A rejected draft costs only its rows in the trip
+it rode on; the rejected rows' cache is cut before the sequence's next wave.
+
+`NgramDrafter` proposes the tokens that followed the latest earlier occurrence of the sequence's
+last few tokens (prompt lookup): where a model writes back text it was shown (a file with one
+change, a JSON document, a quoted passage) they are what it writes. `DraftWindow` adapts how many
+to send per sequence: it grows while drafts are accepted, shrinks on rejects, and rests where
+drafts do not pay.
+
+Pure: no model, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kafila.planner.types import DRAFT_ROWS
+
+MAX_DRAFT = 8  # drafted tokens per sequence per trip, at most
+# Drafted rows in one wave, all sequences together: the head reserves a row of logits for each
+# (`ContextSettings.max_outputs`, and the planner counts them), and sequences share them fairly
+# (`draft_shares`).
+DRAFT_ROWS_PER_WAVE = DRAFT_ROWS
+MIN_NGRAM, MAX_NGRAM = 2, 4  # a suffix of one token matches too often to be worth a row
+
+
+class Speculate(StrEnum):
+    """What `kafila host --speculate` drafts with."""
+
+    NGRAM = "ngram"  # prompt lookup over the prompt and the tokens generated so far
+    OFF = "off"
+
+
+class NgramDrafter:
+    """Drafts from a sequence's own history: the tokens that followed the latest earlier
+    occurrence of its last n tokens, trying the longest n (MAX_NGRAM) first.
+
+    The index maps each n-gram to where the tokens after its latest occurrence start; it grows
+    by O(MAX_NGRAM) per token, so a draft costs a few dictionary lookups, not a scan.
+    """
+
+    def __init__(self, tokens: Iterable[int] = (), min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram sizes {min_ngram}..{max_ngram}: need 1 <= min <= max")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._tokens: list[int] = []
+        # n-gram → the index just past its latest occurrence, among those ending before the last token
+        self._after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            end = len(self._tokens)  # the n-grams ending here now have a token after them
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._after[tuple(self._tokens[end - n : end])] = end
+            self._tokens.append(token)
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to `limit` tokens to follow the history; empty where no suffix occurred before."""
+        if limit <= 0:
+            return []
+        tokens, end = self._tokens, len(self._tokens)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            start = self._after.get(tuple(tokens[end - n :]))
+            if start is not None:
+                return tokens[start : min(start + limit, end)]
+        return []
+
+
+# How the window moves. It starts small (a first draft is a guess), doubles on a trip whose drafts
+# were all accepted, and falls to one more than what was accepted otherwise. Trips whose drafts
+# are all rejected count against the sequence; after MISSES_TO_REST in a row it rests (sends no
+# drafts) for a number of trips that doubles each time, up to MAX_REST, then tries again.
+FIRST_WINDOW = 2
+MISSES_TO_REST = 3
+FIRST_REST, MAX_REST = 4, 64
+
+
+@dataclass
+class DraftWindow:
+    """One sequence's draft window: how many drafted tokens its next trip may carry."""
+
+    size: int = FIRST_WINDOW
+    misses: int = 0  # trips in a row whose drafts were all rejected
+    resting: int = 0  # trips left without drafts
+    rest: int = FIRST_REST  # how long the next rest lasts
+    drafted: int = 0
+    accepted: int = 0
+    trips: int = 0  # trips that carried drafts
+
+    @property
+    def allowed(self) -> int:
+        """Drafted tokens the next trip may carry (0 while resting)."""
+        return 0 if self.resting else self.size
+
+    def skip(self) -> None:
+        """A trip without drafts (none found, or resting): one less to rest."""
+        self.resting = max(0, self.resting - 1)
+
+    def landed(self, drafted: int, accepted: int) -> None:
+        """A trip that carried `drafted` tokens, of which the first `accepted` were kept."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"{accepted} accepted of {drafted} drafted")
+        if drafted == 0:
+            self.skip()
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self.trips += 1
+        if accepted == drafted:
+            self.size = min(MAX_DRAFT, 2 * self.size) if drafted >= self.size else self.size
+            self.misses, self.rest = 0, FIRST_REST
+        elif accepted > 0:
+            self.size = max(1, accepted + 1)
+            self.misses, self.rest = 0, FIRST_REST
+        else:
+            self.size = max(1, self.size // 2)
+            self.misses += 1
+            if self.misses >= MISSES_TO_REST:
+                self.resting, self.misses = self.rest, 0
+                self.rest = min(MAX_REST, 2 * self.rest)
+                self.size = FIRST_WINDOW
+
+
+def draft_shares(wanted: Sequence[int], rows: int = DRAFT_ROWS_PER_WAVE) -> list[int]:
+    """How many drafted rows each sequence of a wave gets, of `rows` in all: each what it wants,
+    but where they want more than there is, the rows go round one at a time, so every sequence
+    that drafts gets its share before any gets more."""
+    shares = [0] * len(wanted)
+    left = rows
+    while left > 0:
+        gave = False
+        for index, want in enumerate(wanted):
+            if left > 0 and shares[index] < want:
+                shares[index] += 1
+                left -= 1
+                gave = True
+        if not gave:
+            break
+    return shares
+
+
+@dataclass
+class SpeculationStats:
+    """What /status and /metrics report of speculation, over the server's life."""
+
+    drafted: int = 0  # drafted tokens sent round the ring
+    accepted: int = 0  # of those, kept
+    trips: int = 0  # trips that carried drafts
+    window_sum: int = 0  # the windows those trips carried, summed
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.drafted += drafted
+            self.accepted += accepted
+            self.trips += 1
+            self.window_sum += drafted
+
+    @property
+    def accepted_per_trip(self) -> float:
+        """Drafted tokens kept per trip that carried drafts: what a trip gave beyond its one token."""
+        return self.accepted / self.trips if self.trips else 0.0
+
+    @property
+    def mean_window(self) -> float:
+        return self.window_sum / self.trips if self.trips else 0.0

@@ -1,0 +1,293 @@
+"""Speculative decoding's pure parts: n-gram drafts, the adaptive window, the fair share of a
+wave's drafted rows, and the batcher verifying drafts against a scripted model whose cache is
+checked row by row (what a stage refuses: a gap or a repeat), with and without drafts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, StepResult
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.engine.speculation import (
+    DRAFT_ROWS_PER_WAVE,
+    FIRST_WINDOW,
+    MAX_DRAFT,
+    MISSES_TO_REST,
+    DraftWindow,
+    NgramDrafter,
+    Speculate,
+    SpeculationStats,
+    draft_shares,
+)
+from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, TextDelta
+
+# --- n-gram drafts -------------------------------------------------------------------------
+
+
+def reference_draft(tokens: Sequence[int], limit: int, low: int, high: int) -> list[int]:
+    """The brute-force reading of prompt lookup: the longest suffix (high..low tokens) that occurred
+    before, at its latest earlier occurrence, and the tokens after it."""
+    end = len(tokens)
+    for n in range(min(high, end), low - 1, -1):
+        suffix = list(tokens[end - n :])
+        for start in range(end - n - 1, -1, -1):
+            if list(tokens[start : start + n]) == suffix:
+                return list(tokens[start + n : min(start + n + limit, end)])
+    return []
+
+
+@given(
+    tokens=st.lists(st.integers(0, 5), max_size=60),
+    limit=st.integers(0, 10),
+    low=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    split=st.integers(0, 60),
+)
+def test_a_draft_is_what_follows_the_latest_earlier_occurrence_of_the_longest_suffix(
+    tokens: list[int], limit: int, low: int, extra: int, split: int
+) -> None:
+    drafter = NgramDrafter(tokens[:split], min_ngram=low, max_ngram=low + extra)
+    drafter.extend(tokens[split:])  # built in two parts: as a prompt, then generated tokens
+    assert len(drafter) == len(tokens)
+    assert drafter.draft(limit) == reference_draft(tokens, limit, low, low + extra)
+
+
+def test_a_copied_passage_is_drafted_from_the_prompt() -> None:
+    prompt = [1, 10, 11, 12, 13, 14, 15, 2, 10, 11]
+    drafter = NgramDrafter(prompt)
+    assert drafter.draft(4) == [12, 13, 14, 15]
+    drafter.extend([12, 99])  # the copy departs from the passage: nothing follows "12 99"
+    assert drafter.draft(4) == []
+    with pytest.raises(ValueError):
+        NgramDrafter(min_ngram=3, max_ngram=2)
+
+
+# --- the window ------------------------------------------------------------------------------
+
+
+def test_the_window_grows_on_accepts_shrinks_on_rejects_and_rests_where_drafts_do_not_pay() -> None:
+    window = DraftWindow()
+    assert window.allowed == FIRST_WINDOW
+    window.landed(FIRST_WINDOW, FIRST_WINDOW)
+    assert window.allowed == 2 * FIRST_WINDOW
+    while window.allowed < MAX_DRAFT:
+        window.landed(window.allowed, window.allowed)
+    window.landed(MAX_DRAFT, MAX_DRAFT)
+    assert window.allowed == MAX_DRAFT  # never past the most a trip carries
+    window.landed(MAX_DRAFT, 2)
+    assert window.allowed == 3  # what was accepted, and one more
+    for _ in range(MISSES_TO_REST):
+        window.landed(window.allowed, 0)
+    assert window.allowed == 0  # resting: no drafts
+    trips = 0
+    while window.allowed == 0:
+        window.skip()
+        trips += 1
+    assert trips >= 1 and window.allowed == FIRST_WINDOW
+    for _ in range(MISSES_TO_REST):
+        window.landed(window.allowed, 0)
+    again = 0
+    while window.allowed == 0:
+        window.skip()
+        again += 1
+    assert again == 2 * trips  # each rest twice as long as the last
+    with pytest.raises(ValueError):
+        window.landed(2, 3)
+
+
+@given(st.lists(st.integers(0, MAX_DRAFT), max_size=8), st.integers(0, 20))
+def test_drafted_rows_are_shared_fairly(wanted: list[int], rows: int) -> None:
+    shares = draft_shares(wanted, rows)
+    assert all(0 <= s <= w for s, w in zip(shares, wanted, strict=True))
+    assert sum(shares) == min(rows, sum(wanted))
+    for a, wa in zip(shares, wanted, strict=True):  # nobody wanting more is left below another's share - 1
+        for b in shares:
+            assert a >= min(wa, b - 1)
+
+
+def test_stats_report_accepted_per_trip_and_the_mean_window() -> None:
+    stats = SpeculationStats()
+    assert stats.accepted_per_trip == 0.0 and stats.mean_window == 0.0
+    stats.record(4, 4)
+    stats.record(2, 0)
+    stats.record(0, 0)  # a trip without drafts is not a speculative one
+    assert (stats.drafted, stats.accepted, stats.trips) == (6, 4, 2)
+    assert stats.accepted_per_trip == 2.0 and stats.mean_window == 3.0
+
+
+# --- the batcher against a scripted model --------------------------------------------------
+
+VOCAB = 12
+END = 0
+
+
+class Sample:
+    """Greedy, or a seeded draw from a softmax: a sampler whose every draw depends on the row and its own state."""
+
+    portable = True
+
+    def __init__(self, seed: int | None) -> None:
+        self._random = np.random.default_rng(seed) if seed is not None else None
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        if self._random is None:
+            return int(np.argmax(logits))
+        p = np.exp(logits - logits.max())
+        return int(self._random.choice(VOCAB, p=p / p.sum()))
+
+    def close(self) -> None:
+        pass
+
+
+class ScriptedModel:
+    """A target model over a tiny vocabulary, with a cache per slot that refuses rows out of
+    position order as a stage does; its logits after a token depend on the last two tokens."""
+
+    def __init__(self, table: npt.NDArray[np.float32]) -> None:
+        self.table = table
+        self.cache: dict[int, list[int]] = {}
+        self.rows = 0
+
+    def logits(self, held: Sequence[int]) -> npt.NDArray[np.float32]:
+        return self.table[held[-2] if len(held) > 1 else 0, held[-1]]
+
+    def forget(self, slot: int, keep: int) -> None:
+        self.cache[slot] = self.cache.get(slot, [])[:keep]
+
+    def run(self, steps: Sequence[EngineStep]) -> list[StepResult]:
+        out: list[StepResult] = []
+        for step in steps:
+            held = self.cache.setdefault(step.sequence_id, [])
+            assert step.position == len(held), f"rows at {step.position}; the cache holds {len(held)}"
+            rows = []
+            for token in step.tokens:
+                held.append(token)
+                rows.append(self.logits(held))
+            self.rows += len(step.tokens)
+            if step.every_row:
+                out.append(EveryRowLogits(np.stack(rows)))
+            else:
+                out.append(rows[-1] if step.logits else None)
+        return out
+
+
+def serve(
+    model: ScriptedModel, jobs: Sequence[Job], speculate: Speculate, seed: int | None = None, rows: int = 16
+) -> tuple[dict[str, list[str]], Batcher]:
+    """Run jobs to the end; the text of each, and the batcher (for its stats)."""
+    batcher = Batcher(
+        2, rows, 64, lambda _s: Sample(seed), lambda t: f"<{t}>".encode(), lambda t: t == END,
+        PrefixCut.ANYWHERE, speculate,
+    )  # fmt: skip
+    for job in jobs:
+        batcher.submit(job)
+    texts: dict[str, list[str]] = {job.request_id: [] for job in jobs}
+    finished: set[str] = set()
+    for _ in range(500):
+        for trim in batcher.take_trims():
+            model.forget(trim.slot, trim.keep)
+        steps = batcher.plan()
+        if not steps:
+            if batcher.idle:
+                break
+            continue  # a request waits for its slot's cache to be cut
+        events: list[RequestEvent] = batcher.advance(model.run(steps))
+        for event in events:
+            if isinstance(event, TextDelta):
+                texts[event.request_id].append(event.text)
+            elif isinstance(event, Finished):
+                finished.add(event.request_id)
+    assert finished == set(texts)
+    return texts, batcher
+
+
+def table_of(seed: int, peaked: bool) -> npt.NDArray[np.float32]:
+    """Logits by the last two tokens; `peaked`: mostly one continuation (a model copying text)."""
+    random = np.random.default_rng(seed)
+    table = random.normal(size=(VOCAB, VOCAB, VOCAB)).astype(np.float32)
+    if peaked:
+        table[:, :, :] = table[0:1, :, :]  # the next token follows the last alone: loops that drafts catch
+        table *= 4
+    table[:, :, END] -= 3.0  # long enough answers
+    return table
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    table_seed=st.integers(0, 2**16),
+    prompts=st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=3),
+    peaked=st.booleans(),
+    sampled=st.booleans(),
+    rows=st.integers(2, 16),
+)
+def test_drafts_change_nothing_but_the_trips(
+    table_seed: int, prompts: list[list[int]], peaked: bool, sampled: bool, rows: int
+) -> None:
+    """Greedy or seeded, every request's text with drafts is the text without, and the cache never
+    holds a row out of order (the scripted model asserts it): rejected rows were cut first."""
+    table = table_of(table_seed, peaked)
+    jobs = [Job(f"r{i}", prompt, 24, SamplingSettings()) for i, prompt in enumerate(prompts)]
+    seed = table_seed if sampled else None
+    plain, _ = serve(ScriptedModel(table), jobs, Speculate.OFF, seed, rows)
+    drafted, batcher = serve(ScriptedModel(table), jobs, Speculate.NGRAM, seed, rows)
+    assert drafted == plain
+    stats = batcher.speculation
+    assert 0 <= stats.accepted <= stats.drafted
+    assert stats.mean_window <= MAX_DRAFT
+
+
+def test_a_copying_model_takes_fewer_trips_and_a_forced_reject_leaves_no_trace() -> None:
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4]
+    loop = np.full((VOCAB, VOCAB, VOCAB), -5.0, dtype=np.float32)
+    for a in range(VOCAB):  # the model copies the cycle 3..11 forever
+        for b in range(VOCAB):
+            loop[a, b, 3 if b == 11 else (b + 1 if b >= 3 else 3)] = 5.0
+    job = Job("copy", prompt, 40, SamplingSettings())
+    plain_model, drafted_model = ScriptedModel(loop), ScriptedModel(loop)
+    plain, _ = serve(plain_model, [job], Speculate.OFF)
+    drafted, batcher = serve(drafted_model, [job], Speculate.NGRAM)
+    assert drafted == plain
+    assert batcher.speculation.accepted_per_trip > 2  # several tokens per trip
+    assert batcher.speculation.accepted == batcher.speculation.drafted  # a copy is all accepted
+
+    # A model that departs from the prompt's pattern: the first drafts ("4 5" after "5 7 4 5 7")
+    # are rejected; the scripted cache refuses the next rows unless the rejected ones were cut,
+    # and afterwards holds only the prompt and the tokens fed back, in order.
+    plus_two = np.full((VOCAB, VOCAB, VOCAB), -5.0, dtype=np.float32)
+    for b in range(VOCAB):
+        plus_two[:, b, (b + 2) % VOCAB or 1] = 5.0
+    departing = Job("off", [5, 7, 4, 5], 12, SamplingSettings())
+    model = ScriptedModel(plus_two)
+    texts, batcher = serve(model, [departing], Speculate.NGRAM)
+    again, _ = serve(ScriptedModel(plus_two), [departing], Speculate.OFF)
+    assert texts == again
+    assert batcher.speculation.drafted > batcher.speculation.accepted
+    generated = [int(piece.strip("<>")) for piece in texts["off"]]
+    assert generated[:2] == [7, 9]
+    assert model.cache[0][: 4 + len(generated) - 1] == [5, 7, 4, 5, *generated[:-1]]
+
+
+def test_no_drafts_past_max_tokens_or_where_speculation_is_off() -> None:
+    loop = np.full((VOCAB, VOCAB, VOCAB), -5.0, dtype=np.float32)
+    loop[:, :, 4] = 5.0  # always 4: a draft of 4s is always right
+    model = ScriptedModel(loop)
+    texts, batcher = serve(model, [Job("short", [4, 4, 4, 4], 3, SamplingSettings())], Speculate.NGRAM)
+    assert "".join(texts["short"]) == "<4><4><4>"
+    assert model.rows <= 4 + 3  # the prompt, then at most the tokens it may still write
+    assert batcher.speculation.drafted == batcher.speculation.accepted == 1  # one draft: all max_tokens allowed
+    off = Batcher(1, 8, 64, lambda _s: Sample(None), lambda t: b"", lambda t: False, PrefixCut.NOWHERE, Speculate.NGRAM)
+    assert off.speculation_off is not None and "recurrent" in off.speculation_off
+    refused: Callable[[], Batcher] = lambda: Batcher(  # noqa: E731
+        1, 8, 64, lambda _s: Sample(None), lambda t: b"", lambda t: False, PrefixCut.ANYWHERE, Speculate.NGRAM, "why"
+    )
+    assert refused().speculation_off == "the engine cannot check drafts: why"
+    assert DRAFT_ROWS_PER_WAVE >= 1

@@ -1,0 +1,177 @@
+"""Speculative decoding on real llama.cpp: every tiny family decodes the same text with n-gram
+drafts as without, on a local ring of two stages with the head on the host; a forced reject
+leaves no trace in the stages' caches; a grammar-held request still validates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
+from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
+
+from kafila.runtime.engine.engines import Engine, PrefixCut, RingEngine, UnsplitEngine
+from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.engine.speculation import NgramDrafter, Speculate
+from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.llama.model import ContextSettings
+from kafila.serving.batcher import Batcher, Finished, Job, RequestFailed, TextDelta
+
+SETTINGS = ContextSettings(n_ctx=512, n_batch=16, n_seq_max=2, n_threads=2)
+GREEDY = SamplingSettings(top_k=1)
+STEPS = 24
+REPEATING = "one two three four five six one two three four five six one two three"
+
+
+def drive(
+    engine: Engine,
+    jobs: Sequence[Job],
+    speculate: Speculate,
+    after_each_wave: Callable[[Batcher], None] = lambda _b: None,
+    drafter: Callable[[Job], NgramDrafter] | None = None,
+) -> tuple[dict[str, str], Batcher]:
+    """Serve `jobs` on `engine` as the engine loop does, one wave at a time; each request's text.
+    `drafter`: a drafter for each admitted request in place of the n-gram one."""
+    batcher = Batcher(
+        SETTINGS.n_seq_max, 16, 256, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
+        speculate, engine.speculation_refused,
+    )  # fmt: skip
+    for job in jobs:
+        batcher.submit(job)
+    texts = {job.request_id: "" for job in jobs}
+    finished: set[str] = set()
+    replaced: set[str] = set()
+    while not batcher.idle or batcher.trimming:
+        for trim in batcher.take_trims():
+            engine.forget(trim.slot, trim.keep)
+        after_each_wave(batcher)
+        steps = batcher.plan()
+        if drafter is not None:
+            for request_id, sequence in batcher._active.items():
+                if request_id not in replaced:
+                    assert not sequence.generated  # admitted in this wave: its history is its prompt
+                    sequence.drafter = drafter(sequence.job)
+                    replaced.add(request_id)
+        if not steps:
+            continue
+        for event in batcher.advance(engine.step_many(steps)):
+            assert not isinstance(event, RequestFailed), event.message
+            if isinstance(event, TextDelta):
+                texts[event.request_id] += event.text
+            elif isinstance(event, Finished):
+                finished.add(event.request_id)
+    assert finished == set(texts)
+    for slot in range(SETTINGS.n_seq_max):  # the next run starts from empty caches
+        engine.forget(slot)
+    return texts, batcher
+
+
+@pytest.fixture(params=SUPPORTED_TINY_ARCHS)
+def ring(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Engine]]:
+    arch = request.param
+    model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
+    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
+    cut = starts[0] if starts else n // 2
+    engine = open_engine(model, [cut, n - cut], SETTINGS, tmp_path / "stages")
+    try:
+        yield arch, engine
+    finally:
+        engine.close()
+
+
+class Departing(NgramDrafter):
+    """Drafts what greedy decoding writes next (`answer`), but with every `wrong`-th draft wrong
+    (counted along the answer), so that trips keep some drafts and reject the rest."""
+
+    def __init__(self, prompt: Sequence[int], answer: Sequence[int], n_vocab: int, wrong: int) -> None:
+        self.prompt_length, self.answer, self.n_vocab, self.wrong = len(prompt), list(answer), n_vocab, wrong
+        super().__init__(prompt)
+
+    def draft(self, limit: int) -> list[int]:
+        written = len(self) - self.prompt_length
+        drafts = self.answer[written : written + limit]
+        return [
+            (t + 1) % self.n_vocab if (written + i) % self.wrong == self.wrong - 1 else t for i, t in enumerate(drafts)
+        ]
+
+
+def test_every_tiny_family_decodes_the_same_text_with_drafts(ring: tuple[str, Engine], tmp_path: Path) -> None:
+    """Two requests at once, with and without drafts on the same ring: the same text. With n-gram
+    drafts (which a random tiny model seldom repeats), and with drafts of greedy decoding's answer
+    of which every third is wrong, so that trips keep some and have the rest cut: wherever the
+    family's cache can be cut, both kinds of trip happened."""
+    arch, engine = ring
+    model = tmp_path / f"{arch}.gguf"
+    jobs = [Job(f"{i}", engine.tokenize(text), STEPS, GREEDY) for i, text in enumerate((PROMPT, REPEATING))]
+    plain, off = drive(engine, jobs, Speculate.OFF)
+    assert off.speculation.drafted == 0
+    drafted, on = drive(engine, jobs, Speculate.NGRAM)
+    assert drafted == plain, arch
+    answers = {job.request_id: greedy_unsplit(model, job.prompt, STEPS) for job in jobs}
+
+    def departing(job: Job) -> NgramDrafter:
+        return Departing(job.prompt, answers[job.request_id], engine.n_vocab(), wrong=3)
+
+    drafted, on = drive(engine, jobs, Speculate.NGRAM, drafter=departing)
+    assert drafted == plain, arch
+    if engine.prefix_cut is PrefixCut.NOWHERE or engine.speculation_refused is not None:  # qwen3next, gpt-oss
+        assert on.speculation_off is not None and on.speculation.drafted == 0
+    else:
+        assert on.speculation_off is None, arch
+        assert 0 < on.speculation.accepted < on.speculation.drafted, arch
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # full attention, and a sliding window
+def test_a_forced_reject_leaves_no_trace(arch: str, tmp_path: Path) -> None:
+    """Rejected drafts on every trip that drafts two: the text is greedy decoding's, and before
+    each wave the head's cache of the sequence ends exactly where its next row goes (the block stage, in its own
+    process, would refuse that row otherwise)."""
+    model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
+    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
+    cut = starts[0] if starts else n // 2
+    engine = open_engine(model, [cut, n - cut], SETTINGS, tmp_path / "stages")
+    assert isinstance(engine, RingEngine) and engine.head is not None
+    head = engine.head
+    try:
+        prompt = engine.tokenize(PROMPT)
+        answer = greedy_unsplit(model, prompt, STEPS)
+        job = Job("forced", prompt, STEPS, GREEDY)
+        checked: list[int] = []
+
+        def cache_ends_where_the_next_row_goes(batcher: Batcher) -> None:
+            for sequence in batcher._active.values():
+                if sequence.trimmed and not sequence.in_flight and sequence.generated:
+                    assert head.model.next_position(sequence.slot) == sequence.position
+                    checked.append(sequence.position)
+
+        def departing(job: Job) -> NgramDrafter:
+            return Departing(job.prompt, answer, engine.n_vocab(), wrong=2)
+
+        texts, batcher = drive(engine, [job], Speculate.NGRAM, cache_ends_where_the_next_row_goes, departing)
+        ends = next((i for i, t in enumerate(answer) if engine.is_end(t)), len(answer))
+        assert texts["forced"] == engine.detokenize(answer[:ends])
+        stats = batcher.speculation
+        assert stats.trips > 2 and 0 < stats.accepted < stats.drafted  # one kept, the rest cut, each trip
+        assert len(checked) > 2
+    finally:
+        engine.close()
+
+
+def test_a_grammar_held_request_validates_with_drafts(tmp_path: Path) -> None:
+    """A JSON grammar on the whole model with drafts on: the text parses, and equals the text without."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=N_BLOCKS["llama"])
+    engine = UnsplitEngine(model, SETTINGS)
+    try:
+        grammar = 'root ::= "{\\"a\\": [" item ("," item)? ("," item)? ("," item)? "]}"\nitem ::= [0-9]'
+        held = SamplingSettings(top_k=1, grammar=grammar)
+        job = Job("json", engine.tokenize(REPEATING), 40, held)
+        plain, _ = drive(engine, [job], Speculate.OFF)
+        drafted, batcher = drive(engine, [job], Speculate.NGRAM)
+        assert drafted == plain
+        assert batcher.speculation_off is None
+        assert isinstance(json.loads(drafted["json"])["a"], list)
+    finally:
+        engine.close()
