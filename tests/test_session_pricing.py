@@ -22,7 +22,7 @@ from kafila.session.pricing import (
 
 DIGEST = "ab" * 32
 MANIFEST = ModelManifest(name="m", block_bytes=(100_000_000,) * 12, head_bytes=50_000_000, kv_bytes_per_token=(0,) * 12)
-SESSION = ServingSpec(context=1024, concurrency=1)
+SESSION = ServingSpec(context=1024, concurrency=4)  # where the slowest stage sets the time per token
 
 
 def device(name: str, bandwidth: float) -> FleetDevice:

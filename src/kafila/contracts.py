@@ -187,6 +187,8 @@ class MemberStatus(Strict):
     link: Literal["up", "down"] | None = None
     left: bool = False  # gone from the session, not only from its link
     joining: bool = False  # admitted, waiting for the next plan
+    role: Literal["serves", "stands-by"] | None = None  # in the ring, or linked and left out of it
+    why: str | None = None  # why it serves or stands by, in words
     rtt_ms: float | None = None
     blocks: Blocks | None = None
     predicted_ms_per_token: float | None = None
@@ -219,6 +221,9 @@ class PlanStatus(Strict):
     head: str
     division: list[int] | None = None
     predicted_bottleneck_ms: float | None = None
+    standby: list[str] = Field(default_factory=list)  # members linked and left out of the ring
+    concurrency: int | None = None  # the load who serves was chosen for
+    predicted_ms_per_token: float | None = None  # the time per token they were chosen by, at that load
 
 
 class RebalanceStatus(Strict):

@@ -27,7 +27,7 @@ from kafila.log_repeats import summarise_repeats
 from kafila.planner import PlanRefused
 from kafila.planner.fleet import Fleet, device_of
 from kafila.planner.report import plan_report
-from kafila.planner.who_serves import plan_who_serves
+from kafila.planner.who_serves import plan_serving_host_choice
 from kafila.runtime.gguf.families import UnsupportedFamily
 from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.manifest import read_manifest
@@ -102,9 +102,9 @@ def plan(
             fail(str(error), as_json, EXIT_REFUSED)
     started = time.perf_counter()
     try:
-        choice = plan_who_serves(
-            manifest, devices, fleet.session, anchor=fleet.anchor_name, round_trips=fleet.round_trips()
-        )
+        # As a session hosted on the anchor chooses (`kafila host`): the same members, ring and division.
+        hosted = sorted(devices, key=lambda device: device.name != fleet.anchor_name)
+        choice = plan_serving_host_choice(manifest, hosted, fleet.session, fleet.round_trips())
     except PlanRefused as refusal:
         fail(str(refusal), as_json, EXIT_REFUSED, device=refusal.device, shortfall_bytes=refusal.shortfall_bytes)
     report = plan_report(choice.plan, time.perf_counter() - started, choice)

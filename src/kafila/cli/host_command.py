@@ -159,6 +159,15 @@ def host(
             "they end with an error.",
         ),
     ] = 60.0,
+    every_member_serves: Annotated[
+        bool,
+        typer.Option(
+            "--every-member-serves",
+            envvar="KAFILA_EVERY_MEMBER_SERVES",
+            help="With members: put every member in the ring. By default a member whose place costs more time "
+            "per token than its blocks save (a slow edge, a slow machine) stands by, and is taken in when it pays.",
+        ),
+    ] = False,
     rebalance: Annotated[
         bool,
         typer.Option(
@@ -219,7 +228,7 @@ def host(
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=host_name, discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
-        resume_within_s=resume_within,
+        resume_within_s=resume_within, every_member_serves=every_member_serves,
     )  # fmt: skip
     try:
         run(_serve(config))

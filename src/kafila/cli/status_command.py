@@ -67,7 +67,8 @@ def render_status(status: HostStatus, console: Console) -> None:
                 shown(member.name),
                 ("host" if member.host else "member")
                 + (" (head)" if member.name == head or (head is None and member.host) else "")
-                + (" (joining)" if member.joining else ""),
+                + (" (joining)" if member.joining else "")
+                + (" (stands by)" if member.role == "stands-by" else ""),
                 blocks,
                 link,
                 _backend(member.backend),
@@ -78,6 +79,9 @@ def render_status(status: HostStatus, console: Console) -> None:
                 _number(report.ms_per_token) if report else "—",
             )
         console.print(table)
+        for member in status.members:
+            if member.role == "stands-by" and member.why:
+                console.print(shown(member.why), highlight=False, soft_wrap=True)
         for member in status.members:
             if member.stage_why:
                 why = f"{shown(member.name)}'s stage came from the host, not the hub: {shown(member.stage_why, True)}"
@@ -100,7 +104,12 @@ def render_status(status: HostStatus, console: Console) -> None:
     if plan:
         console.print(
             f"plan (epoch {status.epoch}): tier {shown(plan.tier)}, ring {shown(' → '.join(plan.ring))}, "
-            f"division {plan.division}, predicted bottleneck {_number(plan.predicted_bottleneck_ms)} ms",
+            f"division {plan.division}, predicted bottleneck {_number(plan.predicted_bottleneck_ms)} ms"
+            + (
+                f", {_number(plan.predicted_ms_per_token)} ms a token at {plan.concurrency} concurrent"
+                if plan.predicted_ms_per_token is not None
+                else ""
+            ),
             highlight=False,
             soft_wrap=True,
         )

@@ -369,7 +369,7 @@ def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], sessio
     every block and the head, and the host only embeds, samples and serves the API.
     """
     host = devices[0]
-    if len(devices) > 1 and not _holds_a_block(manifest, host, session):
+    if len(devices) > 1 and not holds_a_block(manifest, host, session):
         plan = plan_session(manifest, devices[1:], session)
         note = f"'{host.name}' cannot hold a single block with its cache: it holds no stage, and embeds and samples"
         return plan.model_copy(update={"notes": (*plan.notes, note)})
@@ -379,7 +379,7 @@ def plan_serving_host(manifest: ModelManifest, devices: Sequence[Device], sessio
         return plan_session(manifest, devices, session, anchor=host.name)  # its refusal weighs every head
 
 
-def _holds_a_block(manifest: ModelManifest, device: Device, session: ServingSpec) -> bool:
+def holds_a_block(manifest: ModelManifest, device: Device, session: ServingSpec) -> bool:
     """Whether the device can hold the smallest stage there can be, with its cache and context."""
     return smallest_stage_bytes(manifest, session) <= device.memory_bytes
 

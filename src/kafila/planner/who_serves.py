@@ -30,6 +30,7 @@ from kafila.planner.plan import (
     choose_tier,
     compare_divisions,
     edge_round_trip_s,
+    holds_a_block,
     plan_session,
     plan_stages,
     price_devices,
@@ -60,6 +61,7 @@ class Why(StrEnum):
     COSTS_MORE = "costs-more"  # tokens come clearly slower with it
     NO_ROOM = "no-room"  # the model cannot be cut into one more stage
     UNPRICED = "unpriced"  # no speeds measured: nothing to weigh, so every member serves
+    ASKED = "asked"  # the host asked every member to serve (`kafila host --every-member-serves`)
 
 
 class MemberSearch(StrEnum):
@@ -248,6 +250,21 @@ def _serving(search: _Search, chosen: Candidate, member: int, needed: bool) -> M
     )
 
 
+def _asked(search: _Search, chosen: Candidate, member: int) -> Membership:
+    name = search.devices[member].name
+    words = f"{name} serves: it opened the session" if member == search.anchor else f"{name} serves: every member is to"
+    return Membership(
+        device=name,
+        role=Role.SERVES,
+        why=Why.ANCHOR if member == search.anchor else Why.ASKED,
+        blocks=chosen.blocks_of(member),
+        time_with_s=chosen.time_per_token_s,
+        time_without_s=None,
+        added_ring_s=None,
+        words=words,
+    )
+
+
 def _membership(search: _Search, chosen: Candidate, member: int, needed: bool) -> Membership:
     if member in chosen.members:
         return _serving(search, chosen, member, needed)
@@ -319,8 +336,10 @@ def plan_who_serves(
     anchor: str | None = None,
     round_trips: RoundTrips | None = None,
     pin_head: bool = False,
+    every_member: bool = False,
 ) -> ServingChoice:
-    """The members of least time per token at `session.concurrency`, their ring and division.
+    """The members of least time per token at `session.concurrency`, their ring and division;
+    with `every_member`, every member serves, on the ring and division of least time per token.
 
     Refuses as `plan_session` does when no set of members can hold the model.
     """
@@ -331,8 +350,8 @@ def plan_who_serves(
         raise ValueError(f"no round trips for {', '.join(missing)}")
     tier = choose_tier(devices)
     if tier is Tier.MEMORY:
-        every_member = plan_session(manifest, devices, session, anchor, pin_head, round_trips)
-        return _unpriced(every_member, session.concurrency)
+        unpriced = plan_session(manifest, devices, session, anchor, pin_head, round_trips)
+        return _unpriced(unpriced, session.concurrency)
     m, anchor_index = len(devices), names.index(anchor) if anchor is not None else 0
     prefix = ChainPrefix.of(manifest, session)
     prices = price_devices(devices, prefix, tier)
@@ -340,7 +359,10 @@ def plan_who_serves(
     search = _Search(
         devices, prices, anchor_index, session.concurrency, manifest.max_stages, pin_head, round_trips, candidates, {}
     )
-    chosen, member_search = (_exact if m <= EXACT_MEMBERS else _greedy)(search, m)
+    if every_member:
+        chosen, member_search = search.plan(frozenset(range(m))), MemberSearch.EXACT
+    else:
+        chosen, member_search = (_exact if m <= EXACT_MEMBERS else _greedy)(search, m)
     if chosen is None:
         plan_session(manifest, devices, session, anchor, pin_head, round_trips)  # raises its refusal
         raise PlanRefused("no set of members can hold the model", device=None)
@@ -348,7 +370,10 @@ def plan_who_serves(
     if member_search is MemberSearch.GREEDY:
         note = f"who serves by dropping one member at a time: the exact search covers up to {EXACT_MEMBERS} members"
         plan = plan.model_copy(update={"notes": (*plan.notes, note)})
-    members = tuple(_membership(search, chosen, i, _needed(search, m, i)) for i in range(m))
+    if every_member:
+        members = tuple(_asked(search, chosen, i) for i in range(m))
+    else:
+        members = tuple(_membership(search, chosen, i, _needed(search, m, i)) for i in range(m))
     return ServingChoice(
         plan=plan,
         concurrency=session.concurrency,
@@ -357,6 +382,31 @@ def plan_who_serves(
         members=members,
         member_search=member_search,
     )
+
+
+def plan_serving_host_choice(
+    manifest: ModelManifest,
+    devices: Sequence[Device],
+    session: ServingSpec,
+    round_trips: RoundTrips | None = None,
+    every_member: bool = False,
+) -> ServingChoice:
+    """Who serves a session hosted on `devices[0]`, by `plan_who_serves`, with `plan_serving_host`'s
+    rule for the head: on the host if it can hold it (the host samples, and logits cost a trip the
+    model does not price), else wherever it fits. A host that cannot hold a block takes no stage:
+    the members are chosen among themselves."""
+    host = devices[0]
+    if len(devices) > 1 and not holds_a_block(manifest, host, session):
+        choice = plan_who_serves(manifest, devices[1:], session, round_trips=round_trips, every_member=every_member)
+        note = f"'{host.name}' cannot hold a single block with its cache: it holds no stage, and embeds and samples"
+        plan = choice.plan.model_copy(update={"notes": (*choice.plan.notes, note)})
+        first, *rest = choice.members  # the anchor of that search, which did not open the session
+        words = f"{first.device} serves: the host holds no stage, and the ring is planned from this member"
+        return choice.model_copy(update={"plan": plan, "members": (first.model_copy(update={"words": words}), *rest)})
+    try:
+        return plan_who_serves(manifest, devices, session, host.name, round_trips, True, every_member)
+    except PlanRefused:  # the host cannot hold the head: its refusal weighs every head
+        return plan_who_serves(manifest, devices, session, host.name, round_trips, False, every_member)
 
 
 def _plan_of(

@@ -10,8 +10,13 @@ drives every path with made-up events (tests/test_session_core.py), as aioquic's
 connection with made-up datagrams.
 
 Every decision's state lives here: the ring that serves, its epoch and whether a stage broke,
-the newcomers waiting for a plan and since when, requests a broken ring left and since when,
-the rebalance schedule, the guess budget and the memory each machine is planned with.
+the members standing by, the newcomers waiting for a plan and since when, requests a broken ring
+left and since when, the rebalance schedule, the guess budget and the memory each machine is
+planned with.
+
+Who serves is the planner's choice (`planner.who_serves`): every deployment is planned over every
+member still linked, so a member standing by is weighed again at each replan (a member lost, a
+newcomer, a rebalance), and taken in when it pays. One standing by that leaves frees its seat.
 
 While a ring serves, each look first answers joiners (admit, or refuse once the guess budget is
 spent) and ends requests a broken ring left that waited too long; then one chain of rules, the
@@ -232,6 +237,7 @@ class SessionCore:
     deploying: tuple[str, ...] = ()  # the members of the deployment under way
     lowerings: Lowerings = field(default_factory=Lowerings)
     ring: frozenset[str] = frozenset()  # the members of the ring that serves
+    standby: frozenset[str] = frozenset()  # linked, and left out of the ring: it is faster without them
     epoch: int = 0  # the serving ring's: a stage's report of another epoch is stale
     broken: str | None = None  # a stage's report that it stopped
     newcomers: frozenset[str] = frozenset()  # admitted, waiting for a plan that takes them in
@@ -335,6 +341,7 @@ class SessionCore:
         if self.phase not in (Phase.SERVING, Phase.PAUSED, Phase.WAITING):
             return commands
         self._apply(look)
+        commands += self._standby_left(look)
         commands += [self.guesses.answer(member) for member in look.arrivals]
         for rule in (self._replan_after_break, self._take_in_newcomers, self._newcomers_left, self.rebalances.judge):
             decided = rule(look)
@@ -351,6 +358,15 @@ class SessionCore:
         elif self.newcomers_waiting_since is None and not look.idle:
             self.newcomers_waiting_since = look.now
         self.rebalances.looked(look, self._rebalancing)
+
+    def _standby_left(self, look: Look) -> list[Command]:
+        """Members standing by whose links went down: nothing to replan, but their seats are freed."""
+        left = tuple(sorted(self.standby - look.alive))
+        if not left:
+            return []
+        self.standby -= set(left)
+        verb = "was" if len(left) == 1 else "were"
+        return [Say(f"{_names(look, left)}, who {verb} standing by, left"), SendAway(left)]
 
     @property
     def _rebalancing(self) -> bool:
@@ -463,15 +479,17 @@ class SessionCore:
             case Dismissed(member=member, alive=alive):
                 left = tuple(m for m in alive if m != member)
                 return self._deploy(deployment, left) if left else self._no_member_left(deployment)
-            case Deployed(members=members, epoch=epoch):
+            case Deployed(members=members, epoch=epoch, standby=standby):
                 commands: list[Command] = []
                 if isinstance(deployment, _Replan):
-                    commands.append(Say(f"replanned with {len(members) + 1} members{deployment.why}", "replanned"))
-                self.ring, self.epoch = frozenset(members), epoch
-                self.newcomers -= self.ring
+                    standing = f"; {len(standby)} standing by" if standby else ""
+                    text = f"replanned with {len(members) + 1} members{deployment.why}{standing}"
+                    commands.append(Say(text, "replanned"))
+                self.ring, self.epoch, self.standby = frozenset(members), epoch, frozenset(standby)
+                self.newcomers -= self.ring | self.standby
                 return commands + self._serving(deployment)
             case ServedAlone():
-                self.ring = frozenset()
+                self.ring, self.standby = frozenset(), frozenset()
                 return self._serving(deployment)
             case DeployFailed(message=message, refused=refused):
                 return self._no_ring(deployment, message, refused)
@@ -479,7 +497,7 @@ class SessionCore:
 
     def _no_member_left(self, deployment: _Deployment) -> list[Command]:
         if isinstance(deployment, _Replan):
-            self.ring = frozenset()
+            self.ring, self.standby = frozenset(), frozenset()
             return [ForgetRing(), ServeAlone(f"replanned{deployment.why}: no member is left")]
         return [ServeAlone("every member failed its part")]
 
@@ -501,7 +519,7 @@ class SessionCore:
             self.phase = Phase.FAILED
             return [self._fail(f"{deployment.error}; the host cannot serve alone: {message}")]
         why = "the members that are left cannot hold the model" if refused else "replanning failed"
-        self.ring, self.broken = frozenset(), None
+        self.ring, self.standby, self.broken = frozenset(), frozenset(), None
         commands: list[Command] = [ForgetRing(), self._fail(f"{deployment.error}; {why}: {message}")]
         if not self.guesses.admitting:
             self.phase = Phase.FAILED

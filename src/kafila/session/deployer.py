@@ -216,6 +216,9 @@ class Deployer:
     _listeners: list[asyncio.Task[None]] = field(default_factory=list)
     refused_controls: dict[str, int] = field(default_factory=dict)  # member → control messages not understood
     origins: dict[str, StageOrigin] = field(default_factory=dict)  # member → where its stage came from
+    # Each pair of members ever linked in a ring → the round trip its link measured (ms), kept
+    # after the ring changes, for the planner's choice of who serves.
+    measured_rtts: dict[frozenset[str], float] = field(default_factory=dict)
 
     async def deploy(
         self,
@@ -294,6 +297,7 @@ class Deployer:
             for (m, a), s in zip(assigns.items(), staged, strict=True)
         }
         self.ring_edges = {m: {e.peer: e for e in s.edges} for m, s in zip(assigns, staged, strict=True)}
+        self.measured_rtts.update(mean_round_trips(self.ring_edges))
         for index in reversed(range(len(chain))):  # downstream first: a stage serves only once its successor does
             member = chain[index]
             if member == me:
@@ -495,6 +499,16 @@ class Deployer:
             ends = {"from": self.roster.name(member), "to": self.roster.name(successor)}
             edges.append(EdgeStatus.model_validate({**ends, "path": way, "rtt_ms": rtt}))
         return edges
+
+
+def mean_round_trips(edges: dict[str, dict[str, RingEdge]]) -> dict[frozenset[str], float]:
+    """Each pair of members' round trip, the mean of what either end measured of their link."""
+    seen: dict[frozenset[str], list[float]] = {}
+    for member, by_peer in edges.items():
+        for peer, edge in by_peer.items():
+            if edge.rtt_ms is not None:
+                seen.setdefault(frozenset((member, peer)), []).append(edge.rtt_ms)
+    return {pair: sum(trips) / len(trips) for pair, trips in seen.items()}
 
 
 def load_here(blocks: tuple[int, int], need_bytes: int, load: Callable[[], T]) -> T:

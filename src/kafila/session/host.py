@@ -4,9 +4,10 @@ The order, and why:
 1. open the session at the rendezvous and print the full code (channel + secret);
 2. prove the code to every joiner and pin their certificates (SPAKE2, `verify_members`);
 3. bring up a pinned QUIC link to each member, punched where possible, relayed where not;
-4. hear what each member already holds (`Hello`), then plan with every member's probe, the
-   head here unless this machine cannot hold it, refusing before anything loads if the model
-   does not fit;
+4. hear what each member already holds (`Hello`), then plan with every member's probe and every
+   edge's measured round trip: who serves (the members of least time per token at the session's
+   concurrency; the others stand by, linked), the head here unless this machine cannot hold it,
+   refusing before anything loads if the model does not fit;
 5. put the plan in place (`deployer.Deployer`): assign each member its stage and neighbours,
    deliver the stage files, have the stages load downstream-first, and serve.
 
@@ -44,7 +45,9 @@ from kafila.network.rendezvous_client import (
 )
 from kafila.network.session_codes import full_code, new_secret
 from kafila.planner.rebalance import RebalanceVerdict
-from kafila.planner.types import ModelManifest, Plan, ServingSpec
+from kafila.planner.round_trips import RoundTrips
+from kafila.planner.types import ModelManifest, ServingSpec
+from kafila.planner.who_serves import ServingChoice
 from kafila.runtime.llama.backends import backend_or_none
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.this_machine import cached_model_pricings
@@ -52,7 +55,7 @@ from kafila.session.admissions import TRUST_EXCHANGE_S, Admissions
 from kafila.session.deployer import Deployer, Deployment, Roster
 from kafila.session.host_model import HostModel
 from kafila.session.presence import Presence, machine_tag
-from kafila.session.pricing import Machine, PlannedRing, RingPricing
+from kafila.session.pricing import Machine, PlannedRing, RingPricing, measured_round_trips
 from kafila.session.router import LinkRouter
 from kafila.wire.control import End
 
@@ -83,6 +86,8 @@ class HostSession:
     own_pricings: tuple[ModelPricing, ...] = ()  # the models this machine priced itself (`kafila probe --model`)
     own_backend: BackendReport | None = None  # llama.cpp's devices here, for /status
     memory_caps: dict[str, int] = field(default_factory=dict)  # member → bytes it held at most (it ran out)
+    every_member_serves: bool = False  # `kafila host --every-member-serves`: no member stands by
+    choice: ServingChoice | None = None  # who serves the deployed ring, who stands by and why
     renewing: Callable[[], bool] = lambda: True  # whether the session at the rendezvous must live on
     rendezvous_lost: Callable[[str], None] = lambda _why: None  # told once if the rendezvous ends it first
     _renewals: asyncio.Task[None] = field(init=False)
@@ -167,7 +172,7 @@ class HostSession:
 
     def forget_ring(self) -> None:
         """Nothing serves now: no ring is left to watch."""
-        self.deployer.deployment = None
+        self.deployer.deployment, self.choice = None, None
 
     # --- gathering ---------------------------------------------------------------------------
 
@@ -229,7 +234,9 @@ class HostSession:
         ring = self._planned_ring()
         if ring is None:
             return None
-        return self.prices.rebalance_verdict(self.known_machines(), ring, [self.me, *self.planned_members()], report)
+        members = self.planned_members()
+        machines, trips = self.known_machines(), self.round_trips(members)
+        return self.prices.rebalance_verdict(machines, ring, [self.me, *members], report, trips)
 
     def planned_members(self) -> list[str]:
         """The members of the current plan in the order it was planned with (its ring search
@@ -241,20 +248,36 @@ class HostSession:
         """Which machines' stage times come from what, for the plan's reader."""
         return self.prices.note(self.known_machines(), [self.me, *members], self.model.label)
 
-    def plan(self, members: Sequence[str]) -> Plan:
-        """The plan over this host and `members`, the head here if it fits (`plan_serving_host`);
-        PlanRefused names who cannot hold its share."""
-        return self.prices.plan(self.known_machines(), [self.me, *members])
+    def round_trips(self, members: Sequence[str]) -> RoundTrips | None:
+        """The round trip of every edge among this host and `members`, as their links measured it
+        (`pricing.measured_round_trips`)."""
+        ids = [self.me, *members]
+        routers = self.roster.routers
+        to_host = {m: routers[m].link.core.rtt_ms if m in routers else None for m in members}
+        names = {m: self.member_name(m) for m in ids}
+        return measured_round_trips(names, self.me, to_host, self.deployer.measured_rtts)
+
+    def choose(self, members: Sequence[str]) -> ServingChoice:
+        """Who of this host and `members` serves, their ring and division (`RingPricing.choose`),
+        over the measured round trips; PlanRefused names who cannot hold its share."""
+        machines, trips = self.known_machines(), self.round_trips(members)
+        return self.prices.choose(machines, [self.me, *members], None, trips, self.every_member_serves)
+
+    def standing_by(self, choice: ServingChoice) -> list[str]:
+        """The member ids `choice` leaves out of the ring."""
+        by_name = {self.member_name(m): m for m in self.known}
+        return [by_name[name] for name in choice.standby if name in by_name]
 
     async def deploy(
         self,
-        members: Sequence[str],
+        choice: ServingChoice,
         progress: Progress,
         pending: Callable[[list[str]], None] = lambda _names: None,
     ) -> Deployment:
-        """Plan over `members` and put the plan in place (`Deployer.deploy`); raises SessionFailed or PlanRefused."""
-        plan = self.plan(members)
-        deployment = await self.deployer.deploy(plan, self.prices.model_sha256, progress, pending)
+        """Put the chosen plan in place (`Deployer.deploy`); raises SessionFailed."""
+        self.choice = None  # until the new ring serves
+        deployment = await self.deployer.deploy(choice.plan, self.prices.model_sha256, progress, pending)
+        self.choice = choice
         self.prices.last_verdict = None  # a new plan has measured nothing yet
         return deployment
 

@@ -72,6 +72,7 @@ class HostConfig:
     allowed_hosts: tuple[str, ...] = ()  # host names the API answers to besides addresses and localhost
     open_token: str | None = None  # what an external rendezvous asks of hosts that open a session
     resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next one
+    every_member_serves: bool = False  # no member stands by, even where the ring is faster without it
 
     @property
     def api_url(self) -> str:

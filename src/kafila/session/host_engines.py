@@ -15,6 +15,7 @@ from kafila.contracts import MemberStatus, SessionStatus
 from kafila.planner import PlanRefused
 from kafila.planner.plan import smallest_stage_bytes
 from kafila.planner.report import plan_report
+from kafila.planner.who_serves import Role
 from kafila.runtime.engine.engines import Engine
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.llama.backends import backend_or_none
@@ -158,16 +159,18 @@ class HostEngines:
         try:
             self.availability.waiting_for = ["the members to load their stages"]
             started = time.perf_counter()
-            plan = network.plan(members)  # refusals surface here, before anything is sent
-            self.ui.show_plan(plan_report(plan, time.perf_counter() - started))
+            choice = network.choose(members)  # refusals surface here, before anything is sent
+            self.ui.show_plan(plan_report(choice.plan, time.perf_counter() - started, choice))
             self.ui.say(network.pricing_note(members))
+            for standing_by in (m for m in choice.members if m.role is Role.STANDS_BY):
+                self.ui.say(standing_by.words)
             self.availability.session_described_by(describe)
 
             def pending(waits: list[str]) -> None:
                 self.availability.waiting_for = waits or ["the head to load"]
 
             with self.ui.progress_bars() as progress:
-                deployment = await network.deploy(members, progress, pending)
+                deployment = await network.deploy(choice, progress, pending)
             engine = await asyncio.to_thread(network.deployer.engine, deployment, asyncio.get_running_loop())
             self.activate(engine)
         except SessionFailed as failure:
@@ -182,7 +185,7 @@ class HostEngines:
             return no_ring(error)
         head = "" if deployment.head_here else f", the head on {network.member_name(deployment.chain[-1])}"
         self.announce_ready(f"as {len(deployment.chain)} stages {deployment.counts} across the ring{head}")
-        return Deployed(tuple(deployment.members), deployment.epoch)
+        return Deployed(tuple(deployment.members), deployment.epoch, tuple(network.standing_by(choice)))
 
     def announce_ready(self, where: str) -> None:
         """Says the session serves; the first time, where: the API's URL is given once, when it answers."""

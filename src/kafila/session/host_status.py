@@ -21,6 +21,8 @@ def session_status(
     session core decides and counts)."""
     deployment = session.deployment
     machines = session.known_machines() if deployment is not None else {}  # only a deployment's members are priced
+    choice = session.choice if deployment is not None else None
+    roles = {m.device: m for m in choice.members} if choice is not None else {}
     members = []
     for member_id, info in (session.known or session.client.members).items():
         entry: dict[str, Any] = {"id": member_id, "name": session.member_name(member_id), "host": info.host}
@@ -38,6 +40,9 @@ def session_status(
                 entry["joining"] = True
             if router.link.core.rtt_ms is not None:
                 entry["rtt_ms"] = router.link.core.rtt_ms
+        membership = roles.get(entry["name"])
+        if membership is not None:
+            entry.update(role=membership.role.value, why=membership.words)
         if deployment is not None and member_id in deployment.chain:
             stage = deployment.plan.stages[deployment.chain.index(member_id)]
             entry["blocks"] = (stage.start, stage.end)
@@ -63,6 +68,10 @@ def session_status(
             tier=plan.tier.value, ring=list(plan.ring), head=plan.head,
             division=deployment.counts if deployment else None,
             predicted_bottleneck_ms=round(plan.bottleneck_s * 1e3, 3) if plan.bottleneck_s else None,
+            standby=list(choice.standby) if choice else [],
+            concurrency=choice.concurrency if choice else None,
+            predicted_ms_per_token=round(choice.time_per_token_s * 1e3, 3)
+            if choice and choice.time_per_token_s else None,
         ),
         rebalance=None if verdict is None else RebalanceStatus(
             reason=verdict.reason,

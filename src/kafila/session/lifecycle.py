@@ -116,10 +116,12 @@ class Retired:
 
 @dataclass(frozen=True)
 class Deployed:
-    """A ring of this host and `members` serves; its stages' reports carry `epoch`."""
+    """A ring of this host and `members` serves; its stages' reports carry `epoch`; `standby`:
+    the members linked and left out of it, since it is faster without them."""
 
     members: tuple[str, ...]
     epoch: int = 0
+    standby: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

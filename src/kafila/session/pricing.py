@@ -14,10 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kafila.contracts import FleetDevice, ModelPricing, StageReport
-from kafila.planner import plan_serving_host
 from kafila.planner.fleet import device_of, pricing_for, pricing_from_serving
 from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
+from kafila.planner.round_trips import RoundTrips
 from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, ServingSpec
+from kafila.planner.who_serves import ServingChoice, plan_serving_host_choice
 
 MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before a replan trusts them
 # A rebalance moves blocks on the strength of the measurements alone, so it waits for more of
@@ -88,12 +89,29 @@ class RingPricing:
             for m in members
         ]
 
+    def choose(
+        self,
+        machines: Mapping[str, Machine],
+        members: Sequence[str],
+        served: Mapping[str, ModelPricing] | None = None,
+        round_trips: RoundTrips | None = None,
+        every_member: bool = False,
+    ) -> ServingChoice:
+        """Who of `members` (the host first) serves, their ring and division, at the session's
+        concurrency and over the edges' `round_trips` (`plan_serving_host_choice`), as `kafila plan`
+        chooses; with `every_member`, all of them serve. PlanRefused names who cannot hold its share."""
+        devices = self.devices(machines, members, served)
+        return plan_serving_host_choice(self.manifest, devices, self.session, round_trips, every_member)
+
     def plan(
-        self, machines: Mapping[str, Machine], members: Sequence[str], served: Mapping[str, ModelPricing] | None = None
+        self,
+        machines: Mapping[str, Machine],
+        members: Sequence[str],
+        served: Mapping[str, ModelPricing] | None = None,
+        round_trips: RoundTrips | None = None,
     ) -> Plan:
-        """The plan over `members` (the host first), the head on the host if it fits
-        (`plan_serving_host`); PlanRefused names who cannot hold its share."""
-        return plan_serving_host(self.manifest, self.devices(machines, members, served), self.session)
+        """The plan with every one of `members` serving, the head on the host if it fits."""
+        return self.choose(machines, members, served, round_trips, every_member=True).plan
 
     @staticmethod
     def measured_stage_times(report: Sequence[StageReport], min_steps: int) -> dict[tuple[int, int], float]:
@@ -142,6 +160,7 @@ class RingPricing:
         ring: PlannedRing,
         members: Sequence[str],
         report: Sequence[StageReport],
+        round_trips: RoundTrips | None = None,
     ) -> RebalanceVerdict | None:
         """Whether the ring would be clearly faster divided again over the same `members` (the host
         first, in the order it was planned with) by what its stages measured (`judge_rebalance`);
@@ -153,7 +172,7 @@ class RingPricing:
             return None
         served = {**self.served, **self.priced_by_serving(machines, ring, measured)}
         try:
-            proposed = self.plan(machines, members, served)
+            proposed = self.plan(machines, members, served, round_trips)
         except PlanRefused:
             return None
         verdict = judge_rebalance(ring.plan, times, proposed)
@@ -177,3 +196,34 @@ class RingPricing:
         if groups[GENERIC]:
             parts.append(f"from the generic probe for {', '.join(groups[GENERIC])} ({how})")
         return "stage times: " + "; ".join(parts)
+
+
+def measured_round_trips(
+    names: Mapping[str, str],
+    host: str,
+    to_host_ms: Mapping[str, float | None],
+    between_ms: Mapping[frozenset[str], float],
+) -> RoundTrips | None:
+    """The round trip of every edge among `names` (member id → its name; the host among them) for
+    the planner, in seconds: as its link measured it, where the two have been linked (the host's
+    link to each member, `to_host_ms`; ring edges between members, `between_ms`). Two members never
+    linked are guessed at the larger of their round trips to the host, between what the triangle
+    inequality allows (their difference and their sum). None while a member's link to the host has
+    measured nothing: the planner then bounds edges from the rendezvous's round trips."""
+    ids = list(names)
+    if any(to_host_ms.get(m) is None for m in ids if m != host):
+        return None
+
+    def to_host(member: str) -> float:
+        return 0.0 if member == host else float(to_host_ms[member] or 0.0)
+
+    def between(a: str, b: str) -> float:
+        if a == b:
+            return 0.0
+        if host in (a, b):
+            return to_host(b if a == host else a)
+        measured = between_ms.get(frozenset((a, b)))
+        return measured if measured is not None else max(to_host(a), to_host(b))
+
+    seconds = tuple(tuple(min(60.0, between(a, b) / 1e3) for b in ids) for a in ids)
+    return RoundTrips(members=tuple(names[m] for m in ids), seconds=seconds)

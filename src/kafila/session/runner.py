@@ -281,6 +281,7 @@ class HostRunner:
         network.client.roster_changed = self.shell.wake
         network.roster.link_down = lambda _member: self.shell.wake()
         network.deployer.stage_broken = self.shell.push
+        network.every_member_serves = config.every_member_serves
         join = f"kafila join {network.code} --rendezvous {self._advertised}"
         if config.demo:  # the members are this host's own processes; the line is for a look only
             where = f"the demo starts {others} local member{'s' if others > 1 else ''} with"

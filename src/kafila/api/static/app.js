@@ -157,12 +157,15 @@ function drawRing(status) {
     if (member.left) kinds.push("left");
     else if (member.link === "down") kinds.push("down");
     if (member.joining) kinds.push("joining");
+    const standby = member.role === "stands-by";
+    if (standby) kinds.push("standby");
     const group = el("g", { class: kinds.join(" "), "data-member": name });
-    group.append(el("title", {}, name));
+    group.append(el("title", {}, standby && member.why ? member.why : name));
     group.append(el("circle", { cx: x, cy: y, r: r }));
     group.append(el("text", { class: "name", x: x, y: y - 4, "text-anchor": "middle" }, shortName(name)));
     const head = status.plan && status.plan.head === name ? " · head" : "";
-    const sub = member.left ? "left" : member.joining ? "joining" : blocksText(member.blocks) + head;
+    const sub = member.left ? "left" : member.joining ? "joining" : standby ? "stands by"
+      : blocksText(member.blocks) + head;
     group.append(el("text", { class: "sub", x: x, y: y + 11, "text-anchor": "middle" }, sub));
     svg.append(group);
   }
@@ -171,6 +174,7 @@ function drawRing(status) {
   const counted = `${count} member${count === 1 ? "" : "s"}`;
   $("ring-note").textContent = plan
     ? `plan ${plan.tier}, epoch ${status.epoch ?? "–"}, ${counted}` +
+      (plan.standby && plan.standby.length ? ` (${plan.standby.length} standing by)` : "") +
       (plan.predicted_bottleneck_ms != null ? `, predicted bottleneck ${plan.predicted_bottleneck_ms} ms` : "")
     : count ? counted : "one machine";
 }

@@ -1,0 +1,113 @@
+"""Who serves, end to end on loopback: a real `kafila host` and real `kafila join` members, where
+one member costs more than it saves. It stands by, linked and out of the ring, says why in
+/status and `kafila status`, and is taken in when a member of the ring is lost and the model
+needs it. (The pure choice is test_session_who_serves.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import openai
+from host_process import (
+    running_host,
+    said,
+    seeded_cache,
+    serving_past,
+    session_probe,
+    start_member,
+    stop,
+    until_status,
+    wait_ready,
+)
+from serving_checks import unsplit_greedy
+from tiny_models import write_tiny_model
+
+from kafila.planner.cost import ChainPrefix
+from kafila.planner.types import ServingSpec
+from kafila.runtime.gguf.manifest import read_manifest
+
+PROMPT = "the quick brown fox"
+CONTEXT, CONCURRENCY = 2048, 4  # a cache of 1 MiB a block: what makes --memory's 1 MiB floor fit
+COMMON = (
+    "--context", str(CONTEXT), "--concurrency", str(CONCURRENCY), "--threads", "1", "--rendezvous-port", "0",
+    "--stun-port", "0", "--no-rebalance",
+)  # fmt: skip
+CHOOSING = {"KAFILA_EVERY_MEMBER_SERVES": "0"}  # tests/conftest.py asks every member to serve elsewhere
+
+
+def one_block_at_most(model: Path) -> str:
+    """A host `--memory` with room for one block and its cache, never two nor the head: the model
+    needs a member besides the host."""
+    manifest = read_manifest(model)
+    prefix = ChainPrefix.of(manifest, ServingSpec(context=CONTEXT, concurrency=CONCURRENCY))
+    lend = min(int(prefix.resident_matrix(True)[i, i + 1]) for i in range(manifest.n_blocks)) - 1
+    return f"{lend}B"
+
+
+def slow_machine(cache: Path) -> Path:
+    """A member's cache whose probe says its machine is a hundred times slower than this one (whose
+    probe, on a busy machine, can itself read slow)."""
+    probe = json.loads(session_probe().read_text())
+    device = probe["device"]
+    device.update(overhead_us=device["overhead_us"] * 100, bandwidth_gb_s=device["bandwidth_gb_s"] / 100)
+    device.update(head_bandwidth_gb_s=None)
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "probe.json").write_text(json.dumps(probe))
+    return cache
+
+
+def member(status: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(m for m in status["members"] if m["name"] == name)
+
+
+def test_a_member_that_costs_more_than_it_saves_stands_by_and_is_taken_in_when_a_ring_member_is_lost(
+    tmp_path: Path,
+) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    expected = unsplit_greedy(model, PROMPT, 8)
+    joiners: list[subprocess.Popen[str]] = []
+    args = ("--model", model, "--members", "3", *COMMON, "--memory", one_block_at_most(model))
+    try:
+        with running_host(*args, ready=False, env=CHOOSING) as host:
+            code, rendezvous = host.join_line()
+            joiners.append(start_member(code, rendezvous, "near", seeded_cache(tmp_path / "near"), "--threads", "1"))
+            slow = slow_machine(tmp_path / "slow")
+            joiners.append(start_member(code, rendezvous, "slow", slow, "--threads", "1"))
+            wait_ready(host, timeout=120)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            assert (
+                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+                == expected
+            )
+
+            status = until_status(host, lambda s: bool(s.get("ready")), "serving")
+            slow_entry, near_entry = member(status, "slow"), member(status, "near")
+            assert slow_entry["role"] == "stands-by" and "blocks" not in slow_entry, (status["members"], host.output())
+            assert slow_entry["link"] == "up"  # joined, linked, out of the ring
+            assert slow_entry["why"].startswith("slow stands by: ") and "a token with it" in slow_entry["why"]
+            assert near_entry["role"] == "serves" and "blocks" in near_entry, status
+            assert status["plan"]["standby"] == ["slow"] and "slow" not in status["plan"]["ring"], status["plan"]
+            assert status["plan"]["concurrency"] == CONCURRENCY and status["plan"]["predicted_ms_per_token"] > 0
+            assert said(host, slow_entry["why"]), host.output()  # `kafila host` says it too
+            table = subprocess.run(
+                [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
+                timeout=60, check=True, env={**os.environ, "COLUMNS": "250"},
+            ).stdout  # fmt: skip
+            assert "(stands by)" in table and slow_entry["why"] in table.replace("\n", " "), table
+
+            joiners[0].kill()  # the near member is lost: the host cannot hold the model without the slow one
+            replanned = until_status(host, serving_past(status["epoch"]), "a replan without the near member")
+            slow_entry = member(replanned, "slow")
+            assert slow_entry["role"] == "serves" and "blocks" in slow_entry, replanned
+            assert slow_entry["why"] == "slow serves: the others cannot hold the model without it"
+            assert replanned["plan"]["standby"] == [] and "slow" in replanned["plan"]["ring"], replanned["plan"]
+            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text == expected
+    finally:
+        outputs = [stop(joiner) for joiner in joiners]
+    assert "serving blocks" in outputs[1], outputs[1]  # the slow member took its stage only once needed
