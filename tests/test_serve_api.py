@@ -251,10 +251,13 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     assert info["pipeline_waves"] == 2
     assert info["requests"]["finished"] >= 1  # type: ignore[index]
     assert info["requests_by_dialect"]["openai completions"] >= 1  # type: ignore[index]
+    speculation = info["speculation"]  # n-gram drafts by default, checked in the trip they ride on
+    assert speculation["mode"] == "ngram" and speculation["off"] is None, speculation  # type: ignore[index]
     assert raw(host, "/status", key=None)[0] == 401
     assert raw(host, "/metrics", key=None)[0] == 401  # with --api-key, what the session looks like is the key's too
     text = metrics(host)
     assert "kafila_completion_tokens_total" in text and "kafila_queue_depth" in text
+    assert "kafila_speculation_drafted_tokens" in text and "kafila_speculation_accepted_per_trip" in text
     completion_total = next(line for line in text.splitlines() if line.startswith("kafila_completion_tokens_total"))
     assert float(completion_total.split()[-1]) >= 4
     # Requests are counted by route and status; a path that is no route counts as "other".

@@ -279,6 +279,18 @@ class HostEvent(Strict):
         return self.model_dump(mode="json")
 
 
+class SpeculationStatus(Strict):
+    """Speculative decoding on the ring serving now (`kafila host --speculate`)."""
+
+    mode: str  # ngram or off
+    off: str | None = None  # why no sequence drafts, where none does
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    trips: int = 0  # trips that carried drafts
+    accepted_per_trip: float = 0.0  # drafted tokens kept per such trip
+    mean_window: float = 0.0  # drafted tokens per such trip
+
+
 class HostStatus(SessionStatus):
     """All of `/status`: the server's state, the stages' reports and the session's part."""
 
@@ -296,6 +308,7 @@ class HostStatus(SessionStatus):
     requests_by_dialect: dict[str, int] = Field(default_factory=dict)  # every request to a dialect's routes
     stages: list[StageReport] = Field(default_factory=list)
     incidents: list[Incident] = Field(default_factory=list)
+    speculation: SpeculationStatus | None = None
 
 
 # ---------------------------------------------------------------------------------------------

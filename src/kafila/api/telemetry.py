@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from functools import partial
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -58,9 +59,24 @@ class Metrics:
         running.set_function(lambda: ring.running if (ring := serving.ring) else 0)
         rate = Gauge("kafila_tokens_per_second", "Generated tokens per second, last 10 s", registry=self.registry)
         rate.set_function(lambda: ring.stats.tokens_per_s(time.monotonic()) if (ring := serving.ring) else 0.0)
+        drafts = {
+            "drafted_tokens": "Tokens drafted and sent round the ring to be checked (speculative decoding)",
+            "accepted_tokens": "Drafted tokens the model's own choice confirmed",
+            "accepted_per_trip": "Drafted tokens kept per trip that carried drafts",
+            "mean_window": "Drafted tokens per trip that carried drafts",
+        }
+        for name, what in drafts.items():
+            gauge = Gauge(f"kafila_speculation_{name}", what, registry=self.registry)
+            gauge.set_function(partial(_speculation, serving, name))
         ready = Gauge("kafila_ready", "1 when every stage is ready", registry=self.registry)
         ready.set_function(lambda: 1.0 if serving.state().ready else 0.0)
         self.registry.register(RingCollector(serving))
+
+
+def _speculation(serving: Served, name: str) -> float:
+    """One of /status's speculation figures (`SpeculationStatus`) of the ring serving now, or 0."""
+    ring = serving.ring
+    return float(getattr(ring.speculation, name)) if ring is not None else 0.0
 
 
 def _blocks(span: object) -> str | None:

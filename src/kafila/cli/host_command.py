@@ -32,6 +32,7 @@ from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_http, raise_open_file_limit
 from kafila.planner.types import ServingSpec
 from kafila.portability import reuse_listening_address, run, signals_handled
+from kafila.runtime.engine.speculation import Speculate
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import check_family
 from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
@@ -176,6 +177,17 @@ def host(
             "measured serving shows a division at least 25% faster.",
         ),
     ] = True,
+    speculate: Annotated[
+        Speculate,
+        typer.Option(
+            "--speculate",
+            case_sensitive=False,
+            help="Draft tokens to check in the same trip round the ring (speculative decoding): ngram drafts "
+            "the tokens that followed the text's last few tokens earlier in the prompt or the answer, which "
+            "pays where a model writes back what it was shown (a file with one change, a JSON document). "
+            "The output is the same either way. A draft model (--speculate draft) is not built yet.",
+        ),
+    ] = Speculate.NGRAM,
 ) -> None:
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
@@ -228,7 +240,7 @@ def host(
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=host_name, discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
-        resume_within_s=resume_within, every_member_serves=every_member_serves,
+        resume_within_s=resume_within, every_member_serves=every_member_serves, speculate=speculate,
     )  # fmt: skip
     try:
         run(_serve(config))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kafila.contracts import Incident, StageReport
+from kafila.contracts import Incident, SpeculationStatus, StageReport
 from kafila.runtime.engine.engines import Engine
 from kafila.serving.batcher import Job
 from kafila.serving.chat_template import ChatTemplate
@@ -75,6 +75,17 @@ class ServingHandle:
     @property
     def stage_report(self) -> list[StageReport]:
         return self.loop.stage_report
+
+    @property
+    def speculation(self) -> SpeculationStatus:
+        """Drafted and accepted tokens on this ring (`runtime.engine.speculation`)."""
+        batcher = self.loop.batcher
+        stats = batcher.speculation
+        return SpeculationStatus(
+            mode=self.loop.speculate.value, off=batcher.speculation_off, drafted_tokens=stats.drafted,
+            accepted_tokens=stats.accepted, trips=stats.trips, accepted_per_trip=round(stats.accepted_per_trip, 3),
+            mean_window=round(stats.mean_window, 3),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner.report import PlanReport
 from kafila.planner.types import ServingSpec
+from kafila.runtime.engine.speculation import Speculate
 from kafila.runtime.llama.model import ContextSettings
 from kafila.session.core import ServingPolicy
 from kafila.session.host_model import HostModel
@@ -73,6 +74,7 @@ class HostConfig:
     open_token: str | None = None  # what an external rendezvous asks of hosts that open a session
     resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next one
     every_member_serves: bool = False  # no member stands by, even where the ring is faster without it
+    speculate: Speculate = Speculate.NGRAM  # what tokens are drafted with, to check several per trip
 
     @property
     def api_url(self) -> str:

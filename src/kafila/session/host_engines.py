@@ -67,8 +67,9 @@ class HostEngines:
         """Serve with `engine`: what the broken ring left goes on here, ahead of new requests."""
         self.engine = engine
         loop = EngineLoop(
-            engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context
-        )
+            engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context,
+            self.config.speculate,
+        )  # fmt: skip
         loop.on_break = self.broke
         loop.start()
         held, self.held, self.held_since = self.availability.still_wanted(self.held), [], None
