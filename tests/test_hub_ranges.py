@@ -166,6 +166,35 @@ def test_each_stage_fetched_by_ranges_is_the_slicers_stage_and_generates_the_sam
     assert greedy_split(fetched, prompt, 16) == greedy_unsplit(tiny, prompt, 16)
 
 
+def test_a_machine_that_gains_blocks_in_a_replan_fetches_only_the_tensors_its_kept_stages_lack(
+    hub: FakeHub, tiny: Path, tmp_path: Path
+) -> None:
+    """Blocks 1-2 and the head (block 3) kept; a replan gives the machine blocks 0-2, then the head
+    from block 2: each new stage takes what the kept stages hold, fetches only the rest (the header
+    again, checked, and block 0's tensors; then nothing but the header), and is byte for byte the
+    slicer's cut."""
+    reader = FastGGUFReader(tiny)
+
+    def block_bytes(blocks: range) -> int:
+        return sum(int(t.n_bytes) for t in reader.tensors if t.name.split(".")[:2] in [["blk", str(b)] for b in blocks])
+
+    with serving_hub(hub):
+        header = plan(hub)
+        header_bytes = header.model.parts[0].header_bytes
+        out = tmp_path / "member"
+        fetch(hub, header.model, (1, 3, False), out, "hf_before")
+        fetch(hub, header.model, (3, 4, True), out, "hf_before")
+        seen = Shown()
+        grown = fetch(hub, header.model, (0, 3, False), out, "hf_grown", progress=seen.append_args)
+        head = fetch(hub, header.model, (2, 4, True), out, "hf_head")
+    assert grown.path.read_bytes() == block_range_file(tiny, 0, 3, tmp_path / "cut").path.read_bytes()
+    assert head.path.read_bytes() == block_range_file(tiny, 2, 4, tmp_path / "cut", is_head=True).path.read_bytes()
+    for token, blocks in (("hf_grown", range(0, 1)), ("hf_head", range(0))):
+        need = header_bytes + block_bytes(blocks)
+        assert need <= hub.sent_to[f"Bearer {token}"] <= need + SLACK, (token, hub.sent_to, need)
+    assert any("MB of it kept here" in what for what, _done, _total in seen), seen
+
+
 def test_the_vocabulary_a_host_without_the_head_needs_is_one_range_and_reads_as_the_whole_file(
     hub: FakeHub, tiny: Path, tmp_path: Path
 ) -> None:

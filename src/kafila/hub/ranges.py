@@ -33,6 +33,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
+from gguf import ReaderTensor
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import HfHubHTTPError
@@ -42,13 +44,14 @@ from kafila.contracts import HubModel, HubPart, Progress
 from kafila.hub.fetch import HubUnreachable, ModelFetchError, listing, refusal
 from kafila.hub.reference import HubReference, choose_file, merged_name
 from kafila.planner.types import ModelManifest
-from kafila.runtime.gguf.gguf_file import GGUFFormatError, HeaderIncomplete, HeaderReader
+from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP, ByteRun, ModelHeader, PackedTensors, check_spans, packed_layout
 from kafila.runtime.gguf.manifest import manifest_of
-from kafila.runtime.gguf.slicer import StageFile, StagePiece, stage_piece, vocabulary_piece, write_stage
+from kafila.runtime.gguf.slicer import SliceError, StageFile, StagePiece, stage_piece, vocabulary_piece, write_stage
 from kafila.runtime.gguf.stage_cache import (
     HubStageKey,
     find_hub_stage,
+    hub_stages_of,
     make_room,
     remember_hub_stage,
     trim_stage_cache,
@@ -203,20 +206,59 @@ def _fetch_piece(
     readers = [_checked_header(remote, part) for remote, part in zip(remotes, model.parts, strict=True)]
     header = _joined(model, readers)
     piece = cut(header)
-    runs, where = packed_layout(header.spans_of(piece.source_tensors()), settings.join_gap)
+    here = _kept_tensors(out, model, header, {t.name for t in piece.source_tensors()})
+    wanted = [t for t in piece.source_tensors() if t.name not in here]
+    runs, where = packed_layout(header.spans_of(wanted), settings.join_gap)
     work = out / "hub-partial" / key.digest()
     make_room(out, piece.data_bytes())
     name = PurePosixPath(model.parts[0].path).name
     plan = json.dumps([model.model_dump(mode="json"), [asdict(run) for run in runs], settings.piece_bytes])
-    _fetch_runs(remotes, runs, work, plan, f"fetching {what} of {name}", progress, settings)
-    tensors = PackedTensors(work / "ranges.bin", where)
+    reused = f" ({sum(int(t.nbytes) for t in here.values()) / 1e6:.1f} MB of it kept here)" if here else ""
+    _fetch_runs(remotes, runs, work, plan, f"fetching {what} of {name}{reused}", progress, settings)
     writing = f"writing {what} of {name}"
-    stage = write_stage(
-        piece, out, (lambda done, total: progress(writing, done, total)) if progress else None, tensors, name
-    )
-    del tensors  # its map of the fetched ranges, before they are deleted
-    shutil.rmtree(work, ignore_errors=True)
+    shown = (lambda done, total: progress(writing, done, total)) if progress else None
+    stage = _write_from(piece, out, PackedTensors(work / "ranges.bin", where), here, shown, name)
+    shutil.rmtree(work, ignore_errors=True)  # its map released with `_write_from`'s return
     return stage
+
+
+def _write_from(
+    piece: StagePiece,
+    out: Path,
+    fetched: PackedTensors,
+    here: dict[str, np.ndarray],
+    progress: Callable[[int, int], None] | None,
+    name: str,
+) -> StageFile:
+    """`write_stage`, each tensor's bytes from a stage kept here where one holds it, else as fetched."""
+
+    def tensors(tensor: ReaderTensor) -> np.ndarray:
+        kept = here.get(tensor.name)
+        return fetched(tensor) if kept is None else kept.view(tensor.data.dtype).reshape(tensor.data.shape)
+
+    return write_stage(piece, out, progress, tensors, name)
+
+
+def _kept_tensors(out: Path, model: HubModel, header: ModelHeader, needed: set[str]) -> dict[str, np.ndarray]:
+    """The bytes of the `needed` tensors that stages of the same model kept in `out` hold as they
+    were fetched (`StagePiece.copied`), each checked to be as long as the header says: a replan
+    that gives this machine more blocks fetches only the rest."""
+    found: dict[str, np.ndarray] = {}
+    for key, kept in hub_stages_of(out, model.repo_id, model.commit, model.parts[0].path):
+        if key.end <= key.first or not needed - set(found):
+            continue  # the vocabulary's entry; or nothing left to find
+        try:
+            copies = stage_piece(header.reader, key.first, key.end, key.is_head, model.label).copied()
+            stored = {t.name: t for t in FastGGUFReader(kept.path).tensors}
+        except (GGUFFormatError, SliceError, OSError):
+            continue  # a division this header does not allow, or a file gone: fetched instead
+        for source, name in copies.items():
+            tensor = stored.get(name)
+            if source in needed and source not in found and tensor is not None:
+                raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+                if len(raw) == header.spans[source].n_bytes:
+                    found[source] = raw
+    return found
 
 
 def _joined(model: HubModel, readers: Sequence[HeaderReader]) -> ModelHeader:

@@ -277,6 +277,17 @@ class StagePiece:
         ranges fetches (identity blocks and stand-ins take only shapes)."""
         return [tensor for _name, tensor in self._kept()]
 
+    def copied(self) -> dict[str, str]:
+        """Each source tensor this stage file holds byte for byte (not scaled), by its source name →
+        its name here: what a later stage of the same model may take from this file rather than
+        fetch again."""
+        copies = {}
+        for name, tensor in self._kept():
+            match = _BLOCK_TENSOR.match(name)
+            if match is None or match.group(2) not in self.rules.tensor_scales:
+                copies[tensor.name] = name
+        return copies
+
     def tensors(self, writer: RawCopyWriter, data: TensorData = stored_data) -> None:
         for name, tensor in self._identity_tensors():
             writer.add_tensor(name, np.zeros_like(tensor.data), raw_dtype=tensor.tensor_type)  # zeros in any type

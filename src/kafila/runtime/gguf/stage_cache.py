@@ -181,6 +181,22 @@ def find_hub_stage(directory: Path, key: HubStageKey) -> CachedStage | None:
     return CachedStage(path, name.removesuffix(".gguf"), size)
 
 
+def hub_stages_of(directory: Path, repo_id: str, commit: str, file: str) -> list[tuple[HubStageKey, CachedStage]]:
+    """The stages of one model (repository, commit, file) kept here, each while it is there with the
+    size it had."""
+    found = []
+    for text in _hub_index(directory):
+        try:
+            key = HubStageKey(*json.loads(text))
+        except (TypeError, ValueError):
+            continue
+        if (key.repo_id, key.commit, key.file) == (repo_id, commit, file):
+            kept = find_hub_stage(directory, key)
+            if kept is not None:
+                found.append((key, kept))
+    return found
+
+
 def remember_hub_stage(directory: Path, key: HubStageKey, path: Path) -> None:
     """Note that `path` (a stage file in `directory`) is the stage `key` names; entries whose files
     are gone are dropped. Best effort: a lost entry costs a fetch, never a wrong stage."""
