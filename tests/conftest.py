@@ -13,10 +13,6 @@ os.environ["KAFILA_CACHE"] = str(SESSION_CACHES / "kafila")
 os.environ["HF_HOME"] = str(SESSION_CACHES / "huggingface")
 os.environ["HF_HUB_CACHE"] = str(SESSION_CACHES / "huggingface" / "hub")
 os.environ.pop("HF_XET_CACHE", None)  # under HF_HOME by default
-# Sessions on one machine test the ring's mechanics with every member in it: there, a member's place
-# costs more than its blocks save as often as not, so who serves would leave some out. The tests of
-# who serves in a session (test_session_standby.py) give their hosts "0".
-os.environ["KAFILA_EVERY_MEMBER_SERVES"] = "1"
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # shared with the benchmarks in scripts/
 
@@ -40,16 +36,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(SESSION_CACHES, ignore_errors=True)
 
 
-# With pytest-xdist (`-n`), tests are spread over workers by group: each file stays whole on one
-# worker (its module fixtures are built once), and what builds network namespaces or listens for
-# LAN broadcasts stays on one worker, one file after another.
+# With pytest-xdist (`-n`), each test goes to whichever worker is free, but for two kinds kept
+# together by group: the tests of a file that share a fixture built once per module (one worker
+# builds it once), and what builds network namespaces or listens for LAN broadcasts (the NAT lab,
+# one file after another on one worker).
 ONE_WORKER_FILES = ("test_discovery.py", "test_natlab.py")
+SHARED_SCOPES = ("module", "class", "package")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        name = item.path.name
-        group = "lab" if name.startswith("test_nat_lab") or name in ONE_WORKER_FILES else name
-        item.add_marker(pytest.mark.xdist_group(group))
+        group = _worker_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    name = item.path.name
+    if name.startswith("test_nat_lab") or name in ONE_WORKER_FILES:
+        return "lab"
+    fixtures = getattr(item, "_fixtureinfo", None)
+    definitions = fixtures.name2fixturedefs.values() if fixtures is not None else []
+    shares = any(definition.scope in SHARED_SCOPES for defined in definitions for definition in defined)
+    return name if shares else None

@@ -54,7 +54,7 @@ CHAT_SAMPLING = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("logprobs") / "tiny.gguf", "llama", n_blocks=4)
 

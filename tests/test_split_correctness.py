@@ -76,7 +76,7 @@ def greedy_split(files: list[Path], prompt: list[int], steps: int = STEPS) -> li
         head.close()
 
 
-@pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
+@pytest.fixture(scope="session", params=SUPPORTED_TINY_ARCHS)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, list[int]]:
     arch = request.param
     path = write_tiny_model(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])

@@ -32,9 +32,9 @@ MOE = ("qwen3moe", "gpt-oss", "qwen3next", "deepseek2", "glm4moe", "llama4")
 PREDICTION_BLOCKS = {"glm4moe": 1}  # stored after the blocks llama.cpp runs
 
 
-@pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
+@pytest.fixture(scope="session", params=SUPPORTED_TINY_ARCHS)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """One model per architecture, written once for the whole module."""
+    """One model per architecture, written once per test process."""
     arch: str = request.param
     path = tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf"
     return arch, write_tiny_model(path, arch, n_blocks=N_BLOCKS[arch])
