@@ -13,6 +13,10 @@ os.environ["KAFILA_CACHE"] = str(SESSION_CACHES / "kafila")
 os.environ["HF_HOME"] = str(SESSION_CACHES / "huggingface")
 os.environ["HF_HUB_CACHE"] = str(SESSION_CACHES / "huggingface" / "hub")
 os.environ.pop("HF_XET_CACHE", None)  # under HF_HOME by default
+# Sessions on one machine test the ring's mechanics with every member in it: there, a member's place
+# costs more than its blocks save as often as not, so who serves would leave some out. The tests of
+# who serves in a session (test_session_standby.py) give their hosts "0".
+os.environ["KAFILA_EVERY_MEMBER_SERVES"] = "1"
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # shared with the benchmarks in scripts/
 

@@ -57,6 +57,12 @@ from kafila.runtime.llama.backends import backend_report
 from kafila.session.core import GUESS_BUDGET
 
 PROMPT = "the quick brown fox"
+# A prompt whose greedy answer has no near-tie: rows checked together round differently from rows
+# decoded one by one (docs/architecture.md, "Speculative decoding"), which at a near-tie may part.
+COPY = (
+    '<start_of_turn>user\nCopy this text: {"name": "kafila", "members": 3, "model": "gemma"}<end_of_turn>\n'
+    "<start_of_turn>model\n"
+)
 COMMON = ("--context", "256", "--concurrency", "4", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
 
 
@@ -204,9 +210,16 @@ def test_gemma_through_three_members_reuses_a_chats_earlier_turn_and_answers_as_
         second = f"{first}{one.choices[0].text}<end_of_turn>\n<start_of_turn>user\nAnd two more.<end_of_turn>\n"
         second += "<start_of_turn>model\n"
         two = client.completions.create(model=model, prompt=second, max_tokens=12, temperature=0)
+        # Asked to write back a line it was shown, with n-gram drafts (the host's default): several
+        # tokens a trip, and the greedy answer all the same.
+        copy = client.completions.create(model=model, prompt=COPY, max_tokens=24, temperature=0)
+        speculation = status_of(host)["speculation"]
     assert one.usage is not None and two.usage is not None and two.usage.prompt_tokens_details is not None
     assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens, two.usage
     assert two.choices[0].text == unsplit_greedy(gemma_path, second, 12)
+    assert copy.choices[0].text == unsplit_greedy(gemma_path, COPY, 24)
+    assert speculation["mode"] == "ngram" and speculation["off"] is None, speculation
+    assert speculation["accepted_tokens"] > 0 and speculation["accepted_per_trip"] > 1, speculation
 
 
 def test_only_the_planned_ring_edges_come_up_and_stages_load_downstream_first(tmp_path: Path, model: Path) -> None:
