@@ -38,6 +38,7 @@ from host_process import (
     status_of,
     stop,
     until_event,
+    until_report_moves,
     until_status,
     wait_ready,
 )
@@ -130,8 +131,9 @@ def test_three_machines_serve_what_one_process_does(tmp_path: Path, model: Path)
         assert [m.id for m in client.models.list()] == ["tiny"]
         serves_like_one_process(client, model)
         for _round in range(3):  # streams ending while the idle engine refreshes its stage report
+            before = status_of(host)["stages"]
             check_concurrent_streams(client, "tiny", lambda prompt, n: unsplit_greedy(model, prompt, n))
-            time.sleep(2.1)
+            until_report_moves(host, before)
         with urlopen(f"{host.base_url}/status", timeout=10) as response:
             status = json.loads(response.read())
         assert len(status["members"]) == 3

@@ -229,6 +229,12 @@ def one_user(host: Host, model: str, prompt: str, requests: int, tokens: int) ->
     return made / (time.perf_counter() - started)
 
 
+def until_report_moves(host: Host, before: list[dict[str, Any]]) -> dict[str, Any]:
+    """/status once its stages' report is no longer `before` (read before some work): the engine
+    loop refreshes the report every 2 s, and the work done since shows in the next one."""
+    return until_status(host, lambda status: status["stages"] != before, "a stage report with the work since", 30)
+
+
 def refreshed_status(host: Host) -> dict[str, Any]:
     """/status once the stage report has refreshed (every 2 s) after the last request."""
     time.sleep(2.5)
