@@ -17,6 +17,7 @@ from kafila.contracts import (
     MemberStatus,
     PlanStatus,
     SessionStatus,
+    SpeculationStatus,
     StageReport,
 )
 from kafila.runtime.engine.ring import StageFailed, ring_stats
@@ -109,6 +110,9 @@ def a_ring_status() -> HostStatus:
         requests_by_dialect={"openai chat": 3, "anthropic messages": 1},
         stages=[StageReport(range=(0, 4), ms_per_token=3.0, ms_per_token_alone=3.25, steps_alone=20)],
         incidents=[Incident(what="the ring broke", detail="the link to gone is down", at=1.0)],
+        speculation=SpeculationStatus(
+            mode="ngram", drafted_tokens=40, accepted_tokens=30, trips=10, accepted_per_trip=3.0, mean_window=4.0
+        ),
         **{name: getattr(session, name) for name in session.model_fields_set},
     )  # fmt: skip
 
@@ -133,3 +137,4 @@ def test_kafila_status_shows_every_part_of_a_typed_status() -> None:
     assert "gone" in shown and "left" in shown
     assert "ring host-pc → laptop" in shown and "division [4, 2]" in shown
     assert "last incident" in shown and "the ring broke: the link to gone is down" in shown
+    assert "drafts: ngram, 40 drafted, 30 kept, 3.00 kept a trip, window 4.0" in shown

@@ -15,12 +15,22 @@ from rich.markup import escape
 from rich.table import Table
 
 from kafila.cli.errors import fail, shown
-from kafila.contracts import BackendReport, HostStatus, MemberStatus
+from kafila.contracts import BackendReport, HostStatus, MemberStatus, SpeculationStatus
 from kafila.validation import one_line
 
 
 def _number(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if value is not None else "—"
+
+
+def speculation_line(speculation: SpeculationStatus) -> str:
+    """What `kafila host --speculate` drafted and kept, in a line."""
+    if speculation.off is not None:
+        return f"none ({shown(speculation.off)})"
+    return (
+        f"{speculation.mode}, {speculation.drafted_tokens} drafted, {speculation.accepted_tokens} kept, "
+        f"{_number(speculation.accepted_per_trip)} kept a trip, window {_number(speculation.mean_window, 1)}"
+    )
 
 
 def render_status(status: HostStatus, console: Console) -> None:
@@ -39,6 +49,8 @@ def render_status(status: HostStatus, console: Console) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    if status.speculation is not None:
+        console.print(f"drafts: {speculation_line(status.speculation)}", highlight=False, soft_wrap=True)
     if status.requests_by_dialect:
         counts = ", ".join(f"{shown(name)} {count}" for name, count in sorted(status.requests_by_dialect.items()))
         console.print(f"requests by dialect: {counts}", highlight=False, soft_wrap=True)
