@@ -22,6 +22,7 @@ from fake_hub import FakeHub, Repo, serving_hub
 from host_process import Host, free_port, running_host, seeded_cache, stop, until_status
 from pydantic import ValidationError
 from serving_checks import unsplit_greedy
+from test_session_network import head_elsewhere
 from tiny_models import write_tiny_model
 
 from kafila.contracts import HubModel, HubPart
@@ -36,7 +37,8 @@ from kafila.wire.control import MAX_CONTROL_BYTES, Assign, ControlError, control
 REPO = "tiny-org/Tiny-GGUF"
 FILE = "Tiny-Q8_0.gguf"
 PROMPT = "the quick brown fox"
-COMMON = ("--context", "256", "--concurrency", "1", "--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
+SERVING = ("--context", "256", "--concurrency", "1")
+COMMON = ("--threads", "1", "--rendezvous-port", "0", "--stun-port", "0")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,12 @@ def start_joiner(code: str, rendezvous: str, name: str, env: dict[str, str]) -> 
 
 @contextmanager
 def hub_session(
-    tmp_path: Path, hub: FakeHub, members: dict[str, dict[str, str]], outputs: dict[str, str], host: str = "host"
+    tmp_path: Path,
+    hub: FakeHub,
+    members: dict[str, dict[str, str]],
+    outputs: dict[str, str],
+    host: str = "host",
+    settings: tuple[str, ...] = SERVING,
 ) -> Iterator[Host]:
     """A host on `hf://` with HF_TOKEN hf_host (its caches named `host`) and the members named, each
     with its own hub settings, joining one after another in the order given (so that a second
@@ -127,7 +134,7 @@ def hub_session(
     failed = False
     host_env = hub_env(tmp_path, host, hub.url, "hf_host")
     seeded_cache(Path(host_env["KAFILA_CACHE"]))  # the test session's one probe, as the members': one division
-    args = ("--model", f"hf://{REPO}:Q8_0", "--members", str(len(members) + 1), *COMMON)
+    args = ("--model", f"hf://{REPO}:Q8_0", "--members", str(len(members) + 1), *settings, *COMMON)
     try:
         with running_host(*args, ready=False, env=host_env) as serving:
             code, rendezvous = serving.join_line()
@@ -213,6 +220,35 @@ def test_every_machine_fetches_only_its_own_stage_from_the_hub_and_the_ring_serv
     assert {n: m["blocks"] for n, m in members_of(again).items()} == {n: m["blocks"] for n, m in seen.items()}
     assert {m["stage_source"] for m in members_of(again).values()} == {"cache"}, members_of(again)
     assert {token: hub.sent_to.get(token, 0) for token in before} == before
+
+
+def test_a_host_too_small_for_the_head_fetches_its_blocks_and_the_vocabulary_and_serves_the_unsplit_model(
+    tmp_path: Path, model: Path
+) -> None:
+    """`--memory` leaves the host room for a block but not the head: the head is on a member, and
+    the host, which knows the model by its header alone, fetches its own blocks and the vocabulary
+    file (the metadata and token embedding it tokenizes, embeds and samples with), not the whole
+    file; the ring serves the unsplit model's text."""
+    hub = FakeHub({REPO: Repo({FILE: model.read_bytes()})})
+    outputs: dict[str, str] = {}
+    with serving_hub(hub):
+        members = {f"member-{i}": hub_env(tmp_path, f"m{i}", hub.url, f"hf_member{i}") for i in range(2)}
+        with hub_session(tmp_path, hub, members, outputs, settings=head_elsewhere(model)) as host:
+            status = until_status(host, staged(2), "a ring with the head on a member", 240)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+            said = host.output()
+    own = next(m for m in status["members"] if m.get("host"))
+    assert status["plan"]["head"] != own["name"] and "blocks" in own, status
+    assert {m["stage_source"] for m in members_of(status).values()} == {"hub"}, status
+    reader = HeaderReader(model)
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    need = fetched_for(reader, own["blocks"], False) + reader.header_bytes + int(embedding.n_bytes)
+    whole = model.stat().st_size
+    got = hub.sent_to.get("Bearer hf_host", 0)
+    assert need <= got <= need + max(2 * reader.header_bytes, whole // 16) + 2 * JOIN_GAP and got < whole, (got, need)
+    assert "fetching the vocabulary" in said and "downloading" not in said, said
 
 
 def test_a_member_the_hub_will_not_serve_receives_its_stage_from_the_host_and_says_why(
