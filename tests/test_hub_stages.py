@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 from fake_hub import FakeHub, Repo, serving_hub
-from host_process import Host, free_port, running_host, seeded_cache, stop, until_status
+from host_process import Host, free_port, running_host, seeded_cache, serving_alone, stop, until_status
 from pydantic import ValidationError
 from serving_checks import unsplit_greedy
 from test_session_network import head_elsewhere
@@ -125,12 +125,13 @@ def hub_session(
     outputs: dict[str, str],
     host: str = "host",
     settings: tuple[str, ...] = SERVING,
+    joiners: dict[str, subprocess.Popen[str]] | None = None,
 ) -> Iterator[Host]:
     """A host on `hf://` with HF_TOKEN hf_host (its caches named `host`) and the members named, each
     with its own hub settings, joining one after another in the order given (so that a second
-    session on the same machines plans them as the first did); their outputs land in `outputs` once
-    the host has stopped (and on stderr when the test fails)."""
-    joiners: dict[str, subprocess.Popen[str]] = {}
+    session on the same machines plans them as the first did), their processes in `joiners`; their
+    outputs land in `outputs` once the host has stopped (and on stderr when the test fails)."""
+    joiners = {} if joiners is None else joiners
     failed = False
     host_env = hub_env(tmp_path, host, hub.url, "hf_host")
     seeded_cache(Path(host_env["KAFILA_CACHE"]))  # the test session's one probe, as the members': one division
@@ -249,6 +250,28 @@ def test_a_host_too_small_for_the_head_fetches_its_blocks_and_the_vocabulary_and
     got = hub.sent_to.get("Bearer hf_host", 0)
     assert need <= got <= need + max(2 * reader.header_bytes, whole // 16) + 2 * JOIN_GAP and got < whole, (got, need)
     assert "fetching the vocabulary" in said and "downloading" not in said, said
+
+
+def test_a_host_left_alone_downloads_the_whole_file_then_and_says_so(tmp_path: Path, model: Path) -> None:
+    """The host's one member dies: it serves every block now, so it downloads the whole file (its
+    whole stage, said in its output) and serves the unsplit model's text alone."""
+    hub = FakeHub({REPO: Repo({FILE: model.read_bytes()})})
+    outputs: dict[str, str] = {}
+    joiners: dict[str, subprocess.Popen[str]] = {}
+    with serving_hub(hub):
+        members = {"member-0": hub_env(tmp_path, "m0", hub.url, "hf_member0")}
+        with hub_session(tmp_path, hub, members, outputs, joiners=joiners) as host:
+            until_status(host, staged(1), "a ring of two machines", 240)
+            before = hub.sent_to.get("Bearer hf_host", 0)
+            assert before < model.stat().st_size
+            joiners["member-0"].kill()
+            until_status(host, serving_alone, "the host serving alone", 120)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+            said = host.output()
+    assert hub.sent_to["Bearer hf_host"] - before == model.stat().st_size
+    assert "it downloads the whole file" in said, said
 
 
 def test_a_member_the_hub_will_not_serve_receives_its_stage_from_the_host_and_says_why(
