@@ -1,8 +1,9 @@
 """A client that hangs up while its ring is broken is not served on the next ring: not while the
 broken loop still holds its request, nor once the session has taken it to wait for the new ring.
-A client that stays gets its answer on the new ring, as an unbroken run would write it. The real
-API server, engine loops and llama.cpp; the ring is a real local ring whose stage process is
-stopped (SIGSTOP) while the requests come in, then killed (SIGKILL), as a member dies."""
+A client that stays, its answer begun, gets the rest on the new ring, as an unbroken run would
+write it. The real API server, engine loops and llama.cpp; the ring is a real local ring whose
+stage process is stopped (SIGSTOP) while the requests come in, then killed (SIGKILL), as a member
+dies."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kafila.serving.engine_loop import EngineLoop
 PROMPT = "the quick brown fox"
 SETTINGS = ContextSettings(n_ctx=256 * 4, n_batch=64, n_seq_max=4, n_threads=1)
 CONTEXT = 256
+TOKENS = 200  # long enough that the first stream is mid-answer when its ring stalls
 
 
 def test_a_client_that_hangs_up_while_its_ring_is_broken_is_not_carried_to_the_next(tmp_path: Path) -> None:
@@ -35,10 +37,13 @@ def test_a_client_that_hangs_up_while_its_ring_is_broken_is_not_carried_to_the_n
         assert serving.ring is not None
         broken = serving.ring.loop
         assert broken is not None
-        os.kill(stage.pid, signal.SIGSTOP)  # the ring stalls: every request is held by the loop
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
-        asked = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
-        early, late, staying = (client.completions.create(**asked) for _ in range(3))  # type: ignore[call-overload]
+        asked = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "stream": True}
+        staying = iter(client.completions.create(**asked))  # type: ignore[call-overload]
+        begun = next(staying).choices[0].text  # it has part of its answer when the ring stalls
+        assert begun
+        os.kill(stage.pid, signal.SIGSTOP)  # the ring stalls: every request is held by the loop
+        early, late = (client.completions.create(**asked) for _ in range(2))  # type: ignore[call-overload]
         until(lambda: broken.running + broken.queued == 3, "the stalled loop holds all three requests")
         assert broken.error is None
         os.kill(stage.pid, signal.SIGKILL)  # the member dies
@@ -62,8 +67,8 @@ def test_a_client_that_hangs_up_while_its_ring_is_broken_is_not_carried_to_the_n
         try:
             loop.resume(wanted)
             serving.become_ready(engine, loop, "llama")
-            text = "".join(chunk.choices[0].text for chunk in staying if chunk.choices)
-            assert text == unsplit_greedy(model, PROMPT, 40)
+            text = begun + "".join(chunk.choices[0].text for chunk in staying if chunk.choices)
+            assert text == unsplit_greedy(model, PROMPT, TOKENS)  # resumed where it stood, as if unbroken
             until(lambda: loop.stats.finished == 1 and loop.running == 0, "the new ring is idle")
         finally:
             loop.stop()
