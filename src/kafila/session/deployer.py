@@ -31,7 +31,7 @@ from kafila.runtime.gguf.slicer import StageFile
 from kafila.runtime.llama.errors import out_of_memory
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.memory import short_of_memory
-from kafila.session.host_model import HostModel, PlannedStage
+from kafila.session.host_model import HostModel, PlannedStage, held
 from kafila.session.lifecycle import MemoryShortage, StageBroken
 from kafila.session.member import serve_stage
 from kafila.session.quic_ring import QuicRing
@@ -240,8 +240,7 @@ class Deployer:
         chain = [by_name[stage.device] for stage in plan.stages]
         counts = [stage.end - stage.start for stage in plan.stages]
         self.epoch += 1
-        own = {index for index, member in enumerate(chain) if member == me}
-        stages = await asyncio.to_thread(self.model.stages, counts, own, self.cache, progress)
+        stages = await asyncio.to_thread(self.model.stages, counts, self.cache, progress)
         hub = self.model.hub
         assigns: dict[str, Assign] = {}
         last = len(chain) - 1
@@ -280,18 +279,23 @@ class Deployer:
 
         report()
 
-        async def vocabulary() -> Path | None:
-            """The head on a member: what this host samples and embeds with, got while they prepare."""
+        async def own_share() -> Path | None:
+            """This host's own stage files where it has yet to fetch them (a model on the hub), and,
+            with the head on a member, what it samples and embeds with: got while the members get
+            theirs."""
+            for index in (i for i, member in enumerate(chain) if member == me and stages[i].file is None):
+                fetch = functools.partial(self.model.stage_file, stages[index], self.cache, progress)
+                stages[index] = held(await asyncio.to_thread(fetch))
             if chain[-1] == me:
                 return None
             return await asyncio.to_thread(self.model.vocabulary, self.cache, progress)
 
-        vocabulary_task = asyncio.ensure_future(vocabulary())
+        own_task = asyncio.ensure_future(own_share())
         try:
             staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
-            vocabulary_path = await vocabulary_task
+            vocabulary_path = await own_task
         finally:
-            vocabulary_task.cancel()
+            own_task.cancel()
         self.origins = {
             m: StageOrigin(s.source or ("host" if a.source == "transfer" else a.source), a.size, s.seconds, s.why)
             for (m, a), s in zip(assigns.items(), staged, strict=True)

@@ -13,7 +13,7 @@ is downloaded only to serve alone. A hub model whose whole file this host alread
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Protocol
@@ -76,14 +76,13 @@ class HostModel(Protocol):
         no one here can say it (a split model on the hub)."""
         ...
 
-    def stages(
-        self, counts: Sequence[int], own: Collection[int], cache: Path, progress: Progress
-    ) -> list[PlannedStage]:
-        """The plan's stages (blocking): the files of those at the indices `own` (this host's) at least."""
+    def stages(self, counts: Sequence[int], cache: Path, progress: Progress) -> list[PlannedStage]:
+        """The plan's stages (blocking), each with its file where the host holds the whole model;
+        for a model known by its header, none yet: the host gets its own with `stage_file`."""
         ...
 
     def stage_file(self, stage: PlannedStage, cache: Path, progress: Progress) -> StageFile:
-        """A stage's file, for a member that could not make it itself (blocking)."""
+        """A stage's file (blocking): this host's own, or one a member could not make itself."""
         ...
 
     def vocabulary(self, cache: Path, progress: Progress) -> Path:
@@ -120,9 +119,7 @@ class LocalModel:
     async def identity(self, progress: Progress) -> str | None:
         return await hash_model(self.path, functools.partial(progress, f"hashing {self.path.name} (once)"))
 
-    def stages(
-        self, counts: Sequence[int], own: Collection[int], cache: Path, progress: Progress
-    ) -> list[PlannedStage]:
+    def stages(self, counts: Sequence[int], cache: Path, progress: Progress) -> list[PlannedStage]:
         cutting = functools.partial(progress, f"cutting {self.path.name} into {len(counts)} stage files")
         return [held(file) for file in cached_slices(self.path, counts, cache, cutting)]
 
@@ -167,27 +164,19 @@ class HubOnlyModel:
         parts = self.hub.parts
         return parts[0].sha256 if len(parts) == 1 else None  # the hub's listing, checked by every fetch
 
-    def stages(
-        self, counts: Sequence[int], own: Collection[int], cache: Path, progress: Progress
-    ) -> list[PlannedStage]:
+    def stages(self, counts: Sequence[int], cache: Path, progress: Progress) -> list[PlannedStage]:
         planned, first = [], 0
         for index, count in enumerate(counts):
             end, is_head = first + count, index == len(counts) - 1
-            if index in own:
-                planned.append(held(self._fetch(first, end, is_head, cache, progress)))
-            else:
-                piece = stage_piece(self.header.header.reader, first, end, is_head, self.label)
-                planned.append(PlannedStage(first, end, is_head, max(1, piece.data_bytes())))
+            piece = stage_piece(self.header.header.reader, first, end, is_head, self.label)
+            planned.append(PlannedStage(first, end, is_head, max(1, piece.data_bytes())))
             first = end
         return planned
-
-    def _fetch(self, first: int, end: int, is_head: bool, cache: Path, progress: Progress) -> StageFile:
-        return fetch_stage(self.hub, first, end, is_head, cache, progress)
 
     def stage_file(self, stage: PlannedStage, cache: Path, progress: Progress) -> StageFile:
         if stage.file is not None:
             return stage.file
-        return self._fetch(stage.first_block, stage.end_block, stage.is_head, cache, progress)
+        return fetch_stage(self.hub, stage.first_block, stage.end_block, stage.is_head, cache, progress)
 
     def vocabulary(self, cache: Path, progress: Progress) -> Path:
         return fetch_vocabulary(self.hub, cache, progress)
