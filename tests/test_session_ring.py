@@ -56,6 +56,7 @@ from kafila.wire.control import (
     Load,
     Staged,
     StageFailedReport,
+    StandBy,
     control_frame,
     parse_control,
 )
@@ -114,7 +115,8 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         epoch=3, message="failed to allocate buffer for kv cache", out_of_memory=True, can_hold_bytes=2**30
     )
     planned = assign.model_copy(update={"need_bytes": 3 * 2**30})
-    for message in (hello, fullest, assign, planned, short, End(reason="bye")):
+    standby = StandBy(epoch=4, reason="far-laptop stands by: its edges add 150.4 ms to each pass of the ring")
+    for message in (hello, fullest, assign, planned, short, standby, End(reason="bye")):
         assert parse_control(control_frame(message)) == message
     good = {"model_sha256": sha, "bandwidth_gb_s": 1.0, "head_bandwidth_gb_s": 1.0, "overhead_us": 1.0}
 
@@ -142,6 +144,8 @@ def test_control_messages_round_trip_and_malformed_ones_are_refused() -> None:
         failed_frame(out_of_memory=True, can_hold_bytes=2**61),  # beyond any machine
         failed_frame(out_of_memory=True, can_hold_bytes=1.5),
         failed_frame(message="x" * 4001),
+        Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "standby", "epoch": -1, "reason": "x"}'),
+        Frame(Kind.PING, CONTROL_SEQUENCE, payload=b'{"type": "standby", "epoch": 1, "reason": "%s"}' % (b"x" * 1001)),
         Frame(Kind.PING, CONTROL_SEQUENCE, payload=b"x" * 70_000),
     ]
     for frame in bad:

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +48,7 @@ from kafila.wire.control import (
     StageFailedReport,
     StageSource,
     StageWanted,
+    StandBy,
 )
 
 Reply = TypeVar("Reply", Staged, Loaded, Staged | StageWanted)
@@ -226,12 +227,15 @@ class Deployer:
         model_sha256: str | None,
         progress: Progress,
         pending: Callable[[list[str]], None] = lambda _names: None,
+        standing_by: Mapping[str, str] | None = None,
     ) -> Deployment:
         """Assign, deliver and wait for every member's stage; raises SessionFailed.
 
         `model_sha256`: the model's, for members with their own copy of it; `progress` hears (what,
         bytes done, bytes in all) of cutting (or fetching) the stage files and of sending each;
-        `pending` hears what the ring still waits for, member by member, as that shrinks.
+        `pending` hears what the ring still waits for, member by member, as that shrinks;
+        `standing_by`: the members the plan leaves out, each told why (`StandBy`), so that one
+        that served drops its stage and its ring links.
         """
         me = self.roster.me
         await self.stop_listening()  # the replies to this deployment are read below
@@ -263,6 +267,10 @@ class Deployer:
             ))  # fmt: skip
         for router in self.roster.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
+        for member, why in (standing_by or {}).items():
+            if member in self.roster.routers:
+                with contextlib.suppress(Exception):  # a member gone is the next look's to see
+                    await self.roster.routers[member].send_control(StandBy(epoch=self.epoch, reason=why[:1000]))
         for member, assign in assigns.items():
             await self._tell(member, assign, "take its part")
         # Every member links to its neighbours and gets its file at once; they load one by one.

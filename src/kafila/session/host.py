@@ -276,7 +276,10 @@ class HostSession:
     ) -> Deployment:
         """Put the chosen plan in place (`Deployer.deploy`); raises SessionFailed."""
         self.choice = None  # until the new ring serves
-        deployment = await self.deployer.deploy(choice.plan, self.prices.model_sha256, progress, pending)
+        by_name = {self.member_name(m): m for m in self.known}
+        standing_by = {by_name[m.device]: m.words for m in choice.members if m.device in choice.standby}
+        sha256 = self.prices.model_sha256
+        deployment = await self.deployer.deploy(choice.plan, sha256, progress, pending, standing_by)
         self.choice = choice
         self.prices.last_verdict = None  # a new plan has measured nothing yet
         return deployment

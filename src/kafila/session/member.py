@@ -52,6 +52,7 @@ from kafila.wire.control import (
     StageFailedReport,
     StageSource,
     StageWanted,
+    StandBy,
 )
 from kafila.wire.frames import Frame, Kind
 
@@ -298,6 +299,15 @@ class RingLinks:
             for peer in sorted(wanted)
         ]
 
+    async def drop_ring_links(self, reason: str) -> None:
+        """Close every link but the host's: this member stands by, out of the ring."""
+        for peer, router in list(self.routers.items()):
+            if peer != self.host.peer_id:
+                del self.routers[peer]
+                self.paths.pop(peer, None)
+                with contextlib.suppress(Exception):
+                    await router.close(reason)
+
     async def close(self, reason: str) -> None:
         for router in self.routers.values():
             with contextlib.suppress(Exception):
@@ -350,6 +360,11 @@ async def follow_host(
                         why=obtained.why,
                     )
                 )
+            elif isinstance(message, StandBy):
+                staged = None
+                await state.drop_stage()
+                await links.drop_ring_links("the host's plan leaves this member out of the ring")
+                state.say(f"standing by, out of the ring: {message.reason}")
             elif isinstance(message, Load) and staged is not None and staged[0].epoch == message.epoch:
                 assign, path = staged
                 staged = None

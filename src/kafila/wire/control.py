@@ -162,6 +162,15 @@ class StageFailedReport(_Message):
     can_hold_bytes: Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)] | None = None  # what was free, if it could tell
 
 
+class StandBy(_Message):
+    """host → member: the plan of `epoch` leaves it out of the ring (it costs more than it saves):
+    it drops its stage and its ring links, and stays linked to the host for the next plan."""
+
+    type: Literal["standby"] = "standby"
+    epoch: Annotated[int, Field(ge=0)]
+    reason: Annotated[str, Field(max_length=1000)]
+
+
 class End(_Message):
     """host → member: the session is over."""
 
@@ -170,7 +179,8 @@ class End(_Message):
 
 
 ControlMessage = Annotated[
-    Hello | Assign | StageWanted | Staged | Load | Loaded | StageFailedReport | End, Field(discriminator="type")
+    Hello | Assign | StageWanted | Staged | Load | Loaded | StageFailedReport | StandBy | End,
+    Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 
