@@ -113,21 +113,24 @@ def test_the_page_shows_the_ring_streams_a_chat_and_a_member_killed(demo: Host, 
 
 
 ODD = "<img src=x onerror=document.title='owned'>"  # a member may name itself anything
+FAR_WHY = "far-laptop stands by: its edges add 150.4 ms to each pass of the ring, more than its block saves"
 
 
 def drawn_session() -> SessionStatus:
-    """A ring of the host and a relayed member with a hostile name, and a newcomer waiting."""
+    """A ring of the host and a relayed member with a hostile name, a newcomer waiting, and a member
+    standing by."""
     return SessionStatus(
         members=[
             MemberStatus(name="host", host=True, blocks=(0, 2), predicted_ms_per_token=1.5),
             MemberStatus(name=ODD, path="relayed", link="up", rtt_ms=40.0, blocks=(2, 4), predicted_ms_per_token=2.0),
             MemberStatus(name="newcomer", path="direct", link="up", joining=True),
+            MemberStatus(name="far-laptop", path="direct", link="up", role="stands-by", why=FAR_WHY),
         ],
         edges=[
             EdgeStatus(source="host", to=ODD, path="relayed", rtt_ms=40.0),
             EdgeStatus(source=ODD, to="host", path="relayed", rtt_ms=41.0),
         ],
-        plan=PlanStatus(tier="cost-model", ring=["host", ODD], head="host"),
+        plan=PlanStatus(tier="cost-model", ring=["host", ODD], head="host", standby=["far-laptop"]),
         epoch=3,
     )
 
@@ -144,9 +147,14 @@ def test_the_page_asks_for_the_key_and_draws_relayed_links_joiners_and_names_as_
         expect(page.locator("#key-form")).to_be_visible()  # /status answered 401
         page.fill("#key", "secret")
         page.click("#key-form button")
-        expect(page.locator("#ring .node")).to_have_count(3)
+        expect(page.locator("#ring .node")).to_have_count(4)
         expect(page.locator("#ring .edge.relayed")).to_have_count(2)
         expect(page.locator("#ring .node.joining")).to_have_count(1)
+        standby = page.locator("#ring .node.standby")
+        expect(standby).to_have_count(1)
+        expect(standby.locator(".sub")).to_have_text("stands by")
+        expect(standby.locator("title")).to_have_text(FAR_WHY)  # its reason, on hovering
+        expect(page.locator("#ring-note")).to_contain_text("4 members (1 standing by)")
         expect(page.locator("#ring .edge-label", has_text="relayed 40.0 ms")).to_have_count(1)
         expect(page.locator("#state")).to_have_text("waiting for the model to load")
         expect(page.locator("#stages tbody tr")).to_have_count(2)
