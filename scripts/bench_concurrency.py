@@ -176,6 +176,7 @@ def two_pinned_machines(stack: ExitStack, model: Path, waves: str) -> Host:
     """A host and one `kafila join` member over QUIC on loopback, each pinned to its own core with
     one thread: two one-core machines, as near as one machine can come to a ring of two."""
     options = ("--members", "2", "--threads", "1", "--context", "512", "--concurrency", "4")
+    options += ("--every-member-serves",)  # the two machines, however their trip weighs
     ports = ("--rendezvous-port", "0", "--stun-port", "0", "--discovery-port", "0")
     with pinned({0}):
         host = stack.enter_context(

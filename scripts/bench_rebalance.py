@@ -57,6 +57,7 @@ def busy_loop_on(core: int) -> subprocess.Popen[bytes]:
 def pair(stack: ExitStack, model: Path, flag: str, caches: Path) -> Host:
     """A host on core 0 and a member on core 1, each with this machine's quiet probe."""
     options = ("--members", "2", "--threads", "1", "--context", "512", "--concurrency", "4", flag)
+    options += ("--every-member-serves",)  # the pair, however its trips weigh
     ports = ("--rendezvous-port", "0", "--stun-port", "0", "--discovery-port", "0")
     env = {"KAFILA_CACHE": str(caches / f"host{flag}")}
     with pinned({0}):

@@ -47,6 +47,7 @@ def serve(host: Host, model: Path, requests: int, tokens: int) -> tuple[dict[str
 
 def one_round(model: Path, caches: Path, requests: int, tokens: int) -> dict[str, Any]:
     args = ("--model", model, "--members", "3", "--rendezvous-port", "0", "--stun-port", "0", "--name", "host")
+    args += ("--every-member-serves",)  # three machines' stages, however their trips weigh
     members = []
     with running_host(*args, ready=False, env={"KAFILA_CACHE": str(caches / "host")}) as host:
         try:

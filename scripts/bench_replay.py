@@ -36,6 +36,7 @@ PROMPT = "<start_of_turn>user\nTell me about rivers.<end_of_turn>\n<start_of_tur
 def one_round(model: Path, tokens: int, after: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as scratch:
         base = ("--model", model, "--members", "3", "--context", "1024", "--concurrency", "2", "--threads", "1")
+        base += ("--every-member-serves",)  # a ring of three to lose one of
         ports = ("--rendezvous-port", "0", "--stun-port", "0")
         with running_host(*base, *ports, ready=False) as host:
             code, rendezvous = host.join_line()

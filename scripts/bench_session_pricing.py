@@ -60,6 +60,7 @@ def prepare(root: Path, model: Path) -> dict[str, Path]:
 def one_session(model: Path, caches: Path, requests: int, tokens: int) -> tuple[list[dict[str, Any]], float]:
     """Each stage's blocks, predicted and measured ms per token; and the user's tokens/s."""
     args = ("--model", model, "--members", "3", "--rendezvous-port", "0", "--stun-port", "0", "--name", "host")
+    args += ("--every-member-serves",)  # three machines' stages, however their trips weigh
     members = []
     with running_host(*args, ready=False, env={"KAFILA_CACHE": str(caches / "host")}) as host:
         try:

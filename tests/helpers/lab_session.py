@@ -126,7 +126,9 @@ def lab_session(model: Path, tmp: Path, wan: WanLink, session_idle_s: float = 36
              RENDEZVOUS, "--port", str(API_PORT), "--context", "1024", "--concurrency", "4", "--threads", "1",
              "--resume-within", "300", "--name", HOST],
             stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "KAFILA_CACHE": str(seeded_cache(tmp / "cache-host")), "COLUMNS": "200"},
+            # The three homes' ring, however its trips weigh (who serves is test_nat_lab_standby's).
+            env={"KAFILA_EVERY_MEMBER_SERVES": "1", **os.environ,
+                 "KAFILA_CACHE": str(seeded_cache(tmp / "cache-host")), "COLUMNS": "200"},
         )  # fmt: skip
         session = LabSession(lab, Host(process, f"http://127.0.0.1:{API_PORT}", log), tmp)
         session.code, session.printed_rendezvous = session.host.join_line(timeout=180)

@@ -166,7 +166,8 @@ def host(
             "--every-member-serves",
             envvar="KAFILA_EVERY_MEMBER_SERVES",
             help="With members: put every member in the ring. By default a member whose place costs more time "
-            "per token than its blocks save (a slow edge, a slow machine) stands by, and is taken in when it pays.",
+            "per token than its blocks save (a slow edge, a slow machine) stands by, and is taken in when it pays. "
+            "--demo puts every member in: its members share this machine's cores.",
         ),
     ] = False,
     rebalance: Annotated[
@@ -240,7 +241,8 @@ def host(
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=host_name, discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
-        resume_within_s=resume_within, every_member_serves=every_member_serves, speculate=speculate,
+        resume_within_s=resume_within, every_member_serves=every_member_serves or demo,
+        speculate=speculate,
     )  # fmt: skip
     try:
         run(_serve(config))
