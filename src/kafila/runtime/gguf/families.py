@@ -310,8 +310,8 @@ FAMILIES = {
             always_windowed=True,
             windowed=True,
             speculation_refused=(
-                "on llama.cpp 0.3.36 a cut of one sequence's last rows changes the logits of another that is "
-                "prefilling beside it (seen on the tiny gpt-oss: tests/test_speculation_models.py; cause not found)"
+                "on llama.cpp 0.3.36 a cut of one sequence's cache changes the logits of another that is "
+                "prefilling beside it and goes on after the cut (seen on the tiny gpt-oss; cause not found)"
             ),
         ),
         Family(
