@@ -14,6 +14,7 @@ from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
 from kafila.runtime.engine.engines import Engine, PrefixCut, RingEngine, UnsplitEngine
 from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.engine.logprobs import TokenLogprob
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.speculation import NgramDrafter, Speculate
 from kafila.runtime.gguf.manifest import read_manifest
@@ -32,9 +33,11 @@ def drive(
     speculate: Speculate,
     after_each_wave: Callable[[Batcher], None] = lambda _b: None,
     drafter: Callable[[Job], NgramDrafter] | None = None,
+    logprobs: dict[str, list[TokenLogprob]] | None = None,
 ) -> tuple[dict[str, str], Batcher]:
-    """Serve `jobs` on `engine` as the engine loop does, one wave at a time; each request's text.
-    `drafter`: a drafter for each admitted request in place of the n-gram one."""
+    """Serve `jobs` on `engine` as the engine loop does, one wave at a time; each request's text
+    (and into `logprobs`, each one's log probabilities). `drafter`: a drafter for each admitted
+    request in place of the n-gram one."""
     batcher = Batcher(
         SETTINGS.n_seq_max, 16, 256, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
         speculate, engine.speculation_refused,
@@ -61,6 +64,8 @@ def drive(
             assert not isinstance(event, RequestFailed), event.message
             if isinstance(event, TextDelta):
                 texts[event.request_id] += event.text
+                if logprobs is not None:
+                    logprobs.setdefault(event.request_id, []).extend(event.logprobs)
             elif isinstance(event, Finished):
                 finished.add(event.request_id)
     assert finished == set(texts)
@@ -173,5 +178,38 @@ def test_a_grammar_held_request_validates_with_drafts(tmp_path: Path) -> None:
         assert drafted == plain
         assert batcher.speculation_off is None
         assert isinstance(json.loads(drafted["json"])["a"], list)
+    finally:
+        engine.close()
+
+
+def test_seeds_penalties_and_log_probabilities_hold_with_drafts(tmp_path: Path) -> None:
+    """A seeded draw, a repeat penalty and log probabilities, on a local ring, with drafts of the
+    answer of which every third is wrong: the same tokens, text and log probabilities as without.
+    The sampler draws each row in turn as it would each trip's, so a kept draft is one it drew."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=N_BLOCKS["llama"])
+    engine = open_engine(model, [2, 2], SETTINGS, tmp_path / "stages")
+    try:
+        prompt = engine.tokenize(REPEATING)
+        kinds = {
+            "seeded": SamplingSettings(temperature=0.9, top_k=40, top_p=0.95, seed=11),
+            "penalised": SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, repeat_penalty=1.5),
+        }
+        jobs = [Job(name, prompt, STEPS, settings, logprobs=2) for name, settings in kinds.items()]
+        plain_logprobs: dict[str, list[TokenLogprob]] = {}
+        plain, _ = drive(engine, jobs, Speculate.OFF, logprobs=plain_logprobs)
+        answers = {name: [entry.token for entry in entries] for name, entries in plain_logprobs.items()}
+
+        def departing(job: Job) -> NgramDrafter:
+            return Departing(job.prompt, answers[job.request_id], engine.n_vocab(), wrong=3)
+
+        drafted_logprobs: dict[str, list[TokenLogprob]] = {}
+        drafted, batcher = drive(engine, jobs, Speculate.NGRAM, drafter=departing, logprobs=drafted_logprobs)
+        assert drafted == plain
+        assert 0 < batcher.speculation.accepted < batcher.speculation.drafted
+        for name in kinds:
+            one, other = plain_logprobs[name], drafted_logprobs[name]
+            assert [e.token for e in one] == [e.token for e in other], name
+            assert [e.logprob for e in one] == pytest.approx([e.logprob for e in other], abs=1e-3), name
+            assert [[a.token for a in e.top] for e in one] == [[a.token for a in e.top] for e in other], name
     finally:
         engine.close()
