@@ -5,6 +5,7 @@ checked row by row (what a stage refuses: a gap or a repeat), with and without d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +26,7 @@ from kafila.runtime.engine.speculation import (
     SpeculationStats,
     draft_shares,
 )
+from kafila.runtime.engine.stage import WHOLE_STEP_ROWS, _decodes
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, TextDelta
 
 # --- n-gram drafts -------------------------------------------------------------------------
@@ -291,3 +293,43 @@ def test_no_drafts_past_max_tokens_or_where_speculation_is_off() -> None:
     )
     assert refused().speculation_off == "the engine cannot check drafts: why"
     assert DRAFT_ROWS_PER_WAVE >= 1
+
+
+# --- how a stage groups a wave's steps into decodes ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Rows:
+    sequence_id: int
+    position: int
+    states: npt.NDArray[np.float32]
+
+
+@settings(max_examples=200)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    limit=st.integers(WHOLE_STEP_ROWS, 32),
+    outputs=st.integers(WHOLE_STEP_ROWS, 20),
+    marks=st.lists(st.booleans(), min_size=8, max_size=8),
+)
+def test_a_token_and_its_drafts_never_straddle_two_decodes(
+    lengths: list[int], limit: int, outputs: int, marks: list[bool]
+) -> None:
+    """Every row goes into exactly one decode, in order; no decode exceeds the batch or the head's
+    rows of logits; a step whose rows all want logits, or a short one, sits in one decode whole
+    (a sliding-window cache cut back into a decode's first part must not have lost cells to its second)."""
+    every_row = [mark and n <= WHOLE_STEP_ROWS for mark, n in zip(marks, lengths, strict=False)]
+    steps = [Rows(i, 100 * i, np.zeros((n, 1), dtype=np.float32)) for i, n in enumerate(lengths)]
+    decodes = _decodes(steps, limit, max_ends=outputs, every_row=every_row)
+    seen: dict[int, list[int]] = {}
+    for decode in decodes:
+        assert sum(piece.states.shape[0] for piece in decode) <= limit
+        wanted = sum(piece.states.shape[0] if every_row[piece.step] else piece.ends_step for piece in decode)
+        assert wanted <= outputs
+        for piece in decode:
+            seen.setdefault(piece.step, []).extend(range(piece.position, piece.position + piece.states.shape[0]))
+    assert seen == {i: list(range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)}
+    for index, n in enumerate(lengths):
+        holding = [d for d in decodes if any(piece.step == index for piece in d)]
+        if every_row[index] or n <= WHOLE_STEP_ROWS:
+            assert len(holding) == 1, (index, n)
