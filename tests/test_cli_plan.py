@@ -1,4 +1,6 @@
-"""`kafila plan` as a person or a script runs it: the real console script, in a subprocess."""
+"""`kafila plan` as a person or a script runs it: the real command line, run in this process (a
+Python process per call spent most of this file's time starting up), and once as the console
+script in a subprocess (`test_version`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from pathlib import Path
 import pytest
 from tiny_gguf import write_other_family
 from tiny_models import write_tiny_llama, write_tiny_model
+from typer.testing import CliRunner
 
+from kafila.cli.app import app
 from kafila.planner.fleet import device_of
 from kafila.runtime.gguf.manifest import read_manifest
 
@@ -20,9 +24,10 @@ EXAMPLES = sorted((ROOT / "examples").glob("fleet-*.json"))
 
 
 def kafila(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kafila", *map(str, args)], capture_output=True, text=True, timeout=120, check=False
-    )
+    """`kafila ARGS` through its command line (`cli.app`), its exit status, stdout and stderr apart."""
+    argv = [str(arg) for arg in args]
+    result = CliRunner().invoke(app, argv, catch_exceptions=False)
+    return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)
 
 
 def write_fleet(path: Path, fleet: dict) -> Path:
@@ -233,8 +238,12 @@ def test_missing_fleet_and_bad_model_files(tmp_path: Path) -> None:
 
 
 def test_version() -> None:
-    result = kafila("--version")
+    """The console script itself, as installed: `python -m kafila`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kafila", "--version"], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0 and result.stdout.startswith("kafila ")
+    assert kafila("--version").stdout == result.stdout
 
 
 def test_absurd_kv_cache_is_refused_not_overflowed(tmp_path: Path) -> None:
