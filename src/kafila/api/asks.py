@@ -17,6 +17,11 @@ from kafila.runtime.engine.sampling import SamplingSettings
 Role = Literal["system", "user", "assistant", "tool"]
 
 
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    """A body's `stop` (none, one string, or several: OpenAI's and Ollama's shape) as a Generation holds it."""
+    return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+
+
 @dataclass(frozen=True)
 class CallMade:
     """A tool call an earlier assistant turn made, sent back with the conversation."""

@@ -11,9 +11,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
-from kafila.api.asks import CallMade, ChatAsk, FunctionTool, Generation, OutputFormat, TextAsk, ToolChoice, Turn
+from kafila.api.asks import (
+    CallMade,
+    ChatAsk,
+    FunctionTool,
+    Generation,
+    OutputFormat,
+    TextAsk,
+    ToolChoice,
+    Turn,
+    stop_tuple,
+)
 from kafila.api.errors import invalid
-from kafila.api.schemas import FUNCTION_NAME, MAX_TOOLS
+from kafila.api.schemas import FUNCTION_NAME, MAX_TOOLS, stops_at_most
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.wire.frames import MAX_TOP_LOGPROBS
 
@@ -34,7 +44,7 @@ class Options(BaseModel):
     top_p: Annotated[StrictFloat | StrictInt, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     seed: StrictInt | None = None  # negative: a random one, as Ollama's -1
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, stops_at_most(MAX_STOP_STRINGS)] = None
     repeat_penalty: Annotated[StrictFloat | StrictInt, Field(gt=0.0, le=10.0)] | None = None
     repeat_last_n: Annotated[StrictInt, Field(ge=-1)] | None = None  # -1: the whole context
     presence_penalty: Annotated[StrictFloat | StrictInt, Field(ge=-2.0, le=2.0)] | None = None
@@ -43,13 +53,6 @@ class Options(BaseModel):
     min_p: StrictFloat | StrictInt | None = None
     typical_p: StrictFloat | StrictInt | None = None
     mirostat: StrictInt | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        return value
 
     @field_validator("min_p")
     @classmethod
@@ -74,8 +77,7 @@ class Options(BaseModel):
 
     def generation(self, context: int, alternatives: int | None) -> Generation:
         limit = self.num_predict if self.num_predict is not None and self.num_predict > 0 else None
-        stops = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        return Generation(limit, self.sampling(context), stops, alternatives)
+        return Generation(limit, self.sampling(context), stop_tuple(self.stop), alternatives)
 
     def sampling(self, context: int) -> SamplingSettings:
         """Ollama's defaults, then whatever `options` set."""

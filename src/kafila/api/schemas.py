@@ -11,7 +11,16 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from kafila.api.asks import (
     CallMade,
@@ -22,6 +31,7 @@ from kafila.api.asks import (
     TextAsk,
     ToolChoice,
     Turn,
+    stop_tuple,
 )
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.wire.frames import MAX_TOP_LOGPROBS
@@ -31,6 +41,17 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 MAX_CHAT_TOP_LOGPROBS = MAX_TOP_LOGPROBS  # OpenAI's limits on the alternatives per token: 20 and 5
 MAX_COMPLETION_LOGPROBS = 5
 ONE_PROMPT = "one prompt per request: this server does not batch prompts in one request"
+
+
+def stops_at_most(most: int) -> AfterValidator:
+    """A body's `stop` (none, one string or a list) with at most `most` strings: past that, a 400 saying so."""
+
+    def few(value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > most:
+            raise ValueError(f"at most {most} stop strings")
+        return value
+
+    return AfterValidator(few)
 
 
 class Request(BaseModel):
@@ -43,7 +64,7 @@ class Request(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None  # not OpenAI's, but llama.cpp servers take it
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, stops_at_most(MAX_STOP_STRINGS)] = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     stream: bool = False
@@ -60,18 +81,6 @@ class Request(BaseModel):
             raise ValueError("logit_bias is not supported by this server")
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        return value
-
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
@@ -80,7 +89,7 @@ class Request(BaseModel):
         return None
 
     def generation(self) -> Generation:
-        return Generation(self.token_limit(), self.sampling(), self.stop_strings(), self.logprob_alternatives())
+        return Generation(self.token_limit(), self.sampling(), stop_tuple(self.stop), self.logprob_alternatives())
 
     def output(self) -> OutputFormat:
         form = self.response_format
