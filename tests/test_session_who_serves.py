@@ -91,6 +91,17 @@ def test_a_member_behind_a_slow_edge_stands_by_and_serves_when_another_member_is
     assert {m.device: m.why for m in after.members} == {"home": Why.ANCHOR, "far-laptop": Why.NEEDED}
 
 
+def test_a_slow_machine_stands_by_for_its_own_stage_and_says_so() -> None:
+    a_hundredth = FleetDevice(name="slow-laptop", memory_gib=2.0, bandwidth_gb_s=0.5, overhead_us=100.0)
+    slow = {**MACHINES, "b": Machine("slow-laptop", a_hundredth)}
+    lan = measured_round_trips({m: slow[m].name for m in ("h", "a", "b")}, "h", {"a": 0.5, "b": 0.5}, {})
+    choice = pricing().choose(slow, ["h", "a", "b"], round_trips=lan)
+    laptop = next(m for m in choice.members if m.device == "slow-laptop")
+    assert choice.standby == ("slow-laptop",) and laptop.why is Why.COSTS_MORE
+    assert laptop.words.startswith("slow-laptop stands by: its stage would take "), laptop.words
+    assert laptop.time_with_s is not None and f"{laptop.time_with_s * 1e3:.1f} ms a token, more than" in laptop.words
+
+
 def test_under_more_load_the_far_member_pays_and_serves() -> None:
     every = ["h", "a", "b"]
     loaded = RingPricing(MANIFEST, ServingSpec(context=512, concurrency=64))

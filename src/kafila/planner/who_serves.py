@@ -41,7 +41,7 @@ from kafila.planner.plan import (
 from kafila.planner.reachability import predict_edge
 from kafila.planner.ring import EXACT_LIMIT, best_ring
 from kafila.planner.round_trips import RoundTrips
-from kafila.planner.time_per_token import TimedDivision, fastest_division
+from kafila.planner.time_per_token import TIE_TOLERANCE, TimedDivision, fastest_division
 from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, RingSearch, ServingSpec, Strict, Tier
 
 EXACT_MEMBERS = 8  # 128 sets of members with the anchor in each
@@ -113,6 +113,12 @@ class Candidate:
 
     def blocks_of(self, member: int) -> int:
         return self.timed.division.counts[self.chain.index(member)]
+
+    def stage_cost_s(self, prices: Sequence[DevicePrices], member: int) -> float:
+        """What the member's stage costs a token in this candidate's division."""
+        position = self.chain.index(member)
+        start, end = self.timed.division.spans[position]
+        return float(prices[member].search[position == len(self.chain) - 1][start, end])
 
 
 @dataclass
@@ -282,8 +288,11 @@ def _membership(search: _Search, chosen: Candidate, member: int, needed: bool) -
             words=f"{name} stands by: the model divides into at most {search.max_stages} stages",
         )
     blocks, added = more.blocks_of(member), more.ring_trip_s - chosen.ring_trip_s
+    stage_s = more.stage_cost_s(search.prices, member)
     cost = "its place costs more than"
-    if added > 0:
+    if stage_s >= more.time_per_token_s * (1 - TIE_TOLERANCE):  # a slow machine: its own stage sets the pace
+        cost = f"its stage would take {_ms(stage_s)} a token, more than"
+    elif added > 0:
         cost = f"its edges add {_ms(added)} to each pass of the ring, more than"
     return Membership(
         device=name,
