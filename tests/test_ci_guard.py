@@ -86,6 +86,13 @@ def test_a_skip_is_a_skip_outside_ci_and_a_failure_with_its_reason_in_ci(tmp_pat
     assert "this one would have skipped: this machine lacks a frobnicator" in inside.stdout
     assert "KAFILA_CI: 0 expected skips, 1 unexpected (failed)" in inside.stdout
     assert "unexpected skip, failed: test_planted.py::test_needs_what_this_machine_lacks" in inside.stdout
+    # On pytest-xdist's workers, as the suite runs: the controller, which runs no test, counts it.
+    spread = run_pytest(tmp_path, True, "-n", "2")
+    assert spread.returncode == 1, spread.stdout
+    assert "1 failed, 1 passed" in spread.stdout
+    assert "this one would have skipped: this machine lacks a frobnicator" in spread.stdout
+    assert "KAFILA_CI: 0 expected skips, 1 unexpected (failed)" in spread.stdout
+    assert "unexpected skip, failed: test_planted.py::test_needs_what_this_machine_lacks" in spread.stdout
 
 
 def test_a_test_that_waits_forever_is_stopped_with_its_stack_and_the_run_goes_on(tmp_path: Path) -> None:

@@ -56,38 +56,41 @@ def _reason(report: pytest.TestReport) -> str:
     return str(longrepr)
 
 
-_SKIPS = pytest.StashKey[dict[str, list[str]]]()
+GUARD_PROPERTY = "ci_guard"  # on a report's user_properties, which pytest-xdist carries to the controller
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
     report: pytest.TestReport = yield
-    if report.skipped and not hasattr(report, "wasxfail") and in_ci():
-        if _expected(item.nodeid):
-            item.config.stash[_SKIPS]["expected"].append(item.nodeid)
-        else:
-            item.config.stash[_SKIPS]["unexpected"].append(item.nodeid)
-            report.outcome = "failed"
-            report.longrepr = (
-                f"{CI_ENV} is set, where a test may skip only if ci_guard.EXPECTED_SKIPS lists it; "
-                f"this one would have skipped: {_reason(report)}"
-            )
+    if report.skipped and not hasattr(report, "wasxfail") and in_ci() and not _expected(item.nodeid):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{CI_ENV} is set, where a test may skip only if ci_guard.EXPECTED_SKIPS lists it; "
+            f"this one would have skipped: {_reason(report)}"
+        )
+        report.user_properties.append((GUARD_PROPERTY, "unexpected skip"))
     return report
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_SKIPS] = {"expected": [], "unexpected": []}
     settings.load_profile("ci" if in_ci() else "dev")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    """The count from the reports themselves: under pytest-xdist they reach the controller, which
+    runs no test."""
     if not in_ci():
         return
-    skips = config.stash[_SKIPS]
-    terminalreporter.write_sep(
-        "-", f"{CI_ENV}: {len(skips['expected'])} expected skips, {len(skips['unexpected'])} unexpected (failed)"
+    expected = sorted({r.nodeid for r in terminalreporter.stats.get("skipped", []) if hasattr(r, "nodeid")})
+    unexpected = sorted(
+        {
+            r.nodeid
+            for r in terminalreporter.stats.get("failed", [])
+            if (GUARD_PROPERTY, "unexpected skip") in getattr(r, "user_properties", [])
+        }
     )
-    for nodeid in skips["expected"]:
-        terminalreporter.write_line(f"expected skip: {nodeid} ({EXPECTED_SKIPS[_prefix(nodeid)]})")
-    for nodeid in skips["unexpected"]:
+    terminalreporter.write_sep("-", f"{CI_ENV}: {len(expected)} expected skips, {len(unexpected)} unexpected (failed)")
+    for nodeid in expected:
+        terminalreporter.write_line(f"expected skip: {nodeid} ({EXPECTED_SKIPS.get(_prefix(nodeid), '?')})")
+    for nodeid in unexpected:
         terminalreporter.write_line(f"unexpected skip, failed: {nodeid}")
