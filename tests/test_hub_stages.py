@@ -274,6 +274,54 @@ def test_a_host_left_alone_downloads_the_whole_file_then_and_says_so(tmp_path: P
     assert "it downloads the whole file" in said, said
 
 
+def test_a_replan_after_a_member_leaves_fetches_only_the_tensors_each_machine_lacks(
+    tmp_path: Path, model: Path
+) -> None:
+    """Of a ring of three on hf://, one member dies: the host and the member left divide the model
+    again, and each fetches from the hub only the header and the tensors its kept stage does not
+    hold (nothing, where its blocks did not change); the new ring serves the unsplit model's text."""
+    hub = FakeHub({REPO: Repo({FILE: model.read_bytes()})})
+    outputs: dict[str, str] = {}
+    joiners: dict[str, subprocess.Popen[str]] = {}
+    with serving_hub(hub):
+        members = {f"member-{i}": hub_env(tmp_path, f"m{i}", hub.url, f"hf_member{i}") for i in range(2)}
+        with hub_session(tmp_path, hub, members, outputs, joiners=joiners) as host:
+            first = until_status(host, staged(2), "a ring of three machines", 240)
+            before = dict(hub.sent_to)
+            joiners["member-1"].kill()
+
+            def replanned(status: dict[str, Any]) -> bool:
+                left = members_of(status).get("member-0", {})
+                return bool(status.get("ready")) and status.get("epoch", 0) > first["epoch"] and "stage_source" in left
+
+            after = until_status(host, replanned, "a ring of the two machines left", 120)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    reader = HeaderReader(model)
+
+    def lacked(name: str, token: str) -> tuple[int, int]:
+        """What the machine `name` fetched for its new stage, and the most it should have."""
+        old, new = (next(m for m in s["members"] if m["name"] == name) for s in (first, after))
+        was = stage_piece(reader, *old["blocks"], name == first["plan"]["head"], FILE)
+        now = stage_piece(reader, *new["blocks"], name == after["plan"]["head"], FILE)
+        if (old["blocks"], name == first["plan"]["head"]) == (new["blocks"], name == after["plan"]["head"]):
+            return hub.sent_to.get(token, 0) - before.get(token, 0), 0  # its stage as it was: from its cache
+        missing = [t for t in now.source_tensors() if t.name not in was.copied()]
+        return hub.sent_to.get(token, 0) - before.get(token, 0), reader.header_bytes + sum(
+            int(t.n_bytes) for t in missing
+        )
+
+    host_name = next(m["name"] for m in after["members"] if m.get("host"))
+    needs = []
+    for name, token in ((host_name, "Bearer hf_host"), ("member-0", "Bearer hf_member0")):
+        got, need = lacked(name, token)
+        assert need <= got <= need + 2 * JOIN_GAP, (name, got, need, first["plan"], after["plan"])
+        needs.append(need)
+    assert max(needs) > reader.header_bytes, needs  # the two left hold four blocks where they held three
+    assert members_of(after)["member-0"]["stage_source"] in ("hub", "cache"), after
+
+
 def test_a_member_the_hub_will_not_serve_receives_its_stage_from_the_host_and_says_why(
     tmp_path: Path, model: Path
 ) -> None:
