@@ -205,9 +205,12 @@ def host(
         os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
     # Only the host resolves hub names; with members, each machine fetches its own stage from the hub by range.
     bundled = default_model() if model is None else None
-    if model is None and bundled is None:
+    if model is not None:
+        source = model_source(model, n_members > 1)
+    elif bundled is not None:
+        source = LocalModel(bundled)
+    else:
         fail(NO_DEFAULT_MODEL, False)
-    source = model_source(model, n_members > 1) if model is not None else LocalModel(bundled or Path())
     if n_members > 1 and (stages is not None or division is not None):
         fail("--stages and --division split the model on this machine; with --members the planner divides it", False)
     if api_key is not None and not api_key.strip():
