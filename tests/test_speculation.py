@@ -5,7 +5,7 @@ checked row by row (what a stage refuses: a gap or a repeat), with and without d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +28,7 @@ from kafila.runtime.engine.speculation import (
 )
 from kafila.runtime.engine.stage import WHOLE_STEP_ROWS, _decodes
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, TextDelta
+from kafila.wire.frames import DType, Frame, FrameDecoder, FrameError, Kind
 
 # --- n-gram drafts -------------------------------------------------------------------------
 
@@ -333,3 +334,42 @@ def test_a_token_and_its_drafts_never_straddle_two_decodes(
         holding = [d for d in decodes if any(piece.step == index for piece in d)]
         if every_row[index] or n <= WHOLE_STEP_ROWS:
             assert len(holding) == 1, (index, n)
+
+
+# --- a head on a member's answer to a token and its drafts -----------------------------------
+
+
+@given(
+    rows=st.integers(1, MAX_DRAFT + 1),
+    vocabulary=st.integers(2, 64),
+    top=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_a_rows_frame_carries_each_rows_largest_logits(rows: int, vocabulary: int, top: int, seed: int) -> None:
+    top = min(top, vocabulary)
+    logits = np.random.default_rng(seed).normal(size=(rows, vocabulary)).astype(np.float32)
+    frame = Frame.of_rows(7, 30, logits, top)
+    (back,) = FrameDecoder().feed(frame.encode())
+    assert (back.kind, back.sequence_id, back.position, back.n_tokens, back.top) == (Kind.ROWS, 7, 30, rows, top)
+    matrix = back.rows()
+    assert matrix.shape == (rows, vocabulary)
+    for row, sent in zip(matrix, logits, strict=True):
+        kept = np.isfinite(row)
+        assert kept.sum() == top and int(row.argmax()) == int(sent.argmax())  # greedy picks as from the whole row
+        assert np.array_equal(row[kept], sent[kept]) and np.all(sent[~kept] <= row[kept].min())
+
+
+def test_a_rows_frame_from_a_member_is_checked() -> None:
+    good = Frame.of_rows(1, 0, np.arange(12, dtype=np.float32).reshape(3, 4), 2)
+    with pytest.raises(FrameError):  # a length that does not hold rows x top entries
+        FrameDecoder().feed(replace(good, payload=good.payload[:-8]).encode())
+    outside = bytearray(good.payload)
+    outside[0:4] = np.int32(9).tobytes()  # a token past the vocabulary of 4
+    with pytest.raises(FrameError):
+        Frame(Kind.ROWS, 1, 0, 3, 4, DType.I32, bytes(outside), 2).rows()
+    with pytest.raises(FrameError):  # log probabilities ride only on logits frames
+        FrameDecoder().feed(replace(good, logprobs=2).encode())
+    with pytest.raises(FrameError):  # a top past the vocabulary
+        FrameDecoder().feed(Frame(Kind.ROWS, 1, 0, 1, 4, DType.I32, bytes(8 * 5), 5).encode())
+    with pytest.raises(ValueError):
+        Frame.of_rows(1, 0, np.zeros((2, 4), dtype=np.float32), 0)

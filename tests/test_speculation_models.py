@@ -12,12 +12,13 @@ import pytest
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
-from kafila.runtime.engine.engines import Engine, PrefixCut, RingEngine, UnsplitEngine
-from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.engine.engines import Engine, PrefixCut, RingEngine, UnsplitEngine, prefix_cut_of
+from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.logprobs import TokenLogprob
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.speculation import NgramDrafter, Speculate
 from kafila.runtime.gguf.manifest import read_manifest
+from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Batcher, Finished, Job, RequestFailed, TextDelta
 
@@ -40,7 +41,7 @@ def drive(
     request in place of the n-gram one."""
     batcher = Batcher(
         SETTINGS.n_seq_max, 16, 256, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
-        speculate, engine.speculation_refused,
+        speculate, engine.speculation_refused, engine.every_row_whole,
     )  # fmt: skip
     for job in jobs:
         batcher.submit(job)
@@ -211,5 +212,36 @@ def test_seeds_penalties_and_log_probabilities_hold_with_drafts(tmp_path: Path) 
             assert [e.token for e in one] == [e.token for e in other], name
             assert [e.logprob for e in one] == pytest.approx([e.logprob for e in other], abs=1e-3), name
             assert [[a.token for a in e.top] for e in one] == [[a.token for a in e.top] for e in other], name
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_head_on_a_member_checks_drafts_with_each_rows_largest_logits(arch: str, tmp_path: Path) -> None:
+    """The head in a stage process, as on a member: a token and its drafts go round as a VERIFY
+    frame and come back as ROWS (each row's largest logits), and greedy decoding with drafts (every
+    third wrong) writes what it writes without; a request that asks for log probabilities, or
+    whose sampler needs whole rows, drafts nothing there."""
+    model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
+    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
+    cut = starts[0] if starts else n // 2
+    stages = cached_slices(model, [cut, n - cut], tmp_path / "stages")
+    engine = local_ring_engine(stages, SETTINGS, prefix_cut_of(model), model=model)
+    try:
+        assert engine.head is None and engine.speculation_refused is None and not engine.every_row_whole
+        jobs = [Job(f"{i}", engine.tokenize(text), STEPS, GREEDY) for i, text in enumerate((PROMPT, REPEATING))]
+        plain, _ = drive(engine, jobs, Speculate.OFF)
+        answers = {job.request_id: greedy_unsplit(model, job.prompt, STEPS) for job in jobs}
+
+        def departing(job: Job) -> NgramDrafter:
+            return Departing(job.prompt, answers.get(job.request_id, []), engine.n_vocab(), wrong=3)
+
+        drafted, batcher = drive(engine, jobs, Speculate.NGRAM, drafter=departing)
+        assert drafted == plain
+        assert 0 < batcher.speculation.accepted < batcher.speculation.drafted
+        whole_row = SamplingSettings(temperature=0.8, top_k=0, seed=3)  # sampled on the head itself
+        for job in (Job("0", jobs[0].prompt, 8, GREEDY, logprobs=1), Job("0", jobs[0].prompt, 8, whole_row)):
+            _, batcher = drive(engine, [job], Speculate.NGRAM, drafter=departing)
+            assert batcher.speculation.drafted == 0
     finally:
         engine.close()

@@ -181,9 +181,11 @@ class Batcher:
         prefix_cut: PrefixCut = PrefixCut.ANYWHERE,
         speculate: Speculate = Speculate.OFF,
         speculation_refused: str | None = None,
+        every_row_whole: bool = True,
     ) -> None:
         """`speculate`: what to draft with; `speculation_refused`: why the engine cannot check
-        drafts (`Engine.speculation_refused`), None where it can."""
+        drafts (`Engine.speculation_refused`), None where it can; `every_row_whole`: whether it
+        answers drafted rows whole, or with each row's largest logits only (`Engine.every_row_whole`)."""
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
         self.concurrency, self.batch_rows, self.context = concurrency, batch_rows, context_per_sequence
@@ -196,6 +198,7 @@ class Batcher:
         self._to_trim: list[Trim] = []
         self._waves: deque[list[tuple[_Sequence, EngineStep, bool]]] = deque()  # planned, not landed, oldest first
         self.speculation_off = _speculation_off(speculate, speculation_refused, prefix_cut)  # why, or None
+        self.every_row_whole = every_row_whole
         self.speculation = SpeculationStats()
         self.tokens_generated = 0  # tokens sampled, over the batcher's life (several per trip where drafts are kept)
 
@@ -454,6 +457,9 @@ class Batcher:
             return [[] for _ in decoding]
         proposed: list[list[int]] = []
         for sequence in decoding:
+            if self._drafts_refused(sequence.job) is not None:
+                proposed.append([])
+                continue
             room = min(
                 sequence.window.allowed,
                 sequence.job.max_tokens - len(sequence.generated) - 1,
@@ -468,6 +474,17 @@ class Batcher:
             if not drafted:
                 sequence.window.skip()
         return drafts
+
+    def _drafts_refused(self, job: Job) -> str | None:
+        """Why this request drafts nothing on this engine, where one request's features rule drafts out."""
+        if self.every_row_whole:
+            return None
+        # A head on a member answers drafted rows with each row's largest logits (a ROWS frame):
+        if job.sampling.needs_whole_row:
+            return "its sampler needs whole rows, which the head on a member samples itself, one row a trip"
+        if job.logprobs is not None:
+            return "its log probabilities need each row's log-sum-exp, which a ROWS frame does not carry yet"
+        return None
 
     def _verify(self, sequence: _Sequence, step: EngineStep, row: EveryRowLogits) -> list[RequestEvent]:
         """Land a token and its drafts: sample each row in turn, as decoding without drafts would

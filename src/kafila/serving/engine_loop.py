@@ -88,6 +88,7 @@ class EngineLoop:
             prefix_cut=engine.prefix_cut,
             speculate=speculate,
             speculation_refused=engine.speculation_refused,
+            every_row_whole=engine.every_row_whole,
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []

@@ -51,6 +51,10 @@ class Kind(IntEnum):
     FILE = 7  # raw bytes of a file in transfer; `position` is the chunk's index (kafila.network.transfer)
     LOGITS = 8  # a head on a member answers the host: logits after a step's last row, `hidden` = vocabulary
     SAMPLER = 9  # the host starts a sequence's sampler on a head on a member: JSON settings and prompt
+    # Hidden states of a generated token and the tokens drafted after it (speculative decoding):
+    # the head answers every row, a head on a member with a ROWS frame.
+    VERIFY = 10
+    ROWS = 11  # a head on a member answers a VERIFY frame: each row's `top` largest logits, `hidden` = vocabulary
 
 
 class DType(IntEnum):
@@ -62,7 +66,7 @@ class DType(IntEnum):
 
 _ITEM_SIZE = {DType.NONE: 1, DType.F32: 4, DType.F16: 2, DType.I32: 4}
 _NUMPY = {DType.F32: np.float32, DType.F16: np.float16, DType.I32: np.int32}
-HIDDEN_KINDS = (Kind.PREFILL, Kind.DECODE)
+HIDDEN_KINDS = (Kind.PREFILL, Kind.DECODE, Kind.VERIFY)
 
 
 def is_control_sequence(sequence_id: int) -> bool:
@@ -148,6 +152,37 @@ class Frame:
         ids = ids.astype(np.int32)
         payload = ids.tobytes() + row[ids].astype(np.float32).tobytes()
         return cls(Kind.LOGITS, sequence_id, position, top, row.shape[0], DType.I32, payload)
+
+    @classmethod
+    def of_rows(cls, sequence_id: int, position: int, logits: npt.NDArray[np.floating], top: int) -> Frame:
+        """A head's answer to a VERIFY frame: the `top` largest logits after each of its rows (ids,
+        then values, row by row), chosen as `of_logits` chooses them for one row."""
+        rows = np.ascontiguousarray(logits, dtype=np.float32)
+        if rows.ndim != 2 or not 0 < top <= min(rows.shape[1], MAX_TOP):
+            raise ValueError(f"top {top} of logits shaped {rows.shape}")
+        if top == 1:
+            ids = rows.argmax(axis=1)[:, None]
+        else:
+            ids = np.argpartition(rows, -top, axis=1)[:, -top:]
+        values = np.take_along_axis(rows, ids, axis=1)
+        payload = ids.astype(np.int32).tobytes() + values.astype(np.float32).tobytes()
+        return cls(Kind.ROWS, sequence_id, position, rows.shape[0], rows.shape[1], DType.I32, payload, top)
+
+    def rows(self) -> npt.NDArray[np.float32]:
+        """A ROWS frame as a (rows, vocabulary) matrix, -inf where it sent nothing. The caller bounds
+        the rows first (the host: those of the step it sent); the ids are checked, as a member sent them."""
+        if self.kind is not Kind.ROWS:
+            raise FrameError(f"a {self.kind.name} frame carries no rows of logits")
+        count = self.n_tokens * self.top
+        ids = np.frombuffer(self.payload, dtype=np.int32, count=count).reshape(self.n_tokens, self.top)
+        values = np.frombuffer(self.payload, dtype=np.float32, count=count, offset=4 * count)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.hidden):
+            raise FrameError(f"a ROWS frame names a token outside its {self.hidden} entries")
+        if np.isnan(values).any():
+            raise FrameError("a ROWS frame carries a NaN logit")
+        out = np.full((self.n_tokens, self.hidden), -np.inf, dtype=np.float32)
+        np.put_along_axis(out, ids.astype(np.intp), values.reshape(self.n_tokens, self.top), axis=1)
+        return out
 
     @classmethod
     def of_choice(cls, sequence_id: int, position: int, token: int, logit: float, vocabulary: int) -> Frame:
@@ -254,11 +289,11 @@ def _validate(
                 raise FrameError(f"a LOGITS frame too short for its {logprobs} log probability alternatives")
     if length > MAX_PAYLOAD:
         raise FrameError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
-    width_limit = MAX_VOCAB if kind_ is Kind.LOGITS else MAX_HIDDEN
+    width_limit = MAX_VOCAB if kind_ in (Kind.LOGITS, Kind.ROWS) else MAX_HIDDEN
     if n_tokens > MAX_TOKENS or hidden > width_limit:
         raise FrameError(f"frame of {n_tokens} tokens x {hidden} exceeds the limits")
-    if top and kind_ not in HIDDEN_KINDS:
-        raise FrameError(f"a {kind_.name} frame with top {top}: only prefill and decode frames carry one")
+    if top and kind_ not in (*HIDDEN_KINDS, Kind.ROWS):
+        raise FrameError(f"a {kind_.name} frame with top {top}: only prefill and decode frames (and rows) carry one")
     if kind_ is Kind.LOGITS:
         if hidden == 0:
             raise FrameError("a LOGITS frame over an empty vocabulary")
@@ -272,6 +307,9 @@ def _validate(
                 raise FrameError(f"payload of {length} bytes does not hold the top {n_tokens} of {hidden} logits")
         else:
             raise FrameError("a LOGITS frame carries one f32 row, or the top entries as i32 ids and values")
+    elif kind_ is Kind.ROWS:
+        if dtype_ is not DType.I32 or n_tokens == 0 or not 0 < top <= hidden or length != 8 * n_tokens * top:
+            raise FrameError(f"a ROWS frame holds the top {top} of {hidden} logits (i32 ids, f32 values) of each row")
     elif kind_ in HIDDEN_KINDS:
         if dtype_ not in (DType.F32, DType.F16) or n_tokens == 0 or hidden == 0:
             raise FrameError(f"a {kind_.name} frame needs f32 or f16 hidden states of at least one token")

@@ -161,6 +161,9 @@ class Engine(Protocol):
     depth: int
     # Why this engine cannot answer `every_row` steps (speculative decoding), or None where it can.
     speculation_refused: str | None
+    # Whether it answers them with whole rows (a head here), or with each row's `top` largest
+    # logits only (a head on a member), which serves no sampler that needs the whole row.
+    every_row_whole: bool
 
     def launch(self, steps: Sequence[EngineStep]) -> Launched: ...
     def land(self, launched: Launched) -> list[StepResult]: ...
@@ -222,6 +225,7 @@ class _Vocabulary:
     llama_model: LlamaModel | VocabularyOnly
     depth = 1
     speculation_refused: str | None = None
+    every_row_whole = True
     _readers: _Readers
 
     def launch(self, steps: Sequence[EngineStep]) -> Launched:
@@ -380,8 +384,8 @@ class RingEngine(_Vocabulary):
             self._embed = TokenEmbedding(model)  # first: it holds nothing to free if the vocabulary fails
             self._vocabulary_only = VocabularyOnly(model)
             self.vocabulary, self.llama_model = Vocabulary(self._vocabulary_only), self._vocabulary_only
-            # Not yet: the wire's LOGITS frame answers a step with its last row only.
-            self.speculation_refused = "the head is on a member, which answers a step with one row of logits"
+            self.speculation_refused = speculation_refused_for(model)
+            self.every_row_whole = False  # a ROWS frame: each row's top entries
         self._head_range = (stages[-1].first_block, stages[-1].end_block)
         self._dtype = dtype
         self.depth = pipeline_depth(depth)
@@ -400,11 +404,13 @@ class RingEngine(_Vocabulary):
         arrive together as one decode, so while this wave is at one stage the next can be at another."""
         if self.speculation_refused is not None and any(s.every_row for s in steps):
             raise ValueError(f"this engine cannot answer every row of a step: {self.speculation_refused}")
+        if self.head is None and any(s.every_row and s.top == 0 for s in steps):
+            raise ValueError("a head on a member answers every row of a step with its largest logits, not whole rows")
         wave = next(self._waves)
         starts = self._sampler_starts(steps)
         frames = tuple(
             Frame.of_hidden(
-                Kind.DECODE if s.decode else Kind.PREFILL,
+                Kind.VERIFY if s.every_row else Kind.DECODE if s.decode else Kind.PREFILL,
                 s.sequence_id,
                 s.position,
                 self._embed(s.tokens),
@@ -499,7 +505,19 @@ class RingEngine(_Vocabulary):
         return results
 
     def _remote_logits(self, came: Frame, sent: Frame, step: EngineStep) -> StepResult:
-        """A step's answer from a head on the ring: its LOGITS row (or None, if the step asked for none)."""
+        """A step's answer from a head on the ring: its LOGITS row (or None, if the step asked for
+        none), or for a token and its drafts the ROWS of every row's largest logits."""
+        if step.every_row:
+            if (
+                came.kind is not Kind.ROWS or came.position != sent.position or came.hidden != self.llama_model.n_vocab
+                or came.n_tokens != sent.n_tokens or came.top != sent.top
+            ):  # fmt: skip
+                raise StageFailed(
+                    f"the ring's head answered sequence {sent.sequence_id}'s {sent.n_tokens} drafted rows at position "
+                    f"{sent.position} with a {came.kind.name} frame of {came.n_tokens} rows, top {came.top}, at "
+                    f"position {came.position}, width {came.hidden}"
+                )
+            return EveryRowLogits(came.rows())
         if came.kind is not Kind.LOGITS or came.position != sent.position or came.hidden != self.llama_model.n_vocab:
             raise StageFailed(
                 f"the ring's head answered sequence {sent.sequence_id} at position {sent.position} with a "

@@ -42,13 +42,18 @@ def refusal(stage: RingStage, frame: Frame, error: Exception) -> Frame:
 
 def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
     """Hidden-state frames through the stage as one batched decode: hidden states out of a block
-    stage, a LOGITS row (after each frame's last row) out of a head."""
+    stage, a LOGITS row (after each frame's last row) out of a head, or for a VERIFY frame (a token
+    and its drafts) the ROWS of each row's largest logits."""
     steps = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in batch]
     decode = all(f.kind is Kind.DECODE for f in batch)
     if isinstance(stage, HeadStage):
+        every_row = [f.kind is Kind.VERIFY for f in batch]
         logits = []
-        for frame, row in zip(batch, stage.forward(steps, decode=decode), strict=True):
+        for frame, row in zip(batch, stage.forward(steps, decode, None, every_row), strict=True):
             assert row is not None  # every step's last row is asked for
+            if frame.kind is Kind.VERIFY:  # handle_frames has checked its top
+                logits.append(Frame.of_rows(frame.sequence_id, frame.position, row, frame.top))
+                continue
             if frame.top == SAMPLE_ON_HEAD:  # handle_frames has checked that the sequence has a sampler
                 token = stage.sample(frame.sequence_id, row)
                 answer = Frame.of_choice(frame.sequence_id, frame.position, token, row[token], row.shape[0])
@@ -114,6 +119,8 @@ def _unrunnable(stage: RingStage, frame: Frame) -> Exception | None:
         return FrameError(f"frame of hidden size {frame.hidden}; this stage takes {stage.hidden}")
     if frame.top == SAMPLE_ON_HEAD and isinstance(stage, HeadStage) and not stage.samples(frame.sequence_id):
         return ValueError(stage.why_not_sampling(frame.sequence_id))
+    if frame.kind is Kind.VERIFY and isinstance(stage, HeadStage) and not 0 < frame.top < SAMPLE_ON_HEAD:
+        return ValueError(f"a VERIFY frame asks for each row's top 1 to {SAMPLE_ON_HEAD - 1} logits, not {frame.top}")
     return None
 
 
