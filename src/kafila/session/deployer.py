@@ -191,7 +191,8 @@ def stage_source(
 
 def offered(assign: Assign) -> Assign:
     """`assign`, or, where naming the hub model makes it more than a control message carries (a
-    model split in very many parts), the same stage sent by the host."""
+    model split in very many parts), the same stage sent by the host (which then names it by its
+    sha256, fetching it first where it holds no file of it: `Deployer.deploy`)."""
     if assign.source != "hub" or len(assign.model_dump_json()) <= MAX_CONTROL_BYTES - 1024:
         return assign
     return assign.model_copy(update={"source": "transfer", "hub": None})
@@ -265,6 +266,10 @@ class Deployer:
                 fingerprints={p: self.roster.known[p].fingerprint for p in (predecessor, successor) if p != me},
                 head=index == last, need_bytes=plan.stages[index].resident_bytes,
             ))  # fmt: skip
+            if assigns[member].source == "transfer" and stage.file is None:  # the hub too long to name
+                stages[index] = held(await asyncio.to_thread(self.model.stage_file, stage, self.cache, progress))
+                named = {"sha256": stages[index].sha256, "size": stages[index].n_bytes}
+                assigns[member] = assigns[member].model_copy(update=named)
         for router in self.roster.routers.values():
             router.activation.drain()  # frames of a broken ring must not reach the new one
         for member, why in (standing_by or {}).items():
