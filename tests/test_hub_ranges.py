@@ -5,6 +5,8 @@ package writes; the stages are compared with what the slicer cuts from the whole
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ from kafila.runtime.gguf.manifest import manifest_of, read_manifest
 from kafila.runtime.gguf.slicer import StageFile, block_range_file, stage_piece, write_stage
 from kafila.runtime.llama.loading import load_llama
 from kafila.runtime.llama.model import VocabularyOnly
+from kafila.session.host_model import HubOnlyModel
 
 REPO = "tiny-org/Tiny-GGUF"
 FILE = "Tiny-Q8_0.gguf"
@@ -239,7 +242,15 @@ def test_a_split_model_is_planned_from_every_parts_header_and_fetched_from_the_p
             got = fetch(hub, header.model, stage, tmp_path / "member", f"hf_m{index}")
             cut = block_range_file(tiny, stage[0], stage[1], tmp_path / "cut", is_head=stage[2])
             assert got.path.read_bytes() == cut.path.read_bytes()
+        single = HubOnlyModel(plan(hub), HubReference(REPO, filename=FILE))
     assert sum(hub.sent_of[p.name] for p in parts) < 2 * sum(p.stat().st_size for p in parts)
+    # No one hashes the merged file, yet the model has a name that pricings learned serving it
+    # can be kept by: the same parts at the same commit always give it. A one-part model's is the
+    # file's sha256, as the hub lists it.
+    split = HubOnlyModel(header, HubReference("tiny-org/Big-GGUF", quant="Q8_0"))
+    [name] = {asyncio.run(split.identity(lambda *_: None)) for _ in range(2)}
+    assert name is not None and len(name) == 64 and name not in {p.sha256 for p in header.model.parts}
+    assert asyncio.run(single.identity(lambda *_: None)) == hashlib.sha256(tiny.read_bytes()).hexdigest()
 
 
 def test_a_connection_cut_off_resumes_where_it_broke(hub: FakeHub, tiny: Path, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ is downloaded only to serve alone. A hub model whose whole file this host alread
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -72,8 +73,8 @@ class HostModel(Protocol):
         ...
 
     async def identity(self, progress: Progress) -> str | None:
-        """The whole file's sha256, for members with their own copy and pricings by model; None where
-        no one here can say it (a split model on the hub)."""
+        """The whole file's sha256, for members with their own copy and pricings by model (a split
+        model on the hub: a stable name of its parts instead)."""
         ...
 
     def stages(self, counts: Sequence[int], cache: Path, progress: Progress) -> list[PlannedStage]:
@@ -161,8 +162,14 @@ class HubOnlyModel:
         return self.header.manifest()
 
     async def identity(self, progress: Progress) -> str | None:
+        """The file's sha256 as the hub lists it (every fetch checks it against the hub's HEAD); for a
+        model split in parts, whose merged file no one here hashes, a sha256 of what names the
+        parts at the commit: the same model always gives it, so pricings learned serving it apply."""
         parts = self.hub.parts
-        return parts[0].sha256 if len(parts) == 1 else None  # the hub's listing, checked by every fetch
+        if len(parts) == 1 and parts[0].sha256 is not None:
+            return parts[0].sha256
+        named = [self.hub.repo_id, self.hub.commit, *(f"{p.path} {p.sha256 or p.header_sha256}" for p in parts)]
+        return hashlib.sha256("\n".join(named).encode()).hexdigest()
 
     def stages(self, counts: Sequence[int], cache: Path, progress: Progress) -> list[PlannedStage]:
         planned, first = [], 0
