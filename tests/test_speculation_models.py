@@ -245,3 +245,55 @@ def test_a_head_on_a_member_checks_drafts_with_each_rows_largest_logits(arch: st
             assert batcher.speculation.drafted == 0
     finally:
         engine.close()
+
+
+def test_a_request_that_stops_among_its_drafts_leaves_a_slot_the_next_request_reuses(tmp_path: Path) -> None:
+    """A stop string met in the middle of a trip's drafts ends the request with rows past what it
+    kept still in the slot's cache; the next request, which extends the first's prompt and answer,
+    reuses the kept rows only and decodes what a fresh cache decodes."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=N_BLOCKS["llama"])
+    engine = open_engine(model, [2, 2], SETTINGS, tmp_path / "stages")
+    try:
+        prompt = engine.tokenize(PROMPT)
+        answer = greedy_unsplit(model, prompt, STEPS)
+        text = engine.detokenize(answer)
+        start = len(engine.detokenize(answer[:10]))  # past the tenth token: the next request reuses eight
+        stop = next(text[i : i + 2] for i in range(start, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+        batcher = Batcher(
+            1, 16, 256, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut, Speculate.NGRAM,
+            engine.speculation_refused, engine.every_row_whole,
+        )  # fmt: skip
+
+        def serve(job: Job) -> tuple[str, Finished]:
+            batcher.submit(job)
+            out, finished = "", None
+            while not batcher.idle or batcher.trimming:
+                for trim in batcher.take_trims():
+                    engine.forget(trim.slot, trim.keep)
+                steps = batcher.plan()
+                for sequence in batcher._active.values():
+                    if not isinstance(sequence.drafter, Departing):  # drafts of the whole answer, all right
+                        sequence.drafter = Departing(sequence.job.prompt, answer, engine.n_vocab(), wrong=STEPS + 1)
+                if steps:
+                    for event in batcher.advance(engine.step_many(steps)):
+                        assert not isinstance(event, RequestFailed), event.message
+                        if isinstance(event, TextDelta):
+                            out += event.text
+                        elif isinstance(event, Finished):
+                            finished = event
+            assert finished is not None
+            return out, finished
+
+        first, ended = serve(Job("first", prompt, STEPS, GREEDY, stop=(stop,)))
+        assert ended.reason == "stop" and first == text[: text.find(stop)]
+        assert isinstance(engine, RingEngine) and engine.head is not None
+        # The stop came within a trip's drafts: the slot still holds rows past the tokens kept.
+        assert engine.head.model.next_position(0) > len(prompt) + ended.completion_tokens
+        second_prompt = prompt + answer[:8]
+        second, reused = serve(Job("second", second_prompt, 8, GREEDY))
+        assert reused.cached_tokens == len(second_prompt) - 1  # all but the last, whose logits it needs
+        expected = greedy_unsplit(model, second_prompt, 8)
+        ends = next((i for i, t in enumerate(expected) if engine.is_end(t)), len(expected))
+        assert second == engine.detokenize(expected[:ends])
+    finally:
+        engine.close()
