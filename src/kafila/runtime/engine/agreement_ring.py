@@ -54,7 +54,7 @@ class UnsplitReference:
         self._ggml = GGMLBase.load()
         self._targets = {f"l_out-{block}".encode(): index for index, block in enumerate(after_blocks)}
         self._captured: list[list[FloatRows]] = [[] for _ in after_blocks]
-        settings = replace(settings, max_outputs=settings.n_seq_max)  # as WholeModel: a row of logits per sequence
+        settings = replace(settings, max_outputs=settings.n_seq_max)  # a row of logits a sequence: no drafts here
         self.model = LlamaModel(path, settings, eval_callback=self._on_tensor)
         self.after_blocks = tuple(after_blocks)
 
