@@ -373,3 +373,58 @@ def test_a_rows_frame_from_a_member_is_checked() -> None:
         FrameDecoder().feed(Frame(Kind.ROWS, 1, 0, 1, 4, DType.I32, bytes(8 * 5), 5).encode())
     with pytest.raises(ValueError):
         Frame.of_rows(1, 0, np.zeros((2, 4), dtype=np.float32), 0)
+
+
+@settings(deadline=None, max_examples=30)
+@given(break_after=st.integers(1, 12), waves=st.integers(1, 2), sampled=st.booleans())
+def test_a_ring_lost_mid_speculation_leaves_requests_that_finish_as_without_drafts(
+    break_after: int, waves: int, sampled: bool
+) -> None:
+    """The ring breaks after some waves, with drafts out and rejected rows not yet cut: the
+    requests go on on a new ring (empty caches, `suspend_all` then `resume`), drafting again, and
+    end with the text decoding without drafts gives."""
+    loop = np.full((VOCAB, VOCAB, VOCAB), -5.0, dtype=np.float32)
+    for a in range(VOCAB):
+        for b in range(VOCAB):
+            loop[a, b, (b + 1) % VOCAB or 3] = 5.0 if a % 2 else 4.0  # copies, with some departures
+            loop[a, b, (b + 5) % VOCAB or 4] = 4.5
+    jobs = [Job("a", [3, 4, 5, 6, 3, 4], 30, SamplingSettings()), Job("b", [7, 8, 9, 7, 8], 30, SamplingSettings())]
+    seed = 5 if sampled else None
+    plain, _ = serve(ScriptedModel(loop), jobs, Speculate.OFF, seed)
+
+    def batcher() -> Batcher:
+        return Batcher(
+            2, 16, 64, lambda _s: Sample(seed), lambda t: f"<{t}>".encode(), lambda t: t == END,
+            PrefixCut.ANYWHERE, Speculate.NGRAM,
+        )  # fmt: skip
+
+    first, model = batcher(), ScriptedModel(loop)
+    for job in jobs:
+        first.submit(job)
+    texts: dict[str, str] = {job.request_id: "" for job in jobs}
+    launched: list[list[EngineStep]] = []
+    for _ in range(break_after):
+        for trim in first.take_trims():
+            model.forget(trim.slot, trim.keep)
+        while len(launched) < waves and (steps := first.plan(waves)):
+            launched.append(steps)
+        if not launched:
+            break
+        for event in first.advance(model.run(launched.pop(0))):
+            if isinstance(event, TextDelta):
+                texts[event.request_id] += event.text
+    kept, failed = first.suspend_all("the ring broke")
+    assert not failed  # every sampler here is the host's
+    second, fresh = batcher(), ScriptedModel(loop)
+    for suspended in reversed(kept):
+        second.resume(suspended)
+    while not second.idle or second.trimming:
+        for trim in second.take_trims():
+            fresh.forget(trim.slot, trim.keep)
+        steps = second.plan()
+        if steps:
+            for event in second.advance(fresh.run(steps)):
+                if isinstance(event, TextDelta):
+                    texts[event.request_id] += event.text
+    assert texts == {name: "".join(parts) for name, parts in plain.items()}
+    assert first.speculation.drafted + second.speculation.drafted > 0
