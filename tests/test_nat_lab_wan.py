@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from natlab_fixtures import NatLab, natlab_wan_required  # noqa: F401
-from natlab_wan import MAX_QUEUE_S, WanLine, WanLink
+from natlab_wan import MAX_QUEUE_S, DepartureQueue, WanLine, WanLink
 from waiting import line_from
 
 WAN_SCRIPT = str(Path(__file__).resolve().parent / "helpers" / "natlab_wan.py")
@@ -48,6 +48,21 @@ def test_a_rate_serialises_each_way_separately_and_a_full_queue_drops() -> None:
     assert line.departure(0.0, 1000, inbound=True) == pytest.approx(0.001)  # the other way is free
     burst = [line.departure(1.0, 1000, inbound=False) for _ in range(int(MAX_QUEUE_S * 1000) + 50)]
     assert burst.count(None) > 0 and all(b is not None for b in burst[: int(MAX_QUEUE_S * 1000)])
+
+
+def test_packets_due_together_leave_in_the_order_they_came() -> None:
+    # a burst read at once gets one departure time; asyncio's timer heap would shuffle it, and
+    # QUIC would take each overtaken packet as lost
+    line, queue = WanLine(WanLink(delay_ms=20)), DepartureQueue()
+    timers = [queue.push(line.departure(t // 40 / 1000, 1200, inbound=False) or 0.0, bytes([t])) for t in range(200)]
+    assert timers == [True] + [False] * 199  # one timer for the whole queue
+    assert queue.due(0.0199) == [] and queue.next_at == pytest.approx(0.020)
+    out = queue.due(0.0225) + queue.due(1.0)
+    assert [packet[0] for _, packet in out] == list(range(200)) and queue.next_at is None
+    assert queue.push(2.0, b"x") and queue.due(2.0) == [(2.0, b"x")]
+    queue.push(3.0, b"y")
+    with pytest.raises(ValueError):
+        queue.push(2.5, b"z")  # would overtake
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,10 @@ writes it back into the same device, from where the kernel routes it on. A packe
 home to another crosses both homes' lines, as on the internet.
 
 `WanLine` is the pure core (when does this packet leave, or is it lost), tested with injected
-time and randomness; `serve` is the asyncio shell, run inside the public namespace as
-`python natlab_wan.py`, driven by one JSON line per command on stdin, answered on stdout (`echo`
-and `ping` measure a lab's round trips, `udp_echo` and `udp_ping`):
+time and randomness; `DepartureQueue` hands packets out at their times in the order they came;
+`serve` is the asyncio shell, run inside the public namespace as `python natlab_wan.py`, driven
+by one JSON line per command on stdin, answered on stdout (`echo` and `ping` measure a lab's
+round trips, `udp_echo` and `udp_ping`):
 
     {"home": 1, "address": "198.51.100.6", "delay_ms": 20, "jitter_ms": 0, "loss": 0.0,
      "rate_mbit": 0, "down": false}   →   {"ok": true, "tun": "wan1"}
@@ -19,6 +20,7 @@ and `ping` measure a lab's round trips, `udp_echo` and `udp_ping`):
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import json
@@ -97,6 +99,38 @@ class WanLine:
         return out
 
 
+@dataclass
+class DepartureQueue:
+    """Packets waiting on a line, handed out in the order they came in.
+
+    One timer per packet would not do: asyncio's timer heap is not stable, so packets read in one
+    burst (the same departure time) left in a shuffled order. QUIC takes a packet overtaken by
+    three later ones as lost, so the line made spurious losses, and reno halved its window for
+    each (a stage file crawled at 1 to 2 MB/s over an 80 ms round trip). Times pushed never
+    decrease (`WanLine` never lets a packet overtake), so a FIFO is in time order.
+    """
+
+    waiting: collections.deque[tuple[float, bytes]] = field(default_factory=collections.deque)
+
+    def push(self, at: float, packet: bytes) -> bool:
+        """Queue a packet to leave at `at`; True if it is now the first (the caller sets a timer)."""
+        if self.waiting and at < self.waiting[-1][0]:
+            raise ValueError("a packet may not be scheduled before one queued ahead of it")
+        self.waiting.append((at, packet))
+        return len(self.waiting) == 1
+
+    def due(self, now: float) -> list[tuple[float, bytes]]:
+        """The packets whose time has come, in order, with their times."""
+        out = []
+        while self.waiting and self.waiting[0][0] <= now:
+            out.append(self.waiting.popleft())
+        return out
+
+    @property
+    def next_at(self) -> float | None:
+        return self.waiting[0][0] if self.waiting else None
+
+
 def destination(packet: bytes) -> str | None:
     """An IPv4 packet's destination address (the lab is IPv4 only)."""
     if len(packet) < 20 or packet[0] >> 4 != 4:
@@ -121,6 +155,7 @@ class _Tun:
         # from how late the timers have been, so a 10 ms line holds 10 ms and not 11.
         self.early = 0.0
         self.last_scheduled = 0.0  # never before an earlier packet's: packets keep their order
+        self.queue = DepartureQueue()
         loop.add_reader(self.fd, self._readable)
 
     def _readable(self) -> None:
@@ -133,15 +168,19 @@ class _Tun:
             leaves = self.line.departure(now, len(packet), inbound=destination(packet) == self.address)
             if leaves is not None:
                 scheduled = self.last_scheduled = max(now, leaves - self.early, self.last_scheduled)
-                self.loop.call_at(scheduled, self._write, packet, scheduled)
+                if self.queue.push(scheduled, packet):
+                    self.loop.call_at(scheduled, self._write)
 
-    def _write(self, packet: bytes, scheduled: float) -> None:
-        late = self.loop.time() - scheduled
-        self.early = min(MAX_EARLY_S, 0.9 * self.early + 0.1 * late)
-        try:
-            os.write(self.fd, packet)
-        except OSError:  # the kernel would not take it back (a full queue): lost, as on a link
-            self.line.dropped += 1
+    def _write(self) -> None:
+        now = self.loop.time()
+        for scheduled, packet in self.queue.due(now):
+            self.early = min(MAX_EARLY_S, 0.9 * self.early + 0.1 * (now - scheduled))
+            try:
+                os.write(self.fd, packet)
+            except OSError:  # the kernel would not take it back (a full queue): lost, as on a link
+                self.line.dropped += 1
+        if (next_at := self.queue.next_at) is not None:
+            self.loop.call_at(next_at, self._write)
 
 
 async def serve() -> None:
