@@ -33,7 +33,7 @@ def context_bytes(manifest: ModelManifest, session: ServingSpec, start: int, end
     total = nodes * 24 * 1024 + rows * needs.activation_bytes_per_row + needs.attention_masks * cells * rows * 4
     total += 16 * 1024 * 1024
     if is_head:
-        total += needs.n_vocab * (8 * session.concurrency + 256)
+        total += needs.n_vocab * (8 * (session.concurrency + 8) + 256)
     return total
 
 
