@@ -46,6 +46,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # one file after another on one worker).
 ONE_WORKER_FILES = ("test_discovery.py", "test_natlab.py")
 SHARED_SCOPES = ("module", "class", "package")
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): one worker more than the cores this process may use, at most
+    four. Most tests wait on processes, sockets and the NAT lab's delays rather than the CPU, so a
+    third worker on two cores keeps both busy; more would crowd them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_WORKERS, cores + 1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
