@@ -7,8 +7,16 @@ Each admitted request holds one KV slot (a llama.cpp sequence id) until it ends.
 
 Steps go out in waves. On a ring of n stages one wave keeps one stage busy at a time, so the
 engine loop keeps up to n waves in flight, each with a share of the running requests: while
-one wave is at the second stage the next is at the first. A sequence is in at most one wave
-at a time (its next row needs its last token), and waves land in the order they left.
+one wave is at the second stage the next is at the first. A generating sequence is in at most
+one wave at a time (its next row needs its last token), and waves land in the order they left.
+
+Pipelined prefill (`prefill_chunks` > 1): a prompt's chunks need no token back, so a prefilling
+sequence may ride in successive waves, up to `prefill_chunks` of them out at once: chunk i+1 is
+at the first stage while chunk i is at the second. It is safe because every stage runs a
+sequence's frames in the order they left (one stream round a local ring, one QUIC stream per
+sequence), so chunk i's rows are in each stage's cache before chunk i+1's run there. Sequences
+not in flight are planned first, decode rows before any chunk, so a pipelined prompt never
+takes a decoding sequence's row; its further chunks ride in what is left of the wave's rows.
 
 A slot keeps its cache when its request ends, and the host keeps, per slot, the tokens whose
 KV every stage holds there. A new request takes the free slot whose tokens share the longest
@@ -132,7 +140,8 @@ class _Sequence:
     text: StopAwareText
     fed: int = 0  # rows of `prefill` already in the KV cache
     generated: list[int] = field(default_factory=list)
-    in_flight: bool = False  # its rows are out in a wave that has not landed yet
+    out: int = 0  # waves holding its rows that have not landed yet
+    sent: int = 0  # rows of `prefill` planned into waves, landed or not (>= fed)
     cached: int = 0  # prompt tokens an earlier request's cache held: prefill started after them
     held: int = 0  # rows landed in the cache: prompt tokens, then generated ones fed back
     trimmed: bool = True  # False until the engine has cut the slot's cache to `cached`
@@ -154,6 +163,16 @@ class _Sequence:
     @property
     def prefilling(self) -> bool:
         return self.fed < len(self.job.prompt) + self.replayed
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether its rows are out in a wave that has not landed yet."""
+        return self.out > 0
+
+    @property
+    def unsent(self) -> int:
+        """Prefill rows not yet planned into any wave."""
+        return len(self.job.prompt) + self.replayed - self.sent
 
     def tokens_held(self) -> list[int]:
         """The tokens whose rows every stage holds for this sequence, in position order."""
@@ -182,12 +201,19 @@ class Batcher:
         speculate: Speculate = Speculate.OFF,
         speculation_refused: str | None = None,
         every_row_whole: bool = True,
+        prefill_chunks: int = 1,
     ) -> None:
         """`speculate`: what to draft with; `speculation_refused`: why the engine cannot check
         drafts (`Engine.speculation_refused`), None where it can; `every_row_whole`: whether it
-        answers drafted rows whole, or with each row's largest logits only (`Engine.every_row_whole`)."""
+        answers drafted rows whole, or with each row's largest logits only (`Engine.every_row_whole`);
+        `prefill_chunks`: how many chunks of one prompt may be out in waves at once (1: one wave
+        at a time, no pipelined prefill)."""
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
+        if prefill_chunks < 1:
+            raise ValueError(f"at least one chunk of a prompt must be allowed in flight, not {prefill_chunks}")
+        self.prefill_chunks = prefill_chunks
+        self.most_chunks_out = 0  # the most chunks of one prompt seen out at once, over the batcher's life
         self.concurrency, self.batch_rows, self.context = concurrency, batch_rows, context_per_sequence
         self._make_sampler, self._piece, self._is_end = make_sampler, piece, is_end
         self.prefix_cut = prefix_cut
@@ -341,7 +367,7 @@ class Batcher:
         if resumed is not None and resumed.text is not None:
             assert resumed.sampler is not None
             sequence = _Sequence(
-                job, slot, resumed.sampler, resumed.text, fed=keep, generated=resumed.generated,
+                job, slot, resumed.sampler, resumed.text, fed=keep, sent=keep, generated=resumed.generated,
                 cached=resumed.cached, held=keep, trimmed=held is None, replayed=len(resumed.generated),
                 logprobs=resumed.logprobs,
             )  # fmt: skip
@@ -349,8 +375,9 @@ class Batcher:
             sampler = self._make_sampler(job.sampling)
             sampler.accept(job.prompt)
             sequence = _Sequence(
-                job, slot, sampler, StopAwareText(job.stop), fed=keep, cached=keep, held=keep, trimmed=held is None
-            )
+                job, slot, sampler, StopAwareText(job.stop), fed=keep, sent=keep, cached=keep, held=keep,
+                trimmed=held is None,
+            )  # fmt: skip
         if self.speculation_off is None:
             sequence.drafter = NgramDrafter(rows)
         self._active[job.request_id] = sequence
@@ -365,15 +392,17 @@ class Batcher:
     def plan(self, waves: int = 1) -> list[EngineStep]:
         """The next wave: admit what fits, then one row per generating sequence and prompt chunks in the rest.
 
-        Only sequences with no rows in flight take part, at most 1/`waves` of the running ones
+        Sequences with no rows in flight take part, at most 1/`waves` of the running ones
         (rounded up), so that on a ring of several stages the running requests split into
-        `waves` waves that follow one another round it and keep every stage busy. An empty wave
-        is not recorded.
+        `waves` waves that follow one another round it and keep every stage busy. With pipelined
+        prefill, a prompt already out in fewer than `prefill_chunks` waves, and not whole, sends
+        its next chunk too, in the rows those leave. An empty wave is not recorded.
         """
         while self._queue and self._free_slots:
             self._admit(self._queue.popleft())
         share = math.ceil(len(self._active) / max(1, waves))  # this wave's part of the running requests
         ready = [s for s in self._active.values() if not s.in_flight and s.trimmed][:share]
+        ready += [s for s in self._active.values() if s.in_flight and s.trimmed and self._sends_more(s)]
         planned: list[tuple[_Sequence, EngineStep, bool]] = []
         budget = self.batch_rows
         decoding = [s for s in ready if not s.prefilling]
@@ -389,27 +418,35 @@ class Batcher:
             planned.append((sequence, step, True))
             budget -= len(drafted)
         for sequence in ready:
-            if sequence.prefilling and budget > 0:
+            if sequence.unsent > 0 and budget > 0:
                 prefill = sequence.prefill
-                chunk = prefill[sequence.fed : sequence.fed + budget]
-                ends = sequence.fed + len(chunk) == len(prefill)
+                chunk = prefill[sequence.sent : sequence.sent + budget]
+                ends = sequence.sent + len(chunk) == len(prefill)
                 sampling = sequence.job.sampling
                 start = None  # a head on a member samples a request that needs the whole row itself
                 # (but a resumed one, whose sampler this host keeps, takes the whole row instead)
-                if sequence.fed == sequence.cached and sampling.needs_whole_row and not sequence.replayed:
+                if sequence.sent == sequence.cached and sampling.needs_whole_row and not sequence.replayed:
                     start = SamplerStart(settings=sampling, prompt=list(sequence.job.prompt))
                 top = sampling.top_logits
                 step = EngineStep(
-                    sequence.slot, sequence.fed, chunk, False, logits=ends, top=top, sampler=start,
+                    sequence.slot, sequence.sent, chunk, False, logits=ends, top=top, sampler=start,
                     logprobs=_asked(sequence.job),
                 )  # fmt: skip
                 planned.append((sequence, step, ends))
+                sequence.sent += len(chunk)
                 budget -= len(chunk)
         if planned:
             self._waves.append(planned)
-            for sequence, _, _ in planned:
-                sequence.in_flight = True
+            for sequence, step, _ in planned:
+                sequence.out += 1
+                if not step.decode:
+                    self.most_chunks_out = max(self.most_chunks_out, sequence.out)
         return [step for _, step, _ in planned]
+
+    def _sends_more(self, sequence: _Sequence) -> bool:
+        """Whether a prompt already out in a wave sends its next chunk too (pipelined prefill): it
+        is out in fewer waves than `prefill_chunks`, with rows left to send."""
+        return sequence.unsent > 0 and sequence.out < self.prefill_chunks
 
     def advance(self, logits: Sequence[StepResult]) -> list[RequestEvent]:
         """Land the oldest wave: sample from its logits; return the text it released and the requests it ended.
@@ -424,7 +461,7 @@ class Batcher:
             self._waves.popleft()
         events: list[RequestEvent] = []
         for (sequence, step, wanted), row in zip(planned, logits, strict=True):
-            sequence.in_flight = False
+            sequence.out -= 1
             if self._active.get(sequence.job.request_id) is not sequence:
                 continue  # cancelled while the step ran
             if isinstance(row, SequenceFailed):

@@ -12,6 +12,7 @@ ring and the others carry on, with `error` left unset: the ring is not broken.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -27,6 +28,14 @@ from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, Request
 Sink = Callable[[RequestEvent], None]
 STATS_REFRESH_S = 2.0
 REFUSALS_TO_BREAK = 8  # requests failed by stages in a row, none served between: the ring is broken
+
+
+def prefill_chunks_in_flight() -> int:
+    """How many chunks of one prompt may be out round the ring at once (pipelined prefill):
+    KAFILA_PREFILL_CHUNKS, 1 (off) by default. The waves in flight (`Engine.depth`) bound it too,
+    each chunk riding in a wave of its own."""
+    setting = os.environ.get("KAFILA_PREFILL_CHUNKS", "").strip()
+    return int(setting) if setting.isdigit() and int(setting) >= 1 else 1
 
 
 class EngineUnavailable(RuntimeError):
@@ -75,7 +84,9 @@ class EngineLoop:
         batch_rows: int,
         context_per_sequence: int,
         speculate: Speculate = Speculate.OFF,
+        prefill_chunks: int | None = None,
     ) -> None:
+        """`prefill_chunks`: chunks of one prompt out at once (`prefill_chunks_in_flight` where None)."""
         self.engine = engine
         self.speculate = speculate
         self.batcher = Batcher(
@@ -89,6 +100,7 @@ class EngineLoop:
             speculate=speculate,
             speculation_refused=engine.speculation_refused,
             every_row_whole=engine.every_row_whole,
+            prefill_chunks=prefill_chunks_in_flight() if prefill_chunks is None else prefill_chunks,
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
