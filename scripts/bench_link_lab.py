@@ -12,16 +12,21 @@ home, introduced by the rendezvous:
   echoes), and a raw UDP datagram of the same size over the same path and sockets as the
   floor; `--repeats` links per edge, alternating, pooled;
 - **kill**: on the same two edges, `--kills` times each, SIGKILL one agent right after an
-  exchange and time how long the survivor takes to report the broken link.
+  exchange and time how long the survivor takes to report the broken link;
+- **transfer** (not run by default): on the direct edge, a stage file at each uplink delay, with
+  the kernel's socket receive buffer, 1 MiB, Kafila's 4 MiB and cubic; beside each rate the
+  losses QUIC saw, its congestion window and where the kernel or the delay line dropped packets.
 
     python scripts/bench_link_lab.py [--frames 1000] [--round-trips 300] [--repeats 5] [--kills 5]
-                                     [--sections matrix rtt kill]     (root, nftables, conntrack)
+                                     [--transfer-mb 64] [--delays 0 20]
+                                     [--sections matrix rtt kill transfer]     (root, nftables, conntrack)
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +36,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from natlab import NAT_TYPES
-from natlab_punch_agent import kill_one, lab_with_rendezvous, peer_home, predicted_edge, punch_pair
+from natlab_punch_agent import (
+    _line,
+    kill_one,
+    lab_with_rendezvous,
+    peer_home,
+    predicted_edge,
+    punch_pair,
+    start_pair,
+    stop,
+)
+from natlab_wan import WanLink
 
 EDGES = {"direct": ("port-restricted", "port-restricted"), "relayed": ("symmetric", "symmetric")}
 
@@ -103,13 +118,81 @@ def kills(lab: Any, stun: str, http: str, count: int) -> None:
         print(f"| {via} ({a} → {b}) | {count} | {len(reported)} / {count} | {median} | {worst} |")
 
 
+def _drops(lab: Any, homes: list[Any]) -> dict[str, int]:
+    """Where packets can be lost outside QUIC: the kernel's queue into each line's TUN device
+    (its TX drops), and each host's UDP receive buffer (RcvbufErrors)."""
+    counts: dict[str, int] = {"tun": 0, "rcvbuf": 0}
+    for home in homes:
+        tun = json.loads(lab.exec(lab.public_ns, ["ip", "-s", "-j", "link", "show", f"wan{home.index}"]))
+        counts["tun"] += tun[0]["stats64"]["tx"]["dropped"]
+        snmp = [line.split() for line in lab.exec(home.host_ns, ["cat", "/proc/net/snmp"]).splitlines()]
+        names, values = [row for row in snmp if row[0] == "Udp:"][:2]
+        counts["rcvbuf"] += int(values[names.index("RcvbufErrors")])
+    return counts
+
+
+TRANSFER_VARIANTS = {  # name: the agents' options
+    "kernel's SO_RCVBUF": ["--receive-buffer", "0"],
+    "1 MiB SO_RCVBUF": ["--receive-buffer", str(1 << 20)],
+    "4 MiB SO_RCVBUF (Kafila's)": [],
+    "4 MiB, cubic": ["--congestion", "cubic"],
+}
+
+
+def transfer(lab: Any, stun: str, http: str, megabytes: int, delays: list[float], repeats: int) -> None:
+    """A stage file over the direct edge, at each one-way uplink delay in turn (a round trip of 4×
+    the delay: each packet crosses both homes' lines), `repeats` times, alternating delays."""
+    a, b = EDGES["direct"]
+    b = peer_home(lab, a, b)
+    print(f"{megabytes} MB stage file, {a} → {b} (direct); delay is each uplink's, one way\n")
+    print(
+        "| uplink delay | link | RTT | MB/s | seconds | QUIC lost packets | cwnd median / max KB "
+        "| delay line passed / dropped | TUN queue drops | UDP RcvbufErrors |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for _ in range(repeats):
+        for delay, (variant, options) in itertools.product(delays, TRANSFER_VARIANTS.items()):
+            for home in (a, b):
+                lab.set_wan(lab.homes[home], WanLink(delay_ms=delay))
+            before = [lab.wan_counts(lab.homes[h]) for h in (a, b)]
+            kernel_before = _drops(lab, [lab.homes[h] for h in (a, b)])
+            agents = start_pair(lab, stun, http, a, b, "--transfer", str(megabytes), *options)
+            try:
+                outcomes = [_line(agent) for agent in agents]
+                for agent in agents:
+                    agent.wait(timeout=60)
+            finally:
+                stop(agents)
+            after = [lab.wan_counts(lab.homes[h]) for h in (a, b)]
+            kernel = {k: v - kernel_before[k] for k, v in _drops(lab, [lab.homes[h] for h in (a, b)]).items()}
+            result = outcomes[0]["transfer"]
+            windows = [s[1] / 1e3 for s in result["samples"]]
+            rtts = [s[3] for s in result["samples"] if s[3] > 0]
+            passed = sum(x[0] - y[0] for x, y in zip(after, before, strict=True))
+            dropped = sum(x[1] - y[1] for x, y in zip(after, before, strict=True))
+            rate = result["bytes"] / result["seconds"] / 1e6
+            print(
+                f"| {delay:g} ms | {variant} | {statistics.median(rtts):.0f} ms | {rate:.1f} "
+                f"| {result['seconds']:.1f} | {result['lost_packets']} "
+                f"| {statistics.median(windows):.0f} / {max(windows):.0f} | {passed} / {dropped} "
+                f"| {kernel['tun']} | {kernel['rcvbuf']} |",
+                flush=True,
+            )
+    for home in (a, b):
+        lab.set_wan(lab.homes[home], WanLink())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--frames", type=int, default=1000, help="frames each way per pair in the matrix")
     parser.add_argument("--round-trips", type=int, default=300, help="timed round trips per size and edge")
     parser.add_argument("--repeats", type=int, default=5, help="links per edge for the round trips, pooled")
     parser.add_argument("--kills", type=int, default=5, help="killed neighbours per edge")
-    parser.add_argument("--sections", nargs="+", choices=["matrix", "rtt", "kill"], default=["matrix", "rtt", "kill"])
+    parser.add_argument("--transfer-mb", type=int, default=64, help="the stage file's size in the transfer section")
+    parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 20.0], help="one-way uplink delays, ms")
+    parser.add_argument(
+        "--sections", nargs="+", choices=["matrix", "rtt", "kill", "transfer"], default=["matrix", "rtt", "kill"]
+    )
     args = parser.parse_args()
     with lab_with_rendezvous("kk") as (lab, stun, http):
         if "matrix" in args.sections:
@@ -120,6 +203,9 @@ def main() -> None:
             print()
         if "kill" in args.sections:
             kills(lab, stun, http, args.kills)
+            print()
+        if "transfer" in args.sections:
+            transfer(lab, stun, http, args.transfer_mb, args.delays, args.repeats)
 
 
 if __name__ == "__main__":

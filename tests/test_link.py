@@ -7,6 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 from kafila.network.identity import Identity, create_identity, fingerprint_of
 from kafila.network.link import (
+    RECEIVE_BUFFER,
     DatagramDemux,
     Link,
     LinkClosed,
@@ -272,6 +274,34 @@ def test_the_demux_routes_by_first_byte() -> None:
         assert demux.dropped == 2
         sender.close()
         demux.close()
+
+    run(go)
+
+
+def test_the_demux_grows_its_sockets_receive_buffer_so_a_burst_waits_instead_of_being_dropped() -> None:
+    """The kernel's default (208 KiB) holds about 90 datagrams of 1,200 bytes. A bulk transfer on a
+    busy machine overflowed it, and QUIC took every overflowed datagram as congestion."""
+    rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
+    burst = 150  # more than the kernel's default buffer holds, less than the smallest rmem_max grants
+
+    async def go() -> None:
+        kept, grown = bound_socket(), bound_socket()
+        before = kept.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        untouched = await DatagramDemux.over(kept, receive_buffer=None)
+        demux = await DatagramDemux.over(grown)
+        assert kept.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == before
+        assert grown.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= min(RECEIVE_BUFFER, rmem_max) > before
+        got: list[bytes] = []
+        demux.register([0x20], lambda data, _: got.append(data))
+        sender = bound_socket()
+        for number in range(burst):  # sent while the loop is not reading: the socket must hold them
+            sender.sendto(bytes([0x20]) + number.to_bytes(4, "big") + bytes(1195), demux.local_address)
+        deadline = time.monotonic() + WAIT
+        while len(got) < burst and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert [int.from_bytes(data[1:5], "big") for data in got] == list(range(burst))
+        for closing in (sender, untouched, demux):
+            closing.close()
 
     run(go)
 

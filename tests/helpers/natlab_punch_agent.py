@@ -16,7 +16,10 @@ if the punch worked and through a relay the rendezvous grants if not, and:
   same path (the floor);
 - `--hold S`: after printing the outcome, keeps the link up for at most S seconds. If it goes
   down (a killed neighbour), prints `{"down": <error class>, "reason": ...}` and exits with
-  status 3; otherwise closes it and exits 0.
+  status 3; otherwise closes it and exits 0;
+- `--transfer MB`: the session's host sends a stage file of MB random megabytes
+  (`send_stage_file`), the joiner receives it; the host reports the seconds, and its QUIC
+  connection's congestion window and round trip sampled every 50 ms (why a transfer is slow).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -38,10 +43,20 @@ from waiting import line_from
 
 from kafila.contracts import Mapping, NatBehaviour
 from kafila.network.identity import create_identity
-from kafila.network.link import DatagramDemux, Link, LinkError, bind_relay, open_link, should_dial
+from kafila.network.link import (
+    RECEIVE_BUFFER,
+    DatagramDemux,
+    Link,
+    LinkConfig,
+    LinkError,
+    bind_relay,
+    open_link,
+    should_dial,
+)
 from kafila.network.nat import reflexive_address
 from kafila.network.punch import punch
 from kafila.network.rendezvous_client import RendezvousClient
+from kafila.network.transfer import receive_stage_file, send_stage_file
 from kafila.planner.reachability import predict_edge
 from kafila.planner.types import EdgePrediction
 from kafila.wire.frames import DType, Frame, Kind
@@ -166,6 +181,56 @@ async def hold(link: Link, seconds: float) -> int:
     return LINK_DOWN_EXIT
 
 
+async def send_file(link: Link, megabytes: int) -> dict[str, Any]:
+    """The session's host: send `megabytes` of random bytes as a stage file, sampling the QUIC
+    sender's congestion window (bytes), bytes in flight and smoothed round trip (ms) as it goes."""
+    samples: list[tuple[float, int, int, float]] = []
+    started = time.perf_counter()
+    assert link.core.quic is not None
+    control = link.core.quic._loss._cc  # aioquic's congestion control: count the packets it is told were lost
+    lost = [0]
+    told = control.on_packets_lost
+
+    def counted(*, now: float, packets: Any) -> None:
+        packets = list(packets)
+        lost[0] += len(packets)
+        told(now=now, packets=packets)
+
+    control.on_packets_lost = counted  # type: ignore[method-assign]
+
+    async def sample() -> None:
+        while True:
+            loss = link.core.quic._loss if link.core.quic is not None else None  # aioquic's recovery
+            if loss is not None:
+                elapsed = time.perf_counter() - started
+                samples.append((elapsed, loss.congestion_window, loss.bytes_in_flight, loss._rtt_smoothed * 1e3))
+            await asyncio.sleep(0.05)
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "stage.gguf")
+        digest = hashlib.sha256()
+        with open(path, "wb") as stream:
+            for _ in range(megabytes):
+                block = os.urandom(1 << 20)
+                digest.update(block)
+                stream.write(block)
+        sampler = asyncio.create_task(sample())
+        started = time.perf_counter()
+        try:
+            sent = await send_stage_file(link, path, digest.hexdigest(), 0)
+        finally:
+            sampler.cancel()
+        seconds = time.perf_counter() - started
+    return {"bytes": sent, "seconds": seconds, "samples": samples, "lost_packets": lost[0]}
+
+
+async def receive_file(link: Link) -> float:
+    with tempfile.TemporaryDirectory() as folder:
+        started = time.perf_counter()
+        await receive_stage_file(link, folder)
+        return time.perf_counter() - started
+
+
 def _by_sequence(frames: list[Frame]) -> dict[int, list[Frame]]:
     """Frames grouped by sequence, each group in arrival order: order only holds within one."""
     groups: dict[int, list[Frame]] = {}
@@ -221,8 +286,8 @@ async def run(args: argparse.Namespace) -> int:
         result = await punch(sock, session, [address(c) for c in peer.candidates], timeout=args.timeout)
         outcome["path"] = f"{result.path[0]}:{result.path[1]}" if result.path else None
         outcome["seconds"] = result.seconds
-        if args.frames or args.rtt or args.hold:
-            demux = await DatagramDemux.over(sock)
+        if args.frames or args.rtt or args.hold or args.transfer:
+            demux = await DatagramDemux.over(sock, receive_buffer=args.receive_buffer or None)
             try:
                 if result.path is not None:
                     target, via = result.path, "direct"
@@ -231,7 +296,8 @@ async def run(args: argparse.Namespace) -> int:
                     target, via = client.relay_address(grant), "relayed"
                     await bind_relay(demux, target, bytes.fromhex(grant.relay_token), timeout=10)
                 dial = should_dial(identity.fingerprint, peer.fingerprint)
-                link = await open_link(demux, target, identity, peer.fingerprint, dial)
+                config = LinkConfig(congestion_control=args.congestion)
+                link = await open_link(demux, target, identity, peer.fingerprint, dial, config)
                 host = args.code is None
                 mine, theirs = (1, 2) if host else (2, 1)
                 outcome["link"] = via
@@ -241,6 +307,10 @@ async def run(args: argparse.Namespace) -> int:
                     outcome["rtt"] = await time_round_trips(link, demux, target, args.rtt)
                 elif args.rtt:
                     await echo_round_trips(link, demux)
+                if args.transfer and host:
+                    outcome["transfer"] = await send_file(link, args.transfer)
+                elif args.transfer:
+                    outcome["received_s"] = await receive_file(link)
                 if args.hold:
                     print(json.dumps(outcome), flush=True)
                     outcome = {}
@@ -422,6 +492,11 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=0, help="then link over QUIC and exchange this many frames")
     parser.add_argument("--rtt", type=int, default=0, help="then time this many frame round trips per size")
     parser.add_argument("--hold", type=float, default=0.0, help="then keep the link up this long, reporting its end")
+    parser.add_argument(
+        "--receive-buffer", type=int, default=RECEIVE_BUFFER, help="the link socket's SO_RCVBUF (0: the kernel's)"
+    )
+    parser.add_argument("--congestion", choices=["reno", "cubic"], default="reno")
+    parser.add_argument("--transfer", type=int, default=0, help="then the host sends a stage file of this many MB")
     raise SystemExit(asyncio.run(run(parser.parse_args())))
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 import time
 from collections import deque
@@ -72,6 +73,12 @@ RELAY_PUNCH_BYTES = range(0x10, 0x13)
 QUIC_BYTES = range(64, 256)
 # Datagrams read from the socket per wake-up before the links answer (see `DatagramDemux`).
 RECEIVE_BATCH = 16
+# A link socket's receive buffer: what arrives while the process is busy elsewhere. The kernel's
+# default (208 KiB, about 90 datagrams of 1,200 bytes) overflowed under a bulk transfer on a busy
+# machine, and QUIC takes each overflowed datagram as congestion: over an 80 ms round trip reno
+# then crawls. The kernel caps it at net.core.rmem_max (docs/benchmarks.md, "Stage files over a
+# lab edge").
+RECEIVE_BUFFER = 4 << 20
 RECENT_REJECTIONS = 64  # a link keeps this many of its latest rejections, and counts them all
 
 # Application error codes in CONNECTION_CLOSE and STOP_SENDING.
@@ -622,8 +629,18 @@ class DatagramDemux(asyncio.DatagramProtocol):
         self.closed = asyncio.get_running_loop().create_future()
 
     @classmethod
-    async def over(cls, sock: Any, tap: Callable[[str, bytes, Address], None] | None = None) -> DatagramDemux:
-        """Take over a bound UDP socket, which may already have carried STUN or a punch."""
+    async def over(
+        cls,
+        sock: Any,
+        tap: Callable[[str, bytes, Address], None] | None = None,
+        receive_buffer: int | None = RECEIVE_BUFFER,
+    ) -> DatagramDemux:
+        """Take over a bound UDP socket, which may already have carried STUN or a punch, and
+        grow its receive buffer to `receive_buffer` bytes (None: leave it as it is)."""
+        if receive_buffer is not None:
+            with contextlib.suppress(OSError):  # a platform that refuses keeps its default
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < receive_buffer:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
         loop = asyncio.get_running_loop()
         _, protocol = await loop.create_datagram_endpoint(lambda: cls(tap), sock=sock)
         protocol._sock = sock
