@@ -5,13 +5,16 @@ greedy tokens pipelined as not, with chunks of one prompt out round the ring tog
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from urllib.request import Request, urlopen
 
 import numpy as np
 import numpy.typing as npt
 import pytest
+from serving_checks import engine_served
 from test_scheduler import Argmax, answer, job
 from test_speculation_models import REPEATING, SETTINGS
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
@@ -212,3 +215,25 @@ def test_chunks_pipeline_through_three_stages_with_the_head_on_the_ring(arch: st
         assert on.most_chunks_out == 3 and pipelined == plain
     finally:
         engine.close()
+
+
+def test_status_shows_chunks_of_one_prompt_out_together(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Through the engine loop and the API, as `kafila host` serves: with KAFILA_PREFILL_CHUNKS=2
+    and two waves in flight, /status reports two chunks of one prompt seen out round the ring at
+    once, and the answer is greedy decoding's."""
+    monkeypatch.setenv("KAFILA_PREFILL_CHUNKS", "2")
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    engine = open_engine(model, [2, 2], SETTINGS, tmp_path / "stages")
+    engine.depth = 2  # as on a ring of two machines
+    prompt = engine.tokenize(PROMPT)
+    expected = engine.detokenize(greedy_unsplit(model, prompt, 6))
+    with engine_served(engine, 2, 8, 256) as (url, _serving):
+        asked = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        request = Request(f"{url}/v1/completions", json.dumps(asked).encode(), {"Content-Type": "application/json"})
+        with urlopen(request, timeout=60) as response:
+            reply = json.load(response)
+        with urlopen(f"{url}/status", timeout=10) as response:
+            status = json.load(response)
+    text, finish = reply["choices"][0]["text"], reply["choices"][0]["finish_reason"]
+    assert text == expected if finish == "length" else expected.startswith(text)
+    assert status["prefill"] == {"chunks": 2, "most_chunks_out": 2}, status["prefill"]

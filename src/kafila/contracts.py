@@ -291,6 +291,14 @@ class SpeculationStatus(Strict):
     mean_window: float = 0.0  # drafted tokens per such trip
 
 
+class PrefillStatus(Strict):
+    """Pipelined prefill on the ring serving now: a prompt's chunks in successive waves, so that
+    while one chunk is at a stage the next is at the stage before it (KAFILA_PREFILL_CHUNKS)."""
+
+    chunks: Annotated[int, Field(ge=1)]  # chunks of one prompt allowed out round the ring at once; 1: off
+    most_chunks_out: Annotated[int, Field(ge=0)] = 0  # the most chunks of one prompt seen out at once
+
+
 class HostStatus(SessionStatus):
     """All of `/status`: the server's state, the stages' reports and the session's part."""
 
@@ -309,6 +317,7 @@ class HostStatus(SessionStatus):
     stages: list[StageReport] = Field(default_factory=list)
     incidents: list[Incident] = Field(default_factory=list)
     speculation: SpeculationStatus | None = None
+    prefill: PrefillStatus | None = None
 
 
 # ---------------------------------------------------------------------------------------------

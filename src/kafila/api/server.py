@@ -105,6 +105,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             stages=ring.stage_report if ring else [],
             incidents=list(state.incidents),
             speculation=ring.speculation if ring else None,
+            prefill=ring.prefill if ring else None,
             **{name: getattr(session, name) for name in session.model_fields_set if keyed or name != "code"},
         ).wire()
 

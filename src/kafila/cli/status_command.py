@@ -45,7 +45,8 @@ def render_status(status: HostStatus, console: Console) -> None:
     console.print(
         f"tokens/s {_number(status.tokens_per_s, 1)}, running {status.running}, "
         f"queued {status.queue_depth}, context {status.context_per_sequence} per request, "
-        f"waves in flight up to {status.pipeline_waves or '—'}",
+        f"waves in flight up to {status.pipeline_waves or '—'}"
+        + (f", prompt chunks up to {status.prefill.chunks}" if status.prefill and status.prefill.chunks > 1 else ""),
         highlight=False,
         soft_wrap=True,
     )

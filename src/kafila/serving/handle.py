@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kafila.contracts import Incident, SpeculationStatus, StageReport
+from kafila.contracts import Incident, PrefillStatus, SpeculationStatus, StageReport
 from kafila.runtime.engine.engines import Engine
 from kafila.serving.batcher import Job
 from kafila.serving.chat_template import ChatTemplate
@@ -75,6 +75,15 @@ class ServingHandle:
     @property
     def stage_report(self) -> list[StageReport]:
         return self.loop.stage_report
+
+    @property
+    def prefill(self) -> PrefillStatus:
+        """Pipelined prefill on this ring: chunks of one prompt allowed out at once (no more than
+        the waves in flight), and the most seen out."""
+        batcher = self.loop.batcher
+        return PrefillStatus(
+            chunks=max(1, min(batcher.prefill_chunks, self.engine.depth)), most_chunks_out=batcher.most_chunks_out
+        )
 
     @property
     def speculation(self) -> SpeculationStatus:
