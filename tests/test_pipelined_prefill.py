@@ -6,8 +6,9 @@ greedy tokens pipelined as not, with chunks of one prompt out round the ring tog
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from urllib.request import Request, urlopen
 
@@ -16,17 +17,18 @@ import numpy.typing as npt
 import pytest
 from serving_checks import engine_served
 from test_scheduler import Argmax, answer, job
-from test_speculation_models import REPEATING, SETTINGS
+from test_speculation_models import REPEATING, SETTINGS, Departing
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
-from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
+from tiny_models import SUPPORTED_TINY_ARCHS, ModelShape, write_tiny_model
 
-from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed
+from kafila.runtime.engine.engines import Engine, EngineStep, Launched, RingEngine, SequenceFailed
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings, TokenSampler
-from kafila.runtime.engine.speculation import Speculate
+from kafila.runtime.engine.speculation import NgramDrafter, Speculate
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import cached_slices
-from kafila.serving.batcher import Batcher, Job, RequestFailed, TextDelta, Trim
+from kafila.runtime.llama.model import ContextSettings
+from kafila.serving.batcher import Batcher, Finished, Job, RequestFailed, TextDelta, Trim
 from kafila.serving.engine_loop import prefill_chunks_in_flight
 
 END = 0
@@ -147,27 +149,75 @@ class Recording:
         self.sampler.close()
 
 
-def drive(engine: Engine, jobs: Sequence[Job], chunks: int, depth: int) -> tuple[list[list[int]], Batcher]:
-    """Serve `jobs` as the engine loop does, with up to `depth` waves out round the ring; the
-    tokens each request sampled, in the order they were admitted."""
-    sampled: list[list[int]] = []
-    batcher = Batcher(
+def recording_batcher(
+    engine: Engine, chunks: int, sampled: list[list[int]], speculate: Speculate = Speculate.OFF
+) -> Batcher:
+    """A batcher over `engine`, 8 rows a wave, whose samplers write down what they sample into `sampled`."""
+    return Batcher(
         SETTINGS.n_seq_max, 8, 256, lambda s: Recording(engine.sampler(s), sampled), engine.piece, engine.is_end,
-        engine.prefix_cut, Speculate.OFF, engine.speculation_refused, engine.every_row_whole, prefill_chunks=chunks,
+        engine.prefix_cut, speculate, engine.speculation_refused, engine.every_row_whole, prefill_chunks=chunks,
     )  # fmt: skip
-    for each in jobs:
-        batcher.submit(each)
+
+
+def serve(
+    engine: Engine,
+    batcher: Batcher,
+    depth: int,
+    until: Callable[[Batcher], bool] = lambda b: False,
+    planned: Callable[[Batcher], None] = lambda b: None,
+) -> list[Finished]:
+    """Serve what `batcher` holds as the engine loop does, with up to `depth` waves out round the
+    ring, until it is idle (then every slot is forgotten) or `until` holds (then the waves still
+    out are landed unused, as a ring lost under them would leave them); the requests finished.
+    `planned` sees the batcher after each wave is planned."""
+    finished: list[Finished] = []
     out: deque[Launched] = deque()
-    while not batcher.idle or batcher.trimming or out:
+    while True:
+        if until(batcher):
+            for launched in out:
+                engine.land(launched)
+            return finished
+        if batcher.idle and not batcher.trimming and not out:
+            break
         for trim in batcher.take_trims():
             engine.forget(trim.slot, trim.keep)
         while len(out) < depth and (steps := batcher.plan(depth)):
+            planned(batcher)
             out.append(engine.launch(steps))
         if out:
             for event in batcher.advance(engine.land(out.popleft())):
                 assert not isinstance(event, RequestFailed), event.message
+                if isinstance(event, Finished):
+                    finished.append(event)
     for slot in range(SETTINGS.n_seq_max):
         engine.forget(slot)
+    return finished
+
+
+def drive(
+    engine: Engine,
+    jobs: Sequence[Job],
+    chunks: int,
+    depth: int,
+    speculate: Speculate = Speculate.OFF,
+    drafter: Callable[[Job], NgramDrafter] | None = None,
+) -> tuple[list[list[int]], Batcher]:
+    """Serve `jobs` together; the tokens each request sampled, in the order they were admitted.
+    `drafter`: each request's drafter in place of the n-gram one."""
+    sampled: list[list[int]] = []
+    batcher = recording_batcher(engine, chunks, sampled, speculate)
+    for each in jobs:
+        batcher.submit(each)
+    replaced: set[str] = set()
+
+    def replace_drafters(batcher: Batcher) -> None:
+        for request_id, sequence in batcher._active.items():
+            if drafter is not None and request_id not in replaced:
+                assert not sequence.generated  # admitted in this wave: nothing drafted yet
+                sequence.drafter = drafter(sequence.job)
+                replaced.add(request_id)
+
+    serve(engine, batcher, depth, planned=replace_drafters)
     return sampled, batcher
 
 
@@ -237,3 +287,91 @@ def test_status_shows_chunks_of_one_prompt_out_together(monkeypatch: pytest.Monk
     text, finish = reply["choices"][0]["text"], reply["choices"][0]["finish_reason"]
     assert text == expected if finish == "length" else expected.startswith(text)
     assert status["prefill"] == {"chunks": 2, "most_chunks_out": 2}, status["prefill"]
+
+
+def test_the_stages_own_timers_show_two_stages_computing_one_prompt_at_once(tmp_path: Path) -> None:
+    """One prompt of four chunks, nothing else in flight, on a two-stage ring (a stage process and
+    the head here), each stage timing its own forwards. One chunk at a time, the stages take turns:
+    their compute adds up to no more than the wall time. Pipelined, the time they computed exceeds
+    the wall time: the stage process ran a chunk of the prompt while the head ran the one before."""
+    shape = ModelShape(512, 8, 8, 64, 2048, tied_output=False)
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4, shape=shape)
+    settings = ContextSettings(n_ctx=512, n_batch=64, n_seq_max=1, n_threads=1)
+    engine = open_engine(model, [2, 2], settings, tmp_path / "stages")
+    assert isinstance(engine, RingEngine) and engine.head is not None
+    head = engine.head
+    try:
+        prompt = (engine.tokenize(PROMPT) * 16)[:256]
+
+        def computed_and_wall(chunks: int) -> tuple[float, float]:
+            ring_before = engine.stage_report()[0]
+            head_before = head.timer.seconds
+            batcher = Batcher(1, 64, 512, engine.sampler, engine.piece, engine.is_end, prefill_chunks=chunks)
+            batcher.submit(Job("a", prompt, 1, GREEDY))
+            out: deque[Launched] = deque()
+            started = time.perf_counter()
+            while not batcher.idle or out:
+                while len(out) < 2 and (steps := batcher.plan(2)):
+                    out.append(engine.launch(steps))
+                batcher.advance(engine.land(out.popleft()))
+            wall = time.perf_counter() - started
+            engine.forget(0)
+            ring_after = engine.stage_report()[0]
+            assert ring_after.seconds is not None and ring_before.seconds is not None
+            return (ring_after.seconds - ring_before.seconds) + (head.timer.seconds - head_before), wall
+
+        computed, wall = computed_and_wall(chunks=1)
+        assert computed <= wall
+        computed, wall = computed_and_wall(chunks=2)
+        assert computed > wall, f"the stages computed {computed:.3f} s in {wall:.3f} s"
+    finally:
+        engine.close()
+
+
+def test_prefix_reuse_replay_and_drafts_hold_pipelined(tmp_path: Path) -> None:
+    """With n-gram drafts on, pipelined prefill gives the tokens of one chunk at a time without
+    drafts; a next turn that extends a finished request's prompt and answer reuses its slot's
+    cache and prefills the rest in pipelined chunks; a request whose ring is lost with chunks of
+    its replay out resumes, replays in pipelined chunks, and ends as it would have."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    engine = open_engine(model, [2, 2], SETTINGS, tmp_path / "stages")
+    try:
+        jobs = [Job(f"{i}", engine.tokenize(text), STEPS, GREEDY) for i, text in enumerate((PROMPT, REPEATING))]
+        plain, _ = drive(engine, jobs, chunks=1, depth=2)
+        answers = {job.request_id: answer for job, answer in zip(jobs, plain, strict=True)}
+
+        def departing(job: Job) -> NgramDrafter:  # greedy decoding's answer, every third draft wrong
+            return Departing(job.prompt, answers[job.request_id], engine.n_vocab(), wrong=3)
+
+        drafted, on = drive(engine, jobs, chunks=2, depth=2, speculate=Speculate.NGRAM, drafter=departing)
+        assert drafted == plain and on.most_chunks_out == 2
+        assert 0 < on.speculation.accepted < on.speculation.drafted  # drafts kept and cut
+
+        first = jobs[0]
+        turn = Job("turn", first.prompt + plain[0] + engine.tokenize(" and", add_special=False), STEPS, GREEDY)
+        turns: dict[int, list[list[int]]] = {}
+        cached: dict[int, int] = {}
+        for chunks in (1, 2):
+            sampled: list[list[int]] = []
+            batcher = recording_batcher(engine, chunks, sampled)
+            batcher.submit(first)
+            assert len(serve(engine, batcher, 2, until=lambda b: b.idle)) == 1  # its slot keeps its cache
+            batcher.submit(turn)
+            (done,) = serve(engine, batcher, 2)
+            turns[chunks], cached[chunks] = sampled, done.cached_tokens
+        assert turns[2] == turns[1] and cached[2] == cached[1] >= len(first.prompt)
+
+        sampled = []
+        lost = recording_batcher(engine, 2, sampled)
+        lost.submit(first)
+        serve(engine, lost, 2, until=lambda b: b.running == 1 and len(b._active["0"].generated) == 5)
+        kept, failed = lost.suspend_all("the ring broke")
+        assert not failed
+        for slot in range(SETTINGS.n_seq_max):  # a new ring: empty caches
+            engine.forget(slot)
+        resumed = recording_batcher(engine, 2, [])
+        resumed.resume(kept[0])
+        serve(engine, resumed, 2)
+        assert sampled == [plain[0]] and resumed.most_chunks_out == 2  # the prompt and 5 tokens: three chunks
+    finally:
+        engine.close()
