@@ -18,7 +18,7 @@ home, introduced by the rendezvous:
   losses QUIC saw, its congestion window and where the kernel or the delay line dropped packets.
 
     python scripts/bench_link_lab.py [--frames 1000] [--round-trips 300] [--repeats 5] [--kills 5]
-                                     [--transfer-mb 64] [--delays 0 20]
+                                     [--transfer-mb 64] [--delays 0 20] [--edge direct]
                                      [--sections matrix rtt kill transfer]     (root, nftables, conntrack)
 """
 
@@ -139,19 +139,21 @@ TRANSFER_VARIANTS = {  # name: the agents' options
 }
 
 
-def transfer(lab: Any, stun: str, http: str, megabytes: int, delays: list[float], repeats: int) -> None:
+def transfer(lab: Any, stun: str, http: str, megabytes: int, delays: list[float], repeats: int, edge: str) -> None:
     """A stage file over the direct edge, at each one-way uplink delay in turn (a round trip of 4×
     the delay: each packet crosses both homes' lines), `repeats` times, alternating delays."""
-    a, b = EDGES["direct"]
+    a, b = EDGES[edge]
     b = peer_home(lab, a, b)
-    print(f"{megabytes} MB stage file, {a} → {b} (direct); delay is each uplink's, one way\n")
+    # through the relay the members' buffers matter less than the relay's: Kafila's own only
+    variants = TRANSFER_VARIANTS if edge == "direct" else {"4 MiB SO_RCVBUF (Kafila's)": []}
+    print(f"{megabytes} MB stage file, {a} → {b} ({edge}); delay is each uplink's, one way\n")
     print(
         "| uplink delay | link | RTT | MB/s | seconds | QUIC lost packets | cwnd median / max KB "
         "| delay line passed / dropped | TUN queue drops | UDP RcvbufErrors |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for _ in range(repeats):
-        for delay, (variant, options) in itertools.product(delays, TRANSFER_VARIANTS.items()):
+        for delay, (variant, options) in itertools.product(delays, variants.items()):
             for home in (a, b):
                 lab.set_wan(lab.homes[home], WanLink(delay_ms=delay))
             before = [lab.wan_counts(lab.homes[h]) for h in (a, b)]
@@ -189,6 +191,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="links per edge for the round trips, pooled")
     parser.add_argument("--kills", type=int, default=5, help="killed neighbours per edge")
     parser.add_argument("--transfer-mb", type=int, default=64, help="the stage file's size in the transfer section")
+    parser.add_argument("--edge", choices=sorted(EDGES), default="direct", help="the transfer section's edge")
     parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 20.0], help="one-way uplink delays, ms")
     parser.add_argument(
         "--sections", nargs="+", choices=["matrix", "rtt", "kill", "transfer"], default=["matrix", "rtt", "kill"]
@@ -205,7 +208,7 @@ def main() -> None:
             kills(lab, stun, http, args.kills)
             print()
         if "transfer" in args.sections:
-            transfer(lab, stun, http, args.transfer_mb, args.delays, args.repeats)
+            transfer(lab, stun, http, args.transfer_mb, args.delays, args.repeats, args.edge)
 
 
 if __name__ == "__main__":

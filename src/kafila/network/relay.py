@@ -17,8 +17,10 @@ is the asyncio shell that owns one socket per allocation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +32,11 @@ from kafila.network.limits import TokenBucket
 from kafila.portability import open_udp_endpoint
 
 Address = tuple[str, int]
+# Each allocation's socket asks for this receive buffer: with the kernel's 208 KiB, a stage file
+# through the relay overflowed it whenever the rendezvous was off the CPU for a few ms, and each
+# drop halved the members' QUIC window (docs/benchmarks.md, "Stage files over a lab edge"). The
+# kernel caps it at net.core.rmem_max; it holds memory only while datagrams wait in it.
+RECEIVE_BUFFER = 4 << 20
 HELLO = 0x10
 HELLO_ACK = 0x11
 TOKEN_BYTES = 16
@@ -188,6 +195,8 @@ class RelayServer:
     async def open(self, relay_id: str, session_id: str, tokens: tuple[bytes, bytes]) -> int:
         """Bind a port for one allocation and return it; OSError if none can be bound."""
         transport, protocol = await open_udp_endpoint(lambda: _RelaySocket(self, relay_id), (self.host, 0))
+        with contextlib.suppress(OSError):  # a platform that refuses keeps its default
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         try:
             self.core.allocate(relay_id, session_id, tokens)
         except ValueError:
