@@ -15,8 +15,10 @@ from urllib.request import Request, urlopen
 import numpy as np
 import numpy.typing as npt
 import pytest
+from host_process import status_of, wait_ready
 from serving_checks import engine_served
 from test_scheduler import Argmax, answer, job
+from test_session_network import session
 from test_speculation_models import REPEATING, SETTINGS, Departing
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, ModelShape, write_tiny_model
@@ -25,6 +27,7 @@ from kafila.runtime.engine.engines import Engine, EngineStep, Launched, RingEngi
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings, TokenSampler
 from kafila.runtime.engine.speculation import NgramDrafter, Speculate
+from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
@@ -375,3 +378,35 @@ def test_prefix_reuse_replay_and_drafts_hold_pipelined(tmp_path: Path) -> None:
         assert sampled == [plain[0]] and resumed.most_chunks_out == 2  # the prompt and 5 tokens: three chunks
     finally:
         engine.close()
+
+
+def test_a_three_member_session_over_quic_pipelines_a_long_prompt(tmp_path: Path) -> None:
+    """A host and two members joined over QUIC, three waves in flight (as on three machines) and
+    KAFILA_PREFILL_CHUNKS=3: a prompt of three 512-row chunks is out round the ring in three waves
+    at once, and the greedy answer is the unsplit model's."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    whole = WholeModel(model, ContextSettings(n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=1))
+    try:
+        prompt = (whole.vocabulary.tokenize(PROMPT) * 64)[:1100]
+        logits = whole.forward_tokens(0, 0, prompt)
+        expected: list[int] = []
+        for _ in range(8):
+            expected.append(int(np.argmax(logits)))
+            logits = whole.forward_tokens(0, len(prompt) + len(expected) - 1, expected[-1:], decode=True)
+        text = whole.vocabulary.detokenize(expected)
+    finally:
+        whole.close()
+    env = {"KAFILA_PIPELINE_WAVES": "3", "KAFILA_PREFILL_CHUNKS": "3", "KAFILA_SESSION_IDLE_S": "1.5"}
+    with session(tmp_path, model, 3, "--context", "1200", env=env) as (host, _joiners):
+        wait_ready(host)
+        asked = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        request = Request(
+            f"{host.base_url}/v1/completions", json.dumps(asked).encode(), {"Content-Type": "application/json"}
+        )
+        with urlopen(request, timeout=120) as response:
+            reply = json.load(response)
+        status = status_of(host)
+    assert status["pipeline_waves"] == 3 and len(status["members"]) == 3
+    assert status["prefill"] == {"chunks": 3, "most_chunks_out": 3}, status["prefill"]
+    choice = reply["choices"][0]
+    assert choice["text"] == text if choice["finish_reason"] == "length" else text.startswith(choice["text"])
