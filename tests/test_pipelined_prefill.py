@@ -19,7 +19,7 @@ from host_process import status_of, wait_ready
 from serving_checks import engine_served
 from test_scheduler import Argmax, answer, job
 from test_session_network import session
-from test_speculation_models import REPEATING, SETTINGS, Departing
+from test_speculation_models import REPEATING, SETTINGS, Departing, cut_in_two
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, ModelShape, write_tiny_model
 
@@ -28,7 +28,6 @@ from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings, TokenSampler
 from kafila.runtime.engine.speculation import NgramDrafter, Speculate
 from kafila.runtime.engine.stage import WholeModel
-from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Batcher, Finished, Job, RequestFailed, TextDelta, Trim
@@ -227,10 +226,7 @@ def drive(
 @pytest.fixture(params=SUPPORTED_TINY_ARCHS)
 def ring(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path, Engine]]:
     arch = request.param
-    model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
-    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
-    cut = starts[0] if starts else n // 2
-    engine = open_engine(model, [cut, n - cut], SETTINGS, tmp_path / "stages")
+    model, engine = cut_in_two(arch, tmp_path)
     try:
         yield arch, model, engine
     finally:

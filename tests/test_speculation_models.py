@@ -75,13 +75,23 @@ def drive(
     return texts, batcher
 
 
+def halves(arch: str, model: Path) -> list[int]:
+    """Two stages' block counts for a tiny model: cut where the family allows, else in the middle."""
+    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
+    cut = starts[0] if starts else n // 2
+    return [cut, n - cut]
+
+
+def cut_in_two(arch: str, directory: Path) -> tuple[Path, Engine]:
+    """The family's tiny model, and a ring of it in two stages (block stage in its own process)."""
+    model = write_tiny_model(directory / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
+    return model, open_engine(model, halves(arch, model), SETTINGS, directory / "stages")
+
+
 @pytest.fixture(params=SUPPORTED_TINY_ARCHS)
 def ring(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Engine]]:
     arch = request.param
-    model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
-    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
-    cut = starts[0] if starts else n // 2
-    engine = open_engine(model, [cut, n - cut], SETTINGS, tmp_path / "stages")
+    _, engine = cut_in_two(arch, tmp_path)
     try:
         yield arch, engine
     finally:
@@ -135,10 +145,7 @@ def test_a_forced_reject_leaves_no_trace(arch: str, tmp_path: Path) -> None:
     """Rejected drafts on every trip that drafts two: the text is greedy decoding's, and before
     each wave the head's cache of the sequence ends exactly where its next row goes (the block stage, in its own
     process, would refuse that row otherwise)."""
-    model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
-    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
-    cut = starts[0] if starts else n // 2
-    engine = open_engine(model, [cut, n - cut], SETTINGS, tmp_path / "stages")
+    model, engine = cut_in_two(arch, tmp_path)
     assert isinstance(engine, RingEngine) and engine.head is not None
     head = engine.head
     try:
@@ -223,9 +230,7 @@ def test_a_head_on_a_member_checks_drafts_with_each_rows_largest_logits(arch: st
     third wrong) writes what it writes without; a request that asks for log probabilities, or
     whose sampler needs whole rows, drafts nothing there."""
     model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
-    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
-    cut = starts[0] if starts else n // 2
-    stages = cached_slices(model, [cut, n - cut], tmp_path / "stages")
+    stages = cached_slices(model, halves(arch, model), tmp_path / "stages")
     engine = local_ring_engine(stages, SETTINGS, prefix_cut_of(model), model=model)
     try:
         assert engine.head is None and engine.speculation_refused is None and not engine.every_row_whole
