@@ -57,6 +57,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min(MAX_WORKERS, cores + 1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups to name each test's
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):
         return
