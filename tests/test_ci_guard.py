@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 HELPERS = Path(__file__).parent / "helpers"
+CONFTEST = Path(__file__).parent / "conftest.py"
 PYPROJECT = Path(__file__).parent.parent / "pyproject.toml"
 
 PLANTED_SKIP = """
@@ -56,6 +57,24 @@ def test_waits_forever():
     threading.Event().wait()  # a reply that never comes
 
 def test_after_it():
+    pass
+"""
+
+
+PLANTED_GROUPED = """
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def built_once():
+    with open(os.environ["BUILT"], "a") as built:
+        built.write(f"{__name__} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+
+
+@pytest.mark.parametrize("n", range(3))
+def test_one_of_three(built_once, n):
     pass
 """
 
@@ -141,3 +160,27 @@ def test_this_session_and_its_children_use_caches_of_their_own() -> None:
         [sys.executable, "-c", CACHES_OF_A_CHILD], capture_output=True, text=True, timeout=120, check=True
     )
     assert child.stdout.split() == [str(session / "kafila"), str(session / "huggingface" / "hub")]
+
+
+def test_on_xdist_the_lab_stays_on_one_worker_and_a_module_fixture_is_built_once(tmp_path: Path) -> None:
+    """The suite's own conftest, on planted files: under `-n 3` the NAT lab's files all run on one
+    worker, and each file's module fixture is built once (its tests kept on one worker)."""
+    (tmp_path / "conftest.py").write_text(CONFTEST.read_text())
+    for name in ("test_nat_lab_one", "test_nat_lab_two", "test_natlab", "test_plain"):
+        (tmp_path / f"{name}.py").write_text(PLANTED_GROUPED)
+    built = tmp_path / "built"
+    done = run_pytest(tmp_path, False, "-n", "3", "--dist", "loadgroup", "-v", env={"BUILT": str(built)})
+    assert done.returncode == 0, done.stdout
+    ran: dict[str, set[str]] = {}
+    for line in done.stdout.splitlines():
+        if "PASSED" in line and line.startswith("[gw"):
+            ran.setdefault(line.split("PASSED ")[1].split("::")[0], set()).add(line[1:4])
+    lab = ran["test_nat_lab_one.py"] | ran["test_nat_lab_two.py"] | ran["test_natlab.py"]
+    assert len(lab) == 1, ran  # one worker for the whole lab
+    assert "test_nat_lab_one.py::test_one_of_three[0]@lab" in done.stdout
+    assert sorted(line.split()[0] for line in built.read_text().splitlines()) == [
+        "test_nat_lab_one",
+        "test_nat_lab_two",
+        "test_natlab",
+        "test_plain",
+    ]
