@@ -70,7 +70,7 @@ def join(
     except CodeFormatError as error:
         fail(str(error), False)
     if model is not None and not model.is_file():
-        hub = " (a model on the hub is for the host to name: it downloads it and sends each member its stage)"
+        hub = " (a model on the hub is for the host to name: each member then fetches its own stage from the hub)"
         fail(f"no model file at {model}{hub if str(model).startswith('hf:') else ''}", False)
     try:
         lent = parse_memory(memory)
