@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from waiting import until_async
 
 from kafila.network.identity import Identity, create_identity, fingerprint_of
 from kafila.network.link import (
@@ -296,9 +297,7 @@ def test_the_demux_grows_its_sockets_receive_buffer_so_a_burst_waits_instead_of_
         sender = bound_socket()
         for number in range(burst):  # sent while the loop is not reading: the socket must hold them
             sender.sendto(bytes([0x20]) + number.to_bytes(4, "big") + bytes(1195), demux.local_address)
-        deadline = time.monotonic() + WAIT
-        while len(got) < burst and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await until_async(lambda: len(got) >= burst, lambda: f"{len(got)} of the {burst} datagrams read", WAIT)
         assert [int.from_bytes(data[1:5], "big") for data in got] == list(range(burst))
         for closing in (sender, untouched, demux):
             closing.close()

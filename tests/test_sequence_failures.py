@@ -23,6 +23,7 @@ import openai
 import pytest
 from serving_checks import engine_served, unsplit_greedy
 from tiny_models import write_tiny_model
+from waiting import until
 
 from kafila.runtime.engine.engines import EngineStep, RingEngine, SequenceFailed
 from kafila.runtime.engine.local_ring import LocalRing, local_ring_engine
@@ -340,10 +341,7 @@ def test_a_stage_that_refuses_request_after_request_marks_the_ring_broken(small_
 
     thread = threading.Thread(target=eighth)
     thread.start()
-    deadline = time.monotonic() + 60
-    while loop.error is None:
-        assert time.monotonic() < deadline, "eight refusals in a row never broke the loop"
-        time.sleep(0.05)
+    until(lambda: loop.error is not None, "eight refusals in a row breaking the loop", timeout=60)
     assert "8 requests' rows in a row" in loop.error
     assert thread.is_alive()  # held for the next ring, not failed
     loop.stop("no ring came back")
