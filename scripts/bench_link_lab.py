@@ -36,16 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from natlab import NAT_TYPES
-from natlab_punch_agent import (
-    _line,
-    kill_one,
-    lab_with_rendezvous,
-    peer_home,
-    predicted_edge,
-    punch_pair,
-    start_pair,
-    stop,
-)
+from natlab_punch_agent import kill_one, lab_with_rendezvous, peer_home, predicted_edge, punch_pair, run_pair
 from natlab_wan import WanLink
 
 EDGES = {"direct": ("port-restricted", "port-restricted"), "relayed": ("symmetric", "symmetric")}
@@ -158,13 +149,7 @@ def transfer(lab: Any, stun: str, http: str, megabytes: int, delays: list[float]
                 lab.set_wan(lab.homes[home], WanLink(delay_ms=delay))
             before = [lab.wan_counts(lab.homes[h]) for h in (a, b)]
             kernel_before = _drops(lab, [lab.homes[h] for h in (a, b)])
-            agents = start_pair(lab, stun, http, a, b, "--transfer", str(megabytes), *options)
-            try:
-                outcomes = [_line(agent) for agent in agents]
-                for agent in agents:
-                    agent.wait(timeout=60)
-            finally:
-                stop(agents)
+            outcomes = run_pair(lab, stun, http, a, b, "--transfer", str(megabytes), *options)
             after = [lab.wan_counts(lab.homes[h]) for h in (a, b)]
             kernel = {k: v - kernel_before[k] for k, v in _drops(lab, [lab.homes[h] for h in (a, b)]).items()}
             result = outcomes[0]["transfer"]

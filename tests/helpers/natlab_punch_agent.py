@@ -426,6 +426,18 @@ def stop(agents: list[subprocess.Popen[str]]) -> None:
             agent.wait()
 
 
+def run_pair(lab: Any, stun: str, http: str, home_a: str, home_b: str, *options: str) -> list[dict[str, Any]]:
+    """An agent in each home with `options`, run to its end: each one's outcome line, opener first."""
+    agents = start_pair(lab, stun, http, home_a, home_b, *options)
+    try:
+        outcomes = [_line(agent) for agent in agents]
+        for agent in agents:
+            agent.wait(timeout=60)
+    finally:
+        stop(agents)
+    return outcomes
+
+
 def punch_pair(
     lab: Any, stun: str, http: str, home_a: str, home_b: str, frames: int = 0, rtt: int = 0
 ) -> dict[str, Any]:
@@ -435,13 +447,7 @@ def punch_pair(
     from joining to the introduction, each side's link path and, if linked, whether every frame
     arrived (how many each side received) and the session host's round trips (`rtt`).
     """
-    agents = start_pair(lab, stun, http, home_a, home_b, "--frames", str(frames), "--rtt", str(rtt))
-    try:
-        outcomes = [_line(agent) for agent in agents]
-        for agent in agents:
-            agent.wait(timeout=60)
-    finally:
-        stop(agents)
+    outcomes = run_pair(lab, stun, http, home_a, home_b, "--frames", str(frames), "--rtt", str(rtt))
     return {
         "direct": all(o["path"] is not None for o in outcomes),
         "seconds": max(o["seconds"] for o in outcomes),
