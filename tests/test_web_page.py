@@ -6,6 +6,7 @@ is missing, the test skips and says why."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 from collections.abc import Iterator
@@ -76,6 +77,8 @@ def test_the_page_shows_the_ring_streams_a_chat_and_a_member_killed(demo: Host, 
     expect(page.locator("#ring .link")).to_have_count(3)
     expect(page.locator("#ring .node.host")).to_have_count(1)
     expect(page.locator("#stages tbody tr")).to_have_count(3)
+    delivered = page.locator("#stages tbody td:nth-child(5)", has_text=re.compile(r"^(host|cache|slice), [0-9.]+ MB"))
+    expect(delivered).to_have_count(2)  # each local member's stage: where it came from, its size
     expect(page.locator("#state")).to_have_text("ready")
     expect(timeline(page, "joined", "demo-member-1")).to_have_count(1)
     expect(timeline(page, "ready", "ready")).to_have_count(1)
@@ -122,7 +125,17 @@ def drawn_session() -> SessionStatus:
     return SessionStatus(
         members=[
             MemberStatus(name="host", host=True, blocks=(0, 2), predicted_ms_per_token=1.5),
-            MemberStatus(name=ODD, path="relayed", link="up", rtt_ms=40.0, blocks=(2, 4), predicted_ms_per_token=2.0),
+            MemberStatus(
+                name=ODD,
+                path="relayed",
+                link="up",
+                rtt_ms=40.0,
+                blocks=(2, 4),
+                predicted_ms_per_token=2.0,
+                stage_source="hub",
+                stage_bytes=12_300_000,
+                stage_seconds=4.1,
+            ),
             MemberStatus(name="newcomer", path="direct", link="up", joining=True),
             MemberStatus(name="far-laptop", path="direct", link="up", role="stands-by", why=FAR_WHY),
         ],
@@ -158,6 +171,7 @@ def test_the_page_asks_for_the_key_and_draws_relayed_links_joiners_and_names_as_
         expect(page.locator("#ring .edge-label", has_text="relayed 40.0 ms")).to_have_count(1)
         expect(page.locator("#state")).to_have_text("waiting for the model to load")
         expect(page.locator("#stages tbody tr")).to_have_count(2)
+        expect(page.locator("#stages tbody td:nth-child(5)")).to_have_text(["–", "hub, 12.3 MB in 4.1 s"])
         expect(timeline(page, "joined", ODD)).to_have_count(1)
         serving.events.publish("left", "newcomer left the ring")  # live, from this thread
         expect(timeline(page, "left", "newcomer left the ring")).to_have_count(1)

@@ -179,12 +179,21 @@ function drawRing(status) {
     : count ? counted : "one machine";
 }
 
+// Where a member's stage file came from, its size and how long that took: "hub, 12.3 MB in 4.1 s".
+function stageFrom(member) {
+  if (member.stage_source == null) return "–";
+  const size = member.stage_bytes != null ? `, ${(member.stage_bytes / 1e6).toFixed(1)} MB` : "";
+  const took = member.stage_seconds != null ? ` in ${member.stage_seconds.toFixed(1)} s` : "";
+  return member.stage_source + size + took;
+}
+
 function fillStages(status) {
   const measured = new Map((status.stages || []).map((s) => [s.range.join("-"), s]));
   let rows = (status.members || []).filter((m) => m.blocks).map((m) => ({
     name: m.name, blocks: m.blocks, predicted: m.predicted_ms_per_token, stage: measured.get(m.blocks.join("-")),
+    from: stageFrom(m), why: m.stage_why,
   }));
-  if (!rows.length) rows = (status.stages || []).map((s) => ({ name: "this machine", blocks: s.range, predicted: null, stage: s }));
+  if (!rows.length) rows = (status.stages || []).map((s) => ({ name: "this machine", blocks: s.range, predicted: null, stage: s, from: "–" }));
   rows.sort((a, b) => a.blocks[0] - b.blocks[0]);
   const body = document.querySelector("#stages tbody");
   body.replaceChildren();
@@ -192,13 +201,14 @@ function fillStages(status) {
     const ms = row.stage ? row.stage.ms_per_token_alone ?? row.stage.ms_per_token : null;
     const tr = document.createElement("tr");
     const cells = [row.name, `${row.blocks[0]}–${row.blocks[1] - 1}`, ms != null ? ms.toFixed(3) : "–",
-      row.predicted != null ? row.predicted.toFixed(3) : "–"];
+      row.predicted != null ? row.predicted.toFixed(3) : "–", row.from];
     for (const text of cells) {
       const td = document.createElement("td");
       td.textContent = text;
       tr.append(td);
     }
     if (ms != null && row.predicted != null && ms > 1.5 * row.predicted) tr.children[2].className = "slow";
+    if (row.why) tr.children[4].title = row.why; // why its stage came from the host, not the hub
     body.append(tr);
   }
   $("plan-note").textContent = status.rebalance ? "last rebalance verdict: " + status.rebalance.reason : "";
