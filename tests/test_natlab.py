@@ -8,12 +8,14 @@ Skipped, with the reason, where the lab cannot run (needs root, iproute2, nftabl
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import natlab as natlab_module
 import pytest
 from natlab_fixtures import (  # noqa: F401  (natlab and natlab_required are fixtures)
     NAT_BEHAVIOUR,
     NAT_TYPES,
+    Home,
     LabBroken,
     NatLab,
     NatObservation,
@@ -24,6 +26,7 @@ from natlab_fixtures import (  # noqa: F401  (natlab and natlab_required are fix
     nft_ruleset,
     probe_nat,
 )
+from waiting import line_from
 
 # Unsolicited packets to a fresh socket's mapping, which contacted one public endpoint only.
 EXPECTED_DELIVERY = {
@@ -127,6 +130,67 @@ def test_teardown_on_normal_exit_and_twice(natlab_required: None) -> None:  # no
 def test_run_refuses_foreign_namespaces(natlab: NatLab) -> None:  # noqa: F811
     with pytest.raises(ValueError, match="not a namespace"):
         natlab.run("not-a-lab-namespace", ["true"], stdout=subprocess.DEVNULL)
+
+
+# TCP both ways between a home and the internet (the home dials: nothing reaches it unasked). The
+# public side listens and says its port; it sends N bytes, or receives; the receiving side times the
+# bytes from the first to the end and prints "count seconds".
+_TIMED = r"""
+import socket, sys, time
+def receive(connection):
+    first, got = None, 0
+    while chunk := connection.recv(1 << 16):
+        first = first or time.monotonic()
+        got += len(chunk)
+    print(got, time.monotonic() - first, flush=True)
+role, address, port, n_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if role.startswith("listen"):
+    server = socket.create_server((address, 0))
+    print(server.getsockname()[1], flush=True)
+    connection, _ = server.accept()
+else:
+    connection = socket.create_connection((address, port))
+if role.endswith("send"):
+    connection.sendall(bytes(n_bytes))
+    connection.close()
+else:
+    receive(connection)
+"""
+
+
+def timed_rate(lab: NatLab, home: Home, n_bytes: int, up: bool) -> float:
+    """Bytes a second of `n_bytes` sent over TCP from the home's host to the internet (`up`) or back."""
+    address = lab.public_addresses[0]
+    public = "listen-receive" if up else "listen-send"
+    server = lab.run_public(
+        [sys.executable, "-c", _TIMED, public, address, "0", str(n_bytes)], stdout=subprocess.PIPE, text=True
+    )
+    port = line_from(server.stdout, "the public side's port").strip()
+    client = lab.run_home(
+        home,
+        [sys.executable, "-c", _TIMED, "dial-send" if up else "dial-receive", address, port, str(n_bytes)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    got, seconds = line_from((server if up else client).stdout, "the receiver's count").split()
+    assert int(got) == n_bytes
+    return n_bytes / float(seconds)
+
+
+def test_a_shaped_home_has_its_own_uplink_and_downlink_rates(natlab: NatLab) -> None:  # noqa: F811
+    """`shape` caps each way of a home's line at its own rate, in the kernel (tbf), and 0 lifts it."""
+    home = natlab.homes["full-cone"]
+    natlab.shape(home, up_bytes_s=1e6, down_bytes_s=4e6)
+    try:
+        up = timed_rate(natlab, home, 2_000_000, up=True)
+        down = timed_rate(natlab, home, 8_000_000, up=False)
+    finally:
+        natlab.shape(home, up_bytes_s=0, down_bytes_s=0)
+    assert 0.6e6 < up < 1.1e6 and 2.4e6 < down < 4.4e6, (up, down)
+    assert "tbf" not in natlab.exec(home.router_ns, ["tc", "qdisc", "show", "dev", "wan"])
+    assert "tbf" not in natlab.exec(natlab.public_ns, ["tc", "qdisc", "show", "dev", f"home{home.index}"])
+    with pytest.raises(ValueError, match="never negative"):
+        natlab.shape(home, up_bytes_s=-1, down_bytes_s=0)
 
 
 def test_unknown_nat_type_is_refused() -> None:

@@ -146,6 +146,26 @@ def _ns_exec(namespace: str, argv: list[str], stdin: str | None = None) -> subpr
     return _run(["ip", "netns", "exec", namespace, *argv], stdin=stdin)
 
 
+SHAPED_QUEUE_S = 0.1  # what a shaped link queues before it drops: a home router's buffer
+
+
+def _token_bucket(rate_bytes_s: float) -> list[str]:
+    """The `tc qdisc` arguments for a link of this rate in bytes a second: a bucket of 10 ms of the
+    rate (a 64 KiB offloaded segment at least) and SHAPED_QUEUE_S of queue."""
+    if rate_bytes_s <= 0:
+        raise ValueError("a shaped link's rate is above zero")
+    burst = max(64 << 10, int(rate_bytes_s / 100))
+    return [
+        "tbf",
+        "rate",
+        f"{int(rate_bytes_s * 8)}bit",
+        "burst",
+        str(burst),
+        "latency",
+        f"{int(SHAPED_QUEUE_S * 1e3)}ms",
+    ]
+
+
 @functools.cache
 def wan_unavailable_reason() -> str | None:
     """None when the lab's WAN delay line (natlab_wan.py) can run here, else why not: it needs a
@@ -516,6 +536,23 @@ class NatLab:
     def _wan_call(self, **request: Any) -> dict[str, Any]:
         assert self._wan is not None
         return ask_json_line(self._wan, request, COMMAND_TIMEOUT_S, "the WAN delay line")
+
+    def shape(self, home: Home, up_bytes_s: float, down_bytes_s: float) -> None:
+        """Cap `home`'s uplink and downlink at these rates (bytes a second, 0: uncapped), each its
+        own, as a home's line is: the kernel's token bucket (`tc … tbf`) on the egress of each end
+        of the home's veth, the router's `wan` for what leaves it, the public side's `homeN` for
+        what arrives. For rates past what the delay line's Python carries (tens of MB/s); it adds
+        no delay, and composes with `set_wan`, which holds packets before they reach these queues."""
+        for namespace, device, rate in (
+            (home.router_ns, "wan", up_bytes_s),
+            (self.public_ns, f"home{home.index}", down_bytes_s),
+        ):
+            if rate < 0:
+                raise ValueError("a link's rate is never negative")
+            if rate == 0:
+                _run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"], check=False)
+            else:
+                _ns_exec(namespace, ["tc", "qdisc", "replace", "dev", device, "root", *_token_bucket(rate)])
 
     # --- running ----------------------------------------------------------------------------
 
