@@ -4,6 +4,7 @@ Ctrl-C ends it all."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,8 @@ from urllib.request import urlopen
 import openai
 from host_process import running_host, wait_ready
 from tiny_models import write_tiny_model
+
+from kafila.runtime.llama.threads import core_shares, cores_by_physical
 
 
 def demo_members(host: int) -> list[int]:
@@ -100,3 +103,37 @@ def test_a_demo_member_that_crashes_is_named_with_its_signal_and_last_lines(tmp_
         wait_ready(host)  # replanned with the member that is left
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=2, timeout=60)
         assert client.completions.create(model="tiny", prompt="hello", max_tokens=4).choices[0].text is not None
+
+
+def held_cpus(pid: int) -> set[frozenset[int]]:
+    """The CPU sets a process's threads may run on, each thread's read from /proc (one set where
+    the process is held whole)."""
+    found = set()
+    for task in (Path("/proc") / str(pid) / "task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            found.add(frozenset(os.sched_getaffinity(int(task.name))))
+    return found
+
+
+def test_the_demo_holds_each_process_to_cores_of_its_own_as_separate_machines(tmp_path: Path) -> None:
+    """With as many cores as processes, the host and each member are held, every thread, to
+    their own cores (disjoint, together all this machine's), and each member computes with one
+    thread a physical core of its share, as a machine of its own would."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=6)
+    usable = os.sched_getaffinity(0)
+    shares = core_shares(cores_by_physical(Path("/proc/cpuinfo").read_text(), usable), 2)
+    with running_host("--demo", "--members", "2", "--model", model, "--context", "256") as host:
+        (member,) = demo_members(host.process.pid)
+        command = (Path("/proc") / str(member) / "cmdline").read_bytes().split(b"\0")
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert client.completions.create(model="tiny", prompt="hello", max_tokens=4).choices[0].text is not None
+        if shares is None:  # one core: nothing to divide, both keep it all
+            assert held_cpus(host.process.pid) == held_cpus(member) == {frozenset(usable)}
+            assert b"--threads" not in command
+            return
+        assert held_cpus(host.process.pid) == {frozenset(shares[0].cpus)}, host.output()
+        assert held_cpus(member) == {frozenset(shares[1].cpus)}, host.output()
+        assert set(shares[0].cpus).isdisjoint(shares[1].cpus) and {*shares[0].cpus, *shares[1].cpus} == usable
+        assert command[command.index(b"--threads") + 1] == str(shares[1].threads).encode()
+        assert "the demo holds each of its 2 processes to cores of its own" in host.output()
+        assert "on this machine too" not in host.output()

@@ -7,7 +7,16 @@ import subprocess
 from pathlib import Path
 
 from kafila.runtime.llama.model import ContextSettings
-from kafila.runtime.llama.threads import ThreadFigures, math_threads, read_thread_figures, serving_threads, sysctl_int
+from kafila.runtime.llama.threads import (
+    CoreShare,
+    ThreadFigures,
+    core_shares,
+    cores_by_physical,
+    math_threads,
+    read_thread_figures,
+    serving_threads,
+    sysctl_int,
+)
 from kafila.runtime.machine.probe import probe_threads
 
 # Two packages of two cores with two hyperthreads each, as Linux's /proc/cpuinfo lists them.
@@ -66,3 +75,20 @@ def test_sysctl_and_darwin_figures_where_there_is_no_sysctl() -> None:
     assert (darwin_here.performance_cores, darwin_here.physical_cores) == (None, None)
     assert math_threads(darwin_here) == darwin_here.usable_cpus
     assert read_thread_figures("win32") == ThreadFigures("win32", darwin_here.usable_cpus)
+
+
+def test_cores_are_grouped_by_physical_core_within_the_usable_cpus() -> None:
+    # HYPERTHREADED: CPUs 0 and 2 are core 0 of package 0, 1 and 3 its core 1; 4-7 package 1.
+    assert cores_by_physical(HYPERTHREADED, set(range(8))) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert cores_by_physical(HYPERTHREADED, {1, 2, 3}) == [(1, 3), (2,)]  # taskset left one sibling
+    assert cores_by_physical(ARM_WITHOUT_CORE_IDS, {0, 1, 2, 3}) == [(0,), (1,), (2,), (3,)]
+    assert cores_by_physical(None, {3, 1}) == [(1,), (3,)]
+
+
+def test_core_shares_deal_whole_cores_in_runs_and_need_a_core_a_process() -> None:
+    cores = cores_by_physical(HYPERTHREADED, set(range(8)))
+    assert core_shares(cores, 2) == [CoreShare((0, 2, 1, 3), 2), CoreShare((4, 6, 5, 7), 2)]
+    assert core_shares(cores, 3) == [CoreShare((0, 2, 1, 3), 2), CoreShare((4, 6), 1), CoreShare((5, 7), 1)]
+    assert core_shares([(0,), (1,)], 2) == [CoreShare((0,), 1), CoreShare((1,), 1)]
+    assert core_shares([(0,), (1,)], 3) is None  # two would take turns on one core
+    assert core_shares([(0,)], 0) is None

@@ -37,7 +37,7 @@ from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import check_family
 from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
 from kafila.runtime.llama.loading import LlamaUnavailable, load_llama, shares_cores_env
-from kafila.runtime.llama.threads import THREADS_HELP, serving_threads
+from kafila.runtime.llama.threads import THREADS_HELP, CoreShare, hold_to, serving_threads, this_machine_shares
 from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.session.availability import Availability
 from kafila.session.host_config import HostConfig, lan_address, seconds_from_env
@@ -196,11 +196,16 @@ def host(
     local_split = (stages or 1) > 1 or (division is not None and "," in division)
     local_members = demo and n_members > 1
     shared = local_split or local_members  # stages that take turns on this machine's cores
+    shares = this_machine_shares(n_members) if local_members else None
+    if shares is not None:  # before llama.cpp loads: libgomp reads the cores it may use then
+        hold_to(shares[0].cpus)
     try:
         load_llama(shared_machine=shared, bind_teams=local_members)
     except LlamaUnavailable as error:
         fail(str(error), False)
     say_backend()
+    if shares is not None:
+        stderr.print(described_shares(shares), highlight=False, soft_wrap=True)
     if shared:
         os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
     # Only the host resolves hub names; with members, each machine fetches its own stage from the hub by range.
@@ -239,18 +244,33 @@ def host(
         fail(str(error), False)
     config = HostConfig(
         model=source, counts=counts, session=session, sock=sock, api_key=api_key,
-        threads=threads or serving_threads(), members=n_members, rendezvous=external,
+        threads=threads or (shares[0].threads if shares else serving_threads()), members=n_members, rendezvous=external,
         rendezvous_bind="127.0.0.1" if demo else (rendezvous_bind or lan_address()),
         rendezvous_port=0 if demo else rendezvous_port, stun_port=0 if demo else stun_port,
         demo=demo, name=host_name, discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
         resume_within_s=resume_within, every_member_serves=every_member_serves or demo,
-        speculate=speculate,
+        speculate=speculate, member_shares=tuple(shares[1:]) if shares else (),
     )  # fmt: skip
     try:
         run(_serve(config))
     except KeyboardInterrupt:
         pass
+
+
+def described_shares(shares: list[CoreShare]) -> str:
+    """The demo's division of this machine's cores, one share a process, in words."""
+
+    def share(held: CoreShare) -> str:
+        cpus, threads = ",".join(map(str, held.cpus)), f"{held.threads} thread{'s' if held.threads > 1 else ''}"
+        return f"CPU{'s' if len(held.cpus) > 1 else ''} {cpus} ({threads})"
+
+    parts = [f"this host {share(shares[0])}"]
+    parts += [f"demo-member-{n} {share(held)}" for n, held in enumerate(shares[1:], 1)]
+    return (
+        f"the demo holds each of its {len(shares)} processes to cores of its own, as separate machines: "
+        + ", ".join(parts)
+    )
 
 
 def _admit(path: Path, session: ServingSpec, memory: int | None) -> None:

@@ -18,6 +18,7 @@ from kafila.planner.report import PlanReport
 from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.speculation import Speculate
 from kafila.runtime.llama.model import ContextSettings
+from kafila.runtime.llama.threads import CoreShare
 from kafila.session.core import ServingPolicy
 from kafila.session.host_model import HostModel
 
@@ -75,6 +76,7 @@ class HostConfig:
     resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next one
     every_member_serves: bool = False  # no member stands by, even where the ring is faster without it
     speculate: Speculate = Speculate.NGRAM  # what tokens are drafted with, to check several per trip
+    member_shares: tuple[CoreShare, ...] = ()  # the demo's members' cores, one share each; (): left to share them all
 
     @property
     def api_url(self) -> str:

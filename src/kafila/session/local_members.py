@@ -3,22 +3,26 @@
 Their output goes on to the host's own streams as they print it, and their last lines are kept,
 so that a member that dies (a native crash in llama.cpp kills it by a signal) is reported by the
 host with its name, the signal and what it said last, rather than only as a link gone quiet.
+Where the machine has a core a process, each member is started held to its own share of them
+(`CoreShare`), with one llama.cpp thread a core, as a machine of its own would compute.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 from kafila.runtime.llama.cpu_safety import died_by_signal, signal_of
 from kafila.runtime.llama.loading import repack_choice, system_info
 from kafila.runtime.llama.process_log import KEPT_LINES, MAX_LINE, lines_worth_showing
+from kafila.runtime.llama.threads import CoreShare
 
 READERS_DRAIN_S = 2.0  # after a member exits, how long its last lines may take to be read
 
@@ -26,13 +30,16 @@ READERS_DRAIN_S = 2.0  # after a member exits, how long its last lines may take 
 class LocalMember:
     """One `kafila join` on this machine; `on_exit` hears from another thread when it has ended."""
 
-    def __init__(self, name: str, command: list[str], on_exit: Callable[[LocalMember], None]) -> None:
+    def __init__(
+        self, name: str, command: list[str], on_exit: Callable[[LocalMember], None], cpus: tuple[int, ...] = ()
+    ) -> None:
         self.name = name
         self.tail: deque[str] = deque(maxlen=KEPT_LINES)
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, encoding="utf-8", errors="replace",
-        )  # fmt: skip
+        with started_on(cpus):
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, encoding="utf-8", errors="replace",
+            )  # fmt: skip
         self._readers = [
             threading.Thread(target=self._forward, args=(self.process.stdout, "stdout"), daemon=True),
             threading.Thread(target=self._forward, args=(self.process.stderr, "stderr"), daemon=True),
@@ -83,6 +90,22 @@ class LocalMember:
                 self.process.wait()
 
 
+@contextlib.contextmanager
+def started_on(cpus: tuple[int, ...]) -> Iterator[None]:
+    """A process started inside holds to `cpus` from its first instruction: a child inherits the
+    affinity of the thread that starts it, so this thread takes `cpus` for the while (nothing
+    where `cpus` is empty)."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class DemoMembers:
     """The demo's members, started as a person would start `kafila join` on other machines; one
     that ends badly is reported through `on_failure(what, detail)` on the host's event loop (a
@@ -92,7 +115,9 @@ class DemoMembers:
         self.members: list[LocalMember] = []
         self._on_failure = on_failure
 
-    def start(self, code: str, rendezvous: str, count: int) -> None:
+    def start(self, code: str, rendezvous: str, count: int, shares: Sequence[CoreShare] = ()) -> None:
+        """Start `count` members; with `shares`, one a member, each holds to its own cores and
+        computes with its share's threads, as a machine of its own would."""
         loop = asyncio.get_running_loop()
 
         def ended(member: LocalMember) -> None:
@@ -102,7 +127,10 @@ class DemoMembers:
         for number in range(1, count + 1):
             name = f"demo-member-{number}"
             command = [sys.executable, "-m", "kafila", "join", code, "--rendezvous", rendezvous, "--name", name]
-            self.members.append(LocalMember(name, command, ended))
+            share = shares[number - 1] if shares else None
+            if share is not None:
+                command += ["--threads", str(share.threads)]
+            self.members.append(LocalMember(name, command, ended, share.cpus if share else ()))
 
     def _ended(self, member: LocalMember) -> None:
         failure = member.failure()

@@ -296,7 +296,7 @@ class HostRunner:
         ]
         self.availability.session_described_by(functools.partial(self._network_status, network))
         if config.demo and not self.demo.members:
-            self.demo.start(network.code, self._advertised, others)
+            self.demo.start(network.code, self._advertised, others, config.member_shares)
         network.renewing = lambda: self.core.wants_rendezvous_session
         network.rendezvous_lost = functools.partial(self._rendezvous_lost, network)
         self.shell.hand_now([Opened(join)])

@@ -11,6 +11,7 @@ planner prices is what runs; `--threads` still overrides it for serving.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -108,3 +109,69 @@ def read_thread_figures(platform: str = sys.platform) -> ThreadFigures:
 def serving_threads() -> int:
     """llama.cpp's thread count on this machine, for the probe and for serving alike."""
     return math_threads(read_thread_figures())
+
+
+@dataclass(frozen=True)
+class CoreShare:
+    """One process's part of a machine that several stages share as if each were a machine of its
+    own: the logical CPUs it may run on, and the llama.cpp threads it computes with (one per
+    physical core among them)."""
+
+    cpus: tuple[int, ...]
+    threads: int
+
+
+def cores_by_physical(cpuinfo: str | None, usable: set[int]) -> list[tuple[int, ...]]:
+    """The usable logical CPUs grouped by the physical core they are hyperthreads of, in CPU order;
+    a CPU that /proc/cpuinfo does not place on a core is a core of its own."""
+    where: dict[int, tuple[str, str]] = {}
+    processor = package = core = None
+    for line in [*(cpuinfo or "").splitlines(), ""]:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor" and value.strip().isdigit():
+            processor = int(value)
+        elif key == "physical id":
+            package = value.strip()
+        elif key == "core id":
+            core = value.strip()
+        elif not key:
+            if processor is not None and core is not None:
+                where[processor] = (package or "0", core)
+            processor = package = core = None
+    groups: dict[tuple[str, str] | int, list[int]] = {}
+    for cpu in sorted(usable):
+        groups.setdefault(where.get(cpu, cpu), []).append(cpu)
+    return [tuple(cpus) for cpus in groups.values()]
+
+
+def core_shares(cores: list[tuple[int, ...]], processes: int) -> list[CoreShare] | None:
+    """Physical cores (each its hyperthreads) dealt out to `processes` in contiguous runs, the
+    first processes taking one more where they do not divide evenly; None where there are fewer
+    cores than processes, so that some would have to take turns on one."""
+    if processes < 1 or len(cores) < processes:
+        return None
+    each, extra = divmod(len(cores), processes)
+    shares, start = [], 0
+    for index in range(processes):
+        taken = cores[start : start + each + (index < extra)]
+        start += len(taken)
+        shares.append(CoreShare(tuple(cpu for core in taken for cpu in core), len(taken)))
+    return shares
+
+
+def this_machine_shares(processes: int) -> list[CoreShare] | None:
+    """`core_shares` of the CPUs this process may use (Linux only: elsewhere a process cannot be
+    held to cores, and None is returned)."""
+    if getattr(os, "sched_getaffinity", None) is None or not sys.platform.startswith("linux"):
+        return None
+    return core_shares(cores_by_physical(_read_text("/proc/cpuinfo"), os.sched_getaffinity(0)), processes)
+
+
+def hold_to(cpus: tuple[int, ...]) -> None:
+    """Hold this whole process, every thread it has now and those it starts later, to `cpus`
+    (Linux: affinity is a thread's, so each of /proc/self/task is set)."""
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+    os.sched_setaffinity(0, cpus)
