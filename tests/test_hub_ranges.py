@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
+import time
 from pathlib import Path
+from urllib.request import urlopen
 
 import numpy as np
 import pytest
@@ -263,6 +266,25 @@ def test_a_connection_cut_off_resumes_where_it_broke(hub: FakeHub, tiny: Path, t
     assert first == (0, header.model.parts[0].header_bytes) and second == (3000, first[1])
     cut = block_range_file(tiny, 3, 4, tmp_path / "cut", is_head=True)
     assert got.path.read_bytes() == cut.path.read_bytes()
+
+
+def test_the_fake_hubs_rate_caps_what_it_sends_every_client_together(hub: FakeHub, tiny: Path) -> None:
+    """The stage delivery benchmark's hub sends 50 MB/s in all (scripts/bench_stage_delivery.py):
+    two clients fetching the whole file at once share the rate, and get every byte."""
+    hub.rate_bytes_s = 1e6
+    got: list[bytes] = []
+    with serving_hub(hub):
+        url = f"{hub.url}/{REPO}/resolve/{COMMIT}/{FILE}"
+        readers = [threading.Thread(target=lambda: got.append(urlopen(url, timeout=30).read())) for _ in range(2)]
+        started = time.monotonic()
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=30)
+        seconds = time.monotonic() - started
+    assert got == [tiny.read_bytes()] * 2
+    paced = 2 * len(got[0]) - (64 << 10)  # the first 64 KiB leave at once, the rest at the rate
+    assert paced / 1e6 <= seconds < 10 * paced / 1e6, seconds
 
 
 class Interrupted(Exception):

@@ -274,6 +274,37 @@ def test_a_host_left_alone_downloads_the_whole_file_then_and_says_so(tmp_path: P
     assert "it downloads the whole file" in said, said
 
 
+def test_a_members_stage_fetch_cut_off_mid_way_resumes_where_it_broke_and_the_ring_serves_the_unsplit_model(
+    tmp_path: Path, model: Path
+) -> None:
+    """The hub drops the member's connection 20,000 bytes into its stage's tensors (past its header,
+    which is shorter): the member asks again from the byte where it broke, never from the start,
+    keeps its stage from the hub rather than falling back to the host, and the ring serves the
+    unsplit model's greedy text."""
+    cut = 20_000
+    assert HeaderReader(model).header_bytes < cut
+    hub = FakeHub({REPO: Repo({FILE: model.read_bytes()})}, cut_for={"Bearer hf_member0": cut})
+    outputs: dict[str, str] = {}
+    with serving_hub(hub):
+        members = {"member-0": hub_env(tmp_path, "m0", hub.url, "hf_member0")}
+        with hub_session(tmp_path, hub, members, outputs) as host:
+            status = until_status(host, staged(1), "a ring of two machines, its member's stage said", 240)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert result.choices[0].text and result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    assert hub.cut_for == {}  # the member's connection was cut
+    member = members_of(status)["member-0"]
+    assert member["stage_source"] == "hub" and "stage_why" not in member, member
+    asked = hub.ranges_of(FILE)
+    resumed = [(a, b) for a, b in asked if (a - cut, b) in asked]
+    assert resumed, asked  # the same range again, from where the cut left it
+    # every byte of its stage fetched once: the header again, checked, and its tensors
+    need = fetched_for(HeaderReader(model), member["blocks"], status["plan"]["head"] == "member-0")
+    got = hub.sent_to["Bearer hf_member0"]
+    assert need <= got <= need + JOIN_GAP, (got, need)
+    assert "receiving stage" not in outputs["member-0"], outputs["member-0"]
+
+
 def test_a_replan_after_a_member_leaves_fetches_only_the_tensors_each_machine_lacks(
     tmp_path: Path, model: Path
 ) -> None:

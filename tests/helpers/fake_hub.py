@@ -3,17 +3,27 @@ list a repository and download a file: `/api/models/{repo}/revision/{rev}?blobs=
 GET `/{repo}/resolve/{rev}/{file}` with X-Repo-Commit, X-Linked-Etag (the sha256 of an LFS file),
 X-Linked-Size and Range (`bytes=A-` and `bytes=A-B`, answered 206 with Content-Range). A gated
 repository answers a request without a token 401, as the hub does. It counts the bytes of file it
-sent, per client (the Authorization header a client sends: a token each) and per file. Tests point
-HF_ENDPOINT (or `endpoint=`) at it."""
+sent, per client (the Authorization header a client sends: a token each) and per file. It can cut a
+GET off mid-way (per file, or per client), and send at most so many bytes a second, all clients
+together, as a hub's one server would. Tests point HF_ENDPOINT (or `endpoint=`) at it.
+
+`python tests/helpers/fake_hub.py --repo ORG/NAME FILE...` serves files from disk (mapped, not read
+into memory) in a process of its own, as the stage delivery benchmark runs it in the NAT lab's
+internet: it prints `READY <url>`, then answers each line on stdin with the bytes sent per client
+(JSON), and ends at the end of stdin."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
+import mmap
 import re
 import socket
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +44,10 @@ class Repo:
 class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     drop_after: dict[str, int] = field(default_factory=dict)  # file → bytes sent before the first GET is cut off
+    # Authorization → bytes: that client's first GET answered with more than this many bytes is cut
+    # off after them (its header fetches, shorter, pass)
+    cut_for: dict[str | None, int] = field(default_factory=dict)
+    rate_bytes_s: float = 0.0  # what the hub sends a second, every client together (0: no cap)
     seen: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Range)
     authorizations: set[tuple[str, str | None]] = field(default_factory=set)  # (method path, Authorization)
     url: str = ""
@@ -41,6 +55,9 @@ class FakeHub:
     sent_to: dict[str | None, int] = field(default_factory=dict)  # Authorization → bytes of files sent
     sent_of: dict[str, int] = field(default_factory=dict)  # file → bytes of it sent
     ranges: bool = True  # False: a server that ignores Range and always sends the whole file (200)
+    _digests: dict[tuple[str, str, str, int], str] = field(default_factory=dict)  # a large file hashed once
+    _pace_lock: threading.Lock = field(default_factory=threading.Lock)
+    _free_at: float = 0.0  # when the hub's rate has sent what it was given
 
     def ranges_of(self, filename: str) -> list[tuple[int, int]]:
         """The byte ranges [start, end) of every ranged GET of `filename` so far."""
@@ -59,9 +76,28 @@ class FakeHub:
 
     def sha256(self, repo: str, filename: str) -> str:
         listed = self.repos[repo].listed_sha256.get(filename)
-        return listed or hashlib.sha256(self.repos[repo].files[filename]).hexdigest()
+        return listed or self.digest(repo, filename, "sha256")
+
+    def digest(self, repo: str, filename: str, algorithm: str) -> str:
+        """The file's digest, computed once for as long as the same object stands there."""
+        data = self.repos[repo].files[filename]
+        key = (repo, filename, algorithm, id(data))
+        if key not in self._digests:
+            self._digests[key] = hashlib.new(algorithm, data).hexdigest()
+        return self._digests[key]
+
+    def paced(self, n_bytes: int) -> float:
+        """How long to wait before sending `n_bytes` more at the hub's rate (0 with no cap)."""
+        if self.rate_bytes_s <= 0:
+            return 0.0
+        with self._pace_lock:
+            now = time.monotonic()
+            start = max(now, self._free_at)
+            self._free_at = start + n_bytes / self.rate_bytes_s
+            return start - now
 
 
+_PACED_CHUNK = 64 << 10  # what a hub with a rate sends at a time
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
 _INFO = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")
 
@@ -86,7 +122,18 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.send_header(key, value)
             self.end_headers()
             if send:
+                self._write(body)
+
+        def _write(self, body: bytes) -> None:
+            """`body` to the client, at the hub's rate where it has one."""
+            if hub.rate_bytes_s <= 0:
                 self.wfile.write(body)
+                return
+            view = memoryview(body)
+            for at in range(0, len(view), _PACED_CHUNK):
+                chunk = view[at : at + _PACED_CHUNK]
+                time.sleep(hub.paced(len(chunk)))
+                self.wfile.write(chunk)
 
         def do_HEAD(self) -> None:
             self._resolve(send=False)
@@ -106,7 +153,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     {
                         "rfilename": name,
                         "size": len(data),
-                        "blobId": hashlib.sha1(data).hexdigest(),
+                        "blobId": hub.digest(info["repo"], name, "sha1"),
                         "lfs": {"size": len(data), "sha256": hub.sha256(info["repo"], name), "pointerSize": 134},
                     }
                     for name, data in repo.files.items()
@@ -149,6 +196,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
             with lock:
                 cut = hub.drop_after.pop(found["file"], None) if send else None
+                client = self.headers.get("Authorization")
+                if send and cut is None and hub.cut_for.get(client, len(body)) < len(body):
+                    cut = hub.cut_for.pop(client)
                 if send:
                     sent = len(body) if cut is None else min(cut, len(body))
                     who = self.headers.get("Authorization")
@@ -161,7 +211,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             for key, value in {"Content-Length": str(len(body)), **headers}.items():
                 self.send_header(key, value)
             self.end_headers()
-            self.wfile.write(body[:cut])
+            self._write(body[:cut])
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
@@ -170,13 +220,13 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def serving_hub(hub: FakeHub) -> Iterator[FakeHub]:
-    """`hub` on a free loopback port, in a thread, for the block; its `url` set."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
+def serving_hub(hub: FakeHub, address: str = "127.0.0.1", port: int = 0) -> Iterator[FakeHub]:
+    """`hub` on `address` (a free port unless given), in a thread, for the block; its `url` set."""
+    server = ThreadingHTTPServer((address, port), _handler(hub))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    hub.url = f"http://127.0.0.1:{server.server_address[1]}"
+    hub.url = f"http://{address}:{server.server_address[1]}"
     try:
         yield hub
     finally:
@@ -186,3 +236,29 @@ def serving_hub(hub: FakeHub) -> Iterator[FakeHub]:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
         thread.join(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="a fake Hugging Face hub serving files from disk")
+    parser.add_argument("--repo", required=True, help="the repository's ORG/NAME")
+    parser.add_argument("files", nargs="+", help="files it holds, served under their own names")
+    parser.add_argument("--address", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--rate-mb", type=float, default=0.0, help="MB a second, every client together (0: no cap)")
+    args = parser.parse_args(argv)
+    files: dict[str, bytes] = {}
+    for path in args.files:
+        with open(path, "rb") as file:
+            files[path.rsplit("/", 1)[-1]] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)  # type: ignore[assignment]
+    hub = FakeHub({args.repo: Repo(files)}, rate_bytes_s=args.rate_mb * 1e6)
+    for name in files:
+        hub.sha256(args.repo, name)  # hashed before the first client asks, not while it waits
+    with serving_hub(hub, args.address, args.port):
+        print(f"READY {hub.url}", flush=True)
+        for _ in sys.stdin:
+            print(json.dumps(hub.sent_to), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
