@@ -299,9 +299,11 @@ def head_elsewhere(model: Path) -> tuple[str, ...]:
     return ("--context", str(context), "--concurrency", str(concurrency), "--memory", f"{lend}B")
 
 
-def serve_with_a_member_model(tmp_path: Path, model: Path, member_model: Path, *host_args: str) -> str:
+def serve_with_a_member_model(
+    tmp_path: Path, model: Path, member_model: Path, *host_args: str
+) -> tuple[str, dict[str, Any]]:
     """A host and one member started with `--model member_model`; the session must serve the
-    host's model exactly. Returns what the member printed."""
+    host's model exactly. Returns what the member printed, and the member's entry in /status."""
     with running_host("--model", model, "--members", "2", *COMMON, *host_args, ready=False) as host:
         code, rendezvous = host.join_line()
         member = start_member(code, rendezvous, "member", tmp_path / "cache", "--model", str(member_model))
@@ -310,9 +312,12 @@ def serve_with_a_member_model(tmp_path: Path, model: Path, member_model: Path, *
             client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
             result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
             assert result.choices[0].text == unsplit_greedy(model, PROMPT, 8)
+            said = until_status(
+                host, lambda s: all("stage_source" in m for m in s["members"] if not m.get("host")), "stage sources"
+            )
         finally:
             output = stop(member)
-    return output
+    return output, next(m for m in said["members"] if m["name"] == "member")
 
 
 @pytest.mark.parametrize("role", ["blocks", "head"])
@@ -322,15 +327,17 @@ def test_a_member_with_the_same_model_slices_its_stage_and_receives_nothing(
     own_copy = tmp_path / "copy.gguf"
     own_copy.write_bytes(model.read_bytes())
     extra = head_elsewhere(model) if role == "head" else ()
-    output = serve_with_a_member_model(tmp_path, model, own_copy, *extra)
+    output, status = serve_with_a_member_model(tmp_path, model, own_copy, *extra)
     assert "slicing blocks" in output and "receiving stage" not in output, output
+    assert status["stage_source"] == "slice" and status["stage_bytes"] > 0, status  # cut from its own copy
     assert ("and the head" in output) == (role == "head"), output
     assert re.search(r"slicing blocks \d+-\d+ from copy\.gguf: done in \d", output), output  # no bar in a log
 
 
 def test_a_member_with_another_model_file_receives_its_stage_and_says_why(tmp_path: Path, model: Path) -> None:
     other = write_tiny_model(tmp_path / "other.gguf", "llama", n_blocks=4, seed=99)  # same shape, other weights
-    output = serve_with_a_member_model(tmp_path, model, other)
+    output, status = serve_with_a_member_model(tmp_path, model, other)
+    assert status["stage_source"] == "host", status
     assert "receiving stage" in output and "other.gguf is not the host's model file" in output, output
     assert "slicing blocks" not in output, output
     assert re.search(r"stage \d+ from the host: done in \d", output), output  # no bar in a log: a line
