@@ -17,6 +17,9 @@ os.environ.pop("HF_XET_CACHE", None)  # under HF_HOME by default
 # costs more than its blocks save as often as not, so who serves would leave some out. The tests of
 # who serves in a session (test_session_standby.py) give their hosts "0".
 os.environ["KAFILA_EVERY_MEMBER_SERVES"] = "1"
+# A host measures its model's stages before the first plan (a few seconds a model, on a loaded CI
+# machine more): tests that check that pricing give their hosts "on" (test_first_plan_pricing.py).
+os.environ["KAFILA_PRICE_MODEL"] = "off"
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # shared with the benchmarks in scripts/
 

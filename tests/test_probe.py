@@ -373,6 +373,67 @@ def test_model_stage_costs_are_recovered_from_exact_stage_times() -> None:
     assert head_bandwidth == pytest.approx(b_head)
 
 
+def test_the_quick_form_times_a_short_and_a_long_block_stage_and_the_head_in_one_ring() -> None:
+    """A host pricing its model before the first plan loads one ring, [k, n - 2k, k]: its two
+    block stages give o and b, its head b_head, exactly, from exact stage times."""
+    from kafila.planner.types import ModelManifest
+    from kafila.runtime.machine.model_probe import derive_costs, quick_division, stage_times
+
+    assert quick_division(18) == [2, 14, 2] and quick_division(48) == [5, 38, 5] and quick_division(4) == [1, 2, 1]
+    assert quick_division(3) is None and quick_division(2) is None  # no two block stages of different lengths
+    assert quick_division(48, tuple(range(4, 45, 4))) == [4, 40, 4]  # llama4: cut at multiples of 4
+    assert quick_division(8, (4,)) is None
+    manifest = ModelManifest(
+        name="m", block_bytes=(4_000_000,) * 17 + (3_000_000,), head_bytes=180_000_000, kv_bytes_per_token=(0,) * 18
+    )
+    o, b, b_head = 0.4e-3, 13e9, 22e9
+
+    def ms(first: int, end: int, head: bool) -> float:
+        return 1e3 * (o + sum(manifest.block_bytes[first:end]) / b + (manifest.head_bytes / b_head if head else 0))
+
+    division = quick_division(manifest.n_blocks)
+    assert division == [2, 14, 2]
+    fit, head_bandwidth = derive_costs(
+        manifest, stage_times([division], [[ms(0, 2, False), ms(2, 16, False), ms(16, 18, True)]])
+    )
+    assert fit.intercept == pytest.approx(o) and 1 / fit.slope == pytest.approx(b)
+    assert head_bandwidth == pytest.approx(b_head)
+
+
+@needs_llama_cpp
+def test_a_host_prices_its_model_once_in_a_child_and_keeps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`price_model_here`: the quick form in a child process, kept by the model's hash under the
+    probe's key; a second start reads it back without measuring."""
+    import json
+
+    from tiny_models import write_wide_model
+
+    from kafila.runtime.gguf.slicer import file_sha256
+    from kafila.runtime.machine.model_probe import MEASURED_BEFORE_THE_FIRST_PLAN, price_model_here
+    from kafila.runtime.machine.this_machine import cached_model_pricings
+
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
+    model = write_wide_model(tmp_path / "llama.gguf", n_blocks=4)
+    digest = file_sha256(model)
+    said: list[str] = []
+    pricing, stages = when_not_busy(
+        lambda: price_model_here(model, digest, 1 << 30, n_threads=1, progress=lambda text, _f: said.append(text))
+    )
+    assert stages is not None and stages.divisions == [[1, 2, 1]] and said[0] == "timing [1, 2, 1] as a local ring"
+    assert [(s.first_block, s.end_block, s.is_head) for s in stages.stages] == [
+        (0, 1, False),
+        (1, 3, False),
+        (3, 4, True),
+    ]
+    assert pricing.model_sha256 == digest and pricing.bandwidth_gb_s > 0 and pricing.overhead_us >= 0
+    assert cached_model_pricings() == [pricing]
+    (record,) = (json.loads(path.read_text()) for path in (tmp_path / "cache" / "model-pricing").glob("*.json"))
+    assert record["source"] == MEASURED_BEFORE_THE_FIRST_PLAN and {"llama_cpp_version", "repack", "devices"} <= set(
+        record
+    )
+    assert price_model_here(model, digest, 1 << 30) == (pricing, None)  # kept: nothing measured again
+
+
 def test_a_model_cut_only_at_some_blocks_is_calibrated_and_kept_there() -> None:
     """llama4's stages start at multiples of 4: the calibration rings cut there, and a part that
     fits begins there."""

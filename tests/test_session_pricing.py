@@ -9,10 +9,13 @@ import pytest
 
 from kafila.contracts import FleetDevice, ModelPricing, StageReport
 from kafila.planner import ModelManifest, ServingSpec
+from kafila.planner.cost import ChainPrefix, cost_model_matrix
+from kafila.planner.fleet import device_of, generic_model_seconds, pricing_by_ratio
 from kafila.session.pricing import (
     GENERIC,
     MIN_STEPS_TO_REBALANCE,
     MIN_STEPS_TO_REPRICE,
+    SCALED,
     SERVING,
     THE_MODEL,
     Machine,
@@ -112,3 +115,76 @@ def test_the_plans_reader_is_told_where_each_machines_prices_come_from() -> None
     mixed = pricing.note(MACHINES, ["h", "a"], model)
     assert "priced on this model's own stages for host" in mixed and "from the generic probe for pc" in mixed
     assert "kafila probe --model m.gguf" in mixed
+
+
+# --- the first plan: members priced by the host's measure of the model, scaled --------------------
+
+
+def test_a_machine_is_priced_by_the_hosts_measure_scaled_by_their_generic_probes() -> None:
+    """r = the whole model at the member's generic numbers over the host's: o goes by r, b and
+    b_head by 1 / r, so every stage of the member costs r times the host's for the same blocks."""
+    host = FleetDevice(name="host", memory_gib=64, bandwidth_gb_s=40.0, overhead_us=100.0)
+    member = FleetDevice(name="m", memory_gib=64, bandwidth_gb_s=20.0, head_bandwidth_gb_s=30.0, overhead_us=300.0)
+    measured = ModelPricing(model_sha256=DIGEST, bandwidth_gb_s=12.0, head_bandwidth_gb_s=24.0, overhead_us=400.0)
+    mine = 100e-6 + 1.2e9 / 40e9 + 0.05e9 / 40e9
+    theirs = 300e-6 + 1.2e9 / 20e9 + 0.05e9 / 30e9
+    assert generic_model_seconds(MANIFEST, host) == pytest.approx(mine)
+    assert generic_model_seconds(MANIFEST, member) == pytest.approx(theirs)
+    ratio = theirs / mine
+    scaled = pricing_by_ratio(MANIFEST, host, measured, member)
+    assert scaled == ModelPricing(
+        model_sha256=DIGEST, bandwidth_gb_s=12.0 / ratio, head_bandwidth_gb_s=24.0 / ratio, overhead_us=400.0 * ratio
+    )
+    prefix = ChainPrefix.of(MANIFEST, SESSION)
+    for is_head in (False, True):
+        at_host = cost_model_matrix(device_of(host.priced(measured)), prefix, is_head)
+        at_member = cost_model_matrix(device_of(member.priced(scaled)), prefix, is_head)
+        finite = at_host < float("inf")
+        assert at_member[finite] == pytest.approx(at_host[finite] * ratio)
+    # The same generic probe: the host's measure as it is. None where a machine has no numbers.
+    assert pricing_by_ratio(MANIFEST, host, measured, host.model_copy(update={"name": "twin"})) == measured
+    bare = FleetDevice(name="bare", memory_gib=8)
+    assert pricing_by_ratio(MANIFEST, host, measured, bare) is None
+    assert pricing_by_ratio(MANIFEST, bare, measured, host) is None
+
+
+HOSTED = {
+    "h": Machine("host", device("host", 20.0), (own(25.0),)),  # measured this model before the first plan
+    "a": Machine("pc", device("pc", 40.0)),  # generic probe twice the host's bandwidth
+    "b": Machine("laptop", device("laptop", 20.0), (own(6.0),)),  # priced this model itself
+}
+
+
+def hosted() -> RingPricing:
+    return RingPricing(MANIFEST, SESSION, model_sha256=DIGEST, host="h")
+
+
+def test_the_first_plan_prices_members_without_their_own_by_the_hosts_measure() -> None:
+    pricing = hosted()
+    expected = pricing_by_ratio(MANIFEST, HOSTED["h"].capability, own(25.0), HOSTED["a"].capability)
+    assert expected is not None and expected.bandwidth_gb_s > 25.0  # the faster probe, the faster price
+    assert pricing.pricing(HOSTED, "a") == expected
+    assert pricing.pricing(HOSTED, "b") == own(6.0)  # its own measure comes before the host's
+    assert [pricing.priced_on(HOSTED, m) for m in ("h", "a", "b")] == [THE_MODEL, SCALED, THE_MODEL]
+    # What the host's stage measured serving carries to the members priced by its measure.
+    pricing.served["h"] = own(10.0)
+    assert pricing.pricing(HOSTED, "a") == pricing_by_ratio(
+        MANIFEST, HOSTED["h"].capability, own(10.0), HOSTED["a"].capability
+    )
+    # A host that has not priced the model: the generic probe, as before.
+    unpriced = {**HOSTED, "h": Machine("host", device("host", 20.0))}
+    assert hosted().pricing(unpriced, "a") is None and hosted().priced_on(unpriced, "a") == GENERIC
+    note = pricing.note(HOSTED, ["h", "a"], Path("m.gguf"))
+    assert "as the host measured them, scaled by generic probe for pc" in note, note
+
+
+def test_the_hosts_own_stage_is_kept_once_it_has_served_enough_tokens() -> None:
+    pricing = hosted()
+    plan = pricing.plan(HOSTED, ["h", "a", "b"])
+    chain = tuple({"host": "h", "pc": "a", "laptop": "b"}[stage.device] for stage in plan.stages)
+    ring = PlannedRing(chain, plan)
+    assert pricing.own_by_serving(HOSTED, ring, reports(ring, {"h": 2.0}, MIN_STEPS_TO_REBALANCE - 1)) is None
+    kept = pricing.own_by_serving(HOSTED, ring, reports(ring, {"h": 2.0}, MIN_STEPS_TO_REBALANCE))
+    assert kept is not None and kept.bandwidth_gb_s == pytest.approx(25.0 / 2)
+    assert kept.overhead_us == pytest.approx(100.0)
+    assert pricing.served == {}  # keeping it for the next session teaches this one nothing

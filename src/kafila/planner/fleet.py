@@ -93,6 +93,36 @@ def pricing_from_serving(
     )
 
 
+def generic_model_seconds(manifest: ModelManifest, device: FleetDevice) -> float | None:
+    """The whole model's decode time per token on the device, all its blocks and the head, at its
+    generic numbers (o + bytes / b + head bytes / b_head); None where it has none."""
+    if device.bandwidth_gb_s is None or device.overhead_us is None:
+        return None
+    head = device.head_bandwidth_gb_s or device.bandwidth_gb_s
+    blocks = sum(manifest.read_bytes()) / (device.bandwidth_gb_s * 1e9)
+    return device.overhead_us * 1e-6 + blocks + manifest.head_bytes / (head * 1e9)
+
+
+def pricing_by_ratio(
+    manifest: ModelManifest, own: FleetDevice, own_pricing: ModelPricing, other: FleetDevice
+) -> ModelPricing | None:
+    """Another machine's pricing of the model, from this one's (`own_pricing`, measured on the
+    model here) and the two machines' generic probes: this machine's model cost function scaled by
+    r = (the whole model's time at the other's generic numbers) / (at this one's), so o by r and b
+    and b_head by 1 / r. The generic probe misjudges a narrow model, but alike on machines alike,
+    so its ratio carries where its absolute numbers do not. None where either has no generic numbers."""
+    mine, theirs = generic_model_seconds(manifest, own), generic_model_seconds(manifest, other)
+    if mine is None or theirs is None or mine <= 0 or theirs <= 0:
+        return None
+    ratio = theirs / mine
+    return ModelPricing(
+        model_sha256=own_pricing.model_sha256,
+        bandwidth_gb_s=min(1e6, own_pricing.bandwidth_gb_s / ratio),
+        head_bandwidth_gb_s=min(1e6, own_pricing.head_bandwidth_gb_s / ratio),
+        overhead_us=min(1e7, own_pricing.overhead_us * ratio),
+    )
+
+
 def device_of(profile: FleetDevice) -> Device:
     """A machine's profile in the planner's units: bytes, bytes a second, seconds, FLOP/s."""
     nat = NatBehaviour.from_class(profile.nat) if isinstance(profile.nat, NatClass) else profile.nat

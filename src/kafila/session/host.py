@@ -50,7 +50,8 @@ from kafila.planner.types import ModelManifest, ServingSpec
 from kafila.planner.who_serves import ServingChoice
 from kafila.runtime.llama.backends import backend_or_none
 from kafila.runtime.llama.model import ContextSettings
-from kafila.runtime.machine.this_machine import cached_model_pricings
+from kafila.runtime.machine.model_probe import host_prices_model
+from kafila.runtime.machine.this_machine import cached_model_pricings, save_model_pricing
 from kafila.session.admissions import TRUST_EXCHANGE_S, Admissions
 from kafila.session.deployer import Deployer, Deployment, Roster
 from kafila.session.host_model import HostModel
@@ -60,6 +61,7 @@ from kafila.session.router import LinkRouter
 from kafila.wire.control import End
 
 RENEW_EVERY_S = 600.0  # a rendezvous that does not say how long an idle session lasts gets renewed this often
+KEPT_CHANGE = 0.05  # an idle ring's report refreshes every few seconds: kept again only when it moved this much
 GOODBYE_WAIT_S = 2.0  # how long the host waits for members to close their links after their End
 
 
@@ -88,6 +90,7 @@ class HostSession:
     memory_caps: dict[str, int] = field(default_factory=dict)  # member → bytes it held at most (it ran out)
     every_member_serves: bool = False  # `kafila host --every-member-serves`: no member stands by
     choice: ServingChoice | None = None  # who serves the deployed ring, who stands by and why
+    kept_pricing: ModelPricing | None = None  # what this machine last kept of its stage's serving
     renewing: Callable[[], bool] = lambda: True  # whether the session at the rendezvous must live on
     rendezvous_lost: Callable[[str], None] = lambda _why: None  # told once if the rendezvous ends it first
     _renewals: asyncio.Task[None] = field(init=False)
@@ -98,7 +101,7 @@ class HostSession:
         self.roster = Roster(self.client, machine_tag(self.client.code))
         self.admissions = Admissions(self.client, self.code, self.presence, self.roster, self.say, self._admitted)
         self.deployer = Deployer(self.roster, self.model, self.settings, self.cache, self.say)
-        self.prices = RingPricing(self.manifest, self.session)
+        self.prices = RingPricing(self.manifest, self.session, host=self.me)
         loop = asyncio.get_running_loop()
         self._renewals = loop.create_task(self._renew_forever())
         self._watching = loop.create_task(self._watch_rendezvous())
@@ -227,7 +230,20 @@ class HostSession:
         ring = self._planned_ring()
         if ring is None:
             return []
-        return [self.member_name(m) for m in self.prices.learn_from_serving(self.known_machines(), ring, report)]
+        repriced = self.prices.learn_from_serving(self.known_machines(), ring, report)
+        self.keep_own_pricing(self.prices.served.get(self.me))
+        return [self.member_name(m) for m in repriced]
+
+    def keep_own_pricing(self, pricing: ModelPricing | None) -> None:
+        """Keep what this machine's stage measured serving the model, for its next session here
+        (`save_model_pricing`): the next first plan starts from it, not from the calibration."""
+        if pricing is None or not host_prices_model():
+            return
+        if self.kept_pricing is not None and _within(pricing, self.kept_pricing, KEPT_CHANGE):
+            return
+        with contextlib.suppress(OSError):  # a cache that cannot be written costs the next start a measure
+            save_model_pricing(pricing, "measured serving it")
+            self.kept_pricing = pricing
 
     def rebalance_verdict(self, report: Sequence[StageReport]) -> RebalanceVerdict | None:
         """Whether the serving ring would be clearly faster divided again (`RingPricing.rebalance_verdict`)."""
@@ -236,6 +252,7 @@ class HostSession:
             return None
         members = self.planned_members()
         machines, trips = self.known_machines(), self.round_trips(members)
+        self.keep_own_pricing(self.prices.own_by_serving(machines, ring, report))
         return self.prices.rebalance_verdict(machines, ring, [self.me, *members], report, trips)
 
     def planned_members(self) -> list[str]:
@@ -320,6 +337,13 @@ class HostSession:
         if self.admissions.demux is not None:
             self.admissions.demux.close()
         self.presence.sock.close()
+
+
+def _within(a: ModelPricing, b: ModelPricing, share: float) -> bool:
+    """Whether two pricings of a model differ by no more than `share` in any of their numbers."""
+    pairs = [(a.bandwidth_gb_s, b.bandwidth_gb_s), (a.head_bandwidth_gb_s, b.head_bandwidth_gb_s)]
+    pairs.append((a.overhead_us, b.overhead_us))
+    return a.model_sha256 == b.model_sha256 and all(abs(x - y) <= share * max(abs(x), abs(y)) for x, y in pairs)
 
 
 async def _send_home(routers: Sequence[LinkRouter], reason: str) -> None:

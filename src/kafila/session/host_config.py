@@ -4,13 +4,14 @@ this machine's address, the model's hash)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from kafila.contracts import Progress
+from kafila.contracts import FleetDevice, Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
@@ -19,8 +20,10 @@ from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.speculation import Speculate
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.llama.threads import CoreShare
+from kafila.runtime.machine.model_probe import host_prices_model, price_model_here
+from kafila.runtime.machine.probe import ProbeError
 from kafila.session.core import ServingPolicy
-from kafila.session.host_model import HostModel
+from kafila.session.host_model import HostModel, LocalModel
 
 # How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
 # so that the running ones can finish and the ring be replanned with them.
@@ -126,6 +129,42 @@ async def start_embedded_rendezvous(config: HostConfig) -> RendezvousHandle:
             "kafila host running here? `--rendezvous-port 0 --stun-port 0` take free ports (the join line "
             "says which)"
         ) from None
+
+
+async def price_model_here_first(config: HostConfig, device: FleetDevice, model_sha256: str | None, ui: HostUi) -> None:
+    """Before the first plan, this machine's pricing of the model it serves: kept from before, or
+    measured now on its own stages (`model_probe.price_model_here`, a few seconds), so that the
+    plan prices this host on the model itself and every member by the ratio of its generic probe
+    to this host's. A model on the hub that this host holds no copy of is priced as before, by
+    the generic probe, until its stage has served; KAFILA_PRICE_MODEL=off skips the measure."""
+    model = config.model
+    if not host_prices_model() or model_sha256 is None:
+        return
+    if not isinstance(model, LocalModel):
+        ui.say(f"pricing: this host holds no copy of {model.label}, so the first plan prices it by the generic probe")
+        return
+    loop = asyncio.get_running_loop()
+
+    def said(text: str, _fraction: float) -> None:
+        loop.call_soon_threadsafe(ui.say, f"pricing {model.name}'s stages on this machine: {text}")
+
+    memory = int(device.memory_gib * 2**30)
+    try:
+        pricing, stages = await asyncio.to_thread(
+            price_model_here, model.path, model_sha256, memory, config.threads, said
+        )
+    except ProbeError as error:
+        ui.warn("the model's stages could not be priced on this machine", f"{error}; the generic probe prices them")
+        return
+    numbers = f"b {pricing.bandwidth_gb_s} GB/s, head b {pricing.head_bandwidth_gb_s} GB/s, o {pricing.overhead_us} µs"
+    if stages is None:
+        ui.say(f"pricing {model.name}'s stages on this machine: kept from before ({numbers})")
+    else:
+        measured = ", ".join(
+            f"{s.first_block}-{s.end_block - 1}{' head' if s.is_head else ''} {s.ms_per_token:.2f} ms"
+            for s in stages.stages
+        )
+        ui.say(f"pricing {model.name}'s stages on this machine: {measured}; {numbers} (kept)")
 
 
 async def hash_with_progress(model: HostModel, ui: HostUi) -> str | None:

@@ -3,9 +3,11 @@
 Pure: the host hands in what it knows of the machines (`Machine`) and of the ring it deployed
 (`PlannedRing`); nothing here reads a link, a file or a clock. A machine is priced, best first,
 by what its stage measured serving this model in this session, by its own pricing of the model
-(`kafila probe --model`, kept on that machine and reported in its hello), or by the generic
-probe. Before a replan the host learns from what the stages measured (`learn_from_serving`); on
-an idle ring it asks whether another division would be clearly faster (`rebalance_verdict`).
+(`kafila probe --model`, a host's measure before its first plan, or what it served before; kept
+on that machine and reported in its hello), by the host's pricing scaled by the ratio of the
+two machines' generic probes (`pricing_by_ratio`), or by the generic probe alone. Before a
+replan the host learns from what the stages measured (`learn_from_serving`); on an idle ring it
+asks whether another division would be clearly faster (`rebalance_verdict`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kafila.contracts import FleetDevice, ModelPricing, StageReport
-from kafila.planner.fleet import device_of, pricing_for, pricing_from_serving
+from kafila.planner.fleet import device_of, pricing_by_ratio, pricing_for, pricing_from_serving
 from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
 from kafila.planner.round_trips import RoundTrips
 from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, ServingSpec
@@ -25,7 +27,8 @@ MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before
 # them: the first decodes after a load can run slow (pages faulted in, buffers first used).
 MIN_STEPS_TO_REBALANCE = 32
 
-SERVING, THE_MODEL, GENERIC = "serving", "the model", "the generic probe"  # where a machine's prices come from
+# Where a machine's prices come from.
+SERVING, THE_MODEL, SCALED, GENERIC = "serving", "the model", "the host's, scaled", "the generic probe"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class RingPricing:
     manifest: ModelManifest
     session: ServingSpec
     model_sha256: str | None = None  # known once the host has hashed its model
+    host: str | None = None  # the host's machine id: its pricing of the model prices the others by ratio
     served: dict[str, ModelPricing] = field(default_factory=dict)  # machine → priced by what it served
     last_verdict: RebalanceVerdict | None = None  # the latest reading of the serving ring's measurements
 
@@ -59,20 +63,38 @@ class RingPricing:
         self, machines: Mapping[str, Machine], member: str, served: Mapping[str, ModelPricing] | None = None
     ) -> ModelPricing | None:
         """The machine's pricing of the model served: from what its stage measured serving it in this
-        session (`served`, by default what was learned so far), or its own; None where only the
-        generic probe prices it."""
-        if self.model_sha256 is None:
+        session (`served`, by default what was learned so far), its own, or the host's scaled by
+        their generic probes (`scaled_from_host`); None where only the generic probe prices it."""
+        if self.model_sha256 is None or member not in machines:
             return None
         served = self.served if served is None else served
         if member in served:
             return served[member]
-        return pricing_for(self.model_sha256, list(machines[member].pricings)) if member in machines else None
+        own = pricing_for(self.model_sha256, list(machines[member].pricings))
+        if own is not None or member == self.host:
+            return own
+        return self.scaled_from_host(machines, member, served)
+
+    def scaled_from_host(
+        self, machines: Mapping[str, Machine], member: str, served: Mapping[str, ModelPricing]
+    ) -> ModelPricing | None:
+        """The host's pricing of the model (served or its own), scaled to `member` by the ratio of
+        their generic probes (`pricing_by_ratio`); None where the host has none."""
+        if self.host is None or self.host not in machines or member not in machines:
+            return None
+        hosts = self.pricing(machines, self.host, served)
+        if hosts is None:
+            return None
+        return pricing_by_ratio(self.manifest, machines[self.host].capability, hosts, machines[member].capability)
 
     def priced_on(self, machines: Mapping[str, Machine], member: str) -> str:
         """Where the machine's stage prices come from, in words."""
         if member in self.served:
             return SERVING
-        return THE_MODEL if self.pricing(machines, member) is not None else GENERIC
+        if self.model_sha256 is not None and member in machines:
+            if pricing_for(self.model_sha256, list(machines[member].pricings)) is not None:
+                return THE_MODEL
+        return SCALED if self.pricing(machines, member) is not None else GENERIC
 
     def forget(self, member: str) -> None:
         """A machine left: its seat may next be taken by another, which must not inherit its prices."""
@@ -154,6 +176,16 @@ class RingPricing:
         self.served.update(learned)
         return list(learned)
 
+    def own_by_serving(
+        self, machines: Mapping[str, Machine], ring: PlannedRing, report: Sequence[StageReport]
+    ) -> ModelPricing | None:
+        """The host's own pricing by what its stage measured, once it has timed
+        MIN_STEPS_TO_REBALANCE tokens alone: what this machine keeps for its next session."""
+        if self.host is None or self.host not in ring.chain:
+            return None
+        measured = self.measured_stage_times(report, MIN_STEPS_TO_REBALANCE)
+        return self.priced_by_serving(machines, ring, measured).get(self.host)
+
     def rebalance_verdict(
         self,
         machines: Mapping[str, Machine],
@@ -181,18 +213,22 @@ class RingPricing:
 
     def note(self, machines: Mapping[str, Machine], members: Sequence[str], model: str) -> str:
         """Which machines' stage times come from what, for the plan's reader."""
-        sources = {SERVING: "from what their stages measured serving", THE_MODEL: "priced on this model's own stages"}
+        sources = {
+            SERVING: "from what their stages measured serving",
+            THE_MODEL: "priced on this model's own stages",
+            SCALED: "from this model's stages as the host measured them, scaled by generic probe",
+        }
         how = f"`kafila probe --model {model}` on a machine prices this model's stages there (kept)"
         groups = {
             source: [machines[m].name for m in members if self.priced_on(machines, m) == source]
-            for source in (SERVING, THE_MODEL, GENERIC)
+            for source in (SERVING, THE_MODEL, SCALED, GENERIC)
         }
         present = [source for source, names in groups.items() if names]
         if present == [GENERIC]:
             return f"stage times: from the generic probe, which misjudges narrow models; {how}"
         if len(present) == 1:
             return f"stage times: every machine {sources[present[0]]}"
-        parts = [f"{sources[s]} for {', '.join(groups[s])}" for s in (SERVING, THE_MODEL) if groups[s]]
+        parts = [f"{sources[s]} for {', '.join(groups[s])}" for s in (SERVING, THE_MODEL, SCALED) if groups[s]]
         if groups[GENERIC]:
             parts.append(f"from the generic probe for {', '.join(groups[GENERIC])} ({how})")
         return "stage times: " + "; ".join(parts)

@@ -36,6 +36,7 @@ from kafila.session.host_config import (
     HostConfig,
     HostUi,
     hash_with_progress,
+    price_model_here_first,
     rendezvous_address,
     seconds_from_env,
     start_embedded_rendezvous,
@@ -266,7 +267,19 @@ class HostRunner:
         hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
         self.availability.waiting_for = ["this machine to be measured"]
         self._device = await asyncio.to_thread(this_device, memory=config.memory)
+        await self._price_model()
         await self.shell.drive(await self._open_and_gather())
+
+    async def _price_model(self) -> None:
+        """This machine's pricing of the model before the first plan (`price_model_here_first`),
+        taken before the code is said, so that no member starting up loads the cores it times."""
+        assert self._hashing is not None and self._device is not None
+        self.availability.waiting_for = ["this machine to price the model's stages"]
+        try:
+            sha256 = await asyncio.shield(self._hashing)
+        except Exception:  # gather says why the hash failed
+            return
+        await price_model_here_first(self.config, self._device, sha256, self.ui)
 
     async def _open_and_gather(self) -> list[Event]:
         """Open a session at the rendezvous, say its code, and wait until every seat is taken by a

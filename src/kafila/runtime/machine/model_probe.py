@@ -8,8 +8,10 @@ tight loop sees none of that, so it predicted ring stage times 30 to 60 per cent
 
 This probe measures on the serving path instead: it runs the model as two-stage rings over
 loopback sockets under two calibration divisions, one with a short block stage and one with
-a long one, and reads every stage's own decode time. From those it derives the planner's three
-numbers:
+a long one, and reads every stage's own decode time. A host pricing the model before its first
+plan runs the quick form (`quick=True`): one three-stage ring, a short block stage, a long one
+and the head, once, which times the same three kinds of stage with one load. From those it
+derives the planner's three numbers:
 - o and b, the line through the two block stages' (bytes, time) points;
 - b_head, the head's output-projection bytes over what the head stages spent beyond o + bytes / b.
 
@@ -18,7 +20,9 @@ The derivation is pure (`derive_costs`); only `probe_model_stages` touches llama
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,14 +36,17 @@ from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import block_range_file
+from kafila.runtime.llama.loading import BOUND_TEAMS_OPENMP, load_llama
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, load_llama_cpp, significant
-from kafila.runtime.machine.this_machine import cache_dir
+from kafila.runtime.machine.probe_child import PROBE_TIMEOUT_S, child_main, run_in_child
+from kafila.runtime.machine.this_machine import cache_dir, cached_model_pricings, save_model_pricing
 from kafila.units import human_bytes
 
 CALIBRATION_PROMPT = "The history of the printing press begins"
 CALIBRATION_TOKENS = 48
 CALIBRATION_REPEATS = 3
+QUICK_TOKENS = 32  # the quick form's one run: enough decodes for a stable mean, a second or so on a laptop
 
 
 class StageTime(Strict):
@@ -103,6 +110,23 @@ def calibration_divisions(n_blocks: int, starts: Sequence[int] | None = None) ->
     return [[first, n_blocks - first], [last, n_blocks - last]]
 
 
+def quick_division(n_blocks: int, starts: Sequence[int] | None = None) -> list[int] | None:
+    """One ring that times a short block stage, a long one and the head (with short blocks):
+    [k, n - 2k, k], k about a ninth of the model, at the cuts nearest where the model may only be
+    cut at some blocks. None where no such ring has two block stages of different lengths."""
+    short = max(1, n_blocks // 9)
+    cuts = list(range(1, n_blocks)) if starts is None else sorted(c for c in starts if 0 < c < n_blocks)
+    if len(cuts) < 2:
+        return None
+    first = min(cuts, key=lambda cut: (abs(cut - short), cut))
+    later = [cut for cut in cuts if cut > first]
+    if not later:
+        return None
+    second = min(later, key=lambda cut: (abs(cut - (n_blocks - short)), -cut))
+    division = [first, second - first, n_blocks - second]
+    return division if division[0] != division[1] else None
+
+
 def stage_times(divisions: Sequence[Sequence[int]], runs: Sequence[Sequence[float]]) -> list[StageTime]:
     """Each run's per-stage ms per token, labelled with the blocks that stage held."""
     out = []
@@ -155,8 +179,10 @@ def probe_model_stages(
     repeats: int = CALIBRATION_REPEATS,
     n_threads: int | None = None,
     memory_bytes: int | None = None,
+    quick: bool = False,
 ) -> ModelStageProbe:
-    """Run the calibration rings `repeats` times, interleaved, and derive o, b and b_head from the medians.
+    """Run the calibration rings `repeats` times, interleaved, and derive o, b and b_head from the medians;
+    `quick`, one three-stage ring once (`quick_division`), where the model has one.
 
     This process is the rings' head: load llama.cpp with `load_llama(shared_machine=True)` before
     anything else does, or its threads keep spinning while the other stage computes.
@@ -187,7 +213,10 @@ def probe_model_stages(
             first = whole.n_blocks - kept
             source = block_range_file(model, first, whole.n_blocks, Path(cache) / "part", is_head=True).path
             manifest = read_manifest(source)
-        divisions = calibration_divisions(manifest.n_blocks, manifest.stage_starts)
+        starts = manifest.stage_starts
+        one_ring = quick_division(manifest.n_blocks, starts) if quick else None
+        divisions = [one_ring] if one_ring is not None else calibration_divisions(manifest.n_blocks, starts)
+        repeats, tokens = (1, QUICK_TOKENS) if one_ring is not None else (repeats, CALIBRATION_TOKENS)
         runs: list[list[list[float]]] = [[] for _ in divisions]
         total = repeats * len(divisions)
         for repeat in range(repeats):  # interleaved, so a change in load hits both divisions alike
@@ -195,10 +224,15 @@ def probe_model_stages(
                 progress(f"timing {counts} as a local ring", (repeat * len(divisions) + index) / total)
                 engine = open_engine(source, counts, settings, Path(cache))
                 try:
-                    generation = generate(engine, CALIBRATION_PROMPT, CALIBRATION_TOKENS, SamplingSettings())
+                    generation = generate(engine, CALIBRATION_PROMPT, tokens, SamplingSettings())
                 finally:
                     engine.close()
-                times = [stage.ms_per_token for stage in generation.stages]
+                # The quick form's one run: the median of its decodes, as a session's stages report
+                # them, so the first decodes after the load (pages faulted in) weigh no more than one.
+                times = [
+                    (stage.ms_per_token_alone if one_ring is not None else None) or stage.ms_per_token
+                    for stage in generation.stages
+                ]
                 decoded = [t for t in times if t is not None and t > 0]
                 if len(decoded) != len(times):
                     raise ProbeError(f"a stage of {counts} reported no decode time: {times}")
@@ -231,3 +265,80 @@ def model_pricing(stages: ModelStageProbe, model_sha256: str) -> ModelPricing:
         head_bandwidth_gb_s=significant(stages.head_bandwidth_gb_s),
         overhead_us=significant(stages.overhead_us),
     )
+
+
+MEASURED_BEFORE_THE_FIRST_PLAN = "measured by a host before its first plan"
+
+
+def host_prices_model() -> bool:
+    """Whether a host measures its model's stages before the first plan and keeps what its stage
+    measured serving it: yes, unless KAFILA_PRICE_MODEL is off (the test suite's default, where
+    hosts of one model file would otherwise price each other's plans through a shared cache)."""
+    return os.environ.get("KAFILA_PRICE_MODEL", "on").strip().lower() not in ("off", "0", "no", "false")
+
+
+def model_probe_in_child(
+    model: Path,
+    memory_bytes: int,
+    n_threads: int | None = None,
+    progress: ProgressFn = _quiet,
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> ModelStageProbe:
+    """`probe_model_stages` in its quick form, in a child process (`probe_child.run_in_child`): a
+    native crash there is explained, not the host's death, and its threads are left free as the
+    calibration's always are, whatever this process was set up with for serving."""
+    command = [sys.executable, "-m", __name__, "--model", str(model), "--memory", str(memory_bytes)]
+    if n_threads is not None:
+        command += ["--threads", str(n_threads)]
+    env = {name: value for name, value in os.environ.items() if name not in BOUND_TEAMS_OPENMP}
+    return run_in_child(ModelStageProbe, command, progress, timeout_s, env)
+
+
+def price_model_here(
+    model: Path,
+    model_sha256: str,
+    memory_bytes: int,
+    n_threads: int | None = None,
+    progress: ProgressFn = _quiet,
+) -> tuple[ModelPricing, ModelStageProbe | None]:
+    """This machine's pricing of the model: the one kept (`this_machine.cached_model_pricings`:
+    measured before, by `kafila probe --model`, or by serving it), or measured now in the quick
+    form and kept, so that a second start does not pay for it. With the stages it was measured
+    from, where it was measured now. ProbeError where it cannot be measured."""
+    for kept in cached_model_pricings():
+        if kept.model_sha256 == model_sha256:
+            return kept, None
+    stages = model_probe_in_child(model, memory_bytes, n_threads, progress)
+    pricing = model_pricing(stages, model_sha256)
+    try:
+        save_model_pricing(pricing, MEASURED_BEFORE_THE_FIRST_PLAN)
+    except OSError as error:  # the pricing still serves this session
+        progress(f"cannot keep the pricing for later sessions: {error}", 1.0)
+    return pricing, stages
+
+
+def _child(arguments: Sequence[str]) -> None:
+    """The child of `model_probe_in_child`: `--model PATH --memory BYTES [--threads N]`."""
+    options = dict(zip(arguments[::2], arguments[1::2], strict=False))
+    threads = options.get("--threads")
+
+    def work(progress: ProgressFn) -> ModelStageProbe:
+        load_llama(shared_machine=True)  # the rings' head runs here; their other stages take turns with it
+        try:
+            return probe_model_stages(
+                Path(options["--model"]),
+                progress,
+                n_threads=int(threads) if threads is not None else None,
+                memory_bytes=int(options["--memory"]),
+                quick=True,
+            )
+        except (OSError, ValueError, RuntimeError) as error:  # a stage that failed to load, say
+            if isinstance(error, ProbeError):
+                raise
+            raise ProbeError(f"pricing {Path(options['--model']).name} failed: {error}") from None
+
+    child_main(work)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])

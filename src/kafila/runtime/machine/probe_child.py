@@ -6,6 +6,9 @@ kernels shows first (AMX: `cpu_safety`). In the caller's process that would be a
 explains: the signal, the CPU features llama.cpp reported, the likely cause and the setting that
 avoids it. The result is cached (`this_machine`), so a host pays for the child once per machine.
 
+The model-stage probe a host runs before its first plan goes the same way
+(`model_probe.model_probe_in_child`, through `run_in_child` and `child_main`).
+
 The child speaks JSON lines on the stdout it was given (progress, then a result or an error);
 its own fd 1 is pointed at stderr, so nothing native can garble them. Its stderr is kept and its
 last lines go into the error.
@@ -22,11 +25,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
-from typing import IO, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any, TypeVar
 
 from pydantic import ValidationError
 
+from kafila.contracts import Strict
 from kafila.runtime.llama.cpu_safety import died_by_signal, signal_of
 from kafila.runtime.llama.loading import repack_choice, system_info
 from kafila.runtime.llama.process_log import last_lines
@@ -36,6 +40,9 @@ CHILD_COMMAND = (sys.executable, "-m", "kafila.runtime.machine.probe_child")
 PROBE_TIMEOUT_S = 600.0  # the probe ends itself in well under a minute; this catches a hang
 INTERRUPTED = 130  # the child's status after Ctrl-C, as a shell reports one
 MAX_LINE = 1 << 20  # characters of one message; a result is a few kilobytes
+
+
+Result = TypeVar("Result", bound=Strict)
 
 
 def _quiet(_text: str, _fraction: float) -> None:
@@ -51,11 +58,24 @@ def probe_in_child(
 
     `command` starts the child; tests give one that dies on purpose.
     """
+    return run_in_child(DeviceProbe, command, progress, timeout_s)
+
+
+def run_in_child(
+    kind: type[Result],
+    command: Sequence[str],
+    progress: ProgressFn = _quiet,
+    timeout_s: float = PROBE_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+) -> Result:
+    """A child that speaks as `child_main` does: its result as a `kind`, or a ProbeError saying
+    why there is none; `env`, the child's whole environment (by default this process's)."""
     load_llama_cpp()  # a missing or broken llama.cpp is said here, as the child would say it
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
         process = subprocess.Popen(
-            list(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True, encoding="utf-8"
-        )
+            list(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True, encoding="utf-8",
+            env=dict(env) if env is not None else None,
+        )  # fmt: skip
         timed_out = threading.Event()
 
         def kill_if_hung() -> None:
@@ -84,7 +104,7 @@ def probe_in_child(
             if process.poll() is None:  # the caller was interrupted: the child goes with it
                 process.kill()
                 process.wait()
-        return _outcome(process.returncode, result, error, log, timed_out.is_set(), timeout_s)
+        return _outcome(kind, process.returncode, result, error, log, timed_out.is_set(), timeout_s)
 
 
 def _message(line: str) -> dict[str, Any]:
@@ -103,13 +123,14 @@ def _message(line: str) -> dict[str, Any]:
 
 
 def _outcome(
+    kind: type[Result],
     returncode: int,
     result: dict[str, Any] | None,
     error: dict[str, Any] | None,
     log: IO[str],
     timed_out: bool,
     timeout_s: float,
-) -> DeviceProbe:
+) -> Result:
     if timed_out:
         tail = " | ".join(last_lines(log)[-3:]) or "nothing"
         raise ProbeError(f"the probe did not finish in {timeout_s:.0f} s and was stopped; it said last: {tail}")
@@ -123,7 +144,7 @@ def _outcome(
         raise LlamaCppMissing(text) if error.get("kind") == "missing" else ProbeError(text)
     if returncode == 0 and result is not None:
         try:
-            return DeviceProbe.model_validate(result)
+            return kind.model_validate(result)
         except ValidationError as invalid:
             raise ProbeError(f"the probe's child sent an unreadable result: {invalid.errors()[0]['msg']}") from None
     tail = " | ".join(last_lines(log)[-5:]) or "nothing on its stderr"
@@ -141,6 +162,14 @@ def _send(channel: IO[str], message: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    child_main(run_probe)
+
+
+def child_main(work: Callable[[ProgressFn], Strict]) -> None:
+    """Run `work` as the child of `run_in_child`: progress and its result as JSON lines on the
+    stdout it was given, an error of the probe's kinds as one too."""
+    if hasattr(signal, "SIGPIPE"):  # Windows has none
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     faulthandler.enable()  # a native crash leaves the Python stack in the log the parent reads
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout.flush()
@@ -153,7 +182,7 @@ def main() -> None:
         _send(channel, {"progress": [text, fraction]})
 
     try:
-        result = run_probe(report)
+        result = work(report)
     except LlamaCppMissing as missing:
         _send(channel, {"error": str(missing), "kind": "missing"})
         raise SystemExit(1) from None
@@ -168,6 +197,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if hasattr(signal, "SIGPIPE"):  # Windows has none
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()

@@ -4,8 +4,9 @@ All local stages share one device, so the planner sees N identical members, each
 the memory; what it still decides is how many fewer blocks the head takes for its extra read.
 The probe takes several seconds, so its result is cached per machine, llama.cpp version and set of
 devices; the memory it offers is never more than is free when it is offered.
-So is each model's own pricing (`kafila probe --model`), by the model file's sha256: sessions
-serving that model on this machine plan with it.
+So is each model's own pricing, by the model file's sha256 and under the same key as the probe:
+`kafila probe --model`, a host's measure of its model before the first plan, or what a stage
+here later measured serving it. Sessions serving that model on this machine plan with it.
 """
 
 from __future__ import annotations
@@ -142,27 +143,31 @@ def _model_pricing_dir() -> Path:
     return cache_dir() / "model-pricing"
 
 
-def save_model_pricing(pricing: ModelPricing) -> Path:
-    """Keep a model's pricing for sessions on this machine; returns where it went."""
-    llama_cpp = load_llama()
+def _pricing_key() -> ProbeKey:
+    """A model's pricing holds for what the probe's does (`probe_key`): this llama.cpp, this
+    layout of the weights, these devices."""
+    return probe_key(load_llama().__version__, repack_choice().repack, backend_or_none())
 
+
+def save_model_pricing(pricing: ModelPricing, source: str = "kafila probe --model") -> Path:
+    """Keep a model's pricing for sessions on this machine, saying where it came from (`source`,
+    in words); returns where it went."""
     path = _model_pricing_dir() / f"{pricing.model_sha256}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"llama_cpp_version": llama_cpp.__version__, "pricing": pricing.model_dump()}
-    partial = path.with_suffix(".partial")
+    record = {**_pricing_key(), "source": source, "pricing": pricing.model_dump()}
+    partial = path.with_suffix(f".{os.getpid()}.partial")
     partial.write_text(json.dumps(record))
     partial.replace(path)  # a reader never sees half a file
     return path
 
 
 def cached_model_pricings(limit: int = 16) -> list[ModelPricing]:
-    """The models this machine priced with the llama.cpp it runs now, most recent first.
+    """The models this machine priced under the probe's key now (`_pricing_key`), most recent first.
 
-    A pricing from another llama.cpp version is stale (its kernels set the costs); an unreadable
-    file is skipped, as if it were not there.
+    A pricing from another llama.cpp version is stale (its kernels set the costs), as is one with
+    weights laid out otherwise or other devices; an unreadable file is skipped, as if it were not there.
     """
-    llama_cpp = load_llama()
-
+    key = _pricing_key()
     try:
         paths = sorted(_model_pricing_dir().glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     except OSError:
@@ -173,7 +178,7 @@ def cached_model_pricings(limit: int = 16) -> list[ModelPricing]:
             break
         try:
             record = json.loads(path.read_text())
-            if record.get("llama_cpp_version") == llama_cpp.__version__:
+            if all(record.get(name) == value for name, value in key.items()):
                 found.append(ModelPricing.model_validate(record["pricing"]))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
