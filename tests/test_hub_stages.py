@@ -23,7 +23,8 @@ from host_process import Host, free_port, running_host, seeded_cache, serving_al
 from pydantic import ValidationError
 from serving_checks import unsplit_greedy
 from test_session_network import head_elsewhere
-from tiny_models import write_tiny_model
+from tiny_gguf import write_split_parts
+from tiny_models import ModelShape, write_tiny_model
 
 from kafila.contracts import HubModel, HubPart
 from kafila.hub.fetch import fetch_model
@@ -126,6 +127,7 @@ def hub_session(
     host: str = "host",
     settings: tuple[str, ...] = SERVING,
     joiners: dict[str, subprocess.Popen[str]] | None = None,
+    reference: str = f"hf://{REPO}:Q8_0",
 ) -> Iterator[Host]:
     """A host on `hf://` with HF_TOKEN hf_host (its caches named `host`) and the members named, each
     with its own hub settings, joining one after another in the order given (so that a second
@@ -135,7 +137,7 @@ def hub_session(
     failed = False
     host_env = hub_env(tmp_path, host, hub.url, "hf_host")
     seeded_cache(Path(host_env["KAFILA_CACHE"]))  # the test session's one probe, as the members': one division
-    args = ("--model", f"hf://{REPO}:Q8_0", "--members", str(len(members) + 1), *settings, *COMMON)
+    args = ("--model", reference, "--members", str(len(members) + 1), *settings, *COMMON)
     try:
         with running_host(*args, ready=False, env=host_env) as serving:
             code, rendezvous = serving.join_line()
@@ -413,3 +415,44 @@ def test_a_member_whose_hub_sends_other_tensor_bytes_refuses_them_and_receives_i
     assert member["stage_source"] == "host" and "HubMismatch" in member["stage_why"], member
     assert lying.sent_to.get("Bearer hf_misled", 0) > 0  # it did fetch, and refused what came
     assert "could not fetch blocks" in outputs["misled"] and "receiving stage" in outputs["misled"]
+
+
+def test_a_model_in_49_parts_that_a_member_cannot_fetch_the_host_fetches_and_sends_in_requests_bounded_by_parts(
+    tmp_path: Path,
+) -> None:
+    """A model split in 49 parts of three tensors each; the member's hub is out of its reach, so the
+    host, which planned from the 49 headers, fetches that member's stage itself and sends it. Each
+    fetch asks every part's header once and each part's tensors in one range (one request a part,
+    never one a tensor), over connections the client keeps: the hub's requests grow with the parts,
+    not with parts times tensors. The ring serves the unsplit model's greedy text."""
+    shape = ModelShape(n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128, tied_output=False, embd_std=1.0)
+    whole = write_tiny_model(tmp_path / "Split-Q8_0.gguf", "llama", n_blocks=16, shape=shape)  # 147 tensors
+    (tmp_path / "parts").mkdir()
+    parts = write_split_parts(whole, tmp_path / "parts", 49)
+    n_tensors = len(HeaderReader(whole).tensors)
+    assert n_tensors == 3 * len(parts)
+    repo = "tiny-org/Split-GGUF"
+    hub = FakeHub({repo: Repo({p.name: p.read_bytes() for p in parts})})
+    outputs: dict[str, str] = {}
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with serving_hub(hub):
+        members = {"cut-off": hub_env(tmp_path, "cut", nowhere, "hf_cut")}
+        with hub_session(tmp_path, hub, members, outputs, reference=f"hf://{repo}:Q8_0") as host:
+            status = until_status(host, staged(1), "a ring whose member took its stage from the host", 240)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Split-Q8_0", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text and result.choices[0].text == unsplit_greedy(whole, PROMPT, 8)
+    member = members_of(status)["cut-off"]
+    assert member["stage_source"] == "host" and "HubUnreachable" in member["stage_why"], member
+    assert "receiving stage" in outputs["cut-off"], outputs["cut-off"]
+    gets = [(path, asked) for method, path, asked in hub.seen if method == "GET" and "/resolve/" in path]
+    tensor_gets = [(path, asked) for path, asked in gets if asked is not None and not asked.startswith("bytes=0-")]
+    heads = [path for method, path, _ in hub.seen if method == "HEAD"]
+    # Two fetches by range (the host's own stage and the member's), each one range a part at most;
+    # per tensor it would be up to 147.
+    assert 0 < len(tensor_gets) <= 2 * len(parts), len(tensor_gets)
+    # Every part's header: probed to plan, then checked by each fetch; and its HEAD each time.
+    assert len(gets) - len(tensor_gets) <= 4 * len(parts) and len(heads) <= 4 * len(parts), (len(gets), len(heads))
+    # Connections kept alive and shared by the fetches' workers (8 at a time): 17 were seen for
+    # about 350 requests; one a request, or one a tensor, would be hundreds.
+    assert len(hub.connections) <= len(parts), len(hub.connections)
