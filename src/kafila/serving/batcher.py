@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kafila.runtime.engine.draft_cost import TripClock, best_window
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.engine.logprobs import HeadRow, TokenLogprob, token_logprob
 from kafila.runtime.engine.sampling import SamplerStart, SamplingSettings, TokenSampler
@@ -226,6 +227,7 @@ class Batcher:
         self.speculation_off = _speculation_off(speculate, speculation_refused, prefix_cut)  # why, or None
         self.every_row_whole = every_row_whole
         self.speculation = SpeculationStats()
+        self.trip_clock = TripClock()  # what a wave and a drafted row cost on this ring (the cost rule)
         self.tokens_generated = 0  # tokens sampled, over the batcher's life (several per trip where drafts are kept)
 
     # --- requests in and out ----------------------------------------------------------------
@@ -498,7 +500,7 @@ class Batcher:
                 proposed.append([])
                 continue
             room = min(
-                sequence.window.allowed,
+                self._paying(sequence.window, len(decoding)),
                 sequence.job.max_tokens - len(sequence.generated) - 1,
                 self.context - sequence.position - 1,
                 MAX_DRAFT,
@@ -522,6 +524,15 @@ class Batcher:
         if job.logprobs is not None:
             return "its log probabilities need each row's log-sum-exp, which a ROWS frame does not carry yet"
         return None
+
+    def _paying(self, window: DraftWindow, sharing: int) -> int:
+        """The drafts `window` allows, but no more than pay on this ring once its waves have been
+        timed (`draft_cost.best_window`, the sequence's accept rate against the measured trip and
+        drafted row; `sharing`: the sequences of the wave its rows would delay)."""
+        cost = self.trip_clock.cost
+        if cost is None or window.allowed == 0:
+            return window.allowed
+        return best_window(window.accept.rate, cost.trip_ms, cost.row_ms, window.allowed, sharing)
 
     def _verify(self, sequence: _Sequence, step: EngineStep, row: EveryRowLogits) -> list[RequestEvent]:
         """Land a token and its drafts: sample each row in turn, as decoding without drafts would

@@ -233,6 +233,8 @@ class EngineLoop:
             with self._lock:
                 before = self.batcher.tokens_generated
                 events = self.batcher.advance(results)
+                if all(step.decode for step in steps):  # what drafted rows cost, for the cost rule
+                    self.batcher.trip_clock.record(sum(len(step.tokens) - 1 for step in steps), elapsed)
                 self._count(
                     steps_rows=sum(len(s.tokens) for s in steps if not s.decode),
                     elapsed=elapsed,

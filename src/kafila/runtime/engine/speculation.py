@@ -21,10 +21,11 @@ Pure: no model, no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kafila.planner.types import DRAFT_ROWS
+from kafila.runtime.engine.draft_cost import AcceptRate
 
 MAX_DRAFT = 8  # drafted tokens per sequence per trip, at most
 # Drafted rows in one wave, all sequences together: the head reserves a row of logits for each
@@ -100,6 +101,7 @@ class DraftWindow:
     drafted: int = 0
     accepted: int = 0
     trips: int = 0  # trips that carried drafts
+    accept: AcceptRate = field(default_factory=AcceptRate)  # what the cost rule weighs (`draft_cost`)
 
     @property
     def allowed(self) -> int:
@@ -107,8 +109,9 @@ class DraftWindow:
         return 0 if self.resting else self.size
 
     def skip(self) -> None:
-        """A trip without drafts (none found, or resting): one less to rest."""
+        """A trip without drafts (none found, resting, or not paying): one less to rest."""
         self.resting = max(0, self.resting - 1)
+        self.accept.landed(0, 0)
 
     def landed(self, drafted: int, accepted: int) -> None:
         """A trip that carried `drafted` tokens, of which the first `accepted` were kept."""
@@ -120,6 +123,7 @@ class DraftWindow:
         self.drafted += drafted
         self.accepted += accepted
         self.trips += 1
+        self.accept.landed(drafted, accepted)
         if accepted == drafted:
             self.size = min(MAX_DRAFT, 2 * self.size) if drafted >= self.size else self.size
             self.misses, self.rest = 0, FIRST_REST

@@ -1,0 +1,117 @@
+"""Whether drafts pay on this ring: the cost rule of speculative decoding.
+
+A drafted row is not free. Every stage computes it, and the head returns a row of logits for it,
+which on a large vocabulary (gemma's 262,144 entries) is most of its cost: a trip that carries k
+drafts takes T + k·c, where T is the trip without them (the ring's round trip and one row's
+compute) and c what one more row costs. It brings 1 + p + p² + … + pᵏ tokens on average, p being
+the chance that a draft is kept once the one before it was. So drafts pay where some k > 0 gives
+more tokens a millisecond than none: for one draft, where p·T > c, the expected gain (the accept
+rate times the trip) against the measured cost of the extra row. Across homes T is large and any
+fair accept rate pays; on loopback T is a row's compute and only a sequence copying text does.
+A wave shared by n sequences delays all n by a drafted row, so its cost counts n times.
+
+`TripClock` measures T and c from the waves the engine loop lands (their drafted rows and wall
+times; nothing is sent to measure them), `AcceptRate` a sequence's p from its recent trips, and
+`best_window` picks the window. Deciding never costs a trip: a sequence that drafts nothing
+simply rides its wave with one row.
+
+Pure: no model, no I/O.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import combinations
+
+# The waves a trip's cost is measured over: recent enough to follow a load that changes, enough
+# for a median to shrug off a few waves the operating system delayed.
+CLOCK_WAVES = 32
+MIN_DRAFTED_WAVES = 3  # of them, those with drafts needed to see what a drafted row costs
+# A sequence's accept rate weighs its recent trips: each drafted trip's evidence decays by DECAY,
+# and while it drafts nothing (its drafts did not pay) by FORGET a trip, so that a sequence whose
+# text turns to copying is tried again. A sequence starts at PRIOR_KEPT kept and none missed:
+# optimistic, so its first drafts are tried wherever a draft that is kept pays.
+DECAY, FORGET = 0.8, 0.98
+PRIOR_KEPT = 1.0
+
+
+def expected_tokens(accept_rate: float, drafts: int) -> float:
+    """Tokens a trip carrying `drafts` drafts brings on average: its own, then each draft while
+    all before it were kept (1 + p + … + pᵏ)."""
+    return sum(accept_rate**i for i in range(drafts + 1))
+
+
+def best_window(accept_rate: float, trip_ms: float, row_ms: float, limit: int, sharing: int = 1) -> int:
+    """How many drafts (0..`limit`) give a sequence the most tokens a millisecond: a trip of k
+    drafts takes `trip_ms` + k·`row_ms`·`sharing` (its rows delay the `sharing` sequences of its
+    wave) and brings `expected_tokens`. 0 where no draft pays; the smallest of equal windows."""
+    if not 0.0 <= accept_rate <= 1.0:
+        raise ValueError(f"an accept rate of {accept_rate}: need 0..1")
+    if trip_ms <= 0 or row_ms < 0 or sharing < 1:
+        raise ValueError(f"a trip of {trip_ms} ms, {row_ms} ms a row, {sharing} sequences: need > 0, >= 0, >= 1")
+    best, best_rate = 0, 1.0 / trip_ms
+    for drafts in range(1, max(0, limit) + 1):
+        rate = expected_tokens(accept_rate, drafts) / (trip_ms + drafts * row_ms * sharing)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = drafts, rate
+    return best
+
+
+@dataclass(frozen=True)
+class TripCost:
+    """What a wave costs: `trip_ms` without drafts, and `row_ms` more for each drafted row."""
+
+    trip_ms: float
+    row_ms: float
+
+
+@dataclass
+class TripClock:
+    """The recent decode waves' drafted rows and wall times, and the trip cost they show: the
+    Theil–Sen line through them (the median of the slopes between waves with different drafted
+    rows, and the median intercept), which a few delayed waves do not move. None until waves with
+    two different numbers of drafted rows have landed, MIN_DRAFTED_WAVES of them with drafts; the
+    last estimate stays while the recent waves show no more (every sequence drafting nothing, say)."""
+
+    waves: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=CLOCK_WAVES))
+    cost: TripCost | None = None
+
+    def record(self, drafted_rows: int, seconds: float) -> None:
+        """A decode wave that carried `drafted_rows` drafts (all sequences together) landed after `seconds`."""
+        if drafted_rows < 0 or not seconds >= 0:
+            raise ValueError(f"a wave of {drafted_rows} drafted rows in {seconds} s")
+        self.waves.append((drafted_rows, 1e3 * seconds))
+        if sum(rows > 0 for rows, _ in self.waves) < MIN_DRAFTED_WAVES:
+            return
+        slopes = [(b_ms - a_ms) / (b - a) for (a, a_ms), (b, b_ms) in combinations(self.waves, 2) if a != b]
+        if not slopes:
+            return
+        row_ms = max(0.0, statistics.median(slopes))
+        trip_ms = statistics.median(ms - row_ms * rows for rows, ms in self.waves)
+        self.cost = TripCost(max(trip_ms, 1e-3), row_ms)
+
+
+@dataclass
+class AcceptRate:
+    """A sequence's recent accept rate: of its drafts tried, the share kept given the one before
+    it was (a trip's drafts are kept up to the first miss, so a trip adds its kept drafts and, if
+    one was missed, one miss), weighed towards recent trips."""
+
+    kept: float = 0.0
+    missed: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.kept + PRIOR_KEPT) / (self.kept + self.missed + PRIOR_KEPT)
+
+    def landed(self, drafted: int, accepted: int) -> None:
+        """A trip that carried `drafted` drafts, the first `accepted` kept; one without drafts forgets a little."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"{accepted} accepted of {drafted} drafted")
+        if drafted == 0:
+            self.kept, self.missed = FORGET * self.kept, FORGET * self.missed
+            return
+        self.kept = DECAY * self.kept + accepted
+        self.missed = DECAY * self.missed + (accepted < drafted)

@@ -1,0 +1,203 @@
+"""The cost rule of speculative decoding: a sequence drafts only as many tokens as pay on this
+ring, by its accept rate against the measured trip and drafted row. Pure: the rule, the clock
+and the accept rate alone, then the batcher against a scripted model on a simulated ring whose
+waves take a trip plus a cost per drafted row."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_speculation import VOCAB, Sample, ScriptedModel, table_of
+
+from kafila.runtime.engine.draft_cost import (
+    CLOCK_WAVES,
+    AcceptRate,
+    TripClock,
+    TripCost,
+    best_window,
+    expected_tokens,
+)
+from kafila.runtime.engine.engines import PrefixCut
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.engine.speculation import MAX_DRAFT, DraftWindow, Speculate
+from kafila.serving.batcher import Batcher, Job, TextDelta
+
+
+def test_a_trip_brings_its_token_then_each_draft_while_all_before_it_were_kept() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize(
+    ("rate", "trip_ms", "row_ms", "drafts"),
+    [
+        (0.29, 100.0, 30.0, 0),  # one draft pays where rate × trip > row: 29 < 30
+        (0.31, 100.0, 30.0, 1),
+        (1.0, 100.0, 99.0, MAX_DRAFT),  # every draft kept: all allowed, where a row costs less than a trip
+        (1.0, 100.0, 100.0, 0),  # ... and none where it costs as much
+        (0.9, 150.0, 10.0, MAX_DRAFT),  # across homes a fair rate pays the whole window
+        (0.5, 45.0, 31.0, 0),  # on a loaded loopback only copying text does
+    ],
+)
+def test_drafts_pay_where_the_accept_rate_times_the_trip_exceeds_a_rows_cost(
+    rate: float, trip_ms: float, row_ms: float, drafts: int
+) -> None:
+    assert best_window(rate, trip_ms, row_ms, MAX_DRAFT) == drafts
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    rate=st.floats(0.0, 1.0),
+    trip_ms=st.floats(1.0, 500.0),
+    row_ms=st.floats(0.0, 200.0),
+    limit=st.integers(0, MAX_DRAFT),
+    sharing=st.integers(1, 4),
+)
+def test_the_window_chosen_is_never_slower_than_none_and_moves_the_right_way(
+    rate: float, trip_ms: float, row_ms: float, limit: int, sharing: int
+) -> None:
+    """Its tokens a millisecond are at least no drafts' (so a sequence whose rate is known never
+    loses by drafting), it stays within the limit, and it never grows with a dearer row, a
+    shorter trip, a lower accept rate or more sequences sharing the wave."""
+    chosen = best_window(rate, trip_ms, row_ms, limit, sharing)
+    assert 0 <= chosen <= limit
+    assert expected_tokens(rate, chosen) / (trip_ms + chosen * row_ms * sharing) >= (1 - 1e-9) / trip_ms
+    assert best_window(rate, trip_ms, row_ms * 1.5 + 1, limit, sharing) <= chosen
+    assert best_window(rate, trip_ms / 2, row_ms, limit, sharing) <= chosen
+    assert best_window(rate * 0.8, trip_ms, row_ms, limit, sharing) <= chosen
+    assert best_window(rate, trip_ms, row_ms, limit, sharing + 1) <= chosen
+
+
+def test_bad_figures_are_refused() -> None:
+    for rate, trip_ms, row_ms, sharing in (
+        (1.5, 10.0, 1.0, 1),
+        (0.5, 0.0, 1.0, 1),
+        (0.5, 10.0, -1.0, 1),
+        (0.5, 10.0, 1.0, 0),
+    ):
+        with pytest.raises(ValueError):
+            best_window(rate, trip_ms, row_ms, 4, sharing)
+    with pytest.raises(ValueError):
+        TripClock().record(-1, 0.1)
+    with pytest.raises(ValueError):
+        AcceptRate().landed(2, 3)
+
+
+def test_the_clock_finds_the_trip_and_the_row_and_shrugs_off_delayed_waves() -> None:
+    clock = TripClock()
+    clock.record(0, 0.100)
+    clock.record(0, 0.102)
+    assert clock.cost is None  # every wave drafted as much: no row cost to see
+    for drafted in (2, 4, 8, 1, 0, 8, 3):
+        clock.record(drafted, (100 + 25 * drafted) / 1e3)
+    clock.record(0, 2.0)  # a wave the operating system held up
+    assert clock.cost is not None
+    assert clock.cost.trip_ms == pytest.approx(100, abs=3) and clock.cost.row_ms == pytest.approx(25, abs=2)
+    for _ in range(CLOCK_WAVES):  # drafts stopped: the waves no longer differ, the estimate stays
+        clock.record(0, 0.1)
+    assert clock.cost.row_ms == pytest.approx(25, abs=2)
+
+
+def test_the_accept_rate_starts_hopeful_follows_recent_trips_and_forgets_while_idle() -> None:
+    rate = AcceptRate()
+    assert rate.rate == 1.0  # a first draft is tried wherever a kept one pays
+    for _ in range(6):
+        rate.landed(4, 4)
+    assert rate.rate == 1.0
+    rate.landed(4, 0)
+    assert 0.7 < rate.rate < 1.0
+    for _ in range(10):
+        rate.landed(2, 0)
+    low = rate.rate
+    assert low < 0.4
+    for _ in range(100):
+        rate.landed(0, 0)  # trips without drafts: tried again, some time later
+    assert rate.rate > low + 0.25
+    window = DraftWindow()
+    window.landed(4, 1)
+    window.skip()
+    assert window.accept.kept < 1.0 and window.accept.missed < 1.0
+
+
+# --- the rule in the batcher, on a simulated ring -------------------------------------------
+
+CYCLE = np.full((VOCAB, VOCAB, VOCAB), -9.0, dtype=np.float32)
+for _b in range(VOCAB):  # a model that copies the cycle 3..11 forever
+    CYCLE[:, _b, 3 if _b == 11 or _b < 3 else _b + 1] = 9.0
+
+
+def simulate(
+    table: np.ndarray,
+    jobs: Sequence[Job],
+    speculate: Speculate,
+    seed: int | None,
+    trip_ms: float,
+    row_ms: float,
+    batcher: Batcher | None = None,
+) -> tuple[dict[str, str], float, Batcher]:
+    """Serve `jobs` as the engine loop does (on `batcher`, else a new one), timing each wave as a
+    ring whose trip takes `trip_ms` and each drafted row `row_ms` more: their texts, the time
+    taken and the batcher."""
+    batcher = batcher or Batcher(
+        2, 16, 256, lambda _s: Sample(seed), lambda t: f"<{t}>".encode(), lambda t: t == 0,
+        PrefixCut.ANYWHERE, speculate,
+    )  # fmt: skip
+    model = ScriptedModel(table)
+    for job in jobs:
+        batcher.submit(job)
+    texts = {job.request_id: "" for job in jobs}
+    elapsed = 0.0
+    while not batcher.idle or batcher.trimming:
+        for trim in batcher.take_trims():
+            model.forget(trim.slot, trim.keep)
+        steps = batcher.plan()
+        if not steps:
+            continue
+        drafted = sum(len(step.tokens) - 1 for step in steps if step.decode)
+        seconds = (trip_ms + row_ms * drafted) / 1e3
+        elapsed += seconds
+        for event in batcher.advance(model.run(steps)):
+            if isinstance(event, TextDelta):
+                texts[event.request_id] += event.text
+        if all(step.decode for step in steps):
+            batcher.trip_clock.record(drafted, seconds)
+    return texts, elapsed, batcher
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    table_seed=st.integers(0, 2**16), ring=st.sampled_from([(45.0, 31.0), (105.0, 31.0), (20.0, 25.0), (300.0, 30.0)])
+)
+def test_free_text_never_loses_more_than_five_percent_to_drafts(table_seed: int, ring: tuple[float, float]) -> None:
+    """Sampled free text, whose drafts are mostly missed: with the rule, at loopback's trip or
+    across homes, drafting never costs more than 5% of the time decoding without it takes, on a
+    ring whose costs an earlier request measured (as a host's first requests measure its ring)."""
+    trip_ms, row_ms = ring
+    table = table_of(table_seed, peaked=False)
+    jobs = [Job("chat", [3, 4, 5, 3, 4, 6, 7, 3, 4], 200, SamplingSettings())]
+    plain, plain_s, _ = simulate(table, jobs, Speculate.OFF, table_seed, trip_ms, row_ms)
+    _, _, measured = simulate(CYCLE, [Job("warm", [3, 4, 5, 6, 7, 8, 9, 10, 11, 3], 60, SamplingSettings())],
+                              Speculate.NGRAM, table_seed, trip_ms, row_ms)  # fmt: skip
+    assert measured.trip_clock.cost is not None
+    drafted, drafted_s, batcher = simulate(table, jobs, Speculate.NGRAM, table_seed, trip_ms, row_ms, measured)
+    assert drafted == plain
+    assert plain_s / drafted_s >= 0.95, (plain_s, drafted_s, batcher.speculation)
+
+
+def test_a_copy_drafts_its_whole_window_and_text_that_departs_stops_drafting_where_rows_are_dear() -> None:
+    copy = [Job("copy", [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], 120, SamplingSettings())]
+    plain, plain_s, _ = simulate(CYCLE, copy, Speculate.OFF, None, 45.0, 31.0)
+    drafted, drafted_s, batcher = simulate(CYCLE, copy, Speculate.NGRAM, None, 45.0, 31.0)
+    assert drafted == plain
+    assert batcher.trip_clock.cost == TripCost(pytest.approx(45.0), pytest.approx(31.0))  # type: ignore[arg-type]
+    # 9 tokens a trip of 45 + 8 × 31 ms against one a 45 ms trip: 1.38×, a loopback whose rows are dear
+    assert batcher.speculation.mean_window > MAX_DRAFT - 2 and plain_s / drafted_s > 1.3
+    # Sampled text on that ring: after a few misses it drafts nothing, and is never tried every trip again.
+    _, _, batcher = simulate(table_of(7, peaked=False), [Job("chat", [3, 4, 5, 3, 4], 200, SamplingSettings())],
+                             Speculate.NGRAM, 7, 45.0, 31.0)  # fmt: skip
+    assert batcher.speculation.trips < 40, batcher.speculation
