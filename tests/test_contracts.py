@@ -25,10 +25,14 @@ from kafila.wire.frames import Frame, Kind
 
 
 def test_a_stage_report_goes_to_json_and_back_unchanged() -> None:
-    report = StageReport(range=(2, 6), ms_per_token=1.5, ms_per_token_alone=1.25, steps_alone=40, seconds=3.0, rows=90)
+    report = StageReport(
+        range=(2, 6), ms_per_token=1.5, ms_per_token_alone=1.25, steps_alone=40, prefill_ms_per_token=0.5, seconds=3.0,
+        rows=90,
+    )  # fmt: skip
     wire = report.wire()
     assert wire == {
         "range": [2, 6], "ms_per_token": 1.5, "ms_per_token_alone": 1.25, "steps_alone": 40, "seconds": 3.0, "rows": 90,
+        "prefill_ms_per_token": 0.5,
     }  # fmt: skip
     assert StageReport.model_validate(json.loads(json.dumps(wire))) == report
 

@@ -6,6 +6,10 @@ greedy tokens pipelined as not, with chunks of one prompt out round the ring tog
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +27,7 @@ from test_speculation_models import REPEATING, SETTINGS, Departing, cut_in_two
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, ModelShape, write_tiny_model
 
+from kafila.planner.prefill import prefill_chunk_rows
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, RingEngine, SequenceFailed
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings, TokenSampler
@@ -31,7 +36,7 @@ from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Batcher, Finished, Job, RequestFailed, TextDelta, Trim
-from kafila.serving.engine_loop import prefill_chunks_in_flight
+from kafila.serving.engine_loop import EngineLoop, prefill_chunks_in_flight
 
 END = 0
 
@@ -67,11 +72,24 @@ def test_a_long_prompt_is_out_in_successive_waves_up_to_the_bound_in_position_or
     assert decode.decode and decode.position == 30
 
 
-def test_off_by_default_a_prompt_is_in_one_wave_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_by_default_one_chunk_a_wave_in_flight_and_the_setting_overrides_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, as many chunks of a prompt as the engine keeps waves out (one per machine: off on
+    one machine); KAFILA_PREFILL_CHUNKS=1 turns it off, and a value that is no whole number of at
+    least 1 is refused naming it, by the engine loop and by the command line before anything starts."""
     monkeypatch.delenv("KAFILA_PREFILL_CHUNKS", raising=False)
-    assert prefill_chunks_in_flight() == 1
-    monkeypatch.setenv("KAFILA_PREFILL_CHUNKS", "3")
-    assert prefill_chunks_in_flight() == 3
+    assert prefill_chunks_in_flight(3) == 3 and prefill_chunks_in_flight(1) == 1
+    monkeypatch.setenv("KAFILA_PREFILL_CHUNKS", " 1 ")
+    assert prefill_chunks_in_flight(3) == 1
+    for bad in ("0", "two", "-2", "1.5"):
+        monkeypatch.setenv("KAFILA_PREFILL_CHUNKS", bad)
+        with pytest.raises(ValueError, match=f"KAFILA_PREFILL_CHUNKS='{re.escape(bad)}' is not a whole number"):
+            prefill_chunks_in_flight(3)
+    command = [sys.executable, "-m", "kafila", "status"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, env={**os.environ})
+    assert result.returncode == 1 and "KAFILA_PREFILL_CHUNKS='1.5' is not a whole number" in result.stderr
+    assert "Traceback" not in result.stderr
     b = Batcher(2, 8, 256, lambda _s: Argmax(), lambda t: b"", lambda t: t == END)
     b.submit(job("a", 30))
     assert chunks(b.plan(waves=2)) == [(0, 0, 8, False)]
@@ -285,7 +303,7 @@ def test_status_shows_chunks_of_one_prompt_out_together(monkeypatch: pytest.Monk
             status = json.load(response)
     text, finish = reply["choices"][0]["text"], reply["choices"][0]["finish_reason"]
     assert text == expected if finish == "length" else expected.startswith(text)
-    assert status["prefill"] == {"chunks": 2, "most_chunks_out": 2}, status["prefill"]
+    assert (status["prefill"]["chunks"], status["prefill"]["most_chunks_out"]) == (2, 2), status["prefill"]
 
 
 def test_the_stages_own_timers_show_two_stages_computing_one_prompt_at_once(tmp_path: Path) -> None:
@@ -323,6 +341,38 @@ def test_the_stages_own_timers_show_two_stages_computing_one_prompt_at_once(tmp_
         assert computed <= wall
         computed, wall = computed_and_wall(chunks=2)
         assert computed > wall, f"the stages computed {computed:.3f} s in {wall:.3f} s"
+    finally:
+        engine.close()
+
+
+def test_the_engine_loop_sizes_chunks_by_what_the_stages_measured(tmp_path: Path) -> None:
+    """Before the stages have prefilled anything, a prompt goes in as few even chunks as a step
+    allows; once their report (a PING round the ring) carries each stage's ms per prompt row and
+    a step's cost, the loop prices the ring with them and the trip the PING took, and a long
+    prompt's chunks are the cost model's length, each wave carrying one."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    engine = open_engine(model, [2, 2], SETTINGS, tmp_path / "stages")
+    engine.depth = 2  # as on a ring of two machines
+    prompt = (engine.tokenize(PROMPT) * 64)[:200]
+    try:
+        loop = EngineLoop(engine, 1, 64, 256)  # not started: its thread would take the waves planned here
+        loop.batcher.submit(Job("first", prompt, 1, GREEDY))
+        assert chunks(loop.batcher.plan(2)) == [(0, 0, 50, False)] and loop.batcher.last_chunk_rows == 50
+        loop.batcher.cancel("first")
+        drive(engine, [Job("measured", prompt, 2, GREEDY)], chunks=1, depth=2)  # the stages time a prompt
+        loop._refresh_report()
+        costs = loop.prefill_costs
+        assert costs is not None and len(costs.stages) == 2 and loop.ring_ms is not None and loop.ring_ms > 0
+        assert all(stage.ms_per_row > 0 and stage.step_ms > 0 for stage in costs.stages)
+        assert costs.ring_ms == loop.ring_ms
+        expected = prefill_chunk_rows(200, costs, 2, 64)
+        loop.batcher.submit(Job("second", prompt[::-1], 1, GREEDY))
+        assert loop.batcher.plan(2) == []  # admitted: its slot's cache is cut first
+        for trim in loop.batcher.take_trims():
+            engine.forget(trim.slot, trim.keep)
+        assert chunks(loop.batcher.plan(2)) == [(0, 0, expected, False)]
+        assert chunks(loop.batcher.plan(2)) == [(0, expected, expected, False)]
+        assert loop.batcher.last_chunk_rows == expected
     finally:
         engine.close()
 
@@ -378,8 +428,9 @@ def test_prefix_reuse_replay_and_drafts_hold_pipelined(tmp_path: Path) -> None:
 
 def test_a_three_member_session_over_quic_pipelines_a_long_prompt(tmp_path: Path) -> None:
     """A host and two members joined over QUIC, three waves in flight (as on three machines) and
-    KAFILA_PREFILL_CHUNKS=3: a prompt of three 512-row chunks is out round the ring in three waves
-    at once, and the greedy answer is the unsplit model's."""
+    KAFILA_PREFILL_CHUNKS=3: a prompt of 1,100 rows is out round the ring in three waves at once,
+    in as few even chunks as a step of 512 rows allows (the stages have measured no prompt yet, so
+    the cost model has nothing to split it further by), and the greedy answer is the unsplit model's."""
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
     whole = WholeModel(model, ContextSettings(n_ctx=2048, n_batch=512, n_seq_max=1, n_threads=1))
     try:
@@ -403,6 +454,7 @@ def test_a_three_member_session_over_quic_pipelines_a_long_prompt(tmp_path: Path
             reply = json.load(response)
         status = status_of(host)
     assert status["pipeline_waves"] == 3 and len(status["members"]) == 3
-    assert status["prefill"] == {"chunks": 3, "most_chunks_out": 3}, status["prefill"]
+    prefill = status["prefill"]
+    assert (prefill["chunks"], prefill["most_chunks_out"], prefill["chunk_rows"]) == (3, 3, 367), prefill
     choice = reply["choices"][0]
     assert choice["text"] == text if choice["finish_reason"] == "length" else text.startswith(choice["text"])

@@ -96,6 +96,7 @@ class StageReport(Strict):
     ms_per_token: Milliseconds | None = None  # every decode row, batched ones included
     ms_per_token_alone: Milliseconds | None = None  # recent decodes of one row: what the planner prices
     steps_alone: Annotated[int, Field(ge=0)] = 0  # decodes of one row so far: a new one means fresh figures
+    prefill_ms_per_token: Milliseconds | None = None  # prompts' rows: what pipelined prefill's chunks are sized by
     seconds: Annotated[float, Field(ge=0)] | None = None  # all the time it spent decoding, prompts included
     rows: Annotated[int, Field(ge=0)] | None = None
 
@@ -297,6 +298,8 @@ class PrefillStatus(Strict):
 
     chunks: Annotated[int, Field(ge=1)]  # chunks of one prompt allowed out round the ring at once; 1: off
     most_chunks_out: Annotated[int, Field(ge=0)] = 0  # the most chunks of one prompt seen out at once
+    chunk_rows: Annotated[int, Field(ge=1)] | None = None  # the last pipelined prompt's chunk length (the cost model's)
+    ring_ms: Milliseconds | None = None  # the last stage report's trip round the ring, one way, which it prices
 
 
 class HostStatus(SessionStatus):

@@ -33,6 +33,7 @@ from kafila.runtime.gguf.gguf_file import GGUFFormatError
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import SliceError, check_family
 from kafila.runtime.llama.cpu_safety import repack_mode
+from kafila.serving.engine_loop import prefill_chunks_setting
 
 app = typer.Typer(
     name="kafila",
@@ -152,6 +153,7 @@ def root(
     """Run one large language model across the few machines you own or trust."""
     try:
         repack_mode(os.environ)  # read where models load, deep in a session: a bad value is said here
+        prefill_chunks_setting(os.environ)  # read where a ring starts serving: likewise
     except ValueError as error:
         fail(str(error), as_json=False)
 

@@ -17,6 +17,9 @@ sequence's frames in the order they left (one stream round a local ring, one QUI
 sequence), so chunk i's rows are in each stage's cache before chunk i+1's run there. Sequences
 not in flight are planned first, decode rows before any chunk, so a pipelined prompt never
 takes a decoding sequence's row; its further chunks ride in what is left of the wave's rows.
+A pipelined prompt's chunks are as long as `chunk_rows` says for it when it is admitted (the
+cost model's choice: short enough that the stages overlap, long enough that each chunk's fixed
+costs and the ring's trip do not dominate; a prompt too short to gain is not split).
 
 A slot keeps its cache when its request ends, and the host keeps, per slot, the tokens whose
 KV every stage holds there. A new request takes the free slot whose tokens share the longest
@@ -142,6 +145,7 @@ class _Sequence:
     fed: int = 0  # rows of `prefill` already in the KV cache
     generated: list[int] = field(default_factory=list)
     out: int = 0  # waves holding its rows that have not landed yet
+    chunk: int | None = None  # rows of its prompt a wave carries at most (pipelined prefill); None: what fits
     sent: int = 0  # rows of `prefill` planned into waves, landed or not (>= fed)
     cached: int = 0  # prompt tokens an earlier request's cache held: prefill started after them
     held: int = 0  # rows landed in the cache: prompt tokens, then generated ones fed back
@@ -203,17 +207,22 @@ class Batcher:
         speculation_refused: str | None = None,
         every_row_whole: bool = True,
         prefill_chunks: int = 1,
+        chunk_rows: Callable[[int], int] | None = None,
     ) -> None:
         """`speculate`: what to draft with; `speculation_refused`: why the engine cannot check
         drafts (`Engine.speculation_refused`), None where it can; `every_row_whole`: whether it
         answers drafted rows whole, or with each row's largest logits only (`Engine.every_row_whole`);
         `prefill_chunks`: how many chunks of one prompt may be out in waves at once (1: one wave
-        at a time, no pipelined prefill)."""
+        at a time, no pipelined prefill); `chunk_rows`: with pipelined prefill, the length of a
+        prompt's chunks for the rows it has to prefill (the cost model's,
+        `planner.prefill.prefill_chunk_rows`); None: as many as a wave has room for."""
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
         if prefill_chunks < 1:
             raise ValueError(f"at least one chunk of a prompt must be allowed in flight, not {prefill_chunks}")
         self.prefill_chunks = prefill_chunks
+        self._chunk_rows = chunk_rows if prefill_chunks > 1 else None
+        self.last_chunk_rows: int | None = None  # the chunk length chosen for the last prompt admitted
         self.most_chunks_out = 0  # the most chunks of one prompt seen out at once, over the batcher's life
         self.concurrency, self.batch_rows, self.context = concurrency, batch_rows, context_per_sequence
         self._make_sampler, self._piece, self._is_end = make_sampler, piece, is_end
@@ -382,6 +391,8 @@ class Batcher:
             )  # fmt: skip
         if self.speculation_off is None:
             sequence.drafter = NgramDrafter(rows)
+        if self._chunk_rows is not None and sequence.unsent > 0:
+            sequence.chunk = self.last_chunk_rows = max(1, self._chunk_rows(sequence.unsent))
         self._active[job.request_id] = sequence
 
     # --- the step ---------------------------------------------------------------------------
@@ -422,7 +433,7 @@ class Batcher:
         for sequence in ready:
             if sequence.unsent > 0 and budget > 0:
                 prefill = sequence.prefill
-                chunk = prefill[sequence.sent : sequence.sent + budget]
+                chunk = prefill[sequence.sent : sequence.sent + min(budget, sequence.chunk or budget)]
                 ends = sequence.sent + len(chunk) == len(prefill)
                 sampling = sequence.job.sampling
                 start = None  # a head on a member samples a request that needs the whole row itself

@@ -16,10 +16,11 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kafila.contracts import StageReport
+from kafila.planner.prefill import PrefillCosts, costs_from, prefill_chunk_rows
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
 from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.speculation import Speculate
@@ -30,12 +31,30 @@ STATS_REFRESH_S = 2.0
 REFUSALS_TO_BREAK = 8  # requests failed by stages in a row, none served between: the ring is broken
 
 
-def prefill_chunks_in_flight() -> int:
-    """How many chunks of one prompt may be out round the ring at once (pipelined prefill):
-    KAFILA_PREFILL_CHUNKS, 1 (off) by default. The waves in flight (`Engine.depth`) bound it too,
-    each chunk riding in a wave of its own."""
-    setting = os.environ.get("KAFILA_PREFILL_CHUNKS", "").strip()
-    return int(setting) if setting.isdigit() and int(setting) >= 1 else 1
+PREFILL_CHUNKS_SETTING = "KAFILA_PREFILL_CHUNKS"
+
+
+def prefill_chunks_setting(environ: Mapping[str, str]) -> int | None:
+    """KAFILA_PREFILL_CHUNKS: how many chunks of one prompt may be out round the ring at once, 1
+    turning pipelined prefill off; None where unset. ValueError naming it for anything but a whole
+    number of at least 1, so a typo is said at once rather than taken for off."""
+    raw = environ.get(PREFILL_CHUNKS_SETTING, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(
+            f"{PREFILL_CHUNKS_SETTING}={environ[PREFILL_CHUNKS_SETTING]!r} is not a whole number of at least 1 "
+            "(chunks of one prompt out round the ring at once; 1 turns pipelined prefill off)"
+        )
+    return int(raw)
+
+
+def prefill_chunks_in_flight(depth: int) -> int:
+    """How many chunks of one prompt may be out round the ring at once (pipelined prefill): one per
+    wave the engine keeps in flight (`Engine.depth`), each chunk riding in a wave of its own, so on
+    by default wherever a ring keeps several; KAFILA_PREFILL_CHUNKS overrides it (1: off)."""
+    setting = prefill_chunks_setting(os.environ)
+    return max(1, depth) if setting is None else setting
 
 
 class EngineUnavailable(RuntimeError):
@@ -89,6 +108,10 @@ class EngineLoop:
         """`prefill_chunks`: chunks of one prompt out at once (`prefill_chunks_in_flight` where None)."""
         self.engine = engine
         self.speculate = speculate
+        self.prefill_costs: PrefillCosts | None = None  # what the chunks of pipelined prefill are sized by
+        self.ring_ms: float | None = None  # the last stage report's trip round the ring, one way
+        chunks = prefill_chunks_in_flight(engine.depth) if prefill_chunks is None else prefill_chunks
+        out_at_once = max(1, min(chunks, engine.depth))
         self.batcher = Batcher(
             concurrency,
             batch_rows,
@@ -100,7 +123,8 @@ class EngineLoop:
             speculate=speculate,
             speculation_refused=engine.speculation_refused,
             every_row_whole=engine.every_row_whole,
-            prefill_chunks=prefill_chunks_in_flight() if prefill_chunks is None else prefill_chunks,
+            prefill_chunks=chunks,
+            chunk_rows=lambda rows: prefill_chunk_rows(rows, self.prefill_costs, out_at_once, batch_rows),
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
@@ -296,9 +320,15 @@ class EngineLoop:
     def _refresh_report(self) -> None:
         """The stages' own timings for /status (on a ring, a PING round it); called without the lock."""
         self._report_at = time.monotonic()
+        started = time.perf_counter()
         report = self.engine.stage_report()
+        trip_ms = 1e3 * (time.perf_counter() - started)  # a PING round the ring, one way: the wire's trip
+        costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in report], trip_ms)
         with self._lock:
             self.stage_report = report
+            self.ring_ms = trip_ms
+            if costs is not None:
+                self.prefill_costs = costs
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:

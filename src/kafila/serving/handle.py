@@ -79,11 +79,13 @@ class ServingHandle:
     @property
     def prefill(self) -> PrefillStatus:
         """Pipelined prefill on this ring: chunks of one prompt allowed out at once (no more than
-        the waves in flight), and the most seen out."""
+        the waves in flight), the most seen out, and the last chunk length the cost model chose."""
         batcher = self.loop.batcher
+        ring_ms = self.loop.ring_ms
         return PrefillStatus(
-            chunks=max(1, min(batcher.prefill_chunks, self.engine.depth)), most_chunks_out=batcher.most_chunks_out
-        )
+            chunks=max(1, min(batcher.prefill_chunks, self.engine.depth)), most_chunks_out=batcher.most_chunks_out,
+            chunk_rows=batcher.last_chunk_rows, ring_ms=None if ring_ms is None else round(ring_ms, 2),
+        )  # fmt: skip
 
     @property
     def speculation(self) -> SpeculationStatus:

@@ -154,6 +154,13 @@ class StageTimer:
         return 1e3 * self.decode_seconds / self.decode_rows if self.decode_rows else None
 
     @property
+    def prefill_ms_per_token(self) -> float | None:
+        """Time per row of the steps that were not decodes: prompts' chunks, which the chunk size of
+        pipelined prefill is priced with (planner/prefill.py)."""
+        rows = self.rows - self.decode_rows
+        return 1e3 * (self.seconds - self.decode_seconds) / rows if rows else None
+
+    @property
     def ms_per_token_alone(self) -> float | None:
         """The median of the last RECENT_ALONE_STEPS decodes of one row (fewer, early on)."""
         return 1e3 * statistics.median(self.alone_recent) if self.alone_recent else None
@@ -165,6 +172,7 @@ class StageTimer:
             ms_per_token=self.ms_per_token,
             ms_per_token_alone=self.ms_per_token_alone,
             steps_alone=self.alone_steps,
+            prefill_ms_per_token=self.prefill_ms_per_token,
             seconds=self.seconds if totals else None,
             rows=self.rows if totals else None,
         )
