@@ -234,12 +234,7 @@ class EngineLoop:
             if idle:
                 continue
             try:
-                while len(in_flight) < depth and not (in_flight and self._report_due()):
-                    with self._lock:
-                        steps = self.batcher.plan(depth)
-                    if not steps:
-                        break
-                    in_flight.append((self.engine.launch(steps), steps, time.perf_counter()))
+                self._fill(in_flight, depth)
                 if not in_flight:  # every running request waits on its slot's cache being cut
                     with self._lock:
                         self._lock.wait(timeout=0.01)
@@ -264,7 +259,29 @@ class EngineLoop:
                     elapsed=elapsed,
                     decoded=self.batcher.tokens_generated - before,
                 )
+            # The next wave leaves before the API hears of these tokens: their delivery (the
+            # handlers' wake-ups) then overlaps the ring's trip instead of delaying the next token.
+            # Not when a stage report is due: the top of the loop lets the ring empty for it first.
+            try:
+                if not self._report_due():
+                    self._fill(in_flight, depth)
+            except Exception as error:  # a link broke: the tokens already made still reach their requests
+                with self._lock:
+                    self._dispatch(events)
+                self._break(error)
+                return
+            with self._lock:
                 self._dispatch(events)
+
+    def _fill(self, in_flight: deque[tuple[Launched, list[EngineStep], float]], depth: int) -> None:
+        """Launch waves while fewer than `depth` are out, unless a stage report is due (the ring
+        then empties for its PING round); called without the lock."""
+        while len(in_flight) < depth and not (in_flight and self._report_due()):
+            with self._lock:
+                steps = self.batcher.plan(depth)
+            if not steps:
+                break
+            in_flight.append((self.engine.launch(steps), steps, time.perf_counter()))
 
     def _refused_in_a_row(self, results: list[StepResult]) -> int:
         """Sequences refused by a stage with none served since: a stage that refuses everything
