@@ -12,6 +12,7 @@ import pytest
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
+from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.engines import Engine, PrefixCut, RingEngine, UnsplitEngine, prefix_cut_of
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.logprobs import TokenLogprob
@@ -35,13 +36,15 @@ def drive(
     after_each_wave: Callable[[Batcher], None] = lambda _b: None,
     drafter: Callable[[Job], NgramDrafter] | None = None,
     logprobs: dict[str, list[TokenLogprob]] | None = None,
+    draft_model: DraftModel | None = None,
 ) -> tuple[dict[str, str], Batcher]:
     """Serve `jobs` on `engine` as the engine loop does, one wave at a time; each request's text
     (and into `logprobs`, each one's log probabilities). `drafter`: a drafter for each admitted
-    request in place of the n-gram one."""
+    request in place of the n-gram one; `draft_model`: what `Speculate.DRAFT` drafts with."""
     batcher = Batcher(
         SETTINGS.n_seq_max, 16, 256, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
         speculate, engine.speculation_refused, engine.every_row_whole,
+        make_drafter=draft_model.drafter if draft_model is not None else None,
     )  # fmt: skip
     for job in jobs:
         batcher.submit(job)

@@ -32,7 +32,9 @@ from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_http, raise_open_file_limit
 from kafila.planner.types import ServingSpec
 from kafila.portability import reuse_listening_address, run, signals_handled
+from kafila.runtime.engine.draft_model import DraftModel, DraftRefused, check_draft
 from kafila.runtime.engine.speculation import Speculate
+from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import check_family
 from kafila.runtime.gguf.stage_cache import check_stage_cache_setting
@@ -41,7 +43,7 @@ from kafila.runtime.llama.threads import THREADS_HELP, CoreShare, hold_to, servi
 from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.session.availability import Availability
 from kafila.session.host_config import HostConfig, lan_address, seconds_from_env
-from kafila.session.host_model import LocalModel
+from kafila.session.host_model import HubOnlyModel, LocalModel
 from kafila.session.runner import HostRunner, supervised
 from kafila.untrusted import printable
 
@@ -179,16 +181,26 @@ def host(
         ),
     ] = True,
     speculate: Annotated[
-        Speculate,
+        Speculate | None,
         typer.Option(
             "--speculate",
             case_sensitive=False,
             help="Draft tokens to check in the same trip round the ring (speculative decoding): ngram drafts "
             "the tokens that followed the text's last few tokens earlier in the prompt or the answer, which "
-            "pays where a model writes back what it was shown (a file with one change, a JSON document). "
-            "The output is the same either way. A draft model (--speculate draft) is not built yet.",
+            "pays where a model writes back what it was shown (a file with one change, a JSON document); "
+            "draft runs the --draft model on this machine. Greedy output is the same either way; sampled "
+            "output has the model's distribution. Default: draft with --draft, else ngram.",
         ),
-    ] = Speculate.NGRAM,
+    ] = None,
+    draft: Annotated[
+        str | None,
+        typer.Option(
+            "--draft",
+            help="A small model with the same vocabulary, token for token, as --model (a GGUF file or "
+            "hf://..., as --model), run on this machine to draft tokens for --speculate draft, which it "
+            "implies. It pays where the draft writes a token in much less than a trip round the ring takes.",
+        ),
+    ] = None,
 ) -> None:
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
@@ -208,6 +220,10 @@ def host(
         stderr.print(described_shares(shares), highlight=False, soft_wrap=True)
     if shared:
         os.environ.update(shares_cores_env(bind_teams=local_members))  # the demo's local members inherit it
+    try:
+        speculate = speculation_chosen(speculate, draft)
+    except ValueError as error:
+        fail(str(error), False)
     # Only the host resolves hub names; with members, each machine fetches its own stage from the hub by range.
     bundled = default_model() if model is None else None
     if model is not None:
@@ -238,6 +254,7 @@ def host(
             assert isinstance(source, LocalModel), "a host alone holds the whole file"
             counts = local_counts(source.path, stages, division, session, lent)
             _admit(source.path, session, lent)
+        draft_path = _draft_for(source, draft) if draft is not None else None
         sock = _listening_socket(bind_ip, port)
         external = parse_host_port(rendezvous.strip(), 8470) if rendezvous is not None else None
     except Exception as error:  # a bad file, division or address: one line, no traceback
@@ -252,10 +269,37 @@ def host(
         resume_within_s=resume_within, every_member_serves=every_member_serves or demo,
         speculate=speculate, member_shares=tuple(shares[1:]) if shares else (),
     )  # fmt: skip
+    if draft_path is not None:
+        try:
+            config.draft_model = DraftModel(draft_path, config.settings)
+        except (DraftRefused, RuntimeError) as error:
+            fail(f"the draft model could not be loaded: {error}", False)
     try:
         run(_serve(config))
     except KeyboardInterrupt:
         pass
+
+
+def speculation_chosen(speculate: Speculate | None, draft: str | None) -> Speculate:
+    """What `--speculate` and `--draft` together ask for: `--draft` alone implies a draft model,
+    and each refuses what makes the other pointless."""
+    if draft is None:
+        if speculate is Speculate.DRAFT:
+            raise ValueError("--speculate draft needs --draft MODEL: the small model to draft with on this machine")
+        return speculate or Speculate.NGRAM
+    if speculate not in (None, Speculate.DRAFT):
+        raise ValueError(f"--draft is a draft model for --speculate draft; --speculate {speculate.value} never runs it")
+    return Speculate.DRAFT
+
+
+def _draft_for(target: LocalModel | HubOnlyModel, draft: str) -> Path:
+    """The draft model's file, resolved as --model's is, once its vocabulary is checked against the
+    target's header (raises DraftRefused, saying why)."""
+    source = model_source(draft, False)
+    assert isinstance(source, LocalModel), "a model for this machine alone is a whole file"
+    reader = FastGGUFReader(target.path) if isinstance(target, LocalModel) else target.header.header.reader
+    check_draft(reader, target.name, source.path)
+    return source.path
 
 
 def described_shares(shares: list[CoreShare]) -> str:

@@ -51,18 +51,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import numpy as np
+import numpy.typing as npt
+
 from kafila.runtime.engine.draft_cost import TripClock, best_window
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.engine.logprobs import HeadRow, TokenLogprob, token_logprob
 from kafila.runtime.engine.sampling import SamplerStart, SamplingSettings, TokenSampler
 from kafila.runtime.engine.speculation import (
+    ACCEPT_DRAW,
     DRAFT_ROWS_PER_WAVE,
     MAX_DRAFT,
+    RESIDUAL_DRAW,
+    Drafter,
     DraftWindow,
     NgramDrafter,
     Speculate,
     SpeculationStats,
     draft_shares,
+    speculative_pick,
+    uniform,
 )
 from kafila.serving.text import StopAwareText
 from kafila.wire.frames import NO_LOGPROBS
@@ -152,8 +160,9 @@ class _Sequence:
     trimmed: bool = True  # False until the engine has cut the slot's cache to `cached`
     replayed: int = 0  # generated tokens prefilled again after the prompt: a request resumed on a new ring
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens whose text is held back
-    drafter: NgramDrafter | None = None  # None: this sequence drafts nothing
+    drafter: Drafter | None = None  # None: this sequence drafts nothing
     window: DraftWindow = field(default_factory=DraftWindow)
+    drawn_from: npt.NDArray[np.float64] | None = None  # the q rows of the drafts out, where drawn from one
 
     @property
     def prefill(self) -> list[int]:
@@ -208,6 +217,7 @@ class Batcher:
         every_row_whole: bool = True,
         prefill_chunks: int = 1,
         chunk_rows: Callable[[int], int] | None = None,
+        make_drafter: Callable[[int, list[int], SamplingSettings], Drafter] | None = None,
     ) -> None:
         """`speculate`: what to draft with; `speculation_refused`: why the engine cannot check
         drafts (`Engine.speculation_refused`), None where it can; `every_row_whole`: whether it
@@ -215,7 +225,9 @@ class Batcher:
         `prefill_chunks`: how many chunks of one prompt may be out in waves at once (1: one wave
         at a time, no pipelined prefill); `chunk_rows`: with pipelined prefill, the length of a
         prompt's chunks for the rows it has to prefill (the cost model's,
-        `planner.prefill.prefill_chunk_rows`); None: as many as a wave has room for."""
+        `planner.prefill.prefill_chunk_rows`); None: as many as a wave has room for;
+        `make_drafter`: a drafter on the draft model for a request admitted to a slot with its
+        tokens and settings (`DraftModel.drafter`), which `Speculate.DRAFT` needs."""
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
         if prefill_chunks < 1:
@@ -233,7 +245,9 @@ class Batcher:
         self._held: dict[int, list[int]] = {}  # free slot → the tokens its cache holds on every stage
         self._to_trim: list[Trim] = []
         self._waves: deque[list[tuple[_Sequence, EngineStep, bool]]] = deque()  # planned, not landed, oldest first
-        self.speculation_off = _speculation_off(speculate, speculation_refused, prefix_cut)  # why, or None
+        # why no sequence drafts, or None
+        self.speculation_off = _speculation_off(speculate, speculation_refused, prefix_cut, make_drafter)
+        self._make_drafter = make_drafter if speculate is Speculate.DRAFT else None
         self.every_row_whole = every_row_whole
         self.speculation = SpeculationStats()
         self.trip_clock = TripClock()  # what a wave and a drafted row cost on this ring (the cost rule)
@@ -271,6 +285,8 @@ class Batcher:
                 waiting.sampler.close()
         for sequence in list(self._active.values()):
             sequence.sampler.close()
+            if sequence.drafter is not None:
+                sequence.drafter.close()
         self._active.clear()
         self._queue.clear()
         self._waves.clear()
@@ -296,6 +312,9 @@ class Batcher:
                 sequence.sampler.close()
                 why = "its sampler ran on the member that holds the head, whose state is gone with the ring"
                 events.append(RequestFailed(sequence.job.request_id, f"{message}; {why}"))
+        for sequence in self._active.values():
+            if sequence.drafter is not None:  # the next ring's admission makes another
+                sequence.drafter.close()
         kept += [w if isinstance(w, Suspended) else Suspended(w) for w in self._queue]
         self._active.clear()
         self._queue.clear()
@@ -390,7 +409,8 @@ class Batcher:
                 trimmed=held is None,
             )  # fmt: skip
         if self.speculation_off is None:
-            sequence.drafter = NgramDrafter(rows)
+            make = self._make_drafter
+            sequence.drafter = make(slot, rows, job.sampling) if make is not None else NgramDrafter(rows)
         if self._chunk_rows is not None and sequence.unsent > 0:
             sequence.chunk = self.last_chunk_rows = max(1, self._chunk_rows(sequence.unsent))
         self._active[job.request_id] = sequence
@@ -516,14 +536,26 @@ class Batcher:
                 self.context - sequence.position - 1,
                 MAX_DRAFT,
             )
-            drafter = sequence.drafter
-            proposed.append(drafter.draft(room) if drafter is not None else [])
+            proposed.append(self._draft(sequence, room))
         shares = draft_shares([len(p) for p in proposed], max(0, rows))
         drafts = [p[:share] for p, share in zip(proposed, shares, strict=True)]
         for sequence, drafted in zip(decoding, drafts, strict=True):
+            drawn_from = sequence.drafter.drawn_from if sequence.drafter is not None and drafted else None
+            sequence.drawn_from = drawn_from[: len(drafted)] if drawn_from is not None else None
             if not drafted:
                 sequence.window.skip()
         return drafts
+
+    @staticmethod
+    def _draft(sequence: _Sequence, room: int) -> list[int]:
+        """The sequence's drafter's proposal: none where it has no drafter, or where a draft
+        model failed to run (a draft is a guess: the request goes on without one)."""
+        if sequence.drafter is None or room <= 0:
+            return []
+        try:
+            return sequence.drafter.draft(room)
+        except (RuntimeError, ValueError):
+            return []
 
     def _drafts_refused(self, job: Job) -> str | None:
         """Why this request drafts nothing on this engine, where one request's features rule drafts out."""
@@ -549,14 +581,22 @@ class Batcher:
         """Land a token and its drafts: sample each row in turn, as decoding without drafts would
         sample successive trips' rows, keeping drafts while each equals the token sampled before
         it; the first token that differs (or the one after the last draft) is emitted too. The
-        rows of rejected drafts are cut on every stage before the sequence's next wave."""
+        rows of rejected drafts are cut on every stage before the sequence's next wave.
+
+        Drafts drawn from a draft model's distribution q (a sampled request: `drawn_from`) are
+        kept by speculative sampling's rule instead (`speculative_pick`), its uniform draws a
+        function of the request's seed and the position. A draft that is a point mass (n-gram,
+        or a greedy draft model's) needs no rule of its own: drawing from p and keeping the
+        draft iff the draw equals it is min(1, p/q) with q = 1, and a draw that differs is the
+        residual's."""
         drafts = step.tokens[1:]
+        drawn_from, sequence.drawn_from = sequence.drawn_from, None
         accepted = 0
         events: list[RequestEvent] = []
         sequence.held += 1  # the last token's row
         alternatives = sequence.job.logprobs
         for index, logits in enumerate(row.rows):
-            token = sequence.sampler.sample(logits)
+            token = self._pick(sequence, logits, drafts, drawn_from, index, step.position + index + 1)
             if alternatives is not None and not self._is_end(token):
                 sequence.logprobs.append(token_logprob(logits, token, alternatives, self._piece))
             events += self._next_token(sequence, token)
@@ -573,6 +613,29 @@ class Batcher:
             self._to_trim.append(Trim(sequence.slot, sequence.position))
             sequence.trimmed = False
         return events
+
+    @staticmethod
+    def _pick(
+        sequence: _Sequence,
+        logits: npt.NDArray[np.float32],
+        drafts: Sequence[int],
+        drawn_from: npt.NDArray[np.float64] | None,
+        index: int,
+        position: int,
+    ) -> int:
+        """The token row `index` of a drafted step gives (at `position`): the sampler's draw, or
+        where that row's draft was drawn from q, speculative sampling's pick between it and the
+        residual."""
+        if drawn_from is None or index >= len(drafts) or index >= len(drawn_from):
+            return sequence.sampler.sample(logits)
+        target = sequence.sampler.distribution(logits)
+        if target is None:  # a sampler whose p this host cannot know (a head on a member draws)
+            return sequence.sampler.sample(logits)
+        seed = sequence.job.sampling.seed
+        draw = (uniform(seed, position, ACCEPT_DRAW), uniform(seed, position, RESIDUAL_DRAW))
+        token, _ = speculative_pick(target, drawn_from[index], drafts[index], *draw)
+        sequence.sampler.accept((token,))
+        return token
 
     def _next_token(self, sequence: _Sequence, token: int) -> list[RequestEvent]:
         self.tokens_generated += 1
@@ -614,14 +677,20 @@ class Batcher:
         """Free the slot, remembering what its cache holds for a later request to reuse (rows
         still out in a wave land after it and are cut off with what the next request does not keep)."""
         sequence.sampler.close()
+        if sequence.drafter is not None:
+            sequence.drafter.close()
         self._held[sequence.slot] = sequence.tokens_held() if kept and sequence.trimmed else []
         self._free_slots.append(sequence.slot)
 
 
-def _speculation_off(speculate: Speculate, refused: str | None, prefix_cut: PrefixCut) -> str | None:
+def _speculation_off(
+    speculate: Speculate, refused: str | None, prefix_cut: PrefixCut, make_drafter: object = None
+) -> str | None:
     """Why no sequence drafts, or None where they may."""
     if speculate is Speculate.OFF:
         return "speculation is off (--speculate off)"
+    if speculate is Speculate.DRAFT and make_drafter is None:
+        return "no draft model is loaded (--draft MODEL)"
     if refused is not None:
         return f"the engine cannot check drafts: {refused}"
     if prefix_cut is PrefixCut.NOWHERE:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kafila.contracts import StageReport
 from kafila.planner.prefill import PrefillCosts, costs_from, prefill_chunk_rows
+from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
 from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.speculation import Speculate
@@ -104,8 +105,11 @@ class EngineLoop:
         context_per_sequence: int,
         speculate: Speculate = Speculate.OFF,
         prefill_chunks: int | None = None,
+        draft_model: DraftModel | None = None,
     ) -> None:
-        """`prefill_chunks`: chunks of one prompt out at once (`prefill_chunks_in_flight` where None)."""
+        """`prefill_chunks`: chunks of one prompt out at once (`prefill_chunks_in_flight` where None);
+        `draft_model`: what `Speculate.DRAFT` drafts with, on this machine (the engine thread
+        alone runs it, while it plans a wave)."""
         self.engine = engine
         self.speculate = speculate
         self.prefill_costs: PrefillCosts | None = None  # what the chunks of pipelined prefill are sized by
@@ -125,6 +129,7 @@ class EngineLoop:
             every_row_whole=engine.every_row_whole,
             prefill_chunks=chunks,
             chunk_rows=lambda rows: prefill_chunk_rows(rows, self.prefill_costs, out_at_once, batch_rows),
+            make_drafter=draft_model.drafter if draft_model is not None else None,
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []

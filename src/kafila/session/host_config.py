@@ -17,6 +17,7 @@ from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner.report import PlanReport
 from kafila.planner.types import ServingSpec
+from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.speculation import Speculate
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.llama.threads import CoreShare
@@ -80,6 +81,7 @@ class HostConfig:
     every_member_serves: bool = False  # no member stands by, even where the ring is faster without it
     speculate: Speculate = Speculate.NGRAM  # what tokens are drafted with, to check several per trip
     member_shares: tuple[CoreShare, ...] = ()  # the demo's members' cores, one share each; (): left to share them all
+    draft_model: DraftModel | None = None  # what --speculate draft drafts with (`--draft`), loaded at start
 
     @property
     def api_url(self) -> str:

@@ -68,7 +68,7 @@ class HostEngines:
         self.engine = engine
         loop = EngineLoop(
             engine, self.config.session.concurrency, self.config.settings.n_batch, self.config.session.context,
-            self.config.speculate,
+            self.config.speculate, draft_model=self.config.draft_model,
         )  # fmt: skip
         loop.on_break = self.broke
         loop.start()

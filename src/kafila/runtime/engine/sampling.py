@@ -82,6 +82,11 @@ class TokenSampler(Protocol):
 
     def accept(self, tokens: Iterable[int]) -> None: ...
     def sample(self, logits: npt.NDArray[np.float32]) -> int: ...
+    def distribution(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64] | None:
+        """The distribution `sample` draws from for this row (speculative sampling's p), where
+        this sampler can say it; None where it cannot."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -116,6 +121,7 @@ class Sampler:
         self._chain = None
         self._llama = None
         self._grammar = None
+        self._shape = None  # the chain without its draw: what `distribution` applies
         self._end = -1
         if settings.grammar is not None:
             if vocab is None:
@@ -148,15 +154,56 @@ class Sampler:
                 lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(settings.top_p, 1))
                 lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(settings.temperature))
                 lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(settings.seed))
+                if settings.grammar is None:
+                    self._shape = self._shaping_chain(lib, settings, n_vocab)
             self._chain = chain
             self._candidates = np.zeros(n_vocab, dtype=_TOKEN_DATA)
             self._ids = np.arange(n_vocab, dtype=np.int32)
+
+    @staticmethod
+    def _shaping_chain(lib: Any, settings: SamplingSettings, n_vocab: int) -> Any:
+        """The sampled chain's penalties, top-k, top-p and temperature, without the seeded draw:
+        the row it leaves is the distribution the draw is made from."""
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        penalties = lib.llama_sampler_init_penalties(
+            n_vocab, settings.repeat_last_n, settings.repeat_penalty, settings.frequency_penalty,
+            settings.presence_penalty,
+        )  # fmt: skip
+        lib.llama_sampler_chain_add(chain, penalties)
+        if settings.top_k > 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(settings.top_k))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(settings.top_p, 1))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(settings.temperature))
+        return chain
 
     def accept(self, tokens: Iterable[int]) -> None:
         """Tell the chain what the sequence holds, so the repeat penalty sees it."""
         if self._chain is not None and self._llama is not None:
             for token in tokens:
                 self._llama.llama_sampler_accept(self._chain, token)
+                if self._shape is not None:
+                    self._llama.llama_sampler_accept(self._shape, token)
+
+    def distribution(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64] | None:
+        """The probabilities the seeded draw would pick each token with, from this row, after the
+        penalties, top-k, top-p and temperature (the chain's state is unchanged); None for greedy
+        decoding and under a grammar, whose draw is not one distribution's (`sample`)."""
+        if self._shape is None or self._llama is None:
+            return None
+        candidates = self._candidates
+        candidates["id"] = self._ids
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        array = self._array(candidates)
+        self._llama.llama_sampler_apply(self._shape, ctypes.byref(array))
+        kept = candidates[: array.size]
+        scores = kept["logit"].astype(np.float64)
+        finite = np.isfinite(scores)
+        weights = np.zeros(len(scores))
+        weights[finite] = np.exp(scores[finite] - scores[finite].max())
+        probabilities = np.zeros(len(logits))
+        probabilities[kept["id"]] = weights / weights.sum()
+        return probabilities
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         """The chain's token; with a grammar, as llama.cpp's own samplers do it: the chain draws
@@ -172,6 +219,8 @@ class Sampler:
                 # sequence rather than hand llama.cpp a token its grammar would abort on.
                 return self._end if self._end >= 0 else int(np.argmax(logits))
         self._llama.llama_sampler_accept(self._chain, token)
+        if self._shape is not None:
+            self._llama.llama_sampler_accept(self._shape, token)
         if self._grammar is not None:
             self._llama.llama_sampler_accept(self._grammar, token)
         return token
@@ -215,6 +264,9 @@ class Sampler:
         if self._grammar is not None and self._llama is not None:
             self._llama.llama_sampler_free(self._grammar)
             self._grammar = None
+        if self._shape is not None and self._llama is not None:
+            self._llama.llama_sampler_free(self._shape)
+            self._shape = None
 
 
 class SamplerStart(BaseModel):
@@ -256,6 +308,10 @@ class TokenChosenOnHead:
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         return int(np.argmax(logits))
+
+    def distribution(self, logits: npt.NDArray[np.float32]) -> None:
+        """The head's draw is made there, from a distribution this host never sees."""
+        return None
 
     def close(self) -> None:
         pass

@@ -23,6 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from kafila.planner.types import DRAFT_ROWS
 from kafila.runtime.engine.draft_cost import AcceptRate
@@ -39,7 +43,20 @@ class Speculate(StrEnum):
     """What `kafila host --speculate` drafts with."""
 
     NGRAM = "ngram"  # prompt lookup over the prompt and the tokens generated so far
+    DRAFT = "draft"  # a small model with the target's vocabulary, on the host (`draft_model`)
     OFF = "off"
+
+
+class Drafter(Protocol):
+    """One sequence's source of drafts: told every token the sequence emits, asked for up to
+    `limit` tokens to follow them. `drawn_from`: the distributions the last draft's tokens were
+    drawn from, a row each (speculative sampling's q), or None where each is a point mass."""
+
+    @property
+    def drawn_from(self) -> npt.NDArray[np.float64] | None: ...
+    def extend(self, tokens: Iterable[int]) -> None: ...
+    def draft(self, limit: int) -> list[int]: ...
+    def close(self) -> None: ...
 
 
 class NgramDrafter:
@@ -58,6 +75,14 @@ class NgramDrafter:
         # n-gram → the index just past its latest occurrence, among those ending before the last token
         self._after: dict[tuple[int, ...], int] = {}
         self.extend(tokens)
+
+    @property
+    def drawn_from(self) -> None:
+        """Drafts looked up, not drawn: each is a point mass."""
+        return None
+
+    def close(self) -> None:
+        """Nothing held but the index."""
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -181,3 +206,35 @@ class SpeculationStats:
     @property
     def mean_window(self) -> float:
         return self.window_sum / self.trips if self.trips else 0.0
+
+
+# Which uniform draw a position's randomness is for (a draft model's draw of a token from q, the
+# rule's accept test, its draw from the residual): each a function of the request's seed and the
+# position alone, so a request's tokens do not hang on what else shared its waves.
+DRAFT_DRAW, ACCEPT_DRAW, RESIDUAL_DRAW = 0, 1, 2
+
+
+def uniform(seed: int, position: int, draw: int) -> float:
+    """One uniform draw in [0, 1) for a request's `draw` at `position`."""
+    return float(np.random.default_rng([seed, position, draw]).random())
+
+
+def speculative_pick(
+    target: npt.NDArray[np.float64], drawn_from: npt.NDArray[np.float64], draft: int, accept: float, residual: float
+) -> tuple[int, bool]:
+    """Speculative sampling's rule for one drafted token: keep `draft` with probability
+    min(1, p/q), else draw from the normalised residual max(0, p - q), so the token has the
+    target's distribution p whatever q the draft was drawn from. `accept` and `residual` are
+    uniform draws in [0, 1). Returns the token and whether it is the draft."""
+    p, q = target[draft], drawn_from[draft]
+    if accept * q < p:  # u < p/q, without dividing by a q of 0 (a draft never drawn from it)
+        return draft, True
+    rest = np.maximum(target - drawn_from, 0.0)
+    total = rest.sum()
+    if not total > 0.0:  # p <= q nowhere above: only rounding rejects; the draft is p's token
+        return draft, True
+    cumulative = np.cumsum(rest)
+    token = int(np.searchsorted(cumulative, residual * cumulative[-1], side="right"))
+    if token >= len(target):  # a draw at the very top, past the last sum by rounding
+        token = int(np.flatnonzero(rest)[-1])
+    return token, False

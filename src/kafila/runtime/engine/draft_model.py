@@ -1,0 +1,192 @@
+"""A draft model on the host (`kafila host --speculate draft --draft MODEL`): a small model with
+the target's vocabulary, run by this process's llama.cpp, whose guesses ride behind each
+sequence's token as drafted rows and are checked in the same trip round the ring.
+
+The draft model keeps one sequence of its own cache per slot of the target's, holding the
+tokens it last saw there. Before each draft it catches up on what the sequence emitted since,
+cutting its cache back to where they agree first: rejected drafts are cut there, and a next
+request in the slot reuses the prefix it shares, as the target's cache does. A greedy request
+is drafted greedily (q a point mass); a sampled one is drafted by drawing from the draft's
+distribution after the request's own top-k, top-p and temperature, whose rows go with the draft
+(`drawn_from`) for the speculative sampling rule (`speculation.speculative_pick`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from kafila.runtime.engine.engines import PrefixCut, prefix_cut
+from kafila.runtime.engine.sampling import Sampler, SamplingSettings
+from kafila.runtime.engine.speculation import DRAFT_DRAW, uniform
+from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
+
+TOKENS_KEY = "tokenizer.ggml.tokens"
+
+
+class DraftRefused(ValueError):
+    """A draft model that cannot draft for this target: the message says why."""
+
+
+def check_draft(target: FastGGUFReader, target_name: str, draft: Path) -> None:
+    """Raises DraftRefused, saying why, unless `draft` can draft for the target: the same tokens
+    id for id, and a cache that can be cut back."""
+    if not draft.is_file():
+        raise DraftRefused(f"no draft model file at {draft}")
+    reader = FastGGUFReader(draft)
+    why = vocabulary_mismatch(target, reader)
+    if why is not None:
+        raise DraftRefused(
+            f"the draft model {draft.name} cannot draft for {target_name}: their vocabularies differ ({why}); a "
+            "draft model must have the target's tokens, id for id (a small model of the same family: "
+            "gemma-3-270m for gemma-3-27b, Qwen3-0.6B for Qwen3-32B)"
+        )
+
+
+def vocabulary_mismatch(target: FastGGUFReader, draft: FastGGUFReader) -> str | None:
+    """Why the draft's tokens are not the target's, or None where they are the same, id for id:
+    a draft proposes token ids, which the target reads as its own."""
+    target_count, draft_count = target.array_length(TOKENS_KEY), draft.array_length(TOKENS_KEY)
+    if target_count is None or draft_count is None:
+        return "a model's header has no vocabulary (tokenizer.ggml.tokens)"
+    if target_count != draft_count:
+        return f"the target has {target_count:,} tokens and the draft {draft_count:,}"
+    for token_id, (ours, theirs) in enumerate(zip(target.strings(TOKENS_KEY), draft.strings(TOKENS_KEY), strict=True)):
+        if ours != theirs:
+            return f"token {token_id} is {ours!r} in the target and {theirs!r} in the draft"
+    return None
+
+
+class DraftModel:
+    """The draft model's llama.cpp context, a sequence per slot of the target's.
+
+    Only the engine thread uses it (the batcher drafts while it plans a wave)."""
+
+    def __init__(self, path: Path, settings: ContextSettings) -> None:
+        self.path = path
+        self.model = LlamaModel(path, replace(settings, max_outputs=None))
+        if not self.model.holds_positions:
+            self.model.close()
+            raise DraftRefused(f"{path.name} keeps a recurrent state, which cannot be cut back to drop rejected drafts")
+        self.prefix_cut = prefix_cut(False, self.model.sliding_window > 0)
+        self.n_vocab = self.model.n_vocab
+        self._held: dict[int, list[int]] = {}  # slot → the tokens its cache holds, in position order
+        self.decodes = 0  # llama_decode calls, over the model's life
+
+    def drafter(self, slot: int, tokens: Sequence[int], sampling: SamplingSettings) -> ModelDrafter:
+        """A drafter for the request that starts in `slot` with `tokens` (its prompt, and on a
+        resumed request what it had generated)."""
+        self.model.check_sequence(slot)
+        return ModelDrafter(self, slot, tokens, sampling)
+
+    def close(self) -> None:
+        self.model.close()
+
+    def logits_after(self, slot: int, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """The draft's logits after `tokens`, once its cache of `slot` holds them: it keeps the
+        prefix it shares with what it held and decodes the rest."""
+        held = self._held.get(slot, [])
+        common = len(held) if list(tokens[: len(held)]) == held else _common_prefix(held, tokens)
+        common = min(common, len(tokens) - 1)  # the last token's row gives the logits asked for
+        if self.prefix_cut is PrefixCut.AT_END and common < len(held) - 1:
+            # A sliding window's cells past their window are gone: cut only near the end
+            # (rejected drafts), else start the sequence again.
+            common = common if len(held) - common <= self.model.sliding_window // 2 else 0
+        if not self.model.truncate(slot, common):
+            self.model.forget(slot)
+            common = 0
+        self._held[slot] = list(tokens[:common])
+        batch = self.model.settings.n_batch
+        start = common
+        chunk: list[int] = []
+        while start < len(tokens):
+            chunk = list(tokens[start : start + batch])
+            outputs = [False] * len(chunk)
+            outputs[-1] = start + len(chunk) == len(tokens)
+            try:
+                self.model.decode([slot] * len(chunk), range(start, start + len(chunk)), outputs, tokens=chunk)
+            except Exception:
+                self.model.forget(slot)
+                self._held[slot] = []
+                raise
+            self.decodes += 1
+            self._held[slot].extend(chunk)
+            start += len(chunk)
+        return self.model.logits(len(chunk) - 1)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    common = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        common += 1
+    return common
+
+
+class ModelDrafter:
+    """One sequence's drafter on the draft model (`speculation.Drafter`)."""
+
+    def __init__(self, model: DraftModel, slot: int, tokens: Sequence[int], sampling: SamplingSettings) -> None:
+        self._model, self._slot = model, slot
+        self._tokens = list(tokens)
+        self._seed = sampling.seed
+        # A greedy request, or one held to a grammar (whose draw is not one distribution's), is
+        # drafted greedily; a sampled one from the draft's own distribution with its settings.
+        self._shape: Sampler | None = None
+        if not sampling.greedy and sampling.temperature > 0.0 and sampling.grammar is None:
+            self._shape = Sampler(sampling, model.n_vocab)
+            self._shape.accept(self._tokens)
+        self._drawn_from: npt.NDArray[np.float64] | None = None
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def drawn_from(self) -> npt.NDArray[np.float64] | None:
+        return self._drawn_from
+
+    @property
+    def samples(self) -> bool:
+        """Whether drafts are drawn from the draft's distribution (a sampled request)."""
+        return self._shape is not None
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        added = list(tokens)
+        self._tokens += added
+        if self._shape is not None:
+            self._shape.accept(added)
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the draft model writes after the sequence's tokens, each decoded
+        before the next is drawn; with the distributions they were drawn from (`drawn_from`)
+        where the request samples."""
+        self._drawn_from = None
+        if limit <= 0:
+            return []
+        drafted: list[int] = []
+        rows: list[npt.NDArray[np.float64]] = []
+        for _ in range(limit):
+            logits = self._model.logits_after(self._slot, self._tokens + drafted)
+            if self._shape is None:
+                drafted.append(int(np.argmax(logits)))
+                continue
+            q = self._shape.distribution(logits)
+            assert q is not None, "a sampled request's drafter has a distribution"
+            position = len(self._tokens) + len(drafted)
+            token = int(np.searchsorted(np.cumsum(q), uniform(self._seed, position, DRAFT_DRAW) * q.sum(), "right"))
+            drafted.append(min(token, int(np.flatnonzero(q)[-1])))
+            rows.append(q)
+        if rows:
+            self._drawn_from = np.stack(rows)
+        return drafted
+
+    def close(self) -> None:
+        if self._shape is not None:
+            self._shape.close()
+            self._shape = None

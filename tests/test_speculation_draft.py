@@ -1,0 +1,324 @@
+"""Speculative decoding with a draft model on the host (`kafila host --speculate draft --draft
+MODEL`), on real llama.cpp: greedy text identical with the draft on and off on every tiny family,
+the draft's own cache cut back to what it keeps, sampled tokens with the target's distribution by
+a chi-square bound whatever the draft proposes, and a draft whose vocabulary is not the target's
+refused at the command line in one line."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from test_cli_edges import kafila, one_error_line
+from test_speculation_models import GREEDY, REPEATING, SETTINGS, STEPS, cut_in_two, drive
+from test_split_correctness import N_BLOCKS, PROMPT
+from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
+
+from kafila.runtime.engine.draft_model import DraftModel, DraftRefused, check_draft, vocabulary_mismatch
+from kafila.runtime.engine.engines import Engine, EngineStep, PrefixCut
+from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.engine.speculation import Speculate, speculative_pick
+from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.llama.model import ContextSettings
+from kafila.serving.batcher import Batcher, Job, RequestEvent, _Sequence
+
+# --- the rule alone ------------------------------------------------------------------------------
+
+
+def test_speculative_pick_gives_the_target_s_distribution_whatever_the_draft_s() -> None:
+    """Drafts drawn from q and kept or replaced by the rule: the tokens have p's distribution, to
+    within a few standard errors over 40,000 draws, where q favours tokens p never gives."""
+    rng = np.random.default_rng(7)
+    p = np.array([0.5, 0.25, 0.15, 0.1, 0.0, 0.0])
+    q = np.array([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
+    draws = 40_000
+    drafts = rng.choice(len(q), size=draws, p=q)
+    counts = np.zeros(len(p))
+    kept = 0
+    for draft, accept, residual in zip(drafts, rng.random(draws), rng.random(draws), strict=True):
+        token, was_kept = speculative_pick(p, q, int(draft), float(accept), float(residual))
+        counts[token] += 1
+        kept += was_kept
+    assert counts[4] == counts[5] == 0  # never a token p does not give
+    error = np.sqrt(p * (1 - p) / draws)
+    assert np.all(np.abs(counts / draws - p) <= 5 * error + 1e-12), counts / draws
+    assert kept / draws == pytest.approx(np.minimum(p, q).sum(), abs=0.01)  # the rule's acceptance rate
+
+
+# --- greedy text, every family -------------------------------------------------------------------
+
+
+# gemma2's tiny model (a window of 8, logits soft-capped to within a few thousandths of each other)
+# parts from greedy decoding's text where every draft is rejected, as with n-gram drafts that are
+# all wrong (test_speculation_models.Departing with wrong=1): rounding at a near-tie, or the
+# windowed cache's cut, not yet known which. Strict: it fails here once that is fixed.
+ALL_REJECTED_PARTS = pytest.mark.xfail(
+    strict=True, reason="gemma2: every draft rejected parts greedy text, n-gram drafts too (issue 37)"
+)
+
+
+@pytest.mark.parametrize(
+    "arch", [pytest.param(a, marks=ALL_REJECTED_PARTS) if a == "gemma2" else a for a in SUPPORTED_TINY_ARCHS]
+)
+def test_greedy_text_is_the_same_with_a_draft_model_on_and_off(arch: str, tmp_path: Path) -> None:
+    """Two requests at once on a two-stage ring of the family's tiny model, without drafts and
+    with a draft model: the target itself (its drafts kept), then a model of the same vocabulary
+    and other weights (its drafts rejected, both caches cut back): the same text each time. The
+    draft's cache holds what it says it holds, no more."""
+    model, engine = cut_in_two(arch, tmp_path)
+    try:
+        jobs = [Job(f"{i}", engine.tokenize(text), STEPS, GREEDY) for i, text in enumerate((PROMPT, REPEATING))]
+        plain, _ = drive(engine, jobs, Speculate.OFF)
+        other = write_tiny_model(tmp_path / "draft.gguf", arch, N_BLOCKS[arch], seed=1)
+        for path in (model, other):
+            try:
+                draft = DraftModel(path, SETTINGS)
+            except DraftRefused as refused:
+                assert engine.prefix_cut is PrefixCut.NOWHERE, refused  # qwen3next: a recurrent state
+                assert "recurrent state" in str(refused)
+                return
+            try:
+                texts, batcher = drive(engine, jobs, Speculate.DRAFT, draft_model=draft)
+                assert texts == plain, (arch, path.name)
+                stats = batcher.speculation
+                if engine.speculation_refused is not None:  # gpt-oss
+                    assert batcher.speculation_off is not None and stats.drafted == 0
+                    return
+                assert batcher.speculation_off is None and stats.drafted > 0, arch
+                if path == model:
+                    assert stats.accepted > stats.drafted // 2, (arch, stats)
+                else:
+                    assert stats.accepted < stats.drafted, (arch, stats)
+                for slot in range(SETTINGS.n_seq_max):
+                    assert draft.model.next_position(slot) == len(draft._held.get(slot, [])), (arch, slot)
+            finally:
+                draft.close()
+    finally:
+        engine.close()
+
+
+def test_speculation_off_for_a_draft_model_not_loaded() -> None:
+    """`Speculate.DRAFT` without a draft model drafts nothing, and says why."""
+    batcher = Batcher(1, 4, 64, lambda _s: None, lambda _t: b"", lambda _t: False, speculate=Speculate.DRAFT)  # type: ignore[arg-type,return-value]
+    assert batcher.speculation_off == "no draft model is loaded (--draft MODEL)"
+
+
+# --- sampled tokens: the target's distribution ---------------------------------------------------
+
+TOP = 8  # tokens each row of the target can give: top-k
+SAMPLED = SamplingSettings(temperature=1.5, top_k=TOP, top_p=1.0)
+DRAWS = 2000
+# One thread: a tiny model's decode is all overhead, which a second thread's handoffs multiply on a
+# loaded machine.
+SAMPLING_CONTEXT = ContextSettings(n_ctx=8 * 32, n_batch=32, n_seq_max=8, n_threads=1)
+
+
+def exact(logits: npt.NDArray[np.float32]) -> dict[int, float]:
+    """The target's distribution under SAMPLED, from its logits alone: top-k, temperature, softmax."""
+    top = np.argsort(logits)[::-1][:TOP]
+    scaled = logits[top].astype(np.float64) / SAMPLED.temperature
+    weights = np.exp(scaled - scaled.max())
+    return {int(t): float(w) for t, w in zip(top, weights / weights.sum(), strict=True)}
+
+
+def logits_after(engine: Engine, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+    (row,) = engine.step_many([EngineStep(0, 0, list(tokens), decode=False)])
+    engine.forget(0)
+    assert isinstance(row, np.ndarray)
+    return row
+
+
+class Recording(Batcher):
+    """The batcher, noting every token each request emits and the first draft it sends."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.emitted: dict[str, list[int]] = {}
+        self.first_draft: dict[str, int] = {}
+
+    def plan(self, waves: int = 1) -> list[EngineStep]:
+        steps = super().plan(waves)
+        slots = {s.slot: s.job.request_id for s in self._active.values()}
+        for step in steps:
+            if step.every_row:
+                self.first_draft.setdefault(slots[step.sequence_id], step.tokens[1])
+        return steps
+
+    def _next_token(self, sequence: _Sequence, token: int) -> list[RequestEvent]:
+        self.emitted.setdefault(sequence.job.request_id, []).append(token)
+        return super()._next_token(sequence, token)
+
+
+class PointMass:
+    """A drafter that always proposes one token, whatever the target writes (an n-gram draft
+    that disagrees): q is a point mass there."""
+
+    drawn_from = None
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        pass
+
+    def draft(self, limit: int) -> list[int]:
+        return [self.token] * limit
+
+    def close(self) -> None:
+        pass
+
+
+def chi_square_bound(cells: int) -> float:
+    """The chi-square distribution's 0.999 quantile with `cells` - 1 degrees of freedom
+    (Wilson-Hilferty)."""
+    k, z = cells - 1, 3.0902
+    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
+
+
+def chi_square(counts: Counter[tuple[int, ...]], expected: dict[tuple[int, ...], float], draws: int) -> float:
+    """Pearson's statistic, cells expected fewer than 5 times pooled into one."""
+    big = {cell for cell, p in expected.items() if p * draws >= 5}
+    statistic = sum((counts[cell] - expected[cell] * draws) ** 2 / (expected[cell] * draws) for cell in big)
+    rest_expected = sum(p for cell, p in expected.items() if cell not in big) * draws
+    rest = sum(n for cell, n in counts.items() if cell not in big)
+    if rest_expected > 0:
+        statistic += (rest - rest_expected) ** 2 / rest_expected
+    return statistic, len(big) + (rest_expected > 0)  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def sampling_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, DraftModel]]:
+    directory = tmp_path_factory.mktemp("draft-sampling")
+    target = write_tiny_model(directory / "target.gguf", "llama", n_blocks=2)
+    draft_path = write_tiny_model(directory / "draft.gguf", "llama", n_blocks=1, seed=1)
+    engine = open_engine(target, [2], SAMPLING_CONTEXT)
+    draft = DraftModel(draft_path, SAMPLING_CONTEXT)
+    try:
+        yield engine, draft
+    finally:
+        draft.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("drafts", ["draft model", "point mass"])
+def test_sampled_tokens_have_the_target_s_distribution_with_drafts_that_disagree(
+    sampling_pair: tuple[Engine, DraftModel], drafts: str
+) -> None:
+    """2,000 requests, each its own seed, sampled at temperature 1.5 from the target's top 8, for
+    three tokens, eight at a time on the real engine: the second token rides as a draft behind
+    the first, drawn from the draft model's own distribution (which gives the target's choices
+    little weight) and kept by speculative sampling's rule, or a point mass on one token (an
+    n-gram draft that disagrees with the target as often as not). The first two tokens' joint
+    counts match the target's exact joint distribution (from its logits) by a chi-square bound;
+    the drafts' own do not."""
+    engine, draft = sampling_pair
+    prompt = engine.tokenize("hello world, the model")
+    first = exact(logits_after(engine, prompt))
+    joint: dict[tuple[int, ...], float] = {}
+    for token, p in first.items():
+        if engine.is_end(token):
+            joint[(token,)] = p
+            continue
+        for second, q in exact(logits_after(engine, [*prompt, token])).items():
+            joint[(token, second)] = p * q
+    likely = max((cell for cell in joint if len(cell) == 2), key=joint.__getitem__)[1]  # kept now and then
+    make_drafter = draft.drafter if drafts == "draft model" else (lambda _slot, _rows, _s: PointMass(likely))
+    batcher = Recording(
+        SAMPLING_CONTEXT.n_seq_max, 32, 32, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
+        Speculate.DRAFT, engine.speculation_refused, engine.every_row_whole, make_drafter=make_drafter,
+    )  # fmt: skip
+    for i in range(DRAWS):
+        batcher.submit(Job(f"{i}", prompt, 3, SAMPLED.model_copy(update={"seed": i})))
+    while not batcher.idle or batcher.trimming:
+        for trim in batcher.take_trims():
+            engine.forget(trim.slot, trim.keep)
+        steps = batcher.plan()
+        if steps:
+            batcher.advance(engine.step_many(steps))
+    for slot in range(SAMPLING_CONTEXT.n_seq_max):
+        engine.forget(slot)
+    pairs = Counter(
+        tuple(tokens[:1] if engine.is_end(tokens[0]) else tokens[:2]) for tokens in batcher.emitted.values()
+    )
+    statistic, cells = chi_square(pairs, joint, DRAWS)
+    assert statistic < chi_square_bound(cells), (statistic, cells)
+    drafted = batcher.speculation
+    assert drafted.drafted >= DRAWS // 2 and 0 < drafted.accepted < drafted.drafted, drafted
+    # The drafts' own tokens, in the second token's place, are far from the target's distribution:
+    # the bound above would catch tokens that followed them.
+    firsts = {rid: tokens[0] for rid, tokens in batcher.emitted.items()}
+    proposed = Counter((firsts[rid], token) for rid, token in batcher.first_draft.items())
+    second_only = {cell: p for cell, p in joint.items() if len(cell) == 2}
+    scale = sum(second_only.values())
+    wrong, wrong_cells = chi_square(proposed, {c: p / scale for c, p in second_only.items()}, sum(proposed.values()))
+    assert wrong > 10 * chi_square_bound(wrong_cells), (wrong, wrong_cells)
+
+
+def test_a_sampled_request_s_tokens_follow_from_its_seed(sampling_pair: tuple[Engine, DraftModel]) -> None:
+    """The same sampled request twice with a draft model: the same tokens (the rule's draws are the
+    seed's, position by position); another seed, other tokens."""
+    engine, draft = sampling_pair
+    prompt = engine.tokenize(REPEATING)
+
+    def run(seed: int) -> str:
+        job = Job("0", prompt, 24, SAMPLED.model_copy(update={"seed": seed}))
+        texts, batcher = drive(engine, [job], Speculate.DRAFT, draft_model=draft)
+        assert batcher.speculation.drafted > 0
+        return texts["0"]
+
+    assert run(11) == run(11) != run(12)
+
+
+# --- the draft's vocabulary ----------------------------------------------------------------------
+
+
+VOCABULARY = 330  # tokens, padded: a control token more in one draft shifts the rest, as many in all
+
+
+@pytest.fixture(scope="module")
+def vocabularies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A target, a draft of its family, one of another family (more tokens), and one with one
+    token's text changed (as many tokens)."""
+    directory = tmp_path_factory.mktemp("vocabularies")
+    return {
+        "target": write_tiny_model(directory / "target.gguf", "llama", n_blocks=2, n_vocab=VOCABULARY),
+        "draft": write_tiny_model(directory / "draft.gguf", "llama", n_blocks=1, seed=1, n_vocab=VOCABULARY),
+        "other family": write_tiny_model(directory / "gemma.gguf", "gemma3", n_blocks=1),
+        "changed": write_tiny_model(
+            directory / "changed.gguf", "llama", n_blocks=1, extra_specials=["<|changed|>"], n_vocab=VOCABULARY
+        ),
+    }
+
+
+def test_a_draft_s_vocabulary_is_compared_token_for_token(vocabularies: dict[str, Path]) -> None:
+    target = FastGGUFReader(vocabularies["target"])
+    assert vocabulary_mismatch(target, FastGGUFReader(vocabularies["draft"])) is None
+    counted = vocabulary_mismatch(target, FastGGUFReader(vocabularies["other family"]))
+    assert counted is not None and "the target has 330 tokens and the draft 328" in counted, counted
+    changed = vocabulary_mismatch(target, FastGGUFReader(vocabularies["changed"]))
+    assert changed is not None and "token 3 is" in changed and "'<|changed|>' in the draft" in changed, changed
+    with pytest.raises(DraftRefused, match="no draft model file"):
+        check_draft(target, "target", vocabularies["target"].parent / "missing.gguf")
+
+
+@pytest.mark.parametrize("draft", ["other family", "changed"])
+def test_kafila_host_refuses_a_draft_whose_vocabulary_differs(vocabularies: dict[str, Path], draft: str) -> None:
+    """`kafila host --draft` with a draft of other tokens: one line saying which, before serving."""
+    done = kafila("host", "--model", vocabularies["target"], "--draft", vocabularies[draft], "--port", "0")
+    line = one_error_line(done)
+    assert f"the draft model {vocabularies[draft].name} cannot draft for target" in line, line
+    assert "their vocabularies differ" in line and "id for id" in line, line
+
+
+def test_kafila_host_s_speculate_and_draft_must_agree(vocabularies: dict[str, Path]) -> None:
+    model, draft = vocabularies["target"], vocabularies["draft"]
+    line = one_error_line(kafila("host", "--model", model, "--speculate", "draft", "--port", "0"))
+    assert "--speculate draft needs --draft MODEL" in line, line
+    line = one_error_line(kafila("host", "--model", model, "--speculate", "ngram", "--draft", draft, "--port", "0"))
+    assert "--speculate ngram never runs it" in line, line
