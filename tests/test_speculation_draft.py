@@ -6,6 +6,7 @@ refused at the command line in one line."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+import openai
 import pytest
+from host_process import running_host, status_of
+from serving_checks import unsplit_greedy
 from test_cli_edges import kafila, one_error_line
 from test_speculation_models import GREEDY, REPEATING, SETTINGS, STEPS, cut_in_two, drive
 from test_split_correctness import N_BLOCKS, PROMPT
@@ -275,6 +279,25 @@ def test_a_sampled_request_s_tokens_follow_from_its_seed(sampling_pair: tuple[En
     assert run(11) == run(11) != run(12)
 
 
+GRAMMAR = 'root ::= "{\\"a\\": [" item ("," item)? ("," item)? ("," item)? "]}"\nitem ::= [0-9]'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_a_grammar_held_request_gives_its_text_without_drafts(
+    sampling_pair: tuple[Engine, DraftModel], temperature: float
+) -> None:
+    """A JSON grammar, greedy or sampled with a seed, with a draft model that knows nothing of it:
+    drafted greedily and checked row by row, the text is the one without drafts, and parses."""
+    engine, draft = sampling_pair
+    held = SamplingSettings(temperature=temperature, top_k=TOP, seed=5, grammar=GRAMMAR)
+    job = Job("json", engine.tokenize(REPEATING), 40, held)
+    plain, _ = drive(engine, [job], Speculate.OFF)
+    drafted, batcher = drive(engine, [job], Speculate.DRAFT, draft_model=draft)
+    assert drafted == plain
+    assert batcher.speculation.drafted > 0
+    assert isinstance(json.loads(drafted["json"])["a"], list)
+
+
 # --- the draft's vocabulary ----------------------------------------------------------------------
 
 
@@ -314,6 +337,20 @@ def test_kafila_host_refuses_a_draft_whose_vocabulary_differs(vocabularies: dict
     line = one_error_line(done)
     assert f"the draft model {vocabularies[draft].name} cannot draft for target" in line, line
     assert "their vocabularies differ" in line and "id for id" in line, line
+
+
+def test_kafila_host_serves_with_a_draft_model(vocabularies: dict[str, Path]) -> None:
+    """`kafila host --draft` on two local stages: a greedy completion is the unsplit model's, and
+    /status says the drafts came from the draft model and were checked."""
+    model, draft = vocabularies["target"], vocabularies["target"]  # the target as its own draft: kept
+    args = ("--model", model, "--draft", draft, "--stages", "2", "--context", "256", "--concurrency", "2")
+    with running_host(*args, "--threads", "1") as host:
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.completions.create(model="target", prompt=REPEATING, max_tokens=24, temperature=0)
+        speculation = status_of(host)["speculation"]
+    assert reply.choices[0].text == unsplit_greedy(model, REPEATING, 24)
+    assert speculation["mode"] == "draft" and speculation["off"] is None, speculation
+    assert speculation["drafted_tokens"] > 0 and speculation["accepted_tokens"] > 0, speculation
 
 
 def test_kafila_host_s_speculate_and_draft_must_agree(vocabularies: dict[str, Path]) -> None:
