@@ -18,13 +18,15 @@ Also the stage files' transfer rate as the session formed, over the relayed edge
 direct ones (from the host's report of each transfer), with the relay's cap beside them.
 
 With `--speculate`, instead: speculative decoding with n-gram drafts against none, at each round
-trip, one user, two workloads (`--speculate off` in one session, then the default `ngram` in a
-second, the same lab): **edit**, the prompt holds a source file and asks for it back with one
-identifier renamed; **chat**, free text. Tokens/s after the first, each way, their ratio, and the
-drafted tokens kept per trip that carried drafts (from /status).
+trip, one user (`--speculate off` in one session, then the default `ngram` in a second, the same
+lab), three workloads: **edit**, the prompt holds a 210-line source file and asks for it back with
+one identifier renamed (greedy); **chat**, free text, sampled (seeded) and greedy. Tokens/s after
+the first, each way, their ratio, the ring's limit each way, tokens a trip and drafted tokens kept
+per trip that carried drafts (from /status), whether the text was the same, the cost rule's
+measured trip and drafted row, and the machine's load.
 
     python scripts/bench_wan.py [--rtts 0 10 40 100] [--tokens 32] [--repeats 3]   (root, nftables, conntrack)
-    python scripts/bench_wan.py --speculate [--rtts 0 40] [--tokens 96] [--repeats 1]
+    python scripts/bench_wan.py --speculate [--rtts 0 10 40 100] [--tokens 80] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -86,75 +88,101 @@ def measure(session: LabSession, rtt_ms: float, tokens: int, repeats: int) -> di
     }
 
 
-# The edit workload's file: the lab's host serves a context of 1,024 tokens, so 42 lines rather
-# than the issue's 200 (368 tokens with the request, and as many again for the answer).
-EDIT_SOURCE = "\n".join(
-    [
-        "def summarise(values):",
-        '    """Mean, smallest and largest of a list of numbers."""',
-        "    total = 0",
-        "    smallest = None",
-        "    largest = None",
-        "    for value in values:",
-        "        total += value",
-        "        if smallest is None or value < smallest:",
-        "            smallest = value",
-        "        if largest is None or value > largest:",
-        "            largest = value",
-        "    mean = total / len(values) if values else 0.0",
-        "    return mean, smallest, largest",
-        "",
-    ]
-    * 3
-)
-EDIT = (
-    "<start_of_turn>user\nHere is a Python file:\n\n" + EDIT_SOURCE + "\nWrite the whole file back with `total` "
-    "renamed to `running_sum`, and nothing else.<end_of_turn>\n<start_of_turn>model\n"
-)
-CHAT = "<start_of_turn>user\nTell me a short story about a lighthouse keeper.<end_of_turn>\n<start_of_turn>model\n"
+# The edit workload's file: a 210-line Python module (scripts/bench_data/inventory.py.txt), 2,000
+# tokens (so the host serves 4,096 a sequence), asked back with one identifier renamed, as a
+# document to continue (gemma-3-270m is a base model). Chat is free text, sampled (seeded, so the
+# same text each way), whose drafts are mostly missed, the case the cost rule must keep from
+# losing; and the same greedy, where this small model falls into loops that drafts catch.
+EDIT_FILE = Path(__file__).resolve().parent / "bench_data" / "inventory.py.txt"
+SPECULATION_CONTEXT = 4096
+
+
+def edit_prompt(lines: int | None) -> str:
+    source = "".join(EDIT_FILE.read_text().splitlines(keepends=True)[:lines])
+    return (
+        f"inventory.py:\n\n```python\n{source}```\n\nThe same file, with the variable `warehouse` renamed to "
+        "`store` everywhere:\n\n```python\n"
+    )
+
+
+CHAT = "The old lighthouse keeper had lived alone on the island for thirty years. Every evening he"
+WORKLOADS = {  # name → (prompt, temperature, seed)
+    "chat": (CHAT, 0.8, 7),
+    "chat, greedy": (CHAT, 0.0, None),
+    "edit": (edit_prompt(None), 0.0, None),
+}
 
 
 def speculation_rates(session: LabSession, rtt_ms: float, tokens: int, repeats: int) -> dict[str, Any]:
-    """One user's decode tokens/s on each workload, and the drafts kept per trip meanwhile."""
+    """One user's decode tokens/s on each workload; the drafts kept meanwhile, from /status."""
     api = session.api
     assert api is not None
     api("completions", prompts=[CHAT], max_tokens=4, stream=True)  # warm at this round trip
     out: dict[str, Any] = {"rtt": rtt_ms}
-    for name, prompt in (("edit", EDIT), ("chat", CHAT)):
+    for name, (prompt, temperature, seed) in WORKLOADS.items():
+        request = {"prompts": [prompt], "max_tokens": tokens, "temperature": temperature, "seed": seed}
         before = api("status")["speculation"]
-        results = [api("completions", prompts=[prompt], max_tokens=tokens)[0] for _ in range(repeats)]
+        results = [api("completions", **request)[0] for _ in range(repeats)]
         for result in results:
             if "error" in result or result["tokens"] < 2:
                 raise RuntimeError(f"a request failed at {rtt_ms} ms: {result}")
-        after = api("status")["speculation"]
+        status = api("status")
+        after = status["speculation"]
+        made = sum(r["tokens"] - 1 for r in results)  # after the first, which the prompt's trip made
+        kept = after["accepted_tokens"] - before["accepted_tokens"]
         trips = after["trips"] - before["trips"]
-        out[name] = statistics.median(decode_rate(r) for r in results)
-        out[f"{name}_kept"] = (after["accepted_tokens"] - before["accepted_tokens"]) / trips if trips else 0.0
-        out[f"{name}_tokens"] = statistics.median(r["tokens"] for r in results)
+        out[name] = {
+            "rate": statistics.median(decode_rate(r) for r in results),
+            "tokens": statistics.median(r["tokens"] for r in results),
+            "per_trip": made / max(1, made - kept),  # each trip makes one token and keeps its drafts
+            "kept": kept / trips if trips else 0.0,
+            "texts": [r["text"] for r in results],
+        }
+    stages = status["stages"]
+    out["stages_ms"] = sum(s.get("ms_per_token_alone") or s.get("ms_per_token") or 0.0 for s in stages)
+    out["trip_ms"], out["row_ms"] = after.get("trip_ms"), after.get("row_ms")
     return out
 
 
 def bench_speculation(model: Path, rtts: list[float], tokens: int, repeats: int) -> None:
     rows: dict[str, list[dict[str, Any]]] = {}
+    loads: dict[str, tuple[float, float]] = {}
     for mode in ("off", "ngram"):
+        before = os.getloadavg()[0]
+        host_args = ("--speculate", mode, "--context", str(SPECULATION_CONTEXT))
         with (
             tempfile.TemporaryDirectory() as tmp,
-            lab_session(model, Path(tmp), WanLink(FORMED_AT_RTT_MS / 4), host_args=("--speculate", mode)) as session,
+            lab_session(model, Path(tmp), WanLink(FORMED_AT_RTT_MS / 4), host_args=host_args) as session,
         ):
             rows[mode] = []
             for rtt in rtts:
                 set_rtt(session, rtt)
                 rows[mode].append(speculation_rates(session, rtt, tokens, repeats))
                 print(f"measured --speculate {mode} at {rtt:g} ms", file=sys.stderr)
-    print(f"One user, up to {tokens} tokens a request, median of {repeats}; decode tokens/s after the first.\n")
-    print("| per-hop RTT | workload | tokens | off tokens/s | ngram tokens/s | ngram / off | drafts kept a trip |")
-    print("|---|---|---|---|---|---|---|")
+        loads[mode] = (before, os.getloadavg()[0])
+    print(f"One user, up to {tokens} tokens a request, median of {repeats}; decode tokens/s after the first.")
+    print("Load average (1 min) on this machine, at the start and end of each session: " + ", ".join(
+        f"{mode} {a:.1f} to {b:.1f}" for mode, (a, b) in loads.items()) + ".")  # fmt: skip
+    print("Ring limit: one token a trip of 1.5 × RTT + Σ stage ms (off's stages, /status); ngram's is that times")
+    print("its tokens a trip, as if drafted rows were free. Trip and row: the cost rule's measure (/status).\n")
+    print("| per-hop RTT | workload | tokens | off tokens/s | limit | ngram tokens/s | limit | ngram / off "
+          "| tokens a trip | drafts kept a trip | same text |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for off, on in zip(rows["off"], rows["ngram"], strict=True):
-        for name in ("edit", "chat"):
+        limit = 1e3 / (1.5 * off["rtt"] + off["stages_ms"])
+        for name in WORKLOADS:
+            a, b = off[name], on[name]
             print(
-                f"| {off['rtt']:g} ms | {name} | {on[f'{name}_tokens']:g} | {off[name]:.1f} | {on[name]:.1f} "
-                f"| {on[name] / off[name]:.2f} | {on[f'{name}_kept']:.2f} |"
+                f"| {off['rtt']:g} ms | {name} | {b['tokens']:g} | {a['rate']:.1f} | {limit:.1f} | {b['rate']:.1f} "
+                f"| {limit * b['per_trip']:.1f} | {b['rate'] / a['rate']:.2f} | {b['per_trip']:.2f} | {b['kept']:.2f} "
+                f"| {'yes' if a['texts'] == b['texts'] else 'no'} |"
             )
+    print("\n| per-hop RTT | Σ stage ms (off) | ngram: a trip | a drafted row |")
+    print("|---|---|---|---|")
+    for off, on in zip(rows["off"], rows["ngram"], strict=True):
+        trip, row = on["trip_ms"], on["row_ms"]
+        shown = (f"{trip:.0f} ms", f"{row:.1f} ms") if trip is not None and row is not None else ("—", "—")
+        print(f"| {off['rtt']:g} ms | {off['stages_ms']:.1f} | {shown[0]} | {shown[1]} |")
 
 
 def transfers(session: LabSession) -> list[tuple[str, str, float, float]]:

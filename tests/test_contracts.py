@@ -115,7 +115,8 @@ def a_ring_status() -> HostStatus:
         stages=[StageReport(range=(0, 4), ms_per_token=3.0, ms_per_token_alone=3.25, steps_alone=20)],
         incidents=[Incident(what="the ring broke", detail="the link to gone is down", at=1.0)],
         speculation=SpeculationStatus(
-            mode="ngram", drafted_tokens=40, accepted_tokens=30, trips=10, accepted_per_trip=3.0, mean_window=4.0
+            mode="ngram", drafted_tokens=40, accepted_tokens=30, trips=10, accepted_per_trip=3.0, mean_window=4.0,
+            trip_ms=62.5, row_ms=8.25,
         ),
         **{name: getattr(session, name) for name in session.model_fields_set},
     )  # fmt: skip
@@ -142,3 +143,4 @@ def test_kafila_status_shows_every_part_of_a_typed_status() -> None:
     assert "ring host-pc → laptop" in shown and "division [4, 2]" in shown
     assert "last incident" in shown and "the ring broke: the link to gone is down" in shown
     assert "drafts: ngram, 40 drafted, 30 kept, 3.00 kept a trip, window 4.0" in shown
+    assert "window 4.0; a trip 62.5 ms, a drafted row 8.2 ms more" in shown  # what the cost rule weighs

@@ -290,6 +290,10 @@ class SpeculationStatus(Strict):
     trips: int = 0  # trips that carried drafts
     accepted_per_trip: float = 0.0  # drafted tokens kept per such trip
     mean_window: float = 0.0  # drafted tokens per such trip
+    # What the cost rule weighs (`draft_cost.TripClock`): a decode wave's trip without drafts, and
+    # each drafted row's cost beyond it, as the waves landed show them; None until measured.
+    trip_ms: Milliseconds | None = None
+    row_ms: Milliseconds | None = None
 
 
 class PrefillStatus(Strict):

@@ -6,7 +6,7 @@ run in another. This agent runs in the host's namespace (`NatLab.run`) with the 
 
     {"op": "status"}                                     → /status
     {"op": "chat", "messages": [...], "max_tokens": 8}   → {"text", "ttft_s", "seconds", "tokens"}
-    {"op": "completions", "prompts": [...], "max_tokens": 16, "stream": true}
+    {"op": "completions", "prompts": [...], "max_tokens": 16, "stream": true, "temperature": 0, "seed": null}
         → every prompt at once, each in its own thread: [{"text", "finish", "ttft_s", "seconds", "tokens"}]
     {"op": "start", "id": "a", "messages": [...], "max_tokens": 200}  → a stream in the background
     {"op": "progress", "id": "a"}  → {"chunks", "done"}
@@ -66,17 +66,21 @@ class _Stream:
             self.done.set()
 
 
-def completion(api: Api, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+def completion(
+    api: Api, prompt: str, max_tokens: int, stream: bool, temperature: float = 0.0, seed: int | None = None
+) -> dict[str, Any]:
     started = time.time()
     if not stream:
-        whole = api.client.completions.create(model=api.model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        whole = api.client.completions.create(
+            model=api.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=seed
+        )
         tokens = whole.usage.completion_tokens if whole.usage else -1
         return {"text": whole.choices[0].text, "finish": whole.choices[0].finish_reason, "ttft_s": None,
                 "seconds": time.time() - started, "tokens": tokens}  # fmt: skip
     first: float | None = None
     text, finish, tokens = "", None, -1
     for chunk in api.client.completions.create(
-        model=api.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        model=api.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, stream=True,
         stream_options={"include_usage": True},
     ):  # fmt: skip
         if chunk.choices and chunk.choices[0].text:
@@ -108,7 +112,10 @@ def handle(api: Api, streams: dict[str, _Stream], request: dict[str, Any]) -> An
 
         def run(index: int, prompt: str) -> None:
             try:
-                results[index] = completion(api, prompt, request["max_tokens"], request.get("stream", True))
+                results[index] = completion(
+                    api, prompt, request["max_tokens"], request.get("stream", True), request.get("temperature", 0.0),
+                    request.get("seed"),
+                )  # fmt: skip
             except Exception as error:
                 results[index] = {"error": f"{type(error).__name__}: {error}"}
 

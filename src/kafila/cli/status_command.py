@@ -27,10 +27,13 @@ def speculation_line(speculation: SpeculationStatus) -> str:
     """What `kafila host --speculate` drafted and kept, in a line."""
     if speculation.off is not None:
         return f"none ({shown(speculation.off)})"
-    return (
+    line = (
         f"{speculation.mode}, {speculation.drafted_tokens} drafted, {speculation.accepted_tokens} kept, "
         f"{_number(speculation.accepted_per_trip)} kept a trip, window {_number(speculation.mean_window, 1)}"
     )
+    if speculation.trip_ms is not None and speculation.row_ms is not None:  # what the cost rule weighs
+        line += f"; a trip {_number(speculation.trip_ms, 1)} ms, a drafted row {_number(speculation.row_ms, 1)} ms more"
+    return line
 
 
 def render_status(status: HostStatus, console: Console) -> None:

@@ -91,11 +91,12 @@ class ServingHandle:
     def speculation(self) -> SpeculationStatus:
         """Drafted and accepted tokens on this ring (`runtime.engine.speculation`)."""
         batcher = self.loop.batcher
-        stats = batcher.speculation
+        stats, cost = batcher.speculation, batcher.trip_clock.cost
         return SpeculationStatus(
             mode=self.loop.speculate.value, off=batcher.speculation_off, drafted_tokens=stats.drafted,
             accepted_tokens=stats.accepted, trips=stats.trips, accepted_per_trip=round(stats.accepted_per_trip, 3),
             mean_window=round(stats.mean_window, 3),
+            trip_ms=round(cost.trip_ms, 2) if cost else None, row_ms=round(cost.row_ms, 2) if cost else None,
         )  # fmt: skip
 
 
