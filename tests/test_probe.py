@@ -400,9 +400,22 @@ def test_the_quick_form_times_a_short_and_a_long_block_stage_and_the_head_in_one
     assert head_bandwidth == pytest.approx(b_head)
 
 
+def test_the_quick_ring_is_sized_like_the_stages_a_session_will_serve() -> None:
+    """[k, s, k] with s the blocks a served stage holds, within what the model has: on a busy
+    machine a stage's time grows faster than its blocks, so it is timed at the length it serves."""
+    from kafila.runtime.machine.model_probe import quick_ring
+
+    assert quick_ring(18, 6) == [2, 6, 2]  # three machines: the last 10 blocks, cut as a small model
+    assert quick_ring(18, 9) == [2, 9, 2]
+    assert quick_ring(18, 40) == [2, 14, 2]  # no more than the whole model
+    assert quick_ring(18, 1) == [2, 3, 2]  # longer than the short stage, or there is no line to draw
+    assert quick_ring(4, 2) == [1, 2, 1] and quick_ring(3, 2) is None
+
+
 @needs_llama_cpp
 def test_a_host_prices_its_model_once_in_a_child_and_keeps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`price_model_here`: the quick form in a child process, kept by the model's hash under the
+    """`price_model_here`: the quick form in a child process, its ring sized like a served stage
+    (two blocks of six: the last four cut as a small model), kept by the model's hash under the
     probe's key; a second start reads it back without measuring."""
     import json
 
@@ -413,13 +426,19 @@ def test_a_host_prices_its_model_once_in_a_child_and_keeps_it(tmp_path: Path, mo
     from kafila.runtime.machine.this_machine import cached_model_pricings
 
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
-    model = write_wide_model(tmp_path / "llama.gguf", n_blocks=4)
+    model = write_wide_model(tmp_path / "llama.gguf", n_blocks=6)
     digest = file_sha256(model)
     said: list[str] = []
     pricing, stages = when_not_busy(
-        lambda: price_model_here(model, digest, 1 << 30, n_threads=1, progress=lambda text, _f: said.append(text))
+        lambda: price_model_here(
+            model, digest, 1 << 30, n_threads=1, progress=lambda text, _f: said.append(text), served_blocks=2
+        )
     )
-    assert stages is not None and stages.divisions == [[1, 2, 1]] and said[0] == "timing [1, 2, 1] as a local ring"
+    assert said[:2] == [
+        "cutting the last 4 of 6 blocks, with the head, to time stages as long as it will serve",
+        "timing [1, 2, 1] as a local ring",
+    ]
+    assert stages is not None and stages.divisions == [[1, 2, 1]] and stages.first_priced_block == 2
     assert [(s.first_block, s.end_block, s.is_head) for s in stages.stages] == [
         (0, 1, False),
         (1, 3, False),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -150,10 +151,11 @@ async def price_model_here_first(config: HostConfig, device: FleetDevice, model_
     def said(text: str, _fraction: float) -> None:
         loop.call_soon_threadsafe(ui.say, f"pricing {model.name}'s stages on this machine: {text}")
 
-    memory = int(device.memory_gib * 2**30)
+    memory, started = int(device.memory_gib * 2**30), time.monotonic()
+    served_blocks = -(-model.manifest.n_blocks // max(1, config.members))  # a stage's blocks, were they even
     try:
         pricing, stages = await asyncio.to_thread(
-            price_model_here, model.path, model_sha256, memory, config.threads, said
+            price_model_here, model.path, model_sha256, memory, config.threads, said, served_blocks
         )
     except ProbeError as error:
         ui.warn("the model's stages could not be priced on this machine", f"{error}; the generic probe prices them")
@@ -166,7 +168,8 @@ async def price_model_here_first(config: HostConfig, device: FleetDevice, model_
             f"{s.first_block}-{s.end_block - 1}{' head' if s.is_head else ''} {s.ms_per_token:.2f} ms"
             for s in stages.stages
         )
-        ui.say(f"pricing {model.name}'s stages on this machine: {measured}; {numbers} (kept)")
+        took = time.monotonic() - started
+        ui.say(f"pricing {model.name}'s stages on this machine: {measured}; {numbers} (measured in {took:.1f} s, kept)")
 
 
 async def hash_with_progress(model: HostModel, ui: HostUi) -> str | None:

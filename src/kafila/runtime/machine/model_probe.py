@@ -46,7 +46,7 @@ from kafila.units import human_bytes
 CALIBRATION_PROMPT = "The history of the printing press begins"
 CALIBRATION_TOKENS = 48
 CALIBRATION_REPEATS = 3
-QUICK_TOKENS = 32  # the quick form's one run: enough decodes for a stable mean, a second or so on a laptop
+QUICK_TOKENS = 64  # the quick form's one run: a median over enough decodes that a burst of other work does not set it
 
 
 class StageTime(Strict):
@@ -127,6 +127,17 @@ def quick_division(n_blocks: int, starts: Sequence[int] | None = None) -> list[i
     return division if division[0] != division[1] else None
 
 
+def quick_ring(n_blocks: int, served_blocks: int) -> list[int] | None:
+    """The quick ring sized like the stages a session will serve: [k, s, k], s about the blocks a
+    served stage holds (`served_blocks`), timed on the model's last 2k + s blocks cut as a small
+    model of their own. A stage's time is linear in its blocks on a quiet machine, but where other
+    work shares the cores a long stage is preempted mid-token and a short one is not: timed at the
+    length it will serve, the line is read where it was measured. None where s cannot exceed k."""
+    short = max(1, n_blocks // 9)
+    long = min(max(served_blocks, short + 1), n_blocks - 2 * short)
+    return [short, long, short] if long > short else None
+
+
 def stage_times(divisions: Sequence[Sequence[int]], runs: Sequence[Sequence[float]]) -> list[StageTime]:
     """Each run's per-stage ms per token, labelled with the blocks that stage held."""
     out = []
@@ -180,9 +191,11 @@ def probe_model_stages(
     n_threads: int | None = None,
     memory_bytes: int | None = None,
     quick: bool = False,
+    served_blocks: int | None = None,
 ) -> ModelStageProbe:
     """Run the calibration rings `repeats` times, interleaved, and derive o, b and b_head from the medians;
-    `quick`, one three-stage ring once (`quick_division`), where the model has one.
+    `quick`, one three-stage ring once: sized like a served stage (`quick_ring`) given
+    `served_blocks` where the model may be cut at every block, else `quick_division`.
 
     This process is the rings' head: load llama.cpp with `load_llama(shared_machine=True)` before
     anything else does, or its threads keep spinning while the other stage computes.
@@ -200,6 +213,11 @@ def probe_model_stages(
             f"machine, and they do not fit in the {human_bytes(memory_bytes or 0)} available; sessions price this "
             "machine with the generic probe instead"
         )
+    sized = quick_ring(whole.n_blocks, served_blocks) if quick and served_blocks and not whole.stage_starts else None
+    if sized is not None and sum(sized) <= kept:
+        kept = sum(sized)
+    else:
+        sized = None
     load_llama_cpp()
     settings = ContextSettings(n_ctx=1024, n_batch=64, n_seq_max=1)
     if n_threads is not None:
@@ -209,12 +227,13 @@ def probe_model_stages(
     with tempfile.TemporaryDirectory(prefix="probe-", dir=scratch) as cache:
         source, manifest = model, whole
         if kept < whole.n_blocks:
-            progress(f"cutting the last {kept} of {whole.n_blocks} blocks, with the head, to fit in memory", 0.0)
+            why = "to time stages as long as it will serve" if sized is not None else "to fit in memory"
+            progress(f"cutting the last {kept} of {whole.n_blocks} blocks, with the head, {why}", 0.0)
             first = whole.n_blocks - kept
             source = block_range_file(model, first, whole.n_blocks, Path(cache) / "part", is_head=True).path
             manifest = read_manifest(source)
         starts = manifest.stage_starts
-        one_ring = quick_division(manifest.n_blocks, starts) if quick else None
+        one_ring = sized or (quick_division(manifest.n_blocks, starts) if quick else None)
         divisions = [one_ring] if one_ring is not None else calibration_divisions(manifest.n_blocks, starts)
         repeats, tokens = (1, QUICK_TOKENS) if one_ring is not None else (repeats, CALIBRATION_TOKENS)
         runs: list[list[list[float]]] = [[] for _ in divisions]
@@ -283,6 +302,7 @@ def model_probe_in_child(
     n_threads: int | None = None,
     progress: ProgressFn = _quiet,
     timeout_s: float = PROBE_TIMEOUT_S,
+    served_blocks: int | None = None,
 ) -> ModelStageProbe:
     """`probe_model_stages` in its quick form, in a child process (`probe_child.run_in_child`): a
     native crash there is explained, not the host's death, and its threads are left free as the
@@ -290,6 +310,8 @@ def model_probe_in_child(
     command = [sys.executable, "-m", __name__, "--model", str(model), "--memory", str(memory_bytes)]
     if n_threads is not None:
         command += ["--threads", str(n_threads)]
+    if served_blocks is not None:
+        command += ["--served-blocks", str(served_blocks)]
     env = {name: value for name, value in os.environ.items() if name not in BOUND_TEAMS_OPENMP}
     return run_in_child(ModelStageProbe, command, progress, timeout_s, env)
 
@@ -300,15 +322,17 @@ def price_model_here(
     memory_bytes: int,
     n_threads: int | None = None,
     progress: ProgressFn = _quiet,
+    served_blocks: int | None = None,
 ) -> tuple[ModelPricing, ModelStageProbe | None]:
     """This machine's pricing of the model: the one kept (`this_machine.cached_model_pricings`:
     measured before, by `kafila probe --model`, or by serving it), or measured now in the quick
-    form and kept, so that a second start does not pay for it. With the stages it was measured
-    from, where it was measured now. ProbeError where it cannot be measured."""
+    form and kept, so that a second start does not pay for it; `served_blocks`, about the blocks a
+    stage of the session will hold (`quick_ring`). With the stages it was measured from, where it
+    was measured now. ProbeError where it cannot be measured."""
     for kept in cached_model_pricings():
         if kept.model_sha256 == model_sha256:
             return kept, None
-    stages = model_probe_in_child(model, memory_bytes, n_threads, progress)
+    stages = model_probe_in_child(model, memory_bytes, n_threads, progress, served_blocks=served_blocks)
     pricing = model_pricing(stages, model_sha256)
     try:
         save_model_pricing(pricing, MEASURED_BEFORE_THE_FIRST_PLAN)
@@ -318,9 +342,9 @@ def price_model_here(
 
 
 def _child(arguments: Sequence[str]) -> None:
-    """The child of `model_probe_in_child`: `--model PATH --memory BYTES [--threads N]`."""
+    """The child of `model_probe_in_child`: `--model PATH --memory BYTES [--threads N] [--served-blocks N]`."""
     options = dict(zip(arguments[::2], arguments[1::2], strict=False))
-    threads = options.get("--threads")
+    threads, served = options.get("--threads"), options.get("--served-blocks")
 
     def work(progress: ProgressFn) -> ModelStageProbe:
         load_llama(shared_machine=True)  # the rings' head runs here; their other stages take turns with it
@@ -331,6 +355,7 @@ def _child(arguments: Sequence[str]) -> None:
                 n_threads=int(threads) if threads is not None else None,
                 memory_bytes=int(options["--memory"]),
                 quick=True,
+                served_blocks=int(served) if served is not None else None,
             )
         except (OSError, ValueError, RuntimeError) as error:  # a stage that failed to load, say
             if isinstance(error, ProbeError):
