@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.error import HTTPError
@@ -44,7 +44,7 @@ from host_process import (
 )
 from openai.types import Completion
 from serving_checks import PROMPTS, check_concurrent_streams, unsplit_greedy, unsplit_logprobs, unsplit_text
-from tiny_models import write_tiny_model, write_wide_model
+from tiny_models import TINY_SHAPES, write_tiny_model, write_wide_model
 from waiting import line_from
 
 from kafila.contracts import FleetDevice
@@ -1095,6 +1095,41 @@ def test_a_member_killed_mid_stream_pauses_the_stream_and_it_ends_as_an_unbroken
         settings = SamplingSettings(temperature=0.8, top_p=1.0, top_k=0, seed=7)
         assert text == unsplit_text(model, PROMPT, 120, settings)
         assert said(host, "serving on this machine alone"), host.output()
+
+
+@pytest.fixture(scope="session")
+def looping_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama whose greedy text keeps falling into repeats that n-gram drafts catch, and
+    leaving them (a tied output and a large embedding: the current token's logit often wins), so
+    that trips keep drafts and have others cut."""
+    shape = replace(TINY_SHAPES["llama"], embd_std=3.0, tied_output=True)
+    return write_tiny_model(tmp_path_factory.mktemp("looping") / "looping.gguf", "llama", n_blocks=4, shape=shape)
+
+
+def test_a_member_lost_mid_speculation_leaves_a_stream_that_ends_as_one_without_the_loss(
+    tmp_path: Path, looping_model: Path
+) -> None:
+    """Issue 37: a greedy stream on a ring of three drafts tokens (n-gram, the host's default) and
+    has drafted trips behind it when a member stops and dies. The stream goes on on the new ring,
+    which drafts for it again, and ends with the text a run without the loss gives."""
+    model = looping_model
+    with session(tmp_path, model, 3) as (host, joiners):
+        wait_ready(host)
+        client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        stream = iter(
+            client.completions.create(model="looping", prompt=PROMPT, max_tokens=200, temperature=0, stream=True)
+        )
+        text = "".join(next(stream).choices[0].text for _ in range(40))
+        first = joiners[0]
+        first.send_signal(signal.SIGSTOP)  # the ring stops mid-answer, drafts out or rejected rows not yet cut
+        lost = status_of(host)
+        assert lost["running"] == 1 and lost["speculation"]["trips"] > 0, lost["speculation"]  # drafting, not over
+        first.kill()
+        text += "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == unsplit_greedy(model, PROMPT, 200), (text, host.output()[-4000:])
+        assert said(host, "the broken ring left go on on this one"), host.output()
+        after = status_of(host)
+        assert after["epoch"] > lost["epoch"] and after["speculation"]["trips"] > 0, after  # drafting again
 
 
 def blocks_held(status: dict[str, Any]) -> dict[str, list[int]]:
