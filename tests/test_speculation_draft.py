@@ -107,6 +107,40 @@ def test_greedy_text_is_the_same_with_a_draft_model_on_and_off(arch: str, tmp_pa
         engine.close()
 
 
+def test_a_wave_s_drafts_are_drafted_together_as_each_alone(sampling_pair: tuple[Engine, DraftModel]) -> None:
+    """Three sequences' drafts from one draft model: caught up together, n_batch rows a decode, then
+    one decode a round of drafted tokens, the tokens each drafts alone, greedy or sampled (with its q rows);
+    after a reject, the next draft cuts the cache back to what the sequence kept."""
+    engine, draft = sampling_pair
+    prompts = [engine.tokenize(text) for text in (PROMPT, REPEATING, "hello world")]
+    settings = [GREEDY, SAMPLED.model_copy(update={"seed": 3}), GREEDY]
+    alone = []
+    for slot, (prompt, sampling) in enumerate(zip(prompts, settings, strict=True)):
+        drafter = draft.drafter(slot, prompt, sampling)
+        alone.append((drafter.draft(4), drafter.drawn_from))
+        drafter.close()
+        draft.model.forget(slot)
+        draft._held.pop(slot)
+    drafters = [draft.drafter(slot, p, s) for slot, (p, s) in enumerate(zip(prompts, settings, strict=True))]
+    before = draft.decodes
+    together = draft.draft_many([(drafter, 4) for drafter in drafters])
+    catch_up = math.ceil(sum(map(len, prompts)) / SAMPLING_CONTEXT.n_batch)  # the prompts, n_batch rows a decode
+    assert draft.decodes - before == catch_up + 3  # then rounds 2, 3 and 4 (the last drafted token waits)
+    assert together == [tokens for tokens, _ in alone]
+    assert drafters[0].drawn_from is None and drafters[2].drawn_from is None
+    q = drafters[1].drawn_from
+    assert q is not None and alone[1][1] is not None and q.shape == (4, engine.n_vocab())
+    np.testing.assert_allclose(q, alone[1][1], atol=1e-5)
+    drafters[0].extend([together[0][0], (together[0][1] + 1) % engine.n_vocab()])  # the second draft rejected
+    draft.draft_many([(drafters[0], 2)])
+    assert draft._held[0] == [*prompts[0], together[0][0], (together[0][1] + 1) % engine.n_vocab(), draft._held[0][-1]]
+    assert draft.model.next_position(0) == len(draft._held[0])
+    for slot, drafter in enumerate(drafters):
+        drafter.close()
+        draft.model.forget(slot)
+        draft._held.pop(slot)
+
+
 def test_speculation_off_for_a_draft_model_not_loaded() -> None:
     """`Speculate.DRAFT` without a draft model drafts nothing, and says why."""
     batcher = Batcher(1, 4, 64, lambda _s: None, lambda _t: b"", lambda _t: False, speculate=Speculate.DRAFT)  # type: ignore[arg-type,return-value]
@@ -232,10 +266,12 @@ def test_sampled_tokens_have_the_target_s_distribution_with_drafts_that_disagree
         for second, q in exact(logits_after(engine, [*prompt, token])).items():
             joint[(token, second)] = p * q
     likely = max((cell for cell in joint if len(cell) == 2), key=joint.__getitem__)[1]  # kept now and then
-    make_drafter = draft.drafter if drafts == "draft model" else (lambda _slot, _rows, _s: PointMass(likely))
+    modelled = drafts == "draft model"
+    make_drafter = draft.drafter if modelled else (lambda _slot, _rows, _s: PointMass(likely))
     batcher = Recording(
         SAMPLING_CONTEXT.n_seq_max, 32, 32, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
         Speculate.DRAFT, engine.speculation_refused, engine.every_row_whole, make_drafter=make_drafter,
+        draft_together=draft.draft_many if modelled else None,
     )  # fmt: skip
     for i in range(DRAWS):
         batcher.submit(Job(f"{i}", prompt, 3, SAMPLED.model_copy(update={"seed": i})))

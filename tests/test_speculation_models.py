@@ -45,6 +45,7 @@ def drive(
         SETTINGS.n_seq_max, 16, 256, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
         speculate, engine.speculation_refused, engine.every_row_whole,
         make_drafter=draft_model.drafter if draft_model is not None else None,
+        draft_together=draft_model.draft_many if draft_model is not None else None,
     )  # fmt: skip
     for job in jobs:
         batcher.submit(job)

@@ -218,6 +218,7 @@ class Batcher:
         prefill_chunks: int = 1,
         chunk_rows: Callable[[int], int] | None = None,
         make_drafter: Callable[[int, list[int], SamplingSettings], Drafter] | None = None,
+        draft_together: Callable[[Sequence[tuple[Drafter, int]]], list[list[int]]] | None = None,
     ) -> None:
         """`speculate`: what to draft with; `speculation_refused`: why the engine cannot check
         drafts (`Engine.speculation_refused`), None where it can; `every_row_whole`: whether it
@@ -227,7 +228,8 @@ class Batcher:
         prompt's chunks for the rows it has to prefill (the cost model's,
         `planner.prefill.prefill_chunk_rows`); None: as many as a wave has room for;
         `make_drafter`: a drafter on the draft model for a request admitted to a slot with its
-        tokens and settings (`DraftModel.drafter`), which `Speculate.DRAFT` needs."""
+        tokens and settings (`DraftModel.drafter`), which `Speculate.DRAFT` needs; `draft_together`:
+        its drafters' drafts for a wave at once (`DraftModel.draft_many`)."""
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
         if prefill_chunks < 1:
@@ -248,6 +250,7 @@ class Batcher:
         # why no sequence drafts, or None
         self.speculation_off = _speculation_off(speculate, speculation_refused, prefix_cut, make_drafter)
         self._make_drafter = make_drafter if speculate is Speculate.DRAFT else None
+        self._draft_together = draft_together if self._make_drafter is not None else None
         self.every_row_whole = every_row_whole
         self.speculation = SpeculationStats()
         self.trip_clock = TripClock()  # what a wave and a drafted row cost on this ring (the cost rule)
@@ -525,10 +528,10 @@ class Batcher:
         sequence is never drafted past its max_tokens or its context."""
         if self.speculation_off is not None:
             return [[] for _ in decoding]
-        proposed: list[list[int]] = []
+        rooms: list[int] = []
         for sequence in decoding:
             if self._drafts_refused(sequence.job) is not None:
-                proposed.append([])
+                rooms.append(0)
                 continue
             room = min(
                 self._paying(sequence.window, len(decoding)),
@@ -536,7 +539,11 @@ class Batcher:
                 self.context - sequence.position - 1,
                 MAX_DRAFT,
             )
-            proposed.append(self._draft(sequence, room))
+            rooms.append(room)
+        if self._draft_together is not None:  # a draft model: as many as asked, so share the rows first
+            proposed = self._draft_all(decoding, draft_shares(rooms, max(0, rows)))
+        else:
+            proposed = [self._draft(sequence, room) for sequence, room in zip(decoding, rooms, strict=True)]
         shares = draft_shares([len(p) for p in proposed], max(0, rows))
         drafts = [p[:share] for p, share in zip(proposed, shares, strict=True)]
         for sequence, drafted in zip(decoding, drafts, strict=True):
@@ -545,6 +552,24 @@ class Batcher:
             if not drafted:
                 sequence.window.skip()
         return drafts
+
+    def _draft_all(self, decoding: Sequence[_Sequence], limits: Sequence[int]) -> list[list[int]]:
+        """The drafts of every sequence of a wave from the draft model at once (each round of
+        drafted tokens one decode); none for the wave where it failed to run."""
+        proposed: list[list[int]] = [[] for _ in decoding]
+        asked: list[tuple[int, Drafter, int]] = []
+        for index, (sequence, limit) in enumerate(zip(decoding, limits, strict=True)):
+            if sequence.drafter is not None and limit > 0:
+                asked.append((index, sequence.drafter, limit))
+        if not asked or self._draft_together is None:
+            return proposed
+        try:
+            drafted = self._draft_together([(drafter, limit) for _, drafter, limit in asked])
+        except (RuntimeError, ValueError):
+            return proposed
+        for (index, _, _), tokens in zip(asked, drafted, strict=True):
+            proposed[index] = tokens
+        return proposed
 
     @staticmethod
     def _draft(sequence: _Sequence, room: int) -> list[int]:

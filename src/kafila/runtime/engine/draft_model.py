@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from kafila.runtime.engine.engines import PrefixCut, prefix_cut
 from kafila.runtime.engine.sampling import Sampler, SamplingSettings
-from kafila.runtime.engine.speculation import DRAFT_DRAW, uniform
+from kafila.runtime.engine.speculation import DRAFT_DRAW, Drafter, uniform
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
@@ -87,12 +87,60 @@ class DraftModel:
     def close(self) -> None:
         self.model.close()
 
-    def logits_after(self, slot: int, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
-        """The draft's logits after `tokens`, once its cache of `slot` holds them: it keeps the
-        prefix it shares with what it held and decodes the rest."""
+    def draft_many(self, asked: Sequence[tuple[Drafter, int]]) -> list[list[int]]:
+        """Each drafter's drafts (this model's `ModelDrafter`s), as many as its limit: its
+        sequence's cache caught up first, then one drafted token a round, every sequence's row
+        of a round in one decode. On a failed decode the slots it touched are dropped (drafted
+        afresh next time) and it raises."""
+        wanted = [(drafter, limit) for drafter, limit in asked if isinstance(drafter, ModelDrafter)]
+        if len(wanted) != len(asked):
+            raise TypeError("only this draft model's drafters draft here")
+        drafted: list[list[int]] = [[] for _ in wanted]
+        rows: list[list[npt.NDArray[np.float64]]] = [[] for _ in wanted]
+        live = [(index, drafter, limit) for index, (drafter, limit) in enumerate(wanted) if limit > 0]
+        for drafter, _ in wanted:
+            drafter._drawn_from = None
+        if not live:
+            return drafted
+        try:
+            # Catch up: the tokens each cache lacks (at least the last, whose row gives the logits).
+            pending = [
+                (index, drafter._slot, position, token)
+                for index, drafter, _ in live
+                for position, token in self._behind(drafter._slot, drafter._tokens)
+            ]
+            logits = self._decode(pending)
+            for round_ in range(max(limit for _, _, limit in live)):
+                pending = []
+                for index, drafter, limit in live:
+                    if round_ >= limit:
+                        continue
+                    position = len(drafter._tokens) + round_
+                    token, q = drafter._choose(logits[index], position)
+                    drafted[index].append(token)
+                    if q is not None:
+                        rows[index].append(q)
+                    if round_ + 1 < limit:
+                        pending.append((index, drafter._slot, position, token))
+                if not pending:
+                    break
+                logits.update(self._decode(pending))
+        except Exception:
+            for _, drafter, _ in live:
+                self.model.forget(drafter._slot)
+                self._held[drafter._slot] = []
+            raise
+        for index, drafter, _ in live:
+            if rows[index]:
+                drafter._drawn_from = np.stack(rows[index])
+        return drafted
+
+    def _behind(self, slot: int, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """Cut `slot`'s cache to the prefix it shares with `tokens` (short of their last token,
+        whose logits are wanted) and return the (position, token) rows it lacks."""
         held = self._held.get(slot, [])
         common = len(held) if list(tokens[: len(held)]) == held else _common_prefix(held, tokens)
-        common = min(common, len(tokens) - 1)  # the last token's row gives the logits asked for
+        common = min(common, len(tokens) - 1)
         if self.prefix_cut is PrefixCut.AT_END and common < len(held) - 1:
             # A sliding window's cells past their window are gone: cut only near the end
             # (rejected drafts), else start the sequence again.
@@ -101,23 +149,26 @@ class DraftModel:
             self.model.forget(slot)
             common = 0
         self._held[slot] = list(tokens[:common])
-        batch = self.model.settings.n_batch
-        start = common
-        chunk: list[int] = []
-        while start < len(tokens):
-            chunk = list(tokens[start : start + batch])
-            outputs = [False] * len(chunk)
-            outputs[-1] = start + len(chunk) == len(tokens)
-            try:
-                self.model.decode([slot] * len(chunk), range(start, start + len(chunk)), outputs, tokens=chunk)
-            except Exception:
-                self.model.forget(slot)
-                self._held[slot] = []
-                raise
+        return list(enumerate(tokens))[common:]
+
+    def _decode(self, pending: Sequence[tuple[int, int, int, int]]) -> dict[int, npt.NDArray[np.float32]]:
+        """Decode rows (drafter index, slot, position, token), n_batch at a time; the logits of
+        each drafter's last row."""
+        last = {index: row for row, (index, _, _, _) in enumerate(pending)}
+        logits: dict[int, npt.NDArray[np.float32]] = {}
+        size = self.model.settings.n_batch
+        for start in range(0, len(pending), size):
+            chunk = pending[start : start + size]
+            outputs = [last[index] == start + i for i, (index, _, _, _) in enumerate(chunk)]
+            slots = [slot for _, slot, _, _ in chunk]
+            positions = [position for _, _, position, _ in chunk]
+            self.model.decode(slots, positions, outputs, tokens=[token for _, _, _, token in chunk])
             self.decodes += 1
-            self._held[slot].extend(chunk)
-            start += len(chunk)
-        return self.model.logits(len(chunk) - 1)
+            for i, (index, slot, _, token) in enumerate(chunk):
+                self._held[slot].append(token)
+                if outputs[i]:
+                    logits[index] = self.model.logits(i)
+        return logits
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -163,28 +214,19 @@ class ModelDrafter:
             self._shape.accept(added)
 
     def draft(self, limit: int) -> list[int]:
-        """Up to `limit` tokens the draft model writes after the sequence's tokens, each decoded
-        before the next is drawn; with the distributions they were drawn from (`drawn_from`)
-        where the request samples."""
-        self._drawn_from = None
-        if limit <= 0:
-            return []
-        drafted: list[int] = []
-        rows: list[npt.NDArray[np.float64]] = []
-        for _ in range(limit):
-            logits = self._model.logits_after(self._slot, self._tokens + drafted)
-            if self._shape is None:
-                drafted.append(int(np.argmax(logits)))
-                continue
-            q = self._shape.distribution(logits)
-            assert q is not None, "a sampled request's drafter has a distribution"
-            position = len(self._tokens) + len(drafted)
-            token = int(np.searchsorted(np.cumsum(q), uniform(self._seed, position, DRAFT_DRAW) * q.sum(), "right"))
-            drafted.append(min(token, int(np.flatnonzero(q)[-1])))
-            rows.append(q)
-        if rows:
-            self._drawn_from = np.stack(rows)
-        return drafted
+        """Up to `limit` tokens the draft model writes after the sequence's tokens
+        (`DraftModel.draft_many`, for this sequence alone)."""
+        return self._model.draft_many([(self, limit)])[0]
+
+    def _choose(self, logits: npt.NDArray[np.float32], position: int) -> tuple[int, npt.NDArray[np.float64] | None]:
+        """The drafted token at `position` from the draft's logits there: greedy, or drawn from q
+        (the draft's row with the request's penalties, top-k, top-p and temperature), with q."""
+        if self._shape is None:
+            return int(np.argmax(logits)), None
+        q = self._shape.distribution(logits)
+        assert q is not None, "a sampled request's drafter has a distribution"
+        token = int(np.searchsorted(np.cumsum(q), uniform(self._seed, position, DRAFT_DRAW) * q.sum(), "right"))
+        return min(token, int(np.flatnonzero(q)[-1])), q
 
     def close(self) -> None:
         if self._shape is not None:
