@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.request import urlopen
 
@@ -17,7 +19,7 @@ import pytest
 from fake_hub import COMMIT, FakeHub, Repo, serving_hub
 from test_split_correctness import N_BLOCKS, greedy_split, greedy_unsplit
 from tiny_gguf import write_split_parts
-from tiny_models import write_tiny_model
+from tiny_models import TINY_SHAPES, write_tiny_model
 
 from kafila.contracts import HubModel
 from kafila.hub.fetch import HubRefused, HubUnreachable
@@ -34,9 +36,9 @@ from kafila.hub.reference import HubReference
 from kafila.runtime.engine.engines import prefix_cut_from, prefix_cut_of
 from kafila.runtime.engine.stage import TokenEmbedding, Vocabulary
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
-from kafila.runtime.gguf.header import ModelHeader, PackedTensors, TensorSpan, check_spans, packed_layout
+from kafila.runtime.gguf.header import ModelHeader, TensorSpan, check_spans
 from kafila.runtime.gguf.manifest import manifest_of, read_manifest
-from kafila.runtime.gguf.slicer import StageFile, block_range_file, stage_piece, write_stage
+from kafila.runtime.gguf.slicer import StageFile, block_range_file, stage_layout, stage_piece
 from kafila.runtime.llama.loading import load_llama
 from kafila.runtime.llama.model import VocabularyOnly
 from kafila.session.host_model import HubOnlyModel
@@ -117,12 +119,13 @@ def test_bytes_that_end_inside_the_header_say_so(tiny: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("arch", sorted(N_BLOCKS))
-def test_every_family_cut_from_its_header_and_its_stages_ranges_gives_the_slicers_stages(
+def test_every_family_laid_out_from_its_header_with_each_tensor_at_its_place_is_the_slicers_stage(
     arch: str, tmp_path: Path
 ) -> None:
-    """No network: the header alone and the ranges `packed_layout` lists, copied from the file, make
-    the stages the slicer cuts from the whole file, in every family (identity blocks, scaled
-    tensors, rewritten windows); and the manifest the whole file gives."""
+    """No network: a stage file laid out from the header alone (`stage_layout`), each source
+    tensor's bytes copied from the file straight to the place the layout gives (scaled where it
+    says), is byte for byte the stage the slicer cuts from the whole file, in every family
+    (identity blocks, scaled tensors, rewritten windows); and the manifest the whole file gives."""
     model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
     data = model.read_bytes()
     (tmp_path / "header").write_bytes(data[: FastGGUFReader(model).data_offset])
@@ -132,13 +135,46 @@ def test_every_family_cut_from_its_header_and_its_stages_ranges_gives_the_slicer
     cut = (manifest.stage_starts or range(1, manifest.n_blocks))[-1]
     for first, end, is_head in [(0, cut, False), (cut, manifest.n_blocks, True)]:
         piece = stage_piece(header.reader, first, end, is_head, model.name)
-        runs, where = packed_layout(header.spans_of(piece.source_tensors()))
-        packed = bytearray(max(run.packed + run.length for run in runs))
-        for run in runs:
-            packed[run.packed : run.packed + run.length] = data[run.start : run.end]
-        (tmp_path / "packed").write_bytes(packed)
-        got = write_stage(piece, tmp_path / "ranges", data=PackedTensors(tmp_path / "packed", where))
-        assert got.sha256 == block_range_file(model, first, end, tmp_path / "whole", is_head=is_head).sha256
+        layout = stage_layout(piece)
+        assert set(layout.places) == {t.name for t in piece.source_tensors()}
+        placed = tmp_path / f"placed-{first}.gguf"
+        placed.touch()
+        fd = os.open(placed, os.O_RDWR)
+        try:
+            layout.start(fd)
+            for span in header.spans_of(piece.source_tensors()):
+                assert layout.lengths[span.name] == span.n_bytes
+                os.pwrite(fd, layout.scaled(span.name, data[span.start : span.end]), layout.places[span.name])
+        finally:
+            os.close(fd)
+        assert placed.read_bytes() == block_range_file(model, first, end, tmp_path / "whole", is_head).path.read_bytes()
+
+
+def test_a_stage_whose_query_norms_are_scaled_is_fetched_into_place_and_resumed_as_the_slicer_cuts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 62-block gemma3 (Gemma 3 27B's count), whose slices scale their query norms: those tensors
+    arrive in the side file and are scaled into the stage once all came, so a fetch stopped midway
+    and resumed (what arrived kept) still gives the slicer's stage, byte for byte."""
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "kafila"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    shape = replace(TINY_SHAPES["gemma3"], n_head=2, n_head_kv=1)
+    model = write_tiny_model(tmp_path / FILE, "gemma3", n_blocks=62, shape=shape)
+    stage = (20, 41, False)
+    reader = FastGGUFReader(model)
+    assert stage_layout(stage_piece(reader, *stage, model.name)).scales  # the case this test is for
+    with serving_hub(FakeHub({REPO: Repo({FILE: model.read_bytes()})})) as served:
+        header = plan(served)
+
+        def stop_halfway(what: str, done: int, total: int) -> None:
+            if what.startswith("fetching") and done >= total // 2:
+                raise Interrupted
+
+        with pytest.raises(Interrupted):
+            fetch(served, header.model, stage, tmp_path / "m", "hf_first", progress=stop_halfway)
+        got = fetch(served, header.model, stage, tmp_path / "m", "hf_second")
+    cut = block_range_file(model, *stage[:2], tmp_path / "cut", is_head=stage[2])
+    assert got.path.read_bytes() == cut.path.read_bytes() and got.sha256 == cut.sha256
 
 
 def test_each_stage_fetched_by_ranges_is_the_slicers_stage_and_generates_the_same_text(
@@ -161,7 +197,7 @@ def test_each_stage_fetched_by_ranges_is_the_slicers_stage_and_generates_the_sam
             assert need <= hub.sent_to[f"Bearer {token}"] <= need + SLACK
             fetching = [s for s in seen if s[0].startswith("fetching blocks")]
             assert fetching[-1][1] == fetching[-1][2] >= need - header_bytes and fetching[0][1] == 0
-            assert any(s[0].startswith("writing blocks") and s[1] == s[2] for s in seen)
+            assert not any(s[0].startswith("writing") for s in seen)  # no second pass over the bytes
             fetched.append(got.path)
         assert sum(hub.sent_to.values()) - planning < tiny.stat().st_size + 3 * (header_bytes + SLACK)
         # a stage kept from before is taken from the cache: the hub is not asked

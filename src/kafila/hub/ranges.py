@@ -18,7 +18,9 @@ In the session, the host plans from `read_hub_header` and fetches its own stage 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -34,7 +36,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
-from gguf import ReaderTensor
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import HfHubHTTPError
@@ -45,9 +46,17 @@ from kafila.hub.fetch import HubUnreachable, ModelFetchError, listing, refusal
 from kafila.hub.reference import HubReference, choose_file, merged_name
 from kafila.planner.types import ModelManifest
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
-from kafila.runtime.gguf.header import JOIN_GAP, ByteRun, ModelHeader, PackedTensors, check_spans, packed_layout
+from kafila.runtime.gguf.header import JOIN_GAP, ByteRun, ModelHeader, TensorSpan, check_spans, fetch_runs
 from kafila.runtime.gguf.manifest import manifest_of
-from kafila.runtime.gguf.slicer import SliceError, StageFile, StagePiece, stage_piece, vocabulary_piece, write_stage
+from kafila.runtime.gguf.slicer import (
+    SliceError,
+    StageFile,
+    StageLayout,
+    StagePiece,
+    stage_layout,
+    stage_piece,
+    vocabulary_piece,
+)
 from kafila.runtime.gguf.stage_cache import (
     HubStageKey,
     find_hub_stage,
@@ -57,10 +66,14 @@ from kafila.runtime.gguf.stage_cache import (
     trim_stage_cache,
 )
 from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
+from kafila.units import DISK_ROOM_HINT
 
 HEADER_FIRST_READ = 8 << 20  # a large vocabulary's header is a few MB: most are read in one request
 HEADER_SHARE = 16  # nor more than this share of the file at first: a small model's header is small too
 RETRIES = 5  # a range cut off this many times running, with no byte more: the hub is not reachable
+HASH_READ = 4 << 20  # the stage file is hashed in reads of this many bytes, as they land
+IN_PLACE = "in place"  # the journal's plan: bytes at their place in the stage file (not packed back to back)
+_STAGE, _SIDE = "stage.partial", "scaled.bin"  # the stage file as it arrives; the tensors it holds scaled, as fetched
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -208,35 +221,27 @@ def _fetch_piece(
     piece = cut(header)
     here = _kept_tensors(out, model, header, {t.name for t in piece.source_tensors()})
     wanted = [t for t in piece.source_tensors() if t.name not in here]
-    runs, where = packed_layout(header.spans_of(wanted), settings.join_gap)
+    spans = header.spans_of(wanted)
+    runs = fetch_runs(spans, settings.join_gap)
+    layout = stage_layout(piece)
     work = out / "hub-partial" / key.digest()
-    make_room(out, piece.data_bytes())
+    make_room(out, layout.size)
     name = PurePosixPath(model.parts[0].path).name
-    plan = json.dumps([model.model_dump(mode="json"), [asdict(run) for run in runs], settings.piece_bytes])
+    plan = json.dumps(
+        [model.model_dump(mode="json"), [asdict(run) for run in runs], settings.piece_bytes, layout.size, IN_PLACE]
+    )
     reused = f" ({sum(int(t.nbytes) for t in here.values()) / 1e6:.1f} MB of it kept here)" if here else ""
-    _fetch_runs(remotes, runs, work, plan, f"fetching {what} of {name}{reused}", progress, settings)
-    writing = f"writing {what} of {name}"
-    shown = (lambda done, total: progress(writing, done, total)) if progress else None
-    stage = _write_from(piece, out, PackedTensors(work / "ranges.bin", where), here, shown, name)
-    shutil.rmtree(work, ignore_errors=True)  # its map released with `_write_from`'s return
-    return stage
-
-
-def _write_from(
-    piece: StagePiece,
-    out: Path,
-    fetched: PackedTensors,
-    here: dict[str, np.ndarray],
-    progress: Callable[[int, int], None] | None,
-    name: str,
-) -> StageFile:
-    """`write_stage`, each tensor's bytes from a stage kept here where one holds it, else as fetched."""
-
-    def tensors(tensor: ReaderTensor) -> np.ndarray:
-        kept = here.get(tensor.name)
-        return fetched(tensor) if kept is None else kept.view(tensor.data.dtype).reshape(tensor.data.shape)
-
-    return write_stage(piece, out, progress, tensors, name)
+    what_now = f"fetching {what} of {name}{reused}"
+    try:
+        digest = _fetch_into(remotes, runs, spans, layout, here, work, plan, what_now, progress, settings)
+        final = out / f"{digest}.gguf"
+        os.replace(work / _STAGE, final)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise SliceError(f"the disk holding {out} filled up while {what} of {name} arrived: {DISK_ROOM_HINT}") from None
+    shutil.rmtree(work, ignore_errors=True)
+    return StageFile(0, piece.first, piece.end, piece.is_head, final, digest, layout.size)
 
 
 def _kept_tensors(out: Path, model: HubModel, header: ModelHeader, needed: set[str]) -> dict[str, np.ndarray]:
@@ -445,15 +450,48 @@ class _Piece:
     part: int
     start: int
     length: int
-    packed: int
 
 
 def _pieces(runs: Sequence[ByteRun], size: int) -> list[_Piece]:
     return [
-        _Piece(run.part, run.start + at, min(size, run.length - at), run.packed + at)
+        _Piece(run.part, run.start + at, min(size, run.length - at))
         for run in runs
         for at in range(0, run.length, size)
     ]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Source bytes [start, end) of a piece's part, written from `at` on in the stage file, or in the
+    side file where they are a tensor the stage holds scaled (`side`)."""
+
+    start: int
+    end: int
+    at: int
+    side: bool
+
+
+def _segments(pieces: Sequence[_Piece], spans: Sequence[TensorSpan], layout: StageLayout) -> list[list[_Segment]]:
+    """Where each piece's bytes go: each tensor's straight to its place in the stage file (a scaled
+    one's to the side file, back to back, scaled into the stage once all arrived); the bytes between
+    tensors a joined range carries, nowhere."""
+    found: list[list[_Segment]] = [[] for _ in pieces]
+    order = sorted(range(len(pieces)), key=lambda i: (pieces[i].part, pieces[i].start))
+    keys = [(pieces[i].part, pieces[i].start) for i in order]
+    side = 0
+    for span in sorted(spans, key=lambda s: (s.part, s.start)):
+        scaled = span.name in layout.scales
+        base = side if scaled else layout.places[span.name]
+        side += span.n_bytes if scaled else 0
+        at = max(0, bisect.bisect_right(keys, (span.part, span.start)) - 1)
+        for index in order[at:]:
+            piece = pieces[index]
+            if piece.part != span.part or piece.start >= span.end:
+                break
+            start, end = max(piece.start, span.start), min(piece.start + piece.length, span.end)
+            if start < end:
+                found[index].append(_Segment(start, end, base + start - span.start, scaled))
+    return found
 
 
 class _Journal:
@@ -463,15 +501,15 @@ class _Journal:
 
     def __init__(self, work: Path, plan: str, pieces: Sequence[_Piece]) -> None:
         work.mkdir(parents=True, exist_ok=True)
-        self.path, self.data = work / "journal", work / "ranges.bin"
+        self.path = work / "journal"
         plan_path = work / "plan.json"
         try:
             same = plan_path.read_text() == plan
         except OSError:
             same = False
         if not same:
-            self.path.unlink(missing_ok=True)
-            self.data.unlink(missing_ok=True)
+            for stale in (self.path, work / _STAGE, work / _SIDE):
+                stale.unlink(missing_ok=True)
             plan_path.write_text(plan)
         self.done = [0] * len(pieces)
         with contextlib.suppress(OSError):
@@ -479,7 +517,6 @@ class _Journal:
                 index, _, count = line.partition(" ")
                 if index.isdigit() and count.isdigit() and int(index) < len(pieces):
                     self.done[int(index)] = max(self.done[int(index)], min(int(count), pieces[int(index)].length))
-        self.data.touch()
         self.lock = threading.Lock()
         self.file = self.path.open("a")
 
@@ -492,56 +529,139 @@ class _Journal:
             return sum(self.done)
 
 
+class _Hasher:
+    """The stage file's sha256, taken from a thread as its bytes land: up to the first byte a piece
+    or scaled tensor still to come will write (`pending`, its least offset), read back while the
+    hub sends the rest, so that the last byte in leaves little to hash."""
+
+    def __init__(self, fd: int, size: int, pending: dict[object, int]) -> None:
+        self.fd, self.size, self.pending = fd, size, dict(pending)
+        self.digest = hashlib.sha256()
+        self.hashed = 0
+        self.stopped = False
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="kafila-stage-hash", daemon=True)
+        self.thread.start()
+
+    def landed(self, key: object) -> None:
+        """What `key` writes is in the file."""
+        with self.changed:
+            self.pending.pop(key, None)
+            self.changed.notify()
+
+    def result(self) -> str:
+        """The sha256, once nothing is pending."""
+        self.thread.join()
+        if self.hashed != self.size:
+            raise ModelFetchError(f"the stage file was hashed to byte {self.hashed} of {self.size}")
+        return self.digest.hexdigest()
+
+    def stop(self) -> None:
+        with self.changed:
+            self.stopped = True
+            self.changed.notify()
+        self.thread.join()
+
+    def _frontier(self) -> int:
+        return min(self.pending.values(), default=self.size)
+
+    def _run(self) -> None:
+        while True:
+            with self.changed:
+                while not self.stopped and self.hashed >= self._frontier() and self.hashed < self.size:
+                    self.changed.wait()
+                if self.stopped or self.hashed >= self.size:
+                    return
+                until = self._frontier()
+            while self.hashed < until:
+                data = os.pread(self.fd, min(until - self.hashed, HASH_READ), self.hashed)
+                if not data:
+                    return  # shorter than laid out: `result` says so
+                self.digest.update(data)
+                self.hashed += len(data)
+
+
+def _write_at(fd: int, data: memoryview, at: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, at)
+        data, at = data[written:], at + written
+
+
 class _Stopped(Exception):
     """Another piece failed: this one stops where it is (its journal kept)."""
 
 
-def _fetch_runs(
+def _fetch_into(
     remotes: Sequence[_Remote],
     runs: Sequence[ByteRun],
+    spans: Sequence[TensorSpan],
+    layout: StageLayout,
+    here: dict[str, np.ndarray],
     work: Path,
     plan: str,
     what: str,
     progress: Progress | None,
     settings: RangeSettings,
-) -> None:
-    """Every run's bytes into `work/ranges.bin` at its packed place, pieces in parallel, resuming
-    what an earlier fetch of the same plan kept."""
+) -> str:
+    """Every run's tensors into their places in `work/stage.partial` (laid out by `layout`; the
+    tensors `here` copied in from stages kept here), pieces in parallel, resuming what an earlier
+    fetch of the same plan kept, and hashed as they land: the stage's sha256."""
     pieces = _pieces(runs, max(1, settings.piece_bytes))
     journal = _Journal(work, plan, pieces)
+    segments = _segments(pieces, spans, layout)
     total = sum(p.length for p in pieces)
     stop = threading.Event()
     shown = threading.Lock()
-    if progress is not None:
-        progress(what, sum(journal.done), total)
+    stage_fd = os.open(work / _STAGE, os.O_RDWR | os.O_CREAT, 0o644)
+    side_fd = os.open(work / _SIDE, os.O_RDWR | os.O_CREAT, 0o644)
+    hasher: _Hasher | None = None
+    try:
+        layout.start(stage_fd)
+        for name, kept in here.items():
+            _write_at(stage_fd, memoryview(layout.scaled(name, kept.tobytes())), layout.places[name])
+        pending: dict[object, int] = {
+            index: min(s.at for s in found if not s.side)
+            for index, found in enumerate(segments)
+            if journal.done[index] < pieces[index].length and any(not s.side for s in found)
+        }
+        scaled = [span for span in spans if span.name in layout.scales]
+        pending.update({span.name: layout.places[span.name] for span in scaled})
+        hasher = _Hasher(stage_fd, layout.size, pending)
+        if progress is not None:
+            progress(what, sum(journal.done), total)
 
-    def fetch(index: int) -> None:
-        piece = pieces[index]
-        done = journal.done[index]
-        if done >= piece.length or stop.is_set():
-            return
-        noted = done
-        with journal.data.open("r+b") as data:
-            data.seek(piece.packed + done)
+        def fetch(index: int) -> None:
+            piece = pieces[index]
+            done = journal.done[index]
+            if done >= piece.length or stop.is_set():
+                return
+            noted = done
+            places = segments[index]
 
             def write(chunk: bytes) -> None:
                 nonlocal done, noted
                 if stop.is_set():
                     raise _Stopped
-                data.write(chunk)
+                here_at = piece.start + done
+                view = memoryview(chunk)
+                for segment in places:
+                    start, end = max(here_at, segment.start), min(here_at + len(chunk), segment.end)
+                    if start < end:
+                        fd = side_fd if segment.side else stage_fd
+                        _write_at(fd, view[start - here_at : end - here_at], segment.at + start - segment.start)
                 done += len(chunk)
                 if done - noted < settings.journal_bytes and done < piece.length:
                     return
-                data.flush()  # the bytes reach the system before the journal says they did
-                noted = done
+                noted = done  # the bytes are with the system before the journal says they are
                 so_far = journal.record(index, done)
                 if progress is not None:
                     with shown:
                         progress(what, so_far, total)
 
             remotes[piece.part].read(piece.start, piece.length, write, done)
+            assert hasher is not None
+            hasher.landed(index)
 
-    try:
         with ThreadPoolExecutor(max(1, settings.workers), thread_name_prefix="kafila-ranges") as pool:
             futures: list[Future[None]] = [pool.submit(fetch, i) for i in range(len(pieces))]
             wait(futures, return_when=FIRST_EXCEPTION)
@@ -551,5 +671,16 @@ def _fetch_runs(
                 for future in futures:
                     future.cancel()
                 raise failed
+        side = 0
+        for span in sorted(scaled, key=lambda s: (s.part, s.start)):
+            fetched = os.pread(side_fd, span.n_bytes, side)
+            _write_at(stage_fd, memoryview(layout.scaled(span.name, fetched)), layout.places[span.name])
+            side += span.n_bytes
+            hasher.landed(span.name)
+        return hasher.result()
     finally:
+        if hasher is not None:
+            hasher.stop()
         journal.file.close()
+        os.close(stage_fd)
+        os.close(side_fd)

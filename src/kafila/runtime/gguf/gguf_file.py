@@ -130,8 +130,9 @@ class HeaderReader(FastGGUFReader):
     """A GGUF model read from its header alone (the file's first bytes, up to where tensor data
     begins, or more): metadata and the tensor table, as from the whole file. Each tensor's `data`
     is a stand-in of its type and shape that holds no memory (zeros, stride 0); its bytes come from
-    elsewhere (`kafila.runtime.gguf.header.PackedTensors`). Bytes that end inside the header raise
-    `HeaderIncomplete`, so a caller fetching it over the network knows to fetch more."""
+    elsewhere (a stage fetched by ranges: `kafila.runtime.gguf.slicer.StageLayout`). Bytes that end
+    inside the header raise `HeaderIncomplete`, so a caller fetching it over the network knows to
+    fetch more."""
 
     def __init__(self, path: os.PathLike[str] | str) -> None:
         self._tensors_start: int | None = None

@@ -1,7 +1,7 @@
 """A model known by its header alone: the planner's manifest and the slicer's stage file, with no
 weight held. A model on the hub is planned from its header, and each machine fetches only the byte
 ranges of the tensors its own stage reads (`kafila.hub.ranges`); this is the part that needs no
-network: which bytes those are, and the tensors' data read back from where they were put.
+network: which bytes those are.
 """
 
 from __future__ import annotations
@@ -9,18 +9,15 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 from gguf import ReaderTensor
 
 from kafila.runtime.gguf.gguf_file import SPLIT_KEYS, GGUFFormatError, HeaderReader
 from kafila.runtime.gguf.gguf_merge import check_parts
 
 JOIN_GAP = 1 << 16  # tensors closer than this are fetched as one range: a request costs more than the gap
-PACKED_ALIGNMENT = 64  # each range starts here in the local file, so a tensor's view of it stays aligned
 
 
 @dataclass(frozen=True)
@@ -39,13 +36,11 @@ class TensorSpan:
 
 @dataclass(frozen=True)
 class ByteRun:
-    """One range of a part to fetch, and where it goes in the local file that holds the fetched
-    ranges back to back."""
+    """One range of a part to fetch."""
 
     part: int
     start: int
     length: int
-    packed: int
 
     @property
     def end(self) -> int:
@@ -101,10 +96,9 @@ def check_spans(spans: Iterable[TensorSpan], header_bytes: Sequence[int], sizes:
             )
 
 
-def packed_layout(spans: Iterable[TensorSpan], gap: int = JOIN_GAP) -> tuple[list[ByteRun], dict[str, int]]:
-    """The ranges to fetch for these tensors (neighbours less than `gap` bytes apart joined into one
-    range), each at its place in a local file that holds them back to back, and where each tensor's
-    bytes then start in that file."""
+def fetch_runs(spans: Iterable[TensorSpan], gap: int = JOIN_GAP) -> list[ByteRun]:
+    """The ranges to fetch for these tensors: neighbours less than `gap` bytes apart joined into one
+    range (the bytes between them fetched and dropped)."""
     ordered = sorted(spans, key=lambda s: (s.part, s.start))
     groups: list[list[TensorSpan]] = []
     for span in ordered:
@@ -112,31 +106,4 @@ def packed_layout(spans: Iterable[TensorSpan], gap: int = JOIN_GAP) -> tuple[lis
             groups[-1].append(span)
         else:
             groups.append([span])
-    runs: list[ByteRun] = []
-    where: dict[str, int] = {}
-    packed = 0
-    for group in groups:
-        start, end = group[0].start, max(s.end for s in group)
-        runs.append(ByteRun(group[0].part, start, end - start, packed))
-        for span in group:
-            where[span.name] = packed + span.start - start
-        packed += -(-(end - start) // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
-    return runs, where
-
-
-class PackedTensors:
-    """The slicer's `TensorData` for tensors fetched into one local file (`packed_layout`): each
-    tensor's bytes viewed in place, as the type and shape its header gives, with no copy."""
-
-    def __init__(self, path: Path, where: Mapping[str, int]) -> None:
-        self.where = dict(where)
-        self.data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-
-    def __call__(self, tensor: ReaderTensor) -> np.ndarray:
-        at = self.where.get(tensor.name)
-        if at is None:
-            raise GGUFFormatError(f"tensor {tensor.name} was not fetched")
-        raw = self.data[at : at + int(tensor.n_bytes)]
-        if len(raw) != tensor.n_bytes:
-            raise GGUFFormatError(f"tensor {tensor.name}: {len(raw)} bytes fetched, the header gives {tensor.n_bytes}")
-        return raw.view(tensor.data.dtype).reshape(tensor.data.shape)
+    return [ByteRun(group[0].part, group[0].start, max(s.end for s in group) - group[0].start) for group in groups]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -21,11 +22,13 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from io import BufferedWriter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, ReaderTensor
+from gguf.gguf_writer import WriterState
 
 from kafila.contracts import CountProgress
 from kafila.runtime.gguf.families import SliceView, family_of
@@ -50,8 +53,8 @@ IDENTITY_BLOCKS_KEY = "kafila.slice.identity_blocks"  # blocks run before the sl
 tens of gigabytes takes minutes either way, and whoever waits should see it move."""
 
 # A tensor's bytes, as an array of the type and shape the reader gives it: from the model file
-# itself (`stored_data`), or from elsewhere for a model known by its header alone (a stage
-# fetched from the hub by ranges: `kafila.runtime.gguf.header.PackedTensors`).
+# itself (`stored_data`), or from elsewhere (a stage kept here). A stage fetched from the hub by
+# ranges is written by its `StageLayout` instead, each tensor's bytes straight to their place.
 TensorData = Callable[[ReaderTensor], np.ndarray]
 
 
@@ -281,19 +284,21 @@ class StagePiece:
         """Each source tensor this stage file holds byte for byte (not scaled), by its source name →
         its name here: what a later stage of the same model may take from this file rather than
         fetch again."""
-        copies = {}
+        return {tensor.name: name for name, (tensor, factor) in self.sources().items() if factor is None}
+
+    def sources(self) -> dict[str, tuple[ReaderTensor, float | None]]:
+        """Each tensor of this stage file made from a source tensor's bytes, by its name here: that
+        source tensor, and the factor its values are multiplied by (float32 only), or None."""
+        found: dict[str, tuple[ReaderTensor, float | None]] = {}
         for name, tensor in self._kept():
             match = _BLOCK_TENSOR.match(name)
-            if match is None or match.group(2) not in self.rules.tensor_scales:
-                copies[tensor.name] = name
-        return copies
+            found[name] = tensor, self.rules.tensor_scales.get(match.group(2)) if match else None
+        return found
 
     def tensors(self, writer: RawCopyWriter, data: TensorData = stored_data) -> None:
         for name, tensor in self._identity_tensors():
             writer.add_tensor(name, np.zeros_like(tensor.data), raw_dtype=tensor.tensor_type)  # zeros in any type
-        for name, tensor in self._kept():
-            match = _BLOCK_TENSOR.match(name)
-            factor = self.rules.tensor_scales.get(match.group(2)) if match else None
+        for name, (tensor, factor) in self.sources().items():
             if factor is None:
                 writer.add_tensor(name, data(tensor), raw_dtype=tensor.tensor_type)
             elif tensor.tensor_type != GGMLQuantizationType.F32:
@@ -340,6 +345,10 @@ class VocabularyPiece(StagePiece):
     def source_tensors(self) -> list[ReaderTensor]:
         assert self.embedding is not None
         return [self.embedding]
+
+    def sources(self) -> dict[str, tuple[ReaderTensor, float | None]]:
+        assert self.embedding is not None
+        return {self.embedding.name: (self.embedding, None)}
 
     def tensors(self, writer: RawCopyWriter, data: TensorData = stored_data) -> None:
         assert self.embedding is not None
@@ -588,3 +597,75 @@ def write_stage(
     _ensure_room(Path(out_dir), [piece], what)
     [(path, digest)] = _write_all([piece], Path(out_dir), progress, data)
     return StageFile(0, piece.first, piece.end, piece.is_head, path, digest, path.stat().st_size)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """A stage file laid out from its piece alone, before any tensor's bytes are at hand: what a
+    stage fetched by ranges is written into, each source tensor's bytes straight to their place,
+    with no second pass over them. `prefix`: the header, metadata and tensor infos, padded to the
+    first tensor; `places` and `lengths`: each source tensor's bytes in the file, by its source
+    name; `scales`: the source tensors (float32) whose values are multiplied by a factor there;
+    `fills`: tensors the slicer makes (identity blocks, stand-ins) holding a byte other than zero.
+    Every other byte of the file is zero."""
+
+    prefix: bytes
+    size: int
+    places: dict[str, int]
+    lengths: dict[str, int]
+    scales: dict[str, float]
+    fills: tuple[tuple[int, bytes], ...]
+
+    def start(self, fd: int) -> None:
+        """The file open at `fd` made this size, its prefix and fills written; the bytes an earlier
+        start's tensors got there are kept (a fetch resumed)."""
+        os.ftruncate(fd, self.size)
+        os.pwrite(fd, self.prefix, 0)
+        for at, data in self.fills:
+            os.pwrite(fd, data, at)
+
+    def scaled(self, name: str, raw: bytes) -> bytes:
+        """The bytes the stage file holds for source tensor `name`, from its bytes in the source."""
+        factor = self.scales.get(name)
+        if factor is None:
+            return raw
+        return (np.frombuffer(raw, dtype=np.float32) * np.float32(factor)).tobytes()
+
+
+def stage_layout(piece: StagePiece) -> StageLayout:
+    """Where `write_stage` puts each of the piece's tensors, and the bytes around them: the same file,
+    byte for byte, once every source tensor's bytes are written at its place."""
+    writer = RawCopyWriter(None, arch=piece.arch)
+    piece.metadata(writer)
+    piece.tensors(writer, _shape_only)
+    buffer = io.BytesIO()
+    writer.fout, writer.state = (
+        [cast(BufferedWriter, buffer)],
+        WriterState.EMPTY,
+    )  # the header to memory: the file gets the tensors
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.write_padding(buffer, buffer.tell())
+    prefix = buffer.getvalue()
+    sources = piece.sources()
+    places, lengths, scales, fills = {}, {}, {}, []
+    at = len(prefix)
+    for name, info in writer.tensors[0].items():
+        source = sources.get(name)
+        if source is not None:
+            tensor, factor = source
+            if factor is not None and tensor.tensor_type != GGMLQuantizationType.F32:
+                raise SliceError(f"{tensor.name} must be float32 for this slice to scale it")
+            places[tensor.name], lengths[tensor.name] = at, int(info.nbytes)
+            if factor is not None:
+                scales[tensor.name] = factor
+        elif info.tensor is not None and info.tensor.any():
+            fills.append((at, info.tensor.tobytes()))
+        at += GGUFWriter.ggml_pad(int(info.nbytes), writer.data_alignment)
+    return StageLayout(prefix, at, places, lengths, scales, tuple(fills))
+
+
+def _shape_only(tensor: ReaderTensor) -> np.ndarray:
+    """A tensor of the source's type and shape that holds no bytes: what laying a file out needs."""
+    return np.broadcast_to(np.zeros((), dtype=tensor.data.dtype), tensor.data.shape)
