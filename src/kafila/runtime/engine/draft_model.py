@@ -69,7 +69,9 @@ class DraftModel:
 
     def __init__(self, path: Path, settings: ContextSettings) -> None:
         self.path = path
-        self.model = LlamaModel(path, replace(settings, max_outputs=None))
+        # A row of logits a sequence per decode at most (each round, and a catch-up's last row):
+        # llama.cpp's default reserves n_batch rows, 512 MiB at n_batch 512 for a 262k vocabulary.
+        self.model = LlamaModel(path, replace(settings, max_outputs=settings.n_seq_max))
         if not self.model.holds_positions:
             self.model.close()
             raise DraftRefused(f"{path.name} keeps a recurrent state, which cannot be cut back to drop rejected drafts")
