@@ -131,6 +131,8 @@ def test_the_demo_holds_each_process_to_cores_of_its_own_as_separate_machines(tm
             assert held_cpus(host.process.pid) == held_cpus(member) == {frozenset(usable)}
             assert b"--threads" not in command
             return
+        with urlopen(f"{host.base_url}/status", timeout=10) as response:
+            assert json.loads(response.read())["pipeline_waves"] == 2  # as many waves out as machines
         assert held_cpus(host.process.pid) == {frozenset(shares[0].cpus)}, host.output()
         assert held_cpus(member) == {frozenset(shares[1].cpus)}, host.output()
         assert set(shares[0].cpus).isdisjoint(shares[1].cpus) and {*shares[0].cpus, *shares[1].cpus} == usable

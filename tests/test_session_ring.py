@@ -300,6 +300,29 @@ def test_a_machine_tag_is_stable_in_a_session_and_differs_between_sessions() -> 
     assert Hello(machine=tag).machine == tag  # what members send the host, which counts machines
 
 
+def test_processes_held_to_cores_of_their_own_are_machines_of_their_own() -> None:
+    """The demo holds its processes to disjoint cores: each then counts as a machine (a wave of
+    its own in flight); held to the same cores, or not held at all, they are one."""
+    import os
+
+    from kafila.session.presence import machine_tag
+
+    whole = machine_tag("7-crimson-harbor")
+    cpus = sorted(os.sched_getaffinity(0))
+    tags = []
+    try:
+        for cpu in cpus[:2]:
+            os.sched_setaffinity(0, {cpu})  # this thread only: the tag is read from the calling thread
+            tags.append(machine_tag("7-crimson-harbor"))
+        os.sched_setaffinity(0, {cpus[0]})
+        again = machine_tag("7-crimson-harbor")
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert machine_tag("7-crimson-harbor") == whole and again == tags[0]
+    if len(cpus) == os.cpu_count() and len(cpus) > 1:
+        assert len({whole, *tags}) == 3
+
+
 def test_a_member_links_only_to_neighbours_with_the_fingerprint_the_host_verified() -> None:
     """A newcomer was never in a member's roster, so the host's assignment names each neighbour's
     verified fingerprint: a neighbour without one, or one the rendezvous reports differently (it

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import socket
 import time
 import uuid
@@ -127,7 +128,9 @@ def machine_tag(session: str) -> str:
     The host counts distinct machines in its ring (stages on one machine share its cores, and
     overlapping them only makes them contend). The tag is a hash of the OS's machine id (or the
     host name and MAC address) salted with the session, so it cannot follow a machine from one
-    session to the next.
+    session to the next. A process held to part of the machine's CPUs (the demo's shares,
+    `taskset`, a container's cpuset) counts those too: processes held to cores of their own
+    share none, and are as many machines.
     """
     identity = ""
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
@@ -136,4 +139,8 @@ def machine_tag(session: str) -> str:
         if identity:
             break
     identity = identity or f"{socket.gethostname()}/{uuid.getnode():012x}"
+    getter = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere a process has the whole machine
+    held = sorted(getter(0)) if getter is not None else []
+    if held and len(held) < (os.cpu_count() or len(held)):
+        identity += "\0" + ",".join(map(str, held))
     return hashlib.sha256(f"kafila-machine/1\0{session}\0{identity}".encode()).hexdigest()[:16]
