@@ -19,16 +19,17 @@ import pytest
 from host_process import running_host, status_of
 from serving_checks import unsplit_greedy
 from test_cli_edges import kafila, one_error_line
-from test_speculation_models import GREEDY, REPEATING, SETTINGS, STEPS, cut_in_two, drive
+from test_speculation_models import GREEDY, REPEATING, SETTINGS, STEPS, cut_in_two, drive, halves
 from test_split_correctness import N_BLOCKS, PROMPT
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
 from kafila.runtime.engine.draft_model import DraftModel, DraftRefused, check_draft, vocabulary_mismatch
-from kafila.runtime.engine.engines import Engine, EngineStep, PrefixCut
-from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.engine.engines import Engine, EngineStep, PrefixCut, prefix_cut_of
+from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.speculation import Speculate, speculative_pick
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Batcher, Job, RequestEvent, _Sequence
 
@@ -335,6 +336,33 @@ def test_a_grammar_held_request_gives_its_text_without_drafts(
     assert drafted == plain
     assert batcher.speculation.drafted > 0
     assert isinstance(json.loads(drafted["json"])["a"], list)
+
+
+def test_a_head_on_a_member_checks_a_draft_model_s_drafts(tmp_path: Path) -> None:
+    """The head in a stage process, as on a member, answering each drafted row with its largest
+    logits (a ROWS frame): with the target as its own draft, greedy text is the text without
+    drafts, and a sampled request's drafts are kept by the rule on p from the top k the frame
+    carries (p = q there, so nearly all are), its tokens the same run after run."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=N_BLOCKS["llama"])
+    stages = cached_slices(model, halves("llama", model), tmp_path / "stages")
+    engine = local_ring_engine(stages, SETTINGS, prefix_cut_of(model), model=model)
+    draft = DraftModel(model, SETTINGS)
+    try:
+        assert engine.head is None and not engine.every_row_whole
+        jobs = [Job(f"{i}", engine.tokenize(text), STEPS, GREEDY) for i, text in enumerate((PROMPT, REPEATING))]
+        plain, _ = drive(engine, jobs, Speculate.OFF)
+        drafted, batcher = drive(engine, jobs, Speculate.DRAFT, draft_model=draft)
+        assert drafted == plain
+        assert batcher.speculation.accepted > batcher.speculation.drafted // 2, batcher.speculation
+        sampled = Job("s", jobs[1].prompt, STEPS, SAMPLED.model_copy(update={"seed": 9}))
+        first, batcher = drive(engine, [sampled], Speculate.DRAFT, draft_model=draft)
+        again, _ = drive(engine, [sampled], Speculate.DRAFT, draft_model=draft)
+        assert first == again
+        stats = batcher.speculation
+        assert stats.drafted > 0 and stats.accepted > stats.drafted // 2, stats
+    finally:
+        draft.close()
+        engine.close()
 
 
 # --- the draft's vocabulary ----------------------------------------------------------------------
