@@ -36,7 +36,7 @@ from kafila.runtime.engine.stage import WholeModel
 from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Batcher, Finished, Job, RequestFailed, TextDelta, Trim
-from kafila.serving.engine_loop import EngineLoop, prefill_chunks_in_flight
+from kafila.serving.engine_loop import REPORT_LATE_S, STATS_REFRESH_S, EngineLoop, prefill_chunks_in_flight
 
 END = 0
 
@@ -373,6 +373,35 @@ def test_the_engine_loop_sizes_chunks_by_what_the_stages_measured(tmp_path: Path
         assert chunks(loop.batcher.plan(2)) == [(0, 0, expected, False)]
         assert chunks(loop.batcher.plan(2)) == [(0, expected, expected, False)]
         assert loop.batcher.last_chunk_rows == expected
+    finally:
+        engine.close()
+
+
+def test_the_stage_report_waits_while_a_prompt_is_pipelining(tmp_path: Path) -> None:
+    """The report's PING needs the ring empty: while a prompt has chunks out and more to send, it
+    waits (up to REPORT_LATE_S), so the pipeline is not drained every STATS_REFRESH_S; once the
+    whole prompt is out it is due again."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
+    engine = open_engine(model, [2, 2], SETTINGS, tmp_path / "stages")
+    engine.depth = 2
+    try:
+        loop = EngineLoop(engine, 1, 8, 256, prefill_chunks=2)  # not started: the test drives its waves
+        loop._report_at = time.monotonic() - STATS_REFRESH_S
+        assert loop._report_due()
+        loop.batcher.submit(Job("a", (engine.tokenize(PROMPT) * 8)[:40], 1, GREEDY))
+        out = deque([engine.launch(loop.batcher.plan(2))])
+        assert loop.batcher.pipelining and not loop._report_due()  # 8 rows out, 32 to send
+        loop._report_at = time.monotonic() - REPORT_LATE_S
+        assert loop._report_due()  # not for ever
+        loop._report_at = time.monotonic() - STATS_REFRESH_S
+        while loop.batcher.pipelining:
+            assert not loop._report_due()
+            while len(out) < 2 and (steps := loop.batcher.plan(2)):
+                out.append(engine.launch(steps))
+            loop.batcher.advance(engine.land(out.popleft()))
+        assert out and loop._report_due()  # the whole prompt is out: its last chunks land, then the PING
+        while out:
+            loop.batcher.advance(engine.land(out.popleft()))
     finally:
         engine.close()
 

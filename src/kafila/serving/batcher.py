@@ -425,6 +425,12 @@ class Batcher:
         """Waves planned and not landed yet."""
         return len(self._waves)
 
+    @property
+    def pipelining(self) -> bool:
+        """Whether a prompt has chunks out round the ring and more to send: letting the ring empty
+        now would stall its pipeline, every stage idle while it refills."""
+        return any(s.out > 0 and s.unsent > 0 for s in self._active.values())
+
     def plan(self, waves: int = 1) -> list[EngineStep]:
         """The next wave: admit what fits, then one row per generating sequence and prompt chunks in the rest.
 

@@ -29,6 +29,7 @@ from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, Request
 
 Sink = Callable[[RequestEvent], None]
 STATS_REFRESH_S = 2.0
+REPORT_LATE_S = 30.0  # the most a stage report waits for a pipelined prompt's chunks to be sent
 REFUSALS_TO_BREAK = 8  # requests failed by stages in a row, none served between: the ring is broken
 
 
@@ -338,7 +339,16 @@ class EngineLoop:
         stats.record_step(time.monotonic(), decoded)
 
     def _report_due(self) -> bool:
-        return self.error is None and time.monotonic() - self._report_at >= STATS_REFRESH_S
+        """Every STATS_REFRESH_S; while a prompt's chunks are pipelining, up to REPORT_LATE_S late:
+        the ring must empty for the report's PING, and a long prompt's pipeline would drain and
+        refill every STATS_REFRESH_S, its stages idle meanwhile."""
+        if self.error is not None:
+            return False
+        since = time.monotonic() - self._report_at
+        if since < STATS_REFRESH_S:
+            return False
+        with self._lock:  # re-entrant: held already where the loop plans
+            return since >= REPORT_LATE_S or not self.batcher.pipelining
 
     def _refresh_report(self) -> None:
         """The stages' own timings for /status (on a ring, a PING round it); called without the lock."""
