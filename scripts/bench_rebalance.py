@@ -59,7 +59,7 @@ def pair(stack: ExitStack, model: Path, flag: str, caches: Path) -> Host:
     options = ("--members", "2", "--threads", "1", "--context", "512", "--concurrency", "4", flag)
     options += ("--every-member-serves",)  # the pair, however its trips weigh
     ports = ("--rendezvous-port", "0", "--stun-port", "0", "--discovery-port", "0")
-    env = {"KAFILA_CACHE": str(caches / f"host{flag}")}
+    env = {"KAFILA_CACHE": str(caches / f"host{flag}"), "KAFILA_PRICE_MODEL": "off"}  # both planned on one probe
     with pinned({0}):
         host = stack.enter_context(
             running_host("--model", model, *options, *ports, "--name", "host", ready=False, env=env)

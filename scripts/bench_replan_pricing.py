@@ -49,7 +49,8 @@ def one_round(model: Path, caches: Path, requests: int, tokens: int) -> dict[str
     args = ("--model", model, "--members", "3", "--rendezvous-port", "0", "--stun-port", "0", "--name", "host")
     args += ("--every-member-serves",)  # three machines' stages, however their trips weigh
     members = []
-    with running_host(*args, ready=False, env={"KAFILA_CACHE": str(caches / "host")}) as host:
+    env = {"KAFILA_CACHE": str(caches / "host"), "KAFILA_PRICE_MODEL": "off"}  # a first plan on the generic probe
+    with running_host(*args, ready=False, env=env) as host:
         try:
             code, rendezvous = host.join_line()
             members = [start_member(code, rendezvous, name, caches / name) for name in ("member-0", "member-1")]
