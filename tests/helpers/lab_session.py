@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,14 +55,17 @@ class LabSession:
     printed_rendezvous: str = ""  # what the host's join line told the other homes to type
     members: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     api: LabApi | None = None
+    cores: Mapping[str, str] = field(default_factory=dict)  # home → the CPUs its kafila may run on (taskset -c)
 
     def join(self, name: str) -> None:
         """`kafila join` in the member's home, as its owner would type it."""
         log = (self.tmp / f"{name}.log").open("a")
         self.members[name] = self.lab.run_home(
             self.lab.homes[name],
-            [sys.executable, "-m", "kafila", "join", self.code, "--rendezvous", RENDEZVOUS, "--name", name,
-             "--threads", "1"],
+            pinned(self.cores, name, [
+                sys.executable, "-m", "kafila", "join", self.code, "--rendezvous", RENDEZVOUS, "--name", name,
+                "--threads", "1",
+            ]),
             stdout=log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "KAFILA_CACHE": str(seeded_cache(self.tmp / f"cache-{name}")), "COLUMNS": "200"},
         )  # fmt: skip
@@ -91,6 +94,11 @@ class LabSession:
             time.sleep(0.5)
 
 
+def pinned(cores: Mapping[str, str], home: str, argv: list[str]) -> list[str]:
+    """`argv` held to the home's own CPUs (`taskset -c`), where it was given some: separate machines' cores."""
+    return ["taskset", "-c", cores[home], *argv] if home in cores else argv
+
+
 def ring_of(names: set[str], epoch_after: int = 0) -> Callable[[dict[str, Any]], bool]:
     """Serving, on a plan newer than `epoch_after`, with exactly these members holding blocks."""
 
@@ -108,10 +116,15 @@ def nat(home: str) -> NatBehaviour:
 
 @contextmanager
 def lab_session(
-    model: Path, tmp: Path, wan: WanLink, session_idle_s: float = 3600.0, host_args: Sequence[str] = ()
+    model: Path,
+    tmp: Path,
+    wan: WanLink,
+    session_idle_s: float = 3600.0,
+    host_args: Sequence[str] = (),
+    cores: Mapping[str, str] | None = None,
 ) -> Iterator[LabSession]:
     """The three homes, the rendezvous, the host (with `host_args` besides its own) and both members,
-    serving: until the block ends."""
+    serving: until the block ends. `cores`: home → the CPUs its kafila is held to (`taskset -c`)."""
     with NatLab() as lab:
         for name, kind in HOMES.items():
             lab.set_wan(lab.add_home(name, kind), wan)
@@ -125,15 +138,17 @@ def lab_session(
         log = tmp / "host.log"
         process = lab.run_home(
             lab.homes[HOST],
-            [sys.executable, "-m", "kafila", "host", "--model", str(model), "--members", "3", "--rendezvous",
-             RENDEZVOUS, "--port", str(API_PORT), "--context", "1024", "--concurrency", "4", "--threads", "1",
-             "--resume-within", "300", "--name", HOST, *host_args],
+            pinned(cores or {}, HOST, [
+                sys.executable, "-m", "kafila", "host", "--model", str(model), "--members", "3", "--rendezvous",
+                RENDEZVOUS, "--port", str(API_PORT), "--context", "1024", "--concurrency", "4", "--threads", "1",
+                "--resume-within", "300", "--name", HOST, *host_args,
+            ]),
             stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
             # The three homes' ring, however its trips weigh (who serves is test_nat_lab_standby's).
             env={"KAFILA_EVERY_MEMBER_SERVES": "1", **os.environ,
                  "KAFILA_CACHE": str(seeded_cache(tmp / "cache-host")), "COLUMNS": "200"},
         )  # fmt: skip
-        session = LabSession(lab, Host(process, f"http://127.0.0.1:{API_PORT}", log), tmp)
+        session = LabSession(lab, Host(process, f"http://127.0.0.1:{API_PORT}", log), tmp, cores=dict(cores or {}))
         session.code, session.printed_rendezvous = session.host.join_line(timeout=180)
         for name in (RELAYED, DIRECT):
             session.join(name)
