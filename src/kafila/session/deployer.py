@@ -389,13 +389,15 @@ class Deployer:
                 if file is None:
                     self.say(f"fetching {name}'s blocks {stage.first_block}-{stage.end_block - 1} here, to send them")
                     file = await asyncio.to_thread(self.model.stage_file, stage, self.cache, progress)
-                await send_stage_file(
+                sent = await send_stage_file(
                     self.roster.routers[member].transfer,
                     file.path,
                     file.sha256,
                     assign.stage_index,
                     functools.partial(progress, f"stage file to {name}"),
                 )
+                if 0 < sent < file.n_bytes:  # a partial file kept from a transfer that broke
+                    self.say(f"{name} held {file.n_bytes - sent} bytes of its stage from before: sent the other {sent}")
             except Exception as error:  # its side gave up, or its link went down
                 raise SessionFailed(f"{name} could not receive its stage: {error}", member) from None
         return await self._expect(member, assign.epoch, Staged, what)

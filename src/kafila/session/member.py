@@ -207,7 +207,7 @@ async def _from_hub(assign: Assign, state: MemberState) -> tuple[StageFile | Non
         return StageFile(0, first, end, assign.head, kept.path, kept.sha256, kept.n_bytes), None, True
     state.say(f"fetching {blocks} from the hub ({assign.hub.label}, {assign.size / 1e6:.1f} MB)")
     bars: AbstractContextManager[Progress | None] = state.bars() if state.bars else contextlib.nullcontext()
-    with bars as progress:  # its bars: fetching the ranges, then writing the stage file
+    with bars as progress:  # its bar: fetching the ranges, straight into the stage file
         try:
             made = await asyncio.to_thread(_fetch_alone, state.hub_fetch, assign, state.cache, progress)
         except ModelFetchError as error:  # HubRefused, HubUnreachable, HubMismatch
@@ -369,6 +369,8 @@ async def follow_host(
                 assign, path = staged
                 staged = None
                 await _load_and_serve(assign, path, links, state)
+    except LinkError as error:  # a word to the host that could not go (a stage transfer it broke, say)
+        raise LostHost(f"lost the host: {error}") from None
     finally:
         await state.drop_stage()
         state.executor.shutdown(wait=False)
