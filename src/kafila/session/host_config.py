@@ -24,6 +24,7 @@ from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.llama.threads import CoreShare
 from kafila.runtime.machine.model_probe import host_prices_model, price_model_here
 from kafila.runtime.machine.probe import ProbeError
+from kafila.runtime.machine.this_machine import cached_model_pricings
 from kafila.session.core import ServingPolicy
 from kafila.session.host_model import HostModel, LocalModel
 
@@ -144,7 +145,14 @@ async def price_model_here_first(config: HostConfig, device: FleetDevice, model_
     if not host_prices_model() or model_sha256 is None:
         return
     if not isinstance(model, LocalModel):
-        ui.say(f"pricing: this host holds no copy of {model.label}, so the first plan prices it by the generic probe")
+        kept = await asyncio.to_thread(cached_model_pricings)
+        if any(pricing.model_sha256 == model_sha256 for pricing in kept):
+            ui.say(f"pricing {model.name}'s stages on this machine: kept from what its stage measured serving it")
+        else:
+            ui.say(
+                f"pricing: this host holds no copy of {model.label} to time, so the first plan prices it by the "
+                "generic probe; what its stage measures serving is kept for the next start"
+            )
         return
     loop = asyncio.get_running_loop()
 
