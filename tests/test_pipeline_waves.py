@@ -236,3 +236,49 @@ def test_the_stage_report_stays_current_while_the_ring_is_never_idle(
     finally:
         loop.stop()
         engine.close()
+
+
+def test_the_next_wave_leaves_before_the_last_ones_tokens_reach_the_api(model: Path, tmp_path: Path) -> None:
+    """After landing a wave the loop launches the next before it hands the landed tokens to their
+    requests, so their delivery overlaps the ring's trip rather than delaying the next token."""
+    import threading
+
+    from kafila.runtime.engine.sampling import SamplingSettings
+    from kafila.serving import engine_loop as service
+    from kafila.serving.batcher import Finished, Job, TextDelta
+
+    engine = open_engine(model, [2, 2], SETTINGS, tmp_path)
+    assert isinstance(engine, RingEngine)
+    log: list[str] = []
+    launch, land = engine.launch, engine.land
+
+    def logged_launch(steps: list[EngineStep]) -> object:
+        log.append("launch")
+        return launch(steps)
+
+    def logged_land(launched: object) -> object:
+        log.append("land")
+        return land(launched)  # type: ignore[arg-type]
+
+    engine.launch, engine.land = logged_launch, logged_land  # type: ignore[method-assign,assignment]
+    loop = service.EngineLoop(engine, concurrency=1, batch_rows=64, context_per_sequence=64)
+    done = threading.Event()
+
+    def sink(event: service.Event) -> None:
+        if isinstance(event, TextDelta):
+            log.append("delta")
+        elif isinstance(event, Finished):
+            done.set()
+
+    loop.start()
+    try:
+        loop.submit(Job("r", engine.tokenize(PROMPTS[0]), 12, SamplingSettings(top_k=1)), sink)
+        assert done.wait(timeout=120)
+    finally:
+        loop.stop()
+        engine.close()
+    last_land = len(log) - 1 - log[::-1].index("land")
+    assert "delta" in log[:last_land], log  # text was delivered while the request still ran
+    for at, entry in enumerate(log[:last_land]):
+        if entry == "land":  # the request goes on: its next wave leaves before anything is delivered
+            assert log[at + 1] == "launch", log
