@@ -23,7 +23,8 @@ hub's bytes per machine. The target (issue 36): hub ≥ 5× faster than host, wi
 Models: a generated llama of about `--gb` GB (all Q8_0, written with the `gguf` package into a
 temporary folder, deleted at the end) and gemma-3-270m (the PyPI package's).
 
-    python scripts/bench_stage_delivery.py [--models generated gemma] [--gb 1.0]   (root, nftables, conntrack)
+    python scripts/bench_stage_delivery.py [--models generated gemma] [--gb 1.0] [--deliveries hub host]
+    (root, nftables, conntrack)
 """
 
 from __future__ import annotations
@@ -224,16 +225,17 @@ def report(runs: list[Run]) -> None:
     for run in runs:
         largest = max(size for _, size, _ in run.stages.values())
         limit = largest / DOWNLINK
-        other = next(r for r in runs if r.model == run.model and r.delivery != run.delivery)
-        hub_run = run if run.delivery == "hub" else other
-        host_run = other if run.delivery == "hub" else run
-        speedup = host_run.serving_s / hub_run.serving_s
+        other = next((r for r in runs if r.model == run.model and r.delivery != run.delivery), None)
         delivered = run.serving_s - run.plan_s
-        delivered_speedup = (host_run.serving_s - host_run.plan_s) / (hub_run.serving_s - hub_run.plan_s)
+        speedup = delivered_speedup = "—"  # one delivery run alone (--deliveries)
+        if other is not None:
+            hub_run, host_run = (run, other) if run.delivery == "hub" else (other, run)
+            speedup = f"{host_run.serving_s / hub_run.serving_s:.1f}×"
+            delivered_speedup = f"{(host_run.serving_s - host_run.plan_s) / (hub_run.serving_s - hub_run.plan_s):.1f}×"
         print(
-            f"| {run.model} | {run.delivery} | {run.ready_s:.1f} | {run.serving_s:.1f} | {speedup:.1f}× "
+            f"| {run.model} | {run.delivery} | {run.ready_s:.1f} | {run.serving_s:.1f} | {speedup} "
             f"| {limit:.1f} | {run.serving_s / limit:.2f} | {delivered:.1f} | {delivered / limit:.2f} "
-            f"| {delivered_speedup:.1f}× |"
+            f"| {delivered_speedup} |"
         )
     print("\n| model | delivery | host's join line (s) | machine | blocks | stage MB | from | its s | hub sent MB |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -252,6 +254,9 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", choices=("generated", "gemma"), default=["generated", "gemma"])
     parser.add_argument("--gb", type=float, default=1.0, help="the generated model's size")
     parser.add_argument("--logs", type=Path, help="a folder to keep every machine's output in")
+    parser.add_argument(
+        "--deliveries", nargs="+", choices=("hub", "host"), default=["hub", "host"], help="which to run (both: ratios)"
+    )
     args = parser.parse_args()
     reason = lab_unavailable_reason()
     if reason is not None:
@@ -293,7 +298,7 @@ def main() -> int:
                 ready = line_from(hub.stdout, "the fake hub's READY line", 300)
                 if not ready.startswith("READY"):
                     raise RuntimeError(f"the fake hub did not start: {ready!r}")
-                for delivery in ("hub", "host"):
+                for delivery in args.deliveries:
                     run = session(lab, hub, ready.split()[1], model, delivery, tmp, args.logs)
                     print(f"{run.model} by {run.delivery}: {run.serving_s:.1f} s, load {os.getloadavg()}", flush=True)
                     runs.append(run)
