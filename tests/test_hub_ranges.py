@@ -16,6 +16,7 @@ from urllib.request import urlopen
 
 import numpy as np
 import pytest
+from disks import small_disk
 from fake_hub import COMMIT, FakeHub, Repo, serving_hub
 from test_split_correctness import N_BLOCKS, greedy_split, greedy_unsplit
 from tiny_gguf import write_split_parts
@@ -38,7 +39,7 @@ from kafila.runtime.engine.stage import TokenEmbedding, Vocabulary
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
 from kafila.runtime.gguf.header import ModelHeader, TensorSpan, check_spans
 from kafila.runtime.gguf.manifest import manifest_of, read_manifest
-from kafila.runtime.gguf.slicer import StageFile, block_range_file, stage_layout, stage_piece
+from kafila.runtime.gguf.slicer import SliceError, StageFile, block_range_file, stage_layout, stage_piece
 from kafila.runtime.llama.loading import load_llama
 from kafila.runtime.llama.model import VocabularyOnly
 from kafila.session.host_model import HubOnlyModel
@@ -175,6 +176,17 @@ def test_a_stage_whose_query_norms_are_scaled_is_fetched_into_place_and_resumed_
         got = fetch(served, header.model, stage, tmp_path / "m", "hf_second")
     cut = block_range_file(model, *stage[:2], tmp_path / "cut", is_head=stage[2])
     assert got.path.read_bytes() == cut.path.read_bytes() and got.sha256 == cut.sha256
+
+
+def test_a_disk_too_small_for_the_stage_is_refused_before_a_byte_is_fetched(hub: FakeHub, tmp_path: Path) -> None:
+    """The stage file is written where its bytes land: a disk that cannot hold it is refused with
+    the space it needs, before the hub is asked for any tensor."""
+    with small_disk(tmp_path / "disk", "64k") as disk, serving_hub(hub):
+        header = plan(hub)
+        asked = len(hub.ranges_of(FILE))
+        with pytest.raises(SliceError, match=r"needs .* more in .*, which has .* free"):
+            fetch(hub, header.model, DIVISION[1], disk / "m", "hf_small")
+        assert [end - start for start, end in hub.ranges_of(FILE)[asked:]] == [header.model.parts[0].header_bytes]
 
 
 def test_each_stage_fetched_by_ranges_is_the_slicers_stage_and_generates_the_same_text(

@@ -66,7 +66,7 @@ from kafila.runtime.gguf.stage_cache import (
     trim_stage_cache,
 )
 from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
-from kafila.units import DISK_ROOM_HINT
+from kafila.units import DISK_ROOM_HINT, human_bytes
 
 HEADER_FIRST_READ = 8 << 20  # a large vocabulary's header is a few MB: most are read in one request
 HEADER_SHARE = 16  # nor more than this share of the file at first: a small model's header is small too
@@ -214,7 +214,8 @@ def _fetch_piece(
     settings: RangeSettings,
 ) -> StageFile:
     """The piece `cut` makes of the model's headers (fetched again and checked), its tensors fetched
-    by their ranges into a journalled work folder and written with the slicer."""
+    by their ranges straight to their places in the stage file (`_fetch_into`, journalled in a work
+    folder), refused before a byte is fetched where the disk cannot hold it."""
     remotes = [_Remote(model.repo_id, model.commit, p.path, endpoint, p.size, p.sha256) for p in model.parts]
     readers = [_checked_header(remote, part) for remote, part in zip(remotes, model.parts, strict=True)]
     header = _joined(model, readers)
@@ -227,6 +228,7 @@ def _fetch_piece(
     work = out / "hub-partial" / key.digest()
     make_room(out, layout.size)
     name = PurePosixPath(model.parts[0].path).name
+    _check_room(out, layout.size - _held(work / _STAGE), f"{what} of {name}")
     plan = json.dumps(
         [model.model_dump(mode="json"), [asdict(run) for run in runs], settings.piece_bytes, layout.size, IN_PLACE]
     )
@@ -242,6 +244,24 @@ def _fetch_piece(
         raise SliceError(f"the disk holding {out} filled up while {what} of {name} arrived: {DISK_ROOM_HINT}") from None
     shutil.rmtree(work, ignore_errors=True)
     return StageFile(0, piece.first, piece.end, piece.is_head, final, digest, layout.size)
+
+
+def _held(path: Path) -> int:
+    """The bytes a partial stage file holds on disk (it is sparse where nothing arrived yet)."""
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def _check_room(out: Path, need: int, what: str) -> None:
+    """SliceError before a byte is fetched, where the disk cannot hold what is still to come."""
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise SliceError(
+            f"{what} needs {human_bytes(need)} more in {out}, which has {human_bytes(free)} free: {DISK_ROOM_HINT}"
+        )
 
 
 def _kept_tensors(out: Path, model: HubModel, header: ModelHeader, needed: set[str]) -> dict[str, np.ndarray]:
