@@ -12,7 +12,7 @@ chunk, or, where B chunks out cannot fill the ring, a trip shared by B. Small ch
 stages (the second term shrinks with c); each chunk pays every a_k again and a period never drops
 below C/B, so chunks too small lose what overlap gains. With B = 1, T(m) = m·C(c): one chunk at
 a time, where splitting only adds steps. The chunk count of least T, between ⌈N/batch⌉ (no chunk
-exceeds a step's rows) and ⌈N/MIN_CHUNK_ROWS⌉, is chosen; where it saves less than MIN_GAIN of
+exceeds a step's rows) and ⌊N/MIN_CHUNK_ROWS⌋, is chosen; where it saves less than MIN_GAIN of
 the fewest chunks' time, the prompt is not split further.
 
 The model sees stages, not links: a chunk's bytes on a slow link are part of the measured stage
@@ -26,7 +26,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MIN_CHUNK_ROWS = 32  # below this a step's fixed cost is most of a chunk on any stage
+# Below this a chunk costs more a row than the linear price says: llama.cpp's CPU kernels lose
+# their batch's efficiency. gemma-3-270m whole, one thread, 1,000 rows here: in chunks of 500,
+# 10.5 s; of 128, 11.0; of 64, 12.0; of 35, 14.3-16.1 (a 2,000-token prompt in 35-row chunks
+# over the NAT lab measured twice the stages' ms a row of 500-row chunks, and lost its overlap).
+MIN_CHUNK_ROWS = 128
 MAX_CHUNKS = 64  # chunk counts tried for one prompt: T(m) flattens long before
 MIN_GAIN = 0.05  # a split must save this much of the unsplit time: the figures are measured, not exact
 
@@ -87,7 +91,7 @@ def prefill_chunk_rows(prompt_rows: int, costs: PrefillCosts | None, chunks_in_f
     unsplit = math.ceil(prompt_rows / fewest)
     if costs is None or chunks_in_flight == 1:
         return unsplit
-    most = max(fewest, min(math.ceil(prompt_rows / MIN_CHUNK_ROWS), fewest + MAX_CHUNKS - 1))
+    most = max(fewest, min(prompt_rows // MIN_CHUNK_ROWS, fewest + MAX_CHUNKS - 1))  # chunks of MIN_CHUNK_ROWS at least
     times = {
         m: first_token_ms(prompt_rows, math.ceil(prompt_rows / m), costs, chunks_in_flight)
         for m in range(fewest, most + 1)
