@@ -606,7 +606,8 @@ class Batcher:
         cost = self.trip_clock.cost
         if cost is None or window.allowed == 0:
             return window.allowed
-        return best_window(window.accept.rate, cost.trip_ms, cost.row_ms, window.allowed, sharing)
+        limit = window.allowed if window.trips else 1  # a sequence's first drafts, on hope alone: one
+        return best_window(window.accept.rate, cost.trip_ms, cost.row_ms, limit, sharing)
 
     def _verify(self, sequence: _Sequence, step: EngineStep, row: EveryRowLogits) -> list[RequestEvent]:
         """Land a token and its drafts: sample each row in turn, as decoding without drafts would

@@ -71,9 +71,11 @@ class TripCost:
 class TripClock:
     """The recent decode waves' drafted rows and wall times, and the trip cost they show: the
     Theil–Sen line through them (the median of the slopes between waves with different drafted
-    rows, and the median intercept), which a few delayed waves do not move. None until waves with
-    two different numbers of drafted rows have landed, MIN_DRAFTED_WAVES of them with drafts; the
-    last estimate stays while the recent waves show no more (every sequence drafting nothing, say)."""
+    rows), which a few delayed waves do not move, and the trip the median of the waves without
+    drafts (the line's median intercept where there are few). None until waves with two different
+    numbers of drafted rows have landed, MIN_DRAFTED_WAVES of them with drafts; a row's cost then
+    stays as last seen while the recent waves show no more (every sequence drafting nothing), and
+    the trip goes on following the waves."""
 
     waves: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=CLOCK_WAVES))
     cost: TripCost | None = None
@@ -83,13 +85,20 @@ class TripClock:
         if drafted_rows < 0 or not seconds >= 0:
             raise ValueError(f"a wave of {drafted_rows} drafted rows in {seconds} s")
         self.waves.append((drafted_rows, 1e3 * seconds))
-        if sum(rows > 0 for rows, _ in self.waves) < MIN_DRAFTED_WAVES:
+        row_ms = self.cost.row_ms if self.cost is not None else None
+        if sum(rows > 0 for rows, _ in self.waves) >= MIN_DRAFTED_WAVES:
+            slopes = [(b_ms - a_ms) / (b - a) for (a, a_ms), (b, b_ms) in combinations(self.waves, 2) if a != b]
+            if slopes:
+                row_ms = max(0.0, statistics.median(slopes))
+        if row_ms is None:
             return
-        slopes = [(b_ms - a_ms) / (b - a) for (a, a_ms), (b, b_ms) in combinations(self.waves, 2) if a != b]
-        if not slopes:
-            return
-        row_ms = max(0.0, statistics.median(slopes))
-        trip_ms = statistics.median(ms - row_ms * rows for rows, ms in self.waves)
+        # The trip follows the waves without drafts where there are some, so that where drafts
+        # stopped (they did not pay) a trip that grows (a slower ring) is seen and they start again.
+        plain = [ms for rows, ms in self.waves if rows == 0]
+        if len(plain) >= MIN_DRAFTED_WAVES:
+            trip_ms = statistics.median(plain)
+        else:
+            trip_ms = statistics.median(ms - row_ms * rows for rows, ms in self.waves)
         self.cost = TripCost(max(trip_ms, 1e-3), row_ms)
 
 
