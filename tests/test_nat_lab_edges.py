@@ -15,6 +15,7 @@ from natlab_edges_agent import connect_members
 from natlab_fixtures import NatLab, lab_rendezvous, natlab, natlab_required  # noqa: F401
 from natlab_punch_agent import peer_home, predicted_edge
 
+from kafila.network.edges import PUNCH_TIMEOUT_S
 from kafila.planner.types import EdgePrediction
 
 FRAMES = 200
@@ -46,3 +47,8 @@ def test_all_edges_take_the_predicted_paths(
         assert edge["path"] == want, f"{a} -> {b}: predicted {want}, took {edge['path']}"
         assert edge["frames_received"] == FRAMES and edge["frames_ok"] is True, (a, b, edge)
     assert all(o["seconds"] < 10 for o in outcomes.values())
+    # both ends of an edge whose NATs let no punch through go to the relay at once, without
+    # waiting out the punch: a member whose every edge is relayed links in less than that wait
+    for home, outcome in outcomes.items():
+        if all(edge["path"] == "relayed" for edge in outcome["edges"].values()):
+            assert outcome["seconds"] < PUNCH_TIMEOUT_S, (home, outcome["seconds"])

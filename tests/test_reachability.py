@@ -27,6 +27,8 @@ def expected(a: NatBehaviour, b: NatBehaviour) -> EdgePrediction:
 def test_every_behaviour_pair(a: NatBehaviour, b: NatBehaviour) -> None:
     assert predict_edge(a, b) is expected(a, b)
     assert predict_edge(a, b) is predict_edge(b, a)
+    # the links skip the punch for exactly the pairs the planner relays (network/edges.py)
+    assert a.cannot_punch(b) is b.cannot_punch(a) is (expected(a, b) is EdgePrediction.RELAYED)
 
 
 CLASS_TABLE = {

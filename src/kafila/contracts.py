@@ -63,6 +63,20 @@ class NatBehaviour(Strict):
     def filters_by_address_and_port(self) -> bool:
         return self.filtering is Mapping.ADDRESS_AND_PORT_DEPENDENT
 
+    def cannot_punch(self, other: NatBehaviour) -> bool:
+        """Whether no hole punch gets through between a machine behind this NAT and one behind
+        `other`: one side maps endpoint-dependently (a new port for each peer, so the address it
+        advertised is not the one it punches from) and the other does too, or filters by address
+        and port (so it drops what comes from that unadvertised port). The punches seen between
+        every pair of NATs failed for these pairs alone (docs/nat-lab.md)."""
+
+        def blocks(symmetric: NatBehaviour, peer: NatBehaviour) -> bool:
+            return symmetric.maps_endpoint_dependently and (
+                peer.maps_endpoint_dependently or peer.filters_by_address_and_port
+            )
+
+        return blocks(self, other) or blocks(other, self)
+
     @classmethod
     def from_class(cls, nat_class: NatClass) -> NatBehaviour:
         """Read a class as the behaviour it implies, assuming the worst where the class is silent.

@@ -2,7 +2,8 @@
 
 Used by tests/test_nat_lab_edges.py. Like `natlab_punch_agent` (whose helpers it imports), the
 agent learns its reflexive address from the lab rendezvous's STUN port on the one socket it will
-use, then opens a session (printing `{"code": ...}`) or joins one with `--code`. Once the
+use, and its NAT's behaviour (RFC 5780's tests, as a session's member does), then opens a
+session (printing `{"code": ...}`) or joins one with `--code`. Once the
 session is full (`--members`), each member waits out half the difference between its round
 trip to the rendezvous and the slowest member's, so that everyone starts together, and calls
 `kafila.network.edges.connect_edges` for every other member: the punches share the socket, an
@@ -27,12 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from natlab_punch_agent import AGENT_LINE_S, exchange, member_socket, stop
+from natlab_punch_agent import AGENT_LINE_S, address, exchange, member_socket, stop
 from waiting import line_from
 
+from kafila.contracts import NatBehaviour
 from kafila.network.edges import EdgeError, connect_edges
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux
+from kafila.network.nat import probe_nat
 from kafila.network.rendezvous_client import RendezvousClient
 
 AGENT = str(Path(__file__).resolve())
@@ -41,8 +44,12 @@ AGENT = str(Path(__file__).resolve())
 async def run(args: argparse.Namespace) -> int:
     sock, host, srflx, rtt_ms = member_socket(args.stun)
     identity = create_identity(name=args.name)
+    report = await probe_nat(address(args.stun))  # as `presence.present` does: both ends of an edge read both
+    nat = None
+    if report.mapping is not None and report.filtering is not None:
+        nat = NatBehaviour(mapping=report.mapping, filtering=report.filtering).model_dump(mode="json")
     options: dict[str, Any] = {
-        "capability": {"name": args.name, "memory_gib": 1.0, "rtt_ms": rtt_ms},
+        "capability": {"name": args.name, "memory_gib": 1.0, "rtt_ms": rtt_ms, "nat": nat},
         "fingerprint": identity.fingerprint,
         "candidates": [f"{h}:{p}" for h, p in (host, srflx)],
     }

@@ -13,6 +13,9 @@ does this for one member, one task per peer, all over the member's one `Datagram
 2. **Direct link.** If the punch found a path, open the pinned QUIC link on the demux to that
    address, the dialling side chosen by `should_dial`. The punch stays registered until the link
    is up (or fails), so a peer that has not yet heard our acknowledgement still gets one.
+   Where both ends' NATs are known and let no punch through (`NatBehaviour.cannot_punch`: the
+   planner's rule, from the pairs that never punched in the NAT lab), neither end punches: both
+   read the same two NATs and ask for the relay at once, rather than after the punch's timeout.
 3. **Relay.** If the punch found nothing, or the direct handshake did not finish within
    `DIRECT_HANDSHAKE_S`, ask the rendezvous for a relay on the edge (granted once the peer asks
    too), bind a fresh UDP socket of this edge's own to it and open the link through it. The
@@ -38,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kafila.contracts import NatBehaviour, NatClass
 from kafila.network.identity import Identity
 from kafila.network.link import (
     Address,
@@ -216,6 +220,16 @@ class _Context:
     deadline: float  # loop time
     punch_timeout: float
     family: int
+    own_nat: NatClass | NatBehaviour | None  # this member's, as it reported it to the rendezvous
+
+
+def _may_punch(own: NatClass | NatBehaviour | None, peer: NatClass | NatBehaviour | None) -> bool:
+    """False where both ends' NATs were measured (a behaviour, not a class, which is read as the
+    worst it may be) and let no punch through (`NatBehaviour.cannot_punch`): the punch's timeout
+    would only delay the relay."""
+    if not isinstance(own, NatBehaviour) or not isinstance(peer, NatBehaviour):
+        return True
+    return not own.cannot_punch(peer)
 
 
 async def _connect_one(ctx: _Context, peer: MemberInfo) -> Edge:
@@ -231,8 +245,10 @@ async def _connect_one(ctx: _Context, peer: MemberInfo) -> Edge:
             session = edge_session(ctx.session_id, ctx.client.member_id, peer_id)
             attempt = ctx.router.add(session, parse_candidates(peer.candidates, ctx.family))
             try:
-                result = await attempt.run(ctx.punch_timeout)
-                if result.path is None:
+                result = await attempt.run(ctx.punch_timeout) if _may_punch(ctx.own_nat, peer.capability.nat) else None
+                if result is None:  # both ends read the same two NATs, so both go to the relay at once
+                    notes.append("no punch: the two NATs let none through")
+                elif result.path is None:
                     notes.append(f"no punch reply within {ctx.punch_timeout:.1f} s")
                 else:
                     stage = "on the direct QUIC handshake"
@@ -317,6 +333,7 @@ async def connect_edges(
             deadline=loop.time() + timeout_s,
             punch_timeout=min(PUNCH_TIMEOUT_S, PUNCH_SHARE * timeout_s),
             family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+            own_nat=own.capability.nat if (own := client.members.get(client.member_id)) is not None else None,
         )
         tasks = {peer_id: asyncio.create_task(_connect_one(ctx, peer)) for peer_id, peer in unique.items()}
         try:

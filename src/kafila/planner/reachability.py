@@ -15,18 +15,10 @@ from kafila.planner.types import EdgePrediction
 UNKNOWN_NAT = NatBehaviour.from_class(NatClass.ORDINARY)
 
 
-def _one_way_blocks(symmetric: NatBehaviour, other: NatBehaviour) -> bool:
-    return symmetric.maps_endpoint_dependently and (
-        other.maps_endpoint_dependently or other.filters_by_address_and_port
-    )
-
-
 def predict_edge(a: NatBehaviour | None, b: NatBehaviour | None) -> EdgePrediction:
     a = a or UNKNOWN_NAT
     b = b or UNKNOWN_NAT
-    if _one_way_blocks(a, b) or _one_way_blocks(b, a):
-        return EdgePrediction.RELAYED
-    return EdgePrediction.DIRECT
+    return EdgePrediction.RELAYED if a.cannot_punch(b) else EdgePrediction.DIRECT
 
 
 def edge_cost_s(prediction: EdgePrediction, rtt_a: float, rtt_b: float) -> float:
