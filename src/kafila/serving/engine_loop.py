@@ -142,6 +142,10 @@ class EngineLoop:
         self.on_break: Callable[[], None] = lambda: None
         self._sinks: dict[str, Sink] = {}
         self._suspended: list[tuple[Suspended, Sink]] = []  # what a broken ring left, for the next loop
+        # A landed wave's events while the next wave is launched: delivered after it, or by `_break`
+        # if the ring breaks first, before the requests move to wait for the next ring (their
+        # tokens go with them, so their text must reach the clients here).
+        self._undelivered: list[RequestEvent] = []
         self._lock = threading.Condition()
         self._stopping = False
         self._report_at = 0.0
@@ -258,7 +262,7 @@ class EngineLoop:
                 return
             with self._lock:
                 before = self.batcher.tokens_generated
-                events = self.batcher.advance(results)
+                self._undelivered = self.batcher.advance(results)
                 if all(step.decode for step in steps):  # what drafted rows cost, for the cost rule
                     self.batcher.trip_clock.record(sum(len(step.tokens) - 1 for step in steps), elapsed)
                 self._count(
@@ -273,12 +277,11 @@ class EngineLoop:
                 if not self._report_due():
                     self._fill(in_flight, depth)
             except Exception as error:  # a link broke: the tokens already made still reach their requests
-                with self._lock:
-                    self._dispatch(events)
                 self._break(error)
                 return
-            with self._lock:
-                self._dispatch(events)
+            with self._lock:  # unless `_break` delivered them meanwhile
+                self._dispatch(self._undelivered)
+                self._undelivered = []
 
     def _fill(self, in_flight: deque[tuple[Launched, list[EngineStep], float]], depth: int) -> None:
         """Launch waves while fewer than `depth` are out, unless a stage report is due (the ring
@@ -307,6 +310,8 @@ class EngineLoop:
         message = f"the model ring failed: {error}"
         with self._lock:
             self.error = message
+            self._dispatch(self._undelivered)  # a landed wave's text, before its requests move (`_undelivered`)
+            self._undelivered = []
             kept, failed = self.batcher.suspend_all(message)
             for suspended in kept:
                 sink = self._sinks.pop(suspended.job.request_id, None)
