@@ -26,7 +26,10 @@ per trip that carried drafts (from /status), whether the text was the same, the 
 measured trip and drafted row, and the machine's load.
 
     python scripts/bench_wan.py [--rtts 0 10 40 100] [--tokens 32] [--repeats 3]   (root, nftables, conntrack)
-    python scripts/bench_wan.py --speculate [--rtts 0 10 40 100] [--tokens 80] [--repeats 1]
+    PYTHONPATH=$PWD/src python scripts/bench_wan.py --speculate [--rtts 0 10 40 100] [--tokens 64] [--repeats 1]
+
+(The lab's `kafila` processes import kafila as this process does: without PYTHONPATH, from
+wherever the editable install points, which may be another checkout.)
 """
 
 from __future__ import annotations
@@ -121,13 +124,17 @@ def speculation_rates(session: LabSession, rtt_ms: float, tokens: int, repeats: 
     out: dict[str, Any] = {"rtt": rtt_ms}
     for name, (prompt, temperature, seed) in WORKLOADS.items():
         request = {"prompts": [prompt], "max_tokens": tokens, "temperature": temperature, "seed": seed}
-        before = api("status")["speculation"]
+        # Serving, and the ring's counters (a replan, a rebalance say, starts a ring with its own):
+        before = session.until(lambda s: s.get("ready") and s.get("speculation") is not None, "serving")
         results = [api("completions", **request)[0] for _ in range(repeats)]
         for result in results:
             if "error" in result or result["tokens"] < 2:
                 raise RuntimeError(f"a request failed at {rtt_ms} ms: {result}")
-        status = api("status")
-        after = status["speculation"]
+        status = session.until(lambda s: s.get("ready") and s.get("speculation") is not None, "serving")
+        if status["epoch"] != before["epoch"]:
+            print(f"the ring was replanned during {name} at {rtt_ms} ms: its drafts are not counted", file=sys.stderr)
+            before = status
+        before, after = before["speculation"], status["speculation"]
         made = sum(r["tokens"] - 1 for r in results)  # after the first, which the prompt's trip made
         kept = after["accepted_tokens"] - before["accepted_tokens"]
         trips = after["trips"] - before["trips"]
@@ -158,7 +165,9 @@ def bench_speculation(model: Path, rtts: list[float], tokens: int, repeats: int)
             for rtt in rtts:
                 set_rtt(session, rtt)
                 rows[mode].append(speculation_rates(session, rtt, tokens, repeats))
-                print(f"measured --speculate {mode} at {rtt:g} ms", file=sys.stderr)
+                figures = {k: v if not isinstance(v, dict) else {n: f for n, f in v.items() if n != "texts"}
+                           for k, v in rows[mode][-1].items()}  # fmt: skip
+                print(f"measured --speculate {mode} at {rtt:g} ms: {figures}", file=sys.stderr)
         loads[mode] = (before, os.getloadavg()[0])
     print(f"One user, up to {tokens} tokens a request, median of {repeats}; decode tokens/s after the first.")
     print("Load average (1 min) on this machine, at the start and end of each session: " + ", ".join(
