@@ -372,6 +372,35 @@ def test_a_fetch_stopped_midway_resumes_without_fetching_again_what_it_kept(
     assert not (tmp_path / "m" / "hub-partial" / stage_key(header.model, *stage).digest()).exists()
 
 
+def test_a_fetch_kept_under_another_plan_is_started_afresh_and_gives_the_slicers_stage(
+    hub: FakeHub, tiny: Path, tmp_path: Path
+) -> None:
+    """What a stopped fetch kept (and a file an older Kafila left there, its packed ranges) belongs
+    to its plan: a fetch in other pieces drops it, fetches every tensor again, and writes the
+    slicer's stage."""
+    stage = DIVISION[1]
+    with serving_hub(hub):
+        header = plan(hub)
+
+        def stop_halfway(what: str, done: int, total: int) -> None:
+            if what.startswith("fetching") and done >= total // 2:
+                raise Interrupted
+
+        with pytest.raises(Interrupted):
+            fetch(hub, header.model, stage, tmp_path / "m", "hf_first", progress=stop_halfway)
+        [work] = (tmp_path / "m" / "hub-partial").iterdir()
+        (work / "ranges.bin").write_bytes(b"\xff" * 4096)
+        before = hub.sent_to.get("Bearer hf_other", 0)
+        other = RangeSettings(workers=3, piece_bytes=4 << 10, journal_bytes=1 << 10, join_gap=4 << 10)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("HF_TOKEN", "hf_other")
+            got = fetch_stage(header.model, *stage, tmp_path / "m", endpoint=hub.url, settings=other)
+        sent = hub.sent_to["Bearer hf_other"] - before
+    assert sent >= needed_bytes(header, stage)  # every tensor fetched again
+    cut = block_range_file(tiny, stage[0], stage[1], tmp_path / "cut", is_head=stage[2])
+    assert got.path.read_bytes() == cut.path.read_bytes() and not work.exists()
+
+
 def mirror_of(copy: bytes, listed: str | None = None) -> FakeHub:
     """A hub with another copy of the file under the same commit, listing `listed` as its sha256
     (a mirror that does not know its copy differs) or its true one."""

@@ -527,9 +527,10 @@ class _Journal:
             same = plan_path.read_text() == plan
         except OSError:
             same = False
-        if not same:
-            for stale in (self.path, work / _STAGE, work / _SIDE):
-                stale.unlink(missing_ok=True)
+        if not same:  # another plan's bytes, or an older Kafila's (its packed `ranges.bin`): gone
+            for stale in work.iterdir():
+                if stale.is_file() and stale != plan_path:
+                    stale.unlink(missing_ok=True)
             plan_path.write_text(plan)
         self.done = [0] * len(pieces)
         with contextlib.suppress(OSError):
