@@ -9,7 +9,8 @@ machines (KAFILA_PIPELINE_WAVES=3: the lab's homes share one machine id). Each m
 `--prompt-tokens` tokens, each one new from its first word (no prefix is reused), one token each.
 
 Beside the ratio, the limit (the issue's): the slowest stage's prefill of the whole prompt plus
-one chunk's trip round the ring, from what the pipelined session's stages measured (/status).
+one chunk's trip round the ring, each stage at the better of the ms per prompt row it measured
+in the two sessions (/status), a step of one row added to each stage's share of the trip.
 
 Each home's kafila is held to its own CPUs where the machine has them (`--cores`, taskset):
 on a 2-core machine three homes cannot each have one, which the output says.
@@ -122,9 +123,14 @@ def main() -> int:
     prefill = status.get("prefill") or {}
     chunk = prefill.get("chunk_rows") or 0
     ring_ms = prefill.get("ring_ms") or 1.5 * args.rtt
-    slowest = max(st["prefill_ms_per_token"] for st in stages)
-    trip = ring_ms + sum((st.get("ms_per_token_alone") or 0.0) + chunk * st["prefill_ms_per_token"] for st in stages)
-    limit = args.prompt_tokens * slowest + trip
+    # Each stage at the better of its two sessions' ms a prompt row: what it can do, not what
+    # small chunks or a busy machine made of it in one of them.
+    unpipelined = runs["unpipelined"]["status"]["stages"]
+    pairs = zip(stages, unpipelined, strict=True)
+    per_row = [min(a["prefill_ms_per_token"], b["prefill_ms_per_token"]) for a, b in pairs]
+    steps = [st.get("ms_per_token_alone") or 0.0 for st in stages]
+    trip = ring_ms + sum(step + chunk * p for step, p in zip(steps, per_row, strict=True))
+    limit = args.prompt_tokens * max(per_row) + trip
     print(f"Cores: {', '.join(f'{h} {c}' for h, c in cores.items()) or 'unpinned'} of {os.cpu_count()} here; "
           f"load average {os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
     print(f"{args.prompt_tokens}-token prompts, {args.rtt:g} ms per hop, median of {args.repeats}.")
