@@ -50,6 +50,38 @@ def unsplit_text(model: Path, prompt: str, tokens: int, sampling: SamplingSettin
     return _UNSPLIT_TEXTS[key]
 
 
+NEAR_TIE = 1e-3  # of the row's spread: a margin batched rows' rounding can overturn, no wrong history
+
+
+def unsplit_margin_where_parted(model: Path, prompt: str, text: str) -> float | None:
+    """Where a served greedy `text` parts from the unsplit model's, the unsplit row's margin there
+    (its best logit less the runner-up, over the row's standard deviation); None where it does not
+    part. A replayed history is prefilled in batches where the reference decoded it row by row, so
+    a near-tie may go the other way; a wrong history or cache parts at a clear margin."""
+    engine = open_engine(
+        model, [read_manifest(model).n_blocks], ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1)
+    )
+    try:
+        prompt_tokens = engine.tokenize(prompt)
+        row, tokens = engine.step(0, 0, prompt_tokens, decode=False), []
+        while len(prompt_tokens) + len(tokens) < 255:
+            token = int(np.argmax(row))
+            ended = engine.is_end(token)
+            written = engine.detokenize(tokens if ended else [*tokens, token])
+            if ended and written == text:
+                return None
+            if ended or not text.startswith(written.rstrip("\ufffd")):
+                top = np.sort(row.astype(np.float64))
+                return float((top[-1] - top[-2]) / top.std())
+            if written == text:
+                return None
+            tokens.append(token)
+            row = engine.step(0, len(prompt_tokens) + len(tokens) - 1, [token], decode=True)
+        return None
+    finally:
+        engine.close()
+
+
 def unsplit_logprobs(model: Path, prompt: str, tokens: int, sampling: SamplingSettings) -> list[float]:
     """The log probability (log-softmax of the unsplit model's row) of each token the host's
     sampler draws, up to an end-of-generation token: what a split or a head elsewhere must report."""
