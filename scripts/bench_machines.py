@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_concurrency import pinned
-from bench_serve import MESSAGES, Sample, concurrent, through_api
+from bench_serve import Sample, concurrent, through_api, timed_chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import Host, refreshed_status, running_host
@@ -54,18 +54,7 @@ def plain_on_one_core(model: Path, tokens: int, flash_attn: bool) -> Callable[[]
 
     def run() -> Sample:
         with pinned({0}):
-            llm.reset()
-            first = last = None
-            count = 0
-            started = time.perf_counter()
-            for chunk in llm.create_chat_completion(MESSAGES, max_tokens=tokens, temperature=0, stream=True):  # type: ignore[arg-type]
-                if chunk["choices"][0]["delta"].get("content"):  # type: ignore[index,union-attr]
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    count += 1
-            assert first is not None and last is not None
-            return Sample(first - started, (count - 1) / (last - first), count)
+            return timed_chat(llm, tokens)
 
     return run
 

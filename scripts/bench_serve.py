@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 
@@ -50,21 +51,24 @@ def plain(model: Path, tokens: int, flash_attn: bool = False) -> Callable[[], Sa
         flash_attn=flash_attn,
     )  # fmt: skip
 
-    def run() -> Sample:
-        llm.reset()
-        started = time.perf_counter()
-        first = last = None
-        count = 0
-        for chunk in llm.create_chat_completion(MESSAGES, max_tokens=tokens, temperature=0, stream=True):  # type: ignore[arg-type]
-            if chunk["choices"][0]["delta"].get("content"):  # type: ignore[index,union-attr]
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                count += 1
-        assert first is not None and last is not None
-        return Sample(first - started, (count - 1) / (last - first), count)
+    return lambda: timed_chat(llm, tokens)
 
-    return run
+
+def timed_chat(llm: Any, tokens: int) -> Sample:
+    """One greedy chat streamed from a `Llama`, from an empty cache: its first token's wait, and
+    its rate after that."""
+    llm.reset()
+    started = time.perf_counter()
+    first = last = None
+    count = 0
+    for chunk in llm.create_chat_completion(MESSAGES, max_tokens=tokens, temperature=0, stream=True):
+        if chunk["choices"][0]["delta"].get("content"):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            count += 1
+    assert first is not None and last is not None
+    return Sample(first - started, (count - 1) / (last - first), count)
 
 
 def through_api(
