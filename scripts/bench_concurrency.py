@@ -52,13 +52,14 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.request import urlopen
 
 from bench_serve import concurrent, step_cost, through_api
+
+from kafila.session.local_members import started_on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import Host, running_host, start_member, stop, wait_ready
@@ -161,29 +162,18 @@ def stage_ranges(host: Host) -> str:
     return " + ".join(ranges) or "?"
 
 
-@contextmanager
-def pinned(cores: set[int]) -> Iterator[None]:
-    """Processes started inside inherit these cores (`sched_setaffinity` passes on to children)."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def two_pinned_machines(stack: ExitStack, model: Path, waves: str) -> Host:
     """A host and one `kafila join` member over QUIC on loopback, each pinned to its own core with
     one thread: two one-core machines, as near as one machine can come to a ring of two."""
     options = ("--members", "2", "--threads", "1", "--context", "512", "--concurrency", "4")
     options += ("--every-member-serves",)  # the two machines, however their trip weighs
     ports = ("--rendezvous-port", "0", "--stun-port", "0", "--discovery-port", "0")
-    with pinned({0}):
+    with started_on((0,)):
         host = stack.enter_context(
             running_host("--model", model, *options, *ports, ready=False, env={"KAFILA_PIPELINE_WAVES": waves})
         )
     code, rendezvous = host.join_line()
-    with pinned({1}):
+    with started_on((1,)):
         member = start_member(
             code, rendezvous, "core-1", cache_dir() / "member", "--model", str(model), "--threads", "1"
         )

@@ -33,8 +33,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench_concurrency import pinned
 from bench_serve import Sample, concurrent, through_api, timed_chat
+
+from kafila.session.local_members import started_on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import Host, refreshed_status, running_host
@@ -46,14 +47,14 @@ def plain_on_one_core(model: Path, tokens: int, flash_attn: bool) -> Callable[[]
     """`Llama` with one thread, run from this process's main thread held to core 0."""
     from plain_llama import plain_llama
 
-    with pinned({0}):
+    with started_on((0,)):
         llm = plain_llama(
             str(model), n_ctx=2048, n_threads=1, n_threads_batch=1, n_batch=512, verbose=False,
             chat_format="gemma", flash_attn=flash_attn,
         )  # fmt: skip
 
     def run() -> Sample:
-        with pinned({0}):
+        with started_on((0,)):
             return timed_chat(llm, tokens)
 
     return run
@@ -132,7 +133,7 @@ def main() -> None:
     loads: list[float] = []
     cpu_ms: dict[str, list[float]] = {label: [] for label in one_user}  # CPU time a token, 1 user, prompt included
     with ExitStack() as stack:
-        with pinned({0}):
+        with started_on((0,)):
             alone = stack.enter_context(running_host("--model", model, "--threads", "1", *COMMON))
         ring = stack.enter_context(running_host("--demo", "--members", "2", "--model", model, *COMMON))
         (member,) = member_pids(ring.process.pid)

@@ -38,8 +38,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench_concurrency import FULL, MESSAGES, SMALL, ensure_model, pinned
+from bench_concurrency import FULL, MESSAGES, SMALL, ensure_model
 from bench_serve import concurrent, through_api
+
+from kafila.session.local_members import started_on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import Host, planned_and_measured, refreshed_status, running_host, start_member, stop, wait_ready
@@ -50,7 +52,7 @@ CONFIGS = {"--no-rebalance": "kept as planned", "--rebalance": "rebalancing (the
 
 def busy_loop_on(core: int) -> subprocess.Popen[bytes]:
     """Another program on the member's machine: a Python busy loop on its one core."""
-    with pinned({core}):
+    with started_on((core,)):
         return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
@@ -60,12 +62,12 @@ def pair(stack: ExitStack, model: Path, flag: str, caches: Path) -> Host:
     options += ("--every-member-serves",)  # the pair, however its trips weigh
     ports = ("--rendezvous-port", "0", "--stun-port", "0", "--discovery-port", "0")
     env = {"KAFILA_CACHE": str(caches / f"host{flag}"), "KAFILA_PRICE_MODEL": "off"}  # both planned on one probe
-    with pinned({0}):
+    with started_on((0,)):
         host = stack.enter_context(
             running_host("--model", model, *options, *ports, "--name", "host", ready=False, env=env)
         )
     code, rendezvous = host.join_line()
-    with pinned({1}):
+    with started_on((1,)):
         member = start_member(
             code, rendezvous, "member", caches / f"member{flag}", "--model", str(model), "--threads", "1"
         )
