@@ -23,14 +23,24 @@ from test_speculation_models import GREEDY, REPEATING, SETTINGS, STEPS, cut_in_t
 from test_split_correctness import N_BLOCKS, PROMPT
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
-from kafila.runtime.engine.draft_model import DraftModel, DraftRefused, check_draft, vocabulary_mismatch
+from kafila.contracts import FleetDevice
+from kafila.planner.types import PlanRefused, ServingSpec
+from kafila.runtime.engine.draft_model import (
+    DraftModel,
+    DraftRefused,
+    check_draft,
+    draft_footprint,
+    vocabulary_mismatch,
+)
 from kafila.runtime.engine.engines import Engine, EngineStep, PrefixCut, prefix_cut_of
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.speculation import Speculate, speculative_pick
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
+from kafila.runtime.machine.this_machine import admit_alone
 from kafila.serving.batcher import Batcher, Job, RequestEvent, _Sequence
 
 # --- the rule alone ------------------------------------------------------------------------------
@@ -426,3 +436,33 @@ def test_kafila_host_s_speculate_and_draft_must_agree(vocabularies: dict[str, Pa
     assert "--speculate draft needs --draft MODEL" in line, line
     line = one_error_line(kafila("host", "--model", model, "--speculate", "ngram", "--draft", draft, "--port", "0"))
     assert "--speculate ngram never runs it" in line, line
+
+
+def test_kafila_host_leaves_the_draft_model_s_memory_out_of_what_the_model_may_use(
+    vocabularies: dict[str, Path],
+) -> None:
+    """A --memory that holds the target alone but not beside its draft model (weights, a cache
+    for every slot, a row of logits a sequence) is refused before anything loads, saying so."""
+    model, draft = vocabularies["target"], vocabularies["draft"]
+    session, manifest = ServingSpec(context=256, concurrency=2), read_manifest(model)
+    device = FleetDevice(name="this machine", memory_gib=64.0)
+
+    def fits(lent: int, held: int = 0) -> bool:
+        try:
+            admit_alone(manifest, device.lending(lent).besides(held), session)
+        except PlanRefused:
+            return False
+        return True
+
+    low, high = 1 << 20, 1 << 34  # the least memory the target alone fits in, to 4 KiB
+    assert not fits(low) and fits(high)
+    while high - low > 4096:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    held = draft_footprint(draft, 256, 2)
+    assert held == draft.stat().st_size + sum(read_manifest(draft).cache_bytes(256, 2)) + 4 * VOCABULARY * 2
+    lent = high + held // 2
+    assert fits(lent) and not fits(lent, held)
+    args = ("--context", "256", "--concurrency", "2", "--memory", str(lent), "--port", "0")
+    line = one_error_line(kafila("host", "--model", model, "--draft", draft, *args))
+    assert "beside the draft model's" in line, line

@@ -408,6 +408,13 @@ class FleetDevice(Strict):
             return self
         return self.model_copy(update={"memory_gib": min(self.memory_gib, max(1, memory_bytes) / 2**30)})
 
+    def besides(self, held_bytes: int) -> FleetDevice:
+        """This device less `held_bytes` that something else of this machine's holds (the host's
+        draft model): what is left for the model's blocks."""
+        if held_bytes <= 0:
+            return self
+        return self.model_copy(update={"memory_gib": max(self.memory_gib - held_bytes / 2**30, 1 / 2**30)})
+
     def priced(self, pricing: ModelPricing | None) -> FleetDevice:
         """This device with a model's own o, b and b_head in place of the generic ones, or as it is."""
         if pricing is None:

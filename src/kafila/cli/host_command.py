@@ -30,9 +30,9 @@ from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.contracts import Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
 from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_http, raise_open_file_limit
-from kafila.planner.types import ServingSpec
+from kafila.planner.types import PlanRefused, ServingSpec
 from kafila.portability import reuse_listening_address, run, signals_handled
-from kafila.runtime.engine.draft_model import DraftModel, DraftRefused, check_draft
+from kafila.runtime.engine.draft_model import DraftModel, DraftRefused, check_draft, draft_footprint
 from kafila.runtime.engine.speculation import Speculate
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.manifest import read_manifest
@@ -249,12 +249,13 @@ def host(
         if n_members > 1:  # refused before a code is printed, where the planner's division could not be cut
             manifest = source.manifest
             check_family(manifest.architecture or "", manifest.n_blocks)
+        draft_path = _draft_for(source, draft) if draft is not None else None
+        draft_bytes = draft_footprint(draft_path, context, concurrency) if draft_path is not None else 0
         counts = []
         if n_members == 1:
             assert isinstance(source, LocalModel), "a host alone holds the whole file"
             counts = local_counts(source.path, stages, division, session, lent)
-            _admit(source.path, session, lent)
-        draft_path = _draft_for(source, draft) if draft is not None else None
+            _admit(source.path, session, lent, draft_bytes)
         sock = _listening_socket(bind_ip, port)
         external = parse_host_port(rendezvous.strip(), 8470) if rendezvous is not None else None
     except Exception as error:  # a bad file, division or address: one line, no traceback
@@ -267,7 +268,7 @@ def host(
         demo=demo, name=host_name, discovery_port=discovery_port or None,
         memory=lent, rebalance=rebalance, allowed_hosts=tuple(allow_host or ()), open_token=open_token or None,
         resume_within_s=resume_within, every_member_serves=every_member_serves or demo,
-        speculate=speculate, member_shares=tuple(shares[1:]) if shares else (),
+        speculate=speculate, member_shares=tuple(shares[1:]) if shares else (), draft_bytes=draft_bytes,
     )  # fmt: skip
     if draft_path is not None:
         try:
@@ -317,11 +318,18 @@ def described_shares(shares: list[CoreShare]) -> str:
     )
 
 
-def _admit(path: Path, session: ServingSpec, memory: int | None) -> None:
-    """Refuse, before anything loads, a session this machine cannot hold: weights plus KV cache."""
+def _admit(path: Path, session: ServingSpec, memory: int | None, draft_bytes: int = 0) -> None:
+    """Refuse, before anything loads, a session this machine cannot hold: weights plus KV cache,
+    beside a draft model's `draft_bytes`."""
     with stderr.status("measuring this device for the planner (cached afterwards)"):
-        device = this_device(memory=memory)
-    admit_alone(read_manifest(path), device, session)
+        device = this_device(memory=memory).besides(draft_bytes)
+    try:
+        admit_alone(read_manifest(path), device, session)
+    except PlanRefused as refused:
+        if not draft_bytes:
+            raise
+        message = f"{refused} (beside the draft model's {draft_bytes / 2**20:.0f} MiB)"
+        raise PlanRefused(message, refused.device, refused.shortfall_bytes) from refused
 
 
 class RichUi:

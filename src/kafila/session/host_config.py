@@ -84,6 +84,7 @@ class HostConfig:
     speculate: Speculate = Speculate.NGRAM  # what tokens are drafted with, to check several per trip
     member_shares: tuple[CoreShare, ...] = ()  # the demo's members' cores, one share each; (): left to share them all
     draft_model: DraftModel | None = None  # what --speculate draft drafts with (`--draft`), loaded at start
+    draft_bytes: int = 0  # what the draft model holds of this machine's memory: not the blocks' to use
 
     @property
     def api_url(self) -> str:

@@ -115,7 +115,7 @@ class HostEngines:
 
     async def serve_alone(self, why: str) -> None:
         """Every block on this machine, if it can hold them: where a session falls back to."""
-        device = await asyncio.to_thread(this_device, memory=self.config.memory)
+        device = (await asyncio.to_thread(this_device, memory=self.config.memory)).besides(self.config.draft_bytes)
         admit_alone(self.manifest, device, self.config.session)
         path = await self._whole_model()
         engine = await asyncio.to_thread(open_engine, path, [self.manifest.n_blocks], self.config.settings)

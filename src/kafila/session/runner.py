@@ -266,7 +266,7 @@ class HostRunner:
         self._hashing = hashing = asyncio.ensure_future(hash_with_progress(config.model, self.ui))
         hashing.add_done_callback(lambda done: done.cancelled() or done.exception())  # gather says why
         self.availability.waiting_for = ["this machine to be measured"]
-        self._device = await asyncio.to_thread(this_device, memory=config.memory)
+        self._device = (await asyncio.to_thread(this_device, memory=config.memory)).besides(config.draft_bytes)
         await self._price_model()
         await self.shell.drive(await self._open_and_gather())
 

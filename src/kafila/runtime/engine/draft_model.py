@@ -24,6 +24,7 @@ from kafila.runtime.engine.engines import PrefixCut, prefix_cut
 from kafila.runtime.engine.sampling import Sampler, SamplingSettings
 from kafila.runtime.engine.speculation import DRAFT_DRAW, Drafter, uniform
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
 TOKENS_KEY = "tokenizer.ggml.tokens"
@@ -60,6 +61,14 @@ def vocabulary_mismatch(target: FastGGUFReader, draft: FastGGUFReader) -> str | 
         if ours != theirs:
             return f"token {token_id} is {ours!r} in the target and {theirs!r} in the draft"
     return None
+
+
+def draft_footprint(path: Path, context: int, sequences: int) -> int:
+    """Bytes a draft model holds beside the target's blocks: its weights, its cache for `sequences`
+    of `context` tokens, and a row of logits a sequence (see `DraftModel`)."""
+    manifest = read_manifest(path)
+    vocabulary = manifest.context.n_vocab if manifest.context is not None else 0
+    return path.stat().st_size + sum(manifest.cache_bytes(context, sequences)) + 4 * vocabulary * sequences
 
 
 class DraftModel:
