@@ -210,6 +210,7 @@ def session(
     planned = next((line for line in log.read_text().splitlines() if "Plan — " in line), None)
     plan_s = float(planned.split()[0]) if planned else float("nan")
     if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
         for path in work.glob("*.log"):
             shutil.copy(path, logs / f"{model.name}-{delivery}-{path.name}")
     shutil.rmtree(work, ignore_errors=True)  # its stage files: the disk is shared
