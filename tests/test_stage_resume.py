@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import signal
-import time
 from pathlib import Path
 
 import openai
@@ -13,6 +12,7 @@ import pytest
 from host_process import running_host, said, serving_alone, start_member, stop, until_status
 from serving_checks import unsplit_greedy
 from tiny_models import write_wide_model
+from waiting import until
 
 PROMPT = "the quick brown fox"
 CHUNK = 1 << 20  # the transfer's chunk: a partial file is kept in whole chunks
@@ -43,11 +43,17 @@ def test_a_stage_transfer_cut_mid_way_resumes_from_the_members_bytes_and_serves_
         code, rendezvous = host.join_line()
         member = start_member(code, rendezvous, "member-0", cache, "--threads", "1")
         try:
-            deadline = time.monotonic() + 120
-            while (partial := partial_in(cache)) is None or partial.stat().st_size < 2 * CHUNK:
-                assert time.monotonic() < deadline and member.poll() is None, host.output()
-                time.sleep(0.002)
+
+            def two_chunks_in() -> bool:
+                assert member.poll() is None, host.output()
+                partial = partial_in(cache)
+                return partial is not None and partial.stat().st_size >= 2 * CHUNK
+
+            # polled often: on loopback the rest of the stage follows in well under a second
+            until(two_chunks_in, lambda: f"two chunks of the stage in the member's cache\n{host.output()}", 120, 0.002)
             member.send_signal(signal.SIGSTOP)
+            partial = partial_in(cache)
+            assert partial is not None, "the stage's partial file went before the member stopped"
             try:
                 until_status(host, serving_alone, "serving alone, the member's link gone")
                 kept = partial.stat().st_size
