@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 
 import pytest
 from aioice import stun
@@ -16,7 +18,14 @@ from hypothesis import strategies as st
 from waiting import line_from, until_async
 
 from kafila.contracts import Mapping, NatClass
-from kafila.network.nat import classify, probe_nat
+from kafila.network.nat import (
+    SILENCE_CAP_S,
+    SILENCE_FLOOR_S,
+    SILENCE_RTTS,
+    classify,
+    probe_nat,
+    silence_window,
+)
 from kafila.network.stun import (
     ANSWER_BURST,
     ANSWERS_PER_S,
@@ -26,6 +35,7 @@ from kafila.network.stun import (
     StunResponder,
     StunServer,
 )
+from kafila.portability import bind_udp_socket
 
 EIM, ADM, APDM = Mapping.ENDPOINT_INDEPENDENT, Mapping.ADDRESS_DEPENDENT, Mapping.ADDRESS_AND_PORT_DEPENDENT
 TWO = StunEndpoints("203.0.113.1", 3478, 3479, "203.0.113.2")
@@ -195,6 +205,114 @@ def test_loopback_with_one_address_says_what_it_cannot_tell() -> None:
     report = probe_on_loopback(None)
     assert report["mapping"] is None and report["filtering"] is None and report["class"] is None
     assert any("--alt-address" in note for note in report["notes"])
+
+
+def test_silence_is_waited_for_a_few_of_the_slowest_round_trips() -> None:
+    """A filtering test takes silence for a filter after SILENCE_RTTS of the slowest measured round
+    trips: never less than the floor (a busy machine's scheduling), never more than the fixed
+    three tries of before."""
+    assert silence_window([0.3, 0.5, 2.0]) == SILENCE_FLOOR_S
+    assert silence_window([]) == SILENCE_FLOOR_S
+    assert silence_window([40.0, 180.0, 60.0]) == pytest.approx(SILENCE_RTTS * 0.180)
+    assert silence_window([5000.0]) == SILENCE_CAP_S
+
+
+@dataclass
+class ShapedStun:
+    """The rendezvous's STUN core (`StunResponder`) on loopback's two addresses, behind a shell that
+    shapes what a client behind some NAT would see: every answer `delay_s` late (a long path), the
+    first copy of every change request lost (`lose_first_change`), or no answer to a change
+    request ever coming in (`silent_changes`: a NAT that filters)."""
+
+    delay_s: float = 0.0
+    lose_first_change: bool = False
+    silent_changes: bool = False
+    changes_seen: set[bytes] = field(default_factory=set)
+    transports: dict[tuple[str, int], asyncio.DatagramTransport] = field(default_factory=dict)
+
+    async def start(self) -> tuple[str, int]:
+        first = await bind_udp_socket(("127.0.0.1", 0))
+        second = await bind_udp_socket(("127.0.0.1", 0))
+        ports = (first.getsockname()[1], second.getsockname()[1])
+        sockets = {("127.0.0.1", ports[0]): first, ("127.0.0.1", ports[1]): second}
+        for port in ports:
+            sockets[("127.0.0.2", port)] = await bind_udp_socket(("127.0.0.2", port))
+        responder = StunResponder(StunEndpoints("127.0.0.1", ports[0], ports[1], "127.0.0.2"))
+        loop = asyncio.get_running_loop()
+        for local, sock in sockets.items():
+            self.transports[local], _ = await loop.create_datagram_endpoint(
+                lambda local=local: ShapedEndpoint(self, responder, local), sock=sock
+            )
+        return "127.0.0.1", ports[0]
+
+    def received(self, responder: StunResponder, data: bytes, source: tuple[str, int], local: tuple[str, int]) -> None:
+        message = stun.parse_message(data)
+        if "CHANGE-REQUEST" in message.attributes:
+            if self.silent_changes:
+                return
+            if self.lose_first_change and message.transaction_id not in self.changes_seen:
+                self.changes_seen.add(message.transaction_id)
+                return
+        answer = responder.handle(data, source, local, time.monotonic())
+        if answer is not None:
+            payload, reply_from = answer
+            asyncio.get_running_loop().call_later(self.delay_s, self.transports[reply_from].sendto, payload, source)
+
+    def close(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
+
+
+class ShapedEndpoint(asyncio.DatagramProtocol):
+    """One of `ShapedStun`'s four endpoints: what arrives goes to its shell."""
+
+    def __init__(self, shaped: ShapedStun, responder: StunResponder, local: tuple[str, int]) -> None:
+        self.shaped, self.responder, self.local = shaped, responder, local
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.shaped.received(self.responder, data, addr, self.local)
+
+
+def probe_shaped(shaped: ShapedStun) -> tuple[dict, float]:
+    """`kafila nat`'s report against `shaped`, and the seconds the tests took."""
+
+    async def run() -> tuple[dict, float]:
+        target = await shaped.start()
+        try:
+            started = time.monotonic()
+            report = await probe_nat(target, bind_host="127.0.0.1")
+            return report.as_output(), time.monotonic() - started
+        finally:
+            shaped.close()
+
+    return asyncio.run(run())
+
+
+def test_a_filter_costs_the_silence_window_not_three_tries() -> None:
+    """Behind a NAT that filters, no reply from another address or port gets in: that silence is
+    classified as address-and-port-dependent filtering once the window is out, well before the
+    3.5 s of three tries (the round trips here are a fraction of a millisecond)."""
+    report, took = probe_shaped(ShapedStun(silent_changes=True))
+    assert (report["mapping"], report["filtering"], report["class"]) == (EIM.value, APDM.value, "ordinary")
+    assert SILENCE_FLOOR_S <= took < SILENCE_CAP_S - 1.0, took
+
+
+def test_a_lost_request_is_sent_again_within_the_window() -> None:
+    """The first copy of each change request is lost: the copy sent again within the window is
+    answered, so an open path is not taken for a filter."""
+    report, _ = probe_shaped(ShapedStun(lose_first_change=True))
+    assert (report["mapping"], report["filtering"], report["class"]) == (EIM.value, EIM.value, "permissive")
+
+
+def test_a_long_path_waits_longer_than_the_floor() -> None:
+    """Every answer 200 ms late (a path of that round trip): the window grows with the measured
+    round trips, so the late replies from another address still count and the path is open."""
+    report, _ = probe_shaped(ShapedStun(delay_s=0.2))
+    assert report["rtt_ms"] >= 200
+    assert (report["mapping"], report["filtering"], report["class"]) == (EIM.value, EIM.value, "permissive")
+    silent, silent_took = probe_shaped(ShapedStun(delay_s=0.2, silent_changes=True))
+    assert silent["filtering"] == APDM.value
+    assert silent_took >= 5 * 0.2 + SILENCE_RTTS * 0.2  # the round trips, then the window they set
 
 
 def test_server_survives_garbage_and_keeps_answering() -> None:

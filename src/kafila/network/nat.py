@@ -4,6 +4,13 @@ Mapping is tested from one socket: does the NAT keep the same external address a
 the destination changes address, or port? Filtering is tested from fresh sockets, one per test,
 so that no earlier packet has opened the way: will the NAT let in a reply from another address,
 or from another port? The answers are O(1) probes per member, whatever the session's size.
+
+A NAT that filters answers a filtering test with silence, so how long silence is waited for
+is what classifying it costs, for every host and member behind one before it can join. The
+rendezvous answers a change request at once, from the address or port asked, so a reply that
+the NAT lets in comes back about one round trip after its request: the tests wait a few of the
+slowest round trips just measured to the same rendezvous (`silence_window`), and send the
+request again within that time, so that one lost datagram does not read as a filter.
 """
 
 from __future__ import annotations
@@ -22,8 +29,22 @@ from kafila.contracts import Mapping, NatClass
 from kafila.network.stun import CHANGE_IP, CHANGE_PORT, MALFORMED, Address
 from kafila.portability import open_udp_endpoint
 
-RETRANSMISSIONS = 2  # 0.5 + 1 + 2 s: a silent filter costs 3.5 s, not aioice's default 31 s
+RETRANSMISSIONS = 2  # 0.5 + 1 + 2 s: an answer that does not come costs 3.5 s, not aioice's default 31 s
 RTT_SAMPLES = 5
+# A filtering test's wait for silence: SILENCE_RTTS of the slowest measured round trips, at least
+# SILENCE_FLOOR_S (a loaded machine's scheduling, not the path, delays a reply by tenths of a
+# second) and at most SILENCE_CAP_S (the fixed three tries of before); its request is sent
+# SILENCE_SENDS times over the window's first half, each copy with half the window to come back.
+SILENCE_RTTS = 4.0
+SILENCE_FLOOR_S = 0.5
+SILENCE_CAP_S = 3.5
+SILENCE_SENDS = 3
+
+
+def silence_window(rtts_ms: list[float]) -> float:
+    """Seconds a filtering test waits for a reply before taking silence for a filter."""
+    slowest_s = max(rtts_ms, default=0.0) / 1e3
+    return min(SILENCE_CAP_S, max(SILENCE_FLOOR_S, SILENCE_RTTS * slowest_s))
 
 
 class NatReport(BaseModel):
@@ -65,12 +86,27 @@ def classify(mapping: Mapping | None, filtering: Mapping | None) -> NatClass | N
     return NatClass.ORDINARY
 
 
+class _Answer:
+    """Where a filtering test's answer lands: the first response to its request, whichever copy."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[tuple[stun.Message, Address]] = asyncio.get_running_loop().create_future()
+
+    def response_received(self, message: stun.Message, addr: Address) -> None:
+        if self.future.done():
+            return
+        if message.message_class == stun.Class.RESPONSE:
+            self.future.set_result((message, addr))
+        else:  # as a stun.Transaction fails on an error response
+            self.future.set_exception(stun.TransactionFailed(message))
+
+
 class _Client(asyncio.DatagramProtocol):
     """One UDP socket that runs STUN transactions and routes responses to them."""
 
     def __init__(self) -> None:
         self.transport: asyncio.DatagramTransport | None = None
-        self._pending: dict[bytes, stun.Transaction] = {}
+        self._pending: dict[bytes, stun.Transaction | _Answer] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
@@ -101,6 +137,30 @@ class _Client(asyncio.DatagramProtocol):
             return None
         finally:
             del self._pending[request.transaction_id]
+
+    async def binding_within(
+        self, server: Address, change: int, window_s: float
+    ) -> tuple[stun.Message, Address] | None:
+        """One binding request with a CHANGE-REQUEST, sent SILENCE_SENDS times over the first half of
+        `window_s`; None when no answer has come by its end."""
+        request = stun.Message(stun.Method.BINDING, stun.Class.REQUEST)
+        request.attributes["CHANGE-REQUEST"] = change
+        answer = _Answer()
+        self._pending[request.transaction_id] = answer
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        sends_at = [window_s / 2 * n / (SILENCE_SENDS - 1) for n in range(SILENCE_SENDS)]
+        try:
+            for n in range(SILENCE_SENDS):
+                self.send_stun(request, server)
+                until = started + (sends_at[n + 1] if n + 1 < SILENCE_SENDS else window_s)
+                done, _ = await asyncio.wait({answer.future}, timeout=max(0.0, until - loop.time()))
+                if done:
+                    return answer.future.result()
+            return None
+        finally:
+            del self._pending[request.transaction_id]
+            answer.future.cancel()  # nobody waits on it any more; a late answer is dropped
 
     @property
     def local(self) -> Address:
@@ -165,14 +225,15 @@ async def _mapping_tests(client: _Client, server: Address, other: Address | None
     return findings
 
 
-async def _filtering_tests(bind_host: str, server: Address, two_addresses: bool, findings: _Findings) -> None:
-    """Each test on a fresh socket, both at once, so silence costs one timeout, not two."""
+async def _filtering_tests(bind_host: str, server: Address, two_addresses: bool, window_s: float) -> _Findings:
+    """Each test on a fresh socket, both at once, so silence costs one `window_s`, not two."""
+    findings = _Findings(notes=[])
     clients = [await _socket(bind_host) for _ in range(2 if two_addresses else 1)]
     try:
         if two_addresses:
             from_other_address, from_other_port = await asyncio.gather(
-                clients[0].binding(server, change=CHANGE_IP | CHANGE_PORT),
-                clients[1].binding(server, change=CHANGE_PORT),
+                clients[0].binding_within(server, CHANGE_IP | CHANGE_PORT, window_s),
+                clients[1].binding_within(server, CHANGE_PORT, window_s),
             )
             if from_other_address is not None:
                 findings.filtering = Mapping.ENDPOINT_INDEPENDENT
@@ -180,8 +241,8 @@ async def _filtering_tests(bind_host: str, server: Address, two_addresses: bool,
                 findings.filtering = Mapping.ADDRESS_DEPENDENT
             else:
                 findings.filtering = Mapping.ADDRESS_AND_PORT_DEPENDENT
-            return
-        from_other_port = await clients[0].binding(server, change=CHANGE_PORT)
+            return findings
+        from_other_port = await clients[0].binding_within(server, CHANGE_PORT, window_s)
         if from_other_port is None:
             findings.filtering = Mapping.ADDRESS_AND_PORT_DEPENDENT
         else:
@@ -189,6 +250,7 @@ async def _filtering_tests(bind_host: str, server: Address, two_addresses: bool,
                 "the rendezvous has one address: replies from another port get in, but whether replies "
                 "from another address would cannot be tested"
             )
+        return findings
     finally:
         for client in clients:
             if client.transport is not None:
@@ -196,10 +258,12 @@ async def _filtering_tests(bind_host: str, server: Address, two_addresses: bool,
 
 
 async def probe_nat(server: Address, bind_host: str = "0.0.0.0") -> NatReport:
-    """Run the RFC 5780 tests against a rendezvous's STUN port and classify the result."""
+    """Run the RFC 5780 tests against a rendezvous's STUN port and classify the result: the round
+    trips first, then the mapping tests and the filtering tests at once (their sockets differ, and
+    the filtering tests' wait is taken from the round trips)."""
     client = await _socket(bind_host)
     try:
-        rtts = []
+        rtts: list[float] = []
         first_response: stun.Message | None = None
         for _ in range(RTT_SAMPLES):
             started = time.perf_counter()
@@ -213,11 +277,20 @@ async def probe_nat(server: Address, bind_host: str = "0.0.0.0") -> NatReport:
         other_attr = first_response.attributes.get("OTHER-ADDRESS")
         other = (str(other_attr[0]), int(other_attr[1])) if other_attr else None
         local = client.local
-        findings = await _mapping_tests(client, server, other, first)
+        tests = [
+            asyncio.ensure_future(_mapping_tests(client, server, other, first)),
+            asyncio.ensure_future(_filtering_tests(bind_host, server, other is not None, silence_window(rtts))),
+        ]
+        try:
+            mapped, filtered = await asyncio.gather(*tests)
+        finally:  # one failing ends the other, its sockets closed
+            for test in tests:
+                test.cancel()
+            await asyncio.gather(*tests, return_exceptions=True)
     finally:
         if client.transport is not None:
             client.transport.close()
-    await _filtering_tests(bind_host, server, other is not None, findings)
+    findings = _Findings(mapped.notes + filtered.notes, mapped.mapping, filtered.filtering)
     local = (_outgoing_address(server) if local[0] == "0.0.0.0" else local[0], local[1])
     behind_nat = first != local
     return NatReport(
