@@ -27,6 +27,7 @@ from kafila.runtime.machine.probe import ProbeError
 from kafila.runtime.machine.this_machine import cached_model_pricings
 from kafila.session.core import ServingPolicy
 from kafila.session.host_model import HostModel, LocalModel
+from kafila.session.presence import NatTests
 
 # How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
 # so that the running ones can finish and the ring be replanned with them.
@@ -85,6 +86,7 @@ class HostConfig:
     member_shares: tuple[CoreShare, ...] = ()  # the demo's members' cores, one share each; (): left to share them all
     draft_model: DraftModel | None = None  # what --speculate draft drafts with (`--draft`), loaded at start
     draft_bytes: int = 0  # what the draft model holds of this machine's memory: not the blocks' to use
+    nat_tests: NatTests | None = None  # against the external rendezvous, begun as the command started
 
     @property
     def api_url(self) -> str:

@@ -3,16 +3,22 @@
 Both `kafila host` and `kafila join` do the same first steps: find the rendezvous's STUN port,
 bind the one UDP socket every link will use, learn its server-reflexive address from that very
 socket, classify the NAT, and describe the device (the cached probe) for the planner.
+
+The NAT tests use sockets of their own, so they need not wait for the rest: a host begins them
+(`NatTests`) as its command starts, and they run while llama.cpp loads and the model's header
+comes from the hub.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,7 +29,7 @@ from urllib.request import urlopen
 from kafila.contracts import FleetDevice, NatBehaviour
 from kafila.network.identity import Identity, create_identity
 from kafila.network.nat import NatReport, probe_nat, reflexive_address
-from kafila.portability import ignore_udp_connection_resets
+from kafila.portability import ignore_udp_connection_resets, run
 
 Address = tuple[str, int]
 INFO_TIMEOUT_S = 5.0  # for the whole answer, not each read: a rendezvous that drips it is refused too
@@ -85,32 +91,85 @@ class Reach:
     nat: NatReport | None  # None: the NAT tests could not finish (it is planned as unknown)
 
 
-async def reach(sock: socket.socket, stun: Address) -> Reach:
-    """Ask the rendezvous's STUN port from `sock`, timing it, then run the NAT tests;
+async def _reflexive(sock: socket.socket, stun: Address) -> tuple[Address, float]:
+    """`sock`'s address as the rendezvous's STUN port sees it, and the round trip in ms;
     RendezvousUnreachable if STUN does not answer."""
     started = time.perf_counter()
     try:
         mapped = await asyncio.to_thread(reflexive_address, sock, stun)
     except (OSError, TimeoutError, ValueError) as error:
         raise RendezvousUnreachable(f"the rendezvous's STUN port {stun[0]}:{stun[1]} did not answer: {error}") from None
-    rtt_ms = (time.perf_counter() - started) * 1e3
+    return mapped, (time.perf_counter() - started) * 1e3
+
+
+async def _nat_report(stun: Address) -> NatReport | None:
     try:
-        report: NatReport | None = await probe_nat(stun)
+        return await probe_nat(stun)
     except Exception:  # a NAT we cannot classify is planned as unknown, not refused
-        report = None
-    return Reach(mapped, rtt_ms, report)
+        return None
 
 
-async def present(name: str, rendezvous: Address, device: FleetDevice, bind_ip: str = "0.0.0.0") -> Presence:
-    """Bind, learn our addresses and NAT, and describe ourselves; raises RendezvousUnreachable."""
-    url, stun = await asyncio.to_thread(rendezvous_endpoints, rendezvous)
+async def reach(sock: socket.socket, stun: Address) -> Reach:
+    """Ask the rendezvous's STUN port from `sock`, timing it, then run the NAT tests;
+    RendezvousUnreachable if STUN does not answer."""
+    mapped, rtt_ms = await _reflexive(sock, stun)
+    return Reach(mapped, rtt_ms, await _nat_report(stun))
+
+
+class NatTests:
+    """The rendezvous's endpoints and this machine's NAT tests, begun at once in a thread of their
+    own (with an event loop of its own: the caller's may not run yet), for `present` to take
+    later. A filtering NAT makes the tests wait out a silence; begun as `kafila host` starts, that
+    wait passes while llama.cpp loads and the model's header comes from the hub."""
+
+    def __init__(self, rendezvous: Address) -> None:
+        self.rendezvous = rendezvous
+        self._endpoints: concurrent.futures.Future[tuple[str, Address]] = concurrent.futures.Future()
+        self._report: concurrent.futures.Future[NatReport | None] = concurrent.futures.Future()
+        threading.Thread(target=self._run, name="nat-tests", daemon=True).start()  # daemon: Ctrl-C never waits
+
+    def _run(self) -> None:
+        try:
+            url, stun = rendezvous_endpoints(self.rendezvous)
+        except BaseException as error:  # RendezvousUnreachable, said where `present` awaits it
+            self._endpoints.set_exception(error)
+            return
+        self._endpoints.set_result((url, stun))
+        try:
+            self._report.set_result(run(_nat_report(stun)))
+        except BaseException as error:
+            self._report.set_exception(error)
+
+    async def endpoints(self) -> tuple[str, Address]:
+        """The rendezvous's signalling URL and STUN address (`rendezvous_endpoints`)."""
+        return await asyncio.wrap_future(self._endpoints)
+
+    async def report(self) -> NatReport | None:
+        """The NAT's report; None: the tests could not finish (it is planned as unknown)."""
+        return await asyncio.wrap_future(self._report)
+
+
+async def present(
+    name: str, rendezvous: Address, device: FleetDevice, bind_ip: str = "0.0.0.0", begun: NatTests | None = None
+) -> Presence:
+    """Bind, learn our addresses and NAT, and describe ourselves; raises RendezvousUnreachable.
+    `begun`: the NAT tests already under way against this rendezvous, taken rather than run again."""
+    begun = begun if begun is not None and begun.rendezvous == rendezvous else None
+    if begun is not None:
+        url, stun = await begun.endpoints()
+    else:
+        url, stun = await asyncio.to_thread(rendezvous_endpoints, rendezvous)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.bind((bind_ip, 0))
         ignore_udp_connection_resets(sock)
         port = sock.getsockname()[1]
         host_candidate = (_local_address_toward(stun) if bind_ip == "0.0.0.0" else bind_ip, port)
-        reached = await reach(sock, stun)
+        if begun is not None:
+            mapped, rtt_ms = await _reflexive(sock, stun)
+            reached = Reach(mapped, rtt_ms, await begun.report())
+        else:
+            reached = await reach(sock, stun)
         report, nat = reached.nat, None
         if report is not None and report.mapping is not None and report.filtering is not None:
             nat = NatBehaviour(mapping=report.mapping, filtering=report.filtering)

@@ -286,7 +286,8 @@ class HostRunner:
         verified, linked member (or a joiner fails the code)."""
         config, others = self.config, self.config.members - 1
         assert self._hashing is not None and self._device is not None
-        presence = await present(config.name, self._rendezvous_at, self._device)
+        begun, config.nat_tests = config.nat_tests, None  # a code renewed later tests the NAT again
+        presence = await present(config.name, self._rendezvous_at, self._device, begun=begun)
         self.rendezvous_session = network = await HostSession.open(
             presence, config.members, self.manifest, config.model, config.session, config.settings,
             cache_dir() / "stages", self.ui.say, self._hashing, config.open_token,
