@@ -24,11 +24,21 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kafila.planner import plan_session
+from kafila.planner.cost import ChainPrefix
 from kafila.planner.fleet import Fleet
 from kafila.planner.round_trips import RoundTrips
 from kafila.planner.time_per_token import fastest_division, time_per_token_s
 from kafila.planner.types import Device, ModelManifest, PlanRefused, ServingSpec, Tier
-from kafila.planner.who_serves import EXACT_MEMBERS, MemberSearch, Role, Why, plan_who_serves
+from kafila.planner.who_serves import (
+    EXACT_MEMBERS,
+    LOAD_REPLAN_GAIN,
+    MemberSearch,
+    Role,
+    ServingChoice,
+    Why,
+    judge_load,
+    plan_who_serves,
+)
 
 MARGIN = 0.05  # docs/planner.md: the head's margin and the standby margin
 GIB = 2**30
@@ -312,6 +322,60 @@ def test_a_member_behind_a_slow_edge_stands_by_and_serves_under_load() -> None:
     assert loaded.standby == () and set(loaded.plan.ring) == {"home", "near", "far-laptop"}
     far = next(m for m in loaded.members if m.device == "far-laptop")
     assert far.why is Why.PAYS and "save more than its place costs" in far.words
+
+
+def test_the_load_planned_for_is_the_objectives_and_the_room_sizes_memory_alone() -> None:
+    """A session with room for 16 requests, planned for the load it serves: at one or four users
+    the far laptop's edge costs more than its blocks save; at eight its blocks pay. The load moves
+    only the objective's c, never the memory a member is admitted with."""
+    manifest, devices, room, round_trips = three_homes(0.095, concurrency=16)
+    chosen = {
+        load: plan_who_serves(manifest, devices, room.model_copy(update={"load": load}), "home", round_trips)
+        for load in (1, 4, 8, 16)
+    }
+    assert chosen[1].standby == chosen[4].standby == ("far-laptop",)
+    assert chosen[8].standby == chosen[16].standby == () and len(chosen[8].plan.stages) == 3
+    for load, choice in chosen.items():
+        assert choice.concurrency == load  # what the plan says it was chosen for
+        at_that_load = plan_who_serves(manifest, devices, room.model_copy(update={"concurrency": load}), "home",
+                                       round_trips)  # fmt: skip
+        assert choice.plan.ring == at_that_load.plan.ring and choice.time_per_token_s == at_that_load.time_per_token_s
+    # memory is the room's: what a stage must hold is the same at any load
+    for head in (False, True):
+        resident = ChainPrefix.of(manifest, room).resident_matrix(head)
+        assert (ChainPrefix.of(manifest, room.model_copy(update={"load": 1})).resident_matrix(head) == resident).all()
+    with pytest.raises(ValidationError, match="a load of 17 is more than the 16 requests"):
+        ServingSpec(context=512, concurrency=16, load=17)
+
+
+def test_a_load_that_makes_the_far_member_pay_calls_for_taking_it_in_and_one_user_for_leaving_it_out() -> None:
+    manifest, devices, room, round_trips = three_homes(0.095, concurrency=16)
+
+    def at(load: int, serving: int) -> tuple[ServingChoice, ServingChoice]:
+        spec = room.model_copy(update={"load": load})
+        as_it_serves = plan_who_serves(manifest, devices[:serving], spec, "home", round_trips, every_member=True)
+        return as_it_serves, plan_who_serves(manifest, devices, spec, "home", round_trips)
+
+    taking_in = judge_load(*at(8, serving=2))
+    assert taking_in.worth_it and taking_in.taken_in == ("far-laptop",) and taking_in.left_out == ()
+    assert taking_in.reason == (
+        "far-laptop taken in: at 8 users at once, its 9 blocks save more than its place costs "
+        "(18.5 ms a token with it, 26.1 ms without)"
+    )
+    assert taking_in.time_proposed_s is not None and taking_in.time_as_it_serves_s is not None
+    assert taking_in.time_proposed_s <= taking_in.time_as_it_serves_s * (1 - LOAD_REPLAN_GAIN)
+
+    leaving_out = judge_load(*at(1, serving=3))
+    assert leaving_out.worth_it and leaving_out.left_out == ("far-laptop",) and leaving_out.taken_in == ()
+    assert leaving_out.reason.startswith("far-laptop left out: at 1 user at once, its edges add 94.0 ms")
+
+    # At six users the planner would take it in (5% faster), but not by enough to move blocks for.
+    close = judge_load(*at(6, serving=2))
+    assert not close.worth_it and close.taken_in == ("far-laptop",)
+    assert close.reason.endswith(f"less than {LOAD_REPLAN_GAIN:.0%} faster, so who serves stays")
+    # At four, who serves is what serves: nothing to replan.
+    stays = judge_load(*at(4, serving=2))
+    assert not stays.worth_it and stays.reason == "at 4 users at once the members serving stay the fastest ring"
 
 
 def test_a_member_the_model_needs_serves_behind_any_edge() -> None:

@@ -183,10 +183,26 @@ class Device(Strict):
 
 class ServingSpec(Strict):
     """What a session serves at once: `concurrency` requests of up to `context` tokens each, which
-    sizes every member's KV cache."""
+    sizes every member's KV cache; `load`, the requests it is planned to serve at once, which who
+    serves and the division are chosen for (a session serves fewer than it has room for as often as
+    not: its host plans for the load it measures). None: `concurrency`."""
 
     context: Annotated[int, Field(ge=1, le=2**24)] = 4096
     concurrency: Annotated[int, Field(ge=1, le=4096)] = 1
+    load: Annotated[int, Field(ge=1, le=4096)] | None = None
+
+    @model_validator(mode="after")
+    def _load_within_room(self) -> ServingSpec:
+        if self.load is not None and self.load > self.concurrency:
+            raise ValueError(
+                f"a load of {self.load} is more than the {self.concurrency} requests the session has room for"
+            )
+        return self
+
+    @property
+    def users(self) -> int:
+        """The requests at once a plan is chosen for."""
+        return self.concurrency if self.load is None else self.load
 
 
 class Tier(StrEnum):

@@ -46,6 +46,10 @@ from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, RingS
 
 EXACT_MEMBERS = 8  # 128 sets of members with the anchor in each
 STANDBY_MARGIN = 0.05  # a member stands by only when the ring is this much faster without it
+# A serving ring changes who serves for its load only when the new ring is this much faster: the
+# replan moves blocks and holds new requests meanwhile, and within this margin prices that wobble
+# by a few per cent would take a member in and leave it out again.
+LOAD_REPLAN_GAIN = 0.15
 
 
 class Role(StrEnum):
@@ -86,7 +90,7 @@ class ServingChoice(Strict):
     """The plan for the members who serve, and who stands by."""
 
     plan: Plan
-    concurrency: int
+    concurrency: int  # the load chosen for: requests at once
     time_per_token_s: float | None
     ring_trip_s: float | None  # one way round the serving ring: half the sum of its edges' round trips
     members: tuple[Membership, ...]
@@ -347,7 +351,7 @@ def plan_who_serves(
     pin_head: bool = False,
     every_member: bool = False,
 ) -> ServingChoice:
-    """The members of least time per token at `session.concurrency`, their ring and division;
+    """The members of least time per token at the session's load (`session.users`), their ring and division;
     with `every_member`, every member serves, on the ring and division of least time per token.
 
     Refuses as `plan_session` does when no set of members can hold the model.
@@ -360,13 +364,13 @@ def plan_who_serves(
     tier = choose_tier(devices)
     if tier is Tier.MEMORY:
         unpriced = plan_session(manifest, devices, session, anchor, pin_head, round_trips)
-        return _unpriced(unpriced, session.concurrency)
+        return _unpriced(unpriced, session.users)
     m, anchor_index = len(devices), names.index(anchor) if anchor is not None else 0
     prefix = ChainPrefix.of(manifest, session)
     prices = price_devices(devices, prefix, tier)
     candidates = np.unique(candidate_bottlenecks([matrix for device in prices for matrix in device.search]))
     search = _Search(
-        devices, prices, anchor_index, session.concurrency, manifest.max_stages, pin_head, round_trips, candidates, {}
+        devices, prices, anchor_index, session.users, manifest.max_stages, pin_head, round_trips, candidates, {}
     )
     if every_member:
         chosen, member_search = search.plan(frozenset(range(m))), MemberSearch.EXACT
@@ -385,7 +389,7 @@ def plan_who_serves(
         members = tuple(_membership(search, chosen, i, _needed(search, m, i)) for i in range(m))
     return ServingChoice(
         plan=plan,
-        concurrency=session.concurrency,
+        concurrency=session.users,
         time_per_token_s=chosen.time_per_token_s,
         ring_trip_s=chosen.ring_trip_s,
         members=members,
@@ -453,3 +457,59 @@ def _plan_of(
         baselines=baselines,
         notes=tuple(notes),
     )
+
+
+class LoadVerdict(Strict):
+    """Whether a serving ring's load calls for other members: who `proposed` takes in and leaves
+    out against the ring as it serves, and whether that is worth a replan."""
+
+    users: int
+    worth_it: bool
+    taken_in: tuple[str, ...]
+    left_out: tuple[str, ...]
+    time_as_it_serves_s: float | None  # time per token at this load, the members serving as they are
+    time_proposed_s: float | None
+    reason: str
+
+
+def _users(count: int) -> str:
+    return f"{count} user{'' if count == 1 else 's'} at once"
+
+
+def judge_load(as_it_serves: ServingChoice, proposed: ServingChoice, gain: float = LOAD_REPLAN_GAIN) -> LoadVerdict:
+    """Compare who serves now with who the planner chooses at `proposed`'s load, both planned at
+    that load with the same prices (`as_it_serves` with every member of the ring as it serves):
+    worth a replan when the members change and the new ring is at least `gain` faster a token."""
+    if not 0 < gain < 1:
+        raise ValueError(f"a load replan's gain is a fraction between 0 and 1, not {gain}")
+    users = proposed.concurrency
+    serving, chosen = set(as_it_serves.plan.ring), set(proposed.plan.ring)
+    taken_in = tuple(m for m in proposed.plan.ring if m not in serving)
+    left_out = tuple(m for m in as_it_serves.plan.ring if m not in chosen)
+    now, then = as_it_serves.time_per_token_s, proposed.time_per_token_s
+
+    def verdict(worth_it: bool, reason: str) -> LoadVerdict:
+        return LoadVerdict(
+            users=users,
+            worth_it=worth_it,
+            taken_in=taken_in,
+            left_out=left_out,
+            time_as_it_serves_s=now,
+            time_proposed_s=then,
+            reason=reason,
+        )
+
+    if not taken_in and not left_out:
+        return verdict(False, f"at {_users(users)} the members serving stay the fastest ring")
+    if now is None or then is None:
+        return verdict(False, f"at {_users(users)} no speeds were measured to weigh who serves by")
+    changes = " and ".join([*(f"{m} taken in" for m in taken_in), *(f"{m} left out" for m in left_out)])
+    if len(taken_in) + len(left_out) == 1:  # the member's own reason, from the plan that would serve
+        member = next(m for m in proposed.members if m.device in (*taken_in, *left_out))
+        detail = member.words.split(": ", 1)[1]
+    else:
+        detail = f"{_ms(then)} a token against {_ms(now)} with the members serving as they are"
+    reason = f"{changes}: at {_users(users)}, {detail}"
+    if then > now * (1 - gain):
+        return verdict(False, f"{reason}; less than {gain:.0%} faster, so who serves stays")
+    return verdict(True, reason)
