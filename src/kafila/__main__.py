@@ -1,3 +1,3 @@
-from kafila.cli.app import main
+from kafila.cli.commands import main
 
 main()

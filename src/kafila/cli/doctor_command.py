@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kafila.cli.addresses import parse_host_port
 from kafila.cli.backend_view import shout_idle_gpu
 from kafila.cli.errors import fail
-from kafila.cli.network_commands import parse_host_port
 from kafila.contracts import NatClass
 from kafila.network.rendezvous_server import DEFAULT_HTTP_PORT
 from kafila.portability import ignore_udp_connection_resets, run

@@ -19,12 +19,12 @@ import typer
 import uvicorn
 
 from kafila.api.server import ApiConfig, create_app
+from kafila.cli.addresses import nat_tests_begun, parse_host_port
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import device_name, fail, shown, stderr
 from kafila.cli.generate_command import NO_DEFAULT_MODEL, default_model, local_counts
 from kafila.cli.model_source import MODEL_HELP, model_source
-from kafila.cli.network_commands import parse_host_port
 from kafila.cli.plan_view import render_plan
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.contracts import Progress
@@ -44,7 +44,6 @@ from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.session.availability import Availability
 from kafila.session.host_config import HostConfig, lan_address, seconds_from_env
 from kafila.session.host_model import HubOnlyModel, LocalModel
-from kafila.session.presence import NatTests
 from kafila.session.runner import HostRunner, supervised
 from kafila.untrusted import printable
 
@@ -206,7 +205,7 @@ def host(
     """Serve a model on an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     alone or with other machines that `kafila join` the session code it prints."""
     n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
-    nat_tests = _nat_tests_begun(rendezvous) if n_members > 1 else None
+    nat_tests = nat_tests_begun(rendezvous) if n_members > 1 else None
     local_split = (stages or 1) > 1 or (division is not None and "," in division)
     local_members = demo and n_members > 1
     shared = local_split or local_members  # stages that take turns on this machine's cores
@@ -282,18 +281,6 @@ def host(
         run(_serve(config))
     except KeyboardInterrupt:
         pass
-
-
-def _nat_tests_begun(rendezvous: str | None) -> NatTests | None:
-    """The NAT tests against an external rendezvous, begun before llama.cpp loads and the model's
-    header is read, which they then overlap (behind a filtering NAT they wait out a silence). None
-    for the embedded rendezvous, which starts later, and for an address the command refuses below."""
-    if rendezvous is None:
-        return None
-    try:
-        return NatTests(parse_host_port(rendezvous.strip(), 8470))
-    except ValueError:
-        return None
 
 
 def speculation_chosen(speculate: Speculate | None, draft: str | None) -> Speculate:

@@ -10,10 +10,10 @@ from typing import Annotated
 
 import typer
 
+from kafila.cli.addresses import nat_tests_begun, parse_host_port
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import device_name, fail, shown, stderr, warn
-from kafila.cli.network_commands import parse_host_port
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.contracts import Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_TIMEOUT_S, DiscoveryError, discover
@@ -59,6 +59,7 @@ def join(
     """Join a session: this machine runs the blocks the host assigns it, until the host ends the session.
 
     If its link to the host drops (a network blip, a machine that slept), it joins again by itself."""
+    nat_tests = nat_tests_begun(rendezvous)
     try:
         load_llama()
     except LlamaUnavailable as error:
@@ -97,7 +98,7 @@ def join(
 
     config = MemberConfig(code, address, member, threads or serving_threads(), model, lent)
     try:
-        reason = run_member(config, MemberConsole(member))
+        reason = run_member(config, MemberConsole(member), nat_tests)
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C: asyncio.run may raise either
         stderr.print(f"[dim]{shown(member)}:[/dim] left the session", highlight=False)
         return

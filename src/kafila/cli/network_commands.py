@@ -11,22 +11,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kafila.cli.addresses import parse_host_port
 from kafila.cli.errors import fail, stderr
 from kafila.network.nat import probe_nat
 from kafila.network.rendezvous import Limits
 from kafila.network.rendezvous_server import SESSION_PATH, start_rendezvous
 from kafila.portability import run, signals_handled
-
-
-def parse_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
-    host, separator, port = text.rpartition(":")
-    if not separator:
-        if default_port is None:
-            raise ValueError(f"expected HOST:PORT, got {text!r}")
-        return text, default_port
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT with a port from 1 to 65535, got {text!r}")
-    return host.strip("[]"), int(port)
 
 
 def nat(

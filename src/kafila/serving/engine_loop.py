@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kafila.contracts import StageReport
@@ -26,29 +26,12 @@ from kafila.runtime.engine.engines import Engine, EngineStep, Launched, Sequence
 from kafila.runtime.engine.ring import StageFailed
 from kafila.runtime.engine.speculation import Speculate
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, RequestFailed, Suspended
+from kafila.serving.settings import prefill_chunks_setting
 
 Sink = Callable[[RequestEvent], None]
 STATS_REFRESH_S = 2.0
 REPORT_LATE_S = 30.0  # the most a stage report waits for a pipelined prompt's chunks to be sent
 REFUSALS_TO_BREAK = 8  # requests failed by stages in a row, none served between: the ring is broken
-
-
-PREFILL_CHUNKS_SETTING = "KAFILA_PREFILL_CHUNKS"
-
-
-def prefill_chunks_setting(environ: Mapping[str, str]) -> int | None:
-    """KAFILA_PREFILL_CHUNKS: how many chunks of one prompt may be out round the ring at once, 1
-    turning pipelined prefill off; None where unset. ValueError naming it for anything but a whole
-    number of at least 1, so a typo is said at once rather than taken for off."""
-    raw = environ.get(PREFILL_CHUNKS_SETTING, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(
-            f"{PREFILL_CHUNKS_SETTING}={environ[PREFILL_CHUNKS_SETTING]!r} is not a whole number of at least 1 "
-            "(chunks of one prompt out round the ring at once; 1 turns pipelined prefill off)"
-        )
-    return int(raw)
 
 
 def prefill_chunks_in_flight(depth: int) -> int:

@@ -25,7 +25,7 @@ from kafila.portability import run
 from kafila.runtime.llama.backends import backend_or_none
 from kafila.runtime.machine.this_machine import cache_dir, cached_model_pricings, hash_model, this_device
 from kafila.session.member import LostHost, MemberState, RingLinks, SessionEnded, edge_connector, follow_host
-from kafila.session.presence import RendezvousUnreachable, machine_tag, present
+from kafila.session.presence import NatTests, RendezvousUnreachable, machine_tag, present
 from kafila.session.router import LinkRouter
 
 # After losing the host's link (not its goodbye), join again: the host takes the machine back in.
@@ -101,17 +101,19 @@ def retry_pause(error: BaseException, tries: int) -> float:
     return max(pause, min(float(asked), MAX_RETRY_PAUSE_S)) if asked else pause
 
 
-def run_member(config: MemberConfig, ui: MemberUi) -> str:
+def run_member(config: MemberConfig, ui: MemberUi, nat_tests: NatTests | None = None) -> str:
     """Join and follow the host until it ends the session; returns why it ended. Joins again after
-    losing the host (`Rejoins`); MemberGaveUp when that keeps failing."""
+    losing the host (`Rejoins`); MemberGaveUp when that keeps failing. `nat_tests`: begun as the
+    command started, for the first try (a try again tests again)."""
     rejoins = Rejoins()
     first_try = time.monotonic()
     lost_at: float | None = None  # when the host was last lost; None on the first join
     tries = 0  # failed tries since the first join or the last loss
     while True:
         started = time.monotonic()
+        begun, nat_tests = nat_tests, None
         try:
-            return run(join_once(config, ui))
+            return run(join_once(config, ui, begun))
         except LostHost as lost:  # the host may still serve: its seat for this machine is open
             if not rejoins.after_loss(time.monotonic() - started):
                 raise MemberGaveUp(f"{lost} ({rejoins.limit} joins again did not last)") from None
@@ -129,13 +131,13 @@ def run_member(config: MemberConfig, ui: MemberUi) -> str:
             time.sleep(pause)
 
 
-async def join_once(config: MemberConfig, ui: MemberUi) -> str:
+async def join_once(config: MemberConfig, ui: MemberUi, nat_tests: NatTests | None = None) -> str:
     """One join: measured, introduced, verified, linked to the host, following it until the end."""
     ui.say("measuring this device (cached afterwards)")
     device = await asyncio.to_thread(this_device, memory=config.memory)
     priced_models = await asyncio.to_thread(cached_model_pricings)
     backend = await asyncio.to_thread(backend_or_none)
-    presence = await present(config.name, config.rendezvous, device)
+    presence = await present(config.name, config.rendezvous, device, begun=nat_tests)
     model_sha = None
     if config.model is not None:  # before joining: the host plans with it as soon as everyone has joined
         with ui.progress_bars() as progress:
