@@ -118,6 +118,10 @@ class Candidate:
     def blocks_of(self, member: int) -> int:
         return self.timed.division.counts[self.chain.index(member)]
 
+    def stages_s(self, prices: Sequence[DevicePrices]) -> float:
+        """What every stage of this candidate's division costs a token, together: a pass's compute."""
+        return sum(self.stage_cost_s(prices, member) for member in self.chain)
+
     def stage_cost_s(self, prices: Sequence[DevicePrices], member: int) -> float:
         """What the member's stage costs a token in this candidate's division."""
         position = self.chain.index(member)
@@ -293,8 +297,10 @@ def _membership(search: _Search, chosen: Candidate, member: int, needed: bool) -
         )
     blocks, added = more.blocks_of(member), more.ring_trip_s - chosen.ring_trip_s
     stage_s = more.stage_cost_s(search.prices, member)
+    computed = more.stages_s(search.prices) - chosen.stages_s(search.prices)  # what its stage adds to a pass
     cost = "its place costs more than"
-    if stage_s >= more.time_per_token_s * (1 - TIE_TOLERANCE):  # a slow machine: its own stage sets the pace
+    paces = stage_s >= more.time_per_token_s * (1 - TIE_TOLERANCE)
+    if paces or 0 < computed >= added:  # a slow machine: its stage sets the pace, or adds more than its edges
         cost = f"its stage would take {_ms(stage_s)} a token, more than"
     elif added > 0:
         cost = f"its edges add {_ms(added)} to each pass of the ring, more than"
