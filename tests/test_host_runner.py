@@ -85,7 +85,9 @@ class Engines:
     deployments: list[tuple[str, ...]] = field(default_factory=list)
     finish: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def deploy_ring(self, _network: object, members: list[str], _describe: object) -> Deployed:
+    async def deploy_ring(
+        self, _network: object, members: list[str], _describe: object, _load: int | None = None
+    ) -> Deployed:
         self.deployments.append(tuple(members))
         await self.finish.wait()
         return Deployed(tuple(members), epoch=len(self.deployments) + 1)

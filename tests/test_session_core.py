@@ -13,6 +13,7 @@ from kafila.network.rendezvous_client import RendezvousClosed, RendezvousError
 from kafila.session.core import (
     ANSWERED,
     GUESS_BUDGET,
+    LOAD_LOOKS,
     LOOK_AT_LEAST_EVERY_S,
     MEMORY_LOWERINGS,
     REBALANCE_CHECK_S,
@@ -37,6 +38,7 @@ from kafila.session.lifecycle import (
     Interrupted,
     JoinerRefused,
     Judged,
+    LoadJudged,
     Look,
     LowerMemory,
     LowerOwnMemory,
@@ -46,6 +48,7 @@ from kafila.session.lifecycle import (
     Opened,
     OwnShortOfMemory,
     Phase,
+    PriceLoad,
     PriceRebalance,
     RecordIncident,
     Refuse,
@@ -74,6 +77,7 @@ from kafila.session.presence import RendezvousUnreachable
 
 PATIENCE_S = 30.0
 COOLDOWN_S = 60.0
+WINDOW_S = 10.0  # the load's window
 RESUME_S = 60.0
 RING = frozenset({"laptop", "workstation"})
 JOIN = "kafila join blue-fox-… --rendezvous 192.0.2.7:8470"
@@ -81,14 +85,17 @@ NAMES = {"laptop": "laptop", "workstation": "workstation", "phone": "phone"}
 MEASURED = (((0, 4), 40), ((4, 8), 40))
 
 
-def policy(rebalance: bool = True) -> ServingPolicy:
+def policy(rebalance: bool = True, follow_load: bool = False) -> ServingPolicy:
     return ServingPolicy(
-        newcomer_patience_s=PATIENCE_S, rebalance_cooldown_s=COOLDOWN_S, rebalance=rebalance, resume_within_s=RESUME_S
-    )
+        newcomer_patience_s=PATIENCE_S, rebalance_cooldown_s=COOLDOWN_S, rebalance=rebalance, resume_within_s=RESUME_S,
+        follow_load=follow_load, load_window_s=WINDOW_S, load_cooldown_s=COOLDOWN_S,
+    )  # fmt: skip
 
 
-def session(networked: bool = True) -> SessionCore:
-    return SessionCore(policy()) if networked else SessionCore.one_machine(policy(rebalance=False))
+def session(networked: bool = True, follow_load: bool = False) -> SessionCore:
+    if networked:
+        return SessionCore(policy(follow_load=follow_load))
+    return SessionCore.one_machine(policy(rebalance=False, follow_load=follow_load))
 
 
 def seen(now: float, **changes: object) -> Look:
@@ -231,6 +238,133 @@ def test_a_rebalance_is_followed_by_a_cool_down_that_doubles() -> None:
         soon = (((0, 4), int(now) + 1),)
         assert host.handle(seen(now + cooldown - 1, idle=True, measurements=soon)) == []  # cooling down
         now += cooldown
+
+
+# --- the load served -------------------------------------------------------------------------
+
+EVERYONE = frozenset({"laptop", "workstation", "phone"})
+TAKEN_IN = (
+    "phone taken in: at 4 users at once, its 2 blocks save more than its place costs "
+    "(10.0 ms a token with it, 14.0 ms without)"
+)
+LEFT_OUT = (
+    "phone left out: at 1 user at once, its edges add 40.0 ms to each pass of the ring, more than its 2 blocks save"
+)
+
+
+def standing_by() -> SessionCore:
+    """A ring of two serving, the phone standing by, planned for one user: members may stand by, so
+    the host follows the load."""
+    host = session(follow_load=True)
+    host.handle(Opened(JOIN))
+    assert host.handle(Gathered(("laptop", "workstation", "phone"))) == [Deploy(("laptop", "workstation", "phone"), 1)]
+    assert host.handle(Deployed(("laptop", "workstation"), standby=("phone",))) == []
+    return host
+
+
+def busy(host: SessionCore, start: float, end: float, running: int, step: float = 0.5) -> list[tuple[float, Command]]:
+    """Looks every `step` s from `start` to `end` while `running` requests run at once: each
+    command they gave, with the time of its look."""
+    given, now = [], start
+    while now <= end + 1e-9:
+        given += [(now, command) for command in host.handle(seen(now, alive=EVERYONE, running=running))]
+        now += step
+    return given
+
+
+def taken_in_at_four(host: SessionCore) -> None:
+    assert busy(host, 0.0, 2.0, running=4) == [] and host.load.measured is None  # 2 s of 10: not read yet
+    assert host.handle(seen(2.5, alive=EVERYONE, running=4)) == [PriceLoad(4)]  # busy a quarter of the window
+    assert host.load.measured == 4
+    assert busy(host, 3.0, 3.0, running=4) == []  # weighed once
+    assert host.handle(LoadJudged(3.1, 4, True, TAKEN_IN)) == [
+        Say(f"the load calls for a replan, once no request runs: {TAKEN_IN}")
+    ]
+    assert busy(host, 3.5, 4.5, running=4) == []  # the requests running go on: the change waits
+    assert host.handle(seen(5.0, alive=EVERYONE, idle=True)) == [
+        Unready((f"the host to replan, {TAKEN_IN}",), paused=True),
+        Retire(f"the host is replanning, {TAKEN_IN}"),
+    ]
+    everyone = ("laptop", "workstation", "phone")
+    assert host.handle(Retired(everyone)) == [Deploy(everyone, 4)]  # planned for the load it serves
+    assert said(host.handle(Deployed(everyone, epoch=2))) == [f"replanned with 4 members, {TAKEN_IN}"]
+    assert host.ring == EVERYONE and host.standby == frozenset() and host.load.planned == 4
+
+
+def test_a_member_standing_by_is_taken_in_when_the_load_grows_and_it_pays_once_no_request_runs() -> None:
+    taken_in_at_four(standing_by())
+
+
+def test_when_the_load_falls_the_member_is_left_out_again_after_a_cool_down_that_doubles() -> None:
+    host = standing_by()
+    taken_in_at_four(host)
+    asked = [(now, command) for now, command in busy(host, 6.0, 80.0, running=1) if isinstance(command, PriceLoad)]
+    assert asked and asked[0][1] == PriceLoad(1) and len(asked) == 1
+    assert asked[0][0] >= 3.1 + COOLDOWN_S  # the cool-down from the verdict that took the phone in
+    now = asked[0][0]
+    host.handle(LoadJudged(now, 1, True, LEFT_OUT))
+    assert host.handle(seen(now + 1, alive=EVERYONE, idle=True))[-1] == Retire(f"the host is replanning, {LEFT_OUT}")
+    everyone = ("laptop", "workstation", "phone")
+    assert host.handle(Retired(everyone)) == [Deploy(everyone, 1)]
+    host.handle(Deployed(("laptop", "workstation"), epoch=3, standby=("phone",)))
+    assert host.load.planned == 1 and host.load.cooldown_s == 4 * COOLDOWN_S  # doubled after each change
+
+
+def test_a_load_between_two_or_a_burst_weighs_nothing_and_a_level_not_worth_it_is_weighed_once() -> None:
+    host = standing_by()
+    for step in range(60):  # 2, 2, 1, 1, 1, ...: 1.4 at once, within half a request and the hysteresis of 1
+        assert host.handle(seen(step * 0.5, alive=EVERYONE, running=2 if step % 5 < 2 else 1)) == []
+    assert host.load.measured is not None and 1.3 < host.load.measured < 1.6
+
+    host = standing_by()
+    assert busy(host, 0.0, 1.5, running=4) == []  # a burst of 2 s, then nothing runs: never read
+    assert [c for t in range(2, 40) for c in host.handle(seen(float(t), alive=EVERYONE, idle=True))] == []
+
+    host = standing_by()
+    assert busy(host, 0.0, 3.0, running=3)[0][1] == PriceLoad(3)
+    host.handle(LoadJudged(3.0, 3, False, "phone taken in: …; less than 15% faster, so who serves stays"))
+    assert busy(host, 3.5, 20.0, running=3) == []  # the same level: not weighed again
+    assert host.handle(seen(20.5, alive=EVERYONE, running=3, idle=True)) == []  # no change waits for the idle ring
+    grown = busy(host, 21.0, 40.0, running=4)
+    assert [c for _, c in grown] == [PriceLoad(4)]  # another level is
+
+
+def test_under_steady_load_the_change_holds_new_requests_after_the_hosts_patience() -> None:
+    host = standing_by()
+    busy(host, 0.0, 2.5, running=4)
+    host.handle(LoadJudged(3.0, 4, True, TAKEN_IN))
+    assert host.next_deadline() <= 3.0 + PATIENCE_S
+    assert busy(host, 3.0, 3.0 + PATIENCE_S - 0.5, running=4) == []
+    held = host.handle(seen(3.0 + PATIENCE_S, alive=EVERYONE, running=4))
+    assert held == [
+        Say("the requests running finish first; new ones wait for the replan for the load"),
+        Unready(("the requests running to finish, then the host to replan for the load",), paused=True),
+    ]
+    assert host.phase == Phase.PAUSED
+    assert host.handle(seen(40.0, alive=EVERYONE, running=1)) == []  # still held: not resumed
+    assert host.handle(seen(41.0, alive=EVERYONE, idle=True))[-1] == Retire(f"the host is replanning, {TAKEN_IN}")
+
+
+def test_a_ring_that_breaks_while_a_change_waits_is_planned_for_the_load_the_change_was_for() -> None:
+    host = standing_by()
+    busy(host, 0.0, 2.5, running=4)
+    host.handle(LoadJudged(3.0, 4, True, TAKEN_IN))
+    broke = host.handle(seen(3.5, alive=frozenset({"laptop", "phone"}), running=4))
+    assert isinstance(broke[-1], Retire)
+    assert host.handle(Retired(("laptop", "phone"))) == [Deploy(("laptop", "phone"), 4)]
+    assert host.load.change is None
+
+
+def test_the_load_is_sampled_by_looks_while_requests_run_and_ignored_where_every_member_serves() -> None:
+    host = standing_by()
+    host.handle(seen(1.0, alive=EVERYONE, running=2))
+    assert host.next_deadline() == 1.0 + WINDOW_S / LOAD_LOOKS
+    host.handle(seen(2.0, alive=EVERYONE, idle=True))
+    assert host.next_deadline() == 2.0 + LOOK_AT_LEAST_EVERY_S
+
+    every = serving_ring()  # every member serves (`--every-member-serves`): the room's load, always
+    assert all(not isinstance(c, PriceLoad) for t in range(60) for c in every.handle(seen(float(t), running=4)))
+    assert every.load.measured is None
 
 
 def test_requests_a_broken_ring_left_end_when_no_ring_serves_in_time() -> None:
@@ -681,16 +815,16 @@ def test_one_machines_failed_stages_are_loaded_again_as_one() -> None:
 MEMBERS = ("laptop", "workstation", "phone")
 
 
-def looked(now: float, alive: set[str], listed: set[str], arrivals: list[str], idle: bool, error: str | None) -> Look:
+def looked(now: float, alive: set[str], listed: set[str], arrivals: list[str], running: int, error: str | None) -> Look:
     measurements = (((0, 2), int(now)),)
-    return seen(now, alive=frozenset(alive), listed=frozenset(listed), arrivals=tuple(arrivals), idle=idle,
-                engine_error=error, measurements=measurements)  # fmt: skip
+    return seen(now, alive=frozenset(alive), listed=frozenset(listed), arrivals=tuple(arrivals), idle=running == 0,
+                running=running, engine_error=error, measurements=measurements)  # fmt: skip
 
 
 some = st.lists(st.sampled_from(MEMBERS), max_size=2)
 events = st.one_of(
     st.builds(looked, st.floats(0, 1000), st.sets(st.sampled_from(MEMBERS)), st.sets(st.sampled_from(MEMBERS)), some,
-              st.booleans(), st.none() | st.just("the engine failed")),
+              st.integers(0, 4), st.none() | st.just("the engine failed")),
     st.builds(StageBroken, st.just("a stage stopped"), st.integers(0, 3)),
     st.builds(StartFailed, st.just("no rendezvous"), st.booleans()),
     st.builds(Gathered, st.tuples(st.sampled_from(MEMBERS))),
@@ -708,16 +842,19 @@ events = st.one_of(
     st.builds(DeployFailed, st.just("does not fit"), st.booleans()),
     st.just(ServedAlone()),
     st.builds(Judged, st.floats(0, 1000), st.booleans(), st.just("faster")),
+    st.builds(LoadJudged, st.floats(0, 1000), st.integers(1, 4), st.booleans(), st.just("phone taken in")),
     st.builds(Opened, st.just(JOIN)),
 )  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(events, max_size=40), st.booleans())
-def test_whatever_happens_at_most_one_command_answers_and_it_comes_last(history: list[Event], networked: bool) -> None:
+@given(st.lists(events, max_size=40), st.booleans(), st.booleans())
+def test_whatever_happens_at_most_one_command_answers_and_it_comes_last(
+    history: list[Event], networked: bool, follow_load: bool
+) -> None:
     """The shell feeds the answer of a command back as the next event: an answered command that
     was not last would be answered after commands that came later, and two would race."""
-    host = session(networked=networked)
+    host = session(networked=networked, follow_load=follow_load)
     for event in history:
         commands = host.handle(event)
         answered = [i for i, c in enumerate(commands) if isinstance(c, ANSWERED)]

@@ -11,7 +11,7 @@ from kafila.contracts import FleetDevice
 from kafila.planner import ModelManifest, PlanRefused, ServingSpec
 from kafila.planner.round_trips import RoundTrips
 from kafila.planner.types import Device
-from kafila.planner.who_serves import Role, Why, plan_serving_host_choice, plan_who_serves
+from kafila.planner.who_serves import Role, ServingChoice, Why, plan_serving_host_choice, plan_who_serves
 from kafila.session.core import SessionCore
 from kafila.session.lifecycle import (
     Deploy,
@@ -26,7 +26,7 @@ from kafila.session.lifecycle import (
     Say,
     SendAway,
 )
-from kafila.session.pricing import Machine, RingPricing, measured_round_trips
+from kafila.session.pricing import Machine, PlannedRing, RingPricing, measured_round_trips
 
 GIB = 2**30
 # 2.6 GB: more than the host's 1.5 GiB, so it needs at least one member.
@@ -102,12 +102,48 @@ def test_a_slow_machine_stands_by_for_its_own_stage_and_says_so() -> None:
     assert laptop.time_with_s is not None and f"{laptop.time_with_s * 1e3:.1f} ms a token, more than" in laptop.words
 
 
+def test_for_one_user_a_member_whose_stage_adds_more_to_a_pass_than_its_edges_says_so() -> None:
+    """One user pays every stage of a pass: a machine with 20 ms of its own work a step stands by
+    for it, though its stage is not the slowest, and the reason names its stage, not its edges."""
+    busy = FleetDevice(name="busy-laptop", memory_gib=2.0, bandwidth_gb_s=50.0, overhead_us=20_000.0)
+    machines = {**MACHINES, "b": Machine("busy-laptop", busy)}
+    lan = measured_round_trips({m: machines[m].name for m in ("h", "a", "b")}, "h", {"a": 0.5, "b": 0.5}, {})
+    choice = pricing().choose(machines, ["h", "a", "b"], round_trips=lan, load=1)
+    laptop = next(m for m in choice.members if m.device == "busy-laptop")
+    assert choice.standby == ("busy-laptop",) and laptop.why is Why.COSTS_MORE
+    assert laptop.words.startswith("busy-laptop stands by: its stage would take "), laptop.words
+
+
 def test_under_more_load_the_far_member_pays_and_serves() -> None:
     every = ["h", "a", "b"]
     loaded = RingPricing(MANIFEST, ServingSpec(context=512, concurrency=64))
     choice = loaded.choose(MACHINES, every, round_trips=trips(every))
     assert choice.standby == () and len(choice.plan.stages) == 3
     assert next(m for m in choice.members if m.device == "far-laptop").why is Why.PAYS
+
+
+def test_the_host_weighs_who_serves_at_the_load_it_measures_with_memory_for_its_whole_room() -> None:
+    """Room for 16 requests, planned for one user: the far laptop stands by; at 16 users at once
+    the ring with it is clearly faster, and at one user again, clearly slower."""
+    every = ["h", "a", "b"]
+    prices = RingPricing(MANIFEST, ServingSpec(context=512, concurrency=16))
+    alone = prices.choose(MACHINES, every, round_trips=trips(every), load=1)
+    assert alone.standby == ("far-laptop",) and alone.concurrency == 1
+    ids = {name: member for member, name in NAMES.items()}
+
+    def ring_of(choice: ServingChoice) -> PlannedRing:
+        chain = [s.device for s in sorted(choice.plan.stages, key=lambda s: s.start)]
+        return PlannedRing(tuple(ids[name] for name in chain), choice.plan)
+
+    grown = prices.load_verdict(MACHINES, ring_of(alone), ["h", "a"], every, [], 16, trips(every))
+    assert grown is not None and grown.worth_it and grown.taken_in == ("far-laptop",), grown
+    assert grown.reason.startswith("far-laptop taken in: at 16 users at once, its ")
+    loaded = prices.choose(MACHINES, every, round_trips=trips(every), load=16)
+    assert loaded.standby == () and prices.load is None  # weighing plans for nothing
+    fallen = prices.load_verdict(MACHINES, ring_of(loaded), every, every, [], 1, trips(every))
+    assert fallen is not None and fallen.worth_it and fallen.left_out == ("far-laptop",), fallen
+    same = prices.load_verdict(MACHINES, ring_of(alone), ["h", "a"], every, [], 2, trips(every))
+    assert same is not None and not same.worth_it and same.taken_in == ()
 
 
 def test_asked_to_every_member_serves_and_the_plan_says_so() -> None:

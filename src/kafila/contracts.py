@@ -247,9 +247,17 @@ class RebalanceStatus(Strict):
     planned_bottleneck_ms: float | None = None
 
 
+class LoadStatus(Strict):
+    """The load a session serves, where members may stand by: who serves is weighed again when it moves."""
+
+    planned: int  # requests at once the serving ring was planned for
+    measured: float | None = None  # mean requests at once while the ring was busy, over the window; None: too idle
+    reason: str | None = None  # the last weighing of who serves at another load, in words
+
+
 class SessionStatus(Strict):
     """The session's part of `/status`: who is in it, the plan, the ring's edges, the last verdict
-    on a rebalance; one machine split locally says its division only."""
+    on a rebalance and the load served; one machine split locally says its division only."""
 
     members: list[MemberStatus] = Field(default_factory=list)
     code: str | None = None  # the session code: in /status only for the API key's holder
@@ -260,6 +268,7 @@ class SessionStatus(Strict):
     edges: list[EdgeStatus] = Field(default_factory=list)
     plan: PlanStatus | None = None
     rebalance: RebalanceStatus | None = None
+    load: LoadStatus | None = None
     division: list[int] | None = None
 
     def wire(self) -> dict[str, object]:

@@ -131,6 +131,12 @@ def render_status(status: HostStatus, console: Console) -> None:
         )
     if status.rebalance:
         console.print(f"rebalance: {shown(status.rebalance.reason)}", highlight=False, soft_wrap=True)
+    if status.load:
+        load = status.load
+        measured = f", {load.measured:g} measured" if load.measured is not None else ""
+        said = f": {shown(load.reason)}" if load.reason else ""
+        text = f"load: planned for {load.planned} request{'s' if load.planned != 1 else ''} at once{measured}{said}"
+        console.print(text, highlight=False, soft_wrap=True)
     if status.incidents:
         latest = status.incidents[-1]
         when = time.strftime("%H:%M:%S", time.localtime(latest.at))

@@ -11,12 +11,13 @@ connection with made-up datagrams.
 
 Every decision's state lives here: the ring that serves, its epoch and whether a stage broke,
 the members standing by, the newcomers waiting for a plan and since when, requests a broken ring
-left and since when, the rebalance schedule, the guess budget and the memory each machine is
-planned with.
+left and since when, the rebalance schedule, the load served and the load the ring was planned
+for, the guess budget and the memory each machine is planned with.
 
 Who serves is the planner's choice (`planner.who_serves`): every deployment is planned over every
-member still linked, so a member standing by is weighed again at each replan (a member lost, a
-newcomer, a rebalance), and taken in when it pays. One standing by that leaves frees its seat.
+member still linked, for the load served, so a member standing by is weighed again at each replan
+(a member lost, a newcomer, a rebalance) and whenever the load moves, and taken in when it pays.
+One standing by that leaves frees its seat.
 
 While a ring serves, each look first answers joiners (admit, or refuse once the guess budget is
 spent) and ends requests a broken ring left that waited too long; then one chain of rules, the
@@ -25,13 +26,18 @@ first that applies deciding:
    those left;
 2. admitted newcomers wait: replan with them once no request runs; under steady load, after
    `newcomer_patience_s`, hold new requests so the running ones can finish;
-3. the newcomers left while requests were held for them: serve on;
-4. an idle ring whose stages measured something new, every `REBALANCE_CHECK_S` after any
-   cool-down: price whether dividing again is clearly faster.
+3. a change of who serves that the load called for (6) waits the same way;
+4. the newcomers left while requests were held for them: serve on;
+5. an idle ring whose stages measured something new, every `REBALANCE_CHECK_S` after any
+   cool-down: price whether dividing again is clearly faster;
+6. where members may stand by, the load the ring serves (`LoadWatch`: requests at once over the
+   busy part of a window) moved clearly off the load it was planned for, after any cool-down:
+   weigh who serves at that load, and change it when another ring is clearly faster.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from kafila.session.lifecycle import (
@@ -52,6 +58,7 @@ from kafila.session.lifecycle import (
     Interrupted,
     JoinerRefused,
     Judged,
+    LoadJudged,
     Look,
     LowerMemory,
     LowerOwnMemory,
@@ -62,6 +69,7 @@ from kafila.session.lifecycle import (
     Opened,
     OwnShortOfMemory,
     Phase,
+    PriceLoad,
     PriceRebalance,
     RecordIncident,
     Refuse,
@@ -89,7 +97,11 @@ REBALANCE_CHECK_S = 2.0  # how often an idle ring's measurements are read (the s
 # (the ring idle, a request starting).
 LOOK_AT_LEAST_EVERY_S = 1.0
 LOOK_GAP_S = 0.05  # the least time between two looks the core asks for
-ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
+ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, PriceLoad, RenewCode)  # commands answered by an event
+FIRST_PLAN_LOAD = 1  # requests at once a session's first ring is planned for, before any load is seen
+LOAD_BUSY_SHARE = 0.25  # the load is read once the ring was busy this share of the window at least
+LOAD_HYSTERESIS = 0.25  # requests at once past the half that rounds, before the load counts as moved
+LOAD_LOOKS = 10  # looks per window while the ring is busy: what the load is sampled by
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,9 @@ class ServingPolicy:
     rebalance_cooldown_s: float = 60.0  # the least time between two rebalances, doubled after each
     rebalance: bool = True  # divide again when the stages' measured times clearly call for it
     resume_within_s: float = 60.0  # how long requests a broken ring left wait for the next ring
+    follow_load: bool = False  # weigh who serves again when the load moves (where members may stand by)
+    load_window_s: float = 30.0  # the load is the mean requests at once over the busy part of this window
+    load_cooldown_s: float = 60.0  # the least time between two replans for load, doubled after each
 
 
 @dataclass(frozen=True)
@@ -143,9 +158,10 @@ class Lowerings:
         shortage: MemoryShortage,
         smallest: int,
         members: tuple[str, ...],
+        load: int | None = None,
     ) -> list[Command] | str:
-        """Plan `members` again with less of the memory of the machine that ran out (`member`
-        named `name`, or None: this host); or why it cannot be lowered."""
+        """Plan `members` again, for `load`, with less of the memory of the machine that ran out
+        (`member` named `name`, or None: this host); or why it cannot be lowered."""
         times = self.own if member is None else self.members.get(member, 0)
         if times >= MEMORY_LOWERINGS:
             return f"still short of memory after {times} smaller shares"
@@ -167,7 +183,7 @@ class Lowerings:
                 failed,
             ),
             LowerOwnMemory(lowered) if member is None else LowerMemory(member, lowered),
-            Deploy(members),
+            Deploy(members, load),
         ]
 
 
@@ -221,6 +237,98 @@ class RebalanceSchedule:
         self.cooldown_s *= 2
 
 
+@dataclass(frozen=True)
+class LoadChange:
+    """A change of who serves that the load called for, judged worth a replan, waiting for a
+    moment without requests (since `waiting_since`)."""
+
+    users: int
+    why: str
+    waiting_since: float
+
+
+@dataclass
+class LoadWatch:
+    """The load the ring serves, and when it calls for weighing who serves again.
+
+    The load is the mean of requests served at once over the part of the last `window_s` when any
+    ran, each look's count held until the next look: what matters to a ring's time per token is
+    how many share it while it serves, not how long it idles. It is read once the ring was busy
+    LOAD_BUSY_SHARE of the window, so a burst does not move it; it has moved once it is half a
+    request past the load planned for, and LOAD_HYSTERESIS more, so a load between two does not
+    weigh both in turn; a level found not worth a replan is not weighed again until the load moves
+    to another; after a replan for load, `cooldown_s` passes, doubled each time, before the next."""
+
+    window_s: float
+    cooldown_s: float
+    planned: int = FIRST_PLAN_LOAD  # requests at once the serving ring was planned for
+    spans: deque[tuple[float, float, int]] = field(default_factory=deque)  # (from, to, requests) while busy
+    last: tuple[float, int] | None = None  # the previous look's time and requests at once
+    measured: float | None = None  # the load read at the last look, if the window was busy enough
+    not_before: float = 0.0  # the cool-down after a replan for load
+    weighed: int | None = None  # a level found not worth a replan: weighed again only at another
+    due: int | None = None  # the level to weigh at this look
+    change: LoadChange | None = None  # a replan for load judged worth it, not begun yet
+    reason: str = ""  # the last verdict, in words
+
+    def looked(self, look: Look, following: bool) -> None:
+        self.due = None
+        if not following:  # no ring serves (or members may not stand by): nothing to sample
+            self.last = None
+            return
+        if self.last is not None and self.last[1] > 0 and look.now > self.last[0]:
+            self.spans.append((self.last[0], look.now, self.last[1]))
+        self.last = (look.now, look.running)
+        start = look.now - self.window_s
+        while self.spans and self.spans[0][1] <= start:
+            self.spans.popleft()
+        within = [(end - max(begin, start), n) for begin, end, n in self.spans if end > start]
+        busy = sum(seconds for seconds, _ in within)
+        if busy < self.window_s * LOAD_BUSY_SHARE:
+            self.measured = None
+            return
+        self.measured = sum(seconds * n for seconds, n in within) / busy
+        level = max(1, int(self.measured + 0.5))
+        moved = abs(self.measured - self.planned) >= 0.5 + LOAD_HYSTERESIS
+        if moved and level not in (self.planned, self.weighed) and self.change is None and look.now >= self.not_before:
+            self.due = level
+
+    @property
+    def busy(self) -> bool:
+        """Whether the last look saw requests running: the load is sampled then."""
+        return self.last is not None and self.last[1] > 0
+
+    def judge(self, _look: Look) -> list[Command] | None:
+        """The rule: a level to weigh, and nothing before it decided. It is weighed once."""
+        if self.due is None:
+            return None
+        self.weighed, self.due = self.due, None
+        return [PriceLoad(self.weighed)]
+
+    def judged(self, verdict: LoadJudged) -> bool:
+        """A verdict came: True when it calls for a replan, which waits for a moment without requests."""
+        self.reason = verdict.reason
+        if not verdict.worth_it:
+            return False
+        self.change = LoadChange(verdict.users, verdict.reason, verdict.now)
+        self.not_before = verdict.now + self.cooldown_s
+        self.cooldown_s *= 2
+        return True
+
+    def begin(self) -> str:
+        """A replan begins: it is planned for the change's load, if one waits; its reason, if so."""
+        change, self.change = self.change, None
+        if change is None:
+            return ""
+        self.planned = change.users
+        return change.why
+
+    def replanned(self) -> None:
+        """A new ring serves: its load is read afresh, and every level may be weighed again."""
+        self.spans.clear()
+        self.last, self.measured, self.weighed = None, None, None
+
+
 @dataclass
 class SessionCore:
     """The host's whole lifecycle, pure: `handle(event)` changes the state and returns the commands
@@ -244,10 +352,12 @@ class SessionCore:
     newcomers_waiting_since: float | None = None  # since when they wait on a busy ring
     held_since: float | None = None  # requests a broken ring left wait for the next ring since then
     rebalances: RebalanceSchedule = field(init=False)
+    load: LoadWatch = field(init=False)
     last_look: float = 0.0
 
     def __post_init__(self) -> None:
         self.rebalances = RebalanceSchedule(self.policy.rebalance_cooldown_s)
+        self.load = LoadWatch(self.policy.load_window_s, self.policy.load_cooldown_s)
 
     @classmethod
     def one_machine(cls, policy: ServingPolicy) -> SessionCore:
@@ -272,6 +382,10 @@ class SessionCore:
                 due.append(self.newcomers_waiting_since + self.policy.newcomer_patience_s)
             if self._rebalancing and self.rebalances.next_check > self.last_look:  # else the next look
                 due.append(self.rebalances.next_check)
+            if self._following_load and self.load.busy:  # the load is sampled by looks
+                due.append(self.last_look + self.policy.load_window_s / LOAD_LOOKS)
+            if self.load.change is not None:
+                due.append(self.load.change.waiting_since + self.policy.newcomer_patience_s)
         return max(min(due), self.last_look + LOOK_GAP_S)
 
     def handle(self, event: Event) -> list[Command]:
@@ -324,6 +438,10 @@ class SessionCore:
                 self.rebalances.begun(now)
                 why = "rebalancing by what the stages measured serving"
                 return [Say(f"{why}: {reason}"), *self._replan_by_choice(why)]
+            case LoadJudged():
+                if self.phase != Phase.SERVING or not self.load.judged(event):
+                    return []
+                return [Say(f"the load calls for a replan, once no request runs: {event.reason}")]
             case Opened() | Gathered() | CodeRefused() | JoinerRefused() | StartFailed():
                 return []
         return self._deploying(event)
@@ -343,7 +461,15 @@ class SessionCore:
         self._apply(look)
         commands += self._standby_left(look)
         commands += [self.guesses.answer(member) for member in look.arrivals]
-        for rule in (self._replan_after_break, self._take_in_newcomers, self._newcomers_left, self.rebalances.judge):
+        rules = (
+            self._replan_after_break,
+            self._take_in_newcomers,
+            self._change_for_load,
+            self._newcomers_left,
+            self.rebalances.judge,
+            self.load.judge,
+        )
+        for rule in rules:
             decided = rule(look)
             if decided is not None:
                 return commands + decided
@@ -358,6 +484,7 @@ class SessionCore:
         elif self.newcomers_waiting_since is None and not look.idle:
             self.newcomers_waiting_since = look.now
         self.rebalances.looked(look, self._rebalancing)
+        self.load.looked(look, self._following_load)
 
     def _standby_left(self, look: Look) -> list[Command]:
         """Members standing by whose links went down: nothing to replan, but their seats are freed."""
@@ -371,6 +498,10 @@ class SessionCore:
     @property
     def _rebalancing(self) -> bool:
         return self.policy.rebalance and self.networked and self.phase == Phase.SERVING
+
+    @property
+    def _following_load(self) -> bool:
+        return self.policy.follow_load and self.networked and self.phase == Phase.SERVING and bool(self.ring)
 
     def _replan_after_break(self, look: Look) -> list[Command] | None:
         lost = tuple(sorted(self.ring - look.alive))
@@ -388,6 +519,7 @@ class SessionCore:
             return [self._fail(f"serving alone failed: {look.engine_error or 'no engine'}")]
         error = look.engine_error or self.broken or f"lost {_names(look, lost)}"
         self.paused = False  # requests held for newcomers are turned away now: the ring broke
+        self.load.begin()  # planned for the load a change waited to serve, if one did
         first: list[Command] = [
             RecordIncident("the ring broke", error),
             Unready(("the host to replan with the members that are left",)),
@@ -413,6 +545,22 @@ class SessionCore:
             ]
         return []
 
+    def _change_for_load(self, look: Look) -> list[Command] | None:
+        """Who serves changes for the load at a moment without requests; after the host's patience,
+        new requests wait while those running finish, as for newcomers."""
+        change = self.load.change
+        if change is None:
+            return None
+        if look.idle:
+            return self._replan_by_choice()
+        if self.phase == Phase.SERVING and look.now - change.waiting_since >= self.policy.newcomer_patience_s:
+            self.phase, self.paused = Phase.PAUSED, True
+            return [
+                Say("the requests running finish first; new ones wait for the replan for the load"),
+                Unready(("the requests running to finish, then the host to replan for the load",), True),
+            ]
+        return []
+
     def _newcomers_left(self, look: Look) -> list[Command] | None:
         if self.phase != Phase.PAUSED:
             return None
@@ -428,9 +576,10 @@ class SessionCore:
             commands.append(Say(_GUESSED_WHILE_SERVING))
         return commands
 
-    def _replan_by_choice(self, why: str) -> list[Command]:
+    def _replan_by_choice(self, why: str = "") -> list[Command]:
         """Replan a ring that is not broken (no request in flight): requests that come meanwhile
-        wait for the new ring rather than be turned away."""
+        wait for the new ring rather than be turned away. A change the load called for goes with it."""
+        why = "; ".join(reason for reason in (why, self.load.begin()) if reason)
         self.paused = True
         return self._retire_then_deploy(
             _Replan(why, f", {why}"),
@@ -451,7 +600,13 @@ class SessionCore:
     def _deploy(self, deployment: _Deployment, members: tuple[str, ...]) -> list[Command]:
         self.phase, self.deployment, self.deploying = Phase.DEPLOYING, deployment, members
         self.newcomers -= set(members)
-        return [Deploy(members)]
+        return [Deploy(members, self._planned_load)]
+
+    @property
+    def _planned_load(self) -> int | None:
+        """The load a deployment is planned for: the load served, where members may stand by; else
+        the session's room (None)."""
+        return self.load.planned if self.policy.follow_load else None
 
     def _deploying(self, event: Event) -> list[Command]:
         deployment = self.deployment
@@ -467,10 +622,14 @@ class SessionCore:
             case MemberFailed(shortage=MemoryShortage() as shortage):
                 # Planned again with less of its memory rather than lose all it can hold.
                 smallest, name = event.smallest_stage_bytes, event.name or event.member
-                lowered = self.lowerings.replan(event.member, name, event.message, shortage, smallest, self.deploying)
+                lowered = self.lowerings.replan(
+                    event.member, name, event.message, shortage, smallest, self.deploying, self._planned_load
+                )
                 return _left_out(event.member, f"{event.message} ({lowered})") if isinstance(lowered, str) else lowered
             case OwnShortOfMemory(message=message, shortage=shortage, smallest_stage_bytes=smallest):
-                lowered = self.lowerings.replan(None, "this machine", message, shortage, smallest, self.deploying)
+                lowered = self.lowerings.replan(
+                    None, "this machine", message, shortage, smallest, self.deploying, self._planned_load
+                )
                 if isinstance(lowered, str):
                     return self._no_ring(deployment, f"{message} ({lowered})", False)
                 return lowered
@@ -487,6 +646,7 @@ class SessionCore:
                     commands.append(Say(text, "replanned"))
                 self.ring, self.epoch, self.standby = frozenset(members), epoch, frozenset(standby)
                 self.newcomers -= self.ring | self.standby
+                self.load.replanned()
                 return commands + self._serving(deployment)
             case ServedAlone():
                 self.ring, self.standby = frozenset(), frozenset()

@@ -47,7 +47,7 @@ from kafila.network.session_codes import full_code, new_secret
 from kafila.planner.rebalance import RebalanceVerdict
 from kafila.planner.round_trips import RoundTrips
 from kafila.planner.types import ModelManifest, ServingSpec
-from kafila.planner.who_serves import ServingChoice
+from kafila.planner.who_serves import LoadVerdict, ServingChoice
 from kafila.runtime.llama.backends import backend_or_none
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.model_probe import host_prices_model
@@ -274,11 +274,24 @@ class HostSession:
         names = {m: self.member_name(m) for m in ids}
         return measured_round_trips(names, self.me, to_host, self.deployer.measured_rtts)
 
-    def choose(self, members: Sequence[str]) -> ServingChoice:
+    def choose(self, members: Sequence[str], load: int | None = None) -> ServingChoice:
         """Who of this host and `members` serves, their ring and division (`RingPricing.choose`),
-        over the measured round trips; PlanRefused names who cannot hold its share."""
+        for `load` requests at once (None: the session's room) over the measured round trips; the
+        ring that serves is planned for that load from then on, rebalances included. PlanRefused
+        names who cannot hold its share."""
         machines, trips = self.known_machines(), self.round_trips(members)
+        self.prices.load = load
         return self.prices.choose(machines, [self.me, *members], None, trips, self.every_member_serves)
+
+    def load_verdict(self, report: Sequence[StageReport], users: int) -> LoadVerdict | None:
+        """Whether other members of those linked would serve `users` requests at once clearly
+        faster than the ring's (`RingPricing.load_verdict`); None with no ring, or no plan."""
+        ring = self._planned_ring()
+        if ring is None:
+            return None
+        serving, linked = self.planned_members(), self.alive()
+        machines, trips = self.known_machines(), self.round_trips(linked)
+        return self.prices.load_verdict(machines, ring, [self.me, *serving], [self.me, *linked], report, users, trips)
 
     def standing_by(self, choice: ServingChoice) -> list[str]:
         """The member ids `choice` leaves out of the ring."""

@@ -35,6 +35,10 @@ NEWCOMER_PATIENCE_S = 30.0
 # The least time between two rebalances, doubled after each: a ring measured on a machine whose
 # load comes and goes cannot flap between divisions more than a few times an hour.
 REBALANCE_COOLDOWN_S = 60.0
+# The load served is read over this window's busy part; the least time between two replans for
+# load is the cool-down, doubled after each, as for rebalances.
+LOAD_WINDOW_S = 30.0
+LOAD_COOLDOWN_S = 60.0
 
 
 def seconds_from_env(name: str, default: float) -> float:
@@ -107,6 +111,9 @@ class HostConfig:
             rebalance_cooldown_s=seconds_from_env("KAFILA_REBALANCE_COOLDOWN_S", REBALANCE_COOLDOWN_S),
             rebalance=self.rebalance and self.members > 1,
             resume_within_s=self.resume_within_s,
+            follow_load=self.members > 1 and not self.every_member_serves,
+            load_window_s=max(0.1, seconds_from_env("KAFILA_LOAD_WINDOW_S", LOAD_WINDOW_S)),
+            load_cooldown_s=seconds_from_env("KAFILA_LOAD_COOLDOWN_S", LOAD_COOLDOWN_S),
         )
 
 

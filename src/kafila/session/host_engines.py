@@ -60,7 +60,11 @@ class HostEngines:
         if loop is not None and idle:
             measurements = tuple(((entry.range[0], entry.range[1]), entry.steps_alone) for entry in loop.stage_report)
         return Look(
-            now=now, idle=idle, engine_error=loop.error if loop is not None else None, measurements=measurements
+            now=now,
+            idle=idle,
+            running=loop.running if loop is not None else 0,
+            engine_error=loop.error if loop is not None else None,
+            measurements=measurements,
         )
 
     def activate(self, engine: Engine) -> None:
@@ -153,14 +157,15 @@ class HostEngines:
             return await asyncio.to_thread(self.config.model.whole, progress, self.ui.say)
 
     async def deploy_ring(
-        self, network: HostSession, members: list[str], describe: Callable[[], SessionStatus]
+        self, network: HostSession, members: list[str], describe: Callable[[], SessionStatus], load: int | None = None
     ) -> Event:
-        """Plan, deliver, load and serve over `members`, answering how it went; `describe` is
-        what /status shows of the session from then on."""
+        """Plan, deliver, load and serve over `members` for `load` requests at once (None: the
+        session's room), answering how it went; `describe` is what /status shows of the session
+        from then on."""
         try:
             self.availability.waiting_for = ["the members to load their stages"]
             started = time.perf_counter()
-            choice = network.choose(members)  # refusals surface here, before anything is sent
+            choice = network.choose(members, load)  # refusals surface here, before anything is sent
             self.ui.show_plan(plan_report(choice.plan, time.perf_counter() - started, choice))
             self.ui.say(network.pricing_note(members))
             for standing_by in (m for m in choice.members if m.role is Role.STANDS_BY):

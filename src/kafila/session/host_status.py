@@ -1,11 +1,11 @@
 """What /status shows of a host's session: its members and their links, the plan and its
-division, the ring's edges, and the last rebalance verdict."""
+division, the ring's edges, the last rebalance verdict and the load served."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kafila.contracts import MemberStatus, PlanStatus, RebalanceStatus, SessionStatus
+from kafila.contracts import LoadStatus, MemberStatus, PlanStatus, RebalanceStatus, SessionStatus
 from kafila.session.host import HostSession
 
 
@@ -15,10 +15,11 @@ def session_status(
     failed_proofs: int = 0,
     guess_budget: int | None = None,
     joining: frozenset[str] = frozenset(),
+    load: LoadStatus | None = None,
 ) -> SessionStatus:
     """`admitting`: whether a freed seat may still be taken, `failed_proofs` the possible
-    guesses counted so far of `guess_budget`, `joining` the newcomers waiting for a plan (the
-    session core decides and counts)."""
+    guesses counted so far of `guess_budget`, `joining` the newcomers waiting for a plan, `load`
+    the load served where members may stand by (the session core decides and counts)."""
     deployment = session.deployment
     machines = session.known_machines() if deployment is not None else {}  # only a deployment's members are priced
     choice = session.choice if deployment is not None else None
@@ -79,4 +80,5 @@ def session_status(
             planned_bottleneck_ms=None if verdict.planned_bottleneck_s is None
             else round(verdict.planned_bottleneck_s * 1e3, 3),
         ),
+        load=load if deployment is not None else None,
     )  # fmt: skip

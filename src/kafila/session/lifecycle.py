@@ -35,6 +35,7 @@ class Look:
     listed: frozenset[str] = frozenset()  # members the rendezvous still lists in the session
     arrivals: tuple[str, ...] = ()  # joined since the session formed, their code not yet checked
     idle: bool = True  # no request running or queued (or no engine)
+    running: int = 0  # requests the engine serves at once (in a slot, prefilling or decoding)
     engine_error: str | None = None  # the engine loop's failure
     measurements: Measurements | None = None  # what the idle ring's stages measured serving
     names: Mapping[str, str] = field(default_factory=dict)  # member id → the name people read
@@ -186,6 +187,17 @@ class Judged:
 
 
 @dataclass(frozen=True)
+class LoadJudged:
+    """Who serves was weighed at `users` requests at once (`planner.who_serves.judge_load`): other
+    members would be clearly faster at that load, or not; `reason` says which, in words."""
+
+    now: float
+    users: int
+    worth_it: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Interrupted:
     """Ctrl-C or SIGTERM: the host ends."""
 
@@ -195,7 +207,7 @@ class Interrupted:
 Event = (
     Look | StageBroken | StartFailed | Stopped | Opened | Gathered | CodeRefused | JoinerRefused | NewcomerChecked
     | Retired | Deployed | MemberFailed | OwnShortOfMemory | Dismissed | DeployFailed | ServedAlone | Judged
-    | Interrupted
+    | LoadJudged | Interrupted
 )  # fmt: skip
 
 
@@ -272,9 +284,11 @@ class SendAway:
 
 @dataclass(frozen=True)
 class Deploy:
-    """→ Deployed, MemberFailed or DeployFailed. Plan over this host and `members`, and serve."""
+    """→ Deployed, MemberFailed or DeployFailed. Plan over this host and `members` for `load`
+    requests at once (None: as many as the session has room for), and serve."""
 
     members: tuple[str, ...]
+    load: int | None = None
 
 
 @dataclass(frozen=True)
@@ -320,6 +334,13 @@ class PriceRebalance:
 
 
 @dataclass(frozen=True)
+class PriceLoad:
+    """→ LoadJudged. Weigh who serves at `users` requests at once against the ring as it serves."""
+
+    users: int
+
+
+@dataclass(frozen=True)
 class RenewCode:
     """→ Opened, then Gathered or CodeRefused. End this session at the rendezvous and open another."""
 
@@ -351,6 +372,6 @@ class AbandonRing:
 Command = (
     Say | Warn | RecordIncident | Unready | Resume | Admit | Refuse | Retire | Deploy | LowerMemory | LowerOwnMemory
     | Dismiss
-    | ForgetRing | ServeAlone | PriceRebalance | RenewCode | SendAway | Fail | FailHeld | AbandonRing
+    | ForgetRing | ServeAlone | PriceRebalance | PriceLoad | RenewCode | SendAway | Fail | FailHeld | AbandonRing
 )  # fmt: skip
-ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, RenewCode)  # commands answered by an event
+ANSWERED = (Retire, Deploy, Dismiss, ServeAlone, PriceRebalance, PriceLoad, RenewCode)  # commands answered by an event

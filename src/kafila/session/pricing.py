@@ -7,7 +7,8 @@ by what its stage measured serving this model in this session, by its own pricin
 on that machine and reported in its hello), by the host's pricing scaled by the ratio of the
 two machines' generic probes (`pricing_by_ratio`), or by the generic probe alone. Before a
 replan the host learns from what the stages measured (`learn_from_serving`); on an idle ring it
-asks whether another division would be clearly faster (`rebalance_verdict`).
+asks whether another division would be clearly faster (`rebalance_verdict`), and when the load
+moves, whether other members would be (`load_verdict`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kafila.planner.fleet import device_of, pricing_by_ratio, pricing_for, prici
 from kafila.planner.rebalance import RebalanceVerdict, judge_rebalance
 from kafila.planner.round_trips import RoundTrips
 from kafila.planner.types import Device, ModelManifest, Plan, PlanRefused, ServingSpec
-from kafila.planner.who_serves import ServingChoice, plan_serving_host_choice
+from kafila.planner.who_serves import LoadVerdict, ServingChoice, judge_load, plan_serving_host_choice
 
 MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before a replan trusts them
 # A rebalance moves blocks on the strength of the measurements alone, so it waits for more of
@@ -58,6 +59,7 @@ class RingPricing:
     host: str | None = None  # the host's machine id: its pricing of the model prices the others by ratio
     served: dict[str, ModelPricing] = field(default_factory=dict)  # machine → priced by what it served
     last_verdict: RebalanceVerdict | None = None  # the latest reading of the serving ring's measurements
+    load: int | None = None  # requests at once the serving ring was planned for; None: the session's room
 
     def pricing(
         self, machines: Mapping[str, Machine], member: str, served: Mapping[str, ModelPricing] | None = None
@@ -118,12 +120,16 @@ class RingPricing:
         served: Mapping[str, ModelPricing] | None = None,
         round_trips: RoundTrips | None = None,
         every_member: bool = False,
+        load: int | None = None,
     ) -> ServingChoice:
-        """Who of `members` (the host first) serves, their ring and division, at the session's
-        concurrency and over the edges' `round_trips` (`plan_serving_host_choice`), as `kafila plan`
-        chooses; with `every_member`, all of them serve. PlanRefused names who cannot hold its share."""
+        """Who of `members` (the host first) serves, their ring and division, for `load` requests at
+        once (by default the load planned for, `self.load`) and over the edges' `round_trips`
+        (`plan_serving_host_choice`), as `kafila plan` chooses; with `every_member`, all of them
+        serve. PlanRefused names who cannot hold its share."""
         devices = self.devices(machines, members, served)
-        return plan_serving_host_choice(self.manifest, devices, self.session, round_trips, every_member)
+        load = self.load if load is None else load
+        session = self.session if load is None else self.session.model_copy(update={"load": load})
+        return plan_serving_host_choice(self.manifest, devices, session, round_trips, every_member)
 
     def plan(
         self,
@@ -208,8 +214,33 @@ class RingPricing:
         except PlanRefused:
             return None
         verdict = judge_rebalance(ring.plan, times, proposed)
+        import sys; print("DEBUGREB", times, [(s.device, s.start, s.end, s.cost_s) for s in ring.plan.stages], [(s.device, s.start, s.end, s.cost_s) for s in proposed.stages], proposed.bottleneck_s, {k: v for k, v in served.items()}, file=sys.stderr, flush=True)
         self.last_verdict = verdict
         return verdict
+
+    def load_verdict(
+        self,
+        machines: Mapping[str, Machine],
+        ring: PlannedRing,
+        serving: Sequence[str],
+        linked: Sequence[str],
+        report: Sequence[StageReport],
+        users: int,
+        round_trips: RoundTrips | None = None,
+    ) -> LoadVerdict | None:
+        """Whether, at `users` requests at once, the members the host would choose of `linked` (the
+        host first, each linked member) are clearly faster than `serving` (the host first, the ring's
+        members as planned) with every one of them serving (`judge_load`). Priced as the replan would
+        be: what the stages measured serving counts as `learn_from_serving` would count it. None
+        where no plan fits. Learns nothing."""
+        measured = self.measured_stage_times(report, MIN_STEPS_TO_REPRICE)
+        served = {**self.served, **self.priced_by_serving(machines, ring, measured)}
+        try:
+            as_it_serves = self.choose(machines, serving, served, round_trips, every_member=True, load=users)
+            proposed = self.choose(machines, linked, served, round_trips, load=users)
+        except PlanRefused:
+            return None
+        return judge_load(as_it_serves, proposed)
 
     def note(self, machines: Mapping[str, Machine], members: Sequence[str], model: str) -> str:
         """Which machines' stage times come from what, for the plan's reader."""

@@ -21,7 +21,7 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
-from kafila.contracts import FleetDevice, SessionStatus
+from kafila.contracts import FleetDevice, LoadStatus, SessionStatus
 from kafila.network.pake import TrustError
 from kafila.network.rendezvous_server import RendezvousHandle
 from kafila.network.session_codes import split_code
@@ -59,12 +59,14 @@ from kafila.session.lifecycle import (
     Interrupted,
     JoinerRefused,
     Judged,
+    LoadJudged,
     Look,
     LowerMemory,
     LowerOwnMemory,
     NewcomerChecked,
     Opened,
     Phase,
+    PriceLoad,
     PriceRebalance,
     RecordIncident,
     Refuse,
@@ -141,10 +143,10 @@ class HostRunner:
             case Retire(reason=reason, learn=learn):
                 await self._retire(reason, learn)
                 return [Retired(tuple(network.alive()) if network else (), self.engines.held_since)]
-            case Deploy(members=members):
+            case Deploy(members=members, load=load):
                 assert network is not None
                 describe = functools.partial(self._network_status, network)
-                return [await self.engines.deploy_ring(network, list(members), describe)]
+                return [await self.engines.deploy_ring(network, list(members), describe, load)]
             case Dismiss(member=member, reason=reason):
                 assert network is not None
                 self.availability.events.publish("left", f"{network.member_name(member)} was sent home", reason)
@@ -161,6 +163,11 @@ class HostRunner:
                 verdict = network.rebalance_verdict(loop.stage_report) if loop and network else None
                 worth_it = verdict is not None and verdict.worth_it
                 return [Judged(time.monotonic(), worth_it, verdict.reason if verdict else "")]
+            case PriceLoad(users=users):
+                loop = self.engines.loop
+                weighed = network.load_verdict(loop.stage_report, users) if loop and network else None
+                reason = weighed.reason if weighed else f"at {users} requests at once no plan could be weighed"
+                return [LoadJudged(time.monotonic(), users, weighed is not None and weighed.worth_it, reason)]
             case RenewCode(reason=reason):
                 assert network is not None
                 await network.end(reason)
@@ -334,8 +341,13 @@ class HostRunner:
             raise GuessBudgetSpent("the session admits no one: too many joiners failed to prove its code")
 
     def _network_status(self, network: HostSession) -> SessionStatus:
-        core = self.core
-        return session_status(network, core.guesses.admitting, core.guesses.failed_proofs, GUESS_BUDGET, core.newcomers)
+        core, watch = self.core, self.core.load
+        load = None
+        if core.policy.follow_load:
+            measured = None if watch.measured is None else round(watch.measured, 2)
+            load = LoadStatus(planned=watch.planned, measured=measured, reason=watch.reason or None)
+        admitting, failed = core.guesses.admitting, core.guesses.failed_proofs
+        return session_status(network, admitting, failed, GUESS_BUDGET, core.newcomers, load)
 
     # --- telling and ending ---
     def incident(self, what: str, detail: str) -> None:
