@@ -451,6 +451,14 @@ def test_a_fleet_file_gives_round_trips_by_name() -> None:
     assert round_trips.between("b", "c") == pytest.approx(0.080) and round_trips.between("c", "c") == 0
 
 
+def test_a_fleet_file_may_give_the_load_to_plan_for_within_its_concurrency() -> None:
+    assert Fleet.model_validate(fleet_json(None)).session.users == 1  # the concurrency, as before
+    loaded = Fleet.model_validate({**fleet_json(None), "session": {"concurrency": 16, "load": 2}})
+    assert loaded.session.users == 2 and loaded.session.concurrency == 16
+    with pytest.raises(ValidationError, match="a load of 17 is more than the 16 requests the session has room for"):
+        Fleet.model_validate({**fleet_json(None), "session": {"concurrency": 16, "load": 17}})
+
+
 @pytest.mark.parametrize(
     ("rtt_ms", "message"),
     [
