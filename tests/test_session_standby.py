@@ -133,8 +133,10 @@ def test_a_member_that_costs_more_than_it_saves_stands_by_and_is_taken_in_when_a
 
 def priced_like(cache: Path, block_ms: float, overhead_ms: float, model: Path) -> Path:
     """A machine's cache whose probe prices the tiny model's blocks at about `block_ms` each a
-    token and a step's own work at `overhead_ms`: a model a thousand times larger, as it were, so
-    that loopback's round trips weigh nothing beside its stages and the choice is the model's."""
+    token and a step's own work at `overhead_ms`: a model a hundred times larger, as it were, so
+    that loopback's round trips weigh nothing beside its stages, and past the 20× by which what a
+    stage measures serving may move its price (`SERVED_SCALE_LIMITS`): the choice stays the
+    probe's."""
     probe = json.loads(session_probe().read_text())
     smallest = min(read_manifest(model).block_bytes)
     probe["device"].update(
