@@ -283,15 +283,18 @@ class HostSession:
         self.prices.load = load
         return self.prices.choose(machines, [self.me, *members], None, trips, self.every_member_serves)
 
-    def load_verdict(self, report: Sequence[StageReport], users: int) -> LoadVerdict | None:
+    async def load_verdict(self, report: Sequence[StageReport], users: int) -> LoadVerdict | None:
         """Whether other members of those linked would serve `users` requests at once clearly
-        faster than the ring's (`RingPricing.load_verdict`); None with no ring, or no plan."""
+        faster than the ring's (`RingPricing.load_verdict`); None with no ring, or no plan. What
+        it plans with is read here, and the planning runs off the event loop, which carries the
+        ring's frames meanwhile (it takes up to a second at 8 members)."""
         ring = self._planned_ring()
         if ring is None:
             return None
-        serving, linked = self.planned_members(), self.alive()
-        machines, trips = self.known_machines(), self.round_trips(linked)
-        return self.prices.load_verdict(machines, ring, [self.me, *serving], [self.me, *linked], report, users, trips)
+        serving, linked = [self.me, *self.planned_members()], [self.me, *self.alive()]
+        machines, trips = self.known_machines(), self.round_trips(linked[1:])
+        weigh = self.prices.load_verdict
+        return await asyncio.to_thread(weigh, machines, ring, serving, linked, list(report), users, trips)
 
     def standing_by(self, choice: ServingChoice) -> list[str]:
         """The member ids `choice` leaves out of the ring."""

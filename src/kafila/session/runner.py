@@ -165,7 +165,7 @@ class HostRunner:
                 return [Judged(time.monotonic(), worth_it, verdict.reason if verdict else "")]
             case PriceLoad(users=users):
                 loop = self.engines.loop
-                weighed = network.load_verdict(loop.stage_report, users) if loop and network else None
+                weighed = await network.load_verdict(loop.stage_report, users) if loop and network else None
                 reason = weighed.reason if weighed else f"at {users} requests at once no plan could be weighed"
                 return [LoadJudged(time.monotonic(), users, weighed is not None and weighed.worth_it, reason)]
             case RenewCode(reason=reason):
