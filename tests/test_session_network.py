@@ -66,6 +66,7 @@ from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.backends import backend_report
 from kafila.runtime.llama.model import ContextSettings
 from kafila.session.core import GUESS_BUDGET
+from kafila.session.pricing import MIN_STEPS_TO_REBALANCE
 
 PROMPT = "the quick brown fox"
 # A prompt whose greedy answer has no near-tie: rows checked together round differently from rows
@@ -462,11 +463,8 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
         assert blocks(first)["member-0"] >= 18, first
         client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         expected = unsplit_greedy(model, PROMPT, 24)
-        for _ in range(2):  # 46 single-token decodes on every stage: past MIN_STEPS_TO_REBALANCE
-            assert (
-                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
-                == expected
-            )
+        timed_enough = every_stage_timed(MIN_STEPS_TO_REBALANCE)
+        serve_until(host, client, expected, timed_enough, "every stage timing enough single-token decodes")
         until_status(host, rebalancing_past(first["epoch"]), "a rebalance judged worth it")
         # A request that comes during the replan waits for the new ring and is served by it.
         during = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
@@ -478,15 +476,9 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
         assert all(m["priced_on"] == "serving" for m in after["members"] if "blocks" in m), after
         line = next(line for line in host.output().splitlines() if "measured serving: the slowest" in line)
         assert "worth it" in line, line
-        for _ in range(2):  # the new ring serves the same text, and its own measurements keep it
-            assert (
-                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
-                == expected
-            )
-        deadline = time.monotonic() + 20
-        while (reading := status()).get("rebalance") is None:  # judged once its stages have timed enough
-            assert time.monotonic() < deadline, reading
-            time.sleep(0.5)
+        # The new ring serves the same text, and once its own stages have timed enough, they keep it.
+        serve_until(host, client, expected, timed_enough, "the new ring's stages timing enough decodes")
+        reading = until_status(host, lambda s: s.get("rebalance") is not None, "the new ring judged", 20)
         assert not reading["rebalance"]["reason"].endswith("worth it"), reading
         assert reading["epoch"] == after["epoch"], reading
         assert host.output().count("rebalancing by what the stages measured serving:") == 1, host.output()
@@ -822,6 +814,23 @@ def every_stage_timed(steps: int) -> Callable[[dict[str, Any]], bool]:
         return bool(planned) and all(reported.get(blocks, 0) >= steps for blocks in planned)
 
     return timed
+
+
+def serve_until(
+    host: Host, client: openai.OpenAI, expected: str, condition: Callable[[dict[str, Any]], bool], what: str
+) -> None:
+    """Greedy completions of PROMPT, each the unsplit model's text, until the host's /status shows
+    `condition`: how many single-token decodes a request gives the stages varies with how many of
+    its steps carried n-gram drafts (those are not single-token decodes)."""
+    for _ in range(12):
+        reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+        assert reply.choices[0].text == expected
+        try:
+            until_status(host, condition, what, timeout=2.5)  # the stage report refreshes every 2 s
+            return
+        except AssertionError:
+            continue
+    until_status(host, condition, what, timeout=1)
 
 
 def took_in(name: str, epoch: int) -> Callable[[dict[str, Any]], bool]:
