@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 from host_process import (
+    Host,
     running_host,
     said,
     seeded_cache,
@@ -147,18 +148,46 @@ def priced_like(cache: Path, block_ms: float, overhead_ms: float, model: Path) -
     return cache
 
 
-def test_a_member_standing_by_for_one_user_is_taken_in_when_four_users_come(tmp_path: Path) -> None:
+def users_until(host: Host, count: int, reason: str) -> str:
+    """`count` users asking one greedy completion after another until the host's weighing of the
+    load gives a reason starting with `reason`; then they stop, so the ring idles and the replan
+    can come. That reason."""
+    client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    done = threading.Event()
+
+    def user() -> None:
+        while not done.is_set():
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+
+    users = [threading.Thread(target=user, daemon=True) for _ in range(count)]
+    for thread in users:
+        thread.start()
+    try:
+        weighed = until_status(
+            host, lambda s: ((s.get("load") or {}).get("reason") or "").startswith(reason), f"{reason}, weighed"
+        )
+    finally:
+        done.set()
+        for thread in users:
+            thread.join(timeout=60)
+    return str(weighed["load"]["reason"])
+
+
+def test_a_member_standing_by_for_one_user_is_taken_in_when_four_users_come_and_left_out_when_they_go(
+    tmp_path: Path,
+) -> None:
     """The host can hold a block and no more, near the rest. The extra member's every step costs
     30 ms of its own: for one user, that is more than its block saves on the pass every token
     makes, so it stands by; for four at once the slowest stage sets the pace, and the extra stage
-    takes a block off near's three. The host measures the load served and takes it in."""
+    takes a block off near's three. The host measures the load served, takes it in, and leaves it
+    out again when one user is left."""
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
     expected = unsplit_greedy(model, PROMPT, 8)
     joiners: list[subprocess.Popen[str]] = []
     host_cache = priced_like(tmp_path / "host", 20.0, 1.0, model)
-    env = {**CHOOSING, "KAFILA_CACHE": str(host_cache), "KAFILA_LOAD_WINDOW_S": "2"}
+    load_knobs = {"KAFILA_LOAD_WINDOW_S": "2", "KAFILA_LOAD_COOLDOWN_S": "1"}
+    env = {**CHOOSING, "KAFILA_CACHE": str(host_cache), **load_knobs}
     args = ("--model", model, "--members", "3", *COMMON, "--memory", one_block_at_most(model))
-    stop_users = threading.Event()
     try:
         with running_host(*args, ready=False, env=env) as host:
             code, rendezvous = host.join_line()
@@ -171,26 +200,10 @@ def test_a_member_standing_by_for_one_user_is_taken_in_when_four_users_come(tmp_
             assert extra["role"] == "stands-by" and "blocks" not in extra, (status["members"], host.output())
             assert status["plan"]["concurrency"] == 1 and status["load"]["planned"] == 1, status
 
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-
-            def user() -> None:
-                while not stop_users.is_set():
-                    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
-
-            users = [threading.Thread(target=user, daemon=True) for _ in range(4)]
-            for thread in users:
-                thread.start()
-            weighed = until_status(
-                host, lambda s: "extra taken in" in ((s.get("load") or {}).get("reason") or ""), "the load weighed"
-            )
-            stop_users.set()  # the replan waits for a moment without requests
-            for thread in users:
-                thread.join(timeout=60)
-            reason = weighed["load"]["reason"]
+            reason = users_until(host, 4, "extra taken in")
             load = int(reason.removeprefix("extra taken in: at ").split(" ")[0])
             assert load >= 2 and reason.startswith(f"extra taken in: at {load} users at once, its "), reason
             assert said(host, f"the load calls for a replan, once no request runs: {reason}"), host.output()
-
             replanned = until_status(
                 host,
                 lambda s: serving_past(status["epoch"])(s) and member(s, "extra").get("role") == "serves",
@@ -199,12 +212,24 @@ def test_a_member_standing_by_for_one_user_is_taken_in_when_four_users_come(tmp_
             assert "blocks" in member(replanned, "extra") and replanned["plan"]["standby"] == [], replanned
             assert replanned["plan"]["concurrency"] == load and replanned["load"]["planned"] == load
             assert said(host, f"replanned with 3 members, {reason}"), host.output()
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
             result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
             assert result.choices[0].text == expected
             console = Console(record=True, width=250)
             render_status(HostStatus.model_validate(replanned), console)
             assert f"load: planned for {load} requests at once" in console.export_text()
+
+            reason = users_until(host, 1, "extra left out")
+            assert reason.startswith("extra left out: at 1 user at once, its "), reason
+            alone = until_status(
+                host,
+                lambda s: serving_past(replanned["epoch"])(s) and member(s, "extra").get("role") == "stands-by",
+                "the extra member left out again",
+            )
+            assert alone["plan"]["standby"] == ["extra"] and alone["load"]["planned"] == 1, alone
+            assert said(host, f"replanned with 2 members, {reason}; 1 standing by"), host.output()
+            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert result.choices[0].text == expected
     finally:
-        stop_users.set()
         for joiner in joiners:
             stop(joiner)
