@@ -266,7 +266,7 @@ class LoadWatch:
     last: tuple[float, int] | None = None  # the previous look's time and requests at once
     measured: float | None = None  # the load read at the last look, if the window was busy enough
     not_before: float = 0.0  # the cool-down after a replan for load
-    weighed: int | None = None  # a level found not worth a replan: weighed again only at another
+    weighed: int | None = None  # the level last weighed: not again until the load moves to another
     due: int | None = None  # the level to weigh at this look
     change: LoadChange | None = None  # a replan for load judged worth it, not begun yet
     reason: str = ""  # the last verdict, in words
