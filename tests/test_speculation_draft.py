@@ -16,7 +16,8 @@ import numpy as np
 import numpy.typing as npt
 import openai
 import pytest
-from host_process import running_host, status_of
+from fake_hub import FakeHub, Repo, serving_hub
+from host_process import running_host, status_of, until_status
 from serving_checks import unsplit_greedy
 from test_cli_edges import kafila, one_error_line
 from test_speculation_models import GREEDY, REPEATING, SETTINGS, STEPS, cut_in_two, drive, halves
@@ -378,6 +379,7 @@ def test_a_head_on_a_member_checks_a_draft_model_s_drafts(tmp_path: Path) -> Non
 # --- the draft's vocabulary ----------------------------------------------------------------------
 
 
+HUB_REPO = "tiny-org/Target-GGUF"
 VOCABULARY = 330  # tokens, padded: a control token more in one draft shifts the rest, as many in all
 
 
@@ -414,6 +416,31 @@ def test_kafila_host_refuses_a_draft_whose_vocabulary_differs(vocabularies: dict
     line = one_error_line(done)
     assert f"the draft model {vocabularies[draft].name} cannot draft for target" in line, line
     assert "their vocabularies differ" in line and "id for id" in line, line
+
+
+@pytest.mark.parametrize("draft", ["other family", "draft"])
+def test_a_draft_is_checked_against_the_header_of_a_model_on_the_hub(
+    vocabularies: dict[str, Path], draft: str, tmp_path: Path
+) -> None:
+    """`kafila host --model hf://… --draft`: the host plans from the hub model's header alone, and
+    the draft's vocabulary is compared with that header's before the session opens; a draft of the
+    same tokens passes, and the host goes on to open the session (its join line)."""
+    hub = FakeHub({HUB_REPO: Repo({"target-Q8_0.gguf": vocabularies["target"].read_bytes()})})
+    env = {"HF_ENDPOINT": "", "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(tmp_path / "hf")}
+    args = ("host", "--model", f"hf://{HUB_REPO}:Q8_0", "--members", "2", "--draft", vocabularies[draft])
+    with serving_hub(hub):
+        env["HF_ENDPOINT"] = hub.url
+        if draft == "other family":
+            line = one_error_line(kafila(*args, "--port", "0", env=env))
+            assert f"the draft model {vocabularies[draft].name} cannot draft for" in line, line
+            assert "their vocabularies differ" in line, line
+            whole = [path for method, path, rng in hub.seen if method == "GET" and path.endswith(".gguf") and not rng]
+            assert not whole, hub.seen  # refused from the header: nothing of the model beyond it fetched
+            return
+        opening = ("--rendezvous-port", "0", "--stun-port", "0", "--threads", "1")
+        with running_host(*args[1:], *opening, ready=False, env=env) as host:
+            # past the draft's check: the session opened, and it waits for its member to join
+            until_status(host, lambda status: bool(status["waiting_for"]), "the session open for members", 120)
 
 
 def test_kafila_host_serves_with_a_draft_model(vocabularies: dict[str, Path]) -> None:
