@@ -87,8 +87,14 @@ def named_command(arguments: Sequence[str]) -> str | None:
     return None
 
 
-def main() -> None:
+def prepare_process() -> None:
+    """What every `kafila` process sets up before its command runs."""
     faulthandler.enable()  # a crash in native code (llama.cpp) leaves a Python traceback in the log
     summarise_repeats()
+
+
+def main() -> None:
+    """`kafila`'s entry point: the app with the command named alone (every command without one)."""
+    prepare_process()
     named = named_command(sys.argv[1:])
     command_app([named] if named is not None else list(COMMANDS))()
