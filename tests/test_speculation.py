@@ -35,13 +35,17 @@ from kafila.wire.frames import DType, Frame, FrameDecoder, FrameError, Kind
 
 def reference_draft(tokens: Sequence[int], limit: int, low: int, high: int) -> list[int]:
     """The brute-force reading of prompt lookup: the longest suffix (high..low tokens) that occurred
-    before, at its latest earlier occurrence, and the tokens after it."""
+    before, at its latest earlier occurrence, and the tokens after it, the history repeating from
+    there where they run past its end (position end + i holds what position start + i does)."""
     end = len(tokens)
     for n in range(min(high, end), low - 1, -1):
         suffix = list(tokens[end - n :])
         for start in range(end - n - 1, -1, -1):
             if list(tokens[start : start + n]) == suffix:
-                return list(tokens[start + n : min(start + n + limit, end)])
+                text = list(tokens)
+                for i in range(limit):
+                    text.append(text[start + n + i])
+                return text[end:]
     return []
 
 
@@ -67,6 +71,9 @@ def test_a_copied_passage_is_drafted_from_the_prompt() -> None:
     assert drafter.draft(4) == [12, 13, 14, 15]
     drafter.extend([12, 99])  # the copy departs from the passage: nothing follows "12 99"
     assert drafter.draft(4) == []
+    looping = NgramDrafter([7, 1, 2, 3, 1, 2, 3, 1, 2])  # a loop of three: drafted on past its last turn
+    assert looping.draft(7) == [3, 1, 2, 3, 1, 2, 3]
+    assert NgramDrafter([5, 8, 8, 8, 8]).draft(4) == [8, 8, 8, 8]
     with pytest.raises(ValueError):
         NgramDrafter(min_ngram=3, max_ngram=2)
 
@@ -78,7 +85,7 @@ def test_the_window_grows_on_accepts_shrinks_on_rejects_and_rests_where_drafts_d
     window = DraftWindow()
     assert window.allowed == FIRST_WINDOW
     window.landed(FIRST_WINDOW, FIRST_WINDOW)
-    assert window.allowed == 2 * FIRST_WINDOW
+    assert window.allowed == 2 * FIRST_WINDOW + 1
     while window.allowed < MAX_DRAFT:
         window.landed(window.allowed, window.allowed)
     window.landed(MAX_DRAFT, MAX_DRAFT)

@@ -163,6 +163,7 @@ class _Sequence:
     drafter: Drafter | None = None  # None: this sequence drafts nothing
     window: DraftWindow = field(default_factory=DraftWindow)
     drawn_from: npt.NDArray[np.float64] | None = None  # the q rows of the drafts out, where drawn from one
+    shadow: int | None = None  # its n-gram guess on a wave that carried no drafts (`DraftWindow.shadowed`)
 
     @property
     def prefill(self) -> list[int]:
@@ -522,6 +523,9 @@ class Batcher:
             if row is None or isinstance(row, EveryRowLogits):
                 raise ValueError(f"the engine returned no logits for sequence {step.sequence_id}")
             token = sequence.sampler.sample(row.logits if isinstance(row, HeadRow) else row)
+            if sequence.shadow is not None and step.decode:
+                sequence.window.shadowed(token == sequence.shadow)
+            sequence.shadow = None
             alternatives = sequence.job.logprobs
             if alternatives is not None and not self._is_end(token):
                 sequence.logprobs.append(token_logprob(row, token, alternatives, self._piece))
@@ -555,9 +559,19 @@ class Batcher:
         for sequence, drafted in zip(decoding, drafts, strict=True):
             drawn_from = sequence.drafter.drawn_from if sequence.drafter is not None and drafted else None
             sequence.drawn_from = drawn_from[: len(drafted)] if drawn_from is not None else None
+            sequence.shadow = None
             if not drafted:
                 sequence.window.skip()
+                sequence.shadow = self._guess(sequence)
         return drafts
+
+    def _guess(self, sequence: _Sequence) -> int | None:
+        """The token its n-gram drafter would have drafted first, for a sequence that sends none on
+        this wave though its request could draft: looked up for free, checked when its token lands."""
+        if not isinstance(sequence.drafter, NgramDrafter) or self._drafts_refused(sequence.job) is not None:
+            return None
+        guess = sequence.drafter.draft(1)
+        return guess[0] if guess else None
 
     def _draft_all(self, decoding: Sequence[_Sequence], limits: Sequence[int]) -> list[list[int]]:
         """The drafts of every sequence of a wave from the draft model at once (each round of
@@ -602,12 +616,12 @@ class Batcher:
     def _paying(self, window: DraftWindow, sharing: int) -> int:
         """The drafts `window` allows, but no more than pay on this ring once its waves have been
         timed (`draft_cost.best_window`, the sequence's accept rate against the measured trip and
-        drafted row; `sharing`: the sequences of the wave its rows would delay)."""
+        drafted rows; `sharing`: the sequences of the wave its rows would delay)."""
         cost = self.trip_clock.cost
         if cost is None or window.allowed == 0:
             return window.allowed
         limit = window.allowed if window.trips else 1  # a sequence's first drafts, on hope alone: one
-        return best_window(window.accept.rate, cost.trip_ms, cost.row_ms, limit, sharing)
+        return best_window(window.accept.rate, cost.trip_ms, cost.row_ms, limit, sharing, cost.drafted_ms)
 
     def _verify(self, sequence: _Sequence, step: EngineStep, row: EveryRowLogits) -> list[RequestEvent]:
         """Land a token and its drafts: sample each row in turn, as decoding without drafts would

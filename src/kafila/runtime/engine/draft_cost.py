@@ -10,6 +10,11 @@ rate times the trip) against the measured cost of the extra row. Across homes T 
 fair accept rate pays; on loopback T is a row's compute and only a sequence copying text does.
 A wave shared by n sequences delays all n by a drafted row, so its cost counts n times.
 
+Rows are not all priced alike: a batched product tiles its rows, so on a CPU head (gemma-3-270m,
+llama.cpp's Q8_0 output matrix) a trip of 4 or 8 rows of logits costs less than one of 5 or 9,
+and the second row costs twice what the eighth does. A count of drafted rows the recent waves
+show often enough is priced as they show it; the others at the fitted cost a row.
+
 `TripClock` measures T and c from the waves the engine loop lands (their drafted rows and wall
 times; nothing is sent to measure them), `AcceptRate` a sequence's p from its recent trips, and
 `best_window` picks the window. Deciding never costs a trip: a sequence that drafts nothing
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import combinations
 
@@ -29,12 +35,17 @@ from itertools import combinations
 # for a median to shrug off a few waves the operating system delayed.
 CLOCK_WAVES = 32
 MIN_DRAFTED_WAVES = 3  # of them, those with drafts needed to see what a drafted row costs
+MIN_SAME_WAVES = 3  # of them, those of one count of drafted rows that price that count as measured
 # A sequence's accept rate weighs its recent trips: each drafted trip's evidence decays by DECAY,
 # and while it drafts nothing (its drafts did not pay) by FORGET a trip, so that a sequence whose
 # text turns to copying is tried again. A sequence starts at PRIOR_KEPT kept and none missed:
 # optimistic, so its first drafts are tried wherever a draft that is kept pays.
 DECAY, FORGET = 0.8, 0.98
 PRIOR_KEPT = 1.0
+# A guess not sent (`guessed`), checked against the token its trip brought, is evidence too, one a
+# trip while a sequence drafts nothing: weighed with a longer memory, so that a lucky guess or two
+# among many missed (free text) does not make its drafts look as if they paid.
+GUESS_DECAY = 0.95
 
 
 def expected_tokens(accept_rate: float, drafts: int) -> float:
@@ -43,17 +54,26 @@ def expected_tokens(accept_rate: float, drafts: int) -> float:
     return sum(accept_rate**i for i in range(drafts + 1))
 
 
-def best_window(accept_rate: float, trip_ms: float, row_ms: float, limit: int, sharing: int = 1) -> int:
+def best_window(
+    accept_rate: float,
+    trip_ms: float,
+    row_ms: float,
+    limit: int,
+    sharing: int = 1,
+    drafted_ms: Callable[[int], float] | None = None,
+) -> int:
     """How many drafts (0..`limit`) give a sequence the most tokens a millisecond: a trip of k
     drafts takes `trip_ms` + k·`row_ms`·`sharing` (its rows delay the `sharing` sequences of its
-    wave) and brings `expected_tokens`. 0 where no draft pays; the smallest of equal windows."""
+    wave; `drafted_ms`(k) in place of k·`row_ms` where given: `TripCost.drafted_ms`) and brings
+    `expected_tokens`. 0 where no draft pays; the smallest of equal windows."""
     if not 0.0 <= accept_rate <= 1.0:
         raise ValueError(f"an accept rate of {accept_rate}: need 0..1")
     if trip_ms <= 0 or row_ms < 0 or sharing < 1:
         raise ValueError(f"a trip of {trip_ms} ms, {row_ms} ms a row, {sharing} sequences: need > 0, >= 0, >= 1")
     best, best_rate = 0, 1.0 / trip_ms
     for drafts in range(1, max(0, limit) + 1):
-        rate = expected_tokens(accept_rate, drafts) / (trip_ms + drafts * row_ms * sharing)
+        extra_ms = drafts * row_ms if drafted_ms is None else max(0.0, drafted_ms(drafts))
+        rate = expected_tokens(accept_rate, drafts) / (trip_ms + extra_ms * sharing)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = drafts, rate
     return best
@@ -61,10 +81,17 @@ def best_window(accept_rate: float, trip_ms: float, row_ms: float, limit: int, s
 
 @dataclass(frozen=True)
 class TripCost:
-    """What a wave costs: `trip_ms` without drafts, and `row_ms` more for each drafted row."""
+    """What a wave costs: `trip_ms` without drafts, and `row_ms` more for each drafted row, or
+    for a count of drafted rows the recent waves showed often enough, what they took beyond the
+    trip (`seen`: (rows, ms) pairs)."""
 
     trip_ms: float
     row_ms: float
+    seen: tuple[tuple[int, float], ...] = ()
+
+    def drafted_ms(self, rows: int) -> float:
+        """What `rows` drafted rows add to a trip: as measured where seen, else at `row_ms` a row."""
+        return next((ms for count, ms in self.seen if count == rows), rows * self.row_ms)
 
 
 @dataclass
@@ -73,9 +100,9 @@ class TripClock:
     Theil–Sen line through them (the median of the slopes between waves with different drafted
     rows), which a few delayed waves do not move, and the trip the median of the waves without
     drafts (the line's median intercept where there are few). None until waves with two different
-    numbers of drafted rows have landed, MIN_DRAFTED_WAVES of them with drafts; a row's cost then
-    stays as last seen while the recent waves show no more (every sequence drafting nothing), and
-    the trip goes on following the waves."""
+    numbers of drafted rows have landed, MIN_DRAFTED_WAVES of them with drafts; a row's cost (and
+    a count's) then stays as last seen while the recent waves show no more (every sequence
+    drafting nothing), and the trip goes on following the waves."""
 
     waves: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=CLOCK_WAVES))
     cost: TripCost | None = None
@@ -99,7 +126,16 @@ class TripClock:
             trip_ms = statistics.median(plain)
         else:
             trip_ms = statistics.median(ms - row_ms * rows for rows, ms in self.waves)
-        self.cost = TripCost(max(trip_ms, 1e-3), row_ms)
+        trip_ms = max(trip_ms, 1e-3)
+        by_count: dict[int, list[float]] = {}
+        for rows, ms in self.waves:
+            if rows > 0:
+                by_count.setdefault(rows, []).append(ms)
+        seen = dict(self.cost.seen) if self.cost is not None else {}  # a count no longer drafted: as last seen
+        for rows, times in by_count.items():
+            if len(times) >= MIN_SAME_WAVES:
+                seen[rows] = max(0.0, statistics.median(times) - trip_ms)
+        self.cost = TripCost(trip_ms, row_ms, tuple(sorted(seen.items())))
 
 
 @dataclass
@@ -114,6 +150,11 @@ class AcceptRate:
     @property
     def rate(self) -> float:
         return (self.kept + PRIOR_KEPT) / (self.kept + self.missed + PRIOR_KEPT)
+
+    def guessed(self, kept: bool) -> None:
+        """A trip without drafts whose drafter's first guess was (or was not) the token it brought."""
+        self.kept = GUESS_DECAY * self.kept + kept
+        self.missed = GUESS_DECAY * self.missed + (not kept)
 
     def landed(self, drafted: int, accepted: int) -> None:
         """A trip that carried `drafted` drafts, the first `accepted` kept; one without drafts forgets a little."""

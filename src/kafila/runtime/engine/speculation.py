@@ -31,7 +31,10 @@ import numpy.typing as npt
 from kafila.planner.types import DRAFT_ROWS
 from kafila.runtime.engine.draft_cost import AcceptRate
 
-MAX_DRAFT = 8  # drafted tokens per sequence per trip, at most
+# Drafted tokens per sequence per trip, at most: with its token's row, 8 rows. Batched products
+# tile rows by fours and eights (llama.cpp's CPU kernels; a GPU's vector kernels take up to 8), so
+# on gemma-3-270m's CPU head 8 rows of logits cost less than 5, and 9 a third more than 8.
+MAX_DRAFT = 7
 # Drafted rows in one wave, all sequences together: the head reserves a row of logits for each
 # (`ContextSettings.max_outputs`, and the planner counts them), and sequences share them fairly
 # (`draft_shares`).
@@ -95,21 +98,29 @@ class NgramDrafter:
             self._tokens.append(token)
 
     def draft(self, limit: int) -> list[int]:
-        """Up to `limit` tokens to follow the history; empty where no suffix occurred before."""
+        """Up to `limit` tokens to follow the history; empty where no suffix occurred before. Where
+        they reach the end of the history, the text goes on repeating from its match (a loop of
+        end - start tokens, which a small model's greedy text often falls into): the draft copies
+        what it has drafted, as an overlapping copy does."""
         if limit <= 0:
             return []
         tokens, end = self._tokens, len(self._tokens)
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
             start = self._after.get(tuple(tokens[end - n :]))
             if start is not None:
-                return tokens[start : min(start + limit, end)]
+                drafted = tokens[start : min(start + limit, end)]
+                while len(drafted) < limit:
+                    drafted.append(drafted[start + len(drafted) - end])
+                return drafted
         return []
 
 
-# How the window moves. It starts small (a first draft is a guess), doubles on a trip whose drafts
-# were all accepted, and falls to one more than what was accepted otherwise. Trips whose drafts
-# are all rejected count against the sequence; after MISSES_TO_REST in a row it rests (sends no
-# drafts) for a number of trips that doubles each time, up to MAX_REST, then tries again.
+# How the window moves. It starts small (a first draft is a guess), goes from k to 2k + 1 on a
+# trip whose drafts were all accepted (2, 5, then MAX_DRAFT: a trip of 8 rows, a count that
+# batches well; `draft_cost` prices the counts between as measured), and falls to one more than
+# what was accepted otherwise. Trips whose drafts are all rejected
+# count against the sequence; after MISSES_TO_REST in a row it rests (sends no drafts) for a
+# number of trips that doubles each time, up to MAX_REST, then tries again.
 FIRST_WINDOW = 2
 MISSES_TO_REST = 3
 FIRST_REST, MAX_REST = 4, 64
@@ -138,6 +149,12 @@ class DraftWindow:
         self.resting = max(0, self.resting - 1)
         self.accept.landed(0, 0)
 
+    def shadowed(self, kept: bool) -> None:
+        """A trip that carried no drafts, its drafter's guess checked against the token it brought:
+        evidence for the accept rate at no row's cost, so a sequence whose drafts stopped paying
+        sees its text turn to copying, or stay free."""
+        self.accept.guessed(kept)
+
     def landed(self, drafted: int, accepted: int) -> None:
         """A trip that carried `drafted` tokens, of which the first `accepted` were kept."""
         if not 0 <= accepted <= drafted:
@@ -150,7 +167,7 @@ class DraftWindow:
         self.trips += 1
         self.accept.landed(drafted, accepted)
         if accepted == drafted:
-            self.size = min(MAX_DRAFT, 2 * self.size) if drafted >= self.size else self.size
+            self.size = min(MAX_DRAFT, 2 * self.size + 1) if drafted >= self.size else self.size
             self.misses, self.rest = 0, FIRST_REST
         elif accepted > 0:
             self.size = max(1, accepted + 1)
