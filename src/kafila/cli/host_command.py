@@ -24,7 +24,7 @@ from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import device_name, fail, shown, stderr
 from kafila.cli.generate_command import NO_DEFAULT_MODEL, default_model, local_counts
-from kafila.cli.model_source import MODEL_HELP, model_source
+from kafila.cli.model_source import MODEL_HELP, header_read_begun, model_source
 from kafila.cli.plan_view import render_plan
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.contracts import Progress
@@ -206,6 +206,7 @@ def host(
     alone or with other machines that `kafila join` the session code it prints."""
     n_members = members if members is not None else (DEMO_MEMBERS if demo else 1)
     nat_tests = nat_tests_begun(rendezvous) if n_members > 1 else None
+    header_read = header_read_begun(model, n_members > 1)
     local_split = (stages or 1) > 1 or (division is not None and "," in division)
     local_members = demo and n_members > 1
     shared = local_split or local_members  # stages that take turns on this machine's cores
@@ -228,7 +229,7 @@ def host(
     # Only the host resolves hub names; with members, each machine fetches its own stage from the hub by range.
     bundled = default_model() if model is None else None
     if model is not None:
-        source = model_source(model, n_members > 1)
+        source = model_source(model, n_members > 1, header_read)
     elif bundled is not None:
         source = LocalModel(bundled)
     else:

@@ -1,16 +1,19 @@
 """What `--model` names: a local GGUF file, or a model on a Hugging Face hub. A host that serves
 every block downloads the whole file; a host with members plans from the hub's header and fetches
-only what it serves (`session.host_model`), and each member fetches its own stage."""
+only what it serves (`session.host_model`), and each member fetches its own stage. The header's
+read may begin as the command starts (`HeaderRead`), to overlap llama.cpp's load."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 from pathlib import Path
 
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr, warn
 from kafila.hub.fetch import ModelFetchError, cached_whole, fetch_model
-from kafila.hub.ranges import read_hub_header
+from kafila.hub.ranges import HubHeader, read_hub_header
 from kafila.hub.reference import PREFIX, HubReference, ModelNameError, parse_reference
 from kafila.session.host_model import HubOnlyModel, LocalModel
 
@@ -22,12 +25,47 @@ MODEL_HELP = (
 )
 
 
-def model_source(value: str, for_members: bool) -> LocalModel | HubOnlyModel:  # alone: a LocalModel
+class HeaderRead:
+    """A model's header read from the hub (`read_hub_header`) in a thread of its own, begun as soon
+    as the command knows the model's name, for `model_source` to take: the read then overlaps
+    llama.cpp's load and the NAT tests rather than following them."""
+
+    def __init__(self, reference: HubReference, endpoint: str | None = None) -> None:
+        self.reference, self._endpoint = reference, endpoint
+        self._done: concurrent.futures.Future[HubHeader] = concurrent.futures.Future()
+        threading.Thread(target=self._run, name="hub-header", daemon=True).start()  # daemon: Ctrl-C never waits
+
+    def _run(self) -> None:
+        try:
+            self._done.set_result(read_hub_header(self.reference, endpoint=self._endpoint))
+        except BaseException as error:  # raised where the header is taken, as read_hub_header raises it
+            self._done.set_exception(error)
+
+    def result(self) -> HubHeader:
+        return self._done.result()
+
+
+def header_read_begun(value: str | None, for_members: bool) -> HeaderRead | None:
+    """The header's read begun, where `value` names a model on the hub for a host with members
+    (`model_source` reads it then); None for anything else, or a name `model_source` refuses."""
+    if value is None or not for_members:
+        return None
+    try:
+        reference = parse_reference(value, local_file_exists=Path(value).expanduser().is_file())
+    except ModelNameError:
+        return None
+    return HeaderRead(reference) if reference is not None else None
+
+
+def model_source(
+    value: str, for_members: bool, begun: HeaderRead | None = None
+) -> LocalModel | HubOnlyModel:  # alone: a LocalModel
     """The model `value` names. A local file as it is. On the hub: alone (not `for_members`), the
     whole file, downloaded once and checked; with members, the model known by its header at the
     commit its revision names (`HubOnlyModel`: nothing of the weights fetched yet), or the whole
     file where an earlier download left it here (then the stages are cut from it and members
-    check theirs against them), or, where the header cannot be read, the whole file downloaded."""
+    check theirs against them), or, where the header cannot be read, the whole file downloaded.
+    `begun`: the header's read already under way (`header_read_begun`)."""
     local = Path(value).expanduser()
     try:
         reference = parse_reference(value, local_file_exists=local.is_file())
@@ -36,7 +74,7 @@ def model_source(value: str, for_members: bool) -> LocalModel | HubOnlyModel:  #
     if reference is None:
         return LocalModel(local)
     if for_members:
-        from_header = _from_header(reference)
+        from_header = _from_header(reference, begun if begun is not None and begun.reference == reference else None)
         if from_header is not None:
             return from_header
     try:
@@ -56,13 +94,13 @@ def _taken(value: str) -> str:
     return "" if value.strip().startswith(PREFIX) else f" (there is no local file {value}: it was taken as a hub name)"
 
 
-def _from_header(reference: HubReference) -> LocalModel | HubOnlyModel | None:
+def _from_header(reference: HubReference, begun: HeaderRead | None) -> LocalModel | HubOnlyModel | None:
     """The model on the hub from its header, for members to fetch their stages from, and this host
     its own; None, said, where the header cannot be read (the whole file is then downloaded, and
     the host sends every stage itself). A refusal that no download would pass ends the command."""
     try:
         with stderr.status(f"reading {reference}'s header from the hub"):
-            header = read_hub_header(reference)
+            header = begun.result() if begun is not None else read_hub_header(reference)
     except KeyboardInterrupt:
         fail("interrupted while the model's header was read", False, 130)
     except ModelNameError as error:
