@@ -15,9 +15,9 @@ from test_speculation import VOCAB, Sample, ScriptedModel, table_of
 
 from kafila.runtime.engine.draft_cost import (
     CLOCK_WAVES,
+    STALE_DECAY,
     AcceptRate,
     TripClock,
-    TripCost,
     best_window,
     expected_tokens,
 )
@@ -98,13 +98,18 @@ def test_the_clock_finds_the_trip_and_the_row_and_shrugs_off_delayed_waves() -> 
     clock.record(0, 2.0)  # a wave the operating system held up
     assert clock.cost is not None
     assert clock.cost.trip_ms == pytest.approx(100, abs=3) and clock.cost.row_ms == pytest.approx(25, abs=2)
-    for _ in range(CLOCK_WAVES):  # drafts stopped: the waves no longer differ, a row's cost stays
-        clock.record(0, 0.1)
-    assert clock.cost.row_ms == pytest.approx(25, abs=2)
-    for _ in range(CLOCK_WAVES):  # the ring got slower (a longer round trip): the trip follows
-        clock.record(0, 0.25)
-    assert clock.cost == TripCost(pytest.approx(250), pytest.approx(25, abs=2))  # type: ignore[arg-type]
+    row_ms, stale = clock.cost.row_ms, 0
+    for seconds in [0.1] * CLOCK_WAVES + [0.25] * CLOCK_WAVES:  # drafts stopped; then the ring got slower
+        clock.record(0, seconds)
+        stale += not any(rows for rows, _ in clock.waves)  # a row's cost stays while recent waves drafted,
+        assert clock.cost.row_ms == pytest.approx(row_ms * STALE_DECAY**stale)  # then is trusted less
+        assert clock.cost.stale == (stale > 0)
+    assert clock.cost.trip_ms == pytest.approx(250)  # the trip follows
     assert best_window(0.9, clock.cost.trip_ms, clock.cost.row_ms, MAX_DRAFT) > best_window(0.9, 100, 25, MAX_DRAFT)
+    clock.record(3, 0.325)  # drafts again: the row is measured afresh, and the stale line no longer shrinks
+    clock.record(3, 0.325)
+    clock.record(2, 0.3)
+    assert clock.cost.row_ms == pytest.approx(25, abs=1) and not clock.cost.stale
 
 
 # A head whose batched products tile rows by four, as gemma-3-270m's CPU head measured (CPU ms of
@@ -130,9 +135,11 @@ def test_a_count_of_rows_the_waves_show_is_priced_as_they_show_it() -> None:
         assert cost.drafted_ms(drafted) == pytest.approx(tiled_ms(drafted))
     assert cost.drafted_ms(7) < cost.drafted_ms(4)
     assert cost.drafted_ms(5) == pytest.approx(5 * cost.row_ms)  # never seen: the line
-    for _ in range(CLOCK_WAVES):  # drafts stopped: what each count cost stays
+    for _ in range(CLOCK_WAVES - 1):  # drafts stopped: what each count cost stays while recent waves drafted
         clock.record(0, 0.04)
     assert clock.cost is not None and clock.cost.drafted_ms(7) == pytest.approx(tiled_ms(7))
+    clock.record(0, 0.04)  # none of the recent waves did: trusted less, as the line is
+    assert clock.cost.drafted_ms(7) == pytest.approx(tiled_ms(7) * STALE_DECAY)
     # Copying text on loopback: the window of 8 rows, which a line through 1..7 would price at 7 rows' worth
     assert best_window(0.95, 40.0, cost.row_ms, MAX_DRAFT, drafted_ms=cost.drafted_ms) == 7
     assert best_window(0.95, 40.0, cost.row_ms, 4, drafted_ms=cost.drafted_ms) == 3  # 5 rows cost more than they bring
@@ -297,3 +304,20 @@ def test_a_sequence_whose_drafts_stopped_paying_drafts_again_once_its_guesses_la
     )
     assert drafted == plain
     assert plain_s / drafted_s > 1.8, (plain_s, drafted_s, batcher.speculation)
+
+
+def test_a_row_measured_dear_in_a_moment_of_load_does_not_keep_drafts_off_for_good() -> None:
+    """The lab's case: at 0 ms a hop under load a drafted row measured 175 ms against a 28 ms trip,
+    and drafts stopped; at 40 ms a hop the trip is 97 ms and rows cost what the head measured. The
+    old measure, unconfirmed while nothing drafts, is trusted less each wave, a copy's guesses
+    land, and its first drafted wave prices the rows afresh: it drafts its window again."""
+    warm = [Job("warm", [3, 4, 5, 6, 7, 8, 9, 10, 11, 3], 60, SamplingSettings())]
+    _, _, loaded = simulate(CYCLE, warm, Speculate.NGRAM, None, 28.0, 175.0)
+    assert loaded.trip_clock.cost is not None and loaded.trip_clock.cost.row_ms > 3 * 28.0  # a row dearer than 3 trips
+    copy = [Job("copy", [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], 200, SamplingSettings())]
+    plain, plain_s, _ = simulate(CYCLE, copy, Speculate.OFF, None, 97.0, 0.0)
+    drafted, drafted_s, batcher = simulate(CYCLE, copy, Speculate.NGRAM, None, 97.0, 0.0, loaded, tiled_ms)
+    assert drafted == plain
+    cost = batcher.trip_clock.cost
+    assert cost is not None and cost.drafted_ms(7) == pytest.approx(tiled_ms(7))
+    assert plain_s / drafted_s > 2.5, (plain_s, drafted_s, batcher.speculation)

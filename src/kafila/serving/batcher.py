@@ -54,7 +54,7 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
-from kafila.runtime.engine.draft_cost import TripClock, best_window
+from kafila.runtime.engine.draft_cost import MIN_EVIDENCE, TripClock, best_window
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.engine.logprobs import HeadRow, TokenLogprob, token_logprob
 from kafila.runtime.engine.sampling import SamplerStart, SamplingSettings, TokenSampler
@@ -620,6 +620,8 @@ class Batcher:
         cost = self.trip_clock.cost
         if cost is None or window.allowed == 0:
             return window.allowed
+        if cost.stale and window.accept.seen < MIN_EVIDENCE:
+            return 0  # a cost shrunk while nothing drafted is tried again on evidence, not on hope
         limit = window.allowed if window.trips else 1  # a sequence's first drafts, on hope alone: one
         return best_window(window.accept.rate, cost.trip_ms, cost.row_ms, limit, sharing, cost.drafted_ms)
 

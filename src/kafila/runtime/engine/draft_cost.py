@@ -36,6 +36,10 @@ from itertools import combinations
 CLOCK_WAVES = 32
 MIN_DRAFTED_WAVES = 3  # of them, those with drafts needed to see what a drafted row costs
 MIN_SAME_WAVES = 3  # of them, those of one count of drafted rows that price that count as measured
+# While none of them carried drafts, the rows' cost last measured is trusted less each wave: a
+# measure taken in a moment of load (or on another ring) would otherwise keep drafts off for good.
+STALE_DECAY = 0.95
+MIN_EVIDENCE = 4.0  # drafts and guesses weighed (`AcceptRate.seen`) before a stale cost is tried on their rate
 # A sequence's accept rate weighs its recent trips: each drafted trip's evidence decays by DECAY,
 # and while it drafts nothing (its drafts did not pay) by FORGET a trip, so that a sequence whose
 # text turns to copying is tried again. A sequence starts at PRIOR_KEPT kept and none missed:
@@ -88,6 +92,7 @@ class TripCost:
     trip_ms: float
     row_ms: float
     seen: tuple[tuple[int, float], ...] = ()
+    stale: bool = False  # no recent wave carried drafts: the rows' cost is an old measure, shrunk
 
     def drafted_ms(self, rows: int) -> float:
         """What `rows` drafted rows add to a trip: as measured where seen, else at `row_ms` a row."""
@@ -102,7 +107,9 @@ class TripClock:
     drafts (the line's median intercept where there are few). None until waves with two different
     numbers of drafted rows have landed, MIN_DRAFTED_WAVES of them with drafts; a row's cost (and
     a count's) then stays as last seen while the recent waves show no more (every sequence
-    drafting nothing), and the trip goes on following the waves."""
+    drafting nothing), shrinking by STALE_DECAY a wave once none of them carried drafts (so that
+    a sequence whose drafts would pay tries them again: the first drafted wave then prices the
+    rows afresh), and the trip goes on following the waves."""
 
     waves: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=CLOCK_WAVES))
     cost: TripCost | None = None
@@ -111,8 +118,22 @@ class TripClock:
         """A decode wave that carried `drafted_rows` drafts (all sequences together) landed after `seconds`."""
         if drafted_rows < 0 or not seconds >= 0:
             raise ValueError(f"a wave of {drafted_rows} drafted rows in {seconds} s")
-        self.waves.append((drafted_rows, 1e3 * seconds))
-        row_ms = self.cost.row_ms if self.cost is not None else None
+        wave_ms = 1e3 * seconds
+        self.waves.append((drafted_rows, wave_ms))
+        last = self.cost
+        row_ms = last.row_ms if last is not None else None
+        seen = dict(last.seen) if last is not None else {}  # a count no longer drafted: as last seen
+        if last is not None and last.stale and drafted_rows > 0:
+            # The first drafted wave after a stale spell prices rows at once: every count's old
+            # measure scaled by what this one cost against what it was believed to.
+            believed, extra = last.drafted_ms(drafted_rows), max(0.0, wave_ms - last.trip_ms)
+            scale = extra / believed if believed > 0 else 1.0
+            row_ms = last.row_ms * scale if believed > 0 else extra / drafted_rows
+            seen = {rows: ms * scale for rows, ms in seen.items()} | {drafted_rows: extra}
+        stale = len(self.waves) == self.waves.maxlen and not any(rows for rows, _ in self.waves)
+        if stale and row_ms is not None:
+            row_ms *= STALE_DECAY
+            seen = {rows: STALE_DECAY * ms for rows, ms in seen.items()}
         if sum(rows > 0 for rows, _ in self.waves) >= MIN_DRAFTED_WAVES:
             slopes = [(b_ms - a_ms) / (b - a) for (a, a_ms), (b, b_ms) in combinations(self.waves, 2) if a != b]
             if slopes:
@@ -131,11 +152,10 @@ class TripClock:
         for rows, ms in self.waves:
             if rows > 0:
                 by_count.setdefault(rows, []).append(ms)
-        seen = dict(self.cost.seen) if self.cost is not None else {}  # a count no longer drafted: as last seen
         for rows, times in by_count.items():
             if len(times) >= MIN_SAME_WAVES:
                 seen[rows] = max(0.0, statistics.median(times) - trip_ms)
-        self.cost = TripCost(trip_ms, row_ms, tuple(sorted(seen.items())))
+        self.cost = TripCost(trip_ms, row_ms, tuple(sorted(seen.items())), stale)
 
 
 @dataclass
@@ -150,6 +170,11 @@ class AcceptRate:
     @property
     def rate(self) -> float:
         return (self.kept + PRIOR_KEPT) / (self.kept + self.missed + PRIOR_KEPT)
+
+    @property
+    def seen(self) -> float:
+        """How many drafts and guesses its rate weighs, recent ones counting most."""
+        return self.kept + self.missed
 
     def guessed(self, kept: bool) -> None:
         """A trip without drafts whose drafter's first guess was (or was not) the token it brought."""
