@@ -18,12 +18,13 @@ Also the stage files' transfer rate as the session formed, over the relayed edge
 direct ones (from the host's report of each transfer), with the relay's cap beside them.
 
 With `--speculate`, instead: speculative decoding with n-gram drafts against none, at each round
-trip, one user (`--speculate off` in one session, then the default `ngram` in a second, the same
-lab), three workloads: **edit**, the prompt holds a 210-line source file and asks for it back with
-one identifier renamed (greedy); **chat**, free text, sampled (seeded) and greedy. Tokens/s after
-the first, each way, their ratio, the ring's limit each way, tokens a trip and drafted tokens kept
-per trip that carried drafts (from /status), whether the text was the same, the cost rule's
-measured trip and drafted row, and the machine's load.
+trip, one user (`--speculate off` in one session and the default `ngram` in a second, each its
+own lab, both open at once and asked in turn, so that both meet the same load), three workloads:
+**edit**, the prompt holds a 210-line source file and asks for it back with one identifier
+renamed (greedy); **chat**, free text, sampled (seeded) and greedy. Tokens/s after the first,
+each way, their ratio, the ring's limit each way, tokens a trip, drafted tokens kept and sent per
+trip that carried drafts (from /status), whether the text was the same, the cost rule's measured
+trip and drafted row, and the machine's load.
 
     python scripts/bench_wan.py [--rtts 0 10 40 100] [--tokens 32] [--repeats 3]   (root, nftables, conntrack)
     PYTHONPATH=$PWD/src python scripts/bench_wan.py --speculate [--rtts 0 10 40 100] [--tokens 64] [--repeats 1]
@@ -35,6 +36,7 @@ wherever the editable install points, which may be another checkout.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -116,82 +118,113 @@ WORKLOADS = {  # name → (prompt, temperature, seed)
 }
 
 
-def speculation_rates(session: LabSession, rtt_ms: float, tokens: int, repeats: int) -> dict[str, Any]:
-    """One user's decode tokens/s on each workload; the drafts kept meanwhile, from /status."""
-    api = session.api
-    assert api is not None
-    api("completions", prompts=[CHAT], max_tokens=4, stream=True)  # warm at this round trip
-    out: dict[str, Any] = {"rtt": rtt_ms}
+def serving(session: LabSession) -> dict[str, Any]:
+    """/status once the ring serves and reports its speculation."""
+    return session.until(lambda s: s.get("ready") and s.get("speculation") is not None, "serving")
+
+
+def speculation_rates(sessions: dict[str, LabSession], rtt_ms: float, tokens: int, repeats: int) -> dict[str, Any]:
+    """One user's decode tokens/s on each workload in each session, the sessions' requests taken
+    in turn (off, ngram, off, ngram, ...) so that both meet the same load; the drafts meanwhile,
+    from /status."""
+    for session in sessions.values():
+        assert session.api is not None
+        session.api("completions", prompts=[CHAT], max_tokens=4, stream=True)  # warm at this round trip
+    out: dict[str, Any] = {"rtt": rtt_ms, **{mode: {} for mode in sessions}}
     for name, (prompt, temperature, seed) in WORKLOADS.items():
         request = {"prompts": [prompt], "max_tokens": tokens, "temperature": temperature, "seed": seed}
         # Serving, and the ring's counters (a replan, a rebalance say, starts a ring with its own):
-        before = session.until(lambda s: s.get("ready") and s.get("speculation") is not None, "serving")
-        results = [api("completions", **request)[0] for _ in range(repeats)]
-        for result in results:
-            if "error" in result or result["tokens"] < 2:
-                raise RuntimeError(f"a request failed at {rtt_ms} ms: {result}")
-        status = session.until(lambda s: s.get("ready") and s.get("speculation") is not None, "serving")
-        if status["epoch"] != before["epoch"]:
-            print(f"the ring was replanned during {name} at {rtt_ms} ms: its drafts are not counted", file=sys.stderr)
-            before = status
-        before, after = before["speculation"], status["speculation"]
-        made = sum(r["tokens"] - 1 for r in results)  # after the first, which the prompt's trip made
-        kept = after["accepted_tokens"] - before["accepted_tokens"]
-        trips = after["trips"] - before["trips"]
-        out[name] = {
-            "rate": statistics.median(decode_rate(r) for r in results),
-            "tokens": statistics.median(r["tokens"] for r in results),
-            "per_trip": made / max(1, made - kept),  # each trip makes one token and keeps its drafts
-            "kept": kept / trips if trips else 0.0,
-            "texts": [r["text"] for r in results],
-        }
-    stages = status["stages"]
-    out["stages_ms"] = sum(s.get("ms_per_token_alone") or s.get("ms_per_token") or 0.0 for s in stages)
-    out["trip_ms"], out["row_ms"] = after.get("trip_ms"), after.get("row_ms")
+        before = {mode: serving(session) for mode, session in sessions.items()}
+        results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in sessions}
+        for _ in range(repeats):
+            for mode, session in sessions.items():
+                assert session.api is not None
+                result = session.api("completions", **request)[0]
+                if "error" in result or result["tokens"] < 2:
+                    raise RuntimeError(f"a request failed at {rtt_ms} ms, --speculate {mode}: {result}")
+                results[mode].append(result)
+        for mode, session in sessions.items():
+            status = serving(session)
+            if status["epoch"] != before[mode]["epoch"]:
+                print(f"the {mode} ring was replanned during {name} at {rtt_ms} ms: its drafts are not counted",
+                      file=sys.stderr)  # fmt: skip
+                before[mode] = status
+            was, now = before[mode]["speculation"], status["speculation"]
+            made = sum(r["tokens"] - 1 for r in results[mode])  # after the first, which the prompt's trip made
+            kept = now["accepted_tokens"] - was["accepted_tokens"]
+            trips = now["trips"] - was["trips"]
+            out[mode][name] = {
+                "decode_s": sum(r["seconds"] - r["ttft_s"] for r in results[mode]),
+                "drafted": now["drafted_tokens"] - was["drafted_tokens"],
+                "kept_all": kept,
+                "rate": statistics.median(decode_rate(r) for r in results[mode]),
+                "rates": [decode_rate(r) for r in results[mode]],
+                "tokens": statistics.median(r["tokens"] for r in results[mode]),
+                "per_trip": made / max(1, made - kept),  # each trip makes one token and keeps its drafts
+                "kept": kept / trips if trips else 0.0,
+                "window": (now["drafted_tokens"] - was["drafted_tokens"]) / trips if trips else 0.0,
+                "texts": [r["text"] for r in results[mode]],
+            }
+            stages = status["stages"]
+            out[mode]["stages_ms"] = sum(s.get("ms_per_token_alone") or s.get("ms_per_token") or 0.0 for s in stages)
+            out[mode]["trip_ms"], out[mode]["row_ms"] = now.get("trip_ms"), now.get("row_ms")
     return out
 
 
 def bench_speculation(model: Path, rtts: list[float], tokens: int, repeats: int) -> None:
-    rows: dict[str, list[dict[str, Any]]] = {}
-    loads: dict[str, tuple[float, float]] = {}
-    for mode in ("off", "ngram"):
-        before = os.getloadavg()[0]
-        host_args = ("--speculate", mode, "--context", str(SPECULATION_CONTEXT))
-        with (
-            tempfile.TemporaryDirectory() as tmp,
-            lab_session(model, Path(tmp), WanLink(FORMED_AT_RTT_MS / 4), host_args=host_args) as session,
-        ):
-            rows[mode] = []
-            for rtt in rtts:
+    """Both sessions open at once (--speculate off and ngram, each its own lab), their requests in turn."""
+    rows: list[dict[str, Any]] = []
+    loads: list[float] = [os.getloadavg()[0]]
+    with contextlib.ExitStack() as stack:
+        sessions: dict[str, LabSession] = {}
+        for mode in ("off", "ngram"):
+            host_args = ("--speculate", mode, "--context", str(SPECULATION_CONTEXT))
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            sessions[mode] = stack.enter_context(
+                lab_session(model, tmp, WanLink(FORMED_AT_RTT_MS / 4), host_args=host_args)
+            )
+        for rtt in rtts:
+            for session in sessions.values():
                 set_rtt(session, rtt)
-                rows[mode].append(speculation_rates(session, rtt, tokens, repeats))
-                figures = {k: v if not isinstance(v, dict) else {n: f for n, f in v.items() if n != "texts"}
-                           for k, v in rows[mode][-1].items()}  # fmt: skip
-                print(f"measured --speculate {mode} at {rtt:g} ms: {figures}", file=sys.stderr)
-        loads[mode] = (before, os.getloadavg()[0])
-    print(f"One user, up to {tokens} tokens a request, median of {repeats}; decode tokens/s after the first.")
-    print("Load average (1 min) on this machine, at the start and end of each session: " + ", ".join(
-        f"{mode} {a:.1f} to {b:.1f}" for mode, (a, b) in loads.items()) + ".")  # fmt: skip
+            loads.append(os.getloadavg()[0])
+            rows.append(speculation_rates(sessions, rtt, tokens, repeats))
+            figures = {mode: {n: {k: f for k, f in v.items() if k != "texts"} if isinstance(v, dict) else v
+                              for n, v in rows[-1][mode].items()} for mode in sessions}  # fmt: skip
+            print(f"measured at {rtt:g} ms (load {loads[-1]:.1f}): {figures}", file=sys.stderr)
+    loads.append(os.getloadavg()[0])
+    print(f"One user, up to {tokens} tokens a request, median of {repeats}, the two sessions' requests in turn;")
+    print("decode tokens/s after the first. Load average (1 min) on this machine as each round trip began, and")
+    print("at the end: " + ", ".join(f"{load:.1f}" for load in loads) + ".")
     print("Ring limit: one token a trip of 1.5 × RTT + Σ stage ms (off's stages, /status); ngram's is that times")
-    print("its tokens a trip, as if drafted rows were free. Trip and row: the cost rule's measure (/status).\n")
+    print("its tokens a trip, as if drafted rows were free. Trip and rows: the cost rule's measure (/status).")
+    print("Drafts' own effect: the ngram session's decode time against that time less its drafted rows (at the")
+    print("rule's fitted row) plus a trip for each draft kept, both on its own ring: what the drafts did,")
+    print("without the two sessions' difference.\n")
     print("| per-hop RTT | workload | tokens | off tokens/s | limit | ngram tokens/s | limit | ngram / off "
-          "| tokens a trip | drafts kept a trip | same text |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for off, on in zip(rows["off"], rows["ngram"], strict=True):
-        limit = 1e3 / (1.5 * off["rtt"] + off["stages_ms"])
+          "| drafts' own effect | tokens a trip | drafts kept a drafted trip | drafts a drafted trip "
+          "| same text |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        off, on = row["off"], row["ngram"]
+        limit = 1e3 / (1.5 * row["rtt"] + off["stages_ms"])
+        trip_ms, row_ms = on["trip_ms"] or 0.0, on["row_ms"] or 0.0
         for name in WORKLOADS:
             a, b = off[name], on[name]
+            undrafted_s = b["decode_s"] + (b["kept_all"] * trip_ms - b["drafted"] * row_ms) / 1e3
             print(
-                f"| {off['rtt']:g} ms | {name} | {b['tokens']:g} | {a['rate']:.1f} | {limit:.1f} | {b['rate']:.1f} "
-                f"| {limit * b['per_trip']:.1f} | {b['rate'] / a['rate']:.2f} | {b['per_trip']:.2f} | {b['kept']:.2f} "
+                f"| {row['rtt']:g} ms | {name} | {b['tokens']:g} | {a['rate']:.1f} | {limit:.1f} | {b['rate']:.1f} "
+                f"| {limit * b['per_trip']:.1f} | {b['rate'] / a['rate']:.2f} | {undrafted_s / b['decode_s']:.2f} "
+                f"| {b['per_trip']:.2f} | {b['kept']:.2f} | {b['window']:.2f} "
                 f"| {'yes' if a['texts'] == b['texts'] else 'no'} |"
             )
-    print("\n| per-hop RTT | Σ stage ms (off) | ngram: a trip | a drafted row |")
+    print("\n| per-hop RTT | Σ stage ms (off) | ngram: a trip | a drafted row (fitted) |")
     print("|---|---|---|---|")
-    for off, on in zip(rows["off"], rows["ngram"], strict=True):
-        trip, row = on["trip_ms"], on["row_ms"]
-        shown = (f"{trip:.0f} ms", f"{row:.1f} ms") if trip is not None and row is not None else ("—", "—")
-        print(f"| {off['rtt']:g} ms | {off['stages_ms']:.1f} | {shown[0]} | {shown[1]} |")
+    for row in rows:
+        off, on = row["off"], row["ngram"]
+        trip, drafted_row = on["trip_ms"], on["row_ms"]
+        measured = trip is not None and drafted_row is not None
+        shown = (f"{trip:.0f} ms", f"{drafted_row:.1f} ms") if measured else ("—", "—")
+        print(f"| {row['rtt']:g} ms | {off['stages_ms']:.1f} | {shown[0]} | {shown[1]} |")
 
 
 def transfers(session: LabSession) -> list[tuple[str, str, float, float]]:
