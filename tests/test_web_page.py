@@ -20,7 +20,7 @@ from test_demo import demo_members
 from tiny_models import write_tiny_model
 
 from kafila.api.server import ApiConfig
-from kafila.contracts import EdgeStatus, MemberStatus, PlanStatus, SessionStatus
+from kafila.contracts import EdgeStatus, LoadStatus, MemberStatus, PlanStatus, SessionStatus
 from kafila.session.availability import Availability
 
 try:
@@ -116,6 +116,7 @@ def test_the_page_shows_the_ring_streams_a_chat_and_a_member_killed(demo: Host, 
 
 
 ODD = "<img src=x onerror=document.title='owned'>"  # a member may name itself anything
+LOAD_WHY = "at 4 users at once the members serving stay the fastest ring"
 FAR_WHY = "far-laptop stands by: its edges add 150.4 ms to each pass of the ring, more than its block saves"
 
 
@@ -145,6 +146,7 @@ def drawn_session() -> SessionStatus:
         ],
         plan=PlanStatus(tier="cost-model", ring=["host", ODD], head="host", standby=["far-laptop"]),
         epoch=3,
+        load=LoadStatus(planned=1, measured=3.6, reason=LOAD_WHY),
     )
 
 
@@ -172,6 +174,7 @@ def test_the_page_asks_for_the_key_and_draws_relayed_links_joiners_and_names_as_
         expect(page.locator("#state")).to_have_text("waiting for the model to load")
         expect(page.locator("#stages tbody tr")).to_have_count(2)
         expect(page.locator("#stages tbody td:nth-child(5)")).to_have_text(["–", "hub, 12.3 MB in 4.1 s"])
+        expect(page.locator("#plan-note")).to_have_text(f"planned for 1 request at once, serving 3.6 ({LOAD_WHY})")
         expect(timeline(page, "joined", ODD)).to_have_count(1)
         serving.events.publish("left", "newcomer left the ring")  # live, from this thread
         expect(timeline(page, "left", "newcomer left the ring")).to_have_count(1)

@@ -187,6 +187,13 @@ function stageFrom(member) {
   return member.stage_source + size + took;
 }
 
+// The load the ring was planned for, what it serves, and the last weighing of who serves at it.
+function loadNote(load) {
+  const users = (n) => `${n} request${n === 1 ? "" : "s"} at once`;
+  const measured = load.measured != null ? `, serving ${load.measured.toFixed(1)}` : "";
+  return `planned for ${users(load.planned)}${measured}` + (load.reason ? ` (${load.reason})` : "");
+}
+
 function fillStages(status) {
   const measured = new Map((status.stages || []).map((s) => [s.range.join("-"), s]));
   let rows = (status.members || []).filter((m) => m.blocks).map((m) => ({
@@ -211,7 +218,10 @@ function fillStages(status) {
     if (row.why) tr.children[4].title = row.why; // why its stage came from the host, not the hub
     body.append(tr);
   }
-  $("plan-note").textContent = status.rebalance ? "last rebalance verdict: " + status.rebalance.reason : "";
+  const notes = [];
+  if (status.rebalance) notes.push("last rebalance verdict: " + status.rebalance.reason);
+  if (status.load) notes.push(loadNote(status.load));
+  $("plan-note").textContent = notes.join("; ");
 }
 
 function spark(svg, points, now) {
