@@ -13,12 +13,22 @@ interleaved, every process with the same generic probe (measured once here):
   measures the model's stages before its first plan (a quick local ring), as a first start does;
 - **model's own pricing** (`--own`): every cache holds `kafila probe --model`'s full calibration.
 
+With `--side-by-side`, each round instead times the host's quick measure alone, as `kafila host
+--demo` runs it before its first plan (`model_probe.model_probe_in_child`: a child, the threads a
+stage will have, the ring sized like a served stage; on this process's cores, where the demo's
+host would run it on its own share of them), then serves a demo session priced
+by the generic probe; it prints what the quick measure predicts for each stage of that session's
+division against what the stage measured, round by round, with the stage times behind both. The
+pairs show how far one quick measure lands from the serving that follows it, and which stages
+it misjudges alike round after round.
+
 With `--lab`, the same in the NAT lab instead (tests/helpers/lab_session.py: three homes behind
 real NATs, one edge relayed, each with its own cache: the members are priced by the host's measure
 scaled by their probes), at 0 ms per hop. Each round serves one user a few completions, then reads
 the plan's predicted and the measured decode ms per token (one row) of every stage from /status.
 
     python scripts/bench_session_pricing.py [--rounds 3] [--requests 4] [--tokens 48] [--own]
+    python scripts/bench_session_pricing.py --side-by-side [--rounds 5]
     python scripts/bench_session_pricing.py --lab [--rounds 1]   (root, nftables, conntrack)
 """
 
@@ -37,6 +47,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
 from host_process import one_user, planned_and_measured, refreshed_status, running_host
 
+from kafila.contracts import ModelPricing
+from kafila.planner.types import ModelManifest
 from kafila.runtime.llama.loading import load_llama, shares_cores_env
 
 PROMPT = "The history of the printing press begins"
@@ -116,6 +128,72 @@ def lab_run(model: Path, root: Path, measure: bool, requests: int, tokens: int) 
     return planned_and_measured(status), made / seconds, float(took.group(1)) if took else None
 
 
+def predicted_ms(manifest: ModelManifest, pricing: ModelPricing, blocks: tuple[int, int], head: bool) -> float:
+    """A stage's decode ms per token as the planner prices it (planner/cost.py): o + its blocks' bytes
+    read / b, and the head's output projection / b_head on the head."""
+    read = sum(manifest.read_bytes()[blocks[0] : blocks[1]])
+    seconds = pricing.overhead_us * 1e-6 + read / (pricing.bandwidth_gb_s * 1e9)
+    if head:
+        seconds += manifest.head_bytes / (pricing.head_bandwidth_gb_s * 1e9)
+    return 1e3 * seconds
+
+
+def side_by_side(model: Path, root: Path, probe: Path, rounds: int, requests: int, tokens: int) -> None:
+    """Each round: the host's quick measure alone, as `kafila host --demo` runs it, then a demo session
+    priced by the generic probe; the quick measure's price of each served stage against its measure."""
+    from kafila.runtime.gguf.manifest import read_manifest
+    from kafila.runtime.gguf.slicer import file_sha256
+    from kafila.runtime.llama.threads import serving_threads
+    from kafila.runtime.machine.model_probe import model_pricing, model_probe_in_child
+    from kafila.runtime.machine.probe import ProbeError
+    from kafila.runtime.machine.this_machine import this_device
+
+    manifest, sha256 = read_manifest(model), file_sha256(model)
+    os.environ["KAFILA_CACHE"] = str(probe.parent)
+    memory = int(this_device().memory_gib * 2**30)  # as the host offers the measure: the probe's, kept there
+    del os.environ["KAFILA_CACHE"]
+    served_blocks = -(-manifest.n_blocks // 3)  # as the demo's host asks: its 3 machines sharing the model evenly
+    errors: dict[str, list[float]] = {}
+    columns = ["round", "load", "quick measure's stages (ms)", "priced", "division", "stage", "predicted ms"]
+    print(f"\n| {' | '.join(columns)} | measured ms | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for round_ in range(rounds):
+        load = f"{os.getloadavg()[0]:.1f}"
+        os.environ["KAFILA_CACHE"] = str(fresh_cache(root, "quick", probe))
+        try:
+            measured = model_probe_in_child(model, memory, serving_threads(), served_blocks=served_blocks)
+        except ProbeError as error:
+            print(f"| {round_ + 1} | {load} | failed: {error} | | | | | | |")
+            continue
+        finally:
+            del os.environ["KAFILA_CACHE"]
+        pricing = model_pricing(measured, sha256)
+        times = ", ".join(
+            f"{s.end_block - s.first_block}{' + head' if s.is_head else ''}: {s.ms_per_token:.2f}"
+            for s in measured.stages
+        )
+        priced = f"b {pricing.bandwidth_gb_s}, b_head {pricing.head_bandwidth_gb_s} GB/s, o {pricing.overhead_us} µs"
+        stages, _rate, _took = demo_session(model, fresh_cache(root, "session", probe), False, requests, tokens)
+        division = [end - start for start, end in (s["blocks"] for s in stages)]
+        for stage in stages:
+            if stage["measured"] is None:
+                continue
+            predicted = predicted_ms(manifest, pricing, stage["blocks"], stage["head"])
+            off = (predicted - stage["measured"]) / stage["measured"]
+            role = "head" if stage["head"] else f"{stage['blocks'][1] - stage['blocks'][0]} blocks"
+            errors.setdefault(role, []).append(off)
+            print(
+                f"| {round_ + 1} | {load} | {times} | {priced} | {division} | {role} | {predicted:.2f} | "
+                f"{stage['measured']:.2f} | {off:+.0%} |"
+            )
+    print()
+    for role, seen in errors.items():
+        print(
+            f"{role}: median error {statistics.median(seen):+.0%}, from {min(seen):+.0%} to {max(seen):+.0%} "
+            f"({len(seen)} rounds)"
+        )
+
+
 def report(runs: dict[str, list[Run]], where: str, rounds: int, shape: str) -> None:
     print(f"\ngemma-3-270m, {where}, {rounds} rounds, medians; {shape}\n")
     print("| priced by | division | stage | blocks | priced on | predicted ms | measured ms | error | each round's |")
@@ -161,6 +239,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--own", action="store_true", help="also the arm with `kafila probe --model` everywhere")
     parser.add_argument("--lab", action="store_true", help="in the NAT lab instead of the demo")
+    parser.add_argument(
+        "--side-by-side", action="store_true", help="the host's quick measure alone, then serving, round by round"
+    )
     args = parser.parse_args()
     os.environ.update(shares_cores_env())  # every stage of these sessions shares this machine's cores
     load_llama(shared_machine=True)
@@ -171,6 +252,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kafila-pricing-") as name:
         root = Path(name)
         probe = generic_probe(root)
+        if args.side_by_side:
+            side_by_side(model, root, probe, args.rounds, args.requests, args.tokens)
+            print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min)")
+            return
         if args.lab:  # the lab's homes start from it (`host_process.seeded_cache`)
             os.environ["KAFILA_CACHE"] = str(probe.parent)
         arms = [GENERIC, AT_START] + ([OWN] if args.own else [])
