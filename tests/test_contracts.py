@@ -27,12 +27,12 @@ from kafila.wire.frames import Frame, Kind
 def test_a_stage_report_goes_to_json_and_back_unchanged() -> None:
     report = StageReport(
         range=(2, 6), ms_per_token=1.5, ms_per_token_alone=1.25, steps_alone=40, prefill_ms_per_token=0.5, seconds=3.0,
-        rows=90,
+        rows=90, decode_ms_by_rows=[(1, 1.25), (4, 2.5)],
     )  # fmt: skip
     wire = report.wire()
     assert wire == {
         "range": [2, 6], "ms_per_token": 1.5, "ms_per_token_alone": 1.25, "steps_alone": 40, "seconds": 3.0, "rows": 90,
-        "prefill_ms_per_token": 0.5,
+        "prefill_ms_per_token": 0.5, "decode_ms_by_rows": [[1, 1.25], [4, 2.5]],
     }  # fmt: skip
     assert StageReport.model_validate(json.loads(json.dumps(wire))) == report
 
@@ -49,6 +49,10 @@ def test_a_stage_report_goes_to_json_and_back_unchanged() -> None:
         {"range": [0, 2], "steps_alone": -3},
         {"range": [0, 2], "rows": "many"},
         {"range": [0, 2], "surprise": 1},
+        {"range": [0, 2], "decode_ms_by_rows": [[0, 1.0]]},  # a decode of no rows
+        {"range": [0, 2], "decode_ms_by_rows": [[2, -1.0]]},
+        {"range": [0, 2], "decode_ms_by_rows": [[2, 1.0, 3]]},
+        {"range": [0, 2], "decode_ms_by_rows": [[n, 1.0] for n in range(1, 40)]},  # beyond the bound
         {"ms_per_token": 1.0},
     ],
 )

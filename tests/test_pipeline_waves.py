@@ -282,3 +282,65 @@ def test_the_next_wave_leaves_before_the_last_ones_tokens_reach_the_api(model: P
     for at, entry in enumerate(log[:last_land]):
         if entry == "land":  # the request goes on: its next wave leaves before anything is delivered
             assert log[at + 1] == "launch", log
+
+
+@pytest.mark.parametrize("override", [None, "2"])
+def test_the_waves_in_flight_follow_what_the_stages_report_waves_cost(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, override: str | None
+) -> None:
+    """As the stage report refreshes, the loop prices the waves in flight from each stage's
+    decodes by size (planner/waves.py; these local stages share one machine) and splits the
+    running requests by the count it chooses, the requests running to their last token as
+    before; KAFILA_PIPELINE_WAVES fixes the count, and nothing is priced."""
+    import threading
+
+    from kafila.planner.waves import wave_costs_from
+    from kafila.runtime.engine.sampling import SamplingSettings
+    from kafila.serving import engine_loop as service
+    from kafila.serving.batcher import Finished, Job, TextDelta
+
+    if override is None:
+        monkeypatch.delenv("KAFILA_PIPELINE_WAVES", raising=False)
+    else:
+        monkeypatch.setenv("KAFILA_PIPELINE_WAVES", override)
+    monkeypatch.setattr(service, "STATS_REFRESH_S", 0.02)
+    settings = ContextSettings(n_ctx=4 * 128, n_batch=64, n_seq_max=4, n_threads=1)
+    engine = open_engine(model, [2, 1, 1], settings, tmp_path)
+    assert isinstance(engine, RingEngine)
+    engine.depth = 2  # two waves until waves are priced
+    loop = service.EngineLoop(engine, concurrency=4, batch_rows=64, context_per_sequence=128)
+    texts: dict[str, list[str]] = {}
+    lengths: dict[str, int] = {}
+    done = threading.Semaphore(0)
+
+    def sink(event: service.Event) -> None:
+        if isinstance(event, TextDelta):
+            texts.setdefault(event.request_id, []).append(event.text)
+        elif isinstance(event, Finished):
+            lengths[event.request_id] = event.completion_tokens
+            done.release()
+
+    costs_seen = set()
+    loop.start()
+    try:
+        prompt = engine.tokenize(PROMPTS[0])
+        for n, tokens in enumerate((20, 30, 40, 50)):  # ending one by one: waves of every size
+            loop.submit(Job(f"r{n}", prompt, tokens, SamplingSettings(top_k=1)), sink)
+        for _ in range(4):
+            assert done.acquire(timeout=120)
+            costs_seen.add(loop.wave_costs)
+        start = engine.detokenize(greedy_alone(model, PROMPTS[0], 3))  # batches may break a later near-tie
+    finally:
+        loop.stop()
+        engine.close()
+    assert lengths == {"r0": 20, "r1": 30, "r2": 40, "r3": 50}
+    assert all("".join(parts).startswith(start) for parts in texts.values())
+    report = loop.stage_report  # the last, the loop stopped: what the last count was priced by
+    if override is not None:
+        assert loop.wave_costs is None and loop.decode_waves == 2
+        return
+    assert loop.wave_costs is not None and loop.wave_costs.machines == (0, 0, 0)  # one machine's cores
+    assert loop.wave_costs == wave_costs_from([s.decode_ms_by_rows for s in report], (0, 0, 0), loop.ring_ms)
+    assert all(len(stage.decode_ms_by_rows) >= 2 for stage in report)
+    assert 1 <= loop.decode_waves <= 4
+    assert len(costs_seen - {None}) >= 2  # priced again as the report refreshed

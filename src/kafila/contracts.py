@@ -96,6 +96,8 @@ class NatBehaviour(Strict):
 # ---------------------------------------------------------------------------------------------
 
 MAX_REPORTED_BLOCK = 1 << 16
+MAX_REPORTED_ROW_COUNTS = 32  # decode sizes a stage reports its recent times for
+MAX_DECODE_ROWS = 1 << 16
 Milliseconds = Annotated[float, Field(ge=0)]
 
 
@@ -111,6 +113,11 @@ class StageReport(Strict):
     ms_per_token_alone: Milliseconds | None = None  # recent decodes of one row: what the planner prices
     steps_alone: Annotated[int, Field(ge=0)] = 0  # decodes of one row so far: a new one means fresh figures
     prefill_ms_per_token: Milliseconds | None = None  # prompts' rows: what pipelined prefill's chunks are sized by
+    # Recent decodes' median ms by their rows (rows ascending): the waves in flight are priced by them.
+    decode_ms_by_rows: Annotated[
+        list[tuple[Annotated[int, Field(ge=1, le=MAX_DECODE_ROWS)], Milliseconds]],
+        Field(max_length=MAX_REPORTED_ROW_COUNTS),
+    ] = Field(default_factory=list)
     seconds: Annotated[float, Field(ge=0)] | None = None  # all the time it spent decoding, prompts included
     rows: Annotated[int, Field(ge=0)] | None = None
 

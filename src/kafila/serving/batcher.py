@@ -6,9 +6,10 @@ others nor waits for them to finish. Requests beyond the concurrency limit queue
 Each admitted request holds one KV slot (a llama.cpp sequence id) until it ends.
 
 Steps go out in waves. On a ring of n stages one wave keeps one stage busy at a time, so the
-engine loop keeps up to n waves in flight, each with a share of the running requests: while
-one wave is at the second stage the next is at the first. A generating sequence is in at most
-one wave at a time (its next row needs its last token), and waves land in the order they left.
+engine loop keeps several waves in flight (as many as planner/waves.py prices fastest), each
+with a share of the running requests: while one wave is at the second stage the next is at the
+first. A generating sequence is in at most one wave at a time (its next row needs its last
+token), and waves land in the order they left.
 
 Pipelined prefill (`prefill_chunks` > 1): a prompt's chunks need no token back, so a prefilling
 sequence may ride in successive waves, up to `prefill_chunks` of them out at once: chunk i+1 is

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from kafila.contracts import StageReport
 from kafila.planner.prefill import PrefillCosts, costs_from, prefill_chunk_rows
+from kafila.planner.waves import WaveCosts, decode_waves, wave_costs_from
 from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
-from kafila.runtime.engine.ring import StageFailed
+from kafila.runtime.engine.ring import StageFailed, waves_override
 from kafila.runtime.engine.speculation import Speculate
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, RequestFailed, Suspended
 from kafila.serving.settings import prefill_chunks_setting
@@ -98,8 +99,10 @@ class EngineLoop:
         self.speculate = speculate
         self.prefill_costs: PrefillCosts | None = None  # what the chunks of pipelined prefill are sized by
         self.ring_ms: float | None = None  # the last stage report's trip round the ring, one way
+        self.wave_costs: WaveCosts | None = None  # what the decode waves in flight are counted by
+        self.decode_waves = engine.depth  # the waves the running requests split into, while two or more run
         chunks = prefill_chunks_in_flight(engine.depth) if prefill_chunks is None else prefill_chunks
-        out_at_once = max(1, min(chunks, engine.depth))
+        out_at_once = self._chunks_out = max(1, min(chunks, engine.depth))
         self.batcher = Batcher(
             concurrency,
             batch_rows,
@@ -193,7 +196,7 @@ class EngineLoop:
             self._dispatch(self.batcher.fail_all(message))
 
     def _run(self) -> None:
-        """Keep up to `engine.depth` waves in the ring, landing the oldest; every STATS_REFRESH_S,
+        """Keep the waves `_waves_now` counts in the ring, landing the oldest; every STATS_REFRESH_S,
         let the ring empty and refresh the stage report (a PING round it costs a few ms, and under
         steady load the ring would otherwise never be empty to ask).
 
@@ -202,7 +205,6 @@ class EngineLoop:
         it there would deadlock the two.
         """
         in_flight: deque[tuple[Launched, list[EngineStep], float]] = deque()
-        depth = max(1, self.engine.depth)
         while True:
             with self._lock:
                 while not in_flight and self.batcher.idle and not self.batcher.trimming and not self._stopping:
@@ -228,7 +230,7 @@ class EngineLoop:
             if idle:
                 continue
             try:
-                self._fill(in_flight, depth)
+                self._fill(in_flight)
                 if not in_flight:  # every running request waits on its slot's cache being cut
                     with self._lock:
                         self._lock.wait(timeout=0.01)
@@ -258,7 +260,7 @@ class EngineLoop:
             # Not when a stage report is due: the top of the loop lets the ring empty for it first.
             try:
                 if not self._report_due():
-                    self._fill(in_flight, depth)
+                    self._fill(in_flight)
             except Exception as error:  # a link broke: the tokens already made still reach their requests
                 self._break(error)
                 return
@@ -266,15 +268,31 @@ class EngineLoop:
                 self._dispatch(self._undelivered)
                 self._undelivered = []
 
-    def _fill(self, in_flight: deque[tuple[Launched, list[EngineStep], float]], depth: int) -> None:
-        """Launch waves while fewer than `depth` are out, unless a stage report is due (the ring
-        then empties for its PING round); called without the lock."""
-        while len(in_flight) < depth and not (in_flight and self._report_due()):
+    def _fill(self, in_flight: deque[tuple[Launched, list[EngineStep], float]]) -> None:
+        """Launch waves while fewer than `_waves_now` are out, unless a stage report is due (the
+        ring then empties for its PING round); called without the lock."""
+        while not (in_flight and self._report_due()):
             with self._lock:
-                steps = self.batcher.plan(depth)
+                waves = self._waves_now()
+                if len(in_flight) >= max(waves, self._chunks_out if self.batcher.pipelining else 1):
+                    break
+                steps = self.batcher.plan(waves)
             if not steps:
                 break
             in_flight.append((self.engine.launch(steps), steps, time.perf_counter()))
+
+    def _waves_now(self) -> int:
+        """The waves the running requests split into (a prompt pipelining may add its chunks'):
+        until the stages have priced waves, or where KAFILA_PIPELINE_WAVES fixes it, the engine's
+        depth; then the count of least time per token for the requests running now
+        (planner/waves.py), which moves from the last only where that saves enough. Under the lock."""
+        if self.wave_costs is None:
+            return max(1, self.engine.depth)
+        rows = min(self.batcher.concurrency, self.batcher.running + self.batcher.queued)  # as `plan` admits
+        waves = decode_waves(rows, self.wave_costs, self.decode_waves)
+        if rows > 1:
+            self.decode_waves = waves
+        return waves
 
     def _refused_in_a_row(self, results: list[StepResult]) -> int:
         """Sequences refused by a stage with none served since: a stage that refuses everything
@@ -345,11 +363,17 @@ class EngineLoop:
         report = self.engine.stage_report()
         trip_ms = 1e3 * (time.perf_counter() - started)  # a PING round the ring, one way: the wire's trip
         costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in report], trip_ms)
+        machines = stage_machines(self.engine, len(report))
+        waves = None
+        if machines is not None and waves_override() is None:
+            waves = wave_costs_from([entry.decode_ms_by_rows for entry in report], machines, trip_ms)
         with self._lock:
             self.stage_report = report
             self.ring_ms = trip_ms
             if costs is not None:
                 self.prefill_costs = costs
+            if waves is not None:
+                self.wave_costs = waves
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:
@@ -365,6 +389,19 @@ class EngineLoop:
                     sink(event)
                 except RuntimeError:  # the handler's event loop has closed: nobody is listening
                     pass
+
+
+def stage_machines(engine: Engine, stages: int) -> tuple[int, ...] | None:
+    """The machine of each of the `stages` stages an engine reports, in the report's order: as
+    the engine knows them, or, where it does not, all on one machine, or each on its own where
+    the ring has as many machines as stages; None where neither says."""
+    if engine.stage_machines is not None and len(engine.stage_machines) == stages:
+        return engine.stage_machines
+    if engine.machines <= 1:
+        return (0,) * stages
+    if engine.machines == stages:
+        return tuple(range(stages))
+    return None
 
 
 def fail_suspended(suspended: Suspended, sink: Sink, message: str) -> None:

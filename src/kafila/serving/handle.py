@@ -65,8 +65,8 @@ class ServingHandle:
 
     @property
     def waves(self) -> int:
-        """Waves of steps the engine keeps in flight along the ring."""
-        return self.engine.depth
+        """Waves the running requests split into along the ring (the engine loop's last count)."""
+        return self.loop.decode_waves
 
     @property
     def stats(self) -> LoopStats:

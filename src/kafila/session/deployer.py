@@ -124,8 +124,14 @@ class Roster:
     def machines(self, chain: Sequence[str]) -> int:
         """Distinct machines in the ring: the waves worth keeping in flight (stages sharing a
         machine share its cores, and overlapping them there only makes them contend)."""
+        return len(set(self.stage_machines(chain)))
+
+    def stage_machines(self, chain: Sequence[str]) -> tuple[int, ...]:
+        """The machine of each member of `chain`, numbered in order of first appearance."""
         own = self.machine
-        return len({own if m == self.me else (self.hellos[m].machine or m) for m in chain})
+        named = [own if m == self.me else (self.hellos[m].machine or m) for m in chain]
+        numbers = {name: number for number, name in enumerate(dict.fromkeys(named))}
+        return tuple(numbers[name] for name in named)
 
 
 @dataclass
@@ -471,6 +477,7 @@ class Deployer:
         on a member, they come back from it as logits, and this engine holds only the vocabulary.
         """
         chain, depth = deployment.chain, self.roster.machines(deployment.chain)
+        machines = self.roster.stage_machines(chain)
         members = {self.roster.name(m): self.roster.routers[m].link.closed for m in deployment.members}
         back = chain[-2] if deployment.head_here else chain[-1]
         first: FrameSink
@@ -488,11 +495,16 @@ class Deployer:
             return load_here(
                 (head.first_block, head.end_block),
                 deployment.plan.stages[-1].resident_bytes,
-                lambda: RingEngine([head], self.settings, ring=ring, depth=depth, prefix_cut=cut),
+                lambda: RingEngine(
+                    [head], self.settings, ring=ring, depth=depth, prefix_cut=cut, stage_machines=machines
+                ),
             )
         vocabulary = deployment.vocabulary
         assert vocabulary is not None, "got with the deployment"
-        return RingEngine(deployment.stages, self.settings, ring=ring, depth=depth, model=vocabulary, prefix_cut=cut)
+        return RingEngine(
+            deployment.stages, self.settings, ring=ring, depth=depth, model=vocabulary, prefix_cut=cut,
+            stage_machines=machines,
+        )  # fmt: skip
 
     def abandon_ring(self) -> None:
         """End every wait of the current ring at once, before its engine is retired for a new plan."""

@@ -159,6 +159,10 @@ class Engine(Protocol):
     """
 
     depth: int
+    machines: int  # the distinct machines its stages run on
+    # The machine of each stage in the stage report's order, where known (else `machines` tells:
+    # one machine holds them all, or each stage is a machine of its own).
+    stage_machines: tuple[int, ...] | None
     # Why this engine cannot answer `every_row` steps (speculative decoding), or None where it can.
     speculation_refused: str | None
     # Whether it answers them with whole rows (a head here), or with each row's `top` largest
@@ -224,6 +228,8 @@ class _Vocabulary:
     vocabulary: Vocabulary
     llama_model: LlamaModel | VocabularyOnly
     depth = 1
+    machines = 1
+    stage_machines: tuple[int, ...] | None = None
     speculation_refused: str | None = None
     every_row_whole = True
     _readers: _Readers
@@ -362,12 +368,14 @@ class RingEngine(_Vocabulary):
         depth: int = 1,
         model: Path | None = None,
         prefix_cut: PrefixCut = PrefixCut.NOWHERE,
+        stage_machines: Sequence[int] | None = None,
     ) -> None:
         """`stages` in chain order, head last; `ring` reaches all but the head (with `model`, all of
         them: the head is on the ring). `depth`: the distinct machines the ring spans (local
         processes: this one). `model`: the whole model, whose head is on the ring. `prefix_cut`:
         where the stages' caches can be cut (`prefix_cut_of` the whole model); by default they
-        are never cut, only dropped."""
+        are never cut, only dropped. `stage_machines`: which machine runs each stage of the whole
+        ring, in chain order, head last (the waves in flight are priced with it)."""
         self._readers = _Readers()
         self.prefix_cut = prefix_cut
         self.head: HeadStage | None = None
@@ -389,6 +397,8 @@ class RingEngine(_Vocabulary):
         self._head_range = (stages[-1].first_block, stages[-1].end_block)
         self._dtype = dtype
         self.depth = pipeline_depth(depth)
+        self.machines = max(1, depth)
+        self.stage_machines = None if stage_machines is None else tuple(stage_machines)
         self._waves = itertools.count()
         self._expected: defaultdict[int, deque[int | None]] = defaultdict(deque)  # per sequence: wave or CANCEL out
         self._arrived: dict[tuple[int, int], Frame] = {}  # (wave, sequence) → its frame, until the wave lands

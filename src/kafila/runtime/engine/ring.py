@@ -53,12 +53,17 @@ class RingTransport(Protocol):
     def close(self) -> None: ...
 
 
-def pipeline_depth(machines: int) -> int:
-    """Waves to keep in flight on a ring over `machines` distinct machines: one per machine keeps
-    each busy, while stages that share a machine share its cores, where overlapping them only
-    makes them contend (measured: docs/benchmarks.md). KAFILA_PIPELINE_WAVES overrides it, for
-    benchmarks and tests that compare the two."""
+def waves_override() -> int | None:
+    """KAFILA_PIPELINE_WAVES: a fixed count of waves in flight, for benchmarks and tests that
+    compare counts; None where unset, and the engine loop chooses (planner/waves.py)."""
     override = os.environ.get("KAFILA_PIPELINE_WAVES", "").strip()
-    if override.isdigit() and int(override) >= 1:
-        return int(override)
-    return max(1, machines)
+    return int(override) if override.isdigit() and int(override) >= 1 else None
+
+
+def pipeline_depth(machines: int) -> int:
+    """Waves to keep in flight on a ring over `machines` distinct machines until its stages have
+    measured what waves cost (then the engine loop prices the count, planner/waves.py): one per
+    machine keeps each busy, while stages that share a machine share its cores, where overlapping
+    them only makes them contend (measured: docs/benchmarks.md). KAFILA_PIPELINE_WAVES overrides it."""
+    override = waves_override()
+    return override if override is not None else max(1, machines)

@@ -31,7 +31,7 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kafila.contracts import StageReport
+from kafila.contracts import MAX_DECODE_ROWS, MAX_REPORTED_ROW_COUNTS, StageReport
 from kafila.runtime.engine.sampling import Sampler, SamplerStart
 from kafila.runtime.engine.speculation import DRAFT_ROWS_PER_WAVE, MAX_DRAFT
 from kafila.runtime.gguf.families import FAMILIES, family_of
@@ -122,6 +122,10 @@ class TokenStep:
 # where a figure over the whole session would take as long again to move; and a few decodes that
 # the operating system delayed (a shared, busy machine) do not make a stage look slow.
 RECENT_ALONE_STEPS = 256
+# Recent decodes of each size, for the line a + r·p the waves in flight are priced by
+# (planner/waves.py): each size's own window, so sizes the load no longer makes keep their last
+# figures; the sizes seen least recently go first beyond MAX_REPORTED_ROW_COUNTS.
+RECENT_SIZED_STEPS = 64
 
 
 @dataclass
@@ -138,6 +142,7 @@ class StageTimer:
     decode_rows: int = 0
     alone_steps: int = 0
     alone_recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_ALONE_STEPS))
+    sized_recent: dict[int, deque[float]] = field(default_factory=dict)  # rows → recent seconds, least recent first
 
     def add(self, seconds: float, rows: int, decode: bool) -> None:
         self.seconds += seconds
@@ -148,6 +153,12 @@ class StageTimer:
             if rows == 1:
                 self.alone_recent.append(seconds)
                 self.alone_steps += 1
+            if 1 <= rows <= MAX_DECODE_ROWS:
+                recent = self.sized_recent.pop(rows, None) or deque(maxlen=RECENT_SIZED_STEPS)
+                recent.append(seconds)
+                self.sized_recent[rows] = recent  # now the most recently seen size
+                if len(self.sized_recent) > MAX_REPORTED_ROW_COUNTS:
+                    del self.sized_recent[next(iter(self.sized_recent))]
 
     @property
     def ms_per_token(self) -> float | None:
@@ -165,6 +176,11 @@ class StageTimer:
         """The median of the last RECENT_ALONE_STEPS decodes of one row (fewer, early on)."""
         return 1e3 * statistics.median(self.alone_recent) if self.alone_recent else None
 
+    @property
+    def decode_ms_by_rows(self) -> list[tuple[int, float]]:
+        """The median of each decode size's recent times, by rows."""
+        return [(rows, 1e3 * statistics.median(times)) for rows, times in sorted(self.sized_recent.items())]
+
     def report(self, blocks: tuple[int, int], totals: bool = False) -> StageReport:
         """What the stage holding `blocks` reports of this timer; with `totals`, its whole time and rows."""
         return StageReport(
@@ -173,6 +189,7 @@ class StageTimer:
             ms_per_token_alone=self.ms_per_token_alone,
             steps_alone=self.alone_steps,
             prefill_ms_per_token=self.prefill_ms_per_token,
+            decode_ms_by_rows=self.decode_ms_by_rows,
             seconds=self.seconds if totals else None,
             rows=self.rows if totals else None,
         )

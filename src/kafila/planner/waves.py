@@ -1,0 +1,117 @@
+"""How many waves a ring keeps in flight for the rows running now, and how they split.
+
+R sequences decode, each one row a token (its next row needs its last token, so a sequence
+rides in one wave at a time); they go round in W waves of ⌈R/W⌉ or ⌊R/W⌋ rows. Stage k takes
+a_k + r·p_k for a wave of r rows (a_k: a step's fixed cost; p_k: a row's, which at the head is
+mostly its output row), the wire adds L one way round the ring, and the stages on one machine
+share its cores (S_m: the stages on machine m). Every wave comes back once a period
+
+    C(r) = Σ_k (a_k + r·p_k) + L                              a wave of r rows round the ring
+    P(W) = max( C(⌈R/W⌉), max_m Σ_{k∈S_m} (W·a_k + R·p_k) )
+
+no shorter than its own trip, nor than a machine's work for all W waves; each sequence gets a
+token a period, so the time per token is P(W)/R. Where every stage is on one machine, the trip
+never leaves it: L is its own cores' work (the hops' framing and event loops), W·L more of it, so
+one wave (P(1) = C(R) ≤ P(W)) always wins there. More waves shorten a wave's trip (fewer rows
+at each stage) and keep more machines busy at once, but pay every a_k again for each: with the
+fixed costs dominant one wave wins, with per-row compute dominant one wave per machine, and with
+a long wire (the stages idle most of a trip) more. The W of least P, from 1 to R, is chosen;
+where it saves less than MIN_GAIN of the current count's period, the count stays (the figures are
+measured, not exact, and a count that flips on noise reorders the waves for nothing).
+
+Pure: the engine loop gives it the stages' measured decodes (`StageReport.decode_ms_by_rows`,
+fitted here to a_k + r·p_k) and the ring's measured trip.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import combinations
+
+MIN_GAIN = 0.05  # a new wave count must save this much of the current one's period
+
+
+@dataclass(frozen=True)
+class StageWaveCost:
+    """One stage's price for a decode of r rows: step_ms + r · row_ms."""
+
+    step_ms: float
+    row_ms: float
+
+    def __post_init__(self) -> None:
+        if not (self.step_ms >= 0 and self.row_ms >= 0 and math.isfinite(self.step_ms + self.row_ms)):
+            raise ValueError(f"a stage's decode costs are finite and never negative, not {self}")
+
+    def wave_ms(self, rows: int) -> float:
+        return self.step_ms + rows * self.row_ms
+
+
+@dataclass(frozen=True)
+class WaveCosts:
+    """What the host knows of its ring for choosing waves: each stage's price, the machine each
+    runs on (stages sharing one share its cores), and the wire's time one way round."""
+
+    stages: tuple[StageWaveCost, ...]
+    machines: tuple[int, ...]  # one per stage: stages with the same number share a machine
+    ring_ms: float
+
+    def __post_init__(self) -> None:
+        if not self.stages or len(self.machines) != len(self.stages):
+            raise ValueError("a ring has at least one stage, and each stage a machine")
+        if not (self.ring_ms >= 0 and math.isfinite(self.ring_ms)):
+            raise ValueError(f"the ring's trip is finite and never negative, not {self.ring_ms}")
+
+    def trip_ms(self, rows: int) -> float:
+        """C(r): one wave of `rows` round the ring."""
+        return sum(stage.wave_ms(rows) for stage in self.stages) + self.ring_ms
+
+    def period_ms(self, rows: int, waves: int) -> float:
+        """P(W): how often each of `waves` waves, `rows` rows in all, comes back."""
+        if rows < 1 or not 1 <= waves <= rows:
+            raise ValueError(f"{rows} rows cannot ride in {waves} waves")
+        one_machine = len(set(self.machines)) == 1  # the trip never leaves it: its hops are its own work
+        busiest = {machine: waves * self.ring_ms if one_machine else 0.0 for machine in self.machines}
+        for stage, machine in zip(self.stages, self.machines, strict=True):
+            busiest[machine] += waves * stage.step_ms + rows * stage.row_ms
+        return max(self.trip_ms(math.ceil(rows / waves)), *busiest.values())
+
+
+def decode_waves(rows: int, costs: WaveCosts | None, current: int) -> int:
+    """W for `rows` sequences decoding (see the module's formula): `current` where costs are
+    unknown (None) or no count saves MIN_GAIN of its period, at most `rows`, at least 1."""
+    if rows <= 1:
+        return 1
+    current = max(1, min(current, rows))
+    if costs is None:
+        return current
+    periods = {waves: costs.period_ms(rows, waves) for waves in range(1, rows + 1)}
+    best = min(periods, key=lambda waves: (periods[waves], waves))
+    return best if periods[best] < (1 - MIN_GAIN) * periods[current] else current
+
+
+def fit_stage(points: Sequence[tuple[int, float]]) -> StageWaveCost | None:
+    """a + r·p through a stage's (rows, median ms) decodes: the Theil–Sen line (the median slope
+    between row counts, the median intercept), which one count measured in a busy moment moves
+    little; each never below 0. None where fewer than two row counts were measured."""
+    if len({rows for rows, _ in points}) < 2:
+        return None
+    slopes = [(b_ms - a_ms) / (b - a) for (a, a_ms), (b, b_ms) in combinations(points, 2) if a != b]
+    row_ms = max(0.0, statistics.median(slopes))
+    step_ms = max(0.0, statistics.median(ms - rows * row_ms for rows, ms in points))
+    return StageWaveCost(step_ms, row_ms)
+
+
+def wave_costs_from(
+    stage_points: Sequence[Sequence[tuple[int, float]]], machines: Sequence[int], ring_ms: float | None
+) -> WaveCosts | None:
+    """WaveCosts from each stage's measured decodes (rows, median ms); None until every stage has
+    measured decodes of two row counts, or without the ring's trip."""
+    if not stage_points or ring_ms is None or len(machines) != len(stage_points):
+        return None
+    fitted = [fit_stage(points) for points in stage_points]
+    if any(stage is None for stage in fitted):
+        return None
+    return WaveCosts(tuple(s for s in fitted if s is not None), tuple(machines), ring_ms)
