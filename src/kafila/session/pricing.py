@@ -214,7 +214,6 @@ class RingPricing:
         except PlanRefused:
             return None
         verdict = judge_rebalance(ring.plan, times, proposed)
-        import sys; print("DEBUGREB", times, [(s.device, s.start, s.end, s.cost_s) for s in ring.plan.stages], [(s.device, s.start, s.end, s.cost_s) for s in proposed.stages], proposed.bottleneck_s, {k: v for k, v in served.items()}, file=sys.stderr, flush=True)
         self.last_verdict = verdict
         return verdict
 
