@@ -13,12 +13,15 @@ home, introduced by the rendezvous:
   floor; `--repeats` links per edge, alternating, pooled;
 - **kill**: on the same two edges, `--kills` times each, SIGKILL one agent right after an
   exchange and time how long the survivor takes to report the broken link;
-- **transfer** (not run by default): on the direct edge, a stage file at each uplink delay, with
-  the kernel's socket receive buffer, 1 MiB, Kafila's 4 MiB and cubic; beside each rate the
-  losses QUIC saw, its congestion window and where the kernel or the delay line dropped packets.
+- **transfer** (not run by default): on the direct or relayed edge, a stage file at each uplink
+  delay and loss, line capped or not, side by side in one run: reno with the kernel's socket
+  receive buffer, 1 MiB and 4 MiB, cubic, and Kafila's (4 MiB, the "rate" controller of
+  kafila.network.congestion); beside each rate the losses QUIC saw, its congestion window and
+  where the kernel or the delay line dropped packets.
 
     python scripts/bench_link_lab.py [--frames 1000] [--round-trips 300] [--repeats 5] [--kills 5]
-                                     [--transfer-mb 64] [--delays 0 20] [--edge direct]
+                                     [--transfer-mb 64] [--delays 0 20] [--losses 0 0.0025]
+                                     [--rate-mb 20] [--variants reno kafila] [--edge direct]
                                      [--sections matrix rtt kill transfer]     (root, nftables, conntrack)
 """
 
@@ -122,31 +125,50 @@ def _drops(lab: Any, homes: list[Any]) -> dict[str, int]:
     return counts
 
 
-TRANSFER_VARIANTS = {  # name: the agents' options
-    "kernel's SO_RCVBUF": ["--receive-buffer", "0"],
-    "1 MiB SO_RCVBUF": ["--receive-buffer", str(1 << 20)],
-    "4 MiB SO_RCVBUF (Kafila's)": [],
-    "4 MiB, cubic": ["--congestion", "cubic"],
+TRANSFER_VARIANTS = {  # --variants name: (what the table calls it, the agents' options)
+    "kernel": ("kernel's SO_RCVBUF, reno", ["--receive-buffer", "0", "--congestion", "reno"]),
+    "1mib": ("1 MiB SO_RCVBUF, reno", ["--receive-buffer", str(1 << 20), "--congestion", "reno"]),
+    "reno": ("4 MiB SO_RCVBUF, reno", ["--congestion", "reno"]),
+    "cubic": ("4 MiB, cubic", ["--congestion", "cubic"]),
+    "kafila": ("4 MiB, rate (Kafila's)", []),
 }
 
 
-def transfer(lab: Any, stun: str, http: str, megabytes: int, delays: list[float], repeats: int, edge: str) -> None:
-    """A stage file over the direct edge, at each one-way uplink delay in turn (a round trip of 4×
-    the delay: each packet crosses both homes' lines), `repeats` times, alternating delays."""
+def transfer(
+    lab: Any,
+    stun: str,
+    http: str,
+    megabytes: int,
+    delays: list[float],
+    repeats: int,
+    edge: str,
+    losses: list[float],
+    rate_mb: float,
+    names: list[str] | None,
+) -> None:
+    """A stage file over the edge, at each one-way uplink delay and loss in turn (a round trip of
+    4× the delay, a path loss of about 2× each line's: each packet crosses both homes' lines),
+    `repeats` times, alternating; with `rate_mb`, the sender's uplink and the receiver's downlink
+    capped at that many MB/s by the kernel's token bucket (`NatLab.shape`)."""
     a, b = EDGES[edge]
     b = peer_home(lab, a, b)
     # through the relay the members' buffers matter less than the relay's: Kafila's own only
-    variants = TRANSFER_VARIANTS if edge == "direct" else {"4 MiB SO_RCVBUF (Kafila's)": []}
-    print(f"{megabytes} MB stage file, {a} → {b} ({edge}); delay is each uplink's, one way\n")
+    chosen = names or (list(TRANSFER_VARIANTS) if edge == "direct" else ["reno", "kafila"])
+    variants = dict(TRANSFER_VARIANTS[name] for name in chosen)
+    if rate_mb:
+        lab.shape(lab.homes[a], rate_mb * 1e6, 0)
+        lab.shape(lab.homes[b], 0, rate_mb * 1e6)
+    limit = f", capped at {rate_mb:g} MB/s" if rate_mb else ""
+    print(f"{megabytes} MB stage file, {a} → {b} ({edge}{limit}); delay and loss are each uplink's, one way\n")
     print(
-        "| uplink delay | link | RTT | MB/s | seconds | QUIC lost packets | cwnd median / max KB "
+        "| uplink delay | loss per line | link | RTT | MB/s | seconds | QUIC lost packets | cwnd median / max KB "
         "| delay line passed / dropped | TUN queue drops | UDP RcvbufErrors |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for _ in range(repeats):
-        for delay, (variant, options) in itertools.product(delays, variants.items()):
+        for delay, loss, (variant, options) in itertools.product(delays, losses, variants.items()):
             for home in (a, b):
-                lab.set_wan(lab.homes[home], WanLink(delay_ms=delay))
+                lab.set_wan(lab.homes[home], WanLink(delay_ms=delay, loss=loss))
             before = [lab.wan_counts(lab.homes[h]) for h in (a, b)]
             kernel_before = _drops(lab, [lab.homes[h] for h in (a, b)])
             outcomes = run_pair(lab, stun, http, a, b, "--transfer", str(megabytes), *options)
@@ -159,7 +181,7 @@ def transfer(lab: Any, stun: str, http: str, megabytes: int, delays: list[float]
             dropped = sum(x[1] - y[1] for x, y in zip(after, before, strict=True))
             rate = result["bytes"] / result["seconds"] / 1e6
             print(
-                f"| {delay:g} ms | {variant} | {statistics.median(rtts):.0f} ms | {rate:.1f} "
+                f"| {delay:g} ms | {loss:.2%} | {variant} | {statistics.median(rtts):.0f} ms | {rate:.1f} "
                 f"| {result['seconds']:.1f} | {result['lost_packets']} "
                 f"| {statistics.median(windows):.0f} / {max(windows):.0f} | {passed} / {dropped} "
                 f"| {kernel['tun']} | {kernel['rcvbuf']} |",
@@ -167,6 +189,7 @@ def transfer(lab: Any, stun: str, http: str, megabytes: int, delays: list[float]
             )
     for home in (a, b):
         lab.set_wan(lab.homes[home], WanLink())
+        lab.shape(lab.homes[home], 0, 0)
 
 
 def main() -> None:
@@ -178,6 +201,9 @@ def main() -> None:
     parser.add_argument("--transfer-mb", type=int, default=64, help="the stage file's size in the transfer section")
     parser.add_argument("--edge", choices=sorted(EDGES), default="direct", help="the transfer section's edge")
     parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 20.0], help="one-way uplink delays, ms")
+    parser.add_argument("--losses", type=float, nargs="+", default=[0.0], help="each uplink's loss, each way")
+    parser.add_argument("--rate-mb", type=float, default=0.0, help="cap the transfer's path at this many MB/s")
+    parser.add_argument("--variants", nargs="+", choices=sorted(TRANSFER_VARIANTS), help="the transfer's variants")
     parser.add_argument(
         "--sections", nargs="+", choices=["matrix", "rtt", "kill", "transfer"], default=["matrix", "rtt", "kill"]
     )
@@ -193,7 +219,18 @@ def main() -> None:
             kills(lab, stun, http, args.kills)
             print()
         if "transfer" in args.sections:
-            transfer(lab, stun, http, args.transfer_mb, args.delays, args.repeats, args.edge)
+            transfer(
+                lab,
+                stun,
+                http,
+                args.transfer_mb,
+                args.delays,
+                args.repeats,
+                args.edge,
+                args.losses,
+                args.rate_mb,
+                args.variants,
+            )
 
 
 if __name__ == "__main__":

@@ -501,7 +501,7 @@ def main() -> None:
     parser.add_argument(
         "--receive-buffer", type=int, default=RECEIVE_BUFFER, help="the link socket's SO_RCVBUF (0: the kernel's)"
     )
-    parser.add_argument("--congestion", choices=["reno", "cubic"], default="reno")
+    parser.add_argument("--congestion", choices=["reno", "cubic", "rate"], default=LinkConfig().congestion_control)
     parser.add_argument("--transfer", type=int, default=0, help="then the host sends a stage file of this many MB")
     raise SystemExit(asyncio.run(run(parser.parse_args())))
 

@@ -1,0 +1,196 @@
+"""A congestion controller that sends at the path's measured delivery rate: loss does not halve it.
+
+Reno and cubic take every lost packet for a full queue and halve their window. On a home path
+that loses packets at random (Wi-Fi, a busy cable segment) that caps a transfer whatever the
+line's rate: at 0.5% loss a window stays near 1.22/sqrt(0.005) ≈ 17 packets, 0.2 MB/s over a
+100 ms round trip of a 20 MB/s line (docs/benchmarks.md, "Stage files over a lossy line").
+Parallel streams cannot lift it: every stream of a link shares its connection's one window.
+
+This controller (registered with aioquic as "rate") is a small BBR. It measures what the path
+delivers (bytes acknowledged over the time they took, the best of the last ten round trips) and
+keeps a window of that rate times the smoothed round trip. aioquic paces at window / smoothed
+round trip, so the window sets the sending rate to the measured one, whatever the round trip
+(a busy receiver's included). One round in eight asks a quarter more, to find a faster path,
+and the next a quarter less, to drain what that queued. It starts as slow start does (the
+window grows by what each acknowledgement delivers) and leaves that when round trips rise above
+the smallest seen (`QUEUE_RISE`, the bottleneck's queue filling) or three rounds in a row no
+longer deliver a quarter more. Losses it leaves to the rate, with one exception: a round that
+loses more than `LOSS_CEILING` of its packets (a policer such as the relay's budget, a queue
+that keeps overflowing) takes the estimate down to `LOSS_BACKOFF` of itself, once a round.
+
+Samples are judged by the packet they acknowledge: `delivered` (bytes acknowledged when it was
+sent) and when, so that a sample spans at least one round trip of the path's own pace. A sample
+lower than the estimate from a time the sender was not filling its window (an idle ring link
+between frames) is ignored, so the window survives idle time, as reno's does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from aioquic.quic.congestion.base import K_INITIAL_WINDOW, QuicCongestionControl, register_congestion_control
+from aioquic.quic.packet_builder import QuicSentPacket
+
+NAME = "rate"
+BANDWIDTH_ROUNDS = 10  # the estimate is the best delivery rate of this many measuring rounds
+PROBE_GAINS = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)  # the window's gain, one per round
+FULL_GROWTH = 1.25  # startup ends when the rate has not grown by this much ...
+FULL_ROUNDS = 3  # ... for this many rounds in a row
+QUEUE_RISE = 1.25  # startup ends when round trips are this much above the smallest ...
+QUEUE_RISE_S = 0.004  # ... and this much besides (timers and acknowledgement delay wobble) ...
+QUEUE_RISE_SAMPLES = 8  # ... this many in a row: the bottleneck's queue is filling
+LOSS_CEILING = 0.05  # a round that loses more than this fraction of its packets ...
+LOSS_MIN_PACKETS = 8  # ... and at least this many: the path is full ...
+LOSS_BACKOFF = 0.85  # ... and the estimate comes down to this much of what that round delivered
+EXTRA_PACKETS = 4  # the window's allowance over the product, for acknowledgements that come late
+
+
+@dataclass(frozen=True)
+class _Sent:
+    delivered: int  # bytes acknowledged when the packet was sent
+    delivered_time: float  # when the latest of those was acknowledged
+    first_sent_time: float  # when the packet acknowledged then had been sent
+    app_limited: bool  # the window was not full: the sender had less to send than it allowed
+
+
+class RateCongestionControl(QuicCongestionControl):
+    """Window = delivery rate × smoothed round trip × gain; see the module's docstring."""
+
+    def __init__(self, *, max_datagram_size: int) -> None:
+        super().__init__(max_datagram_size=max_datagram_size)
+        self._packet = max_datagram_size
+        self._floor = K_INITIAL_WINDOW * max_datagram_size
+        self._sent: dict[int, _Sent] = {}  # id() of each packet in flight
+        self.delivered = 0
+        self._delivered_time = 0.0
+        self._first_sent_time = 0.0
+        self.startup = True
+        self.rounds = 0
+        self._round_end = 0  # `delivered` past which the current round ends
+        self._round_best = 0.0
+        self._round_acked = 0
+        self._round_lost = 0
+        self._backed_off = False  # in this round
+        self._rates: deque[float] = deque(maxlen=BANDWIDTH_ROUNDS)  # each measuring round's best
+        self._full_rate = 0.0
+        self._full_rounds = 0
+        self._rising = 0
+        self.min_rtt = math.inf  # the smallest round trip seen: the path without a queue
+        self.smoothed_rtt = 0.0
+        self._phase = 0
+
+    @property
+    def bandwidth(self) -> float:
+        """The path's delivery rate, bytes a second, as estimated (0 before the first sample)."""
+        return max(self._rates, default=0.0)
+
+    def on_packet_sent(self, *, packet: QuicSentPacket) -> None:
+        if not self.bytes_in_flight:  # idle until now: a sample starts from this packet
+            self._delivered_time = self._first_sent_time = packet.sent_time or 0.0
+        self.bytes_in_flight += packet.sent_bytes
+        app_limited = self.bytes_in_flight + self._packet < self.congestion_window
+        self._sent[id(packet)] = _Sent(self.delivered, self._delivered_time, self._first_sent_time, app_limited)
+
+    def on_packet_acked(self, *, now: float, packet: QuicSentPacket) -> None:
+        self.bytes_in_flight -= packet.sent_bytes
+        sent = self._sent.pop(id(packet), None)
+        self.delivered += packet.sent_bytes
+        self._delivered_time = now
+        self._first_sent_time = packet.sent_time or now
+        self._round_acked += 1
+        if self.startup:  # slow start: the window grows by what is delivered, doubling each round
+            self.congestion_window += packet.sent_bytes
+        if sent is None:
+            return
+        interval = max(now - sent.delivered_time, (packet.sent_time or now) - sent.first_sent_time)
+        if interval > 0:
+            rate = (self.delivered - sent.delivered) / interval
+            if not sent.app_limited or rate >= self.bandwidth:
+                self._round_best = max(self._round_best, rate)
+        if sent.delivered >= self._round_end:
+            self._next_round(now)
+        self._set_window()
+
+    def _next_round(self, now: float) -> None:
+        if self._round_best and not self._backed_off:
+            self._rates.append(self._round_best)
+        if self.startup and self._rates:
+            if self.bandwidth >= FULL_GROWTH * self._full_rate:
+                self._full_rate, self._full_rounds = self.bandwidth, 0
+            else:
+                self._full_rounds += 1
+                if self._full_rounds >= FULL_ROUNDS:
+                    self._leave_startup()
+        elif not self.startup:
+            self._phase = (self._phase + 1) % len(PROBE_GAINS)
+        self.rounds += 1
+        self._round_end = self.delivered
+        self._round_best = 0.0
+        self._round_acked = self._round_lost = 0
+        self._backed_off = False
+
+    def _leave_startup(self) -> None:
+        self.startup = False
+        self._phase = 1  # begin with the round that asks less: drain what startup queued
+        self._set_window()
+
+    def _set_window(self) -> None:
+        if self.startup or not self._rates or not self.smoothed_rtt:
+            return
+        product = self.bandwidth * self.smoothed_rtt
+        window = PROBE_GAINS[self._phase] * product + EXTRA_PACKETS * self._packet
+        self.congestion_window = max(self._floor, int(window))
+
+    def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
+        self.smoothed_rtt = 7 / 8 * self.smoothed_rtt + 1 / 8 * rtt if self.smoothed_rtt else rtt
+        self.min_rtt = min(self.min_rtt, rtt)
+        if not self.startup:
+            return
+        self._rising = self._rising + 1 if rtt > QUEUE_RISE * self.min_rtt + QUEUE_RISE_S else 0
+        if self._rising >= QUEUE_RISE_SAMPLES:  # the bottleneck's queue is filling: the rate is found
+            self._rates.append(self._round_best)
+            self._leave_startup()
+
+    def on_packets_expired(self, *, packets: Iterable[QuicSentPacket]) -> None:
+        for packet in packets:
+            self.bytes_in_flight -= packet.sent_bytes
+            self._sent.pop(id(packet), None)
+
+    def on_packets_lost(self, *, now: float, packets: Iterable[QuicSentPacket]) -> None:
+        for packet in packets:
+            self.bytes_in_flight -= packet.sent_bytes
+            self._sent.pop(id(packet), None)
+            self._round_lost += 1
+        lost, packets_seen = self._round_lost, self._round_acked + self._round_lost
+        if self._backed_off or lost < LOSS_MIN_PACKETS or lost <= LOSS_CEILING * packets_seen:
+            return
+        # The path is full (a policer, a queue that keeps overflowing): ask less, by a step each
+        # round that still loses as much. Loss at random never comes near the ceiling.
+        backoff = LOSS_BACKOFF * self.bandwidth
+        self._rates.clear()
+        self._rates.append(backoff)
+        self._backed_off = True
+        self.startup = False
+        self._phase = 2
+        self._set_window()
+
+    def on_persistent_congestion(self) -> None:
+        """Nothing got through for several round trips: start again from what a new link has."""
+        self._rates.clear()
+        self.startup, self._full_rate, self._full_rounds, self._rising = True, 0.0, 0, 0
+        self.congestion_window = self._floor
+
+    def get_log_data(self) -> dict[str, float]:
+        return {
+            "cwnd": self.congestion_window,
+            "bytes_in_flight": self.bytes_in_flight,
+            "bandwidth": self.bandwidth,
+            "min_rtt": self.min_rtt,
+            "smoothed_rtt": self.smoothed_rtt,
+        }
+
+
+register_congestion_control(NAME, RateCongestionControl)
