@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from aioquic.quic.congestion.base import K_INITIAL_WINDOW, QuicCongestionControl, register_congestion_control
 from aioquic.quic.packet_builder import QuicSentPacket
@@ -39,6 +39,7 @@ BANDWIDTH_ROUNDS = 10  # the estimate is the best delivery rate of this many mea
 PROBE_GAINS = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)  # the window's gain, one per round
 FULL_GROWTH = 1.25  # startup ends when the rate has not grown by this much ...
 FULL_ROUNDS = 3  # ... for this many rounds in a row
+REGROWTH = 1.2  # a probing round that delivers this much more than the estimate: startup again
 QUEUE_RISE = 1.25  # startup ends when round trips are this much above the smallest ...
 QUEUE_RISE_S = 0.004  # ... and this much besides (timers and acknowledgement delay wobble) ...
 QUEUE_RISE_SAMPLES = 8  # ... this many in a row: the bottleneck's queue is filling
@@ -48,8 +49,7 @@ LOSS_BACKOFF = 0.85  # ... and the estimate comes down to this much of what that
 EXTRA_PACKETS = 4  # the window's allowance over the product, for acknowledgements that come late
 
 
-@dataclass(frozen=True)
-class _Sent:
+class _Sent(NamedTuple):  # a tuple: one is made for every packet sent
     delivered: int  # bytes acknowledged when the packet was sent
     delivered_time: float  # when the latest of those was acknowledged
     first_sent_time: float  # when the packet acknowledged then had been sent
@@ -115,9 +115,14 @@ class RateCongestionControl(QuicCongestionControl):
         self._set_window()
 
     def _next_round(self, now: float) -> None:
+        before = self.bandwidth
         if self._round_best and not self._backed_off:
             self._rates.append(self._round_best)
-        if self.startup and self._rates:
+        if not self.startup and self._phase == 0 and self.bandwidth >= REGROWTH * before:
+            # The round that asked a quarter more got it: the path has room that a startup cut
+            # short (round trips that wobble on a busy machine) left unused. Double again.
+            self.startup, self._full_rate, self._full_rounds, self._rising = True, before, 0, 0
+        elif self.startup and self._rates:
             if self.bandwidth >= FULL_GROWTH * self._full_rate:
                 self._full_rate, self._full_rounds = self.bandwidth, 0
             else:
