@@ -161,7 +161,8 @@ def compare_waves(model: Path, rounds: int, tokens: int) -> None:
     print("|---|---|---|")
     for label, values in rates.items():
         ratios = [p / x for p, x in zip(rates["priced"], values, strict=True)]
-        print(f"| {label} | {listed(values)} | {listed(ratios)} |")
+        each = ", ".join(f"{x:.2f}" for x in ratios)
+        print(f"| {label} | {listed(values)} | {statistics.median(ratios):.2f} ({each}) |")
     print(f"\nthe priced ring's count after each round: {counts}")
     for stage in stages:
         sizes = ", ".join(f"{rows}: {ms:.1f}" for rows, ms in stage["decode_ms_by_rows"])

@@ -196,6 +196,7 @@ def test_the_stage_report_stays_current_while_the_ring_is_never_idle(
     from kafila.serving.batcher import Finished, Job, TextDelta
 
     monkeypatch.setattr(service, "STATS_REFRESH_S", 0.02)
+    monkeypatch.setenv("KAFILA_PIPELINE_WAVES", "2")  # two waves out throughout, unpriced
     settings = ContextSettings(n_ctx=4 * 512, n_batch=64, n_seq_max=4, n_threads=1)
     engine = open_engine(model, [2, 2], settings, tmp_path)
     assert isinstance(engine, RingEngine)
@@ -289,9 +290,10 @@ def test_the_waves_in_flight_follow_what_the_stages_report_waves_cost(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, override: str | None
 ) -> None:
     """As the stage report refreshes, the loop prices the waves in flight from each stage's
-    decodes by size (planner/waves.py; these local stages share one machine) and splits the
-    running requests by the count it chooses, the requests running to their last token as
-    before; KAFILA_PIPELINE_WAVES fixes the count, and nothing is priced."""
+    decodes by size (planner/waves.py; these local stages count as three machines) and splits the
+    running requests by the count it chooses, first one wave of them all so that every stage
+    times the widest decode, the requests running to their last token as before;
+    KAFILA_PIPELINE_WAVES fixes the count, and nothing is priced."""
     import threading
 
     from kafila.planner.waves import wave_costs_from
@@ -307,7 +309,7 @@ def test_the_waves_in_flight_follow_what_the_stages_report_waves_cost(
     settings = ContextSettings(n_ctx=4 * 128, n_batch=64, n_seq_max=4, n_threads=1)
     engine = open_engine(model, [2, 1, 1], settings, tmp_path)
     assert isinstance(engine, RingEngine)
-    engine.depth = 2  # two waves until waves are priced
+    engine.depth, engine.stage_machines = 2, (0, 1, 2)  # as three machines: two waves until priced
     loop = service.EngineLoop(engine, concurrency=4, batch_rows=64, context_per_sequence=128)
     texts: dict[str, list[str]] = {}
     lengths: dict[str, int] = {}
@@ -323,13 +325,13 @@ def test_the_waves_in_flight_follow_what_the_stages_report_waves_cost(
     costs_seen = set()
     loop.start()
     try:
-        prompt = engine.tokenize(PROMPTS[0])
+        prompt = engine.tokenize(PROMPTS[3])  # short: four in one step stay a small batch (as alone)
         for n, tokens in enumerate((20, 30, 40, 50)):  # ending one by one: waves of every size
             loop.submit(Job(f"r{n}", prompt, tokens, SamplingSettings(top_k=1)), sink)
         for _ in range(4):
             assert done.acquire(timeout=120)
             costs_seen.add(loop.wave_costs)
-        start = engine.detokenize(greedy_alone(model, PROMPTS[0], 3))  # batches may break a later near-tie
+        start = engine.detokenize(greedy_alone(model, PROMPTS[3], 3))  # batches may break a later near-tie
     finally:
         loop.stop()
         engine.close()
@@ -339,8 +341,9 @@ def test_the_waves_in_flight_follow_what_the_stages_report_waves_cost(
     if override is not None:
         assert loop.wave_costs is None and loop.decode_waves == 2
         return
-    assert loop.wave_costs is not None and loop.wave_costs.machines == (0, 0, 0)  # one machine's cores
-    assert loop.wave_costs == wave_costs_from([s.decode_ms_by_rows for s in report], (0, 0, 0), loop.ring_ms)
+    assert loop.wave_costs is not None and loop.wave_costs.machines == (0, 1, 2)
+    assert loop.wave_costs == wave_costs_from([s.decode_ms_by_rows for s in report], (0, 1, 2), loop.ring_ms)
     assert all(len(stage.decode_ms_by_rows) >= 2 for stage in report)
+    assert all(max(rows for rows, _ in stage.decode_ms_by_rows) == 4 for stage in report), report  # all four at once
     assert 1 <= loop.decode_waves <= 4
     assert len(costs_seen - {None}) >= 2  # priced again as the report refreshed

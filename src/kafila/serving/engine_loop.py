@@ -101,6 +101,8 @@ class EngineLoop:
         self.ring_ms: float | None = None  # the last stage report's trip round the ring, one way
         self.wave_costs: WaveCosts | None = None  # what the decode waves in flight are counted by
         self.decode_waves = engine.depth  # the waves the running requests split into, while two or more run
+        self._priced = waves_override() is None  # KAFILA_PIPELINE_WAVES fixes the count: engine.depth
+        self._widest_measured = 0  # the largest decode every stage has timed (0: some stage has timed none)
         chunks = prefill_chunks_in_flight(engine.depth) if prefill_chunks is None else prefill_chunks
         out_at_once = self._chunks_out = max(1, min(chunks, engine.depth))
         self.batcher = Batcher(
@@ -282,14 +284,22 @@ class EngineLoop:
             in_flight.append((self.engine.launch(steps), steps, time.perf_counter()))
 
     def _waves_now(self) -> int:
-        """The waves the running requests split into (a prompt pipelining may add its chunks'):
-        until the stages have priced waves, or where KAFILA_PIPELINE_WAVES fixes it, the engine's
-        depth; then the count of least time per token for the requests running now
-        (planner/waves.py), which moves from the last only where that saves enough. Under the lock."""
-        if self.wave_costs is None:
+        """The waves the running requests split into (a prompt pipelining may add its chunks'): the
+        count of least time per token for the requests running now, priced from the stages'
+        decodes (planner/waves.py), which moves from the last only where that saves enough.
+        Where the last report shows every stage has timed decodes, but some stage none of all
+        the rows running, one wave until the next report, so that the line each stage is priced
+        by spans every count's waves rather than stretching beyond them (once for each number of
+        rows); where the decodes do not yet give a line (none, or one size alone), the engine's
+        depth, one wave a machine; where KAFILA_PIPELINE_WAVES fixes the count, that depth
+        always. Under the lock."""
+        if not self._priced:
             return max(1, self.engine.depth)
         rows = min(self.batcher.concurrency, self.batcher.running + self.batcher.queued)  # as `plan` admits
-        waves = decode_waves(rows, self.wave_costs, self.decode_waves)
+        if 0 < self._widest_measured < rows:
+            waves = 1
+        else:
+            waves = decode_waves(rows, self.wave_costs, self.decode_waves if self.wave_costs else self.engine.depth)
         if rows > 1:
             self.decode_waves = waves
         return waves
@@ -365,8 +375,9 @@ class EngineLoop:
         costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in report], trip_ms)
         machines = stage_machines(self.engine, len(report))
         waves = None
-        if machines is not None and waves_override() is None:
+        if machines is not None and self._priced:
             waves = wave_costs_from([entry.decode_ms_by_rows for entry in report], machines, trip_ms)
+        widest = min((max((rows for rows, _ in entry.decode_ms_by_rows), default=0) for entry in report), default=0)
         with self._lock:
             self.stage_report = report
             self.ring_ms = trip_ms
@@ -374,6 +385,7 @@ class EngineLoop:
                 self.prefill_costs = costs
             if waves is not None:
                 self.wave_costs = waves
+            self._widest_measured = widest if machines is not None else 0
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:
