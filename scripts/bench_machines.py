@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.request import urlopen
@@ -171,6 +172,13 @@ def compare_waves(model: Path, rounds: int, tokens: int) -> None:
         fitted = ", ".join(f"{s.step_ms:.1f} + {s.row_ms:.1f}·r" for s in costs.stages)
         periods = ", ".join(f"W={w}: {costs.period_ms(4, w):.1f}" for w in range(1, 5))
         print(f"  fitted stages (ms): {fitted}; trip {costs.ring_ms:.1f} ms; periods for 4 rows (ms): {periods}")
+        observed = {label: 4e3 / statistics.median(values) for label, values in rates.items()}  # 4 tokens a period
+        hosted = replace(costs, host_machine=len(stages) - 1)
+        seen = hosted.host_work_ms(4, 2, observed["two waves"])
+        print(
+            f"  observed periods (ms): {', '.join(f'{label} {ms:.1f}' for label, ms in observed.items())}; "
+            f"the host's own work a wave the two-wave period shows: {'hidden' if seen is None else f'{seen:.1f} ms'}"
+        )
 
 
 def main() -> None:

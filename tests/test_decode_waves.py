@@ -158,3 +158,23 @@ def test_a_stage_reports_its_recent_decodes_by_size() -> None:
     assert len(sizes) == MAX_REPORTED_ROW_COUNTS and 1 not in sizes  # size 1, seen longest ago, left
     report = timer.report((0, 4))
     assert StageReport.model_validate(report.wire()) == report
+
+
+def test_the_hosts_own_work_a_wave_is_read_from_a_period_its_machine_set() -> None:
+    """The demo's ring as measured on this box (member 7.1 + 3.0·r ms, head 2.0 + 10.9·r, 1.8 ms
+    of wire): two waves of two rows were priced at 47.6 ms a period but came back every 83 ms, one
+    wave of four every 67. The excess, the host's own work a wave beside its head (framing, its
+    event loop, the API) on the head's machine, makes one wave the faster, as measured."""
+    costs = WaveCosts((StageWaveCost(7.1, 3.0), StageWaveCost(2.0, 10.9)), (0, 1), 1.8, host_machine=1)
+    assert costs.period_ms(4, 2) == pytest.approx(47.6) and decode_waves(4, costs, current=2) == 2
+    seen = costs.host_work_ms(4, 2, observed_ms=83.0)
+    assert seen == pytest.approx((83.0 - (2 * 2.0 + 4 * 10.9)) / 2)
+    priced = WaveCosts(costs.stages, costs.machines, costs.ring_ms, host_machine=1, host_ms=seen)
+    assert priced.period_ms(4, 2) == pytest.approx(83.0)
+    assert priced.period_ms(4, 1) == pytest.approx(costs.trip_ms(4))  # one wave hides it under the member's compute
+    assert decode_waves(4, priced, current=2) == 1
+    assert costs.host_work_ms(4, 1, observed_ms=costs.trip_ms(4) * 1.02) is None  # the trip set it: o unseen
+    assert costs.host_work_ms(4, 2, observed_ms=40.0) is None  # faster than priced: nothing beyond
+    member_bound = WaveCosts((StageWaveCost(40, 10), StageWaveCost(2, 1)), (0, 1), 1.0, host_machine=1)
+    assert member_bound.host_work_ms(4, 2, observed_ms=121.0) is None  # the member's 120 ms explain it
+    assert WaveCosts(costs.stages, costs.machines, 1.8).host_work_ms(4, 2, 83.0) is None  # no host stage

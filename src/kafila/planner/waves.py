@@ -7,12 +7,17 @@ mostly its output row), the wire adds L one way round the ring, and the stages o
 share its cores (S_m: the stages on machine m). Every wave comes back once a period
 
     C(r) = Σ_k (a_k + r·p_k) + L                              a wave of r rows round the ring
-    P(W) = max( C(⌈R/W⌉), max_m Σ_{k∈S_m} (W·a_k + R·p_k) )
+    P(W) = max( C(⌈R/W⌉), max_m [ Σ_{k∈S_m} (W·a_k + R·p_k) + [m = host]·W·o ] )
 
 no shorter than its own trip, nor than a machine's work for all W waves; each sequence gets a
-token a period, so the time per token is P(W)/R. Where every stage is on one machine, the trip
-never leaves it: L is its own cores' work (the hops' framing and event loops), W·L more of it, so
-one wave (P(1) = C(R) ≤ P(W)) always wins there. More waves shorten a wave's trip (fewer rows
+token a period, so the time per token is P(W)/R. o is the serving host's own work a wave beyond
+its stage's timer (embedding, sampling, framing, its event loop's QUIC and hand-offs, the API),
+on its machine: it overlaps the other machines' compute, so it is not in the trip, and no timer
+measures it; a period observed at W waves where neither the trip nor another machine's work
+explains it shows it, o = (observed − the host machine's stages' work) / W (`host_work_ms`).
+Where every stage is on one machine, the trip never leaves it: L is its own cores' work (the
+hops' framing and event loops), W·L more of it, so one wave (P(1) = C(R) ≤ P(W)) always wins
+there. More waves shorten a wave's trip (fewer rows
 at each stage) and keep more machines busy at once, but pay every a_k again for each: with the
 fixed costs dominant one wave wins, with per-row compute dominant one wave per machine, and with
 a long wire (the stages idle most of a trip) more. The W of least P, from 1 to R, is chosen;
@@ -20,7 +25,7 @@ where it saves less than MIN_GAIN of the current count's period, the count stays
 measured, not exact, and a count that flips on noise reorders the waves for nothing).
 
 Pure: the engine loop gives it the stages' measured decodes (`StageReport.decode_ms_by_rows`,
-fitted here to a_k + r·p_k) and the ring's measured trip.
+fitted here to a_k + r·p_k), the ring's measured trip and the periods it observed.
 """
 
 from __future__ import annotations
@@ -57,12 +62,16 @@ class WaveCosts:
     stages: tuple[StageWaveCost, ...]
     machines: tuple[int, ...]  # one per stage: stages with the same number share a machine
     ring_ms: float
+    host_machine: int | None = None  # the serving host's machine, where it runs a stage
+    host_ms: float = 0.0  # o: the host's own work a wave there, beyond its stage's (`host_work_ms`)
 
     def __post_init__(self) -> None:
         if not self.stages or len(self.machines) != len(self.stages):
             raise ValueError("a ring has at least one stage, and each stage a machine")
         if not (self.ring_ms >= 0 and math.isfinite(self.ring_ms)):
             raise ValueError(f"the ring's trip is finite and never negative, not {self.ring_ms}")
+        if not (self.host_ms >= 0 and math.isfinite(self.host_ms)):
+            raise ValueError(f"the host's work a wave is finite and never negative, not {self.host_ms}")
 
     def trip_ms(self, rows: int) -> float:
         """C(r): one wave of `rows` round the ring."""
@@ -72,11 +81,31 @@ class WaveCosts:
         """P(W): how often each of `waves` waves, `rows` rows in all, comes back."""
         if rows < 1 or not 1 <= waves <= rows:
             raise ValueError(f"{rows} rows cannot ride in {waves} waves")
+        return max(self.trip_ms(math.ceil(rows / waves)), *self._busy_ms(rows, waves).values())
+
+    def _busy_ms(self, rows: int, waves: int) -> dict[int, float]:
+        """Each machine's work for `waves` waves of `rows` rows in all."""
         one_machine = len(set(self.machines)) == 1  # the trip never leaves it: its hops are its own work
-        busiest = {machine: waves * self.ring_ms if one_machine else 0.0 for machine in self.machines}
+        busy = {machine: waves * self.ring_ms if one_machine else 0.0 for machine in self.machines}
         for stage, machine in zip(self.stages, self.machines, strict=True):
-            busiest[machine] += waves * stage.step_ms + rows * stage.row_ms
-        return max(self.trip_ms(math.ceil(rows / waves)), *busiest.values())
+            busy[machine] += waves * stage.step_ms + rows * stage.row_ms
+        if self.host_machine in busy:
+            busy[self.host_machine] += waves * self.host_ms
+        return busy
+
+    def host_work_ms(self, rows: int, waves: int, observed_ms: float) -> float | None:
+        """o as a period observed at `waves` waves of `rows` rows shows it: where neither the
+        wave's trip nor another machine's work explains the period (both short of it by
+        MIN_GAIN), the host's machine set it, o = (observed − its stages' work) / W; else None
+        (o is then hidden under the trip or another machine's compute, and not seen)."""
+        if self.host_machine is None:
+            return None
+        busy = WaveCosts(self.stages, self.machines, self.ring_ms)._busy_ms(rows, waves)
+        others = [ms for machine, ms in busy.items() if machine != self.host_machine]
+        explained = max(self.trip_ms(math.ceil(rows / waves)), *others)
+        if observed_ms <= (1 + MIN_GAIN) * explained:
+            return None
+        return max(0.0, (observed_ms - busy.get(self.host_machine, 0.0)) / waves)
 
 
 def decode_waves(rows: int, costs: WaveCosts | None, current: int) -> int:

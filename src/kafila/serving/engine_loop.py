@@ -13,11 +13,12 @@ ring and the others carry on, with `error` left unset: the ring is not broken.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kafila.contracts import StageReport
 from kafila.planner.prefill import PrefillCosts, costs_from, prefill_chunk_rows
@@ -33,6 +34,8 @@ Sink = Callable[[RequestEvent], None]
 STATS_REFRESH_S = 2.0
 REPORT_LATE_S = 30.0  # the most a stage report waits for a pipelined prompt's chunks to be sent
 REFUSALS_TO_BREAK = 8  # requests failed by stages in a row, none served between: the ring is broken
+LANDED_KEPT = 256  # decode waves' landings kept between stage reports, to measure the period
+MIN_PERIODS = 3  # periods seen at one count before they tell the host's own work a wave
 
 
 def prefill_chunks_in_flight(depth: int) -> int:
@@ -103,6 +106,10 @@ class EngineLoop:
         self.decode_waves = engine.depth  # the waves the running requests split into, while two or more run
         self._priced = waves_override() is None  # KAFILA_PIPELINE_WAVES fixes the count: engine.depth
         self._widest_measured = 0  # the largest decode every stage has timed (0: some stage has timed none)
+        self._waves_used = engine.depth  # the last count `_waves_now` gave
+        self._host_ms: float | None = None  # the host's own work a wave, as a period last showed it
+        # Decode waves landed since the last report: (when, rows running, waves in flight).
+        self._landed: deque[tuple[float, int, int]] = deque(maxlen=LANDED_KEPT)
         chunks = prefill_chunks_in_flight(engine.depth) if prefill_chunks is None else prefill_chunks
         out_at_once = self._chunks_out = max(1, min(chunks, engine.depth))
         self.batcher = Batcher(
@@ -252,6 +259,7 @@ class EngineLoop:
                 self._undelivered = self.batcher.advance(results)
                 if all(step.decode for step in steps):  # what drafted rows cost, for the cost rule
                     self.batcher.trip_clock.record(sum(len(step.tokens) - 1 for step in steps), elapsed)
+                    self._landed.append((time.perf_counter(), self.batcher.running, self._waves_used))
                 self._count(
                     steps_rows=sum(len(s.tokens) for s in steps if not s.decode),
                     elapsed=elapsed,
@@ -302,7 +310,23 @@ class EngineLoop:
             waves = decode_waves(rows, self.wave_costs, self.decode_waves if self.wave_costs else self.engine.depth)
         if rows > 1:
             self.decode_waves = waves
+        self._waves_used = waves
         return waves
+
+    def _observed_period_ms(self) -> tuple[int, int, float] | None:
+        """(rows, waves, ms): the median period of the decode waves landed since the last report,
+        each the time between a wave's landing and the landing W waves before, at the count and
+        rows of the last landing; None with fewer than MIN_PERIODS of them."""
+        if not self._landed:
+            return None
+        _, rows, waves = self._landed[-1]
+        landed = list(self._landed)
+        periods = [
+            1e3 * (landed[i][0] - landed[i - waves][0])
+            for i in range(waves, len(landed))
+            if all(entry[1:] == (rows, waves) for entry in landed[i - waves : i + 1])
+        ]
+        return (rows, waves, statistics.median(periods)) if len(periods) >= MIN_PERIODS and rows > 1 else None
 
     def _refused_in_a_row(self, results: list[StepResult]) -> int:
         """Sequences refused by a stage with none served since: a stage that refuses everything
@@ -378,6 +402,15 @@ class EngineLoop:
         if machines is not None and self._priced:
             waves = wave_costs_from([entry.decode_ms_by_rows for entry in report], machines, trip_ms)
         widest = min((max((rows for rows, _ in entry.decode_ms_by_rows), default=0) for entry in report), default=0)
+        observed = self._observed_period_ms()  # the engine thread's alone, as `_landed`
+        self._landed.clear()  # a period across the report's pause would be the pause's
+        if waves is not None and machines is not None and self.engine.head_here:
+            waves = replace(waves, host_machine=machines[-1], host_ms=self._host_ms or 0.0)
+            if observed is not None:
+                seen = waves.host_work_ms(*observed)
+                if seen is not None:
+                    self._host_ms = seen
+                    waves = replace(waves, host_ms=seen)
         with self._lock:
             self.stage_report = report
             self.ring_ms = trip_ms

@@ -163,6 +163,7 @@ class Engine(Protocol):
     # The machine of each stage in the stage report's order, where known (else `machines` tells:
     # one machine holds them all, or each stage is a machine of its own).
     stage_machines: tuple[int, ...] | None
+    head_here: bool  # whether the head runs in this process (the last stage reported), or on a member
     # Why this engine cannot answer `every_row` steps (speculative decoding), or None where it can.
     speculation_refused: str | None
     # Whether it answers them with whole rows (a head here), or with each row's `top` largest
@@ -230,6 +231,7 @@ class _Vocabulary:
     depth = 1
     machines = 1
     stage_machines: tuple[int, ...] | None = None
+    head_here = True
     speculation_refused: str | None = None
     every_row_whole = True
     _readers: _Readers
@@ -399,6 +401,7 @@ class RingEngine(_Vocabulary):
         self.depth = pipeline_depth(depth)
         self.machines = max(1, depth)
         self.stage_machines = None if stage_machines is None else tuple(stage_machines)
+        self.head_here = self.head is not None
         self._waves = itertools.count()
         self._expected: defaultdict[int, deque[int | None]] = defaultdict(deque)  # per sequence: wave or CANCEL out
         self._arrived: dict[tuple[int, int], Frame] = {}  # (wave, sequence) → its frame, until the wave lands
