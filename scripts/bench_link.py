@@ -48,7 +48,8 @@ def bound() -> socket.socket:
 
 def link_config(datagram_size: int, congestion: str) -> LinkConfig:
     options: dict[str, Any] = {"idle_timeout_s": 30.0, "keepalive_s": 15.0, "max_datagram_size": datagram_size}
-    if congestion != "reno":  # the default, and the only choice before LinkConfig had the field
+    # reno was the only choice before LinkConfig had the field; since, the default is "rate"
+    if congestion != "reno" or "congestion_control" in LinkConfig.model_fields:
         options["congestion_control"] = congestion
     return LinkConfig(**options)
 
