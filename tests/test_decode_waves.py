@@ -178,3 +178,7 @@ def test_the_hosts_own_work_a_wave_is_read_from_a_period_its_machine_set() -> No
     member_bound = WaveCosts((StageWaveCost(40, 10), StageWaveCost(2, 1)), (0, 1), 1.0, host_machine=1)
     assert member_bound.host_work_ms(4, 2, observed_ms=121.0) is None  # the member's 120 ms explain it
     assert WaveCosts(costs.stages, costs.machines, 1.8).host_work_ms(4, 2, 83.0) is None  # no host stage
+    # Every stage on the host's machine (a ring left with the host alone, a local ring): no other
+    # machine's work to compare with, only the trip.
+    alone = WaveCosts(costs.stages, (1, 1), 1.8, host_machine=1)
+    assert alone.host_work_ms(4, 2, observed_ms=200.0) is not None

@@ -102,7 +102,7 @@ class WaveCosts:
             return None
         busy = WaveCosts(self.stages, self.machines, self.ring_ms)._busy_ms(rows, waves)
         others = [ms for machine, ms in busy.items() if machine != self.host_machine]
-        explained = max(self.trip_ms(math.ceil(rows / waves)), *others)
+        explained = max([self.trip_ms(math.ceil(rows / waves)), *others])  # others: none on one machine
         if observed_ms <= (1 + MIN_GAIN) * explained:
             return None
         return max(0.0, (observed_ms - busy.get(self.host_machine, 0.0)) / waves)
