@@ -536,14 +536,18 @@ class SessionCore:
             return self._replan_by_choice(f"taking in {names}")
         waited = self.newcomers_waiting_since
         if self.phase == Phase.SERVING and waited is not None and look.now - waited >= self.policy.newcomer_patience_s:
-            # Under steady load a moment without requests may never come: new requests wait
-            # while those running and queued finish, so nothing in flight is lost.
-            self.phase, self.paused = Phase.PAUSED, True
-            return [
-                Say(f"the requests running finish first; new ones wait for the replan taking in {names}"),
-                Unready((f"the requests running to finish, then the host to replan taking in {names}",), True),
-            ]
+            return self._hold_new_requests(f"taking in {names}")
         return []
+
+    def _hold_new_requests(self, replan: str) -> list[Command]:
+        """Under steady load a moment without requests may never come: new requests wait while
+        those running and queued finish, so nothing in flight is lost; then the replan (`replan`
+        says which) comes."""
+        self.phase, self.paused = Phase.PAUSED, True
+        return [
+            Say(f"the requests running finish first; new ones wait for the replan {replan}"),
+            Unready((f"the requests running to finish, then the host to replan {replan}",), True),
+        ]
 
     def _change_for_load(self, look: Look) -> list[Command] | None:
         """Who serves changes for the load at a moment without requests; after the host's patience,
@@ -554,11 +558,7 @@ class SessionCore:
         if look.idle:
             return self._replan_by_choice()
         if self.phase == Phase.SERVING and look.now - change.waiting_since >= self.policy.newcomer_patience_s:
-            self.phase, self.paused = Phase.PAUSED, True
-            return [
-                Say("the requests running finish first; new ones wait for the replan for the load"),
-                Unready(("the requests running to finish, then the host to replan for the load",), True),
-            ]
+            return self._hold_new_requests("for the load")
         return []
 
     def _newcomers_left(self, look: Look) -> list[Command] | None:
