@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -39,8 +39,9 @@ class Pair:
         self.dialler = LinkCore(dialler, dialler_pins or listener.fingerprint, LISTENER_AT, True, now, config)
         self.listener = LinkCore(listener, dialler.fingerprint, DIALLER_AT, False, now, config)
 
-    def transfer(self, drop: bool = False) -> int:
-        """Move datagrams both ways until neither side has any to send; how many moved."""
+    def transfer(self, drop: bool = False, lost: Callable[[bytes], bool] = lambda _data: False) -> int:
+        """Move datagrams both ways until neither side has any to send; how many moved. `lost`
+        picks datagrams from the listener that never reach the dialler."""
         moved = 0
         while True:
             out = self.dialler.datagrams_to_send(self.now)
@@ -53,9 +54,10 @@ class Pair:
             for data, _ in out:
                 self.listener.datagram_received(data, DIALLER_AT, self.now)
             for data, _ in back:
-                self.dialler.datagram_received(data, LISTENER_AT, self.now)
+                if not lost(data):
+                    self.dialler.datagram_received(data, LISTENER_AT, self.now)
 
-    def advance(self, seconds: float, drop: bool = False) -> None:
+    def advance(self, seconds: float, drop: bool = False, lost: Callable[[bytes], bool] = lambda _data: False) -> None:
         """Let `seconds` pass, running each side's timer when it falls due and exchanging what it sends."""
         end = self.now + seconds
         while True:
@@ -67,7 +69,7 @@ class Pair:
                 timer = core.timer()
                 if timer is not None and timer <= self.now:
                     core.handle_timer(self.now)
-            self.transfer(drop)
+            self.transfer(drop, lost)
         self.now = end
 
     def settle(self) -> None:
@@ -258,3 +260,62 @@ def test_frames_that_never_finish_count_too_and_a_refused_stream_stops_counting(
         pair.dialler.send_raw(started)
     pair.settle()
     assert isinstance(down(pair.listener), LinkOverBound)  # four unfinished frames of 300 KiB: past 1 MiB
+
+
+def test_a_peers_goodbye_is_reported_by_the_datagram_that_carries_it_and_outlasts_the_idle_bound() -> None:
+    """aioquic reports a CONNECTION_CLOSE only when draining ends, three probe timeouts after it
+    arrived: a member flooding its link saw round trips of 0.2 to 0.7 s, so 3.5 to 10 s, and its
+    own idle bound (2 s) came first. It learned its link was dead, not that it was sent away."""
+    pair = Pair().up()
+    pair.dialler.close(pair.now, "the session ended")
+    pair.transfer()  # the goodbye crosses; no timer runs
+    closed = down(pair.listener)
+    assert isinstance(closed, LinkClosed) and "the session ended" in str(closed)
+    assert not pair.listener.is_up
+    pair.advance(2 * CONFIG.idle_timeout_s, drop=True)  # draining ends, and the idle bound passes
+    assert events(pair.listener) == [] and pair.listener.error is closed
+
+
+def test_a_goodbye_lost_on_the_way_is_said_again_to_a_peer_that_keeps_sending() -> None:
+    """aioquic sends its CONNECTION_CLOSE once: a flooding member whose copy was lost (0.5% of
+    datagrams on a lossy home line) heard nothing more and learned only from its idle bound
+    that its link was gone. The side that closed answers the peer's datagrams with it again."""
+    pair = Pair(config=BOUNDED).up()
+    goodbyes: list[bytes] = []
+
+    def first_goodbye_lost(data: bytes) -> bool:
+        assert pair.listener.quic is not None
+        if data in pair.listener.quic.goodbye:
+            goodbyes.append(data)
+            return len(goodbyes) == 1
+        return False
+
+    frame, start = Frame(Kind.PING, 9, payload=b"z" * (100 << 10)), pair.now
+    for _ in range(40):  # the dialler sends on while it knows nothing, as a flooding member does
+        if pair.dialler.error is not None:
+            break
+        pair.dialler.send_frame(frame)
+        pair.advance(0.05, lost=first_goodbye_lost)
+    assert isinstance(down(pair.listener), LinkOverBound)
+    told = down(pair.dialler)
+    assert isinstance(told, LinkOverBound) and "sent away by peer" in str(told)
+    assert len(goodbyes) >= 2  # the lost one, and one again
+    assert pair.now - start < CONFIG.idle_timeout_s  # not the idle bound's news
+
+
+def test_a_closed_link_answers_a_flood_with_its_goodbye_a_few_times_and_only_while_closing() -> None:
+    """Saying goodbye again must not amplify a flood: the 1st, 2nd, 4th ... datagram is answered,
+    and nothing once the closing period ends."""
+    pair = Pair().up()
+    pair.dialler.close(pair.now, "bye")
+    assert pair.dialler.quic is not None
+    goodbye = [data for data, _address in pair.dialler.datagrams_to_send(pair.now)]  # lost on the way
+    assert list(pair.dialler.quic.goodbye) == goodbye
+    answers = 0
+    for _ in range(1000):
+        pair.dialler.datagram_received(b"\x40" + b"\x00" * 40, LISTENER_AT, pair.now)
+        answers += len(pair.dialler.datagrams_to_send(pair.now))
+    assert answers == 10 * len(goodbye)  # for datagrams 1, 2, 4, ... 512
+    pair.advance(CONFIG.idle_timeout_s, drop=True)  # the closing period ends
+    pair.dialler.datagram_received(b"\x40" + b"\x00" * 40, LISTENER_AT, pair.now)
+    assert pair.dialler.datagrams_to_send(pair.now) == []
