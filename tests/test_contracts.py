@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from rich.console import Console
 
-from kafila.cli.status_command import render_status
+from kafila.cli.status_command import render_status, speculation_line
 from kafila.contracts import (
     EdgeStatus,
     HostStatus,
@@ -148,3 +148,12 @@ def test_kafila_status_shows_every_part_of_a_typed_status() -> None:
     assert "last incident" in shown and "the ring broke: the link to gone is down" in shown
     assert "drafts: ngram, 40 drafted, 30 kept, 3.00 kept a trip, window 4.0" in shown
     assert "window 4.0; a trip 62.5 ms, a drafted row 8.2 ms more" in shown  # what the cost rule weighs
+
+
+def test_kafila_status_shows_what_a_draft_model_s_decode_costs() -> None:
+    speculation = SpeculationStatus(
+        mode="draft", drafted_tokens=12, accepted_tokens=6, trips=4, accepted_per_trip=1.5, mean_window=3.0,
+        trip_ms=40.0, row_ms=5.0, draft_ms=12.3,
+    )  # fmt: skip
+    assert speculation_line(speculation).endswith("a drafted row 5.0 ms more; the draft 12.3 ms a token")
+    assert "the draft" not in speculation_line(speculation.model_copy(update={"draft_ms": None}))

@@ -313,7 +313,7 @@ class HostEvent(Strict):
 class SpeculationStatus(Strict):
     """Speculative decoding on the ring serving now (`kafila host --speculate`)."""
 
-    mode: str  # ngram or off
+    mode: str  # ngram, draft or off
     off: str | None = None  # why no sequence drafts, where none does
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -324,6 +324,9 @@ class SpeculationStatus(Strict):
     # each drafted row's cost beyond it, as the waves landed show them; None until measured.
     trip_ms: Milliseconds | None = None
     row_ms: Milliseconds | None = None
+    # A draft model's decode a drafted token, on the host before the wave leaves (`--draft`): the
+    # cost rule adds it to a drafted trip. None with n-gram drafts, or until the draft has drafted.
+    draft_ms: Milliseconds | None = None
 
 
 class PrefillStatus(Strict):

@@ -33,6 +33,8 @@ def speculation_line(speculation: SpeculationStatus) -> str:
     )
     if speculation.trip_ms is not None and speculation.row_ms is not None:  # what the cost rule weighs
         line += f"; a trip {_number(speculation.trip_ms, 1)} ms, a drafted row {_number(speculation.row_ms, 1)} ms more"
+    if speculation.draft_ms is not None:  # a draft model's own decode, before the wave leaves
+        line += f"; the draft {_number(speculation.draft_ms, 1)} ms a token"
     return line
 
 

@@ -616,15 +616,23 @@ class Batcher:
 
     def _paying(self, window: DraftWindow, sharing: int) -> int:
         """The drafts `window` allows, but no more than pay on this ring once its waves have been
-        timed (`draft_cost.best_window`, the sequence's accept rate against the measured trip and
-        drafted rows; `sharing`: the sequences of the wave its rows would delay)."""
-        cost = self.trip_clock.cost
-        if cost is None or window.allowed == 0:
+        timed (`draft_cost.best_window`, the sequence's accept rate against the measured trip,
+        drafted rows and, with a draft model, its decodes; `sharing`: the sequences of the wave
+        its rows would delay). A draft model's decodes, measured from its first draft on, are
+        weighed before the ring's rows are, against the quickest wave yet (no shorter than a trip),
+        and a measure of them trusted less while nothing drafted is tried again with one draft."""
+        clock, cost = self.trip_clock, self.trip_clock.cost
+        if window.allowed == 0 or (cost is None and not (clock.drafts and clock.waves)):
             return window.allowed
-        if cost.stale and window.accept.seen < MIN_EVIDENCE:
+        if (clock.draft_stale or (cost is not None and cost.stale)) and window.accept.seen < MIN_EVIDENCE:
             return 0  # a cost shrunk while nothing drafted is tried again on evidence, not on hope
         limit = window.allowed if window.trips else 1  # a sequence's first drafts, on hope alone: one
-        return best_window(window.accept.rate, cost.trip_ms, cost.row_ms, limit, sharing, cost.drafted_ms)
+        if clock.draft_stale:
+            limit = min(limit, 1)  # its first draft measures the decode afresh
+        rate = window.accept.rate
+        if cost is None:
+            return best_window(rate, clock.quickest_ms, 0.0, limit, sharing, draft_ms=clock.draft_ms)
+        return best_window(rate, cost.trip_ms, cost.row_ms, limit, sharing, cost.drafted_ms, cost.draft_ms)
 
     def _verify(self, sequence: _Sequence, step: EngineStep, row: EveryRowLogits) -> list[RequestEvent]:
         """Land a token and its drafts: sample each row in turn, as decoding without drafts would

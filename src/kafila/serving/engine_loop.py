@@ -26,7 +26,7 @@ from kafila.planner.waves import WaveCosts, decode_waves, wave_costs_from
 from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
 from kafila.runtime.engine.ring import StageFailed, waves_override
-from kafila.runtime.engine.speculation import Speculate
+from kafila.runtime.engine.speculation import Drafter, Speculate
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, RequestFailed, Suspended
 from kafila.serving.settings import prefill_chunks_setting
 
@@ -100,6 +100,7 @@ class EngineLoop:
         alone runs it, while it plans a wave)."""
         self.engine = engine
         self.speculate = speculate
+        self._draft_model = draft_model
         self.prefill_costs: PrefillCosts | None = None  # what the chunks of pipelined prefill are sized by
         self.ring_ms: float | None = None  # the last stage report's trip round the ring, one way
         self.wave_costs: WaveCosts | None = None  # what the decode waves in flight are counted by
@@ -126,7 +127,7 @@ class EngineLoop:
             prefill_chunks=chunks,
             chunk_rows=lambda rows: prefill_chunk_rows(rows, self.prefill_costs, out_at_once, batch_rows),
             make_drafter=draft_model.drafter if draft_model is not None else None,
-            draft_together=draft_model.draft_many if draft_model is not None else None,
+            draft_together=self._draft_many if draft_model is not None else None,
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
@@ -149,6 +150,16 @@ class EngineLoop:
 
     def start(self) -> None:
         self._thread.start()
+
+    def _draft_many(self, asked: Sequence[tuple[Drafter, int]]) -> list[list[int]]:
+        """A wave's drafts from the draft model (`DraftModel.draft_many`), timed for the cost rule
+        (`TripClock.drafting`): they are made here, before the wave leaves."""
+        assert self._draft_model is not None, "drafted together only with a draft model"
+        decodes, started = self._draft_model.decodes, time.perf_counter()
+        drafted = self._draft_model.draft_many(asked)
+        if made := self._draft_model.decodes - decodes:
+            self.batcher.trip_clock.drafting(made, time.perf_counter() - started)
+        return drafted
 
     def submit(self, job: Job, sink: Sink) -> None:
         """Queue a job; raises ValueError for a prompt the batcher refuses, EngineUnavailable when broken."""

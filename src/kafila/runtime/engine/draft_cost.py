@@ -10,13 +10,21 @@ rate times the trip) against the measured cost of the extra row. Across homes T 
 fair accept rate pays; on loopback T is a row's compute and only a sequence copying text does.
 A wave shared by n sequences delays all n by a drafted row, so its cost counts n times.
 
+A draft model's drafts are not free to make either: k drafts are k decodes of the draft on the
+host, one after the other (each needs the token before it), made while the host plans the
+sequence's wave and before it leaves, so on the sequence's own path round the ring: a trip of k
+drafts then takes T + k·c + k·d, d the draft's measured decode. On one machine, with a draft near
+the target's size, d alone is about T, and no accept rate pays. The wave's sequences draft in the
+same rounds (one decode a round for all of them), so d counts once, not once a sequence.
+
 Rows are not all priced alike: a batched product tiles its rows, so on a CPU head (gemma-3-270m,
 llama.cpp's Q8_0 output matrix) a trip of 4 or 8 rows of logits costs less than one of 5 or 9,
 and the second row costs twice what the eighth does. A count of drafted rows the recent waves
 show often enough is priced as they show it; the others at the fitted cost a row.
 
 `TripClock` measures T and c from the waves the engine loop lands (their drafted rows and wall
-times; nothing is sent to measure them), `AcceptRate` a sequence's p from its recent trips, and
+times; nothing is sent to measure them) and d from the draft model's decodes as it drafts,
+`AcceptRate` a sequence's p from its recent trips, and
 `best_window` picks the window. Deciding never costs a trip: a sequence that drafts nothing
 simply rides its wave with one row.
 
@@ -28,7 +36,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 
 # The waves a trip's cost is measured over: recent enough to follow a load that changes, enough
@@ -65,19 +73,24 @@ def best_window(
     limit: int,
     sharing: int = 1,
     drafted_ms: Callable[[int], float] | None = None,
+    draft_ms: float = 0.0,
 ) -> int:
     """How many drafts (0..`limit`) give a sequence the most tokens a millisecond: a trip of k
     drafts takes `trip_ms` + k·`row_ms`·`sharing` (its rows delay the `sharing` sequences of its
-    wave; `drafted_ms`(k) in place of k·`row_ms` where given: `TripCost.drafted_ms`) and brings
-    `expected_tokens`. 0 where no draft pays; the smallest of equal windows."""
+    wave; `drafted_ms`(k) in place of k·`row_ms` where given: `TripCost.drafted_ms`) + k·`draft_ms`
+    (a draft model's decode a drafted token, before the wave leaves; 0 for n-gram drafts) and
+    brings `expected_tokens`. 0 where no draft pays; the smallest of equal windows."""
     if not 0.0 <= accept_rate <= 1.0:
         raise ValueError(f"an accept rate of {accept_rate}: need 0..1")
-    if trip_ms <= 0 or row_ms < 0 or sharing < 1:
-        raise ValueError(f"a trip of {trip_ms} ms, {row_ms} ms a row, {sharing} sequences: need > 0, >= 0, >= 1")
+    if trip_ms <= 0 or row_ms < 0 or sharing < 1 or not draft_ms >= 0:
+        raise ValueError(
+            f"a trip of {trip_ms} ms, {row_ms} ms a row, {sharing} sequences, {draft_ms} ms a draft: "
+            "need > 0, >= 0, >= 1, >= 0"
+        )
     best, best_rate = 0, 1.0 / trip_ms
     for drafts in range(1, max(0, limit) + 1):
         extra_ms = drafts * row_ms if drafted_ms is None else max(0.0, drafted_ms(drafts))
-        rate = expected_tokens(accept_rate, drafts) / (trip_ms + extra_ms * sharing)
+        rate = expected_tokens(accept_rate, drafts) / (trip_ms + extra_ms * sharing + drafts * draft_ms)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = drafts, rate
     return best
@@ -93,6 +106,7 @@ class TripCost:
     row_ms: float
     seen: tuple[tuple[int, float], ...] = ()
     stale: bool = False  # no recent wave carried drafts: the rows' cost is an old measure, shrunk
+    draft_ms: float = 0.0  # a draft model's decode, a drafted token (`TripClock.drafting`); 0: free drafts
 
     def drafted_ms(self, rows: int) -> float:
         """What `rows` drafted rows add to a trip: as measured where seen, else at `row_ms` a row."""
@@ -109,10 +123,43 @@ class TripClock:
     a count's) then stays as last seen while the recent waves show no more (every sequence
     drafting nothing), shrinking by STALE_DECAY a wave once none of them carried drafts (so that
     a sequence whose drafts would pay tries them again: the first drafted wave then prices the
-    rows afresh), and the trip goes on following the waves."""
+    rows afresh), and the trip goes on following the waves.
+
+    A draft model's decode (`drafting`) is the median of its recent drafts' time a decode, which
+    a prompt caught up in a few long decodes does not move; it shrinks as the rows' cost does
+    while nothing drafts, and the first draft after that measures it afresh."""
 
     waves: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=CLOCK_WAVES))
     cost: TripCost | None = None
+    drafts: deque[float] = field(default_factory=lambda: deque(maxlen=CLOCK_WAVES))  # ms a decode, a draft each
+    draft_trust: float = 1.0  # what the drafts' measure is still trusted to: STALE_DECAY a stale wave
+
+    @property
+    def draft_ms(self) -> float:
+        """A draft model's decode as recent drafts measured it (0 where none has drafted)."""
+        return self.draft_trust * statistics.median(self.drafts) if self.drafts else 0.0
+
+    @property
+    def draft_stale(self) -> bool:
+        """Whether a draft model's decode is an old measure, shrunk while no recent wave drafted."""
+        return bool(self.drafts) and self.draft_trust < 1.0
+
+    @property
+    def quickest_ms(self) -> float:
+        """The quickest recent wave: no shorter than a trip, whatever it carried (1 µs with none)."""
+        return max(1e-3, min((ms for _, ms in self.waves), default=0.0))
+
+    def drafting(self, decodes: int, seconds: float) -> None:
+        """A draft model drafted for a wave in `decodes` decodes (its catch-up, then one a drafted
+        token after the first) that took `seconds`."""
+        if decodes < 1 or not seconds >= 0:
+            raise ValueError(f"drafts of {decodes} decodes in {seconds} s")
+        if self.draft_trust < 1.0:  # the first draft after a stale spell: measured afresh
+            self.drafts.clear()
+            self.draft_trust = 1.0
+        self.drafts.append(1e3 * seconds / decodes)
+        if self.cost is not None:
+            self.cost = replace(self.cost, draft_ms=self.draft_ms)
 
     def record(self, drafted_rows: int, seconds: float) -> None:
         """A decode wave that carried `drafted_rows` drafts (all sequences together) landed after `seconds`."""
@@ -131,6 +178,8 @@ class TripClock:
             row_ms = last.row_ms * scale if believed > 0 else extra / drafted_rows
             seen = {rows: ms * scale for rows, ms in seen.items()} | {drafted_rows: extra}
         stale = len(self.waves) == self.waves.maxlen and not any(rows for rows, _ in self.waves)
+        if stale:
+            self.draft_trust *= STALE_DECAY
         if stale and row_ms is not None:
             row_ms *= STALE_DECAY
             seen = {rows: STALE_DECAY * ms for rows, ms in seen.items()}
@@ -155,7 +204,7 @@ class TripClock:
         for rows, times in by_count.items():
             if len(times) >= MIN_SAME_WAVES:
                 seen[rows] = max(0.0, statistics.median(times) - trip_ms)
-        self.cost = TripCost(trip_ms, row_ms, tuple(sorted(seen.items())), stale)
+        self.cost = TripCost(trip_ms, row_ms, tuple(sorted(seen.items())), stale, self.draft_ms)
 
 
 @dataclass
