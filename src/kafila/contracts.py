@@ -99,6 +99,10 @@ MAX_REPORTED_BLOCK = 1 << 16
 MAX_REPORTED_ROW_COUNTS = 32  # decode sizes a stage reports its recent times for
 MAX_DECODE_ROWS = 1 << 16
 Milliseconds = Annotated[float, Field(ge=0)]
+# What a stage may report as a time: above a day is no measurement, and the host's pricing sums
+# and multiplies these (by rows, by stages), which must stay finite.
+MAX_REPORTED_MS = 86_400_000.0
+ReportedMs = Annotated[float, Field(ge=0, le=MAX_REPORTED_MS)]
 
 
 class StageReport(Strict):
@@ -109,13 +113,13 @@ class StageReport(Strict):
     range: tuple[  # the stage's blocks, [first, end)
         Annotated[int, Field(ge=0, le=MAX_REPORTED_BLOCK)], Annotated[int, Field(ge=1, le=MAX_REPORTED_BLOCK)]
     ]
-    ms_per_token: Milliseconds | None = None  # every decode row, batched ones included
-    ms_per_token_alone: Milliseconds | None = None  # recent decodes of one row: what the planner prices
+    ms_per_token: ReportedMs | None = None  # every decode row, batched ones included
+    ms_per_token_alone: ReportedMs | None = None  # recent decodes of one row: what the planner prices
     steps_alone: Annotated[int, Field(ge=0)] = 0  # decodes of one row so far: a new one means fresh figures
-    prefill_ms_per_token: Milliseconds | None = None  # prompts' rows: what pipelined prefill's chunks are sized by
+    prefill_ms_per_token: ReportedMs | None = None  # prompts' rows: what pipelined prefill's chunks are sized by
     # Recent decodes' median ms by their rows (rows ascending): the waves in flight are priced by them.
     decode_ms_by_rows: Annotated[
-        list[tuple[Annotated[int, Field(ge=1, le=MAX_DECODE_ROWS)], Milliseconds]],
+        list[tuple[Annotated[int, Field(ge=1, le=MAX_DECODE_ROWS)], ReportedMs]],
         Field(max_length=MAX_REPORTED_ROW_COUNTS),
     ] = Field(default_factory=list)
     seconds: Annotated[float, Field(ge=0)] | None = None  # all the time it spent decoding, prompts included

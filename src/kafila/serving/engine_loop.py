@@ -12,6 +12,7 @@ ring and the others carry on, with `error` left unset: the ring is not broken.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import threading
@@ -29,6 +30,8 @@ from kafila.runtime.engine.ring import StageFailed, waves_override
 from kafila.runtime.engine.speculation import Drafter, Speculate
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, RequestFailed, Suspended
 from kafila.serving.settings import prefill_chunks_setting
+
+log = logging.getLogger("kafila.engine_loop")
 
 Sink = Callable[[RequestEvent], None]
 STATS_REFRESH_S = 2.0
@@ -402,26 +405,21 @@ class EngineLoop:
             return since >= REPORT_LATE_S or not self.batcher.pipelining
 
     def _refresh_report(self) -> None:
-        """The stages' own timings for /status (on a ring, a PING round it); called without the lock."""
+        """The stages' own timings for /status (on a ring, a PING round it); called without the lock.
+        The report's round is the ring's: its error breaks the ring. What the pricing rules make of
+        the report is the host's own arithmetic: a fault there keeps the last pricing, and serving
+        goes on."""
         self._report_at = time.monotonic()
         started = time.perf_counter()
         report = self.engine.stage_report()
         trip_ms = 1e3 * (time.perf_counter() - started)  # a PING round the ring, one way: the wire's trip
-        costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in report], trip_ms)
-        machines = stage_machines(self.engine, len(report))
-        waves = None
-        if machines is not None and self._priced:
-            waves = wave_costs_from([entry.decode_ms_by_rows for entry in report], machines, trip_ms)
-        widest = min((max((rows for rows, _ in entry.decode_ms_by_rows), default=0) for entry in report), default=0)
         observed = self._observed_period_ms()  # the engine thread's alone, as `_landed`
         self._landed.clear()  # a period across the report's pause would be the pause's
-        if waves is not None and machines is not None and self.engine.head_here:
-            waves = replace(waves, host_machine=machines[-1], host_ms=self._host_ms or 0.0)
-            if observed is not None:
-                seen = waves.host_work_ms(*observed)
-                if seen is not None:
-                    self._host_ms = seen
-                    waves = replace(waves, host_ms=seen)
+        try:
+            costs, waves, widest = self._pricing_from(report, trip_ms, observed)
+        except Exception:
+            log.exception("the stages' report could not be priced; the last pricing stands")
+            costs, waves, widest = None, None, None
         with self._lock:
             self.stage_report = report
             self.ring_ms = trip_ms
@@ -429,7 +427,28 @@ class EngineLoop:
                 self.prefill_costs = costs
             if waves is not None:
                 self.wave_costs = waves
-            self._widest_measured = widest if machines is not None else 0
+            if widest is not None:
+                self._widest_measured = widest
+
+    def _pricing_from(
+        self, report: list[StageReport], trip_ms: float, observed: tuple[int, int, float] | None
+    ) -> tuple[PrefillCosts | None, WaveCosts | None, int]:
+        """The prompts' chunk prices, the waves' prices (the host's own work a wave read from the
+        `observed` period) and the widest decode every stage has timed."""
+        costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in report], trip_ms)
+        machines = stage_machines(self.engine, len(report))
+        waves = None
+        if machines is not None and self._priced:
+            waves = wave_costs_from([entry.decode_ms_by_rows for entry in report], machines, trip_ms)
+        widest = min((max((rows for rows, _ in entry.decode_ms_by_rows), default=0) for entry in report), default=0)
+        if waves is not None and machines is not None and self.engine.head_here:
+            waves = replace(waves, host_machine=machines[-1], host_ms=self._host_ms or 0.0)
+            if observed is not None:
+                seen = waves.host_work_ms(*observed)
+                if seen is not None:
+                    self._host_ms = seen
+                    waves = replace(waves, host_ms=seen)
+        return costs, waves, widest if machines is not None else 0
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:
