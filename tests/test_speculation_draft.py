@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -42,7 +43,8 @@ from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.this_machine import admit_alone
-from kafila.serving.batcher import Batcher, Job, RequestEvent, _Sequence
+from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, TextDelta, _Sequence
+from kafila.serving.engine_loop import EngineLoop
 
 # --- the rule alone ------------------------------------------------------------------------------
 
@@ -376,6 +378,47 @@ def test_a_head_on_a_member_checks_a_draft_model_s_drafts(tmp_path: Path) -> Non
         engine.close()
 
 
+def test_a_draft_model_whose_drafts_are_all_rejected_stops_drafting_on_the_real_engine(tmp_path: Path) -> None:
+    """The engine loop on one machine, a draft model as large as the target and of other weights:
+    a decode of the draft costs what a trip does, so no accept rate pays (`draft_cost`). Its
+    drafts, all rejected, are tried for a trip or two, timed (`TripClock.drafting`), and then the
+    cost rule gives the sequence a window of 0 to its end; the greedy text is the unsplit model's."""
+    model = write_tiny_model(tmp_path / "target.gguf", "llama", n_blocks=2)
+    other = write_tiny_model(tmp_path / "draft.gguf", "llama", n_blocks=2, seed=1)
+    context = ContextSettings(n_ctx=256, n_batch=32, n_seq_max=1, n_threads=1)
+    engine = open_engine(model, [2], context)
+    draft = DraftModel(other, context)
+    loop = EngineLoop(engine, 1, 16, 256, speculate=Speculate.DRAFT, draft_model=draft)
+    events: queue.Queue[RequestEvent] = queue.Queue()
+    windows: list[int] = []  # what the cost rule allows the sequence, as each token lands
+
+    def sink(event: RequestEvent) -> None:  # on the engine thread, as the batcher plans the next wave
+        sequence = loop.batcher._active.get("0")
+        if sequence is not None:
+            windows.append(loop.batcher._paying(sequence.window, 1))
+        events.put(event)
+
+    tokens = 48
+    loop.start()
+    try:
+        loop.submit(Job("0", engine.tokenize(PROMPT), tokens, GREEDY), sink)
+        text = ""
+        while not isinstance(event := events.get(timeout=120), Finished):
+            assert isinstance(event, TextDelta), event
+            text += event.text
+        stats, clock = loop.batcher.speculation, loop.batcher.trip_clock
+    finally:
+        loop.stop()
+        draft.close()
+        engine.close()
+    assert text == unsplit_greedy(model, PROMPT, tokens)
+    assert event.completion_tokens == tokens
+    assert stats.drafted > 0 and stats.accepted == 0, stats
+    assert 1 <= stats.trips <= 3, stats  # a bounded number of trips tried it
+    assert clock.drafts and clock.draft_ms > 0.0
+    assert len(windows) >= tokens // 2 and not any(windows[stats.trips + 2 :]), windows  # then 0 to the end
+
+
 # --- the draft's vocabulary ----------------------------------------------------------------------
 
 
@@ -445,7 +488,7 @@ def test_a_draft_is_checked_against_the_header_of_a_model_on_the_hub(
 
 def test_kafila_host_serves_with_a_draft_model(vocabularies: dict[str, Path]) -> None:
     """`kafila host --draft` on two local stages: a greedy completion is the unsplit model's, and
-    /status says the drafts came from the draft model and were checked."""
+    /status says the drafts came from the draft model and were checked, and what its decode costs."""
     model, draft = vocabularies["target"], vocabularies["target"]  # the target as its own draft: kept
     args = ("--model", model, "--draft", draft, "--stages", "2", "--context", "256", "--concurrency", "2")
     with running_host(*args, "--threads", "1") as host:
@@ -455,6 +498,7 @@ def test_kafila_host_serves_with_a_draft_model(vocabularies: dict[str, Path]) ->
     assert reply.choices[0].text == unsplit_greedy(model, REPEATING, 24)
     assert speculation["mode"] == "draft" and speculation["off"] is None, speculation
     assert speculation["drafted_tokens"] > 0 and speculation["accepted_tokens"] > 0, speculation
+    assert speculation["draft_ms"] > 0, speculation  # its decodes as the cost rule weighs them
 
 
 def test_kafila_host_s_speculate_and_draft_must_agree(vocabularies: dict[str, Path]) -> None:
