@@ -5,11 +5,11 @@ read may begin as the command starts (`HeaderRead`), to overlap llama.cpp's load
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import threading
+import functools
 from pathlib import Path
 
+from kafila.background import in_background
 from kafila.cli.bars import transfer_bars
 from kafila.cli.errors import fail, stderr, warn
 from kafila.hub.fetch import ModelFetchError, cached_whole, fetch_model
@@ -31,17 +31,11 @@ class HeaderRead:
     llama.cpp's load and the NAT tests rather than following them."""
 
     def __init__(self, reference: HubReference, endpoint: str | None = None) -> None:
-        self.reference, self._endpoint = reference, endpoint
-        self._done: concurrent.futures.Future[HubHeader] = concurrent.futures.Future()
-        threading.Thread(target=self._run, name="hub-header", daemon=True).start()  # daemon: Ctrl-C never waits
-
-    def _run(self) -> None:
-        try:
-            self._done.set_result(read_hub_header(self.reference, endpoint=self._endpoint))
-        except BaseException as error:  # raised where the header is taken, as read_hub_header raises it
-            self._done.set_exception(error)
+        self.reference = reference
+        self._done = in_background("hub-header", functools.partial(read_hub_header, reference, endpoint=endpoint))
 
     def result(self) -> HubHeader:
+        """The header, or what `read_hub_header` raised."""
         return self._done.result()
 
 

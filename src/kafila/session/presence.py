@@ -12,13 +12,12 @@ comes from the hub.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from urllib.error import URLError
 from urllib.request import urlopen
 
+from kafila.background import in_background
 from kafila.contracts import FleetDevice, NatBehaviour
 from kafila.network.identity import Identity, create_identity
 from kafila.network.nat import NatReport, probe_nat, reflexive_address
@@ -124,21 +124,12 @@ class NatTests:
 
     def __init__(self, rendezvous: Address) -> None:
         self.rendezvous = rendezvous
-        self._endpoints: concurrent.futures.Future[tuple[str, Address]] = concurrent.futures.Future()
-        self._report: concurrent.futures.Future[NatReport | None] = concurrent.futures.Future()
-        threading.Thread(target=self._run, name="nat-tests", daemon=True).start()  # daemon: Ctrl-C never waits
+        self._endpoints = in_background("nat-endpoints", functools.partial(rendezvous_endpoints, rendezvous))
+        self._report = in_background("nat-tests", self._tests)
 
-    def _run(self) -> None:
-        try:
-            url, stun = rendezvous_endpoints(self.rendezvous)
-        except BaseException as error:  # RendezvousUnreachable, said where `present` awaits it
-            self._endpoints.set_exception(error)
-            return
-        self._endpoints.set_result((url, stun))
-        try:
-            self._report.set_result(run(_nat_report(stun)))
-        except BaseException as error:
-            self._report.set_exception(error)
+    def _tests(self) -> NatReport | None:
+        _url, stun = self._endpoints.result()  # RendezvousUnreachable, said where `present` awaits the endpoints
+        return run(_nat_report(stun))
 
     async def endpoints(self) -> tuple[str, Address]:
         """The rendezvous's signalling URL and STUN address (`rendezvous_endpoints`)."""
