@@ -812,6 +812,10 @@ class Link:
 
     async def send(self, frame: Frame) -> None:
         """Send one frame on its sequence's stream."""
+        self.send_now(frame)
+
+    def send_now(self, frame: Frame) -> None:
+        """`send`, from a plain callback on the loop: a frame is queued and sent at once, never awaited."""
         if self.closed.done():
             raise self.closed.result()
         self.core.send_frame(frame)

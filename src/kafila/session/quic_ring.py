@@ -1,15 +1,18 @@
 """The host's ring transport over QUIC: the engine thread's blocking calls, run on the event loop.
 
 The engine loop thread owns llama.cpp and blocks on each step; the links live on the asyncio
-loop. `QuicRing` bridges them with `run_coroutine_threadsafe`, so `RingEngine` drives a ring of
-machines exactly as it drives local processes. A link that goes down, or a ring that stops
-answering, surfaces as `StageFailed` naming the member, which fails the requests in flight; a
-stage's ERROR frame about one sequence is returned like any frame and fails only that request.
+loop. `QuicRing` bridges them, so `RingEngine` drives a ring of machines exactly as it drives
+local processes: a send is handed to the loop and not waited for (the frames leave in order, and
+a link that refused them fails the next call), a receive waits for the loop's answer. A link that
+goes down, or a ring that stops answering, surfaces as `StageFailed` naming the member, which
+fails the requests in flight; a stage's ERROR frame about one sequence is returned like any frame
+and fails only that request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -45,6 +48,11 @@ class QuicRing:
         self._members = dict(members or {})
         self._pending: set[Future[Any]] = set()
         self._abandoned = False
+        self._down: str | None = None  # why the first member link that went down did (set on the loop)
+        self._refused: Exception | None = None  # why the loop could not send frames handed to it
+        self._waiting: set[asyncio.Task[Any]] = set()  # the steps waiting on the loop, for `_member_down`
+        self._watches = {name: functools.partial(self._member_down, name) for name in self._members}
+        loop.call_soon_threadsafe(self._watch_members, True)  # built on the engine's thread, or on the loop
 
     def _run(self, coroutine: Coroutine[Any, Any, T], what: str) -> T:
         if self._abandoned:
@@ -58,33 +66,63 @@ class QuicRing:
             future.cancel()
             raise StageFailed(f"the ring did not answer within {STEP_TIMEOUT_S:.0f} s ({what})") from None
         except CancelledError:
+            if self._down is not None:
+                raise StageFailed(self._down) from None
             raise StageFailed("this ring was abandoned for a new plan") from None
         except LinkError as error:
-            name = self._first_name if what == "send" else self._last_name
-            raise StageFailed(f"the link to {name} is down: {error}") from error
+            raise StageFailed(f"the link to {self._last_name} is down: {error}") from error
         finally:
             self._pending.discard(future)
 
+    def _watch_members(self, watch: bool) -> None:
+        """On the loop: a member link that goes down ends the step waiting on the ring at once.
+        One callback per link for the ring's life (until it is abandoned), not a watch a step."""
+        for name, closed in self._members.items():
+            if watch:
+                closed.add_done_callback(self._watches[name])
+            else:
+                closed.remove_done_callback(self._watches[name])
+
+    def _member_down(self, name: str, closed: asyncio.Future[LinkError]) -> None:
+        if self._down is None:
+            reason = "its session ended" if closed.cancelled() else str(closed.result())
+            self._down = f"the link to {name} is down: {reason}"
+        for task in list(self._waiting):
+            task.cancel()
+
     async def _watched(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """The coroutine, unless a ring member's link goes down first."""
-        if not self._members:
-            return await coroutine
-        work = asyncio.ensure_future(coroutine)
-        down: dict[asyncio.Future[Any], str] = {
-            asyncio.ensure_future(asyncio.shield(f)): name for name, f in self._members.items()
-        }
-        waiting: list[asyncio.Future[Any]] = [work, *down]
+        """The coroutine, unless a ring member's link is down, or goes down first (`_member_down`
+        cancels it; `_run` then says which)."""
+        if self._down is not None:
+            coroutine.close()
+            raise StageFailed(self._down)
+        if self._refused is not None:
+            coroutine.close()
+            raise self._refusal()
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
         try:
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this step is abandoned: its reader must not outlive it
-            for waiter in down:
-                waiter.cancel()
-            if not work.done():
-                work.cancel()
-        if work.done() and not work.cancelled():
-            return work.result()
-        name = next(down[w] for w in down if w.done() and not w.cancelled())
-        raise StageFailed(f"the link to {name} is down: {self._members[name].result()}")
+            return await coroutine
+        finally:
+            self._waiting.discard(task)
+
+    def _refusal(self) -> Exception:
+        error = self._refused
+        assert error is not None
+        if isinstance(error, LinkError):
+            return StageFailed(f"the link to {self._first_name} is down: {error}")
+        return error
+
+    def _send_now(self, frames: Sequence[Frame]) -> None:
+        """On the loop, in the order the engine handed them over."""
+        if self._abandoned or self._refused is not None:
+            return
+        try:
+            for frame in frames:
+                self._first.send_now(frame)
+        except Exception as error:  # the engine learns of it on its next call
+            self._refused = error
 
     def abandon(self) -> None:
         """Stop using this ring: any step waiting on it ends at once, and it takes no more frames,
@@ -92,19 +130,26 @@ class QuicRing:
         self._abandoned = True
         for future in list(self._pending):
             future.cancel()
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._watch_members, False)
 
     def send(self, frames: Sequence[Frame]) -> None:
-        async def send() -> None:
-            for frame in frames:
-                await self._first.send(frame)
-
-        self._run(send(), "send")
+        """Hand the frames to the loop, which sends them in turn; a link that refuses them fails
+        the next call (a down member's link fails it anyway)."""
+        if self._abandoned:
+            raise StageFailed("this ring was abandoned for a new plan")
+        if self._down is not None:
+            raise StageFailed(self._down)
+        if self._refused is not None:
+            raise self._refusal()
+        self._loop.call_soon_threadsafe(self._send_now, list(frames))
 
     def receive(self, count: int) -> list[Frame]:
         async def receive() -> list[Frame]:
             got: list[Frame] = []
             while len(got) < count:  # an ERROR for one sequence counts: it fails only that sequence
-                got.append(check_ring_error(await self._last.receive(), f"{self._last_name} reported: "))
+                frame = self._last.receive_nowait() or await self._last.receive()
+                got.append(check_ring_error(frame, f"{self._last_name} reported: "))
             return got
 
         return self._run(receive(), "receive")

@@ -60,6 +60,9 @@ class FrameSource(Protocol):
 
 class FrameSink(Protocol):
     async def send(self, frame: Frame) -> None: ...
+    def send_now(self, frame: Frame) -> None:
+        """The same, from a plain callback on the loop: how the host's engine thread hands frames over."""
+        ...
 
 
 class LocalChannel:
@@ -69,6 +72,9 @@ class LocalChannel:
         self._queue: asyncio.Queue[Frame] = asyncio.Queue()
 
     async def send(self, frame: Frame) -> None:
+        self._queue.put_nowait(frame)
+
+    def send_now(self, frame: Frame) -> None:
         self._queue.put_nowait(frame)
 
     async def receive(self) -> Frame:
@@ -94,7 +100,10 @@ class Channel:
         return self.link.closed
 
     async def send(self, frame: Frame) -> None:
-        await self.link.send(frame)
+        self.link.send_now(frame)
+
+    def send_now(self, frame: Frame) -> None:
+        self.link.send_now(frame)
 
     async def finish(self, sequence_id: int) -> None:
         await self.link.finish(sequence_id)
