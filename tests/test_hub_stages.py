@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -128,11 +130,13 @@ def hub_session(
     settings: tuple[str, ...] = SERVING,
     joiners: dict[str, subprocess.Popen[str]] | None = None,
     reference: str = f"hf://{REPO}:Q8_0",
+    before_joining: Callable[[Host], None] = lambda _host: None,
 ) -> Iterator[Host]:
     """A host on `hf://` with HF_TOKEN hf_host (its caches named `host`) and the members named, each
     with its own hub settings, joining one after another in the order given (so that a second
     session on the same machines plans them as the first did), their processes in `joiners`; their
-    outputs land in `outputs` once the host has stopped (and on stderr when the test fails)."""
+    outputs land in `outputs` once the host has stopped (and on stderr when the test fails);
+    `before_joining` is called with the host once it has said its join line."""
     joiners = {} if joiners is None else joiners
     failed = False
     host_env = hub_env(tmp_path, host, hub.url, "hf_host")
@@ -141,6 +145,7 @@ def hub_session(
     try:
         with running_host(*args, ready=False, env=host_env) as serving:
             code, rendezvous = serving.join_line()
+            before_joining(serving)
             for name, env in members.items():
                 joiners[name] = start_joiner(code, rendezvous, name, env)
                 until_status(serving, lambda status, name=name: name in members_of(status), f"{name} to join", 120)
@@ -223,6 +228,43 @@ def test_every_machine_fetches_only_its_own_stage_from_the_hub_and_the_ring_serv
     assert {n: m["blocks"] for n, m in members_of(again).items()} == {n: m["blocks"] for n, m in seen.items()}
     assert {m["stage_source"] for m in members_of(again).values()} == {"cache"}, members_of(again)
     assert {token: hub.sent_to.get(token, 0) for token in before} == before
+
+
+def test_the_host_fetches_its_stage_while_the_members_come_and_not_again_once_they_have_joined(
+    tmp_path: Path, model: Path
+) -> None:
+    """Before anyone types its join line, the host fetches the stage a plan among machines like it
+    gives it (here the plan's own: the members are alike); once they have joined and the plan is
+    made, it fetches nothing more, and the ring serves the unsplit model's text."""
+    hub = FakeHub({REPO: Repo({FILE: model.read_bytes()})})
+    outputs: dict[str, str] = {}
+    fetched_before: list[int] = []
+
+    def stage_fetched(host: Host) -> None:
+        deadline = time.monotonic() + 120
+        while not re.search(r"fetching blocks \S+ of \S+: done in", host.output()):
+            assert time.monotonic() < deadline and host.process.poll() is None, host.output()
+            time.sleep(0.1)
+        fetched_before.append(hub.sent_to.get("Bearer hf_host", 0))
+
+    with serving_hub(hub):
+        members = {f"member-{i}": hub_env(tmp_path, f"m{i}", hub.url, f"hf_member{i}") for i in range(2)}
+        with hub_session(tmp_path, hub, members, outputs, before_joining=stage_fetched) as host:
+            status = until_status(host, staged(2), "a ring of three machines, its members' stages said", 240)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
+            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+            said = host.output()
+    own = next(m for m in status["members"] if m.get("host"))
+    ahead = re.search(r"fetching blocks (\d+)-(\d+) and the head from the hub while the members come", said)
+    assert ahead is not None and [int(ahead[1]), int(ahead[2]) + 1] == own["blocks"], (said, own)
+    assert status["plan"]["head"] == own["name"], status["plan"]
+    reader, whole = HeaderReader(model), model.stat().st_size
+    need = fetched_for(reader, own["blocks"], True)
+    got = hub.sent_to.get("Bearer hf_host", 0)
+    assert got == fetched_before[0], (got, fetched_before)  # all of it before the members came; nothing after
+    assert need <= got <= need + max(2 * reader.header_bytes, whole // 16) + JOIN_GAP, (got, need)
+    assert said.count(f"fetching blocks {ahead[1]}-{ahead[2]} of {FILE}: ") == 2, said  # its start and its end
 
 
 def test_a_host_too_small_for_the_head_fetches_its_blocks_and_the_vocabulary_and_serves_the_unsplit_model(

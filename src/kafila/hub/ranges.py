@@ -82,6 +82,11 @@ class HubMismatch(ModelFetchError):
     """The hub's copy is not the one planned from: its header, size, sha256 or a range's bytes differ."""
 
 
+class FetchHalted(Exception):
+    """The caller halted the fetch (`fetch_stage`'s `halt`): what arrived is kept in its journal, for
+    a later fetch of the same stage to resume from."""
+
+
 def stage_key(model: HubModel, first: int, end: int, is_head: bool) -> HubStageKey:
     """Where the stage cache keeps this model's blocks [first, end) (and the head, or not)."""
     return HubStageKey(model.repo_id, model.commit, model.parts[0].path, first, end, is_head)
@@ -150,6 +155,7 @@ def fetch_stage(
     *,
     endpoint: str | None = None,
     settings: RangeSettings | None = None,
+    halt: threading.Event | None = None,
 ) -> StageFile:
     """The stage file of blocks [first, end) (`is_head`: with the head) of `model`, fetched by the
     ranges of exactly the tensors it holds and cut by the slicer: byte for byte the file the
@@ -157,7 +163,8 @@ def fetch_stage(
     cut off resumes from what it kept. The headers are fetched again and must be the ones planned
     from, byte for byte, and every tensor must lie where its header says in a file of the planned
     size: else `HubMismatch`. `HubRefused` and `HubUnreachable` where the hub says no or is not
-    there: the caller falls back to another source."""
+    there: the caller falls back to another source. Setting `halt` stops the fetch where it is
+    (`FetchHalted`)."""
     out = Path(out_dir)
     key = stage_key(model, first, end, is_head)
     kept = find_hub_stage(out, key)
@@ -172,6 +179,7 @@ def fetch_stage(
         progress,
         endpoint,
         settings or RangeSettings(),
+        halt,
     )
     remember_hub_stage(out, key, stage.path)
     trim_stage_cache(out, [stage.path])
@@ -212,6 +220,7 @@ def _fetch_piece(
     progress: Progress | None,
     endpoint: str | None,
     settings: RangeSettings,
+    halt: threading.Event | None = None,
 ) -> StageFile:
     """The piece `cut` makes of the model's headers (fetched again and checked), its tensors fetched
     by their ranges straight to their places in the stage file (`_fetch_into`, journalled in a work
@@ -235,7 +244,7 @@ def _fetch_piece(
     reused = f" ({sum(int(t.nbytes) for t in here.values()) / 1e6:.1f} MB of it kept here)" if here else ""
     what_now = f"fetching {what} of {name}{reused}"
     try:
-        digest = _fetch_into(remotes, runs, spans, layout, here, work, plan, what_now, progress, settings)
+        digest = _fetch_into(remotes, runs, spans, layout, here, work, plan, what_now, progress, settings, halt)
         final = out / f"{digest}.gguf"
         os.replace(work / _STAGE, final)
     except OSError as error:
@@ -623,10 +632,12 @@ def _fetch_into(
     what: str,
     progress: Progress | None,
     settings: RangeSettings,
+    halt: threading.Event | None = None,
 ) -> str:
     """Every run's tensors into their places in `work/stage.partial` (laid out by `layout`; the
     tensors `here` copied in from stages kept here), pieces in parallel, resuming what an earlier
-    fetch of the same plan kept, and hashed as they land: the stage's sha256."""
+    fetch of the same plan kept, and hashed as they land: the stage's sha256; `FetchHalted` once
+    `halt` is set."""
     pieces = _pieces(runs, max(1, settings.piece_bytes))
     journal = _Journal(work, plan, pieces)
     segments = _segments(pieces, spans, layout)
@@ -654,6 +665,8 @@ def _fetch_into(
         def fetch(index: int) -> None:
             piece = pieces[index]
             done = journal.done[index]
+            if halt is not None and halt.is_set():
+                raise FetchHalted
             if done >= piece.length or stop.is_set():
                 return
             noted = done
@@ -661,6 +674,8 @@ def _fetch_into(
 
             def write(chunk: bytes) -> None:
                 nonlocal done, noted
+                if halt is not None and halt.is_set():
+                    raise FetchHalted
                 if stop.is_set():
                     raise _Stopped
                 here_at = piece.start + done

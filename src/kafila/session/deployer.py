@@ -302,7 +302,9 @@ class Deployer:
             """This host's own stage files where it has yet to fetch them (a model on the hub), and,
             with the head on a member, what it samples and embeds with: got while the members get
             theirs."""
-            for index in (i for i, member in enumerate(chain) if member == me and stages[i].file is None):
+            own = [i for i, member in enumerate(chain) if member == me]
+            await asyncio.to_thread(self.model.own_stages, [stages[i] for i in own], progress)
+            for index in (i for i in own if stages[i].file is None):
                 fetch = functools.partial(self.model.stage_file, stages[index], self.cache, progress)
                 stages[index] = held(await asyncio.to_thread(fetch))
             if chain[-1] == me:

@@ -28,6 +28,7 @@ from kafila.runtime.engine.engines import PrefixCut, prefix_cut_from, prefix_cut
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import StageFile, cached_slices, stage_piece
 from kafila.runtime.machine.this_machine import hash_model
+from kafila.session.fetch_ahead import AheadFetch, OwnStage
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class HostModel(Protocol):
         """A stage's file (blocking): this host's own, or one a member could not make itself."""
         ...
 
+    def own_stages(self, own: Sequence[PlannedStage], progress: Progress) -> None:
+        """The plan's stages this host holds, told before it gets their files (blocking): what it
+        fetched ahead of the plan (`session.fetch_ahead`) is let end or halted."""
+        ...
+
     def vocabulary(self, cache: Path, progress: Progress) -> Path:
         """A file with the model's tokenizer, chat template and token embedding (blocking)."""
         ...
@@ -128,6 +134,9 @@ class LocalModel:
         assert stage.file is not None, "every stage of a local file is cut"
         return stage.file
 
+    def own_stages(self, own: Sequence[PlannedStage], progress: Progress) -> None:
+        return  # nothing is fetched ahead of a local file's plan
+
     def vocabulary(self, cache: Path, progress: Progress) -> Path:
         return self.path
 
@@ -144,6 +153,7 @@ class HubOnlyModel:
 
     header: HubHeader
     reference: HubReference  # what `--model` named, at the commit planned from
+    ahead: AheadFetch | None = None  # this host's stage of a provisional plan, fetched before the first plan
 
     @property
     def hub(self) -> HubModel:
@@ -184,6 +194,11 @@ class HubOnlyModel:
         if stage.file is not None:
             return stage.file
         return fetch_stage(self.hub, stage.first_block, stage.end_block, stage.is_head, cache, progress)
+
+    def own_stages(self, own: Sequence[PlannedStage], progress: Progress) -> None:
+        ahead, self.ahead = self.ahead, None  # the first plan settles it; later ones find what it kept
+        if ahead is not None:
+            ahead.settle([OwnStage(s.first_block, s.end_block, s.is_head) for s in own], progress)
 
     def vocabulary(self, cache: Path, progress: Progress) -> Path:
         return fetch_vocabulary(self.hub, cache, progress)

@@ -15,6 +15,7 @@ through a `HostUi`, so the CLI renders them with rich and tests or other front e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Coroutine
@@ -26,11 +27,12 @@ from kafila.network.pake import TrustError
 from kafila.network.rendezvous_server import RendezvousHandle
 from kafila.network.session_codes import split_code
 from kafila.planner import PlanRefused
-from kafila.runtime.machine.this_machine import cache_dir, this_device
+from kafila.runtime.machine.this_machine import cache_dir, cached_model_pricings, this_device
 from kafila.session.admissions import TRUST_EXCHANGE_S
 from kafila.session.availability import Availability
 from kafila.session.core import ANSWERED, GUESS_BUDGET, SessionCore
 from kafila.session.event_shell import EventShell
+from kafila.session.fetch_ahead import AheadFetch, provisional_stage
 from kafila.session.host import HostSession
 from kafila.session.host_config import (
     HostConfig,
@@ -42,6 +44,7 @@ from kafila.session.host_config import (
     start_embedded_rendezvous,
 )
 from kafila.session.host_engines import HostEngines, no_ring
+from kafila.session.host_model import HubOnlyModel
 from kafila.session.host_status import session_status
 from kafila.session.lifecycle import (
     AbandonRing,
@@ -111,6 +114,8 @@ class HostRunner:
         self._rendezvous_at: tuple[str, int] = ("", 0)  # where this host and its members reach the rendezvous
         self._advertised = ""  # the same, as the join line gives it
         self._device: FleetDevice | None = None  # this machine, as measured for the planner
+        self._ahead_shown = contextlib.ExitStack()  # the bars of the fetch ahead of the plan, while members come
+        self._ahead_begun = False
 
     @property
     def going_on(self) -> bool:
@@ -288,6 +293,29 @@ class HostRunner:
             return
         await price_model_here_first(self.config, self._device, sha256, self.ui)
 
+    async def _begin_fetch_ahead(self) -> None:
+        """Where this host serves a model known by its header: the stage a plan with members like
+        this machine would give it, fetched from the hub while the members come
+        (`session.fetch_ahead`), its progress shown until they have all joined."""
+        model, device, config = self.config.model, self._device, self.config
+        if not isinstance(model, HubOnlyModel) or device is None or self._hashing is None:
+            return
+        try:
+            sha256 = await asyncio.shield(self._hashing)
+        except Exception:  # gather says why the hash failed
+            sha256 = None
+        pricings = tuple(await asyncio.to_thread(cached_model_pricings))
+        plan = functools.partial(provisional_stage, self.manifest, device, config.members, config.session)
+        stage = await asyncio.to_thread(plan, pricings, sha256)
+        if stage is None:
+            return
+        ahead = model.ahead = AheadFetch(model.hub, stage, self.manifest, cache_dir() / "stages")
+        ahead.progress.to(self._ahead_shown.enter_context(self.ui.progress_bars()))
+        self.ui.say(
+            f"fetching {stage.words()} from the hub while the members come: this machine's share were they "
+            "machines like it (the plan keeps what it shares of it)"
+        )
+
     async def _open_and_gather(self) -> list[Event]:
         """Open a session at the rendezvous, say its code, and wait until every seat is taken by a
         verified, linked member (or a joiner fails the code)."""
@@ -318,6 +346,9 @@ class HostRunner:
         self.availability.session_described_by(functools.partial(self._network_status, network))
         if config.demo and not self.demo.members:
             self.demo.start(network.code, self._advertised, others, config.member_shares)
+        if not self._ahead_begun:  # once, after the code: nothing of it delays the join line
+            self._ahead_begun = True
+            await self._begin_fetch_ahead()
         network.renewing = lambda: self.core.wants_rendezvous_session
         network.rendezvous_lost = functools.partial(self._rendezvous_lost, network)
         self.shell.hand_now([Opened(join)])
@@ -327,6 +358,8 @@ class HostRunner:
             )
         except TrustError as error:
             return [CodeRefused(str(error))]
+        finally:
+            self._ahead_shown.close()  # the plan's deployment shows the rest of the fetch ahead
         for member in network.alive():
             self.availability.events.publish("joined", f"{network.member_name(member)} joined")
         return [Gathered(tuple(network.alive()))]
