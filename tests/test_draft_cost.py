@@ -58,20 +58,23 @@ def test_drafts_pay_where_the_accept_rate_times_the_trip_exceeds_a_rows_cost(
     row_ms=st.floats(0.0, 200.0),
     limit=st.integers(0, MAX_DRAFT),
     sharing=st.integers(1, 4),
+    draft_ms=st.one_of(st.just(0.0), st.floats(0.0, 200.0)),
 )
 def test_the_window_chosen_is_never_slower_than_none_and_moves_the_right_way(
-    rate: float, trip_ms: float, row_ms: float, limit: int, sharing: int
+    rate: float, trip_ms: float, row_ms: float, limit: int, sharing: int, draft_ms: float
 ) -> None:
     """Its tokens a millisecond are at least no drafts' (so a sequence whose rate is known never
-    loses by drafting), it stays within the limit, and it never grows with a dearer row, a
-    shorter trip, a lower accept rate or more sequences sharing the wave."""
-    chosen = best_window(rate, trip_ms, row_ms, limit, sharing)
+    loses by drafting), it stays within the limit, and it never grows with a dearer row, a dearer
+    draft decode, a shorter trip, a lower accept rate or more sequences sharing the wave."""
+    chosen = best_window(rate, trip_ms, row_ms, limit, sharing, draft_ms=draft_ms)
     assert 0 <= chosen <= limit
-    assert expected_tokens(rate, chosen) / (trip_ms + chosen * row_ms * sharing) >= (1 - 1e-9) / trip_ms
-    assert best_window(rate, trip_ms, row_ms * 1.5 + 1, limit, sharing) <= chosen
-    assert best_window(rate, trip_ms / 2, row_ms, limit, sharing) <= chosen
-    assert best_window(rate * 0.8, trip_ms, row_ms, limit, sharing) <= chosen
-    assert best_window(rate, trip_ms, row_ms, limit, sharing + 1) <= chosen
+    took = trip_ms + chosen * (row_ms * sharing + draft_ms)
+    assert expected_tokens(rate, chosen) / took >= (1 - 1e-9) / trip_ms
+    assert best_window(rate, trip_ms, row_ms * 1.5 + 1, limit, sharing, draft_ms=draft_ms) <= chosen
+    assert best_window(rate, trip_ms, row_ms, limit, sharing, draft_ms=draft_ms * 1.5 + 1) <= chosen
+    assert best_window(rate, trip_ms / 2, row_ms, limit, sharing, draft_ms=draft_ms) <= chosen
+    assert best_window(rate * 0.8, trip_ms, row_ms, limit, sharing, draft_ms=draft_ms) <= chosen
+    assert best_window(rate, trip_ms, row_ms, limit, sharing + 1, draft_ms=draft_ms) <= chosen
 
 
 @pytest.mark.parametrize(
