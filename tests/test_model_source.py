@@ -1,4 +1,4 @@
-"""`kafila host`'s header read begun as the command starts (`cli.model_source.HeaderRead`), against
+"""`kafila host`'s header read begun as the command starts (`cli.early_start.HeaderRead`), against
 the fake hub on loopback: it gives what reading the header then gives, and fails as that read fails."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from fake_hub import FakeHub, Repo, serving_hub
 from tiny_models import write_tiny_model
 
-from kafila.cli.model_source import HeaderRead, header_read_begun
+from kafila.cli.early_start import HeaderRead, header_read_begun
 from kafila.hub.fetch import ModelFetchError
 from kafila.hub.ranges import read_hub_header
 from kafila.hub.reference import HubReference

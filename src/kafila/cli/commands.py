@@ -38,6 +38,7 @@ COMMANDS = {
     "status": "kafila.cli.status_command",
     "doctor": "kafila.cli.doctor_command",
 }
+EARLY_START = ("host", "join")  # commands that begin work before importing their module (`cli.early_start`)
 
 
 def _version(value: bool) -> None:
@@ -94,7 +95,11 @@ def prepare_process() -> None:
 
 
 def main() -> None:
-    """`kafila`'s entry point: the app with the command named alone (every command without one)."""
+    """`kafila`'s entry point: the app with the command named alone (every command without one);
+    for `host` and `join`, what they will wait on begun first (`early_start.begin`)."""
     prepare_process()
     named = named_command(sys.argv[1:])
+    if named in EARLY_START:
+        arguments = sys.argv[1:]
+        importlib.import_module("kafila.cli.early_start").begin(named, arguments[arguments.index(named) + 1 :])
     command_app([named] if named is not None else list(COMMANDS))()

@@ -19,12 +19,13 @@ import typer
 import uvicorn
 
 from kafila.api.server import ApiConfig, create_app
-from kafila.cli.addresses import nat_tests_begun, parse_host_port
+from kafila.cli.addresses import parse_host_port
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
+from kafila.cli.early_start import DEMO_MEMBERS, header_read_begun, nat_tests_begun
 from kafila.cli.errors import device_name, fail, shown, stderr
 from kafila.cli.generate_command import NO_DEFAULT_MODEL, default_model, local_counts
-from kafila.cli.model_source import MODEL_HELP, header_read_begun, model_source
+from kafila.cli.model_source import MODEL_HELP, model_source
 from kafila.cli.plan_view import render_plan
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.contracts import Progress
@@ -51,8 +52,6 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from kafila.planner.report import PlanReport
-
-DEMO_MEMBERS = 3
 
 
 def _listening_socket(bind_ip: str, port: int) -> socket.socket:

@@ -10,9 +10,10 @@ from typing import Annotated
 
 import typer
 
-from kafila.cli.addresses import nat_tests_begun, parse_host_port
+from kafila.cli.addresses import parse_host_port
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
+from kafila.cli.early_start import nat_tests_begun
 from kafila.cli.errors import device_name, fail, shown, stderr, warn
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.contracts import Progress

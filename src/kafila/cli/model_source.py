@@ -1,19 +1,18 @@
 """What `--model` names: a local GGUF file, or a model on a Hugging Face hub. A host that serves
 every block downloads the whole file; a host with members plans from the hub's header and fetches
 only what it serves (`session.host_model`), and each member fetches its own stage. The header's
-read may begin as the command starts (`HeaderRead`), to overlap llama.cpp's load."""
+read may begin before the command imports the rest of itself (`cli.early_start.HeaderRead`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 
-from kafila.background import in_background
 from kafila.cli.bars import transfer_bars
+from kafila.cli.early_start import HeaderRead
 from kafila.cli.errors import fail, stderr, warn
 from kafila.hub.fetch import ModelFetchError, cached_whole, fetch_model
-from kafila.hub.ranges import HubHeader, read_hub_header
+from kafila.hub.ranges import read_hub_header
 from kafila.hub.reference import PREFIX, HubReference, ModelNameError, parse_reference
 from kafila.session.host_model import HubOnlyModel, LocalModel
 
@@ -23,32 +22,6 @@ MODEL_HELP = (
     "it; with members, it reads the model's header and fetches only its own share, and each member fetches its "
     "own. HF_TOKEN and HF_ENDPOINT are honoured. Default: the bundled SmolLM2-135M-Instruct."
 )
-
-
-class HeaderRead:
-    """A model's header read from the hub (`read_hub_header`) in a thread of its own, begun as soon
-    as the command knows the model's name, for `model_source` to take: the read then overlaps
-    llama.cpp's load and the NAT tests rather than following them."""
-
-    def __init__(self, reference: HubReference, endpoint: str | None = None) -> None:
-        self.reference = reference
-        self._done = in_background("hub-header", functools.partial(read_hub_header, reference, endpoint=endpoint))
-
-    def result(self) -> HubHeader:
-        """The header, or what `read_hub_header` raised."""
-        return self._done.result()
-
-
-def header_read_begun(value: str | None, for_members: bool) -> HeaderRead | None:
-    """The header's read begun, where `value` names a model on the hub for a host with members
-    (`model_source` reads it then); None for anything else, or a name `model_source` refuses."""
-    if value is None or not for_members:
-        return None
-    try:
-        reference = parse_reference(value, local_file_exists=Path(value).expanduser().is_file())
-    except ModelNameError:
-        return None
-    return HeaderRead(reference) if reference is not None else None
 
 
 def model_source(
