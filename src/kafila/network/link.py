@@ -51,18 +51,23 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from aioquic import tls
 from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.congestion.base import K_GRANULARITY
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.packet_builder import QuicSentPacket
+from aioquic.quic.rangeset import RangeSet
+from aioquic.quic.recovery import QuicPacketSpace
 from cryptography.hazmat.primitives.serialization import Encoding
 from pydantic import BaseModel, ConfigDict, Field
 
 from kafila.network import congestion  # noqa: F401  (registers "rate" with aioquic)
 from kafila.network.identity import Identity, fingerprint_of, normalize_fingerprint
 from kafila.network.relay import HELLO_ACK, hello, parse_ack
-from kafila.wire.frames import MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
+from kafila.wire.frames import HIDDEN_KINDS, MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
 
 Address = tuple[str, int]
 Handler = Callable[[bytes, Address], None]
@@ -81,6 +86,12 @@ RECEIVE_BATCH = 16
 # lab edge").
 RECEIVE_BUFFER = 4 << 20
 RECENT_REJECTIONS = 64  # a link keeps this many of its latest rejections, and counts them all
+# Frames a ring answers at once, on the link they came by where the ring spans two machines: a
+# stage's rows (the member answers with its own), the head's answer (the host sends the next
+# wave), a CANCEL (it comes back). The ACK of a datagram that ends such frames waits for the
+# answer to carry it (`LinkConfig.ack_hold_s`).
+ANSWERED_KINDS = frozenset((*HIDDEN_KINDS, Kind.LOGITS, Kind.ROWS, Kind.CANCEL))
+ACK_EVERY = 10  # an ACK waits for no more of the peer's datagrams than this (Chromium acks every 10th)
 
 # Application error codes in CONNECTION_CLOSE and STOP_SENDING.
 GOODBYE = 0
@@ -134,6 +145,13 @@ class LinkConfig(BaseModel):
     # frame of the largest size the protocol allows, and 64 MiB besides (a transfer's window and a
     # chunk, or a few waves of a ring's activations, with room to spare).
     max_held_bytes: int = Field(default=MAX_PAYLOAD + (64 << 20), ge=1 << 16)
+    # How long the ACK of a datagram that ends whole ring frames (`ANSWERED_KINDS`) waits for data
+    # of ours to carry it. aioquic sends every ACK alone, 1 ms after the packet; on a ring the
+    # answer follows a stage's compute some milliseconds later, and an ACK that waits for it
+    # saves a datagram each way and a wake-up to send it (docs/benchmarks.md, the per-token
+    # toll). Below the 25 ms that aioquic announces as its max_ack_delay (RFC 9000 §13.2.1); 0
+    # keeps aioquic's own pace for every packet.
+    ack_hold_s: float = Field(default=0.020, ge=0, lt=0.025)
 
     @property
     def ping_interval_s(self) -> float:
@@ -177,6 +195,34 @@ class _MutualTLSConnection(QuicConnection):
 
     goodbye: tuple[bytes, ...] = ()  # the datagrams that carried our CONNECTION_CLOSE
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._loss_ack_received = self._loss.on_ack_received
+        self._loss.on_ack_received = self._ack_received  # type: ignore[method-assign]
+        self._cc_rtt_measured = self._loss._cc.on_rtt_measurement
+        self._loss._cc.on_rtt_measurement = self._rtt_measured  # type: ignore[method-assign]
+
+    def _ack_received(self, *, ack_rangeset: RangeSet, ack_delay: float, now: float, space: QuicPacketSpace) -> None:
+        """aioquic takes the peer's ACK delay off a round-trip sample only where what is left is at
+        least its least sample, which it floors at 1 ms: over a path under a millisecond
+        (loopback, a LAN), an ACK that waited for the answer (`LinkConfig.ack_hold_s`) would count
+        whole as round trip, in the smoothed RTT that the planner reads and the pacer paces by.
+        While the least sample is that floor, it goes down to what the delay leaves (RFC 9002
+        §5.3 subtracts it), so a peer that overstates its delay moves it by a millisecond at most."""
+        if len(ack_rangeset) and space is self._spaces.get(tls.Epoch.ONE_RTT) and ack_delay > 0:
+            packet: QuicSentPacket | None = space.sent_packets.get(ack_rangeset.bounds().stop - 1)
+            if packet is not None and packet.is_ack_eliciting and packet.sent_time is not None:
+                left = now - packet.sent_time - min(ack_delay, self._loss.max_ack_delay)
+                if 0 < left <= self._loss._rtt_min <= K_GRANULARITY:
+                    self._loss._rtt_min = left * 0.999  # below it: aioquic subtracts only from more
+        self._loss_ack_received(ack_rangeset=ack_rangeset, ack_delay=ack_delay, now=now, space=space)
+
+    def _rtt_measured(self, *, now: float, rtt: float) -> None:
+        """The congestion controller's sample without the peer's ACK delay (aioquic passes it
+        whole): reno leaves slow start, and "rate" its startup, where samples rise, and an ACK
+        that waited for the answer is no rise of the path's queue."""
+        self._cc_rtt_measured(now=now, rtt=min(rtt, self._loss._rtt_latest))
+
     def _initialize(self, peer_cid: bytes) -> None:
         super()._initialize(peer_cid)
         if not self._is_client:
@@ -189,6 +235,24 @@ class _MutualTLSConnection(QuicConnection):
     def heard_peer(self) -> bool:
         """Whether a packet from the peer has decrypted yet (aioquic leaves its first flight then)."""
         return self._state != QuicConnectionState.FIRSTFLIGHT
+
+    def ack_due(self) -> float | None:
+        """When aioquic sends its pending ACK of 1-RTT packets (alone, 1 ms after the first packet
+        it acknowledges), or None: nothing waits for one."""
+        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        return None if space is None else space.ack_at
+
+    def ack_ranges(self) -> int:
+        """How many ranges of packet numbers the pending ACK holds: a packet after a gap, or one
+        that fills a gap, changes it."""
+        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        return 0 if space is None else len(space.ack_queue)
+
+    def ack_at(self, when: float) -> None:
+        """Send the pending ACK at `when` (a time past: with the next datagram); none pending: nothing."""
+        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        if space is not None and space.ack_at is not None:
+            space.ack_at = when
 
     def peer_close(self) -> qe.ConnectionTerminated | None:
         """The peer's CONNECTION_CLOSE, as soon as it arrived. aioquic reports it only when its
@@ -275,6 +339,11 @@ class LinkCore:
         self._inbound: dict[int, _Inbound] = {}
         self._fin_sent: set[int] = set()
         self.held_bytes = 0  # the peer's bytes held: frames in pieces, and frames not yet `release`d
+        self._acks_held = 0  # the peer's datagrams that the pending ACK answers
+        self._held_since = now  # when the first of them came
+        # Whether the stream data of the latest datagram ended whole ring frames, so that its ACK
+        # can wait; None: it carried none.
+        self._ack_waits: bool | None = None
         self._heard_closing = 0  # the peer's datagrams since we closed
         self._goodbye_again: list[bytes] = []
         self.quic: _MutualTLSConnection | None = None
@@ -305,11 +374,16 @@ class LinkCore:
             return
         assert self.quic is not None
         self._last_heard = now
+        if self.quic.ack_due() is None:  # the last ACK has gone: a new count
+            self._acks_held = 0
+        ranges, self._ack_waits = self.quic.ack_ranges(), None
         self.quic.receive_datagram(data, _address(address), now)
         if not self.dial and not self.quic.heard_peer():  # shaped like an Initial, but garbage: the
             self.quic = None  # connection it made would carry its bogus ids; wait for the real one
             return
         self._process(now)
+        if self.error is None and self.quic is not None:
+            self._pace_ack(now, ranges)
 
     def _accept(self, data: bytes, now: float) -> bool:
         """The listening side creates its connection from the dialler's first Initial packet."""
@@ -333,6 +407,7 @@ class LinkCore:
             raise self.error
         if not self.is_up or self.quic is None:
             raise LinkError("the link is not up yet")
+        self.quic.ack_at(0.0)  # a pending ACK goes with the frame, not in a datagram of its own
         stream_id = self._outbound.get(frame.sequence_id)
         if stream_id is None:
             stream_id = self.quic.get_next_available_stream_id()
@@ -444,6 +519,28 @@ class LinkCore:
         return self._events.popleft() if self._events else None
 
     # --- internals ---
+    def _pace_ack(self, now: float, ranges_before: int) -> None:
+        """When to acknowledge what just came (RFC 9000 §13.2). A datagram that ends whole ring
+        frames (`ANSWERED_KINDS`) is answered soon by data going back, which carries the ACK
+        (`send_frame`): its ACK waits up to `ack_hold_s` for that, rather than going alone after
+        aioquic's 1 ms and waking this side to send it. Anything else (a frame still arriving, a
+        stage file, a control message, the handshake), or ACK_EVERY datagrams waiting, keeps
+        aioquic's pace; a gap in the packet numbers is acknowledged at once, so that the peer
+        learns of a loss sooner."""
+        assert self.quic is not None
+        due = self.quic.ack_due()
+        if due is None or not self.is_up:  # nothing asks for an ACK, or the handshake's: aioquic's
+            return
+        if self._acks_held == 0:
+            self._held_since = now
+        self._acks_held += 1
+        if ranges_before and self.quic.ack_ranges() != ranges_before:
+            self.quic.ack_at(now)
+        elif self._ack_waits is True and self._acks_held < ACK_EVERY and self.config.ack_hold_s > 0:
+            self.quic.ack_at(self._held_since + self.config.ack_hold_s)
+        else:
+            self.quic.ack_at(min(due, self._held_since + K_GRANULARITY))
+
     def _peer(self) -> str:
         return f"{self.peer_address[0]}:{self.peer_address[1]}"
 
@@ -499,12 +596,15 @@ class LinkCore:
         if not self.is_up:  # the dialler's first message from the server: its hello
             self._go_up()
         if self._local_stream(stream_id):
+            self._ack_waits = False
             self._reply_data(stream_id, data, end)
             return
         inbound = self._inbound.setdefault(stream_id, _Inbound())
         if not inbound.rejected:
             try:
                 frames = self._decode(inbound.decoder, data)
+                answered = bool(frames) and all(f.kind in ANSWERED_KINDS for f in frames)
+                self._ack_waits = self._ack_waits is not False and answered and not inbound.decoder.pending_bytes
                 for frame in frames:
                     if inbound.sequence_id is None:
                         inbound.sequence_id = frame.sequence_id
@@ -889,11 +989,11 @@ class Link:
         for data, address in self.core.datagrams_to_send(self._loop.time()):
             self.demux.sendto(data, address)
         self._after_events()
-        if self._timer is not None:
+        when = self.core.timer()
+        if self._timer is not None and self._timer.when() != when:  # most sends leave it where it was
             self._timer.cancel()
             self._timer = None
-        when = self.core.timer()
-        if when is not None:
+        if when is not None and self._timer is None:
             self._timer = self._loop.call_at(when, self._on_timer)
 
     def _after_events(self) -> None:

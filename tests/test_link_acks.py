@@ -1,0 +1,149 @@
+"""When a link acknowledges (`LinkConfig.ack_hold_s`), with two `LinkCore`s over a simulated path
+and injected time: a ring's frame answered within the hold carries the ACK back with the answer,
+and no datagram goes for the ACK alone; anything else keeps aioquic's pace; a gap is
+acknowledged at once; and an ACK that waited is neither round trip nor a rise of the path's
+queue to the sender."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from test_link_core import DIALLER_AT, LISTENER_AT, Pair, frames
+
+from kafila.network.link import LinkConfig, LinkCore
+from kafila.wire.frames import Frame, Kind
+
+HOLDING = LinkConfig(idle_timeout_s=4.0, handshake_timeout_s=10.0)
+AIOQUIC_PACE = HOLDING.model_copy(update={"ack_hold_s": 0.0})
+ACK_ALONE = 100  # bytes: a datagram this small carries no frame's data, only an ACK
+ONE_WAY_S = 0.0002  # a LAN's path
+
+
+def rows(position: int) -> Frame:
+    """A token's hidden state as a ring sends it: 640 f32, three datagrams."""
+    return Frame.of_hidden(Kind.DECODE, 1, position, np.full((1, 640), position, dtype=np.float32))
+
+
+@dataclass
+class Wire:
+    """The pair's datagrams cross a path of ONE_WAY_S each way; time moves in steps of 0.1 ms,
+    each side's timer runs when due, and every datagram sent is recorded by size."""
+
+    pair: Pair
+    lost: set[int] = field(default_factory=set)  # indices of the dialler's datagrams that never arrive
+    sent: dict[str, list[int]] = field(default_factory=lambda: {"dialler": [], "listener": []})
+    flying: list[tuple[float, LinkCore, bytes, tuple[str, int]]] = field(default_factory=list)
+
+    def send(self) -> None:
+        pair = self.pair
+        for name, core, to, source in (
+            ("dialler", pair.dialler, pair.listener, DIALLER_AT),
+            ("listener", pair.listener, pair.dialler, LISTENER_AT),
+        ):
+            for data, _ in core.datagrams_to_send(pair.now):
+                if not (name == "dialler" and len(self.sent["dialler"]) in self.lost):
+                    self.flying.append((pair.now + ONE_WAY_S, to, data, source))
+                self.sent[name].append(len(data))
+
+    def run(self, seconds: float) -> None:
+        pair = self.pair
+        end = pair.now + seconds
+        while pair.now < end - 1e-9:
+            pair.now += 0.0001
+            due = [f for f in self.flying if f[0] <= pair.now + 1e-9]
+            self.flying = [f for f in self.flying if f[0] > pair.now + 1e-9]
+            for _, core, data, source in due:
+                core.datagram_received(data, source, pair.now)
+            for core in (pair.dialler, pair.listener):
+                timer = core.timer()
+                if timer is not None and timer <= pair.now:
+                    core.handle_timer(pair.now)
+            self.send()
+
+    def alone(self, side: str, since: int = 0) -> int:
+        """How many of a side's datagrams from its `since`-th on carried an ACK alone."""
+        return sum(size < ACK_ALONE for size in self.sent[side][since:])
+
+
+def trips(wire: Wire, count: int, compute_s: float = 0.008) -> list[Frame]:
+    """A 2-machine ring's tokens: the host (the dialler) sends a token's rows, the member computes
+    for `compute_s` and answers with its own, the host computes as long and sends the next."""
+    answers = []
+    for position in range(count):
+        wire.pair.dialler.send_frame(rows(position))
+        wire.send()
+        wire.run(ONE_WAY_S + compute_s)
+        (got,) = frames(wire.pair.listener)
+        wire.pair.listener.send_frame(rows(got.position))
+        wire.send()
+        wire.run(ONE_WAY_S + compute_s)
+        answers += frames(wire.pair.dialler)
+    return answers
+
+
+def ring_wire(config: LinkConfig) -> Wire:
+    pair = Pair(config=config).up()
+    wire = Wire(pair)
+    wire.run(0.1)  # the handshake's last ACKs
+    return wire
+
+
+def test_a_ring_frame_answered_within_the_hold_carries_its_ack_back_and_none_goes_alone() -> None:
+    held, paced = ring_wire(HOLDING), ring_wire(AIOQUIC_PACE)
+    start = {name: {side: len(w.sent[side]) for side in w.sent} for name, w in (("held", held), ("paced", paced))}
+    for wire in (held, paced):
+        assert [f.position for f in trips(wire, 20)] == list(range(20))
+    assert held.alone("dialler", start["held"]["dialler"]) == 0
+    assert held.alone("listener", start["held"]["listener"]) == 0
+    assert paced.alone("dialler", start["paced"]["dialler"]) >= 19  # aioquic's: an ACK alone a frame
+    assert paced.alone("listener", start["paced"]["listener"]) >= 19
+    assert len(held.sent["dialler"]) - start["held"]["dialler"] == 3 * 20  # three datagrams a token, no more
+
+
+def test_an_answer_slower_than_the_hold_is_acknowledged_alone_when_the_hold_ends() -> None:
+    wire = ring_wire(HOLDING)
+    wire.pair.dialler.send_frame(rows(0))
+    wire.send()
+    before = len(wire.sent["listener"])
+    wire.run(ONE_WAY_S + HOLDING.ack_hold_s - 0.002)
+    assert len(wire.sent["listener"]) == before  # still waiting for an answer to carry it
+    wire.run(0.004)
+    assert wire.alone("listener", before) == 1
+
+
+def test_frames_no_ring_answers_keep_aioquics_pace() -> None:
+    """A control message (a PING frame on a sequence of its own) is acknowledged 1 ms after it
+    comes, as aioquic does, not held for an answer that may never come."""
+    wire = ring_wire(HOLDING)
+    wire.pair.dialler.send_frame(Frame(Kind.PING, 7, payload=b'{"stages": []}'))
+    wire.send()
+    before = len(wire.sent["listener"])
+    wire.run(ONE_WAY_S + 0.002)
+    assert wire.alone("listener", before) == 1
+
+
+def test_a_gap_in_the_packet_numbers_is_acknowledged_at_once() -> None:
+    wire = ring_wire(HOLDING)
+    wire.lost = {len(wire.sent["dialler"]) + 1}  # the frame's second datagram of three
+    wire.pair.dialler.send_frame(rows(0))
+    wire.send()
+    before = len(wire.sent["listener"])
+    wire.run(ONE_WAY_S + 0.0002)  # the first and third arrive: the third shows the gap
+    assert wire.alone("listener", before) == 1
+    wire.run(0.5)  # the lost datagram goes again; the frame arrives whole
+    assert [f.position for f in frames(wire.pair.listener)] == [0]
+
+
+def test_an_ack_that_waited_is_not_round_trip_nor_a_rising_queue() -> None:
+    """aioquic floors its least RTT sample at 1 ms and subtracts a peer's ACK delay only above it:
+    over a 0.4 ms path, ACKs held 4 to 16 ms would read as that much round trip; and it hands the
+    congestion controller the sample with the delay in, so reno would leave slow start as the
+    member's compute grows (a machine growing busy), which is no queue on the path."""
+    reno = HOLDING.model_copy(update={"congestion_control": "reno"})
+    wire = ring_wire(reno)
+    for token in range(40):
+        trips(wire, 1, compute_s=0.004 + 0.0003 * token)
+    host = wire.pair.dialler
+    assert host.rtt_ms is not None and host.rtt_ms < 1.5
+    assert host.quic is not None and host.quic._loss._cc.ssthresh is None  # still in slow start
