@@ -108,7 +108,7 @@ def test_a_fetch_ahead_the_plan_does_not_keep_halts_and_a_later_fetch_of_its_sta
     with serving_hub(hub):
         header = read_hub_header(HubReference(REPO, filename=FILE), endpoint=hub.url)
         stage_bytes = sum(int(t.n_bytes) for t in stage_piece(header.header.reader, 0, 2, False, FILE).source_tensors())
-        hub.rate_bytes_s = stage_bytes / 3  # three seconds for the stage
+        hub.rate_bytes_s = stage_bytes / 8  # eight seconds for the stage: halted well before its end
         ahead = AheadFetch(header.model, ahead_of, header.manifest(), cache, endpoint=hub.url, settings=SMALL)
         shown: list[tuple[str, int, int]] = []
         ahead.progress.to(lambda *update: shown.append(update))

@@ -1,6 +1,6 @@
 """Work begun as soon as a command knows it will need it, in a thread of its own, for the command
 to take later: the NAT tests (`session.presence.NatTests`), a hub model's header
-(`cli.model_source.HeaderRead`), the host's own stage fetched ahead of its plan
+(`cli.early_start.HeaderRead`), the host's own stage fetched ahead of its plan
 (`session.fetch_ahead.AheadFetch`). Each overlaps what the command does meanwhile (importing,
 loading llama.cpp, waiting for members) instead of following it."""
 
