@@ -170,6 +170,16 @@ def staged(count: int) -> Any:
     return holds
 
 
+def serving_unsplit(host: Host, model: Path, count: int, what: str) -> dict[str, Any]:
+    """/status once the ring with `count` members serves, each member's stage said (`what`, if it
+    never does), its greedy text checked to be the unsplit model's."""
+    status = until_status(host, staged(count), what, 240)
+    client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+    return status
+
+
 def members_of(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {m["name"]: m for m in status["members"] if not m.get("host")}
 
@@ -250,10 +260,7 @@ def test_the_host_fetches_its_stage_while_the_members_come_and_not_again_once_th
     with serving_hub(hub):
         members = {f"member-{i}": hub_env(tmp_path, f"m{i}", hub.url, f"hf_member{i}") for i in range(2)}
         with hub_session(tmp_path, hub, members, outputs, before_joining=stage_fetched) as host:
-            status = until_status(host, staged(2), "a ring of three machines, its members' stages said", 240)
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
-            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+            status = serving_unsplit(host, model, 2, "a ring of three machines, its members' stages said")
             said = host.output()
     own = next(m for m in status["members"] if m.get("host"))
     ahead = re.search(r"fetching blocks (\d+)-(\d+) and the head from the hub while the members come", said)
@@ -279,10 +286,7 @@ def test_a_host_too_small_for_the_head_fetches_its_blocks_and_the_vocabulary_and
     with serving_hub(hub):
         members = {f"member-{i}": hub_env(tmp_path, f"m{i}", hub.url, f"hf_member{i}") for i in range(2)}
         with hub_session(tmp_path, hub, members, outputs, settings=head_elsewhere(model)) as host:
-            status = until_status(host, staged(2), "a ring with the head on a member", 240)
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-            result = client.completions.create(model="Tiny-Q8_0", prompt=PROMPT, max_tokens=12, temperature=0)
-            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+            status = serving_unsplit(host, model, 2, "a ring with the head on a member")
             said = host.output()
     own = next(m for m in status["members"] if m.get("host"))
     assert status["plan"]["head"] != own["name"] and "blocks" in own, status
