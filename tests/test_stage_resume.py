@@ -14,6 +14,8 @@ from serving_checks import unsplit_greedy
 from tiny_models import write_wide_model
 from waiting import until
 
+from kafila.network.link import LinkConfig
+
 PROMPT = "the quick brown fox"
 CHUNK = 1 << 20  # the transfer's chunk: a partial file is kept in whole chunks
 RESUMED = re.compile(r"member-0 held (\d+) bytes of its stage from before: sent the other (\d+)")
@@ -37,7 +39,10 @@ def test_a_stage_transfer_cut_mid_way_resumes_from_the_members_bytes_and_serves_
     """The member stops (SIGSTOP) once two chunks of its stage are in: the host, hearing nothing for
     the links' idle bound, serves alone. Woken, the member finds its host link gone, joins again
     with the same cache, and the host's new offer of the same stage sends only what the member's
-    partial file lacks; the ring then serves the unsplit model's greedy text."""
+    partial file lacks; the ring then serves the unsplit model's greedy text. Both processes' links
+    pace the stage with the "rate" congestion controller (kafila.network.congestion), the links'
+    default: this is its end-to-end check that a stage arrives whole and a cut one resumes."""
+    assert LinkConfig().congestion_control == "rate"
     cache = tmp_path / "cache"
     with running_host("--model", wide, "--members", "2", *COMMON, ready=False) as host:
         code, rendezvous = host.join_line()

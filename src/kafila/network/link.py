@@ -137,10 +137,8 @@ class LinkConfig(BaseModel):
     max_datagram_size: int = Field(default=1200, ge=1200, le=65_000)
     # "rate" (kafila.network.congestion) sends at the path's measured delivery rate, so a loss at
     # random does not halve it; reno and cubic (aioquic's) do, which caps a stage file at 0.5%
-    # loss near 0.2 MB/s over a 100 ms round trip, whatever the line (docs/benchmarks.md). Reno
-    # stays the default until a member that floods its link with "rate" learns why it is sent
-    # away: in test_session_ring's flood it missed the host's one goodbye half the time (docs/protocol.md).
-    congestion_control: Literal["reno", "cubic", "rate"] = "reno"
+    # loss near 0.2 MB/s over a 100 ms round trip, whatever the line (docs/benchmarks.md).
+    congestion_control: Literal["reno", "cubic", "rate"] = "rate"
     # The peer's bytes this side holds at once: frames in pieces and frames not yet taken. One
     # frame of the largest size the protocol allows, and 64 MiB besides (a transfer's window and a
     # chunk, or a few waves of a ring's activations, with room to spare).
