@@ -90,9 +90,12 @@ def test_a_fetch_ahead_the_plan_keeps_is_its_stage_fetched_once(hub: FakeHub, ti
     with serving_hub(hub):
         header = read_hub_header(HubReference(REPO, filename=FILE), endpoint=hub.url)
         manifest = header.manifest()
-        ahead = AheadFetch(header.model, ahead_of, manifest, tmp_path / "stages", endpoint=hub.url, settings=SMALL)
+        asked_before = len(hub.ranges_of(FILE))
+        ahead = AheadFetch(header, ahead_of, manifest, tmp_path / "stages", endpoint=hub.url, settings=SMALL)
         shown: list[tuple[str, int, int]] = []
         assert ahead.settle([ahead_of], lambda *update: shown.append(update))
+        asked = hub.ranges_of(FILE)[asked_before:]
+        assert asked and min(start for start, _ in asked) >= header.model.parts[0].header_bytes, asked  # planned from
         sent = dict(hub.sent_to)
         got = fetch_stage(header.model, 2, 4, True, tmp_path / "stages", endpoint=hub.url, settings=SMALL)
         assert hub.sent_to == sent  # taken from the cache: nothing fetched twice
@@ -109,7 +112,7 @@ def test_a_fetch_ahead_the_plan_does_not_keep_halts_and_a_later_fetch_of_its_sta
         header = read_hub_header(HubReference(REPO, filename=FILE), endpoint=hub.url)
         stage_bytes = sum(int(t.n_bytes) for t in stage_piece(header.header.reader, 0, 2, False, FILE).source_tensors())
         hub.rate_bytes_s = stage_bytes / 8  # eight seconds for the stage: halted well before its end
-        ahead = AheadFetch(header.model, ahead_of, header.manifest(), cache, endpoint=hub.url, settings=SMALL)
+        ahead = AheadFetch(header, ahead_of, header.manifest(), cache, endpoint=hub.url, settings=SMALL)
         shown: list[tuple[str, int, int]] = []
         ahead.progress.to(lambda *update: shown.append(update))
         deadline = time.monotonic() + 30

@@ -156,13 +156,15 @@ def fetch_stage(
     endpoint: str | None = None,
     settings: RangeSettings | None = None,
     halt: threading.Event | None = None,
+    planned: ModelHeader | None = None,
 ) -> StageFile:
     """The stage file of blocks [first, end) (`is_head`: with the head) of `model`, fetched by the
     ranges of exactly the tensors it holds and cut by the slicer: byte for byte the file the
     slicer cuts from the whole model. A stage kept from before is taken without fetching; a fetch
     cut off resumes from what it kept. The headers are fetched again and must be the ones planned
-    from, byte for byte, and every tensor must lie where its header says in a file of the planned
-    size: else `HubMismatch`. `HubRefused` and `HubUnreachable` where the hub says no or is not
+    from, byte for byte (not where `planned` is given: the headers this process read from the hub
+    at that commit and planned from, the host's), and every tensor must lie where its header says
+    in a file of the planned size: else `HubMismatch`. `HubRefused` and `HubUnreachable` where the hub says no or is not
     there: the caller falls back to another source. Setting `halt` stops the fetch where it is
     (`FetchHalted`)."""
     out = Path(out_dir)
@@ -180,6 +182,7 @@ def fetch_stage(
         endpoint,
         settings or RangeSettings(),
         halt,
+        planned,
     )
     remember_hub_stage(out, key, stage.path)
     trim_stage_cache(out, [stage.path])
@@ -193,11 +196,12 @@ def fetch_vocabulary(
     *,
     endpoint: str | None = None,
     settings: RangeSettings | None = None,
+    planned: ModelHeader | None = None,
 ) -> Path:
     """What a host whose head is on a member tokenizes, samples and embeds with, fetched by the one
     range of the token embedding (`slicer.vocabulary_piece`: the model's metadata and that tensor);
     kept in `out_dir` by the model's commit and file, as a stage is, and checked as `fetch_stage`
-    checks one."""
+    checks one (`planned` as there)."""
     out = Path(out_dir)
     key = stage_key(model, 0, 0, False)  # no stage has no blocks: the vocabulary's own key
     kept = find_hub_stage(out, key)
@@ -205,7 +209,7 @@ def fetch_vocabulary(
         return kept.path
     made = _fetch_piece(
         model, lambda header: vocabulary_piece(header.reader, model.label), out, key, "the vocabulary",
-        progress, endpoint, settings or RangeSettings(),
+        progress, endpoint, settings or RangeSettings(), planned=planned,
     )  # fmt: skip
     remember_hub_stage(out, key, made.path)
     return made.path
@@ -221,13 +225,17 @@ def _fetch_piece(
     endpoint: str | None,
     settings: RangeSettings,
     halt: threading.Event | None = None,
+    planned: ModelHeader | None = None,
 ) -> StageFile:
-    """The piece `cut` makes of the model's headers (fetched again and checked), its tensors fetched
-    by their ranges straight to their places in the stage file (`_fetch_into`, journalled in a work
-    folder), refused before a byte is fetched where the disk cannot hold it."""
+    """The piece `cut` makes of the model's headers (fetched again and checked, or those `planned`
+    from), its tensors fetched by their ranges straight to their places in the stage file
+    (`_fetch_into`, journalled in a work folder), refused before a byte is fetched where the disk
+    cannot hold it."""
     remotes = [_Remote(model.repo_id, model.commit, p.path, endpoint, p.size, p.sha256) for p in model.parts]
-    readers = [_checked_header(remote, part) for remote, part in zip(remotes, model.parts, strict=True)]
-    header = _joined(model, readers)
+    header = planned
+    if header is None:
+        readers = [_checked_header(remote, part) for remote, part in zip(remotes, model.parts, strict=True)]
+        header = _joined(model, readers)
     piece = cut(header)
     here = _kept_tensors(out, model, header, {t.name for t in piece.source_tensors()})
     wanted = [t for t in piece.source_tensors() if t.name not in here]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kafila.background import in_background
-from kafila.contracts import FleetDevice, HubModel, ModelPricing, Progress
-from kafila.hub.ranges import RangeSettings, fetch_stage
+from kafila.contracts import FleetDevice, ModelPricing, Progress
+from kafila.hub.ranges import HubHeader, RangeSettings, fetch_stage
 from kafila.planner.types import ModelManifest, PlanRefused, ServingSpec
 from kafila.session.pricing import Machine, RingPricing
 
@@ -109,11 +109,11 @@ class ProgressRelay:
 
 class AheadFetch:
     """The provisional plan's stage for this host, fetched from the hub in a thread of its own
-    (`fetch_stage`, into `cache`), begun at once."""
+    (`fetch_stage`, into `cache`, against the `header` it planned from), begun at once."""
 
     def __init__(
         self,
-        model: HubModel,
+        header: HubHeader,
         stage: OwnStage,
         manifest: ModelManifest,
         cache: Path,
@@ -125,8 +125,8 @@ class AheadFetch:
         self.progress = ProgressRelay()
         self._halt = threading.Event()
         fetch = functools.partial(
-            fetch_stage, model, stage.first, stage.end, stage.is_head, cache, self.progress,
-            endpoint=endpoint, settings=settings, halt=self._halt,
+            fetch_stage, header.model, stage.first, stage.end, stage.is_head, cache, self.progress,
+            endpoint=endpoint, settings=settings, halt=self._halt, planned=header.header,
         )  # fmt: skip
         self._done = in_background("kafila-fetch-ahead", fetch)
 

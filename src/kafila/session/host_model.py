@@ -193,7 +193,9 @@ class HubOnlyModel:
     def stage_file(self, stage: PlannedStage, cache: Path, progress: Progress) -> StageFile:
         if stage.file is not None:
             return stage.file
-        return fetch_stage(self.hub, stage.first_block, stage.end_block, stage.is_head, cache, progress)
+        first, end, head = stage.first_block, stage.end_block, stage.is_head
+        # the header this host read from the hub at the commit and planned from: not fetched again
+        return fetch_stage(self.hub, first, end, head, cache, progress, planned=self.header.header)
 
     def own_stages(self, own: Sequence[PlannedStage], progress: Progress) -> None:
         ahead, self.ahead = self.ahead, None  # the first plan settles it; later ones find what it kept
@@ -201,7 +203,7 @@ class HubOnlyModel:
             ahead.settle([OwnStage(s.first_block, s.end_block, s.is_head) for s in own], progress)
 
     def vocabulary(self, cache: Path, progress: Progress) -> Path:
-        return fetch_vocabulary(self.hub, cache, progress)
+        return fetch_vocabulary(self.hub, cache, progress, planned=self.header.header)
 
     def prefix_cut(self) -> PrefixCut:
         return prefix_cut_from(self.header.header.reader)

@@ -309,7 +309,7 @@ class HostRunner:
         stage = await asyncio.to_thread(plan, pricings, sha256)
         if stage is None:
             return
-        ahead = model.ahead = AheadFetch(model.hub, stage, self.manifest, cache_dir() / "stages")
+        ahead = model.ahead = AheadFetch(model.header, stage, self.manifest, cache_dir() / "stages")
         ahead.progress.to(self._ahead_shown.enter_context(self.ui.progress_bars()))
         self.ui.say(
             f"fetching {stage.words()} from the hub while the members come: this machine's share were they "
@@ -348,7 +348,10 @@ class HostRunner:
             self.demo.start(network.code, self._advertised, others, config.member_shares)
         if not self._ahead_begun:  # once, after the code: nothing of it delays the join line
             self._ahead_begun = True
-            await self._begin_fetch_ahead()
+            try:
+                await self._begin_fetch_ahead()
+            except Exception as error:  # the stage is fetched after the plan, as without it
+                self.ui.warn("this machine's stage could not be fetched ahead of the plan", str(error))
         network.renewing = lambda: self.core.wants_rendezvous_session
         network.rendezvous_lost = functools.partial(self._rendezvous_lost, network)
         self.shell.hand_now([Opened(join)])
@@ -411,6 +414,9 @@ class HostRunner:
     async def stop(self, reason: str) -> None:
         self.shell.hand_now([Stopped(reason)])
         await self.shell.stop()  # a deployment under way, say, ends: so does the session
+        self._ahead_shown.close()
+        if isinstance(self.config.model, HubOnlyModel) and self.config.model.ahead is not None:
+            self.config.model.ahead.halt()  # its journal is kept for the next start
         if self._hashing is not None:
             self._hashing.cancel()
         await self._retire(reason)
