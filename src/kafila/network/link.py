@@ -202,16 +202,18 @@ class _MutualTLSConnection(QuicConnection):
 
     def _ack_received(self, *, ack_rangeset: RangeSet, ack_delay: float, now: float, space: QuicPacketSpace) -> None:
         """aioquic takes the peer's ACK delay off a round-trip sample only where what is left is at
-        least its least sample, which it floors at 1 ms: over a path under a millisecond
-        (loopback, a LAN), an ACK that waited for the answer (`LinkConfig.ack_hold_s`) would count
-        whole as round trip, in the smoothed RTT that the planner reads and the pacer paces by.
-        While the least sample is that floor, it goes down to what the delay leaves (RFC 9002
-        §5.3 subtracts it), so a peer that overstates its delay moves it by a millisecond at most."""
+        least its least sample, the least of samples that all had a delay in (floored at 1 ms,
+        and the handshake's, taken on a busy machine, may be more): an ACK that waited for the
+        answer (`LinkConfig.ack_hold_s`) would count whole as round trip, in the smoothed RTT
+        that the planner reads as the edge's and the pacer paces by. The least sample goes down
+        to what the delay leaves instead (RFC 9002 §5.3 subtracts it). A peer that overstates
+        its delay (25 ms at most) can make its edge look quicker by as much, as a peer can
+        overstate its stages' speed in its reports."""
         if len(ack_rangeset) and space is self._spaces.get(tls.Epoch.ONE_RTT) and ack_delay > 0:
             packet: QuicSentPacket | None = space.sent_packets.get(ack_rangeset.bounds().stop - 1)
             if packet is not None and packet.is_ack_eliciting and packet.sent_time is not None:
                 left = now - packet.sent_time - min(ack_delay, self._loss.max_ack_delay)
-                if 0 < left <= self._loss._rtt_min <= K_GRANULARITY:
+                if 0 < left <= self._loss._rtt_min:
                     self._loss._rtt_min = left * 0.999  # below it: aioquic subtracts only from more
         self._loss_ack_received(ack_rangeset=ack_rangeset, ack_delay=ack_delay, now=now, space=space)
 
