@@ -7,8 +7,9 @@ The host's engine thread drives `QuicRing` (a token's rows out, the member's row
 head's engine does) and sleeps `--host-ms` a token for the head's compute; the member, a child
 process, serves `serve_stage` with a stage whose forward sleeps `--stage-ms` and returns its
 rows. Host on CPU 0, member on CPU 1 (as the demo holds them). Printed, a token: each thread's
-on-CPU microseconds (its schedstat: sleeps cost none), the datagrams each side sent, and the
-host link's smoothed RTT. Run it with PYTHONPATH set to the source tree to measure.
+on-CPU microseconds (its schedstat: sleeps cost none), the datagrams each side sent, the wall
+time beyond the two sleeps (the hops' latency, and the sleeps' own overshoot), and the host
+link's smoothed RTT. Run it with PYTHONPATH set to the source tree to measure.
 """
 
 from __future__ import annotations
@@ -145,9 +146,11 @@ def main() -> None:
                 token(position)
             here.send("mark")
             member_before, host_before, sent_before = here.recv(), cpu_ns_by_thread(), sent[0]
+            started = time.perf_counter()
             for position in range(WARM_TOKENS, WARM_TOKENS + args.tokens):
                 time.sleep(args.host_ms / 1e3)
                 token(position)
+            elapsed = time.perf_counter() - started
             here.send("mark")
             member_after, host_after = here.recv(), cpu_ns_by_thread()
             mine = per_token(host_before, host_after, os.getpid(), args.tokens)
@@ -157,6 +160,7 @@ def main() -> None:
             result["host datagrams"] = (sent[0] - sent_before) / args.tokens
             result["member datagrams"] = (member_after[1] - member_before[1]) / args.tokens
             result["host rtt ms"] = link.core.rtt_ms or float("nan")
+            result["wall ms beyond the sleeps"] = 1e3 * elapsed / args.tokens - args.host_ms - args.stage_ms
 
         await asyncio.to_thread(engine)
         here.send("stop")

@@ -1,8 +1,8 @@
 """`QuicRing` over real links on loopback: the engine thread's blocking calls, run on the loop.
 
-Sends are handed to the loop and not waited for; these check that they still leave in order,
-that a link that refuses them fails the engine's next call, and that any member's link going
-down ends a receive at once, naming that member, through the one watch a ring keeps."""
+Sends are plain callbacks on the loop; these check that frames leave in order, that a link that
+refuses them fails the send and every call after, and that any member's link going down ends a
+receive at once, naming that member, through the one watch a ring keeps."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def run(scenario: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(asyncio.wait_for(scenario, 30))
 
 
-def test_frames_handed_over_without_a_wait_leave_in_order_and_come_back() -> None:
+def test_frames_sent_in_waves_leave_in_order_and_come_back() -> None:
     async def scenario() -> list[int]:
         host, member, demuxes = await linked()
         echo = asyncio.create_task(_echo(member))
@@ -79,13 +79,14 @@ async def _echo(router: LinkRouter) -> None:
         await router.activation.send(await router.activation.receive())
 
 
-def test_a_link_that_refuses_what_was_handed_over_fails_the_next_call() -> None:
+def test_a_link_that_refuses_the_frames_fails_the_send_and_every_call_after() -> None:
     async def scenario() -> None:
         host, _member, demuxes = await linked()
         ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
         await host.link.close("gone")  # no members to watch: only the send can tell
         try:
-            await asyncio.to_thread(ring.send, [rows(0)])  # handed over: no error yet
+            with pytest.raises(StageFailed, match="link to member is down"):
+                await asyncio.to_thread(ring.send, [rows(0)])
             with pytest.raises(StageFailed, match="link to member is down"):
                 await asyncio.to_thread(ring.receive, 1)
             with pytest.raises(StageFailed, match="link to member is down"):

@@ -91,7 +91,13 @@ RECENT_REJECTIONS = 64  # a link keeps this many of its latest rejections, and c
 # wave), a CANCEL (it comes back). The ACK of a datagram that ends such frames waits for the
 # answer to carry it (`LinkConfig.ack_hold_s`).
 ANSWERED_KINDS = frozenset((*HIDDEN_KINDS, Kind.LOGITS, Kind.ROWS, Kind.CANCEL))
-ACK_EVERY = 10  # an ACK waits for no more of the peer's datagrams than this (Chromium acks every 10th)
+# An ACK waits for fewer of the peer's datagrams than this: well inside the 10 datagrams' window a
+# sender starts with (and that "rate" keeps while a ring's traffic leaves it idle), so a held ACK
+# never stops a sender; a token's rows of a hidden size up to about 900 in f32 fit.
+ACK_EVERY = 4
+# A link whose side sent ring frames within this long answers the peer on it: a ring of two
+# machines. On a longer ring each link carries rows one way, and its ACKs keep aioquic's pace.
+ANSWERING_S = 1.0
 
 # Application error codes in CONNECTION_CLOSE and STOP_SENDING.
 GOODBYE = 0
@@ -143,12 +149,12 @@ class LinkConfig(BaseModel):
     # frame of the largest size the protocol allows, and 64 MiB besides (a transfer's window and a
     # chunk, or a few waves of a ring's activations, with room to spare).
     max_held_bytes: int = Field(default=MAX_PAYLOAD + (64 << 20), ge=1 << 16)
-    # How long the ACK of a datagram that ends whole ring frames (`ANSWERED_KINDS`) waits for data
-    # of ours to carry it. aioquic sends every ACK alone, 1 ms after the packet; on a ring the
-    # answer follows a stage's compute some milliseconds later, and an ACK that waits for it
-    # saves a datagram each way and a wake-up to send it (docs/benchmarks.md, the per-token
-    # toll). Below the 25 ms that aioquic announces as its max_ack_delay (RFC 9000 §13.2.1); 0
-    # keeps aioquic's own pace for every packet.
+    # How long the ACK of a datagram that ends whole ring frames (`ANSWERED_KINDS`), on a link this
+    # side answers on (`ANSWERING_S`), waits for data of ours to carry it. aioquic sends every
+    # ACK alone, 1 ms after the packet; on a ring the answer follows a stage's compute some
+    # milliseconds later, and an ACK that waits for it saves a datagram each way and a wake-up
+    # to send it (docs/benchmarks.md, the per-token toll). Below the 25 ms that aioquic
+    # announces as its max_ack_delay (RFC 9000 §13.2.1); 0 keeps aioquic's own pace throughout.
     ack_hold_s: float = Field(default=0.020, ge=0, lt=0.025)
 
     @property
@@ -340,6 +346,7 @@ class LinkCore:
         self._fin_sent: set[int] = set()
         self.held_bytes = 0  # the peer's bytes held: frames in pieces, and frames not yet `release`d
         self._acks_held = 0  # the peer's datagrams that the pending ACK answers
+        self._answered_at: float | None = None  # when the latest peer datagram before our latest ring frame came
         self._held_since = now  # when the first of them came
         # Whether the stream data of the latest datagram ended whole ring frames, so that its ACK
         # can wait; None: it carried none.
@@ -408,6 +415,8 @@ class LinkCore:
         if not self.is_up or self.quic is None:
             raise LinkError("the link is not up yet")
         self.quic.ack_at(0.0)  # a pending ACK goes with the frame, not in a datagram of its own
+        if frame.kind in ANSWERED_KINDS:
+            self._answered_at = self._last_heard
         stream_id = self._outbound.get(frame.sequence_id)
         if stream_id is None:
             stream_id = self.quic.get_next_available_stream_id()
@@ -521,12 +530,13 @@ class LinkCore:
     # --- internals ---
     def _pace_ack(self, now: float, ranges_before: int) -> None:
         """When to acknowledge what just came (RFC 9000 §13.2). A datagram that ends whole ring
-        frames (`ANSWERED_KINDS`) is answered soon by data going back, which carries the ACK
+        frames (`ANSWERED_KINDS`), on a link where this side answers with its own (it sent some
+        within ANSWERING_S), is answered soon by data going back, which carries the ACK
         (`send_frame`): its ACK waits up to `ack_hold_s` for that, rather than going alone after
         aioquic's 1 ms and waking this side to send it. Anything else (a frame still arriving, a
-        stage file, a control message, the handshake), or ACK_EVERY datagrams waiting, keeps
-        aioquic's pace; a gap in the packet numbers is acknowledged at once, so that the peer
-        learns of a loss sooner."""
+        stage file, a control message, the handshake, a link the rows cross one way), or
+        ACK_EVERY datagrams waiting, keeps aioquic's pace; a gap in the packet numbers is
+        acknowledged at once, so that the peer learns of a loss sooner."""
         assert self.quic is not None
         due = self.quic.ack_due()
         if due is None or not self.is_up:  # nothing asks for an ACK, or the handshake's: aioquic's
@@ -536,10 +546,14 @@ class LinkCore:
         self._acks_held += 1
         if ranges_before and self.quic.ack_ranges() != ranges_before:
             self.quic.ack_at(now)
-        elif self._ack_waits is True and self._acks_held < ACK_EVERY and self.config.ack_hold_s > 0:
+        elif self._ack_waits is True and self._acks_held < ACK_EVERY and self._answering(now):
             self.quic.ack_at(self._held_since + self.config.ack_hold_s)
         else:
             self.quic.ack_at(min(due, self._held_since + K_GRANULARITY))
+
+    def _answering(self, now: float) -> bool:
+        answered = self._answered_at
+        return self.config.ack_hold_s > 0 and answered is not None and now - answered <= ANSWERING_S
 
     def _peer(self) -> str:
         return f"{self.peer_address[0]}:{self.peer_address[1]}"

@@ -2,17 +2,19 @@
 
 The engine loop thread owns llama.cpp and blocks on each step; the links live on the asyncio
 loop. `QuicRing` bridges them, so `RingEngine` drives a ring of machines exactly as it drives
-local processes: a send is handed to the loop and not waited for (the frames leave in order, and
-a link that refused them fails the next call), a receive waits for the loop's answer. A link that
-goes down, or a ring that stops answering, surfaces as `StageFailed` naming the member, which
-fails the requests in flight; a stage's ERROR frame about one sequence is returned like any frame
-and fails only that request.
+local processes: a send is a plain callback on the loop, which the engine thread waits for (a
+send not waited for left when the engine next let go of the GIL, after its own Python work: the
+tokens' delivery came back onto each token's path), a receive a coroutine whose answer it waits
+for. A link that goes down, or a ring that stops answering, surfaces as `StageFailed` naming the
+member, which fails the requests in flight; a stage's ERROR frame about one sequence is returned
+like any frame and fails only that request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -50,6 +52,7 @@ class QuicRing:
         self._abandoned = False
         self._down: str | None = None  # why the first member link that went down did (set on the loop)
         self._refused: Exception | None = None  # why the loop could not send frames handed to it
+        self._sending: set[threading.Event] = set()  # sends waiting on the loop, for `abandon`
         self._waiting: set[asyncio.Task[Any]] = set()  # the steps waiting on the loop, for `_member_down`
         self._watches = {name: functools.partial(self._member_down, name) for name in self._members}
         loop.call_soon_threadsafe(self._watch_members, True)  # built on the engine's thread, or on the loop
@@ -114,15 +117,16 @@ class QuicRing:
             return StageFailed(f"the link to {self._first_name} is down: {error}")
         return error
 
-    def _send_now(self, frames: Sequence[Frame]) -> None:
+    def _send_now(self, frames: Sequence[Frame], sent: threading.Event) -> None:
         """On the loop, in the order the engine handed them over."""
-        if self._abandoned or self._refused is not None:
-            return
         try:
-            for frame in frames:
-                self._first.send_now(frame)
-        except Exception as error:  # the engine learns of it on its next call
+            if not self._abandoned and self._refused is None:
+                for frame in frames:
+                    self._first.send_now(frame)
+        except Exception as error:  # the waiting engine raises it, and so does every call after
             self._refused = error
+        finally:
+            sent.set()
 
     def abandon(self) -> None:
         """Stop using this ring: any step waiting on it ends at once, and it takes no more frames,
@@ -130,19 +134,29 @@ class QuicRing:
         self._abandoned = True
         for future in list(self._pending):
             future.cancel()
+        for sending in list(self._sending):
+            sending.set()
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._watch_members, False)
 
     def send(self, frames: Sequence[Frame]) -> None:
-        """Hand the frames to the loop, which sends them in turn; a link that refuses them fails
-        the next call (a down member's link fails it anyway)."""
-        if self._abandoned:
-            raise StageFailed("this ring was abandoned for a new plan")
+        """The frames out in turn, by a plain callback on the loop (no task, no future), once it
+        has run: they leave before the engine's next Python work."""
         if self._down is not None:
             raise StageFailed(self._down)
+        sent = threading.Event()
+        self._sending.add(sent)
+        try:
+            if not self._abandoned:
+                self._loop.call_soon_threadsafe(self._send_now, list(frames), sent)
+                if not sent.wait(STEP_TIMEOUT_S):
+                    raise StageFailed(f"the ring did not take frames within {STEP_TIMEOUT_S:.0f} s (send)")
+        finally:
+            self._sending.discard(sent)
+        if self._abandoned:
+            raise StageFailed("this ring was abandoned for a new plan")
         if self._refused is not None:
             raise self._refusal()
-        self._loop.call_soon_threadsafe(self._send_now, list(frames))
 
     def receive(self, count: int) -> list[Frame]:
         async def receive() -> list[Frame]:
