@@ -251,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "rb") as file:
             files[path.rsplit("/", 1)[-1]] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)  # type: ignore[assignment]
     hub = FakeHub({args.repo: Repo(files)}, rate_bytes_s=args.rate_mb * 1e6)
-    for name in files:
-        hub.sha256(args.repo, name)  # hashed before the first client asks, not while it waits
+    for name in files:  # hashed before the first client asks (the listing names both), not while it waits
+        hub.sha256(args.repo, name)
+        hub.digest(args.repo, name, "sha1")
     with serving_hub(hub, args.address, args.port):
         print(f"READY {hub.url}", flush=True)
         for _ in sys.stdin:
