@@ -102,6 +102,22 @@ def test_a_fetch_ahead_the_plan_keeps_is_its_stage_fetched_once(hub: FakeHub, ti
     assert got.path.read_bytes() == block_range_file(tiny, 2, 4, tmp_path / "cut", is_head=True).path.read_bytes()
 
 
+def test_a_plan_that_gives_the_host_more_than_was_fetched_ahead_fetches_only_the_rest(
+    hub: FakeHub, tiny: Path, tmp_path: Path
+) -> None:
+    with serving_hub(hub):
+        header = read_hub_header(HubReference(REPO, filename=FILE), endpoint=hub.url)
+        ahead = AheadFetch(header, OwnStage(2, 4, True), header.manifest(), tmp_path / "stages", endpoint=hub.url)
+        assert ahead.settle([OwnStage(1, 4, True)], lambda *update: None)  # it holds all of it: kept
+        sent = sum(hub.sent_to.values())
+        stages, planned = tmp_path / "stages", header.header
+        got = fetch_stage(header.model, 1, 4, True, stages, endpoint=hub.url, settings=SMALL, planned=planned)
+        fetched = sum(hub.sent_to.values()) - sent
+    block_1 = stage_piece(header.header.reader, 1, 2, False, FILE).source_tensors()
+    assert 0 < fetched <= sum(int(t.n_bytes) for t in block_1) + 4 * (4 << 10), fetched  # block 1's tensors alone
+    assert got.path.read_bytes() == block_range_file(tiny, 1, 4, tmp_path / "cut", is_head=True).path.read_bytes()
+
+
 def test_a_fetch_ahead_the_plan_does_not_keep_halts_and_a_later_fetch_of_its_stage_resumes(
     hub: FakeHub, tiny: Path, tmp_path: Path
 ) -> None:
