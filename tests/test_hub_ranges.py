@@ -40,6 +40,7 @@ from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, Heade
 from kafila.runtime.gguf.header import ModelHeader, TensorSpan, check_spans
 from kafila.runtime.gguf.manifest import manifest_of, read_manifest
 from kafila.runtime.gguf.slicer import SliceError, StageFile, block_range_file, stage_layout, stage_piece
+from kafila.runtime.gguf.stage_cache import PARTIAL_KEPT_S
 from kafila.runtime.llama.loading import load_llama
 from kafila.runtime.llama.model import VocabularyOnly
 from kafila.session.host_model import HubOnlyModel
@@ -370,6 +371,32 @@ def test_a_fetch_stopped_midway_resumes_without_fetching_again_what_it_kept(
     cut = block_range_file(tiny, stage[0], stage[1], tmp_path / "cut", is_head=stage[2])
     assert got.path.read_bytes() == cut.path.read_bytes()
     assert not (tmp_path / "m" / "hub-partial" / stage_key(header.model, *stage).digest()).exists()
+
+
+def test_a_partial_fetch_left_a_day_goes_at_the_next_fetch_and_a_recent_one_stays(
+    hub: FakeHub, tiny: Path, tmp_path: Path
+) -> None:
+    """Two stages' fetches stop midway (a fetch ahead the plan did not need leaves one so); the
+    next fetch of a third gives up the one untouched for a day, keeps the recent one to resume."""
+    with serving_hub(hub):
+        header = plan(hub)
+
+        def stop_halfway(what: str, done: int, total: int) -> None:
+            if what.startswith("fetching") and done >= total // 2:
+                raise Interrupted
+
+        works = {}
+        for stage in DIVISION[:2]:
+            with pytest.raises(Interrupted):
+                fetch(hub, header.model, stage, tmp_path / "m", "hf_first", progress=stop_halfway)
+            works[stage] = tmp_path / "m" / "hub-partial" / stage_key(header.model, *stage).digest()
+        old, recent = works[DIVISION[0]], works[DIVISION[1]]
+        day_ago = time.time() - PARTIAL_KEPT_S - 60
+        for path in (old, *old.iterdir()):
+            os.utime(path, (day_ago, day_ago))
+        fetch(hub, header.model, DIVISION[2], tmp_path / "m", "hf_first")
+    assert not old.exists()
+    assert recent.exists() and any(recent.iterdir())
 
 
 def test_a_fetch_kept_under_another_plan_is_started_afresh_and_gives_the_slicers_stage(

@@ -16,10 +16,12 @@ from tiny_models import write_tiny_model
 
 from kafila.runtime.gguf.slicer import SliceError, block_range_file, cached_slices
 from kafila.runtime.gguf.stage_cache import (
+    PARTIAL_KEPT_S,
     RECENT_S,
     STAGE_CACHE_ENV,
     CachedFile,
     choose_evictions,
+    choose_stale_partials,
     make_room,
     stage_cache_budget,
     trim_stage_cache,
@@ -39,6 +41,12 @@ def test_the_least_recently_used_go_first_until_the_rest_fit() -> None:
     assert choose_evictions(files, [], 300, NOW) == [named(0), named(1)]
     assert choose_evictions(files, [named(0)], 300, NOW) == [named(1), named(2)]  # in use: kept
     assert choose_evictions(files, [named(4)], 0, NOW) == [named(i) for i in range(4)]
+
+
+def test_a_partial_fetch_left_a_day_is_given_up_unless_it_is_the_one_resumed() -> None:
+    touched = [("old", NOW - PARTIAL_KEPT_S - 1), ("fresh", NOW - 60), ("resumed", NOW - 10 * PARTIAL_KEPT_S)]
+    assert choose_stale_partials(touched, keep="resumed", now=NOW) == ["old"]
+    assert choose_stale_partials([], keep="x", now=NOW) == []
 
 
 def test_files_used_within_the_hour_stay_even_over_budget() -> None:

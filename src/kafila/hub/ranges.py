@@ -58,11 +58,13 @@ from kafila.runtime.gguf.slicer import (
     vocabulary_piece,
 )
 from kafila.runtime.gguf.stage_cache import (
+    HUB_PARTIAL,
     HubStageKey,
     find_hub_stage,
     hub_stages_of,
     make_room,
     remember_hub_stage,
+    trim_partial_fetches,
     trim_stage_cache,
 )
 from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
@@ -242,7 +244,8 @@ def _fetch_piece(
     spans = header.spans_of(wanted)
     runs = fetch_runs(spans, settings.join_gap)
     layout = stage_layout(piece)
-    work = out / "hub-partial" / key.digest()
+    work = out / HUB_PARTIAL / key.digest()
+    trim_partial_fetches(out, keep=work.name)
     make_room(out, layout.size)
     name = PurePosixPath(model.parts[0].path).name
     _check_room(out, layout.size - _held(work / _STAGE), f"{what} of {name}")

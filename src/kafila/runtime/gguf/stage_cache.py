@@ -9,7 +9,9 @@ has in use (its plan's files and about one earlier plan's worth), or `KAFILA_STA
 It never drops a file the caller has in use, nor one used in the last hour: several kafila
 processes on one machine (the demo's host and members, or two sessions) share the cache, and
 each knows only its own files. Partial transfers (`.partial`) are left alone, so a transfer
-can still resume.
+can still resume. A partial fetch from the hub (`hub-partial/<key>`, a stage's journal and what
+arrived) resumes too, but one left for a day (a fetch ahead that the plan did not need, a stage
+fetched no more) goes at the next fetch: it can hold a stage's size.
 
 The choice is pure (`choose_evictions`); `trim_stage_cache` reads the folder and deletes.
 
@@ -26,6 +28,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import astuple, dataclass
@@ -33,6 +36,8 @@ from pathlib import Path
 
 STAGE_CACHE_ENV = "KAFILA_STAGE_CACHE_GB"
 RECENT_S = 3600.0  # a file used this recently may be another process's: it stays
+PARTIAL_KEPT_S = 86_400.0  # a partial hub fetch untouched this long is given up
+HUB_PARTIAL = "hub-partial"
 _STAGE_FILE = re.compile(r"^[0-9a-f]{64}\.gguf$")
 HUB_INDEX = "hub-stages.json"
 
@@ -126,6 +131,31 @@ def make_room(directory: Path, incoming_bytes: int) -> list[Path]:
     they set (by default, twice their size), on a disk that old cuts may have filled."""
     budget = stage_cache_budget(incoming_bytes, os.environ.get(STAGE_CACHE_ENV))
     return trim_stage_cache(directory, [], max(0, budget - incoming_bytes))
+
+
+def choose_stale_partials(
+    touched: Sequence[tuple[str, float]], keep: str, now: float, kept_s: float = PARTIAL_KEPT_S
+) -> list[str]:
+    """The partial fetches (name, when anything in it last changed) to give up: every one but
+    `keep` left untouched for `kept_s`."""
+    return [name for name, at in touched if name != keep and now - at >= kept_s]
+
+
+def trim_partial_fetches(directory: Path, keep: str) -> list[Path]:
+    """Delete the partial hub fetches in `directory` that `choose_stale_partials` gives up; returns
+    what went. Best effort, as `trim_stage_cache`."""
+    root = Path(directory) / HUB_PARTIAL
+    touched = []
+    with contextlib.suppress(OSError):
+        for work in root.iterdir():
+            with contextlib.suppress(OSError):
+                times = [work.stat().st_mtime, *(entry.stat().st_mtime for entry in work.iterdir())]
+                touched.append((work.name, max(times)))
+    removed = []
+    for name in choose_stale_partials(touched, keep, time.time()):
+        shutil.rmtree(root / name, ignore_errors=True)
+        removed.append(root / name)
+    return removed
 
 
 @dataclass(frozen=True)
