@@ -16,8 +16,11 @@ from test_speculation import VOCAB, Sample, ScriptedModel, table_of
 
 from kafila.runtime.engine.draft_cost import (
     CLOCK_WAVES,
+    LOSS_FLOOR_TOKENS,
+    LOSS_SHARE,
     STALE_DECAY,
     AcceptRate,
+    DraftLedger,
     TripClock,
     best_window,
     expected_tokens,
@@ -59,17 +62,21 @@ def test_drafts_pay_where_the_accept_rate_times_the_trip_exceeds_a_rows_cost(
     limit=st.integers(0, MAX_DRAFT),
     sharing=st.integers(1, 4),
     draft_ms=st.one_of(st.just(0.0), st.floats(0.0, 200.0)),
+    afford_ms=st.one_of(st.just(float("inf")), st.floats(-10.0, 1000.0)),
 )
 def test_the_window_chosen_is_never_slower_than_none_and_moves_the_right_way(
-    rate: float, trip_ms: float, row_ms: float, limit: int, sharing: int, draft_ms: float
+    rate: float, trip_ms: float, row_ms: float, limit: int, sharing: int, draft_ms: float, afford_ms: float
 ) -> None:
     """Its tokens a millisecond are at least no drafts' (so a sequence whose rate is known never
-    loses by drafting), it stays within the limit, and it never grows with a dearer row, a dearer
-    draft decode, a shorter trip, a lower accept rate or more sequences sharing the wave."""
-    chosen = best_window(rate, trip_ms, row_ms, limit, sharing, draft_ms=draft_ms)
+    loses by drafting), it stays within the limit and adds no more than the sequence can afford,
+    and it never grows with a dearer row, a dearer draft decode, a shorter trip, a lower accept
+    rate or more sequences sharing the wave."""
+    chosen = best_window(rate, trip_ms, row_ms, limit, sharing, draft_ms=draft_ms, afford_ms=afford_ms)
     assert 0 <= chosen <= limit
     took = trip_ms + chosen * (row_ms * sharing + draft_ms)
     assert expected_tokens(rate, chosen) / took >= (1 - 1e-9) / trip_ms
+    assert chosen == 0 or chosen * (row_ms * sharing + draft_ms) <= afford_ms
+    chosen = best_window(rate, trip_ms, row_ms, limit, sharing, draft_ms=draft_ms)
     assert best_window(rate, trip_ms, row_ms * 1.5 + 1, limit, sharing, draft_ms=draft_ms) <= chosen
     assert best_window(rate, trip_ms, row_ms, limit, sharing, draft_ms=draft_ms * 1.5 + 1) <= chosen
     assert best_window(rate, trip_ms / 2, row_ms, limit, sharing, draft_ms=draft_ms) <= chosen
@@ -170,6 +177,62 @@ def test_the_clock_finds_the_trip_and_the_row_and_shrugs_off_delayed_waves() -> 
     clock.record(3, 0.325)
     clock.record(2, 0.3)
     assert clock.cost.row_ms == pytest.approx(25, abs=1) and not clock.cost.stale
+
+
+def test_a_sequence_s_drafts_lose_it_no_more_than_their_share_of_its_trips() -> None:
+    """Three drafts kept in a row make the accept rate 1.0, and on loopback's costs the window
+    would grow to five drafts, all missed in free text (table 327): the ledger lets a trip carry
+    only what, all missed, keeps the drafts' net loss within LOSS_SHARE of the trips taken (as
+    if LOSS_FLOOR_TOKENS at first); what kept drafts saved is the sequence's to risk."""
+    trip_ms, row_ms = 45.0, 31.0
+    ledger = DraftLedger()
+    assert ledger.affordable == pytest.approx(LOSS_SHARE * LOSS_FLOOR_TOKENS)  # a draft or two on hope
+    for _ in range(15):
+        ledger.landed(0, 0, 0.0)
+    ledger.landed(1, 1, row_ms / trip_ms)
+    ledger.landed(2, 2, 2 * row_ms / trip_ms)  # 3 kept: 0.93 trips saved
+    afford_ms = ledger.affordable * trip_ms
+    assert best_window(1.0, trip_ms, row_ms, 5) == 5
+    assert best_window(1.0, trip_ms, row_ms, 5, afford_ms=afford_ms) == 3
+    ledger.landed(3, 0, 3 * row_ms / trip_ms)
+    assert best_window(1.0, trip_ms, row_ms, 5, afford_ms=ledger.affordable * trip_ms) == 0
+    while best_window(1.0, trip_ms, row_ms, 5, afford_ms=ledger.affordable * trip_ms) == 0:
+        ledger.landed(0, 0, 0.0)  # ... until its trips make room for one draft again
+    room = ledger.lost + row_ms / trip_ms
+    assert LOSS_SHARE * (ledger.tokens - 1) < room <= LOSS_SHARE * ledger.tokens
+    assert best_window(1.0, trip_ms, row_ms, 5, afford_ms=ledger.affordable * trip_ms) == 1
+    copy, sent = DraftWindow(), []  # a copy: each window kept whole pays for the next
+    for _ in range(6):
+        limit = copy.allowed if copy.trips else 1  # as the batcher asks: one draft first
+        drafts = best_window(1.0, trip_ms, row_ms, limit, afford_ms=copy.ledger.affordable * trip_ms)
+        copy.landed(drafts, drafts, drafts * row_ms / trip_ms)
+        sent.append(drafts)
+    assert sent == [1, 2, 3, 5, 7, 7]  # one trip behind the window's own 1, 2, 5, 7, on rows this dear
+    assert copy.ledger.lost < 0
+    with pytest.raises(ValueError):
+        ledger.landed(2, 3, 0.1)
+    with pytest.raises(ValueError):
+        ledger.landed(2, 1, float("nan"))
+
+
+@settings(deadline=None, max_examples=100)
+@given(
+    trip_ms=st.floats(5.0, 300.0),
+    row_ms=st.floats(0.5, 100.0),
+    rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=200),
+    kept=st.lists(st.integers(0, MAX_DRAFT), min_size=200, max_size=200),
+)
+def test_whatever_its_drafts_meet_a_sequence_never_loses_more_than_its_share(
+    trip_ms: float, row_ms: float, rates: list[float], kept: list[int]
+) -> None:
+    """Whatever accept rate the rule is told and whatever of its drafts are kept, the net loss
+    never passes LOSS_SHARE of the trips taken (LOSS_FLOOR_TOKENS at least): an answer's time
+    with drafts is never more than 1 + LOSS_SHARE times its time without, once that long."""
+    ledger = DraftLedger()
+    for rate, keep in zip(rates, kept, strict=False):
+        drafts = best_window(rate, trip_ms, row_ms, MAX_DRAFT, afford_ms=ledger.affordable * trip_ms)
+        ledger.landed(drafts, min(keep, drafts), drafts * row_ms / trip_ms)
+        assert ledger.lost <= LOSS_SHARE * max(ledger.tokens, LOSS_FLOOR_TOKENS) + 1e-9
 
 
 # A head whose batched products tile rows by four, as gemma-3-270m's CPU head measured (CPU ms of
@@ -282,12 +345,17 @@ def simulate(
     return texts, elapsed, batcher
 
 
-# Sampled answers' tables: a fixed set, so the test asks the same of the same tables every run. (Of
-# tables 0-999, one answer loses more than 5% at loopback's costs, 45 + 31 ms a row: table 327's
-# 44 tokens, whose "9 8 9 8 9 8" lets the free guesses land, and 4 drafted trips keep 3 of 9
-# drafts: 0.934. Not among these; docs/benchmarks.md.)
-FREE_TEXT_TABLES = range(64)
+# Sampled answers' tables: a fixed set, so the test asks the same of the same tables every run:
+# 0-63, and the worst of 0-2999 at each ring (scripts/sweep_draft_cost.py; docs/benchmarks.md)
+# before the ledger (327: "9 8 9 8 9 8" made the free guesses land, 3 drafts were kept, then a
+# window of 5 missed whole, 0.934 at 45 + 31 ms; 569 and 1505 alike; 416, 143, 500, 803, 964, 748:
+# one draft at a time at a rate just above what pays, missed 1-12 times) and with it (323, 902,
+# 293, 869).
+WORST_TABLES = (327, 569, 1505, 416, 143, 500, 803, 964, 748, 323, 902, 293, 869)
+FREE_TEXT_TABLES = (*range(64), *WORST_TABLES)
 ANSWERS_ASKED = 40  # tokens an answer needs to count: one hopeful probe's row is a few % of it
+FREE_TEXT_PROMPT = [3, 4, 5, 3, 4, 6, 7, 3, 4]
+WARM_COPY = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3]  # a copy that measures the ring first
 
 
 @pytest.mark.parametrize("ring", [(45.0, 31.0), (105.0, 31.0), (20.0, 25.0), (300.0, 30.0)])
@@ -298,20 +366,20 @@ def test_free_text_never_loses_more_than_five_percent_to_drafts(ring: tuple[floa
     for every table of FREE_TEXT_TABLES whose answer is ANSWERS_ASKED tokens or more (a
     sequence's first draft is tried on hope: an answer of a few tokens may lose that row)."""
     trip_ms, row_ms = ring
-    jobs = [Job("chat", [3, 4, 5, 3, 4, 6, 7, 3, 4], 200, SamplingSettings())]
+    jobs = [Job("chat", FREE_TEXT_PROMPT, 200, SamplingSettings())]
     ratios: dict[int, float] = {}
     for table_seed in FREE_TEXT_TABLES:
         table = table_of(table_seed, peaked=False)
         plain, plain_s, _ = simulate(table, jobs, Speculate.OFF, table_seed, trip_ms, row_ms)
         if plain_s * 1e3 < ANSWERS_ASKED * trip_ms:
             continue
-        _, _, measured = simulate(CYCLE, [Job("warm", [3, 4, 5, 6, 7, 8, 9, 10, 11, 3], 60, SamplingSettings())],
-                                  Speculate.NGRAM, table_seed, trip_ms, row_ms)  # fmt: skip
+        warm = [Job("warm", WARM_COPY, 60, SamplingSettings())]
+        _, _, measured = simulate(CYCLE, warm, Speculate.NGRAM, table_seed, trip_ms, row_ms)
         assert measured.trip_clock.cost is not None
         drafted, drafted_s, _ = simulate(table, jobs, Speculate.NGRAM, table_seed, trip_ms, row_ms, measured)
         assert drafted == plain, table_seed
         ratios[table_seed] = plain_s / drafted_s
-    assert len(ratios) >= 40, ratios  # most answers are long enough: the bound is asked of many
+    assert len(ratios) >= 50, ratios  # most answers are long enough: the bound is asked of many
     assert min(ratios.values()) >= 0.95, {seed: ratio for seed, ratio in ratios.items() if ratio < 0.95}
 
 
@@ -372,8 +440,8 @@ def test_free_text_never_loses_more_than_five_percent_to_a_draft_model(
     a hop: the draft's decodes counted with the rows, drafting never costs more than 5% of the
     time decoding without it takes, for every table of FREE_TEXT_TABLES whose answer is long
     enough, after a copy measured the ring and the draft."""
-    jobs = [Job("chat", [3, 4, 5, 3, 4, 6, 7, 3, 4], 200, SamplingSettings())]
-    warm = [Job("warm", [3, 4, 5, 6, 7, 8, 9, 10, 11, 3], 60, SamplingSettings())]
+    jobs = [Job("chat", FREE_TEXT_PROMPT, 200, SamplingSettings())]
+    warm = [Job("warm", WARM_COPY, 60, SamplingSettings())]
     ratios: dict[int, float] = {}
     for table_seed in FREE_TEXT_TABLES:
         table = table_of(table_seed, peaked=False)

@@ -165,6 +165,7 @@ class _Sequence:
     window: DraftWindow = field(default_factory=DraftWindow)
     drawn_from: npt.NDArray[np.float64] | None = None  # the q rows of the drafts out, where drawn from one
     shadow: int | None = None  # its n-gram guess on a wave that carried no drafts (`DraftWindow.shadowed`)
+    drafted_trips: float = 0.0  # what its drafts out add to their wave, in trips, as the cost rule priced them
 
     @property
     def prefill(self) -> list[int]:
@@ -560,6 +561,7 @@ class Batcher:
         for sequence, drafted in zip(decoding, drafts, strict=True):
             drawn_from = sequence.drafter.drawn_from if sequence.drafter is not None and drafted else None
             sequence.drawn_from = drawn_from[: len(drafted)] if drawn_from is not None else None
+            sequence.drafted_trips = self._added_trips(len(drafted), len(decoding))
             sequence.shadow = None
             if not drafted:
                 sequence.window.skip()
@@ -620,7 +622,9 @@ class Batcher:
         drafted rows and, with a draft model, its decodes; `sharing`: the sequences of the wave
         its rows would delay). A draft model's decodes, measured from its first draft on, are
         weighed before the ring's rows are, against the quickest wave yet (no shorter than a trip),
-        and a measure of them trusted less while nothing drafted is tried again with one draft."""
+        and a measure of them trusted less while nothing drafted is tried again with one draft.
+        Only drafts the sequence can afford to lose are weighed (`DraftLedger`): what its drafts
+        may lose it, net of the trips they saved, is bounded whatever its accept rate says."""
         clock, cost = self.trip_clock, self.trip_clock.cost
         if window.allowed == 0 or (cost is None and not (clock.drafts and clock.waves)):
             return window.allowed
@@ -630,9 +634,22 @@ class Batcher:
         if clock.draft_stale:
             limit = min(limit, 1)  # its first draft measures the decode afresh
         rate = window.accept.rate
+        afford = window.ledger.affordable * (1 + 1e-9)  # in trips; what its drafts may still lose it
         if cost is None:
-            return best_window(rate, clock.quickest_ms, 0.0, limit, sharing, draft_ms=clock.draft_ms)
-        return best_window(rate, cost.trip_ms, cost.row_ms, limit, sharing, cost.drafted_ms, cost.draft_ms)
+            trip_ms = clock.quickest_ms
+            return best_window(rate, trip_ms, 0.0, limit, sharing, draft_ms=clock.draft_ms, afford_ms=afford * trip_ms)
+        return best_window(
+            rate, cost.trip_ms, cost.row_ms, limit, sharing, cost.drafted_ms, cost.draft_ms, afford * cost.trip_ms
+        )
+
+    def _added_trips(self, drafts: int, sharing: int) -> float:
+        """What a sequence's `drafts` drafts add to a wave of `sharing` sequences, in trips, as the
+        cost rule prices them: before the ring's rows are measured, a draft model's decodes alone
+        against the quickest wave yet (0 for n-gram drafts, and before any wave has landed)."""
+        clock = self.trip_clock
+        if clock.cost is not None:
+            return clock.cost.added_trips(drafts, sharing)
+        return max(0, drafts) * clock.draft_ms / clock.quickest_ms if clock.waves else 0.0
 
     def _verify(self, sequence: _Sequence, step: EngineStep, row: EveryRowLogits) -> list[RequestEvent]:
         """Land a token and its drafts: sample each row in turn, as decoding without drafts would
@@ -664,7 +681,7 @@ class Batcher:
                 sequence.held += 1  # the draft's row holds the token just emitted
                 continue
             break
-        sequence.window.landed(len(drafts), accepted)
+        sequence.window.landed(len(drafts), accepted, sequence.drafted_trips)
         self.speculation.record(len(drafts), accepted)
         if accepted < len(drafts) and self._active.get(sequence.job.request_id) is sequence:
             self._to_trim.append(Trim(sequence.slot, sequence.position))

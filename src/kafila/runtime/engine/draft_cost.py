@@ -26,13 +26,16 @@ show often enough is priced as they show it; the others at the fitted cost a row
 times; nothing is sent to measure them) and d from the draft model's decodes as it drafts,
 `AcceptRate` a sequence's p from its recent trips, and
 `best_window` picks the window. Deciding never costs a trip: a sequence that drafts nothing
-simply rides its wave with one row.
+simply rides its wave with one row. An estimate of p can be wrong for a few trips at a time, so
+`DraftLedger` keeps what a sequence's drafts have lost it, net of the trips they saved, and a trip
+carries only drafts that, all missed, keep that within 4% of the trips it has taken (40 at least).
 
 Pure: no model, no I/O.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -58,6 +61,12 @@ PRIOR_KEPT = 1.0
 # trip while a sequence drafts nothing: weighed with a longer memory, so that a lucky guess or two
 # among many missed (free text) does not make its drafts look as if they paid.
 GUESS_DECAY = 0.95
+# What a sequence's drafts may lose it, net of the trips their kept drafts saved (`DraftLedger`):
+# LOSS_SHARE of the trips it has taken, counted as no fewer than LOSS_FLOOR_TOKENS, so that an
+# answer of that many tokens or more never takes more than 1 + LOSS_SHARE times its time without
+# drafts, and its first trips may still try a draft or two on hope.
+LOSS_SHARE = 0.04
+LOSS_FLOOR_TOKENS = 40
 
 
 def expected_tokens(accept_rate: float, drafts: int) -> float:
@@ -74,12 +83,15 @@ def best_window(
     sharing: int = 1,
     drafted_ms: Callable[[int], float] | None = None,
     draft_ms: float = 0.0,
+    afford_ms: float = math.inf,
 ) -> int:
     """How many drafts (0..`limit`) give a sequence the most tokens a millisecond: a trip of k
     drafts takes `trip_ms` + k·`row_ms`·`sharing` (its rows delay the `sharing` sequences of its
     wave; `drafted_ms`(k) in place of k·`row_ms` where given: `TripCost.drafted_ms`) + k·`draft_ms`
     (a draft model's decode a drafted token, before the wave leaves; 0 for n-gram drafts) and
-    brings `expected_tokens`. 0 where no draft pays; the smallest of equal windows."""
+    brings `expected_tokens`. Windows whose drafts add more than `afford_ms` to the trip are not
+    weighed (what the sequence can still afford to lose: `DraftLedger`). 0 where no draft pays;
+    the smallest of equal windows."""
     if not 0.0 <= accept_rate <= 1.0:
         raise ValueError(f"an accept rate of {accept_rate}: need 0..1")
     if trip_ms <= 0 or row_ms < 0 or sharing < 1 or not draft_ms >= 0:
@@ -90,8 +102,9 @@ def best_window(
     best, best_rate = 0, 1.0 / trip_ms
     for drafts in range(1, max(0, limit) + 1):
         extra_ms = drafts * row_ms if drafted_ms is None else max(0.0, drafted_ms(drafts))
-        rate = expected_tokens(accept_rate, drafts) / (trip_ms + extra_ms * sharing + drafts * draft_ms)
-        if rate > best_rate * (1 + 1e-9):
+        extra_ms = extra_ms * sharing + drafts * draft_ms
+        rate = expected_tokens(accept_rate, drafts) / (trip_ms + extra_ms)
+        if rate > best_rate * (1 + 1e-9) and extra_ms <= afford_ms:
             best, best_rate = drafts, rate
     return best
 
@@ -111,6 +124,14 @@ class TripCost:
     def drafted_ms(self, rows: int) -> float:
         """What `rows` drafted rows add to a trip: as measured where seen, else at `row_ms` a row."""
         return next((ms for count, ms in self.seen if count == rows), rows * self.row_ms)
+
+    def added_trips(self, drafts: int, sharing: int = 1) -> float:
+        """What a sequence's `drafts` drafts add to a wave of `sharing` sequences, in trips, as
+        `best_window` prices them: their rows, which delay every sequence of the wave, and a draft
+        model's decodes."""
+        if drafts <= 0:
+            return 0.0
+        return (max(0.0, self.drafted_ms(drafts)) * sharing + drafts * self.draft_ms) / self.trip_ms
 
 
 @dataclass
@@ -239,3 +260,35 @@ class AcceptRate:
             return
         self.kept = DECAY * self.kept + accepted
         self.missed = DECAY * self.missed + (accepted < drafted)
+
+
+@dataclass
+class DraftLedger:
+    """What a sequence's drafts have cost it so far, in trips: the trips its drafted rows (and a
+    draft model's decodes) added, less the trips its kept drafts saved.
+
+    The accept rate the rule weighs is an estimate a few trips can mislead: three drafts kept in
+    a row (free text running through "9 8 9 8") make it 1.0, and the next window of five is
+    missed whole; a rate just above what pays, drafted on over and over, loses a little each time.
+    So a trip may carry only drafts whose cost, were every one missed, keeps the net loss within
+    LOSS_SHARE of the trips the sequence has taken (no fewer than LOSS_FLOOR_TOKENS): whatever its
+    text, drafting never makes an answer of LOSS_FLOOR_TOKENS tokens or more take more than
+    1 + LOSS_SHARE times its time without drafts (as the rows are priced). What kept drafts saved
+    (a copy's, a loop's) is the sequence's to risk, so a copy's window lags its own growth only
+    where a drafted row costs most of a trip, and there by a trip or so (1, 2, 3, 5, 7 drafts
+    kept at 45 + 31 ms, against 1, 2, 5, 7)."""
+
+    tokens: int = 0  # tokens its trips brought: the trips it would have taken without drafts
+    lost: float = 0.0  # trips its drafts cost, less the trips they saved
+
+    @property
+    def affordable(self) -> float:
+        """The trips the next trip's drafts may add, were they all missed (0 or less: none)."""
+        return LOSS_SHARE * max(self.tokens, LOSS_FLOOR_TOKENS) - self.lost
+
+    def landed(self, drafted: int, kept: int, drafted_trips: float) -> None:
+        """A trip that carried `drafted` drafts, which added `drafted_trips` to it, and kept the first `kept`."""
+        if not 0 <= kept <= drafted or not drafted_trips >= 0:
+            raise ValueError(f"{kept} kept of {drafted} drafts, which added {drafted_trips} trips")
+        self.tokens += kept + 1
+        self.lost += drafted_trips - kept

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.planner.types import DRAFT_ROWS
-from kafila.runtime.engine.draft_cost import AcceptRate
+from kafila.runtime.engine.draft_cost import AcceptRate, DraftLedger
 
 # Drafted tokens per sequence per trip, at most: with its token's row, 8 rows. Batched products
 # tile rows by fours and eights (llama.cpp's CPU kernels; a GPU's vector kernels take up to 8), so
@@ -138,6 +138,7 @@ class DraftWindow:
     accepted: int = 0
     trips: int = 0  # trips that carried drafts
     accept: AcceptRate = field(default_factory=AcceptRate)  # what the cost rule weighs (`draft_cost`)
+    ledger: DraftLedger = field(default_factory=DraftLedger)  # what its drafts have lost it, in trips
 
     @property
     def allowed(self) -> int:
@@ -148,6 +149,7 @@ class DraftWindow:
         """A trip without drafts (none found, resting, or not paying): one less to rest."""
         self.resting = max(0, self.resting - 1)
         self.accept.landed(0, 0)
+        self.ledger.landed(0, 0, 0.0)
 
     def shadowed(self, kept: bool) -> None:
         """A trip that carried no drafts, its drafter's guess checked against the token it brought:
@@ -155,8 +157,9 @@ class DraftWindow:
         sees its text turn to copying, or stay free."""
         self.accept.guessed(kept)
 
-    def landed(self, drafted: int, accepted: int) -> None:
-        """A trip that carried `drafted` tokens, of which the first `accepted` were kept."""
+    def landed(self, drafted: int, accepted: int, drafted_trips: float = 0.0) -> None:
+        """A trip that carried `drafted` tokens, of which the first `accepted` were kept; its drafts
+        added `drafted_trips` to it, as the cost rule priced them (0 where not yet measured)."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"{accepted} accepted of {drafted} drafted")
         if drafted == 0:
@@ -166,6 +169,7 @@ class DraftWindow:
         self.accepted += accepted
         self.trips += 1
         self.accept.landed(drafted, accepted)
+        self.ledger.landed(drafted, accepted, drafted_trips)
         if accepted == drafted:
             self.size = min(MAX_DRAFT, 2 * self.size + 1) if drafted >= self.size else self.size
             self.misses, self.rest = 0, FIRST_REST
