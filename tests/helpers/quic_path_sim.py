@@ -11,6 +11,7 @@ what it measures is what the protocol reaches on that path, which the NAT lab on
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import ssl
 from dataclasses import dataclass, field
@@ -41,6 +42,11 @@ class PathModel:
     loss: float = 0.0
     queue_s: float = 0.1
     burst: float = 0.0
+    batch_s: float = 0.0  # datagrams leave only at multiples of this (a Wi-Fi or cable uplink's slots)
+    # From `slower_at_s` on the simulated clock, the bottleneck passes `slower_rate` bytes/s instead
+    # (another machine of the home starts sending over the same line).
+    slower_at_s: float = math.inf
+    slower_rate: float = 0.0
 
 
 @dataclass
@@ -52,6 +58,7 @@ class _Line:
     filled_at: float = 0.0
     dropped: int = 0
     lost: int = 0
+    waits: list[tuple[float, float]] = field(default_factory=list)  # (when, how long it queued), each datagram
 
     def departure(self, now: float, size: int) -> float | None:
         """When a datagram sent now arrives at the far end, or None if it never does."""
@@ -68,13 +75,17 @@ class _Line:
             if start - now > self.model.queue_s:
                 self.dropped += 1
                 return None
-            self.free_at = start + size / self.model.rate
+            rate = self.model.slower_rate if now >= self.model.slower_at_s else self.model.rate
+            self.free_at = start + size / rate
+            self.waits.append((now, start - now))
             leaves = self.free_at
         else:
             leaves = now
         if self.model.loss and self.rng.random() < self.model.loss:
             self.lost += 1
             return None
+        if self.model.batch_s:
+            leaves = math.ceil(leaves / self.model.batch_s) * self.model.batch_s
         return leaves + self.model.delay_s
 
 
@@ -87,10 +98,19 @@ class TransferRun:
     dropped: int  # at the bottleneck's queue
     lost: int  # at random
     windows: list[int] = field(default_factory=list)  # the sender's congestion window, sampled
+    # Each datagram's wait in the forward bottleneck's queue: (when it came, from the first stream
+    # byte offered, and seconds queued). The queueing delay a transfer adds to whatever shares the line.
+    waits: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
         return self.bytes / self.seconds
+
+    def queueing(self, after: float = 0.5) -> float:
+        """The mean wait in the bottleneck's queue of the datagrams sent past `after` of the
+        transfer (its steady state, startup left out)."""
+        steady = [wait for when, wait in self.waits if when >= after * self.seconds]
+        return sum(steady) / len(steady) if steady else 0.0
 
 
 def _configuration(is_client: bool, congestion_control: str, max_datagram_size: int) -> QuicConfiguration:
@@ -175,6 +195,11 @@ def simulate_transfer(
             timer = end.get_timer()
             if timer is not None and timer <= now:
                 end.handle_timer(now)
+                if end.get_timer() == timer:
+                    # aioquic's loss timer is a packet's sent time + a delay, and the loss it then
+                    # checks is sent time <= now - that delay, which a rounding error can miss:
+                    # a real clock moves on, this one would stay there
+                    end.handle_timer(now + 1e-9)
         while (event := receiver.next_event()) is not None:
             if isinstance(event, StreamDataReceived):
                 received += len(event.data)
@@ -191,4 +216,5 @@ def simulate_transfer(
         forward_line.dropped + backward_line.dropped,
         forward_line.lost + backward_line.lost,
         windows,
+        [(when - started, wait) for when, wait in forward_line.waits if when >= started],
     )

@@ -18,6 +18,22 @@ longer deliver a quarter more. Losses it leaves to the rate, with one exception:
 loses more than `LOSS_CEILING` of its packets (a policer such as the relay's budget, a queue
 that keeps overflowing) takes the estimate down to `LOSS_BACKOFF` of itself, once a round.
 
+The smoothed round trip includes whatever queue the transfer built, so a window of rate × smoothed
+round trip keeps any queue, and grows one: when the line slows (another machine of the home
+sends), the estimate stays at the old rate for ten rounds, the round trip swells, and the window
+with it, up to a deep router buffer's full second (docs/benchmarks.md, "The queue a transfer keeps").
+So the window is also capped at `CWND_GAIN` × rate × the path's round trip without a queue, and
+`QUEUE_ALLOWANCE_S` of the rate besides (timers, acknowledgements that come in bursts, a busy
+machine's scheduling): the queue it keeps is at most about half a round trip and that allowance.
+Under the cap aioquic's pace (window / smoothed round trip) falls below the rate while the queue is
+deeper than that, which drains it, and is the rate's again once it is not. The round trip without
+a queue is the smallest seen in the last `MIN_RTT_WINDOW_S`; when that ages while the sender fills
+its window, one round of at least `PROBE_RTT_S` sends at most `PROBE_RTT_GAIN` of the product, to
+empty the queue and see the path's round trip again, as BBR's probe-RTT does. It probes as well
+when the cap has held the window `CAPPED_ROUNDS` rounds in a row: a round trip that stays up while
+the pace is under the rate is not a queue (a busy machine, a longer route), and taken as the
+path's, so that the cap does not starve the rate's estimate round after round.
+
 Samples are judged by the packet they acknowledge: `delivered` (bytes acknowledged when it was
 sent) and when, so that a sample spans at least one round trip of the path's own pace. A sample
 lower than the estimate from a time the sender was not filling its window (an idle ring link
@@ -47,6 +63,12 @@ LOSS_CEILING = 0.05  # a round that loses more than this fraction of its packets
 LOSS_MIN_PACKETS = 8  # ... and at least this many: the path is full ...
 LOSS_BACKOFF = 0.85  # ... and the estimate comes down to this much of what that round delivered
 EXTRA_PACKETS = 4  # the window's allowance over the product, for acknowledgements that come late
+CWND_GAIN = 1.5  # the window is at most this many times the rate × the round trip without a queue ...
+QUEUE_ALLOWANCE_S = 0.02  # ... and this long at the rate besides: the queue it keeps
+MIN_RTT_WINDOW_S = 10.0  # the round trip without a queue is the smallest seen in this long ...
+PROBE_RTT_S = 0.2  # ... and when it ages, the sender drains its queue for this long and a round ...
+PROBE_RTT_GAIN = 0.5  # ... with a window of at most this many times the rate × that round trip
+CAPPED_ROUNDS = 4  # a probe too when the cap has held the window this many rounds in a row
 
 
 class _Sent(NamedTuple):  # a tuple: one is made for every packet sent
@@ -78,9 +100,16 @@ class RateCongestionControl(QuicCongestionControl):
         self._full_rate = 0.0
         self._full_rounds = 0
         self._rising = 0
-        self.min_rtt = math.inf  # the smallest round trip seen: the path without a queue
+        self.min_rtt = math.inf  # the smallest round trip of the last MIN_RTT_WINDOW_S: the path without a queue
+        self._min_rtt_at = 0.0  # when it was seen
+        self._window_min_rtt = math.inf  # the smallest since then: min_rtt when that ages on an idle link
         self.smoothed_rtt = 0.0
         self._phase = 0
+        self.probing_rtt = False
+        self._probe_rtt_until = 0.0  # the probe ends past this time ...
+        self._probe_rtt_delivered = 0  # ... and once `delivered` reaches this: a round trip of it
+        self._filling = False  # the latest packet sent found the window full: a transfer, not a ring
+        self._capped_rounds = 0  # rounds in a row that ended with the window at its cap
 
     @property
     def bandwidth(self) -> float:
@@ -92,6 +121,7 @@ class RateCongestionControl(QuicCongestionControl):
             self._delivered_time = self._first_sent_time = packet.sent_time or 0.0
         self.bytes_in_flight += packet.sent_bytes
         app_limited = self.bytes_in_flight + self._packet < self.congestion_window
+        self._filling = not app_limited
         self._sent[id(packet)] = _Sent(self.delivered, self._delivered_time, self._first_sent_time, app_limited)
 
     def on_packet_acked(self, *, now: float, packet: QuicSentPacket) -> None:
@@ -115,6 +145,7 @@ class RateCongestionControl(QuicCongestionControl):
         self._set_window()
 
     def _next_round(self, now: float) -> None:
+        self.rounds += 1
         before = self.bandwidth
         if self._round_best and not self._backed_off:
             self._rates.append(self._round_best)
@@ -131,7 +162,10 @@ class RateCongestionControl(QuicCongestionControl):
                     self._leave_startup()
         elif not self.startup:
             self._phase = (self._phase + 1) % len(PROBE_GAINS)
-        self.rounds += 1
+            capped = self.bandwidth * self.smoothed_rtt > self.window_cap and not self.probing_rtt
+            self._capped_rounds = self._capped_rounds + 1 if capped else 0
+            if self._capped_rounds >= CAPPED_ROUNDS and self._filling:
+                self._probe_rtt(now)
         self._round_end = self.delivered
         self._round_best = 0.0
         self._round_acked = self._round_lost = 0
@@ -142,17 +176,56 @@ class RateCongestionControl(QuicCongestionControl):
         self._phase = 1  # begin with the round that asks less: drain what startup queued
         self._set_window()
 
+    @property
+    def window_cap(self) -> float:
+        """The most the window holds outside startup: CWND_GAIN × the rate × the round trip
+        without a queue, and QUEUE_ALLOWANCE_S of the rate (inf before the first samples)."""
+        if not self._rates or math.isinf(self.min_rtt):
+            return math.inf
+        return self.bandwidth * (CWND_GAIN * self.min_rtt + QUEUE_ALLOWANCE_S)
+
     def _set_window(self) -> None:
         if self.startup or not self._rates or not self.smoothed_rtt:
             return
-        product = self.bandwidth * self.smoothed_rtt
-        window = PROBE_GAINS[self._phase] * product + EXTRA_PACKETS * self._packet
-        self.congestion_window = max(self._floor, int(window))
+        if self.probing_rtt:
+            window = PROBE_RTT_GAIN * self.bandwidth * self.min_rtt
+        else:
+            # The round that asks less drains what probing queued, down to the product at most:
+            # under that the line would idle.
+            window = PROBE_GAINS[self._phase] * self.bandwidth * self.smoothed_rtt
+            window = min(max(window, self.bandwidth * self.min_rtt), self.window_cap)
+        self.congestion_window = max(self._floor, int(window + EXTRA_PACKETS * self._packet))
+
+    def _age_min_rtt(self, now: float, rtt: float) -> None:
+        """Keep min_rtt the smallest of the last MIN_RTT_WINDOW_S; probe for it when it ages on a
+        link whose window is full (its own queue hides the path's round trip), take the smallest
+        since then on one that is not (it has no queue of its own to drain)."""
+        self._window_min_rtt = min(self._window_min_rtt, rtt)
+        if rtt <= self.min_rtt:
+            self.min_rtt, self._min_rtt_at = rtt, now
+        if self.probing_rtt:
+            if now >= self._probe_rtt_until and self.delivered >= self._probe_rtt_delivered:
+                self.probing_rtt = False
+                self.min_rtt, self._min_rtt_at, self._window_min_rtt = self._window_min_rtt, now, math.inf
+                self._set_window()
+        elif now - self._min_rtt_at > MIN_RTT_WINDOW_S:
+            if self._filling and not self.startup:
+                self._probe_rtt(now)
+            elif not self._filling:
+                self.min_rtt, self._min_rtt_at, self._window_min_rtt = self._window_min_rtt, now, math.inf
+
+    def _probe_rtt(self, now: float) -> None:
+        self.probing_rtt, self._capped_rounds = True, 0
+        self._probe_rtt_until = now + PROBE_RTT_S
+        self._probe_rtt_delivered = self.delivered + self.bytes_in_flight
+        self._window_min_rtt = math.inf
+        self._set_window()
 
     def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
         self.smoothed_rtt = 7 / 8 * self.smoothed_rtt + 1 / 8 * rtt if self.smoothed_rtt else rtt
-        self.min_rtt = min(self.min_rtt, rtt)
+        self._age_min_rtt(now, rtt)
         if not self.startup:
+            self._set_window()
             return
         self._rising = self._rising + 1 if rtt > QUEUE_RISE * self.min_rtt + QUEUE_RISE_S else 0
         if self._rising >= QUEUE_RISE_SAMPLES:  # the bottleneck's queue is filling: the rate is found
@@ -195,6 +268,7 @@ class RateCongestionControl(QuicCongestionControl):
             "bandwidth": self.bandwidth,
             "min_rtt": self.min_rtt,
             "smoothed_rtt": self.smoothed_rtt,
+            "probing_rtt": float(self.probing_rtt),
         }
 
 
