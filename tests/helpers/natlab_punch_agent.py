@@ -83,22 +83,40 @@ def activations(seed: int, count: int) -> list[Frame]:
     ]
 
 
+ALL_HEARD = Frame(Kind.PING, 1 << 40, payload=b'{"all_heard": true}')  # a sequence no activation uses
+
+
 async def exchange(link: Link, mine: int, theirs: int, count: int) -> tuple[int, bool]:
     """Send our frames and receive theirs at once: how many of theirs arrived, and whether all
-    did, each sequence in order and every byte intact."""
+    did, each sequence in order and every byte intact. Then each side says it heard all (where it
+    did) and waits to hear the same of its own: the link's send only queues a frame, and a close
+    discards what is still queued or in flight, so neither may go on to close before the other
+    has all it sent."""
+    peer_heard_all = asyncio.Event()
 
     async def send() -> None:
         for frame in activations(mine, count):
             await link.send(frame)
 
+    async def next_activation() -> Frame:
+        while (frame := await asyncio.wait_for(link.receive(), 20)).sequence_id == ALL_HEARD.sequence_id:
+            peer_heard_all.set()  # its word can overtake the last of its frames: another stream
+        return frame
+
     async def receive() -> list[Frame]:
         got: list[Frame] = []
         with contextlib.suppress(TimeoutError, LinkError):
             while len(got) < count:
-                got.append(await asyncio.wait_for(link.receive(), 20))
+                got.append(await next_activation())
         return got
 
     _, got = await asyncio.gather(send(), receive())
+    if len(got) == count:
+        await link.send(ALL_HEARD)
+    with contextlib.suppress(TimeoutError, LinkError):
+        while not peer_heard_all.is_set():
+            if (await asyncio.wait_for(link.receive(), 20)).sequence_id == ALL_HEARD.sequence_id:
+                peer_heard_all.set()
     return len(got), _by_sequence(got) == _by_sequence(activations(theirs, count))
 
 
