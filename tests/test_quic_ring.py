@@ -7,41 +7,19 @@ receive at once, naming that member, through the one watch a ring keeps."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from linked_routers import linked_routers
 
-from kafila.network.identity import create_identity
-from kafila.network.link import DatagramDemux, LinkConfig, open_link, should_dial
 from kafila.runtime.engine.ring import StageFailed
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import LinkRouter
 from kafila.wire.frames import Frame, Kind
 
-FAST = LinkConfig(idle_timeout_s=2.0, handshake_timeout_s=3.0)
 T = TypeVar("T")
-
-
-def _socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-    return sock
-
-
-async def linked() -> tuple[LinkRouter, LinkRouter, list[DatagramDemux]]:
-    """Two routers over one real link: this side's and the peer's."""
-    ours, theirs = create_identity(), create_identity()
-    a, b = await DatagramDemux.over(_socket()), await DatagramDemux.over(_socket())
-    dial = should_dial(ours.fingerprint, theirs.fingerprint)
-    here, there = await asyncio.gather(
-        open_link(a, b.local_address, ours, theirs.fingerprint, dial, FAST),
-        open_link(b, a.local_address, theirs, ours.fingerprint, not dial, FAST),
-    )
-    return LinkRouter(here, "member"), LinkRouter(there, "host"), [a, b]
 
 
 def rows(position: int) -> Frame:
@@ -54,7 +32,7 @@ def run(scenario: Coroutine[Any, Any, T]) -> T:
 
 def test_frames_sent_in_waves_leave_in_order_and_come_back() -> None:
     async def scenario() -> list[int]:
-        host, member, demuxes = await linked()
+        host, member, demuxes = await linked_routers()
         echo = asyncio.create_task(_echo(member))
         ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
         try:
@@ -81,7 +59,7 @@ async def _echo(router: LinkRouter) -> None:
 
 def test_a_link_that_refuses_the_frames_fails_the_send_and_every_call_after() -> None:
     async def scenario() -> None:
-        host, _member, demuxes = await linked()
+        host, _member, demuxes = await linked_routers()
         ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
         await host.link.close("gone")  # no members to watch: only the send can tell
         try:
@@ -102,8 +80,8 @@ def test_any_member_whose_link_goes_down_ends_a_wait_at_once_and_is_named() -> N
     """The ring waits on its last stage's link; the member that vanishes is another one."""
 
     async def scenario() -> float:
-        host, _member, demuxes = await linked()
-        far, _far_end, far_demuxes = await linked()
+        host, _member, demuxes = await linked_routers()
+        far, _far_end, far_demuxes = await linked_routers()
         members = {"near": host.link.closed, "far": far.link.closed}
         loop = asyncio.get_running_loop()
         ring = QuicRing(loop, host.activation, "near", host.activation, "near", members)
@@ -125,7 +103,7 @@ def test_any_member_whose_link_goes_down_ends_a_wait_at_once_and_is_named() -> N
 
 def test_an_abandoned_ring_ends_its_wait_and_takes_no_more_frames() -> None:
     async def scenario() -> None:
-        host, member, demuxes = await linked()
+        host, member, demuxes = await linked_routers()
         ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
         waiting = asyncio.create_task(asyncio.to_thread(ring.receive, 1))  # waiting, or about to
         ring.abandon()

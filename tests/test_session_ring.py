@@ -8,12 +8,12 @@ import contextlib
 import json
 import os
 import random
-import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from linked_routers import FAST, linked_routers
 from tiny_models import write_tiny_model
 from waiting import until_async
 
@@ -26,8 +26,7 @@ from kafila.contracts import (
     FleetDevice,
     ModelPricing,
 )
-from kafila.network.identity import create_identity
-from kafila.network.link import DatagramDemux, LinkConfig, LinkError, LinkOverBound, open_link, should_dial
+from kafila.network.link import LinkError, LinkOverBound
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.runtime.engine.engines import RingEngine
@@ -63,14 +62,13 @@ from kafila.wire.control import (
 from kafila.wire.frames import DType, Frame, Kind
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=1)
-FAST = LinkConfig(idle_timeout_s=2.0, handshake_timeout_s=3.0)
 PROMPT = "the quick brown fox"
 
 
 @contextlib.asynccontextmanager
 async def quic_ring_engine(stages: list[StageFile]) -> AsyncIterator[RingEngine]:
     """The head's engine in this process, its one block stage served by `serve_stage` over a real link."""
-    host, member, demuxes = await _linked_routers()
+    host, member, demuxes = await linked_routers()
     executor = ThreadPoolExecutor(1)
     stage = BlockStage(stages[0].path, SETTINGS)
     serving = asyncio.create_task(serve_stage(stage, member.activation, member.activation, executor))
@@ -167,24 +165,6 @@ def test_a_member_reports_its_most_recent_stage_files_first_and_no_more_than_a_h
     assert cached_stage_hashes(tmp_path / "absent") == []
 
 
-def _socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-    return sock
-
-
-async def _linked_routers(config: LinkConfig = FAST) -> tuple[LinkRouter, LinkRouter, list[DatagramDemux]]:
-    host_id, member_id = create_identity(), create_identity()
-    a, b = await DatagramDemux.over(_socket()), await DatagramDemux.over(_socket())
-    dial = should_dial(host_id.fingerprint, member_id.fingerprint)
-    host_link, member_link = await asyncio.gather(
-        open_link(a, b.local_address, host_id, member_id.fingerprint, dial, config),
-        open_link(b, a.local_address, member_id, host_id.fingerprint, not dial, config),
-    )
-    return LinkRouter(host_link, "member"), LinkRouter(member_link, "host"), [a, b]
-
-
 def test_a_ring_over_quic_generates_what_the_unsplit_model_does(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
     stages = cached_slices(model, [2, 2], tmp_path / "stages")
@@ -210,7 +190,7 @@ def test_a_member_that_vanishes_fails_the_ring_step_quickly(tmp_path: Path) -> N
     stages = cached_slices(model, [2, 2], tmp_path / "stages")
 
     async def scenario() -> float:
-        host, _member, demuxes = await _linked_routers()
+        host, _member, demuxes = await linked_routers()
         ring = QuicRing(asyncio.get_running_loop(), host.activation, "member", host.activation, "member")
         engine = await asyncio.to_thread(RingEngine, [stages[1]], SETTINGS, ring=ring)
         demuxes[1].close()  # the member's socket is gone: no goodbye, no more packets
@@ -236,7 +216,7 @@ def test_a_member_answers_out_of_order_and_malformed_frames_with_errors_and_carr
     stages = cached_slices(model, [2, 2], tmp_path / "stages")
 
     async def scenario() -> list[Frame]:
-        host, member, demuxes = await _linked_routers()
+        host, member, demuxes = await linked_routers()
         executor = ThreadPoolExecutor(1)
         stage = BlockStage(stages[0].path, SETTINGS)
         serving = asyncio.create_task(serve_stage(stage, member.activation, member.activation, executor))
@@ -370,7 +350,7 @@ def test_a_member_with_less_free_memory_than_its_stage_needs_says_so_without_loa
         raise AssertionError("a stage between the host and the host links to no one")
 
     async def scenario() -> tuple[object, list[str]]:
-        host, member, demuxes = await _linked_routers()
+        host, member, demuxes = await linked_routers()
         said: list[str] = []
         state = MemberState(tmp_path / "cache", None, 1, said.append)
         following = asyncio.create_task(follow_host(RingLinks(member, nobody, said.append), state, None))
@@ -408,7 +388,7 @@ def test_a_control_message_the_host_cannot_read_is_refused_and_the_next_one_hear
     async def scenario() -> tuple[str, dict[str, int]]:
         handle = await start_rendezvous("127.0.0.1", 0, 0)
         clients: list[RendezvousClient] = []
-        host_router, member_router, demuxes = await _linked_routers()
+        host_router, member_router, demuxes = await linked_routers()
         try:
             host = await RendezvousClient.open(
                 handle.url, model="m", expected_members=2, capability=FleetDevice(name="host", memory_gib=8),
@@ -462,7 +442,7 @@ def test_a_member_that_sends_what_the_host_does_not_read_is_sent_away_at_the_bou
     config = FAST.model_copy(update={"max_held_bytes": bound, "congestion_control": congestion})
 
     async def scenario() -> tuple[BaseException, BaseException, int, int]:
-        host, member, demuxes = await _linked_routers(config)
+        host, member, demuxes = await linked_routers(config)
         frame = Frame(Kind.PING, sequence, payload=b"f" * (256 << 10))
         sent, most_held = 0, 0
         try:
@@ -501,7 +481,7 @@ def test_random_bytes_a_member_sends_as_its_error_are_shown_and_kept_never_obeye
     hostile = b"[/]\x1b[2J\x1b]52;c;aGk=\x07[bold" + rng.randbytes(4000)
 
     async def scenario() -> Frame:
-        host, member, demuxes = await _linked_routers()
+        host, member, demuxes = await linked_routers()
         try:
             await member.activation.send(Frame(Kind.ERROR, 0, dtype=DType.NONE, payload=hostile))
             return await asyncio.wait_for(host.activation.receive(), 10)
