@@ -40,7 +40,7 @@ from kafila.session.availability import Availability
 from kafila.session.deployer import Deployer, Roster
 from kafila.session.host_model import LocalModel
 from kafila.session.lifecycle import StageBroken
-from kafila.session.member import cached_stage_hashes, serve_stage
+from kafila.session.member import cached_stage_hashes, host_said_end, serve_stage
 from kafila.session.quic_ring import QuicRing
 from kafila.session.router import TRANSFER_SEQUENCES, ChannelBounds, LinkRouter, traffic_of
 from kafila.wire.control import (
@@ -183,6 +183,31 @@ def test_a_ring_over_quic_generates_what_the_unsplit_model_does(tmp_path: Path) 
     text, report = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert text and text == expected
     assert [stage.range for stage in report] == [(0, 2), (2, 4)]
+
+
+@pytest.mark.parametrize("said_end", [True, False])
+def test_a_member_whose_answer_finds_the_link_closed_reads_the_end_the_host_sent_first(said_end: bool) -> None:
+    """The host said End, waited, and closed while the member was busy taking a stage: the
+    member's answer finds the link closed, and the End unread behind it says the session ended
+    (not a lost host, which the member would join again). Without an End, the host was lost."""
+
+    async def scenario() -> str | None:
+        host, member, demuxes = await linked_routers()
+        try:
+            if said_end:  # as the host does, it closes once the End has arrived, unread
+                await host.send_control(End(reason="the host is shutting down"))
+                await until_async(lambda: member.control.held_bytes > 0, "the End at the member")
+            await host.close("the host is shutting down")
+            await until_async(member.link.closed.done, "the member's link hears the goodbye")
+            with pytest.raises(LinkError):
+                await member.send_control(StageFailedReport(epoch=1, message="no room for the stage"))
+            return host_said_end(member)
+        finally:
+            for demux in demuxes:
+                demux.close()
+
+    ended = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert ended == ("the host is shutting down" if said_end else None)
 
 
 def test_a_member_that_vanishes_fails_the_ring_step_quickly(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from kafila.wire.control import (
     MAX_CACHED_STAGES,
     MAX_MODEL_PRICINGS,
     Assign,
+    ControlError,
     EdgePath,
     End,
     Hello,
@@ -53,6 +54,7 @@ from kafila.wire.control import (
     StageSource,
     StageWanted,
     StandBy,
+    parse_control,
 )
 from kafila.wire.frames import Frame, Kind
 
@@ -370,10 +372,25 @@ async def follow_host(
                 staged = None
                 await _load_and_serve(assign, path, links, state)
     except LinkError as error:  # a word to the host that could not go (a stage transfer it broke, say)
+        ended = host_said_end(host)
+        if ended is not None:
+            return ended
         raise LostHost(f"lost the host: {error}") from None
     finally:
         await state.drop_stage()
         state.executor.shutdown(wait=False)
+
+
+def host_said_end(host: LinkRouter) -> str | None:
+    """The reason of the host's End that arrived before its goodbye and is still unread: a member
+    busy taking a stage when the host shut down finds the link closed as it answers, and the host's
+    word waits behind that. None where the host said no End (it was lost)."""
+    while (frame := host.control.receive_nowait()) is not None:
+        with contextlib.suppress(ControlError):
+            message = parse_control(frame)
+            if isinstance(message, End):
+                return message.reason
+    return None
 
 
 async def _prepare(assign: Assign, links: RingLinks, state: MemberState) -> tuple[list[RingEdge], Obtained]:
