@@ -22,12 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the simulated ring of the tests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
-from test_draft_cost import ANSWERS_ASKED, CYCLE, FREE_TEXT_PROMPT, WARM_COPY, simulate
-from test_speculation import table_of
+from test_draft_cost import ANSWERS_ASKED, CYCLE, FREE_TEXT_JOBS, WARM_JOBS, long_free_text_answer, simulate
 
-from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.speculation import DraftWindow, Speculate
-from kafila.serving.batcher import Batcher, Job
+from kafila.serving.batcher import Batcher
 
 
 @dataclass(frozen=True)
@@ -44,17 +42,15 @@ class Trip:
 def answer_ratio(table_seed: int, trip_ms: float, row_ms: float) -> tuple[float, int, list[Trip]] | None:
     """Tokens/s with n-gram drafts against none for one table's sampled answer on one ring, the
     answer's length and its drafted trips; None where the answer is shorter than the test asks."""
-    table = table_of(table_seed, peaked=False)
-    jobs = [Job("chat", FREE_TEXT_PROMPT, 200, SamplingSettings())]
-    plain, plain_s, _ = simulate(table, jobs, Speculate.OFF, table_seed, trip_ms, row_ms)
-    if plain_s * 1e3 < ANSWERS_ASKED * trip_ms:
+    answer = long_free_text_answer(table_seed, trip_ms, row_ms)
+    if answer is None:
         return None
-    warm = [Job("warm", WARM_COPY, 60, SamplingSettings())]
-    _, _, measured = simulate(CYCLE, warm, Speculate.NGRAM, table_seed, trip_ms, row_ms)
+    table, plain, plain_s = answer
+    _, _, measured = simulate(CYCLE, WARM_JOBS, Speculate.NGRAM, table_seed, trip_ms, row_ms)
     trips: list[Trip] = []
     watch(measured, trips)
-    drafted, drafted_s, _ = simulate(table, jobs, Speculate.NGRAM, table_seed, trip_ms, row_ms, measured)
-    if drafted != plain:
+    drafted, drafted_s, _ = simulate(table, FREE_TEXT_JOBS, Speculate.NGRAM, table_seed, trip_ms, row_ms, measured)
+    if drafted["chat"] != plain:
         raise AssertionError(f"table {table_seed}: drafts changed the text")
     return plain_s / drafted_s, round(plain_s * 1e3 / trip_ms), trips
 

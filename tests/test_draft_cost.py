@@ -356,6 +356,18 @@ FREE_TEXT_TABLES = (*range(64), *WORST_TABLES)
 ANSWERS_ASKED = 40  # tokens an answer needs to count: one hopeful probe's row is a few % of it
 FREE_TEXT_PROMPT = [3, 4, 5, 3, 4, 6, 7, 3, 4]
 WARM_COPY = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3]  # a copy that measures the ring first
+FREE_TEXT_JOBS = (Job("chat", FREE_TEXT_PROMPT, 200, SamplingSettings()),)
+WARM_JOBS = (Job("warm", WARM_COPY, 60, SamplingSettings()),)
+
+
+def long_free_text_answer(table_seed: int, trip_ms: float, row_ms: float) -> tuple[np.ndarray, str, float] | None:
+    """The free-text table of `table_seed`, its sampled answer without drafts on this ring and
+    that answer's seconds; None where the answer is shorter than ANSWERS_ASKED tokens."""
+    table = table_of(table_seed, peaked=False)
+    plain, plain_s, _ = simulate(table, FREE_TEXT_JOBS, Speculate.OFF, table_seed, trip_ms, row_ms)
+    if plain_s * 1e3 < ANSWERS_ASKED * trip_ms:
+        return None
+    return table, plain["chat"], plain_s
 
 
 @pytest.mark.parametrize("ring", [(45.0, 31.0), (105.0, 31.0), (20.0, 25.0), (300.0, 30.0)])
@@ -366,18 +378,15 @@ def test_free_text_never_loses_more_than_five_percent_to_drafts(ring: tuple[floa
     for every table of FREE_TEXT_TABLES whose answer is ANSWERS_ASKED tokens or more (a
     sequence's first draft is tried on hope: an answer of a few tokens may lose that row)."""
     trip_ms, row_ms = ring
-    jobs = [Job("chat", FREE_TEXT_PROMPT, 200, SamplingSettings())]
     ratios: dict[int, float] = {}
     for table_seed in FREE_TEXT_TABLES:
-        table = table_of(table_seed, peaked=False)
-        plain, plain_s, _ = simulate(table, jobs, Speculate.OFF, table_seed, trip_ms, row_ms)
-        if plain_s * 1e3 < ANSWERS_ASKED * trip_ms:
+        if (answer := long_free_text_answer(table_seed, trip_ms, row_ms)) is None:
             continue
-        warm = [Job("warm", WARM_COPY, 60, SamplingSettings())]
-        _, _, measured = simulate(CYCLE, warm, Speculate.NGRAM, table_seed, trip_ms, row_ms)
+        table, plain, plain_s = answer
+        _, _, measured = simulate(CYCLE, WARM_JOBS, Speculate.NGRAM, table_seed, trip_ms, row_ms)
         assert measured.trip_clock.cost is not None
-        drafted, drafted_s, _ = simulate(table, jobs, Speculate.NGRAM, table_seed, trip_ms, row_ms, measured)
-        assert drafted == plain, table_seed
+        drafted, drafted_s, _ = simulate(table, FREE_TEXT_JOBS, Speculate.NGRAM, table_seed, trip_ms, row_ms, measured)
+        assert drafted["chat"] == plain, table_seed
         ratios[table_seed] = plain_s / drafted_s
     assert len(ratios) >= 50, ratios  # most answers are long enough: the bound is asked of many
     assert min(ratios.values()) >= 0.95, {seed: ratio for seed, ratio in ratios.items() if ratio < 0.95}
@@ -440,21 +449,18 @@ def test_free_text_never_loses_more_than_five_percent_to_a_draft_model(
     a hop: the draft's decodes counted with the rows, drafting never costs more than 5% of the
     time decoding without it takes, for every table of FREE_TEXT_TABLES whose answer is long
     enough, after a copy measured the ring and the draft."""
-    jobs = [Job("chat", FREE_TEXT_PROMPT, 200, SamplingSettings())]
-    warm = [Job("warm", WARM_COPY, 60, SamplingSettings())]
     ratios: dict[int, float] = {}
     for table_seed in FREE_TEXT_TABLES:
-        table = table_of(table_seed, peaked=False)
-        plain, plain_s, _ = simulate(table, jobs, Speculate.OFF, table_seed, trip_ms, row_ms)
-        if plain_s * 1e3 < ANSWERS_ASKED * trip_ms:
+        if (answer := long_free_text_answer(table_seed, trip_ms, row_ms)) is None:
             continue
+        table, plain, plain_s = answer
         spent: list[float] = []
         batcher = drafting_batcher(draft_ms, spent, table_seed)
-        simulate(CYCLE, warm, Speculate.DRAFT, table_seed, trip_ms, row_ms, batcher)
+        simulate(CYCLE, WARM_JOBS, Speculate.DRAFT, table_seed, trip_ms, row_ms, batcher)
         assert batcher.trip_clock.cost is not None and statistics.median(batcher.trip_clock.drafts) == draft_ms
         warm_spent = sum(spent)
-        drafted, ring_s, _ = simulate(table, jobs, Speculate.DRAFT, table_seed, trip_ms, row_ms, batcher)
-        assert drafted == plain, table_seed
+        drafted, ring_s, _ = simulate(table, FREE_TEXT_JOBS, Speculate.DRAFT, table_seed, trip_ms, row_ms, batcher)
+        assert drafted["chat"] == plain, table_seed
         ratios[table_seed] = plain_s / (ring_s + (sum(spent) - warm_spent) / 1e3)
     assert len(ratios) >= 40, ratios
     assert min(ratios.values()) >= 0.95, {seed: ratio for seed, ratio in ratios.items() if ratio < 0.95}
