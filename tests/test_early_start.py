@@ -5,12 +5,12 @@ the entry point is the one the host then waits on, the hub asked for it once."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 from fake_hub import FakeHub, Repo, serving_hub
 from tiny_models import write_tiny_model
+from waiting import until
 
 from kafila.cli.early_start import EarlyWork, begin, early_work, header_read_begun, nat_tests_begun
 from kafila.hub.ranges import read_hub_header
@@ -55,10 +55,7 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
 def test_the_header_read_the_entry_point_began_is_the_one_the_host_takes(hub: FakeHub) -> None:
     with serving_hub(hub):
         begin("host", ["--model", MODEL, "--members", "3"], endpoint=hub.url)
-        deadline = time.monotonic() + 30
-        while not hub.gets_of(FILE):  # under way before the command takes it
-            assert time.monotonic() < deadline, hub.seen
-            time.sleep(0.01)
+        until(lambda: hub.gets_of(FILE), lambda: f"the header's read under way before the command takes it: {hub.seen}")
         taken = header_read_begun(MODEL, True)
         assert taken is not None
         header = taken.result()

@@ -6,12 +6,12 @@ fetched once) and one it halts (a later fetch of that stage resumes from what ar
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from fake_hub import FakeHub, Repo, serving_hub
 from tiny_models import write_tiny_model
+from waiting import until
 
 from kafila.contracts import FleetDevice
 from kafila.hub.ranges import FetchHalted, RangeSettings, fetch_stage, read_hub_header, stage_key
@@ -131,10 +131,12 @@ def test_a_fetch_ahead_the_plan_does_not_keep_halts_and_a_later_fetch_of_its_sta
         ahead = AheadFetch(header, ahead_of, header.manifest(), cache, endpoint=hub.url, settings=SMALL)
         shown: list[tuple[str, int, int]] = []
         ahead.progress.to(lambda *update: shown.append(update))
-        deadline = time.monotonic() + 30
-        while not any(done > 0 for what, done, _ in shown if what.startswith("fetching")):
-            assert time.monotonic() < deadline and not ahead.done, shown
-            time.sleep(0.02)
+
+        def under_way_or_ended() -> bool:
+            return ahead.done or any(done > 0 for what, done, _ in shown if what.startswith("fetching"))
+
+        until(under_way_or_ended, lambda: f"the fetch ahead under way: {shown}")
+        assert not ahead.done, shown
         assert not ahead.settle([OwnStage(2, 4, True)], lambda *update: None)  # nothing of it kept: halted
         assert find_hub_stage(cache, stage_key(header.model, 0, 2, False)) is None
         kept = shown[-1][1]

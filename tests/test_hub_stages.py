@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from serving_checks import unsplit_greedy
 from test_session_network import head_elsewhere
 from tiny_gguf import write_split_parts
 from tiny_models import ModelShape, write_tiny_model
+from waiting import until
 
 from kafila.contracts import HubModel, HubPart
 from kafila.hub.fetch import fetch_model
@@ -34,6 +34,7 @@ from kafila.hub.reference import HubReference
 from kafila.runtime.gguf.gguf_file import HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP
 from kafila.runtime.gguf.slicer import stage_piece
+from kafila.runtime.gguf.stage_cache import stage_files
 from kafila.session.deployer import offered
 from kafila.wire.control import MAX_CONTROL_BYTES, Assign, ControlError, control_frame, parse_control
 
@@ -251,10 +252,9 @@ def test_the_host_fetches_its_stage_while_the_members_come_and_not_again_once_th
     fetched_before: list[int] = []
 
     def stage_fetched(host: Host) -> None:
-        deadline = time.monotonic() + 120
-        while not re.search(r"fetching blocks \S+ of \S+: done in", host.output()):
-            assert time.monotonic() < deadline and host.process.poll() is None, host.output()
-            time.sleep(0.1)
+        stages = tmp_path / "kafila-host" / "stages"  # the host's KAFILA_CACHE (hub_env)
+        until(lambda: stage_files(stages) or host.process.poll() is not None, "the host's stage fetched ahead", 120)
+        assert host.process.poll() is None, host.output()
         fetched_before.append(hub.sent_to.get("Bearer hf_host", 0))
 
     with serving_hub(hub):
