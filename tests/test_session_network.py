@@ -423,7 +423,7 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
 def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_been_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """member-0 holds a pricing of the model that claims six times its real speed, so the plan gives
+    """member-0 holds a pricing of the model that claims three times its real speed, so the plan gives
     it most of the blocks, and its stage is the ring's bottleneck. Once every stage has timed enough
     tokens, the host, at a moment without requests, plans again with prices that pass through the
     measured times, finds the slowest stage clearly faster divided more evenly, and moves blocks
@@ -439,7 +439,10 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
     share_this_machines_probe(tmp_path, 2)  # cache-1 is the host's
     generic = FleetDevice.model_validate(json.loads((tmp_path / "cache-1" / "probe.json").read_text())["device"])
     assert generic.bandwidth_gb_s is not None and generic.overhead_us is not None
-    boast = 6.0
+    # Three times, not more: under CI's load a stage decodes several times slower than the probe
+    # measured it quiet, and a stage measured more than SERVED_SCALE_LIMITS off its price does not
+    # reprice its machine (6 x 3.5 under load was past it, so the plan stood)
+    boast = 3.0
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache-0"))
     save_model_pricing(
         ModelPricing(
