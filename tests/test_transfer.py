@@ -138,6 +138,32 @@ def test_a_transfer_cut_off_midway_resumes_and_sends_only_the_rest(tmp_path: Pat
     run(go)
 
 
+def test_a_new_offer_that_overtakes_the_abort_of_the_last_ends_it_and_is_received_next(tmp_path: Path) -> None:
+    """A host that stops a member's transfer and, replanning, offers its new stage at once: each
+    transfer has its own stream, so the new offer can arrive before the old one's abort. The
+    member's transfer under way ends, and its next receive takes that offer (it was read as a
+    stray frame and lost, and the host waited on a member waiting for an offer)."""
+
+    async def go() -> None:
+        a, b, link_a, link_b = await links()
+        path, sha = random_file(tmp_path / "stage-2.gguf", 3 * CHUNK_SIZE + 7, seed=2)
+        cache = tmp_path / "cache"
+        first, second = transfer_sequence(300), transfer_sequence(301)
+        receiving = asyncio.ensure_future(receive_stage_file(link_b, cache))
+        await link_a.send(offer(sequence=first))
+        assert parse_message(await asyncio.wait_for(link_a.receive(), WAIT)) == Request(0)
+        # The abandoned transfer's abort is still on its way; the next offer comes first.
+        sending = asyncio.ensure_future(send_stage_file(link_a, path, sha, 2, sequence_id=second))
+        with pytest.raises(TransferRejected, match="offered another file"):
+            await asyncio.wait_for(receiving, WAIT)
+        received = await asyncio.wait_for(receive_stage_file(link_b, cache), WAIT)
+        assert received.read_bytes() == path.read_bytes()
+        assert await asyncio.wait_for(sending, WAIT) == path.stat().st_size
+        await shut(link_a, link_b, a, b)
+
+    run(go)
+
+
 def test_a_cached_file_is_not_sent_and_a_wrong_sized_one_is_replaced(tmp_path: Path) -> None:
     async def go() -> None:
         a, b, link_a, link_b = await links()

@@ -576,12 +576,16 @@ async def route(link: FrameLink, channel: TransferChannel, other: Callable[[Fram
 
 
 _finished_on: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+_next_offer_on: weakref.WeakKeyDictionary[Any, Frame] = weakref.WeakKeyDictionary()
 
 
 class _LinkSource:
     """A link that carries nothing but one transfer at a time: its frames, read directly.
 
-    Like a `TransferChannel`, it drops late frames of the link's finished transfers.
+    Like a `TransferChannel`, it drops late frames of the link's finished transfers. Each
+    transfer rides its own stream, so a sender that gives one up and offers the next can have its
+    new offer arrive before its abort: that offer ends the transfer under way and waits for the
+    link's next `accept`, where reading it as a stray frame lost it and left the sender waiting.
     """
 
     def __init__(self, link: FrameLink) -> None:
@@ -590,13 +594,19 @@ class _LinkSource:
         self._finished = _finished_on.setdefault(link, set())
 
     async def _next(self, sequence_id: int | None, timeout: float | None) -> Frame:
+        if sequence_id is None and (offer := _next_offer_on.pop(self.link, None)) is not None:
+            return offer
         while True:
             frame = await asyncio.wait_for(self.link.receive(), timeout)
             late = frame.sequence_id != sequence_id and frame.sequence_id in self._finished
             if is_transfer_frame(frame) and late and (sequence_id is not None or not _is_offer(frame)):
                 log.debug("dropped a late %s frame of finished transfer %d", frame.kind.name, frame.sequence_id)
                 continue
-            if not is_transfer_frame(frame) or (sequence_id is not None and frame.sequence_id != sequence_id):
+            other = sequence_id is not None and frame.sequence_id != sequence_id
+            if is_transfer_frame(frame) and other and _is_offer(frame):
+                _next_offer_on[self.link] = frame
+                raise TransferRejected(f"the sender gave up: it offered another file (transfer {frame.sequence_id})")
+            if not is_transfer_frame(frame) or other:
                 raise TransferError(
                     f"a {frame.kind.name} frame of sequence {frame.sequence_id} arrived during a stage-file "
                     "transfer; a link that carries other frames needs a TransferChannel fed by its reader (route())"
