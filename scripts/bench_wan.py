@@ -17,17 +17,19 @@ for tokens/s (1.0 is the floor; below it, the rest is overhead).
 Also the stage files' transfer rate as the session formed, over the relayed edge and the
 direct ones (from the host's report of each transfer), with the relay's cap beside them.
 
-With `--speculate`, instead: speculative decoding with n-gram drafts against none, at each round
-trip, one user (`--speculate off` in one session and the default `ngram` in a second, each its
-own lab, both open at once and asked in turn, so that both meet the same load), three workloads:
-**edit**, the prompt holds a 210-line source file and asks for it back with one identifier
-renamed (greedy); **chat**, free text, sampled (seeded) and greedy. Tokens/s after the first,
-each way, their ratio, the ring's limit each way, tokens a trip, drafted tokens kept and sent per
-trip that carried drafts (from /status), whether the text was the same, the cost rule's measured
-trip and drafted row, and the machine's load.
+With `--speculate`, instead: speculative decoding against none, at each round trip, one user
+(`--speculate off` in one session and each of `--arms` (default `ngram`; `draft` runs `--draft
+MODEL` on the host, by default the target itself) in another, each its own lab, all open at once
+and asked in turn, so that all meet the same load), three workloads (`--workloads`): **edit**, the
+prompt holds a 210-line source file and asks for it back with one identifier renamed (greedy);
+**chat**, free text, sampled (seeded) and greedy. Tokens/s after the first, each way, their
+ratio, the ring's limit each way, tokens a trip, drafted tokens kept and sent per trip that
+carried drafts (from /status), whether the text was the same, the cost rule's measured trip,
+drafted row and draft decode, and the machine's load.
 
     python scripts/bench_wan.py [--rtts 0 10 40 100] [--tokens 32] [--repeats 3]   (root, nftables, conntrack)
     PYTHONPATH=$PWD/src python scripts/bench_wan.py --speculate [--rtts 0 10 40 100] [--tokens 64] [--repeats 1]
+        [--arms ngram draft] [--draft MODEL] [--workloads edit chat]
 
 (The lab's `kafila` processes import kafila as this process does: without PYTHONPATH, from
 wherever the editable install points, which may be another checkout.)
@@ -122,15 +124,18 @@ def serving(session: LabSession) -> dict[str, Any]:
     return session.until(lambda s: s.get("ready") and s.get("speculation") is not None, "serving")
 
 
-def speculation_rates(sessions: dict[str, LabSession], rtt_ms: float, tokens: int, repeats: int) -> dict[str, Any]:
+def speculation_rates(
+    sessions: dict[str, LabSession], rtt_ms: float, tokens: int, repeats: int, workloads: list[str]
+) -> dict[str, Any]:
     """One user's decode tokens/s on each workload in each session, the sessions' requests taken
-    in turn (off, ngram, off, ngram, ...) so that both meet the same load; the drafts meanwhile,
+    in turn (off, ngram, draft, off, ...) so that all meet the same load; the drafts meanwhile,
     from /status."""
     for session in sessions.values():
         assert session.api is not None
         session.api("completions", prompts=[CHAT], max_tokens=4, stream=True)  # warm at this round trip
     out: dict[str, Any] = {"rtt": rtt_ms, **{mode: {} for mode in sessions}}
-    for name, (prompt, temperature, seed) in WORKLOADS.items():
+    for name in workloads:
+        prompt, temperature, seed = WORKLOADS[name]
         request = {"prompts": [prompt], "max_tokens": tokens, "temperature": temperature, "seed": seed}
         # Serving, and the ring's counters (a replan, a rebalance say, starts a ring with its own):
         before = {mode: serving(session) for mode, session in sessions.items()}
@@ -167,63 +172,72 @@ def speculation_rates(sessions: dict[str, LabSession], rtt_ms: float, tokens: in
             stages = status["stages"]
             out[mode]["stages_ms"] = sum(s.get("ms_per_token_alone") or s.get("ms_per_token") or 0.0 for s in stages)
             out[mode]["trip_ms"], out[mode]["row_ms"] = now.get("trip_ms"), now.get("row_ms")
+            out[mode]["draft_ms"] = now.get("draft_ms")
     return out
 
 
-def bench_speculation(model: Path, rtts: list[float], tokens: int, repeats: int) -> None:
-    """Both sessions open at once (--speculate off and ngram, each its own lab), their requests in turn."""
+def speculation_host_args(arm: str, draft: Path) -> tuple[str, ...]:
+    """`kafila host`'s arguments for one arm: `--speculate off|ngram`, or `draft` with `--draft`."""
+    speculate = ("--speculate", arm, *(("--draft", str(draft)) if arm == "draft" else ()))
+    return (*speculate, "--context", str(SPECULATION_CONTEXT))
+
+
+def bench_speculation(
+    model: Path, rtts: list[float], tokens: int, repeats: int, arms: list[str], draft: Path, workloads: list[str]
+) -> None:
+    """A session without drafts and one for each arm, all open at once (each its own lab), their
+    requests in turn; each arm against the one without."""
     rows: list[dict[str, Any]] = []
     loads: list[float] = [os.getloadavg()[0]]
     with contextlib.ExitStack() as stack:
         sessions: dict[str, LabSession] = {}
-        for mode in ("off", "ngram"):
-            host_args = ("--speculate", mode, "--context", str(SPECULATION_CONTEXT))
+        for mode in ("off", *arms):
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             sessions[mode] = stack.enter_context(
-                lab_session(model, tmp, WanLink(FORMED_AT_RTT_MS / 4), host_args=host_args)
+                lab_session(model, tmp, WanLink(FORMED_AT_RTT_MS / 4), host_args=speculation_host_args(mode, draft))
             )
         for rtt in rtts:
             for session in sessions.values():
                 set_rtt(session, rtt)
             loads.append(os.getloadavg()[0])
-            rows.append(speculation_rates(sessions, rtt, tokens, repeats))
+            rows.append(speculation_rates(sessions, rtt, tokens, repeats, workloads))
             figures = {mode: {n: {k: f for k, f in v.items() if k != "texts"} if isinstance(v, dict) else v
                               for n, v in rows[-1][mode].items()} for mode in sessions}  # fmt: skip
             print(f"measured at {rtt:g} ms (load {loads[-1]:.1f}): {figures}", file=sys.stderr)
     loads.append(os.getloadavg()[0])
-    print(f"One user, up to {tokens} tokens a request, median of {repeats}, the two sessions' requests in turn;")
+    print(f"One user, up to {tokens} tokens a request, median of {repeats}, the sessions' requests in turn;")
     print("decode tokens/s after the first. Load average (1 min) on this machine as each round trip began, and")
-    print("at the end: " + ", ".join(f"{load:.1f}" for load in loads) + ".")
-    print("Ring limit: one token a trip of 1.5 × RTT + Σ stage ms (off's stages, /status); ngram's is that times")
-    print("its tokens a trip, as if drafted rows were free. Trip and rows: the cost rule's measure (/status).")
-    print("Drafts' own effect: the ngram session's decode time against that time less its drafted rows (at the")
-    print("rule's fitted row) plus a trip for each draft kept, both on its own ring: what the drafts did,")
-    print("without the two sessions' difference.\n")
-    print("| per-hop RTT | workload | tokens | off tokens/s | limit | ngram tokens/s | limit | ngram / off "
+    print("at the end: " + ", ".join(f"{load:.1f}" for load in loads) + f". Draft model (draft arm): {draft.name}.")
+    print("Ring limit: one token a trip of 1.5 × RTT + Σ stage ms (off's stages, /status); an arm's is that times")
+    print("its tokens a trip, as if drafted rows were free. Trip, rows, draft decode: the cost rule's (/status).")
+    print("Drafts' own effect: the arm's decode time against that time less its drafted rows (at the rule's")
+    print("fitted row) and draft decodes plus a trip for each draft kept, on its own ring: what the drafts")
+    print("did, without the sessions' difference.\n")
+    print("| per-hop RTT | workload | arm | tokens | off tokens/s | limit | arm tokens/s | limit | arm / off "
           "| drafts' own effect | tokens a trip | drafts kept a drafted trip | drafts a drafted trip "
           "| same text |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        off, on = row["off"], row["ngram"]
+        off = row["off"]
         limit = 1e3 / (1.5 * row["rtt"] + off["stages_ms"])
-        trip_ms, row_ms = on["trip_ms"] or 0.0, on["row_ms"] or 0.0
-        for name in WORKLOADS:
-            a, b = off[name], on[name]
-            undrafted_s = b["decode_s"] + (b["kept_all"] * trip_ms - b["drafted"] * row_ms) / 1e3
-            print(
-                f"| {row['rtt']:g} ms | {name} | {b['tokens']:g} | {a['rate']:.1f} | {limit:.1f} | {b['rate']:.1f} "
-                f"| {limit * b['per_trip']:.1f} | {b['rate'] / a['rate']:.2f} | {undrafted_s / b['decode_s']:.2f} "
-                f"| {b['per_trip']:.2f} | {b['kept']:.2f} | {b['window']:.2f} "
-                f"| {'yes' if a['texts'] == b['texts'] else 'no'} |"
-            )
-    print("\n| per-hop RTT | Σ stage ms (off) | ngram: a trip | a drafted row (fitted) |")
-    print("|---|---|---|---|")
+        for name in workloads:
+            for arm in arms:
+                a, b, on = off[name], row[arm][name], row[arm]
+                trip_ms, row_ms, draft_ms = on["trip_ms"] or 0.0, on["row_ms"] or 0.0, on["draft_ms"] or 0.0
+                undrafted_s = b["decode_s"] + (b["kept_all"] * trip_ms - b["drafted"] * (row_ms + draft_ms)) / 1e3
+                print(
+                    f"| {row['rtt']:g} ms | {name} | {arm} | {b['tokens']:g} | {a['rate']:.1f} | {limit:.1f} "
+                    f"| {b['rate']:.1f} | {limit * b['per_trip']:.1f} | {b['rate'] / a['rate']:.2f} "
+                    f"| {undrafted_s / b['decode_s']:.2f} | {b['per_trip']:.2f} | {b['kept']:.2f} | {b['window']:.2f} "
+                    f"| {'yes' if a['texts'] == b['texts'] else 'no'} |"
+                )
+    print("\n| per-hop RTT | arm | Σ stage ms (off) | a trip | a drafted row (fitted) | a draft decode |")
+    print("|---|---|---|---|---|---|")
     for row in rows:
-        off, on = row["off"], row["ngram"]
-        trip, drafted_row = on["trip_ms"], on["row_ms"]
-        measured = trip is not None and drafted_row is not None
-        shown = (f"{trip:.0f} ms", f"{drafted_row:.1f} ms") if measured else ("—", "—")
-        print(f"| {row['rtt']:g} ms | {off['stages_ms']:.1f} | {shown[0]} | {shown[1]} |")
+        for arm in arms:
+            on = row[arm]
+            shown = [f"{on[key]:.1f} ms" if on[key] is not None else "—" for key in ("trip_ms", "row_ms", "draft_ms")]
+            print(f"| {row['rtt']:g} ms | {arm} | {row['off']['stages_ms']:.1f} | {' | '.join(shown)} |")
 
 
 def transfers(session: LabSession) -> list[tuple[str, str, float, float]]:
@@ -240,13 +254,17 @@ def main() -> int:
     parser.add_argument("--rtts", type=float, nargs="+", default=[0.0, 10.0, 40.0, 100.0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--speculate", action="store_true", help="n-gram drafts against none (see above)")
+    parser.add_argument("--speculate", action="store_true", help="drafts against none (see above)")
+    parser.add_argument("--arms", nargs="+", choices=["ngram", "draft"], default=["ngram"], help="with --speculate")
+    parser.add_argument("--draft", type=Path, help="the draft arm's model (default: the target itself)")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
     model = benchmark_gemma()
     if model is None:
         return 2
     if args.speculate:
-        bench_speculation(model, args.rtts, args.tokens, args.repeats)
+        draft = args.draft or model
+        bench_speculation(model, args.rtts, args.tokens, args.repeats, args.arms, draft, args.workloads)
         return 0
     with tempfile.TemporaryDirectory() as tmp, lab_session(model, Path(tmp), WanLink(FORMED_AT_RTT_MS / 4)) as session:
         rows = []
