@@ -2,9 +2,9 @@
 
 The host assigns each member its stage and ring neighbours; members link to their neighbours
 (only the planned edges come up) while their stage files arrive from their cache, from their own
-copy of the model, from the hub, or over their link, and each answers `Staged`. Then the stages load
-downstream-first (`Load`, `Loaded`), this machine's own in its turn (the head's, if it holds the
-head, last of all, with the engine).
+copy of the model, from the hub, or over their link, and each answers `Staged`. Then the stages load,
+all at once (`Load`, `Loaded`), this machine's own with them (the head's, if it holds the head,
+last of all, with the engine).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
@@ -284,7 +284,7 @@ class Deployer:
                     await self.roster.routers[member].send_control(StandBy(epoch=self.epoch, reason=why[:1000]))
         for member, assign in assigns.items():
             await self._tell(member, assign, "take its part")
-        # Every member links to its neighbours and gets its file at once; they load one by one.
+        # Every member links to its neighbours and gets its file at once.
         preparing = {self.roster.name(m): "to link and get its stage" for m in assigns}
 
         def report() -> None:
@@ -323,15 +323,8 @@ class Deployer:
         }
         self.ring_edges = {m: {e.peer: e for e in s.edges} for m, s in zip(assigns, staged, strict=True)}
         self.measured_rtts.update(mean_round_trips(self.ring_edges))
-        for index in reversed(range(len(chain))):  # downstream first: a stage serves only once its successor does
-            member = chain[index]
-            if member == me:
-                own_file = stages[index].file
-                assert own_file is not None, "this host's own stages are at hand"
-                if index < last:  # the head's own stage loads with the engine, last of all
-                    await self._load_own_stage(chain, index, own_file, plan.stages[index].resident_bytes)
-                continue
-            assign = assigns[member]
+
+        async def load(member: str, assign: Assign) -> None:
             await self._tell(member, Load(epoch=assign.epoch), "load its stage")
             loaded = await self._expect(member, assign.epoch, Loaded, "load its stage", assign)
             self.say(
@@ -340,6 +333,15 @@ class Deployer:
             )
             del preparing[self.roster.name(member)]
             report()
+
+        # Every stage loads at once, the head's own last of all (with the engine): nothing enters
+        # the ring before the engine starts, so no stage can send to one still loading.
+        loads = [load(member, assign) for member, assign in assigns.items()]
+        for index in (i for i in range(last) if chain[i] == me):
+            own_file = stages[index].file
+            assert own_file is not None, "this host's own stages are at hand"
+            loads.append(self._load_own_stage(chain, index, own_file, plan.stages[index].resident_bytes))
+        await all_or_none(loads)
         self.deployment = Deployment(self.epoch, plan, chain, counts, stages, me, vocabulary_path)
         self.broken_edges.clear()  # rebuilt, or no longer in the ring
         self._listen(self.deployment.members, self.epoch)
@@ -352,11 +354,16 @@ class Deployer:
         started = time.perf_counter()
         executor = ThreadPoolExecutor(1, thread_name_prefix="own-stage")
         blocks = (stage_file.first_block, stage_file.end_block)
+        loading = executor.submit(
+            load_here, blocks, need_bytes, functools.partial(BlockStage, stage_file.path, self.settings)
+        )
         try:
-            loop = asyncio.get_running_loop()
-            load = functools.partial(BlockStage, stage_file.path, self.settings)
-            stage = await loop.run_in_executor(executor, load_here, blocks, need_bytes, load)
+            stage = await asyncio.wrap_future(loading)
         except SessionFailed:
+            executor.shutdown(wait=False)
+            raise
+        except asyncio.CancelledError:  # a member's load failed meanwhile: this one is freed once loaded
+            loading.add_done_callback(_close_loaded)
             executor.shutdown(wait=False)
             raise
         local = LocalChannel() if index == 0 else None
@@ -542,6 +549,12 @@ def mean_round_trips(edges: dict[str, dict[str, RingEdge]]) -> dict[frozenset[st
             if edge.rtt_ms is not None:
                 seen.setdefault(frozenset((member, peer)), []).append(edge.rtt_ms)
     return {pair: sum(trips) / len(trips) for pair, trips in seen.items()}
+
+
+def _close_loaded(loading: Future[BlockStage]) -> None:
+    """Close a stage whose load went on after the deployment that wanted it failed."""
+    if not loading.cancelled() and loading.exception() is None:
+        loading.result().close()
 
 
 def load_here(blocks: tuple[int, int], need_bytes: int, load: Callable[[], T]) -> T:

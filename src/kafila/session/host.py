@@ -9,7 +9,7 @@ The order, and why:
    concurrency; the others stand by, linked), the head here unless this machine cannot hold it,
    refusing before anything loads if the model does not fit;
 5. put the plan in place (`deployer.Deployer`): assign each member its stage and neighbours,
-   deliver the stage files, have the stages load downstream-first, and serve.
+   deliver the stage files, have the stages load (all at once), and serve.
 
 With the head here, the ring runs host → block 0 … → host. With the head on a member, the host
 embeds each step's tokens from the model file (or, for a model on the hub, from the vocabulary

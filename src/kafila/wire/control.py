@@ -56,7 +56,7 @@ class Assign(_Message):
     """host → member: the stage to hold, where its bytes come from, and its ring neighbours.
 
     The member links to its neighbours and gets the file at once, answers `Staged`, and loads
-    only when the host says `Load`: the host has stages load downstream-first.
+    only when the host says `Load`: the host tells every member at once, once all are staged.
     """
 
     type: Literal["assign"] = "assign"
