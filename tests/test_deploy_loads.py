@@ -1,15 +1,18 @@
-"""The host's deployer tells every member to load its stage at once, not one after another: a
-member's load does not wait on another's, so the ring is ready one load after the last stage
-arrives, not one load a member after (issue 36). Real QUIC links and a real rendezvous; the two
-members are scripted, so that each can tell whether the other was told to load before it answers."""
+"""The host's deployer loads the ring at once, not one stage after another (issue 36): it tells
+every member to load its stage together, and its own head's engine loads while the members still
+get and load theirs, so the ring is ready as the last stage loads. Real QUIC links, a real
+rendezvous and a real head engine; the two members are scripted, so that each can see, before it
+answers `Loaded`, what the host has begun meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 from linked_routers import linked_routers
 from tiny_models import write_tiny_model
+from waiting import until_async
 
 from kafila.contracts import FleetDevice
 from kafila.network.rendezvous_client import RendezvousClient
@@ -22,12 +25,12 @@ from kafila.session.router import LinkRouter
 from kafila.wire.control import Assign, Hello, Load, Loaded, Staged
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=32, n_seq_max=2, n_threads=1)
-ANSWER_WITHIN_S = 5.0  # how long a scripted member waits to see the other told to load
+ANSWER_WITHIN_S = 5.0  # how long a scripted member waits, on Load, for what it looks for
 
 
-async def scripted_member(router: LinkRouter, told: asyncio.Event, both_told: list[asyncio.Event]) -> bool:
+async def scripted_member(router: LinkRouter, told: asyncio.Event, seen: Callable[[], bool]) -> bool:
     """Answer the host's Assign as a member holding its stage in its cache; on Load, wait (a
-    while) until both members were told to load, then answer Loaded. Whether both were."""
+    while) until `seen()`, then answer Loaded. Whether it was seen."""
     assign = await router.next_control(30)
     assert isinstance(assign, Assign) and assign.source == "cache", assign
     await router.send_control(Staged(epoch=assign.epoch, source="cache", seconds=0.0))
@@ -35,15 +38,19 @@ async def scripted_member(router: LinkRouter, told: asyncio.Event, both_told: li
     assert isinstance(load, Load) and load.epoch == assign.epoch, load
     told.set()
     try:
-        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in both_told)), ANSWER_WITHIN_S)
-        saw_both = True
-    except TimeoutError:
-        saw_both = False
+        await until_async(seen, "what the member waits for", ANSWER_WITHIN_S)
+        saw = True
+    except AssertionError:
+        saw = False
     await router.send_control(Loaded(epoch=assign.epoch, stage_index=assign.stage_index, seconds=0.0))
-    return saw_both
+    return saw
 
 
-def test_members_are_told_to_load_at_once(tmp_path: Path) -> None:
+def deploy_to_scripted_members(tmp_path: Path, waits_for: str) -> list[bool]:
+    """A ring of three blocks: one each on two scripted members, the head on this host. Each
+    member, told to load, waits for `waits_for` ("both told": the other member told to load too;
+    "head loading": the host's head engine begun) before it answers; whether each saw it. The
+    engine the deployment yields is checked to hold the head, and closed."""
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=3)
     local = LocalModel(model)
     stage_files = local.stages([1, 1, 1], tmp_path / "stages", lambda *_progress: None)
@@ -69,21 +76,30 @@ def test_members_are_told_to_load_at_once(tmp_path: Path) -> None:
                 roster.routers[member] = host_end
                 roster.hellos[member] = Hello(cached_stages=[stage.sha256])
             deployer = Deployer(roster, local, SETTINGS, tmp_path / "stages", say=lambda _text: None)
-            names = ["first", "second", "host"]
             stages = tuple(
                 Stage(device=name, start=i, end=i + 1, is_head=i == 2, cost_s=None, resident_bytes=1, memory_bytes=1)
-                for i, name in enumerate(names)
+                for i, name in enumerate(("first", "second", "host"))
             )
             plan = Plan.model_construct(stages=stages, head="host", ring=("host", "first", "second"))
             told = [asyncio.Event(), asyncio.Event()]
+            seen = {
+                "both told": lambda: all(event.is_set() for event in told),
+                "head loading": lambda: deployer.ring is not None,  # set as the head's engine begins
+            }[waits_for]
             answering = [
-                asyncio.create_task(scripted_member(member_end, event, told))
+                asyncio.create_task(scripted_member(member_end, event, seen))
                 for (_host_end, member_end, _demuxes), event in zip(pairs, told, strict=True)
             ]
             deployment = await deployer.deploy(plan, None, lambda *_progress: None)
             assert deployment.chain == [*members, host.member_id]
-            await deployer.stop_listening()
-            return list(await asyncio.gather(*answering))
+            saw = list(await asyncio.gather(*answering))
+            engine = await deployer.ring_engine(deployment)
+            try:
+                assert engine.n_vocab() > 0 and deployer.ring is not None
+            finally:
+                await asyncio.to_thread(engine.close)
+                await deployer.stop_listening()
+            return saw
         finally:
             for client in clients:
                 await client.close()
@@ -94,5 +110,14 @@ def test_members_are_told_to_load_at_once(tmp_path: Path) -> None:
                     demux.close()
             await handle.close()
 
+    return asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_members_are_told_to_load_at_once(tmp_path: Path) -> None:
     # Told one by one, the first told would wait out its ANSWER_WITHIN_S for the other, in vain.
-    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == [True, True]
+    assert deploy_to_scripted_members(tmp_path, "both told") == [True, True]
+
+
+def test_the_heads_engine_loads_while_the_members_load(tmp_path: Path) -> None:
+    # Built only once every member had loaded, the engine would not have begun while they wait.
+    assert deploy_to_scripted_members(tmp_path, "head loading") == [True, True]

@@ -227,6 +227,8 @@ class Deployer:
     # Each pair of members ever linked in a ring → the round trip its link measured (ms), kept
     # after the ring changes, for the planner's choice of who serves.
     measured_rtts: dict[frozenset[str], float] = field(default_factory=dict)
+    # The head's engine, loading since this host's own stage was at hand, and its epoch.
+    _head_engine: tuple[int, asyncio.Future[RingEngine]] | None = None
 
     async def deploy(
         self,
@@ -247,6 +249,7 @@ class Deployer:
         me = self.roster.me
         await self.stop_listening()  # the replies to this deployment are read below
         await self.drop_own_stage()  # its memory is the new plan's, and its frames must not reach the new ring
+        await self.discard_head_engine()  # one begun for a deployment whose engine never served
         by_name = {self.roster.name(m): m for m in self.roster.known}
         chain = [by_name[stage.device] for stage in plan.stages]
         counts = [stage.end - stage.start for stage in plan.stages]
@@ -311,12 +314,25 @@ class Deployer:
                 return None
             return await asyncio.to_thread(self.model.vocabulary, self.cache, progress)
 
-        own_task = asyncio.ensure_future(own_share())
+        async def own_then_head() -> Path | None:
+            """This host's share, then, with the head here, the head's engine loading while the
+            members still get and load their stages: the ring is ready as their last loads."""
+            vocabulary = await own_share()
+            if chain[-1] == me:
+                early = Deployment(self.epoch, plan, chain, counts, stages, me, vocabulary)
+                loop = asyncio.get_running_loop()
+                self._head_engine = (self.epoch, asyncio.ensure_future(asyncio.to_thread(self.engine, early, loop)))
+            return vocabulary
+
+        own_task = asyncio.ensure_future(own_then_head())
         try:
             staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
             vocabulary_path = await own_task
-        finally:
+        except BaseException:
             own_task.cancel()
+            await asyncio.gather(own_task, return_exceptions=True)
+            await self.discard_head_engine()
+            raise
         self.origins = {
             m: StageOrigin(s.source or ("host" if a.source == "transfer" else a.source), a.size, s.seconds, s.why)
             for (m, a), s in zip(assigns.items(), staged, strict=True)
@@ -341,7 +357,11 @@ class Deployer:
             own_file = stages[index].file
             assert own_file is not None, "this host's own stages are at hand"
             loads.append(self._load_own_stage(chain, index, own_file, plan.stages[index].resident_bytes))
-        await all_or_none(loads)
+        try:
+            await all_or_none(loads)
+        except BaseException:
+            await self.discard_head_engine()
+            raise
         self.deployment = Deployment(self.epoch, plan, chain, counts, stages, me, vocabulary_path)
         self.broken_edges.clear()  # rebuilt, or no longer in the ring
         self._listen(self.deployment.members, self.epoch)
@@ -515,6 +535,22 @@ class Deployer:
             stage_machines=machines,
         )  # fmt: skip
 
+    async def ring_engine(self, deployment: Deployment) -> RingEngine:
+        """The engine over `deployment`'s ring: the one `deploy` began loading with the head, or
+        one built now."""
+        begun, self._head_engine = self._head_engine, None
+        if begun is not None and begun[0] == deployment.epoch:
+            return await begun[1]
+        if begun is not None:
+            await _closed(begun[1])
+        return await asyncio.to_thread(self.engine, deployment, asyncio.get_running_loop())
+
+    async def discard_head_engine(self) -> None:
+        """Close the head's engine `deploy` began, where the deployment failed after all."""
+        begun, self._head_engine = self._head_engine, None
+        if begun is not None:
+            await _closed(begun[1])
+
     def abandon_ring(self) -> None:
         """End every wait of the current ring at once, before its engine is retired for a new plan."""
         if self.ring is not None:
@@ -549,6 +585,13 @@ def mean_round_trips(edges: dict[str, dict[str, RingEdge]]) -> dict[frozenset[st
             if edge.rtt_ms is not None:
                 seen.setdefault(frozenset((member, peer)), []).append(edge.rtt_ms)
     return {pair: sum(trips) / len(trips) for pair, trips in seen.items()}
+
+
+async def _closed(building: asyncio.Future[RingEngine]) -> None:
+    """Wait out an engine's load (a thread cannot be stopped) and close it; its failure is moot."""
+    with contextlib.suppress(Exception):
+        engine = await asyncio.shield(building)
+        await asyncio.to_thread(engine.close)
 
 
 def _close_loaded(loading: Future[BlockStage]) -> None:

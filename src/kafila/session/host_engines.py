@@ -177,7 +177,7 @@ class HostEngines:
 
             with self.ui.progress_bars() as progress:
                 deployment = await network.deploy(choice, progress, pending)
-            engine = await asyncio.to_thread(network.deployer.engine, deployment, asyncio.get_running_loop())
+            engine = await network.deployer.ring_engine(deployment)
             self.activate(engine)
         except SessionFailed as failure:
             smallest = smallest_stage_bytes(self.manifest, self.config.session)
