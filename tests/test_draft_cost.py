@@ -6,7 +6,7 @@ waves take a trip plus a cost per drafted row."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import pytest
@@ -395,21 +395,43 @@ def test_free_text_never_loses_more_than_five_percent_to_drafts(ring: tuple[floa
 GUESS = 1  # a simulated draft model's guess where the text it copies from has none
 
 
-def drafting_batcher(draft_ms: float, spent_ms: list[float], seed: int | None = None) -> Batcher:
+class LookupDraftModel:
+    """A simulated draft model's drafter for one sequence (`speculation.Drafter`): it drafts what
+    an n-gram lookup finds, but is no `NgramDrafter` to the batcher, which looks no free guesses
+    up with it (a real draft model's guess costs a decode)."""
+
+    drawn_from = None
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.lookup = NgramDrafter(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.lookup.extend(tokens)
+
+    def draft(self, limit: int) -> list[int]:
+        return self.lookup.draft(limit)
+
+    def close(self) -> None:
+        self.lookup.close()
+
+
+def drafting_batcher(draft_ms: float | Callable[[], float], spent_ms: list[float], seed: int | None = None) -> Batcher:
     """A batcher with a draft model whose drafts are what an n-gram lookup finds (so a copy's
     are kept), as many as asked (a model always has a guess: GUESS where the lookup has none),
-    each drafted token a decode of `draft_ms` before the wave leaves (into `spent_ms`), timed
-    into its clock as the engine loop times a real one; its sampler greedy, or drawing from `seed`."""
+    each drafted token a decode of `draft_ms` (or what it gives, asked once a wave) before the
+    wave leaves (into `spent_ms`), timed into its clock as the engine loop times a real one; its
+    sampler greedy, or drawing from `seed`."""
 
     def together(asked: Sequence[tuple[Drafter, int]]) -> list[list[int]]:
         decodes = max(limit for _, limit in asked)
-        spent_ms.append(decodes * draft_ms)
-        batcher.trip_clock.drafting(decodes, decodes * draft_ms / 1e3)
+        decode_ms = draft_ms() if callable(draft_ms) else draft_ms
+        spent_ms.append(decodes * decode_ms)
+        batcher.trip_clock.drafting(decodes, decodes * decode_ms / 1e3)
         return [(drafter.draft(limit) + [GUESS] * limit)[:limit] for drafter, limit in asked]
 
     batcher = Batcher(
         2, 16, 256, lambda _s: Sample(seed), lambda t: f"<{t}>".encode(), lambda t: t == 0, PrefixCut.ANYWHERE,
-        Speculate.DRAFT, make_drafter=lambda _slot, tokens, _s: NgramDrafter(tokens), draft_together=together,
+        Speculate.DRAFT, make_drafter=lambda _slot, tokens, _s: LookupDraftModel(tokens), draft_together=together,
     )  # fmt: skip
     return batcher
 
@@ -437,6 +459,24 @@ def test_a_draft_model_drafts_a_copy_where_its_decodes_are_cheap_and_stops_where
         assert batcher.speculation.mean_window > MAX_DRAFT - 2, batcher.speculation
     else:  # three trips to measure it, then a trip now and then
         assert batcher.speculation.trips <= 3 + 120 // CLOCK_WAVES, batcher.speculation
+
+
+def test_a_draft_model_measured_dear_drafts_again_once_that_measure_is_stale() -> None:
+    """A draft model whose first decodes were dear (a host busy for a moment, or a prompt caught
+    up counted as drafts) stops; once no wave has drafted for a while its old measure is trusted
+    less, and a sequence tries one draft again, on hope, though it has no free guesses to show
+    its drafts would be kept (a draft model's cost a decode each): measured cheap now, a copy is
+    drafted whole again, and it goes faster than without drafts at 40 ms a hop."""
+    dear = iter([400.0])
+    spent: list[float] = []
+    copy = [Job("copy", [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], 400, SamplingSettings())]
+    plain, plain_s, _ = simulate(CYCLE, copy, Speculate.OFF, None, 105.0, 5.0)
+    batcher = drafting_batcher(lambda: next(dear, 2.0), spent)
+    drafted, ring_s, batcher = simulate(CYCLE, copy, Speculate.DRAFT, None, 105.0, 5.0, batcher)
+    assert drafted == plain
+    assert batcher.trip_clock.draft_ms == pytest.approx(2.0)  # measured again, cheap
+    assert batcher.speculation.trips > 20, batcher.speculation
+    assert plain_s / (ring_s + sum(spent) / 1e3) > 2.0, (plain_s, ring_s, sum(spent), batcher.speculation)
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,8 @@ def test_greedy_text_is_the_same_with_a_draft_model_on_and_off(arch: str, tmp_pa
 def test_a_wave_s_drafts_are_drafted_together_as_each_alone(sampling_pair: tuple[Engine, DraftModel]) -> None:
     """Three sequences' drafts from one draft model: caught up together, n_batch rows a decode, then
     one decode a round of drafted tokens, the tokens each drafts alone, greedy or sampled (with its q rows);
-    after a reject, the next draft cuts the cache back to what the sequence kept."""
+    after a reject, the next draft cuts the cache back to what the sequence kept. The prompts'
+    catch-up is counted apart (`prompt_decodes`: not what a drafted token costs); a trip's, not."""
     engine, draft = sampling_pair
     prompts = [engine.tokenize(text) for text in (PROMPT, REPEATING, "hello world")]
     settings = [GREEDY, SAMPLED.model_copy(update={"seed": 3}), GREEDY]
@@ -139,17 +140,20 @@ def test_a_wave_s_drafts_are_drafted_together_as_each_alone(sampling_pair: tuple
         draft.model.forget(slot)
         draft._held.pop(slot)
     drafters = [draft.drafter(slot, p, s) for slot, (p, s) in enumerate(zip(prompts, settings, strict=True))]
-    before = draft.decodes
+    before, prompt_before = draft.decodes, draft.prompt_decodes
     together = draft.draft_many([(drafter, 4) for drafter in drafters])
     catch_up = math.ceil(sum(map(len, prompts)) / SAMPLING_CONTEXT.n_batch)  # the prompts, n_batch rows a decode
     assert draft.decodes - before == catch_up + 3  # then rounds 2, 3 and 4 (the last drafted token waits)
+    assert draft.prompt_decodes - prompt_before == catch_up
     assert together == [tokens for tokens, _ in alone]
     assert drafters[0].drawn_from is None and drafters[2].drawn_from is None
     q = drafters[1].drawn_from
     assert q is not None and alone[1][1] is not None and q.shape == (4, engine.n_vocab())
     np.testing.assert_allclose(q, alone[1][1], atol=1e-5)
     drafters[0].extend([together[0][0], (together[0][1] + 1) % engine.n_vocab()])  # the second draft rejected
+    before, prompt_before = draft.decodes, draft.prompt_decodes
     draft.draft_many([(drafters[0], 2)])
+    assert draft.decodes - before == 2 and draft.prompt_decodes == prompt_before  # a trip's catch-up, then a round
     assert draft._held[0] == [*prompts[0], together[0][0], (together[0][1] + 1) % engine.n_vocab(), draft._held[0][-1]]
     assert draft.model.next_position(0) == len(draft._held[0])
     for slot, drafter in enumerate(drafters):
@@ -395,7 +399,7 @@ def test_a_draft_model_whose_drafts_are_all_rejected_stops_drafting_on_the_real_
     def sink(event: RequestEvent) -> None:  # on the engine thread, as the batcher plans the next wave
         sequence = loop.batcher._active.get("0")
         if sequence is not None:
-            windows.append(loop.batcher._paying(sequence.window, 1))
+            windows.append(loop.batcher._paying(sequence.window, 1, guesses=False))  # a model: no free guesses
         events.put(event)
 
     tokens = 48

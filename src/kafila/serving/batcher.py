@@ -546,7 +546,7 @@ class Batcher:
                 rooms.append(0)
                 continue
             room = min(
-                self._paying(sequence.window, len(decoding)),
+                self._paying(sequence.window, len(decoding), isinstance(sequence.drafter, NgramDrafter)),
                 sequence.job.max_tokens - len(sequence.generated) - 1,
                 self.context - sequence.position - 1,
                 MAX_DRAFT,
@@ -616,7 +616,7 @@ class Batcher:
             return "its log probabilities need each row's log-sum-exp, which a ROWS frame does not carry yet"
         return None
 
-    def _paying(self, window: DraftWindow, sharing: int) -> int:
+    def _paying(self, window: DraftWindow, sharing: int, guesses: bool = True) -> int:
         """The drafts `window` allows, but no more than pay on this ring once its waves have been
         timed (`draft_cost.best_window`, the sequence's accept rate against the measured trip,
         drafted rows and, with a draft model, its decodes; `sharing`: the sequences of the wave
@@ -624,17 +624,31 @@ class Batcher:
         weighed before the ring's rows are, against the quickest wave yet (no shorter than a trip),
         and a measure of them trusted less while nothing drafted is tried again with one draft.
         Only drafts the sequence can afford to lose are weighed (`DraftLedger`): what its drafts
-        may lose it, net of the trips they saved, is bounded whatever its accept rate says."""
+        may lose it, net of the trips they saved, is bounded whatever its accept rate says.
+        `guesses`: whether the sequence's drafter guesses for free while it drafts nothing (n-gram
+        lookups, `_guess`), so that a cost shrunk while nothing drafted waits for their evidence;
+        a draft model's guess costs a decode, so its sequences try one draft on hope instead (else
+        one dear measure, a prompt's catch-up or a busy moment, would stop its drafts for good)."""
         clock, cost = self.trip_clock, self.trip_clock.cost
         if window.allowed == 0 or (cost is None and not (clock.drafts and clock.waves)):
             return window.allowed
-        if (clock.draft_stale or (cost is not None and cost.stale)) and window.accept.seen < MIN_EVIDENCE:
+        shrunk = clock.draft_stale or (cost is not None and cost.stale)
+        if shrunk and guesses and window.accept.seen < MIN_EVIDENCE:
             return 0  # a cost shrunk while nothing drafted is tried again on evidence, not on hope
         limit = window.allowed if window.trips else 1  # a sequence's first drafts, on hope alone: one
         if clock.draft_stale:
             limit = min(limit, 1)  # its first draft measures the decode afresh
-        rate = window.accept.rate
         afford = window.ledger.affordable * (1 + 1e-9)  # in trips; what its drafts may still lose it
+        if shrunk and window.accept.seen < MIN_EVIDENCE:
+            # On hope, one draft, and only where the sequence could lose it at the draft's decode
+            # as last measured, not as shrunk: a draft model that costs a trip is tried again once
+            # an answer, not every time the shrinking measure dips below what pays.
+            trip_ms = cost.trip_ms if cost is not None else clock.quickest_ms
+            row_ms = max(0.0, cost.drafted_ms(1)) * sharing if cost is not None else 0.0
+            if afford * trip_ms < row_ms + clock.draft_measured_ms:
+                return 0
+            limit = min(limit, 1)
+        rate = window.accept.rate
         if cost is None:
             trip_ms = clock.quickest_ms
             return best_window(rate, trip_ms, 0.0, limit, sharing, draft_ms=clock.draft_ms, afford_ms=afford * trip_ms)

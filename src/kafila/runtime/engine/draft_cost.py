@@ -146,9 +146,10 @@ class TripClock:
     a sequence whose drafts would pay tries them again: the first drafted wave then prices the
     rows afresh), and the trip goes on following the waves.
 
-    A draft model's decode (`drafting`) is the median of its recent drafts' time a decode, which
-    a prompt caught up in a few long decodes does not move; it shrinks as the rows' cost does
-    while nothing drafts, and the first draft after that measures it afresh."""
+    A draft model's decode (`drafting`) is the median of its recent drafts' time a decode (a
+    prompt's catch-up, paid once a request, is not given to it: `EngineLoop._draft_many`); it
+    shrinks as the rows' cost does while nothing drafts, and the first draft after that measures
+    it afresh."""
 
     waves: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=CLOCK_WAVES))
     cost: TripCost | None = None
@@ -161,6 +162,11 @@ class TripClock:
         return self.draft_trust * statistics.median(self.drafts) if self.drafts else 0.0
 
     @property
+    def draft_measured_ms(self) -> float:
+        """A draft model's decode as its recent drafts measured it, not shrunk while nothing drafted."""
+        return statistics.median(self.drafts) if self.drafts else 0.0
+
+    @property
     def draft_stale(self) -> bool:
         """Whether a draft model's decode is an old measure, shrunk while no recent wave drafted."""
         return bool(self.drafts) and self.draft_trust < 1.0
@@ -171,8 +177,8 @@ class TripClock:
         return max(1e-3, min((ms for _, ms in self.waves), default=0.0))
 
     def drafting(self, decodes: int, seconds: float) -> None:
-        """A draft model drafted for a wave in `decodes` decodes (its catch-up, then one a drafted
-        token after the first) that took `seconds`."""
+        """A draft model drafted for a wave in `decodes` decodes (its catch-up on what the last
+        trip brought, then one a drafted token after the first) that took `seconds`."""
         if decodes < 1 or not seconds >= 0:
             raise ValueError(f"drafts of {decodes} decodes in {seconds} s")
         if self.draft_trust < 1.0:  # the first draft after a stale spell: measured afresh

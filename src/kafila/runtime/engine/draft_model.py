@@ -13,6 +13,7 @@ distribution after the request's own top-k, top-p and temperature, whose rows go
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy.typing as npt
 
 from kafila.runtime.engine.engines import PrefixCut, prefix_cut
 from kafila.runtime.engine.sampling import Sampler, SamplingSettings
-from kafila.runtime.engine.speculation import DRAFT_DRAW, Drafter, uniform
+from kafila.runtime.engine.speculation import DRAFT_DRAW, MAX_DRAFT, Drafter, uniform
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.model import ContextSettings, LlamaModel
@@ -88,6 +89,10 @@ class DraftModel:
         self.n_vocab = self.model.n_vocab
         self._held: dict[int, list[int]] = {}  # slot → the tokens its cache holds, in position order
         self.decodes = 0  # llama_decode calls, over the model's life
+        # Of them, those that caught a cache up on more than a trip brings (a prompt, a resumed
+        # request), and their seconds: a one-off prefill, not what a drafted token costs.
+        self.prompt_decodes = 0
+        self.prompt_s = 0.0
 
     def drafter(self, slot: int, tokens: Sequence[int], sampling: SamplingSettings) -> ModelDrafter:
         """A drafter for the request that starts in `slot` with `tokens` (its prompt, and on a
@@ -120,7 +125,11 @@ class DraftModel:
                 for index, drafter, _ in live
                 for position, token in self._behind(drafter._slot, drafter._tokens)
             ]
+            decodes, started = self.decodes, time.perf_counter()
             logits = self._decode(pending)
+            if len(pending) > len(live) * (MAX_DRAFT + 1):
+                self.prompt_decodes += self.decodes - decodes
+                self.prompt_s += time.perf_counter() - started
             for round_ in range(max(limit for _, _, limit in live)):
                 pending = []
                 for index, drafter, limit in live:
