@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 from disks import small_disk
 from test_link import WAIT, pair, run, shut
+from waiting import until_async
 
 from kafila.network.link import Link, LinkError
 from kafila.network.transfer import (
     CHUNK_SIZE,
+    Abort,
     Ack,
     End,
     HashMismatch,
@@ -159,6 +161,43 @@ def test_a_new_offer_that_overtakes_the_abort_of_the_last_ends_it_and_is_receive
         received = await asyncio.wait_for(receive_stage_file(link_b, cache), WAIT)
         assert received.read_bytes() == path.read_bytes()
         assert await asyncio.wait_for(sending, WAIT) == path.stat().st_size
+        await shut(link_a, link_b, a, b)
+
+    run(go)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["link", "channel"])
+def test_a_receiver_told_its_transfer_passes_over_an_earlier_offer_the_sender_stopped(
+    tmp_path: Path, shared: bool
+) -> None:
+    """A member that failed its part before it read the host's offer (a neighbour had left) finds
+    that offer, and its abort once the host stopped it, still queued when the next plan's offer
+    comes. Told the sequence of the transfer it was assigned, it passes over the old one and
+    receives the new; it took the old offer, read its abort as the sender giving up, and failed,
+    while the host waited on the new transfer (test_session_network's steady-load test)."""
+
+    async def go() -> None:
+        a, b, link_a, link_b = await links()
+        path, sha = random_file(tmp_path / "stage-0.gguf", 3 * CHUNK_SIZE + 7, seed=3)
+        cache = tmp_path / "cache"
+        stopped, assigned = transfer_sequence(310), transfer_sequence(311)
+        channel, routing = (TransferChannel(), None) if shared else (None, None)
+        stale = [offer(sha=hashlib.sha256(b"stage-1").hexdigest(), sequence=stopped)]
+        stale.append(message_frame(stopped, Abort("the sender was stopped")))
+        for frame in stale:
+            await link_a.send(frame)
+        stale_bytes = sum(f.wire_bytes for f in stale)
+        await until_async(lambda: link_b.held_bytes >= stale_bytes, lambda: "the stopped transfer's frames here", WAIT)
+        if channel is not None:
+            routing = asyncio.ensure_future(route(link_b, channel, lambda _frame: None))
+        sending = asyncio.ensure_future(send_stage_file(link_a, path, sha, 0, sequence_id=assigned))
+        received = await asyncio.wait_for(
+            receive_stage_file(link_b, cache, channel=channel, sequence_id=assigned), WAIT
+        )
+        assert received.read_bytes() == path.read_bytes()
+        assert await asyncio.wait_for(sending, WAIT) == path.stat().st_size
+        if routing is not None:
+            routing.cancel()
         await shut(link_a, link_b, a, b)
 
     run(go)

@@ -464,7 +464,7 @@ class FrameLink(Protocol):
 
 
 class FrameSource(Protocol):
-    async def accept(self, timeout: float | None = None) -> int: ...
+    async def accept(self, timeout: float | None = None, expected: int | None = None) -> int: ...
     def open(self, sequence_id: int) -> None: ...
     async def get(self, sequence_id: int, timeout: float) -> Frame: ...
     def release(self, sequence_id: int) -> None: ...
@@ -516,14 +516,20 @@ class TransferChannel:
             for queue in self._queues.values():
                 queue.put_nowait(None)
 
-    async def accept(self, timeout: float | None = None) -> int:
-        """The sequence id of the next incoming transfer."""
-        sequence_id = await asyncio.wait_for(self._incoming.get(), timeout)
-        if sequence_id is None:
-            self._incoming.put_nowait(None)
-            assert self.error is not None
-            raise self.error
-        return sequence_id
+    async def accept(self, timeout: float | None = None, expected: int | None = None) -> int:
+        """The sequence id of the next incoming transfer; given `expected`, of that one, the
+        transfers offered before it passed over (`receive_stage_file`)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                sequence_id = await self._incoming.get()
+                if sequence_id is None:
+                    self._incoming.put_nowait(None)
+                    assert self.error is not None
+                    raise self.error
+                if expected is None or sequence_id == expected:
+                    return sequence_id
+                log.debug("passed over transfer %d, offered before the expected %d", sequence_id, expected)
+                self.release(sequence_id)
 
     def open(self, sequence_id: int) -> None:
         if sequence_id in self._queues:
@@ -613,10 +619,17 @@ class _LinkSource:
                 )
             return frame
 
-    async def accept(self, timeout: float | None = None) -> int:
-        self._first = await self._next(None, timeout)
-        self._finished.discard(self._first.sequence_id)
-        return self._first.sequence_id
+    async def accept(self, timeout: float | None = None, expected: int | None = None) -> int:
+        async with asyncio.timeout(timeout):
+            while True:
+                first = await self._next(None, None)
+                if expected is None or first.sequence_id == expected:
+                    break
+                log.debug("passed over transfer %d, offered before the expected %d", first.sequence_id, expected)
+                self._finished.add(first.sequence_id)  # its later frames are dropped as late
+        self._first = first
+        self._finished.discard(first.sequence_id)
+        return first.sequence_id
 
     def open(self, sequence_id: int) -> None:
         self._finished.discard(sequence_id)
@@ -731,9 +744,14 @@ async def receive_stage_file(
     channel: TransferChannel | None = None,
     stall_timeout_s: float = STALL_TIMEOUT_S,
     accept_timeout_s: float | None = None,
+    sequence_id: int | None = None,
 ) -> Path:
     """Wait for the peer's offer of a stage file and return the verified file in `cache_dir`,
     named `<sha256>.gguf` like the slicer names its files.
+
+    `sequence_id`: the transfer the sender said it would offer (`Assign.transfer`); offers before
+    it are of transfers it stopped before this side read them (a member that failed its part
+    first), and are passed over, with their aborts, rather than taken and lost to the abort.
 
     A file with that name and the offered size already there means nothing is sent: pass the
     slicer's output directory, so a member that sliced its own copy of the model receives
@@ -747,7 +765,7 @@ async def receive_stage_file(
     cache_dir = Path(cache_dir)
     source: FrameSource = channel if channel is not None else _LinkSource(link)
     try:
-        sequence_id = await source.accept(accept_timeout_s)
+        sequence_id = await source.accept(accept_timeout_s, sequence_id)
     except TimeoutError:
         raise TransferError(f"no stage file was offered within {accept_timeout_s} s") from None
     core = ReceiverCore(sequence_id)

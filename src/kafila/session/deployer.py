@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar, cast
 from kafila.contracts import EdgeStatus, HubModel, Progress, Tell
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
-from kafila.network.transfer import send_stage_file
+from kafila.network.transfer import new_transfer_sequence, send_stage_file
 from kafila.planner.types import Plan
 from kafila.runtime.engine.engines import RingEngine
 from kafila.runtime.engine.stage import BlockStage
@@ -274,6 +274,7 @@ class Deployer:
                 relink=sorted({p for p in (predecessor, successor) if frozenset((member, p)) in self.broken_edges}),
                 fingerprints={p: self.roster.known[p].fingerprint for p in (predecessor, successor) if p != me},
                 head=index == last, need_bytes=plan.stages[index].resident_bytes,
+                transfer=new_transfer_sequence() if source in ("transfer", "hub") else None,
             ))  # fmt: skip
             if assigns[member].source == "transfer" and stage.file is None:  # the hub too long to name
                 stages[index] = held(await asyncio.to_thread(self.model.stage_file, stage, self.cache, progress))
@@ -430,6 +431,7 @@ class Deployer:
                     file.sha256,
                     assign.stage_index,
                     functools.partial(progress, f"stage file to {name}"),
+                    sequence_id=assign.transfer,
                 )
                 if 0 < sent < file.n_bytes:  # a partial file kept from a transfer that broke
                     self.say(f"{name} held {file.n_bytes - sent} bytes of its stage from before: sent the other {sent}")

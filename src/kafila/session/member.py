@@ -183,7 +183,7 @@ async def obtain_stage_file(assign: Assign, host: LinkRouter, state: MemberState
         why_here = f" (--model {state.model.name} is not the host's model file)" if state.model is not None else ""
         state.say(f"receiving stage {assign.stage_index} ({assign.size / 1e6:.1f} MB) from the host{why_here}")
         with _bar(state, f"stage {assign.stage_index} from the host") as progress:
-            path = Path(await receive_stage_file(host.transfer, state.cache, progress))
+            path = Path(await receive_stage_file(host.transfer, state.cache, progress, sequence_id=assign.transfer))
     if not path.is_file():
         raise ValueError(f"stage file {path.name} is not in the cache at {state.cache}")
     if digest is None:
