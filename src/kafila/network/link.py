@@ -154,10 +154,8 @@ class LinkConfig(BaseModel):
     # ACK alone, 1 ms after the packet; on a ring the answer follows a stage's compute some
     # milliseconds later, and an ACK that waits for it saves a datagram each way and a wake-up
     # to send it (docs/benchmarks.md, the per-token toll). Below the 25 ms that aioquic
-    # announces as its max_ack_delay (RFC 9000 §13.2.1). Off (0: aioquic's own pace) by default
-    # until understood: with 20 ms, in each of three runs of test_session_network (whole, or its
-    # first 18 tests) one session that plans again never became ready; with 0 none did.
-    ack_hold_s: float = Field(default=0.0, ge=0, lt=0.025)
+    # announces as its max_ack_delay (RFC 9000 §13.2.1). 0: aioquic's own pace.
+    ack_hold_s: float = Field(default=0.020, ge=0, lt=0.025)
 
     @property
     def ping_interval_s(self) -> float:
