@@ -76,6 +76,29 @@ def test_a_ring_whose_machines_all_run_slower_or_faster_alike_is_never_divided_a
 
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), fleet=fleets())
+def test_a_ring_whose_machines_run_off_their_prices_by_less_than_the_gain_apart_is_never_divided_again(
+    data: st.DataObject, fleet: tuple[ModelManifest, list[FleetDevice]]
+) -> None:
+    """Where each machine's stage measured its prediction times its own scale, and the largest
+    scale is less than 1 / (1 - REBALANCE_GAIN) times the smallest, no division beats the slowest
+    measured by the gain: every division's slowest is at least the smallest scale times the plan's
+    (which was the least), and the slowest measured at most the largest scale times it. So a load
+    that slows the machines unevenly calls for a rebalance only past that spread (the end-to-end
+    test in test_session_network.py reads it off /status)."""
+    manifest, devices = fleet
+    session = ServingSpec(context=1)
+    plan = plan_serving_host(manifest, [device_of(d) for d in devices], session)
+    smallest = data.draw(st.floats(0.1, 10.0))
+    spread = data.draw(st.floats(1.0, 1 / (1 - REBALANCE_GAIN), exclude_max=True))
+    scales = {d.name: smallest * data.draw(st.floats(1.0, spread)) for d in devices}
+    measured, learned = measured_and_learned(plan, devices, scales)
+    proposed = plan_serving_host(manifest, [device_of(d) for d in learned], session)
+    verdict = judge_rebalance(plan, measured, proposed)
+    assert verdict is not None and not verdict.worth_it, (scales, verdict)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), fleet=fleets())
 def test_a_rebalance_is_called_for_only_where_the_measured_prices_make_it_clearly_faster(
     data: st.DataObject, fleet: tuple[ModelManifest, list[FleetDevice]]
 ) -> None:
