@@ -161,7 +161,9 @@ def side_by_side(model: Path, root: Path, probe: Path, rounds: int, requests: in
         load = f"{os.getloadavg()[0]:.1f}"
         os.environ["KAFILA_CACHE"] = str(fresh_cache(root, "quick", probe))
         try:
-            measured = model_probe_in_child(model, memory, serving_threads(), served_blocks=served_blocks)
+            measured = model_probe_in_child(
+                model, memory, serving_threads(), served_blocks=served_blocks, bound_teams=True
+            )
         except ProbeError as error:
             print(f"| {round_ + 1} | {load} | failed: {error} | | | | | | |")
             continue

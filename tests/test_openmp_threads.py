@@ -101,3 +101,63 @@ def test_binding_the_user_turned_off_stays_off(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
     report = _threads_of_a_decode(model, "session", OMP_PROC_BIND="false")
     assert _single_cores(report) == []
+
+
+RING_REPORT = """
+import json, sys
+from pathlib import Path
+from kafila.runtime.llama.loading import load_llama, on_a_thread_of_its_own
+load_llama(shared_machine=True)
+from kafila.runtime.engine.local_ring import generate, open_engine
+from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.llama.model import ContextSettings
+
+def cores_of(pid):
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        line = next(l for l in (task / "status").read_text().splitlines() if l.startswith("Cpus_allowed_list"))
+        found[task.name] = line.split()[-1]
+    return found
+
+settings = ContextSettings(n_ctx=64, n_batch=64, n_seq_max=1, n_threads=2)
+engine = open_engine(Path(sys.argv[1]), [1, 1], settings, Path(sys.argv[2]))
+def decode():  # as the host's measure runs its rings; read while this thread's team is alive
+    generate(engine, "a b c", 4, SamplingSettings())
+    return cores_of("self")
+
+head = on_a_thread_of_its_own(decode)
+(worker,) = engine.ring.workers
+print(json.dumps({"head": head, "stage": cores_of(worker.process.pid)}))
+engine.close()
+"""
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_demo_hosts_measure_of_its_model_times_its_ring_with_teams_bound_as_they_will_serve(
+    tmp_path: Path, bound: bool
+) -> None:
+    """The quick measure a demo's host runs before its first plan (`model_probe.probe_child_env`):
+    with the host's teams bound, each stage of its ring binds its team of two, the head's (run on a
+    thread of its own) and a block stage's process (`worker`, which then computes on a thread of
+    its own too); with them free, nothing is bound."""
+    from kafila.runtime.machine.model_probe import probe_child_env
+
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=2)
+    environment = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_PROC_BIND")}
+    result = subprocess.run(
+        [sys.executable, "-c", RING_REPORT, str(model), str(tmp_path / "stages")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=probe_child_env({**environment, "OMP_PROC_BIND": "true"}, bound),
+        cwd=Path(__file__).parent,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for stage in ("head", "stage"):
+        bound_threads = _single_cores({"threads": report[stage]})
+        if bound:
+            assert len(bound_threads) == 2 and bound_threads[0] != bound_threads[1], f"{stage}: {report[stage]}"
+        else:
+            assert bound_threads == [], f"{stage}: {report[stage]}"

@@ -453,6 +453,38 @@ def test_a_host_prices_its_model_once_in_a_child_and_keeps_it(tmp_path: Path, mo
     assert price_model_here(model, digest, 1 << 30) == (pricing, None)  # kept: nothing measured again
 
 
+@needs_llama_cpp
+def test_a_quick_measure_whose_block_line_came_out_flat_is_timed_once_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where other work held the quick ring's block stages more than their blocks did (a flat
+    line), the ring is timed again and priced on that run alone, not left to the generic probe."""
+    from tiny_models import write_wide_model
+
+    from kafila.runtime.machine import model_probe
+
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
+    model = write_wide_model(tmp_path / "llama.gguf", n_blocks=6)
+    derived = model_probe.derive_costs
+    fits: list[list[float]] = []
+
+    def flat_the_first_time(manifest: Any, stages: Any) -> Any:
+        fits.append([s.ms_per_token for s in stages])
+        if len(fits) == 1:
+            raise model_probe.FlatLine("stage time did not grow with the number of blocks")
+        return derived(manifest, stages)
+
+    monkeypatch.setattr(model_probe, "derive_costs", flat_the_first_time)
+    said: list[str] = []
+    result = when_not_busy(
+        lambda: model_probe.probe_model_stages(
+            model, lambda text, _f: said.append(text), n_threads=1, quick=True, served_blocks=2
+        )
+    )
+    assert "timing [1, 2, 1] again: its block stages' times did not grow with their blocks" in said
+    assert len(fits) >= 2 and [s.ms_per_token for s in result.stages] == fits[-1]
+
+
 def test_a_model_cut_only_at_some_blocks_is_calibrated_and_kept_there() -> None:
     """llama4's stages start at multiples of 4: the calibration rings cut there, and a part that
     fits begins there."""
@@ -473,7 +505,7 @@ def test_a_model_cut_only_at_some_blocks_is_calibrated_and_kept_there() -> None:
 
 def test_model_stage_probe_refuses_what_it_cannot_measure() -> None:
     from kafila.planner.types import ModelManifest
-    from kafila.runtime.machine.model_probe import StageTime, calibration_divisions, derive_costs
+    from kafila.runtime.machine.model_probe import FlatLine, StageTime, calibration_divisions, derive_costs
     from kafila.runtime.machine.probe import ProbeError
 
     with pytest.raises(ProbeError, match="at least 3"):
@@ -490,5 +522,28 @@ def test_model_stage_probe_refuses_what_it_cannot_measure() -> None:
         StageTime(first_block=0, end_block=3, is_head=False, ms_per_token=1.0),
         StageTime(first_block=3, end_block=4, is_head=True, ms_per_token=3.0),
     ]
-    with pytest.raises(ProbeError, match="too busy"):
+    with pytest.raises(FlatLine, match="too busy"):  # a ProbeError that the quick form measures once more
         derive_costs(manifest, shrinking)
+    assert issubclass(FlatLine, ProbeError)
+
+
+def test_the_hosts_measure_binds_its_teams_only_where_the_host_serves_them_bound() -> None:
+    """`probe_child_env`: the demo's host (bound teams) measures bound, keeping a binding the user
+    chose; any other host measures free, whatever it was set up with; the rest passes through."""
+    from kafila.runtime.llama.loading import teams_bound
+    from kafila.runtime.machine.model_probe import probe_child_env
+
+    demo = {"OMP_PROC_BIND": "true", "GOMP_SPINCOUNT": "1000", "PATH": "/bin"}
+    assert probe_child_env(demo, bound_teams=True) == demo
+    assert probe_child_env({"PATH": "/bin"}, bound_teams=True) == {"PATH": "/bin", "OMP_PROC_BIND": "true"}
+    assert probe_child_env({"OMP_PROC_BIND": "spread"}, bound_teams=True) == {"OMP_PROC_BIND": "spread"}
+    assert probe_child_env(demo, bound_teams=False) == {"GOMP_SPINCOUNT": "1000", "PATH": "/bin"}
+    assert [
+        teams_bound(env)
+        for env in ({}, {"OMP_PROC_BIND": "False "}, {"OMP_PROC_BIND": "true"}, {"OMP_PROC_BIND": "close"})
+    ] == [
+        False,
+        False,
+        True,
+        True,
+    ]

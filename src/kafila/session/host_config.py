@@ -20,6 +20,7 @@ from kafila.planner.report import PlanReport
 from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.speculation import Speculate
+from kafila.runtime.llama.loading import teams_bound
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.llama.threads import CoreShare
 from kafila.runtime.machine.model_probe import host_prices_model, price_model_here
@@ -173,7 +174,7 @@ async def price_model_here_first(config: HostConfig, device: FleetDevice, model_
     served_blocks = -(-model.manifest.n_blocks // max(1, config.members))  # a stage's blocks, were they even
     try:
         pricing, stages = await asyncio.to_thread(
-            price_model_here, model.path, model_sha256, memory, config.threads, said, served_blocks
+            price_model_here, model.path, model_sha256, memory, config.threads, said, served_blocks, teams_bound()
         )
     except ProbeError as error:
         ui.warn("the model's stages could not be priced on this machine", f"{error}; the generic probe prices them")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from kafila.contracts import StageReport
 from kafila.runtime.engine.sampling import SamplerStart
 from kafila.runtime.engine.stage import BlockStage, HeadStage, StepInput, run_isolating
+from kafila.runtime.llama.loading import on_a_thread_of_its_own, teams_bound
 from kafila.runtime.llama.model import ContextSettings
 from kafila.wire.frames import HIDDEN_KINDS, SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 
@@ -166,7 +167,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for connection in (upstream, downstream):
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        serve(stage, upstream, downstream)
+        if teams_bound():  # computed as a session's member computes, so that libgomp binds the whole team
+            on_a_thread_of_its_own(lambda: serve(stage, upstream, downstream))
+        else:
+            serve(stage, upstream, downstream)
     finally:
         downstream.close()
         upstream.close()

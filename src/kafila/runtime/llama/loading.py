@@ -10,13 +10,16 @@ import os
 import platform
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kafila.runtime.llama.cpu_safety import REPACK_SETTING, RepackChoice, choose_repack, repack_mode
 from kafila.runtime.llama.errors import log_line
+
+T = TypeVar("T")
 
 
 class LlamaUnavailable(RuntimeError):
@@ -34,8 +37,10 @@ class LlamaUnavailable(RuntimeError):
 #   turns on one core while the other idled, each decode taking twice as long. Bound, each thread
 #   of a team keeps its own core: the demo's block stages went from about 5 to about 3 ms per
 #   token, 1 user from 40 to 47 tokens/s and 4 users from 76 to 93. The local rings of `kafila
-#   generate` and of the model-stage probe, whose stages run on their processes' main threads,
-#   were a little slower bound (2 and 3 stages: 5-20%), so they are left free.
+#   generate`, whose stages run on their processes' main threads, were a little slower bound (2
+#   and 3 stages: 5-20%), so they are left free. The host's measure of its model before the first
+#   plan times its rings as the demo will serve: bound, each stage on a thread of its own
+#   (`model_probe.probe_child_env`), since bound and free teams answer a busy machine unalike.
 # A process alone on its machine keeps libgomp's defaults: its threads spin through the barriers
 # and are not pulled together, and a dedicated member has no one to yield its cores to. libgomp
 # reads these when it loads, so they are set before llama_cpp is first imported, and a value the
@@ -44,6 +49,20 @@ SHARED_MACHINE_OPENMP = {"GOMP_SPINCOUNT": "1000"}
 
 
 BOUND_TEAMS_OPENMP = {"OMP_PROC_BIND": "true"}
+
+
+def teams_bound(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether libgomp, loaded with `environ`, binds each computing team's threads to their own
+    cores: OMP_PROC_BIND set to anything but false (true, close, spread, primary)."""
+    return environ.get("OMP_PROC_BIND", "").strip().lower() not in ("", "false")
+
+
+def on_a_thread_of_its_own(work: Callable[[], T]) -> T:
+    """`work`'s result, computed on a thread started for it, as a session computes its stage (the
+    host's engine loop, a member's executor): where teams are bound, libgomp binds the team of a
+    thread other than the one that loaded it, the thread itself included, each to its own core."""
+    with ThreadPoolExecutor(1, thread_name_prefix="kafila-team") as pool:
+        return pool.submit(work).result()
 
 
 def shares_cores_env(bind_teams: bool = False) -> dict[str, str]:

@@ -20,11 +20,12 @@ The derivation is pure (`derive_costs`); only `probe_model_stages` touches llama
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -36,7 +37,7 @@ from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import block_range_file
-from kafila.runtime.llama.loading import BOUND_TEAMS_OPENMP, load_llama
+from kafila.runtime.llama.loading import BOUND_TEAMS_OPENMP, load_llama, on_a_thread_of_its_own, teams_bound
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, load_llama_cpp, significant
 from kafila.runtime.machine.probe_child import PROBE_TIMEOUT_S, child_main, run_in_child
@@ -71,6 +72,10 @@ class ModelStageProbe(Strict):
     # 0: the rings held the whole model. Otherwise they held blocks from this one to the last, with
     # the head, as a small model of their own (the whole did not fit); `stages` count from it.
     first_priced_block: Annotated[int, Field(ge=0)] = 0
+
+
+class FlatLine(ProbeError):
+    """The block stages' times did not grow with their blocks: waiting, not computing, set them."""
 
 
 MIN_CALIBRATION_BLOCKS = 3  # a short and a long block stage, and the head's
@@ -172,7 +177,7 @@ def derive_costs(manifest: ModelManifest, stages: Sequence[StageTime]) -> tuple[
     except ValueError:
         raise ProbeError("the block stages must hold at least two different numbers of blocks") from None
     if fit.slope <= 0:
-        raise ProbeError("stage time did not grow with the number of blocks; the device is too busy to measure")
+        raise FlatLine("stage time did not grow with the number of blocks; the device is too busy to measure")
     overhead = max(0.0, fit.intercept)
     extra = statistics.median(s.ms_per_token * 1e-3 - overhead - weight(s) * fit.slope for s in heads)
     if extra <= 0 or manifest.head_bytes == 0:
@@ -237,32 +242,42 @@ def probe_model_stages(
         divisions = [one_ring] if one_ring is not None else calibration_divisions(manifest.n_blocks, starts)
         repeats, tokens = (1, QUICK_TOKENS) if one_ring is not None else (repeats, CALIBRATION_TOKENS)
         runs: list[list[list[float]]] = [[] for _ in divisions]
+
+        def timed(counts: Sequence[int]) -> list[float]:
+            engine = open_engine(source, counts, settings, Path(cache))
+            try:
+                run = functools.partial(generate, engine, CALIBRATION_PROMPT, tokens, SamplingSettings())
+                # Bound teams (the demo's) are timed as a session's stage computes: from a thread of its own.
+                generation = on_a_thread_of_its_own(run) if teams_bound() else run()
+            finally:
+                engine.close()
+            # The quick form's one run: the median of its decodes, as a session's stages report
+            # them, so the first decodes after the load (pages faulted in) weigh no more than one.
+            times = [
+                (stage.ms_per_token_alone if one_ring is not None else None) or stage.ms_per_token
+                for stage in generation.stages
+            ]
+            decoded = [t for t in times if t is not None and t > 0]
+            if len(decoded) != len(times):
+                raise ProbeError(f"a stage of {counts} reported no decode time: {times}")
+            return decoded
+
         total = repeats * len(divisions)
         for repeat in range(repeats):  # interleaved, so a change in load hits both divisions alike
             for index, counts in enumerate(divisions):
                 progress(f"timing {counts} as a local ring", (repeat * len(divisions) + index) / total)
-                engine = open_engine(source, counts, settings, Path(cache))
-                try:
-                    generation = generate(engine, CALIBRATION_PROMPT, tokens, SamplingSettings())
-                finally:
-                    engine.close()
-                # The quick form's one run: the median of its decodes, as a session's stages report
-                # them, so the first decodes after the load (pages faulted in) weigh no more than one.
-                times = [
-                    (stage.ms_per_token_alone if one_ring is not None else None) or stage.ms_per_token
-                    for stage in generation.stages
-                ]
-                decoded = [t for t in times if t is not None and t > 0]
-                if len(decoded) != len(times):
-                    raise ProbeError(f"a stage of {counts} reported no decode time: {times}")
-                runs[index].append(decoded)
+                runs[index].append(timed(counts))
+        stages = stage_times(divisions, _medians(divisions, runs))
+        try:
+            fit, head_bandwidth = derive_costs(manifest, stages)
+        except FlatLine:
+            if one_ring is None:
+                raise
+            # Other work held the stages more than their blocks did: a burst, as often as not. Once more.
+            progress(f"timing {one_ring} again: its block stages' times did not grow with their blocks", 1.0)
+            stages = stage_times(divisions, [timed(one_ring)])
+            fit, head_bandwidth = derive_costs(manifest, stages)
     progress("fitting", 1.0)
-    medians = [
-        [statistics.median(run[i] for run in per_division) for i in range(len(counts))]
-        for counts, per_division in zip(divisions, runs, strict=True)
-    ]
-    stages = stage_times(divisions, medians)
-    fit, head_bandwidth = derive_costs(manifest, stages)
     bandwidth = 1.0 / fit.slope
     return ModelStageProbe(
         model=whole.name,
@@ -274,6 +289,14 @@ def probe_model_stages(
         divisions=divisions,
         stages=stages,
     )
+
+
+def _medians(divisions: Sequence[Sequence[int]], runs: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
+    """Each division's per-stage median over its runs."""
+    return [
+        [statistics.median(run[i] for run in per_division) for i in range(len(counts))]
+        for counts, per_division in zip(divisions, runs, strict=True)
+    ]
 
 
 def model_pricing(stages: ModelStageProbe, model_sha256: str) -> ModelPricing:
@@ -296,6 +319,20 @@ def host_prices_model() -> bool:
     return os.environ.get("KAFILA_PRICE_MODEL", "on").strip().lower() not in ("off", "0", "no", "false")
 
 
+def probe_child_env(environ: Mapping[str, str], bound_teams: bool) -> dict[str, str]:
+    """The environment of `model_probe_in_child`'s child and of its ring's stages: with
+    `bound_teams` (the host's own teams are bound: the demo's), bound as the session will serve;
+    else free, whatever the host was set up with.
+
+    Bound and free teams answer a busy machine unalike. On the 2-core box the demo's bound block
+    stages took about half of what free ones took (the kernel stacks a free team of two on one
+    core), and the demo's bound head twice what a free one did under a load average of 9 to 11
+    (its threads waited for their own cores three times as long; docs/benchmarks.md, issue 38)."""
+    if bound_teams:
+        return {**environ, **{name: environ.get(name, value) for name, value in BOUND_TEAMS_OPENMP.items()}}
+    return {name: value for name, value in environ.items() if name not in BOUND_TEAMS_OPENMP}
+
+
 def model_probe_in_child(
     model: Path,
     memory_bytes: int,
@@ -303,17 +340,17 @@ def model_probe_in_child(
     progress: ProgressFn = _quiet,
     timeout_s: float = PROBE_TIMEOUT_S,
     served_blocks: int | None = None,
+    bound_teams: bool = False,
 ) -> ModelStageProbe:
     """`probe_model_stages` in its quick form, in a child process (`probe_child.run_in_child`): a
-    native crash there is explained, not the host's death, and its threads are left free as the
-    calibration's always are, whatever this process was set up with for serving."""
+    native crash there is explained, not the host's death; its teams bound or free as
+    `probe_child_env` says."""
     command = [sys.executable, "-m", __name__, "--model", str(model), "--memory", str(memory_bytes)]
     if n_threads is not None:
         command += ["--threads", str(n_threads)]
     if served_blocks is not None:
         command += ["--served-blocks", str(served_blocks)]
-    env = {name: value for name, value in os.environ.items() if name not in BOUND_TEAMS_OPENMP}
-    return run_in_child(ModelStageProbe, command, progress, timeout_s, env)
+    return run_in_child(ModelStageProbe, command, progress, timeout_s, probe_child_env(os.environ, bound_teams))
 
 
 def price_model_here(
@@ -323,16 +360,20 @@ def price_model_here(
     n_threads: int | None = None,
     progress: ProgressFn = _quiet,
     served_blocks: int | None = None,
+    bound_teams: bool = False,
 ) -> tuple[ModelPricing, ModelStageProbe | None]:
     """This machine's pricing of the model: the one kept (`this_machine.cached_model_pricings`:
     measured before, by `kafila probe --model`, or by serving it), or measured now in the quick
     form and kept, so that a second start does not pay for it; `served_blocks`, about the blocks a
-    stage of the session will hold (`quick_ring`). With the stages it was measured from, where it
-    was measured now. ProbeError where it cannot be measured."""
+    stage of the session will hold (`quick_ring`); `bound_teams`, whether its stages will compute
+    with bound teams (`probe_child_env`). With the stages it was measured from, where it was
+    measured now. ProbeError where it cannot be measured."""
     for kept in cached_model_pricings():
         if kept.model_sha256 == model_sha256:
             return kept, None
-    stages = model_probe_in_child(model, memory_bytes, n_threads, progress, served_blocks=served_blocks)
+    stages = model_probe_in_child(
+        model, memory_bytes, n_threads, progress, served_blocks=served_blocks, bound_teams=bound_teams
+    )
     pricing = model_pricing(stages, model_sha256)
     try:
         save_model_pricing(pricing, MEASURED_BEFORE_THE_FIRST_PLAN)
@@ -347,7 +388,7 @@ def _child(arguments: Sequence[str]) -> None:
     threads, served = options.get("--threads"), options.get("--served-blocks")
 
     def work(progress: ProgressFn) -> ModelStageProbe:
-        load_llama(shared_machine=True)  # the rings' head runs here; their other stages take turns with it
+        load_llama(shared_machine=True)  # the rings' head runs here; bound or free as the environment says
         try:
             return probe_model_stages(
                 Path(options["--model"]),
