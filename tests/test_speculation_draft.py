@@ -162,6 +162,33 @@ def test_a_wave_s_drafts_are_drafted_together_as_each_alone(sampling_pair: tuple
         draft._held.pop(slot)
 
 
+def test_a_prompt_caught_up_while_its_prefill_is_out_leaves_the_drafts_one_decode_a_round(
+    sampling_pair: tuple[Engine, DraftModel],
+) -> None:
+    """`DraftModel.catch_up` decodes a prompt's tokens but its last (counted as a prompt's
+    decodes), so the first draft takes one decode a drafted token and gives the tokens drafting
+    it all at once gives; a drafter a trip or less behind is left to its draft."""
+    engine, draft = sampling_pair
+    prompt = engine.tokenize(PROMPT)
+    drafter = draft.drafter(0, prompt, GREEDY)
+    alone = drafter.draft(4)
+    draft.model.forget(0)
+    draft._held.pop(0)
+    prompt_before = draft.prompt_decodes
+    draft.catch_up([drafter])
+    assert draft._held[0] == prompt[:-1] and draft.prompt_decodes > prompt_before
+    before = draft.decodes
+    assert draft.draft_many([(drafter, 4)]) == [alone]
+    assert draft.decodes - before == 4  # the prompt's last token with the first round, then rounds 2-4
+    drafter.extend(alone[:2])
+    before = draft.decodes
+    draft.catch_up([drafter])  # two tokens behind: not a prompt's
+    assert draft.decodes == before
+    drafter.close()
+    draft.model.forget(0)
+    draft._held.pop(0)
+
+
 def test_speculation_off_for_a_draft_model_not_loaded() -> None:
     """`Speculate.DRAFT` without a draft model drafts nothing, and says why."""
     batcher = Batcher(1, 4, 64, lambda _s: None, lambda _t: b"", lambda _t: False, speculate=Speculate.DRAFT)  # type: ignore[arg-type,return-value]

@@ -352,6 +352,10 @@ class Batcher:
         """Whether admitted requests wait for the engine to cut their slots' caches."""
         return bool(self._to_trim)
 
+    def drafters(self) -> list[Drafter]:
+        """The running sequences' drafters (a draft model catches them up while a wave is out)."""
+        return [sequence.drafter for sequence in self._active.values() if sequence.drafter is not None]
+
     def take_trims(self) -> list[Trim]:
         """Caches the engine must cut, in this order, before the next step: the requests admitted
         to those slots run from then on."""

@@ -155,6 +155,37 @@ class DraftModel:
                 drafter._drawn_from = np.stack(rows[index])
         return drafted
 
+    def catch_up(self, drafters: Sequence[Drafter]) -> None:
+        """Catch the caches of `drafters` (this model's) up on what they lack, all but the last
+        token (whose logits their next draft takes), where that is more than a trip brings (a
+        prompt): called while the prompt's own prefill is out round the ring, so that the
+        draft's prefill overlaps that trip instead of delaying the sequence's first drafted
+        wave. On a failed decode the slots it touched are dropped (caught up when drafting) and
+        it raises."""
+        pending: list[tuple[int, int, int, int]] = []
+        touched: list[int] = []
+        for index, drafter in enumerate(drafters):
+            if not isinstance(drafter, ModelDrafter):
+                raise TypeError("only this draft model's drafters catch up here")
+            if len(drafter._tokens) - len(self._held.get(drafter._slot, [])) <= MAX_DRAFT + 1:
+                continue
+            behind = self._behind(drafter._slot, drafter._tokens)
+            if len(behind) > MAX_DRAFT + 1:
+                pending += [(index, drafter._slot, position, token) for position, token in behind[:-1]]
+                touched.append(drafter._slot)
+        if not pending:
+            return
+        decodes, started = self.decodes, time.perf_counter()
+        try:
+            self._decode(pending)
+        except Exception:
+            for slot in touched:
+                self.model.forget(slot)
+                self._held[slot] = []
+            raise
+        self.prompt_decodes += self.decodes - decodes
+        self.prompt_s += time.perf_counter() - started
+
     def _behind(self, slot: int, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """Cut `slot`'s cache to the prefix it shares with `tokens` (short of their last token,
         whose logits are wanted) and return the (position, token) rows it lacks."""
