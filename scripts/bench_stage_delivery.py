@@ -20,10 +20,14 @@ a first completion token through `/v1` (the figure). Beside it, the limit: the l
 gives ~16.7 MB/s each, so the limit is not reachable there); the members' stage sources and the
 hub's bytes per machine. The target (issue 36): hub ≥ 5× faster than host, within 1.3× of the limit.
 
+Every machine's Python keeps the bytecode it compiles, as an installed Kafila does (pip compiles it;
+a first run writes what it lacks): compiled once, before the first session, into a folder of its own
+(`--no-bytecode`: where PYTHONDONTWRITEBYTECODE is set, every start compiles Kafila's modules again).
+
 Models: a generated llama of about `--gb` GB (all Q8_0, written with the `gguf` package into a
 temporary folder, deleted at the end) and gemma-3-270m (the PyPI package's).
 
-    python scripts/bench_stage_delivery.py [--models generated gemma] [--gb 1.0] [--deliveries hub host]
+    python scripts/bench_stage_delivery.py [--models generated gemma] [--gb 1.0] [--deliveries hub host] [--no-bytecode]
     (root, nftables, conntrack)
 """
 
@@ -123,16 +127,42 @@ def hub_counts(hub: subprocess.Popen[str]) -> dict[str, int]:
     return {name: int(counts.get(f"Bearer hf_{name}", 0)) for name in HOMES}
 
 
+def bytecode_env(pycache: Path) -> dict[str, str]:
+    """The environment of a Python that keeps its compiled bytecode in `pycache`, writing what it
+    lacks there: where PYTHONDONTWRITEBYTECODE is set and Kafila runs from its source folder, every
+    start compiles Kafila's modules again, which an installed Kafila never does."""
+    kept = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**kept, "PYTHONPYCACHEPREFIX": str(pycache)}
+
+
+def compile_machines_imports(pycache: Path) -> None:
+    """Compile into `pycache` what `kafila host` and `kafila join` import, as installing Kafila does
+    (and as its first run does, without PYTHONDONTWRITEBYTECODE), before any session is timed."""
+    imports = (
+        "import kafila.cli.host_command, kafila.cli.join_command, kafila.runtime.llama.loading as l; l.load_llama()"
+    )
+    subprocess.run([sys.executable, "-c", imports], env=bytecode_env(pycache), check=True, capture_output=True)
+
+
 def session(
-    lab: NatLab, hub: subprocess.Popen[str], hub_url: str, model: Model, delivery: str, tmp: Path, logs: Path | None
+    lab: NatLab,
+    hub: subprocess.Popen[str],
+    hub_url: str,
+    model: Model,
+    delivery: str,
+    tmp: Path,
+    logs: Path | None,
+    pycache: Path | None,
 ) -> Run:
-    """One session from fresh caches, timed from `kafila host` to a first token through /v1."""
+    """One session from fresh caches, timed from `kafila host` to a first token through /v1. Each
+    machine's Python keeps its bytecode in `pycache` (None: none kept, every start compiles Kafila)."""
     work = tmp / f"{model.name}-{delivery}"
     work.mkdir()
+    python_env = dict(os.environ) if pycache is None else bytecode_env(pycache)
 
     def env(name: str) -> dict[str, str]:
         return {
-            **{k: v for k, v in os.environ.items() if not k.startswith("HF_")},
+            **{k: v for k, v in python_env.items() if not k.startswith("HF_")},
             "HF_ENDPOINT": hub_url,
             "HF_TOKEN": f"hf_{name}",  # the hub counts each machine's bytes by its token
             "HF_HOME": str(work / f"hf-home-{name}"),
@@ -258,6 +288,11 @@ def main() -> int:
     parser.add_argument(
         "--deliveries", nargs="+", choices=("hub", "host"), default=["hub", "host"], help="which to run (both: ratios)"
     )
+    parser.add_argument(
+        "--no-bytecode",
+        action="store_true",
+        help="no bytecode kept where PYTHONDONTWRITEBYTECODE is set (as in every run before 2026-12-05 23:00)",
+    )
     args = parser.parse_args()
     reason = lab_unavailable_reason()
     if reason is not None:
@@ -267,6 +302,9 @@ def main() -> int:
     os.environ.setdefault("KAFILA_CACHE", str(Path.home() / ".cache" / "kafila"))
     with tempfile.TemporaryDirectory(prefix="kafila-stage-delivery-") as folder:
         tmp = Path(folder)
+        pycache = None if args.no_bytecode else tmp / "pycache"
+        if pycache is not None:
+            compile_machines_imports(pycache)
         models = []
         if "generated" in args.models:
             n_blocks = max(2, round(args.gb * 1e9 / BLOCK_BYTES))
@@ -300,7 +338,7 @@ def main() -> int:
                 if not ready.startswith("READY"):
                     raise RuntimeError(f"the fake hub did not start: {ready!r}")
                 for delivery in args.deliveries:
-                    run = session(lab, hub, ready.split()[1], model, delivery, tmp, args.logs)
+                    run = session(lab, hub, ready.split()[1], model, delivery, tmp, args.logs, pycache)
                     print(f"{run.model} by {run.delivery}: {run.serving_s:.1f} s, load {os.getloadavg()}", flush=True)
                     runs.append(run)
                 assert hub.stdin is not None
