@@ -81,8 +81,9 @@ def activations(sequences: int, per_sequence: int, dtype: DType, seed: int) -> l
     return frames
 
 
-async def exchange(a: Link, b: Link, count: int, dtype: DType) -> None:
-    """Both ways at once; everything arrives, each sequence in order, bytes intact."""
+async def exchange(a: Link, b: Link, count: int, dtype: DType, wait: float = WAIT) -> None:
+    """Both ways at once; everything arrives, each sequence in order, bytes intact, none more than
+    `wait` s after the one before."""
     outgoing = {a: activations(10, count // 10, dtype, seed=1), b: activations(10, count // 10, dtype, seed=2)}
 
     async def sender(link: Link) -> None:
@@ -92,7 +93,7 @@ async def exchange(a: Link, b: Link, count: int, dtype: DType) -> None:
                 await asyncio.sleep(0)  # let the receiving side run, as a real stage would
 
     async def receiver(link: Link, expected: list[Frame]) -> None:
-        got = [await asyncio.wait_for(link.receive(), WAIT) for _ in expected]
+        got = [await asyncio.wait_for(link.receive(), wait) for _ in expected]
         by_sequence: dict[int, list[Frame]] = {}
         for frame in got:
             by_sequence.setdefault(frame.sequence_id, []).append(frame)
