@@ -460,10 +460,11 @@ def test_a_transfer_shares_its_link_with_activations(tmp_path: Path) -> None:
             WAIT * 2,
         )
         assert sent == path.stat().st_size and received.read_bytes() == path.read_bytes()
-        for _ in range(100):
-            if len(others[0]) == len(others[1]) == len(activations):
-                break
-            await asyncio.sleep(0.05)
+        await until_async(
+            lambda: len(others[0]) == len(others[1]) == len(activations),
+            lambda: f"every activation both ways: {len(others[0])} and {len(others[1])} of {len(activations)}",
+            WAIT,
+        )
         for other in others:  # every activation, each sequence in order, none taken by the transfer
             for sequence in (1, 2, 3):
                 assert [f for f in other if f.sequence_id == sequence] == [
