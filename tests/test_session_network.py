@@ -60,6 +60,7 @@ from kafila.network.pake import TrustError
 from kafila.network.rendezvous_client import RendezvousClient, send_abort
 from kafila.planner.cost import ChainPrefix
 from kafila.planner.fleet import device_of
+from kafila.planner.rebalance import REBALANCE_GAIN
 from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -421,6 +422,9 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
             assert member["predicted_ms_per_token"] == pytest.approx(expected, rel=0.02, abs=2e-3), (member, scale)
 
 
+# It streams a 93 MB stage to member-0 at least twice: on loopback, with two CPU burners beside other
+# tests (load 14-16), one took 71.5 s at 1.3 MB/s and the test ran past the default 300 s
+@pytest.mark.timeout(900)
 def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_been_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -428,29 +432,37 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
     it most of the blocks, and its stage is the ring's bottleneck. Once every stage has timed enough
     tokens, the host, at a moment without requests, plans again with prices that pass through the
     measured times, finds the slowest stage clearly faster divided more evenly, and moves blocks
-    back; the new ring serves the same greedy text and is not divided again. (That `--no-rebalance`
+    back; the new ring serves the same greedy text and is not divided again while its stages
+    measure alike against what it predicted for them. (That `--no-rebalance`
     keeps the first division is the session core's rule: tests/test_session_core.py.)"""
-    from kafila.contracts import FleetDevice, ModelPricing
+    from kafila.contracts import ModelPricing
     from kafila.runtime.gguf.slicer import file_sha256
+    from kafila.runtime.machine.model_probe import price_model_here
     from kafila.runtime.machine.this_machine import save_model_pricing
 
     # 24 blocks: with 12, the head's fixed cost on the host left the best division (priced by what
     # the stages measured) about 20% faster than [11, 1], near the 25% a rebalance must gain
     model = write_wide_model(tmp_path / "tiny.gguf", n_blocks=24)
+    digest = file_sha256(model)
     share_this_machines_probe(tmp_path, 2)  # cache-1 is the host's
-    generic = FleetDevice.model_validate(json.loads((tmp_path / "cache-1" / "probe.json").read_text())["device"])
-    assert generic.bandwidth_gb_s is not None and generic.overhead_us is not None
-    # Three times, not more: under CI's load a stage decodes several times slower than the probe
-    # measured it quiet, and a stage measured more than SERVED_SCALE_LIMITS off its price does not
-    # reprice its machine (6 x 3.5 under load was past it, so the plan stood)
+    # The host's pricing of the model, measured here now, under the load the ring will serve under,
+    # and member-0's three times as fast. Not the session's generic probe: measured once, at a
+    # load average of 14-16 it read 240 ms a step's overhead (none, quieter), 100-250 times what
+    # the stages then took serving, past the 20x by which serving reprices a machine
+    # (SERVED_SCALE_LIMITS), so the host kept its price and the plan stood.
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache-1"))
+    honest, _ = price_model_here(model, digest, 1 << 30, n_threads=1, served_blocks=12)
+    # Three times, not more: under CI's load a stage decodes several times slower than it was
+    # priced, and a stage measured more than SERVED_SCALE_LIMITS off its price does not reprice
+    # its machine (6 x 3.5 under load was past it, so the plan stood)
     boast = 3.0
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache-0"))
     save_model_pricing(
         ModelPricing(
-            model_sha256=file_sha256(model),
-            bandwidth_gb_s=generic.bandwidth_gb_s * boast,
-            head_bandwidth_gb_s=(generic.head_bandwidth_gb_s or generic.bandwidth_gb_s) * boast,
-            overhead_us=generic.overhead_us / boast,
+            model_sha256=digest,
+            bandwidth_gb_s=honest.bandwidth_gb_s * boast,
+            head_bandwidth_gb_s=(honest.head_bandwidth_gb_s or honest.bandwidth_gb_s) * boast,
+            overhead_us=honest.overhead_us / boast,
         )
     )
     env = {"KAFILA_CACHE": str(tmp_path / "cache-1"), "KAFILA_REBALANCE_COOLDOWN_S": "1"}
@@ -481,17 +493,49 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
         assert all(m["priced_on"] == "serving" for m in after["members"] if "blocks" in m), after
         line = next(line for line in host.output().splitlines() if "measured serving: the slowest" in line)
         assert "worth it" in line, line
-        # The new ring serves the same text, and once its own stages have timed enough, they keep it.
-        serve_until(host, client, expected, timed_enough, "the new ring's stages timing enough decodes")
-        reading = until_status(host, lambda s: s.get("rebalance") is not None, "the new ring judged", 20)
-        assert not reading["rebalance"]["reason"].endswith("worth it"), reading
+        # The new ring serves the same text, and once its own stages have timed enough, they keep it
+        # while they measure what it was planned with; a stage the load slowed more than the others
+        # (CI: the slowest measured 9.6 ms a token where 4.4 was planned) is news it may follow.
+        timed = serve_until(host, client, expected, timed_enough, "the new ring's stages timing enough decodes")
+        assert timed["epoch"] == after["epoch"], timed
+        spread = measured_spread(timed)
+        reading = until_status(
+            host,
+            lambda s: s.get("rebalance") is not None or serving_past(after["epoch"])(s),
+            "the new ring judged",
+            20,
+        )
+        rebalances = "rebalancing by what the stages measured serving:"
+        if reading["epoch"] > after["epoch"] or reading["rebalance"]["reason"].endswith("worth it"):
+            assert spread >= UNEVEN_ENOUGH, (spread, timed, host.output())
+            again = until_status(host, serving_past(after["epoch"]), "serving on the ring divided again", 60)
+            reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+            assert reply.choices[0].text == expected, again
+            assert host.output().count(rebalances) == 2, host.output()
+            return
         assert reading["epoch"] == after["epoch"], reading
-        assert host.output().count("rebalancing by what the stages measured serving:") == 1, host.output()
+        assert host.output().count(rebalances) == 1, host.output()
         table = subprocess.run(
             [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
             timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
         ).stdout  # fmt: skip
         assert "rebalance: the " in table, table
+
+
+# How unevenly a ring's stages must measure against what its plan predicted before its division
+# can be worth changing: where each stage's measured time is its prediction times s, and every s is
+# within 1 / (1 - REBALANCE_GAIN) of every other, no division priced by those measurements beats the
+# slowest measured by the gain (test_rebalance.py holds it over random fleets). Less a tenth, as a
+# session's plan also weighs round trips, which do not scale with the stages.
+UNEVEN_ENOUGH = 0.9 / (1 - REBALANCE_GAIN)
+
+
+def measured_spread(status: dict[str, Any]) -> float:
+    """The largest over the smallest of the ring's stages' measured time a token (decoding one at a
+    time) divided by what its plan predicted: 1 where the load, if any, slowed every stage alike."""
+    measured = {tuple(s["range"]): s["ms_per_token_alone"] for s in status["stages"]}
+    scales = [measured[tuple(m["blocks"])] / m["predicted_ms_per_token"] for m in status["members"] if "blocks" in m]
+    return max(scales) / min(scales)
 
 
 def an_honest_member_then_forms_the_session(
@@ -823,19 +867,18 @@ def every_stage_timed(steps: int) -> Callable[[dict[str, Any]], bool]:
 
 def serve_until(
     host: Host, client: openai.OpenAI, expected: str, condition: Callable[[dict[str, Any]], bool], what: str
-) -> None:
+) -> dict[str, Any]:
     """Greedy completions of PROMPT, each the unsplit model's text, until the host's /status shows
     `condition`: how many single-token decodes a request gives the stages varies with how many of
-    its steps carried n-gram drafts (those are not single-token decodes)."""
+    its steps carried n-gram drafts (those are not single-token decodes). That status."""
     for _ in range(12):
         reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
         assert reply.choices[0].text == expected
         try:
-            until_status(host, condition, what, timeout=2.5)  # the stage report refreshes every 2 s
-            return
+            return until_status(host, condition, what, timeout=2.5)  # the stage report refreshes every 2 s
         except AssertionError:
             continue
-    until_status(host, condition, what, timeout=1)
+    return until_status(host, condition, what, timeout=1)
 
 
 def took_in(name: str, epoch: int) -> Callable[[dict[str, Any]], bool]:
