@@ -32,6 +32,7 @@ from kafila.runtime.machine.probe import (
     Q8_0_BLOCK_BYTES,
     ProbeModel,
     fit_line,
+    fit_through_origin,
     low_quantile,
     q8_0_bytes,
     random_q8_0,
@@ -103,6 +104,14 @@ def test_fit_recovers_an_exact_line() -> None:
 def test_fit_of_two_points_is_the_line_through_them() -> None:
     fit = fit_line([1.0, 3.0], [5.0, 11.0])
     assert (fit.slope, fit.intercept, fit.r_squared) == pytest.approx((3.0, 2.0, 1.0))
+
+
+def test_a_fit_through_the_origin_keeps_y_in_proportion_to_x() -> None:
+    fit = fit_through_origin([1.0, 3.0], [2.0, 6.0])
+    assert fit.slope == pytest.approx(2.0) and fit.intercept == 0 and fit.r_squared == pytest.approx(1.0)
+    assert fit_through_origin([2.0, 6.0], [3.6, 3.7]).slope == pytest.approx((7.2 + 22.2) / 40)
+    with pytest.raises(ValueError):
+        fit_through_origin([0.0], [1.0])
 
 
 def test_fit_reports_scatter_and_refuses_a_single_size() -> None:
@@ -454,11 +463,11 @@ def test_a_host_prices_its_model_once_in_a_child_and_keeps_it(tmp_path: Path, mo
 
 
 @needs_llama_cpp
-def test_a_quick_measure_whose_block_line_came_out_flat_is_timed_once_more(
+def test_a_quick_measure_whose_block_line_came_out_flat_prices_the_blocks_in_proportion_to_their_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where other work held the quick ring's block stages more than their blocks did (a flat
-    line), the ring is timed again and priced on that run alone, not left to the generic probe."""
+    line), its blocks are priced through the origin on the same run, not left to the generic probe."""
     from tiny_models import write_wide_model
 
     from kafila.runtime.machine import model_probe
@@ -466,23 +475,24 @@ def test_a_quick_measure_whose_block_line_came_out_flat_is_timed_once_more(
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
     model = write_wide_model(tmp_path / "llama.gguf", n_blocks=6)
     derived = model_probe.derive_costs
-    fits: list[list[float]] = []
+    fits: list[bool] = []
 
-    def flat_the_first_time(manifest: Any, stages: Any) -> Any:
-        fits.append([s.ms_per_token for s in stages])
-        if len(fits) == 1:
+    def flat_as_a_line(manifest: Any, stages: Any, through_origin: bool = False) -> Any:
+        fits.append(through_origin)
+        if not through_origin:
             raise model_probe.FlatLine("stage time did not grow with the number of blocks")
-        return derived(manifest, stages)
+        return derived(manifest, stages, through_origin=True)
 
-    monkeypatch.setattr(model_probe, "derive_costs", flat_the_first_time)
+    monkeypatch.setattr(model_probe, "derive_costs", flat_as_a_line)
     said: list[str] = []
     result = when_not_busy(
         lambda: model_probe.probe_model_stages(
             model, lambda text, _f: said.append(text), n_threads=1, quick=True, served_blocks=2
         )
     )
-    assert "timing [1, 2, 1] again: its block stages' times did not grow with their blocks" in said
-    assert len(fits) >= 2 and [s.ms_per_token for s in result.stages] == fits[-1]
+    assert "its block stages' times did not grow with their blocks: priced in proportion to them" in said
+    assert fits[-2:] == [False, True] and said.count("timing [1, 2, 1] as a local ring") == 1
+    assert result.overhead_us == 0 and result.bandwidth_gb_s > 0 and result.head_bandwidth_gb_s > 0
 
 
 def test_a_model_cut_only_at_some_blocks_is_calibrated_and_kept_there() -> None:
@@ -522,9 +532,12 @@ def test_model_stage_probe_refuses_what_it_cannot_measure() -> None:
         StageTime(first_block=0, end_block=3, is_head=False, ms_per_token=1.0),
         StageTime(first_block=3, end_block=4, is_head=True, ms_per_token=3.0),
     ]
-    with pytest.raises(FlatLine, match="too busy"):  # a ProbeError that the quick form measures once more
+    with pytest.raises(FlatLine, match="too busy"):  # a ProbeError; the quick form prices it through the origin
         derive_costs(manifest, shrinking)
     assert issubclass(FlatLine, ProbeError)
+    fit, head_bandwidth = derive_costs(manifest, shrinking, through_origin=True)
+    assert fit.intercept == 0 and fit.slope == pytest.approx((2.0 * 1000 + 1.0 * 3000) * 1e-3 / (1000**2 + 3000**2))
+    assert head_bandwidth == pytest.approx(10 / (3.0e-3 - 1000 * fit.slope))
 
 
 def test_the_hosts_measure_binds_its_teams_only_where_the_host_serves_them_bound() -> None:

@@ -39,7 +39,16 @@ from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import block_range_file
 from kafila.runtime.llama.loading import BOUND_TEAMS_OPENMP, load_llama, on_a_thread_of_its_own, teams_bound
 from kafila.runtime.llama.model import ContextSettings
-from kafila.runtime.machine.probe import GB, LineFit, ProbeError, ProgressFn, fit_line, load_llama_cpp, significant
+from kafila.runtime.machine.probe import (
+    GB,
+    LineFit,
+    ProbeError,
+    ProgressFn,
+    fit_line,
+    fit_through_origin,
+    load_llama_cpp,
+    significant,
+)
 from kafila.runtime.machine.probe_child import PROBE_TIMEOUT_S, child_main, run_in_child
 from kafila.runtime.machine.this_machine import cache_dir, cached_model_pricings, save_model_pricing
 from kafila.units import human_bytes
@@ -156,8 +165,13 @@ def stage_times(divisions: Sequence[Sequence[int]], runs: Sequence[Sequence[floa
     return out
 
 
-def derive_costs(manifest: ModelManifest, stages: Sequence[StageTime]) -> tuple[LineFit, float | None]:
-    """(o, 1/b) as a line through the block stages, and b_head from what the heads spent beyond it.
+def derive_costs(
+    manifest: ModelManifest, stages: Sequence[StageTime], through_origin: bool = False
+) -> tuple[LineFit, float | None]:
+    """(o, 1/b) as a line through the block stages, and b_head from what the heads spent beyond it;
+    `through_origin`, the blocks' time in proportion to their bytes (o = 0), for stages whose line
+    came out flat (`FlatLine`): there waiting set their times, and a stage waits about in
+    proportion to what it computes, where a line through two such points can point anywhere.
 
     b_head is None when the heads took no longer than their blocks: a head too small to time
     (a tiny vocabulary) is then priced at b, as the generic probe prices every head.
@@ -172,8 +186,9 @@ def derive_costs(manifest: ModelManifest, stages: Sequence[StageTime]) -> tuple[
     def weight(stage: StageTime) -> int:
         return sum(read[stage.first_block : stage.end_block])
 
+    weights, seconds = [weight(s) for s in blocks], [s.ms_per_token * 1e-3 for s in blocks]
     try:
-        fit = fit_line([weight(s) for s in blocks], [s.ms_per_token * 1e-3 for s in blocks])
+        fit = fit_through_origin(weights, seconds) if through_origin else fit_line(weights, seconds)
     except ValueError:
         raise ProbeError("the block stages must hold at least two different numbers of blocks") from None
     if fit.slope <= 0:
@@ -273,10 +288,8 @@ def probe_model_stages(
         except FlatLine:
             if one_ring is None:
                 raise
-            # Other work held the stages more than their blocks did: a burst, as often as not. Once more.
-            progress(f"timing {one_ring} again: its block stages' times did not grow with their blocks", 1.0)
-            stages = stage_times(divisions, [timed(one_ring)])
-            fit, head_bandwidth = derive_costs(manifest, stages)
+            progress("its block stages' times did not grow with their blocks: priced in proportion to them", 1.0)
+            fit, head_bandwidth = derive_costs(manifest, stages, through_origin=True)
     progress("fitting", 1.0)
     bandwidth = 1.0 / fit.slope
     return ModelStageProbe(

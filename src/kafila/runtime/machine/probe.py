@@ -158,6 +158,22 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
     return LineFit(slope=slope, intercept=intercept, r_squared=r_squared)
 
 
+def fit_through_origin(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
+    """Least squares through the origin: y in proportion to x, no intercept (the slope is 1/b, o is 0)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} x values but {len(ys)} y values")
+    x = np.asarray(xs, dtype=np.float64)
+    y = np.asarray(ys, dtype=np.float64)
+    if not (x > 0).any():
+        raise ValueError("a line through the origin needs an x above 0")
+    slope = float(x @ y / (x @ x))
+    dy = y - y.mean()
+    total = float(dy @ dy)
+    residual = y - slope * x
+    r_squared = 1.0 if total == 0.0 else 1.0 - float(residual @ residual) / total
+    return LineFit(slope=slope, intercept=0.0, r_squared=r_squared)
+
+
 def low_quantile(samples: Sequence[float], fraction: float = QUANTILE) -> float:
     """The `fraction` quantile, interpolated: robust to the slow tail that a busy machine adds."""
     if not samples:
