@@ -95,6 +95,8 @@ def test_a_ring_whose_machines_run_off_their_prices_by_less_than_the_gain_apart_
     proposed = plan_serving_host(manifest, [device_of(d) for d in learned], session)
     verdict = judge_rebalance(plan, measured, proposed)
     assert verdict is not None and not verdict.worth_it, (scales, verdict)
+    by_stage = [scales[stage.device] for stage in plan.stages]
+    assert verdict.spread == pytest.approx(max(by_stage) / min(by_stage))  # what the host says of it
 
 
 @settings(max_examples=200, deadline=None)
@@ -140,7 +142,8 @@ def test_a_member_four_times_slower_than_its_price_gives_blocks_back() -> None:
     verdict = judge_rebalance(plan, measured, proposed)
     assert verdict is not None and verdict.worth_it, verdict
     assert {s.device: s.end - s.start for s in proposed.stages} == {"member": 4, "host": 4}
-    assert "worth it" in verdict.reason
+    assert "worth it" in verdict.reason and verdict.spread == pytest.approx(4.0)
+    assert "(each stage 1 to 4 times its planned time)" in verdict.reason, verdict.reason
     # Judged again on the plan it made, with its stages measuring what they now cost, it stands.
     again, relearned = measured_and_learned(proposed, learned, {"host": 1.0, "member": 1.0})
     stands = judge_rebalance(proposed, again, plan_serving_host(manifest, [device_of(d) for d in relearned], session))

@@ -27,6 +27,9 @@ class RebalanceVerdict(Strict):
     measured_bottleneck_s: float = Field(gt=0)
     planned_bottleneck_s: float | None
     reason: str
+    # The largest over the smallest of each stage's measured time over its plan's: 1 where the
+    # stages ran as planned or a load slowed them alike; under 1 / (1 - gain), never worth it
+    spread: float | None = None
 
 
 def _division(plan: Plan) -> tuple[tuple[str, int, int, bool], ...]:
@@ -52,16 +55,25 @@ def judge_rebalance(
         return None
     slowest = max(times)
     planned = proposed.bottleneck_s
+    scales = [t / s.cost_s for t, s in zip(times, current.stages, strict=True) if s.cost_s]
+    spread = max(scales) / min(scales) if len(scales) == len(times) else None
     if _division(proposed) == _division(current):
         return RebalanceVerdict(
-            worth_it=False, measured_bottleneck_s=slowest, planned_bottleneck_s=planned, reason="the plan stands"
+            worth_it=False,
+            measured_bottleneck_s=slowest,
+            planned_bottleneck_s=planned,
+            reason="the plan stands",
+            spread=spread,
         )
     worth_it = planned <= slowest * (1 - gain)
-    comparison = f"the slowest stage measured {slowest * 1e3:.3g} ms a token; divided again, {planned * 1e3:.3g} ms"
+    measured = f"the slowest stage measured {slowest * 1e3:.3g} ms a token"
+    if spread is not None:
+        measured += f" (each stage {min(scales):.3g} to {max(scales):.3g} times its planned time)"
     verdict = "worth it" if worth_it else f"less than {gain:.0%} faster, so the plan stands"
     return RebalanceVerdict(
         worth_it=worth_it,
         measured_bottleneck_s=slowest,
         planned_bottleneck_s=planned,
-        reason=f"{comparison}: {verdict}",
+        reason=f"{measured}; divided again, {planned * 1e3:.3g} ms: {verdict}",
+        spread=spread,
     )
