@@ -53,7 +53,7 @@ from serving_checks import (
     unsplit_text,
 )
 from tiny_models import TINY_SHAPES, write_tiny_model, write_wide_model
-from waiting import line_from
+from waiting import line_from, until
 
 from kafila.contracts import FleetDevice
 from kafila.network.pake import TrustError
@@ -428,7 +428,7 @@ def test_a_member_that_leaves_a_three_member_ring_is_planned_around_at_the_price
 def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_been_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """member-0 holds a pricing of the model that claims three times its real speed, so the plan gives
+    """member-0 holds a pricing of the model that claims five times its real speed, so the plan gives
     it most of the blocks, and its stage is the ring's bottleneck. Once every stage has timed enough
     tokens, the host, at a moment without requests, plans again with prices that pass through the
     measured times, finds the slowest stage clearly faster divided more evenly, and moves blocks
@@ -446,16 +446,18 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
     digest = file_sha256(model)
     share_this_machines_probe(tmp_path, 2)  # cache-1 is the host's
     # The host's pricing of the model, measured here now, under the load the ring will serve under,
-    # and member-0's three times as fast. Not the session's generic probe: measured once, at a
+    # and member-0's five times as fast. Not the session's generic probe: measured once, at a
     # load average of 14-16 it read 240 ms a step's overhead (none, quieter), 100-250 times what
     # the stages then took serving, past the 20x by which serving reprices a machine
     # (SERVED_SCALE_LIMITS), so the host kept its price and the plan stood.
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache-1"))
     honest, _ = price_model_here(model, digest, 1 << 30, n_threads=1, served_blocks=12)
-    # Three times, not more: under CI's load a stage decodes several times slower than it was
-    # priced, and a stage measured more than SERVED_SCALE_LIMITS off its price does not reprice
-    # its machine (6 x 3.5 under load was past it, so the plan stood)
-    boast = 3.0
+    # Five times: a stage measured more than SERVED_SCALE_LIMITS (20x) off its price does not
+    # reprice its machine (6 times a quiet probe, served 3.5 times slower in CI, was past it), and
+    # priced under the load it serves under, the load moves a stage's time less than that; three
+    # left too little: at load 10-16 the host's pricing came out 2.4 times the member's against
+    # what they served, and the even division was 24% faster, not the 25% a rebalance must gain
+    boast = 5.0
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache-0"))
     save_model_pricing(
         ModelPricing(
@@ -496,25 +498,25 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
         # The new ring serves the same text, and once its own stages have timed enough, they keep it
         # while they measure what it was planned with; a stage the load slowed more than the others
         # (CI: the slowest measured 9.6 ms a token where 4.4 was planned) is news it may follow.
-        timed = serve_until(host, client, expected, timed_enough, "the new ring's stages timing enough decodes")
-        assert timed["epoch"] == after["epoch"], timed
-        spread = measured_spread(timed)
-        reading = until_status(
-            host,
-            lambda s: s.get("rebalance") is not None or serving_past(after["epoch"])(s),
-            "the new ring judged",
-            20,
+        divided_again = serving_past(after["epoch"])
+        serve_until(
+            host, client, expected, lambda s: timed_enough(s) or divided_again(s), "the new ring's stages timing enough"
         )
-        rebalances = "rebalancing by what the stages measured serving:"
-        if reading["epoch"] > after["epoch"] or reading["rebalance"]["reason"].endswith("worth it"):
-            assert spread >= UNEVEN_ENOUGH, (spread, timed, host.output())
-            again = until_status(host, serving_past(after["epoch"]), "serving on the ring divided again", 60)
+        reading = until_status(
+            host, lambda s: s.get("rebalance") is not None or divided_again(s), "the new ring judged", 20
+        )
+        said_rebalancing = "rebalancing by what the stages measured serving:"
+        if divided_again(reading) or reading["rebalance"]["reason"].endswith("worth it"):
+            until(lambda: host.output().count(said_rebalancing) == 2, host.output, 10)
+            second = [line for line in host.output().splitlines() if said_rebalancing in line][1]
+            scales = re.search(r"\(each stage ([0-9.e+]+) to ([0-9.e+]+) times its planned time\)", second)
+            assert scales is not None and float(scales[2]) / float(scales[1]) >= UNEVEN_ENOUGH, second
+            again = until_status(host, divided_again, "serving on the ring divided again", 60)
             reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
             assert reply.choices[0].text == expected, again
-            assert host.output().count(rebalances) == 2, host.output()
             return
         assert reading["epoch"] == after["epoch"], reading
-        assert host.output().count(rebalances) == 1, host.output()
+        assert host.output().count(said_rebalancing) == 1, host.output()
         table = subprocess.run(
             [sys.executable, "-m", "kafila", "status", "--url", host.base_url], capture_output=True, text=True,
             timeout=60, check=True, env={**os.environ, "COLUMNS": "200"},
@@ -528,14 +530,6 @@ def test_a_member_slower_than_it_claimed_gives_blocks_back_once_its_stage_has_be
 # slowest measured by the gain (test_rebalance.py holds it over random fleets). Less a tenth, as a
 # session's plan also weighs round trips, which do not scale with the stages.
 UNEVEN_ENOUGH = 0.9 / (1 - REBALANCE_GAIN)
-
-
-def measured_spread(status: dict[str, Any]) -> float:
-    """The largest over the smallest of the ring's stages' measured time a token (decoding one at a
-    time) divided by what its plan predicted: 1 where the load, if any, slowed every stage alike."""
-    measured = {tuple(s["range"]): s["ms_per_token_alone"] for s in status["stages"]}
-    scales = [measured[tuple(m["blocks"])] / m["predicted_ms_per_token"] for m in status["members"] if "blocks" in m]
-    return max(scales) / min(scales)
 
 
 def an_honest_member_then_forms_the_session(
@@ -867,18 +861,19 @@ def every_stage_timed(steps: int) -> Callable[[dict[str, Any]], bool]:
 
 def serve_until(
     host: Host, client: openai.OpenAI, expected: str, condition: Callable[[dict[str, Any]], bool], what: str
-) -> dict[str, Any]:
+) -> None:
     """Greedy completions of PROMPT, each the unsplit model's text, until the host's /status shows
     `condition`: how many single-token decodes a request gives the stages varies with how many of
-    its steps carried n-gram drafts (those are not single-token decodes). That status."""
+    its steps carried n-gram drafts (those are not single-token decodes)."""
     for _ in range(12):
         reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
         assert reply.choices[0].text == expected
         try:
-            return until_status(host, condition, what, timeout=2.5)  # the stage report refreshes every 2 s
+            until_status(host, condition, what, timeout=2.5)  # the stage report refreshes every 2 s
+            return
         except AssertionError:
             continue
-    return until_status(host, condition, what, timeout=1)
+    until_status(host, condition, what, timeout=1)
 
 
 def took_in(name: str, epoch: int) -> Callable[[dict[str, Any]], bool]:
