@@ -62,9 +62,9 @@ def watch(batcher: Batcher, trips: list[Trip]) -> None:
     tokens = batcher.tokens_generated
     rates: list[float] = []
 
-    def chosen(window: DraftWindow, sharing: int) -> int:
+    def chosen(window: DraftWindow, sharing: int, guesses: bool = True) -> int:
         rates.append(window.accept.rate)
-        return paying(window, sharing)
+        return paying(window, sharing, guesses)
 
     def recorded(drafted: int, accepted: int) -> None:
         if drafted:

@@ -18,6 +18,7 @@ from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.speculation import (
     DRAFT_ROWS_PER_WAVE,
     FIRST_WINDOW,
+    GUESSES_TO_WAKE,
     MAX_DRAFT,
     MISSES_TO_REST,
     DraftWindow,
@@ -109,6 +110,33 @@ def test_the_window_grows_on_accepts_shrinks_on_rejects_and_rests_where_drafts_d
     assert again == 2 * trips  # each rest twice as long as the last
     with pytest.raises(ValueError):
         window.landed(2, 3)
+
+
+def test_a_rest_ends_early_once_free_guesses_land_in_a_row() -> None:
+    """A resting window whose free guesses (`shadowed`) are the tokens that land GUESSES_TO_WAKE
+    times in a row (text that turned to copying) drafts again at once; a right guess among wrong
+    ones does not wake it, and drafts sent start the count again."""
+    window = DraftWindow()
+    for _ in range(2):  # two rests, the second twice as long as the first
+        while window.allowed == 0:
+            window.skip()
+        for _ in range(MISSES_TO_REST):
+            window.landed(window.allowed, 0)
+    assert window.allowed == 0 and window.resting > GUESSES_TO_WAKE + 2
+    for kept in (True, False):
+        window.skip()
+        window.shadowed(kept)
+    assert window.allowed == 0  # one right, then one wrong: still resting
+    for _ in range(GUESSES_TO_WAKE - 1):
+        window.skip()
+        window.shadowed(True)
+        assert window.allowed == 0
+    window.skip()
+    assert window.resting > 0
+    window.shadowed(True)
+    assert window.allowed == FIRST_WINDOW and window.resting == 0
+    window.landed(FIRST_WINDOW, 1)
+    assert window.guessed == 0
 
 
 @given(st.lists(st.integers(0, MAX_DRAFT), max_size=8), st.integers(0, 20))

@@ -124,6 +124,9 @@ class NgramDrafter:
 FIRST_WINDOW = 2
 MISSES_TO_REST = 3
 FIRST_REST, MAX_REST = 4, 64
+# A rest ends early once this many free guesses in a row (`DraftWindow.shadowed`) were the tokens
+# that landed: text that turned to copying or looping, whose drafts would be kept.
+GUESSES_TO_WAKE = 2
 
 
 @dataclass
@@ -133,6 +136,7 @@ class DraftWindow:
     size: int = FIRST_WINDOW
     misses: int = 0  # trips in a row whose drafts were all rejected
     resting: int = 0  # trips left without drafts
+    guessed: int = 0  # free guesses in a row that were the token landed
     rest: int = FIRST_REST  # how long the next rest lasts
     drafted: int = 0
     accepted: int = 0
@@ -154,8 +158,11 @@ class DraftWindow:
     def shadowed(self, kept: bool) -> None:
         """A trip that carried no drafts, its drafter's guess checked against the token it brought:
         evidence for the accept rate at no row's cost, so a sequence whose drafts stopped paying
-        sees its text turn to copying, or stay free."""
+        sees its text turn to copying, or stay free. GUESSES_TO_WAKE right in a row end a rest."""
         self.accept.guessed(kept)
+        self.guessed = self.guessed + 1 if kept else 0
+        if self.resting and self.guessed >= GUESSES_TO_WAKE:
+            self.resting = 0
 
     def landed(self, drafted: int, accepted: int, drafted_trips: float = 0.0) -> None:
         """A trip that carried `drafted` tokens, of which the first `accepted` were kept; its drafts
@@ -168,6 +175,7 @@ class DraftWindow:
         self.drafted += drafted
         self.accepted += accepted
         self.trips += 1
+        self.guessed = 0
         self.accept.landed(drafted, accepted)
         self.ledger.landed(drafted, accepted, drafted_trips)
         if accepted == drafted:
