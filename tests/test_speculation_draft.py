@@ -413,7 +413,9 @@ def test_a_draft_model_whose_drafts_are_all_rejected_stops_drafting_on_the_real_
     """The engine loop on one machine, a draft model as large as the target and of other weights:
     a decode of the draft costs what a trip does, so no accept rate pays (`draft_cost`). Its
     drafts, all rejected, are tried for a trip or two, timed (`TripClock.drafting`), and then the
-    cost rule gives the sequence a window of 0 to its end; the greedy text is the unsplit model's."""
+    cost rule gives the sequence a window of 0, but for a draft on hope where its ledger could lose
+    it (`DraftLedger`: a few percent of its trips, about one such draft in 48 tokens); the greedy
+    text is the unsplit model's."""
     model = write_tiny_model(tmp_path / "target.gguf", "llama", n_blocks=2)
     other = write_tiny_model(tmp_path / "draft.gguf", "llama", n_blocks=2, seed=1)
     context = ContextSettings(n_ctx=256, n_batch=32, n_seq_max=1, n_threads=1)
@@ -447,7 +449,11 @@ def test_a_draft_model_whose_drafts_are_all_rejected_stops_drafting_on_the_real_
     assert stats.drafted > 0 and stats.accepted == 0, stats
     assert 1 <= stats.trips <= 3, stats  # a bounded number of trips tried it
     assert clock.drafts and clock.draft_ms > 0.0
-    assert len(windows) >= tokens // 2 and not any(windows[stats.trips + 2 :]), windows  # then 0 to the end
+    assert len(windows) >= tokens // 2, windows
+    # Then 0, but for one draft at a time on hope: each costs about a trip, and the ledger lets the
+    # sequence lose 4% of at least 40 trips, so two at most.
+    late = windows[stats.trips + 2 :]
+    assert all(w <= 1 for w in late) and sum(late) <= 2, windows
 
 
 # --- the draft's vocabulary ----------------------------------------------------------------------
