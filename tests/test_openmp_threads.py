@@ -106,7 +106,7 @@ def test_binding_the_user_turned_off_stays_off(tmp_path: Path) -> None:
 RING_REPORT = """
 import json, sys
 from pathlib import Path
-from kafila.runtime.llama.loading import load_llama, on_a_thread_of_its_own
+from kafila.runtime.llama.loading import computed_as_served, load_llama
 load_llama(shared_machine=True)
 from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -125,7 +125,7 @@ def decode():  # as the host's measure runs its rings; read while this thread's 
     generate(engine, "a b c", 4, SamplingSettings())
     return cores_of("self")
 
-head = on_a_thread_of_its_own(decode)
+head = computed_as_served(decode)
 (worker,) = engine.ring.workers
 print(json.dumps({"head": head, "stage": cores_of(worker.process.pid)}))
 engine.close()

@@ -158,8 +158,9 @@ class TripClock:
 
     @property
     def draft_ms(self) -> float:
-        """A draft model's decode as recent drafts measured it (0 where none has drafted)."""
-        return self.draft_trust * statistics.median(self.drafts) if self.drafts else 0.0
+        """A draft model's decode as recent drafts measured it, shrunk while nothing drafted (0
+        where none has drafted)."""
+        return self.draft_trust * self.draft_measured_ms
 
     @property
     def draft_measured_ms(self) -> float:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from kafila.contracts import StageReport
 from kafila.runtime.engine.sampling import SamplerStart
 from kafila.runtime.engine.stage import BlockStage, HeadStage, StepInput, run_isolating
-from kafila.runtime.llama.loading import on_a_thread_of_its_own, teams_bound
+from kafila.runtime.llama.loading import computed_as_served
 from kafila.runtime.llama.model import ContextSettings
 from kafila.wire.frames import HIDDEN_KINDS, SAMPLE_ON_HEAD, Frame, FrameDecoder, FrameError, Kind
 
@@ -167,10 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for connection in (upstream, downstream):
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        if teams_bound():  # computed as a session's member computes, so that libgomp binds the whole team
-            on_a_thread_of_its_own(lambda: serve(stage, upstream, downstream))
-        else:
-            serve(stage, upstream, downstream)
+        computed_as_served(lambda: serve(stage, upstream, downstream))  # as a member computes
     finally:
         downstream.close()
         upstream.close()

@@ -57,10 +57,13 @@ def teams_bound(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get("OMP_PROC_BIND", "").strip().lower() not in ("", "false")
 
 
-def on_a_thread_of_its_own(work: Callable[[], T]) -> T:
-    """`work`'s result, computed on a thread started for it, as a session computes its stage (the
-    host's engine loop, a member's executor): where teams are bound, libgomp binds the team of a
-    thread other than the one that loaded it, the thread itself included, each to its own core."""
+def computed_as_served(work: Callable[[], T]) -> T:
+    """`work`'s result, computed as a session computes its stage: where teams are bound, on a
+    thread started for it (the host's engine loop, a member's executor), since libgomp binds the
+    team of a thread other than the one that loaded it, the thread itself included, each to its
+    own core; where they are free, here."""
+    if not teams_bound():
+        return work()
     with ThreadPoolExecutor(1, thread_name_prefix="kafila-team") as pool:
         return pool.submit(work).result()
 

@@ -37,7 +37,7 @@ from kafila.runtime.engine.local_ring import generate, open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import block_range_file
-from kafila.runtime.llama.loading import BOUND_TEAMS_OPENMP, load_llama, on_a_thread_of_its_own, teams_bound
+from kafila.runtime.llama.loading import BOUND_TEAMS_OPENMP, computed_as_served, load_llama
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.probe import (
     GB,
@@ -262,8 +262,7 @@ def probe_model_stages(
             engine = open_engine(source, counts, settings, Path(cache))
             try:
                 run = functools.partial(generate, engine, CALIBRATION_PROMPT, tokens, SamplingSettings())
-                # Bound teams (the demo's) are timed as a session's stage computes: from a thread of its own.
-                generation = on_a_thread_of_its_own(run) if teams_bound() else run()
+                generation = computed_as_served(run)  # bound teams (the demo's) from a thread of their own
             finally:
                 engine.close()
             # The quick form's one run: the median of its decodes, as a session's stages report
