@@ -37,6 +37,7 @@ from kafila.planner.who_serves import (
     ServingChoice,
     Why,
     judge_load,
+    plan_serving_host_choice,
     plan_who_serves,
 )
 
@@ -411,6 +412,38 @@ def test_beyond_the_exact_search_members_are_dropped_one_at_a_time() -> None:
     assert choice.member_search is MemberSearch.GREEDY
     assert {f"m{m - 2}", f"m{m - 1}"} <= set(choice.standby)
     assert any("exact search covers up to" in note for note in choice.plan.notes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bandwidth=st.floats(3e7, 5e10),
+    rtt_ms=st.tuples(*(st.floats(0.03, 30.0) for _ in range(3))),
+    load=st.integers(1, 4),
+)
+def test_rotations_that_tie_are_decided_by_order_not_by_rounding(
+    bandwidth: float, rtt_ms: tuple[float, float, float], load: int
+) -> None:
+    """Alike members and a host with room for one block but not the head: putting the host's block
+    in the middle of the chain or at block 0 gives the same stages, so the same time per token at
+    any round trips. The first rotation tried (the host in the middle) must win every time, as
+    test_session_network's head-on-a-member test relies on; before, whichever sum of the same prices
+    rounded lower for the measured round trips won, and the layout changed from run to run."""
+    manifest = ModelManifest(
+        name="six", block_bytes=(41_600, 64_640, 113_792) * 2, head_bytes=44_456, kv_bytes_per_token=(128,) * 6
+    )
+    session = ServingSpec(context=2048, concurrency=4, load=load)
+    prefix = ChainPrefix.of(manifest, session)
+    room = min(int(prefix.resident_matrix(True)[i, i + 1]) for i in range(manifest.n_blocks)) - 1
+    devices = [
+        Device(name=name, memory_bytes=memory, bandwidth_bytes_per_s=bandwidth, overhead_s=0.0)
+        for name, memory in (("host", room), ("member-0", GIB), ("member-1", GIB))
+    ]
+    a, b, c = (ms / 1e3 for ms in rtt_ms)
+    names = ("host", "member-0", "member-1")
+    round_trips = RoundTrips(members=names, seconds=((0.0, a, b), (a, 0.0, c), (b, c, 0.0)))
+    choice = plan_serving_host_choice(manifest, devices, session, round_trips, every_member=True)
+    host = next(s for s in choice.plan.stages if s.device == "host")
+    assert 0 < host.start and host.end - host.start == 1, choice.plan.stages
 
 
 def test_plan_session_orders_the_ring_by_measured_round_trips() -> None:

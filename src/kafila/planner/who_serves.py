@@ -177,7 +177,11 @@ class _Search:
     def _fastest(
         self, directions: list[list[int]], heads: Sequence[int], trip: float, below: float = float("inf")
     ) -> tuple[list[int], TimedDivision] | None:
-        """The fastest chain over these rings and head positions, strictly faster than `below`."""
+        """The fastest chain over these rings and head positions, strictly faster than `below`.
+
+        A later chain must beat an earlier one by more than rounding (TIE_TOLERANCE): chains that
+        tie, as rotations over alike members do, are decided by the order tried, not by which sum
+        of the same prices rounded a bit lower for these round trips."""
         best: tuple[list[int], TimedDivision] | None = None
         for head in heads:
             for ring in directions:
@@ -185,7 +189,7 @@ class _Search:
                 matrices = search_matrices(self.prices, chain)
                 timed = fastest_division(matrices, trip, self.concurrency, below, self.candidates)
                 if timed is not None:
-                    best, below = (chain, timed), timed.time_per_token_s
+                    best, below = (chain, timed), timed.time_per_token_s * (1 - TIE_TOLERANCE)
         return best
 
 
