@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from disks import small_disk
+from pydantic import ValidationError
 from test_link import WAIT, pair, run, shut
 from waiting import until_async
 
@@ -40,6 +41,7 @@ from kafila.network.transfer import (
     send_stage_file,
     transfer_sequence,
 )
+from kafila.wire.control import CONTROL_SEQUENCE, Assign
 from kafila.wire.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
 
 SIZE = 20 * CHUNK_SIZE + 12345  # a short last chunk
@@ -484,3 +486,15 @@ def test_the_transfer_range_is_inside_the_control_range() -> None:
     assert transfer_sequence(2**32 - 1) == 2**63 + 2**32 - 1 < 2**64 - 1  # below the session's control stream
     with pytest.raises(ValueError):
         transfer_sequence(2**32)
+
+
+def test_an_assign_names_its_transfer_inside_the_transfer_range() -> None:
+    assign = {
+        "epoch": 1, "stage_index": 0, "first_block": 0, "end_block": 2, "sha256": "ab" * 32, "size": 10,
+        "source": "transfer", "predecessor": "h", "successor": "h", "n_ctx": 256, "n_batch": 32, "n_seq_max": 2,
+    }  # fmt: skip
+    for inside in (transfer_sequence(0), transfer_sequence(2**32 - 1)):
+        assert Assign.model_validate(assign | {"transfer": inside}).transfer == inside
+    for outside in (CONTROL_SEQUENCE_BASE - 1, transfer_sequence(2**32 - 1) + 1, CONTROL_SEQUENCE):
+        with pytest.raises(ValidationError):
+            Assign.model_validate(assign | {"transfer": outside})

@@ -1,7 +1,7 @@
 """Stage files from the host to a member over a link: offered, resumable, sha256-checked.
 
 The protocol (docs/protocol.md, "Stage files") runs on one sequence id of the control range
-(`transfer_sequence(stage)`, 2**63 and up), so it has one QUIC stream each way:
+(`frames.TRANSFER_SEQUENCE_IDS`, 2**63 and up), so it has one QUIC stream each way:
 
     sender                                        receiver
     offer {sha256, size, stage, name, chunk, window}  ->
@@ -49,7 +49,7 @@ from typing import Any, Protocol
 from kafila.contracts import CountProgress
 from kafila.network.link import LinkError
 from kafila.units import DISK_ROOM_HINT, human_bytes
-from kafila.wire.frames import CONTROL_SEQUENCE_BASE, DType, Frame, Kind
+from kafila.wire.frames import TRANSFER_SEQUENCE_IDS, DType, Frame, Kind
 
 log = logging.getLogger("kafila.transfer")
 
@@ -62,7 +62,6 @@ MAX_WINDOW = 64 << 20  # a receiver refuses an offer that would let more than th
 MAX_MESSAGE = 4096  # bytes of one JSON control message
 MAX_CHUNKS = 1 << 32  # chunk indices are the frame's 32-bit `position`
 STALL_TIMEOUT_S = 120.0  # nothing heard about a transfer in progress for this long: give up
-TRANSFER_SEQUENCES = 1 << 32  # transfers use sequence ids [2**63, 2**63 + 2**32)
 SUFFIX = ".gguf"  # the slicer's naming: <sha256>.gguf
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -85,9 +84,9 @@ class HashMismatch(TransferError):
 
 def transfer_sequence(number: int) -> int:
     """The `number`th sequence id of the transfer range."""
-    if not 0 <= number < TRANSFER_SEQUENCES:
+    if not 0 <= number < len(TRANSFER_SEQUENCE_IDS):
         raise ValueError(f"transfer number {number} out of range")
-    return CONTROL_SEQUENCE_BASE + number
+    return TRANSFER_SEQUENCE_IDS[number]
 
 
 def new_transfer_sequence() -> int:
@@ -96,12 +95,12 @@ def new_transfer_sequence() -> int:
     Each attempt gets its own, so frames still in flight from an abandoned attempt (chunks
     inside the window, a late ack) can never be taken for the next attempt's.
     """
-    return transfer_sequence(secrets.randbelow(TRANSFER_SEQUENCES))
+    return transfer_sequence(secrets.randbelow(len(TRANSFER_SEQUENCE_IDS)))
 
 
 def is_transfer_frame(frame: Frame) -> bool:
     """Whether a frame belongs to a stage-file transfer: its sequence id is in [2**63, 2**63 + 2**32)."""
-    return 0 <= frame.sequence_id - CONTROL_SEQUENCE_BASE < TRANSFER_SEQUENCES
+    return frame.sequence_id in TRANSFER_SEQUENCE_IDS
 
 
 def cached_path(cache_dir: Path, sha256: str) -> Path:
@@ -226,7 +225,7 @@ def parse_message(frame: Frame) -> Message:
         return Offer(
             sha,
             _int(body, "size", 0, MAX_CHUNKS * chunk),
-            _int(body, "stage", 0, TRANSFER_SEQUENCES - 1),
+            _int(body, "stage", 0, len(TRANSFER_SEQUENCE_IDS) - 1),
             name,
             chunk,
             _int(body, "window", chunk, MAX_WINDOW),
@@ -260,7 +259,7 @@ class SenderCore:
     """
 
     def __init__(self, sequence_id: int, offer: Offer) -> None:
-        if not 0 <= sequence_id - CONTROL_SEQUENCE_BASE < TRANSFER_SEQUENCES:
+        if sequence_id not in TRANSFER_SEQUENCE_IDS:
             raise ValueError(f"sequence {sequence_id} is not in the transfer range [2**63, 2**63 + 2**32)")
         if not MIN_CHUNK <= offer.chunk <= MAX_CHUNK or not offer.chunk <= offer.window <= MAX_WINDOW:
             raise ValueError(f"chunk {offer.chunk} / window {offer.window} out of range")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from kafila.contracts import BackendReport, HubModel, ModelPricing
 from kafila.validation import first_problem
-from kafila.wire.frames import CONTROL_SEQUENCE_BASE, Frame, Kind
+from kafila.wire.frames import TRANSFER_SEQUENCE_IDS, Frame, Kind
 
 CONTROL_SEQUENCE = 2**64 - 1  # the control stream's sequence id: request slots are small numbers
 MAX_CONTROL_BYTES = 64 * 1024
@@ -93,7 +93,7 @@ class Assign(_Message):
     # The sequence id of the transfer that will carry the file from the host (source transfer, or
     # hub where the member asks for it): the member takes that offer, passing over any the host
     # offered for an earlier plan and stopped before the member read it.
-    transfer: Annotated[int, Field(ge=CONTROL_SEQUENCE_BASE, lt=1 << 64)] | None = None
+    transfer: Annotated[int, Field(ge=TRANSFER_SEQUENCE_IDS.start, lt=TRANSFER_SEQUENCE_IDS.stop)] | None = None
 
     @model_validator(mode="after")
     def _hub_named(self) -> Assign:

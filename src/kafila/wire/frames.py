@@ -36,9 +36,10 @@ MAX_SAMPLER_START_BYTES = 1 << 23  # a SAMPLER frame's JSON: the settings and a 
 MAX_PAYLOAD = 1 << 28  # 256 MiB: a 4096-token prefill chunk of a hidden-16384 model in f32
 # Sequence ids from 2**63 up are reserved for control streams, never request slots, so their
 # streams cannot collide with a request's: stage-file transfers (`kafila.network.transfer`) use
-# [2**63, 2**63 + 2**32), the session's control stream 2**64 - 1 (`kafila.wire.control`).
+# TRANSFER_SEQUENCE_IDS, the session's control stream 2**64 - 1 (`kafila.wire.control`).
 # FILE frames are refused outside this range.
 CONTROL_SEQUENCE_BASE = 1 << 63
+TRANSFER_SEQUENCE_IDS = range(CONTROL_SEQUENCE_BASE, CONTROL_SEQUENCE_BASE + (1 << 32))  # one drawn for each attempt
 
 
 class Kind(IntEnum):
