@@ -324,3 +324,32 @@ def test_payloads_never_appear_on_the_wire() -> None:
     assert {way for way, _ in seen} == {"in", "out"} and len(seen) > 20
     assert all(data[0] >= 64 for _, data in seen)
     assert not any(marker in data or marker[:8] in data for _, data in seen)
+
+
+def test_a_link_on_loopback_raises_its_datagrams_once_a_probe_arrives_and_a_tokens_rows_go_in_two() -> None:
+    """Real sockets, which forbid fragmentation (the don't-fragment bit): both sides start at QUIC's
+    1,200 bytes, probe 1,452, and use it once acknowledged; a token's rows (640 f32) then cross in
+    two datagrams instead of three. A link told never to probe keeps 1,200."""
+    sizes: list[tuple[str, int]] = []
+
+    async def go() -> None:
+        a, b, link_a, link_b = await pair(tap=lambda way, data, _: sizes.append((way, len(data))))
+        assert a.unfragmented and b.unfragmented
+        assert a._sock.getsockopt(socket.IPPROTO_IP, 10) == 3  # IP_MTU_DISCOVER: IP_PMTUDISC_PROBE
+        sizes_now = lambda: (link_a.core.datagram_size, link_b.core.datagram_size)  # noqa: E731
+        await until_async(lambda: sizes_now() == (1452, 1452), lambda: f"datagram sizes {sizes_now()}", WAIT)
+        assert ("out", 1452) in sizes and ("in", 1452) in sizes  # each side's probe
+        sizes.clear()
+        token = Frame.of_hidden(Kind.DECODE, 1, 0, np.ones((1, HIDDEN), dtype=np.float32))
+        await link_a.send(token)
+        assert (await asyncio.wait_for(link_b.receive(), WAIT)).payload == token.payload
+        rows_sent = [size for way, size in sizes if way == "out" and size > 100]  # not an ACK alone
+        assert len(rows_sent) == 2 and max(rows_sent) == 1452, rows_sent
+        await shut(link_a, link_b, a, b)
+
+        a, b, link_a, link_b = await pair(config=FAST.model_copy(update={"max_datagram_size": 1200}))
+        await exchange(link_a, link_b, 100, DType.F32)
+        assert link_a.core.datagram_size == link_b.core.datagram_size == 1200
+        await shut(link_a, link_b, a, b)
+
+    run(go)

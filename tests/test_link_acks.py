@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from test_link_core import DIALLER_AT, LISTENER_AT, Pair, frames
 
+from kafila.network.datagram_size import BASE_DATAGRAM
 from kafila.network.link import LinkConfig, LinkCore
 from kafila.wire.frames import Frame, Kind
 
-HOLDING = LinkConfig(idle_timeout_s=4.0, handshake_timeout_s=10.0, ack_hold_s=0.020)
+# At QUIC's minimum datagram, which these links never probe past: a token's rows are three
+# datagrams (test_datagram_size.py has them raised to two).
+HOLDING = LinkConfig(idle_timeout_s=4.0, handshake_timeout_s=10.0, ack_hold_s=0.020, max_datagram_size=BASE_DATAGRAM)
 AIOQUIC_PACE = HOLDING.model_copy(update={"ack_hold_s": 0.0})
 ACK_ALONE = 100  # bytes: a datagram this small carries no frame's data, only an ACK
 ONE_WAY_S = 0.0002  # a LAN's path

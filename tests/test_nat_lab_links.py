@@ -30,6 +30,7 @@ from natlab_fixtures import (  # noqa: F401
 from natlab_punch_agent import LINK_DOWN_EXIT, kill_one, peer_home, predicted_edge, punch_pair, run_pair
 from natlab_wan import WanLink
 
+from kafila.network.datagram_size import MAX_PROBES, PROBE_AGAIN_S
 from kafila.network.link import LinkConfig
 from kafila.planner.types import EdgePrediction
 
@@ -51,6 +52,36 @@ def test_link_takes_the_predicted_path_and_carries_frames(
     assert outcome["links"] == [want, want], f"{a} -> {b}: predicted {want}, links {outcome['links']}"
     assert outcome["frames_received"] == [1000, 1000]
     assert outcome["frames_ok"] is True
+
+
+@pytest.mark.parametrize(
+    ("a", "b"), [("port-restricted", "full-cone"), ("symmetric", "symmetric")], ids=["direct", "relayed"]
+)
+def test_a_path_with_a_small_mtu_keeps_quics_minimum_datagram_and_carries_every_frame(
+    natlab: NatLab,  # noqa: F811
+    lab_rendezvous: tuple[str, str],  # noqa: F811
+    a: str,
+    b: str,
+) -> None:
+    """A home whose uplink carries packets of 1,280 bytes (a tunnel's, or IPv6's minimum MTU): its
+    links probe 1,452, the router drops each probe (the don't-fragment bit: it may not split it, nor
+    may the sender's kernel, whatever size the router's ICMP answer told it), and they keep 1,200;
+    every frame arrives. Beside it, the same pair of NATs on 1,500-byte
+    uplinks raises both sides to 1,452."""
+    narrow = f"mtu1280-{a.split('-')[0]}"
+    if narrow not in natlab.homes:
+        natlab.add_home(narrow, a)
+        natlab.exec(natlab.homes[narrow].router_ns, ["ip", "link", "set", "wan", "mtu", "1280"])
+    # Long enough for every probe the search tries before it rests: a kernel that split datagrams
+    # by the size an ICMP message taught it would carry the second.
+    settle = MAX_PROBES * PROBE_AGAIN_S + LinkConfig().ping_interval_s + 1
+    outcome = punch_pair(natlab, *lab_rendezvous, narrow, peer_home(natlab, a, b), frames=300, settle=settle)
+    want = predicted_link(a, b)
+    assert outcome["links"] == [want, want] and outcome["frames_ok"] is True, outcome
+    assert outcome["datagram_sizes"] == [1200, 1200], outcome["datagram_sizes"]
+    wide = punch_pair(natlab, *lab_rendezvous, a, peer_home(natlab, a, b), frames=300)
+    assert wide["links"] == [want, want] and wide["frames_ok"] is True
+    assert wide["datagram_sizes"] == [1452, 1452], wide["datagram_sizes"]
 
 
 @pytest.mark.parametrize(

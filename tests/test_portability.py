@@ -23,6 +23,7 @@ from waiting import line_from
 from kafila.network.link import DatagramDemux
 from kafila.portability import (
     SIO_UDP_CONNRESET,
+    forbid_fragmentation,
     ignore_udp_connection_resets,
     loop_factory,
     open_udp_endpoint,
@@ -346,3 +347,20 @@ def test_listening_sockets_reuse_their_address_except_on_windows() -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             reuse_listening_address(sock, platform)
             assert bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)) is expected
+
+
+def test_datagrams_leave_unfragmented_where_the_system_can_say_so() -> None:
+    """A link probes larger datagrams only from a socket that forbids fragmentation: a probe that
+    arrived in pieces would prove nothing of its path."""
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ipv4,
+        socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as ipv6,
+    ):
+        assert forbid_fragmentation(ipv4, "linux") and ipv4.getsockopt(socket.IPPROTO_IP, 10) == 3  # PMTUDISC_PROBE
+        assert forbid_fragmentation(ipv6, "linux") and ipv6.getsockopt(socket.IPPROTO_IPV6, 23) == 3
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as untouched:
+        default = untouched.getsockopt(socket.IPPROTO_IP, 10)
+        assert not forbid_fragmentation(untouched, "win32")  # no option named for it: the link keeps 1,200
+        assert untouched.getsockopt(socket.IPPROTO_IP, 10) == default
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as stream:
+        assert not forbid_fragmentation(stream, "linux")

@@ -8,6 +8,8 @@ the condition it handles; none has run on Windows (docs/runtime.md, "Windows and
   punching LAN candidates provokes exactly that, so links would never come up.
 - `ignore_udp_connection_resets`: Windows reports an ICMP port unreachable as a
   ConnectionResetError on the socket's next receive; every UDP socket Kafila binds turns that off.
+- `forbid_fragmentation`: a link's datagrams leave with the don't-fragment bit (Linux and macOS
+  name the option differently; elsewhere a link keeps QUIC's 1,200-byte minimum).
 - `reuse_listening_address`: SO_REUSEADDR on a listening TCP socket, except on Windows, where it
   would let a second server take the same port.
 - `signals_handled`: Ctrl-C and SIGTERM reach a handler on the event loop, also where the loop
@@ -31,6 +33,14 @@ P = TypeVar("P", bound=asyncio.DatagramProtocol)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Windows' WSAIoctl code that switches off ICMP-unreachable reports on a UDP socket; absent elsewhere.
 SIO_UDP_CONNRESET: int | None = getattr(socket, "SIO_UDP_CONNRESET", None)
+# Don't-fragment options that Python's socket module does not name, as (level, option, value) for
+# an IPv4 and an IPv6 socket: Linux's IP_MTU_DISCOVER and IPV6_MTU_DISCOVER set to PMTUDISC_PROBE
+# (the DF bit, and no fragmenting by a size the kernel learned from ICMP: the link's own probes
+# decide), macOS's IP_DONTFRAG and IPV6_DONTFRAG.
+_DONT_FRAGMENT: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
+    "linux": ((socket.IPPROTO_IP, 10, 3), (socket.IPPROTO_IPV6, 23, 3)),
+    "darwin": ((socket.IPPROTO_IP, 28, 1), (socket.IPPROTO_IPV6, 62, 1)),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +76,29 @@ def ignore_udp_connection_resets(sock: Any, control: int | None = SIO_UDP_CONNRE
         return
     with contextlib.suppress(OSError):  # an old or unusual stack without it: the loop copes anyway
         ioctl(control, False)
+
+
+def forbid_fragmentation(sock: Any, platform: str = sys.platform) -> bool:
+    """Make `sock`'s datagrams leave with IP's don't-fragment bit (IPv6: unfragmented), so that one
+    larger than its path carries is lost rather than arriving in pieces (RFC 9000 §14: QUIC's
+    datagrams must not be fragmented). Whether that holds: False on a platform without the option
+    or a socket that refuses it, where a link keeps to QUIC's minimum size."""
+    options = _DONT_FRAGMENT.get(platform)
+    if options is None or sock.type != socket.SOCK_DGRAM:
+        return False
+    ipv4, ipv6 = options
+    try:
+        if sock.family == socket.AF_INET:
+            sock.setsockopt(*ipv4)
+        elif sock.family == socket.AF_INET6:
+            sock.setsockopt(*ipv6)
+            with contextlib.suppress(OSError):  # IPv4 through a dual-stack socket, where it has one
+                sock.setsockopt(*ipv4)
+        else:
+            return False
+    except OSError:
+        return False
+    return True
 
 
 def reuse_listening_address(sock: socket.socket, platform: str = sys.platform) -> None:

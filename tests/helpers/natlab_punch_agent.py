@@ -8,7 +8,8 @@ difference between their round trips so that both start together, then punches w
 priming. The outcome is printed as one JSON line.
 
 With `--frames`, `--rtt` or `--hold` it then opens a pinned QUIC link on the same socket, direct
-if the punch worked and through a relay the rendezvous grants if not, and:
+if the punch worked and through a relay the rendezvous grants if not, waits `--settle` seconds on
+it (the link's datagram size search runs meanwhile), and:
 
 - `--frames N`: both sides send N activation frames and check every frame of the other's;
 - `--rtt N`: the session's host times N round trips of one activation frame per hidden size and
@@ -319,8 +320,10 @@ async def run(args: argparse.Namespace) -> int:
                 host = args.code is None
                 mine, theirs = (1, 2) if host else (2, 1)
                 outcome["link"] = via
+                await asyncio.sleep(args.settle)
                 if args.frames:
                     outcome["frames_received"], outcome["frames_ok"] = await exchange(link, mine, theirs, args.frames)
+                    outcome["datagram_size"] = link.core.datagram_size  # what its path was found to carry
                 if args.rtt and host:
                     outcome["rtt"] = await time_round_trips(link, demux, target, args.rtt)
                 elif args.rtt:
@@ -457,15 +460,17 @@ def run_pair(lab: Any, stun: str, http: str, home_a: str, home_b: str, *options:
 
 
 def punch_pair(
-    lab: Any, stun: str, http: str, home_a: str, home_b: str, frames: int = 0, rtt: int = 0
+    lab: Any, stun: str, http: str, home_a: str, home_b: str, frames: int = 0, rtt: int = 0, settle: float = 0.0
 ) -> dict[str, Any]:
-    """Punch between one agent in each home (then link, with `frames` or `rtt`).
+    """Punch between one agent in each home (then link, wait `settle` seconds, then `frames` or `rtt`).
 
     Returns whether both ended on a direct path, the slower one's punch time, the joiner's time
     from joining to the introduction, each side's link path and, if linked, whether every frame
-    arrived (how many each side received) and the session host's round trips (`rtt`).
+    arrived (how many each side received), the size of the datagrams each side's link then sent,
+    and the session host's round trips (`rtt`).
     """
-    outcomes = run_pair(lab, stun, http, home_a, home_b, "--frames", str(frames), "--rtt", str(rtt))
+    options = ("--frames", str(frames), "--rtt", str(rtt), "--settle", str(settle))
+    outcomes = run_pair(lab, stun, http, home_a, home_b, *options)
     return {
         "direct": all(o["path"] is not None for o in outcomes),
         "seconds": max(o["seconds"] for o in outcomes),
@@ -473,6 +478,7 @@ def punch_pair(
         "links": [o.get("link") for o in outcomes],
         "frames_ok": all(o.get("frames_ok", False) for o in outcomes) if frames else None,
         "frames_received": [o.get("frames_received") for o in outcomes],
+        "datagram_sizes": [o.get("datagram_size") for o in outcomes],
         "rtt": outcomes[0].get("rtt"),
     }
 
@@ -515,6 +521,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=4.0)
     parser.add_argument("--frames", type=int, default=0, help="then link over QUIC and exchange this many frames")
     parser.add_argument("--rtt", type=int, default=0, help="then time this many frame round trips per size")
+    parser.add_argument(
+        "--settle", type=float, default=0.0, help="wait this long on the new link first (its datagram size search)"
+    )
     parser.add_argument("--hold", type=float, default=0.0, help="then keep the link up this long, reporting its end")
     parser.add_argument(
         "--receive-buffer", type=int, default=RECEIVE_BUFFER, help="the link socket's SO_RCVBUF (0: the kernel's)"

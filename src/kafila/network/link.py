@@ -57,16 +57,18 @@ from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.congestion.base import K_GRANULARITY, K_INITIAL_WINDOW
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
-from aioquic.quic.packet_builder import QuicSentPacket
+from aioquic.quic.packet import QuicFrameType, QuicPacketType, pull_quic_header
+from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder, QuicSentPacket
 from aioquic.quic.rangeset import RangeSet
 from aioquic.quic.recovery import QuicPacketSpace
 from cryptography.hazmat.primitives.serialization import Encoding
 from pydantic import BaseModel, ConfigDict, Field
 
 from kafila.network import congestion  # noqa: F401  (registers "rate" with aioquic)
+from kafila.network.datagram_size import BASE_DATAGRAM, DatagramSizeSearch
 from kafila.network.identity import Identity, fingerprint_of, normalize_fingerprint
 from kafila.network.relay import HELLO_ACK, hello, parse_ack
+from kafila.portability import forbid_fragmentation
 from kafila.wire.frames import HIDDEN_KINDS, MAX_PAYLOAD, DType, Frame, FrameDecoder, FrameError, Kind
 
 Address = tuple[str, int]
@@ -139,8 +141,11 @@ class LinkConfig(BaseModel):
     # 5 s that issue 5 allows. Pings go every idle/3 = 1.3 s, so three lost in a row kill it.
     idle_timeout_s: float = Field(default=4.0, gt=0)
     handshake_timeout_s: float = Field(default=10.0, gt=0)  # also how long a listener waits to be dialled
-    # aioquic's default, safe on any path (IPv6's minimum MTU); 1452 is cheaper where it fits.
-    max_datagram_size: int = Field(default=1200, ge=1200, le=65_000)
+    # The largest datagram the link probes its path for (`kafila.network.datagram_size`): it
+    # starts at QUIC's 1,200, which any path carries, and uses more only once a probe of that size
+    # is acknowledged. 1,452 fits a 1,500-byte MTU and makes a gemma-3-270m token's rows two
+    # datagrams instead of three; 1,200: never probe.
+    max_datagram_size: int = Field(default=1452, ge=BASE_DATAGRAM, le=65_000)
     # "rate" (kafila.network.congestion) sends at the path's measured delivery rate, so a loss at
     # random does not halve it; reno and cubic (aioquic's) do, which caps a stage file at 0.5%
     # loss near 0.2 MB/s over a 100 ms round trip, whatever the line (docs/benchmarks.md).
@@ -199,8 +204,17 @@ class _MutualTLSConnection(QuicConnection):
 
     goodbye: tuple[bytes, ...] = ()  # the datagrams that carried our CONNECTION_CLOSE
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, datagram_ceiling: int = BASE_DATAGRAM, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # aioquic sends every datagram at one size, set once from its configuration (1,200 here);
+        # this search raises it once the path carried a probe of more, and lowers it again.
+        self.datagram_size = DatagramSizeSearch(ceiling=datagram_ceiling)
+        self._size_probes: set[int] = set()  # packet numbers of the size probes in flight
+        self._now = 0.0  # the time aioquic was last given
+        cc = self._loss._cc
+        self._cc_packet_acked, cc.on_packet_acked = cc.on_packet_acked, self._packet_acked  # type: ignore[method-assign]
+        self._cc_packets_lost, cc.on_packets_lost = cc.on_packets_lost, self._packets_lost  # type: ignore[method-assign]
+        self._cc_packets_expired, cc.on_packets_expired = cc.on_packets_expired, self._packets_expired  # type: ignore[method-assign]
         self._loss_ack_received = self._loss.on_ack_received
         self._loss.on_ack_received = self._ack_received  # type: ignore[method-assign]
         self._cc_rtt_measured = self._loss._cc.on_rtt_measurement
@@ -243,6 +257,89 @@ class _MutualTLSConnection(QuicConnection):
         pacer = self._loss._pacer
         if pacer.packet_time is not None:
             pacer.bucket_max = max(pacer.bucket_max, K_INITIAL_WINDOW * pacer.packet_time)
+
+    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+        self._now = now  # losses are found here and at the timer; their handlers are not told the time
+        super().receive_datagram(data, addr, now)
+
+    def handle_timer(self, now: float) -> None:
+        self._now = now
+        super().handle_timer(now)
+
+    def _packet_acked(self, *, now: float, packet: QuicSentPacket) -> None:
+        if self._size_probes:
+            self._size_probes.discard(packet.packet_number)
+        if packet.sent_bytes > BASE_DATAGRAM:
+            self.datagram_size.packet_acked(packet.packet_number, packet.sent_bytes)
+        self._cc_packet_acked(now=now, packet=packet)
+
+    def _packets_lost(self, *, now: float, packets: Iterable[QuicSentPacket]) -> None:
+        """Lost packets tell the size search whether the path still carries its size; a lost size
+        probe is no sign of congestion (RFC 9000 §14.4): it only leaves the bytes in flight."""
+        packets = list(packets)
+        if self._size_probes:
+            probes = [packet for packet in packets if packet.packet_number in self._size_probes]
+            if probes:
+                packets = [packet for packet in packets if packet.packet_number not in self._size_probes]
+                self._size_probes.difference_update(packet.packet_number for packet in probes)
+                self._cc_packets_expired(packets=probes)
+        self._sized_lost(packets, now)
+        if packets:
+            self._cc_packets_lost(now=now, packets=packets)
+
+    def _packets_expired(self, *, packets: Iterable[QuicSentPacket]) -> None:
+        """Packets aioquic sends again at a probe timeout, with no ACK of them (or of anything sent
+        after them) come: where the path stopped carrying their size, nothing else tells."""
+        packets = list(packets)
+        if self._size_probes:
+            self._size_probes.difference_update(packet.packet_number for packet in packets)
+        self._sized_lost(packets, self._now)
+        self._cc_packets_expired(packets=packets)
+
+    def _sized_lost(self, packets: list[QuicSentPacket], now: float) -> None:
+        for packet in packets:
+            if packet.sent_bytes > BASE_DATAGRAM:
+                self.datagram_size.packet_lost(packet.packet_number, packet.sent_bytes, now)
+        self._use_size()
+
+    def _use_size(self) -> None:
+        """aioquic builds each datagram up to `_max_datagram_size` and paces by it."""
+        size = self.datagram_size.size
+        if size != self._max_datagram_size:
+            self._max_datagram_size = size
+            self._loss._pacer._max_datagram_size = size
+
+    def _size_probe(self, size: int, now: float) -> list[tuple[bytes, Any]]:
+        """A datagram of exactly `size` bytes: one packet of a PING padded out (RFC 9000 §14.4)."""
+        assert self._version is not None  # the handshake is confirmed
+        builder = QuicPacketBuilder(
+            host_cid=self.host_cid,
+            is_client=self._is_client,
+            max_datagram_size=size,
+            packet_number=self._packet_number,
+            peer_cid=self._peer_cid.cid,
+            quic_logger=self._quic_logger,
+            spin_bit=self._spin_bit,
+            version=self._version,
+        )
+        packet_number = builder.packet_number
+        builder.start_packet(QuicPacketType.ONE_RTT, self._cryptos[tls.Epoch.ONE_RTT])
+        padding = builder.start_frame(
+            QuicFrameType.PING, handler=self._size_probe_delivered, handler_args=(size, packet_number)
+        )
+        padding.push_bytes(bytes(builder.remaining_buffer_space))  # PADDING frames are zeros
+        self._size_probes.add(packet_number)
+        self.datagram_size.probe_sent(size)
+        return self._flush_builder(
+            builder=builder, network_path=self._network_paths[0], peer_cid=self._peer_cid.cid, now=now
+        )
+
+    def _size_probe_delivered(self, delivery: QuicDeliveryState, size: int, packet_number: int) -> None:
+        if delivery == QuicDeliveryState.ACKED:
+            self.datagram_size.probe_acked(size, packet_number)
+        else:
+            self.datagram_size.probe_lost(self._now)
+        self._use_size()
 
     def _initialize(self, peer_cid: bytes) -> None:
         super()._initialize(peer_cid)
@@ -291,6 +388,12 @@ class _MutualTLSConnection(QuicConnection):
         datagrams = super().datagrams_to_send(now)
         if closing:  # aioquic sends our CONNECTION_CLOSE alone, in this call's datagrams, and once
             self.goodbye = tuple(data for data, _ in datagrams)
+        elif (
+            self._handshake_confirmed
+            and self._state == QuicConnectionState.CONNECTED
+            and (size := self.datagram_size.probe_due(now)) is not None
+        ):
+            datagrams += self._size_probe(size, now)
         return datagrams
 
 
@@ -370,7 +473,9 @@ class LinkCore:
         self._goodbye_again: list[bytes] = []
         self.quic: _MutualTLSConnection | None = None
         if dial:
-            self.quic = _MutualTLSConnection(configuration=self._configuration(is_client=True))
+            self.quic = _MutualTLSConnection(
+                configuration=self._configuration(is_client=True), datagram_ceiling=self.config.max_datagram_size
+            )
             self.quic.connect(self.peer_address, now)
 
     def _configuration(self, is_client: bool) -> QuicConfiguration:
@@ -379,7 +484,7 @@ class LinkCore:
             alpn_protocols=[ALPN],
             verify_mode=ssl.CERT_NONE,  # no chain to verify: we pin the fingerprint instead
             idle_timeout=2 * self.config.idle_timeout_s,  # a backstop; our own bound comes first
-            max_datagram_size=self.config.max_datagram_size,
+            max_datagram_size=BASE_DATAGRAM,  # larger once the path carried a probe of it
             congestion_control_algorithm=self.config.congestion_control,
             server_name="kafila" if is_client else None,
         )
@@ -418,6 +523,7 @@ class LinkCore:
         self.quic = _MutualTLSConnection(
             configuration=self._configuration(is_client=False),
             original_destination_connection_id=header.destination_cid,
+            datagram_ceiling=self.config.max_datagram_size,
         )
         return True
 
@@ -515,6 +621,11 @@ class LinkCore:
         again, self._goodbye_again = self._goodbye_again, []
         datagrams = [(data, _address(address)) for data, address in self.quic.datagrams_to_send(now)]
         return datagrams + [(data, self.peer_address) for data in again]
+
+    @property
+    def datagram_size(self) -> int:
+        """The size of the datagrams this link sends now: QUIC's 1,200 until its path carried more."""
+        return BASE_DATAGRAM if self.quic is None else self.quic.datagram_size.size
 
     @property
     def rtt_ms(self) -> float | None:
@@ -798,6 +909,9 @@ class DatagramDemux(asyncio.DatagramProtocol):
         self._handlers: dict[int, Handler] = {}
         self._links: dict[Address, Link] = {}
         self._sock: Any = None  # the socket itself, to read a batch per wake-up (only with `over`)
+        # Whether the socket's datagrams leave unfragmented: only then can a link learn from a probe
+        # what its path carries (a fragmented one may arrive where its size could not).
+        self.unfragmented = False
         self._fed: dict[Link, None] = {}  # links that received datagrams in this batch, in order
         self.dropped = 0  # datagrams nobody wanted
         self.closed = asyncio.get_running_loop().create_future()
@@ -860,6 +974,8 @@ class DatagramDemux(asyncio.DatagramProtocol):
     # --- asyncio.DatagramProtocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
+        sock = transport.get_extra_info("socket")
+        self.unfragmented = sock is not None and forbid_fragmentation(sock)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         try:
@@ -1059,6 +1175,8 @@ async def open_link(
     if the handshake does not finish within `config.handshake_timeout_s`.
     """
     loop = asyncio.get_running_loop()
+    if not demux.unfragmented:  # a probe that arrived in fragments would prove nothing
+        config = (config or LinkConfig()).model_copy(update={"max_datagram_size": BASE_DATAGRAM})
     core = LinkCore(local_identity, peer_fingerprint, peer_address, dial, loop.time(), config)
     link = Link(demux, core)
     link._transmit()
