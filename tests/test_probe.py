@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kafila.contracts import FleetDevice
 from kafila.planner.fleet import device_of
@@ -30,7 +32,10 @@ from kafila.runtime.machine.probe import (
     NARROW,
     PROBE_MODELS,
     Q8_0_BLOCK_BYTES,
+    DecodeSample,
     ProbeModel,
+    device_fit,
+    fit_below,
     fit_line,
     fit_through_origin,
     low_quantile,
@@ -120,6 +125,77 @@ def test_fit_reports_scatter_and_refuses_a_single_size() -> None:
         fit_line([2.0, 2.0], [1.0, 3.0])
     with pytest.raises(ValueError):
         fit_line([1.0, 2.0], [1.0])
+
+
+# The probe's four steps (10th percentiles, ms) at a load average of 5.7 on the 2-vCPU box: the
+# two short ones ran through, the two long ones were preempted (min 12.7 and 32.8 ms).
+BUSY_STEPS_MS = [0.27, 1.43, 16.76, 56.69]
+
+
+def _decode(steps_ms: list[float], medians_ms: list[float] | None = None) -> list[DecodeSample]:
+    return [
+        DecodeSample(
+            n_embd=model.shape.n_embd,
+            n_blocks=model.n_blocks,
+            weight_bytes=model.weight_bytes,
+            step_ms=step,
+            median_ms=median,
+            min_ms=step,
+            max_ms=median,
+            repetitions=15,
+        )
+        for model, step, median in zip(PROBE_MODELS, steps_ms, medians_ms or steps_ms, strict=True)
+    ]
+
+
+def test_the_line_below_recovers_an_exact_line_and_the_quiet_line_under_inflated_long_steps() -> None:
+    bandwidth, overhead = 40e9, 100e-6
+    xs = [float(model.weight_bytes) for model in PROBE_MODELS]
+    exact = fit_below(xs, [overhead + x / bandwidth for x in xs])
+    assert (exact.slope, exact.intercept) == pytest.approx((1 / bandwidth, overhead), rel=1e-9)
+    inflated = [overhead + x / bandwidth for x in xs[:2]] + [4 * (overhead + x / bandwidth) for x in xs[2:]]
+    below = fit_below(xs, inflated)
+    assert (below.slope, below.intercept) == pytest.approx((1 / bandwidth, overhead), rel=1e-9)
+    assert fit_line(xs, inflated).intercept < 0  # least squares reads the inflation as the line's tilt
+    busy = fit_below(xs, [ms * 1e-3 for ms in BUSY_STEPS_MS])
+    assert 30 < 1e-9 / busy.slope < 50 and busy.intercept < 300e-6  # the quiet box: 35 to 40 GB/s, 0.1 ms
+    assert 1e-9 / fit_line(xs, [ms * 1e-3 for ms in BUSY_STEPS_MS]).slope < 6
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e9), st.floats(1e-6, 10.0)), min_size=2, max_size=6))
+def test_the_line_below_rises_and_passes_under_every_point(points: list[tuple[float, float]]) -> None:
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    if len(set(xs)) < 2:
+        return
+    fit = fit_below(xs, ys)
+    assert fit.slope > 0 and fit.intercept >= 0 and 0 <= fit.r_squared <= 1
+    assert all(y >= fit.slope * x + fit.intercept - 1e-9 * max(ys) for x, y in points)
+
+
+def test_the_line_below_steps_that_fall_with_size_is_the_flattest_through_the_origin() -> None:
+    fit = fit_below([1.0, 2.0, 3.0], [3.0, 2.0, 1.0])
+    assert (fit.slope, fit.intercept) == pytest.approx((1 / 3, 0.0))
+
+
+def test_the_line_below_refuses_points_it_cannot_bound() -> None:
+    with pytest.raises(ValueError, match="two distinct"):
+        fit_below([2.0, 2.0], [1.0, 3.0])
+    with pytest.raises(ValueError, match="x values"):
+        fit_below([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="y > 0"):
+        fit_below([1.0, 2.0], [0.0, 1.0])
+
+
+def test_a_steady_device_is_fitted_by_least_squares_and_a_busy_one_by_the_line_below() -> None:
+    quiet = [0.19, 1.48, 4.2, 8.3]
+    fit, steady = device_fit(_decode(quiet))
+    assert steady and fit == fit_line([m.weight_bytes for m in PROBE_MODELS], [ms * 1e-3 for ms in quiet])
+    fit, steady = device_fit(_decode(quiet, medians_ms=[0.2, 1.5, 9.0, 8.4]))  # a typical step 2x its quantile
+    assert not steady and fit == fit_below([m.weight_bytes for m in PROBE_MODELS], [ms * 1e-3 for ms in quiet])
+    fit, steady = device_fit(_decode(BUSY_STEPS_MS))
+    assert not steady and fit.intercept < 300e-6 and 30 < 1e-9 / fit.slope < 50
+    fit, steady = device_fit(_decode([9.0, 8.0, 7.0, 6.0]))  # least squares would fall: no reading at all
+    assert not steady and fit.intercept == 0 and fit.slope == pytest.approx(6e-3 / PROBE_MODELS[-1].weight_bytes)
 
 
 def test_low_quantile_ignores_a_slow_tail() -> None:

@@ -3,6 +3,9 @@ and divided again only for a clear gain."""
 
 from __future__ import annotations
 
+import itertools
+import statistics
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,6 +162,27 @@ def test_nothing_is_judged_before_every_stage_has_a_measurement() -> None:
     assert judge_rebalance(plan, [0.01, 0.0], plan) is None
     with pytest.raises(ValueError, match="fraction"):
         judge_rebalance(plan, [0.01, 0.01], plan, gain=1.5)
+
+
+def test_the_interquartile_mean_is_the_middle_half_and_moves_smoothly_where_decodes_fall_in_two_groups() -> None:
+    """On a busy machine a short stage's decodes run through (1 ms) or wait for a core (5 ms);
+    as the share of each crosses a half, the median jumps from one group to the other, the
+    interquartile mean by a 32nd of the gap per decode."""
+    from kafila.runtime.engine.stage import interquartile_mean
+
+    assert interquartile_mean([4.0, 1.0, 3.0, 2.0]) == pytest.approx(2.5)
+    assert interquartile_mean([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((0.75 * 2 + 3 + 0.75 * 4) / 2.5)
+    assert interquartile_mean([7.0, 1.0]) == pytest.approx(4.0)
+    assert interquartile_mean([1.0] * 60 + [500.0] * 4) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        interquartile_mean([])
+    medians, means = [], []
+    for fast in range(24, 41):
+        decodes = [1.0] * fast + [5.0] * (64 - fast)
+        medians.append(statistics.median(decodes))
+        means.append(interquartile_mean(decodes))
+    assert max(abs(b - a) for a, b in itertools.pairwise(medians)) >= 2.0
+    assert max(abs(b - a) for a, b in itertools.pairwise(means)) <= 4.0 / 32 + 1e-9
 
 
 def test_a_stages_time_alone_follows_its_recent_decodes_so_a_machine_that_slows_shows_it() -> None:

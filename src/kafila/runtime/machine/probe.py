@@ -14,6 +14,7 @@ llama.cpp, files or the clock sits below them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import socket
 import statistics
@@ -117,6 +118,9 @@ MAX_ROUNDS = 100  # about 2 s on a quiet 2-core machine; a busy one stops at the
 DECODE_BUDGET_S = 5.0  # stop here once MIN_ROUNDS are in
 DECODE_DEADLINE_S = 7.0  # stop here regardless, once a few rounds are in: the probe must end
 MIN_ROUNDS_AT_DEADLINE = 3
+# A device not steady by then is timed on, its rounds pooled, until it is or this much has passed:
+# the more rounds, the more of them the load leaves alone, and the low quantile finds them.
+BUSY_DEADLINE_S = 15.0
 # Interference from other processes only ever adds time, so the statistic is a low quantile:
 # the device's own step time, without the one or two luckiest samples that a minimum would trust.
 QUANTILE = 0.1
@@ -172,6 +176,51 @@ def fit_through_origin(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
     residual = y - slope * x
     r_squared = 1.0 if total == 0.0 else 1.0 - float(residual @ residual) / total
     return LineFit(slope=slope, intercept=0.0, r_squared=r_squared)
+
+
+def fit_below(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
+    """The line y = slope * x + intercept that no point lies below, with intercept >= 0 and slope > 0,
+    as close under the points as they allow (the least sum of each point's height above it, in
+    proportion to the point): a fit for costs that load only ever inflates.
+
+    A busy machine inflates a long step far more than a short one (a step shorter than the
+    scheduler's slice often runs through; a longer one is preempted, and a team of two threads
+    then waits at every barrier for its second core), so least squares through such points reads
+    the inflation as overhead, or as a line tilted past zero. Every point is an upper bound on the
+    cost of its x; the line kept under them all leans on the points the load left alone. On
+    quiet points it is about the least-squares line. r_squared is that of the points about it, or 0
+    where the line explains none of their variance (points high above it).
+    """
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} x values but {len(ys)} y values")
+    if len(set(xs)) < 2:
+        raise ValueError("a line needs at least two distinct x values")
+    points = list(zip(xs, ys, strict=True))
+    if min(xs) < 0 or min(ys) <= 0:
+        raise ValueError("the points must have x >= 0 and y > 0")
+    # The optimum is where two of the constraints meet: a line through two points, or through one
+    # and the origin. The flattest line through the origin passes under every point, so one is kept.
+    candidates = [(y / x, 0.0) for x, y in points if x > 0]
+    for (x1, y1), (x2, y2) in itertools.combinations(points, 2):
+        if x1 != x2:
+            slope = (y2 - y1) / (x2 - x1)
+            candidates.append((slope, y1 - slope * x1))
+    tolerance = 1e-9 * max(ys)
+    weight_of_intercept, weight_of_slope = sum(1 / y for _, y in points), sum(x / y for x, y in points)
+    slope, intercept = max(
+        (
+            (slope, intercept)
+            for slope, intercept in candidates
+            if slope > 0 and intercept >= 0 and all(y >= slope * x + intercept - tolerance for x, y in points)
+        ),
+        key=lambda line: line[0] * weight_of_slope + line[1] * weight_of_intercept,
+    )
+    y = np.asarray(ys, dtype=np.float64)
+    residual = y - (slope * np.asarray(xs, dtype=np.float64) + intercept)
+    dy = y - y.mean()
+    total = float(dy @ dy)
+    r_squared = 1.0 if total == 0.0 else max(0.0, 1.0 - float(residual @ residual) / total)
+    return LineFit(slope=slope, intercept=intercept, r_squared=r_squared)
 
 
 def low_quantile(samples: Sequence[float], fraction: float = QUANTILE) -> float:
@@ -254,6 +303,35 @@ class DeviceProbe(Strict):
 def is_steady(fit: LineFit, decode: Sequence[DecodeSample]) -> bool:
     """Whether the device was quiet enough while measured for the figures to be trusted."""
     return fit.r_squared >= STEADY_R_SQUARED and all(d.median_ms <= STEADY_MEDIAN_RATIO * d.step_ms for d in decode)
+
+
+def decode_samples(times: Sequence[Sequence[float]]) -> list[DecodeSample]:
+    """Each probe model's decode steps (seconds, `PROBE_MODELS` order) as its point of the fit."""
+    return [
+        DecodeSample(
+            n_embd=model.shape.n_embd,
+            n_blocks=model.n_blocks,
+            weight_bytes=model.weight_bytes,
+            step_ms=low_quantile(samples) * 1e3,
+            median_ms=statistics.median(samples) * 1e3,
+            min_ms=min(samples) * 1e3,
+            max_ms=max(samples) * 1e3,
+            repetitions=len(samples),
+        )
+        for model, samples in zip(PROBE_MODELS, times, strict=True)
+    ]
+
+
+def device_fit(decode: Sequence[DecodeSample]) -> tuple[LineFit, bool]:
+    """The line through the decode steps and whether the device was steady while they were timed
+    (`is_steady`): least squares where it was; where not, the line under every step (`fit_below`),
+    since a busy machine inflated the long steps more than the short ones, and least squares would
+    read that as overhead."""
+    xs, ys = [d.weight_bytes for d in decode], [d.step_ms / 1e3 for d in decode]
+    fit = fit_line(xs, ys)
+    if fit.slope > 0 and is_steady(fit, decode):
+        return fit, True
+    return fit_below(xs, ys), False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,7 +510,8 @@ def _loaded(llama_cpp: Any, paths: Sequence[Path], threads: int, gpu: bool) -> I
 
 
 def _time_decode(stages: Sequence[LlamaStage], progress: ProgressFn) -> list[list[float]]:
-    """Rounds of one step on every model, always in the same cyclic order.
+    """Rounds of one step on every model, always in the same cyclic order; where the steps are not
+    steady by the usual deadline (a busy device), more rounds until they are, or BUSY_DEADLINE_S.
 
     Interleaving spreads a neighbour's burst of load over all sizes instead of bending the line,
     and the fixed order means no model is ever timed right after itself: between two steps on one
@@ -454,6 +533,11 @@ def _time_decode(stages: Sequence[LlamaStage], progress: ProgressFn) -> list[lis
             rounds >= MIN_ROUNDS_AT_DEADLINE and spent >= DECODE_DEADLINE_S
         ):
             break
+    while time.perf_counter() - started < BUSY_DEADLINE_S and not device_fit(decode_samples(times))[1]:
+        for stage, samples in zip(stages, times, strict=True):
+            samples.append(stage.decode_step())
+        rounds += 1
+        progress(f"timing decode steps ({rounds} rounds; the device is busy)", 1.0)
     return times
 
 
@@ -512,22 +596,8 @@ def run_probe(progress: ProgressFn = _quiet) -> DeviceProbe:
             decode_times = _time_decode(stages, step("timing decode steps", 0.2, 0.65))
             prefill_times = _time_prefill(stages[PREFILL_MODEL], step("timing prompt processing", 0.85, 0.15))
 
-    decode = [
-        DecodeSample(
-            n_embd=model.shape.n_embd,
-            n_blocks=model.n_blocks,
-            weight_bytes=model.weight_bytes,
-            step_ms=low_quantile(samples) * 1e3,
-            median_ms=statistics.median(samples) * 1e3,
-            min_ms=min(samples) * 1e3,
-            max_ms=max(samples) * 1e3,
-            repetitions=len(samples),
-        )
-        for model, samples in zip(PROBE_MODELS, decode_times, strict=True)
-    ]
-    fit = fit_line([d.weight_bytes for d in decode], [d.step_ms / 1e3 for d in decode])
-    if fit.slope <= 0:
-        raise ProbeError("decode time did not grow with model size; the device is too busy to measure, try again")
+    decode = decode_samples(decode_times)
+    fit, steady = device_fit(decode)
     prefill_s = low_quantile(prefill_times)
     prefill_elements = PROBE_MODELS[PREFILL_MODEL].matmul_elements
     try:
@@ -541,14 +611,15 @@ def run_probe(progress: ProgressFn = _quiet) -> DeviceProbe:
             backend="gpu" if gpu else "cpu",
             devices=devices,
             weight_type=WEIGHT_TYPE,
-            statistic=f"{round(QUANTILE * 100)}th percentile of each size's steps",
+            statistic=f"{round(QUANTILE * 100)}th percentile of each size's steps"
+            + ("" if steady else "; busy: the line under them"),
             threads=threads,
             llama_cpp_version=str(getattr(llama_cpp, "__version__", "unknown")),
             cpu_features=reported_features(system_info()),
             repack=repack_choice(),
             fit=fit,
             intercept_clamped=fit.intercept < 0,
-            steady=is_steady(fit, decode),
+            steady=steady,
             decode=decode,
             prefill=PrefillSample(
                 tokens=PREFILL_TOKENS,
