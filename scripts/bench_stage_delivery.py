@@ -138,8 +138,9 @@ def bytecode_env(pycache: Path) -> dict[str, str]:
 def compile_machines_imports(pycache: Path) -> None:
     """Compile into `pycache` what `kafila host` and `kafila join` import, as installing Kafila does
     (and as its first run does, without PYTHONDONTWRITEBYTECODE), before any session is timed."""
-    imports = (
-        "import kafila.cli.host_command, kafila.cli.join_command, kafila.runtime.llama.loading as l; l.load_llama()"
+    imports = (  # host_api: what `kafila host` loads once its join line is out
+        "import kafila.cli.host_command, kafila.cli.host_api, kafila.cli.join_command,"
+        " kafila.runtime.llama.loading as l; l.load_llama()"
     )
     subprocess.run([sys.executable, "-c", imports], env=bytecode_env(pycache), check=True, capture_output=True)
 

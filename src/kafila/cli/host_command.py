@@ -1,24 +1,28 @@
 """`kafila host`: load the model and serve the OpenAI-compatible API on this machine.
 
-The HTTP server comes up first, so `/health` can say what the session is waiting for while the
-stages load; `/v1` answers once every stage is ready. Ctrl-C ends every request in flight with
-an error, stops the stages and exits.
+The HTTP server comes up before the stages load (with members, once the join line is out), so
+`/health` can say what the session is waiting for meanwhile; `/v1` answers once every stage is
+ready. Ctrl-C ends every request in flight with an error, stops the stages and exits.
+
+The API's server and the embedded rendezvous's run on FastAPI and uvicorn, about a quarter of
+what `kafila host` imports; its members can start only once it has printed its join line. So
+their modules are loaded by name, only where and when the session needs them (as `commands.main`
+loads only the command named): the API's once that line is out, while the members start
+(`API_SERVER`), the rendezvous's where no `--rendezvous` is given (`EMBEDDED_RENDEZVOUS`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-import uvicorn
 
-from kafila.api.server import ApiConfig, create_app
 from kafila.cli.addresses import parse_host_port
 from kafila.cli.backend_view import say_backend
 from kafila.cli.bars import transfer_bars
@@ -30,7 +34,6 @@ from kafila.cli.plan_view import render_plan
 from kafila.cli.sizes import MEMORY_HELP, parse_memory
 from kafila.contracts import Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
-from kafila.network.http_guard import HEADER_TIMEOUT_S, ConnectionGate, guarded_http, raise_open_file_limit
 from kafila.planner.types import PlanRefused, ServingSpec
 from kafila.portability import reuse_listening_address, run, signals_handled
 from kafila.runtime.engine.draft_model import DraftModel, DraftRefused, check_draft, draft_footprint
@@ -43,7 +46,7 @@ from kafila.runtime.llama.loading import LlamaUnavailable, load_llama, shares_co
 from kafila.runtime.llama.threads import THREADS_HELP, CoreShare, hold_to, serving_threads, this_machine_shares
 from kafila.runtime.machine.this_machine import admit_alone, this_device
 from kafila.session.availability import Availability
-from kafila.session.host_config import HostConfig, lan_address, seconds_from_env
+from kafila.session.host_config import HostConfig, lan_address
 from kafila.session.host_model import HubOnlyModel, LocalModel
 from kafila.session.runner import HostRunner, supervised
 from kafila.untrusted import printable
@@ -51,7 +54,11 @@ from kafila.untrusted import printable
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
+    from kafila.cli.host_api import ApiServer
     from kafila.planner.report import PlanReport
+
+API_SERVER = "kafila.cli.host_api"  # loaded once the join line is out; at once for a host alone
+EMBEDDED_RENDEZVOUS = "kafila.session.embedded_rendezvous"  # loaded where no --rendezvous is given
 
 
 def _listening_socket(bind_ip: str, port: int) -> socket.socket:
@@ -271,6 +278,10 @@ def host(
         resume_within_s=resume_within, every_member_serves=every_member_serves or demo,
         speculate=speculate, member_shares=tuple(shares[1:]) if shares else (), draft_bytes=draft_bytes,
         nat_tests=nat_tests,
+        embedded_rendezvous=(
+            importlib.import_module(EMBEDDED_RENDEZVOUS).start_embedded_rendezvous
+            if n_members > 1 and external is None else None
+        ),
     )  # fmt: skip
     if draft_path is not None:
         try:
@@ -337,6 +348,9 @@ def _admit(path: Path, session: ServingSpec, memory: int | None, draft_bytes: in
 class RichUi:
     """The host's messages on stderr, with rich: stdout stays free for programs."""
 
+    def __init__(self) -> None:
+        self.code_said = asyncio.Event()  # the join line is out: the members can start
+
     def say(self, text: str) -> None:
         stderr.print(printable(text, newlines=True), markup=False, highlight=False, soft_wrap=True)
 
@@ -349,6 +363,7 @@ class RichUi:
     def announce_code(self, code: str, join_line: str, discoverable: bool = False) -> None:
         stderr.print(f"session code: [bold]{code}[/bold]", highlight=False, soft_wrap=True)
         stderr.print(join_line, highlight=False, soft_wrap=True)
+        self.code_said.set()
         if discoverable:
             stderr.print(
                 f"on this network `kafila join {code}` finds this host by itself; --rendezvous is for the others",
@@ -363,68 +378,50 @@ class RichUi:
         return transfer_bars()
 
 
-API_HEADER_TIMEOUT_ENV = "KAFILA_API_HEADER_TIMEOUT_S"  # tests shorten it
-
-
-def api_gate(open_files: int) -> ConnectionGate:
-    """The API's connection cap, well under the descriptor limit that the session's links, stage
-    files and workers share: past it a connection is refused at the door, rather than every
-    socket failing with "Too many open files". One cap for every address: clients on loopback
-    (agents, the web page) all come from one."""
-    cap = max(64, min(4096, open_files // 2))
-    return ConnectionGate(per_address=cap, total=cap)
-
-
 async def _serve(config: HostConfig) -> None:
     serving = Availability()
-    api = ApiConfig(
-        model_id=config.model.name,
-        context_per_sequence=config.session.context,
-        api_key=config.api_key,
-        allowed_hosts=frozenset(config.allowed_hosts),
-    )
-    host = HostRunner(config, serving, RichUi())
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            host.interrupt("the host is shutting down")
-            serving.events.close()  # open /events streams end now, not at the graceful-shutdown bound
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            """Ctrl-C and SIGTERM end the server through `handle_exit`, on the event loop. uvicorn's
-            own capture re-raises the signal once `serve()` returns, which would interrupt the
-            session's orderly end (telling members, closing the rendezvous) half-way."""
-            with signals_handled(asyncio.get_running_loop(), lambda signum: self.handle_exit(signum, None)):
-                yield
-
-        def install_signal_handlers(self) -> None:  # the name before uvicorn 0.29
-            return
-
-    header_timeout_s = seconds_from_env(API_HEADER_TIMEOUT_ENV, HEADER_TIMEOUT_S)
-    uvicorn_config = uvicorn.Config(
-        create_app(serving, api), log_level="warning", lifespan="off", timeout_graceful_shutdown=5, access_log=False,
-        http=guarded_http(api_gate(raise_open_file_limit()), header_timeout_s),
-        log_config=None,  # uvicorn's lines go to the program's log, where repeats are summarised
-    )  # fmt: skip
-    server = Server(uvicorn_config)
-    serve = asyncio.create_task(server.serve(sockets=[config.sock]))
-    others = config.members - 1
-    waiting = "the model to load" if not others else f"{others} member{'s' if others > 1 else ''} to join"
-    stderr.print(f"[bold]kafila[/bold] {config.model.name}: waiting for {waiting}", highlight=False)
+    ui = RichUi()
+    host = HostRunner(config, serving, ui)
+    server: ApiServer | None = None
+    stopping = asyncio.Event()  # Ctrl-C, SIGTERM, or the host could not start: no server to start
     watcher: asyncio.Task[None] | None = None
+
+    def shutting_down() -> None:
+        host.interrupt("the host is shutting down")
+        serving.events.close()  # open /events streams end now, not at the graceful-shutdown bound
+
+    def on_signal(signum: int) -> None:
+        if server is not None:
+            server.handle_exit(signum, None)
+        else:
+            stopping.set()
+            shutting_down()
 
     async def run() -> None:
         nonlocal watcher
         if await host.start():
             watcher = supervised(host.watch(), host)
         else:  # the host said why
-            server.should_exit = True
+            stopping.set()
+            if server is not None:
+                server.should_exit = True
 
+    others = config.members - 1
+    waiting = "the model to load" if not others else f"{others} member{'s' if others > 1 else ''} to join"
+    stderr.print(f"[bold]kafila[/bold] {config.model.name}: waiting for {waiting}", highlight=False)
     starting = asyncio.create_task(run())
     try:
-        await serve
+        with signals_handled(asyncio.get_running_loop(), on_signal):
+            if others:  # the members start on the join line: the API's modules load meanwhile
+                said = [asyncio.ensure_future(ui.code_said.wait()), asyncio.ensure_future(stopping.wait())]
+                await asyncio.wait((*said, starting), return_when=asyncio.FIRST_COMPLETED)
+                for waiter in said:
+                    waiter.cancel()
+            if not stopping.is_set():
+                api = await asyncio.to_thread(importlib.import_module, API_SERVER)
+                server = api.api_server(config, serving, shutting_down)
+                if not stopping.is_set():
+                    await server.serve(sockets=[config.sock])
     finally:
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

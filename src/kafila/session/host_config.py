@@ -1,6 +1,8 @@
 """What a host is started with, what a person at it sees, and where it and its members meet: the
-host's settings and the small I/O around them that the runner uses (the embedded rendezvous,
-this machine's address, the model's hash)."""
+host's settings and the small I/O around them that the runner uses (this machine's address, the
+model's hash). The embedded rendezvous is started by `HostConfig.embedded_rendezvous`
+(`session.embedded_rendezvous`): its server's modules (FastAPI, uvicorn) are loaded only by a
+host that runs one, since a host's members wait on its join line (issue 36)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,13 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kafila.contracts import FleetDevice, Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
-from kafila.network.rendezvous import Limits
-from kafila.network.rendezvous_server import RendezvousHandle, start_rendezvous
 from kafila.planner.report import PlanReport
 from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.draft_model import DraftModel
@@ -29,6 +30,9 @@ from kafila.runtime.machine.this_machine import cached_model_pricings
 from kafila.session.core import ServingPolicy
 from kafila.session.host_model import HostModel, LocalModel
 from kafila.session.presence import NatTests
+
+if TYPE_CHECKING:
+    from kafila.network.rendezvous_server import RendezvousHandle
 
 # How long admitted newcomers wait for a moment without requests before /v1 turns new ones away
 # so that the running ones can finish and the ring be replanned with them.
@@ -92,6 +96,8 @@ class HostConfig:
     draft_model: DraftModel | None = None  # what --speculate draft drafts with (`--draft`), loaded at start
     draft_bytes: int = 0  # what the draft model holds of this machine's memory: not the blocks' to use
     nat_tests: NatTests | None = None  # against the external rendezvous, begun as the command started
+    # Starts the rendezvous this host runs where `rendezvous` is None (`embedded_rendezvous.start_embedded_rendezvous`).
+    embedded_rendezvous: Callable[[HostConfig], Awaitable[RendezvousHandle]] | None = None
 
     @property
     def api_url(self) -> str:
@@ -127,23 +133,6 @@ def rendezvous_address(config: HostConfig, embedded: RendezvousHandle | None) ->
     assert embedded is not None, "with no --rendezvous, the host runs one"
     host, port = embedded.http_address
     return (lan_address() if host in ("0.0.0.0", "::") else host), port
-
-
-async def start_embedded_rendezvous(config: HostConfig) -> RendezvousHandle:
-    """The rendezvous this host runs for its members, when none is given."""
-    try:
-        bind, ports = config.rendezvous_bind, (config.rendezvous_port, config.stun_port)
-        idle = max(1.0, seconds_from_env("KAFILA_SESSION_IDLE_S", Limits().session_idle_s))
-        return await start_rendezvous(
-            bind, *ports, discovery_port=config.discovery_port, limits=Limits(session_idle_s=idle)
-        )
-    except OSError as error:
-        raise OSError(
-            f"the embedded rendezvous cannot listen on {config.rendezvous_bind} (port "
-            f"{config.rendezvous_port}, STUN port {config.stun_port}): {error.strerror or error}. Is another "
-            "kafila host running here? `--rendezvous-port 0 --stun-port 0` take free ports (the join line "
-            "says which)"
-        ) from None
 
 
 async def price_model_here_first(config: HostConfig, device: FleetDevice, model_sha256: str | None, ui: HostUi) -> None:

@@ -20,11 +20,10 @@ import functools
 import time
 from collections.abc import Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafila.contracts import FleetDevice, LoadStatus, SessionStatus
 from kafila.network.pake import TrustError
-from kafila.network.rendezvous_server import RendezvousHandle
 from kafila.network.session_codes import split_code
 from kafila.planner import PlanRefused
 from kafila.runtime.machine.this_machine import cache_dir, cached_model_pricings, this_device
@@ -41,7 +40,6 @@ from kafila.session.host_config import (
     price_model_here_first,
     rendezvous_address,
     seconds_from_env,
-    start_embedded_rendezvous,
 )
 from kafila.session.host_engines import HostEngines, no_ring
 from kafila.session.host_model import HubOnlyModel
@@ -88,6 +86,9 @@ from kafila.session.lifecycle import (
 )
 from kafila.session.local_members import DemoMembers
 from kafila.session.presence import present
+
+if TYPE_CHECKING:
+    from kafila.network.rendezvous_server import RendezvousHandle
 
 FOLLOWED = (*ANSWERED, SendAway)  # commands that take time: carried out in order, in the background
 
@@ -271,7 +272,8 @@ class HostRunner:
     async def _start_network(self) -> None:
         config = self.config
         if config.rendezvous is None:
-            self.rendezvous = await start_embedded_rendezvous(config)
+            assert config.embedded_rendezvous is not None, "a host without --rendezvous runs one"
+            self.rendezvous = await config.embedded_rendezvous(config)
         self._rendezvous_at = rendezvous_address(config, self.rendezvous)
         self._advertised = f"{self._rendezvous_at[0]}:{self._rendezvous_at[1]}"
         # Begun now, it runs while the members join: the first hash of a large model takes a minute.
