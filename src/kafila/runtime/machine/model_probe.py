@@ -56,7 +56,10 @@ from kafila.units import human_bytes
 CALIBRATION_PROMPT = "The history of the printing press begins"
 CALIBRATION_TOKENS = 48
 CALIBRATION_REPEATS = 3
-QUICK_TOKENS = 64  # the quick form's one run: a median over enough decodes that a burst of other work does not set it
+QUICK_TOKENS = 64  # the quick form's one run: enough decodes that a burst of other work does not set their figure
+# A stage whose decodes' mean is this much above their interquartile mean was timed on a busy
+# machine: many of its decodes waited for a core (quiet, the two are within a few per cent).
+BUSY_SPREAD = 1.25
 
 
 class StageTime(Strict):
@@ -81,6 +84,14 @@ class ModelStageProbe(Strict):
     # 0: the rings held the whole model. Otherwise they held blocks from this one to the last, with
     # the head, as a small model of their own (the whole did not fit); `stages` count from it.
     first_priced_block: Annotated[int, Field(ge=0)] = 0
+    # The largest over the stages of their mean decode over its interquartile mean (`busy_spread`);
+    # None where not read (the full calibration).
+    spread: Annotated[float, Field(gt=0)] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether the machine was busy while the stages were timed (`BUSY_SPREAD`)."""
+        return self.spread is not None and self.spread > BUSY_SPREAD
 
 
 class FlatLine(ProbeError):
@@ -150,6 +161,14 @@ def quick_ring(n_blocks: int, served_blocks: int) -> list[int] | None:
     short = max(1, n_blocks // 9)
     long = min(max(served_blocks, short + 1), n_blocks - 2 * short)
     return [short, long, short] if long > short else None
+
+
+def busy_spread(means: Sequence[float], typical: Sequence[float]) -> float:
+    """The largest over the stages of their mean decode over its typical one (the interquartile mean):
+    about 1 where every decode ran through, well above where many waited for a core."""
+    if not means or len(means) != len(typical) or min(typical) <= 0:
+        raise ValueError("each stage needs a mean and a typical decode time above 0")
+    return max(mean / usual for mean, usual in zip(means, typical, strict=True))
 
 
 def stage_times(divisions: Sequence[Sequence[int]], runs: Sequence[Sequence[float]]) -> list[StageTime]:
@@ -257,6 +276,7 @@ def probe_model_stages(
         divisions = [one_ring] if one_ring is not None else calibration_divisions(manifest.n_blocks, starts)
         repeats, tokens = (1, QUICK_TOKENS) if one_ring is not None else (repeats, CALIBRATION_TOKENS)
         runs: list[list[list[float]]] = [[] for _ in divisions]
+        spreads: list[float] = []
 
         def timed(counts: Sequence[int]) -> list[float]:
             engine = open_engine(source, counts, settings, Path(cache))
@@ -274,6 +294,9 @@ def probe_model_stages(
             decoded = [t for t in times if t is not None and t > 0]
             if len(decoded) != len(times):
                 raise ProbeError(f"a stage of {counts} reported no decode time: {times}")
+            means = [stage.ms_per_token or 0.0 for stage in generation.stages]
+            if one_ring is not None and min(means) > 0:
+                spreads.append(busy_spread(means, decoded))
             return decoded
 
         total = repeats * len(divisions)
@@ -289,6 +312,13 @@ def probe_model_stages(
                 raise
             progress("its block stages' times did not grow with their blocks: priced in proportion to them", 1.0)
             fit, head_bandwidth = derive_costs(manifest, stages, through_origin=True)
+    spread = max(spreads) if spreads else None
+    if spread is not None and spread > BUSY_SPREAD:
+        progress(
+            f"the machine was busy while they were timed (a stage's mean decode {spread:.1f} times its typical one): "
+            "the first plan's prices follow that load, and what the stages then serve reprices them",
+            1.0,
+        )
     progress("fitting", 1.0)
     bandwidth = 1.0 / fit.slope
     return ModelStageProbe(
@@ -300,6 +330,7 @@ def probe_model_stages(
         overhead_us=max(0.0, fit.intercept) * 1e6,
         divisions=divisions,
         stages=stages,
+        spread=spread,
     )
 
 
