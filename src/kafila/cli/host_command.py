@@ -7,8 +7,9 @@ ready. Ctrl-C ends every request in flight with an error, stops the stages and e
 The API's server and the embedded rendezvous's run on FastAPI and uvicorn, about a quarter of
 what `kafila host` imports; its members can start only once it has printed its join line. So
 their modules are loaded by name, only where and when the session needs them (as `commands.main`
-loads only the command named): the API's once that line is out, while the members start
-(`API_SERVER`), the rendezvous's where no `--rendezvous` is given (`EMBEDDED_RENDEZVOUS`).
+loads only the command named): the API's while the members start, once the join line is out and
+the host's own stage is being fetched ahead (`API_SERVER`; loaded beside that fetch's start, it
+delayed it), the rendezvous's where no `--rendezvous` is given (`EMBEDDED_RENDEZVOUS`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
     from kafila.cli.host_api import ApiServer
     from kafila.planner.report import PlanReport
 
-API_SERVER = "kafila.cli.host_api"  # loaded once the join line is out; at once for a host alone
+API_SERVER = "kafila.cli.host_api"  # loaded as the host gathers its members; at once for a host alone
 EMBEDDED_RENDEZVOUS = "kafila.session.embedded_rendezvous"  # loaded where no --rendezvous is given
 
 
@@ -348,9 +349,6 @@ def _admit(path: Path, session: ServingSpec, memory: int | None, draft_bytes: in
 class RichUi:
     """The host's messages on stderr, with rich: stdout stays free for programs."""
 
-    def __init__(self) -> None:
-        self.code_said = asyncio.Event()  # the join line is out: the members can start
-
     def say(self, text: str) -> None:
         stderr.print(printable(text, newlines=True), markup=False, highlight=False, soft_wrap=True)
 
@@ -363,7 +361,6 @@ class RichUi:
     def announce_code(self, code: str, join_line: str, discoverable: bool = False) -> None:
         stderr.print(f"session code: [bold]{code}[/bold]", highlight=False, soft_wrap=True)
         stderr.print(join_line, highlight=False, soft_wrap=True)
-        self.code_said.set()
         if discoverable:
             stderr.print(
                 f"on this network `kafila join {code}` finds this host by itself; --rendezvous is for the others",
@@ -380,8 +377,7 @@ class RichUi:
 
 async def _serve(config: HostConfig) -> None:
     serving = Availability()
-    ui = RichUi()
-    host = HostRunner(config, serving, ui)
+    host = HostRunner(config, serving, RichUi())
     server: ApiServer | None = None
     stopping = asyncio.Event()  # Ctrl-C, SIGTERM, or the host could not start: no server to start
     watcher: asyncio.Task[None] | None = None
@@ -412,10 +408,10 @@ async def _serve(config: HostConfig) -> None:
     starting = asyncio.create_task(run())
     try:
         with signals_handled(asyncio.get_running_loop(), on_signal):
-            if others:  # the members start on the join line: the API's modules load meanwhile
-                said = [asyncio.ensure_future(ui.code_said.wait()), asyncio.ensure_future(stopping.wait())]
-                await asyncio.wait((*said, starting), return_when=asyncio.FIRST_COMPLETED)
-                for waiter in said:
+            if others:  # the API's modules load while the members start, once nothing else of the host's is to do
+                waits = [asyncio.ensure_future(host.gathering.wait()), asyncio.ensure_future(stopping.wait())]
+                await asyncio.wait((*waits, starting), return_when=asyncio.FIRST_COMPLETED)
+                for waiter in waits:
                     waiter.cancel()
             if not stopping.is_set():
                 api = await asyncio.to_thread(importlib.import_module, API_SERVER)

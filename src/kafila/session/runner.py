@@ -107,6 +107,8 @@ class HostRunner:
         self.core = SessionCore(policy) if config.members > 1 else SessionCore.one_machine(policy)
         self.rendezvous_session: HostSession | None = None
         self.rendezvous: RendezvousHandle | None = None  # the embedded one, when the host runs it
+        # The code is out and the fetch ahead begun: the host waits on its members, who start now.
+        self.gathering = asyncio.Event()
         self.demo = DemoMembers(self._demo_member_failed)
         self.shell = EventShell(self.core, self._look, self._tell, self._carry_out, FOLLOWED, self.incident)
         self.engines = HostEngines(config, availability, ui, self.shell.wake_from_thread)
@@ -357,6 +359,7 @@ class HostRunner:
         network.renewing = lambda: self.core.wants_rendezvous_session
         network.rendezvous_lost = functools.partial(self._rendezvous_lost, network)
         self.shell.hand_now([Opened(join)])
+        self.gathering.set()
         try:
             await network.gather(
                 None, self._refused_while_forming, seconds_from_env("KAFILA_TRUST_EXCHANGE_S", TRUST_EXCHANGE_S)
