@@ -6,7 +6,10 @@ each wave: drafts sent, or why none (no n-gram match, the window resting, the co
 the answer's tokens/s against decoding without drafts on that ring.
 
     PYTHONPATH=$PWD/src python scripts/trace_edit_drafts.py [--trip-ms 110] [--row-ms 32] [--tokens 160]
-        [--min-ngram 2]
+        [--min-ngram 2] [--save ANSWER.json]
+
+`--save` writes the prompt's and the answer's token ids, which scripts/replay_edit_drafts.py
+replays through other drafting rules without the model.
 
 Rows computed together round otherwise than one at a time (docs/architecture.md, "Exactness"),
 so the answer is this process's, not the lab's, and a different --min-ngram may change it.
@@ -15,6 +18,7 @@ so the answer is this process's, not the lab's, and a different --min-ngram may 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -40,6 +44,7 @@ def main() -> int:
     parser.add_argument("--row-ms", type=float, default=32.0)
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--min-ngram", type=int, default=None, help="the drafter's shortest suffix (default its own)")
+    parser.add_argument("--save", type=Path, default=None, help="write the prompt's and answer's token ids here")
     args = parser.parse_args()
     model = benchmark_gemma()
     if model is None:
@@ -55,6 +60,7 @@ def main() -> int:
     reasons: Counter[str] = Counter()
     waves: list[str] = []
     ring_ms, text = 0.0, ""
+    answer: list[int] = []
     while not batcher.idle or batcher.trimming:
         for trim in batcher.take_trims():
             engine.forget(trim.slot, trim.keep)
@@ -67,8 +73,9 @@ def main() -> int:
                 why = "rest" if allowed == 0 else "none found" if found == 0 else "rule" if paying == 0 else "drafted"
         admitted = not batcher._active
         steps = batcher.plan()
-        if admitted and args.min_ngram is not None:
-            for sequence in batcher._active.values():
+        for sequence in batcher._active.values() if admitted else ():
+            answer = sequence.generated  # the list the answer's tokens go to
+            if args.min_ngram is not None:
                 sequence.drafter = NgramDrafter(prompt, min_ngram=args.min_ngram)
         if not steps:
             continue
@@ -92,6 +99,8 @@ def main() -> int:
           f"{plain_ms / ring_ms:.2f}x")  # fmt: skip
     print("each wave (drafts sent; n: none found, w: the window resting, x: the rule):", " ".join(waves))
     print(repr(text))
+    if args.save is not None:
+        args.save.write_text(json.dumps({"prompt": prompt, "answer": answer}))
     return 0
 
 
