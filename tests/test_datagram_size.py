@@ -11,9 +11,11 @@ falls back, and what was lost arrives in datagrams of 1,200.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
-from test_link_acks import ACK_ALONE, DIALLER_AT, LISTENER_AT, rows
+from test_link_acks import ACK_ALONE, rows
 from test_link_core import Pair, frames
 
 from kafila.network.datagram_size import (
@@ -124,23 +126,18 @@ class Path(Pair):
         super().__init__(config=config)
         self.carries = carries
         self.sent: dict[str, list[int]] = {"dialler": [], "listener": []}
+        for side, core in (("dialler", self.dialler), ("listener", self.listener)):
+            core.datagrams_to_send = self._narrowed(core.datagrams_to_send, self.sent[side])  # type: ignore[method-assign]
 
-    def transfer(self, drop: bool = False, lost: object = None) -> int:
-        moved = 0
-        while True:
-            out = self.dialler.datagrams_to_send(self.now)
-            back = self.listener.datagrams_to_send(self.now)
-            if not out and not back:
-                return moved
-            moved += len(out) + len(back)
-            for sent, to, source, datagrams in (
-                (self.sent["dialler"], self.listener, DIALLER_AT, out),
-                (self.sent["listener"], self.dialler, LISTENER_AT, back),
-            ):
-                for data, _ in datagrams:
-                    sent.append(len(data))
-                    if len(data) <= self.carries:
-                        to.datagram_received(data, source, self.now)
+    def _narrowed(
+        self, send: Callable[[float], list[tuple[bytes, tuple[str, int]]]], sent: list[int]
+    ) -> Callable[[float], list[tuple[bytes, tuple[str, int]]]]:
+        def carried(now: float) -> list[tuple[bytes, tuple[str, int]]]:
+            datagrams = send(now)
+            sent.extend(len(data) for data, _ in datagrams)
+            return [(data, to) for data, to in datagrams if len(data) <= self.carries]
+
+        return carried
 
     def advance(self, seconds: float, drop: bool = False, lost: object = None) -> None:
         """As `Pair.advance`, but each timer runs a microsecond after it falls due, as on a real
