@@ -60,6 +60,7 @@ from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import receive_stage_file, send_stage_file
 from kafila.planner.reachability import predict_edge
 from kafila.planner.types import EdgePrediction
+from kafila.portability import forbid_fragmentation
 from kafila.wire.frames import DType, Frame, Kind
 
 LINK_DOWN_EXIT = 3  # the agent's exit status when its link went down while held
@@ -67,6 +68,7 @@ RTT_SIZES = [(hidden, dtype) for hidden in (640, 2048, 4096) for dtype in (DType
 RTT_WARMUP = 20  # round trips per size before timing starts
 AGENT_LINE_S = 120.0  # the longest an agent may take to print a line: its own waits are shorter
 PROBE = 0x20  # first byte of raw UDP floor probes: no protocol on the member socket uses it
+IP_MTU_DISCOVER, IP_PMTUDISC_WANT = 10, 1  # Linux's, unnamed in Python: the kernel's default, fragments allowed
 Address = tuple[str, int]
 
 
@@ -129,6 +131,18 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 4)
 
 
+@contextlib.contextmanager
+def fragments_allowed(demux: DatagramDemux) -> Iterator[None]:
+    """The raw floor's datagrams (up to 16 KiB, one a frame) cross in IP fragments, as they did
+    before member sockets forbade fragmentation (`forbid_fragmentation`); forbidden again after."""
+    sock = demux._sock
+    sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_WANT)
+    try:
+        yield
+    finally:
+        forbid_fragmentation(sock)
+
+
 async def time_round_trips(link: Link, demux: DatagramDemux, target: Address, count: int) -> dict[str, Any]:
     """The measuring side: per size, `count` frame round trips over the link, then raw UDP ones.
 
@@ -158,21 +172,22 @@ async def time_round_trips(link: Link, demux: DatagramDemux, target: Address, co
         results[_size_name(hidden, dtype)] = {"bytes": len(frame.encode()), "quic_ms": quic}
     demux.register([PROBE], on_echo)
     try:
-        for result in results.values():
-            probe = bytes([PROBE]) + bytes(result["bytes"] - 1)
-            udp, lost = [], 0
-            for i in range(RTT_WARMUP + count):
-                echoed.append(loop.create_future())
-                started = time.perf_counter()
-                demux.sendto(probe, target)
-                try:
-                    await asyncio.wait_for(echoed[-1], 1.0)
-                except TimeoutError:
-                    lost += 1
-                    continue
-                if i >= RTT_WARMUP:
-                    udp.append(_ms(time.perf_counter() - started))
-            result.update(udp_ms=udp, udp_lost=lost)
+        with fragments_allowed(demux):
+            for result in results.values():
+                probe = bytes([PROBE]) + bytes(result["bytes"] - 1)
+                udp, lost = [], 0
+                for i in range(RTT_WARMUP + count):
+                    echoed.append(loop.create_future())
+                    started = time.perf_counter()
+                    demux.sendto(probe, target)
+                    try:
+                        await asyncio.wait_for(echoed[-1], 1.0)
+                    except TimeoutError:
+                        lost += 1
+                        continue
+                    if i >= RTT_WARMUP:
+                        udp.append(_ms(time.perf_counter() - started))
+                result.update(udp_ms=udp, udp_lost=lost)
         await link.send(Frame(Kind.CANCEL, 99))  # tells the echoing side we are done
     finally:
         demux.unregister([PROBE])
@@ -183,8 +198,9 @@ async def echo_round_trips(link: Link, demux: DatagramDemux) -> None:
     """The echoing side of `time_round_trips`: frames back over the link, probes back to their source."""
     demux.register([PROBE], demux.sendto)  # each probe straight back where it came from
     try:
-        while (frame := await asyncio.wait_for(link.receive(), 60)).kind is not Kind.CANCEL:
-            await link.send(frame)
+        with fragments_allowed(demux):
+            while (frame := await asyncio.wait_for(link.receive(), 60)).kind is not Kind.CANCEL:
+                await link.send(frame)
     finally:
         demux.unregister([PROBE])
 
