@@ -78,9 +78,6 @@ def test_a_member_that_costs_more_than_it_saves_stands_by_and_is_taken_in_when_a
     expected = unsplit_greedy(model, PROMPT, 8)
     joiners: list[subprocess.Popen[str]] = []
     args = ("--model", model, "--members", "3", *COMMON, "--memory", one_block_at_most(model))
-    # Before the host starts: the session's probe, which the host then finds in its cache, rather
-    # than measuring this machine itself before it prints its join line (on a loaded machine, past
-    # the minute the test waits for that line)
     slow = slow_machine(tmp_path / "slow")
     try:
         with running_host(*args, ready=False, env=CHOOSING) as host:

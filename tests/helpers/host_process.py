@@ -197,7 +197,12 @@ def running_host(
     env: dict[str, str] | None = None,
     launcher: Sequence[str] = (sys.executable, "-m", "kafila"),
 ) -> Iterator[Host]:
-    """`kafila host` with `args` on a free port; `launcher`: how `kafila` is started."""
+    """`kafila host` with `args` on a free port; `launcher`: how `kafila` is started. A host on the
+    test session's cache starts from the session's probe, as its members do (`seeded_cache`):
+    measured here, under the probe's own bound, not inside what a test allows the host to start
+    (at a load average of 16 the probe took 40 s of the 60 a join line is waited for)."""
+    if "KAFILA_CACHE" not in (env or {}):
+        session_probe()
     port = free_port()
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
         command = [*launcher, "host", "--port", str(port), *map(str, args)]
