@@ -125,11 +125,7 @@ class DraftModel:
                 for index, drafter, _ in live
                 for position, token in self._behind(drafter._slot, drafter._tokens)
             ]
-            decodes, started = self.decodes, time.perf_counter()
-            logits = self._decode(pending)
-            if len(pending) > len(live) * (MAX_DRAFT + 1):
-                self.prompt_decodes += self.decodes - decodes
-                self.prompt_s += time.perf_counter() - started
+            logits = self._decode(pending, prompt=_more_than_a_trip_brings(len(pending), len(live)))
             for round_ in range(max(limit for _, _, limit in live)):
                 pending = []
                 for index, drafter, limit in live:
@@ -167,24 +163,21 @@ class DraftModel:
         for index, drafter in enumerate(drafters):
             if not isinstance(drafter, ModelDrafter):
                 raise TypeError("only this draft model's drafters catch up here")
-            if len(drafter._tokens) - len(self._held.get(drafter._slot, [])) <= MAX_DRAFT + 1:
+            if not _more_than_a_trip_brings(len(drafter._tokens) - len(self._held.get(drafter._slot, []))):
                 continue
             behind = self._behind(drafter._slot, drafter._tokens)
-            if len(behind) > MAX_DRAFT + 1:
+            if _more_than_a_trip_brings(len(behind)):
                 pending += [(index, drafter._slot, position, token) for position, token in behind[:-1]]
                 touched.append(drafter._slot)
         if not pending:
             return
-        decodes, started = self.decodes, time.perf_counter()
         try:
-            self._decode(pending)
+            self._decode(pending, prompt=True)
         except Exception:
             for slot in touched:
                 self.model.forget(slot)
                 self._held[slot] = []
             raise
-        self.prompt_decodes += self.decodes - decodes
-        self.prompt_s += time.perf_counter() - started
 
     def _behind(self, slot: int, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """Cut `slot`'s cache to the prefix it shares with `tokens` (short of their last token,
@@ -202,9 +195,13 @@ class DraftModel:
         self._held[slot] = list(tokens[:common])
         return list(enumerate(tokens))[common:]
 
-    def _decode(self, pending: Sequence[tuple[int, int, int, int]]) -> dict[int, npt.NDArray[np.float32]]:
+    def _decode(
+        self, pending: Sequence[tuple[int, int, int, int]], prompt: bool = False
+    ) -> dict[int, npt.NDArray[np.float32]]:
         """Decode rows (drafter index, slot, position, token), n_batch at a time; the logits of
-        each drafter's last row."""
+        each drafter's last row. `prompt`: the rows catch caches up on more than a trip brings,
+        and their decodes and seconds are counted so (`prompt_decodes`, `prompt_s`)."""
+        decodes, started = self.decodes, time.perf_counter()
         last = {index: row for row, (index, _, _, _) in enumerate(pending)}
         logits: dict[int, npt.NDArray[np.float32]] = {}
         size = self.model.settings.n_batch
@@ -219,7 +216,16 @@ class DraftModel:
                 self._held[slot].append(token)
                 if outputs[i]:
                     logits[index] = self.model.logits(i)
+        if prompt:
+            self.prompt_decodes += self.decodes - decodes
+            self.prompt_s += time.perf_counter() - started
         return logits
+
+
+def _more_than_a_trip_brings(rows: int, sequences: int = 1) -> bool:
+    """Whether `rows` for `sequences` to catch up on are more than a trip brings them (a token and
+    its drafts each): a prompt or a resumed request, not what the last wave emitted."""
+    return rows > sequences * (MAX_DRAFT + 1)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
