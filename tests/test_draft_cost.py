@@ -397,10 +397,11 @@ GUESS = 1  # a simulated draft model's guess where the text it copies from has n
 
 class LookupDraftModel:
     """A simulated draft model's drafter for one sequence (`speculation.Drafter`): it drafts what
-    an n-gram lookup finds, but is no `NgramDrafter` to the batcher, which looks no free guesses
-    up with it (a real draft model's guess costs a decode)."""
+    an n-gram lookup finds, but does not guess for free (`guesses_free`), so the batcher looks no
+    guesses up with it (a real draft model's guess costs a decode)."""
 
     drawn_from = None
+    guesses_free = False
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.lookup = NgramDrafter(tokens)

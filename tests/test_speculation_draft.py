@@ -246,6 +246,7 @@ class PointMass:
     that disagrees): q is a point mass there."""
 
     drawn_from = None
+    guesses_free = False  # the batcher looks up no guesses with it, as with a draft model
 
     def __init__(self, token: int) -> None:
         self.token = token

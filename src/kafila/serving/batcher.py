@@ -549,8 +549,9 @@ class Batcher:
             if self._drafts_refused(sequence.job) is not None:
                 rooms.append(0)
                 continue
+            guesses = sequence.drafter is not None and sequence.drafter.guesses_free
             room = min(
-                self._paying(sequence.window, len(decoding), isinstance(sequence.drafter, NgramDrafter)),
+                self._paying(sequence.window, len(decoding), guesses),
                 sequence.job.max_tokens - len(sequence.generated) - 1,
                 self.context - sequence.position - 1,
                 MAX_DRAFT,
@@ -573,11 +574,13 @@ class Batcher:
         return drafts
 
     def _guess(self, sequence: _Sequence) -> int | None:
-        """The token its n-gram drafter would have drafted first, for a sequence that sends none on
-        this wave though its request could draft: looked up for free, checked when its token lands."""
-        if not isinstance(sequence.drafter, NgramDrafter) or self._drafts_refused(sequence.job) is not None:
+        """The token its drafter would have drafted first, for a sequence that sends none on this
+        wave though its request could draft, where the drafter guesses for free (an n-gram lookup):
+        checked when its token lands."""
+        drafter = sequence.drafter
+        if drafter is None or not drafter.guesses_free or self._drafts_refused(sequence.job) is not None:
             return None
-        guess = sequence.drafter.draft(1)
+        guess = drafter.draft(1)
         return guess[0] if guess else None
 
     def _draft_all(self, decoding: Sequence[_Sequence], limits: Sequence[int]) -> list[list[int]]:

@@ -260,6 +260,11 @@ class ModelDrafter:
         return self._drawn_from
 
     @property
+    def guesses_free(self) -> bool:
+        """A draft costs a decode of the draft model."""
+        return False
+
+    @property
     def samples(self) -> bool:
         """Whether drafts are drawn from the draft's distribution (a sampled request)."""
         return self._shape is not None

@@ -53,10 +53,14 @@ class Speculate(StrEnum):
 class Drafter(Protocol):
     """One sequence's source of drafts: told every token the sequence emits, asked for up to
     `limit` tokens to follow them. `drawn_from`: the distributions the last draft's tokens were
-    drawn from, a row each (speculative sampling's q), or None where each is a point mass."""
+    drawn from, a row each (speculative sampling's q), or None where each is a point mass.
+    `guesses_free`: whether a draft costs nothing worth counting (a lookup, not a decode), so that
+    the batcher may look a guess up on a wave where the sequence sends no drafts."""
 
     @property
     def drawn_from(self) -> npt.NDArray[np.float64] | None: ...
+    @property
+    def guesses_free(self) -> bool: ...
     def extend(self, tokens: Iterable[int]) -> None: ...
     def draft(self, limit: int) -> list[int]: ...
     def close(self) -> None: ...
@@ -83,6 +87,11 @@ class NgramDrafter:
     def drawn_from(self) -> None:
         """Drafts looked up, not drawn: each is a point mass."""
         return None
+
+    @property
+    def guesses_free(self) -> bool:
+        """A draft is a few dictionary lookups."""
+        return True
 
     def close(self) -> None:
         """Nothing held but the index."""
