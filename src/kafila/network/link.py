@@ -198,7 +198,9 @@ def _address(addr: Any) -> Address:
 # Verified on aioquic 1.7.2. aioquic has no public way for a server to request a client
 # certificate, nor to read the peer's certificate (aioquic issue #541), so both live here, with
 # a way to tell whether a server connection has decrypted anything from its peer yet, and ways
-# to learn of the peer's goodbye when it arrives and to say ours again (RFC 9000 §10.2).
+# to learn of the peer's goodbye when it arrives and to say ours again (RFC 9000 §10.2). aioquic
+# also has no path-MTU discovery (its datagram size is fixed by its configuration): the size
+# probes and the hooks on its congestion controller that tell the search what was lost live here.
 class _MutualTLSConnection(QuicConnection):
     """A QuicConnection whose server side asks for the client's certificate."""
 
@@ -288,8 +290,8 @@ class _MutualTLSConnection(QuicConnection):
             self._cc_packets_lost(now=now, packets=packets)
 
     def _packets_expired(self, *, packets: Iterable[QuicSentPacket]) -> None:
-        """Packets aioquic sends again at a probe timeout, with no ACK of them (or of anything sent
-        after them) come: where the path stopped carrying their size, nothing else tells."""
+        """Packets aioquic sends again at a probe timeout, no ACK of them or of anything sent after
+        them having come: where the path stopped carrying their size, nothing else tells."""
         packets = list(packets)
         if self._size_probes:
             self._size_probes.difference_update(packet.packet_number for packet in packets)
