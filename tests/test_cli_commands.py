@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from host_process import running_host, seeded_cache, until_status
+from host_process import running_host, running_rendezvous, seeded_cache, until_status
 from tiny_models import write_tiny_model
-from waiting import line_from
 
 from kafila.cli.app import app
 from kafila.cli.commands import COMMANDS, named_command
@@ -69,19 +68,8 @@ def test_neither_kafila_join_nor_kafila_host_imports_the_api_server_or_the_rende
 
 @pytest.fixture
 def rendezvous() -> Iterator[str]:
-    """A real `kafila rendezvous` on loopback: its HOST:PORT."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert line_from(server.stdout, "the rendezvous's READY line").startswith("READY")
-        http = line_from(server.stdout, "the rendezvous's HTTP line").split()
-        assert http[0] == "HTTP", http
-        yield http[1]
-    finally:
-        server.terminate()
-        server.communicate(timeout=10)
+    with running_rendezvous() as address:
+        yield address
 
 
 def test_kafila_host_loads_its_api_server_after_its_join_line_and_then_serves_it(

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from host_process import running_rendezvous
 from tiny_models import write_tiny_model
-from waiting import line_from
 
 from kafila.cli.doctor_command import Check, Findings, judge
 from kafila.contracts import NatClass
@@ -71,19 +71,8 @@ def test_what_was_not_asked_is_skipped_with_how_to_ask() -> None:
 
 @pytest.fixture(scope="module")
 def rendezvous() -> Iterator[str]:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert server.stdout is not None
-        ready = line_from(server.stdout, "the rendezvous's READY line").split()
-        http = line_from(server.stdout, "the rendezvous's HTTP line").split()
-        assert ready[0] == "READY" and http[0] == "HTTP", (ready, http)
-        yield http[1]
-    finally:
-        server.terminate()
-        server.communicate(timeout=10)
+    with running_rendezvous() as address:
+        yield address
 
 
 def doctor(*args: str) -> tuple[int, dict[str, Check]]:

@@ -20,6 +20,8 @@ from typing import Any
 from urllib.error import URLError
 from urllib.request import urlopen
 
+from waiting import line_from
+
 READY_TIMEOUT_S = 120.0
 JOIN_LINE = re.compile(r"kafila\s+join\s+(\S+)\s+--rendezvous\s+(\S+)")  # the line the host prints for its members
 
@@ -187,6 +189,23 @@ def serving_past(epoch: int) -> Callable[[dict[str, Any]], bool]:
 def serving_alone(status: dict[str, Any]) -> bool:
     """Serving with every block on the host (`kafila host` fell back to it)."""
     return bool(status.get("ready")) and [m.get("name") for m in status.get("members", [])] == ["this machine"]
+
+
+@contextmanager
+def running_rendezvous() -> Iterator[str]:
+    """A real `kafila rendezvous` on loopback, on free ports: its HTTP address, HOST:PORT."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        ready = line_from(server.stdout, "the rendezvous's READY line").split()
+        http = line_from(server.stdout, "the rendezvous's HTTP line").split()
+        assert ready[0] == "READY" and http[0] == "HTTP", (ready, http)
+        yield http[1]
+    finally:
+        server.terminate()
+        server.communicate(timeout=10)
 
 
 @contextmanager
