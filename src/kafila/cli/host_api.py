@@ -1,10 +1,10 @@
 """`kafila host`'s HTTP server: the OpenAI-compatible API, `/health` and `/status`, on uvicorn.
 
-A module of its own, which `host_command` loads once the host has printed its join line (at once
-for a host alone): FastAPI, uvicorn and the API's routes are about a quarter of what `kafila host`
-imports, and a host's members can only start once it has printed that line (issue 36). Nothing
-answers on the API before then; its socket is bound from the start, so a client's connection
-waits in its backlog rather than being refused.
+A module of its own, which `host_command` loads once the host gathers its members, its join line
+printed (at once for a host alone): FastAPI, uvicorn and the API's routes are about a quarter of
+what `kafila host` imports, and a host's members can only start once it has printed that line
+(issue 36). Nothing answers on the API before then; its socket is bound from the start, so a
+client's connection waits in its backlog rather than being refused.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`kafila host`: load the model and serve the OpenAI-compatible API on this machine.
 
-The HTTP server comes up before the stages load (with members, once the join line is out), so
+The HTTP server comes up before the stages load (with members, as the host gathers them), so
 `/health` can say what the session is waiting for meanwhile; `/v1` answers once every stage is
 ready. Ctrl-C ends every request in flight with an error, stops the stages and exits.
 
