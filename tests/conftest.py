@@ -22,6 +22,11 @@ os.environ["KAFILA_EVERY_MEMBER_SERVES"] = "1"
 os.environ["KAFILA_PRICE_MODEL"] = "off"
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # shared with the benchmarks in scripts/
+# The checkout under test is the one these tests are in, in this process and in every child it
+# starts (`python -m kafila ...`): not whichever tree an editable install last pointed at.
+SOURCE = Path(__file__).resolve().parent.parent / "src"
+sys.path.insert(0, str(SOURCE))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(SOURCE), os.environ.get("PYTHONPATH"))))
 
 
 import pytest  # noqa: E402  (after the environment above)
