@@ -156,10 +156,15 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
     dy = y - y.mean()
     slope = float(dx @ dy / (dx @ dx))
     intercept = float(y.mean() - slope * x.mean())
-    residual = y - (slope * x + intercept)
+    return LineFit(slope=slope, intercept=intercept, r_squared=_r_squared(x, y, slope, intercept))
+
+
+def _r_squared(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64], slope: float, intercept: float) -> float:
+    """How much of y's variance the line explains (1 where y does not vary)."""
+    dy = y - y.mean()
     total = float(dy @ dy)
-    r_squared = 1.0 if total == 0.0 else 1.0 - float(residual @ residual) / total
-    return LineFit(slope=slope, intercept=intercept, r_squared=r_squared)
+    residual = y - (slope * x + intercept)
+    return 1.0 if total == 0.0 else 1.0 - float(residual @ residual) / total
 
 
 def fit_through_origin(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
@@ -171,11 +176,7 @@ def fit_through_origin(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
     if not (x > 0).any():
         raise ValueError("a line through the origin needs an x above 0")
     slope = float(x @ y / (x @ x))
-    dy = y - y.mean()
-    total = float(dy @ dy)
-    residual = y - slope * x
-    r_squared = 1.0 if total == 0.0 else 1.0 - float(residual @ residual) / total
-    return LineFit(slope=slope, intercept=0.0, r_squared=r_squared)
+    return LineFit(slope=slope, intercept=0.0, r_squared=_r_squared(x, y, slope, 0.0))
 
 
 def fit_below(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
@@ -217,12 +218,8 @@ def fit_below(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
         ),
         key=lambda line: line[0] * weight_of_slope + line[1] * weight_of_intercept,
     )
-    y = np.asarray(ys, dtype=np.float64)
-    residual = y - (slope * np.asarray(xs, dtype=np.float64) + intercept)
-    dy = y - y.mean()
-    total = float(dy @ dy)
-    r_squared = 1.0 if total == 0.0 else max(0.0, 1.0 - float(residual @ residual) / total)
-    return LineFit(slope=slope, intercept=intercept, r_squared=r_squared)
+    r_squared = _r_squared(np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64), slope, intercept)
+    return LineFit(slope=slope, intercept=intercept, r_squared=max(0.0, r_squared))
 
 
 def low_quantile(samples: Sequence[float], fraction: float = QUANTILE) -> float:
