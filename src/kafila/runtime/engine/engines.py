@@ -68,10 +68,11 @@ def prefix_cut(recurrent: bool, windowed: bool) -> PrefixCut:
     return PrefixCut.AT_END if windowed else PrefixCut.ANYWHERE
 
 
-def speculation_refused_for(path: Path) -> str | None:
-    """Why drafts must not be checked on the model whose (stage) file is `path`: its family's
-    reason (`Family.speculation_refused`), or None."""
-    arch = str(FastGGUFReader(path).scalar("general.architecture", ""))
+def speculation_refused_for(source: Path | FastGGUFReader) -> str | None:
+    """Why drafts must not be checked on the model whose (stage) file is `source` (or whose header
+    it is, already read): its family's reason (`Family.speculation_refused`), or None."""
+    reader = source if isinstance(source, FastGGUFReader) else FastGGUFReader(source)
+    arch = str(reader.scalar("general.architecture", ""))
     family = FAMILIES.get(arch)
     return (family.speculation_refused or None) if family is not None else None
 
@@ -387,14 +388,15 @@ class RingEngine(_Vocabulary):
             if not isinstance(head, StageFile):
                 raise TypeError("with the head here, its stage file")
             self.head = HeadStage(head.path, settings)
-            self.speculation_refused = speculation_refused_for(head.path)
+            self.speculation_refused = speculation_refused_for(self.head.header)
             self.vocabulary, self.llama_model = self.head.vocabulary, self.head.model
             self._embed: Callable[[Sequence[int]], npt.NDArray[np.float32]] = self.head.embed
         else:
-            self._embed = TokenEmbedding(model)  # first: it holds nothing to free if the vocabulary fails
+            header = FastGGUFReader(model)  # read once: a large vocabulary's header takes ~0.07 s to parse
+            self._embed = TokenEmbedding(header)  # first: it holds nothing to free if the vocabulary fails
             self._vocabulary_only = VocabularyOnly(model)
             self.vocabulary, self.llama_model = Vocabulary(self._vocabulary_only), self._vocabulary_only
-            self.speculation_refused = speculation_refused_for(model)
+            self.speculation_refused = speculation_refused_for(header)
             self.every_row_whole = False  # a ROWS frame: each row's top entries
         self._head_range = (stages[-1].first_block, stages[-1].end_block)
         self._dtype = dtype

@@ -384,19 +384,18 @@ def _cut(held: dict[int, int], sequence_id: int, keep: int) -> int:
     return kept
 
 
-def _slice_range(path: str | os.PathLike[str]) -> tuple[int, int, int]:
+def _slice_range(reader: FastGGUFReader) -> tuple[int, int, int]:
     """The first block a stage file holds, in the whole model's numbering, how many of the model's
     it holds, and how many blocks its graph runs (identity blocks first: `families.SliceRules`)."""
-    reader = FastGGUFReader(path)
     arch = reader.scalar("general.architecture")
     runs = int(reader.scalar(f"{arch}.block_count"))
     return int(reader.scalar("kafila.slice.first_block", 0)), runs - int(reader.scalar(IDENTITY_BLOCKS_KEY, 0)), runs
 
 
-def _input_restored_at(path: str | os.PathLike[str]) -> str | None:
+def _input_restored_at(reader: FastGGUFReader) -> str | None:
     """Where a stage of this file's family puts the hidden states it is fed back into the graph
     (`Family.input_restored_at`), or None where llama.cpp takes them as they are."""
-    family = FAMILIES.get(str(FastGGUFReader(path).scalar("general.architecture")))
+    family = FAMILIES.get(str(reader.scalar("general.architecture")))
     return family.input_restored_at if family is not None else None
 
 
@@ -406,12 +405,13 @@ class BlockStage:
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
         self._ggml = GGMLBase.load()
         self._get_name = self._ggml.get_name
-        self.first_block, n_layers, runs = _slice_range(path)
+        header = FastGGUFReader(path)  # read once: a large vocabulary's header takes ~0.07 s to parse
+        self.first_block, n_layers, runs = _slice_range(header)
         self.n_layers = n_layers
         self._target = f"l_out-{runs - 1}".encode()
         self._captured: list[FloatRows] = []
         self.model = LlamaModel(
-            path, settings, eval_callback=self._on_tensor, input_restored_at=_input_restored_at(path)
+            path, settings, eval_callback=self._on_tensor, input_restored_at=_input_restored_at(header)
         )
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
@@ -540,12 +540,13 @@ class Vocabulary:
 class TokenEmbedding:
     """Rows of token_embd, dequantized as llama.cpp would, plus the family's input transform."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        reader = FastGGUFReader(path)
+    def __init__(self, source: str | os.PathLike[str] | FastGGUFReader) -> None:
+        """`source`: the model's (or a stage's) file, or its header already read."""
+        reader = source if isinstance(source, FastGGUFReader) else FastGGUFReader(source)
         arch = str(reader.scalar("general.architecture"))
         tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
         if tensor is None:
-            raise ValueError(f"{path} has no token_embd.weight")
+            raise ValueError(f"{reader.data.filename} has no token_embd.weight")
         self._reader = reader  # keeps the memory map open
         self._rows = tensor.data
         self._type = GGMLQuantizationType(tensor.tensor_type)
@@ -567,12 +568,15 @@ class HeadStage:
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
         settings = replace(settings, max_outputs=head_outputs(settings))
-        self.model = LlamaModel(path, settings, input_restored_at=_input_restored_at(path))
-        self.embed = TokenEmbedding(path)
+        # Read once for all that needs it: a 262k-token vocabulary's header takes ~0.07 s to parse,
+        # and the head loads after the host's own stage's last byte, on the way to serving.
+        self.header = FastGGUFReader(path)
+        self.model = LlamaModel(path, settings, input_restored_at=_input_restored_at(self.header))
+        self.embed = TokenEmbedding(self.header)
         self.vocabulary = Vocabulary(self.model)
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
-        self.first_block, self.n_layers, _runs = _slice_range(path)
+        self.first_block, self.n_layers, _runs = _slice_range(self.header)
         self.name = f"the head (blocks {self.first_block}-{self.first_block + self.n_layers - 1})"
         self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
         self._samplers: dict[int, Sampler] = {}  # sequences the host has this head sample (on a member)
