@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kafila.contracts import MAX_DECODE_ROWS, MAX_REPORTED_ROW_COUNTS, StageReport
+from kafila.runtime.engine.row_split import RowSplit
 from kafila.runtime.engine.sampling import Sampler, SamplerStart
 from kafila.runtime.engine.speculation import DRAFT_ROWS_PER_WAVE, MAX_DRAFT
 from kafila.runtime.gguf.families import FAMILIES, family_of
@@ -321,14 +322,17 @@ def _logits_of_steps(
     wanted: Sequence[bool] | None,
     as_tokens: bool,
     every_row: Sequence[bool] | None = None,
+    one_by_one: bool = False,
 ) -> list[npt.NDArray[np.float32] | None]:
-    """Run the steps in as few decodes as the batch allows; logits after each wanted step's last
-    row, or, for a step marked in `every_row`, after each of its rows (a matrix, row by row)."""
+    """Run the steps in as few decodes as the batch allows (with `one_by_one`, a decode each);
+    logits after each wanted step's last row, or, for a step marked in `every_row`, after each of
+    its rows (a matrix, row by row)."""
     out: list[npt.NDArray[np.float32] | None] = [None] * len(steps)
     starts = {s.sequence_id: model.next_position(s.sequence_id) for s in steps}
     completed: set[int] = set()
     try:
-        for pieces in _decodes(steps, model.settings.n_batch, max_ends=model.settings.max_outputs, every_row=every_row):
+        max_ends = 1 if one_by_one else model.settings.max_outputs
+        for pieces in _decodes(steps, model.settings.n_batch, max_ends=max_ends, every_row=every_row):
             sequences, positions, rows = _rows(pieces)
             outputs = [False] * len(sequences)
             owners: dict[int, int] = {}
@@ -576,6 +580,7 @@ class HeadStage:
         self.vocabulary = Vocabulary(self.model)
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
+        self.row_split = RowSplit()  # a wave's rows together or one decode each, as they cost here
         self.first_block, self.n_layers, _runs = _slice_range(self.header)
         self.name = f"the head (blocks {self.first_block}-{self.first_block + self.n_layers - 1})"
         self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
@@ -629,11 +634,16 @@ class HeadStage:
         block stage refuses them: on a member, the head is fed by the ring, not by the engine.
         """
         following = _following_positions(self.model, self._next_position, steps)
-        started = time.perf_counter()
-        logits = _logits_of_steps(self.model, steps, wanted, as_tokens=False, every_row=every_row)
-        self._next_position = following
         rows = sum(s.states.shape[0] for s in steps)
-        self.timer.add(time.perf_counter() - started, rows, decode)
+        single_rows = decode and rows == len(steps) and not any(every_row or ())
+        one_by_one = single_rows and self.row_split.one_by_one(rows)
+        started = time.perf_counter()
+        logits = _logits_of_steps(self.model, steps, wanted, False, every_row, one_by_one)
+        seconds = time.perf_counter() - started
+        self._next_position = following
+        self.timer.add(seconds, rows, decode)
+        if single_rows:
+            self.row_split.record(rows, seconds, one_by_one)
         return logits
 
     def forget(self, sequence_id: int, keep: int = 0) -> None:
