@@ -15,7 +15,9 @@ Each round measures every configuration once, interleaved; medians. Ratios:
 - 1 user: the ring's tokens/s against the faster plain `Llama` on one core (target 0.9).
 - 4 users: the ring's aggregate tokens/s against the one-core host's with 4 users, set against
   what the division allows, the stages' summed ms ÷ the slowest stage's (the stages' own
-  measured ms a token from /status; target 0.85 of it).
+  measured ms a token from /status; target 0.85 of it). Beside it, the split's own ceiling: the
+  unsplit model's ms a batch row ÷ the slowest stage's, which is lower where the stages' rows
+  together cost more than the unsplit model's (a split head batches its output worse).
 The load average before and after each round says how busy the shared machine was. Beside the
 rates, the CPU time each configuration spends a token (every thread of the ring's two processes,
 the prompt's prefill included), which other programs on the machine hardly move.
@@ -260,6 +262,13 @@ def main() -> None:
         f"2 members, 4 users, against one core alone with 4 users: {gained:.2f}× "
         f"(rounds: {', '.join(f'{x:.2f}' for x in per_round)}); the division allows {allowed:.2f}× "
         f"(stages' summed ms ÷ the slowest's): {gained / allowed:.2f} of it (target 0.85)"
+    )
+    unsplit = whole[0]["batched"] or whole[0]["alone"] or 0.0
+    ceiling = unsplit / max(batched) if max(batched) > 0 else float("nan")
+    print(
+        f"  the split's own ceiling: the unsplit model's ms a batch row ÷ the slowest stage's, {ceiling:.2f}× "
+        f"(below the allowance where the stages' rows together cost more than the unsplit row, "
+        f"{sum(batched):.1f} against {unsplit:.1f} ms): {gained / ceiling:.2f} of it"
     )
 
 
