@@ -120,7 +120,7 @@ def a_ring_status() -> HostStatus:
         incidents=[Incident(what="the ring broke", detail="the link to gone is down", at=1.0)],
         speculation=SpeculationStatus(
             mode="ngram", drafted_tokens=40, accepted_tokens=30, trips=10, accepted_per_trip=3.0, mean_window=4.0,
-            trip_ms=62.5, row_ms=8.25,
+            waves_behind=6, waves_stale=2, trip_ms=62.5, row_ms=8.25,
         ),
         **{name: getattr(session, name) for name in session.model_fields_set},
     )  # fmt: skip

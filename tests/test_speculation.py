@@ -4,6 +4,7 @@ checked row by row (what a stage refuses: a gap or a repeat), with and without d
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -13,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, StepResult
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.speculation import (
@@ -218,27 +220,64 @@ class ScriptedModel:
         return out
 
 
+class Departing(NgramDrafter):
+    """Drafts what greedy decoding writes next (`answer`), but with every `wrong`-th draft wrong
+    (counted along the answer), so that trips keep some drafts and reject the rest."""
+
+    def __init__(self, prompt: Sequence[int], answer: Sequence[int], n_vocab: int, wrong: int) -> None:
+        self.prompt_length, self.answer, self.n_vocab, self.wrong = len(prompt), list(answer), n_vocab, wrong
+        super().__init__(prompt)
+
+    def draft(self, limit: int) -> list[int]:
+        written = len(self) - self.prompt_length
+        drafts = self.answer[written : written + limit]
+        return [
+            (t + 1) % self.n_vocab if (written + i) % self.wrong == self.wrong - 1 else t for i, t in enumerate(drafts)
+        ]
+
+
 def serve(
-    model: ScriptedModel, jobs: Sequence[Job], speculate: Speculate, seed: int | None = None, rows: int = 16
-) -> tuple[dict[str, list[str]], Batcher]:
-    """Run jobs to the end; the text of each, and the batcher (for its stats)."""
+    model: ScriptedModel, jobs: Sequence[Job], speculate: Speculate, seed: int | None = None, rows: int = 16,
+    waves: int = 1, drafter: Callable[[Job], NgramDrafter] | None = None,
+) -> tuple[dict[str, list[str]], Batcher]:  # fmt: skip
+    """Run jobs to the end; the text of each, and the batcher (for its stats). `waves`: waves of
+    one sequence's drafts out at once (drafts in flight), kept out as the engine loop keeps them:
+    the scripted model runs each wave as it leaves and answers it as it lands, oldest first, the
+    cuts taken between (as a CANCEL follows the rows out round a ring); each wave is timed as a
+    trip of 100 ms and 1 ms a drafted row, so that the cost rule sends waves behind. `drafter`: a
+    drafter for each admitted request in place of the n-gram one."""
     batcher = Batcher(
         2, rows, 64, lambda _s: Sample(seed), lambda t: f"<{t}>".encode(), lambda t: t == END,
-        PrefixCut.ANYWHERE, speculate,
+        PrefixCut.ANYWHERE, speculate, draft_waves=waves,
     )  # fmt: skip
     for job in jobs:
         batcher.submit(job)
     texts: dict[str, list[str]] = {job.request_id: [] for job in jobs}
     finished: set[str] = set()
-    for _ in range(500):
+    out: deque[tuple[list[EngineStep], list[StepResult]]] = deque()
+    for _ in range(1000):
         for trim in batcher.take_trims():
             model.forget(trim.slot, trim.keep)
-        steps = batcher.plan()
-        if not steps:
+        for sequence in batcher._active.values():  # rejected rows, and stale waves' rows, leave no trace
+            if sequence.generated and sequence.trimmed and not sequence.in_flight:
+                assert model.cache.get(sequence.slot, []) == sequence.tokens_held()
+        while not out or (batcher.drafting_ahead and len(out) < waves):  # as `EngineLoop._fill`
+            steps = batcher.plan(ahead_only=bool(out))
+            for sequence in batcher._active.values():
+                if drafter is not None and not sequence.generated and not isinstance(sequence.drafter, Departing):
+                    sequence.drafter = drafter(sequence.job)
+            if not steps:
+                break
+            out.append((steps, model.run(steps)))
+        if not out:
             if batcher.idle:
                 break
             continue  # a request waits for its slot's cache to be cut
-        events: list[RequestEvent] = batcher.advance(model.run(steps))
+        steps, results = out.popleft()
+        events: list[RequestEvent] = batcher.advance(results)
+        if waves > 1 and all(step.decode for step in steps) and batcher.last_wave_plain:
+            drafted = sum(len(step.tokens) - 1 for step in steps)
+            batcher.trip_clock.record(drafted, 0.1 + 0.001 * drafted)
         for event in events:
             if isinstance(event, TextDelta):
                 texts[event.request_id].append(event.text)
@@ -281,6 +320,9 @@ def test_drafts_change_nothing_but_the_trips(
     stats = batcher.speculation
     assert 0 <= stats.accepted <= stats.drafted
     assert stats.mean_window <= MAX_DRAFT
+    ahead, batcher = serve(ScriptedModel(table), jobs, Speculate.NGRAM, seed, rows, waves=DRAFT_WAVES_OUT)
+    assert ahead == plain
+    assert 0 <= batcher.speculation.waves_stale <= batcher.speculation.waves_behind
 
 
 def test_a_copying_model_takes_fewer_trips_and_a_forced_reject_leaves_no_trace() -> None:
@@ -312,6 +354,36 @@ def test_a_copying_model_takes_fewer_trips_and_a_forced_reject_leaves_no_trace()
     generated = [int(piece.strip("<>")) for piece in texts["off"]]
     assert generated[:2] == [7, 9]
     assert model.cache[0][: 4 + len(generated) - 1] == [5, 7, 4, 5, *generated[:-1]]
+
+
+def test_waves_in_flight_carry_a_copy_and_a_reject_ahead_leaves_no_trace_of_them() -> None:
+    """Drafts in flight: a copy goes in waves sent behind the sequence's own waves out, every one
+    kept; where the text departs from the lookup, waves behind a reject are stale, cut with the
+    rejected rows before the next wave (the scripted cache refuses its rows otherwise, and `serve`
+    checks it holds only the accepted positions), and the text is decoding's without drafts."""
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4]
+    loop = np.full((VOCAB, VOCAB, VOCAB), -5.0, dtype=np.float32)
+    for a in range(VOCAB):  # the model copies the cycle 3..11, but after "9 10" once in three turns 5
+        for b in range(VOCAB):
+            loop[a, b, 3 if b == 11 else (b + 1 if b >= 3 else 3)] = 5.0
+    job = Job("copy", prompt, 60, SamplingSettings())
+    plain, _ = serve(ScriptedModel(loop), [job], Speculate.OFF)
+    one, single = serve(ScriptedModel(loop), [job], Speculate.NGRAM)
+    ahead, batcher = serve(ScriptedModel(loop), [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT)
+    assert ahead == one == plain
+    stats = batcher.speculation
+    assert single.speculation.waves_behind == 0
+    assert stats.waves_behind > 3 and stats.waves_stale == 0
+    assert stats.accepted == stats.drafted
+
+    answer = [int(piece.strip("<>")) for piece in plain["copy"]]  # drafts of it, every fifth wrong
+    model = ScriptedModel(loop)
+    ahead, batcher = serve(model, [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT,
+                           drafter=lambda job: Departing(job.prompt, answer, VOCAB, wrong=5))  # fmt: skip
+    assert ahead == plain
+    stats = batcher.speculation
+    assert stats.waves_behind > 0 and stats.waves_stale > 0 and stats.accepted < stats.drafted
+    assert model.cache[0][: len(prompt) + len(answer) - 1] == [*prompt, *answer[:-1]]
 
 
 def test_no_drafts_past_max_tokens_or_where_speculation_is_off() -> None:

@@ -5,15 +5,26 @@ leaves no trace in the stages' caches; a grammar-held request still validates.""
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from test_speculation import Departing
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
+from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.draft_model import DraftModel
-from kafila.runtime.engine.engines import Engine, PrefixCut, RingEngine, UnsplitEngine, prefix_cut_of
+from kafila.runtime.engine.engines import (
+    Engine,
+    EngineStep,
+    Launched,
+    PrefixCut,
+    RingEngine,
+    UnsplitEngine,
+    prefix_cut_of,
+)
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
 from kafila.runtime.engine.logprobs import TokenLogprob
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -37,35 +48,49 @@ def drive(
     drafter: Callable[[Job], NgramDrafter] | None = None,
     logprobs: dict[str, list[TokenLogprob]] | None = None,
     draft_model: DraftModel | None = None,
+    waves: int = 1,
 ) -> tuple[dict[str, str], Batcher]:
     """Serve `jobs` on `engine` as the engine loop does, one wave at a time; each request's text
     (and into `logprobs`, each one's log probabilities). `drafter`: a drafter for each admitted
-    request in place of the n-gram one; `draft_model`: what `Speculate.DRAFT` drafts with."""
+    request in place of the n-gram one; `draft_model`: what `Speculate.DRAFT` drafts with;
+    `waves`: waves of one sequence's drafts out at once (drafts in flight), launched and landed
+    as the engine loop does, each timed for the cost rule as a trip of 100 ms and 1 ms a drafted
+    row, so that it sends waves behind."""
     batcher = Batcher(
         SETTINGS.n_seq_max, 16, 256, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
         speculate, engine.speculation_refused, engine.every_row_whole,
         make_drafter=draft_model.drafter if draft_model is not None else None,
-        draft_together=draft_model.draft_many if draft_model is not None else None,
+        draft_together=draft_model.draft_many if draft_model is not None else None, draft_waves=waves,
     )  # fmt: skip
     for job in jobs:
         batcher.submit(job)
     texts = {job.request_id: "" for job in jobs}
     finished: set[str] = set()
     replaced: set[str] = set()
-    while not batcher.idle or batcher.trimming:
+    out: deque[tuple[list[EngineStep], Launched]] = deque()
+    while not batcher.idle or batcher.trimming or out:
         for trim in batcher.take_trims():
             engine.forget(trim.slot, trim.keep)
         after_each_wave(batcher)
-        steps = batcher.plan()
-        if drafter is not None:
-            for request_id, sequence in batcher._active.items():
-                if request_id not in replaced:
-                    assert not sequence.generated  # admitted in this wave: its history is its prompt
-                    sequence.drafter = drafter(sequence.job)
-                    replaced.add(request_id)
-        if not steps:
+        while not out or (batcher.drafting_ahead and len(out) < waves):  # as `EngineLoop._fill`
+            steps = batcher.plan(ahead_only=bool(out))
+            if drafter is not None:
+                for request_id, sequence in batcher._active.items():
+                    if request_id not in replaced:
+                        assert not sequence.generated  # admitted in this wave: its history is its prompt
+                        sequence.drafter = drafter(sequence.job)
+                        replaced.add(request_id)
+            if not steps:
+                break
+            out.append((steps, engine.launch(steps)))
+        if not out:
             continue
-        for event in batcher.advance(engine.step_many(steps)):
+        steps, launched = out.popleft()
+        events = batcher.advance(engine.land(launched))
+        if waves > 1 and all(step.decode for step in steps) and batcher.last_wave_plain:
+            drafted = sum(len(step.tokens) - 1 for step in steps)
+            batcher.trip_clock.record(drafted, 0.1 + 0.001 * drafted)
+        for event in events:
             assert not isinstance(event, RequestFailed), event.message
             if isinstance(event, TextDelta):
                 texts[event.request_id] += event.text
@@ -102,22 +127,6 @@ def ring(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, 
         engine.close()
 
 
-class Departing(NgramDrafter):
-    """Drafts what greedy decoding writes next (`answer`), but with every `wrong`-th draft wrong
-    (counted along the answer), so that trips keep some drafts and reject the rest."""
-
-    def __init__(self, prompt: Sequence[int], answer: Sequence[int], n_vocab: int, wrong: int) -> None:
-        self.prompt_length, self.answer, self.n_vocab, self.wrong = len(prompt), list(answer), n_vocab, wrong
-        super().__init__(prompt)
-
-    def draft(self, limit: int) -> list[int]:
-        written = len(self) - self.prompt_length
-        drafts = self.answer[written : written + limit]
-        return [
-            (t + 1) % self.n_vocab if (written + i) % self.wrong == self.wrong - 1 else t for i, t in enumerate(drafts)
-        ]
-
-
 def test_every_tiny_family_decodes_the_same_text_with_drafts(ring: tuple[str, Engine], tmp_path: Path) -> None:
     """Two requests at once, with and without drafts on the same ring: the same text. With n-gram
     drafts (which a random tiny model seldom repeats), and with drafts of greedy decoding's answer
@@ -143,6 +152,14 @@ def test_every_tiny_family_decodes_the_same_text_with_drafts(ring: tuple[str, En
         assert on.speculation_off is None, arch
         assert 0 < on.speculation.accepted < on.speculation.drafted, arch
 
+    drafted, on = drive(engine, jobs, Speculate.NGRAM, drafter=departing, waves=DRAFT_WAVES_OUT)
+    assert drafted == plain, arch  # drafts in flight: waves behind the sequence's own, made stale by rejects
+    stats = on.speculation
+    if on.speculation_off is None and engine.prefix_cut is PrefixCut.ANYWHERE:
+        assert stats.waves_stale > 0, arch
+    else:  # a sliding-window cache may reuse, for a wave behind, cells a cut back needs: none go
+        assert stats.waves_behind == 0, arch
+
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # full attention, and a sliding window
 def test_a_forced_reject_leaves_no_trace(arch: str, tmp_path: Path) -> None:
@@ -167,12 +184,17 @@ def test_a_forced_reject_leaves_no_trace(arch: str, tmp_path: Path) -> None:
         def departing(job: Job) -> NgramDrafter:
             return Departing(job.prompt, answer, engine.n_vocab(), wrong=2)
 
-        texts, batcher = drive(engine, [job], Speculate.NGRAM, cache_ends_where_the_next_row_goes, departing)
         ends = next((i for i, t in enumerate(answer) if engine.is_end(t)), len(answer))
-        assert texts["forced"] == engine.detokenize(answer[:ends])
-        stats = batcher.speculation
-        assert stats.trips > 2 and 0 < stats.accepted < stats.drafted  # one kept, the rest cut, each trip
-        assert len(checked) > 2
+        for waves in (1, DRAFT_WAVES_OUT):  # and with drafts in flight, where the cache allows them
+            checked.clear()
+            texts, batcher = drive(
+                engine, [job], Speculate.NGRAM, cache_ends_where_the_next_row_goes, departing, waves=waves
+            )
+            assert texts["forced"] == engine.detokenize(answer[:ends])
+            stats = batcher.speculation
+            assert stats.trips > 2 and 0 < stats.accepted < stats.drafted  # one kept, the rest cut, each trip
+            assert len(checked) > 2
+            assert (stats.waves_stale > 0) is (waves > 1 and engine.prefix_cut is PrefixCut.ANYWHERE)
     finally:
         engine.close()
 

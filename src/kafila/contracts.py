@@ -324,6 +324,8 @@ class SpeculationStatus(Strict):
     trips: int = 0  # trips that carried drafts
     accepted_per_trip: float = 0.0  # drafted tokens kept per such trip
     mean_window: float = 0.0  # drafted tokens per such trip
+    waves_behind: int = 0  # waves sent behind another of the same sequence's still out (drafts in flight)
+    waves_stale: int = 0  # of them, those a reject ahead made stale, their rows cut unread
     # What the cost rule weighs (`draft_cost.TripClock`): a decode wave's trip without drafts, and
     # each drafted row's cost beyond it, as the waves landed show them; None until measured.
     trip_ms: Milliseconds | None = None

@@ -64,6 +64,8 @@ class Metrics:
             "accepted_tokens": "Drafted tokens the model's own choice confirmed",
             "accepted_per_trip": "Drafted tokens kept per trip that carried drafts",
             "mean_window": "Drafted tokens per trip that carried drafts",
+            "waves_behind": "Waves of drafts sent behind another of the same request's still in the ring",
+            "waves_stale": "Waves behind a rejected draft, their rows cut unread",
         }
         for name, what in drafts.items():
             gauge = Gauge(f"kafila_speculation_{name}", what, registry=self.registry)

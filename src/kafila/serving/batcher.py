@@ -40,6 +40,16 @@ taken before the sequence's next wave), so the output, the sampler's state, gram
 strings and log probabilities are those of decoding without drafts. Where the engine cannot
 answer every row, or a family's cache cannot be cut back (a recurrent state), nothing is drafted.
 
+Drafts in flight (`draft_waves` > 1, on a ring whose waves overlap): while a sequence's drafted
+wave travels the ring, its next wave may go behind it, its rows the n-gram continuation past
+the guesses out, on the guess that the wave ahead is kept whole (its first row the guess for the
+token the wave ahead brings). It is safe for the same reason as pipelined prefill. Where the wave
+ahead keeps fewer, or brings another token, the waves behind it are stale: the `Trim` taken
+before the sequence's next wave (a CANCEL that follows their rows round the ring) cuts their rows
+with the rejected ones at every stage, and their answers are dropped unread, so no sampler, stop
+string or grammar ever sees their rows. A reject then costs the stale rows' compute, not a trip;
+`draft_cost.rows_behind` sends only rows whose expected tokens pay for it.
+
 Pure: the engine and the samplers are passed in as callables, and nothing here blocks, so the
 whole policy is testable without a model.
 """
@@ -55,7 +65,7 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
-from kafila.runtime.engine.draft_cost import MIN_EVIDENCE, TripClock, best_window
+from kafila.runtime.engine.draft_cost import MIN_EVIDENCE, TripClock, best_window, rows_behind
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, SequenceFailed, StepResult
 from kafila.runtime.engine.logprobs import HeadRow, TokenLogprob, token_logprob
 from kafila.runtime.engine.sampling import SamplerStart, SamplingSettings, TokenSampler
@@ -166,6 +176,9 @@ class _Sequence:
     drawn_from: npt.NDArray[np.float64] | None = None  # the q rows of the drafts out, where drawn from one
     shadow: int | None = None  # its n-gram guess on a wave that carried no drafts (`DraftWindow.shadowed`)
     drafted_trips: float = 0.0  # what its drafts out add to their wave, in trips, as the cost rule priced them
+    guesses_out: list[int] = field(default_factory=list)  # the tokens its waves out guess, past its last token
+    end: int = 0  # the position after its waves out's rows, where a wave behind them goes (drafts in flight)
+    stale: int = 0  # its waves out behind a reject, whose rows the next wave's cut removes: dropped as they land
 
     @property
     def prefill(self) -> list[int]:
@@ -185,6 +198,11 @@ class _Sequence:
     def in_flight(self) -> bool:
         """Whether its rows are out in a wave that has not landed yet."""
         return self.out > 0
+
+    @property
+    def live(self) -> int:
+        """Its waves out that are not stale."""
+        return self.out - self.stale
 
     @property
     def unsent(self) -> int:
@@ -222,6 +240,7 @@ class Batcher:
         chunk_rows: Callable[[int], int] | None = None,
         make_drafter: Callable[[int, list[int], SamplingSettings], Drafter] | None = None,
         draft_together: Callable[[Sequence[tuple[Drafter, int]]], list[list[int]]] | None = None,
+        draft_waves: int = 1,
     ) -> None:
         """`speculate`: what to draft with; `speculation_refused`: why the engine cannot check
         drafts (`Engine.speculation_refused`), None where it can; `every_row_whole`: whether it
@@ -232,12 +251,22 @@ class Batcher:
         `planner.prefill.prefill_chunk_rows`); None: as many as a wave has room for;
         `make_drafter`: a drafter on the draft model for a request admitted to a slot with its
         tokens and settings (`DraftModel.drafter`), which `Speculate.DRAFT` needs; `draft_together`:
-        its drafters' drafts for a wave at once (`DraftModel.draft_many`)."""
+        its drafters' drafts for a wave at once (`DraftModel.draft_many`); `draft_waves`: how many
+        waves of one sequence's drafts may be out at once (drafts in flight; 1: one, as on an
+        engine that runs a wave only as it lands)."""
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
         if prefill_chunks < 1:
             raise ValueError(f"at least one chunk of a prompt must be allowed in flight, not {prefill_chunks}")
         self.prefill_chunks = prefill_chunks
+        # Drafts in flight only where the cache holds every position. A sliding-window (or
+        # chunked) cache reuses, at a decode, cells out of the window of the sequence's last
+        # position before it: a wave behind, decoded after the drafted rows ahead of it, may
+        # reuse cells that a reject ahead, cut back before those rows, needs again (one wave's
+        # rows share a decode, `stage._decodes`, so drafts without waves behind are safe).
+        self.draft_waves = max(1, draft_waves) if prefix_cut is PrefixCut.ANYWHERE else 1
+        self._behind_steps: set[int] = set()  # the steps out that went behind a wave of their sequence (by id)
+        self.last_wave_plain = True  # whether the wave landed last was one trip of its own: no wave behind, none stale
         self._chunk_rows = chunk_rows if prefill_chunks > 1 else None
         self.last_chunk_rows: int | None = None  # the chunk length chosen for the last prompt admitted
         self.most_chunks_out = 0  # the most chunks of one prompt seen out at once, over the batcher's life
@@ -296,6 +325,7 @@ class Batcher:
         self._active.clear()
         self._queue.clear()
         self._waves.clear()
+        self._behind_steps.clear()
         self._free_slots = list(range(self.concurrency))
         self._held.clear()  # the ring that held those caches is gone
         self._to_trim.clear()
@@ -325,6 +355,7 @@ class Batcher:
         self._active.clear()
         self._queue.clear()
         self._waves.clear()
+        self._behind_steps.clear()
         self._free_slots = list(range(self.concurrency))
         self._held.clear()
         self._to_trim.clear()
@@ -438,7 +469,7 @@ class Batcher:
         now would stall its pipeline, every stage idle while it refills."""
         return any(s.out > 0 and s.unsent > 0 for s in self._active.values())
 
-    def plan(self, waves: int = 1) -> list[EngineStep]:
+    def plan(self, waves: int = 1, ahead_only: bool = False) -> list[EngineStep]:
         """The next wave: admit what fits, then one row per generating sequence and prompt chunks in the rest.
 
         Sequences with no rows in flight take part, at most 1/`waves` of the running ones
@@ -446,12 +477,19 @@ class Batcher:
         `waves` waves that follow one another round it and keep every stage busy. With pipelined
         prefill, a prompt already out in fewer than `prefill_chunks` waves, and not whole, sends
         its next chunk too, in the rows those leave. An empty wave is not recorded.
+
+        `ahead_only`: a wave beyond the `waves` the running requests split into, for drafts in
+        flight alone (`drafting_ahead`): waves behind sequences' own, and the next wave of each
+        sequence whose waves out are all stale; nothing admitted, no prompt chunk.
         """
-        while self._queue and self._free_slots:
+        while self._queue and self._free_slots and not ahead_only:
             self._admit(self._queue.popleft())
         share = math.ceil(len(self._active) / max(1, waves))  # this wave's part of the running requests
-        ready = [s for s in self._active.values() if not s.in_flight and s.trimmed][:share]
-        ready += [s for s in self._active.values() if s.in_flight and s.trimmed and self._sends_more(s)]
+        if ahead_only:
+            ready = [s for s in self._active.values() if s.stale and not s.live and s.trimmed and not s.prefilling]
+        else:
+            ready = [s for s in self._active.values() if not s.live and s.trimmed][:share]
+            ready += [s for s in self._active.values() if s.in_flight and s.trimmed and self._sends_more(s)]
         planned: list[tuple[_Sequence, EngineStep, bool]] = []
         budget = self.batch_rows
         decoding = [s for s in ready if not s.prefilling]
@@ -466,6 +504,20 @@ class Batcher:
             )  # fmt: skip
             planned.append((sequence, step, True))
             budget -= len(drafted)
+            sequence.guesses_out, sequence.end = list(drafted), sequence.position + len(step.tokens)
+        for sequence in self._active.values():
+            guesses = self._behind(sequence, budget)
+            if guesses:
+                step = EngineStep(
+                    sequence.slot, sequence.end, guesses, decode=True, top=sequence.job.sampling.top_logits,
+                    logprobs=_asked(sequence.job), every_row=True,
+                )  # fmt: skip
+                planned.append((sequence, step, True))
+                self._behind_steps.add(id(step))
+                budget -= len(guesses)
+                sequence.guesses_out += guesses
+                sequence.end += len(guesses)
+                self.speculation.waves_behind += 1
         for sequence in ready:
             if sequence.unsent > 0 and budget > 0:
                 prefill = sequence.prefill
@@ -492,6 +544,15 @@ class Batcher:
                     self.most_chunks_out = max(self.most_chunks_out, sequence.out)
         return [step for _, step, _ in planned]
 
+    @property
+    def drafting_ahead(self) -> bool:
+        """Whether a sequence may send a wave while one of its own is out (drafts in flight): one
+        whose live waves out are fewer than `draft_waves`, or one whose waves out are all stale,
+        whose next wave goes at once, behind them."""
+        if self.draft_waves < 2:
+            return False
+        return any(s.stale or 0 < s.live < self.draft_waves for s in self._active.values() if not s.prefilling)
+
     def _sends_more(self, sequence: _Sequence) -> bool:
         """Whether a prompt already out in a wave sends its next chunk too (pipelined prefill): it
         is out in fewer waves than `prefill_chunks`, with rows left to send."""
@@ -509,10 +570,18 @@ class Batcher:
         if self._waves:
             self._waves.popleft()
         events: list[RequestEvent] = []
+        self.last_wave_plain = True
         for (sequence, step, wanted), row in zip(planned, logits, strict=True):
             sequence.out -= 1
+            if id(step) in self._behind_steps:
+                self._behind_steps.discard(id(step))
+                self.last_wave_plain = False
             if self._active.get(sequence.job.request_id) is not sequence:
                 continue  # cancelled while the step ran
+            if step.decode and sequence.stale:
+                sequence.stale -= 1
+                self.last_wave_plain = False
+                continue  # behind a reject: cut with the rejected rows, its answer unread (cancelled on a ring)
             if isinstance(row, SequenceFailed):
                 events.append(self._fail(sequence, f"this request failed: {row.message}"))
                 continue
@@ -572,6 +641,36 @@ class Batcher:
                 sequence.window.skip()
                 sequence.shadow = self._guess(sequence)
         return drafts
+
+    def _behind(self, sequence: _Sequence, rows: int) -> list[int]:
+        """The rows of a wave behind the sequence's waves out (drafts in flight), at most `rows`:
+        the n-gram continuation past the guesses out, as many of its tokens as pay
+        (`draft_cost.rows_behind`). None unless it has live waves out, fewer than `draft_waves`,
+        the first of them with drafts; none before the ring's rows are measured, or where the
+        lookup no longer continues the guesses out. Only n-gram drafts, whose guesses are free: a
+        draft model's are decodes on the host before the wave leaves, and keeping a sampled
+        request's drafts from it needs their q rows (`drawn_from`), one set out at a time."""
+        drafter, cost = sequence.drafter, self.trip_clock.cost
+        if (
+            not 0 < sequence.live < self.draft_waves or sequence.prefilling or not sequence.trimmed
+            or not sequence.guesses_out or drafter is None or not drafter.guesses_free or cost is None or cost.stale
+            or self.speculation_off is not None or self._drafts_refused(sequence.job) is not None
+        ):  # fmt: skip
+            return []
+        out = len(sequence.guesses_out)
+        room = min(
+            rows,
+            MAX_DRAFT + 1,
+            sequence.job.max_tokens - len(sequence.generated) - (sequence.end - sequence.position),
+            self.context - sequence.end - 1,
+        )
+        if room <= 0:
+            return []
+        continuation = drafter.draft(out + room)
+        if continuation[:out] != sequence.guesses_out:
+            return []
+        guesses = continuation[out:]
+        return guesses[: rows_behind(sequence.window.accept.rate, out, len(guesses), cost, MAX_DRAFT)]
 
     def _guess(self, sequence: _Sequence) -> int | None:
         """The token its drafter would have drafted first, for a sequence that sends none on this
@@ -685,6 +784,7 @@ class Batcher:
         draft iff the draw equals it is min(1, p/q) with q = 1, and a draw that differs is the
         residual's."""
         drafts = step.tokens[1:]
+        sequence.guesses_out = sequence.guesses_out[len(drafts) :]  # those behind this wave's, if any
         drawn_from, sequence.drawn_from = sequence.drawn_from, None
         accepted = 0
         events: list[RequestEvent] = []
@@ -703,10 +803,18 @@ class Batcher:
                 continue
             break
         sequence.window.landed(len(drafts), accepted, sequence.drafted_trips)
+        sequence.drafted_trips = 0.0  # a wave behind this one added rows to the ring's work, not to a trip
         self.speculation.record(len(drafts), accepted)
-        if accepted < len(drafts) and self._active.get(sequence.job.request_id) is sequence:
+        if self._active.get(sequence.job.request_id) is not sequence:
+            return events
+        behind = sequence.guesses_out
+        if accepted < len(drafts) or (behind and behind[0] != sequence.generated[-1]):
             self._to_trim.append(Trim(sequence.slot, sequence.position))
             sequence.trimmed = False
+            sequence.stale, sequence.guesses_out = sequence.out, []  # the waves behind it guessed otherwise
+            self.speculation.waves_stale += sequence.out
+        elif behind:
+            sequence.guesses_out = behind[1:]  # the wave behind fed the token this one brought
         return events
 
     @staticmethod

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from kafila.contracts import StageReport
 from kafila.planner.prefill import PrefillCosts, costs_from, prefill_chunk_rows
 from kafila.planner.waves import WaveCosts, decode_waves, wave_costs_from
+from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
 from kafila.runtime.engine.ring import StageFailed, waves_override
@@ -132,6 +133,7 @@ class EngineLoop:
             chunk_rows=lambda rows: prefill_chunk_rows(rows, self.prefill_costs, out_at_once, batch_rows),
             make_drafter=draft_model.drafter if draft_model is not None else None,
             draft_together=self._draft_many if draft_model is not None else None,
+            draft_waves=DRAFT_WAVES_OUT if engine.depth > 1 else 1,  # one process runs a wave as it lands
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
@@ -290,7 +292,8 @@ class EngineLoop:
             with self._lock:
                 before = self.batcher.tokens_generated
                 self._undelivered = self.batcher.advance(results)
-                if all(step.decode for step in steps):  # what drafted rows cost, for the cost rule
+                # What drafted rows cost, for the cost rule: from waves that were a trip of their own.
+                if all(step.decode for step in steps) and self.batcher.last_wave_plain:
                     self.batcher.trip_clock.record(sum(len(step.tokens) - 1 for step in steps), elapsed)
                     self._landed.append((time.perf_counter(), self.batcher.running, self._waves_used))
                 self._count(
@@ -317,9 +320,11 @@ class EngineLoop:
         while not (in_flight and self._report_due()):
             with self._lock:
                 waves = self._waves_now()
-                if len(in_flight) >= max(waves, self._chunks_out if self.batcher.pipelining else 1):
+                out = max(waves, self._chunks_out if self.batcher.pipelining else 1)
+                ahead = len(in_flight) >= out  # beyond them, waves of drafts in flight alone
+                if ahead and not (self.batcher.drafting_ahead and len(in_flight) < out + self.batcher.draft_waves - 1):
                     break
-                steps = self.batcher.plan(waves)
+                steps = self.batcher.plan(waves, ahead_only=ahead)
             if not steps:
                 break
             in_flight.append((self.engine.launch(steps), steps, time.perf_counter()))

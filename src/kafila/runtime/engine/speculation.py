@@ -228,6 +228,8 @@ class SpeculationStats:
     accepted: int = 0  # of those, kept
     trips: int = 0  # trips that carried drafts
     window_sum: int = 0  # the windows those trips carried, summed
+    waves_behind: int = 0  # waves sent behind another of the same sequence's still out (drafts in flight)
+    waves_stale: int = 0  # of them, those a reject ahead made stale: their rows cut unread
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
