@@ -14,6 +14,10 @@ ring edges one way (1.5 × the per-hop round trip) plus every stage's compute (t
 measured ms per token, from /status, batched rows for 4 users). The ratio is measured / floor
 for tokens/s (1.0 is the floor; below it, the rest is overhead).
 
+The host runs with `--speculate off`: the floor counts one row a token, and drafts would add
+their own gains and costs, which differ by prompt (at 0 ms, 34 to 66 tokens/s over these
+prompts with n-gram drafts on); `--speculate` below measures those.
+
 Also the stage files' transfer rate as the session formed, over the relayed edge and the
 direct ones (from the host's report of each transfer), with the relay's cap beside them.
 
@@ -266,7 +270,11 @@ def main() -> int:
         draft = args.draft or model
         bench_speculation(model, args.rtts, args.tokens, args.repeats, args.arms, draft, args.workloads)
         return 0
-    with tempfile.TemporaryDirectory() as tmp, lab_session(model, Path(tmp), WanLink(FORMED_AT_RTT_MS / 4)) as session:
+    toll_only = ("--speculate", "off")  # the floor is a row a token: drafts would mix their own gains and costs in
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        lab_session(model, Path(tmp), WanLink(FORMED_AT_RTT_MS / 4), host_args=toll_only) as session,
+    ):
         rows = []
         for rtt in args.rtts:
             set_rtt(session, rtt)
