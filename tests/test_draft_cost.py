@@ -179,6 +179,69 @@ def test_the_clock_finds_the_trip_and_the_row_and_shrugs_off_delayed_waves() -> 
     assert clock.cost.row_ms == pytest.approx(25, abs=1) and not clock.cost.stale
 
 
+# The NAT lab's loopback ring, quiet (bench_wan.py at 0 ms): a trip of 25 ms, and a wave that
+# carries drafts 19 ms more than its rows' cost of 10 ms each (one drafted row added 29 ms, two 40,
+# three 49).
+LOOPBACK_TRIP_MS, DRAFTING_MS, LOOPBACK_ROW_MS = 25.0, 19.0, 10.0
+
+
+def loopback_drafted_ms(drafts: int) -> float:
+    """What `drafts` drafted rows add to a loopback trip."""
+    return DRAFTING_MS + LOOPBACK_ROW_MS * drafts if drafts > 0 else 0.0
+
+
+def test_the_clock_prices_what_carrying_drafts_adds_to_a_wave_once_not_a_row() -> None:
+    """Waves whose drafts add a fixed part and then a cost a row: the clock prices the counts it
+    has not seen on the line through the drafted waves, so a window of three, which pays, is not
+    priced as three rows at the first row's slope through the trip, which would not."""
+    clock = TripClock()
+    for drafted in (0, 1, 0, 2, 0, 3, 1, 0, 2, 0):
+        clock.record(drafted, (LOOPBACK_TRIP_MS + loopback_drafted_ms(drafted)) / 1e3)
+    cost = clock.cost
+    assert cost is not None and cost.trip_ms == pytest.approx(LOOPBACK_TRIP_MS)
+    assert cost.fixed_ms == pytest.approx(DRAFTING_MS) and cost.row_ms == pytest.approx(LOOPBACK_ROW_MS)
+    assert cost.drafted_ms(7) == pytest.approx(loopback_drafted_ms(7))
+    assert cost.drafted_ms(0) == 0.0
+    assert best_window(1.0, cost.trip_ms, cost.row_ms, MAX_DRAFT, drafted_ms=cost.drafted_ms) == MAX_DRAFT
+    assert best_window(1.0, cost.trip_ms, cost.drafted_ms(1), MAX_DRAFT) == 0  # one row's slope: none pays
+    linear = TripClock()  # a ring whose rows cost the same with or without a fixed part: none is seen
+    for drafted in (0, 1, 0, 2, 0, 3, 1, 0, 2, 0):
+        linear.record(drafted, (40 + 15 * drafted) / 1e3)
+    assert linear.cost is not None and linear.cost.fixed_ms == pytest.approx(0, abs=1e-9)
+    assert linear.cost.row_ms == pytest.approx(15)
+    for _ in range(CLOCK_WAVES):  # drafts stopped: the fixed part is trusted less, as the rows are
+        clock.record(0, LOOPBACK_TRIP_MS / 1e3)
+    stale = clock.cost
+    assert stale is not None and stale.stale and stale.fixed_ms < DRAFTING_MS
+    assert stale.fixed_ms / stale.row_ms == pytest.approx(DRAFTING_MS / LOOPBACK_ROW_MS)
+
+
+def test_a_copy_on_loopback_drafts_long_windows_where_one_draft_costs_a_trip() -> None:
+    """On the loopback ring above one draft never pays (29 ms for a trip of 25) but a copy's
+    window of seven does (8 tokens for 114 ms against 200): the copy, its rows measured by an
+    earlier copy, opens its window on its free guesses and goes faster than without drafts,
+    and free text stays within 5% of its time without them."""
+    copy = (Job("copy", [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], 120, SamplingSettings()),)
+    ring = (LOOPBACK_TRIP_MS, 0.0)
+    plain, plain_s, _ = simulate(CYCLE, copy, Speculate.OFF, None, *ring, drafted_ms=loopback_drafted_ms)
+    _, _, measured = simulate(CYCLE, WARM_JOBS, Speculate.NGRAM, None, *ring, drafted_ms=loopback_drafted_ms)
+    drafted, drafted_s, batcher = simulate(
+        CYCLE, copy, Speculate.NGRAM, None, *ring, measured, drafted_ms=loopback_drafted_ms
+    )
+    assert drafted == plain
+    assert plain_s / drafted_s > 1.5, (plain_s, drafted_s, batcher.speculation)
+    for table_seed in range(16):
+        if (answer := long_free_text_answer(table_seed, *ring, loopback_drafted_ms)) is None:
+            continue
+        table, text, text_s = answer
+        _, _, measured = simulate(CYCLE, WARM_JOBS, Speculate.NGRAM, table_seed, *ring, drafted_ms=loopback_drafted_ms)
+        chat, chat_s, _ = simulate(
+            table, FREE_TEXT_JOBS, Speculate.NGRAM, table_seed, *ring, measured, drafted_ms=loopback_drafted_ms
+        )
+        assert chat["chat"] == text
+        assert text_s / chat_s >= 0.95, table_seed
+
+
 def test_a_sequence_s_drafts_lose_it_no_more_than_their_share_of_its_trips() -> None:
     """Three drafts kept in a row make the accept rate 1.0, and on loopback's costs the window
     would grow to five drafts, all missed in free text (table 327): the ledger lets a trip carry
@@ -257,7 +320,7 @@ def test_a_count_of_rows_the_waves_show_is_priced_as_they_show_it() -> None:
     for drafted in (1, 3, 4, 7):
         assert cost.drafted_ms(drafted) == pytest.approx(tiled_ms(drafted))
     assert cost.drafted_ms(7) < cost.drafted_ms(4)
-    assert cost.drafted_ms(5) == pytest.approx(5 * cost.row_ms)  # never seen: the line
+    assert cost.drafted_ms(5) == pytest.approx(cost.fixed_ms + 5 * cost.row_ms)  # never seen: the line
     for _ in range(CLOCK_WAVES - 1):  # drafts stopped: what each count cost stays while recent waves drafted
         clock.record(0, 0.04)
     assert clock.cost is not None and clock.cost.drafted_ms(7) == pytest.approx(tiled_ms(7))
@@ -360,11 +423,15 @@ FREE_TEXT_JOBS = (Job("chat", FREE_TEXT_PROMPT, 200, SamplingSettings()),)
 WARM_JOBS = (Job("warm", WARM_COPY, 60, SamplingSettings()),)
 
 
-def long_free_text_answer(table_seed: int, trip_ms: float, row_ms: float) -> tuple[np.ndarray, str, float] | None:
+def long_free_text_answer(
+    table_seed: int, trip_ms: float, row_ms: float, drafted_ms: Callable[[int], float] | None = None
+) -> tuple[np.ndarray, str, float] | None:
     """The free-text table of `table_seed`, its sampled answer without drafts on this ring and
     that answer's seconds; None where the answer is shorter than ANSWERS_ASKED tokens."""
     table = table_of(table_seed, peaked=False)
-    plain, plain_s, _ = simulate(table, FREE_TEXT_JOBS, Speculate.OFF, table_seed, trip_ms, row_ms)
+    plain, plain_s, _ = simulate(
+        table, FREE_TEXT_JOBS, Speculate.OFF, table_seed, trip_ms, row_ms, drafted_ms=drafted_ms
+    )
     if plain_s * 1e3 < ANSWERS_ASKED * trip_ms:
         return None
     return table, plain["chat"], plain_s

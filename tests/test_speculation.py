@@ -141,6 +141,27 @@ def test_a_rest_ends_early_once_free_guesses_land_in_a_row() -> None:
     assert window.guessed == 0
 
 
+def test_free_guesses_that_land_in_a_row_open_the_window_as_kept_drafts_would() -> None:
+    """A window of one after a trip whose drafts were all missed (on loopback one draft does not
+    pay, so none is sent): g right guesses in a row open it to 2g + 1, up to MAX_DRAFT; a wrong one stops the
+    run without shrinking it; a trip whose drafts were all kept opens it to twice them and one."""
+    window = DraftWindow()
+    window.landed(FIRST_WINDOW, 0)
+    assert window.allowed == 1
+    opened = []
+    for _ in range(4):
+        window.skip()
+        window.shadowed(True)
+        opened.append(window.allowed)
+    assert opened == [3, 5, MAX_DRAFT, MAX_DRAFT]
+    window.shadowed(False)
+    assert window.allowed == MAX_DRAFT and window.guessed == 0
+    window.landed(3, 1)
+    assert window.allowed == 2
+    window.landed(1, 1)  # fewer than the window allowed, all kept
+    assert window.allowed == 3
+
+
 @given(st.lists(st.integers(0, MAX_DRAFT), max_size=8), st.integers(0, 20))
 def test_drafted_rows_are_shared_fairly(wanted: list[int], rows: int) -> None:
     shares = draft_shares(wanted, rows)

@@ -741,7 +741,10 @@ class Batcher:
         shrunk = clock.draft_stale or (cost is not None and cost.stale)
         if shrunk and guesses and window.accept.seen < MIN_EVIDENCE:
             return 0  # a cost shrunk while nothing drafted is tried again on evidence, not on hope
-        limit = window.allowed if window.trips else 1  # a sequence's first drafts, on hope alone: one
+        # A sequence's first drafts on hope alone: one; on its free guesses' evidence, its window
+        # (where carrying drafts at all costs about a trip, one draft never pays and a copy's
+        # guesses that land would otherwise wait for a stale measure to draft at all).
+        limit = window.allowed if window.trips or window.accept.seen >= MIN_EVIDENCE else 1
         if clock.draft_stale:
             limit = min(limit, 1)  # its first draft measures the decode afresh
         afford = window.ledger.affordable * (1 + 1e-9)  # in trips; what its drafts may still lose it

@@ -19,8 +19,12 @@ same rounds (one decode a round for all of them), so d counts once, not once a s
 
 Rows are not all priced alike: a batched product tiles its rows, so on a CPU head (gemma-3-270m,
 llama.cpp's Q8_0 output matrix) a trip of 4 or 8 rows of logits costs less than one of 5 or 9,
-and the second row costs twice what the eighth does. A count of drafted rows the recent waves
-show often enough is priced as they show it; the others at the fitted cost a row.
+and the second row costs twice what the eighth does. And a wave that carries drafts at all costs
+more than its rows: on the NAT lab's loopback ring (quiet, a trip of 25 ms) one drafted row added
+29 ms, two 40, three 49, so priced through the trip at one row's slope a window of three looked
+dearer than it is and only one draft was ever weighed. A count of drafted rows the recent waves
+show often enough is priced as they show it; the others on the line through the drafted waves
+(what drafting adds once, then a cost a row) where those show one, else at the fitted cost a row.
 
 `TripClock` measures T and c from the waves the engine loop lands (their drafted rows and wall
 times; nothing is sent to measure them) and d from the draft model's decodes as it drafts,
@@ -41,6 +45,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import combinations
+
+from kafila.planner.waves import fit_stage
 
 # The waves a trip's cost is measured over: recent enough to follow a load that changes, enough
 # for a median to shrug off a few waves the operating system delayed.
@@ -111,19 +117,22 @@ def best_window(
 
 @dataclass(frozen=True)
 class TripCost:
-    """What a wave costs: `trip_ms` without drafts, and `row_ms` more for each drafted row, or
-    for a count of drafted rows the recent waves showed often enough, what they took beyond the
-    trip (`seen`: (rows, ms) pairs)."""
+    """What a wave costs: `trip_ms` without drafts, and with k drafted rows `fixed_ms` + k·`row_ms`
+    more, or for a count of drafted rows the recent waves showed often enough, what they took
+    beyond the trip (`seen`: (rows, ms) pairs)."""
 
     trip_ms: float
     row_ms: float
     seen: tuple[tuple[int, float], ...] = ()
     stale: bool = False  # no recent wave carried drafts: the rows' cost is an old measure, shrunk
     draft_ms: float = 0.0  # a draft model's decode, a drafted token (`TripClock.drafting`); 0: free drafts
+    fixed_ms: float = 0.0  # what a wave's carrying drafts adds beyond its rows' cost
 
     def drafted_ms(self, rows: int) -> float:
-        """What `rows` drafted rows add to a trip: as measured where seen, else at `row_ms` a row."""
-        return next((ms for count, ms in self.seen if count == rows), rows * self.row_ms)
+        """What `rows` drafted rows add to a trip: as measured where seen, else on the line."""
+        if rows <= 0:
+            return 0.0
+        return next((ms for count, ms in self.seen if count == rows), self.fixed_ms + rows * self.row_ms)
 
     def added_trips(self, drafts: int, sharing: int = 1) -> float:
         """What a sequence's `drafts` drafts add to a wave of `sharing` sequences, in trips, as
@@ -139,7 +148,10 @@ class TripClock:
     """The recent decode waves' drafted rows and wall times, and the trip cost they show: the
     Theil–Sen line through them (the median of the slopes between waves with different drafted
     rows), which a few delayed waves do not move, and the trip the median of the waves without
-    drafts (the line's median intercept where there are few). None until waves with two different
+    drafts (the line's median intercept where there are few). Where the waves with drafts show two
+    counts or more and their own line (`fit_stage`) meets no drafts above the trip, the rows are
+    priced on it: what drafting adds to a wave once (`TripCost.fixed_ms`), then its slope a row.
+    None until waves with two different
     numbers of drafted rows have landed, MIN_DRAFTED_WAVES of them with drafts; a row's cost (and
     a count's) then stays as last seen while the recent waves show no more (every sequence
     drafting nothing), shrinking by STALE_DECAY a wave once none of them carried drafts (so that
@@ -197,6 +209,7 @@ class TripClock:
         self.waves.append((drafted_rows, wave_ms))
         last = self.cost
         row_ms = last.row_ms if last is not None else None
+        fixed_ms = last.fixed_ms if last is not None else 0.0
         seen = dict(last.seen) if last is not None else {}  # a count no longer drafted: as last seen
         if last is not None and last.stale and drafted_rows > 0:
             # The first drafted wave after a stale spell prices rows at once: every count's old
@@ -204,17 +217,20 @@ class TripClock:
             believed, extra = last.drafted_ms(drafted_rows), max(0.0, wave_ms - last.trip_ms)
             scale = extra / believed if believed > 0 else 1.0
             row_ms = last.row_ms * scale if believed > 0 else extra / drafted_rows
+            fixed_ms = last.fixed_ms * scale if believed > 0 else 0.0
             seen = {rows: ms * scale for rows, ms in seen.items()} | {drafted_rows: extra}
         stale = len(self.waves) == self.waves.maxlen and not any(rows for rows, _ in self.waves)
         if stale:
             self.draft_trust *= STALE_DECAY
         if stale and row_ms is not None:
             row_ms *= STALE_DECAY
+            fixed_ms *= STALE_DECAY
             seen = {rows: STALE_DECAY * ms for rows, ms in seen.items()}
         if sum(rows > 0 for rows, _ in self.waves) >= MIN_DRAFTED_WAVES:
             slopes = [(b_ms - a_ms) / (b - a) for (a, a_ms), (b, b_ms) in combinations(self.waves, 2) if a != b]
             if slopes:
                 row_ms = max(0.0, statistics.median(slopes))
+                fixed_ms = 0.0
         if row_ms is None:
             return
         # The trip follows the waves without drafts where there are some, so that where drafts
@@ -225,6 +241,9 @@ class TripClock:
         else:
             trip_ms = statistics.median(ms - row_ms * rows for rows, ms in self.waves)
         trip_ms = max(trip_ms, 1e-3)
+        drafted_line = fit_stage([(rows, ms) for rows, ms in self.waves if rows > 0])
+        if drafted_line is not None and drafted_line.step_ms > trip_ms:
+            row_ms, fixed_ms = drafted_line.row_ms, drafted_line.step_ms - trip_ms
         by_count: dict[int, list[float]] = {}
         for rows, ms in self.waves:
             if rows > 0:
@@ -232,7 +251,7 @@ class TripClock:
         for rows, times in by_count.items():
             if len(times) >= MIN_SAME_WAVES:
                 seen[rows] = max(0.0, statistics.median(times) - trip_ms)
-        self.cost = TripCost(trip_ms, row_ms, tuple(sorted(seen.items())), stale, self.draft_ms)
+        self.cost = TripCost(trip_ms, row_ms, tuple(sorted(seen.items())), stale, self.draft_ms, fixed_ms)
 
 
 @dataclass

@@ -124,10 +124,13 @@ class NgramDrafter:
         return []
 
 
-# How the window moves. It starts small (a first draft is a guess), goes from k to 2k + 1 on a
-# trip whose drafts were all accepted (2, 5, then MAX_DRAFT: a trip of 8 rows, a count that
-# batches well; `draft_cost` prices the counts between as measured), and falls to one more than
-# what was accepted otherwise. Trips whose drafts are all rejected
+# How the window moves. It starts small (a first draft is a guess), goes to 2k + 1 after a trip
+# whose k drafts were all accepted (2, 5, then MAX_DRAFT: a trip of 8 rows, a count that batches
+# well; `draft_cost` prices the counts between as measured), and falls to one more than what was
+# accepted otherwise. Free guesses that land g in a row open it to 2g + 1 as kept drafts would:
+# where one drafted row costs about a trip (loopback) a window of one never pays, though the copy
+# under way would pay a longer one, and a window that only grows on drafts sent stays at one.
+# Trips whose drafts are all rejected
 # count against the sequence; after MISSES_TO_REST in a row it rests (sends no drafts) for a
 # number of trips that doubles each time, up to MAX_REST, then tries again.
 FIRST_WINDOW = 2
@@ -167,9 +170,12 @@ class DraftWindow:
     def shadowed(self, kept: bool) -> None:
         """A trip that carried no drafts, its drafter's guess checked against the token it brought:
         evidence for the accept rate at no row's cost, so a sequence whose drafts stopped paying
-        sees its text turn to copying, or stay free. GUESSES_TO_WAKE right in a row end a rest."""
+        sees its text turn to copying, or stay free. GUESSES_TO_WAKE right in a row end a rest;
+        outside one, right guesses in a row open the window as kept drafts do."""
         self.accept.guessed(kept)
         self.guessed = self.guessed + 1 if kept else 0
+        if kept and not self.resting:
+            self.size = min(MAX_DRAFT, max(self.size, 2 * self.guessed + 1))
         if self.resting and self.guessed >= GUESSES_TO_WAKE:
             self.resting = 0
 
@@ -188,7 +194,7 @@ class DraftWindow:
         self.accept.landed(drafted, accepted)
         self.ledger.landed(drafted, accepted, drafted_trips)
         if accepted == drafted:
-            self.size = min(MAX_DRAFT, 2 * self.size + 1) if drafted >= self.size else self.size
+            self.size = min(MAX_DRAFT, max(self.size, 2 * drafted + 1))
             self.misses, self.rest = 0, FIRST_REST
         elif accepted > 0:
             self.size = max(1, accepted + 1)
