@@ -165,6 +165,7 @@ def speculation_rates(
                 "decode_s": sum(r["seconds"] - r["ttft_s"] for r in results[mode]),
                 "drafted": now["drafted_tokens"] - was["drafted_tokens"],
                 "kept_all": kept,
+                "drafted_trips": trips,  # one user: the waves that carried drafts
                 "rate": statistics.median(decode_rate(r) for r in results[mode]),
                 "rates": [decode_rate(r) for r in results[mode]],
                 "tokens": statistics.median(r["tokens"] for r in results[mode]),
@@ -176,6 +177,7 @@ def speculation_rates(
             stages = status["stages"]
             out[mode]["stages_ms"] = sum(s.get("ms_per_token_alone") or s.get("ms_per_token") or 0.0 for s in stages)
             out[mode]["trip_ms"], out[mode]["row_ms"] = now.get("trip_ms"), now.get("row_ms")
+            out[mode]["fixed_ms"] = now.get("fixed_ms")  # what a wave's carrying drafts adds once
             out[mode]["draft_ms"] = now.get("draft_ms")
     return out
 
@@ -214,9 +216,9 @@ def bench_speculation(
     print("at the end: " + ", ".join(f"{load:.1f}" for load in loads) + f". Draft model (draft arm): {draft.name}.")
     print("Ring limit: one token a trip of 1.5 × RTT + Σ stage ms (off's stages, /status); an arm's is that times")
     print("its tokens a trip, as if drafted rows were free. Trip, rows, draft decode: the cost rule's (/status).")
-    print("Drafts' own effect: the arm's decode time against that time less its drafted rows (at the rule's")
-    print("fitted row) and draft decodes plus a trip for each draft kept, on its own ring: what the drafts")
-    print("did, without the sessions' difference.\n")
+    print("Drafts' own effect: the arm's decode time against that time less its drafted waves' cost (at the")
+    print("rule's fitted line: what carrying drafts adds to a wave, then a row) and draft decodes plus a trip")
+    print("for each draft kept, on its own ring: what the drafts did, without the sessions' difference.\n")
     print("| per-hop RTT | workload | arm | tokens | off tokens/s | limit | arm tokens/s | limit | arm / off "
           "| drafts' own effect | tokens a trip | drafts kept a drafted trip | drafts a drafted trip "
           "| same text |")  # fmt: skip
@@ -228,19 +230,24 @@ def bench_speculation(
             for arm in arms:
                 a, b, on = off[name], row[arm][name], row[arm]
                 trip_ms, row_ms, draft_ms = on["trip_ms"] or 0.0, on["row_ms"] or 0.0, on["draft_ms"] or 0.0
-                undrafted_s = b["decode_s"] + (b["kept_all"] * trip_ms - b["drafted"] * (row_ms + draft_ms)) / 1e3
+                drafted_ms = b["drafted_trips"] * (on["fixed_ms"] or 0.0) + b["drafted"] * (row_ms + draft_ms)
+                undrafted_s = b["decode_s"] + (b["kept_all"] * trip_ms - drafted_ms) / 1e3
                 print(
                     f"| {row['rtt']:g} ms | {name} | {arm} | {b['tokens']:g} | {a['rate']:.1f} | {limit:.1f} "
                     f"| {b['rate']:.1f} | {limit * b['per_trip']:.1f} | {b['rate'] / a['rate']:.2f} "
                     f"| {undrafted_s / b['decode_s']:.2f} | {b['per_trip']:.2f} | {b['kept']:.2f} | {b['window']:.2f} "
                     f"| {'yes' if a['texts'] == b['texts'] else 'no'} |"
                 )
-    print("\n| per-hop RTT | arm | Σ stage ms (off) | a trip | a drafted row (fitted) | a draft decode |")
-    print("|---|---|---|---|---|---|")
+    print("\n| per-hop RTT | arm | Σ stage ms (off) | a trip | a wave with drafts, beyond its rows (fitted) "
+          "| a drafted row (fitted) | a draft decode |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         for arm in arms:
             on = row[arm]
-            shown = [f"{on[key]:.1f} ms" if on[key] is not None else "—" for key in ("trip_ms", "row_ms", "draft_ms")]
+            shown = [
+                f"{on[key]:.1f} ms" if on[key] is not None else "—"
+                for key in ("trip_ms", "fixed_ms", "row_ms", "draft_ms")
+            ]
             print(f"| {row['rtt']:g} ms | {arm} | {row['off']['stages_ms']:.1f} | {' | '.join(shown)} |")
 
 

@@ -120,7 +120,7 @@ def a_ring_status() -> HostStatus:
         incidents=[Incident(what="the ring broke", detail="the link to gone is down", at=1.0)],
         speculation=SpeculationStatus(
             mode="ngram", drafted_tokens=40, accepted_tokens=30, trips=10, accepted_per_trip=3.0, mean_window=4.0,
-            waves_behind=6, waves_stale=2, trip_ms=62.5, row_ms=8.25,
+            waves_behind=6, waves_stale=2, trip_ms=62.5, row_ms=8.25, fixed_ms=21.5,
         ),
         **{name: getattr(session, name) for name in session.model_fields_set},
     )  # fmt: skip
@@ -147,7 +147,8 @@ def test_kafila_status_shows_every_part_of_a_typed_status() -> None:
     assert "ring host-pc → laptop" in shown and "division [4, 2]" in shown
     assert "last incident" in shown and "the ring broke: the link to gone is down" in shown
     assert "drafts: ngram, 40 drafted, 30 kept, 3.00 kept a trip, window 4.0" in shown
-    assert "window 4.0; a trip 62.5 ms, a drafted row 8.2 ms more" in shown  # what the cost rule weighs
+    # What the cost rule weighs: the trip, what carrying drafts adds to a wave, then each drafted row.
+    assert "window 4.0; a trip 62.5 ms, a wave with drafts 21.5 ms more, a drafted row 8.2 ms more" in shown
 
 
 def test_kafila_status_shows_what_a_draft_model_s_decode_costs() -> None:
@@ -157,3 +158,16 @@ def test_kafila_status_shows_what_a_draft_model_s_decode_costs() -> None:
     )  # fmt: skip
     assert speculation_line(speculation).endswith("a drafted row 5.0 ms more; the draft 12.3 ms a token")
     assert "the draft" not in speculation_line(speculation.model_copy(update={"draft_ms": None}))
+
+
+def test_a_speculation_status_without_the_fixed_cost_still_reads_and_a_negative_one_is_refused() -> None:
+    """A host from before the cost rule's fixed part sends no `fixed_ms`: its status reads back,
+    and `kafila status` leaves that part out; a negative one is no measurement."""
+    wire = json.loads(json.dumps(a_ring_status().wire()))
+    assert wire["speculation"]["fixed_ms"] == 21.5
+    del wire["speculation"]["fixed_ms"]
+    older = HostStatus.model_validate(wire).speculation
+    assert older is not None and older.fixed_ms is None
+    assert speculation_line(older).endswith("; a trip 62.5 ms, a drafted row 8.2 ms more")
+    with pytest.raises(ValidationError, match="fixed_ms"):
+        SpeculationStatus.model_validate(wire["speculation"] | {"fixed_ms": -1.0})

@@ -21,6 +21,7 @@ from openai.types.shared_params import ResponseFormatText
 from serving_checks import check_concurrent_streams, unsplit_greedy, unsplit_text
 from tiny_models import write_tiny_model
 
+from kafila.contracts import SpeculationStatus
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.llama.backends import backend_report
 
@@ -253,6 +254,10 @@ def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, h
     assert info["requests_by_dialect"]["openai completions"] >= 1  # type: ignore[index]
     speculation = info["speculation"]  # n-gram drafts by default, checked in the trip they ride on
     assert speculation["mode"] == "ngram" and speculation["off"] is None, speculation  # type: ignore[index]
+    # Every figure the contract holds, the cost rule's among them (the trip, what carrying drafts
+    # adds to a wave, a drafted row: None until the waves measure them).
+    reported = SpeculationStatus.model_validate(speculation).model_fields_set
+    assert {"trip_ms", "fixed_ms", "row_ms"} <= reported and reported == set(SpeculationStatus.model_fields), reported
     assert raw(host, "/status", key=None)[0] == 401
     assert raw(host, "/metrics", key=None)[0] == 401  # with --api-key, what the session looks like is the key's too
     text = metrics(host)

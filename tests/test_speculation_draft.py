@@ -539,6 +539,7 @@ def test_kafila_host_serves_with_a_draft_model(vocabularies: dict[str, Path]) ->
     assert speculation["mode"] == "draft" and speculation["off"] is None, speculation
     assert speculation["drafted_tokens"] > 0 and speculation["accepted_tokens"] > 0, speculation
     assert speculation["draft_ms"] > 0, speculation  # its decodes as the cost rule weighs them
+    assert speculation["fixed_ms"] >= 0 and speculation["row_ms"] >= 0, speculation  # and the ring's, as measured
 
 
 def test_kafila_host_s_speculate_and_draft_must_agree(vocabularies: dict[str, Path]) -> None:

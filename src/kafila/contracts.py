@@ -326,10 +326,12 @@ class SpeculationStatus(Strict):
     mean_window: float = 0.0  # drafted tokens per such trip
     waves_behind: int = 0  # waves sent behind another of the same sequence's still out (drafts in flight)
     waves_stale: int = 0  # of them, those a reject ahead made stale, their rows cut unread
-    # What the cost rule weighs (`draft_cost.TripClock`): a decode wave's trip without drafts, and
-    # each drafted row's cost beyond it, as the waves landed show them; None until measured.
+    # What the cost rule weighs (`draft_cost.TripCost`): a decode wave's trip without drafts, what
+    # a wave's carrying drafts at all adds to it once, and each drafted row's cost beyond that, as
+    # the waves landed show them; None until measured (fixed_ms: or from a host before it).
     trip_ms: Milliseconds | None = None
     row_ms: Milliseconds | None = None
+    fixed_ms: Milliseconds | None = None
     # A draft model's decode a drafted token, on the host before the wave leaves (`--draft`): the
     # cost rule adds it to a drafted trip. None with n-gram drafts, or until the draft has drafted.
     draft_ms: Milliseconds | None = None

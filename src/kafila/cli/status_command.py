@@ -32,7 +32,10 @@ def speculation_line(speculation: SpeculationStatus) -> str:
         f"{_number(speculation.accepted_per_trip)} kept a trip, window {_number(speculation.mean_window, 1)}"
     )
     if speculation.trip_ms is not None and speculation.row_ms is not None:  # what the cost rule weighs
-        line += f"; a trip {_number(speculation.trip_ms, 1)} ms, a drafted row {_number(speculation.row_ms, 1)} ms more"
+        line += f"; a trip {_number(speculation.trip_ms, 1)} ms"
+        if speculation.fixed_ms is not None:  # what carrying drafts at all adds to a wave (a host before it: none)
+            line += f", a wave with drafts {_number(speculation.fixed_ms, 1)} ms more"
+        line += f", a drafted row {_number(speculation.row_ms, 1)} ms more"
     if speculation.draft_ms is not None:  # a draft model's own decode, before the wave leaves
         line += f"; the draft {_number(speculation.draft_ms, 1)} ms a token"
     return line

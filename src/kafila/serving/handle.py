@@ -97,6 +97,7 @@ class ServingHandle:
             accepted_tokens=stats.accepted, trips=stats.trips, accepted_per_trip=round(stats.accepted_per_trip, 3),
             mean_window=round(stats.mean_window, 3), waves_behind=stats.waves_behind, waves_stale=stats.waves_stale,
             trip_ms=round(cost.trip_ms, 2) if cost else None, row_ms=round(cost.row_ms, 2) if cost else None,
+            fixed_ms=round(cost.fixed_ms, 2) if cost else None,
             draft_ms=round(batcher.trip_clock.draft_ms, 3) if batcher.trip_clock.drafts else None,
         )  # fmt: skip
 
