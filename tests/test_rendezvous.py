@@ -6,17 +6,15 @@ import asyncio
 import json
 import logging
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import pytest
 import websockets
+from host_process import running_rendezvous
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from waiting import line_from
 
 from kafila.contracts import FleetDevice
 from kafila.network.relay import hello
@@ -1152,20 +1150,10 @@ def test_service_shutdown_tells_members() -> None:
 
 
 def test_cli_rendezvous_prints_ready_then_http_and_serves_sessions() -> None:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        ready = line_from(server.stdout, "the rendezvous's READY line").split()
-        http = line_from(server.stdout, "the rendezvous's HTTP line").split()
-        assert ready[0] == "READY" and http[0] == "HTTP", (ready, http)
+    with running_rendezvous() as address:  # READY, then HTTP; a clean exit on SIGTERM
 
         async def scenario() -> None:
-            url = f"ws://{http[1]}/v1/session"
+            url = f"ws://{address}/v1/session"
             host = await RendezvousClient.open(
                 url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
             )
@@ -1175,7 +1163,3 @@ def test_cli_rendezvous_prints_ready_then_http_and_serves_sessions() -> None:
             await host.close()
 
         run(scenario())
-    finally:
-        server.terminate()
-        server.communicate(timeout=10)
-    assert server.returncode == 0

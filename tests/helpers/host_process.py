@@ -193,7 +193,8 @@ def serving_alone(status: dict[str, Any]) -> bool:
 
 @contextmanager
 def running_rendezvous() -> Iterator[str]:
-    """A real `kafila rendezvous` on loopback, on free ports: its HTTP address, HOST:PORT."""
+    """A real `kafila rendezvous` on loopback, on free ports: its HTTP address, HOST:PORT. It
+    prints READY, then HTTP, and stops cleanly when asked to."""
     server = subprocess.Popen(
         [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -206,6 +207,7 @@ def running_rendezvous() -> Iterator[str]:
     finally:
         server.terminate()
         server.communicate(timeout=10)
+    assert server.returncode == 0, server.returncode
 
 
 @contextmanager
