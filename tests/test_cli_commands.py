@@ -68,8 +68,8 @@ def test_neither_kafila_join_nor_kafila_host_imports_the_api_server_or_the_rende
 
 @pytest.fixture
 def rendezvous() -> Iterator[str]:
-    with running_rendezvous() as address:
-        yield address
+    with running_rendezvous() as rendezvous:
+        yield rendezvous.address
 
 
 def test_kafila_host_loads_its_api_server_after_its_join_line_and_then_serves_it(

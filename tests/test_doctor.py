@@ -71,8 +71,8 @@ def test_what_was_not_asked_is_skipped_with_how_to_ask() -> None:
 
 @pytest.fixture(scope="module")
 def rendezvous() -> Iterator[str]:
-    with running_rendezvous() as address:
-        yield address
+    with running_rendezvous() as rendezvous:
+        yield rendezvous.address
 
 
 def doctor(*args: str) -> tuple[int, dict[str, Check]]:

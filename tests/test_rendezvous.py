@@ -1150,10 +1150,10 @@ def test_service_shutdown_tells_members() -> None:
 
 
 def test_cli_rendezvous_prints_ready_then_http_and_serves_sessions() -> None:
-    with running_rendezvous() as address:  # READY, then HTTP; a clean exit on SIGTERM
+    with running_rendezvous() as rendezvous:  # READY, then HTTP; a clean exit on SIGTERM
 
         async def scenario() -> None:
-            url = f"ws://{address}/v1/session"
+            url = f"ws://{rendezvous.address}/v1/session"
             host = await RendezvousClient.open(
                 url, model="m", expected_members=2, capability=device("h"), fingerprint=FP
             )

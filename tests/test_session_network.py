@@ -30,6 +30,7 @@ from host_process import (
     READY_TIMEOUT_S,
     Host,
     running_host,
+    running_rendezvous,
     said,
     seeded_cache,
     serving_alone,
@@ -53,7 +54,7 @@ from serving_checks import (
     unsplit_text,
 )
 from tiny_models import TINY_SHAPES, write_tiny_model, write_wide_model
-from waiting import line_from, until
+from waiting import until
 
 from kafila.contracts import FleetDevice
 from kafila.network.pake import TrustError
@@ -1270,33 +1271,26 @@ def test_four_streams_all_go_on_through_a_lost_member(tmp_path: Path, model: Pat
 def test_a_host_whose_rendezvous_goes_says_so_and_serves_on(tmp_path: Path, model: Path) -> None:
     """The rendezvous dies while the ring serves: the ring's own links carry on, and the host
     records that no one can join any more, with what to do."""
-    rendezvous = subprocess.Popen(
-        [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
     joiner: subprocess.Popen[str] | None = None
-    try:
-        assert line_from(rendezvous.stdout, "the rendezvous's READY line").startswith("READY")
-        address = line_from(rendezvous.stdout, "the rendezvous's HTTP line").split()[1]
+    with running_rendezvous() as rendezvous:  # the SIGKILL below is what it must end by
         args = ("--model", model, "--members", "2", "--context", "256", "--concurrency", "4", "--threads", "1",
-                "--rendezvous", address)  # fmt: skip
-        with running_host(*args, ready=False) as host:
-            code, printed = host.join_line()
-            assert printed == address
-            joiner = start_member(code, address, "member-0", tmp_path / "cache-0", "--threads", "1")
-            until_status(host, serving_past(0), "serving")
-            rendezvous.kill()
-            status = until_status(
-                host, lambda s: any(i["what"] == "the rendezvous session ended" for i in s["incidents"]),
-                "saying the rendezvous ended the session",
-            )  # fmt: skip
-            (incident,) = [i for i in status["incidents"] if i["what"] == "the rendezvous session ended"]
-            assert "no member can join" in incident["detail"] and "new code" in incident["detail"]
-            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-            result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-            assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
-    finally:
-        if joiner is not None:
-            stop(joiner)
-        rendezvous.kill()
-        rendezvous.wait(timeout=10)
+                "--rendezvous", rendezvous.address)  # fmt: skip
+        try:
+            with running_host(*args, ready=False) as host:
+                code, printed = host.join_line()
+                assert printed == rendezvous.address
+                joiner = start_member(code, rendezvous.address, "member-0", tmp_path / "cache-0", "--threads", "1")
+                until_status(host, serving_past(0), "serving")
+                rendezvous.process.kill()
+                status = until_status(
+                    host, lambda s: any(i["what"] == "the rendezvous session ended" for i in s["incidents"]),
+                    "saying the rendezvous ended the session",
+                )  # fmt: skip
+                (incident,) = [i for i in status["incidents"] if i["what"] == "the rendezvous session ended"]
+                assert "no member can join" in incident["detail"] and "new code" in incident["detail"]
+                client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+                result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+                assert result.choices[0].text == unsplit_greedy(model, PROMPT, 12)
+        finally:
+            if joiner is not None:
+                stop(joiner)

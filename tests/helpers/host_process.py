@@ -191,23 +191,35 @@ def serving_alone(status: dict[str, Any]) -> bool:
     return bool(status.get("ready")) and [m.get("name") for m in status.get("members", [])] == ["this machine"]
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """A running `kafila rendezvous`: its HTTP address, HOST:PORT, and its process, for a test that
+    kills it."""
+
+    address: str
+    process: subprocess.Popen[str]
+
+
 @contextmanager
-def running_rendezvous() -> Iterator[str]:
-    """A real `kafila rendezvous` on loopback, on free ports: its HTTP address, HOST:PORT. It
-    prints READY, then HTTP, and stops cleanly when asked to."""
+def running_rendezvous() -> Iterator[Rendezvous]:
+    """A real `kafila rendezvous` on loopback, on free ports. It prints READY, then HTTP, and stops
+    cleanly when asked to; one that ended before that must have been killed by the test."""
     server = subprocess.Popen(
         [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--stun-port", "0", "--http-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    ended_early = False
     try:
         ready = line_from(server.stdout, "the rendezvous's READY line").split()
         http = line_from(server.stdout, "the rendezvous's HTTP line").split()
         assert ready[0] == "READY" and http[0] == "HTTP", (ready, http)
-        yield http[1]
+        yield Rendezvous(http[1], server)
     finally:
-        server.terminate()
+        ended_early = server.poll() is not None
+        if not ended_early:
+            server.terminate()
         server.communicate(timeout=10)
-    assert server.returncode == 0, server.returncode
+    assert server.returncode == (-signal.SIGKILL if ended_early else 0), server.returncode
 
 
 @contextmanager
