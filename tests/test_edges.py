@@ -186,6 +186,9 @@ def test_unpunchable_edges_go_through_the_relay_and_stay_encrypted() -> None:
                 assert relayed.link.peer_address == relay and edges[2][b].link.peer_address == relay
                 assert relayed.relay_socket is not None and relayed.link.demux is relayed.relay_socket
                 assert relayed.relay_socket is not edges[2][b].relay_socket
+                # its ring frames answer what its direct edge brings, and the other way round
+                assert set(members[1].demux.member_links) == {edges[1][a].link, relayed.link}
+                assert relayed.relay_socket.member_links is members[1].demux.member_links
                 await exchange_everywhere(members, edges)
                 await relayed.link.send(Frame(Kind.PING, 7, payload=MARKER * 4))
                 assert (await asyncio.wait_for(edges[2][b].link.receive(), WAIT_S)).payload == MARKER * 4

@@ -353,3 +353,66 @@ def test_a_link_on_loopback_raises_its_datagrams_once_a_probe_arrives_and_a_toke
         await shut(link_a, link_b, a, b)
 
     run(go)
+
+
+def test_a_members_answer_to_the_next_machine_sends_the_ack_of_the_rows_it_answers() -> None:
+    """A ring of three machines on loopback: the member takes the host's rows, computes for 5 ms
+    and sends its own on to the next machine, over another link of its socket. The ACK of the
+    host's rows waits for that answer and leaves right after it (`Link.send_now`,
+    `LinkCore.answered`), not alone 1 ms into the compute, on the cores the member computes on;
+    the first token's, before the member has answered anything, keeps aioquic's pace."""
+    config = FAST.model_copy(update={"max_datagram_size": 1200, "ack_hold_s": 0.024})  # no size probes
+    tokens = 12
+    log: list[tuple[str, int]] = []
+
+    async def go() -> None:
+        host_id, member_id, next_id = (create_identity() for _ in range(3))
+        host, next_machine = await DatagramDemux.over(bound_socket()), await DatagramDemux.over(bound_socket())
+        host_at = host.local_address
+
+        def acks_to_host(way: str, data: bytes, address: tuple[str, int]) -> None:
+            if way == "out" and address == host_at and len(data) < 100:
+                log.append(("ack", len(log)))
+
+        member = await DatagramDemux.over(bound_socket(), acks_to_host)
+
+        async def link(a: DatagramDemux, a_id: Identity, b: DatagramDemux, b_id: Identity) -> tuple[Link, Link]:
+            dial = should_dial(a_id.fingerprint, b_id.fingerprint)
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    open_link(a, b.local_address, a_id, b_id.fingerprint, dial, config),
+                    open_link(b, a.local_address, b_id, a_id.fingerprint, not dial, config),
+                ),
+                WAIT,
+            )
+
+        host_link, from_host = await link(host, host_id, member, member_id)
+        to_next, next_link = await link(member, member_id, next_machine, next_id)
+        assert set(member.member_links) == {from_host, to_next}
+
+        async def serve() -> None:
+            for position in range(tokens):
+                came = await asyncio.wait_for(from_host.receive(), WAIT)
+                log.append(("received", position))
+                await asyncio.sleep(0.005)  # the member's stage computes
+                log.append(("answering", position))
+                await to_next.send(Frame.of_hidden(Kind.DECODE, 1, came.position, np.ones((1, HIDDEN), np.float32)))
+
+        serving = asyncio.create_task(serve())
+        for position in range(tokens):
+            await host_link.send(Frame.of_hidden(Kind.DECODE, 1, position, np.ones((1, HIDDEN), np.float32)))
+            assert (await asyncio.wait_for(next_link.receive(), WAIT)).position == position
+        await asyncio.wait_for(serving, WAIT)
+        log.append(("received", tokens))  # the goodbyes' datagrams are no ACKs of rows
+        await shut(host_link, from_host, to_next, next_link, host, member, next_machine)
+
+    run(go)
+    marks = {event: index for index, event in enumerate(log) if event[0] != "ack"}
+    acks = [index for index, (what, _) in enumerate(log) if what == "ack"]
+    timeline = " ".join(f"{what}{index}" for what, index in log)
+    received, answering = marks[("received", 0)], marks[("answering", 0)]
+    assert any(received < ack < answering for ack in acks), timeline  # aioquic's pace, before any answer
+    for position in range(1, tokens):
+        received, answering = marks[("received", position)], marks[("answering", position)]
+        assert not any(received < ack < answering for ack in acks), (position, timeline)
+        assert sum(answering < ack < marks[("received", position + 1)] for ack in acks) == 1, (position, timeline)

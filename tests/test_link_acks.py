@@ -1,14 +1,19 @@
 """When a link acknowledges (`LinkConfig.ack_hold_s`), with two `LinkCore`s over a simulated path
 and injected time: a ring's frame answered within the hold carries the ACK back with the answer,
-and no datagram goes for the ACK alone; anything else keeps aioquic's pace; a gap is
-acknowledged at once; an ACK that waited is neither round trip nor a rise of the path's
-queue to the sender; and a token's rows leave without arming aioquic's pacer."""
+and no datagram goes for the ACK alone; rows answered on another link (a ring of three machines)
+have their ACK go with that answer, not 1 ms into the compute, and the sender sees no more
+round trip, no probe timeout, no slower recovery and the same window for it; anything else
+keeps aioquic's pace; a gap is acknowledged at once; an ACK that waited is neither round trip
+nor a rise of the path's queue to the sender; and a token's rows leave without arming aioquic's
+pacer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
+from aioquic.quic.congestion.base import K_INITIAL_WINDOW
 from test_link_core import DIALLER_AT, LISTENER_AT, Pair, frames
 
 from kafila.network.datagram_size import BASE_DATAGRAM
@@ -118,9 +123,155 @@ def test_an_answer_slower_than_the_hold_is_acknowledged_alone_when_the_hold_ends
     assert wire.alone("listener", before) == 1
 
 
-def test_rows_that_cross_a_link_one_way_keep_aioquics_pace() -> None:
-    """On a ring of three machines the host's rows go to the first member, whose answer goes on to
-    the next: nothing comes back on that link to carry an ACK, so none waits for it."""
+def one_way_wire(config: LinkConfig) -> Wire:
+    """An up pair whose listener has answered one token's rows on another link, as the first
+    member of a ring of three answers the host's rows with its own, to the next member."""
+    wire = Wire(Pair(config=config).up())
+    wire.run(0.1)  # the handshake's last ACKs
+    one_way(wire, 1)
+    return wire
+
+
+def one_way(wire: Wire, count: int, compute_s: float = 0.003, ring_s: float = 0.012) -> list[float]:
+    """Rows one way: the dialler sends a token's rows, the listener computes for `compute_s` and
+    answers on another link (`LinkCore.answered`), the rest of the ring takes `ring_s`. When each
+    token's rows arrived whole, from its sending."""
+    pair, arrived = wire.pair, []
+    for position in range(count):
+        sent = pair.now
+        pair.dialler.send_frame(rows(position))
+        wire.send()
+        came: list[Frame] = []
+        while not came:
+            wire.run(0.0001)
+            came = frames(pair.listener)
+        assert [f.position for f in came] == [position]
+        arrived.append(pair.now - sent)
+        wire.run(compute_s)
+        if pair.listener.answered(pair.now):
+            wire.send()
+        wire.run(ring_s)
+    return arrived
+
+
+def test_rows_answered_on_another_link_have_their_ack_go_with_that_answer() -> None:
+    """On a ring of three machines each link carries rows one way: the first member answers the
+    host's rows with its own, to the next member. Their ACK waits for that answer and goes with
+    it, while the member is awake to send anyway, not alone 1 ms into its compute (aioquic's
+    pace, which had it land on the member's cores as its stage decoded: docs/benchmarks.md,
+    issue 38's pricing). One ACK a token either way."""
+    held, paced = one_way_wire(HOLDING), one_way_wire(AIOQUIC_PACE)
+    for wire, before_answer in ((held, 0), (paced, 1)):
+        pair = wire.pair
+        for position in range(20):
+            start = len(wire.sent["listener"])
+            pair.dialler.send_frame(rows(position))
+            wire.send()
+            wire.run(ONE_WAY_S + 0.003)  # the rows arrive; the member computes
+            assert [f.position for f in frames(pair.listener)] == [position]
+            assert wire.alone("listener", start) == before_answer
+            assert pair.listener.answered(pair.now) is (before_answer == 0)
+            wire.send()
+            assert len(wire.sent["listener"]) - start == wire.alone("listener", start) == 1
+            wire.run(0.012)
+            assert len(wire.sent["listener"]) - start == 1
+
+
+def test_an_answer_on_another_link_slower_than_the_hold_finds_the_ack_gone_when_the_hold_ended() -> None:
+    wire = one_way_wire(HOLDING)
+    pair = wire.pair
+    pair.dialler.send_frame(rows(1))
+    wire.send()
+    before = len(wire.sent["listener"])
+    wire.run(ONE_WAY_S + HOLDING.ack_hold_s - 0.002)
+    assert len(wire.sent["listener"]) == before  # still waiting for the answer
+    wire.run(0.004)
+    assert wire.alone("listener", before) == 1
+    assert not pair.listener.answered(pair.now)  # nothing left to send with the answer
+    wire.send()
+    assert len(wire.sent["listener"]) == before + 1
+
+
+@pytest.mark.parametrize("compute_s", [0.003, 0.018, 0.030])
+def test_rows_one_way_with_held_acks_need_no_probe_nor_retransmission(compute_s: float) -> None:
+    """The held ACK comes within the hold (20 ms), which the sender's probe timeout allows for
+    (its smoothed round trip, four deviations, and the 25 ms max_ack_delay that aioquic
+    announces, RFC 9002 §6.2.1): an answer that takes 3 ms, nearly the hold, or longer than it,
+    and the sender sends each token's three datagrams once, nothing more."""
+    wire = one_way_wire(HOLDING)
+    before = {side: len(sent) for side, sent in wire.sent.items()}
+    one_way(wire, 30, compute_s=compute_s)
+    assert len(wire.sent["dialler"]) - before["dialler"] == 3 * 30
+    assert len(wire.sent["listener"]) - before["listener"] == wire.alone("listener", before["listener"]) == 30
+
+
+@pytest.mark.parametrize("lost", [0, 1, 2])
+def test_a_loss_on_a_one_way_link_is_recovered_as_soon_as_at_aioquics_pace(lost: int) -> None:
+    """A token's first, second or last datagram lost: a gap is acknowledged at once, so the sender
+    learns of the loss and sends it again before the answer (first or second lost), and a last
+    datagram lost leaves the two before it ending no frame, acknowledged at aioquic's pace as
+    before: the frame arrives whole as soon as with aioquic's pace, and the rows after it too."""
+    arrived = {}
+    for name, config in (("held", HOLDING), ("paced", AIOQUIC_PACE)):
+        wire = one_way_wire(config)
+        wire.lost = {len(wire.sent["dialler"]) + lost}
+        arrived[name] = one_way(wire, 3, compute_s=0.003)
+    assert arrived["held"] == arrived["paced"], arrived
+    assert arrived["held"][0] > 2 * ONE_WAY_S + 0.0005  # it was lost: sent again
+
+
+def test_a_held_ack_on_a_one_way_link_is_not_round_trip_nor_a_rising_queue() -> None:
+    """The ACK waits for the member's compute, which grows from 4 to 16 ms (a machine growing
+    busy), and says so in its ACK delay: the sender's smoothed round trip stays the 0.4 ms path's,
+    as with aioquic's pace, and reno stays in slow start, its window growing by what each ACK
+    acknowledges."""
+    reno = HOLDING.model_copy(update={"congestion_control": "reno"})
+    seen = {}
+    for name, config in (("held", reno), ("paced", reno.model_copy(update={"ack_hold_s": 0.0}))):
+        wire = one_way_wire(config)
+        for token in range(40):
+            one_way(wire, 1, compute_s=0.004 + 0.0003 * token)
+        host = wire.pair.dialler
+        assert host.quic is not None
+        seen[name] = (host.rtt_ms, host.quic._loss._cc.ssthresh, host.quic._loss._cc.congestion_window)
+    rtt_ms, ssthresh, window = seen["held"]
+    assert rtt_ms is not None and rtt_ms == pytest.approx(seen["paced"][0], abs=0.02)  # the delay's 8 µs steps
+    assert ssthresh is None and window > K_INITIAL_WINDOW * BASE_DATAGRAM
+    assert seen["held"][1:] == seen["paced"][1:]
+
+
+def test_a_prefill_one_way_grows_the_window_as_at_aioquics_pace() -> None:
+    """A long prompt's chunks (64 rows, 137 datagrams each) cross a link one way: all but a chunk's
+    last datagram end no frame, and ACK_EVERY bounds what waits, so the sender's window ("rate",
+    the default) and each chunk's time across are as with aioquic's pace."""
+    seen = {}
+    for name, config in (("held", HOLDING), ("paced", AIOQUIC_PACE)):
+        wire = one_way_wire(config)
+        pair, arrived, windows = wire.pair, [], []
+        for index in range(6):
+            sent = pair.now
+            chunk = np.full((64, 640), index, dtype=np.float32)
+            pair.dialler.send_frame(Frame.of_hidden(Kind.PREFILL, 1, 64 * index, chunk))
+            wire.send()
+            came: list[Frame] = []
+            while not came:
+                wire.run(0.0001)
+                came = frames(pair.listener)
+            arrived.append(round(pair.now - sent, 6))
+            wire.run(0.010)
+            if pair.listener.answered(pair.now):
+                wire.send()
+            wire.run(0.002)
+            assert pair.dialler.quic is not None
+            windows.append(pair.dialler.quic._loss._cc.congestion_window)
+        seen[name] = (arrived, windows)
+    assert seen["held"] == seen["paced"]
+    assert max(seen["held"][1]) > 10 * K_INITIAL_WINDOW * BASE_DATAGRAM
+
+
+def test_rows_this_side_does_not_answer_keep_aioquics_pace() -> None:
+    """Rows that this side never answers on any link (`LinkCore.answered` not called: it sends no
+    ring frames) have nothing to wait for, so their ACKs keep aioquic's pace."""
     pair = Pair(config=HOLDING).up()
     wire = Wire(pair)
     wire.run(0.1)

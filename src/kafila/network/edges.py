@@ -193,7 +193,7 @@ async def _relay_socket(main: DatagramDemux) -> DatagramDemux:
         sock.bind((host, 0))
         ignore_udp_connection_resets(sock)
         sock.setblocking(False)
-        return await DatagramDemux.over(sock, main.tap)
+        return await DatagramDemux.over(sock, main.tap, member_links=main.member_links)
     except BaseException:
         sock.close()
         raise

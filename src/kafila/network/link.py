@@ -97,8 +97,9 @@ ANSWERED_KINDS = frozenset((*HIDDEN_KINDS, Kind.LOGITS, Kind.ROWS, Kind.CANCEL))
 # sender starts with (and that "rate" keeps while a ring's traffic leaves it idle), so a held ACK
 # never stops a sender; a token's rows of a hidden size up to about 900 in f32 fit.
 ACK_EVERY = 4
-# A link whose side sent ring frames within this long answers the peer on it: a ring of two
-# machines. On a longer ring each link carries rows one way, and its ACKs keep aioquic's pace.
+# A link whose side answered the peer's ring frames within this long holds their ACKs for the next
+# answer: on the same link on a ring of two machines; on a longer ring, where each link carries
+# rows one way, on the link to the next machine (`LinkCore.answered`).
 ANSWERING_S = 1.0
 
 # Application error codes in CONNECTION_CLOSE and STOP_SENDING.
@@ -154,12 +155,15 @@ class LinkConfig(BaseModel):
     # frame of the largest size the protocol allows, and 64 MiB besides (a transfer's window and a
     # chunk, or a few waves of a ring's activations, with room to spare).
     max_held_bytes: int = Field(default=MAX_PAYLOAD + (64 << 20), ge=1 << 16)
-    # How long the ACK of a datagram that ends whole ring frames (`ANSWERED_KINDS`), on a link this
-    # side answers on (`ANSWERING_S`), waits for data of ours to carry it. aioquic sends every
+    # How long the ACK of a datagram that ends whole ring frames (`ANSWERED_KINDS`), on a link
+    # whose frames this side answers (`ANSWERING_S`), waits for the answer. aioquic sends every
     # ACK alone, 1 ms after the packet; on a ring the answer follows a stage's compute some
-    # milliseconds later, and an ACK that waits for it saves a datagram each way and a wake-up
-    # to send it (docs/benchmarks.md, the per-token toll). Below the 25 ms that aioquic
-    # announces as its max_ack_delay (RFC 9000 §13.2.1). 0: aioquic's own pace.
+    # milliseconds later. On a ring of two machines it goes back on the same link and carries the
+    # ACK, which saves a datagram each way and a wake-up to send it (docs/benchmarks.md, the
+    # per-token toll); on a longer ring it goes on to the next machine, and the ACK goes with it,
+    # not 1 ms into this side's decode. Below the 25 ms that aioquic announces as its
+    # max_ack_delay (RFC 9000 §13.2.1), which the peer's probe timeout allows for. 0: aioquic's
+    # own pace.
     ack_hold_s: float = Field(default=0.020, ge=0, lt=0.025)
 
     @property
@@ -468,6 +472,7 @@ class LinkCore:
         self._acks_held = 0  # the peer's datagrams that the pending ACK answers
         self._answered_at: float | None = None  # when the latest peer datagram before our latest ring frame came
         self._held_since = now  # when the first of them came
+        self._holding = False  # the pending ACK waits for this side's answer
         # Whether the stream data of the latest datagram ended whole ring frames, so that its ACK
         # can wait; None: it carried none.
         self._ack_waits: bool | None = None
@@ -552,6 +557,22 @@ class LinkCore:
         except RuntimeError:  # the peer stopped this stream (it rejected something): use a new one
             del self._outbound[frame.sequence_id]
             self.send_frame(frame)
+
+    def answered(self, now: float) -> bool:
+        """This side sent ring frames on another link, which may answer what this one brought: on a
+        ring of three machines or more each link carries rows one way, and a member's answer to
+        its predecessor's rows goes on to its successor. An ACK held for that answer goes now,
+        while this side is awake to send anyway, and not from a timer in the middle of its next
+        decode; this link's later ring frames wait for the next answer (`_pace_ack`). Whether
+        an ACK is to go (`datagrams_to_send`)."""
+        if self.quic is None or not self.is_up:
+            return False
+        self._answered_at = self._last_heard
+        if not self._holding or self.quic.ack_due() is None:
+            return False
+        self._holding = False
+        self.quic.ack_at(now)
+        return True
 
     def finish(self, sequence_id: int) -> None:
         """End a sequence's stream without a CANCEL: the sequence is done on this edge."""
@@ -658,14 +679,16 @@ class LinkCore:
     # --- internals ---
     def _pace_ack(self, now: float, ranges_before: int) -> None:
         """When to acknowledge what just came (RFC 9000 §13.2). A datagram that ends whole ring
-        frames (`ANSWERED_KINDS`), on a link where this side answers with its own (it sent some
-        within ANSWERING_S), is answered soon by data going back, which carries the ACK
-        (`send_frame`): its ACK waits up to `ack_hold_s` for that, rather than going alone after
-        aioquic's 1 ms and waking this side to send it. Anything else (a frame still arriving, a
-        stage file, a control message, the handshake, a link the rows cross one way), or
-        ACK_EVERY datagrams waiting, keeps aioquic's pace; a gap in the packet numbers is
-        acknowledged at once, so that the peer learns of a loss sooner."""
+        frames (`ANSWERED_KINDS`), on a link whose frames this side answers (it did within
+        ANSWERING_S), is answered soon: by data going back, which carries the ACK (`send_frame`),
+        or on a longer ring by frames to the next machine, which send it (`answered`). Its ACK
+        waits up to `ack_hold_s` for that, rather than going alone after aioquic's 1 ms and
+        waking this side to send it, in the middle of its compute. Anything else (a frame still
+        arriving, a stage file, a control message, the handshake, frames this side does not
+        answer), or ACK_EVERY datagrams waiting, keeps aioquic's pace; a gap in the packet
+        numbers is acknowledged at once, so that the peer learns of a loss sooner."""
         assert self.quic is not None
+        self._holding = False
         due = self.quic.ack_due()
         if due is None or not self.is_up:  # nothing asks for an ACK, or the handshake's: aioquic's
             return
@@ -676,6 +699,7 @@ class LinkCore:
             self.quic.ack_at(now)
         elif self._ack_waits is True and self._acks_held < ACK_EVERY and self._answering(now):
             self.quic.ack_at(self._held_since + self.config.ack_hold_s)
+            self._holding = True
         else:
             self.quic.ack_at(min(due, self._held_since + K_GRANULARITY))
 
@@ -905,11 +929,18 @@ class DatagramDemux(asyncio.DatagramProtocol):
     idle link sees batches of one, so latency is unchanged.
     """
 
-    def __init__(self, tap: Callable[[str, bytes, Address], None] | None = None) -> None:
+    def __init__(
+        self,
+        tap: Callable[[str, bytes, Address], None] | None = None,
+        member_links: dict[Link, None] | None = None,
+    ) -> None:
         self.transport: asyncio.DatagramTransport | None = None
         self.tap = tap
         self._handlers: dict[int, Handler] = {}
         self._links: dict[Address, Link] = {}
+        # Every link of this member, over this socket and over its relayed edges' own (which share
+        # the member socket's): ring frames sent on one may answer what another brought.
+        self.member_links: dict[Link, None] = {} if member_links is None else member_links
         self._sock: Any = None  # the socket itself, to read a batch per wake-up (only with `over`)
         # Whether the socket's datagrams leave unfragmented: only then can a link learn from a probe
         # what its path carries (a fragmented one may arrive where its size could not).
@@ -924,15 +955,17 @@ class DatagramDemux(asyncio.DatagramProtocol):
         sock: Any,
         tap: Callable[[str, bytes, Address], None] | None = None,
         receive_buffer: int | None = RECEIVE_BUFFER,
+        member_links: dict[Link, None] | None = None,
     ) -> DatagramDemux:
         """Take over a bound UDP socket, which may already have carried STUN or a punch, and
-        grow its receive buffer to `receive_buffer` bytes (None: leave it as it is)."""
+        grow its receive buffer to `receive_buffer` bytes (None: leave it as it is). A relayed
+        edge's own socket shares its member's `member_links`."""
         if receive_buffer is not None:
             with contextlib.suppress(OSError):  # a platform that refuses keeps its default
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < receive_buffer:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
         loop = asyncio.get_running_loop()
-        _, protocol = await loop.create_datagram_endpoint(lambda: cls(tap), sock=sock)
+        _, protocol = await loop.create_datagram_endpoint(lambda: cls(tap, member_links), sock=sock)
         protocol._sock = sock
         return protocol
 
@@ -964,10 +997,12 @@ class DatagramDemux(asyncio.DatagramProtocol):
         if existing is not None and not existing.closed.done():  # a closed one may still be saying goodbye
             raise ValueError(f"a link to {address[0]}:{address[1]} already exists on this socket")
         self._links[address] = link
+        self.member_links[link] = None
 
     def detach(self, address: Address, link: Link) -> None:
         if self._links.get(_address(address)) is link:
             del self._links[_address(address)]
+        self.member_links.pop(link, None)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -1067,6 +1102,16 @@ class Link:
             raise self.closed.result()
         self.core.send_frame(frame)
         self._transmit()
+        if frame.kind in ANSWERED_KINDS:
+            self._answered_elsewhere()
+
+    def _answered_elsewhere(self) -> None:
+        """The ring frame just sent may answer what another of this member's links brought (on a
+        ring of three machines or more): their ACKs held for the answer go now, after it."""
+        now = self._loop.time()
+        for link in list(self.demux.member_links):
+            if link is not self and link.core.answered(now):
+                link._transmit()
 
     async def finish(self, sequence_id: int) -> None:
         self.core.finish(sequence_id)
