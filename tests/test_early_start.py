@@ -5,6 +5,8 @@ the entry point is the one the host then waits on, the hub asked for it once."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,8 +60,9 @@ def test_the_header_read_the_entry_point_began_is_the_one_the_host_takes(hub: Fa
         until(lambda: hub.gets_of(FILE), lambda: f"the header's read under way before the command takes it: {hub.seen}")
         taken = header_read_begun(MODEL, True)
         assert taken is not None
-        header = taken.result()
-        assert header.model == read_hub_header(HubReference(REPO, filename=FILE), endpoint=hub.url).model
+        reference = HubReference(REPO, filename=FILE)
+        header = read_hub_header(reference, read=taken.result())
+        assert header.model == read_hub_header(reference, endpoint=hub.url).model
     assert len(hub.gets_of(FILE)) == 2  # the early read's one request, and the comparison's
     assert header_read_begun(MODEL, False) is None  # taken once
 
@@ -69,3 +72,12 @@ def test_what_was_begun_for_another_rendezvous_is_not_taken() -> None:
     tests = nat_tests_begun("127.0.0.2:9")
     assert tests is not None and tests.rendezvous == ("127.0.0.2", 9)
     assert nat_tests_begun(None) is None
+
+
+def test_the_header_read_begins_before_the_gguf_reader_and_numpy_are_imported() -> None:
+    """What `begin` needs to ask the hub for the header is huggingface_hub alone: the hub's answers
+    come while `kafila host` imports the rest (numpy, the GGUF reader, the stage fetch)."""
+    heavy = ("numpy", "gguf", "kafila.hub.ranges", "kafila.runtime.gguf.gguf_file")
+    shown = f"import sys, kafila.cli.early_start; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", shown], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from fake_hub import FakeHub, Repo, serving_hub
+from fake_hub import COMMIT, FakeHub, Repo, serving_hub
 from tiny_models import write_tiny_model
 from waiting import until
 
@@ -96,6 +96,8 @@ def test_a_fetch_ahead_the_plan_keeps_is_its_stage_fetched_once(hub: FakeHub, ti
         assert ahead.settle([ahead_of], lambda *update: shown.append(update))
         asked = hub.ranges_of(FILE)[asked_before:]
         assert asked and min(start for start, _ in asked) >= header.model.parts[0].header_bytes, asked  # planned from
+        # the file's metadata asked once, as the header was read: the fetch begun after it takes that
+        assert [path for method, path, _ in hub.seen if method == "HEAD"] == [f"/{REPO}/resolve/{COMMIT}/{FILE}"]
         sent = dict(hub.sent_to)
         got = fetch_stage(header.model, 2, 4, True, tmp_path / "stages", endpoint=hub.url, settings=SMALL)
         assert hub.sent_to == sent  # taken from the cache: nothing fetched twice
@@ -110,7 +112,7 @@ def test_a_plan_that_gives_the_host_more_than_was_fetched_ahead_fetches_only_the
         ahead = AheadFetch(header, OwnStage(2, 4, True), header.manifest(), tmp_path / "stages", endpoint=hub.url)
         assert ahead.settle([OwnStage(1, 4, True)], lambda *update: None)  # it holds all of it: kept
         sent = sum(hub.sent_to.values())
-        stages, planned = tmp_path / "stages", header.header
+        stages, planned = tmp_path / "stages", header
         got = fetch_stage(header.model, 1, 4, True, stages, endpoint=hub.url, settings=SMALL, planned=planned)
         fetched = sum(hub.sent_to.values()) - sent
     block_1 = stage_piece(header.header.reader, 1, 2, False, FILE).source_tensors()

@@ -23,7 +23,7 @@ from tiny_gguf import write_split_parts
 from tiny_models import TINY_SHAPES, write_tiny_model
 
 from kafila.contracts import HubModel
-from kafila.hub.fetch import HubRefused, HubUnreachable
+from kafila.hub.listing import HubRefused, HubUnreachable
 from kafila.hub.ranges import (
     HubHeader,
     HubMismatch,
@@ -103,6 +103,21 @@ def test_the_header_alone_gives_the_manifest_the_whole_file_gives(hub: FakeHub, 
     assert all(end <= 2 * whole.data_offset for _, end in hub.ranges_of(FILE))
     tensors = {t.name: (t.data_offset, t.n_bytes) for t in whole.tensors}
     assert {s.name: (s.start, s.n_bytes) for s in header.header.spans.values()} == tensors
+
+
+def test_the_header_read_stops_where_the_header_ends_not_at_its_first_pieces_length(hub: FakeHub, tiny: Path) -> None:
+    """The host's header read asks for a first piece longer than most headers (8 MiB, or a 16th of
+    the file), and stops reading where the header ends: the hub, sending at a rate in 64 KiB writes,
+    sends no more than the write that held its last byte and one more."""
+    padded = "Padded-Q8_0.gguf"  # the tiny model with 8 MiB after it: a first piece of 520 KiB
+    hub.repos[REPO].files[padded] = tiny.read_bytes() + bytes(8 << 20)
+    hub.rate_bytes_s = 4e6
+    with serving_hub(hub):
+        header = read_hub_header(HubReference(REPO, filename=padded), endpoint=hub.url)
+    length, size = FastGGUFReader(tiny).data_offset, len(hub.repos[REPO].files[padded])
+    assert header.model.parts[0].header_bytes == length
+    assert hub.ranges_of(padded) == [(0, size // 16)]  # one request
+    assert length <= hub.sent_of[padded] <= length + (128 << 10) < size // 16
 
 
 def test_bytes_that_end_inside_the_header_say_so(tiny: Path, tmp_path: Path) -> None:

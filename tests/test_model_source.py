@@ -30,7 +30,7 @@ def test_a_header_read_begun_early_is_the_header_read_then(hub: FakeHub) -> None
     reference = HubReference(REPO, filename=FILE)
     with serving_hub(hub):
         begun = HeaderRead(reference, endpoint=hub.url)
-        early = begun.result()
+        early = read_hub_header(reference, read=begun.result())
         then = read_hub_header(reference, endpoint=hub.url)
     assert early.model == then.model and early.manifest() == then.manifest()
     assert begun.reference == reference

@@ -52,7 +52,7 @@ class FakeHub:
     authorizations: set[tuple[str, str | None]] = field(default_factory=set)  # (method path, Authorization)
     url: str = ""
     connections: set[socket.socket] = field(default_factory=set)  # open ones, closed when the hub stops
-    sent_to: dict[str | None, int] = field(default_factory=dict)  # Authorization → bytes of files sent
+    sent_to: dict[str | None, int] = field(default_factory=dict)  # Authorization → bytes of files sent (written)
     sent_of: dict[str, int] = field(default_factory=dict)  # file → bytes of it sent
     ranges: bool = True  # False: a server that ignores Range and always sends the whole file (200)
     _digests: dict[tuple[str, str, str, int], str] = field(default_factory=dict)  # a large file hashed once
@@ -116,24 +116,40 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: object) -> None:
             return
 
-        def _reply(self, status: int, body: bytes, headers: dict[str, str] | None = None, send: bool = True) -> None:
+        def _reply(
+            self,
+            status: int,
+            body: bytes,
+            headers: dict[str, str] | None = None,
+            send: bool = True,
+            file: str | None = None,
+        ) -> None:
             self.send_response(status)
             for key, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
                 self.send_header(key, value)
             self.end_headers()
             if send:
-                self._write(body)
+                self._write(body, file)
 
-        def _write(self, body: bytes) -> None:
-            """`body` to the client, at the hub's rate where it has one."""
-            if hub.rate_bytes_s <= 0:
-                self.wfile.write(body)
-                return
+        def _write(self, body: bytes, file: str | None = None) -> None:
+            """`body` to the client, at the hub's rate where it has one; where it is of `file`, its
+            bytes counted as they go (`sent_to`, `sent_of`): a client that closes the connection
+            early is sent, and counted, no more."""
             view = memoryview(body)
-            for at in range(0, len(view), _PACED_CHUNK):
-                chunk = view[at : at + _PACED_CHUNK]
+            step = _PACED_CHUNK if hub.rate_bytes_s > 0 else max(1, len(view))
+            for at in range(0, len(view), step):
+                chunk = view[at : at + step]
                 time.sleep(hub.paced(len(chunk)))
-                self.wfile.write(chunk)
+                try:
+                    self.wfile.write(chunk)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True
+                    return
+                if file is not None:
+                    with lock:
+                        who = self.headers.get("Authorization")
+                        hub.sent_to[who] = hub.sent_to.get(who, 0) + len(chunk)
+                        hub.sent_of[file] = hub.sent_of.get(file, 0) + len(chunk)
 
         def do_HEAD(self) -> None:
             self._resolve(send=False)
@@ -199,19 +215,14 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 client = self.headers.get("Authorization")
                 if send and cut is None and hub.cut_for.get(client, len(body)) < len(body):
                     cut = hub.cut_for.pop(client)
-                if send:
-                    sent = len(body) if cut is None else min(cut, len(body))
-                    who = self.headers.get("Authorization")
-                    hub.sent_to[who] = hub.sent_to.get(who, 0) + sent
-                    hub.sent_of[found["file"]] = hub.sent_of.get(found["file"], 0) + sent
             if cut is None:
-                self._reply(status, body, headers, send)
+                self._reply(status, body, headers, send, found["file"])
                 return
             self.send_response(status)  # the first GET: the whole length promised, then the connection drops
             for key, value in {"Content-Length": str(len(body)), **headers}.items():
                 self.send_header(key, value)
             self.end_headers()
-            self._write(body[:cut])
+            self._write(body[:cut], found["file"])
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)

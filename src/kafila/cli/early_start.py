@@ -21,8 +21,8 @@ from pathlib import Path
 
 from kafila.background import in_background
 from kafila.cli.addresses import parse_host_port
-from kafila.hub.ranges import HubHeader, read_hub_header
 from kafila.hub.reference import HubReference, ModelNameError, parse_reference
+from kafila.hub.remote import HeaderBytes, read_header_bytes
 from kafila.session.presence import NatTests
 
 DEMO_MEMBERS = 3  # `kafila host --demo`'s members by default
@@ -30,16 +30,18 @@ _HOST_OPTIONS = ("--model", "--members", "--rendezvous")
 
 
 class HeaderRead:
-    """A model's header read from the hub (`read_hub_header`) in a thread of its own, begun as soon
-    as the command knows the model's name, for `model_source` to take: the read then overlaps the
-    command's imports, llama.cpp's load and the NAT tests rather than following them."""
+    """A model's header read from the hub (`read_header_bytes`: the listing, each part's file asked
+    for, its header's bytes) in a thread of its own, begun as soon as the command knows the model's
+    name, for `model_source` to read (`read_hub_header`): the read then overlaps the command's
+    imports, llama.cpp's load and the NAT tests rather than following them. This module imports no
+    more than that read needs (huggingface_hub, not the GGUF reader or numpy), so it begins early."""
 
     def __init__(self, reference: HubReference, endpoint: str | None = None) -> None:
         self.reference = reference
-        self._done = in_background("hub-header", functools.partial(read_hub_header, reference, endpoint=endpoint))
+        self._done = in_background("hub-header", functools.partial(read_header_bytes, reference, endpoint=endpoint))
 
-    def result(self) -> HubHeader:
-        """The header, or what `read_hub_header` raised."""
+    def result(self) -> HeaderBytes:
+        """The header's bytes, or what `read_header_bytes` raised."""
         return self._done.result()
 
 

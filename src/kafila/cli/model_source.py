@@ -67,7 +67,7 @@ def _from_header(reference: HubReference, begun: HeaderRead | None) -> LocalMode
     the host sends every stage itself). A refusal that no download would pass ends the command."""
     try:
         with stderr.status(f"reading {reference}'s header from the hub"):
-            header = begun.result() if begun is not None else read_hub_header(reference)
+            header = read_hub_header(reference, read=begun.result() if begun is not None else None)
     except KeyboardInterrupt:
         fail("interrupted while the model's header was read", False, 130)
     except ModelNameError as error:

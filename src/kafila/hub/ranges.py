@@ -2,12 +2,9 @@
 stage's tensors to serve, by HTTP Range requests at a pinned commit (`resolve/<commit>/<file>`).
 Nobody downloads the whole model.
 
-huggingface_hub builds the URL (`hf_hub_url`) and the headers (`build_hf_headers`: HF_TOKEN),
-reads the endpoint (HF_ENDPOINT), asks for the file's metadata (`get_hf_file_metadata`: commit,
-sha256, size, the CDN's location) and retries a request that fails to open
-(`http_stream_backoff`). Kafila's part: checking that each answer is the range asked of the file
-planned from (the hub's `http_get` takes a Range but checks no Content-Range), resuming a range
-cut off where it broke, and keeping what arrived across runs (`_Journal`).
+Each file is read by range as `kafila.hub.remote.RemoteFile` reads it (huggingface_hub's URL, token,
+endpoint and metadata; each answer checked to be the range asked; a range cut off resumed where it
+broke); here, what arrived is kept across runs (`_Journal`).
 
 In the session, the host plans from `read_hub_header` and fetches its own stage with `fetch_stage`
 (and, where the head is on a member, the vocabulary and token embedding it samples and embeds with:
@@ -24,26 +21,28 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
-from huggingface_hub import constants as hub_constants
-from huggingface_hub import get_hf_file_metadata, hf_hub_url
-from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
 from kafila.contracts import HubModel, HubPart, Progress
-from kafila.hub.fetch import HubUnreachable, ModelFetchError, listing, refusal
-from kafila.hub.reference import HubReference, choose_file, merged_name
+from kafila.hub.listing import ModelFetchError
+from kafila.hub.reference import HubReference, merged_name
+from kafila.hub.remote import (
+    HEADER_FIRST_READ,
+    HeaderBytes,
+    HubMismatch,
+    PartHeader,
+    RemoteFile,
+    read_bytes,
+    read_header_bytes,
+)
 from kafila.planner.types import ModelManifest
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP, ByteRun, ModelHeader, TensorSpan, check_spans, fetch_runs
@@ -70,18 +69,10 @@ from kafila.runtime.gguf.stage_cache import (
 from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
 from kafila.units import DISK_ROOM_HINT, human_bytes
 
-HEADER_FIRST_READ = 8 << 20  # a large vocabulary's header is a few MB: most are read in one request
-HEADER_SHARE = 16  # nor more than this share of the file at first: a small model's header is small too
-RETRIES = 5  # a range cut off this many times running, with no byte more: the hub is not reachable
+REMOTES_FRESH_S = 60.0  # what the hub said of a file is taken again for this long (its CDN's address is signed)
 HASH_READ = 4 << 20  # the stage file is hashed in reads of this many bytes, as they land
 IN_PLACE = "in place"  # the journal's plan: bytes at their place in the stage file (not packed back to back)
 _STAGE, _SIDE = "stage.partial", "scaled.bin"  # the stage file as it arrives; the tensors it holds scaled, as fetched
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-
-
-class HubMismatch(ModelFetchError):
-    """The hub's copy is not the one planned from: its header, size, sha256 or a range's bytes differ."""
 
 
 class FetchHalted(Exception):
@@ -96,10 +87,19 @@ def stage_key(model: HubModel, first: int, end: int, is_head: bool) -> HubStageK
 
 @dataclass(frozen=True)
 class HubHeader:
-    """What the host plans from: the model on the hub at a commit, and its header(s) read as one model."""
+    """What the host plans from: the model on the hub at a commit, and its header(s) read as one model;
+    with what the hub said of each part's file as its header was read (`remotes`),
+    which a fetch begun soon after takes rather than asking again (`fresh_remotes`)."""
 
     model: HubModel
     header: ModelHeader
+    remotes: tuple[RemoteFile, ...] = field(default=(), compare=False, repr=False)
+    read_at: float = field(default_factory=time.monotonic, compare=False, repr=False)
+
+    def fresh_remotes(self) -> tuple[RemoteFile, ...]:
+        """The parts' files as the header's read found them, while that is recent (`REMOTES_FRESH_S`:
+        the hub may send a file's bytes from a signed address that expires); else none."""
+        return self.remotes if time.monotonic() - self.read_at < REMOTES_FRESH_S else ()
 
     def manifest(self) -> ModelManifest:
         """The planner's manifest, the same as `read_manifest` gives for the whole file."""
@@ -120,31 +120,31 @@ class RangeSettings:
 
 
 def read_hub_header(
-    reference: HubReference, *, endpoint: str | None = None, first_read: int = HEADER_FIRST_READ
+    reference: HubReference,
+    *,
+    endpoint: str | None = None,
+    first_read: int = HEADER_FIRST_READ,
+    read: HeaderBytes | None = None,
 ) -> HubHeader:
     """The model `reference` names, known from its header alone: the revision resolved to a commit,
-    each part's header fetched by range (a first read of `first_read` bytes, doubled until the
-    header fits), nothing of the weights."""
-    commit, files, offline = listing(reference, endpoint, None)
-    if offline is not None:
-        raise HubUnreachable(f"could not reach the hub for {reference.repo_id}: {offline}")
-    choice = choose_file(reference, files)
+    each part's header fetched by range (`read_header_bytes`: a first read of up to `first_read`
+    bytes, stopped where the header ends; or its bytes already `read`), nothing of the weights."""
+    found = read if read is not None else read_header_bytes(reference, endpoint=endpoint, first_read=first_read)
     readers, parts = [], []
-    for file in choice.parts:
-        remote = _Remote(choice.repo_id, commit, file.path, endpoint, file.size, file.sha256)
-        header, reader = _probe_header(remote, first_read)
+    for part in found.parts:
+        header, reader = _kept_header(part)
         readers.append(reader)
         parts.append(
             HubPart(
-                path=file.path,
-                size=remote.size,
-                sha256=file.sha256,
+                path=part.file.path,
+                size=part.remote.size,
+                sha256=part.file.sha256,
                 header_bytes=len(header),
                 header_sha256=hashlib.sha256(header).hexdigest(),
             )
         )
-    model = HubModel(repo_id=choice.repo_id, commit=commit, parts=tuple(parts))
-    return HubHeader(model, _joined(model, readers))
+    model = HubModel(repo_id=found.repo_id, commit=found.commit, parts=tuple(parts))
+    return HubHeader(model, _joined(model, readers), tuple(part.remote for part in found.parts))
 
 
 def fetch_stage(
@@ -158,14 +158,15 @@ def fetch_stage(
     endpoint: str | None = None,
     settings: RangeSettings | None = None,
     halt: threading.Event | None = None,
-    planned: ModelHeader | None = None,
+    planned: HubHeader | None = None,
 ) -> StageFile:
     """The stage file of blocks [first, end) (`is_head`: with the head) of `model`, fetched by the
     ranges of exactly the tensors it holds and cut by the slicer: byte for byte the file the
     slicer cuts from the whole model. A stage kept from before is taken without fetching; a fetch
     cut off resumes from what it kept. The headers are fetched again and must be the ones planned
     from, byte for byte (not where `planned` is given: the headers this process read from the hub
-    at that commit and planned from, the host's), and every tensor must lie where its header says
+    at that commit and planned from, the host's; what the hub said of the files then is taken too,
+    while fresh), and every tensor must lie where its header says
     in a file of the planned size: else `HubMismatch`. `HubRefused` and `HubUnreachable` where the hub says no or is not
     there: the caller falls back to another source. Setting `halt` stops the fetch where it is
     (`FetchHalted`)."""
@@ -198,7 +199,7 @@ def fetch_vocabulary(
     *,
     endpoint: str | None = None,
     settings: RangeSettings | None = None,
-    planned: ModelHeader | None = None,
+    planned: HubHeader | None = None,
 ) -> Path:
     """What a host whose head is on a member tokenizes, samples and embeds with, fetched by the one
     range of the token embedding (`slicer.vocabulary_piece`: the model's metadata and that tensor);
@@ -227,14 +228,17 @@ def _fetch_piece(
     endpoint: str | None,
     settings: RangeSettings,
     halt: threading.Event | None = None,
-    planned: ModelHeader | None = None,
+    planned: HubHeader | None = None,
 ) -> StageFile:
     """The piece `cut` makes of the model's headers (fetched again and checked, or those `planned`
     from), its tensors fetched by their ranges straight to their places in the stage file
     (`_fetch_into`, journalled in a work folder), refused before a byte is fetched where the disk
     cannot hold it."""
-    remotes = [_Remote(model.repo_id, model.commit, p.path, endpoint, p.size, p.sha256) for p in model.parts]
-    header = planned
+    fresh = planned.fresh_remotes() if planned is not None and planned.model == model else ()
+    remotes = fresh or [
+        RemoteFile(model.repo_id, model.commit, part.path, endpoint, part.size, part.sha256) for part in model.parts
+    ]
+    header = planned.header if planned is not None else None
     if header is None:
         readers = [_checked_header(remote, part) for remote, part in zip(remotes, model.parts, strict=True)]
         header = _joined(model, readers)
@@ -316,113 +320,7 @@ def _joined(model: HubModel, readers: Sequence[HeaderReader]) -> ModelHeader:
     return header
 
 
-class _Remote:
-    """One file at the pinned commit: its metadata asked once and checked against what was planned,
-    then its bytes fetched by range from where the hub sends them (its CDN, for LFS files)."""
-
-    def __init__(
-        self, repo_id: str, commit: str, path: str, endpoint: str | None, size: int | None, sha256: str | None
-    ) -> None:
-        self.name = f"{repo_id}/{path}"
-        self.repo_id, self.commit = repo_id, commit
-        url = hf_hub_url(repo_id, path, revision=commit, endpoint=endpoint)
-        try:
-            meta = get_hf_file_metadata(url, endpoint=endpoint)
-        except Exception as error:
-            raise self._failed(error, f"asking for {self.name}") from None
-        if meta.commit_hash is not None and meta.commit_hash != commit:
-            raise HubMismatch(f"{self.name}: the hub serves commit {meta.commit_hash[:40]!r}, not {commit}")
-        if size is not None and meta.size is not None and meta.size != size:
-            raise HubMismatch(f"{self.name}: the hub serves {meta.size} bytes, the model planned from has {size}")
-        if sha256 is not None and meta.etag is not None and _SHA256.match(meta.etag) and meta.etag != sha256:
-            raise HubMismatch(
-                f"{self.name}: the hub's copy has sha256 {meta.etag}, the model planned from has {sha256}: "
-                "not the same file"
-            )
-        known = meta.size if meta.size is not None else size
-        if known is None:
-            raise HubMismatch(f"{self.name}: the hub gives no size for it")
-        self.size = known
-        self.location = meta.location
-        self.headers = build_hf_headers()
-        self.headers["Accept-Encoding"] = "identity"  # the bytes as stored: ranges count them
-        if _origin(self.location) != _origin(url):
-            self.headers.pop("authorization", None)  # a signed CDN address: the token stays with the hub
-
-    def _failed(self, error: Exception, doing: str) -> ModelFetchError:
-        if isinstance(error, ModelFetchError):
-            return error
-        if isinstance(error, HfHubHTTPError):
-            return refusal(error, self.repo_id, self.commit, doing)
-        return HubUnreachable(f"{doing}: the hub did not answer: {error or type(error).__name__}")
-
-    def read(self, start: int, length: int, write: Callable[[bytes], None], done: int = 0) -> None:
-        """Bytes [start + done, start + length) of the file, handed to `write` as they arrive (none
-        held back: a cut loses nothing that came); a connection cut off is resumed where it broke,
-        up to RETRIES times running with no byte more."""
-        misses = 0
-        cut: Exception | None = None
-        while done < length:
-            before = done
-            asked = {**self.headers, "Range": f"bytes={start + done}-{start + length - 1}"}
-            with contextlib.ExitStack() as stack:
-                try:
-                    response = stack.enter_context(
-                        http_stream_backoff(
-                            "GET", self.location, headers=asked, timeout=hub_constants.HF_HUB_DOWNLOAD_TIMEOUT
-                        )
-                    )
-                    hf_raise_for_status(response)
-                except HfHubHTTPError as error:
-                    raise self._failed(error, f"fetching {self.name}") from None
-                except Exception as error:  # the network's: httpx's or httpx2's, by huggingface_hub's version
-                    cut = error
-                else:
-                    self._check_range(response, start + done, start + length)
-                    arriving = response.iter_bytes()
-                    while True:
-                        try:
-                            chunk = next(arriving)
-                        except StopIteration:
-                            break
-                        except Exception as error:  # cut off while the bytes came
-                            cut = error
-                            break
-                        if done + len(chunk) > length:
-                            raise HubMismatch(f"{self.name}: the hub sent more than the {length} bytes asked")
-                        write(chunk)
-                        done += len(chunk)
-            if done < length:
-                misses = 0 if done > before else misses + 1
-                if misses >= RETRIES:
-                    why = f"{cut}" if cut is not None else "the answer ended early"
-                    raise HubUnreachable(f"fetching {self.name}: cut off {RETRIES} times without progress: {why}")
-                time.sleep(0.2 * misses)  # a hub that fails at once is not asked again at once
-
-    def _check_range(self, response: Any, start: int, end: int) -> None:
-        """HubMismatch unless the answer is the range asked, of a file of the planned size."""
-        if response.status_code != 206:
-            raise HubMismatch(f"{self.name}: the hub answered a range request with {response.status_code}, not 206")
-        given = response.headers.get("Content-Range", "")
-        found = _CONTENT_RANGE.match(given.strip())
-        if found is None or int(found[1]) != start or int(found[2]) != end - 1:
-            raise HubMismatch(f"{self.name}: asked for bytes {start}-{end - 1}, the hub sent {given[:80]!r}")
-        if found[3] != "*" and int(found[3]) != self.size:
-            raise HubMismatch(f"{self.name}: the hub's copy has {found[3]} bytes, the model planned from {self.size}")
-
-
-def _origin(url: str) -> tuple[str, str]:
-    parts = urlsplit(url)
-    return parts.scheme, parts.netloc.lower()
-
-
-def _read_bytes(remote: _Remote, start: int, length: int) -> bytes:
-    out = bytearray()
-    remote.read(start, length, out.extend)
-    return bytes(out)
-
-
-def _header_path(remote: _Remote) -> Path:
+def _header_path(remote: RemoteFile) -> Path:
     """Where a file's header is kept for its reader (read from the disk): by repository, commit and
     a hash of the path, so no name the hub gives becomes a path here."""
     digest = hashlib.sha256(remote.name.encode()).hexdigest()[:24]
@@ -430,7 +328,7 @@ def _header_path(remote: _Remote) -> Path:
     return folder / f"{digest}.gguf-header"
 
 
-def _keep_header(remote: _Remote, header: bytes) -> HeaderReader:
+def _keep_header(remote: RemoteFile, header: bytes) -> HeaderReader:
     """The header on disk, written whole or not at all, and read."""
     path = _header_path(remote)
     try:
@@ -444,10 +342,15 @@ def _keep_header(remote: _Remote, header: bytes) -> HeaderReader:
         raise HubMismatch(f"{remote.name} on the hub is not a GGUF model Kafila reads: {error}") from None
 
 
-def _probe_header(remote: _Remote, first_read: int) -> tuple[bytes, HeaderReader]:
-    """The header, however long: read a first piece (`first_read`, or a share of a small file: its
-    header is small too), and twice as much as long as the header ends inside it."""
-    data = _read_bytes(remote, 0, min(max(min(first_read, remote.size // HEADER_SHARE), 64), remote.size))
+def _kept_header(part: PartHeader) -> tuple[bytes, HeaderReader]:
+    """The part's header, kept on disk and read: as read, where it was read whole; else found by
+    parsing the bytes read, read on twice as far each time as long as the header ends beyond them."""
+    remote, data = part.remote, part.data
+    if part.whole:
+        reader = _keep_header(remote, data)
+        if reader.header_bytes != len(data):
+            raise HubMismatch(f"{remote.name}: its header is {reader.header_bytes} bytes, not {len(data)}")
+        return data, reader
     probe = _header_path(remote).with_suffix(f".{os.getpid()}.{threading.get_ident()}.probe")
     probe.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -459,7 +362,7 @@ def _probe_header(remote: _Remote, first_read: int) -> tuple[bytes, HeaderReader
             except HeaderIncomplete:
                 if len(data) >= remote.size:
                     raise HubMismatch(f"{remote.name}: the GGUF header runs past the end of the file") from None
-                data += _read_bytes(remote, len(data), min(len(data), remote.size - len(data)))
+                data += read_bytes(remote, len(data), min(len(data), remote.size - len(data)))
             except GGUFFormatError as error:
                 raise HubMismatch(f"{remote.name} on the hub is not a GGUF model Kafila reads: {error}") from None
     finally:
@@ -468,9 +371,9 @@ def _probe_header(remote: _Remote, first_read: int) -> tuple[bytes, HeaderReader
     return header, _keep_header(remote, header)
 
 
-def _checked_header(remote: _Remote, part: HubPart) -> HeaderReader:
+def _checked_header(remote: RemoteFile, part: HubPart) -> HeaderReader:
     """The part's header fetched again, refused unless it is byte for byte the one planned from."""
-    header = _read_bytes(remote, 0, part.header_bytes)
+    header = read_bytes(remote, 0, part.header_bytes)
     digest = hashlib.sha256(header).hexdigest()
     if digest != part.header_sha256:
         raise HubMismatch(
@@ -633,7 +536,7 @@ class _Stopped(Exception):
 
 
 def _fetch_into(
-    remotes: Sequence[_Remote],
+    remotes: Sequence[RemoteFile],
     runs: Sequence[ByteRun],
     spans: Sequence[TensorSpan],
     layout: StageLayout,

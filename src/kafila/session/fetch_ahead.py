@@ -126,7 +126,7 @@ class AheadFetch:
         self._halt = threading.Event()
         fetch = functools.partial(
             fetch_stage, header.model, stage.first, stage.end, stage.is_head, cache, self.progress,
-            endpoint=endpoint, settings=settings, halt=self._halt, planned=header.header,
+            endpoint=endpoint, settings=settings, halt=self._halt, planned=header,
         )  # fmt: skip
         self._done = in_background("kafila-fetch-ahead", fetch)
 

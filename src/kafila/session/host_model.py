@@ -195,7 +195,7 @@ class HubOnlyModel:
             return stage.file
         first, end, head = stage.first_block, stage.end_block, stage.is_head
         # the header this host read from the hub at the commit and planned from: not fetched again
-        return fetch_stage(self.hub, first, end, head, cache, progress, planned=self.header.header)
+        return fetch_stage(self.hub, first, end, head, cache, progress, planned=self.header)
 
     def own_stages(self, own: Sequence[PlannedStage], progress: Progress) -> None:
         ahead, self.ahead = self.ahead, None  # the first plan settles it; later ones find what it kept
@@ -203,7 +203,7 @@ class HubOnlyModel:
             ahead.settle([OwnStage(s.first_block, s.end_block, s.is_head) for s in own], progress)
 
     def vocabulary(self, cache: Path, progress: Progress) -> Path:
-        return fetch_vocabulary(self.hub, cache, progress, planned=self.header.header)
+        return fetch_vocabulary(self.hub, cache, progress, planned=self.header)
 
     def prefix_cut(self) -> PrefixCut:
         return prefix_cut_from(self.header.header.reader)
