@@ -61,6 +61,7 @@ UPLINK, DOWNLINK, HUB_RATE = 2e6, 20e6, 50e6  # bytes a second
 HUB_PORT = 8080
 REPO = "bench-org/Bench-GGUF"
 READY_TIMEOUT_S = 1800.0
+POLL_S = 0.1  # /status asked this often until ready (it was 0.25 s): what ready waits for the poll, at most
 
 # About 47 MB a block in Q8_0 (a 1B-class llama's widths), a small vocabulary: stages of blocks.
 GENERATED = ModelShape(
@@ -216,7 +217,7 @@ def session(
                 pass  # not answering yet
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{model.name} by {delivery}: never served: {host.output()[-4000:]}")
-            time.sleep(0.25)
+            time.sleep(POLL_S)
         ready_s = time.monotonic() - started
         answer = api("completions", prompts=["the quick brown fox"], max_tokens=1)[0]
         if "error" in answer or answer.get("tokens") != 1:
