@@ -173,6 +173,9 @@ def speculation_rates(
                 "kept": kept / trips if trips else 0.0,
                 "window": (now["drafted_tokens"] - was["drafted_tokens"]) / trips if trips else 0.0,
                 "texts": [r["text"] for r in results[mode]],
+                # drafts in flight: waves sent behind another of the request's, and those a reject made stale
+                "behind": now.get("waves_behind", 0) - was.get("waves_behind", 0),
+                "stale": now.get("waves_stale", 0) - was.get("waves_stale", 0),
             }
             stages = status["stages"]
             out[mode]["stages_ms"] = sum(s.get("ms_per_token_alone") or s.get("ms_per_token") or 0.0 for s in stages)
@@ -249,6 +252,16 @@ def bench_speculation(
                 for key in ("trip_ms", "fixed_ms", "row_ms", "draft_ms")
             ]
             print(f"| {row['rtt']:g} ms | {arm} | {row['off']['stages_ms']:.1f} | {' | '.join(shown)} |")
+    print("\n| per-hop RTT | workload | arm | each request's tokens/s, off | each request's, arm | waves behind "
+          "| of them stale |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        for name in workloads:
+            for arm in arms:
+                a, b = row["off"][name], row[arm][name]
+                off_rates, arm_rates = (" ".join(f"{rate:.1f}" for rate in each["rates"]) for each in (a, b))
+                waves = f"{b['behind']} | {b['stale']}"
+                print(f"| {row['rtt']:g} ms | {name} | {arm} | {off_rates} | {arm_rates} | {waves} |")
 
 
 def transfers(session: LabSession) -> list[tuple[str, str, float, float]]:

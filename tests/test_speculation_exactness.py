@@ -160,3 +160,39 @@ def test_a_cut_back_draft_leaves_a_windowed_cache_as_without_it(tmp_path: Path) 
         cut = greedy_rows(model, prompt, reject_each=True)
     for step, (a, b) in enumerate(zip(plain, cut, strict=True)):
         assert np.array_equal(a, b), (step, float(np.abs(a - b).max()))
+
+
+def rows_after_a_cut_back(model: LlamaModel, tokens: list[int], behind: bool) -> npt.NDArray[np.float32]:
+    """The logits of the row a cut back leaves next, on a window of `w` positions: another sequence's
+    row first, then the sequence's w - 2 rows, a wave of its next token and 7 drafts, the other
+    sequence's slot freed (its cell is where the next decode looks first), with `behind` a wave
+    of 4 rows behind the drafts, then a reject of every draft."""
+    start = model.sliding_window - 2
+    model.decode([1], [0], [False], tokens=tokens[:1])
+    model.decode([0] * start, range(start), [False] * start, tokens=tokens[:start])
+    model.decode([0] * 8, range(start, start + 8), [True] * 8, tokens=tokens[start : start + 8])
+    model.forget(1)
+    if behind:
+        model.decode([0] * 4, range(start + 8, start + 12), [True] * 4, tokens=tokens[start + 8 : start + 12])
+    model.forget(0, start + 1)
+    model.decode([0], [start + 1], [True], tokens=tokens[start + 1 : start + 2])
+    logits = model.logits(0)
+    model.forget(0)
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt-oss"])  # windows of 16, 16 and 8 positions
+def test_a_wave_behind_drafts_leaves_a_windowed_cache_the_cells_a_cut_back_needs(arch: str, tmp_path: Path) -> None:
+    """llama.cpp's window cache gives a decode any cell whose position has left the window of its
+    sequence's last position: with drafts out, that last position is a draft, so a wave decoded
+    behind them (drafts in flight, or another sequence's rows on a ring of several waves) could
+    take cells of positions a reject then needs again. Here the wave behind finds those cells
+    first (only the freed slot's cell is empty before them): the row after the cut reads the same
+    logits, bit for bit, as without that wave, because every cell also belongs to a keeper."""
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, N_BLOCKS[arch])
+    with LlamaModel(path, ContextSettings(n_ctx=256, n_batch=16, n_seq_max=2, n_threads=2)) as model:
+        assert model.sliding_window > 0 and model.keeps_window_cells
+        tokens = (Vocabulary(model).tokenize(PROMPT) * 2)[: model.sliding_window + 10]
+        without = rows_after_a_cut_back(model, tokens, behind=False)
+        with_wave_behind = rows_after_a_cut_back(model, tokens, behind=True)
+    assert np.array_equal(without, with_wave_behind), float(np.abs(without - with_wave_behind).max())

@@ -259,12 +259,11 @@ class Batcher:
         if prefill_chunks < 1:
             raise ValueError(f"at least one chunk of a prompt must be allowed in flight, not {prefill_chunks}")
         self.prefill_chunks = prefill_chunks
-        # Drafts in flight only where the cache holds every position. A sliding-window (or
-        # chunked) cache reuses, at a decode, cells out of the window of the sequence's last
-        # position before it: a wave behind, decoded after the drafted rows ahead of it, may
-        # reuse cells that a reject ahead, cut back before those rows, needs again (one wave's
-        # rows share a decode, `stage._decodes`, so drafts without waves behind are safe).
-        self.draft_waves = max(1, draft_waves) if prefix_cut is PrefixCut.ANYWHERE else 1
+        # Drafts in flight only where the cache holds every position a cut back may need: a KV
+        # cache, full or windowed (a stage's windowed cache keeps its cells until a cut drops
+        # them, `LlamaModel.keeps_window_cells`, so a wave behind drafts takes none a reject
+        # ahead of it needs again); not a recurrent state, which is never drafted.
+        self.draft_waves = max(1, draft_waves) if prefix_cut is not PrefixCut.NOWHERE else 1
         self._behind_steps: set[int] = set()  # the steps out that went behind a wave of their sequence (by id)
         self.last_wave_plain = True  # whether the wave landed last was one trip of its own: no wave behind, none stale
         self._chunk_rows = chunk_rows if prefill_chunks > 1 else None

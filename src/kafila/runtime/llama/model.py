@@ -97,8 +97,18 @@ class LlamaModel:
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
         params.n_ubatch = settings.n_batch  # one graph per decode, so a callback sees every row at once
-        params.n_seq_max = settings.n_seq_max
-        params.n_outputs_max = settings.max_outputs or 0
+        # A windowed cache keeps every cell a cut may need (`keeps_window_cells`): each cell also
+        # belongs to a keeper, a sequence in the slot above the context's.
+        self._keeper = settings.n_seq_max if self._window_cells_kept() else None
+        slots = settings.n_seq_max + (self._keeper is not None)
+        if slots > int(self._llama.llama_max_parallel_sequences()):
+            self._llama.llama_model_free(self.model)
+            limit = int(self._llama.llama_max_parallel_sequences()) - 1
+            raise ValueError(f"a windowed model's context holds at most {limit} sequences, not {settings.n_seq_max}")
+        params.n_seq_max = slots
+        params.swa_full = True  # a window's cache as large as the context: one whose cells stay holds every position
+        # llama.cpp reserves a row of logits for each sequence at least, the keeper's included
+        params.n_outputs_max = max(settings.max_outputs, slots) if settings.max_outputs else 0
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
         params.kv_unified = True  # keeps a batch's tokens in order across sequences
@@ -136,6 +146,45 @@ class LlamaModel:
         self._positions_per_row = MROPE_SECTIONS if rope_type in MROPE_TYPES else 1
         rows = settings.n_batch * self._positions_per_row
         self._embd_batch = self._llama.llama_batch_init(rows, self.n_embd, 1)
+
+    def _window_cells_kept(self) -> bool:
+        """Whether this model's cache needs keepers: llama.cpp's window cache (`swa_full` or not)
+        hands a decode any cell whose position has left the window of its sequence's last one
+        (llama_kv_cache::find_slot, `is_masked_swa`), but a sequence's last position may be a
+        draft still to be checked, or a wave behind it: a cut back then needs cells a decode in
+        between took (a later row would read a window with holes). A cell that belongs to two
+        sequences is never taken, so every sequence's cells also belong to a keeper."""
+        return self.sliding_window > 0 and self.holds_positions
+
+    def _keep_cells(self, sequences: Sequence[int], positions: Sequence[int]) -> None:
+        """Give the cells a decode just filled to the keeper too."""
+        memory = self._llama.llama_get_memory(self.ctx)
+        spans: dict[int, tuple[int, int]] = {}
+        for sequence, position in zip(sequences, positions, strict=True):
+            low, high = spans.get(sequence, (position, position))
+            spans[sequence] = (min(low, position), max(high, position))
+        for sequence, (low, high) in spans.items():
+            self._llama.llama_memory_seq_cp(memory, sequence, self._keeper, low, high + 1)
+
+    def _cut(self, sequence: int, position: int) -> bool:
+        """Drop a sequence's rows from `position` on, and the keeper's hold on their cells (which
+        are then free). The keeper's cells go by position whatever sequence they hold, so it lets go
+        of every cell from `position` on and takes back the other sequences' ones."""
+        ll, memory = self._llama, self._llama.llama_get_memory(self.ctx)
+        done = bool(ll.llama_memory_seq_rm(memory, sequence, position, -1))
+        if done and self._keeper is not None:
+            ll.llama_memory_seq_rm(memory, self._keeper, position, -1)
+            for other in range(self.settings.n_seq_max):
+                if ll.llama_memory_seq_pos_max(memory, other) >= position:
+                    ll.llama_memory_seq_cp(memory, other, self._keeper, position, -1)
+        return done
+
+    @property
+    def keeps_window_cells(self) -> bool:
+        """Whether a windowed cache here keeps the cells of every position until a cut drops them,
+        as a full cache does: then drafts in flight, or another sequence's wave decoded while
+        drafts are out, cannot take cells that a cut back needs."""
+        return self._keeper is not None
 
     def _restoring_input(self, tensor: int, ask: bool, user: object) -> bool:
         """The graph callback where input is restored: it writes the decode's rows over the node's
@@ -216,6 +265,8 @@ class LlamaModel:
         if status != 0:
             why = _DECODE_FAILURES.get(status, "unknown failure")
             raise RuntimeError(f"llama_decode failed with status {status} ({why})")
+        if self._keeper is not None:
+            self._keep_cells(sequences, positions)
 
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         pointer = self._llama.llama_get_logits_ith(self.ctx, row)
@@ -236,7 +287,7 @@ class LlamaModel:
         """Drop a sequence's rows from `position` on: what undoes a failed forward. False where the
         cache cannot: a recurrent state holds no earlier positions, so it can only be dropped whole."""
         self.check_sequence(sequence)
-        return bool(self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, position, -1))
+        return self._cut(sequence, position)
 
     @property
     def keeps_recurrent_state(self) -> bool:
@@ -253,7 +304,7 @@ class LlamaModel:
         """Drop a sequence's cache from position `keep` on (all of it by default), for the next
         request in its slot (an id with no slot holds nothing)."""
         if 0 <= sequence < self.settings.n_seq_max:
-            self._llama.llama_memory_seq_rm(self._llama.llama_get_memory(self.ctx), sequence, max(0, keep), -1)
+            self._cut(sequence, max(0, keep))
 
     @property
     def holds_positions(self) -> bool:
