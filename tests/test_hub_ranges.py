@@ -107,17 +107,18 @@ def test_the_header_alone_gives_the_manifest_the_whole_file_gives(hub: FakeHub, 
 
 def test_the_header_read_stops_where_the_header_ends_not_at_its_first_pieces_length(hub: FakeHub, tiny: Path) -> None:
     """The host's header read asks for a first piece longer than most headers (8 MiB, or a 16th of
-    the file), and stops reading where the header ends: the hub, sending at a rate in 64 KiB writes,
-    sends no more than the write that held its last byte and one more."""
+    the file), and stops reading where the header ends: the hub, sending at a rate in 64 KiB writes
+    (one each 0.13 s), sends a few of them (the socket takes what comes before the client has closed
+    it), not the whole piece of 544 KB."""
     padded = "Padded-Q8_0.gguf"  # the tiny model with 8 MiB after it: a first piece of 520 KiB
     hub.repos[REPO].files[padded] = tiny.read_bytes() + bytes(8 << 20)
-    hub.rate_bytes_s = 4e6
+    hub.rate_bytes_s = 0.5e6
     with serving_hub(hub):
         header = read_hub_header(HubReference(REPO, filename=padded), endpoint=hub.url)
     length, size = FastGGUFReader(tiny).data_offset, len(hub.repos[REPO].files[padded])
     assert header.model.parts[0].header_bytes == length
     assert hub.ranges_of(padded) == [(0, size // 16)]  # one request
-    assert length <= hub.sent_of[padded] <= length + (128 << 10) < size // 16
+    assert length <= hub.sent_of[padded] <= (256 << 10) < size // 16
 
 
 def test_bytes_that_end_inside_the_header_say_so(tiny: Path, tmp_path: Path) -> None:
