@@ -149,3 +149,21 @@ def test_loss_and_a_link_that_goes_down_and_comes_back(lab: NatLab) -> None:
     assert ping(lab, home.host_ns, rendezvous, 20, 0.01)[1] == 20
     lab.set_wan(home, WanLink(delay_ms=2))
     assert ping(lab, home.host_ns, rendezvous, 20, 0.01)[1] == 0
+
+
+def test_a_perfect_link_is_forwarded_by_the_kernel_and_the_line_takes_it_back_when_set_again(lab: NatLab) -> None:
+    # A perfect link costs a real internet nothing: the line's Python, twice an edge, is bypassed
+    home = lab.homes["home"]
+    rendezvous = lab.public_addresses[0]
+    lab.set_wan(home, WanLink(delay_ms=2))
+    passed_before, _ = lab.wan_counts(home)
+    assert ping(lab, home.host_ns, rendezvous, 20, 0.01)[1] == 0
+    passed, _ = lab.wan_counts(home)
+    assert passed - passed_before >= 2 * 20
+    lab.set_wan(home, WanLink())
+    _, lost = ping(lab, home.host_ns, rendezvous, 20, 0.01)
+    assert lost == 0 and lab.wan_counts(home)[0] == passed  # every ping went round, none through the line
+    lab.set_wan(home, WanLink(delay_ms=2))
+    rtts, lost = ping(lab, home.host_ns, rendezvous, 20, 0.01)
+    assert lost == 0 and lab.wan_counts(home)[0] - passed >= 2 * 20
+    assert min(rtts) >= 2 * (2 - MAX_EARLY_S * 1e3)  # held again, each way

@@ -374,7 +374,8 @@ class NatLab:
         self._processes: list[subprocess.Popen[Any]] = []
         self._built = False
         self._wan: subprocess.Popen[bytes] | None = None  # the delay line (natlab_wan.py), once a link is set
-        self._wan_routed: set[int] = set()  # homes whose uplink runs through it
+        self._wan_routed: set[int] = set()  # homes whose uplink has its line set up
+        self._wan_through: set[int] = set()  # of those, homes whose packets go through it (not a perfect link)
 
     # --- building ---------------------------------------------------------------------------
 
@@ -493,12 +494,15 @@ class NatLab:
 
     def set_wan(self, home: Home, link: WanLink) -> None:
         """Give `home`'s uplink a one-way delay, jitter, loss and rate each way (natlab_wan.py), or
-        change them; `WanLink()` is a perfect link. Takes effect for the next packet."""
+        change them. Takes effect for the next packet. `WanLink()` is a perfect link: the kernel
+        forwards it, as the internet's routers would, and the delay line is bypassed (its Python
+        costs each packet a wake-up and CPU that no real link has; `wan_counts` stands still)."""
         if self._wan is None:
             script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "natlab_wan.py")
             self._wan = self.run_public([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         answer = self._wan_call(home=home.index, address=home.public_address, **dataclasses.asdict(link))
         if home.index in self._wan_routed:
+            self._route_through_line(home, link != WanLink())
             return
         tun, table, address = answer["tun"], 100 + home.index, home.public_address
         isp_side = f"198.51.100.{4 * home.index + 1}"
@@ -522,11 +526,27 @@ class NatLab:
                 # ARP for the ISP side of the link is answered only where it routes as local
                 f"rule add pref {500 + home.index} iif home{home.index} to {isp_side}/32 lookup local",
                 f"rule add pref {1000 + home.index} iif {tun} to {address}/32 lookup main",
-                f"rule add pref {2000 + home.index} iif home{home.index} lookup {table}",
-                f"rule add pref {3000 + home.index} to {address}/32 lookup {table}",
             ],
         )
         self._wan_routed.add(home.index)
+        self._route_through_line(home, link != WanLink())
+
+    def _route_through_line(self, home: Home, through: bool) -> None:
+        """Send what crosses `home`'s link into its line (or no longer: the kernel forwards it)."""
+        if through == (home.index in self._wan_through):
+            return
+        table, verb = 100 + home.index, "add" if through else "del"
+        _ip_batch(
+            self.public_ns,
+            [
+                f"rule {verb} pref {2000 + home.index} iif home{home.index} lookup {table}",
+                f"rule {verb} pref {3000 + home.index} to {home.public_address}/32 lookup {table}",
+            ],
+        )
+        if through:
+            self._wan_through.add(home.index)
+        else:
+            self._wan_through.discard(home.index)
 
     def wan_counts(self, home: Home) -> tuple[int, int]:
         """Packets the home's line has passed and dropped, both ways."""
@@ -613,7 +633,7 @@ class NatLab:
             _delete_namespace(namespace)
         self._namespaces.clear()
         self.homes.clear()
-        self._wan, self._wan_routed = None, set()
+        self._wan, self._wan_routed, self._wan_through = None, set(), set()
         self._built = False
 
     def describe(self) -> str:
