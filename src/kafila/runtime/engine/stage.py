@@ -541,6 +541,18 @@ class Vocabulary:
         return buffer.raw[: max(0, n)].decode("utf-8", errors="replace")
 
 
+Q8_0_BLOCK_BYTES = 34  # an f16 scale, then 32 int8
+
+
+def q8_0_rows(raw: npt.NDArray[np.uint8]) -> FloatRows:
+    """Q8_0 blocks dequantized as gguf's `dequantize` does (each int8 times its block's scale, in
+    f32), without its generic splitting and grouping, which cost several times the arithmetic:
+    the host embeds each token on the ring's critical path (docs/benchmarks.md, issue 38)."""
+    blocks = raw.reshape(-1, Q8_0_BLOCK_BYTES)
+    scales = blocks[:, :2].view(np.float16).astype(np.float32)
+    return blocks[:, 2:].view(np.int8).astype(np.float32) * scales
+
+
 class TokenEmbedding:
     """Rows of token_embd, dequantized as llama.cpp would, plus the family's input transform."""
 
@@ -552,7 +564,8 @@ class TokenEmbedding:
         if tensor is None:
             raise ValueError(f"{reader.data.filename} has no token_embd.weight")
         self._reader = reader  # keeps the memory map open
-        self._rows = tensor.data
+        # A plain array over the map: np.memmap's indexing runs Python of its own on every row taken.
+        self._rows = tensor.data.view(np.ndarray)
         self._type = GGMLQuantizationType(tensor.tensor_type)
         self.n_embd = int(tensor.shape[0])
         self._scale = family_of(arch).token_input_scale(self.n_embd)
@@ -561,6 +574,8 @@ class TokenEmbedding:
         raw = self._rows[np.asarray(tokens, dtype=np.int64)]
         if self._type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             rows = raw.astype(np.float32)
+        elif self._type == GGMLQuantizationType.Q8_0:
+            rows = q8_0_rows(raw)
         else:
             rows = dequantize(raw, self._type).astype(np.float32, copy=False)
         rows = rows.reshape(len(tokens), self.n_embd)
