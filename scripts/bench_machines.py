@@ -232,6 +232,7 @@ def main() -> None:
                     four_users[label].append(concurrent(host.base_url, args.tokens, 4))
             print(f"round {round_ + 1} of {args.rounds} done (load {loads[-2]:.2f} → {loads[-1]:.2f})", flush=True)
         stages, whole = stage_ms(ring), stage_ms(alone)
+        plan = refreshed_status(ring)["plan"]
     print(f"\ngemma-3-270m Q4_K_M, {args.tokens} tokens, {args.rounds} rounds interleaved; medians (each round's)")
     print(f"load average (1 min) before and after each round: {', '.join(f'{x:.2f}' for x in loads)}\n")
     best_plain = max(statistics.median(one_user[label]) for label in plains)
@@ -241,7 +242,12 @@ def main() -> None:
         four = listed(four_users[label]) if label in four_users else ""
         ratio = statistics.median(rates) / best_plain
         print(f"| {label} | {listed(rates)} | {ratio:.2f}× | {listed(cpu_ms[label])} | {four} |")
-    print("\nstages' own ms a token, measured serving (alone / a row of a batch):")
+    print(
+        f"\nthe ring's plan (for {plan['concurrency']} users): head on {plan['head']}, blocks {plan['division']} "
+        f"in chain order ({' → '.join(plan['ring'][1:] + plan['ring'][:1])}); "
+        f"predicted {plan['predicted_ms_per_token']} ms a token (with the host's own work, where it was measured)"
+    )
+    print("stages' own ms a token, measured serving (alone / a row of a batch):")
     for stage in [*stages, *whole]:
         where = "unsplit, alone on one core" if stage in whole else "the ring"
         print(f"  {where}, blocks {stage['range']}: {stage['alone'] or 0:.1f} / {stage['batched'] or 0:.1f}")

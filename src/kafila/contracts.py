@@ -415,6 +415,12 @@ class ModelPricing(Strict):
     bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)]
     head_bandwidth_gb_s: Annotated[float, Field(gt=0, le=1e6)]
     overhead_us: Annotated[float, Field(ge=0, le=1e7)]
+    # What this machine spent a token as a session's host beyond its stages (the API, sampling,
+    # batching, detokenising, its links), measured serving the model; None: not measured. Apart
+    # with the head here (it then also takes each row of logits and samples from the whole row)
+    # and without it (a stage of blocks, or none).
+    host_work_us: Annotated[float, Field(ge=0, le=1e7)] | None = None
+    host_work_with_head_us: Annotated[float, Field(ge=0, le=1e7)] | None = None
 
 
 class FleetDevice(Strict):
@@ -428,6 +434,9 @@ class FleetDevice(Strict):
     tflops: Annotated[float, Field(gt=0, le=1e6)] | None = None
     nat: NatClass | NatBehaviour | None = None
     rtt_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
+    # As the session's host, its own work a token beside its stage (`ModelPricing.host_work_us`).
+    host_work_us: Annotated[float, Field(ge=0, le=1e7)] | None = None
+    host_work_with_head_us: Annotated[float, Field(ge=0, le=1e7)] | None = None
 
     def lending(self, memory_bytes: int | None) -> FleetDevice:
         """This device with at most `memory_bytes` of its memory offered (`--memory`), or as it is."""
@@ -443,13 +452,16 @@ class FleetDevice(Strict):
         return self.model_copy(update={"memory_gib": max(self.memory_gib - held_bytes / 2**30, 1 / 2**30)})
 
     def priced(self, pricing: ModelPricing | None) -> FleetDevice:
-        """This device with a model's own o, b and b_head in place of the generic ones, or as it is."""
+        """This device with a model's own o, b and b_head in place of the generic ones (and the host's
+        own work a token, where the pricing measured it), or as it is."""
         if pricing is None:
             return self
-        return self.model_copy(
-            update={
-                "bandwidth_gb_s": pricing.bandwidth_gb_s,
-                "head_bandwidth_gb_s": pricing.head_bandwidth_gb_s,
-                "overhead_us": pricing.overhead_us,
-            }
-        )
+        update: dict[str, float] = {
+            "bandwidth_gb_s": pricing.bandwidth_gb_s,
+            "head_bandwidth_gb_s": pricing.head_bandwidth_gb_s,
+            "overhead_us": pricing.overhead_us,
+        }
+        for measured in ("host_work_us", "host_work_with_head_us"):
+            if getattr(pricing, measured) is not None:
+                update[measured] = getattr(pricing, measured)
+        return self.model_copy(update=update)

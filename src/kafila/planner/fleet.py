@@ -136,6 +136,10 @@ def device_of(profile: FleetDevice) -> Device:
         flops=profile.tflops * 1e12 if profile.tflops is not None else None,
         nat=nat,
         rtt_s=profile.rtt_ms / 1e3 if profile.rtt_ms is not None else None,
+        host_work_s=profile.host_work_us * 1e-6 if profile.host_work_us is not None else None,
+        host_work_with_head_s=(
+            profile.host_work_with_head_us * 1e-6 if profile.host_work_with_head_us is not None else None
+        ),
     )
 
 

@@ -179,6 +179,22 @@ class Device(Strict):
     flops: Annotated[float, Field(gt=0, le=1e18)] | None = None
     nat: NatBehaviour | None = None
     rtt_s: Annotated[float, Field(ge=0, le=60)] | None = None
+    # What this machine spends a token as the session's serving host, beyond its stage: the API's
+    # streams, sampling, batching, detokenising, its links. It shares the host's cores with the
+    # host's stage, so a plan for this machine as host adds it to that stage's price. Apart beside
+    # a stage of blocks and beside the head (which also hands it each row of logits to sample);
+    # one stands for the other where only one was measured; None for both: the head stays on the
+    # host (its work then unpriced).
+    host_work_s: Annotated[float, Field(ge=0, le=10)] | None = None
+    host_work_with_head_s: Annotated[float, Field(ge=0, le=10)] | None = None
+
+    def host_work(self) -> tuple[float, float] | None:
+        """The host's own work a token beside a stage of blocks and beside the head; None where
+        neither was measured."""
+        plain, head = self.host_work_s, self.host_work_with_head_s
+        if plain is None and head is None:
+            return None
+        return (plain if plain is not None else head or 0.0, head if head is not None else plain or 0.0)
 
 
 class ServingSpec(Strict):

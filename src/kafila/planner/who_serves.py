@@ -7,6 +7,11 @@ every head, the head kept on the anchor unless another is clearly faster, as pla
 The largest set within STANDBY_MARGIN of the fastest serves; the others stand by. A set the model
 does not fit is no candidate, so a member the others cannot do without always serves.
 
+As a session's host, the anchor also does the host's own work a token beside its stage (its
+`host_work_s`, where measured): the search prices it on the anchor's stage, and then a head on
+one of the anchor's ring neighbours, with the anchor holding block 0, is weighed against the head
+on the anchor (the ring's trip is the same: the anchor embeds, the head samples).
+
 Every set is tried up to EXACT_MEMBERS members (2^(m-1) sets); beyond, members are dropped one at
 a time while dropping one is faster, and the same rule chooses among the sets passed through.
 """
@@ -14,7 +19,7 @@ a time while dropping one is faster, and the same rule chooses among the sets pa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from itertools import combinations, pairwise
 
@@ -143,6 +148,7 @@ class _Search:
     round_trips: RoundTrips | None
     candidates: npt.NDArray[np.float64]  # every value a bottleneck can take in this fleet, sorted
     seen: dict[frozenset[int], Candidate | None]
+    head_beside_anchor: bool = False  # a head off the anchor only where the anchor holds block 0
 
     def plan(self, members: frozenset[int]) -> Candidate | None:
         if members not in self.seen:
@@ -167,7 +173,9 @@ class _Search:
         choice = anchor_best
         if not self.pin_head and len(ring) > 1:
             below = anchor_best[1].time_per_token_s * (1 - HEAD_MARGIN) if anchor_best else float("inf")
-            other = self._fastest(directions, range(1, len(ring)), trip, below)
+            # The anchor's predecessor as head gives the anchor block 0; both directions are tried.
+            heads = [len(ring) - 1] if self.head_beside_anchor else range(1, len(ring))
+            other = self._fastest(directions, heads, trip, below)
             choice = other or anchor_best
         if choice is None:
             return None
@@ -352,6 +360,16 @@ def _unpriced(plan: Plan, concurrency: int) -> ServingChoice:
     )
 
 
+def with_host_work(prices: DevicePrices, host_work_s: tuple[float, float]) -> DevicePrices:
+    """A machine's prices as the session's host: every stage it could hold costs the host's own
+    work a token more, beside a stage of blocks and beside the head (`Device.host_work`), on the
+    same cores."""
+    if prices.cost is None:
+        return prices
+    (plain, head), cost, search = host_work_s, prices.cost, prices.search
+    return replace(prices, cost=(cost[0] + plain, cost[1] + head), search=(search[0] + plain, search[1] + head))
+
+
 def plan_who_serves(
     manifest: ModelManifest,
     devices: Sequence[Device],
@@ -360,9 +378,14 @@ def plan_who_serves(
     round_trips: RoundTrips | None = None,
     pin_head: bool = False,
     every_member: bool = False,
+    hosting: bool = False,
 ) -> ServingChoice:
     """The members of least time per token at the session's load (`session.users`), their ring and division;
     with `every_member`, every member serves, on the ring and division of least time per token.
+
+    With `hosting`, the anchor is the session's host: its own work a token (`host_work_s`, where
+    measured) is priced on its stage, and a head off the anchor sits where the anchor holds block 0.
+    The plan's stages keep their own prices: what the stages will measure, without the host's work.
 
     Refuses as `plan_session` does when no set of members can hold the model.
     """
@@ -378,10 +401,15 @@ def plan_who_serves(
     m, anchor_index = len(devices), names.index(anchor) if anchor is not None else 0
     prefix = ChainPrefix.of(manifest, session)
     prices = price_devices(devices, prefix, tier)
-    candidates = np.unique(candidate_bottlenecks([matrix for device in prices for matrix in device.search]))
+    searched = list(prices)
+    host_work_s = devices[anchor_index].host_work() if hosting else None
+    if host_work_s is not None and tier is Tier.COST_MODEL:
+        searched[anchor_index] = with_host_work(prices[anchor_index], host_work_s)
+    candidates = np.unique(candidate_bottlenecks([matrix for device in searched for matrix in device.search]))
     search = _Search(
-        devices, prices, anchor_index, session.users, manifest.max_stages, pin_head, round_trips, candidates, {}
-    )
+        devices, searched, anchor_index, session.users, manifest.max_stages, pin_head, round_trips, candidates, {},
+        head_beside_anchor=hosting,
+    )  # fmt: skip
     if every_member:
         chosen, member_search = search.plan(frozenset(range(m))), MemberSearch.EXACT
     else:
@@ -414,10 +442,12 @@ def plan_serving_host_choice(
     round_trips: RoundTrips | None = None,
     every_member: bool = False,
 ) -> ServingChoice:
-    """Who serves a session hosted on `devices[0]`, by `plan_who_serves`, with `plan_serving_host`'s
-    rule for the head: on the host if it can hold it (the host samples, and logits cost a trip the
-    model does not price), else wherever it fits. A host that cannot hold a block takes no stage:
-    the members are chosen among themselves."""
+    """Who serves a session hosted on `devices[0]`, by `plan_who_serves`. The head: where the host's
+    own work a token is measured (`Device.host_work`), priced on the host's stage, on the host or on a
+    ring neighbour of it with the host holding block 0, whichever is faster (by more than
+    HEAD_MARGIN to leave the host); where it is not, `plan_serving_host`'s rule: on the host if it
+    can hold it (its own work unpriced would favour members), else wherever it fits. A host that
+    cannot hold a block takes no stage: the members are chosen among themselves."""
     host = devices[0]
     if len(devices) > 1 and not holds_a_block(manifest, host, session):
         choice = plan_who_serves(manifest, devices[1:], session, round_trips=round_trips, every_member=every_member)
@@ -426,8 +456,9 @@ def plan_serving_host_choice(
         first, *rest = choice.members  # the anchor of that search, which did not open the session
         words = f"{first.device} serves: the host holds no stage, and the ring is planned from this member"
         return choice.model_copy(update={"plan": plan, "members": (first.model_copy(update={"words": words}), *rest)})
+    pin = host.host_work() is None
     try:
-        return plan_who_serves(manifest, devices, session, host.name, round_trips, True, every_member)
+        return plan_who_serves(manifest, devices, session, host.name, round_trips, pin, every_member, hosting=True)
     except PlanRefused:  # the host cannot hold the head: its refusal weighs every head
         return plan_who_serves(manifest, devices, session, host.name, round_trips, False, every_member)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,8 +231,9 @@ class HostSession:
         ring = self._planned_ring()
         if ring is None:
             return []
-        repriced = self.prices.learn_from_serving(self.known_machines(), ring, report)
-        self.keep_own_pricing(self.prices.served.get(self.me))
+        machines = self.known_machines()
+        repriced = self.prices.learn_from_serving(machines, ring, report)
+        self.keep_own_pricing(self.prices.with_host_work(self.prices.served.get(self.me), machines))
         return [self.member_name(m) for m in repriced]
 
     def keep_own_pricing(self, pricing: ModelPricing | None) -> None:
@@ -245,11 +247,29 @@ class HostSession:
             save_model_pricing(pricing, "measured serving it")
             self.kept_pricing = pricing
 
-    def rebalance_verdict(self, report: Sequence[StageReport]) -> RebalanceVerdict | None:
-        """Whether the serving ring would be clearly faster divided again (`RingPricing.rebalance_verdict`)."""
+    def note_host_work(self, report: Sequence[StageReport], tokens: int) -> float | None:
+        """Read this host's own work a token beside its stages (`HostWork`): this process's CPU time
+        less what its own stages of the ring in `report` computed, over the `tokens` served; µs a
+        token, or None until enough were served. Read on an idle ring, whose report is current."""
+        deployment = self.deployment
+        if deployment is None:
+            return None
+        own = {(s.start, s.end) for m, s in zip(deployment.chain, deployment.plan.stages, strict=True) if m == self.me}
+        timed = [entry.seconds for entry in report if tuple(entry.range) in own]
+        if len(timed) != len(own) or None in timed:  # a stage of its own not reported, or without its totals
+            return None
+        own_s = sum(seconds or 0.0 for seconds in timed)
+        head_here = deployment.chain[-1] == self.me
+        return self.prices.host_work.sample(deployment.epoch, time.process_time(), own_s, tokens, head_here)
+
+    def rebalance_verdict(self, report: Sequence[StageReport], tokens: int | None = None) -> RebalanceVerdict | None:
+        """Whether the serving ring would be clearly faster divided again (`RingPricing.rebalance_verdict`);
+        with `tokens`, the tokens served so far, the host's own work a token is read first."""
         ring = self._planned_ring()
         if ring is None:
             return None
+        if tokens is not None:
+            self.note_host_work(report, tokens)
         members = self.planned_members()
         machines, trips = self.known_machines(), self.round_trips(members)
         self.keep_own_pricing(self.prices.own_by_serving(machines, ring, report))
@@ -359,6 +379,11 @@ def _within(a: ModelPricing, b: ModelPricing, share: float) -> bool:
     """Whether two pricings of a model differ by no more than `share` in any of their numbers."""
     pairs = [(a.bandwidth_gb_s, b.bandwidth_gb_s), (a.head_bandwidth_gb_s, b.head_bandwidth_gb_s)]
     pairs.append((a.overhead_us, b.overhead_us))
+    for x, y in ((a.host_work_us, b.host_work_us), (a.host_work_with_head_us, b.host_work_with_head_us)):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and y is not None:
+            pairs.append((x, y))
     return a.model_sha256 == b.model_sha256 and all(abs(x - y) <= share * max(abs(x), abs(y)) for x, y in pairs)
 
 

@@ -8,7 +8,8 @@ on that machine and reported in its hello), by the host's pricing scaled by the 
 two machines' generic probes (`pricing_by_ratio`), or by the generic probe alone. Before a
 replan the host learns from what the stages measured (`learn_from_serving`); on an idle ring it
 asks whether another division would be clearly faster (`rebalance_verdict`), and when the load
-moves, whether other members would be (`load_verdict`).
+moves, whether other members would be (`load_verdict`). The host's own work a token beside its
+stage (`HostWork`) prices the host as the planner's `host_work_s`, and is kept with its pricing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ MIN_STEPS_TO_REPRICE = 16  # single-token decodes a stage must have timed before
 # A rebalance moves blocks on the strength of the measurements alone, so it waits for more of
 # them: the first decodes after a load can run slow (pages faulted in, buffers first used).
 MIN_STEPS_TO_REBALANCE = 32
+# Tokens the host must have served since the last reading of its own work before another: fewer
+# would let a request's start (its prompt, the API's set-up) weigh as much as its tokens.
+MIN_TOKENS_FOR_HOST_WORK = 64
 
 # Where a machine's prices come from.
 SERVING, THE_MODEL, SCALED, GENERIC = "serving", "the model", "the host's, scaled", "the generic probe"
@@ -50,6 +54,45 @@ class PlannedRing:
 
 
 @dataclass
+class HostWork:
+    """The host's own work a token beside its stages: its process's CPU time less what its own
+    stages computed (their timers), over the tokens it served, between two readings of the same
+    ring. What the API, sampling, batching, detokenising and the links cost, which no stage's
+    timer sees, and which shares the host's cores with its stage."""
+
+    measured_us: dict[bool, float] = field(default_factory=dict)  # the latest readings, µs a token, by head here
+    _since: tuple[object, float, float, int] | None = None  # (ring, CPU s, own stages' s, tokens) at the last
+
+    def sample(self, ring: object, cpu_s: float, own_stage_s: float, tokens: int, head_here: bool) -> float | None:
+        """Read the counters for `ring` (any key naming the ring served: a new ring starts over),
+        whose head is here or not; the µs a token since the last reading, once
+        MIN_TOKENS_FOR_HOST_WORK were served, else None. The stages' timers are wall time, so on
+        cores that other programs share the reading is low, and where they exceed the CPU time
+        there is none."""
+        since = self._since
+        if since is None or since[0] != ring or tokens < since[3] or own_stage_s < since[2]:
+            self._since = (ring, cpu_s, own_stage_s, tokens)
+            return None
+        served = tokens - since[3]
+        if served < MIN_TOKENS_FOR_HOST_WORK:
+            return None
+        self._since = (ring, cpu_s, own_stage_s, tokens)
+        own = (cpu_s - since[1]) - (own_stage_s - since[2])
+        if own <= 0:  # the stages' timers (wall time) ran ahead of the CPU: the cores were shared
+            return None
+        self.measured_us[head_here] = 1e6 * own / served
+        return self.measured_us[head_here]
+
+    def kept(self, pricing: ModelPricing | None) -> dict[str, float | None]:
+        """The host's own work a token for the pricing's fields: as measured now, else as `pricing`
+        (kept by an earlier session) has it."""
+        return {
+            name: self.measured_us.get(head, getattr(pricing, name) if pricing is not None else None)
+            for name, head in (("host_work_us", False), ("host_work_with_head_us", True))
+        }
+
+
+@dataclass
 class RingPricing:
     """The host's prices for the machines of its session, and what serving taught it."""
 
@@ -60,6 +103,7 @@ class RingPricing:
     served: dict[str, ModelPricing] = field(default_factory=dict)  # machine → priced by what it served
     last_verdict: RebalanceVerdict | None = None  # the latest reading of the serving ring's measurements
     load: int | None = None  # requests at once the serving ring was planned for; None: the session's room
+    host_work: HostWork = field(default_factory=HostWork)  # the host's own work a token, as it served
 
     def pricing(
         self, machines: Mapping[str, Machine], member: str, served: Mapping[str, ModelPricing] | None = None
@@ -102,16 +146,31 @@ class RingPricing:
         """A machine left: its seat may next be taken by another, which must not inherit its prices."""
         self.served.pop(member, None)
 
+    def host_work_of(self, machines: Mapping[str, Machine]) -> dict[str, float | None]:
+        """The host's own work a token, by `ModelPricing`'s fields: as measured serving in this
+        session, else as the host's own pricing of the model kept it from an earlier one."""
+        own = None
+        if self.model_sha256 is not None and self.host is not None and self.host in machines:
+            own = pricing_for(self.model_sha256, list(machines[self.host].pricings))
+        return self.host_work.kept(own)
+
+    def with_host_work(self, pricing: ModelPricing | None, machines: Mapping[str, Machine]) -> ModelPricing | None:
+        """The host's pricing (what its stage measured serving, say) with its own work a token
+        (`host_work_of`), for the host to keep."""
+        return None if pricing is None else pricing.model_copy(update=self.host_work_of(machines))
+
     def devices(
         self, machines: Mapping[str, Machine], members: Sequence[str], served: Mapping[str, ModelPricing] | None = None
     ) -> list[Device]:
-        """Each machine as the planner sees it, named, and priced as `pricing` says."""
-        return [
-            device_of(machines[m].capability.priced(self.pricing(machines, m, served))).model_copy(
-                update={"name": machines[m].name}
-            )
-            for m in members
-        ]
+        """Each machine as the planner sees it, named, and priced as `pricing` says; the host with
+        its own work a token (`host_work_s`): as measured serving now, else as its own pricing kept it."""
+        devices = []
+        for m in members:
+            capability = machines[m].capability.priced(self.pricing(machines, m, served))
+            if m == self.host:
+                capability = capability.model_copy(update=self.host_work_of(machines))
+            devices.append(device_of(capability).model_copy(update={"name": machines[m].name}))
+        return devices
 
     def choose(
         self,
@@ -190,7 +249,7 @@ class RingPricing:
         if self.host is None or self.host not in ring.chain:
             return None
         measured = self.measured_stage_times(report, MIN_STEPS_TO_REBALANCE)
-        return self.priced_by_serving(machines, ring, measured).get(self.host)
+        return self.with_host_work(self.priced_by_serving(machines, ring, measured).get(self.host), machines)
 
     def rebalance_verdict(
         self,

@@ -168,7 +168,8 @@ class HostRunner:
                     return [no_ring(error)]
             case PriceRebalance():
                 loop = self.engines.loop
-                verdict = network.rebalance_verdict(loop.stage_report) if loop and network else None
+                tokens = loop.stats.generated_tokens if loop else None
+                verdict = network.rebalance_verdict(loop.stage_report, tokens) if loop and network else None
                 worth_it = verdict is not None and verdict.worth_it
                 return [Judged(time.monotonic(), worth_it, verdict.reason if verdict else "")]
             case PriceLoad(users=users):

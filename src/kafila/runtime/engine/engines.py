@@ -590,7 +590,7 @@ class RingEngine(_Vocabulary):
         self._settle()
         if self.head is None:
             return self.ring.stats()  # the head's own report comes round with the others
-        return [*self.ring.stats(), self.head.timer.report(self._head_range)]
+        return [*self.ring.stats(), self.head.timer.report(self._head_range, totals=True)]
 
     def _close_head(self) -> None:
         if self.head is not None:
