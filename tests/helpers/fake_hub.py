@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -230,11 +231,20 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _HubServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that closes its connection early (a header read that stops where the header
+        ends) is what the hub's clients do, not an error to print; anything else is."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 @contextmanager
 def serving_hub(hub: FakeHub, address: str = "127.0.0.1", port: int = 0) -> Iterator[FakeHub]:
     """`hub` on `address` (a free port unless given), in a thread, for the block; its `url` set."""
-    server = ThreadingHTTPServer((address, port), _handler(hub))
-    server.daemon_threads = True
+    server = _HubServer((address, port), _handler(hub))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     hub.url = f"http://{address}:{server.server_address[1]}"
