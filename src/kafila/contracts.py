@@ -456,12 +456,5 @@ class FleetDevice(Strict):
         own work a token, where the pricing measured it), or as it is."""
         if pricing is None:
             return self
-        update: dict[str, float] = {
-            "bandwidth_gb_s": pricing.bandwidth_gb_s,
-            "head_bandwidth_gb_s": pricing.head_bandwidth_gb_s,
-            "overhead_us": pricing.overhead_us,
-        }
-        for measured in ("host_work_us", "host_work_with_head_us"):
-            if getattr(pricing, measured) is not None:
-                update[measured] = getattr(pricing, measured)
-        return self.model_copy(update=update)
+        priced = {"bandwidth_gb_s", "head_bandwidth_gb_s", "overhead_us", "host_work_us", "host_work_with_head_us"}
+        return self.model_copy(update=pricing.model_dump(include=priced, exclude_none=True))
