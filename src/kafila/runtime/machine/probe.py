@@ -210,13 +210,17 @@ def fit_below(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
             candidates.append((slope, y1 - slope * x1))
     tolerance = 1e-9 * max(ys)
     weight_of_intercept, weight_of_slope = len(points), sum(xs)
+    under_every_point = [
+        (slope, intercept)
+        for slope, intercept in candidates
+        if 0 < slope < math.inf
+        and 0 <= intercept < math.inf
+        and all(y >= slope * x + intercept - tolerance for x, y in points)
+    ]
+    if not under_every_point:  # only where y / x overflows: an x within a float's reach of 0
+        raise ValueError("the x values are too close to 0 for a finite slope under the points")
     slope, intercept = max(
-        (
-            (slope, intercept)
-            for slope, intercept in candidates
-            if slope > 0 and intercept >= 0 and all(y >= slope * x + intercept - tolerance for x, y in points)
-        ),
-        key=lambda line: line[0] * weight_of_slope + line[1] * weight_of_intercept,
+        under_every_point, key=lambda line: line[0] * weight_of_slope + line[1] * weight_of_intercept
     )
     r_squared = _r_squared(np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64), slope, intercept)
     return LineFit(slope=slope, intercept=intercept, r_squared=max(0.0, r_squared))
