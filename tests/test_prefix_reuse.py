@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.request import urlopen
 
+import numpy as np
+import numpy.typing as npt
 import openai
 import pytest
 from openai.types import Completion
@@ -20,6 +22,8 @@ from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 from kafila.runtime.engine.engines import Engine, PrefixCut, prefix_cut, prefix_cut_of
 from kafila.runtime.engine.local_ring import open_engine
 from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.runtime.engine.stage import Vocabulary
+from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.llama.model import ContextSettings, LlamaModel
 from kafila.serving.batcher import Finished, Job, RequestEvent, RequestFailed, TextDelta
@@ -98,38 +102,105 @@ def test_a_second_turn_prefills_only_what_is_new_and_decodes_what_a_full_prefill
 
 def test_the_header_says_where_a_cache_may_be_cut_as_the_loaded_model_does(family: tuple[str, Path]) -> None:
     """A ring's host decides from the whole model's header (`prefix_cut_of`), an unsplit engine
-    from the model llama.cpp loaded: for every family both come to the same answer."""
+    from the model llama.cpp loaded: for every family both come to the same answer. A windowed
+    cache is cut anywhere only because its keeper holds every cell of its window."""
     arch, model = family
     loaded = LlamaModel(model, SETTINGS)
     try:
-        truth = prefix_cut(not loaded.holds_positions, loaded.sliding_window > 0)
+        truth = prefix_cut(not loaded.holds_positions)
+        windowed, kept = loaded.sliding_window > 0, loaded.keeps_window_cells
     finally:
         loaded.close()
     assert prefix_cut_of(model) is truth, arch
+    assert kept == (windowed and truth is PrefixCut.ANYWHERE), arch
 
 
-def test_a_windowed_cache_is_not_cut_far_from_its_end_and_still_decodes_right(tmp_path: Path) -> None:
-    """gemma3's sliding-window layers forget what falls out of their window: a prompt sharing only
-    the start of a long cached sequence starts afresh, where a model without a window reuses it."""
-    gemma = write_tiny_model(tmp_path / "gemma3.gguf", "gemma3", n_blocks=6)
-    llama = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=4)
-    assert prefix_cut_of(gemma) is PrefixCut.AT_END and prefix_cut_of(llama) is PrefixCut.ANYWHERE
-    for model, reused in ((gemma, False), (llama, True)):
-        # one slot: the branch must go where the long sequence is, not to a fresh slot
-        served = Served(open_engine(model, [2, 2] if model == llama else [3, 3], SETTINGS, tmp_path / "stages"), 1)
-        try:
-            first = served.engine.tokenize(PROMPT)
-            served.ask(first, max_tokens=24)  # well past the window of 16
-            branch = first[:10] + served.engine.tokenize(" hello kafila", add_special=False)
-            text, finished = served.ask(branch)
-            assert finished.cached_tokens == (10 if reused else 0), model
-        finally:
-            served.close()
-        fresh = Served(open_engine(model, [2, 2] if model == llama else [3, 3], SETTINGS, tmp_path / "fresh"))
-        try:
-            assert fresh.ask(branch)[0] == text
-        finally:
-            fresh.close()
+WINDOWED_FAMILIES = ("gemma3", "gemma2", "gpt-oss")  # windows of 16, 16 and 8 positions
+
+
+@pytest.mark.parametrize("arch", [*WINDOWED_FAMILIES, "llama"])
+def test_a_history_edited_in_the_middle_resumes_from_the_edit(arch: str, tmp_path: Path) -> None:
+    """An agent resends its history with an earlier part rewritten: on a ring of two stages the
+    slot's cache is cut at the edit, well before the end of what it holds and behind positions
+    that left a sliding window long ago, and the answer is the one a fresh cache gives."""
+    model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
+    n, starts = N_BLOCKS[arch], read_manifest(model).stage_starts
+    split = [starts[0], n - starts[0]] if starts else [n // 2, n - n // 2]
+    # one slot: the edited history must go where the long one is, not to a fresh slot
+    served = Served(open_engine(model, split, SETTINGS, tmp_path / "stages"), 1)
+    try:
+        first = served.engine.tokenize(PROMPT)
+        answer = greedy_unsplit(model, first, 40)
+        served.ask(first, max_tokens=len(answer))
+        held = len(first) + len(answer) - 1  # the last answer token is never fed back
+        edit = held // 2 + 1  # where a cut still keeps half the cache
+        window = int(FastGGUFReader(model).scalar(f"{arch}.attention.sliding_window", 0))
+        assert held - edit >= window, arch  # the rows before the edit had left the window
+        history = first + answer
+        edited = history[:edit] + served.engine.tokenize(" hello kafila", add_special=False) + history[edit + 2 :]
+        text, finished = served.ask(edited)
+        assert finished.cached_tokens == edit, arch
+    finally:
+        served.close()
+    fresh = Served(open_engine(model, [n], SETTINGS))
+    try:
+        expected, full = fresh.ask(edited)
+    finally:
+        fresh.close()
+    assert full.cached_tokens == 0 and text == expected, arch
+
+
+def _decode_in_chunks(model: LlamaModel, sequence: int, start: int, tokens: list[int]) -> npt.NDArray[np.float32]:
+    """Decode `tokens` from `start` on, 16 rows a decode; the last row's logits."""
+    for at in range(0, len(tokens), 16):
+        part = tokens[at : at + 16]
+        positions = range(start + at, start + at + len(part))
+        model.decode([sequence] * len(part), positions, [False] * (len(part) - 1) + [True], tokens=part)
+    return model.logits(len(part) - 1)
+
+
+def _edited_rows(
+    model: LlamaModel, history: list[int], edit: list[int], at: int, answered: bool
+) -> npt.NDArray[np.float32]:
+    """The logits of an edit's last row, decoded after cutting sequence 0's history at `at`. Another
+    sequence's short request came first and has ended, so its freed cells are where the next
+    decode looks first; `answered`: sequence 0 then decoded an answer a token at a time, whose
+    rows, past those freed cells, find the history's earliest ones out of its window."""
+    _decode_in_chunks(model, 1, 0, history[:2])
+    _decode_in_chunks(model, 0, 0, history)
+    model.forget(1)
+    if answered:
+        for i in range(model.sliding_window // 2):
+            model.decode([0], [len(history) + i], [True], tokens=[history[i]])
+    model.forget(0, at)
+    logits = _decode_in_chunks(model, 0, at, edit)
+    model.forget(0)
+    return logits
+
+
+@pytest.mark.parametrize("arch", WINDOWED_FAMILIES)
+def test_a_windowed_cache_cut_far_back_reads_the_window_as_it_was(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A history three windows long, cut just past half a window and an edit decoded there: the
+    edit's logits are the same, bit for bit, whether or not the sequence decoded an answer in
+    between, whose rows llama.cpp would give cells of the history's first positions (and then
+    drop the positions before them) if a keeper did not hold them. Without keepers they differ."""
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, N_BLOCKS[arch])
+    settings = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=2, n_threads=2)
+
+    def edited_both_ways() -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        with LlamaModel(path, settings) as model:
+            window = model.sliding_window
+            tokens = Vocabulary(model).tokenize(PROMPT) * 8
+            history, edit, at = tokens[: 3 * window], tokens[3 * window : 3 * window + window // 2], window // 2 + 2
+            return _edited_rows(model, history, edit, at, False), _edited_rows(model, history, edit, at, True)
+
+    quiet, answered = edited_both_ways()
+    assert np.array_equal(quiet, answered), float(np.abs(quiet - answered).max())
+    monkeypatch.setattr(LlamaModel, "_window_cells_kept", lambda self: False)
+    quiet, answered = edited_both_ways()
+    assert not np.array_equal(quiet, answered), arch  # the case is one where llama.cpp takes the cells
 
 
 @pytest.fixture

@@ -114,10 +114,10 @@ def test_the_same_prompt_again_recomputes_only_its_last_token() -> None:
     assert [f.cached_tokens for f in finished] == [0, 4]  # the last token's logits are needed anew
 
 
-def test_a_sliding_window_cache_is_cut_only_near_its_end_and_a_recurrent_state_never() -> None:
-    """A windowed cache has dropped what lies before its window, so a prefix far short of what
-    it holds cannot be resumed; a recurrent state cannot be cut at all."""
-    for cut, expected in ((PrefixCut.ANYWHERE, 2), (PrefixCut.AT_END, 0), (PrefixCut.NOWHERE, 0)):
+def test_a_cache_is_cut_anywhere_in_what_it_holds_and_a_recurrent_state_never() -> None:
+    """A prefix far short of what a slot holds (an edit early in a history) is resumed where the
+    cache holds positions, a sliding window's included; a recurrent state cannot be cut at all."""
+    for cut, expected in ((PrefixCut.ANYWHERE, 2), (PrefixCut.NOWHERE, 0)):
         b = batcher(concurrency=1)
         b.prefix_cut = cut
         b.submit(job("a", 6, max_tokens=1))

@@ -27,8 +27,9 @@ KV every stage holds there. A new request takes the free slot whose tokens share
 prefix with its prompt, where that keeps at least as much of the cache as it throws away, else
 the least recently used slot (a cache nobody comes back to is the one evicted); the engine cuts
 that slot's cache after the common prefix, and prefill starts there: a chat's next turn or an
-agent's repeated system prompt is computed once. Where a family's cache cannot be cut anywhere
-(`PrefixCut`), less or nothing is reused. When a ring breaks, the requests it held are kept
+agent's repeated system prompt is computed once, and a history edited in the middle resumes
+from the edit (a sliding window's too, `PrefixCut`). Where a family's cache cannot be cut (a
+recurrent state), nothing is reused. When a ring breaks, the requests it held are kept
 (`suspend_all`) for the next ring to take on where they stopped (`resume`).
 
 Speculative decoding (`runtime.engine.speculation`): a generating sequence's decode row may carry
@@ -397,7 +398,7 @@ class Batcher:
     def _reusable(self, held: list[int], prompt: list[int]) -> int:
         """How many of `prompt`'s first tokens a slot holding `held` can keep: their common
         prefix, short of the prompt's last token (whose logits the request needs), where the
-        engine's cache can be cut there."""
+        engine's cache can be cut at all."""
         if self.prefix_cut is PrefixCut.NOWHERE:
             return 0
         common = 0
@@ -405,8 +406,6 @@ class Batcher:
             if a != b:
                 break
             common += 1
-        if self.prefix_cut is PrefixCut.AT_END and common < len(held) - 1:
-            return 0
         return common
 
     def _slot_for(self, prompt: list[int]) -> int:

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kafila.runtime.engine.engines import PrefixCut, prefix_cut
 from kafila.runtime.engine.sampling import Sampler, SamplingSettings
 from kafila.runtime.engine.speculation import DRAFT_DRAW, MAX_DRAFT, Drafter, uniform
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
@@ -85,7 +84,6 @@ class DraftModel:
         if not self.model.holds_positions:
             self.model.close()
             raise DraftRefused(f"{path.name} keeps a recurrent state, which cannot be cut back to drop rejected drafts")
-        self.prefix_cut = prefix_cut(False, self.model.sliding_window > 0)
         self.n_vocab = self.model.n_vocab
         self._held: dict[int, list[int]] = {}  # slot → the tokens its cache holds, in position order
         self.decodes = 0  # llama_decode calls, over the model's life
@@ -185,10 +183,6 @@ class DraftModel:
         held = self._held.get(slot, [])
         common = len(held) if list(tokens[: len(held)]) == held else _common_prefix(held, tokens)
         common = min(common, len(tokens) - 1)
-        if self.prefix_cut is PrefixCut.AT_END and common < len(held) - 1:
-            # A sliding window's cells past their window are gone: cut only near the end
-            # (rejected drafts), else start the sequence again.
-            common = common if len(held) - common <= self.model.sliding_window // 2 else 0
         if not self.model.truncate(slot, common):
             self.model.forget(slot)
             common = 0

@@ -38,7 +38,7 @@ from kafila.runtime.engine.stage import (
     WholeModel,
     run_isolating,
 )
-from kafila.runtime.gguf.families import FAMILIES, attention_windowed
+from kafila.runtime.gguf.families import FAMILIES
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.slicer import StageFile
 from kafila.runtime.llama.model import ContextSettings, LlamaModel, VocabularyOnly
@@ -48,11 +48,12 @@ from kafila.wire.frames import NO_LOGPROBS, SAMPLE_ON_HEAD, DType, Frame, Kind
 class PrefixCut(StrEnum):
     """Where an engine's cache of a sequence can be cut so that prefill resumes after it."""
 
-    ANYWHERE = "anywhere"  # a KV cache holds every position: drop [P, end) and go on from P
-    # A sliding-window cache drops positions older than its window as it goes; cut no earlier
-    # than one short of its end (what a chat's next turn, which extends the last, needs): the
-    # window before the cut is then still whole.
-    AT_END = "at-end"
+    # A KV cache holds every position: drop [P, end) and go on from P. A sliding-window cache
+    # too: llama.cpp takes a cell whose position has left its sequence's window only where no
+    # other sequence holds it (find_slot), and purges a sequence's positions only below a cell
+    # it took (apply_ubatch); every cell of a windowed cache here also belongs to a keeper
+    # (`LlamaModel.keeps_window_cells`), so none is taken and the window before any cut is whole.
+    ANYWHERE = "anywhere"
     NOWHERE = "nowhere"  # a recurrent state holds no positions at all: every request starts afresh
 
 
@@ -60,12 +61,11 @@ class PrefixCut(StrEnum):
 _RECURRENT_KEYS = (".ssm.", ".wkv.", ".shortconv.")
 
 
-def prefix_cut(recurrent: bool, windowed: bool) -> PrefixCut:
+def prefix_cut(recurrent: bool) -> PrefixCut:
     """Where a cache can be cut, from what the model keeps: one rule, whether the facts come from a
-    loaded model (`UnsplitEngine`) or from a header (`prefix_cut_of`)."""
-    if recurrent:
-        return PrefixCut.NOWHERE
-    return PrefixCut.AT_END if windowed else PrefixCut.ANYWHERE
+    loaded model (`UnsplitEngine`) or from a header (`prefix_cut_of`). A window does not matter:
+    the keeper holds its cells (`PrefixCut.ANYWHERE`)."""
+    return PrefixCut.NOWHERE if recurrent else PrefixCut.ANYWHERE
 
 
 def speculation_refused_for(source: Path | FastGGUFReader) -> str | None:
@@ -85,12 +85,10 @@ def prefix_cut_of(model: Path) -> PrefixCut:
 
 
 def prefix_cut_from(reader: FastGGUFReader) -> PrefixCut:
-    """`prefix_cut_of` an open model, a header alone included (a model on the hub). A family whose
-    llama.cpp code windows (or chunks) attention whatever the file says is windowed
-    (`attention_windowed`)."""
+    """`prefix_cut_of` an open model, a header alone included (a model on the hub)."""
     arch = str(reader.scalar("general.architecture", ""))
     recurrent = any(key.startswith(arch) and any(mark in key for mark in _RECURRENT_KEYS) for key in reader.fields)
-    return prefix_cut(recurrent, attention_windowed(arch, reader.scalar(f"{arch}.attention.sliding_window")))
+    return prefix_cut(recurrent)
 
 
 @dataclass(frozen=True)
@@ -315,8 +313,7 @@ class UnsplitEngine(_Vocabulary):
         self.model = WholeModel(path, settings)
         self.vocabulary, self.llama_model = self.model.vocabulary, self.model.model
         self._blocks = int(self.model.model._llama.llama_model_n_layer(self.model.model.model))
-        loaded = self.model.model
-        self.prefix_cut = prefix_cut(not loaded.holds_positions, loaded.sliding_window > 0)
+        self.prefix_cut = prefix_cut(not self.model.model.holds_positions)
         self.speculation_refused = speculation_refused_for(path)
 
     def step_many(self, steps: Sequence[EngineStep]) -> list[StepResult]:

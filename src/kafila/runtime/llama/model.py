@@ -150,10 +150,12 @@ class LlamaModel:
     def _window_cells_kept(self) -> bool:
         """Whether this model's cache needs keepers: llama.cpp's window cache (`swa_full` or not)
         hands a decode any cell whose position has left the window of its sequence's last one
-        (llama_kv_cache::find_slot, `is_masked_swa`), but a sequence's last position may be a
-        draft still to be checked, or a wave behind it: a cut back then needs cells a decode in
-        between took (a later row would read a window with holes). A cell that belongs to two
-        sequences is never taken, so every sequence's cells also belong to a keeper."""
+        (llama_kv_cache::find_slot, `is_masked_swa`), and then drops the sequence's positions up
+        to that cell's (apply_ubatch keeps each sequence's positions contiguous). But a sequence's
+        last position may be a draft still to be checked, or a wave behind it, and a request may
+        resume a history edited anywhere (`PrefixCut.ANYWHERE`): a cut back then needs cells a
+        decode in between took (a later row would read a window with holes). A cell that belongs
+        to two sequences is never taken, so every sequence's cells also belong to a keeper."""
         return self.sliding_window > 0 and self.holds_positions
 
     def _keep_cells(self, sequences: Sequence[int], positions: Sequence[int]) -> None:
