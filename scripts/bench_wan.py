@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import statistics
@@ -182,6 +183,9 @@ def speculation_rates(
             out[mode]["trip_ms"], out[mode]["row_ms"] = now.get("trip_ms"), now.get("row_ms")
             out[mode]["fixed_ms"] = now.get("fixed_ms")  # what a wave's carrying drafts adds once
             out[mode]["draft_ms"] = now.get("draft_ms")
+            # what drafts in flight are priced by: the stages' decodes by rows, and the ring's PING trip
+            out[mode]["decode_ms_by_rows"] = [s.get("decode_ms_by_rows") for s in stages]
+            out[mode]["ring_ms"] = (status.get("prefill") or {}).get("ring_ms")
     return out
 
 
@@ -192,10 +196,17 @@ def speculation_host_args(arm: str, draft: Path) -> tuple[str, ...]:
 
 
 def bench_speculation(
-    model: Path, rtts: list[float], tokens: int, repeats: int, arms: list[str], draft: Path, workloads: list[str]
+    model: Path,
+    rtts: list[float],
+    tokens: int,
+    repeats: int,
+    arms: list[str],
+    draft: Path,
+    workloads: list[str],
+    texts: Path | None = None,
 ) -> None:
     """A session without drafts and one for each arm, all open at once (each its own lab), their
-    requests in turn; each arm against the one without."""
+    requests in turn; each arm against the one without; `texts`: where to write every answer."""
     rows: list[dict[str, Any]] = []
     loads: list[float] = [os.getloadavg()[0]]
     with contextlib.ExitStack() as stack:
@@ -214,6 +225,9 @@ def bench_speculation(
                               for n, v in rows[-1][mode].items()} for mode in sessions}  # fmt: skip
             print(f"measured at {rtt:g} ms (load {loads[-1]:.1f}): {figures}", file=sys.stderr)
     loads.append(os.getloadavg()[0])
+    if texts is not None:  # where an arm's text parted from off's, and how
+        answers = {f"{row['rtt']:g}": {m: {n: row[m][n]["texts"] for n in workloads} for m in sessions} for row in rows}
+        texts.write_text(json.dumps(answers, indent=1))
     print(f"One user, up to {tokens} tokens a request, median of {repeats}, the sessions' requests in turn;")
     print("decode tokens/s after the first. Load average (1 min) on this machine as each round trip began, and")
     print("at the end: " + ", ".join(f"{load:.1f}" for load in loads) + f". Draft model (draft arm): {draft.name}.")
@@ -282,13 +296,14 @@ def main() -> int:
     parser.add_argument("--arms", nargs="+", choices=["ngram", "draft"], default=["ngram"], help="with --speculate")
     parser.add_argument("--draft", type=Path, help="the draft arm's model (default: the target itself)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--texts", type=Path, help="with --speculate: write each answer's text here (JSON)")
     args = parser.parse_args()
     model = benchmark_gemma()
     if model is None:
         return 2
     if args.speculate:
         draft = args.draft or model
-        bench_speculation(model, args.rtts, args.tokens, args.repeats, args.arms, draft, args.workloads)
+        bench_speculation(model, args.rtts, args.tokens, args.repeats, args.arms, draft, args.workloads, args.texts)
         return 0
     toll_only = ("--speculate", "off")  # the floor is a row a token: drafts would mix their own gains and costs in
     with (

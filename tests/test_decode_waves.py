@@ -4,13 +4,29 @@ ring's trip; and what a stage reports for it (its recent decodes' times by size)
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tiny_models import write_tiny_model
 
 from kafila.contracts import MAX_REPORTED_ROW_COUNTS, StageReport
-from kafila.planner.waves import MIN_GAIN, StageWaveCost, WaveCosts, decode_waves, fit_stage, wave_costs_from
-from kafila.runtime.engine.stage import RECENT_SIZED_STEPS, StageTimer
+from kafila.planner.waves import (
+    MIN_GAIN,
+    StageWaveCost,
+    WaveCosts,
+    decode_waves,
+    fit_stage,
+    idle_behind_ms,
+    wave_costs_from,
+)
+from kafila.runtime.engine.stage import RECENT_SIZED_STEPS, BlockStage, StageTimer
+from kafila.runtime.engine.worker import handle_frames
+from kafila.runtime.gguf.slicer import slice_model
+from kafila.runtime.llama.model import ContextSettings
+from kafila.wire.frames import Frame, Kind
 
 
 def ring(stages: list[tuple[float, float]], ring_ms: float, machines: list[int] | None = None) -> WaveCosts:
@@ -182,3 +198,65 @@ def test_the_hosts_own_work_a_wave_is_read_from_a_period_its_machine_set() -> No
     # machine's work to compare with, only the trip.
     alone = WaveCosts(costs.stages, (1, 1), 1.8, host_machine=1)
     assert alone.host_work_ms(4, 2, observed_ms=200.0) is not None
+
+
+def test_a_wave_behind_may_take_what_the_ring_idles_while_the_waves_ahead_travel() -> None:
+    """Drafts in flight: three stages on one box (the NAT lab's), a drafted wave of five rows out.
+    At 40 ms a hop (60 ms of wire one way round) the box works 48 ms of a 108 ms trip and idles
+    60, whatever its stages share; a second wave out (three rows) leaves 24; on loopback (2 ms of
+    wire) it idles 2, and with the host's own work a wave on it none. On machines of their own
+    with no wire, each idles the others' stages: 20 beside the head's 28."""
+    stages = [(5.0, 1.0), (5.0, 1.0), (8.0, 4.0)]
+    box = ring(stages, 60.0, machines=[0, 0, 0])
+    assert box.trip_ms(5) == pytest.approx(108.0)
+    assert idle_behind_ms(box, [5]) == pytest.approx(60.0)
+    assert idle_behind_ms(box, [5, 3]) == pytest.approx(108.0 - 48.0 - 36.0)
+    loopback = ring(stages, 2.0, machines=[0, 0, 0])
+    assert idle_behind_ms(loopback, [5]) == pytest.approx(2.0)
+    busy_host = WaveCosts(loopback.stages, loopback.machines, 2.0, host_machine=0, host_ms=3.0)
+    assert idle_behind_ms(busy_host, [5]) == 0.0
+    apart = ring(stages, 0.0)
+    assert idle_behind_ms(apart, [5]) == pytest.approx(48.0 - 28.0)
+    host_at_head = WaveCosts(apart.stages, apart.machines, 0.0, host_machine=2, host_ms=10.0)
+    assert idle_behind_ms(host_at_head, [5]) == pytest.approx(10.0)
+    # One stage: a wave behind only waits there for the one ahead; nothing out: nothing to hide behind.
+    assert idle_behind_ms(ring([(5.0, 1.0)], 60.0), [5]) is None
+    assert idle_behind_ms(box, []) is None
+    with pytest.raises(ValueError):
+        idle_behind_ms(box, [5, 0])
+
+
+@given(
+    stages=st.lists(st.tuples(st.floats(0, 50), st.floats(0, 20)), min_size=2, max_size=4),
+    machines=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    ring_ms=st.floats(0, 300),
+    rows_out=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    more=st.integers(1, 9),
+)
+def test_the_idle_behind_waves_out_is_never_negative_and_shrinks_with_each_wave_more(
+    stages: list[tuple[float, float]], machines: list[int], ring_ms: float, rows_out: list[int], more: int
+) -> None:
+    costs = ring(stages, ring_ms, machines[: len(stages)])
+    idle = idle_behind_ms(costs, rows_out)
+    assert idle is not None and 0.0 <= idle <= costs.trip_ms(rows_out[0])
+    behind = idle_behind_ms(costs, [*rows_out, more])
+    assert behind is not None and behind <= idle
+
+
+def test_a_block_stage_times_a_token_and_its_drafts_as_a_decode_of_their_rows(tmp_path: Path) -> None:
+    """A VERIFY frame (a token and its drafts, one sequence) is a decode of its rows at a block
+    stage, as at the head: the stage reports its size among the decodes, which price the waves and
+    drafts in flight, and not among a prompt's rows."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    first, _ = slice_model(model, [2, 2], tmp_path / "stages")
+    stage = BlockStage(first.path, ContextSettings(n_ctx=64, n_batch=32, n_seq_max=2, n_threads=1))
+    rows = np.random.default_rng(3).standard_normal((5, stage.hidden)).astype(np.float32)
+    try:
+        handle_frames(stage, [Frame.of_hidden(Kind.PREFILL, 0, 0, rows[:3])])
+        handle_frames(stage, [Frame.of_hidden(Kind.DECODE, 0, 3, rows[3:4])])
+        (answer,) = handle_frames(stage, [Frame.of_hidden(Kind.VERIFY, 0, 4, rows[:4])])
+        assert answer.kind is Kind.VERIFY and answer.hidden_states().shape == (4, stage.hidden)
+        assert [size for size, _ in stage.timer.decode_ms_by_rows] == [1, 4]
+        assert stage.timer.decode_rows == 5 and stage.timer.rows - stage.timer.decode_rows == 3
+    finally:
+        stage.close()

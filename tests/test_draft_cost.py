@@ -22,8 +22,10 @@ from kafila.runtime.engine.draft_cost import (
     AcceptRate,
     DraftLedger,
     TripClock,
+    TripCost,
     best_window,
     expected_tokens,
+    rows_behind,
 )
 from kafila.runtime.engine.engines import PrefixCut
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -572,3 +574,20 @@ def test_free_text_never_loses_more_than_five_percent_to_a_draft_model(
         ratios[table_seed] = plain_s / (ring_s + (sum(spent) - warm_spent) / 1e3)
     assert len(ratios) >= 40, ratios
     assert min(ratios.values()) >= 0.95, {seed: ratio for seed, ratio in ratios.items() if ratio < 0.95}
+
+
+def test_rows_behind_cost_only_what_the_ring_does_not_idle() -> None:
+    """A wave behind on the lab's loopback ring (a 25 ms trip, 19 ms more for a wave with drafts,
+    10 a row, none idle) goes only for a copy: free text's rows would delay the wave ahead by more
+    than they bring. Across homes (60 ms of a trip idle) free text's rows go where they hide in
+    the wire's time, as many as hide there (four: 19 + 4 · 10 ms), all where they all do; never
+    more rows for less idle."""
+    loopback = TripCost(25.0, 10.0, fixed_ms=19.0)
+    assert rows_behind(0.5, 4, 6, loopback, MAX_DRAFT) == 0
+    assert rows_behind(0.99, 4, 6, loopback, MAX_DRAFT) > 0
+    assert rows_behind(0.5, 4, 6, loopback, MAX_DRAFT, idle_ms=60.0) == 4
+    assert rows_behind(0.5, 4, 6, loopback, MAX_DRAFT, idle_ms=80.0) == 6
+    counts = [rows_behind(0.8, 3, 8, loopback, MAX_DRAFT, idle_ms=idle) for idle in range(0, 120, 5)]
+    assert counts == sorted(counts)
+    with pytest.raises(ValueError):
+        rows_behind(0.5, 4, 6, loopback, MAX_DRAFT, idle_ms=-1.0)

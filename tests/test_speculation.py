@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kafila.planner.waves import StageWaveCost, WaveCosts
 from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, StepResult
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -259,18 +260,21 @@ class Departing(NgramDrafter):
 
 def serve(
     model: ScriptedModel, jobs: Sequence[Job], speculate: Speculate, seed: int | None = None, rows: int = 16,
-    waves: int = 1, drafter: Callable[[Job], NgramDrafter] | None = None,
+    waves: int = 1, drafter: Callable[[Job], NgramDrafter] | None = None, ring_costs: WaveCosts | None = None,
+    behind_priced: bool = False,
 ) -> tuple[dict[str, list[str]], Batcher]:  # fmt: skip
     """Run jobs to the end; the text of each, and the batcher (for its stats). `waves`: waves of
     one sequence's drafts out at once (drafts in flight), kept out as the engine loop keeps them:
     the scripted model runs each wave as it leaves and answers it as it lands, oldest first, the
     cuts taken between (as a CANCEL follows the rows out round a ring); each wave is timed as a
     trip of 100 ms and 1 ms a drafted row, so that the cost rule sends waves behind. `drafter`: a
-    drafter for each admitted request in place of the n-gram one."""
+    drafter for each admitted request in place of the n-gram one; `ring_costs`, `behind_priced`:
+    the ring's stages and wire as the engine loop gives them (`Batcher.ring_costs`)."""
     batcher = Batcher(
         2, rows, 64, lambda _s: Sample(seed), lambda t: f"<{t}>".encode(), lambda t: t == END,
-        PrefixCut.ANYWHERE, speculate, draft_waves=waves,
+        PrefixCut.ANYWHERE, speculate, draft_waves=waves, behind_priced=behind_priced,
     )  # fmt: skip
+    batcher.ring_costs = ring_costs
     for job in jobs:
         batcher.submit(job)
     texts: dict[str, list[str]] = {job.request_id: [] for job in jobs}
@@ -306,6 +310,18 @@ def serve(
                 finished.add(event.request_id)
     assert finished == set(texts)
     return texts, batcher
+
+
+CYCLE_PROMPT = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4]
+
+
+def copying_cycle() -> npt.NDArray[np.float32]:
+    """Logits by the last two tokens of a model that copies the cycle 3..11 forever (CYCLE_PROMPT
+    holds it once and starts it again): every draft of its n-gram lookup is kept."""
+    loop = np.full((VOCAB, VOCAB, VOCAB), -5.0, dtype=np.float32)
+    for b in range(VOCAB):
+        loop[:, b, 3 if b == 11 else (b + 1 if b >= 3 else 3)] = 5.0
+    return loop
 
 
 def table_of(seed: int, peaked: bool) -> npt.NDArray[np.float32]:
@@ -347,11 +363,7 @@ def test_drafts_change_nothing_but_the_trips(
 
 
 def test_a_copying_model_takes_fewer_trips_and_a_forced_reject_leaves_no_trace() -> None:
-    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4]
-    loop = np.full((VOCAB, VOCAB, VOCAB), -5.0, dtype=np.float32)
-    for a in range(VOCAB):  # the model copies the cycle 3..11 forever
-        for b in range(VOCAB):
-            loop[a, b, 3 if b == 11 else (b + 1 if b >= 3 else 3)] = 5.0
+    prompt, loop = CYCLE_PROMPT, copying_cycle()
     job = Job("copy", prompt, 40, SamplingSettings())
     plain_model, drafted_model = ScriptedModel(loop), ScriptedModel(loop)
     plain, _ = serve(plain_model, [job], Speculate.OFF)
@@ -382,11 +394,7 @@ def test_waves_in_flight_carry_a_copy_and_a_reject_ahead_leaves_no_trace_of_them
     kept; where the text departs from the lookup, waves behind a reject are stale, cut with the
     rejected rows before the next wave (the scripted cache refuses its rows otherwise, and `serve`
     checks it holds only the accepted positions), and the text is decoding's without drafts."""
-    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4]
-    loop = np.full((VOCAB, VOCAB, VOCAB), -5.0, dtype=np.float32)
-    for a in range(VOCAB):  # the model copies the cycle 3..11, but after "9 10" once in three turns 5
-        for b in range(VOCAB):
-            loop[a, b, 3 if b == 11 else (b + 1 if b >= 3 else 3)] = 5.0
+    prompt, loop = CYCLE_PROMPT, copying_cycle()
     job = Job("copy", prompt, 60, SamplingSettings())
     plain, _ = serve(ScriptedModel(loop), [job], Speculate.OFF)
     one, single = serve(ScriptedModel(loop), [job], Speculate.NGRAM)
@@ -405,6 +413,26 @@ def test_waves_in_flight_carry_a_copy_and_a_reject_ahead_leaves_no_trace_of_them
     stats = batcher.speculation
     assert stats.waves_behind > 0 and stats.waves_stale > 0 and stats.accepted < stats.drafted
     assert model.cache[0][: len(prompt) + len(answer) - 1] == [*prompt, *answer[:-1]]
+
+
+def test_waves_behind_go_where_the_ring_is_measured_with_stages_to_overlap() -> None:
+    """Drafts in flight as the engine loop prices them: none before the ring's stages are measured
+    (`behind_priced`), none on a ring of one stage (a wave behind only waits there for the one
+    ahead), and on three stages of one box whose trip is mostly wire the copy's waves go behind,
+    every one kept; the text is decoding's without drafts each time."""
+    prompt, loop = CYCLE_PROMPT, copying_cycle()
+    job = Job("copy", prompt, 60, SamplingSettings())
+    plain, _ = serve(ScriptedModel(loop), [job], Speculate.OFF)
+    one_stage = WaveCosts((StageWaveCost(5.0, 1.0),), (0,), 60.0)
+    box = WaveCosts((StageWaveCost(5.0, 1.0),) * 3, (0, 0, 0), 60.0)
+    for costs, priced, behind in ((None, True, False), (one_stage, True, False), (box, True, True)):
+        texts, batcher = serve(
+            ScriptedModel(loop), [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT, ring_costs=costs,
+            behind_priced=priced,
+        )  # fmt: skip
+        assert texts == plain
+        stats = batcher.speculation
+        assert (stats.waves_behind > 3) is behind and stats.waves_stale == 0, (costs, stats)
 
 
 def test_no_drafts_past_max_tokens_or_where_speculation_is_off() -> None:

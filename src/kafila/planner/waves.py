@@ -24,6 +24,11 @@ a long wire (the stages idle most of a trip) more. The W of least P, from 1 to R
 where it saves less than MIN_GAIN of the current count's period, the count stays (the figures are
 measured, not exact, and a count that flips on noise reorders the waves for nothing).
 
+The same figures price drafts in flight (`idle_behind_ms`): a wave a sequence sends behind its
+own still out takes, of its rows' time, only what the machines do not idle while the waves
+ahead travel, C(r₀) − max_m (each machine's work for every wave out); across homes that is most
+of a trip wherever the stages run, on loopback nothing.
+
 Pure: the engine loop gives it the stages' measured decodes (`StageReport.decode_ms_by_rows`,
 fitted here to a_k + r·p_k), the ring's measured trip and the periods it observed.
 """
@@ -106,6 +111,27 @@ class WaveCosts:
         if observed_ms <= (1 + MIN_GAIN) * explained:
             return None
         return max(0.0, (observed_ms - busy.get(self.host_machine, 0.0)) / waves)
+
+
+def idle_behind_ms(costs: WaveCosts, rows_out: Sequence[int]) -> float | None:
+    """What a wave sent behind a sequence's waves out (drafts in flight) may take of the ring
+    without delaying them: while the oldest of them (`rows_out`, oldest first, each a wave's rows)
+    travels, C(rows_out[0]), the busiest machine works its stages' part of every wave out (and,
+    at the serving host's, o a wave); the rest of the trip that machine idles, at least 0. The
+    wire's time counts as idle, on one machine too: a PING round's work at each hop is a small
+    frame's, next to a decode's, so a ring of one box at 40 ms a hop idles ~60 of ~85 ms, and on
+    loopback (0 ms) about nothing. None with no wave out, or on a ring of one stage, where a wave
+    behind only waits at that stage for the one ahead (nothing travels while it computes)."""
+    if any(rows < 1 for rows in rows_out):
+        raise ValueError(f"a wave out has a row at least, not {list(rows_out)}")
+    if not rows_out or len(costs.stages) < 2:
+        return None
+    work = dict.fromkeys(costs.machines, 0.0)
+    for stage, machine in zip(costs.stages, costs.machines, strict=True):
+        work[machine] += sum(stage.wave_ms(rows) for rows in rows_out)
+    if costs.host_machine in work:
+        work[costs.host_machine] += len(rows_out) * costs.host_ms
+    return max(0.0, costs.trip_ms(rows_out[0]) - max(work.values()))
 
 
 def decode_waves(rows: int, costs: WaveCosts | None, current: int) -> int:

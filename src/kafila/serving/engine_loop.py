@@ -133,7 +133,8 @@ class EngineLoop:
             chunk_rows=lambda rows: prefill_chunk_rows(rows, self.prefill_costs, out_at_once, batch_rows),
             make_drafter=draft_model.drafter if draft_model is not None else None,
             draft_together=self._draft_many if draft_model is not None else None,
-            draft_waves=DRAFT_WAVES_OUT if engine.depth > 1 else 1,  # one process runs a wave as it lands
+            draft_waves=DRAFT_WAVES_OUT,  # each wave behind priced by the ring's measured idle (`ring_costs`)
+            behind_priced=True,
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
@@ -450,7 +451,9 @@ class EngineLoop:
             if costs is not None:
                 self.prefill_costs = costs
             if waves is not None:
-                self.wave_costs = waves
+                self.batcher.ring_costs = waves  # drafts in flight, priced by what the ring idles
+                if self._priced:  # else KAFILA_PIPELINE_WAVES fixes the count of decode waves
+                    self.wave_costs = waves
             if widest is not None:
                 self._widest_measured = widest
 
@@ -462,7 +465,7 @@ class EngineLoop:
         costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in report], trip_ms)
         machines = stage_machines(self.engine, len(report))
         waves = None
-        if machines is not None and self._priced:
+        if machines is not None:
             waves = wave_costs_from([entry.decode_ms_by_rows for entry in report], machines, trip_ms)
         widest = min((max((rows for rows, _ in entry.decode_ms_by_rows), default=0) for entry in report), default=0)
         if waves is not None and machines is not None and self.engine.head_here:

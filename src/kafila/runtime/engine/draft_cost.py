@@ -327,21 +327,28 @@ class DraftLedger:
 DRAFT_WAVES_OUT = 2
 
 
-def rows_behind(accept_rate: float, unchecked: int, limit: int, cost: TripCost, window_limit: int) -> int:
+def rows_behind(
+    accept_rate: float, unchecked: int, limit: int, cost: TripCost, window_limit: int, idle_ms: float = 0.0
+) -> int:
     """How many guessed rows (0..`limit`) a wave sent behind a sequence's waves still out carries
     (drafts in flight): its row i brings a token where it and the `unchecked` guesses out before
-    it are all kept (p^(unchecked + i)), and each row takes the ring a drafted row's time, which a
-    wave that turns out stale costs the sequence's next wave. Rows go where they bring more tokens
-    than that time brings at the best rate one wave a trip gives (`best_window`, up to
-    `window_limit` drafts); the count that brings most beyond it, 0 where none does."""
-    if not 0.0 <= accept_rate <= 1.0 or unchecked < 0:
-        raise ValueError(f"an accept rate of {accept_rate} behind {unchecked} guesses: need 0..1 and >= 0")
+    it are all kept (p^(unchecked + i)), and the rows take the ring a drafted wave's time
+    (`TripCost.drafted_ms`) less what the ring idles while the waves ahead travel (`idle_ms`,
+    planner.waves.idle_behind_ms: across homes most of a trip, so rows there cost little; on
+    loopback none, so each delays the wave ahead, or the next where it turns out stale, by its
+    whole time). Rows go where they bring more tokens than that time brings at the best rate one
+    wave a trip gives (`best_window`, up to `window_limit` drafts); the count that brings most
+    beyond it, 0 where none does."""
+    if not 0.0 <= accept_rate <= 1.0 or unchecked < 0 or not idle_ms >= 0:
+        raise ValueError(
+            f"an accept rate of {accept_rate} behind {unchecked} guesses, {idle_ms} ms idle: need 0..1, >= 0, >= 0"
+        )
     drafts = best_window(accept_rate, cost.trip_ms, cost.row_ms, window_limit, drafted_ms=cost.drafted_ms)
     per_ms = expected_tokens(accept_rate, drafts) / (cost.trip_ms + max(0.0, cost.drafted_ms(drafts)))
     best, best_gain, brought = 0, 0.0, 0.0
     for rows in range(1, max(0, limit) + 1):
         brought += accept_rate ** (unchecked + rows)
-        gain = brought - per_ms * max(0.0, cost.drafted_ms(rows))
+        gain = brought - per_ms * max(0.0, cost.drafted_ms(rows) - idle_ms)
         if gain > best_gain + 1e-9:
             best, best_gain = rows, gain
     return best

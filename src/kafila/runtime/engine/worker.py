@@ -44,9 +44,11 @@ def refusal(stage: RingStage, frame: Frame, error: Exception) -> Frame:
 def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
     """Hidden-state frames through the stage as one batched decode: hidden states out of a block
     stage, a LOGITS row (after each frame's last row) out of a head, or for a VERIFY frame (a token
-    and its drafts) the ROWS of each row's largest logits."""
+    and its drafts) the ROWS of each row's largest logits. A token and its drafts are timed as a
+    decode of their rows, as a head on the host times them: drafts in flight are priced by the decodes'
+    sizes (planner.waves), and a prompt's chunks by the rest."""
     steps = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in batch]
-    decode = all(f.kind is Kind.DECODE for f in batch)
+    decode = all(f.kind in (Kind.DECODE, Kind.VERIFY) for f in batch)
     if isinstance(stage, HeadStage):
         every_row = [f.kind is Kind.VERIFY for f in batch]
         logits = []
