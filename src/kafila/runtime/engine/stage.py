@@ -403,36 +403,50 @@ def _input_restored_at(reader: FastGGUFReader) -> str | None:
     return family.input_restored_at if family is not None else None
 
 
+def _last_block_capture(target: bytes, captured: list[FloatRows]) -> Callable[[int, bool, object], bool]:
+    """The graph callback of a block stage: it asks ggml for the node named `target` alone, appends
+    its rows to `captured`, and stops the graph there.
+
+    ggml's scheduler asks it about every node in order until it asks for one (685 times a decode
+    for gemma-3-270m's 17 blocks), then computes all the nodes up to that one at once, and stops
+    if the callback answers False once it has seen its data (ggml_backend_sched_compute_splits).
+    So every node costs a call from C into Python: a closure over locals, with the name read
+    while holding the GIL (`GGMLBase`), costs the least there (docs/benchmarks.md, helper-59)."""
+    ggml = GGMLBase.load()
+    get_name, nbytes, tensor_get = ggml.get_name, ggml.nbytes, ggml.tensor_get
+
+    def on_tensor(tensor: int, ask: bool, _user: object) -> bool:
+        if get_name(tensor) != target:
+            return not ask  # not ours: do not ask for it, and let the graph go on
+        if ask:
+            return True
+        size = nbytes(tensor)
+        rows = np.empty(size // 4, dtype=np.float32)
+        tensor_get(tensor, rows.ctypes.data, 0, size)
+        captured.append(rows)
+        return False  # stop here: nothing after the last block is needed
+
+    return on_tensor
+
+
 class BlockStage:
     """Blocks only: hidden states in, the residual after the last block out."""
 
     def __init__(self, path: str | os.PathLike[str], settings: ContextSettings) -> None:
-        self._ggml = GGMLBase.load()
-        self._get_name = self._ggml.get_name
         header = FastGGUFReader(path)  # read once: a large vocabulary's header takes ~0.07 s to parse
         self.first_block, n_layers, runs = _slice_range(header)
         self.n_layers = n_layers
-        self._target = f"l_out-{runs - 1}".encode()
         self._captured: list[FloatRows] = []
         self.model = LlamaModel(
-            path, settings, eval_callback=self._on_tensor, input_restored_at=_input_restored_at(header)
+            path,
+            settings,
+            eval_callback=_last_block_capture(f"l_out-{runs - 1}".encode(), self._captured),
+            input_restored_at=_input_restored_at(header),
         )
         self.hidden = self.model.n_embd
         self.timer = StageTimer()
         self.name = f"the stage holding blocks {self.first_block}-{self.first_block + n_layers - 1}"
         self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
-
-    def _on_tensor(self, tensor: int, ask: bool, _user: object) -> bool:
-        """Called by ggml for every node of every graph: it must stay this small."""
-        if self._get_name(tensor) != self._target:
-            return ask is False  # not ours: do not ask for it, and let the graph go on
-        if ask:
-            return True
-        nbytes = self._ggml.nbytes(tensor)
-        rows = np.empty(nbytes // 4, dtype=np.float32)
-        self._ggml.tensor_get(tensor, rows.ctypes.data, 0, nbytes)
-        self._captured.append(rows.reshape(-1, self.hidden))
-        return False  # stop here: nothing after the last block is needed
 
     def forward(self, steps: Sequence[StepInput], decode: bool = False) -> list[FloatRows]:
         """Hidden states after this stage's last block, one matrix per step.
@@ -455,10 +469,10 @@ class BlockStage:
                 sequences, positions, states = _rows(pieces)
                 self._captured.clear()
                 self.model.decode(sequences, positions, [True] * len(sequences), states=states)
-                if len(self._captured) != 1 or self._captured[0].shape[0] != len(sequences):
+                if len(self._captured) != 1 or self._captured[0].shape[0] != len(sequences) * self.hidden:
                     raise RuntimeError("the stage's last block output was not captured whole")
                 completed.update(sequences)
-                rows.append(self._captured[0])
+                rows.append(self._captured[0].reshape(len(sequences), self.hidden))
         except Exception as error:
             starts = {s.sequence_id: self._next_position.get(s.sequence_id, 0) for s in steps}
             raise _undo(self.model, starts, completed, error) from error

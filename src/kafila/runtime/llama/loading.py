@@ -303,13 +303,17 @@ class GGMLBase:
     @classmethod
     def load(cls) -> GGMLBase:
         lib = ggml_library("ggml-base")
-        lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+        # The name is read for every node of every graph a callback sees (a block stage's ~685 a
+        # decode), from inside the callback, which holds the GIL: a plain CDLL call would let it
+        # go and take it back around a read of a struct field. PyDLL keeps it.
+        held = ctypes.PyDLL(str(ggml_library_path("ggml-base")))
+        held.ggml_get_name.argtypes, held.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
         lib.ggml_nbytes.argtypes, lib.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
         lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
         lib.ggml_backend_tensor_get.restype = None
         lib.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
         lib.ggml_backend_tensor_set.restype = None
-        return cls(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get, lib.ggml_backend_tensor_set)
+        return cls(held.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get, lib.ggml_backend_tensor_set)
 
 
 GGML_MAX_N_THREADS = 512
