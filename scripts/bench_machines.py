@@ -17,7 +17,10 @@ Each round measures every configuration once, interleaved; medians. Ratios:
   what the division allows, the stages' summed ms ÷ the slowest stage's (the stages' own
   measured ms a token from /status; target 0.85 of it). Beside it, the split's own ceiling: the
   unsplit model's ms a batch row ÷ the slowest stage's, which is lower where the stages' rows
-  together cost more than the unsplit model's (a split head batches its output worse).
+  together cost more than the unsplit model's (a split head batches its output worse). That
+  figure mixes decodes of every size; the ceiling decode for decode (`ceiling_by_rows`) sets the
+  unsplit model's decode of the 4 rows against the ring's best period at the wave sizes its
+  stages timed.
 The load average before and after each round says how busy the shared machine was. Beside the
 rates, the CPU time each configuration spends a token (every thread of the ring's two processes,
 the prompt's prefill included), which other programs on the machine hardly move.
@@ -108,9 +111,34 @@ def member_pids(host: int) -> list[int]:
 def stage_ms(host: Host) -> list[dict[str, Any]]:
     """Each stage's blocks and its own measured ms a token, alone and per row batched."""
     return [
-        {"range": s["range"], "alone": s.get("ms_per_token_alone"), "batched": s.get("ms_per_token")}
+        {
+            "range": s["range"],
+            "alone": s.get("ms_per_token_alone"),
+            "batched": s.get("ms_per_token"),
+            "by_rows": {rows: ms for rows, ms in s.get("decode_ms_by_rows") or []},
+        }
         for s in sorted(refreshed_status(host)["stages"], key=lambda s: s["range"])
     ]
+
+
+def ceiling_by_rows(stages: list[dict[str, Any]], whole: dict[str, Any], users: int) -> tuple[float, int] | None:
+    """The most the ring can give against the unsplit model with `users` rows, decode for decode:
+    the unsplit model's decode of all of them (`kafila host` alone batches them) against the
+    ring's least period over the wave counts W whose rows (users / W a wave) every stage has
+    timed: each stage on its own machine decodes W waves a period, and one wave goes round every
+    stage (the wire and the host's own work left out). With the wave count. None where nothing
+    was timed. The stages' ms a batch row (`stage_ms`'s "batched") mix every size each decoded,
+    and the ring decodes fewer rows at a time than the unsplit model does."""
+    unsplit = whole["by_rows"].get(users)
+    periods = {}
+    for waves in (w for w in range(1, users + 1) if users % w == 0):
+        costs = [stage["by_rows"].get(users // waves) for stage in stages]
+        if unsplit is not None and all(cost is not None for cost in costs):
+            periods[waves] = max(waves * max(costs), sum(costs))
+    if not periods:
+        return None
+    waves = min(periods, key=lambda w: periods[w])
+    return unsplit / periods[waves], waves
 
 
 @contextlib.contextmanager
@@ -276,6 +304,19 @@ def main() -> None:
         f"(below the allowance where the stages' rows together cost more than the unsplit row, "
         f"{sum(batched):.1f} against {unsplit:.1f} ms): {gained / ceiling:.2f} of it"
     )
+    by_rows = ceiling_by_rows(stages, whole[0], 4)
+    if by_rows is not None:
+        limit, waves = by_rows
+        sizes = "; ".join(
+            f"{'unsplit' if stage in whole else stage['range']}: "
+            + ", ".join(f"{rows}: {ms:.1f}" for rows, ms in sorted(stage["by_rows"].items()))
+            for stage in [*stages, *whole]
+        )
+        print(
+            f"  the same decode for decode (the unsplit model's decode of 4 rows against the ring's best period, "
+            f"{waves} wave(s) of {4 // waves} rows): {limit:.2f}×: {gained / limit:.2f} of it "
+            f"(ms a decode by rows: {sizes})"
+        )
 
 
 if __name__ == "__main__":
