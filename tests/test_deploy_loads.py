@@ -1,26 +1,27 @@
 """The host's deployer loads the ring at once, not one stage after another (issue 36): it tells
-every member to load its stage together, and its own head's engine loads while the members still
-get and load theirs, so the ring is ready as the last stage loads. Real QUIC links, a real
+every member to load its stage together, each as soon as it is staged, while this host's own stage
+still arrives, and its own head's engine loads while the members still get and load theirs, so the
+ring is ready as the last stage loads. Real QUIC links, a real
 rendezvous and a real head engine; the two members are scripted, so that each can see, before it
 answers `Loaded`, what the host has begun meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from linked_routers import linked_routers
 from tiny_models import write_tiny_model
-from waiting import until_async
+from waiting import until, until_async
 
-from kafila.contracts import FleetDevice
+from kafila.contracts import FleetDevice, Progress
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.planner.types import Plan, Stage
 from kafila.runtime.llama.model import ContextSettings
 from kafila.session.deployer import Deployer, Roster
-from kafila.session.host_model import LocalModel
+from kafila.session.host_model import LocalModel, PlannedStage
 from kafila.session.router import LinkRouter
 from kafila.wire.control import Assign, Hello, Load, Loaded, Staged
 
@@ -46,13 +47,33 @@ async def scripted_member(router: LinkRouter, told: asyncio.Event, seen: Callabl
     return saw
 
 
-def deploy_to_scripted_members(tmp_path: Path, waits_for: str) -> list[bool]:
+class OwnStageArriving(LocalModel):
+    """A local model whose host's own stage is still arriving (as one fetched from the hub) until
+    every member has been told to load, or `ANSWER_WITHIN_S` has passed: whether they were."""
+
+    def __init__(self, path: Path, told: list[asyncio.Event]) -> None:
+        super().__init__(path)
+        self.told = told
+        self.members_loading_meanwhile: bool | None = None
+
+    def own_stages(self, own: Sequence[PlannedStage], progress: Progress) -> None:
+        try:
+            until(lambda: all(event.is_set() for event in self.told), "the members told to load", ANSWER_WITHIN_S)
+            self.members_loading_meanwhile = True
+        except AssertionError:
+            self.members_loading_meanwhile = False
+
+
+def deploy_to_scripted_members(tmp_path: Path, waits_for: str, own_arriving: bool = False) -> list[bool]:
     """A ring of three blocks: one each on two scripted members, the head on this host. Each
     member, told to load, waits for `waits_for` ("both told": the other member told to load too;
-    "head loading": the host's head engine begun) before it answers; whether each saw it. The
-    engine the deployment yields is checked to hold the head, and closed."""
+    "head loading": the host's head engine begun) before it answers; whether each saw it. With
+    `own_arriving`, this host's own stage arrives only once both members are told to load (or a
+    while has passed): whether they were is the last answer. The engine the deployment yields is
+    checked to hold the head, and closed."""
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=3)
-    local = LocalModel(model)
+    told = [asyncio.Event(), asyncio.Event()]
+    local = OwnStageArriving(model, told) if own_arriving else LocalModel(model)
     stage_files = local.stages([1, 1, 1], tmp_path / "stages", lambda *_progress: None)
 
     async def scenario() -> list[bool]:
@@ -81,7 +102,6 @@ def deploy_to_scripted_members(tmp_path: Path, waits_for: str) -> list[bool]:
                 for i, name in enumerate(("first", "second", "host"))
             )
             plan = Plan.model_construct(stages=stages, head="host", ring=("host", "first", "second"))
-            told = [asyncio.Event(), asyncio.Event()]
             seen = {
                 "both told": lambda: all(event.is_set() for event in told),
                 "head loading": lambda: deployer.ring is not None,  # set as the head's engine begins
@@ -99,6 +119,8 @@ def deploy_to_scripted_members(tmp_path: Path, waits_for: str) -> list[bool]:
             finally:
                 await asyncio.to_thread(engine.close)
                 await deployer.stop_listening()
+            if isinstance(local, OwnStageArriving):
+                saw.append(local.members_loading_meanwhile is True)
             return saw
         finally:
             for client in clients:
@@ -121,3 +143,9 @@ def test_members_are_told_to_load_at_once(tmp_path: Path) -> None:
 def test_the_heads_engine_loads_while_the_members_load(tmp_path: Path) -> None:
     # Built only once every member had loaded, the engine would not have begun while they wait.
     assert deploy_to_scripted_members(tmp_path, "head loading") == [True, True]
+
+
+def test_members_load_while_the_hosts_own_stage_still_arrives(tmp_path: Path) -> None:
+    # Told only once this host's own stage is at hand, the members would not be told while it
+    # arrives: their loads would then share the head's time to load rather than the fetch's.
+    assert deploy_to_scripted_members(tmp_path, "both told", own_arriving=True) == [True, True, True]

@@ -2,9 +2,9 @@
 
 The host assigns each member its stage and ring neighbours; members link to their neighbours
 (only the planned edges come up) while their stage files arrive from their cache, from their own
-copy of the model, from the hub, or over their link, and each answers `Staged`. Then the stages load,
-all at once (`Load`, `Loaded`), this machine's own with them (the head's, if it holds the head,
-last of all, with the engine).
+copy of the model, from the hub, or over their link, and each answers `Staged`. Each member's stage
+then loads at once (`Load`, `Loaded`), and this machine's own once its share is at hand (the head's,
+if it holds the head, last of all, with the engine).
 """
 
 from __future__ import annotations
@@ -294,10 +294,24 @@ class Deployer:
         def report() -> None:
             pending([f"{name} {what}" for name, what in sorted(preparing.items())])
 
-        async def prepared(member: str, assign: Assign) -> Staged:
+        async def load(member: str, assign: Assign) -> None:
+            await self._tell(member, Load(epoch=assign.epoch), "load its stage")
+            loaded = await self._expect(member, assign.epoch, Loaded, "load its stage", assign)
+            self.say(
+                f"{self.roster.name(member)} loaded blocks {assign.first_block}-{assign.end_block - 1} "
+                f"in {loaded.seconds:.1f} s"
+            )
+            del preparing[self.roster.name(member)]
+            report()
+
+        async def prepared_and_loaded(member: str, assign: Assign) -> Staged:
+            """The member's stage got, then loaded at once: its load is done while this host's own
+            stage still arrives (a head fetched from the hub is the ring's last), rather than beside
+            the head's. Nothing enters the ring before the engine starts, after every load."""
             staged = await self._stage(member, assign, stages[assign.stage_index], progress)
             preparing[self.roster.name(member)] = "to load its stage"
             report()
+            await load(member, assign)
             return staged
 
         report()
@@ -327,7 +341,7 @@ class Deployer:
 
         own_task = asyncio.ensure_future(own_then_head())
         try:
-            staged = await all_or_none([prepared(m, a) for m, a in assigns.items()])
+            staged = await all_or_none([prepared_and_loaded(m, a) for m, a in assigns.items()])
             vocabulary_path = await own_task
         except BaseException:
             own_task.cancel()
@@ -341,19 +355,10 @@ class Deployer:
         self.ring_edges = {m: {e.peer: e for e in s.edges} for m, s in zip(assigns, staged, strict=True)}
         self.measured_rtts.update(mean_round_trips(self.ring_edges))
 
-        async def load(member: str, assign: Assign) -> None:
-            await self._tell(member, Load(epoch=assign.epoch), "load its stage")
-            loaded = await self._expect(member, assign.epoch, Loaded, "load its stage", assign)
-            self.say(
-                f"{self.roster.name(member)} loaded blocks {assign.first_block}-{assign.end_block - 1} "
-                f"in {loaded.seconds:.1f} s"
-            )
-            del preparing[self.roster.name(member)]
-            report()
-
-        # Every stage loads at once, the head's own last of all (with the engine): nothing enters
-        # the ring before the engine starts, so no stage can send to one still loading.
-        loads = [load(member, assign) for member, assign in assigns.items()]
+        # This host's own block stages load once its share is at hand, the head's last of all (with
+        # the engine): nothing enters the ring before the engine starts, so no stage can send to
+        # one still loading.
+        loads = []
         for index in (i for i in range(last) if chain[i] == me):
             own_file = stages[index].file
             assert own_file is not None, "this host's own stages are at hand"
