@@ -20,6 +20,7 @@ from kafila.wire.frames import (
     FrameError,
     Kind,
     is_control_sequence,
+    largest,
 )
 
 
@@ -230,3 +231,30 @@ def test_with_penalties_the_top_k_plus_the_window_give_the_draws_the_whole_row_d
     kept.close()
     assert all(a == b for a, b in draws), draws
     assert len({a for a, _ in draws} - set(np.argsort(base)[-1:].tolist())) > 0  # penalties moved the choice
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.integers(1, 5000),
+    top=st.integers(1, 64),
+    seed=st.integers(0, 2**32 - 1),
+    levels=st.sampled_from([None, 3, 50]),  # None: distinct values; else few, so ties at the edge abound
+)
+def test_largest_finds_a_rows_top_values_as_argpartition_does(
+    size: int, top: int, seed: int, levels: int | None
+) -> None:
+    """`largest` searches only the blocks whose maxima lead; what it returns is still `top` distinct
+    ids whose values are the row's `top` largest (a row shorter than `top` is not asked for)."""
+    top = min(top, size)
+    rng = np.random.default_rng(seed)
+    row = (rng.standard_normal(size) if levels is None else rng.integers(0, levels, size)).astype(np.float32)
+    ids = largest(row, top)
+    assert len(set(ids.tolist())) == top
+    assert np.array_equal(np.sort(row[ids]), np.sort(np.partition(row, size - top)[size - top :]))
+
+
+def test_a_heads_answer_of_a_262k_row_keeps_its_largest_logits() -> None:
+    row = np.random.default_rng(1).standard_normal(262_144).astype(np.float32)
+    (decoded,) = FrameDecoder().feed(Frame.of_logits(3, 8, row, top=40).encode())
+    kept = decoded.logits()
+    assert np.array_equal(np.sort(kept[np.isfinite(kept)]), np.sort(row)[-40:])
