@@ -217,6 +217,10 @@ class _MutualTLSConnection(QuicConnection):
         self.datagram_size = DatagramSizeSearch(ceiling=datagram_ceiling)
         self._size_probes: set[int] = set()  # packet numbers of the size probes in flight
         self._now = 0.0  # the time aioquic was last given
+        # The 1-RTT packet space, looked up once for the spaces aioquic made (an Enum key hashes in
+        # Python: several lookups a datagram otherwise).
+        self._spaces_seen: dict[tls.Epoch, QuicPacketSpace] | None = None
+        self._one_rtt_space: QuicPacketSpace | None = None
         cc = self._loss._cc
         self._cc_packet_acked, cc.on_packet_acked = cc.on_packet_acked, self._packet_acked  # type: ignore[method-assign]
         self._cc_packets_lost, cc.on_packets_lost = cc.on_packets_lost, self._packets_lost  # type: ignore[method-assign]
@@ -237,7 +241,7 @@ class _MutualTLSConnection(QuicConnection):
         to what the delay leaves instead (RFC 9002 §5.3 subtracts it). A peer that overstates
         its delay (25 ms at most) can make its edge look quicker by as much, as a peer can
         overstate its stages' speed in its reports."""
-        if len(ack_rangeset) and space is self._spaces.get(tls.Epoch.ONE_RTT) and ack_delay > 0:
+        if len(ack_rangeset) and space is self._one_rtt() and ack_delay > 0:
             packet: QuicSentPacket | None = space.sent_packets.get(ack_rangeset.bounds().stop - 1)
             if packet is not None and packet.is_ack_eliciting and packet.sent_time is not None:
                 left = now - packet.sent_time - min(ack_delay, self._loss.max_ack_delay)
@@ -360,21 +364,27 @@ class _MutualTLSConnection(QuicConnection):
         """Whether a packet from the peer has decrypted yet (aioquic leaves its first flight then)."""
         return self._state != QuicConnectionState.FIRSTFLIGHT
 
+    def _one_rtt(self) -> QuicPacketSpace | None:
+        spaces = self._spaces
+        if spaces is not self._spaces_seen:  # aioquic makes them once, at its start
+            self._spaces_seen, self._one_rtt_space = spaces, spaces.get(tls.Epoch.ONE_RTT)
+        return self._one_rtt_space
+
     def ack_due(self) -> float | None:
         """When aioquic sends its pending ACK of 1-RTT packets (alone, 1 ms after the first packet
         it acknowledges), or None: nothing waits for one."""
-        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        space = self._one_rtt()
         return None if space is None else space.ack_at
 
     def ack_ranges(self) -> int:
         """How many ranges of packet numbers the pending ACK holds: a packet after a gap, or one
         that fills a gap, changes it."""
-        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        space = self._one_rtt()
         return 0 if space is None else len(space.ack_queue)
 
     def ack_at(self, when: float) -> None:
         """Send the pending ACK at `when` (a time past: with the next datagram); none pending: nothing."""
-        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        space = self._one_rtt()
         if space is not None and space.ack_at is not None:
             space.ack_at = when
 
@@ -461,6 +471,7 @@ class LinkCore:
         self._started = now
         self._last_heard: float | None = None
         self._last_ping = now
+        self._ping_every = self.config.ping_interval_s
         self._ping_uid = 0
         self._verified = False  # we checked the peer's certificate
         self._events: deque[Event] = deque()
@@ -632,7 +643,7 @@ class LinkCore:
             silent = now - self._last_heard
             self._fail(LinkDead(f"nothing heard from {self._peer()} for {silent:.1f} s"), DEAD)
             return
-        if now >= max(self._last_heard, self._last_ping) + self.config.ping_interval_s:
+        if now >= max(self._last_heard, self._last_ping) + self._ping_every:
             self._ping_uid += 1
             self.quic.send_ping(self._ping_uid)
             self._last_ping = now
@@ -641,9 +652,12 @@ class LinkCore:
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
         if self.quic is None:
             return []
-        again, self._goodbye_again = self._goodbye_again, []
-        datagrams = [(data, _address(address)) for data, address in self.quic.datagrams_to_send(now)]
-        return datagrams + [(data, self.peer_address) for data in again]
+        # To the addresses aioquic was given, each one an `Address` already (`datagram_received`).
+        datagrams: list[tuple[bytes, Address]] = self.quic.datagrams_to_send(now)
+        if self._goodbye_again:
+            again, self._goodbye_again = self._goodbye_again, []
+            datagrams += [(data, self.peer_address) for data in again]
+        return datagrams
 
     @property
     def datagram_size(self) -> int:
@@ -669,7 +683,7 @@ class LinkCore:
             assert self._last_heard is not None
             own = min(
                 self._last_heard + self.config.idle_timeout_s,
-                max(self._last_heard, self._last_ping) + self.config.ping_interval_s,
+                max(self._last_heard, self._last_ping) + self._ping_every,
             )
         return own if quic_timer is None else min(own, quic_timer)
 
@@ -1079,6 +1093,7 @@ class Link:
         # Whether `receive` releases a frame's bytes; a reader that keeps frames for later (a
         # router's queues) turns it off and calls `release` once the frame is taken from it.
         self.release_on_receive = True
+        self._sink: Callable[[Frame | None], None] | None = None  # where frames go instead (`deliver_to`)
         demux.attach(core.peer_address, self)
 
     @property
@@ -1132,6 +1147,16 @@ class Link:
         if self.release_on_receive:
             self.core.release(frame.wire_bytes)
         return frame
+
+    def deliver_to(self, sink: Callable[[Frame | None], None]) -> None:
+        """Hand each frame to `sink` as it comes, on the loop, in the order it came, and None once
+        the link is down: frames already queued first. A router sorts each frame where it is read
+        without a task of its own between the link and its readers (one loop step a frame less);
+        `sink` then owns releasing them (`release`) and must not block."""
+        self.release_on_receive = False
+        while not self._queue.empty():
+            sink(self._queue.get_nowait())
+        self._sink = sink
 
     def release(self, frame: Frame) -> None:
         """A frame taken from this link's reader is gone from memory: it no longer counts."""
@@ -1194,14 +1219,20 @@ class Link:
                 if not self._up.done():
                     self._up.set_result(None)
             elif isinstance(event, Received):
-                self._queue.put_nowait(event.frame)
+                if self._sink is None:
+                    self._queue.put_nowait(event.frame)
+                else:
+                    self._sink(event.frame)
             elif isinstance(event, Rejected):
                 self.rejected.append(event)
                 self.rejections += 1
             elif isinstance(event, Down):
                 if not self.closed.done():
                     self.closed.set_result(event.error)
-                    self._queue.put_nowait(None)
+                    if self._sink is None:
+                        self._queue.put_nowait(None)
+                    else:
+                        self._sink(None)
                     log.info("link to %s down: %s", self.core._peer(), event.error)
         if self.closed.done() and self.core.timer() is None:
             self.demux.detach(self.core.peer_address, self)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kafila.contracts import BackendReport, ModelPricing, Progress, Tell
 from kafila.hub.fetch import ModelFetchError
@@ -37,7 +38,7 @@ from kafila.runtime.gguf.stage_cache import find_hub_stage, make_room, mark_used
 from kafila.runtime.llama.errors import out_of_memory
 from kafila.runtime.llama.model import ContextSettings
 from kafila.runtime.machine.memory import short_of_memory
-from kafila.session.router import FrameSink, FrameSource, LinkRouter
+from kafila.session.router import FrameFeed, FrameSink, FrameSource, LinkRouter
 from kafila.wire.control import (
     MAX_CACHED_STAGES,
     MAX_MODEL_PRICINGS,
@@ -83,24 +84,74 @@ async def serve_stage(
 
     A head answers each step with its logits, to the host.
 
+    The stage's thread (the executor's) takes its frames from a `FrameFeed` that the link fills
+    as they arrive, and hands each batch's answer to the loop, which sends it at once: one wake-up
+    of each thread a batch, no task or executor call on the loop between them (docs/benchmarks.md,
+    "The link's receive path and the hand-offs"). It ends with the link's error once its
+    predecessor's link is down, or with the error of a send that failed.
+
     A frame the stage rejects (wrong hidden size, bad shape, no room in its cache) becomes an
     ERROR frame for that sequence sent on round the ring (`handle_frames`), so the host fails that
     request with the reason and this member carries on. Every frame gets exactly one answer,
     even when something unforeseen fails: the host counts them.
     """
     loop = asyncio.get_running_loop()
-    while True:
-        frames = [await inbound.receive()]
-        while (more := inbound.receive_nowait()) is not None:
-            frames.append(more)
+    feed = FrameFeed()
+    failed: Exception | None = None
+    sending = True  # until this coroutine ends: a batch that comes back after it is not sent
+
+    def answer(taken: list[Frame], out: list[Frame]) -> None:  # on the loop, in the order of the batches
+        nonlocal failed, sending
+        for frame in taken:
+            inbound.taken(frame)
         try:
-            out = await loop.run_in_executor(executor, handle_frames, stage, frames)
+            for frame in out if sending else ():
+                outbound.send_now(frame)
+        except Exception as error:  # the successor's link is down: the stage stops, as its await did
+            failed, sending = error, False
+            feed.stop()
+
+    def hand_back(taken: list[Frame], out: list[Frame]) -> None:  # on the stage's thread
+        loop.call_soon_threadsafe(answer, taken, out)
+
+    task = asyncio.current_task()
+    assert task is not None
+
+    def abandoned() -> bool:  # on the stage's thread: cancelled, or the loop is gone, without a word to it
+        return task.cancelling() > 0 or loop.is_closed()
+
+    inbound.hand_to(feed.put)
+    serving = loop.run_in_executor(executor, _serve_feed, stage, feed, hand_back, abandoned)
+    try:
+        await asyncio.shield(serving)
+    except asyncio.CancelledError:
+        sending = False
+        feed.stop()
+        with contextlib.suppress(Exception):
+            await serving  # the batch in hand ends first: the stage is the thread's until then
+        raise
+    finally:
+        sending = False
+        inbound.take_back(feed.put)
+        for frame in feed.left():  # a stopped stage's: a new ring drains what the old one left
+            inbound.taken(frame)
+    if failed is not None:
+        raise failed
+    await inbound.receive()  # ended: raises why (the link's error), as a reader of the channel learns it
+
+
+def _serve_feed(
+    stage: RingStage, feed: FrameFeed, answer: Callable[[list[Frame], list[Frame]], Any], abandoned: Callable[[], bool]
+) -> None:
+    """The stage's thread: each batch the feed holds through the stage, its answer to the loop."""
+    while (frames := feed.take(abandoned)) is not None:
+        try:
+            out = handle_frames(stage, frames)
         except Exception as error:  # a bug, not a bad frame (handle_frames answers those one by one)
             reason = f"{stage.name} failed: {error}"
             answered = [f for f in frames if f.kind is not Kind.SAMPLER]  # a sampler start has no answer
             out = [Frame(Kind.ERROR, f.sequence_id, payload=reason.encode()[:4000]) for f in answered]
-        for frame in out:
-            await outbound.send(frame)
+        answer(frames, out)
 
 
 @dataclass

@@ -4,8 +4,9 @@ The engine loop thread owns llama.cpp and blocks on each step; the links live on
 loop. `QuicRing` bridges them, so `RingEngine` drives a ring of machines exactly as it drives
 local processes: a send is a plain callback on the loop, which the engine thread waits for (a
 send not waited for left when the engine next let go of the GIL, after its own Python work: the
-tokens' delivery came back onto each token's path), a receive a coroutine whose answer it waits
-for. A link that goes down, or a ring that stops answering, surfaces as `StageFailed` naming the
+tokens' delivery came back onto each token's path). A receive takes the frames the last stage's
+link hands straight to the engine thread (`FrameFeed`), with no task or future on the loop between
+them. A link that goes down, or a ring that stops answering, surfaces as `StageFailed` naming the
 member, which fails the requests in flight; a stage's ERROR frame about one sequence is returned
 like any frame and fails only that request.
 """
@@ -15,18 +16,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
-from concurrent.futures import CancelledError, Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
 
 from kafila.contracts import StageReport
 from kafila.network.link import LinkError
 from kafila.runtime.engine.ring import StageFailed, check_ring_error, ring_stats
-from kafila.session.router import Channel, FrameSink
+from kafila.session.router import Channel, FrameFeed, FrameSink
 from kafila.wire.frames import Frame
 
-T = TypeVar("T")
 STEP_TIMEOUT_S = 120.0  # a long prompt on a slow member; a dead one is caught sooner by its link
 
 
@@ -48,67 +47,44 @@ class QuicRing:
         self._first, self._first_name = first, first_name
         self._last, self._last_name = last, last_name
         self._members = dict(members or {})
-        self._pending: set[Future[Any]] = set()
         self._abandoned = False
         self._down: str | None = None  # why the first member link that went down did (set on the loop)
         self._refused: Exception | None = None  # why the loop could not send frames handed to it
         self._sending: set[threading.Event] = set()  # sends waiting on the loop, for `abandon`
-        self._waiting: set[asyncio.Task[Any]] = set()  # the steps waiting on the loop, for `_member_down`
+        self._feed = FrameFeed()  # what the last stage's link brings, for the engine thread
+        self._arrived: deque[Frame] = deque()  # taken from the feed, not yet returned (the engine's)
+        self._unreleased: list[Frame] = []  # taken from the feed, still counted against the link (`_release`)
         self._watches = {name: functools.partial(self._member_down, name) for name in self._members}
         loop.call_soon_threadsafe(self._watch_members, True)  # built on the engine's thread, or on the loop
 
-    def _run(self, coroutine: Coroutine[Any, Any, T], what: str) -> T:
-        if self._abandoned:
-            coroutine.close()
-            raise StageFailed("this ring was abandoned for a new plan")
-        future = asyncio.run_coroutine_threadsafe(self._watched(coroutine), self._loop)
-        self._pending.add(future)
-        try:
-            return future.result(STEP_TIMEOUT_S)
-        except FutureTimeout:
-            future.cancel()
-            raise StageFailed(f"the ring did not answer within {STEP_TIMEOUT_S:.0f} s ({what})") from None
-        except CancelledError:
-            if self._down is not None:
-                raise StageFailed(self._down) from None
-            raise StageFailed("this ring was abandoned for a new plan") from None
-        except LinkError as error:
-            raise StageFailed(f"the link to {self._last_name} is down: {error}") from error
-        finally:
-            self._pending.discard(future)
-
     def _watch_members(self, watch: bool) -> None:
-        """On the loop: a member link that goes down ends the step waiting on the ring at once.
-        One callback per link for the ring's life (until it is abandoned), not a watch a step."""
+        """On the loop: a member link that goes down ends the receive waiting on the ring at once.
+        One callback per link for the ring's life (until it is abandoned), not a watch a step; and
+        the last stage's frames go to this ring's feed until then."""
         for name, closed in self._members.items():
             if watch:
                 closed.add_done_callback(self._watches[name])
             else:
                 closed.remove_done_callback(self._watches[name])
+        if watch and not self._abandoned:
+            self._last.hand_to(self._feed.put)
+        elif not watch:
+            self._last.take_back(self._feed.put)
+            self._arrived.clear()  # a broken ring's frames: the next ring must not see them
+            self._unreleased.extend(self._feed.left())
+            self._release()
 
     def _member_down(self, name: str, closed: asyncio.Future[LinkError]) -> None:
         if self._down is None:
             reason = "its session ended" if closed.cancelled() else str(closed.result())
             self._down = f"the link to {name} is down: {reason}"
-        for task in list(self._waiting):
-            task.cancel()
+        self._feed.stop()
 
-    async def _watched(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """The coroutine, unless a ring member's link is down, or goes down first (`_member_down`
-        cancels it; `_run` then says which)."""
-        if self._down is not None:
-            coroutine.close()
-            raise StageFailed(self._down)
-        if self._refused is not None:
-            coroutine.close()
-            raise self._refusal()
-        task = asyncio.current_task()
-        assert task is not None
-        self._waiting.add(task)
-        try:
-            return await coroutine
-        finally:
-            self._waiting.discard(task)
+    def _release(self) -> None:
+        """On the loop: the frames the engine took no longer count against the last link's bound."""
+        taken, self._unreleased = self._unreleased, []
+        for frame in taken:
+            self._last.taken(frame)
 
     def _refusal(self) -> Exception:
         error = self._refused
@@ -118,7 +94,9 @@ class QuicRing:
         return error
 
     def _send_now(self, frames: Sequence[Frame], sent: threading.Event) -> None:
-        """On the loop, in the order the engine handed them over."""
+        """On the loop, in the order the engine handed them over; the frames it took since the last
+        send are released here, with no wake-up of the loop of their own."""
+        self._release()
         try:
             if not self._abandoned and self._refused is None:
                 for frame in frames:
@@ -132,8 +110,7 @@ class QuicRing:
         """Stop using this ring: any step waiting on it ends at once, and it takes no more frames,
         so a new ring over the same links is the only reader of their channels."""
         self._abandoned = True
-        for future in list(self._pending):
-            future.cancel()
+        self._feed.stop()
         for sending in list(self._sending):
             sending.set()
         if not self._loop.is_closed():
@@ -159,14 +136,38 @@ class QuicRing:
             raise self._refusal()
 
     def receive(self, count: int) -> list[Frame]:
-        async def receive() -> list[Frame]:
-            got: list[Frame] = []
-            while len(got) < count:  # an ERROR for one sequence counts: it fails only that sequence
-                frame = self._last.receive_nowait() or await self._last.receive()
-                got.append(check_ring_error(frame, f"{self._last_name} reported: "))
-            return got
+        """The next `count` frames from the last stage, on the engine's thread; an ERROR for one
+        sequence counts (it fails only that sequence)."""
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        got: list[Frame] = []
+        while len(got) < count:
+            if not self._arrived:
+                self._check_receiving()
+                frames = self._feed.take(lambda: time.monotonic() > deadline)
+                if frames is None:
+                    self._check_receiving()
+                    raise StageFailed(self._ended_why(deadline))
+                self._unreleased.extend(frames)  # released on the loop at the next send
+                self._arrived.extend(frames)
+            frame = self._arrived.popleft()
+            got.append(check_ring_error(frame, f"{self._last_name} reported: "))
+        return got
 
-        return self._run(receive(), "receive")
+    def _check_receiving(self) -> None:
+        if self._abandoned:
+            raise StageFailed("this ring was abandoned for a new plan")
+        if self._down is not None:
+            raise StageFailed(self._down)
+        if self._refused is not None:
+            raise self._refusal()
+
+    def _ended_why(self, deadline: float) -> str:
+        closed = self._last.closed
+        if closed.done() and not closed.cancelled():
+            return f"the link to {self._last_name} is down: {closed.result()}"
+        if time.monotonic() > deadline:
+            return f"the ring did not answer within {STEP_TIMEOUT_S:.0f} s (receive)"
+        return f"the link to {self._last_name} is down"
 
     def stats(self) -> list[StageReport]:
         return ring_stats(self)

@@ -16,7 +16,9 @@ faster than it is read, is sent away (`LinkOverBound`) once it passes either bou
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -56,6 +58,69 @@ class FrameSource(Protocol):
 
     async def receive(self) -> Frame: ...
     def receive_nowait(self) -> Frame | None: ...
+    def hand_to(self, sink: Callable[[Frame | None], None]) -> None:
+        """From now on (frames already here first) each frame goes to `sink` as it comes, on the
+        loop, and None once nothing more comes."""
+        ...
+
+    def take_back(self, sink: Callable[[Frame | None], None]) -> None:
+        """Frames no longer go to `sink` (if they still do: a later reader's sink stays), but wait
+        for `receive`."""
+        ...
+
+    def taken(self, frame: Frame) -> None:
+        """A frame handed to a sink is done with: it no longer counts against the link's bound."""
+        ...
+
+
+class FrameFeed:
+    """Frames from the event loop to one thread that blocks for them: a stage's thread reads its
+    predecessor's frames here as the link delivers them (`FrameSource.hand_to`), without a task,
+    a queue and an executor call on the loop between them. `put` never blocks: what the feed
+    holds counts against the link's bound until the thread's answer has gone (`FrameSource.taken`)."""
+
+    def __init__(self) -> None:
+        self._frames: deque[Frame] = deque()
+        self._ended = False  # nothing more comes: the frames held are still taken
+        self._stopped = False  # the reader is to stop now: the frames held are left
+        self._ready = threading.Condition(threading.Lock())
+
+    def put(self, frame: Frame | None) -> None:
+        """A frame for the reader, or None: nothing more comes after the frames held."""
+        with self._ready:
+            if frame is None:
+                self._ended = True
+            else:
+                self._frames.append(frame)
+            self._ready.notify()
+
+    def stop(self) -> None:
+        """The reader's next `take` returns None, whatever is held (see `left`)."""
+        with self._ready:
+            self._stopped = True
+            self._ready.notify()
+
+    def take(self, abandoned: Callable[[], bool] = lambda: False, every_s: float = 0.25) -> list[Frame] | None:
+        """Every frame here, in order, once there is one; None once ended and empty, or stopped, or
+        once `abandoned()`, asked every `every_s` while nothing comes: a reader whose owner went
+        away without a word (a task cancelled on a loop that never runs again) still ends, and
+        its thread with it."""
+        with self._ready:
+            while not (self._frames or self._ended or self._stopped):
+                if not self._ready.wait(every_s) and abandoned():
+                    return None
+            if self._stopped or not self._frames:
+                return None
+            frames = list(self._frames)
+            self._frames.clear()
+            return frames
+
+    def left(self) -> list[Frame]:
+        """The frames no reader took (a stopped one's), which are then gone from the feed."""
+        with self._ready:
+            frames = list(self._frames)
+            self._frames.clear()
+            return frames
 
 
 class FrameSink(Protocol):
@@ -65,17 +130,39 @@ class FrameSink(Protocol):
         ...
 
 
-class LocalChannel:
+class _HandsOver:
+    """A frame source that may hand its frames to a sink (`FrameSource.hand_to`) instead of queueing them."""
+
+    _sink: Callable[[Frame | None], None] | None = None
+
+    def take_back(self, sink: Callable[[Frame | None], None]) -> None:
+        if self._sink == sink:
+            self._sink = None
+
+
+class LocalChannel(_HandsOver):
     """Frames this process hands to itself: a host's engine feeding the host's own stage."""
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[Frame] = asyncio.Queue()
+        self._sink: Callable[[Frame | None], None] | None = None
 
     async def send(self, frame: Frame) -> None:
-        self._queue.put_nowait(frame)
+        self.send_now(frame)
 
     def send_now(self, frame: Frame) -> None:
-        self._queue.put_nowait(frame)
+        if self._sink is None:
+            self._queue.put_nowait(frame)
+        else:
+            self._sink(frame)
+
+    def hand_to(self, sink: Callable[[Frame | None], None]) -> None:
+        while (frame := self.receive_nowait()) is not None:
+            sink(frame)
+        self._sink = sink
+
+    def taken(self, frame: Frame) -> None:
+        """Nothing to release: this process's own frames count against no link."""
 
     async def receive(self) -> Frame:
         return await self._queue.get()
@@ -87,12 +174,13 @@ class LocalChannel:
             return None
 
 
-class Channel:
+class Channel(_HandsOver):
     """One kind of a link's traffic, with the link's interface."""
 
     def __init__(self, link: Link, traffic: Traffic, bound: int | None = None) -> None:
         self.link, self.traffic, self.bound = link, traffic, bound
         self._queue: asyncio.Queue[Frame | None] = asyncio.Queue()
+        self._sink: Callable[[Frame | None], None] | None = None
         self.held_bytes = 0
 
     @property
@@ -133,40 +221,69 @@ class Channel:
             dropped += 1
         return dropped
 
+    def hand_to(self, sink: Callable[[Frame | None], None]) -> None:
+        """Frames go to `sink` as the router sorts them (those already here first), until
+        `take_back`; the end stays here too, for `receive`. They count against the link, and this
+        channel's bound, until `taken`."""
+        while not self._queue.empty():
+            frame = self._queue.get_nowait()
+            if frame is None:
+                self._queue.put_nowait(None)
+                sink(None)
+                break
+            sink(frame)
+        self._sink = sink
+
+    def taken(self, frame: Frame) -> None:
+        self._taken(frame)
+
     def _taken(self, frame: Frame) -> Frame:
         self.held_bytes -= frame.wire_bytes
         self.link.release(frame)
         return frame
 
     def _put(self, frame: Frame | None) -> bool:
-        """Hold a frame for the reader; False if that takes this channel past its bound."""
+        """Hold a frame for the reader (or hand it to the sink); False if that takes this channel
+        past its bound."""
         if frame is not None:
             self.held_bytes += frame.wire_bytes
-        self._queue.put_nowait(frame)
+        if frame is None or self._sink is None:
+            self._queue.put_nowait(frame)
+        if self._sink is not None:
+            self._sink(frame)
         return self.bound is None or self.held_bytes <= self.bound
 
 
 class LinkRouter:
+    """Sorts a link's frames into its channels as they arrive, on the loop (`Link.deliver_to`)."""
+
     def __init__(self, link: Link, peer_id: str, bounds: ChannelBounds | None = None) -> None:
         self.link, self.peer_id = link, peer_id
         bounds = bounds or ChannelBounds()
-        link.release_on_receive = False  # a frame counts against the link until a channel's reader takes it
         self.control = Channel(link, "control", bounds.control)
         self.transfer = Channel(link, "transfer", bounds.transfer)
         self.activation = Channel(link, "activation")
-        self._task = asyncio.create_task(self._route(), name=f"router-{peer_id}")
+        self._channels = {"control": self.control, "transfer": self.transfer, "activation": self.activation}
+        self._routing = True
+        link.deliver_to(self._route)  # a frame counts against the link until a channel's reader takes it
 
-    async def _route(self) -> None:
-        channels = {"control": self.control, "transfer": self.transfer, "activation": self.activation}
-        try:
-            async for frame in self.link.frames():
-                channel = channels[traffic_of(frame)]
-                if not channel._put(frame):
-                    why = f"{channel.held_bytes:,} bytes of {channel.traffic} traffic unread, past {channel.bound:,}"
-                    self.link.send_away(LinkOverBound(why))
-                    return
-        finally:
-            for channel in (self.control, self.transfer, self.activation):
+    def _route(self, frame: Frame | None) -> None:
+        if not self._routing:  # sent away: the link is going down, and nothing more is read
+            return
+        if frame is None:
+            self._stop()
+            return
+        channel = self._channels[traffic_of(frame)]
+        if not channel._put(frame):
+            why = f"{channel.held_bytes:,} bytes of {channel.traffic} traffic unread, past {channel.bound:,}"
+            self._stop()
+            self.link.send_away(LinkOverBound(why))
+
+    def _stop(self) -> None:
+        """Each channel's reader learns that nothing more comes, once it has read what came."""
+        if self._routing:
+            self._routing = False
+            for channel in self._channels.values():
                 channel._put(None)
 
     async def send_control(self, message: ControlMessage) -> None:
@@ -179,6 +296,4 @@ class LinkRouter:
 
     async def close(self, reason: str = "goodbye") -> None:
         await self.link.close(reason)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._task
+        self._stop()
