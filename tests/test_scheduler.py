@@ -106,6 +106,25 @@ def test_a_request_takes_the_slot_holding_most_of_its_prompt_and_prefills_only_t
     assert run_to_the_end(b) == [Finished("second", FinishReason.LENGTH, 8, 2, cached_tokens=6)]
 
 
+def test_a_prompt_sharing_only_its_first_token_starts_afresh() -> None:
+    """A BOS alone is not worth its rounding (`MIN_REUSED`): the slot is cut to nothing, and the
+    whole prompt is computed as in a fresh cache; two tokens in common are kept."""
+    b = batcher(concurrency=1, rows=16)
+    b.submit(Job("first", [1, 2, 3, 4], 2, SamplingSettings()))
+    b.take_trims()
+    b.plan()
+    b.advance([one_hot(5)])
+    run_to_the_end(b)
+    b.submit(Job("bos only", [1, 7, 8], 2, SamplingSettings()))
+    assert b.plan() == [] and b.take_trims() == [Trim(0, 0)]
+    (step,) = b.plan()
+    assert step.position == 0 and step.tokens == [1, 7, 8]
+    b.advance([one_hot(5)])
+    run_to_the_end(b)
+    b.submit(Job("two shared", [1, 7, 9], 2, SamplingSettings()))
+    assert b.plan() == [] and b.take_trims() == [Trim(0, 2)]
+
+
 def test_the_same_prompt_again_recomputes_only_its_last_token() -> None:
     b = batcher(concurrency=1)
     for name in ("a", "b"):
