@@ -5,15 +5,20 @@ serves a new request from scratch."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 from tiny_models import write_tiny_model
 
+from kafila.contracts import StageReport
 from kafila.runtime.engine.engines import EngineStep, RingEngine, SequenceFailed
 from kafila.runtime.engine.local_ring import local_ring_engine, open_engine
+from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
+from kafila.serving.engine_loop import EngineLoop
+from kafila.wire.frames import Frame
 
 SETTINGS = ContextSettings(n_ctx=4 * 64, n_batch=64, n_seq_max=4, n_threads=1)
 PROMPTS = ["the quick brown fox", "hello world", "a model of the world", "kafila"]
@@ -158,6 +163,46 @@ def test_a_ring_that_answers_hidden_states_with_logits_is_broken_not_misread(mod
     try:
         with pytest.raises(StageFailed, match="LOGITS frame"):
             engine.step_many([EngineStep(0, 0, [1], decode=True)])
+    finally:
+        engine.close()
+
+
+class SlowWire:
+    """A ring whose every round (a wave's frames, a CANCEL's, a stage report's PING) takes TRIP_S."""
+
+    TRIP_S = 0.2
+
+    def __init__(self) -> None:
+        self.sent: list[Frame] = []
+
+    def send(self, frames: Sequence[Frame]) -> None:
+        self.sent += frames
+
+    def receive(self, count: int) -> list[Frame]:
+        time.sleep(self.TRIP_S)  # the wire's trip: the frames come back unchanged, a CANCEL as itself
+        answers, self.sent = self.sent[:count], self.sent[count:]
+        return answers
+
+    def stats(self) -> list[StageReport]:
+        time.sleep(self.TRIP_S)
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_ring_trip_is_the_pings_alone_after_a_cancel(model: Path, tmp_path: Path) -> None:
+    """A stage report due just after a CANCEL left (a rejected draft's cut, a reused slot's)
+    times its PING alone: the CANCEL's own trip round the ring is taken first, not counted as the
+    wire's (it read two trips, 130 for 65 ms, in bench_wan at 40 ms a hop)."""
+    engine = RingEngine(cached_slices(model, [2, 2], tmp_path), SETTINGS, ring=SlowWire())
+    try:
+        loop = EngineLoop(engine, 1, 16, 64)  # not started: the test asks for the report itself
+        engine.forget(0, keep=3)  # its answer is still out when the report is asked for
+        loop._refresh_report()
+        assert loop.ring_ms is not None
+        assert 1e3 * SlowWire.TRIP_S <= loop.ring_ms < 1.5e3 * SlowWire.TRIP_S, loop.ring_ms
+        assert engine.ring.sent == []  # the CANCEL came round too
     finally:
         engine.close()
 

@@ -435,6 +435,7 @@ class EngineLoop:
         the report is the host's own arithmetic: a fault there keeps the last pricing, and serving
         goes on."""
         self._report_at = time.monotonic()
+        self.engine.settle()  # a CANCEL just sent (a rejected draft's cut) comes round before the clock starts
         started = time.perf_counter()
         report = self.engine.stage_report()
         trip_ms = 1e3 * (time.perf_counter() - started)  # a PING round the ring, one way: the wire's trip

@@ -186,6 +186,7 @@ class Engine(Protocol):
     def forget(self, sequence_id: int, keep: int = 0) -> None: ...
     @property
     def prefix_cut(self) -> PrefixCut: ...
+    def settle(self) -> None: ...
     def stage_report(self) -> list[StageReport]: ...
     def close(self) -> None: ...
 
@@ -329,6 +330,9 @@ class UnsplitEngine(_Vocabulary):
 
     def forget(self, sequence_id: int, keep: int = 0) -> None:
         self.model.forget(sequence_id, keep)
+
+    def settle(self) -> None:
+        """Nothing is ever out: a forget cuts the cache at once."""
 
     def stage_report(self) -> list[StageReport]:
         return [self.model.timer.report((0, self._blocks))]
@@ -576,15 +580,17 @@ class RingEngine(_Vocabulary):
         if self.head is not None:
             self.head.forget(sequence_id, keep)
 
-    def _settle(self) -> None:
-        """Take every CANCEL's answer still out; only between waves."""
+    def settle(self) -> None:
+        """Take every CANCEL's answer still out; only between waves. Before a stage report's
+        PING is timed: a CANCEL sent just before it (a draft's rejected rows, a reused slot's cut)
+        would otherwise add its own whole trip round the ring to the PING's."""
         while out := sum(len(q) for q in self._expected.values()):
             if any(w is not None for q in self._expected.values() for w in q):
                 raise RuntimeError("a stage report was asked for while a wave was in the ring")
             self._take(out)
 
     def stage_report(self) -> list[StageReport]:
-        self._settle()
+        self.settle()
         if self.head is None:
             return self.ring.stats()  # the head's own report comes round with the others
         return [*self.ring.stats(), self.head.timer.report(self._head_range, totals=True)]
