@@ -9,6 +9,7 @@ host planned for), which llama.cpp itself refuses part-way through a batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -27,10 +28,10 @@ from waiting import until
 
 from kafila.runtime.engine.engines import EngineStep, RingEngine, SequenceFailed
 from kafila.runtime.engine.local_ring import LocalRing, local_ring_engine
-from kafila.runtime.engine.stage import BatchFailed, BlockStage, StepInput, run_isolating
+from kafila.runtime.engine.stage import BatchFailed, BlockStage, FloatRows, StepInput, run_isolating
 from kafila.runtime.engine.worker import handle_frames
 from kafila.runtime.gguf.slicer import slice_model
-from kafila.runtime.llama.model import ContextSettings
+from kafila.runtime.llama.model import ContextSettings, LlamaModel
 from kafila.serving.engine_loop import REFUSALS_TO_BREAK, EngineLoop
 from kafila.wire.frames import Frame, Kind
 
@@ -123,33 +124,58 @@ def test_a_failed_batch_leaves_every_cache_as_it_was(model: Path, tmp_path: Path
         reference.close()
 
 
-def test_with_a_sliding_window_a_sequence_a_failed_batch_may_have_spoiled_is_not_retried(tmp_path: Path) -> None:
-    """gemma3's windowed cache reuses cells that fall out of a sequence's window, so undoing a
-    forward of several decodes cannot restore a sequence that had rows in one that completed:
-    such a sequence is refused with the batch's reason, though alone it would fit, while one the
-    failure never reached is retried alone and gives what a stage that never saw it gives."""
+@contextlib.contextmanager
+def a_windowed_batch_failed(tmp_path: Path) -> Iterator[tuple[BlockStage, BlockStage, FloatRows, list[Frame]]]:
+    """A stage of gemma3's tiny model (a window of 16 positions) decoding 16 rows at a time, and a
+    reference stage: sequence 1's 32 rows, sequence 0's first 20 after them, sequence 1 dropped
+    (its cells, the first 32, are free, and a decode looks there first). Then the stage alone runs
+    a batch of sequence 0's next 48 rows, whose third decode finds the cells of its first 20
+    positions once they have left its window, and 300 rows of sequence 2, which its 256-row cache
+    refuses in a later decode. Yields both stages, sequence 0's 48 rows and the batch's replies
+    (`handle_frames`)."""
     gemma = write_tiny_model(tmp_path / "gemma.gguf", "gemma3", n_blocks=6)
     first, _ = slice_model(gemma, [3, 3], tmp_path / "stages")
-    stage, reference = BlockStage(first.path, SETTINGS), BlockStage(first.path, SETTINGS)
-    rng = np.random.default_rng(3)
-    rows = rng.standard_normal((301, stage.hidden)).astype(np.float32) * 0.01
+    settings = ContextSettings(n_ctx=256, n_batch=16, n_seq_max=4, n_threads=1)
+    stage, reference = BlockStage(first.path, settings), BlockStage(first.path, settings)
+    rows = np.random.default_rng(3).standard_normal((400, stage.hidden)).astype(np.float32) * 0.01
     try:
-        assert stage.model.sliding_window > 0
-        frames = [  # 301 rows in decodes of 64 into a 256-row cache: the fifth decode fails
-            Frame.of_hidden(Kind.PREFILL, 1, 0, rows[:200]),  # in decodes 1-4
-            Frame.of_hidden(Kind.PREFILL, 3, 0, rows[200:300]),  # in decodes 4 and 5
-            Frame.of_hidden(Kind.PREFILL, 2, 0, rows[300:]),  # in decode 5 only
-        ]
-        first_spoiled, second_spoiled, served = handle_frames(stage, frames)
-        for refused, sequence in ((first_spoiled, 1), (second_spoiled, 3)):
-            assert refused.kind is Kind.ERROR and refused.sequence_id == sequence and "no room" in refused.text()
-        assert served.kind is Kind.PREFILL and served.sequence_id == 2
-        assert np.array_equal(served.hidden_states(), reference.forward([StepInput(2, 0, rows[300:])])[0])
-        assert [stage.model.next_position(s) for s in (1, 2, 3)] == [0, 1, 0]
-        assert stage.forward([StepInput(1, 0, rows[:200])])  # alone, what was refused fits
+        assert stage.model.sliding_window == 16
+        for each in (stage, reference):
+            each.forward([StepInput(1, 0, rows[:32])])
+            each.forward([StepInput(0, 0, rows[32:52])])
+            each.forget(1)
+        frames = [Frame.of_hidden(Kind.PREFILL, 0, 20, rows[52:100]), Frame.of_hidden(Kind.PREFILL, 2, 0, rows[100:])]
+        yield stage, reference, rows[52:100], handle_frames(stage, frames)
     finally:
         stage.close()
         reference.close()
+
+
+def test_a_windowed_sequence_of_a_failed_batch_is_retried_alone_as_its_keeper_kept_its_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window's cache gives a later decode of a forward the cells of positions that left the
+    window of the sequence's new last position, and drops those positions, which a retry from
+    where it started needs again; the keeper (`LlamaModel.keeps_window_cells`) holds every cell,
+    so a windowed sequence of a failed batch is retried alone and gives, then and afterwards, bit
+    for bit what a stage that never saw the failure gives. Without keepers the batch leaves the
+    sequence none of its positions, so there it is spoiled: refused with the batch's reason."""
+    with a_windowed_batch_failed(tmp_path) as (stage, reference, rows, (served, refused)):
+        assert stage.model.keeps_window_cells
+        assert refused.kind is Kind.ERROR and refused.sequence_id == 2 and "no room" in refused.text()
+        assert served.kind is Kind.PREFILL and served.sequence_id == 0
+        assert np.array_equal(served.hidden_states(), reference.forward([StepInput(0, 20, rows)])[0])
+        (got,), (want,) = (stage.forward([StepInput(0, 68, rows[:8])]), reference.forward([StepInput(0, 68, rows[:8])]))
+        assert np.array_equal(got, want)
+
+    monkeypatch.setattr(LlamaModel, "_window_cells_kept", lambda self: False)
+    (tmp_path / "without").mkdir()
+    with a_windowed_batch_failed(tmp_path / "without") as (stage, reference, rows, replies):
+        assert not stage.model.keeps_window_cells
+        for refused, sequence in zip(replies, (0, 2), strict=True):
+            assert refused.kind is Kind.ERROR and refused.sequence_id == sequence and "no room" in refused.text()
+        # the batch's third decode took the cells of all 20 positions and llama.cpp dropped them
+        assert stage.model.next_position(0) == 0
 
 
 def test_a_recurrent_state_a_failed_batch_advanced_is_refused_not_retried(tmp_path: Path) -> None:

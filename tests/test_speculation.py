@@ -30,7 +30,7 @@ from kafila.runtime.engine.speculation import (
     SpeculationStats,
     draft_shares,
 )
-from kafila.runtime.engine.stage import WHOLE_STEP_ROWS, _decodes
+from kafila.runtime.engine.stage import _decodes
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, TextDelta
 from kafila.wire.frames import DType, Frame, FrameDecoder, FrameError, Kind
 
@@ -465,31 +465,36 @@ class Rows:
 @settings(max_examples=200)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
-    limit=st.integers(WHOLE_STEP_ROWS, 32),
-    outputs=st.integers(WHOLE_STEP_ROWS, 20),
+    limit=st.integers(MAX_DRAFT + 1, 32),
+    outputs=st.integers(MAX_DRAFT + 1, 20),
     marks=st.lists(st.booleans(), min_size=8, max_size=8),
 )
-def test_a_token_and_its_drafts_never_straddle_two_decodes(
+def test_a_step_whose_rows_all_want_logits_sits_in_one_decode_and_others_fill_decodes(
     lengths: list[int], limit: int, outputs: int, marks: list[bool]
 ) -> None:
     """Every row goes into exactly one decode, in order; no decode exceeds the batch or the head's
-    rows of logits; a step whose rows all want logits, or a short one, sits in one decode whole
-    (a sliding-window cache cut back into a decode's first part must not have lost cells to its second)."""
-    every_row = [mark and n <= WHOLE_STEP_ROWS for mark, n in zip(marks, lengths, strict=False)]
+    rows of logits; a step whose rows all want logits sits in one decode whole, and any other
+    step, however short, goes on into the next decode only where its decode is full (rows or
+    logits): a windowed cache's keeper lets a cut back into the first part find its cells."""
+    every_row = [mark and n <= MAX_DRAFT + 1 for mark, n in zip(marks, lengths, strict=False)]
     steps = [Rows(i, 100 * i, np.zeros((n, 1), dtype=np.float32)) for i, n in enumerate(lengths)]
     decodes = _decodes(steps, limit, max_ends=outputs, every_row=every_row)
     seen: dict[int, list[int]] = {}
+    wanted_in: list[int] = []
     for decode in decodes:
         assert sum(piece.states.shape[0] for piece in decode) <= limit
         wanted = sum(piece.states.shape[0] if every_row[piece.step] else piece.ends_step for piece in decode)
         assert wanted <= outputs
+        wanted_in.append(wanted)
         for piece in decode:
             seen.setdefault(piece.step, []).extend(range(piece.position, piece.position + piece.states.shape[0]))
     assert seen == {i: list(range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)}
-    for index, n in enumerate(lengths):
-        holding = [d for d in decodes if any(piece.step == index for piece in d)]
-        if every_row[index] or n <= WHOLE_STEP_ROWS:
-            assert len(holding) == 1, (index, n)
+    for index in range(len(lengths)):
+        holding = [i for i, d in enumerate(decodes) if any(piece.step == index for piece in d)]
+        if every_row[index]:
+            assert len(holding) == 1, index
+        for i in holding[:-1]:
+            assert sum(piece.states.shape[0] for piece in decodes[i]) == limit or wanted_in[i] == outputs, (index, i)
 
 
 # --- a head on a member's answer to a token and its drafts -----------------------------------

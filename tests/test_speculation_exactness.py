@@ -28,7 +28,8 @@ from kafila.runtime.engine.engines import (
     UnsplitEngine,
 )
 from kafila.runtime.engine.speculation import NgramDrafter, Speculate
-from kafila.runtime.engine.stage import Vocabulary
+from kafila.runtime.engine.stage import BlockStage, FloatRows, StepInput, Vocabulary, _decodes
+from kafila.runtime.gguf.slicer import slice_model
 from kafila.runtime.llama.model import ContextSettings, LlamaModel
 from kafila.serving.batcher import Job
 
@@ -196,3 +197,41 @@ def test_a_wave_behind_drafts_leaves_a_windowed_cache_the_cells_a_cut_back_needs
         without = rows_after_a_cut_back(model, tokens, behind=False)
         with_wave_behind = rows_after_a_cut_back(model, tokens, behind=True)
     assert np.array_equal(without, with_wave_behind), float(np.abs(without - with_wave_behind).max())
+
+
+def test_a_token_and_its_drafts_split_between_two_decodes_are_cut_back_as_in_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a block stage a step of a token and its 7 drafts may straddle two decodes
+    (`stage._decodes`): here another sequence's 4 rows fill half the first, which takes a freed
+    slot's 8 cells, and the second then finds first the cells of the sequence's oldest positions,
+    which have left the window (16) of the drafts before it. A cut back to the token reads the
+    row after it bit for bit as a stage that never saw the drafts, because those cells also belong
+    to a keeper (`LlamaModel.keeps_window_cells`); without keepers it does not."""
+    gemma = write_tiny_model(tmp_path / "gemma.gguf", "gemma3", n_blocks=6)
+    first, _ = slice_model(gemma, [3, 3], tmp_path / "stages")
+    settings = ContextSettings(n_ctx=256, n_batch=8, n_seq_max=3, n_threads=2)
+
+    def row_after_the_cut(drafts: int) -> FloatRows:
+        stage = BlockStage(first.path, settings)
+        rows = np.random.default_rng(11).standard_normal((35, stage.hidden)).astype(np.float32) * 0.01
+        try:
+            assert stage.model.sliding_window == 16
+            stage.forward([StepInput(1, 0, rows[:8])])
+            stage.forward([StepInput(0, 0, rows[8:22])])
+            stage.forget(1)
+            wave = [StepInput(2, 0, rows[22:26]), StepInput(0, 14, rows[26 : 27 + drafts])]
+            split = _decodes(wave, settings.n_batch)
+            assert sum(any(piece.sequence_id == 0 for piece in decode) for decode in split) == 1 + (drafts == 7)
+            stage.forward(wave)
+            stage.forget(0, 15)
+            (row,) = stage.forward([StepInput(0, 15, rows[34:35])])
+            return row
+        finally:
+            stage.close()
+
+    alone = row_after_the_cut(0)
+    assert np.array_equal(row_after_the_cut(7), alone)
+    monkeypatch.setattr(LlamaModel, "_window_cells_kept", lambda self: False)
+    assert np.array_equal(row_after_the_cut(0), alone)
+    assert not np.array_equal(row_after_the_cut(7), alone)  # the case is one where llama.cpp takes the cells

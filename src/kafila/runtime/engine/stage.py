@@ -34,7 +34,7 @@ from gguf.quants import dequantize
 from kafila.contracts import MAX_DECODE_ROWS, MAX_REPORTED_ROW_COUNTS, StageReport
 from kafila.runtime.engine.row_split import RowSplit
 from kafila.runtime.engine.sampling import Sampler, SamplerStart
-from kafila.runtime.engine.speculation import DRAFT_ROWS_PER_WAVE, MAX_DRAFT
+from kafila.runtime.engine.speculation import DRAFT_ROWS_PER_WAVE
 from kafila.runtime.gguf.families import FAMILIES, family_of
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.gguf.slicer import IDENTITY_BLOCKS_KEY
@@ -42,7 +42,6 @@ from kafila.runtime.llama.loading import GGMLBase
 from kafila.runtime.llama.model import ContextSettings, LlamaModel, VocabularyOnly
 
 FloatRows = npt.NDArray[np.float32]
-WHOLE_STEP_ROWS = MAX_DRAFT + 1  # a step this short never straddles two decodes (`_decodes`)
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -52,12 +51,14 @@ class BatchFailed(RuntimeError):
 
     `spoiled`: sequences that must not be, because their cache may not be as it was. llama.cpp
     writes a decode whole or not at all, and the rows of the decodes that did complete are
-    removed again, but a sliding-window cache reuses cells that fell out of a sequence's window:
-    when one forward spans several decodes, a later decode may reuse cells that the sequence's
-    original position still needs. And a recurrent state (qwen3next's delta-net blocks) keeps no
-    earlier positions: a sequence whose state a completed decode advanced cannot go back (only
-    from position 0, by dropping it whole). Only then is a sequence spoiled (a window's case never
-    arises on the host, whose steps fit one decode).
+    removed again; but a recurrent state (qwen3next's delta-net blocks) keeps no earlier
+    positions, so a sequence whose state a completed decode advanced cannot go back (only from
+    position 0, by dropping it whole). And a window's cache without a keeper
+    (`LlamaModel.keeps_window_cells`; every windowed model has one unless it also keeps a
+    recurrent state) gives a later decode of the same forward cells that left the window of the
+    sequence's new last position, and drops the positions below them, which a retry from its
+    original position still needs. With a keeper no cell is taken, so a windowed sequence is
+    retried as any other.
     """
 
     def __init__(self, message: str, spoiled: frozenset[int] = frozenset()) -> None:
@@ -96,7 +97,8 @@ def run_isolating(
 def _undo(model: LlamaModel, starts: dict[int, int], completed: set[int], error: Exception) -> BatchFailed:
     """Take a failed forward's rows out of the cache: each sequence back to where it started."""
     stuck = {sequence for sequence, start in starts.items() if not model.truncate(sequence, start)}
-    spoiled = frozenset(completed) if model.sliding_window else frozenset()
+    cells_taken = model.sliding_window > 0 and not model.keeps_window_cells  # `BatchFailed.spoiled`
+    spoiled = frozenset(completed) if cells_taken else frozenset()
     return BatchFailed(str(error), spoiled | stuck)
 
 
@@ -260,11 +262,11 @@ def _decodes(
     ends of more steps than that (each end may ask for logits). A step marked in `every_row` (a
     token and its drafts) asks for logits after each of its rows: each counts as an end.
 
-    A step of at most WHOLE_STEP_ROWS rows is never split between two decodes: a sliding-window
-    cache reuses cells that fell out of the window of the sequence's last position before a
-    decode, so in a decode's second part it may reuse cells that a cut back into its first part
-    (the rejected drafts') would need again. Within one decode every cell it reuses is out of the
-    window of the step's first row, hence of every later one."""
+    Any other step may be split between two decodes, a token and its drafts on a block stage
+    among them. A cut back into the first part then needs the positions before it, whose cells a
+    window's cache would give the second part once they left the window of the drafts before it;
+    but every windowed cache's cells also belong to a keeper (`LlamaModel.keeps_window_cells`),
+    and one without (that keeps a recurrent state too) never drafts, so is never cut back."""
     if one_sequence_each:
         alone = (_decodes([step], limit) for step in steps)
         return [[replace(piece, step=index) for piece in d] for index, ds in enumerate(alone) for d in ds]
@@ -282,9 +284,6 @@ def _decodes(
             room -= n
             ends += n
             continue
-        if n <= min(WHOLE_STEP_ROWS, limit) and n > room:
-            decodes.append([])
-            room, ends = limit, 0
         while start < n:
             if room == 0 or (max_ends is not None and ends == max_ends):
                 decodes.append([])
