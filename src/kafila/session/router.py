@@ -133,7 +133,7 @@ class FrameSink(Protocol):
 class _HandsOver:
     """A frame source that may hand its frames to a sink (`FrameSource.hand_to`) instead of queueing them."""
 
-    _sink: Callable[[Frame | None], None] | None = None
+    _sink: Callable[[Frame | None], None] | None  # each subclass's own, None until `hand_to`
 
     def take_back(self, sink: Callable[[Frame | None], None]) -> None:
         if self._sink == sink:
