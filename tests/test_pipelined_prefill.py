@@ -321,7 +321,7 @@ def test_the_stages_own_timers_show_two_stages_computing_one_prompt_at_once(tmp_
         prompt = (engine.tokenize(PROMPT) * 16)[:256]
 
         def computed_and_wall(chunks: int) -> tuple[float, float]:
-            ring_before = engine.stage_report()[0]
+            ring_before = engine.stage_report().stages[0]
             head_before = head.timer.seconds
             batcher = Batcher(1, 64, 512, engine.sampler, engine.piece, engine.is_end, prefill_chunks=chunks)
             batcher.submit(Job("a", prompt, 1, GREEDY))
@@ -333,7 +333,7 @@ def test_the_stages_own_timers_show_two_stages_computing_one_prompt_at_once(tmp_
                 batcher.advance(engine.land(out.popleft()))
             wall = time.perf_counter() - started
             engine.forget(0)
-            ring_after = engine.stage_report()[0]
+            ring_after = engine.stage_report().stages[0]
             assert ring_after.seconds is not None and ring_before.seconds is not None
             return (ring_after.seconds - ring_before.seconds) + (head.timer.seconds - head_before), wall
 

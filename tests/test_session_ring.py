@@ -177,7 +177,7 @@ def test_a_ring_over_quic_generates_what_the_unsplit_model_does(tmp_path: Path) 
     async def scenario() -> tuple[str, list[dict[str, object]]]:
         async with quic_ring_engine(stages) as engine:
             text = (await asyncio.to_thread(generate, engine, PROMPT, 12, SamplingSettings())).text
-            report = await asyncio.to_thread(engine.stage_report)
+            report = (await asyncio.to_thread(engine.stage_report)).stages
         return text, report
 
     text, report = asyncio.run(asyncio.wait_for(scenario(), 120))
@@ -288,7 +288,7 @@ def test_a_sequence_a_member_refuses_fails_alone_over_quic(tmp_path: Path) -> No
             both = [EngineStep(0, 0, prompt, decode=False), EngineStep(1, 9, [5], decode=True)]
             ok, failed = await asyncio.to_thread(engine.step_many, both)
             await asyncio.to_thread(engine.forget, 1)
-            report = await asyncio.to_thread(engine.stage_report)
+            report = (await asyncio.to_thread(engine.stage_report)).stages
         return alone, ok, failed, report
 
     alone, ok, failed, report = asyncio.run(asyncio.wait_for(scenario(), 120))

@@ -27,7 +27,7 @@ from kafila.planner.prefill import PrefillCosts, costs_from, prefill_chunk_rows
 from kafila.planner.waves import WaveCosts, decode_waves, wave_costs_from
 from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.draft_model import DraftModel
-from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StepResult
+from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StagesReport, StepResult
 from kafila.runtime.engine.ring import StageFailed, waves_override
 from kafila.runtime.engine.speculation import Drafter, Speculate
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, RequestFailed, Suspended
@@ -435,20 +435,17 @@ class EngineLoop:
         the report is the host's own arithmetic: a fault there keeps the last pricing, and serving
         goes on."""
         self._report_at = time.monotonic()
-        self.engine.settle()  # a CANCEL just sent (a rejected draft's cut) comes round before the clock starts
-        started = time.perf_counter()
         report = self.engine.stage_report()
-        trip_ms = 1e3 * (time.perf_counter() - started)  # a PING round the ring, one way: the wire's trip
         observed = self._observed_period_ms()  # the engine thread's alone, as `_landed`
         self._landed.clear()  # a period across the report's pause would be the pause's
         try:
-            costs, waves, widest = self._pricing_from(report, trip_ms, observed)
+            costs, waves, widest = self._pricing_from(report, observed)
         except Exception:
             log.exception("the stages' report could not be priced; the last pricing stands")
             costs, waves, widest = None, None, None
         with self._lock:
-            self.stage_report = report
-            self.ring_ms = trip_ms
+            self.stage_report = report.stages
+            self.ring_ms = report.trip_ms
             if costs is not None:
                 self.prefill_costs = costs
             if waves is not None:
@@ -459,16 +456,17 @@ class EngineLoop:
                 self._widest_measured = widest
 
     def _pricing_from(
-        self, report: list[StageReport], trip_ms: float, observed: tuple[int, int, float] | None
+        self, report: StagesReport, observed: tuple[int, int, float] | None
     ) -> tuple[PrefillCosts | None, WaveCosts | None, int]:
         """The prompts' chunk prices, the waves' prices (the host's own work a wave read from the
         `observed` period) and the widest decode every stage has timed."""
-        costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in report], trip_ms)
-        machines = stage_machines(self.engine, len(report))
+        stages, trip_ms = report.stages, report.trip_ms
+        costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in stages], trip_ms)
+        machines = stage_machines(self.engine, len(stages))
         waves = None
         if machines is not None:
-            waves = wave_costs_from([entry.decode_ms_by_rows for entry in report], machines, trip_ms)
-        widest = min((max((rows for rows, _ in entry.decode_ms_by_rows), default=0) for entry in report), default=0)
+            waves = wave_costs_from([entry.decode_ms_by_rows for entry in stages], machines, trip_ms)
+        widest = min((max((rows for rows, _ in entry.decode_ms_by_rows), default=0) for entry in stages), default=0)
         if waves is not None and machines is not None and self.engine.head_here:
             waves = replace(waves, host_machine=machines[-1], host_ms=self._host_ms or 0.0)
             if observed is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -150,6 +151,15 @@ class Launched:
     frames: tuple[Frame, ...] = ()
 
 
+@dataclass(frozen=True)
+class StagesReport:
+    """An engine's stage report: each stage's timings, and the trip that fetched them round the
+    ring (ms, one way: the wire's, which pricing adds to every wave's; 0 where no wire is crossed)."""
+
+    stages: list[StageReport]
+    trip_ms: float
+
+
 class Engine(Protocol):
     """What generation needs: logits for many sequences' next rows at once, and a tokenizer.
 
@@ -186,8 +196,7 @@ class Engine(Protocol):
     def forget(self, sequence_id: int, keep: int = 0) -> None: ...
     @property
     def prefix_cut(self) -> PrefixCut: ...
-    def settle(self) -> None: ...
-    def stage_report(self) -> list[StageReport]: ...
+    def stage_report(self) -> StagesReport: ...
     def close(self) -> None: ...
 
 
@@ -331,11 +340,9 @@ class UnsplitEngine(_Vocabulary):
     def forget(self, sequence_id: int, keep: int = 0) -> None:
         self.model.forget(sequence_id, keep)
 
-    def settle(self) -> None:
-        """Nothing is ever out: a forget cuts the cache at once."""
-
-    def stage_report(self) -> list[StageReport]:
-        return [self.model.timer.report((0, self._blocks))]
+    def stage_report(self) -> StagesReport:
+        """The model's timings; no wire, so no trip."""
+        return StagesReport([self.model.timer.report((0, self._blocks))], trip_ms=0.0)
 
     def close(self) -> None:
         self._readers.close()
@@ -580,20 +587,24 @@ class RingEngine(_Vocabulary):
         if self.head is not None:
             self.head.forget(sequence_id, keep)
 
-    def settle(self) -> None:
-        """Take every CANCEL's answer still out; only between waves. Before a stage report's
-        PING is timed: a CANCEL sent just before it (a draft's rejected rows, a reused slot's cut)
-        would otherwise add its own whole trip round the ring to the PING's."""
+    def _settle(self) -> None:
+        """Take every CANCEL's answer still out; only between waves."""
         while out := sum(len(q) for q in self._expected.values()):
             if any(w is not None for q in self._expected.values() for w in q):
                 raise RuntimeError("a stage report was asked for while a wave was in the ring")
             self._take(out)
 
-    def stage_report(self) -> list[StageReport]:
-        self.settle()
-        if self.head is None:
-            return self.ring.stats()  # the head's own report comes round with the others
-        return [*self.ring.stats(), self.head.timer.report(self._head_range, totals=True)]
+    def stage_report(self) -> StagesReport:
+        """The stages' timings, fetched by a PING round the ring, and that PING's trip alone: a
+        CANCEL still out (a draft's rejected rows, a reused slot's cut) comes round before the
+        clock starts, else its own whole trip would count as the wire's."""
+        self._settle()
+        started = time.perf_counter()
+        stages = self.ring.stats()  # the head's own report comes round with the others where it is not here
+        trip_ms = 1e3 * (time.perf_counter() - started)
+        if self.head is not None:
+            stages = [*stages, self.head.timer.report(self._head_range, totals=True)]
+        return StagesReport(stages, trip_ms)
 
     def _close_head(self) -> None:
         if self.head is not None:

@@ -205,7 +205,7 @@ def generate(
         sampler.close()
     engine.forget(sequence_id)
     rate = (len(tokens) - 1) / elapsed if len(tokens) > 1 and elapsed > 0 else None
-    return Generation(tokens, engine.detokenize(tokens), rate, engine.stage_report(), len(prompt_tokens), finish)
+    return Generation(tokens, engine.detokenize(tokens), rate, engine.stage_report().stages, len(prompt_tokens), finish)
 
 
 def open_engine(
