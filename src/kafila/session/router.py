@@ -20,7 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 from kafila.network.link import Link, LinkClosed, LinkError, LinkOverBound
 from kafila.network.transfer import MAX_CHUNK, MAX_WINDOW
@@ -35,6 +35,7 @@ from kafila.wire.frames import Frame
 
 TRANSFER_SEQUENCES = range(2**63, 2**64 - 1)  # below the control stream, above any request slot
 Traffic = Literal["control", "transfer", "activation"]
+_Held = TypeVar("_Held", bound=Frame | None)  # what a channel queues: frames, and for a link's, its end (None)
 
 
 @dataclass(frozen=True)
@@ -130,18 +131,32 @@ class FrameSink(Protocol):
         ...
 
 
-class _HandsOver:
+class _HandsOver(Generic[_Held]):
     """A frame source that may hand its frames to a sink (`FrameSource.hand_to`) instead of queueing them."""
 
+    _queue: asyncio.Queue[_Held]  # what waits for `receive`; a None there is the end, which stays
     _sink: Callable[[Frame | None], None] | None  # each subclass's own, None until `hand_to`
+
+    def hand_to(self, sink: Callable[[Frame | None], None]) -> None:
+        """Frames go to `sink` as they come (those already here first), until `take_back`; the end
+        goes to it too, and stays here for `receive`."""
+        while not self._queue.empty():
+            frame = self._queue.get_nowait()
+            if frame is None:
+                self._queue.put_nowait(frame)
+                sink(frame)
+                break
+            sink(frame)
+        self._sink = sink
 
     def take_back(self, sink: Callable[[Frame | None], None]) -> None:
         if self._sink == sink:
             self._sink = None
 
 
-class LocalChannel(_HandsOver):
-    """Frames this process hands to itself: a host's engine feeding the host's own stage."""
+class LocalChannel(_HandsOver[Frame]):
+    """Frames this process hands to itself: a host's engine feeding the host's own stage. Nothing
+    ends them: no None is ever queued."""
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[Frame] = asyncio.Queue()
@@ -156,11 +171,6 @@ class LocalChannel(_HandsOver):
         else:
             self._sink(frame)
 
-    def hand_to(self, sink: Callable[[Frame | None], None]) -> None:
-        while (frame := self.receive_nowait()) is not None:
-            sink(frame)
-        self._sink = sink
-
     def taken(self, frame: Frame) -> None:
         """Nothing to release: this process's own frames count against no link."""
 
@@ -174,8 +184,9 @@ class LocalChannel(_HandsOver):
             return None
 
 
-class Channel(_HandsOver):
-    """One kind of a link's traffic, with the link's interface."""
+class Channel(_HandsOver[Frame | None]):
+    """One kind of a link's traffic, with the link's interface. Frames handed to a sink (as the
+    router sorts them) count against the link, and this channel's bound, until `taken`."""
 
     def __init__(self, link: Link, traffic: Traffic, bound: int | None = None) -> None:
         self.link, self.traffic, self.bound = link, traffic, bound
@@ -220,19 +231,6 @@ class Channel(_HandsOver):
         while self.receive_nowait() is not None:
             dropped += 1
         return dropped
-
-    def hand_to(self, sink: Callable[[Frame | None], None]) -> None:
-        """Frames go to `sink` as the router sorts them (those already here first), until
-        `take_back`; the end stays here too, for `receive`. They count against the link, and this
-        channel's bound, until `taken`."""
-        while not self._queue.empty():
-            frame = self._queue.get_nowait()
-            if frame is None:
-                self._queue.put_nowait(None)
-                sink(None)
-                break
-            sink(frame)
-        self._sink = sink
 
     def taken(self, frame: Frame) -> None:
         self._taken(frame)
