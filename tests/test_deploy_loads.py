@@ -1,13 +1,17 @@
 """The host's deployer loads the ring at once, not one stage after another (issue 36): it tells
 every member to load its stage together, each as soon as it is staged, while this host's own stage
 still arrives, and its own head's engine loads while the members still get and load theirs, so the
-ring is ready as the last stage loads. Real QUIC links, a real
-rendezvous and a real head engine; the two members are scripted, so that each can see, before it
-answers `Loaded`, what the host has begun meanwhile."""
+ring is ready as the last stage loads; a head stage still arriving from the hub has its engine
+begun before its last byte. Real QUIC links, a real rendezvous and a real head engine; the two
+members are scripted, so that each can see, before it answers `Loaded`, what the host has begun
+meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -15,10 +19,14 @@ from linked_routers import linked_routers
 from tiny_models import write_tiny_model
 from waiting import until, until_async
 
-from kafila.contracts import FleetDevice, Progress
+from kafila.contracts import FleetDevice, HubModel, HubPart, Progress
+from kafila.hub.ranges import partial_stage
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.rendezvous_server import start_rendezvous
 from kafila.planner.types import Plan, Stage
+from kafila.runtime.gguf.arriving import arriving
+from kafila.runtime.gguf.gguf_file import FastGGUFReader
+from kafila.runtime.gguf.slicer import StageFile
 from kafila.runtime.llama.model import ContextSettings
 from kafila.session.deployer import Deployer, Roster
 from kafila.session.host_model import LocalModel, PlannedStage
@@ -64,7 +72,63 @@ class OwnStageArriving(LocalModel):
             self.members_loading_meanwhile = False
 
 
-def deploy_to_scripted_members(tmp_path: Path, waits_for: str, own_arriving: bool = False) -> list[bool]:
+HUB_MODEL = HubModel(
+    repo_id="org/tiny",
+    commit="e" * 40,
+    parts=(HubPart(path="tiny.gguf", size=1, header_bytes=1, header_sha256="f" * 64),),
+)
+
+
+class HeadArrivingFromTheHub(LocalModel):
+    """A model whose host's head stage arrives as a fetch ahead of the plan fetches one from the
+    hub: laid out in its partial file as the plan is made, its tensor data zeros, its bytes landing
+    once a load of it waits for them (or `ANSWER_WITHIN_S` has passed): whether one did."""
+
+    def __init__(self, path: Path, cache: Path) -> None:
+        super().__init__(path, HUB_MODEL)
+        self.cache = cache
+        self.head_loading_meanwhile: bool | None = None
+        self._head: StageFile | None = None
+        self._fetch = contextlib.ExitStack()
+
+    def stages(self, counts: Sequence[int], cache: Path, progress: Progress) -> list[PlannedStage]:
+        planned = super().stages(counts, cache, progress)
+        if self._head is None:  # the fetch begins with the first plan (the test's own look first)
+            self._head = planned[-1].file
+            self._lay_out(self._head)
+        return [*planned[:-1], dataclasses.replace(planned[-1], file=None)]  # the head's not here yet
+
+    def _lay_out(self, head: StageFile | None) -> None:
+        assert head is not None
+        partial = partial_stage(HUB_MODEL, head.first_block, head.end_block, True, self.cache)
+        partial.parent.mkdir(parents=True)
+        start = FastGGUFReader(head.path).data_offset
+        partial.write_bytes(head.path.read_bytes()[:start] + bytes(head.n_bytes - start))
+        fd = os.open(partial, os.O_RDWR)
+        self._fetch.callback(os.close, fd)
+        self.arrival = self._fetch.enter_context(arriving(fd))
+        self._fd, self._start = fd, start
+
+    def stage_file(self, stage: PlannedStage, cache: Path, progress: Progress) -> StageFile:
+        file = stage.file or self._head
+        assert file is not None
+        return file
+
+    def own_stages(self, own: Sequence[PlannedStage], progress: Progress) -> None:
+        assert self._head is not None
+        with self._fetch:
+            try:
+                until(lambda: self.arrival.waiting == 1, "a load of the head waiting for its bytes", ANSWER_WITHIN_S)
+                self.head_loading_meanwhile = True
+            except AssertionError:
+                self.head_loading_meanwhile = False
+            os.pwrite(self._fd, self._head.path.read_bytes()[self._start :], self._start)
+            self.arrival.settle(True)
+
+
+def deploy_to_scripted_members(
+    tmp_path: Path, waits_for: str, own_arriving: bool = False, head_arriving: bool = False
+) -> list[bool]:
     """A ring of three blocks: one each on two scripted members, the head on this host. Each
     member, told to load, waits for `waits_for` ("both told": the other member told to load too;
     "head loading": the host's head engine begun) before it answers; whether each saw it. With
@@ -74,6 +138,8 @@ def deploy_to_scripted_members(tmp_path: Path, waits_for: str, own_arriving: boo
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=3)
     told = [asyncio.Event(), asyncio.Event()]
     local = OwnStageArriving(model, told) if own_arriving else LocalModel(model)
+    if head_arriving:
+        local = HeadArrivingFromTheHub(model, tmp_path / "stages")
     stage_files = local.stages([1, 1, 1], tmp_path / "stages", lambda *_progress: None)
 
     async def scenario() -> list[bool]:
@@ -121,6 +187,8 @@ def deploy_to_scripted_members(tmp_path: Path, waits_for: str, own_arriving: boo
                 await deployer.stop_listening()
             if isinstance(local, OwnStageArriving):
                 saw.append(local.members_loading_meanwhile is True)
+            if isinstance(local, HeadArrivingFromTheHub):
+                saw.append(local.head_loading_meanwhile is True)
             return saw
         finally:
             for client in clients:
@@ -149,3 +217,9 @@ def test_members_load_while_the_hosts_own_stage_still_arrives(tmp_path: Path) ->
     # Told only once this host's own stage is at hand, the members would not be told while it
     # arrives: their loads would then share the head's time to load rather than the fetch's.
     assert deploy_to_scripted_members(tmp_path, "both told", own_arriving=True) == [True, True, True]
+
+
+def test_the_heads_engine_begins_while_its_stage_still_arrives_from_the_hub(tmp_path: Path) -> None:
+    # Begun only once this host's own share is at hand, no load would wait for the head's bytes,
+    # and llama.cpp's reading of the head's vocabulary would follow its last byte.
+    assert deploy_to_scripted_members(tmp_path, "head loading", head_arriving=True) == [True, True, True]

@@ -44,6 +44,7 @@ from kafila.hub.remote import (
     read_header_bytes,
 )
 from kafila.planner.types import ModelManifest
+from kafila.runtime.gguf.arriving import Arrival, arrival_of, arriving
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP, ByteRun, ModelHeader, TensorSpan, check_spans, fetch_runs
 from kafila.runtime.gguf.manifest import manifest_of
@@ -190,6 +191,23 @@ def fetch_stage(
     remember_hub_stage(out, key, stage.path)
     trim_stage_cache(out, [stage.path])
     return stage
+
+
+def partial_stage(model: HubModel, first: int, end: int, is_head: bool, out_dir: str | os.PathLike[str]) -> Path:
+    """Where `fetch_stage` writes that stage as it arrives, before it is renamed after its sha256."""
+    return Path(out_dir) / HUB_PARTIAL / stage_key(model, first, end, is_head).digest() / _STAGE
+
+
+def arriving_stage(
+    model: HubModel, first: int, end: int, is_head: bool, out_dir: str | os.PathLike[str]
+) -> tuple[Path, Arrival] | None:
+    """The stage file `fetch_stage` is fetching into `out_dir` in this process now, laid out (its
+    header in place) and its tensors still arriving, with their arrival: llama.cpp may begin
+    loading it (`runtime.gguf.arriving`). The file is renamed once complete, and a fetch that fails
+    settles it incomplete; None where no such fetch is under way."""
+    path = partial_stage(model, first, end, is_head, out_dir)
+    arrival = arrival_of(path)
+    return None if arrival is None else (path, arrival)
 
 
 def fetch_vocabulary(
@@ -559,10 +577,12 @@ def _fetch_into(
     stop = threading.Event()
     shown = threading.Lock()
     stage_fd = os.open(work / _STAGE, os.O_RDWR | os.O_CREAT, 0o644)
+    stack = contextlib.ExitStack()
     side_fd = os.open(work / _SIDE, os.O_RDWR | os.O_CREAT, 0o644)
     hasher: _Hasher | None = None
     try:
         layout.start(stage_fd)
+        arrival = stack.enter_context(arriving(stage_fd))  # a load may begin now: it waits for the bytes
         for name, kept in here.items():
             _write_at(stage_fd, memoryview(layout.scaled(name, kept.tobytes())), layout.places[name])
         pending: dict[object, int] = {
@@ -627,8 +647,10 @@ def _fetch_into(
             _write_at(stage_fd, memoryview(layout.scaled(span.name, fetched)), layout.places[span.name])
             side += span.n_bytes
             hasher.landed(span.name)
+        arrival.settle(True)  # every byte written: a load waiting may read them as the hash catches up
         return hasher.result()
     finally:
+        stack.close()
         if hasher is not None:
             hasher.stop()
         journal.file.close()

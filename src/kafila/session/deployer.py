@@ -4,7 +4,8 @@ The host assigns each member its stage and ring neighbours; members link to thei
 (only the planned edges come up) while their stage files arrive from their cache, from their own
 copy of the model, from the hub, or over their link, and each answers `Staged`. Each member's stage
 then loads at once (`Load`, `Loaded`), and this machine's own once its share is at hand (the head's,
-if it holds the head, last of all, with the engine).
+if it holds the head, last of all, with the engine; a head stage still arriving from the hub begins
+loading before its last byte, and reads its tensors once every byte is in).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import itertools
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 from kafila.contracts import EdgeStatus, HubModel, Progress, Tell
+from kafila.hub.ranges import arriving_stage
 from kafila.network.rendezvous import MemberInfo
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import new_transfer_sequence, send_stage_file
@@ -331,12 +333,21 @@ class Deployer:
 
         async def own_then_head() -> Path | None:
             """This host's share, then, with the head here, the head's engine loading while the
-            members still get and load their stages: the ring is ready as their last loads."""
-            vocabulary = await own_share()
+            members still get and load their stages: the ring is ready as their last loads. Where
+            the head's own stage is still arriving from the hub, its engine begins loading at once
+            (`_arriving_engine`), and takes its tensors as the last byte lands."""
+            loop = asyncio.get_running_loop()
+            arriving = self._arriving_engine(Deployment(self.epoch, plan, chain, counts, stages, me), loop)
+            try:
+                vocabulary = await own_share()
+            except BaseException:
+                if arriving is not None:  # closed once loaded (a thread cannot be stopped), not waited for
+                    arriving.add_done_callback(_close_engine)
+                raise
             if chain[-1] == me:
                 early = Deployment(self.epoch, plan, chain, counts, stages, me, vocabulary)
-                loop = asyncio.get_running_loop()
-                self._head_engine = (self.epoch, asyncio.ensure_future(asyncio.to_thread(self.engine, early, loop)))
+                engine = self._head_once_arrived(arriving, early, loop)
+                self._head_engine = (self.epoch, asyncio.ensure_future(engine))
             return vocabulary
 
         own_task = asyncio.ensure_future(own_then_head())
@@ -542,6 +553,44 @@ class Deployer:
             stage_machines=machines,
         )  # fmt: skip
 
+    def _arriving_engine(
+        self, deployment: Deployment, loop: asyncio.AbstractEventLoop
+    ) -> asyncio.Future[RingEngine] | None:
+        """The head's engine begun now on its stage file while its tensors still arrive from the
+        hub in this process (the fetch ahead of the plan): llama.cpp reads its vocabulary meanwhile
+        and its tensors once the last byte lands (`runtime.gguf.arriving`). None where the head is
+        not here, or its stage is not arriving."""
+        head = deployment.stages[-1]
+        hub = self.model.hub
+        if not deployment.head_here or head.file is not None or hub is None:
+            return None
+        found = arriving_stage(hub, head.first_block, head.end_block, head.is_head, self.cache)
+        if found is None:
+            return None
+        path, arrival = found
+        stage = StageFile(len(deployment.stages) - 1, head.first_block, head.end_block, True, path, "", head.n_bytes)
+        stages = [*deployment.stages[:-1], held(stage)]
+        loading = replace(deployment, stages=stages)
+
+        def load() -> RingEngine:
+            engine = self.engine(loading, loop)
+            if not arrival.wait():  # a fetch that broke after the load took its bytes: not this head
+                engine.close()
+                raise SessionFailed(f"this machine's stage at {path} never arrived whole")
+            return engine
+
+        return asyncio.ensure_future(asyncio.to_thread(load))
+
+    async def _head_once_arrived(
+        self, arriving: asyncio.Future[RingEngine] | None, deployment: Deployment, loop: asyncio.AbstractEventLoop
+    ) -> RingEngine:
+        """The head's engine: the one begun while its stage arrived, where it loaded; else loaded now
+        from the stage file at hand."""
+        if arriving is not None:
+            with contextlib.suppress(Exception):  # its fetch failed, or was halted for another stage
+                return await arriving
+        return await asyncio.to_thread(self.engine, deployment, loop)
+
     async def ring_engine(self, deployment: Deployment) -> RingEngine:
         """The engine over `deployment`'s ring: the one `deploy` began loading with the head, or
         one built now."""
@@ -599,6 +648,12 @@ async def _closed(building: asyncio.Future[RingEngine]) -> None:
     with contextlib.suppress(Exception):
         engine = await asyncio.shield(building)
         await asyncio.to_thread(engine.close)
+
+
+def _close_engine(loading: asyncio.Future[RingEngine]) -> None:
+    """Close an engine whose load went on after the deployment that wanted it failed."""
+    if not loading.cancelled() and loading.exception() is None:
+        loading.result().close()
 
 
 def _close_loaded(loading: Future[BlockStage]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kafila.runtime.gguf.arriving import Arrival, arrival_of
 from kafila.runtime.llama.errors import forget_errors, last_error
 from kafila.runtime.llama.loading import GGMLBase, QuietThreadpool, llama, model_params
 from kafila.runtime.llama.threads import serving_threads
@@ -55,6 +56,51 @@ class VocabularyOnly:
             self.model = None
 
 
+class _TensorsWait:
+    """llama.cpp's progress callback for a load of a file whose tensor bytes still arrive
+    (`arriving`): it asks before reading each tensor's data, and its first ask waits for the last
+    byte (False: they never all came, and the load is aborted)."""
+
+    def __init__(self, llama_lib: Any, arrival: Arrival) -> None:
+        self.arrival = arrival
+        self.asked = False  # whether llama.cpp asked before reading any tensor: else the load is not trusted
+        self._complete = False
+        self.callback = llama_lib.llama_progress_callback(self._ask)
+
+    def _ask(self, _progress: float, _user: object) -> bool:
+        if not self.asked:
+            self._complete = self.arrival.wait()
+            self.asked = True
+        return self._complete
+
+
+def _load_model(llama_lib: Any, path: str | os.PathLike[str], params: Any) -> Any:
+    """llama.cpp's model of `path`; RuntimeError where it cannot load it. A file whose tensor
+    bytes still arrive (`arriving.arrival_of`) is read up to its tensors' data at once, and its
+    tensors once every byte is in; a load that read them without asking first (a llama.cpp that
+    reads a tensor outside `load_all_data`) is loaded again once the bytes are in."""
+    arrival = arrival_of(path)
+    wait = _TensorsWait(llama_lib, arrival) if arrival is not None else None
+    unasked = params.progress_callback
+    if wait is not None:
+        params.progress_callback = wait.callback
+    forget_errors()
+    model = llama_lib.llama_model_load_from_file(str(path).encode(), params)
+    if wait is not None and not wait.asked:  # what it read may predate the bytes: not trusted
+        if model:
+            llama_lib.llama_model_free(model)
+        if not wait.arrival.wait():
+            raise RuntimeError(f"{path} was loading while its bytes arrived, and they never all came")
+        params.progress_callback = unasked
+        forget_errors()
+        model = llama_lib.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        if wait is not None and not wait.arrival.wait():
+            raise RuntimeError(f"{path} was loading while its bytes arrived, and they never all came")
+        raise RuntimeError(f"llama.cpp could not load {path}: {last_error()}")
+    return model
+
+
 MROPE_TYPES = (8, 40)  # LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE: llama_hparams::n_pos_per_embd
 
 
@@ -88,11 +134,7 @@ class LlamaModel:
         if self._restored_at is not None:
             self._ggml = GGMLBase.load()
             eval_callback = self._restoring_input
-        params = model_params(settings.gpu_layers, repack=settings.repack)
-        forget_errors()
-        self.model = self._llama.llama_model_load_from_file(str(path).encode(), params)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}: {last_error()}")
+        self.model = _load_model(self._llama, path, model_params(settings.gpu_layers, repack=settings.repack))
         params = self._llama.llama_context_default_params()
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
