@@ -258,21 +258,26 @@ class Departing(NgramDrafter):
         ]
 
 
+# A ring priced as never idling while a wave travels (`idle_behind_ms` 0 whatever is out): a wave
+# behind pays for all its rows' time, the most the cost rule can charge it.
+NEVER_IDLE = WaveCosts((StageWaveCost(0.0, 0.0),) * 2, (0, 1), 0.0)
+
+
 def serve(
     model: ScriptedModel, jobs: Sequence[Job], speculate: Speculate, seed: int | None = None, rows: int = 16,
     waves: int = 1, drafter: Callable[[Job], NgramDrafter] | None = None, ring_costs: WaveCosts | None = None,
-    behind_priced: bool = False,
 ) -> tuple[dict[str, list[str]], Batcher]:  # fmt: skip
     """Run jobs to the end; the text of each, and the batcher (for its stats). `waves`: waves of
     one sequence's drafts out at once (drafts in flight), kept out as the engine loop keeps them:
     the scripted model runs each wave as it leaves and answers it as it lands, oldest first, the
     cuts taken between (as a CANCEL follows the rows out round a ring); each wave is timed as a
     trip of 100 ms and 1 ms a drafted row, so that the cost rule sends waves behind. `drafter`: a
-    drafter for each admitted request in place of the n-gram one; `ring_costs`, `behind_priced`:
-    the ring's stages and wire as the engine loop gives them (`Batcher.ring_costs`)."""
+    drafter for each admitted request in place of the n-gram one; `ring_costs`: the ring's stages
+    and wire as the engine loop gives them (`Batcher.ring_costs`; None: not yet measured, so no
+    wave goes behind)."""
     batcher = Batcher(
         2, rows, 64, lambda _s: Sample(seed), lambda t: f"<{t}>".encode(), lambda t: t == END,
-        PrefixCut.ANYWHERE, speculate, draft_waves=waves, behind_priced=behind_priced,
+        PrefixCut.ANYWHERE, speculate, draft_waves=waves,
     )  # fmt: skip
     batcher.ring_costs = ring_costs
     for job in jobs:
@@ -357,7 +362,9 @@ def test_drafts_change_nothing_but_the_trips(
     stats = batcher.speculation
     assert 0 <= stats.accepted <= stats.drafted
     assert stats.mean_window <= MAX_DRAFT
-    ahead, batcher = serve(ScriptedModel(table), jobs, Speculate.NGRAM, seed, rows, waves=DRAFT_WAVES_OUT)
+    ahead, batcher = serve(
+        ScriptedModel(table), jobs, Speculate.NGRAM, seed, rows, waves=DRAFT_WAVES_OUT, ring_costs=NEVER_IDLE
+    )
     assert ahead == plain
     assert 0 <= batcher.speculation.waves_stale <= batcher.speculation.waves_behind
 
@@ -398,7 +405,7 @@ def test_waves_in_flight_carry_a_copy_and_a_reject_ahead_leaves_no_trace_of_them
     job = Job("copy", prompt, 60, SamplingSettings())
     plain, _ = serve(ScriptedModel(loop), [job], Speculate.OFF)
     one, single = serve(ScriptedModel(loop), [job], Speculate.NGRAM)
-    ahead, batcher = serve(ScriptedModel(loop), [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT)
+    ahead, batcher = serve(ScriptedModel(loop), [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT, ring_costs=NEVER_IDLE)
     assert ahead == one == plain
     stats = batcher.speculation
     assert single.speculation.waves_behind == 0
@@ -407,7 +414,7 @@ def test_waves_in_flight_carry_a_copy_and_a_reject_ahead_leaves_no_trace_of_them
 
     answer = [int(piece.strip("<>")) for piece in plain["copy"]]  # drafts of it, every fifth wrong
     model = ScriptedModel(loop)
-    ahead, batcher = serve(model, [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT,
+    ahead, batcher = serve(model, [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT, ring_costs=NEVER_IDLE,
                            drafter=lambda job: Departing(job.prompt, answer, VOCAB, wrong=5))  # fmt: skip
     assert ahead == plain
     stats = batcher.speculation
@@ -417,7 +424,7 @@ def test_waves_in_flight_carry_a_copy_and_a_reject_ahead_leaves_no_trace_of_them
 
 def test_waves_behind_go_where_the_ring_is_measured_with_stages_to_overlap() -> None:
     """Drafts in flight as the engine loop prices them: none before the ring's stages are measured
-    (`behind_priced`), none on a ring of one stage (a wave behind only waits there for the one
+    (no `ring_costs`), none on a ring of one stage (a wave behind only waits there for the one
     ahead), and on three stages of one box whose trip is mostly wire the copy's waves go behind,
     every one kept; the text is decoding's without drafts each time."""
     prompt, loop = CYCLE_PROMPT, copying_cycle()
@@ -425,11 +432,8 @@ def test_waves_behind_go_where_the_ring_is_measured_with_stages_to_overlap() -> 
     plain, _ = serve(ScriptedModel(loop), [job], Speculate.OFF)
     one_stage = WaveCosts((StageWaveCost(5.0, 1.0),), (0,), 60.0)
     box = WaveCosts((StageWaveCost(5.0, 1.0),) * 3, (0, 0, 0), 60.0)
-    for costs, priced, behind in ((None, True, False), (one_stage, True, False), (box, True, True)):
-        texts, batcher = serve(
-            ScriptedModel(loop), [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT, ring_costs=costs,
-            behind_priced=priced,
-        )  # fmt: skip
+    for costs, behind in ((None, False), (one_stage, False), (box, True)):
+        texts, batcher = serve(ScriptedModel(loop), [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT, ring_costs=costs)
         assert texts == plain
         stats = batcher.speculation
         assert (stats.waves_behind > 3) is behind and stats.waves_stale == 0, (costs, stats)

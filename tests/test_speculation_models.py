@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from test_speculation import Departing
+from test_speculation import NEVER_IDLE, Departing
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
@@ -55,13 +55,14 @@ def drive(
     request in place of the n-gram one; `draft_model`: what `Speculate.DRAFT` drafts with;
     `waves`: waves of one sequence's drafts out at once (drafts in flight), launched and landed
     as the engine loop does, each timed for the cost rule as a trip of 100 ms and 1 ms a drafted
-    row, so that it sends waves behind."""
+    row, on a ring priced as never idling (`NEVER_IDLE`), so that it sends waves behind."""
     batcher = Batcher(
         SETTINGS.n_seq_max, 16, 256, engine.sampler, engine.piece, engine.is_end, engine.prefix_cut,
         speculate, engine.speculation_refused, engine.every_row_whole,
         make_drafter=draft_model.drafter if draft_model is not None else None,
         draft_together=draft_model.draft_many if draft_model is not None else None, draft_waves=waves,
     )  # fmt: skip
+    batcher.ring_costs = NEVER_IDLE
     for job in jobs:
         batcher.submit(job)
     texts = {job.request_id: "" for job in jobs}

@@ -248,7 +248,6 @@ class Batcher:
         make_drafter: Callable[[int, list[int], SamplingSettings], Drafter] | None = None,
         draft_together: Callable[[Sequence[tuple[Drafter, int]]], list[list[int]]] | None = None,
         draft_waves: int = 1,
-        behind_priced: bool = False,
     ) -> None:
         """`speculate`: what to draft with; `speculation_refused`: why the engine cannot check
         drafts (`Engine.speculation_refused`), None where it can; `every_row_whole`: whether it
@@ -261,8 +260,8 @@ class Batcher:
         tokens and settings (`DraftModel.drafter`), which `Speculate.DRAFT` needs; `draft_together`:
         its drafters' drafts for a wave at once (`DraftModel.draft_many`); `draft_waves`: how many
         waves of one sequence's drafts may be out at once (drafts in flight; 1: one, as on an
-        engine that runs a wave only as it lands); `behind_priced`: none goes behind until the
-        ring's measured costs (`ring_costs`) price it, as the engine loop sets them."""
+        engine that runs a wave only as it lands), none behind until the ring's measured costs
+        (`ring_costs`) price it."""
         if concurrency < 1 or batch_rows < concurrency:
             raise ValueError(f"a step of {batch_rows} rows cannot serve {concurrency} sequences")
         if prefill_chunks < 1:
@@ -273,10 +272,9 @@ class Batcher:
         # them, `LlamaModel.keeps_window_cells`, so a wave behind drafts takes none a reject
         # ahead of it needs again); not a recurrent state, which is never drafted.
         self.draft_waves = max(1, draft_waves) if prefix_cut is not PrefixCut.NOWHERE else 1
-        self.behind_priced = behind_priced
         # What the ring's stages and wire cost (planner/waves.py), from the stages' reports: what a
-        # wave behind may take of the ring unseen (`idle_behind_ms`). None: not measured, so its
-        # rows are priced as if the stages never idled (unless `behind_priced` holds them back).
+        # wave behind may take of the ring unseen (`idle_behind_ms`), as the engine loop sets them.
+        # None: not measured, so no wave goes behind.
         self.ring_costs: WaveCosts | None = None
         self._behind_steps: set[int] = set()  # the steps out that went behind a wave of their sequence (by id)
         self.last_wave_plain = True  # whether the wave landed last was one trip of its own: no wave behind, none stale
@@ -657,8 +655,8 @@ class Batcher:
         """The rows of a wave behind the sequence's waves out (drafts in flight), at most `rows`:
         the n-gram continuation past the guesses out, as many of its tokens as pay
         (`draft_cost.rows_behind`). None unless it has live waves out, fewer than `draft_waves`,
-        the first of them with drafts; none before the ring's rows are measured (and, with
-        `behind_priced`, its stages' costs), where the lookup no longer continues the guesses
+        the first of them with drafts; none before the ring's rows and its stages' costs
+        (`ring_costs`) are measured, where the lookup no longer continues the guesses
         out, or on a ring of one stage (`idle_behind_ms`: a wave behind would only wait there).
         The rows' time is priced less what the ring idles while the waves out travel: across
         homes most of a trip, on loopback none. Only n-gram drafts, whose guesses are free: a
@@ -678,16 +676,10 @@ class Batcher:
             sequence.job.max_tokens - len(sequence.generated) - (sequence.end - sequence.position),
             self.context - sequence.end - 1,
         )
-        if room <= 0:
+        if room <= 0 or self.ring_costs is None:
             return []
-        idle_ms: float | None = 0.0
-        if self.ring_costs is not None:
-            rows_out = [
-                len(step.tokens) for wave in self._waves for s, step, _ in wave if s is sequence and step.decode
-            ]
-            idle_ms = idle_behind_ms(self.ring_costs, rows_out)
-        elif self.behind_priced:
-            return []
+        rows_out = [len(step.tokens) for wave in self._waves for s, step, _ in wave if s is sequence and step.decode]
+        idle_ms = idle_behind_ms(self.ring_costs, rows_out)
         if idle_ms is None:
             return []
         continuation = drafter.draft(out + room)

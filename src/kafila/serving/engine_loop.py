@@ -134,7 +134,6 @@ class EngineLoop:
             make_drafter=draft_model.drafter if draft_model is not None else None,
             draft_together=self._draft_many if draft_model is not None else None,
             draft_waves=DRAFT_WAVES_OUT,  # each wave behind priced by the ring's measured idle (`ring_costs`)
-            behind_priced=True,
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
