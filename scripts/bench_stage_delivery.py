@@ -89,6 +89,49 @@ class Run:
     join_line_s: float  # from starting `kafila host` to its join line: its start, the header or the hash
     plan_s: float  # from starting `kafila host` to its plan: every member joined, verified and linked
     stage_seconds: dict[str, float]  # each member's stage, as /status says: fetched or received
+    timeline: Timeline
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Seconds from starting `kafila host` to each step of one session, read from each machine's
+    output as `timestamped` timed it: where the time beyond the limit went."""
+
+    join_line: float | None
+    plan: float | None
+    fetches: dict[str, tuple[float, float]]  # machine → its stage's fetch begun (laid out) and done
+    ready: float | None  # the host's ready line
+
+    @property
+    def last_byte(self) -> float | None:
+        return max((end for _, end in self.fetches.values()), default=None)
+
+
+def first_line_at(log: Path, marker: str) -> float | None:
+    """When `log` first holds a line with `marker`."""
+    for line in log.read_text().splitlines():
+        if marker in line:
+            return float(line.split()[0])
+    return None
+
+
+def fetch_span(log: Path) -> tuple[float, float] | None:
+    """When a machine's fetch of its stage from the hub began (its first progress line) and ended
+    (its "done in" line), where it fetched one."""
+    lines = [line for line in log.read_text().splitlines() if "fetching blocks" in line and " of " in line]
+    done = next((line for line in lines if "done in" in line), None)
+    if not lines or done is None:
+        return None
+    return float(lines[0].split()[0]), float(done.split()[0])
+
+
+def timeline_of(work: Path) -> Timeline:
+    host = work / "host.log"
+    spans = {name: fetch_span(work / ("host.log" if name == HOST else f"{name}.log")) for name in HOMES}
+    fetches = {name: span for name, span in spans.items() if span is not None}
+    return Timeline(
+        first_line_at(host, "session code"), first_line_at(host, "Plan — "), fetches, first_line_at(host, "ready: ")
+    )
 
 
 def stage_sizes(model: Path, status: dict[str, Any]) -> dict[str, tuple[tuple[int, int], int]]:
@@ -239,14 +282,14 @@ def session(
     stages = {name: (blocks, size, sources[name]) for name, (blocks, size) in stage_sizes(model.path, status).items()}
     hub_bytes = {name: after[name] - before[name] for name in HOMES}
     seconds = {m["name"]: m["stage_seconds"] for m in status["members"] if "stage_seconds" in m}
-    planned = next((line for line in log.read_text().splitlines() if "Plan — " in line), None)
-    plan_s = float(planned.split()[0]) if planned else float("nan")
+    timeline = timeline_of(work)
+    plan_s = timeline.plan if timeline.plan is not None else float("nan")
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
         for path in work.glob("*.log"):
             shutil.copy(path, logs / f"{model.name}-{delivery}-{path.name}")
     shutil.rmtree(work, ignore_errors=True)  # its stage files: the disk is shared
-    return Run(model.name, delivery, ready_s, serving_s, stages, hub_bytes, join_line_s, plan_s, seconds)
+    return Run(model.name, delivery, ready_s, serving_s, stages, hub_bytes, join_line_s, plan_s, seconds, timeline)
 
 
 def report(runs: list[Run]) -> None:
@@ -280,6 +323,33 @@ def report(runs: list[Run]) -> None:
                 f"| {size / 1e6:.0f} | {source} | {'—' if took is None else f'{took:.1f}'} "
                 f"| {run.hub_bytes.get(name, 0) / 1e6:.0f} |"
             )
+
+
+def report_timelines(runs: list[Run]) -> None:
+    """Each session's steps, from `kafila host` started: each fetch's span and rate, and what
+    follows the last byte."""
+
+    def at(seconds: float | None) -> str:
+        return "—" if seconds is None else f"{seconds:.2f}"
+
+    print(
+        "\n| model | delivery | join line | plan | fetches (s, MB/s) | last byte | ready | last byte → ready "
+        "| a first token |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        line = run.timeline
+        fetches = ", ".join(
+            f"{name} {start:.2f}-{end:.2f} ({run.stages[name][1] / 1e6 / max(end - start, 1e-9):.1f})"
+            for name, (start, end) in line.fetches.items()
+            if name in run.stages
+        )
+        last, ready = line.last_byte, line.ready
+        after = "—" if last is None or ready is None else f"{ready - last:.2f}"
+        print(
+            f"| {run.model} | {run.delivery} | {at(line.join_line)} | {at(line.plan)} | {fetches or '—'} "
+            f"| {at(last)} | {at(ready)} | {after} | {run.serving_s:.2f} |"
+        )
 
 
 def main() -> int:
@@ -348,6 +418,7 @@ def main() -> int:
                 hub.wait(timeout=30)
         print(f"load average after: {os.getloadavg()}\n")
         report(runs)
+        report_timelines(runs)
     return 0
 
 
