@@ -14,7 +14,7 @@ from test_speculation import NEVER_IDLE, Departing
 from test_split_correctness import N_BLOCKS, PROMPT, greedy_unsplit
 from tiny_models import SUPPORTED_TINY_ARCHS, write_tiny_model
 
-from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
+from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT, TripCost
 from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.engines import (
     Engine,
@@ -33,6 +33,8 @@ from kafila.runtime.gguf.manifest import read_manifest
 from kafila.runtime.gguf.slicer import cached_slices
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Batcher, Finished, Job, RequestFailed, TextDelta
+from kafila.serving.engine_loop import EngineLoop
+from kafila.serving.handle import ServingHandle
 
 SETTINGS = ContextSettings(n_ctx=512, n_batch=16, n_seq_max=2, n_threads=2)
 GREEDY = SamplingSettings(top_k=1)
@@ -332,5 +334,21 @@ def test_a_request_that_stops_among_its_drafts_leaves_a_slot_the_next_request_re
         expected = greedy_unsplit(model, second_prompt, 8)
         ends = next((i for i, t in enumerate(expected) if engine.is_end(t)), len(expected))
         assert second == engine.detokenize(expected[:ends])
+    finally:
+        engine.close()
+
+
+def test_the_status_shows_the_cost_rule_once_the_waves_have_measured_it(tmp_path: Path) -> None:
+    """/status's trip, fixed and row costs: None until the waves price them, then each as the
+    cost rule holds it, to a hundredth of a millisecond."""
+    model = write_tiny_model(tmp_path / "llama.gguf", "llama", n_blocks=N_BLOCKS["llama"])
+    engine = UnsplitEngine(model, SETTINGS)
+    try:
+        handle = ServingHandle.of(engine, EngineLoop(engine, 1, 16, 256), "llama")  # not started: nothing runs
+        status = handle.speculation
+        assert (status.trip_ms, status.fixed_ms, status.row_ms) == (None, None, None)
+        handle.loop.batcher.trip_clock.cost = TripCost(trip_ms=60.126, row_ms=1.454, fixed_ms=3.789)
+        status = handle.speculation
+        assert (status.trip_ms, status.fixed_ms, status.row_ms) == (60.13, 3.79, 1.45)
     finally:
         engine.close()

@@ -92,12 +92,14 @@ class ServingHandle:
         """Drafted and accepted tokens on this ring (`runtime.engine.speculation`)."""
         batcher = self.loop.batcher
         stats, cost = batcher.speculation, batcher.trip_clock.cost
+        trip_ms = row_ms = fixed_ms = None  # the cost rule's figures, once the waves have measured them
+        if cost is not None:
+            trip_ms, row_ms, fixed_ms = round(cost.trip_ms, 2), round(cost.row_ms, 2), round(cost.fixed_ms, 2)
         return SpeculationStatus(
             mode=self.loop.speculate.value, off=batcher.speculation_off, drafted_tokens=stats.drafted,
             accepted_tokens=stats.accepted, trips=stats.trips, accepted_per_trip=round(stats.accepted_per_trip, 3),
             mean_window=round(stats.mean_window, 3), waves_behind=stats.waves_behind, waves_stale=stats.waves_stale,
-            trip_ms=round(cost.trip_ms, 2) if cost else None, row_ms=round(cost.row_ms, 2) if cost else None,
-            fixed_ms=round(cost.fixed_ms, 2) if cost else None,
+            trip_ms=trip_ms, row_ms=row_ms, fixed_ms=fixed_ms,
             draft_ms=round(batcher.trip_clock.draft_ms, 3) if batcher.trip_clock.drafts else None,
         )  # fmt: skip
 
