@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
+from edit_workload import edit_prompt
 from lab_session import DIRECT, HOMES, RELAYED, LabSession, benchmark_gemma, lab_session
 from natlab_wan import WanLink
 
@@ -103,17 +104,9 @@ def measure(session: LabSession, rtt_ms: float, tokens: int, repeats: int) -> di
 # tokens (so the host serves 4,096 a sequence), asked back with one identifier renamed, as a
 # document to continue (gemma-3-270m is a base model). Chat is free text, sampled (seeded, so the
 # same text each way), whose drafts are mostly missed, the case the cost rule must keep from
-# losing; and the same greedy, where this small model falls into loops that drafts catch.
-EDIT_FILE = Path(__file__).resolve().parent / "bench_data" / "inventory.py.txt"
+# losing; and the same greedy, where this small model falls into loops that drafts catch. The
+# edit's prompt is `edit_workload.edit_prompt` (tests/helpers), which the tests check speculation on.
 SPECULATION_CONTEXT = 4096
-
-
-def edit_prompt(lines: int | None) -> str:
-    source = "".join(EDIT_FILE.read_text().splitlines(keepends=True)[:lines])
-    return (
-        f"inventory.py:\n\n```python\n{source}```\n\nThe same file, with the variable `warehouse` renamed to "
-        "`store` everywhere:\n\n```python\n"
-    )
 
 
 CHAT = "The old lighthouse keeper had lived alone on the island for thirty years. Every evening he"

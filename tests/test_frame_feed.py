@@ -115,7 +115,7 @@ class EchoStage:
 
     name, hidden, first_block, n_layers = "echo stage", 64, 0, 1
 
-    def forward(self, steps: Sequence[StepInput], decode: bool = True) -> list[Any]:
+    def forward(self, steps: Sequence[StepInput], decode: bool = True, row_by_row: Any = None) -> list[Any]:
         return [step.states for step in steps]
 
 

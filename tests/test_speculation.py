@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.planner.waves import StageWaveCost, WaveCosts
+from kafila.planner.waves import StageWaveCost, WaveCosts, idle_behind_ms
 from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, StepResult
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -30,9 +30,9 @@ from kafila.runtime.engine.speculation import (
     SpeculationStats,
     draft_shares,
 )
-from kafila.runtime.engine.stage import _decodes
+from kafila.runtime.engine.stage import StageTimer, _decodes, _outputs, _rows
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, TextDelta
-from kafila.wire.frames import DType, Frame, FrameDecoder, FrameError, Kind
+from kafila.wire.frames import ROW_BY_ROW_FLAG, DType, Frame, FrameDecoder, FrameError, Kind
 
 # --- n-gram drafts -------------------------------------------------------------------------
 
@@ -499,6 +499,97 @@ def test_a_step_whose_rows_all_want_logits_sits_in_one_decode_and_others_fill_de
             assert len(holding) == 1, index
         for i in holding[:-1]:
             assert sum(piece.states.shape[0] for piece in decodes[i]) == limit or wanted_in[i] == outputs, (index, i)
+
+
+@settings(max_examples=200)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    limit=st.integers(MAX_DRAFT + 1, 32),
+    outputs=st.integers(1, 20),
+    marks=st.lists(st.sampled_from(["plain", "every row", "row by row"]), min_size=8, max_size=8),
+)
+def test_a_greedy_token_and_its_drafts_go_one_row_a_decode_and_their_logits_are_gathered_in_order(
+    lengths: list[int], limit: int, outputs: int, marks: list[str]
+) -> None:
+    """A step marked row by row (a greedy request's token and drafts) never has two rows in one
+    decode; its row i goes in the decode after its row i - 1, beside row i of the others so
+    marked (one row a sequence, as a wave without drafts goes), so k + 1 rows cost k + 1 decodes
+    however many sequences draft. Every row still goes into exactly one decode, within the batch
+    and the head's rows of logits, and the rows that ask for logits, gathered across decodes,
+    are each every-row step's rows in order and each other step's last."""
+    marked = [mark for mark, n in zip(marks, lengths, strict=False)]
+    every_row = [mark != "plain" and n <= min(MAX_DRAFT + 1, outputs) for mark, n in zip(marked, lengths, strict=True)]
+    row_by_row = [mark == "row by row" and wants for mark, wants in zip(marked, every_row, strict=True)]
+    steps = [Rows(i, 100 * i, np.zeros((n, 1), dtype=np.float32)) for i, n in enumerate(lengths)]
+    decodes = _decodes(steps, limit, max_ends=outputs, every_row=every_row, row_by_row=row_by_row)
+    seen: dict[int, list[int]] = {}
+    gathered: dict[int, list[int]] = {}
+    for decode in decodes:
+        assert sum(piece.states.shape[0] for piece in decode) <= limit
+        flags, owners = _outputs(decode, None, every_row)
+        assert sum(flags) <= outputs and [row for row, _ in owners] == [i for i, f in enumerate(flags) if f]
+        _, positions, _ = _rows(decode)
+        for row, step in owners:
+            gathered.setdefault(step, []).append(positions[row])
+        for piece in decode:
+            seen.setdefault(piece.step, []).extend(range(piece.position, piece.position + piece.states.shape[0]))
+        split = [piece.step for piece in decode if row_by_row[piece.step]]
+        assert len(split) == len(set(split)) and all(p.states.shape[0] == 1 for p in decode if row_by_row[p.step])
+    assert seen == {i: list(range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)}
+    wanted = {
+        i: list(range(100 * i, 100 * i + n)) if every_row[i] else [100 * i + n - 1] for i, n in enumerate(lengths)
+    }
+    assert gathered == wanted
+    longest = max((n for n, split in zip(lengths, row_by_row, strict=True) if split), default=0)
+    holding = [d for d in decodes if any(row_by_row[piece.step] for piece in d)]
+    if sum(row_by_row) <= min(limit, outputs):  # each round fits one decode
+        assert len(holding) == longest
+
+
+def test_a_step_one_row_a_decode_must_be_its_sequence_s_only_step_in_the_batch() -> None:
+    steps = [Rows(3, 10, np.zeros((3, 1), dtype=np.float32)), Rows(3, 13, np.zeros((2, 1), dtype=np.float32))]
+    with pytest.raises(ValueError, match="another step of its sequence"):
+        _decodes(steps, 16, row_by_row=[True, False])
+    assert len(_decodes(steps, 16, row_by_row=[False, False])) == 1
+
+
+def test_a_stage_counts_a_forward_one_row_a_decode_as_decodes_of_one_row() -> None:
+    """A greedy token and four drafts at a stage: five decodes of a row, priced as such
+    (`decode_ms_by_rows`, the time of a row alone), not one decode of five."""
+    timer = StageTimer()
+    timer.add_decodes(True, [(1, 0.004)] * 5)
+    assert timer.decode_ms_by_rows == [(1, pytest.approx(4.0))] and timer.ms_per_token_alone == pytest.approx(4.0)
+    assert timer.decode_rows == 5 and timer.rows == 5 and timer.prefill_ms_per_token is None
+
+
+def test_a_greedy_wave_behind_is_priced_one_row_a_decode() -> None:
+    """Drafts in flight behind a greedy wave of five rows out: at each stage five decodes of a row
+    (5 · (a + p)), not one of five (a + 5p), so the ring idles less while it travels."""
+    stages = (StageWaveCost(5.0, 1.0), StageWaveCost(5.0, 1.0), StageWaveCost(8.0, 4.0))
+    box = WaveCosts(stages, (0, 0, 0), 60.0)
+    assert box.trip_ms(5, row_by_row=True) == pytest.approx(5 * 24.0 + 60.0)
+    assert idle_behind_ms(box, [5]) == pytest.approx(60.0)  # a + 5p at each stage: 48 ms of work
+    assert idle_behind_ms(box, [5], row_by_row=True) == pytest.approx(60.0)  # its trip grows as its work
+    apart = WaveCosts(stages, (0, 1, 2), 0.0)
+    assert idle_behind_ms(apart, [5], row_by_row=True) == pytest.approx(5 * 24.0 - 5 * 12.0)
+
+
+def test_a_verify_frame_says_whether_it_goes_one_row_a_decode_and_no_other_kind_may() -> None:
+    rows = np.arange(6, dtype=np.float32).reshape(3, 2)
+    for row_by_row in (False, True):
+        sent = Frame.of_hidden(Kind.VERIFY, 5, 40, rows, top=1, logprobs=2, row_by_row=row_by_row)
+        (back,) = FrameDecoder().feed(sent.encode())
+        assert back == sent and back.row_by_row is row_by_row and back.logprobs == 2
+    with pytest.raises(ValueError, match="only VERIFY"):
+        Frame.of_hidden(Kind.DECODE, 5, 40, rows, row_by_row=True)
+    decode = Frame.of_hidden(Kind.DECODE, 5, 40, rows)
+    header = bytearray(decode.encode())
+    header[5] |= ROW_BY_ROW_FLAG  # the flags byte
+    with pytest.raises(FrameError, match="only VERIFY frames carry it"):
+        FrameDecoder().feed(bytes(header))
+    header[5] = 0x20  # a bit no frame carries
+    with pytest.raises(FrameError, match="frame flags"):
+        FrameDecoder().feed(bytes(header))
 
 
 # --- a head on a member's answer to a token and its drafts -----------------------------------

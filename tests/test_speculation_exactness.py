@@ -89,8 +89,8 @@ def test_a_ring_s_drafted_waves_give_llama_cpp_s_logits_for_the_same_decodes(
     """Two requests at once on a two-stage ring (the block stage in its own process), with drafts
     of greedy decoding's answer of which every third is wrong: every logit the ring returned, for
     every row of every wave, equals what the whole model on one llama.cpp context gives for the
-    same decodes and cuts, bit for bit. Where greedy text parts with drafts, it is the rows'
-    grouping into decodes that moved a near-tie, not a cut, a position or a row mixed up."""
+    same decodes and cuts, bit for bit (greedy: each drafted step one row a decode at both
+    stages), so no cut, position or row is mixed up."""
     model, ring = cut_in_two(arch, tmp_path)
     assert isinstance(ring, RingEngine) and ring.head is not None
     # The head times decodes of single rows together against one by one and takes the cheaper

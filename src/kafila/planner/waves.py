@@ -55,7 +55,11 @@ class StageWaveCost:
         if not (self.step_ms >= 0 and self.row_ms >= 0 and math.isfinite(self.step_ms + self.row_ms)):
             raise ValueError(f"a stage's decode costs are finite and never negative, not {self}")
 
-    def wave_ms(self, rows: int) -> float:
+    def wave_ms(self, rows: int, row_by_row: bool = False) -> float:
+        """A decode of `rows` rows; `row_by_row`, `rows` decodes of one (a greedy request's token
+        and drafts, which every stage decodes one row a decode: `stage._decodes`)."""
+        if row_by_row:
+            return rows * (self.step_ms + self.row_ms)
         return self.step_ms + rows * self.row_ms
 
 
@@ -78,9 +82,9 @@ class WaveCosts:
         if not (self.host_ms >= 0 and math.isfinite(self.host_ms)):
             raise ValueError(f"the host's work a wave is finite and never negative, not {self.host_ms}")
 
-    def trip_ms(self, rows: int) -> float:
-        """C(r): one wave of `rows` round the ring."""
-        return sum(stage.wave_ms(rows) for stage in self.stages) + self.ring_ms
+    def trip_ms(self, rows: int, row_by_row: bool = False) -> float:
+        """C(r): one wave of `rows` round the ring (`row_by_row`: one row a decode at each stage)."""
+        return sum(stage.wave_ms(rows, row_by_row) for stage in self.stages) + self.ring_ms
 
     def period_ms(self, rows: int, waves: int) -> float:
         """P(W): how often each of `waves` waves, `rows` rows in all, comes back."""
@@ -113,11 +117,13 @@ class WaveCosts:
         return max(0.0, (observed_ms - busy.get(self.host_machine, 0.0)) / waves)
 
 
-def idle_behind_ms(costs: WaveCosts, rows_out: Sequence[int]) -> float | None:
+def idle_behind_ms(costs: WaveCosts, rows_out: Sequence[int], row_by_row: bool = False) -> float | None:
     """What a wave sent behind a sequence's waves out (drafts in flight) may take of the ring
     without delaying them: while the oldest of them (`rows_out`, oldest first, each a wave's rows)
     travels, C(rows_out[0]), the busiest machine works its stages' part of every wave out (and,
-    at the serving host's, o a wave); the rest of the trip that machine idles, at least 0. The
+    at the serving host's, o a wave); the rest of the trip that machine idles, at least 0. A
+    greedy request's waves go one row a decode at every stage (`row_by_row`): a wave of r rows
+    is r decodes of one there, in its trip and in each machine's work. The
     wire's time counts as idle, on one machine too: a PING round's work at each hop is a small
     frame's, next to a decode's, so a ring of one box at 40 ms a hop idles ~60 of ~85 ms, and on
     loopback (0 ms) about nothing. None with no wave out, or on a ring of one stage, where a wave
@@ -128,10 +134,10 @@ def idle_behind_ms(costs: WaveCosts, rows_out: Sequence[int]) -> float | None:
         return None
     work = dict.fromkeys(costs.machines, 0.0)
     for stage, machine in zip(costs.stages, costs.machines, strict=True):
-        work[machine] += sum(stage.wave_ms(rows) for rows in rows_out)
+        work[machine] += sum(stage.wave_ms(rows, row_by_row) for rows in rows_out)
     if costs.host_machine in work:
         work[costs.host_machine] += len(rows_out) * costs.host_ms
-    return max(0.0, costs.trip_ms(rows_out[0]) - max(work.values()))
+    return max(0.0, costs.trip_ms(rows_out[0], row_by_row) - max(work.values()))
 
 
 def decode_waves(rows: int, costs: WaveCosts | None, current: int) -> int:

@@ -226,6 +226,16 @@ def _asked(job: Job) -> int:
     return NO_LOGPROBS if job.logprobs is None else job.logprobs
 
 
+def _row_by_row(job: Job) -> bool:
+    """Whether a request's drafted rows go one row a decode at every stage (`EngineStep.row_by_row`):
+    where its sampler picks a token as a function of the row (temperature 0, penalties and
+    grammars included), so that its text is exactly the one decoding without drafts gives, where
+    llama.cpp's product of several rows rounds otherwise than its product of one. A sampled
+    request's rule is a distribution, which rounding does not break: its rows go together, one
+    decode for k + 1 rows where a GPU takes them in about the time of one."""
+    return job.sampling.temperature == 0.0
+
+
 def _job_of(waiting: Job | Suspended) -> Job:
     return waiting.job if isinstance(waiting, Suspended) else waiting
 
@@ -510,6 +520,7 @@ class Batcher:
             step = EngineStep(
                 sequence.slot, sequence.position, [token, *drafted], decode=True, top=top,
                 logprobs=_asked(sequence.job), every_row=bool(drafted),
+                row_by_row=bool(drafted) and _row_by_row(sequence.job),
             )  # fmt: skip
             planned.append((sequence, step, True))
             budget -= len(drafted)
@@ -519,7 +530,7 @@ class Batcher:
             if guesses:
                 step = EngineStep(
                     sequence.slot, sequence.end, guesses, decode=True, top=sequence.job.sampling.top_logits,
-                    logprobs=_asked(sequence.job), every_row=True,
+                    logprobs=_asked(sequence.job), every_row=True, row_by_row=_row_by_row(sequence.job),
                 )  # fmt: skip
                 planned.append((sequence, step, True))
                 self._behind_steps.add(id(step))
@@ -679,7 +690,7 @@ class Batcher:
         if room <= 0 or self.ring_costs is None:
             return []
         rows_out = [len(step.tokens) for wave in self._waves for s, step, _ in wave if s is sequence and step.decode]
-        idle_ms = idle_behind_ms(self.ring_costs, rows_out)
+        idle_ms = idle_behind_ms(self.ring_costs, rows_out, _row_by_row(sequence.job))
         if idle_ms is None:
             return []
         continuation = drafter.draft(out + room)

@@ -31,6 +31,11 @@ SAMPLE_ON_HEAD = MAX_TOP
 # entries (k int32 ids, then k f32 logits), so the host can normalise what it samples from.
 LOGPROBS_FLAG = 0x80
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's top_logprobs; completions allow 5
+# On VERIFY frames only, beside those bits: every stage decodes the frame's rows one row a
+# decode, as a greedy request's rows go without drafts, so that its text is exactly theirs
+# (llama.cpp's product of several columns rounds otherwise than its product of one). A peer from
+# before it refuses the bit as an unknown flag (FrameError).
+ROW_BY_ROW_FLAG = 0x40
 NO_LOGPROBS = -1
 MAX_SAMPLER_START_BYTES = 1 << 23  # a SAMPLER frame's JSON: the settings and a prompt of ~10^6 token ids
 MAX_PAYLOAD = 1 << 28  # 256 MiB: a 4096-token prefill chunk of a hidden-16384 model in f32
@@ -118,6 +123,8 @@ class Frame:
     # On PREFILL/DECODE and LOGITS frames: how many alternatives per token a request's log
     # probabilities carry (0..MAX_TOP_LOGPROBS), or NO_LOGPROBS; travels in the header's flags.
     logprobs: int = NO_LOGPROBS
+    # On VERIFY frames: decode the rows one row a decode at every stage (ROW_BY_ROW_FLAG).
+    row_by_row: bool = False
 
     @property
     def wire_bytes(self) -> int:
@@ -131,7 +138,7 @@ class Frame:
             VERSION,
             self.kind,
             self.dtype,
-            0 if self.logprobs < 0 else LOGPROBS_FLAG | self.logprobs,
+            (0 if self.logprobs < 0 else LOGPROBS_FLAG | self.logprobs) | (ROW_BY_ROW_FLAG if self.row_by_row else 0),
             self.top,
             self.sequence_id,
             self.position,
@@ -153,15 +160,19 @@ class Frame:
         dtype: DType = DType.F32,
         top: int = 0,
         logprobs: int = NO_LOGPROBS,
+        row_by_row: bool = False,
     ) -> Frame:
         rows = np.ascontiguousarray(states, dtype=_NUMPY[dtype])
         if rows.ndim != 2:
             raise ValueError("hidden states must be a (tokens, hidden) matrix")
+        if row_by_row and kind is not Kind.VERIFY:
+            raise ValueError(f"a {kind.name} frame decoded row by row: only VERIFY frames are")
         if not 0 <= top <= MAX_TOP:
             raise ValueError(f"top {top} is outside 0..{MAX_TOP}")
         if not NO_LOGPROBS <= logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs {logprobs} is outside {NO_LOGPROBS}..{MAX_TOP_LOGPROBS}")
-        return cls(kind, sequence_id, position, rows.shape[0], rows.shape[1], dtype, rows.tobytes(), top, logprobs)
+        shape = rows.shape
+        return cls(kind, sequence_id, position, shape[0], shape[1], dtype, rows.tobytes(), top, logprobs, row_by_row)
 
     @classmethod
     def of_logits(cls, sequence_id: int, position: int, logits: npt.NDArray[np.floating], top: int = 0) -> Frame:
@@ -288,12 +299,28 @@ def top_ids(row: npt.NDArray[np.floating], k: int) -> npt.NDArray[np.intp]:
 
 
 def logprobs_of_flags(flags: int) -> int:
-    """The alternatives a header's flags ask for, or NO_LOGPROBS; FrameError on any other bits."""
+    """The alternatives a header's flags ask for, or NO_LOGPROBS; FrameError on any other bits
+    (ROW_BY_ROW_FLAG aside: `row_by_row_of_flags`)."""
+    flags &= ~ROW_BY_ROW_FLAG
     if flags == 0:
         return NO_LOGPROBS
     if flags & LOGPROBS_FLAG and (flags & ~LOGPROBS_FLAG) <= MAX_TOP_LOGPROBS:
         return flags & ~LOGPROBS_FLAG
-    raise FrameError(f"frame flags {flags:#04x}: only log probabilities with at most {MAX_TOP_LOGPROBS} alternatives")
+    raise FrameError(
+        f"frame flags {flags:#04x}: only log probabilities with at most {MAX_TOP_LOGPROBS} alternatives, "
+        f"and {ROW_BY_ROW_FLAG:#04x} on a VERIFY frame"
+    )
+
+
+def row_by_row_of_flags(kind: Kind, flags: int) -> bool:
+    """Whether a header's flags ask every stage to decode the rows one row a decode; FrameError
+    where a frame of any kind but VERIFY does."""
+    row_by_row = bool(flags & ROW_BY_ROW_FLAG)
+    if row_by_row and kind is not Kind.VERIFY:
+        raise FrameError(
+            f"a {kind.name} frame with flag {ROW_BY_ROW_FLAG:#04x} (row by row): only VERIFY frames carry it"
+        )
+    return row_by_row
 
 
 def _validate(
@@ -366,7 +393,8 @@ class FrameDecoder:
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._broken: FrameError | None = None
-        self._header: tuple[Kind, DType, int, int, int, int, int, int, int] | None = None  # of the frame in progress
+        # Of the frame in progress: kind, dtype, sequence, position, rows, hidden, length, top, logprobs, row by row.
+        self._header: tuple[Kind, DType, int, int, int, int, int, int, int, bool] | None = None
         self._need = HEADER_SIZE  # bytes the buffer must hold before there is anything to decode
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
@@ -385,15 +413,16 @@ class FrameDecoder:
                         raise FrameError(f"frame version {version}; this peer speaks version {VERSION}")
                     logprobs = logprobs_of_flags(flags)
                     kind_, dtype_ = _validate(kind, dtype, seq, n, hidden, length, top, logprobs)
-                    self._header = (kind_, dtype_, seq, pos, n, hidden, length, top, logprobs)
+                    row_by_row = row_by_row_of_flags(kind_, flags)
+                    self._header = (kind_, dtype_, seq, pos, n, hidden, length, top, logprobs, row_by_row)
                     self._need = HEADER_SIZE + length
                     continue
-                kind_, dtype_, seq, pos, n, hidden, length, top, logprobs = self._header
+                kind_, dtype_, seq, pos, n, hidden, length, top, logprobs, row_by_row = self._header
                 with memoryview(self._buffer) as view:
                     payload = bytes(view[HEADER_SIZE : self._need])
                 del self._buffer[: self._need]
                 self._header, self._need = None, HEADER_SIZE
-                frames.append(Frame(kind_, seq, pos, n, hidden, dtype_, payload, top, logprobs))
+                frames.append(Frame(kind_, seq, pos, n, hidden, dtype_, payload, top, logprobs, row_by_row))
         except FrameError as error:
             self._broken = error
             raise

@@ -112,6 +112,10 @@ class EngineStep:
     # host can check every draft in this one trip (`EveryRowLogits`). Only where the engine can
     # (`Engine.speculation_refused` is None).
     every_row: bool = False
+    # An `every_row` step of a greedy request: decoded one row a decode at every stage, so its
+    # tokens are exactly those decoding without drafts gives (`stage._decodes`); a sampled
+    # request's rows go together, in one decode where they fit.
+    row_by_row: bool = False
 
 
 Logits = npt.NDArray[np.float32]
@@ -334,7 +338,8 @@ class UnsplitEngine(_Vocabulary):
         decode = all(s.decode for s in steps)
         token_steps = [TokenStep(s.sequence_id, s.position, s.tokens) for s in steps]
         every_row = [s.every_row for s in steps]
-        rows = self.model.forward_steps(token_steps, decode, [s.logits for s in steps], every_row)
+        row_by_row = [s.row_by_row for s in steps]
+        rows = self.model.forward_steps(token_steps, decode, [s.logits for s in steps], every_row, row_by_row)
         return [_answer(step, row) for step, row in zip(steps, rows, strict=True)]
 
     def forget(self, sequence_id: int, keep: int = 0) -> None:
@@ -440,6 +445,7 @@ class RingEngine(_Vocabulary):
                 self._dtype,
                 self._top(s),
                 s.logprobs if s.logits else NO_LOGPROBS,
+                s.every_row and s.row_by_row,
             )
             for s in steps
         )
@@ -516,7 +522,8 @@ class RingEngine(_Vocabulary):
             decode = all(steps[i].decode for i in indices)
             wanted = [steps[i].logits for i in indices]
             every_row = [steps[i].every_row for i in indices]
-            rows = local_head.forward([inputs[i] for i in indices], decode, wanted, every_row)
+            row_by_row = [steps[i].row_by_row for i in indices]
+            rows = local_head.forward([inputs[i] for i in indices], decode, wanted, every_row, row_by_row)
             return [_answer(steps[i], row) for i, row in zip(indices, rows, strict=True)]
 
         head_range = f"the head (blocks {self._head_range[0]}-{self._head_range[1] - 1})"

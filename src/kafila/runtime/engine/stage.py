@@ -186,6 +186,15 @@ class StageTimer:
                 if len(self.sized_recent) > MAX_REPORTED_ROW_COUNTS:
                     del self.sized_recent[next(iter(self.sized_recent))]
 
+    def add_decodes(self, decode: bool, timings: Sequence[tuple[int, float]]) -> None:
+        """A forward run as the decodes in `timings` (rows, seconds), each counted
+        as a decode of its own rows: one holding a step decoded a row a decode (`_decodes`'
+        `row_by_row`), where a greedy token and k drafts are k + 1 decodes of a row at every stage,
+        which the figures that price drafts (`decode_ms_by_rows`, planner.waves) must show. Any
+        other forward counts as one decode of its rows (`add`), as the planner prices a wave."""
+        for rows, seconds in timings:
+            self.add(seconds, rows, decode)
+
     @property
     def ms_per_token(self) -> float | None:
         return 1e3 * self.decode_seconds / self.decode_rows if self.decode_rows else None
@@ -256,6 +265,7 @@ def _decodes(
     one_sequence_each: bool = False,
     max_ends: int | None = None,
     every_row: Sequence[bool] | None = None,
+    row_by_row: Sequence[bool] | None = None,
 ) -> list[list[_Piece]]:
     """Group steps into decodes of at most `limit` rows; a long prompt spans several. With
     `one_sequence_each`, no decode holds rows of two steps; with `max_ends`, no decode holds the
@@ -266,7 +276,14 @@ def _decodes(
     among them. A cut back into the first part then needs the positions before it, whose cells a
     window's cache would give the second part once they left the window of the drafts before it;
     but every windowed cache's cells also belong to a keeper (`LlamaModel.keeps_window_cells`),
-    and one without (that keeps a recurrent state too) never drafts, so is never cut back."""
+    and one without (that keeps a recurrent state too) never drafts, so is never cut back.
+
+    A step marked in `row_by_row` (a greedy request's token and its drafts) goes one row a
+    decode: no decode holds two of its rows, so each row is computed by the kernels that compute
+    it without drafts, where llama.cpp's product of several columns rounds otherwise than its
+    product of one, and a near-tie would part the greedy text (`_row_rounds`)."""
+    if row_by_row is not None and any(row_by_row):
+        return _row_rounds(steps, limit, one_sequence_each, max_ends, every_row, row_by_row)
     if one_sequence_each:
         alone = (_decodes([step], limit) for step in steps)
         return [[replace(piece, step=index) for piece in d] for index, ds in enumerate(alone) for d in ds]
@@ -299,9 +316,58 @@ def _decodes(
     return [d for d in decodes if d]
 
 
+def _row_rounds(
+    steps: Sequence[_Rows],
+    limit: int,
+    one_sequence_each: bool,
+    max_ends: int | None,
+    every_row: Sequence[bool] | None,
+    row_by_row: Sequence[bool],
+) -> list[list[_Piece]]:
+    """`_decodes` where some steps go one row a decode: the other steps grouped as ever, then
+    round i holding row i of every row-by-row step (one row a sequence, as a wave of several
+    sequences without drafts holds: a greedy text is exact as far as decoding without drafts is,
+    and k drafts cost k + 1 decodes, not k + 1 per sequence), its first round joining the last
+    of the others' decodes where it fits. Each round's row counts as an end (it may ask for
+    logits); a round larger than a decode allows goes in parts. A row-by-row step must be its
+    sequence's only step in the batch (a wave holds one step of a sequence)."""
+    split = [index for index, marked in enumerate(row_by_row) if marked]
+    others = [index for index, marked in enumerate(row_by_row) if not marked]
+    split_sequences = {steps[index].sequence_id for index in split}
+    if len(split_sequences) < len(split) or any(steps[index].sequence_id in split_sequences for index in others):
+        raise ValueError("a step decoded one row a decode shares its batch with another step of its sequence")
+    wants = None if every_row is None else [every_row[index] for index in others]
+    grouped = _decodes([steps[index] for index in others], limit, one_sequence_each, max_ends, wants)
+    decodes = [[replace(piece, step=others[piece.step]) for piece in d] for d in grouped]
+    width = 1 if one_sequence_each else min(limit, max_ends or limit)
+    for row in range(max(steps[index].states.shape[0] for index in split)):
+        pieces = [
+            _Piece(step.sequence_id, step.position + row, step.states[row : row + 1], row + 1 == n, index)
+            for index, step, n in ((i, steps[i], steps[i].states.shape[0]) for i in split)
+            if row < n
+        ]
+        last = decodes[-1] if decodes and row == 0 and not one_sequence_each else None
+        if last is not None:
+            used = sum(piece.states.shape[0] for piece in last)
+            ended = sum(
+                piece.states.shape[0] if every_row is not None and every_row[piece.step] else piece.ends_step
+                for piece in last
+            )
+            if used + len(pieces) <= limit and (max_ends is None or ended + len(pieces) <= max_ends):
+                last += pieces
+                continue
+        decodes += [pieces[start : start + width] for start in range(0, len(pieces), width)]
+    return decodes
+
+
 def head_outputs(settings: ContextSettings) -> int:
     """Rows of logits a head's decode may return: one per sequence, and the drafted rows of a wave."""
     return settings.n_seq_max + DRAFT_ROWS_PER_WAVE
+
+
+def _bounds(pieces: Sequence[_Piece]) -> list[int]:
+    """Where each piece's rows start in its decode, and where the last ends."""
+    return [0, *itertools.accumulate(piece.states.shape[0] for piece in pieces)]
 
 
 def _rows(pieces: Sequence[_Piece]) -> tuple[list[int], list[int], npt.NDArray[Any]]:
@@ -315,6 +381,27 @@ def _rows(pieces: Sequence[_Piece]) -> tuple[list[int], list[int], npt.NDArray[A
     return sequences, positions, states
 
 
+def _outputs(
+    pieces: Sequence[_Piece], wanted: Sequence[bool] | None, every_row: Sequence[bool] | None
+) -> tuple[list[bool], list[tuple[int, int]]]:
+    """A decode's rows that ask for logits, and whose they are: (row in the decode, step) pairs
+    in row order. The last row of each wanted step ending here, and every row of a step marked in
+    `every_row`, which may span several decodes (one row a decode: `_row_rounds`), so its rows are
+    gathered across them in order."""
+    outputs = [False] * sum(piece.states.shape[0] for piece in pieces)
+    owners: list[tuple[int, int]] = []
+    end = 0
+    for piece in pieces:
+        first, end = end, end + piece.states.shape[0]
+        if every_row is not None and every_row[piece.step]:
+            outputs[first:end] = [True] * (end - first)
+            owners += [(row, piece.step) for row in range(first, end)]
+        elif piece.ends_step and (wanted is None or wanted[piece.step]):
+            outputs[end - 1] = True
+            owners.append((end - 1, piece.step))
+    return outputs, owners
+
+
 def _logits_of_steps(
     model: LlamaModel,
     steps: Sequence[_Rows],
@@ -322,40 +409,40 @@ def _logits_of_steps(
     as_tokens: bool,
     every_row: Sequence[bool] | None = None,
     one_by_one: bool = False,
+    row_by_row: Sequence[bool] | None = None,
+    timings: list[tuple[int, float]] | None = None,
 ) -> list[npt.NDArray[np.float32] | None]:
-    """Run the steps in as few decodes as the batch allows (with `one_by_one`, a decode each);
-    logits after each wanted step's last row, or, for a step marked in `every_row`, after each of
-    its rows (a matrix, row by row)."""
+    """Run the steps in as few decodes as the batch allows (with `one_by_one`, a decode each; a
+    step marked in `row_by_row`, a decode a row: `_decodes`); logits after each wanted step's
+    last row, or, for a step marked in `every_row`, after each of its rows (a matrix, row by
+    row). `timings` gets each decode's rows and seconds."""
     out: list[npt.NDArray[np.float32] | None] = [None] * len(steps)
+    gathered: dict[int, list[npt.NDArray[np.float32]]] = {}  # every_row steps' rows so far
     starts = {s.sequence_id: model.next_position(s.sequence_id) for s in steps}
     completed: set[int] = set()
     try:
         max_ends = 1 if one_by_one else model.settings.max_outputs
-        for pieces in _decodes(steps, model.settings.n_batch, max_ends=max_ends, every_row=every_row):
+        decodes = _decodes(steps, model.settings.n_batch, max_ends=max_ends, every_row=every_row, row_by_row=row_by_row)
+        for pieces in decodes:
+            started = time.perf_counter()
             sequences, positions, rows = _rows(pieces)
-            outputs = [False] * len(sequences)
-            owners: dict[int, int] = {}
-            all_rows: dict[int, range] = {}
-            end = 0
-            for piece in pieces:
-                first, end = end, end + piece.states.shape[0]
-                if every_row is not None and every_row[piece.step]:
-                    outputs[first:end] = [True] * (end - first)
-                    all_rows[piece.step] = range(first, end)
-                elif piece.ends_step and (wanted is None or wanted[piece.step]):
-                    outputs[end - 1] = True
-                    owners[end - 1] = piece.step
+            outputs, owners = _outputs(pieces, wanted, every_row)
             if as_tokens:
                 model.decode(sequences, positions, outputs, tokens=[int(t) for t in rows[:, 0]])
             else:
                 model.decode(sequences, positions, outputs, states=rows)
             completed.update(sequences)
-            for row, step in owners.items():
-                out[step] = model.logits(row)
-            for step, span in all_rows.items():
-                out[step] = np.stack([model.logits(row) for row in span])
+            for row, step in owners:
+                if every_row is not None and every_row[step]:
+                    gathered.setdefault(step, []).append(model.logits(row))
+                else:
+                    out[step] = model.logits(row)
+            if timings is not None:
+                timings.append((len(sequences), time.perf_counter() - started))
     except Exception as error:
         raise _undo(model, starts, completed, error) from error
+    for step, logits in gathered.items():
+        out[step] = np.stack(logits)
     return out
 
 
@@ -447,8 +534,11 @@ class BlockStage:
         self.name = f"the stage holding blocks {self.first_block}-{self.first_block + n_layers - 1}"
         self._next_position: dict[int, int] = {}  # per sequence: where its next rows must start
 
-    def forward(self, steps: Sequence[StepInput], decode: bool = False) -> list[FloatRows]:
-        """Hidden states after this stage's last block, one matrix per step.
+    def forward(
+        self, steps: Sequence[StepInput], decode: bool = False, row_by_row: Sequence[bool] | None = None
+    ) -> list[FloatRows]:
+        """Hidden states after this stage's last block, one matrix per step; a step marked in
+        `row_by_row` (a greedy request's token and drafts) decoded a row a decode (`_decodes`).
 
         Each sequence's rows must continue where its last ones ended (from 0 after `forget`):
         llama.cpp would take a gap or a repeat silently and corrupt that sequence's cache, so a
@@ -457,29 +547,36 @@ class BlockStage:
         """
         following = _following_positions(self.model, self._next_position, steps)
         started = time.perf_counter()
-        rows = []
+        pieces_out: list[list[FloatRows]] = [[] for _ in steps]  # each step's rows, decode by decode
+        timings: list[tuple[int, float]] = []
         completed: set[int] = set()
         # The capture reads one graph per decode; where blocks keep a recurrent state, llama.cpp
         # runs each sequence of a decode whose rows are all outputs as a graph of its own
         # (llama_memory_hybrid::init_batch, split_seq), so there each sequence decodes alone.
         alone = self.model.keeps_recurrent_state
         try:
-            for pieces in _decodes(steps, self.model.settings.n_batch, one_sequence_each=alone):
+            for pieces in _decodes(steps, self.model.settings.n_batch, one_sequence_each=alone, row_by_row=row_by_row):
+                decode_started = time.perf_counter()
                 sequences, positions, states = _rows(pieces)
                 self._captured.clear()
                 self.model.decode(sequences, positions, [True] * len(sequences), states=states)
                 if len(self._captured) != 1 or self._captured[0].shape[0] != len(sequences) * self.hidden:
                     raise RuntimeError("the stage's last block output was not captured whole")
                 completed.update(sequences)
-                rows.append(self._captured[0].reshape(len(sequences), self.hidden))
+                captured = self._captured[0].reshape(len(sequences), self.hidden)
+                for piece, (a, b) in zip(pieces, itertools.pairwise(_bounds(pieces)), strict=True):
+                    pieces_out[piece.step].append(captured[a:b])
+                timings.append((len(sequences), time.perf_counter() - decode_started))
         except Exception as error:
             starts = {s.sequence_id: self._next_position.get(s.sequence_id, 0) for s in steps}
             raise _undo(self.model, starts, completed, error) from error
-        out = np.concatenate(rows) if len(rows) > 1 else rows[0]
         self._next_position = following
-        self.timer.add(time.perf_counter() - started, out.shape[0], decode)
-        bounds = np.cumsum([0] + [s.states.shape[0] for s in steps])
-        return [out[a:b] for a, b in itertools.pairwise(bounds)]
+        if row_by_row is not None and any(row_by_row):
+            self.timer.add_decodes(decode, timings)
+        else:
+            self.timer.add(time.perf_counter() - started, sum(rows for rows, _ in timings), decode)
+        empty = np.empty((0, self.hidden), dtype=np.float32)
+        return [np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else empty for parts in pieces_out]
 
     def forget(self, sequence_id: int, keep: int = 0) -> None:
         """Cut a sequence to its first `keep` rows (all gone by default): the next request in its
@@ -654,9 +751,11 @@ class HeadStage:
         decode: bool = False,
         wanted: Sequence[bool] | None = None,
         every_row: Sequence[bool] | None = None,
+        row_by_row: Sequence[bool] | None = None,
     ) -> list[npt.NDArray[np.float32] | None]:
         """Logits for the last row of every wanted step (all by default); None for the others; for
-        a step marked in `every_row` (a token and its drafts), logits after each row, as a matrix.
+        a step marked in `every_row` (a token and its drafts), logits after each row, as a matrix,
+        and one marked in `row_by_row` too (a greedy request's) decoded a row a decode (`_decodes`).
 
         Rows out of position order are refused with ValueError before anything runs, as a
         block stage refuses them: on a member, the head is fed by the ring, not by the engine.
@@ -666,10 +765,14 @@ class HeadStage:
         single_rows = decode and rows == len(steps) and not any(every_row or ())
         one_by_one = single_rows and self.row_split.one_by_one(rows)
         started = time.perf_counter()
-        logits = _logits_of_steps(self.model, steps, wanted, False, every_row, one_by_one)
+        timings: list[tuple[int, float]] = []
+        logits = _logits_of_steps(self.model, steps, wanted, False, every_row, one_by_one, row_by_row, timings)
         seconds = time.perf_counter() - started
         self._next_position = following
-        self.timer.add(seconds, rows, decode)
+        if row_by_row is not None and any(row_by_row):
+            self.timer.add_decodes(decode, timings)
+        else:
+            self.timer.add(seconds, rows, decode)
         if single_rows:
             self.row_split.record(rows, seconds, one_by_one)
         return logits
@@ -710,13 +813,21 @@ class WholeModel:
         decode: bool = False,
         wanted: Sequence[bool] | None = None,
         every_row: Sequence[bool] | None = None,
+        row_by_row: Sequence[bool] | None = None,
     ) -> list[npt.NDArray[np.float32] | None]:
         """Logits after the last token of every wanted step (after each token, as a matrix, for a
-        step marked in `every_row`); the steps of many sequences share decodes."""
+        step marked in `every_row`, decoded a row a decode where marked in `row_by_row`: `_decodes`);
+        the steps of many sequences share decodes."""
         started = time.perf_counter()
         rows = [_TokenRows(s.sequence_id, s.position, np.asarray(s.tokens, dtype=np.int32)[:, None]) for s in steps]
-        logits = _logits_of_steps(self.model, rows, wanted, as_tokens=True, every_row=every_row)
-        self.timer.add(time.perf_counter() - started, sum(len(s.tokens) for s in steps), decode)
+        timings: list[tuple[int, float]] = []
+        logits = _logits_of_steps(
+            self.model, rows, wanted, as_tokens=True, every_row=every_row, row_by_row=row_by_row, timings=timings
+        )
+        if row_by_row is not None and any(row_by_row):
+            self.timer.add_decodes(decode, timings)
+        else:
+            self.timer.add(time.perf_counter() - started, sum(len(s.tokens) for s in steps), decode)
         return logits
 
     def forget(self, sequence_id: int, keep: int = 0) -> None:

@@ -44,15 +44,18 @@ def refusal(stage: RingStage, frame: Frame, error: Exception) -> Frame:
 def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
     """Hidden-state frames through the stage as one batched decode: hidden states out of a block
     stage, a LOGITS row (after each frame's last row) out of a head, or for a VERIFY frame (a token
-    and its drafts) the ROWS of each row's largest logits. A token and its drafts are timed as a
-    decode of their rows, as a head on the host times them: drafts in flight are priced by the decodes'
-    sizes (planner.waves), and a prompt's chunks by the rest."""
+    and its drafts) the ROWS of each row's largest logits. A VERIFY frame marked row by row (a
+    greedy request's) goes one row a decode here too, as it does at every stage
+    (`stage._decodes`). A token and its drafts are timed as the decodes they ran as, as a head on
+    the host times them: drafts in flight are priced by the decodes' sizes (planner.waves), and a
+    prompt's chunks by the rest."""
     steps = [StepInput(f.sequence_id, f.position, f.hidden_states()) for f in batch]
     decode = all(f.kind in (Kind.DECODE, Kind.VERIFY) for f in batch)
+    row_by_row = [f.row_by_row for f in batch]
     if isinstance(stage, HeadStage):
         every_row = [f.kind is Kind.VERIFY for f in batch]
         logits = []
-        for frame, row in zip(batch, stage.forward(steps, decode, None, every_row), strict=True):
+        for frame, row in zip(batch, stage.forward(steps, decode, None, every_row, row_by_row), strict=True):
             assert row is not None  # every step's last row is asked for
             if frame.kind is Kind.VERIFY:  # handle_frames has checked its top
                 logits.append(Frame.of_rows(frame.sequence_id, frame.position, row, frame.top))
@@ -66,8 +69,17 @@ def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
             logits.append(answer.with_logprobs(row, frame.logprobs) if frame.logprobs >= 0 else answer)
         return logits
     return [
-        Frame.of_hidden(frame.kind, frame.sequence_id, frame.position, states, frame.dtype, frame.top, frame.logprobs)
-        for frame, states in zip(batch, stage.forward(steps, decode=decode), strict=True)
+        Frame.of_hidden(
+            frame.kind,
+            frame.sequence_id,
+            frame.position,
+            states,
+            frame.dtype,
+            frame.top,
+            frame.logprobs,
+            frame.row_by_row,
+        )
+        for frame, states in zip(batch, stage.forward(steps, decode, row_by_row), strict=True)
     ]
 
 
