@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import pytest
 from linked_routers import linked_routers
 from tiny_models import write_tiny_model
 from waiting import until, until_async
@@ -80,13 +81,14 @@ HUB_MODEL = HubModel(
 
 
 class HeadArrivingFromTheHub(LocalModel):
-    """A model whose host's head stage arrives as a fetch ahead of the plan fetches one from the
-    hub: laid out in its partial file as the plan is made, its tensor data zeros, its bytes landing
-    once a load of it waits for them (or `ANSWER_WITHIN_S` has passed): whether one did."""
+    """A model whose host's head stage arrives as a fetch from the hub lays one out: in its partial
+    file, its tensor data zeros, as the plan is made (a fetch ahead of the plan, `ahead`) or once
+    the deployment asks for this host's share (a fetch after it); its bytes land once a load of it
+    waits for them (or `ANSWER_WITHIN_S` has passed): whether one did."""
 
-    def __init__(self, path: Path, cache: Path) -> None:
+    def __init__(self, path: Path, cache: Path, ahead: bool) -> None:
         super().__init__(path, HUB_MODEL)
-        self.cache = cache
+        self.cache, self.ahead = cache, ahead
         self.head_loading_meanwhile: bool | None = None
         self._head: StageFile | None = None
         self._fetch = contextlib.ExitStack()
@@ -95,7 +97,8 @@ class HeadArrivingFromTheHub(LocalModel):
         planned = super().stages(counts, cache, progress)
         if self._head is None:  # the fetch begins with the first plan (the test's own look first)
             self._head = planned[-1].file
-            self._lay_out(self._head)
+            if self.ahead:
+                self._lay_out(self._head)
         return [*planned[:-1], dataclasses.replace(planned[-1], file=None)]  # the head's not here yet
 
     def _lay_out(self, head: StageFile | None) -> None:
@@ -116,6 +119,8 @@ class HeadArrivingFromTheHub(LocalModel):
 
     def own_stages(self, own: Sequence[PlannedStage], progress: Progress) -> None:
         assert self._head is not None
+        if not self.ahead:
+            self._lay_out(self._head)
         with self._fetch:
             try:
                 until(lambda: self.arrival.waiting == 1, "a load of the head waiting for its bytes", ANSWER_WITHIN_S)
@@ -127,19 +132,21 @@ class HeadArrivingFromTheHub(LocalModel):
 
 
 def deploy_to_scripted_members(
-    tmp_path: Path, waits_for: str, own_arriving: bool = False, head_arriving: bool = False
+    tmp_path: Path, waits_for: str, own_arriving: bool = False, head_arriving: str | None = None
 ) -> list[bool]:
     """A ring of three blocks: one each on two scripted members, the head on this host. Each
     member, told to load, waits for `waits_for` ("both told": the other member told to load too;
     "head loading": the host's head engine begun) before it answers; whether each saw it. With
     `own_arriving`, this host's own stage arrives only once both members are told to load (or a
-    while has passed): whether they were is the last answer. The engine the deployment yields is
-    checked to hold the head, and closed."""
+    while has passed): whether they were is the last answer. With `head_arriving` ("ahead" or "after
+    the plan"), its head stage arrives as from the hub, fetched then, its bytes landing once a load
+    of it waits: whether one did is the last answer. The engine the deployment yields is checked
+    to hold the head, and closed."""
     model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=3)
     told = [asyncio.Event(), asyncio.Event()]
     local = OwnStageArriving(model, told) if own_arriving else LocalModel(model)
-    if head_arriving:
-        local = HeadArrivingFromTheHub(model, tmp_path / "stages")
+    if head_arriving is not None:
+        local = HeadArrivingFromTheHub(model, tmp_path / "stages", ahead=head_arriving == "ahead")
     stage_files = local.stages([1, 1, 1], tmp_path / "stages", lambda *_progress: None)
 
     async def scenario() -> list[bool]:
@@ -219,7 +226,8 @@ def test_members_load_while_the_hosts_own_stage_still_arrives(tmp_path: Path) ->
     assert deploy_to_scripted_members(tmp_path, "both told", own_arriving=True) == [True, True, True]
 
 
-def test_the_heads_engine_begins_while_its_stage_still_arrives_from_the_hub(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fetched", ["ahead", "after the plan"])
+def test_the_heads_engine_begins_while_its_stage_still_arrives_from_the_hub(tmp_path: Path, fetched: str) -> None:
     # Begun only once this host's own share is at hand, no load would wait for the head's bytes,
     # and llama.cpp's reading of the head's vocabulary would follow its last byte.
-    assert deploy_to_scripted_members(tmp_path, "head loading", head_arriving=True) == [True, True, True]
+    assert deploy_to_scripted_members(tmp_path, "head loading", head_arriving=fetched) == [True, True, True]

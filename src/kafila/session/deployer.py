@@ -56,6 +56,7 @@ from kafila.wire.control import (
 Reply = TypeVar("Reply", Staged, Loaded, Staged | StageWanted)
 T = TypeVar("T")
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
+ARRIVING_LOOK_S = 0.05  # how often the deploy looks whether the head's own stage is laid out, to load it meanwhile
 
 
 class SessionFailed(RuntimeError):
@@ -337,10 +338,13 @@ class Deployer:
             the head's own stage is still arriving from the hub, its engine begins loading at once
             (`_arriving_engine`), and takes its tensors as the last byte lands."""
             loop = asyncio.get_running_loop()
-            arriving = self._arriving_engine(Deployment(self.epoch, plan, chain, counts, stages, me), loop)
+            share = asyncio.ensure_future(own_share())
+            arriving: asyncio.Future[RingEngine] | None = None
             try:
-                vocabulary = await own_share()
+                arriving = await self._arriving_engine(Deployment(self.epoch, plan, chain, counts, stages, me), share)
+                vocabulary = await share
             except BaseException:
+                share.cancel()
                 if arriving is not None:  # closed once loaded (a thread cannot be stopped), not waited for
                     arriving.add_done_callback(_close_engine)
                 raise
@@ -553,24 +557,27 @@ class Deployer:
             stage_machines=machines,
         )  # fmt: skip
 
-    def _arriving_engine(
-        self, deployment: Deployment, loop: asyncio.AbstractEventLoop
+    async def _arriving_engine(
+        self, deployment: Deployment, share: asyncio.Future[Any]
     ) -> asyncio.Future[RingEngine] | None:
-        """The head's engine begun now on its stage file while its tensors still arrive from the
-        hub in this process (the fetch ahead of the plan): llama.cpp reads its vocabulary meanwhile
-        and its tensors once the last byte lands (`runtime.gguf.arriving`). None where the head is
-        not here, or its stage is not arriving."""
+        """The head's engine begun as soon as its stage file is laid out while its tensors still
+        arrive from the hub in this process (fetched ahead of the plan, or by `share`, this host's
+        share got after it): llama.cpp reads its vocabulary meanwhile and its tensors once the last
+        byte lands (`runtime.gguf.arriving`). None where the head is not here, or `share` ended
+        with its stage never arriving."""
         head = deployment.stages[-1]
         hub = self.model.hub
         if not deployment.head_here or head.file is not None or hub is None:
             return None
-        found = arriving_stage(hub, head.first_block, head.end_block, head.is_head, self.cache)
-        if found is None:
-            return None
+        while (found := arriving_stage(hub, head.first_block, head.end_block, True, self.cache)) is None:
+            if share.done():
+                return None
+            await asyncio.wait({share}, timeout=ARRIVING_LOOK_S)
         path, arrival = found
         stage = StageFile(len(deployment.stages) - 1, head.first_block, head.end_block, True, path, "", head.n_bytes)
         stages = [*deployment.stages[:-1], held(stage)]
         loading = replace(deployment, stages=stages)
+        loop = asyncio.get_running_loop()
 
         def load() -> RingEngine:
             engine = self.engine(loading, loop)
