@@ -26,6 +26,12 @@ dearer than it is and only one draft was ever weighed. A count of drafted rows t
 show often enough is priced as they show it; the others on the line through the drafted waves
 (what drafting adds once, then a cost a row) where those show one, else at the fitted cost a row.
 
+A greedy request's token and k drafts are k + 1 decodes of a row at every stage (exactly the
+text without drafts: `stage._decodes`), a sampled one's one decode of k + 1 rows where they fit:
+on a CPU the two cost about the same, on a GPU the first about k + 1 times the second. c is
+measured, not assumed, so it is what the ring's waves cost as they ran (where greedy and sampled
+requests draft at once, the mix of the two: not priced apart).
+
 `TripClock` measures T and c from the waves the engine loop lands (their drafted rows and wall
 times; nothing is sent to measure them) and d from the draft model's decodes as it drafts,
 `AcceptRate` a sequence's p from its recent trips, and
