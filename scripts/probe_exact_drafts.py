@@ -3,7 +3,8 @@ are decoded: one row a decode, or together in one decode (issue 37).
 
 On gemma-3-270m and `bench_wan.py`'s edit prompt: greedy tokens decoded one row at a time, then
 the same again with drafts (the true continuation, each token wrong with probability `--wrong`,
-windows of 1 to 5) verified either way, cut back after each reject. Prints where each run's
+windows of 1 to 5) verified either way (one row a decode as the stages decode a greedy request's
+drafts: `row_by_row`), cut back after each reject. Prints where each run's
 tokens first part from the unspeculated ones. On this repository's 2-vCPU AVX-512 box (llama-cpp-python
 0.3.36, one thread): one row a decode matched in 3 of 3 seeds; together parted at tokens 29, 41, 29.
 
@@ -55,12 +56,10 @@ def speculated(
         window = truth[len(out) : len(out) + rng.randint(1, 5)]
         drafts = [t if rng.random() >= wrong else (t + 7) % 1000 for t in window]
         rows = [out[-1], *drafts]
-        if one_row_each:
-            answers = [model.forward_tokens(SEQUENCE, position + i, [row], decode=True) for i, row in enumerate(rows)]
-        else:
-            (matrix,) = model.forward_steps([TokenStep(SEQUENCE, position, rows)], decode=True, every_row=[True])
-            assert matrix is not None
-            answers = list(matrix)
+        step = TokenStep(SEQUENCE, position, rows)
+        (matrix,) = model.forward_steps([step], decode=True, every_row=[True], row_by_row=[one_row_each])
+        assert matrix is not None
+        answers = list(matrix)
         kept = 0
         while kept < len(drafts) and int(answers[kept].argmax()) == drafts[kept] and len(out) < len(truth):
             out.append(drafts[kept])
