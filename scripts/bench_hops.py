@@ -49,7 +49,9 @@ class SleepingStage:
     def __init__(self, stage_ms: float) -> None:
         self.stage_ms = stage_ms
 
-    def forward(self, steps: Sequence[StepInput], decode: bool = True) -> list[Any]:
+    def forward(
+        self, steps: Sequence[StepInput], decode: bool = True, row_by_row: Sequence[bool] | None = None
+    ) -> list[Any]:
         time.sleep(self.stage_ms / 1e3)
         return [step.states for step in steps]
 
