@@ -557,7 +557,7 @@ def test_a_stage_counts_a_forward_one_row_a_decode_as_decodes_of_one_row() -> No
     """A greedy token and four drafts at a stage: five decodes of a row, priced as such
     (`decode_ms_by_rows`, the time of a row alone), not one decode of five."""
     timer = StageTimer()
-    timer.add_decodes(True, [(1, 0.004)] * 5)
+    timer.add_forward(0.02, True, [(1, 0.004)] * 5, [True])
     assert timer.decode_ms_by_rows == [(1, pytest.approx(4.0))] and timer.ms_per_token_alone == pytest.approx(4.0)
     assert timer.decode_rows == 5 and timer.rows == 5 and timer.prefill_ms_per_token is None
 

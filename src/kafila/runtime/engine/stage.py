@@ -186,14 +186,19 @@ class StageTimer:
                 if len(self.sized_recent) > MAX_REPORTED_ROW_COUNTS:
                     del self.sized_recent[next(iter(self.sized_recent))]
 
-    def add_decodes(self, decode: bool, timings: Sequence[tuple[int, float]]) -> None:
-        """A forward run as the decodes in `timings` (rows, seconds), each counted
-        as a decode of its own rows: one holding a step decoded a row a decode (`_decodes`'
-        `row_by_row`), where a greedy token and k drafts are k + 1 decodes of a row at every stage,
-        which the figures that price drafts (`decode_ms_by_rows`, planner.waves) must show. Any
-        other forward counts as one decode of its rows (`add`), as the planner prices a wave."""
-        for rows, seconds in timings:
-            self.add(seconds, rows, decode)
+    def add_forward(
+        self, seconds: float, decode: bool, timings: Sequence[tuple[int, float]], row_by_row: Sequence[bool] | None
+    ) -> None:
+        """A forward of `seconds` run as the decodes in `timings` (rows, seconds). One holding a
+        step decoded a row a decode (`_decodes`' `row_by_row`: a greedy token and k drafts are
+        k + 1 decodes of a row at every stage) counts each decode as one of its own rows, which the
+        figures that price drafts (`decode_ms_by_rows`, planner.waves) must show. Any other forward
+        counts as one decode of all its rows (`add`), as the planner prices a wave."""
+        if row_by_row is not None and any(row_by_row):
+            for rows, spent in timings:
+                self.add(spent, rows, decode)
+        else:
+            self.add(seconds, sum(rows for rows, _ in timings), decode)
 
     @property
     def ms_per_token(self) -> float | None:
@@ -571,10 +576,7 @@ class BlockStage:
             starts = {s.sequence_id: self._next_position.get(s.sequence_id, 0) for s in steps}
             raise _undo(self.model, starts, completed, error) from error
         self._next_position = following
-        if row_by_row is not None and any(row_by_row):
-            self.timer.add_decodes(decode, timings)
-        else:
-            self.timer.add(time.perf_counter() - started, sum(rows for rows, _ in timings), decode)
+        self.timer.add_forward(time.perf_counter() - started, decode, timings, row_by_row)
         empty = np.empty((0, self.hidden), dtype=np.float32)
         return [np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else empty for parts in pieces_out]
 
@@ -769,10 +771,7 @@ class HeadStage:
         logits = _logits_of_steps(self.model, steps, wanted, False, every_row, one_by_one, row_by_row, timings)
         seconds = time.perf_counter() - started
         self._next_position = following
-        if row_by_row is not None and any(row_by_row):
-            self.timer.add_decodes(decode, timings)
-        else:
-            self.timer.add(seconds, rows, decode)
+        self.timer.add_forward(seconds, decode, timings, row_by_row)
         if single_rows:
             self.row_split.record(rows, seconds, one_by_one)
         return logits
@@ -824,10 +823,7 @@ class WholeModel:
         logits = _logits_of_steps(
             self.model, rows, wanted, as_tokens=True, every_row=every_row, row_by_row=row_by_row, timings=timings
         )
-        if row_by_row is not None and any(row_by_row):
-            self.timer.add_decodes(decode, timings)
-        else:
-            self.timer.add(time.perf_counter() - started, sum(len(s.tokens) for s in steps), decode)
+        self.timer.add_forward(time.perf_counter() - started, decode, timings, row_by_row)
         return logits
 
     def forget(self, sequence_id: int, keep: int = 0) -> None:
