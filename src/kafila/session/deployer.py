@@ -346,7 +346,7 @@ class Deployer:
             except BaseException:
                 share.cancel()
                 if arriving is not None:  # closed once loaded (a thread cannot be stopped), not waited for
-                    arriving.add_done_callback(_close_engine)
+                    arriving.add_done_callback(_close_loaded)
                 raise
             if chain[-1] == me:
                 early = Deployment(self.epoch, plan, chain, counts, stages, me, vocabulary)
@@ -657,14 +657,8 @@ async def _closed(building: asyncio.Future[RingEngine]) -> None:
         await asyncio.to_thread(engine.close)
 
 
-def _close_engine(loading: asyncio.Future[RingEngine]) -> None:
-    """Close an engine whose load went on after the deployment that wanted it failed."""
-    if not loading.cancelled() and loading.exception() is None:
-        loading.result().close()
-
-
-def _close_loaded(loading: Future[BlockStage]) -> None:
-    """Close a stage whose load went on after the deployment that wanted it failed."""
+def _close_loaded(loading: Future[BlockStage] | asyncio.Future[RingEngine]) -> None:
+    """Close a stage or engine whose load went on after the deployment that wanted it failed."""
     if not loading.cancelled() and loading.exception() is None:
         loading.result().close()
 
