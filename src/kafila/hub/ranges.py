@@ -193,9 +193,15 @@ def fetch_stage(
     return stage
 
 
+def _partial_dir(out: Path, key: HubStageKey) -> Path:
+    """Where a fetch of the piece `key` works: its file as it arrives, before it is renamed after
+    its sha256, and its journal."""
+    return out / HUB_PARTIAL / key.digest()
+
+
 def partial_stage(model: HubModel, first: int, end: int, is_head: bool, out_dir: str | os.PathLike[str]) -> Path:
-    """Where `fetch_stage` writes that stage as it arrives, before it is renamed after its sha256."""
-    return Path(out_dir) / HUB_PARTIAL / stage_key(model, first, end, is_head).digest() / _STAGE
+    """Where `fetch_stage` writes that stage as it arrives."""
+    return _partial_dir(Path(out_dir), stage_key(model, first, end, is_head)) / _STAGE
 
 
 def arriving_stage(
@@ -266,7 +272,7 @@ def _fetch_piece(
     spans = header.spans_of(wanted)
     runs = fetch_runs(spans, settings.join_gap)
     layout = stage_layout(piece)
-    work = out / HUB_PARTIAL / key.digest()
+    work = _partial_dir(out, key)
     trim_partial_fetches(out, keep=work.name)
     make_room(out, layout.size)
     name = PurePosixPath(model.parts[0].path).name
