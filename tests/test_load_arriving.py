@@ -6,6 +6,8 @@ zeros, its logits off by ~100) and not (read through the mapping as decodes need
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import threading
@@ -16,7 +18,7 @@ import numpy.typing as npt
 import pytest
 from waiting import until
 
-from kafila.runtime.gguf.arriving import arrival_of, arriving
+from kafila.runtime.gguf.arriving import arrival_at, arrival_of, arriving
 from kafila.runtime.gguf.gguf_file import FastGGUFReader
 from kafila.runtime.llama.model import ContextSettings, LlamaModel
 
@@ -118,3 +120,41 @@ def test_an_arrival_left_unsettled_settles_incomplete_and_is_forgotten(tmp_path:
     finally:
         os.close(fd)
     assert arrival_of(tmp_path / "absent") is None
+
+
+def test_a_wait_for_a_file_to_begin_arriving_wakes_as_another_thread_registers_it(tmp_path: Path) -> None:
+    # The fetch registers its file in a thread of its own; the deployment awaits it in the event
+    # loop, woken by the registration, not by looking again a while later.
+    path, other = tmp_path / "stage.partial", tmp_path / "other.partial"
+    path.write_bytes(b"GGUF")
+    other.write_bytes(b"GGUF")
+
+    async def scenario() -> None:
+        until_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with contextlib.ExitStack() as fetches:
+            fd, other_fd = os.open(path, os.O_RDWR), os.open(other, os.O_RDWR)
+            fetches.callback(os.close, fd)
+            fetches.callback(os.close, other_fd)
+            waiter = asyncio.create_task(arrival_at(path, until_done))
+            await asyncio.sleep(0)  # it looks, finds nothing arriving, and waits
+            await asyncio.to_thread(fetches.enter_context, arriving(other_fd))
+            await asyncio.sleep(0)
+            assert not waiter.done()  # another file's arrival: it looks again, and waits on
+            arrival = await asyncio.to_thread(fetches.enter_context, arriving(fd))
+            await asyncio.sleep(0)  # one turn of the loop: a wait that looked every so often would still sleep
+            assert waiter.done() and waiter.result() is arrival
+            assert await arrival_at(path, until_done) is arrival  # arriving now: at once
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_a_wait_for_a_file_to_begin_arriving_ends_with_none_once_its_bound_is_done(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        share: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = asyncio.create_task(arrival_at(tmp_path / "never.partial", share))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        share.set_result(None)  # this host's share got, the file never arriving here
+        assert await waiter is None
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))

@@ -15,6 +15,7 @@ In the session, the host plans from `read_hub_header` and fetches its own stage 
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import errno
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +46,7 @@ from kafila.hub.remote import (
     read_header_bytes,
 )
 from kafila.planner.types import ModelManifest
-from kafila.runtime.gguf.arriving import Arrival, arrival_of, arriving
+from kafila.runtime.gguf.arriving import Arrival, arrival_at, arriving
 from kafila.runtime.gguf.gguf_file import FastGGUFReader, GGUFFormatError, HeaderIncomplete, HeaderReader
 from kafila.runtime.gguf.header import JOIN_GAP, ByteRun, ModelHeader, TensorSpan, check_spans, fetch_runs
 from kafila.runtime.gguf.manifest import manifest_of
@@ -204,15 +206,15 @@ def partial_stage(model: HubModel, first: int, end: int, is_head: bool, out_dir:
     return _partial_dir(Path(out_dir), stage_key(model, first, end, is_head)) / _STAGE
 
 
-def arriving_stage(
-    model: HubModel, first: int, end: int, is_head: bool, out_dir: str | os.PathLike[str]
+async def arriving_stage(
+    model: HubModel, first: int, end: int, is_head: bool, out_dir: str | os.PathLike[str], until: asyncio.Future[Any]
 ) -> tuple[Path, Arrival] | None:
-    """The stage file `fetch_stage` is fetching into `out_dir` in this process now, laid out (its
-    header in place) and its tensors still arriving, with their arrival: llama.cpp may begin
-    loading it (`runtime.gguf.arriving`). The file is renamed once complete, and a fetch that fails
-    settles it incomplete; None where no such fetch is under way."""
+    """The stage file `fetch_stage` fetches into `out_dir` in this process, as soon as it is laid
+    out (its header in place) and its tensors begin arriving, with their arrival: llama.cpp may
+    begin loading it (`runtime.gguf.arriving`). The file is renamed once complete, and a fetch that
+    fails settles it incomplete; None where `until` is done with no such fetch under way."""
     path = partial_stage(model, first, end, is_head, out_dir)
-    arrival = arrival_of(path)
+    arrival = await arrival_at(path, until)
     return None if arrival is None else (path, arrival)
 
 

@@ -56,7 +56,6 @@ from kafila.wire.control import (
 Reply = TypeVar("Reply", Staged, Loaded, Staged | StageWanted)
 T = TypeVar("T")
 LOAD_TIMEOUT_S = 900.0  # a stage file of several GB over a relayed link
-ARRIVING_LOOK_S = 0.05  # how often the deploy looks whether the head's own stage is laid out, to load it meanwhile
 
 
 class SessionFailed(RuntimeError):
@@ -569,10 +568,9 @@ class Deployer:
         hub = self.model.hub
         if not deployment.head_here or head.file is not None or hub is None:
             return None
-        while (found := arriving_stage(hub, head.first_block, head.end_block, True, self.cache)) is None:
-            if share.done():
-                return None
-            await asyncio.wait({share}, timeout=ARRIVING_LOOK_S)
+        found = await arriving_stage(hub, head.first_block, head.end_block, True, self.cache, share)
+        if found is None:
+            return None
         path, arrival = found
         stage = StageFile(len(deployment.stages) - 1, head.first_block, head.end_block, True, path, "", head.n_bytes)
         stages = [*deployment.stages[:-1], held(stage)]

@@ -9,16 +9,20 @@ every byte is in (`LlamaModel`): the first part overlaps the fetch, and no tenso
 before it has landed. A fetch that fails settles its arrival incomplete, and the load is aborted.
 
 Files are known by their inode, not their path: the fetch renames its file once complete, and a
-load begun under the old name reads the same file.
+load begun under the old name reads the same file. The fetch runs in a thread; a deployment in the
+event loop that would load a file as soon as it begins arriving awaits `arrival_at`, woken by the
+registration itself rather than looking again and again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 _FileId = tuple[int, int]  # (st_dev, st_ino)
 
@@ -62,6 +66,7 @@ class Arrival:
 
 _lock = threading.Lock()
 _arriving: dict[_FileId, Arrival] = {}
+_watchers: list[Callable[[], object]] = []  # told each time a file begins arriving
 
 
 def _file_id(stat: os.stat_result) -> _FileId:
@@ -75,6 +80,8 @@ def arriving(fd: int) -> Iterator[Arrival]:
     key, arrival = _file_id(os.fstat(fd)), Arrival()
     with _lock:
         _arriving[key] = arrival
+        for began in _watchers:  # under the lock: no watcher is told once `_watching` has ended
+            began()
     try:
         yield arrival
     finally:
@@ -93,3 +100,37 @@ def arrival_of(path: str | os.PathLike[str]) -> Arrival | None:
         return None
     with _lock:
         return _arriving.get(key)
+
+
+@contextmanager
+def _watching(began: Callable[[], object]) -> Iterator[None]:
+    """`began()` is called, in the registering thread and under the registry's lock (so it must be
+    quick and not call back in here), each time a file begins arriving while this lasts."""
+    with _lock:
+        _watchers.append(began)
+    try:
+        yield
+    finally:
+        with _lock:
+            _watchers.remove(began)
+
+
+async def arrival_at(path: str | os.PathLike[str], until: asyncio.Future[Any]) -> Arrival | None:
+    """The arrival of the file at `path` as soon as its bytes begin arriving in this process (at
+    once where they are arriving now), from whichever thread registers it; None where `until` is
+    done first."""
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+
+    def done(_until: asyncio.Future[Any]) -> None:
+        changed.set()
+
+    until.add_done_callback(done)
+    try:
+        with _watching(lambda: loop.call_soon_threadsafe(changed.set)):
+            while (arrival := arrival_of(path)) is None and not until.done():
+                await changed.wait()
+                changed.clear()  # before looking again: a file registered since wakes the next wait
+    finally:
+        until.remove_done_callback(done)
+    return arrival
