@@ -74,25 +74,34 @@ def balanced_division(cost_matrices: Sequence[FloatMatrix], bound: float) -> tup
     the ties are broken by the smallest sum of squared stage costs, a dynamic programme over the
     same prices.
     """
-    n_positions = cost_matrices[0].shape[0]
+    scale = bound if 0 < bound < np.inf else 1.0  # costs in units of the bound: squares stay finite
+    with np.errstate(invalid="ignore", over="ignore"):
+        squared = [np.where(matrix <= bound, (matrix / scale) ** 2, np.inf) for matrix in cost_matrices]
+    found = least_sum_division(squared)
+    assert found is not None  # `bound` is feasible, so some division keeps every stage within it
+    return found[1]
+
+
+def least_sum_division(prices: Sequence[FloatMatrix]) -> tuple[float, tuple[int, ...]] | None:
+    """The division whose stages' prices sum least, with that sum: `prices` one matrix a device in
+    chain order, [a, b] its price for blocks [a, b), infinity where it may not hold them. A dynamic
+    programme over chain positions; None where every division has an infinite price."""
+    n_positions = prices[0].shape[0]
     best = np.full(n_positions, np.inf)
     best[0] = 0.0
     choices = []
-    scale = bound if 0 < bound < np.inf else 1.0  # costs in units of the bound: squares stay finite
-    for matrix in cost_matrices:
-        with np.errstate(invalid="ignore", over="ignore"):
-            relative = matrix / scale
-            squared = np.where(matrix <= bound, relative * relative, np.inf)
-        totals = best[:, None] + squared
+    for matrix in prices:
+        totals = best[:, None] + matrix
         choices.append(np.argmin(totals, axis=0))
         best = totals[choices[-1], np.arange(n_positions)]
-    assert np.isfinite(best[-1])  # `bound` is feasible, so some division keeps every stage within it
+    if not np.isfinite(best[-1]):
+        return None
     end = n_positions - 1
     bounds = [end]
     for chosen in reversed(choices):
         end = int(chosen[end])
         bounds.append(end)
-    return tuple(reversed(bounds))
+    return float(best[-1]), tuple(reversed(bounds))
 
 
 def partition(

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kafila.planner.cost import FloatMatrix
-from kafila.planner.partition import Division, balanced_division, candidate_bottlenecks
+from kafila.planner.partition import Division, balanced_division, candidate_bottlenecks, least_sum_division
 
 TIE_TOLERANCE = 1e-9  # relative: divisions this close in time per token differ by rounding alone
 
@@ -38,22 +38,7 @@ class TimedDivision:
 
 def _least_sum(matrices: Sequence[FloatMatrix], bound: float) -> tuple[float, tuple[int, ...]] | None:
     """The division with the least total price among those whose every stage is within `bound`."""
-    n_positions = matrices[0].shape[0]
-    best = np.full(n_positions, np.inf)
-    best[0] = 0.0
-    choices = []
-    for matrix in matrices:
-        totals = best[:, None] + np.where(matrix <= bound, matrix, np.inf)
-        choices.append(np.argmin(totals, axis=0))
-        best = totals[choices[-1], np.arange(n_positions)]
-    if not np.isfinite(best[-1]):
-        return None
-    end = n_positions - 1
-    bounds = [end]
-    for chosen in reversed(choices):
-        end = int(chosen[end])
-        bounds.append(end)
-    return float(best[-1]), tuple(reversed(bounds))
+    return least_sum_division([np.where(matrix <= bound, matrix, np.inf) for matrix in matrices])
 
 
 def _timed(matrices: Sequence[FloatMatrix], bounds: tuple[int, ...], round_trip_s: float, c: int) -> TimedDivision:
