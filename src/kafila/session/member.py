@@ -32,7 +32,7 @@ from kafila.network.link import DatagramDemux, LinkError
 from kafila.network.rendezvous_client import RendezvousClient
 from kafila.network.transfer import receive_stage_file
 from kafila.runtime.engine.stage import BlockStage, HeadStage
-from kafila.runtime.engine.worker import RingStage, handle_frames
+from kafila.runtime.engine.worker import RingStage, as_decoded, handle_frames
 from kafila.runtime.gguf.slicer import StageFile, block_range_file, file_sha256
 from kafila.runtime.gguf.stage_cache import find_hub_stage, make_room, mark_used, stage_files, trim_stage_cache
 from kafila.runtime.llama.errors import out_of_memory
@@ -143,15 +143,17 @@ async def serve_stage(
 def _serve_feed(
     stage: RingStage, feed: FrameFeed, answer: Callable[[list[Frame], list[Frame]], Any], abandoned: Callable[[], bool]
 ) -> None:
-    """The stage's thread: each batch the feed holds through the stage, its answer to the loop."""
-    while (frames := feed.take(abandoned)) is not None:
-        try:
-            out = handle_frames(stage, frames)
-        except Exception as error:  # a bug, not a bad frame (handle_frames answers those one by one)
-            reason = f"{stage.name} failed: {error}"
-            answered = [f for f in frames if f.kind is not Kind.SAMPLER]  # a sampler start has no answer
-            out = [Frame(Kind.ERROR, f.sequence_id, payload=reason.encode()[:4000]) for f in answered]
-        answer(frames, out)
+    """The stage's thread: each batch the feed holds through the stage, its answer to the loop, a
+    piece at a time (`as_decoded`: a greedy step's row goes on before the rows behind it run)."""
+    while (burst := feed.take(abandoned)) is not None:
+        for frames in as_decoded(burst):
+            try:
+                out = handle_frames(stage, frames)
+            except Exception as error:  # a bug, not a bad frame (handle_frames answers those one by one)
+                reason = f"{stage.name} failed: {error}"
+                answered = [f for f in frames if f.kind is not Kind.SAMPLER]  # a sampler start has no answer
+                out = [Frame(Kind.ERROR, f.sequence_id, payload=reason.encode()[:4000]) for f in answered]
+            answer(frames, out)
 
 
 @dataclass

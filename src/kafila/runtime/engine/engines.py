@@ -11,7 +11,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
@@ -113,9 +113,17 @@ class EngineStep:
     # (`Engine.speculation_refused` is None).
     every_row: bool = False
     # An `every_row` step of a greedy request: decoded one row a decode at every stage, so its
-    # tokens are exactly those decoding without drafts gives (`stage._decodes`); a sampled
-    # request's rows go together, in one decode where they fit.
+    # tokens are exactly those decoding without drafts gives (`stage._decodes`), and sent round a
+    # ring one frame a row (`rows_as_decoded`); a sampled request's rows go together, in one
+    # decode where they fit.
     row_by_row: bool = False
+
+    def __post_init__(self) -> None:
+        if self.row_by_row and not self.every_row:
+            raise ValueError(
+                f"sequence {self.sequence_id}'s step goes one row a decode but asks for no logits after each row: "
+                "only a token and its drafts (every_row) do"
+            )
 
 
 Logits = npt.NDArray[np.float32]
@@ -152,7 +160,7 @@ class Launched:
 
     steps: tuple[EngineStep, ...]
     wave: int = 0
-    frames: tuple[Frame, ...] = ()
+    frames: tuple[tuple[Frame, ...], ...] = ()  # each step's frames round a ring: one, or one a row (`rows_as_decoded`)
 
 
 @dataclass(frozen=True)
@@ -314,6 +322,34 @@ def _sequence(step: EngineStep) -> int:
     return step.sequence_id
 
 
+def rows_as_decoded(frame: Frame) -> tuple[Frame, ...]:
+    """The frames a step's frame goes round the ring as: itself, or where it is decoded one row a
+    decode (a greedy token and its drafts, `Frame.row_by_row`) one frame a row, each answered on
+    its own. Every stage then passes a row on as soon as it has decoded it (`worker.as_decoded`),
+    so the stages decode a step's rows one behind the other, at once, where each would otherwise
+    decode all of them before the next stage began."""
+    if not frame.row_by_row or frame.n_tokens <= 1:
+        return (frame,)
+    width = len(frame.payload) // frame.n_tokens
+    return tuple(
+        replace(
+            frame, position=frame.position + row, n_tokens=1, payload=frame.payload[row * width : (row + 1) * width]
+        )
+        for row in range(frame.n_tokens)
+    )
+
+
+def landing_rounds(parts: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """The order a wave's answers are taken in, for steps that went round as `parts[i]` frames
+    each (`rows_as_decoded`): round r holds (step, r) for every step that went as more than r, so
+    round 0 holds every step whole but for the rows after the first of a step sent a frame a row,
+    and round r the r-th of those, as a stage's decodes group them (`stage._row_rounds`). A head
+    here runs each round as soon as its frames are back, while the stages decode the rows behind."""
+    if any(count < 1 for count in parts):
+        raise ValueError(f"a step goes round as one frame at least, not {list(parts)}")
+    return [[(step, row) for step, count in enumerate(parts) if count > row] for row in range(max(parts, default=0))]
+
+
 def _answer(step: EngineStep, logits: Logits | None) -> StepResult:
     """A head's logits as the step asked for them: a row, None, or every row's."""
     return EveryRowLogits(logits) if step.every_row and logits is not None else logits
@@ -419,7 +455,7 @@ class RingEngine(_Vocabulary):
         self.head_here = self.head is not None
         self._waves = itertools.count()
         self._expected: defaultdict[int, deque[int | None]] = defaultdict(deque)  # per sequence: wave or CANCEL out
-        self._arrived: dict[tuple[int, int], Frame] = {}  # (wave, sequence) → its frame, until the wave lands
+        self._arrived: dict[tuple[int, int], list[Frame]] = {}  # (wave, sequence) → its frames, until the wave lands
         self._forgotten_at: dict[int, int] = {}  # sequence → first wave after it was forgotten mid-flight
         self._sampled_on_head: set[int] = set()  # sequences whose sampler runs on the head (a member)
         self.ring = ring
@@ -428,31 +464,34 @@ class RingEngine(_Vocabulary):
         return self.land(self.launch(steps))
 
     def launch(self, steps: Sequence[EngineStep]) -> Launched:
-        """Embed the wave and send one frame per sequence round the ring; stages run frames that
-        arrive together as one decode, so while this wave is at one stage the next can be at another."""
+        """Embed the wave and send one frame per sequence round the ring (one a row where a step goes
+        one row a decode: `rows_as_decoded`); stages run frames that arrive together as one decode,
+        so while this wave is at one stage the next can be at another."""
         if self.speculation_refused is not None and any(s.every_row for s in steps):
             raise ValueError(f"this engine cannot answer every row of a step: {self.speculation_refused}")
         if self.head is None and any(s.every_row and s.top == 0 for s in steps):
             raise ValueError("a head on a member answers every row of a step with its largest logits, not whole rows")
         wave = next(self._waves)
         starts = self._sampler_starts(steps)
-        frames = tuple(
-            Frame.of_hidden(
-                Kind.VERIFY if s.every_row else Kind.DECODE if s.decode else Kind.PREFILL,
-                s.sequence_id,
-                s.position,
-                self._embed(s.tokens),
-                self._dtype,
-                self._top(s),
-                s.logprobs if s.logits else NO_LOGPROBS,
-                s.every_row and s.row_by_row,
-            )
-            for s in steps
-        )
-        self.ring.send([*starts, *frames])  # a start goes ahead of its sequence's rows; it has no answer
-        for frame in frames:
+        frames = tuple(rows_as_decoded(self._frame(s)) for s in steps)
+        sent = [frame for step_frames in frames for frame in step_frames]
+        self.ring.send([*starts, *sent])  # a start goes ahead of its sequence's rows; it has no answer
+        for frame in sent:
             self._expected[frame.sequence_id].append(wave)
         return Launched(tuple(steps), wave, frames)
+
+    def _frame(self, step: EngineStep) -> Frame:
+        """A step's embedded rows as the frame that carries them round the ring."""
+        return Frame.of_hidden(
+            Kind.VERIFY if step.every_row else Kind.DECODE if step.decode else Kind.PREFILL,
+            step.sequence_id,
+            step.position,
+            self._embed(step.tokens),
+            self._dtype,
+            self._top(step),
+            step.logprobs if step.logits else NO_LOGPROBS,
+            step.row_by_row,
+        )
 
     def _sampler_starts(self, steps: Sequence[EngineStep]) -> list[Frame]:
         """SAMPLER frames for the requests this wave starts whose sampler needs the whole row,
@@ -486,39 +525,84 @@ class RingEngine(_Vocabulary):
 
         A sequence that a stage refused comes back as an ERROR frame and fails alone
         (`SequenceFailed`); the head runs only the sequences that came back whole, and a fault in
-        its own forward fails only its sequence too. A ring that breaks raises StageFailed.
+        its own forward fails only its sequence too. A ring that breaks raises StageFailed. The
+        frames are taken a round at a time (`landing_rounds`): a head here runs the first row of
+        a step sent a frame a row while the stages still decode the rows behind it.
         """
-        steps, frames, wave = launched.steps, launched.frames, launched.wave
-        while left := sum((wave, f.sequence_id) not in self._arrived for f in frames):
-            self._take(left)
-        arrived = {f.sequence_id: self._arrived.pop((wave, f.sequence_id)) for f in frames}
+        steps, sent = launched.steps, launched.frames
         results: list[StepResult] = [None] * len(steps)
-        whole: list[int] = []  # indices of the steps that came back to run at the head
-        inputs: dict[int, StepInput] = {}
-        for index, sent in enumerate(frames):
-            came = arrived[sent.sequence_id]
-            if wave < self._forgotten_at.get(sent.sequence_id, -1):
-                ended = "the request ended while its rows were in the ring"
-                results[index] = SequenceFailed(sent.sequence_id, ended, cancelled=True)
-                continue  # its cache is gone everywhere: the head must not write it again
-            if came.kind is Kind.ERROR:
-                results[index] = SequenceFailed(sent.sequence_id, came.text())
-                continue
-            if self.head is None:
-                results[index] = self._remote_logits(came, sent, steps[index])
-                continue
+        settled: set[int] = set()  # the steps whose result is final
+        rows: dict[int, list[Logits]] = {}  # the rows answered so far of each step sent a frame a row
+        for round_ in landing_rounds([len(frames) for frames in sent]):
+            ready = self._await_round(launched, round_, results, settled)
+            for (index, part), answer in zip(ready, self._run_round(launched, ready), strict=True):
+                if isinstance(answer, SequenceFailed):
+                    results[index] = answer
+                    settled.add(index)
+                elif len(sent[index]) == 1:
+                    results[index] = answer
+                else:
+                    assert isinstance(answer, EveryRowLogits)  # a frame a row: only an every_row step's
+                    rows.setdefault(index, []).append(answer.rows)
+                    if part + 1 == len(sent[index]):
+                        results[index] = EveryRowLogits(np.concatenate(rows[index]))
+        while left := sum(len(frames) - len(self._came(launched.wave, frames[0])) for frames in sent):
+            self._take(left)  # the rows of a step that failed before they were all back
+        for frames in sent:
+            del self._arrived[(launched.wave, frames[0].sequence_id)]
+        return results
+
+    def _came(self, wave: int, sent: Frame) -> list[Frame]:
+        """The answers back so far to a step's frames, in the order they left."""
+        return self._arrived.get((wave, sent.sequence_id), [])
+
+    def _await_round(
+        self, launched: Launched, round_: Sequence[tuple[int, int]], results: list[StepResult], settled: set[int]
+    ) -> list[tuple[int, int]]:
+        """The frames of a round (`landing_rounds`: (step, frame) pairs), once back: those of the
+        steps not settled. A step whose request ended while its rows were out, or whose frame a
+        stage refused (an ERROR back for any of its frames), is settled with its failure at once."""
+        while True:
+            missing = 0
+            for index, part in round_:
+                if index in settled:
+                    continue
+                first = launched.frames[index][0]
+                came = self._came(launched.wave, first)
+                refused = next((frame for frame in came if frame.kind is Kind.ERROR), None)
+                if launched.wave < self._forgotten_at.get(first.sequence_id, -1):
+                    ended = "the request ended while its rows were in the ring"
+                    results[index] = SequenceFailed(first.sequence_id, ended, cancelled=True)
+                    settled.add(index)  # its cache is gone everywhere: the head must not write it again
+                elif refused is not None:
+                    results[index] = SequenceFailed(first.sequence_id, refused.text())
+                    settled.add(index)
+                elif len(came) <= part:
+                    missing += 1
+            if not missing:
+                return [(index, part) for index, part in round_ if index not in settled]
+            self._take(missing)
+
+    def _run_round(self, launched: Launched, ready: Sequence[tuple[int, int]]) -> list[StepResult]:
+        """Each of a round's frames' answer (`_await_round`): from a head on the ring as it came, or
+        through the head here, in one forward (a step at a time where that fails)."""
+        steps, wave = launched.steps, launched.wave
+        frames = [(index, launched.frames[index][part], self._came(wave, launched.frames[index][part])[part])
+                  for index, part in ready]  # fmt: skip
+        local_head = self.head
+        if local_head is None:
+            return [self._remote_logits(came, sent, steps[index]) for index, sent, came in frames]
+        for _, sent, came in frames:
             if came.kind is not sent.kind or came.position != sent.position or came.n_tokens != sent.n_tokens:
                 raise StageFailed(
                     f"the ring returned a {came.kind.name} frame at position {came.position}, {came.n_tokens} rows "
                     f"for sequence {sent.sequence_id}, sent as {sent.kind.name} at position {sent.position}"
                 )
-            whole.append(index)
-            inputs[index] = StepInput(came.sequence_id, came.position, came.hidden_states())
-
-        local_head = self.head
+        if not frames:
+            return []
+        inputs = {index: StepInput(came.sequence_id, came.position, came.hidden_states()) for index, _, came in frames}
 
         def head(indices: Sequence[int]) -> list[StepResult]:
-            assert local_head is not None
             decode = all(steps[i].decode for i in indices)
             wanted = [steps[i].logits for i in indices]
             every_row = [steps[i].every_row for i in indices]
@@ -526,13 +610,8 @@ class RingEngine(_Vocabulary):
             rows = local_head.forward([inputs[i] for i in indices], decode, wanted, every_row, row_by_row)
             return [_answer(steps[i], row) for i, row in zip(indices, rows, strict=True)]
 
-        head_range = f"the head (blocks {self._head_range[0]}-{self._head_range[1] - 1})"
-        if whole:
-            fail = _failure(head_range)
-            done = run_isolating(whole, head, lambda i, e: fail(steps[i], e), lambda i: steps[i].sequence_id)
-            for index, result in zip(whole, done, strict=True):
-                results[index] = result
-        return results
+        fail = _failure(f"the head (blocks {self._head_range[0]}-{self._head_range[1] - 1})")
+        return run_isolating(list(inputs), head, lambda i, e: fail(steps[i], e), lambda i: steps[i].sequence_id)
 
     def _remote_logits(self, came: Frame, sent: Frame, step: EngineStep) -> StepResult:
         """A step's answer from a head on the ring: its LOGITS row (or None, if the step asked for
@@ -579,7 +658,7 @@ class RingEngine(_Vocabulary):
                                   "which has nothing out")  # fmt: skip
             wave = expected.popleft()
             if wave is not None:
-                self._arrived[(wave, frame.sequence_id)] = frame
+                self._arrived.setdefault((wave, frame.sequence_id), []).append(frame)
 
     def forget(self, sequence_id: int, keep: int = 0) -> None:
         """Cut a sequence everywhere after its first `keep` rows (all by default): a CANCEL round

@@ -2,7 +2,8 @@
 
 Started by the local pipeline as `python -m kafila.runtime.engine.worker`. It loads its stage, listens,
 prints `READY <port>`, reads `NEXT <port>` on stdin, connects to its successor and serves until
-its predecessor hangs up. Frames that arrive together are run as one batched decode.
+its predecessor hangs up. Frames that arrive together are run as one batched decode, but for the
+rows of a step sent a frame a row, each passed on as soon as it is decoded (`as_decoded`).
 """
 
 from __future__ import annotations
@@ -128,6 +129,48 @@ def handle_frames(stage: RingStage, frames: Sequence[Frame]) -> list[Frame]:
     return out
 
 
+def as_decoded(frames: Sequence[Frame]) -> list[list[Frame]]:
+    """A burst of frames in the pieces a stage runs and answers one after another, so that the next
+    stage decodes a row while this one decodes the row behind it. Frames of one row of a step
+    decoded one row a decode (`Frame.row_by_row`, sent a frame a row: `engines.rows_as_decoded`)
+    go in rounds, as a stage's decodes group a step's rows (`stage._row_rounds`): round i holds
+    each sequence's i-th such frame, round 0 the burst's other hidden-state frames too. A frame
+    that does not go in a round, or would pass one of its sequence's frames there, closes the
+    rounds open and comes after them: one that is not hidden states (a CANCEL, a PING, a sampler's
+    start, an ERROR passed on), a row-by-row frame of a sequence with other hidden states open,
+    or other hidden states of a sequence with row-by-row frames open. So each sequence's frames
+    keep their order, as the host's count of answers needs."""
+    pieces: list[list[Frame]] = []
+    rounds: list[list[Frame]] = []
+    rows: dict[int, int] = {}  # sequence → its row-by-row frames in the open rounds
+    others: set[int] = set()  # sequences with other hidden-state frames in the open rounds
+
+    def close() -> None:
+        pieces.extend(rounds)
+        rounds.clear()
+        rows.clear()
+        others.clear()
+
+    for frame in frames:
+        sequence = frame.sequence_id
+        if frame.kind not in HIDDEN_KINDS:
+            close()
+            pieces.append([frame])
+            continue
+        if sequence in (others if frame.row_by_row else rows):
+            close()
+        index = rows.get(sequence, 0) if frame.row_by_row else 0
+        if frame.row_by_row:
+            rows[sequence] = index + 1
+        else:
+            others.add(sequence)
+        if index == len(rounds):
+            rounds.append([])
+        rounds[index].append(frame)
+    close()
+    return pieces
+
+
 def _unrunnable(stage: RingStage, frame: Frame) -> Exception | None:
     """Why this stage cannot run a hidden-state frame at all, found before it joins a batch."""
     if frame.hidden != stage.hidden:
@@ -149,13 +192,13 @@ def serve(stage: RingStage, upstream: socket.socket, downstream: socket.socket) 
     view = memoryview(buffer)
     while received := upstream.recv_into(buffer):
         try:
-            frames = handle_frames(stage, decoder.feed(view[:received]))
+            for piece in as_decoded(decoder.feed(view[:received])):  # a row's answer goes before the next runs
+                if frames := handle_frames(stage, piece):
+                    downstream.sendall(b"".join(frame.encode() for frame in frames))
         except (FrameError, ValueError, RuntimeError) as error:  # a stream this stage can no longer follow
             text = f"{stage.name} gave up its stream: {error}".encode()[:MAX_ERROR_TEXT]
             downstream.sendall(Frame(Kind.ERROR, STREAM_ERROR_SEQUENCE, payload=text).encode())
             return
-        if frames:
-            downstream.sendall(b"".join(frame.encode() for frame in frames))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
