@@ -562,16 +562,22 @@ def test_a_stage_counts_a_forward_one_row_a_decode_as_decodes_of_one_row() -> No
     assert timer.decode_rows == 5 and timer.rows == 5 and timer.prefill_ms_per_token is None
 
 
-def test_a_greedy_wave_behind_is_priced_one_row_a_decode() -> None:
+def test_a_greedy_wave_behind_is_priced_one_row_a_decode_its_rows_passed_on_as_decoded() -> None:
     """Drafts in flight behind a greedy wave of five rows out: at each stage five decodes of a row
-    (5 · (a + p)), not one of five (a + 5p), so the ring idles less while it travels."""
-    stages = (StageWaveCost(5.0, 1.0), StageWaveCost(5.0, 1.0), StageWaveCost(8.0, 4.0))
+    (5 · (a + p)), not one of five (a + 5p); each stage passes a row on as decoded, so on machines
+    apart the rows overlap (the first row's trip, then one row at the busiest machine a row), and
+    on one machine they go one stage after another."""
+    stages = (StageWaveCost(5.0, 1.0), StageWaveCost(5.0, 1.0), StageWaveCost(8.0, 4.0))  # 6, 6, 12 ms a row
     box = WaveCosts(stages, (0, 0, 0), 60.0)
     assert box.trip_ms(5, row_by_row=True) == pytest.approx(5 * 24.0 + 60.0)
     assert idle_behind_ms(box, [5]) == pytest.approx(60.0)  # a + 5p at each stage: 48 ms of work
     assert idle_behind_ms(box, [5], row_by_row=True) == pytest.approx(60.0)  # its trip grows as its work
-    apart = WaveCosts(stages, (0, 1, 2), 0.0)
-    assert idle_behind_ms(apart, [5], row_by_row=True) == pytest.approx(5 * 24.0 - 5 * 12.0)
+    apart = WaveCosts(stages, (0, 1, 2), 30.0)
+    assert apart.trip_ms(5, row_by_row=True) == pytest.approx(24.0 + 30.0 + 4 * 12.0)
+    assert apart.trip_ms(1, row_by_row=True) == pytest.approx(apart.trip_ms(1))
+    assert idle_behind_ms(apart, [5], row_by_row=True) == pytest.approx(24.0 - 12.0 + 30.0)
+    two = WaveCosts(stages, (0, 0, 1), 0.0)  # the first two share a machine: 12 ms a row there too
+    assert two.trip_ms(5, row_by_row=True) == pytest.approx(24.0 + 4 * 12.0)
 
 
 def test_a_verify_frame_says_whether_it_goes_one_row_a_decode_and_no_other_kind_may() -> None:

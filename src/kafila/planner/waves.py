@@ -29,6 +29,15 @@ own still out takes, of its rows' time, only what the machines do not idle while
 ahead travel, C(r₀) − max_m (each machine's work for every wave out); across homes that is most
 of a trip wherever the stages run, on loopback nothing.
 
+A greedy request's token and drafts go one row a decode at every stage, and each stage passes a
+row on as soon as it has decoded it (`engines.rows_as_decoded`), so a wave of r such rows is r
+decodes of one row at each stage (d_k = a_k + p_k each), its rows one behind the other round the
+ring: the first comes back after Σ_k d_k + L, each next one as the busiest machine frees,
+
+    C₁(r) = Σ_k d_k + L + (r − 1) · max_m Σ_{k∈S_m} d_k        r rows one a decode round the ring
+
+(on one machine, r · Σ_k d_k + L: one stage after another, as without passing rows on).
+
 Pure: the engine loop gives it the stages' measured decodes (`StageReport.decode_ms_by_rows`,
 fitted here to a_k + r·p_k), the ring's measured trip and the periods it observed.
 """
@@ -83,8 +92,15 @@ class WaveCosts:
             raise ValueError(f"the host's work a wave is finite and never negative, not {self.host_ms}")
 
     def trip_ms(self, rows: int, row_by_row: bool = False) -> float:
-        """C(r): one wave of `rows` round the ring (`row_by_row`: one row a decode at each stage)."""
-        return sum(stage.wave_ms(rows, row_by_row) for stage in self.stages) + self.ring_ms
+        """C(r): one wave of `rows` round the ring; `row_by_row`, C₁(r): one row a decode at each
+        stage, each row passed on as decoded, so the rows overlap across machines (the module's
+        formula)."""
+        if not row_by_row:
+            return sum(stage.wave_ms(rows) for stage in self.stages) + self.ring_ms
+        one_row = dict.fromkeys(self.machines, 0.0)  # each machine's decodes of one row
+        for stage, machine in zip(self.stages, self.machines, strict=True):
+            one_row[machine] += stage.wave_ms(1)
+        return sum(one_row.values()) + self.ring_ms + (rows - 1) * max(one_row.values())
 
     def period_ms(self, rows: int, waves: int) -> float:
         """P(W): how often each of `waves` waves, `rows` rows in all, comes back."""
@@ -123,7 +139,9 @@ def idle_behind_ms(costs: WaveCosts, rows_out: Sequence[int], row_by_row: bool =
     travels, C(rows_out[0]), the busiest machine works its stages' part of every wave out (and,
     at the serving host's, o a wave); the rest of the trip that machine idles, at least 0. A
     greedy request's waves go one row a decode at every stage (`row_by_row`): a wave of r rows
-    is r decodes of one there, in its trip and in each machine's work. The
+    is r decodes of one there in each machine's work, and its trip C₁(r) (its rows passed on as
+    decoded, one behind the other), so across machines the ring idles about
+    Σ_k d_k − max_m Σ_{k∈S_m} d_k + L while one wave travels, whatever its rows. The
     wire's time counts as idle, on one machine too: a PING round's work at each hop is a small
     frame's, next to a decode's, so a ring of one box at 40 ms a hop idles ~60 of ~85 ms, and on
     loopback (0 ms) about nothing. None with no wave out, or on a ring of one stage, where a wave

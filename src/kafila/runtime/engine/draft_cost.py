@@ -28,9 +28,12 @@ show often enough is priced as they show it; the others on the line through the 
 
 A greedy request's token and k drafts are k + 1 decodes of a row at every stage (exactly the
 text without drafts: `stage._decodes`), a sampled one's one decode of k + 1 rows where they fit:
-on a CPU the two cost about the same, on a GPU the first about k + 1 times the second. c is
-measured, not assumed, so it is what the ring's waves cost as they ran (where greedy and sampled
-requests draft at once, the mix of the two: not priced apart).
+on a CPU the two cost about the same, on a GPU the first about k + 1 times the second. The greedy
+rows go round a frame a row, each passed on as soon as a stage has decoded it
+(`engines.rows_as_decoded`), so on machines apart a drafted row costs about the busiest machine's
+decode of one row, not every stage's in turn. c is measured, not assumed, so it is what the
+ring's waves cost as they ran (where greedy and sampled requests draft at once, the mix of the
+two: not priced apart).
 
 `TripClock` measures T and c from the waves the engine loop lands (their drafted rows and wall
 times; nothing is sent to measure them) and d from the draft model's decodes as it drafts,
