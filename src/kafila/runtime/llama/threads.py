@@ -33,22 +33,31 @@ class ThreadFigures:
     physical_cores: int | None = None  # macOS hw.physicalcpu
 
 
-def physical_cores(cpuinfo: str) -> int | None:
-    """Distinct (package, core) pairs in /proc/cpuinfo text; None where the file says neither."""
-    cores: set[tuple[str, str]] = set()
+def _placed_cpus(cpuinfo: str) -> list[tuple[int | None, tuple[str, str]]]:
+    """Each logical CPU that /proc/cpuinfo text places on a physical core: its number (None where
+    its block has none) and that core, (package, core id), the package "0" where it is not named."""
+    placed: list[tuple[int | None, tuple[str, str]]] = []
+    processor: int | None = None
     package = core = None
     for line in [*cpuinfo.splitlines(), ""]:
         key, _, value = line.partition(":")
         key = key.strip()
-        if key == "physical id":
+        if key == "processor" and value.strip().isdigit():
+            processor = int(value)
+        elif key == "physical id":
             package = value.strip()
         elif key == "core id":
             core = value.strip()
         elif not key:
             if core is not None:
-                cores.add((package or "0", core))
-            package = core = None
-    return len(cores) or None
+                placed.append((processor, (package or "0", core)))
+            processor = package = core = None
+    return placed
+
+
+def physical_cores(cpuinfo: str) -> int | None:
+    """Distinct (package, core) pairs in /proc/cpuinfo text; None where the file says neither."""
+    return len({core for _cpu, core in _placed_cpus(cpuinfo)}) or None
 
 
 def math_threads(figures: ThreadFigures) -> int:
@@ -124,21 +133,7 @@ class CoreShare:
 def cores_by_physical(cpuinfo: str | None, usable: set[int]) -> list[tuple[int, ...]]:
     """The usable logical CPUs grouped by the physical core they are hyperthreads of, in CPU order;
     a CPU that /proc/cpuinfo does not place on a core is a core of its own."""
-    where: dict[int, tuple[str, str]] = {}
-    processor = package = core = None
-    for line in [*(cpuinfo or "").splitlines(), ""]:
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "processor" and value.strip().isdigit():
-            processor = int(value)
-        elif key == "physical id":
-            package = value.strip()
-        elif key == "core id":
-            core = value.strip()
-        elif not key:
-            if processor is not None and core is not None:
-                where[processor] = (package or "0", core)
-            processor = package = core = None
+    where = {cpu: core for cpu, core in _placed_cpus(cpuinfo or "") if cpu is not None}
     groups: dict[tuple[str, str] | int, list[int]] = {}
     for cpu in sorted(usable):
         groups.setdefault(where.get(cpu, cpu), []).append(cpu)
