@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.planner.waves import StageWaveCost, WaveCosts, idle_behind_ms
+from kafila.planner.waves import StageWaveCost, WaveCosts, idle_behind_ms, one_row_costs, wave_costs_from
 from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, StepResult
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -578,6 +578,33 @@ def test_a_greedy_wave_behind_is_priced_one_row_a_decode_its_rows_passed_on_as_d
     assert idle_behind_ms(apart, [5], row_by_row=True) == pytest.approx(24.0 - 12.0 + 30.0)
     two = WaveCosts(stages, (0, 0, 1), 0.0)  # the first two share a machine: 12 ms a row there too
     assert two.trip_ms(5, row_by_row=True) == pytest.approx(24.0 + 4 * 12.0)
+
+
+def test_a_greedy_request_s_waves_behind_are_priced_from_one_row_decodes_alone() -> None:
+    """A greedy request drafting alone makes its stages decode one row at a time and nothing else,
+    so no stage ever times a second row count and the fitted costs never come (`wave_costs_from`
+    None: its drafts in flight never went, 0 waves behind in the 40 ms edit, docs/benchmarks.md).
+    One row's decodes are all its waves' trip and work need: `one_row_costs` prices them as the
+    fitted line's a + p would, and prices no wave of several rows in one decode."""
+    points = [[(1, 6.0)], [(1, 6.0)], [(1, 12.0)]]
+    assert wave_costs_from(points, (0, 1, 2), 30.0) is None
+    costs = one_row_costs(points, (0, 1, 2), 30.0)
+    assert costs is not None and costs.one_row
+    fitted = WaveCosts((StageWaveCost(5.0, 1.0), StageWaveCost(5.0, 1.0), StageWaveCost(8.0, 4.0)), (0, 1, 2), 30.0)
+    for rows_out in ([1], [5], [3, 2]):
+        assert idle_behind_ms(costs, rows_out, row_by_row=True) == pytest.approx(
+            idle_behind_ms(fitted, rows_out, row_by_row=True)
+        )
+        assert idle_behind_ms(costs, rows_out) is None  # a sampled request's rows: one decode of several
+    assert one_row_costs([[(1, 6.0)], [(2, 9.0)]], (0, 1), 30.0) is None  # a stage with no decode of one row
+    assert one_row_costs(points, (0, 1, 2), None) is None
+    job = Job("copy", CYCLE_PROMPT, 60, SamplingSettings())  # greedy
+    plain, _ = serve(ScriptedModel(copying_cycle()), [job], Speculate.OFF)
+    box = one_row_costs([[(1, 5.0)]] * 3, (0, 0, 0), 60.0)
+    texts, batcher = serve(
+        ScriptedModel(copying_cycle()), [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT, ring_costs=box
+    )
+    assert texts == plain and batcher.speculation.waves_behind > 3 and batcher.speculation.waves_stale == 0
 
 
 def test_a_verify_frame_says_whether_it_goes_one_row_a_decode_and_no_other_kind_may() -> None:

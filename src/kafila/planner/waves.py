@@ -82,6 +82,9 @@ class WaveCosts:
     ring_ms: float
     host_machine: int | None = None  # the serving host's machine, where it runs a stage
     host_ms: float = 0.0  # o: the host's own work a wave there, beyond its stage's (`host_work_ms`)
+    # Priced from the stages' decodes of one row alone (`one_row_costs`): they price only waves
+    # that go one row a decode (`idle_behind_ms`' row_by_row), not a decode of several rows.
+    one_row: bool = False
 
     def __post_init__(self) -> None:
         if not self.stages or len(self.machines) != len(self.stages):
@@ -145,10 +148,12 @@ def idle_behind_ms(costs: WaveCosts, rows_out: Sequence[int], row_by_row: bool =
     wire's time counts as idle, on one machine too: a PING round's work at each hop is a small
     frame's, next to a decode's, so a ring of one box at 40 ms a hop idles ~60 of ~85 ms, and on
     loopback (0 ms) about nothing. None with no wave out, or on a ring of one stage, where a wave
-    behind only waits at that stage for the one ahead (nothing travels while it computes)."""
+    behind only waits at that stage for the one ahead (nothing travels while it computes), and
+    where the costs know only the stages' decodes of one row (`WaveCosts.one_row`) and the waves
+    do not go one row a decode."""
     if any(rows < 1 for rows in rows_out):
         raise ValueError(f"a wave out has a row at least, not {list(rows_out)}")
-    if not rows_out or len(costs.stages) < 2:
+    if not rows_out or len(costs.stages) < 2 or (costs.one_row and not row_by_row):
         return None
     work = dict.fromkeys(costs.machines, 0.0)
     for stage, machine in zip(costs.stages, costs.machines, strict=True):
@@ -194,3 +199,22 @@ def wave_costs_from(
     if any(stage is None for stage in fitted):
         return None
     return WaveCosts(tuple(s for s in fitted if s is not None), tuple(machines), ring_ms)
+
+
+def one_row_costs(
+    stage_points: Sequence[Sequence[tuple[int, float]]], machines: Sequence[int], ring_ms: float | None
+) -> WaveCosts | None:
+    """WaveCosts for waves that go one row a decode at every stage (`WaveCosts.one_row`): each
+    stage's measured decode of one row is all their trip and work take (`trip_ms`' C₁), so these
+    price a greedy request's drafts in flight where the stages have measured no other row count,
+    as where a greedy request alone drafts (its drafted rows go one a decode: `wave_costs_from`
+    then has no line to fit). None until every stage has measured a decode of one row, or without
+    the ring's trip."""
+    if not stage_points or ring_ms is None or len(machines) != len(stage_points):
+        return None
+    alone = [next((ms for rows, ms in points if rows == 1), None) for points in stage_points]
+    if any(ms is None for ms in alone):
+        return None
+    return WaveCosts(
+        tuple(StageWaveCost(ms, 0.0) for ms in alone if ms is not None), tuple(machines), ring_ms, one_row=True
+    )

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from kafila.contracts import StageReport
 from kafila.planner.prefill import PrefillCosts, costs_from, prefill_chunk_rows
-from kafila.planner.waves import WaveCosts, decode_waves, wave_costs_from
+from kafila.planner.waves import WaveCosts, decode_waves, one_row_costs, wave_costs_from
 from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.draft_model import DraftModel
 from kafila.runtime.engine.engines import Engine, EngineStep, Launched, SequenceFailed, StagesReport, StepResult
@@ -449,7 +449,7 @@ class EngineLoop:
                 self.prefill_costs = costs
             if waves is not None:
                 self.batcher.ring_costs = waves  # drafts in flight, priced by what the ring idles
-                if self._priced:  # else KAFILA_PIPELINE_WAVES fixes the count of decode waves
+                if self._priced and not waves.one_row:  # else KAFILA_PIPELINE_WAVES fixes the count of decode waves
                     self.wave_costs = waves
             if widest is not None:
                 self._widest_measured = widest
@@ -463,12 +463,13 @@ class EngineLoop:
         costs = costs_from([(entry.ms_per_token_alone, entry.prefill_ms_per_token) for entry in stages], trip_ms)
         machines = stage_machines(self.engine, len(stages))
         waves = None
-        if machines is not None:
-            waves = wave_costs_from([entry.decode_ms_by_rows for entry in stages], machines, trip_ms)
+        if machines is not None:  # one row's decodes alone price a greedy request's drafts in flight
+            points = [entry.decode_ms_by_rows for entry in stages]
+            waves = wave_costs_from(points, machines, trip_ms) or one_row_costs(points, machines, trip_ms)
         widest = min((max((rows for rows, _ in entry.decode_ms_by_rows), default=0) for entry in stages), default=0)
         if waves is not None and machines is not None and self.engine.head_here:
             waves = replace(waves, host_machine=machines[-1], host_ms=self._host_ms or 0.0)
-            if observed is not None:
+            if observed is not None and not waves.one_row:
                 seen = waves.host_work_ms(*observed)
                 if seen is not None:
                     self._host_ms = seen
