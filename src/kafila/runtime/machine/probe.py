@@ -412,13 +412,6 @@ def write_probe_model(path: Path, model: ProbeModel, pool: npt.NDArray[np.uint8]
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_text(path: str) -> str | None:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-
-
 def probe_threads() -> int:
     """One thread per physical math core this process may run on, as serving runs with."""
     return serving_threads()
