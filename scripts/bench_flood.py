@@ -23,10 +23,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from bench_transfer import PeakRss, bound, rss
+from bench_transfer import PeakRss, rss
+from child_link import link_to_parent, start_child
 
-from kafila.network.identity import create_identity
-from kafila.network.link import DatagramDemux, Link, LinkConfig, LinkError, open_link, should_dial
+from kafila.network.link import Link, LinkConfig, LinkError
 from kafila.session.router import TRANSFER_SEQUENCES, ChannelBounds, LinkRouter
 from kafila.wire.control import CONTROL_SEQUENCE
 from kafila.wire.frames import Frame, Kind
@@ -46,12 +46,7 @@ def unacknowledged(link: Link) -> int:
 
 # --- the child: the flooding member ---
 async def member() -> None:
-    order = json.loads(sys.stdin.readline())
-    demux = await DatagramDemux.over(bound())
-    identity = create_identity()
-    print(json.dumps({"fingerprint": identity.fingerprint, "address": demux.local_address}), flush=True)
-    dial = should_dial(identity.fingerprint, order["fingerprint"])
-    link = await open_link(demux, tuple(order["address"]), identity, order["fingerprint"], dial, CONFIG)
+    order, link, demux = await link_to_parent(CONFIG)
     frame = Frame(Kind.PING, order["sequence"], payload=b"f" * FRAME)
     sent = 0
     try:
@@ -86,26 +81,16 @@ class Run:
 async def flood(kind: str, bounded: bool, n_bytes: int) -> Run:
     config = CONFIG if bounded else CONFIG.model_copy(update={"max_held_bytes": UNBOUNDED})
     bounds = ChannelBounds() if bounded else ChannelBounds(control=UNBOUNDED, transfer=UNBOUNDED)
-    demux = await DatagramDemux.over(bound())
-    identity = create_identity()
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--member", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-    )
-    assert child.stdin is not None and child.stdout is not None
-    order = {"fingerprint": identity.fingerprint, "address": demux.local_address}
-    child.stdin.write(json.dumps({**order, "sequence": SEQUENCES[kind], "bytes": n_bytes}).encode() + b"\n")
-    await child.stdin.drain()
-    answer = json.loads(await child.stdout.readline())
-    dial = should_dial(identity.fingerprint, answer["fingerprint"])
+    child = await start_child(__file__, "--member", {"sequence": SEQUENCES[kind], "bytes": n_bytes})
     started = time.perf_counter()
     async with PeakRss() as memory:
-        link = await open_link(demux, tuple(answer["address"]), identity, answer["fingerprint"], dial, config)
+        link = await child.link(config)
         router = LinkRouter(link, "member", bounds)
-        result = json.loads(await child.stdout.readline())
+        result = await child.line()
     seconds = time.perf_counter() - started
     await router.close()
-    await child.wait()
-    demux.close()
+    await child.process.wait()
+    child.demux.close()
     grown = memory.peak - memory.start
     return Run(kind, bounded, result["sent"], grown, rss() - memory.start, result["reason"], seconds)
 

@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # helpers shared with the tests
+from linked_routers import loopback_socket
 
 from kafila.network.identity import Identity, create_identity
 from kafila.network.link import DatagramDemux, open_link
@@ -66,15 +70,8 @@ def cpu_ns_by_thread() -> dict[int, int]:
     return found
 
 
-def bound_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-    return sock
-
-
 async def counted_demux(sent: list[int]) -> tuple[DatagramDemux, socket.socket]:
-    sock = bound_socket()
+    sock = loopback_socket()
     demux = await DatagramDemux.over(sock)
 
     def tap(direction: str, _data: bytes, _address: tuple[str, int]) -> None:

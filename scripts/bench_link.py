@@ -21,15 +21,14 @@ import argparse
 import asyncio
 import cProfile
 import json
-import socket
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from child_link import link_to_parent, loopback_socket, start_child
 
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, Link, LinkConfig, open_link, should_dial
@@ -37,13 +36,6 @@ from kafila.wire.frames import DType, Frame, Kind
 
 SIZES = [(hidden, dtype) for hidden in (640, 2048, 4096) for dtype in (DType.F32, DType.F16)]
 BULK = Frame.of_hidden(Kind.PREFILL, 2, 0, np.ones((16, 4096), dtype=np.float32))  # 256 KiB
-
-
-def bound() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-    return sock
 
 
 def link_config(datagram_size: int, congestion: str) -> LinkConfig:
@@ -69,24 +61,9 @@ class _Echo(asyncio.DatagramProtocol):
 # --- the child: the peer end of a two-process link ---
 async def peer() -> None:
     """Echo DECODE frames, drain PREFILL frames on request, echo raw UDP; told what to do on stdin."""
-    order = json.loads(sys.stdin.readline())
     loop = asyncio.get_running_loop()
-    demux = await DatagramDemux.over(bound())
     echo, _ = await loop.create_datagram_endpoint(_Echo, local_addr=("127.0.0.1", 0))
-    identity = create_identity()
-    print(
-        json.dumps(
-            {
-                "fingerprint": identity.fingerprint,
-                "address": demux.local_address,
-                "echo": echo.get_extra_info("sockname")[1],
-            }
-        ),
-        flush=True,
-    )
-    dial = should_dial(identity.fingerprint, order["fingerprint"])
-    config = LinkConfig(**order["config"])
-    link = await open_link(demux, tuple(order["address"]), identity, order["fingerprint"], dial, config)
+    order, link, demux = await link_to_parent(answer={"echo": echo.get_extra_info("sockname")[1]})
     expected = received = 0
     cpu = wall = 0.0
     profile: cProfile.Profile | None = None
@@ -134,7 +111,7 @@ class Ends:
 
 
 async def one_process(config: LinkConfig) -> Ends:
-    a, b = await DatagramDemux.over(bound()), await DatagramDemux.over(bound())
+    a, b = await DatagramDemux.over(loopback_socket()), await DatagramDemux.over(loopback_socket())
     ia, ib = create_identity(), create_identity()
     dial = should_dial(ia.fingerprint, ib.fingerprint)
     la, lb = await asyncio.gather(
@@ -145,24 +122,11 @@ async def one_process(config: LinkConfig) -> Ends:
 
 
 async def two_processes(config: LinkConfig, profile: Path | None) -> Ends:
-    demux = await DatagramDemux.over(bound())
-    identity = create_identity()
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--peer", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    child = await start_child(
+        __file__, "--peer", {"config": config.model_dump(), "profile": str(profile) if profile else None}
     )
-    assert child.stdin is not None and child.stdout is not None
-    order = {
-        "fingerprint": identity.fingerprint,
-        "address": demux.local_address,
-        "config": config.model_dump(),
-        "profile": str(profile) if profile else None,
-    }
-    child.stdin.write(json.dumps(order).encode() + b"\n")
-    await child.stdin.drain()
-    answer = json.loads(await child.stdout.readline())
-    dial = should_dial(identity.fingerprint, answer["fingerprint"])
-    link = await open_link(demux, tuple(answer["address"]), identity, answer["fingerprint"], dial, config)
-    return Ends(link, demux, child=child, echo=("127.0.0.1", answer["echo"]))
+    link = await child.link(config)
+    return Ends(link, child.demux, child=child.process, echo=("127.0.0.1", child.answer["echo"]))
 
 
 async def close(ends: Ends) -> None:
@@ -203,8 +167,8 @@ async def round_trips(ends: Ends, hidden: int, dtype: DType, count: int) -> list
 async def udp_round_trips(ends: Ends, size: int, count: int) -> list[float]:
     """Raw UDP echo of `size` bytes: in this loop (one process) or through the child (two)."""
     loop = asyncio.get_running_loop()
-    a = bound()
-    b = bound() if ends.echo is None else None  # one process: echo from a second socket here
+    a = loopback_socket()
+    b = loopback_socket() if ends.echo is None else None  # one process: echo from a second socket here
     target = b.getsockname() if b is not None else ends.echo
     assert target is not None
     payload = b"x" * size

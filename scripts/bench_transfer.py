@@ -17,11 +17,11 @@ import asyncio
 import hashlib
 import json
 import os
-import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from child_link import link_to_parent, loopback_socket, start_child
 
 from kafila.network.identity import create_identity
 from kafila.network.link import DatagramDemux, Link, LinkConfig, open_link, should_dial
@@ -69,15 +69,8 @@ def make_file(path: Path, size: int) -> str:
     return digest.hexdigest()
 
 
-def bound() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-    return sock
-
-
 async def link_pair(datagram_size: int) -> tuple[Link, Link, DatagramDemux, DatagramDemux]:
-    a, b = await DatagramDemux.over(bound()), await DatagramDemux.over(bound())
+    a, b = await DatagramDemux.over(loopback_socket()), await DatagramDemux.over(loopback_socket())
     ia, ib = create_identity(), create_identity()
     dial = should_dial(ia.fingerprint, ib.fingerprint)
     config = LinkConfig(idle_timeout_s=30, keepalive_s=15, max_datagram_size=datagram_size)
@@ -106,13 +99,7 @@ async def over_quic(path: Path, sha: str, cache: Path, datagram_size: int) -> tu
 
 async def receiver() -> None:
     """The child of a two-process run: receive one stage file, then say how long it took."""
-    order = json.loads(sys.stdin.readline())
-    demux = await DatagramDemux.over(bound())
-    identity = create_identity()
-    print(json.dumps({"fingerprint": identity.fingerprint, "address": demux.local_address}), flush=True)
-    dial = should_dial(identity.fingerprint, order["fingerprint"])
-    config = LinkConfig(**order["config"])
-    link = await open_link(demux, tuple(order["address"]), identity, order["fingerprint"], dial, config)
+    order, link, demux = await link_to_parent()
     async with PeakRss() as memory:
         cpu = time.process_time()
         path = await receive_stage_file(link, Path(order["cache"]))
@@ -129,34 +116,19 @@ async def over_quic_two_processes(path: Path, sha: str, cache: Path, datagram_si
     The receiver's RSS growth is from a fresh process; the sender's is this process's, whose
     heap the one-process run before it already grew, so it reads low.
     """
-    demux = await DatagramDemux.over(bound())
-    identity = create_identity()
     config = LinkConfig(idle_timeout_s=30, keepalive_s=15, max_datagram_size=datagram_size)
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--receiver", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-    )
-    assert child.stdin is not None and child.stdout is not None
-    order = {
-        "fingerprint": identity.fingerprint,
-        "address": demux.local_address,
-        "config": config.model_dump(),
-        "cache": str(cache),
-    }
-    child.stdin.write(json.dumps(order).encode() + b"\n")
-    await child.stdin.drain()
-    answer = json.loads(await child.stdout.readline())
-    dial = should_dial(identity.fingerprint, answer["fingerprint"])
-    link = await open_link(demux, tuple(answer["address"]), identity, answer["fingerprint"], dial, config)
+    child = await start_child(__file__, "--receiver", {"config": config.model_dump(), "cache": str(cache)})
+    link = await child.link(config)
     async with PeakRss() as memory:
         cpu, started = time.process_time(), time.perf_counter()
         sent = await send_stage_file(link, path, sha, 0)  # returns once the receiver has checked the hash
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
-    report = json.loads(await child.stdout.readline())
+    report = await child.line()
     received = Path(report["path"])
     assert sent == path.stat().st_size and received.stat().st_size == sent
     await link.close()
-    await asyncio.wait_for(child.wait(), 10)
-    demux.close()
+    await asyncio.wait_for(child.process.wait(), 10)
+    child.demux.close()
     received.unlink()
     grew = f"+{memory.grew_mb:.0f} / +{report['grew_mb']:.0f} MB"
     return elapsed, grew, f"{cpu / elapsed:.2f} / {report['cpu_s'] / elapsed:.2f}"
