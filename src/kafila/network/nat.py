@@ -174,7 +174,7 @@ async def _socket(bind_host: str) -> _Client:
     return client
 
 
-def _outgoing_address(server: Address) -> str:
+def outgoing_address(server: Address) -> str:
     """The local address the system routes toward the server from (connecting UDP sends nothing)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect(server)
@@ -291,7 +291,7 @@ async def probe_nat(server: Address, bind_host: str = "0.0.0.0") -> NatReport:
         if client.transport is not None:
             client.transport.close()
     findings = _Findings(mapped.notes + filtered.notes, mapped.mapping, filtered.filtering)
-    local = (_outgoing_address(server) if local[0] == "0.0.0.0" else local[0], local[1])
+    local = (outgoing_address(server) if local[0] == "0.0.0.0" else local[0], local[1])
     behind_nat = first != local
     return NatReport(
         mapping=findings.mapping,

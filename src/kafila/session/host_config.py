@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kafila.contracts import FleetDevice, Progress
 from kafila.network.discovery import DEFAULT_DISCOVERY_PORT
+from kafila.network.nat import outgoing_address
 from kafila.planner.report import PlanReport
 from kafila.planner.types import ServingSpec
 from kafila.runtime.engine.draft_model import DraftModel
@@ -189,9 +190,7 @@ async def hash_with_progress(model: HostModel, ui: HostUi) -> str | None:
 
 def lan_address() -> str:
     """This machine's address on its default route, for the join line a person copies."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.1", 9))  # TEST-NET: nothing is sent
-            return str(probe.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+    try:
+        return outgoing_address(("192.0.2.1", 9))  # TEST-NET: nothing is sent
+    except OSError:
+        return "127.0.0.1"

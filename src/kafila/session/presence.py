@@ -28,7 +28,7 @@ from urllib.request import urlopen
 from kafila.background import in_background
 from kafila.contracts import FleetDevice, NatBehaviour
 from kafila.network.identity import Identity, create_identity
-from kafila.network.nat import NatReport, probe_nat, reflexive_address
+from kafila.network.nat import NatReport, outgoing_address, probe_nat, reflexive_address
 from kafila.portability import ignore_udp_connection_resets, run
 
 Address = tuple[str, int]
@@ -74,12 +74,6 @@ class Presence:
     capability: FleetDevice
     url: str
     stun: Address
-
-
-def _local_address_toward(server: Address) -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(server)
-        return str(probe.getsockname()[0])
 
 
 @dataclass(frozen=True)
@@ -155,7 +149,7 @@ async def present(
         sock.bind((bind_ip, 0))
         ignore_udp_connection_resets(sock)
         port = sock.getsockname()[1]
-        host_candidate = (_local_address_toward(stun) if bind_ip == "0.0.0.0" else bind_ip, port)
+        host_candidate = (outgoing_address(stun) if bind_ip == "0.0.0.0" else bind_ip, port)
         if begun is not None:
             mapped, rtt_ms = await _reflexive(sock, stun)
             reached = Reach(mapped, rtt_ms, await begun.report())
