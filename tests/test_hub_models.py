@@ -308,3 +308,14 @@ def test_a_disk_that_fills_mid_download_is_a_clear_error(hub: FakeHub, tiny_byte
         with pytest.raises(ModelFetchError, match=r"downloading Tiny-F16.gguf .* failed: .*No space left on device"):
             fetch(hub, f"{REPO}/Tiny-F16.gguf", disk / "hf")
         assert not list(disk.rglob("Tiny-F16.gguf"))  # no file by the model's name: nothing passes for it
+
+
+def test_parts_merged_onto_a_disk_that_fills_up_say_so_and_leave_nothing(
+    split_model: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
+    _whole, parts = split_model
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        assert sum(part.stat().st_size for part in parts) > 64 << 10
+        with pytest.raises(GGUFFormatError, match=r"the disk holding .* filled up while the parts were merged: free"):
+            merge_parts(parts, disk / "merged.gguf")
+        assert not list(disk.iterdir())

@@ -153,3 +153,13 @@ def test_a_disk_too_small_for_the_cut_is_refused_before_anything_is_written(tmp_
             with pytest.raises(SliceError, match=r"needs [0-9.]+KB in .*, which has [0-9.]+KB free: free some space"):
                 cut()
         assert not any(p.suffix in (".gguf", ".partial") for p in disk.rglob("*"))
+
+
+def test_a_disk_that_fills_up_during_the_cut_says_so_and_keeps_nothing(tmp_path: Path) -> None:
+    # Room for the stage's tensor data (what is checked before writing) but not its header too:
+    # the write runs out of space part way, and the cut says which disk filled and what to do.
+    model = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_blocks=4)
+    with small_disk(tmp_path / "disk", "104k") as disk:  # 106,496 bytes: the stage's data exactly
+        with pytest.raises(SliceError, match=r"the disk holding .* filled up while a stage file was written: free"):
+            block_range_file(model, 0, 2, disk)
+        assert not any(p.suffix in (".gguf", ".partial") for p in disk.rglob("*"))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -55,6 +54,7 @@ from kafila.runtime.gguf.slicer import (
     StageFile,
     StageLayout,
     StagePiece,
+    disk_full_said,
     stage_layout,
     stage_piece,
     vocabulary_piece,
@@ -284,14 +284,10 @@ def _fetch_piece(
     )
     reused = f" ({sum(int(t.nbytes) for t in here.values()) / 1e6:.1f} MB of it kept here)" if here else ""
     what_now = f"fetching {what} of {name}{reused}"
-    try:
+    with disk_full_said(out, f"{what} of {name} arrived"):
         digest = _fetch_into(remotes, runs, spans, layout, here, work, plan, what_now, progress, settings, halt)
         final = out / f"{digest}.gguf"
         os.replace(work / _STAGE, final)
-    except OSError as error:
-        if error.errno != errno.ENOSPC:
-            raise
-        raise SliceError(f"the disk holding {out} filled up while {what} of {name} arrived: {DISK_ROOM_HINT}") from None
     shutil.rmtree(work, ignore_errors=True)
     return StageFile(0, piece.first, piece.end, piece.is_head, final, digest, layout.size)
 

@@ -7,7 +7,6 @@ order, their bytes copied as they are (what `llama-gguf-split --merge` does).
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -16,8 +15,7 @@ from pathlib import Path
 from gguf import ReaderTensor
 
 from kafila.runtime.gguf.gguf_file import SPLIT_KEYS, FastGGUFReader, GGUFFormatError, RawCopyWriter, raw_value
-from kafila.runtime.gguf.slicer import _reporting_size
-from kafila.units import DISK_ROOM_HINT
+from kafila.runtime.gguf.slicer import _reporting_size, disk_full_said
 
 
 def check_parts(readers: Sequence[FastGGUFReader], names: Sequence[str]) -> list[ReaderTensor]:
@@ -51,26 +49,21 @@ def merge_parts(parts: Sequence[Path], out: Path, progress: Callable[[int, int],
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
     try:
-        with _reporting_size(partial, lambda n: progress(min(n, total), total)) if progress else nullcontext():
-            writer = RawCopyWriter(partial, arch=arch)
-            for key, field in first.fields.items():
-                if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment", *SPLIT_KEYS):
-                    continue  # the writer adds the first ones itself
-                vtype, value = raw_value(first, key)
-                writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
-            for tensor in tensors:
-                writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-            writer.close()
-        os.replace(partial, out)
-    except OSError as error:
-        if error.errno != errno.ENOSPC:
-            raise
-        raise GGUFFormatError(
-            f"the disk holding {out} filled up while the parts were merged: {DISK_ROOM_HINT}"
-        ) from None
+        with disk_full_said(out, "the parts were merged", GGUFFormatError):
+            with _reporting_size(partial, lambda n: progress(min(n, total), total)) if progress else nullcontext():
+                writer = RawCopyWriter(partial, arch=arch)
+                for key, field in first.fields.items():
+                    if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment", *SPLIT_KEYS):
+                        continue  # the writer adds the first ones itself
+                    vtype, value = raw_value(first, key)
+                    writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
+                for tensor in tensors:
+                    writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_tensors_to_file()
+                writer.close()
+            os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)
     if progress is not None:

@@ -9,6 +9,7 @@ check what it was sent.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -47,6 +48,7 @@ STAND_IN_TYPES = (3, 3, 3, 2)  # control, control, control, unknown
 # time it builds a mask.
 UNREACHED_WINDOW = 1 << 20
 SIZE_POLL_S = 0.2
+SHORT_WRITE_FULL = 1 << 20  # free bytes under which a short write means the disk filled (`disk_full_said`)
 IDENTITY_BLOCKS_KEY = "kafila.slice.identity_blocks"  # blocks run before the slice's own (families.SliceRules)
 
 """(bytes done, bytes in all) of long work on a model file: hashing it, cutting it. A model of
@@ -90,6 +92,28 @@ def file_sha256(path: Path, progress: CountProgress | None = None) -> str:
                 done += len(chunk)
                 progress(done, total)
     return digest.hexdigest()
+
+
+@contextmanager
+def disk_full_said(out: Path, doing: str, error: type[Exception] = SliceError) -> Iterator[None]:
+    """A disk that fills up while `doing` raised as `error`, saying which disk and what to do about
+    it; any other OSError as it came. Full is ENOSPC, or a short write that names no errno (numpy's
+    `tofile`, which the gguf writer writes tensors with: "8192 requested and 7072 written") with
+    less than `SHORT_WRITE_FULL` left on the disk."""
+    try:
+        yield
+    except OSError as failure:
+        if failure.errno != errno.ENOSPC and not (failure.errno is None and _free_bytes(out) < SHORT_WRITE_FULL):
+            raise
+        raise error(f"the disk holding {out} filled up while {doing}: {DISK_ROOM_HINT}") from None
+
+
+def _free_bytes(out: Path) -> int:
+    """What is free on the disk of `out`, a folder or a file still to be written (its folder's)."""
+    for place in (out, out.parent):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(place).free
+    return SHORT_WRITE_FULL  # not known: not taken for full
 
 
 @contextmanager
@@ -430,23 +454,20 @@ def _write(
     with tempfile.NamedTemporaryFile(dir=out, suffix=".partial", delete=False) as temporary:
         partial = Path(temporary.name)
     try:
-        with _reporting_size(partial, lambda n: progress(n // 2)) if progress is not None else nullcontext():
-            writer = RawCopyWriter(partial, arch=piece.arch)
-            piece.metadata(writer)
-            piece.tensors(writer, data)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-            writer.close()
-        size = partial.stat().st_size
-        hashed = None if progress is None else (lambda done, _total: progress((size + done) // 2))
-        digest = file_sha256(partial, hashed)
-        final = out / f"{digest}.gguf"
-        os.replace(partial, final)
-    except OSError as error:
-        if error.errno != errno.ENOSPC:
-            raise
-        raise SliceError(f"the disk holding {out} filled up while a stage file was written: {DISK_ROOM_HINT}") from None
+        with disk_full_said(out, "a stage file was written"):
+            with _reporting_size(partial, lambda n: progress(n // 2)) if progress is not None else nullcontext():
+                writer = RawCopyWriter(partial, arch=piece.arch)
+                piece.metadata(writer)
+                piece.tensors(writer, data)
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_tensors_to_file()
+                writer.close()
+            size = partial.stat().st_size
+            hashed = None if progress is None else (lambda done, _total: progress((size + done) // 2))
+            digest = file_sha256(partial, hashed)
+            final = out / f"{digest}.gguf"
+            os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)
     return final, digest
