@@ -54,6 +54,7 @@ from kafila.runtime.gguf.slicer import (
     StageFile,
     StageLayout,
     StagePiece,
+    check_room,
     disk_full_said,
     stage_layout,
     stage_piece,
@@ -70,7 +71,6 @@ from kafila.runtime.gguf.stage_cache import (
     trim_stage_cache,
 )
 from kafila.runtime.machine.this_machine import cache_dir as kafila_cache
-from kafila.units import DISK_ROOM_HINT, human_bytes
 
 REMOTES_FRESH_S = 60.0  # what the hub said of a file is taken again for this long (its CDN's address is signed)
 HASH_READ = 4 << 20  # the stage file is hashed in reads of this many bytes, as they land
@@ -278,7 +278,7 @@ def _fetch_piece(
     trim_partial_fetches(out, keep=work.name)
     make_room(out, layout.size)
     name = PurePosixPath(model.parts[0].path).name
-    _check_room(out, layout.size - _held(work / _STAGE), f"{what} of {name}")
+    check_room(out, layout.size - _held(work / _STAGE), f"the rest of {what} of {name}")  # before a byte is fetched
     plan = json.dumps(
         [model.model_dump(mode="json"), [asdict(run) for run in runs], settings.piece_bytes, layout.size, IN_PLACE]
     )
@@ -298,16 +298,6 @@ def _held(path: Path) -> int:
         return path.stat().st_blocks * 512
     except OSError:
         return 0
-
-
-def _check_room(out: Path, need: int, what: str) -> None:
-    """SliceError before a byte is fetched, where the disk cannot hold what is still to come."""
-    out.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out).free
-    if need > free:
-        raise SliceError(
-            f"{what} needs {human_bytes(need)} more in {out}, which has {human_bytes(free)} free: {DISK_ROOM_HINT}"
-        )
 
 
 def _kept_tensors(out: Path, model: HubModel, header: ModelHeader, needed: set[str]) -> dict[str, np.ndarray]:

@@ -434,10 +434,10 @@ def check_cuts(arch: str, n_blocks: int, value: Callable[[str], Any], cuts: Sequ
     )
 
 
-def _ensure_room(out: Path, pieces: Sequence[StagePiece], what: str) -> None:
-    """SliceError before a byte is written, where the folder's disk cannot hold the stage files."""
+def check_room(out: Path, need: int, what: str) -> None:
+    """SliceError before a byte is written, where the disk of the folder `out` has less than `need`
+    bytes free: what `what` needs, where, and what is free."""
     out.mkdir(parents=True, exist_ok=True)
-    need = sum(piece.data_bytes() for piece in pieces)
     free = shutil.disk_usage(out).free
     if need > free:
         raise SliceError(
@@ -517,7 +517,8 @@ def slice_model(
         StagePiece(reader, arch, n_blocks, first, end, index == len(counts) - 1)
         for index, (first, end) in enumerate(itertools.pairwise(bounds))
     ]
-    _ensure_room(Path(out_dir), pieces, f"cutting {source.name} into {len(counts)} stage files")
+    need = sum(piece.data_bytes() for piece in pieces)
+    check_room(Path(out_dir), need, f"cutting {source.name} into {len(counts)} stage files")
     written = _write_all(pieces, Path(out_dir), progress)
     return [
         StageFile(index, piece.first, piece.end, piece.is_head, path, digest, path.stat().st_size)
@@ -615,7 +616,7 @@ def write_stage(
     """One stage file, named by its sha256, its tensors' bytes from `data`: the same bytes whichever
     source gives them."""
     what = f"cutting blocks {piece.first}-{piece.end - 1} of {name}"
-    _ensure_room(Path(out_dir), [piece], what)
+    check_room(Path(out_dir), piece.data_bytes(), what)
     [(path, digest)] = _write_all([piece], Path(out_dir), progress, data)
     return StageFile(0, piece.first, piece.end, piece.is_head, path, digest, path.stat().st_size)
 
