@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kafila.planner.waves import StageWaveCost, WaveCosts, idle_behind_ms, one_row_costs, wave_costs_from
 from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, StepResult
+from kafila.runtime.engine.logprobs import HeadRow, token_logprob
 from kafila.runtime.engine.sampling import SamplingSettings
 from kafila.runtime.engine.speculation import (
     DRAFT_ROWS_PER_WAVE,
@@ -32,7 +33,7 @@ from kafila.runtime.engine.speculation import (
 )
 from kafila.runtime.engine.stage import StageTimer, _decodes, _outputs, _rows
 from kafila.serving.batcher import Batcher, Finished, Job, RequestEvent, TextDelta
-from kafila.wire.frames import ROW_BY_ROW_FLAG, DType, Frame, FrameDecoder, FrameError, Kind
+from kafila.wire.frames import MAX_TOP_LOGPROBS, ROW_BY_ROW_FLAG, DType, Frame, FrameDecoder, FrameError, Kind
 
 # --- n-gram drafts -------------------------------------------------------------------------
 
@@ -656,12 +657,60 @@ def test_a_rows_frame_from_a_member_is_checked() -> None:
     outside[0:4] = np.int32(9).tobytes()  # a token past the vocabulary of 4
     with pytest.raises(FrameError):
         Frame(Kind.ROWS, 1, 0, 3, 4, DType.I32, bytes(outside), 2).rows()
-    with pytest.raises(FrameError):  # log probabilities ride only on logits frames
+    with pytest.raises(FrameError, match="too short"):  # log probabilities asked, but no trailer
         FrameDecoder().feed(replace(good, logprobs=2).encode())
     with pytest.raises(FrameError):  # a top past the vocabulary
         FrameDecoder().feed(Frame(Kind.ROWS, 1, 0, 1, 4, DType.I32, bytes(8 * 5), 5).encode())
     with pytest.raises(ValueError):
         Frame.of_rows(1, 0, np.zeros((2, 4), dtype=np.float32), 0)
+
+
+@given(
+    rows=st.integers(1, MAX_DRAFT + 1),
+    vocabulary=st.integers(2, 64),
+    top=st.integers(1, 8),
+    alternatives=st.integers(0, MAX_TOP_LOGPROBS),
+    seed=st.integers(0, 2**16),
+)
+def test_a_rows_frame_carries_each_rows_log_probabilities_as_the_whole_row_gives_them(
+    rows: int, vocabulary: int, top: int, alternatives: int, seed: int
+) -> None:
+    """A head on a member's ROWS frame for a request that asks for log probabilities: the host
+    reports from it, for the token each row gives, what it reports from the whole rows."""
+    top, alternatives = min(top, vocabulary), min(alternatives, vocabulary)
+    logits = (np.random.default_rng(seed).normal(size=(rows, vocabulary)) * 4).astype(np.float32)
+    frame = Frame.of_rows(7, 30, logits, top).with_logprobs(logits, alternatives)
+    (back,) = FrameDecoder().feed(frame.encode())
+    assert back.logprobs == alternatives and np.array_equal(back.rows(), Frame.of_rows(7, 30, logits, top).rows())
+    trailer = back.rows_logprobs()
+    assert trailer is not None
+    for sent, kept, lse, ids, values in zip(logits, back.rows(), *trailer, strict=True):
+        token = int(kept.argmax())  # the greedy token, as from the whole row
+        head = HeadRow(kept, float(lse), ids, values)
+        here, there = (token_logprob(r, token, alternatives, lambda t: b"") for r in (sent, head))
+        assert there.logprob == pytest.approx(here.logprob, abs=1e-5)
+        assert [a.token for a in there.top] == [a.token for a in here.top]
+        assert [a.logprob for a in there.top] == pytest.approx([a.logprob for a in here.top], abs=1e-5)
+
+
+def test_a_rows_frames_log_probabilities_from_a_member_are_checked() -> None:
+    logits = np.arange(12, dtype=np.float32).reshape(3, 4)
+    good = Frame.of_rows(1, 0, logits, 2).with_logprobs(logits, 2)
+    assert FrameDecoder().feed(good.encode())[0].rows_logprobs() is not None
+    rows_part = 8 * 3 * 2  # the rows' top entries come first, then the trailer: 3 log-sum-exps, ids, logits
+    for payload in (good.payload[:-4], good.payload + bytes(4)):  # a length that does not hold the trailer
+        with pytest.raises(FrameError):
+            FrameDecoder().feed(replace(good, payload=payload).encode())
+    nan = bytearray(good.payload)
+    nan[rows_part + 4 : rows_part + 8] = np.float32(np.nan).tobytes()  # the second row's log-sum-exp
+    with pytest.raises(FrameError, match="not finite"):
+        FrameDecoder().feed(replace(good, payload=bytes(nan)).encode())[0].rows_logprobs()
+    twice = bytearray(good.payload)
+    twice[rows_part + 12 : rows_part + 16] = twice[rows_part + 16 : rows_part + 20]  # row 0 names one token twice
+    with pytest.raises(FrameError, match="twice"):
+        FrameDecoder().feed(replace(good, payload=bytes(twice)).encode())[0].rows_logprobs()
+    with pytest.raises(ValueError):  # logits that are not the frame's rows
+        Frame.of_rows(1, 0, logits, 2).with_logprobs(logits[:2], 2)
 
 
 @settings(deadline=None, max_examples=30)

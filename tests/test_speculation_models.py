@@ -261,8 +261,9 @@ def test_seeds_penalties_and_log_probabilities_hold_with_drafts(arch: str, tmp_p
 def test_a_head_on_a_member_checks_drafts_with_each_rows_largest_logits(arch: str, tmp_path: Path) -> None:
     """The head in a stage process, as on a member: a token and its drafts go round as a VERIFY
     frame and come back as ROWS (each row's largest logits), and greedy decoding with drafts (every
-    third wrong) writes what it writes without; a request that asks for log probabilities, or
-    whose sampler needs whole rows, drafts nothing there."""
+    third wrong) writes what it writes without. A request that asks for log probabilities drafts
+    too, its ROWS carrying each row's log-sum-exp and largest entries: the same tokens and log
+    probabilities as without drafts. One whose sampler needs whole rows drafts nothing there."""
     model = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_blocks=N_BLOCKS[arch])
     stages = cached_slices(model, halves(arch, model), tmp_path / "stages")
     engine = local_ring_engine(stages, SETTINGS, prefix_cut_of(model), model=model)
@@ -278,10 +279,23 @@ def test_a_head_on_a_member_checks_drafts_with_each_rows_largest_logits(arch: st
         drafted, batcher = drive(engine, jobs, Speculate.NGRAM, drafter=departing)
         assert drafted == plain
         assert 0 < batcher.speculation.accepted < batcher.speculation.drafted
+        asking = [Job(job.request_id, job.prompt, STEPS, GREEDY, logprobs=3) for job in jobs]
+        plain_logprobs: dict[str, list[TokenLogprob]] = {}
+        drafted_logprobs: dict[str, list[TokenLogprob]] = {}
+        for job in asking:  # alone: decoded as the same rows with drafts as without
+            plain, _ = drive(engine, [job], Speculate.OFF, logprobs=plain_logprobs)
+            drafted, batcher = drive(engine, [job], Speculate.NGRAM, drafter=departing, logprobs=drafted_logprobs)
+            assert drafted == plain
+            assert 0 < batcher.speculation.accepted < batcher.speculation.drafted
+            one, other = plain_logprobs[job.request_id], drafted_logprobs[job.request_id]
+            assert [e.token for e in one] == [e.token for e in other] and len(one) > 1
+            assert [e.logprob for e in one] == pytest.approx([e.logprob for e in other], abs=1e-5)
+            assert [[a.token for a in e.top] for e in one] == [[a.token for a in e.top] for e in other]
+            alternatives = [[a.logprob for e in entries for a in e.top] for entries in (one, other)]
+            assert alternatives[0] == pytest.approx(alternatives[1], abs=1e-5) and len(alternatives[0]) > len(one)
         whole_row = SamplingSettings(temperature=0.8, top_k=0, seed=3)  # sampled on the head itself
-        for job in (Job("0", jobs[0].prompt, 8, GREEDY, logprobs=1), Job("0", jobs[0].prompt, 8, whole_row)):
-            _, batcher = drive(engine, [job], Speculate.NGRAM, drafter=departing)
-            assert batcher.speculation.drafted == 0
+        _, batcher = drive(engine, [Job("0", jobs[0].prompt, 8, whole_row)], Speculate.NGRAM, drafter=departing)
+        assert batcher.speculation.drafted == 0
     finally:
         engine.close()
 

@@ -745,8 +745,6 @@ class Batcher:
         # A head on a member answers drafted rows with each row's largest logits (a ROWS frame):
         if job.sampling.needs_whole_row:
             return "its sampler needs whole rows, which the head on a member samples itself, one row a trip"
-        if job.logprobs is not None:
-            return "its log probabilities need each row's log-sum-exp, which a ROWS frame does not carry yet"
         return None
 
     def _paying(self, window: DraftWindow, sharing: int, guesses: bool = True) -> int:
@@ -823,7 +821,7 @@ class Batcher:
         for index, logits in enumerate(row.rows):
             token = self._pick(sequence, logits, drafts, drawn_from, index, step.position + index + 1)
             if alternatives is not None and not self._is_end(token):
-                sequence.logprobs.append(token_logprob(logits, token, alternatives, self._piece))
+                sequence.logprobs.append(token_logprob(row.for_logprobs(index), token, alternatives, self._piece))
             events += self._next_token(sequence, token)
             if self._active.get(sequence.job.request_id) is not sequence:
                 break  # it ended: its slot's cache is cut by whoever takes the slot next

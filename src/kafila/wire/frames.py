@@ -25,10 +25,11 @@ MAX_TOP = (1 << 16) - 1  # the header's `top` field
 # SAMPLER frame started for the sequence, and answer with the chosen token alone (a top-1 LOGITS
 # frame). `SamplingSettings.top_logits` never asks for this many.
 SAMPLE_ON_HEAD = MAX_TOP
-# A frame's `flags` byte, on PREFILL/DECODE frames and the LOGITS frame that answers them: 0, or
-# LOGPROBS_FLAG | k for a request that asks for log probabilities with k alternatives per token.
-# The head then appends to its LOGITS payload the row's log-sum-exp (f32) and the row's k largest
-# entries (k int32 ids, then k f32 logits), so the host can normalise what it samples from.
+# A frame's `flags` byte, on PREFILL/DECODE/VERIFY frames and the LOGITS or ROWS frame that
+# answers them: 0, or LOGPROBS_FLAG | k for a request that asks for log probabilities with k
+# alternatives per token. The head then appends to its payload each row's log-sum-exp (f32) and
+# k largest entries (k int32 ids, then k f32 logits; `_logprob_trailer`), so the host can
+# normalise what it samples from. A peer from before ROWS frames carried it refuses the flag there.
 LOGPROBS_FLAG = 0x80
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's top_logprobs; completions allow 5
 # On VERIFY frames only, beside those bits: every stage decodes the frame's rows one row a
@@ -226,33 +227,55 @@ class Frame:
         payload = np.array([token], dtype=np.int32).tobytes() + np.array([logit], dtype=np.float32).tobytes()
         return cls(Kind.LOGITS, sequence_id, position, 1, vocabulary, DType.I32, payload)
 
-    def with_logprobs(self, row: npt.NDArray[np.floating], alternatives: int) -> Frame:
-        """This LOGITS frame with what the host needs to report log probabilities of the token it
-        takes from it: the whole row's log-sum-exp, and its `alternatives` largest entries."""
-        values = np.asarray(row, dtype=np.float64).reshape(-1)
-        peak = float(values.max())
-        logsumexp = peak + float(np.log(np.exp(values - peak).sum()))
-        ids = top_ids(values, alternatives).astype(np.int32)
-        trailer = (
-            np.array([logsumexp], dtype=np.float32).tobytes() + ids.tobytes() + values[ids].astype(np.float32).tobytes()
-        )
-        return replace(self, payload=self.payload + trailer, logprobs=alternatives)
+    def with_logprobs(self, logits: npt.NDArray[np.floating], alternatives: int) -> Frame:
+        """This LOGITS (or ROWS) frame with what the host needs to report log probabilities of the
+        token it takes from each row: the whole row's log-sum-exp, and its `alternatives` largest
+        entries (`logits`: the row, or for ROWS the rows, they were chosen from)."""
+        rows = np.asarray(logits, dtype=np.float64)
+        rows = rows.reshape(1, -1) if self.kind is Kind.LOGITS else rows
+        if self.kind not in (Kind.LOGITS, Kind.ROWS) or rows.shape != (
+            self.n_tokens if self.kind is Kind.ROWS else 1,
+            self.hidden,
+        ):
+            raise ValueError(f"log probabilities of logits shaped {rows.shape} for a {self.kind.name} frame")
+        if not 0 <= alternatives <= min(MAX_TOP_LOGPROBS, self.hidden):
+            raise ValueError(f"{alternatives} log probability alternatives: 0..{MAX_TOP_LOGPROBS}")
+        return replace(self, payload=self.payload + _logprob_trailer(rows, alternatives), logprobs=alternatives)
 
     def logprob_trailer(self) -> tuple[float, npt.NDArray[np.int32], npt.NDArray[np.float32]] | None:
         """A LOGITS frame's log-sum-exp and largest entries (ids, logits), or None where the host
         asked for none; checked, since a member sent them."""
         if self.kind is not Kind.LOGITS or self.logprobs < 0:
             return None
-        k = self.logprobs
-        start = len(self.payload) - 4 - 8 * k
-        logsumexp = float(np.frombuffer(self.payload, dtype=np.float32, count=1, offset=start)[0])
-        ids = np.frombuffer(self.payload, dtype=np.int32, count=k, offset=start + 4)
-        values = np.frombuffer(self.payload, dtype=np.float32, count=k, offset=start + 4 + 4 * k)
-        if not np.isfinite(logsumexp) or not np.all(np.isfinite(values)) or np.any(values > logsumexp + 1e-3):
-            raise FrameError("a LOGITS frame's log probabilities are not finite or exceed their log-sum-exp")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.hidden or np.unique(ids).size != ids.size):
-            raise FrameError(f"a LOGITS frame's top {k} log probabilities name a token twice or outside its vocabulary")
-        return logsumexp, ids, values
+        logsumexps, ids, values = self._logprob_rows(1)
+        return float(logsumexps[0]), ids[0], values[0]
+
+    def rows_logprobs(self) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32], npt.NDArray[np.float32]] | None:
+        """A ROWS frame's log-sum-exp of each row, and each row's largest entries (ids and logits,
+        (rows, k) each), or None where the host asked for none; checked, since a member sent them."""
+        if self.kind is not Kind.ROWS or self.logprobs < 0:
+            return None
+        return self._logprob_rows(self.n_tokens)
+
+    def _logprob_rows(
+        self, rows: int
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32], npt.NDArray[np.float32]]:
+        """The trailer `_logprob_trailer` wrote for `rows` rows, checked."""
+        k, name = self.logprobs, self.kind.name
+        start = len(self.payload) - rows * (4 + 8 * k)
+        logsumexps = np.frombuffer(self.payload, dtype=np.float32, count=rows, offset=start)
+        ids = np.frombuffer(self.payload, dtype=np.int32, count=rows * k, offset=start + 4 * rows).reshape(rows, k)
+        values = np.frombuffer(self.payload, dtype=np.float32, count=rows * k, offset=start + 4 * rows * (1 + k))
+        values = values.reshape(rows, k)
+        if (
+            not np.all(np.isfinite(logsumexps)) or not np.all(np.isfinite(values))
+            or np.any(values > logsumexps[:, None] + 1e-3)
+        ):  # fmt: skip
+            raise FrameError(f"a {name} frame's log probabilities are not finite or exceed their log-sum-exp")
+        distinct = all(np.unique(row).size == k for row in ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.hidden or not distinct):
+            raise FrameError(f"a {name} frame's top {k} log probabilities name a token twice or outside its vocabulary")
+        return logsumexps, ids, values
 
     @classmethod
     def of_tokens(cls, sequence_id: int, position: int, tokens: list[int]) -> Frame:
@@ -309,6 +332,16 @@ def top_ids(row: npt.NDArray[np.floating], k: int) -> npt.NDArray[np.intp]:
     return part[np.lexsort((part, -row[part]))]
 
 
+def _logprob_trailer(rows: npt.NDArray[np.float64], alternatives: int) -> bytes:
+    """What a head appends to a LOGITS or ROWS frame for log probabilities: each row's log-sum-exp
+    (f32), then each row's `alternatives` largest entries' ids (int32), then their logits (f32)."""
+    peaks = rows.max(axis=1)
+    logsumexps = peaks + np.log(np.exp(rows - peaks[:, None]).sum(axis=1))
+    ids = np.stack([top_ids(row, alternatives) for row in rows]).astype(np.int32)
+    values = np.take_along_axis(rows, ids.astype(np.intp), axis=1)
+    return logsumexps.astype(np.float32).tobytes() + ids.tobytes() + values.astype(np.float32).tobytes()
+
+
 def logprobs_of_flags(flags: int) -> int:
     """The alternatives a header's flags ask for, or NO_LOGPROBS; FrameError on any other bits
     (ROW_BY_ROW_FLAG aside: `row_by_row_of_flags`)."""
@@ -342,14 +375,16 @@ def _validate(
     except ValueError as error:
         raise FrameError(str(error)) from None
     if logprobs >= 0:
-        if kind_ not in (*HIDDEN_KINDS, Kind.LOGITS):
-            raise FrameError(f"a {kind_.name} frame asking for log probabilities: only hidden and logits frames do")
-        if kind_ is Kind.LOGITS:
+        if kind_ not in (*HIDDEN_KINDS, Kind.LOGITS, Kind.ROWS):
+            raise FrameError(
+                f"a {kind_.name} frame asking for log probabilities: only hidden, logits and rows frames do"
+            )
+        if kind_ in (Kind.LOGITS, Kind.ROWS):
             if logprobs > hidden:
                 raise FrameError(f"{logprobs} log probability alternatives of a {hidden}-entry vocabulary")
-            length -= 4 + 8 * logprobs  # the trailer: log-sum-exp, ids, logits
+            length -= (1 if kind_ is Kind.LOGITS else n_tokens) * (4 + 8 * logprobs)  # log-sum-exp, ids, logits
             if length < 0:
-                raise FrameError(f"a LOGITS frame too short for its {logprobs} log probability alternatives")
+                raise FrameError(f"a {kind_.name} frame too short for its {logprobs} log probability alternatives")
     if length > MAX_PAYLOAD:
         raise FrameError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit")
     width_limit = MAX_VOCAB if kind_ in (Kind.LOGITS, Kind.ROWS) else MAX_HIDDEN

@@ -134,6 +134,20 @@ class EveryRowLogits:
     """The answer to an `every_row` step: row i holds the logits that follow the step's token i."""
 
     rows: Logits  # (the step's rows, vocabulary)
+    # From a head on a member, for a request that asks for log probabilities: each row's
+    # log-sum-exp and largest entries, since `rows` holds only each row's top entries.
+    head_rows: tuple[HeadRow, ...] | None = None
+
+    def for_logprobs(self, index: int) -> Logits | HeadRow:
+        """Row `index` as `token_logprob` reads it: the whole row, or a head on a member's summary."""
+        return self.rows[index] if self.head_rows is None else self.head_rows[index]
+
+    @classmethod
+    def joined(cls, parts: Sequence[EveryRowLogits]) -> EveryRowLogits:
+        """A step's answers, one for each frame it went round as (`rows_as_decoded`), as one."""
+        heads = [part.head_rows for part in parts]
+        whole = None if any(h is None for h in heads) else tuple(row for h in heads if h is not None for row in h)
+        return cls(np.concatenate([part.rows for part in parts]), whole)
 
 
 @dataclass(frozen=True)
@@ -532,7 +546,7 @@ class RingEngine(_Vocabulary):
         steps, sent = launched.steps, launched.frames
         results: list[StepResult] = [None] * len(steps)
         settled: set[int] = set()  # the steps whose result is final
-        rows: dict[int, list[Logits]] = {}  # the rows answered so far of each step sent a frame a row
+        rows: dict[int, list[EveryRowLogits]] = {}  # the rows answered so far of each step sent a frame a row
         for round_ in landing_rounds([len(frames) for frames in sent]):
             ready = self._await_round(launched, round_, results, settled)
             for (index, part), answer in zip(ready, self._run_round(launched, ready), strict=True):
@@ -543,9 +557,9 @@ class RingEngine(_Vocabulary):
                     results[index] = answer
                 else:
                     assert isinstance(answer, EveryRowLogits)  # a frame a row: only an every_row step's
-                    rows.setdefault(index, []).append(answer.rows)
+                    rows.setdefault(index, []).append(answer)
                     if part + 1 == len(sent[index]):
-                        results[index] = EveryRowLogits(np.concatenate(rows[index]))
+                        results[index] = EveryRowLogits.joined(rows[index])
         while left := sum(len(frames) - len(self._came(launched.wave, frames[0])) for frames in sent):
             self._take(left)  # the rows of a step that failed before they were all back
         for frames in sent:
@@ -619,14 +633,21 @@ class RingEngine(_Vocabulary):
         if step.every_row:
             if (
                 came.kind is not Kind.ROWS or came.position != sent.position or came.hidden != self.llama_model.n_vocab
-                or came.n_tokens != sent.n_tokens or came.top != sent.top
+                or came.n_tokens != sent.n_tokens or came.top != sent.top or came.logprobs != sent.logprobs
             ):  # fmt: skip
                 raise StageFailed(
                     f"the ring's head answered sequence {sent.sequence_id}'s {sent.n_tokens} drafted rows at position "
                     f"{sent.position} with a {came.kind.name} frame of {came.n_tokens} rows, top {came.top}, at "
-                    f"position {came.position}, width {came.hidden}"
+                    f"position {came.position}, width {came.hidden}, {came.logprobs} log probability alternatives "
+                    f"(asked: {sent.logprobs})"
                 )
-            return EveryRowLogits(came.rows())
+            rows, summaries = came.rows(), came.rows_logprobs()
+            if summaries is None:
+                return EveryRowLogits(rows)
+            heads = tuple(
+                HeadRow(row, float(lse), ids, values) for row, lse, ids, values in zip(rows, *summaries, strict=True)
+            )
+            return EveryRowLogits(rows, heads)
         if came.kind is not Kind.LOGITS or came.position != sent.position or came.hidden != self.llama_model.n_vocab:
             raise StageFailed(
                 f"the ring's head answered sequence {sent.sequence_id} at position {sent.position} with a "

@@ -45,7 +45,9 @@ def refusal(stage: RingStage, frame: Frame, error: Exception) -> Frame:
 def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
     """Hidden-state frames through the stage as one batched decode: hidden states out of a block
     stage, a LOGITS row (after each frame's last row) out of a head, or for a VERIFY frame (a token
-    and its drafts) the ROWS of each row's largest logits. A VERIFY frame marked row by row (a
+    and its drafts) the ROWS of each row's largest logits; where the request asks for log
+    probabilities, each answer carries its rows' log-sum-exp and largest entries too
+    (`Frame.with_logprobs`). A VERIFY frame marked row by row (a
     greedy request's) goes one row a decode here too, as it does at every stage
     (`stage._decodes`). A token and its drafts are timed as the decodes they ran as, as a head on
     the host times them: drafts in flight are priced by the decodes' sizes (planner.waves), and a
@@ -59,14 +61,13 @@ def _run(stage: RingStage, batch: Sequence[Frame]) -> list[Frame]:
         for frame, row in zip(batch, stage.forward(steps, decode, None, every_row, row_by_row), strict=True):
             assert row is not None  # every step's last row is asked for
             if frame.kind is Kind.VERIFY:  # handle_frames has checked its top
-                logits.append(Frame.of_rows(frame.sequence_id, frame.position, row, frame.top))
-                continue
-            if frame.top == SAMPLE_ON_HEAD:  # handle_frames has checked that the sequence has a sampler
+                answer = Frame.of_rows(frame.sequence_id, frame.position, row, frame.top)
+            elif frame.top == SAMPLE_ON_HEAD:  # handle_frames has checked that the sequence has a sampler
                 token = stage.sample(frame.sequence_id, row)
                 answer = Frame.of_choice(frame.sequence_id, frame.position, token, row[token], row.shape[0])
             else:
                 answer = Frame.of_logits(frame.sequence_id, frame.position, row, frame.top)
-            # The host sees at most part of the row: it needs the whole row's log-sum-exp to normalise.
+            # The host sees at most part of each row: it needs the whole row's log-sum-exp to normalise.
             logits.append(answer.with_logprobs(row, frame.logprobs) if frame.logprobs >= 0 else answer)
         return logits
     return [
