@@ -269,6 +269,41 @@ def test_gemma_through_three_members_drafts_an_edit_and_answers_exactly_as_witho
     assert texts["ngram"] == texts["off"]
 
 
+def test_gemma_with_the_head_on_a_member_drafts_an_edit_with_log_probabilities_as_without_drafts(
+    tmp_path: Path, gemma_path: Path
+) -> None:
+    """The real gemma-3-270m across three members, the host too small for the head: the head
+    member answers a greedy request's drafted rows with each row's largest logits and, as the
+    request asks for log probabilities, each row's log-sum-exp and top entries (a ROWS frame's
+    trailer). With n-gram drafts, the same tokens, log probabilities and alternatives as the same
+    session gives without them (one request at a time: rows decoded alone round alike)."""
+    prompt = edit_prompt(EDIT_LINES)
+    answers: dict[str, Any] = {}
+    for speculate in ("off", "ngram"):
+        extra = (*head_elsewhere(gemma_path), "--speculate", speculate)
+        with session(tmp_path / speculate, gemma_path, 3, *extra) as (host, _):
+            wait_ready(host, timeout=120)
+            client = openai.OpenAI(base_url=f"{host.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+            model = client.models.list().data[0].id
+            edit = client.completions.create(
+                model=model, prompt=prompt, max_tokens=EDIT_TOKENS // 2, temperature=0, logprobs=3
+            )
+            answers[speculate] = edit.choices[0]
+            status = status_of(host)
+            host_name = next(m["name"] for m in status["members"] if m["host"])
+            assert status["plan"]["head"] != host_name, status["plan"]
+    speculation = status["speculation"]
+    assert speculation["mode"] == "ngram" and speculation["accepted_tokens"] > 0, speculation
+    off, ngram = answers["off"], answers["ngram"]
+    assert ngram.text == off.text
+    assert off.logprobs is not None and ngram.logprobs is not None
+    assert ngram.logprobs.tokens == off.logprobs.tokens
+    assert np.allclose(ngram.logprobs.token_logprobs or [], off.logprobs.token_logprobs or [], atol=1e-4)
+    for drafted, alone in zip(ngram.logprobs.top_logprobs or [], off.logprobs.top_logprobs or [], strict=True):
+        assert drafted.keys() == alone.keys(), (drafted, alone)
+        assert np.allclose([drafted[t] for t in alone], list(alone.values()), atol=1e-4)
+
+
 def test_only_the_planned_ring_edges_come_up_and_every_stage_loads(tmp_path: Path, model: Path) -> None:
     outputs: list[str] = []
     with session(tmp_path, model, 4, outputs=outputs) as (host, _joiners):
