@@ -13,12 +13,11 @@ from hypothesis import strategies as st
 from tiny_models import write_tiny_model
 
 from kafila.contracts import MAX_REPORTED_ROW_COUNTS, StageReport
+from kafila.planner.stage_cost import StageCost
 from kafila.planner.waves import (
     MIN_GAIN,
-    StageWaveCost,
     WaveCosts,
     decode_waves,
-    fit_stage,
     idle_behind_ms,
     wave_costs_from,
 )
@@ -31,7 +30,7 @@ from kafila.wire.frames import Frame, Kind
 
 def ring(stages: list[tuple[float, float]], ring_ms: float, machines: list[int] | None = None) -> WaveCosts:
     machines = list(range(len(stages))) if machines is None else machines
-    return WaveCosts(tuple(StageWaveCost(a, p) for a, p in stages), tuple(machines), ring_ms)
+    return WaveCosts(tuple(StageCost(a, p) for a, p in stages), tuple(machines), ring_ms)
 
 
 def simulated_period_ms(costs: WaveCosts, rows: int, waves: int, cycles: int = 60) -> float:
@@ -40,7 +39,7 @@ def simulated_period_ms(costs: WaveCosts, rows: int, waves: int, cycles: int = 6
     line: wave n (n-th overall) leaves stage k at max(it left stage k-1, stage k's previous wave
     left) + its time there, and comes back to stage 0 the ring's trip after its last stage."""
     size = rows // waves
-    times = [stage.wave_ms(size) for stage in costs.stages]
+    times = [stage.batch_ms(size) for stage in costs.stages]
     left: list[list[float]] = []  # per job: when it left each stage
     for n in range(waves * cycles):
         arrives = left[n - waves][-1] + costs.ring_ms if n >= waves else 0.0
@@ -143,11 +142,11 @@ def test_the_count_chosen_is_the_least_period_or_close_to_it(
 
 
 def test_a_stage_line_is_fitted_through_its_decodes_a_busy_moment_aside() -> None:
-    assert fit_stage([(1, 25.0), (2, 30.0), (4, 40.0)]) == StageWaveCost(20.0, 5.0)
-    fitted = fit_stage([(1, 25.0), (2, 30.0), (3, 35.0), (4, 90.0), (6, 50.0)])  # 4 rows measured under load
+    assert StageCost.fit([(1, 25.0), (2, 30.0), (4, 40.0)]) == StageCost(20.0, 5.0)
+    fitted = StageCost.fit([(1, 25.0), (2, 30.0), (3, 35.0), (4, 90.0), (6, 50.0)])  # 4 rows measured under load
     assert fitted is not None and fitted.row_ms == pytest.approx(5.0) and fitted.step_ms == pytest.approx(20.0)
-    assert fit_stage([(2, 30.0), (2, 31.0)]) is None  # one size alone: no line
-    assert fit_stage([(1, 30.0), (4, 20.0)]) == StageWaveCost(25.0, 0.0)  # never a negative row
+    assert StageCost.fit([(2, 30.0), (2, 31.0)]) is None  # one size alone: no line
+    assert StageCost.fit([(1, 30.0), (4, 20.0)]) == StageCost(25.0, 0.0)  # never a negative row
     assert wave_costs_from([[(1, 25.0), (2, 30.0)], [(1, 9.0)]], [0, 1], 2.0) is None  # one stage has one size
     assert wave_costs_from([[(1, 25.0), (2, 30.0)]], [0], None) is None  # no trip measured
     costs = wave_costs_from([[(1, 25.0), (2, 30.0)], [(1, 9.0), (3, 13.0)]], [0, 1], 2.0)
@@ -181,7 +180,7 @@ def test_the_hosts_own_work_a_wave_is_read_from_a_period_its_machine_set() -> No
     of wire): two waves of two rows were priced at 47.6 ms a period but came back every 83 ms, one
     wave of four every 67. The excess, the host's own work a wave beside its head (framing, its
     event loop, the API) on the head's machine, makes one wave the faster, as measured."""
-    costs = WaveCosts((StageWaveCost(7.1, 3.0), StageWaveCost(2.0, 10.9)), (0, 1), 1.8, host_machine=1)
+    costs = WaveCosts((StageCost(7.1, 3.0), StageCost(2.0, 10.9)), (0, 1), 1.8, host_machine=1)
     assert costs.period_ms(4, 2) == pytest.approx(47.6) and decode_waves(4, costs, current=2) == 2
     seen = costs.host_work_ms(4, 2, observed_ms=83.0)
     assert seen == pytest.approx((83.0 - (2 * 2.0 + 4 * 10.9)) / 2)
@@ -191,7 +190,7 @@ def test_the_hosts_own_work_a_wave_is_read_from_a_period_its_machine_set() -> No
     assert decode_waves(4, priced, current=2) == 1
     assert costs.host_work_ms(4, 1, observed_ms=costs.trip_ms(4) * 1.02) is None  # the trip set it: o unseen
     assert costs.host_work_ms(4, 2, observed_ms=40.0) is None  # faster than priced: nothing beyond
-    member_bound = WaveCosts((StageWaveCost(40, 10), StageWaveCost(2, 1)), (0, 1), 1.0, host_machine=1)
+    member_bound = WaveCosts((StageCost(40, 10), StageCost(2, 1)), (0, 1), 1.0, host_machine=1)
     assert member_bound.host_work_ms(4, 2, observed_ms=121.0) is None  # the member's 120 ms explain it
     assert WaveCosts(costs.stages, costs.machines, 1.8).host_work_ms(4, 2, 83.0) is None  # no host stage
     # Every stage on the host's machine (a ring left with the host alone, a local ring): no other

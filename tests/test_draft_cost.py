@@ -5,6 +5,7 @@ waves take a trip plus a cost per drafted row."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 
@@ -153,6 +154,8 @@ def test_bad_figures_are_refused() -> None:
             best_window(rate, trip_ms, row_ms, 4, sharing, draft_ms=draft_ms)
     with pytest.raises(ValueError):
         TripClock().record(-1, 0.1)
+    with pytest.raises(ValueError):
+        TripClock().record(1, math.inf)  # a wave's time, which the line through the waves prices rows by
     with pytest.raises(ValueError):
         AcceptRate().landed(2, 3)
 

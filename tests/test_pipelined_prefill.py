@@ -363,7 +363,7 @@ def test_the_engine_loop_sizes_chunks_by_what_the_stages_measured(tmp_path: Path
         loop._refresh_report()
         costs = loop.prefill_costs
         assert costs is not None and len(costs.stages) == 2 and loop.ring_ms is not None and loop.ring_ms > 0
-        assert all(stage.ms_per_row > 0 and stage.step_ms > 0 for stage in costs.stages)
+        assert all(stage.row_ms > 0 and stage.step_ms > 0 for stage in costs.stages)
         assert costs.ring_ms == loop.ring_ms
         expected = prefill_chunk_rows(200, costs, 2, 64)
         loop.batcher.submit(Job("second", prompt[::-1], 1, GREEDY))

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.planner.waves import StageWaveCost, WaveCosts, idle_behind_ms, one_row_costs, wave_costs_from
+from kafila.planner.stage_cost import StageCost
+from kafila.planner.waves import WaveCosts, idle_behind_ms, one_row_costs, wave_costs_from
 from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
 from kafila.runtime.engine.engines import EngineStep, EveryRowLogits, PrefixCut, StepResult
 from kafila.runtime.engine.logprobs import HeadRow, token_logprob
@@ -261,7 +262,7 @@ class Departing(NgramDrafter):
 
 # A ring priced as never idling while a wave travels (`idle_behind_ms` 0 whatever is out): a wave
 # behind pays for all its rows' time, the most the cost rule can charge it.
-NEVER_IDLE = WaveCosts((StageWaveCost(0.0, 0.0),) * 2, (0, 1), 0.0)
+NEVER_IDLE = WaveCosts((StageCost(0.0, 0.0),) * 2, (0, 1), 0.0)
 
 
 def serve(
@@ -431,8 +432,8 @@ def test_waves_behind_go_where_the_ring_is_measured_with_stages_to_overlap() -> 
     prompt, loop = CYCLE_PROMPT, copying_cycle()
     job = Job("copy", prompt, 60, SamplingSettings())
     plain, _ = serve(ScriptedModel(loop), [job], Speculate.OFF)
-    one_stage = WaveCosts((StageWaveCost(5.0, 1.0),), (0,), 60.0)
-    box = WaveCosts((StageWaveCost(5.0, 1.0),) * 3, (0, 0, 0), 60.0)
+    one_stage = WaveCosts((StageCost(5.0, 1.0),), (0,), 60.0)
+    box = WaveCosts((StageCost(5.0, 1.0),) * 3, (0, 0, 0), 60.0)
     for costs, behind in ((None, False), (one_stage, False), (box, True)):
         texts, batcher = serve(ScriptedModel(loop), [job], Speculate.NGRAM, waves=DRAFT_WAVES_OUT, ring_costs=costs)
         assert texts == plain
@@ -568,7 +569,7 @@ def test_a_greedy_wave_behind_is_priced_one_row_a_decode_its_rows_passed_on_as_d
     (5 · (a + p)), not one of five (a + 5p); each stage passes a row on as decoded, so on machines
     apart the rows overlap (the first row's trip, then one row at the busiest machine a row), and
     on one machine they go one stage after another."""
-    stages = (StageWaveCost(5.0, 1.0), StageWaveCost(5.0, 1.0), StageWaveCost(8.0, 4.0))  # 6, 6, 12 ms a row
+    stages = (StageCost(5.0, 1.0), StageCost(5.0, 1.0), StageCost(8.0, 4.0))  # 6, 6, 12 ms a row
     box = WaveCosts(stages, (0, 0, 0), 60.0)
     assert box.trip_ms(5, row_by_row=True) == pytest.approx(5 * 24.0 + 60.0)
     assert idle_behind_ms(box, [5]) == pytest.approx(60.0)  # a + 5p at each stage: 48 ms of work
@@ -591,7 +592,7 @@ def test_a_greedy_request_s_waves_behind_are_priced_from_one_row_decodes_alone()
     assert wave_costs_from(points, (0, 1, 2), 30.0) is None
     costs = one_row_costs(points, (0, 1, 2), 30.0)
     assert costs is not None and costs.one_row
-    fitted = WaveCosts((StageWaveCost(5.0, 1.0), StageWaveCost(5.0, 1.0), StageWaveCost(8.0, 4.0)), (0, 1, 2), 30.0)
+    fitted = WaveCosts((StageCost(5.0, 1.0), StageCost(5.0, 1.0), StageCost(8.0, 4.0)), (0, 1, 2), 30.0)
     for rows_out in ([1], [5], [3, 2]):
         assert idle_behind_ms(costs, rows_out, row_by_row=True) == pytest.approx(
             idle_behind_ms(fitted, rows_out, row_by_row=True)

@@ -26,6 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kafila.planner.stage_cost import StageCost
+
 # Below this a chunk costs more a row than the linear price says: llama.cpp's CPU kernels lose
 # their batch's efficiency. gemma-3-270m whole, one thread, 1,000 rows here: in chunks of 500,
 # 10.5 s; of 128, 11.0; of 64, 12.0; of 35, 14.3-16.1 (a 2,000-token prompt in 35-row chunks
@@ -36,25 +38,10 @@ MIN_GAIN = 0.05  # a split must save this much of the unsplit time: the figures 
 
 
 @dataclass(frozen=True)
-class StagePrefillCost:
-    """One stage's price for a chunk of c rows: step_ms + c · ms_per_row."""
-
-    step_ms: float
-    ms_per_row: float
-
-    def __post_init__(self) -> None:
-        if not (self.step_ms >= 0 and self.ms_per_row >= 0 and math.isfinite(self.step_ms + self.ms_per_row)):
-            raise ValueError(f"a stage's prefill costs are finite and never negative, not {self}")
-
-    def chunk_ms(self, rows: int) -> float:
-        return self.step_ms + rows * self.ms_per_row
-
-
-@dataclass(frozen=True)
 class PrefillCosts:
     """What the host knows of its ring for a prompt: each stage's prices and the wire's time one way round."""
 
-    stages: tuple[StagePrefillCost, ...]
+    stages: tuple[StageCost, ...]
     ring_ms: float
 
     def __post_init__(self) -> None:
@@ -65,10 +52,10 @@ class PrefillCosts:
 
     def trip_ms(self, rows: int) -> float:
         """C(c): one chunk of `rows` round the ring."""
-        return sum(stage.chunk_ms(rows) for stage in self.stages) + self.ring_ms
+        return sum(stage.batch_ms(rows) for stage in self.stages) + self.ring_ms
 
     def slowest_ms(self, rows: int) -> float:
-        return max(stage.chunk_ms(rows) for stage in self.stages)
+        return max(stage.batch_ms(rows) for stage in self.stages)
 
 
 def first_token_ms(prompt_rows: int, chunk_rows: int, costs: PrefillCosts, chunks_in_flight: int) -> float:
@@ -107,5 +94,5 @@ def costs_from(stage_ms: Sequence[tuple[float | None, float | None]], ring_ms: f
     until every stage has measured a prompt's rows (a step of one row unmeasured counts as free)."""
     if not stage_ms or ring_ms is None or any(per_row is None for _, per_row in stage_ms):
         return None
-    stages = tuple(StagePrefillCost(step or 0.0, per_row or 0.0) for step, per_row in stage_ms)
+    stages = tuple(StageCost(step or 0.0, per_row or 0.0) for step, per_row in stage_ms)
     return PrefillCosts(stages, ring_ms)

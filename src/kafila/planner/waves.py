@@ -39,37 +39,18 @@ ring: the first comes back after Σ_k d_k + L, each next one as the busiest mach
 (on one machine, r · Σ_k d_k + L: one stage after another, as without passing rows on).
 
 Pure: the engine loop gives it the stages' measured decodes (`StageReport.decode_ms_by_rows`,
-fitted here to a_k + r·p_k), the ring's measured trip and the periods it observed.
+fitted to a_k + r·p_k: `StageCost.fit`), the ring's measured trip and the periods it observed.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import combinations
+
+from kafila.planner.stage_cost import StageCost
 
 MIN_GAIN = 0.05  # a new wave count must save this much of the current one's period
-
-
-@dataclass(frozen=True)
-class StageWaveCost:
-    """One stage's price for a decode of r rows: step_ms + r · row_ms."""
-
-    step_ms: float
-    row_ms: float
-
-    def __post_init__(self) -> None:
-        if not (self.step_ms >= 0 and self.row_ms >= 0 and math.isfinite(self.step_ms + self.row_ms)):
-            raise ValueError(f"a stage's decode costs are finite and never negative, not {self}")
-
-    def wave_ms(self, rows: int, row_by_row: bool = False) -> float:
-        """A decode of `rows` rows; `row_by_row`, `rows` decodes of one (a greedy request's token
-        and drafts, which every stage decodes one row a decode: `stage._decodes`)."""
-        if row_by_row:
-            return rows * (self.step_ms + self.row_ms)
-        return self.step_ms + rows * self.row_ms
 
 
 @dataclass(frozen=True)
@@ -77,7 +58,7 @@ class WaveCosts:
     """What the host knows of its ring for choosing waves: each stage's price, the machine each
     runs on (stages sharing one share its cores), and the wire's time one way round."""
 
-    stages: tuple[StageWaveCost, ...]
+    stages: tuple[StageCost, ...]
     machines: tuple[int, ...]  # one per stage: stages with the same number share a machine
     ring_ms: float
     host_machine: int | None = None  # the serving host's machine, where it runs a stage
@@ -99,10 +80,10 @@ class WaveCosts:
         stage, each row passed on as decoded, so the rows overlap across machines (the module's
         formula)."""
         if not row_by_row:
-            return sum(stage.wave_ms(rows) for stage in self.stages) + self.ring_ms
+            return sum(stage.batch_ms(rows) for stage in self.stages) + self.ring_ms
         one_row = dict.fromkeys(self.machines, 0.0)  # each machine's decodes of one row
         for stage, machine in zip(self.stages, self.machines, strict=True):
-            one_row[machine] += stage.wave_ms(1)
+            one_row[machine] += stage.batch_ms(1)
         return sum(one_row.values()) + self.ring_ms + (rows - 1) * max(one_row.values())
 
     def period_ms(self, rows: int, waves: int) -> float:
@@ -155,9 +136,10 @@ def idle_behind_ms(costs: WaveCosts, rows_out: Sequence[int], row_by_row: bool =
         raise ValueError(f"a wave out has a row at least, not {list(rows_out)}")
     if not rows_out or len(costs.stages) < 2 or (costs.one_row and not row_by_row):
         return None
+    price = StageCost.row_by_row_ms if row_by_row else StageCost.batch_ms
     work = dict.fromkeys(costs.machines, 0.0)
     for stage, machine in zip(costs.stages, costs.machines, strict=True):
-        work[machine] += sum(stage.wave_ms(rows, row_by_row) for rows in rows_out)
+        work[machine] += sum(price(stage, rows) for rows in rows_out)
     if costs.host_machine in work:
         work[costs.host_machine] += len(rows_out) * costs.host_ms
     return max(0.0, costs.trip_ms(rows_out[0], row_by_row) - max(work.values()))
@@ -176,18 +158,6 @@ def decode_waves(rows: int, costs: WaveCosts | None, current: int) -> int:
     return best if periods[best] < (1 - MIN_GAIN) * periods[current] else current
 
 
-def fit_stage(points: Sequence[tuple[int, float]]) -> StageWaveCost | None:
-    """a + r·p through a stage's (rows, median ms) decodes: the Theil–Sen line (the median slope
-    between row counts, the median intercept), which one count measured in a busy moment moves
-    little; each never below 0. None where fewer than two row counts were measured."""
-    if len({rows for rows, _ in points}) < 2:
-        return None
-    slopes = [(b_ms - a_ms) / (b - a) for (a, a_ms), (b, b_ms) in combinations(points, 2) if a != b]
-    row_ms = max(0.0, statistics.median(slopes))
-    step_ms = max(0.0, statistics.median(ms - rows * row_ms for rows, ms in points))
-    return StageWaveCost(step_ms, row_ms)
-
-
 def wave_costs_from(
     stage_points: Sequence[Sequence[tuple[int, float]]], machines: Sequence[int], ring_ms: float | None
 ) -> WaveCosts | None:
@@ -195,7 +165,7 @@ def wave_costs_from(
     measured decodes of two row counts, or without the ring's trip."""
     if not stage_points or ring_ms is None or len(machines) != len(stage_points):
         return None
-    fitted = [fit_stage(points) for points in stage_points]
+    fitted = [StageCost.fit(points) for points in stage_points]
     if any(stage is None for stage in fitted):
         return None
     return WaveCosts(tuple(s for s in fitted if s is not None), tuple(machines), ring_ms)
@@ -216,5 +186,5 @@ def one_row_costs(
     if any(ms is None for ms in alone):
         return None
     return WaveCosts(
-        tuple(StageWaveCost(ms, 0.0) for ms in alone if ms is not None), tuple(machines), ring_ms, one_row=True
+        tuple(StageCost(ms, 0.0) for ms in alone if ms is not None), tuple(machines), ring_ms, one_row=True
     )

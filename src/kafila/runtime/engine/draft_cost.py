@@ -53,9 +53,8 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from itertools import combinations
 
-from kafila.planner.waves import fit_stage
+from kafila.planner.stage_cost import StageCost
 
 # The waves a trip's cost is measured over: recent enough to follow a load that changes, enough
 # for a median to shrug off a few waves the operating system delayed.
@@ -158,7 +157,7 @@ class TripClock:
     Theil–Sen line through them (the median of the slopes between waves with different drafted
     rows), which a few delayed waves do not move, and the trip the median of the waves without
     drafts (the line's median intercept where there are few). Where the waves with drafts show two
-    counts or more and their own line (`fit_stage`) meets no drafts above the trip, the rows are
+    counts or more and their own line (`StageCost.fit`) meets no drafts above the trip, the rows are
     priced on it: what drafting adds to a wave once (`TripCost.fixed_ms`), then its slope a row.
     None until waves with two different
     numbers of drafted rows have landed, MIN_DRAFTED_WAVES of them with drafts; a row's cost (and
@@ -212,7 +211,7 @@ class TripClock:
 
     def record(self, drafted_rows: int, seconds: float) -> None:
         """A decode wave that carried `drafted_rows` drafts (all sequences together) landed after `seconds`."""
-        if drafted_rows < 0 or not seconds >= 0:
+        if drafted_rows < 0 or not 0 <= seconds < math.inf:
             raise ValueError(f"a wave of {drafted_rows} drafted rows in {seconds} s")
         wave_ms = 1e3 * seconds
         self.waves.append((drafted_rows, wave_ms))
@@ -236,10 +235,9 @@ class TripClock:
             fixed_ms *= STALE_DECAY
             seen = {rows: STALE_DECAY * ms for rows, ms in seen.items()}
         if sum(rows > 0 for rows, _ in self.waves) >= MIN_DRAFTED_WAVES:
-            slopes = [(b_ms - a_ms) / (b - a) for (a, a_ms), (b, b_ms) in combinations(self.waves, 2) if a != b]
-            if slopes:
-                row_ms = max(0.0, statistics.median(slopes))
-                fixed_ms = 0.0
+            line = StageCost.fit(self.waves)
+            if line is not None:
+                row_ms, fixed_ms = line.row_ms, 0.0
         if row_ms is None:
             return
         # The trip follows the waves without drafts where there are some, so that where drafts
@@ -250,7 +248,7 @@ class TripClock:
         else:
             trip_ms = statistics.median(ms - row_ms * rows for rows, ms in self.waves)
         trip_ms = max(trip_ms, 1e-3)
-        drafted_line = fit_stage([(rows, ms) for rows, ms in self.waves if rows > 0])
+        drafted_line = StageCost.fit([(rows, ms) for rows, ms in self.waves if rows > 0])
         if drafted_line is not None and drafted_line.step_ms > trip_ms:
             row_ms, fixed_ms = drafted_line.row_ms, drafted_line.step_ms - trip_ms
         by_count: dict[int, list[float]] = {}
