@@ -21,10 +21,12 @@ Report = TypeVar("Report", bound=BaseModel)
 
 def run_driver(client: str, driver: str, report: type[Report], *args: str) -> Report:
     """Run `driver` (a file beside this one) with `client`'s python and `args`; its last line of
-    output, read as `report`. A missing environment or a failed run fails the test, saying why."""
+    output, read as `report`. A missing environment skips the test saying what to run (as the real
+    agents' tests do: the README's test command installs neither; under CI a skip fails), and a
+    failed run fails it, saying why."""
     python = CLIENTS / client / "bin" / "python"
     if not python.exists():
-        pytest.fail(f"{client} is not installed in {python.parent.parent}: run `{INSTALL}` (.ci/run does)")
+        pytest.skip(f"{client} is not installed in {python.parent.parent}: run `{INSTALL}` (.ci/run does)")
     # Only the helpers on the path: the framework sees its own environment, not this checkout's.
     environment = {**os.environ, "PYTHONPATH": str(HELPERS)}
     done = subprocess.run(
