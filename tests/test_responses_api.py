@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ from kafila.api.responses_store import ResponseStore, StoredResponse
 from kafila.api.server import ApiConfig
 from kafila.api.tool_calls import ToolCallStream
 from kafila.runtime.engine.local_ring import open_engine
+from kafila.runtime.engine.logprobs import Alternative, TokenLogprob
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 from kafila.serving.chat_template import ReplySyntax
@@ -138,6 +140,8 @@ def test_a_call_output_finds_its_call_in_the_response_it_continues_or_is_refused
         ({"max_output_tokens": "many"}, "max_output_tokens", "integer"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "name and schema"),
         ({"background": True}, "background", "False"),
+        ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({"top_logprobs": "3"}, "top_logprobs", "valid integer"),
     ],
 )
 def test_what_this_server_cannot_do_is_refused_naming_the_field(
@@ -241,6 +245,73 @@ def test_a_reply_cut_short_is_incomplete_and_a_failure_fails() -> None:
     assert [item.type for item in empty.output] == ["message"] and empty.output_text == ""
 
 
+def test_top_logprobs_asks_for_log_probabilities_only_with_include() -> None:
+    include = ["reasoning.encrypted_content", "message.output_text.logprobs"]
+    assert body(top_logprobs=3, include=include).ask()[0].generation.alternatives == 3
+    assert body(include=include).ask()[0].generation.alternatives == 0
+    assert body(top_logprobs=3).ask()[0].generation.alternatives is None  # OpenAI sends none without include
+    assert body(top_logprobs=20).echo()["top_logprobs"] == 20 and body().echo()["top_logprobs"] == 0
+
+
+def fake_token(index: int, text: str) -> TokenLogprob:
+    piece = text.encode()
+    return TokenLogprob(index, piece, -index / 10, (Alternative(index, piece, -index / 10), Alternative(0, b"x", -9.0)))
+
+
+def logprobs_of(part_or_event: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in part_or_event.logprobs]
+
+
+def test_output_text_carries_its_own_tokens_log_probabilities_not_reasonings_or_calls() -> None:
+    """Each token is one word, space, punctuation or marker of the reply; the message's text gets
+    exactly the tokens whose text it is, whole and streamed, in each event's shape."""
+    texts = re.findall(r"</?think>|</?tool_call>|\s+|\w+|[^\w\s]", THOUGHT)
+    tokens = [fake_token(i, text) for i, text in enumerate(texts)]
+    assert "".join(texts) == THOUGHT
+    written = writer(ThinkReader(ToolCallStream(ReplySyntax.HERMES, True), False))
+    stream = written.opening()
+    for start in range(0, len(tokens), 2):
+        stream += written.delta(TextDelta("r", "".join(texts[start : start + 2]), tuple(tokens[start : start + 2])))
+    stream += written.end(Finished("r", FinishReason.STOP, 30, len(tokens)))
+    events = events_of(stream)
+    message = events[-1].response.output[1].content[0]
+    assert message.text.strip() == "Sure."
+    assert "".join(t.token for t in message.logprobs) == message.text  # its own tokens, and only those
+    assert [t.bytes for t in message.logprobs] == [list(t.token.encode()) for t in message.logprobs]
+    expected = [(t.piece.decode(), t.logprob, [(a.piece.decode(), a.logprob) for a in t.top]) for t in tokens]
+    first = texts.index("Sure")  # the reader drops the whitespace after </think>, and its token with it
+    assert logprobs_of(message) == expected[first : first + len(message.logprobs)]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [x for e in deltas for x in logprobs_of(e)] == logprobs_of(message)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert logprobs_of(done) == logprobs_of(message)
+    (part_done,) = [e for e in events if e.type == "response.content_part.done" and e.part.type == "output_text"]
+    assert part_done.part.logprobs == message.logprobs
+    whole = writer(ThinkReader(ToolCallStream(ReplySyntax.HERMES, True), False))
+    response = Response.model_validate(whole.whole(THOUGHT, Finished("r", FinishReason.STOP, 30, 20), tokens))
+    assert response.output[1].content[0].logprobs == message.logprobs
+
+
+def test_a_token_that_splits_a_character_goes_with_the_text_it_completes() -> None:
+    """The engine releases a character's text with its last byte's token: all the tokens go out
+    with it, each written as OpenAI writes a part of a character."""
+    tokens = (TokenLogprob(1, b"Caf", -0.1), TokenLogprob(2, b"\xc3", -0.2), TokenLogprob(3, b"\xa9!", -0.3))
+    written = writer()
+    events = events_of([
+        *written.opening(),
+        *written.delta(TextDelta("r", "Caf", tokens[:1])),
+        *written.delta(TextDelta("r", "é!", tokens[1:])),
+        *written.end(Finished("r", FinishReason.STOP, 3, 3)),
+    ])  # fmt: skip
+    part = events[-1].response.output[0].content[0]
+    assert part.text == "Café!" and [t.token for t in part.logprobs] == ["Caf", "bytes:\\xc3", "bytes:\\xa9\\x21"]
+    assert [t.bytes for t in part.logprobs] == [list(b"Caf"), [0xC3], [0xA9, 0x21]]
+    deltas = [logprobs_of(e) for e in events if e.type == "response.output_text.delta"]
+    assert [len(d) for d in deltas] == [1, 2]
+    plain = Response.model_validate(writer().whole("Café!", Finished("r", FinishReason.STOP, 3, 3), ()))
+    assert plain.output[0].content[0].logprobs == []  # none asked: none sent
+
+
 def test_the_store_is_bounded_in_count_and_bytes_and_says_why_an_id_is_missing() -> None:
     store = ResponseStore(max_count=2, max_bytes=2000)
 
@@ -336,6 +407,58 @@ def test_greedy_text_equals_chat_completions_whole_and_streamed(client: openai.O
     final = events[-1].response  # type: ignore[union-attr]
     assert events[-1].type == f"response.{response.status}"
     assert deltas == text and final.output_text == text
+
+
+LOGPROBS = "message.output_text.logprobs"
+
+
+def same_logprobs(got: Sequence[Any], expected: Sequence[Any], with_bytes: bool) -> None:
+    """The same tokens with the same log probabilities (to 1e-4), and the same alternatives."""
+    assert [t.token for t in got] == [t.token for t in expected]
+    assert got and all(abs(g.logprob - e.logprob) <= 1e-4 for g, e in zip(got, expected, strict=True))
+    for g, e in zip(got, expected, strict=True):
+        assert [a.token for a in g.top_logprobs] == [a.token for a in e.top_logprobs]
+        assert all(abs(a.logprob - b.logprob) <= 1e-4 for a, b in zip(g.top_logprobs, e.top_logprobs, strict=True))
+        if with_bytes:
+            assert g.bytes == e.bytes and [a.bytes for a in g.top_logprobs] == [a.bytes for a in e.top_logprobs]
+
+
+def test_log_probabilities_equal_chat_completions_whole_and_streamed(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT_CONVERSATION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content is not None
+    expected = chat.choices[0].logprobs.content
+    asked: dict[str, Any] = {
+        "model": "tiny", "instructions": "Be brief.", "input": CONVERSATION, "max_output_tokens": 12,
+        "temperature": 0, "top_logprobs": 3, "include": [LOGPROBS],
+    }  # fmt: skip
+    response = raw_create(client, **asked)
+    assert response.top_logprobs == 3
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.text == chat.choices[0].message.content and part.logprobs is not None
+    same_logprobs(part.logprobs, expected, with_bytes=True)
+    for token in part.logprobs:
+        alternatives = [a.logprob for a in token.top_logprobs]
+        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    same_logprobs(deltas, expected, with_bytes=False)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    same_logprobs(done.logprobs, expected, with_bytes=False)
+    streamed = events[-1].response.output[0].content[0]  # type: ignore[union-attr]
+    same_logprobs(streamed.logprobs, expected, with_bytes=True)
+
+
+def test_without_include_no_log_probabilities_are_sent(client: openai.OpenAI) -> None:
+    asked: dict[str, Any] = {"model": "tiny", "input": "hello", "max_output_tokens": 4, "temperature": 0}
+    response = raw_create(client, **asked, top_logprobs=2)  # OpenAI's way: top_logprobs alone asks for none
+    assert response.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+    with client.responses.stream(**asked, top_logprobs=2) as stream:
+        events = list(stream)
+    texts = [e for e in events if e.type in ("response.output_text.delta", "response.output_text.done")]
+    assert texts and all(e.logprobs == [] for e in texts)
 
 
 def test_a_stream_is_the_documented_event_sequence(host: tuple[str, Availability], client: openai.OpenAI) -> None:
@@ -455,6 +578,8 @@ BAD: list[tuple[Any, int, str | None]] = [
     ({"model": "tiny", "input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": NOPE}}}, 400,
      None),
     ({"model": "tiny", "input": "x", "max_output_tokens": 5000}, 400, "input"),
+    ({"model": "tiny", "input": "x", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, 400,
+     "top_logprobs"),
     ([1, 2], 400, None),
 ]  # fmt: skip
 

@@ -134,11 +134,7 @@ class ChatWriter(_OpenAIWriter):
     def _logprobs(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
-        content = [
-            {**chat_token(t.piece, t.logprob), "top_logprobs": [chat_token(a.piece, a.logprob) for a in t.top]}
-            for t in tokens
-        ]
-        return {"content": content, "refusal": None}
+        return {"content": token_logprobs(tokens), "refusal": None}
 
 
 @dataclass
@@ -198,3 +194,12 @@ def by_text(top: Sequence[Alternative]) -> dict[str, float]:
 
 def chat_token(piece: bytes, logprob: float) -> dict[str, Any]:
     return {"token": token_text(piece), "logprob": logprob, "bytes": list(piece)}
+
+
+def token_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """Each token with its bytes and its alternatives', as chat completions and the Responses
+    API's `output_text` parts carry them."""
+    return [
+        {**chat_token(t.piece, t.logprob), "top_logprobs": [chat_token(a.piece, a.logprob) for a in t.top]}
+        for t in tokens
+    ]

@@ -1,20 +1,66 @@
 """The Responses API's reply: output items (reasoning, a message, function calls) built as the
-reply's pieces come, whole or as the API's named events with their sequence numbers."""
+reply's pieces come, whole or as the API's named events with their sequence numbers; the text
+that reaches a message's `output_text` carries its own tokens' log probabilities where the
+request asked for them."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kafila.api.front import new_id
+from kafila.api.openai_replies import TextOffsets, token_logprobs, token_text
 from kafila.api.replies import sse
 from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, ToolCallDelta
 from kafila.runtime.engine.logprobs import TokenLogprob
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 
 Event = tuple[str, dict[str, Any]]
+
+
+def event_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """Tokens as `response.output_text.delta` and `.done` carry them: no bytes, as OpenAI's."""
+
+    def one(piece: bytes, logprob: float) -> dict[str, Any]:
+        return {"token": token_text(piece), "logprob": logprob}
+
+    return [{**one(t.piece, t.logprob), "top_logprobs": [one(a.piece, a.logprob) for a in t.top]} for t in tokens]
+
+
+@dataclass
+class TokenTexts:
+    """Which generated tokens each piece a reader makes of the text came from, so that the text
+    that reaches `output_text` carries its own tokens' log probabilities, and reasoning, call
+    arguments and the readers' markers carry none. A token sits where its text starts in the
+    generated text; a piece is found there from where the last one ended (readers pass text on
+    as the model wrote it, less their markers) and owns the tokens that start within it."""
+
+    _text: str = ""  # the generated text from where the last piece ended
+    _base: int = 0  # where `_text` starts in the whole
+    _offsets: TextOffsets = field(default_factory=TextOffsets)
+    _tokens: deque[tuple[int, TokenLogprob]] = field(default_factory=deque)
+
+    def add(self, text: str, tokens: Sequence[TokenLogprob]) -> None:
+        self._text += text
+        self._tokens.extend((self._offsets.next(token.piece), token) for token in tokens)
+
+    def owned(self, piece: str) -> tuple[TokenLogprob, ...]:
+        """The tokens of `piece`, the reader's next; none where it is not in the text (a reader
+        that rewrote it), and then the text it would have passed stays to be found."""
+        found = self._text.find(piece)
+        if found < 0:
+            return ()
+        start, end = self._base + found, self._base + found + len(piece)
+        self._text, self._base = self._text[found + len(piece) :], end
+        out = []
+        while self._tokens and self._tokens[0][0] < end:
+            offset, token = self._tokens.popleft()
+            if offset >= start:
+                out.append(token)
+        return tuple(out)
 
 
 @dataclass
@@ -25,17 +71,22 @@ class OutputItems:
     dropped unless a message follows it."""
 
     items: list[dict[str, Any]] = field(default_factory=list)
+    tokens: TokenTexts = field(default_factory=TokenTexts)
     _open: dict[str, Any] | None = None
     _space: str = ""
+    _space_tokens: tuple[TokenLogprob, ...] = ()
 
     def feed(self, pieces: Sequence[Piece]) -> list[Event]:
+        """Events for the reader's `pieces` of the text last added to `tokens`."""
         events: list[Event] = []
         for piece in pieces:
             if isinstance(piece, str):
-                events += self._text(piece)
+                events += self._text(piece, self.tokens.owned(piece))
             elif isinstance(piece, Reasoning):
+                self.tokens.owned(piece.text)
                 events += self._reasoning(piece.text)
             else:
+                self.tokens.owned(piece.arguments)
                 events += self._call(piece)
         return events
 
@@ -54,9 +105,10 @@ class OutputItems:
     def _index(self) -> int:
         return len(self.items) - 1
 
-    def _text(self, text: str, force: bool = False) -> list[Event]:
+    def _text(self, text: str, tokens: Sequence[TokenLogprob] = (), force: bool = False) -> list[Event]:
         if self._kind() != "message" and not force and not text.strip():
             self._space += text
+            self._space_tokens += tuple(tokens)
             return []
         events: list[Event] = []
         if self._kind() != "message":
@@ -65,10 +117,12 @@ class OutputItems:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             events.append(("response.content_part.added", {**self._where(), "content_index": 0, "part": part}))
             text, self._space = self._space + text, ""
+            tokens, self._space_tokens = (*self._space_tokens, *tokens), ()
         assert self._open is not None
         self._open["_text"] = self._open.get("_text", "") + text
+        self._open["_tokens"] = (*self._open.get("_tokens", ()), *tokens)
         if text:
-            delta = {**self._where(), "content_index": 0, "delta": text, "logprobs": []}
+            delta = {**self._where(), "content_index": 0, "delta": text, "logprobs": event_logprobs(tokens)}
             events.append(("response.output_text.delta", delta))
         return events
 
@@ -97,7 +151,7 @@ class OutputItems:
 
     def _begin(self, item: dict[str, Any]) -> list[Event]:
         events = self._close("completed")
-        self._space = ""
+        self._space, self._space_tokens = "", ()
         self.items.append(item)
         self._open = item
         return [*events, ("response.output_item.added", {"output_index": self._index(), "item": dict(item)})]
@@ -113,9 +167,10 @@ class OutputItems:
         self._open = None
         events: list[Event] = []
         if item["type"] == "message":
-            text = item.pop("_text", "")
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            events.append(("response.output_text.done", {**where, "content_index": 0, "text": text, "logprobs": []}))
+            text, tokens = item.pop("_text", ""), item.pop("_tokens", ())
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": token_logprobs(tokens)}
+            done = {**where, "content_index": 0, "text": text, "logprobs": event_logprobs(tokens)}
+            events.append(("response.output_text.done", done))
             events.append(("response.content_part.done", {**where, "content_index": 0, "part": part}))
             item["content"] = [part]
         elif item["type"] == "reasoning":
@@ -170,6 +225,7 @@ class ResponsesWriter:
         return body
 
     def whole(self, text: str, finished: Finished, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        self.output.tokens.add(text, logprobs)
         self._pieces(self.reader.feed(text) + self.reader.finish() if self.reader is not None else [text])
         return self._ended(finished)[1]
 
@@ -178,6 +234,7 @@ class ResponsesWriter:
                 self._event("response.in_progress", {"response": self.response("in_progress")})]  # fmt: skip
 
     def delta(self, delta: TextDelta) -> list[bytes]:
+        self.output.tokens.add(delta.text, delta.logprobs)
         return self._events(self._pieces(self.reader.feed(delta.text) if self.reader is not None else [delta.text]))
 
     def end(self, finished: Finished) -> list[bytes]:

@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictInt,
     Tag,
     TypeAdapter,
     ValidationError,
@@ -28,9 +29,11 @@ from kafila.api.front import json_body
 from kafila.api.schemas import MAX_TOOLS
 from kafila.api.schemas import FunctionDefinition as ChatFunctionDefinition
 from kafila.runtime.engine.sampling import SamplingSettings
+from kafila.wire.frames import MAX_TOP_LOGPROBS
 
 MAX_ITEMS = 4096
 BUILT_IN_TOOLS = "web_search, file_search, code_interpreter, computer use, image generation, MCP, shell"
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for log probabilities
 
 
 class _Body(BaseModel):
@@ -175,7 +178,8 @@ class ResponsesRequest(_Body):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_logprobs: Literal[0] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    include: Annotated[list[str], Field(max_length=64)] | None = None  # what it does not know, it ignores
     background: Literal[False] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     metadata: dict[str, str] | None = None
@@ -251,7 +255,12 @@ class ResponsesRequest(_Body):
             top_k=0,
             seed=secrets.randbelow(2**32),  # a fresh one: this API takes none
         )
-        return Generation(self.max_output_tokens, sampling)
+        return Generation(self.max_output_tokens, sampling, alternatives=self.logprob_alternatives())
+
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per token for `output_text`'s log probabilities, which OpenAI sends only
+        where `include` names them (`top_logprobs` alone sends none); None: none asked."""
+        return (self.top_logprobs or 0) if OUTPUT_TEXT_LOGPROBS in (self.include or ()) else None
 
     def ask(self, earlier: Sequence[Turn] = (), calls: dict[str, str] | None = None) -> tuple[ChatAsk, dict[str, str]]:
         """What it asks, after the `earlier` turns of the response it continues (whose calls are
@@ -285,6 +294,7 @@ class ResponsesRequest(_Body):
             "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice,
             "tools": [tool.wire() for tool in self.tools or []],
             "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_logprobs": self.top_logprobs or 0,
             "truncation": self.truncation or "disabled",
             "metadata": self.metadata or {},
             "user": self.user,
