@@ -37,14 +37,20 @@ def check_two_turns_with_the_tool(run: AgentRun) -> None:
     assert [(sent.call_id, sent.output) for sent in second.outputs_sent] == [(call.call_id, run.tool_returned[0])], said
 
 
-@pytest.mark.parametrize("model_kind", ["responses", "responses_streamed", "chat_completions"])
+@pytest.mark.parametrize(
+    "model_kind", ["responses", "responses_streamed", "responses_top_logprobs", "chat_completions"]
+)
 def test_openai_agents_runs_its_function_tool(codex_host: str, model_kind: str) -> None:
     """`Runner.run` on the SDK's default model (`OpenAIResponsesModel`, the Responses API), the same
-    with `Runner.run_streamed`, and on `OpenAIChatCompletionsModel`: two turns, the tool's output
-    sent in the second, then the SDK's own turn limit stops the run."""
+    with `Runner.run_streamed`, the first with `ModelSettings(top_logprobs=2)` (which the host
+    takes, with the include the SDK adds, and its stored responses repeat; the replies are calls,
+    whose tokens carry no log probabilities), and on `OpenAIChatCompletionsModel`: two turns, the
+    tool's output sent in the second, then the SDK's own turn limit stops the run."""
     run = run_driver("openai-agents", "openai_agents_driver.py", AgentRun, model_kind, f"{codex_host}/v1", KEY, CALLER)
     check_two_turns_with_the_tool(run)
     assert run.stopped_by == "MaxTurnsExceeded" and len(run.tool_received) == 2
+    expected = {"responses_top_logprobs": [2, 2], "chat_completions": []}.get(model_kind, [0, 0])
+    assert run.top_logprobs == expected, run
 
 
 def test_pydantic_ai_runs_its_tool_and_the_messages_hold_its_return(codex_host: str) -> None:

@@ -39,6 +39,7 @@ class AgentRun(BaseModel):
     tool_received: list[dict[str, JsonValue]]
     tool_returned: list[str]
     stopped_by: str
+    top_logprobs: list[int | None] = []  # as each stored response says (Responses model kinds)
 
 
 class StructuredAnswer(BaseModel):

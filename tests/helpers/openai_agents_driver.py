@@ -1,9 +1,11 @@
 """The openai-agents SDK against a Kafila host, run by its own virtual environment's python
 (`.clients/openai-agents`): `python openai_agents_driver.py MODEL_KIND BASE_URL KEY MODEL`, where
 MODEL_KIND is `responses` (the SDK's default model, on the Responses API), `responses_streamed`
-(the same with `Runner.run_streamed`, its events read to the end) or `chat_completions`
-(`OpenAIChatCompletionsModel`). An agent with one `function_tool` runs until its turn limit of 2;
-the last line printed is an `AgentRun` as JSON.
+(the same with `Runner.run_streamed`, its events read to the end), `responses_top_logprobs` (the
+first with `ModelSettings(top_logprobs=2)`, which asks for log probabilities) or
+`chat_completions` (`OpenAIChatCompletionsModel`). An agent with one `function_tool` runs until
+its turn limit of 2; the last line printed is an `AgentRun` as JSON, with what each response
+the host stored says of `top_logprobs` on the Responses model.
 
 Only the client's base URL, key and model are the host's; tracing is off (it would export each
 run to OpenAI's servers)."""
@@ -20,6 +22,7 @@ from agents import (
     AgentHooks,
     MaxTurnsExceeded,
     Model,
+    ModelSettings,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
     RunContextWrapper,
@@ -37,6 +40,7 @@ async def run(model_kind: str, base_url: str, key: str, model_name: str) -> Agen
     set_tracing_disabled(True)
     client = AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
     received: list[dict[str, Any]] = []
+    top_logprobs: list[int | None] = []
     returned: list[str] = []
 
     @function_tool
@@ -52,9 +56,11 @@ async def run(model_kind: str, base_url: str, key: str, model_name: str) -> Agen
         else OpenAIResponsesModel(model_name, client)
     )
     hooks = TurnRecorder()
+    settings = ModelSettings(top_logprobs=2) if model_kind == "responses_top_logprobs" else ModelSettings()
     agent = Agent(
-        name="forecaster", instructions="Answer with the tool.", model=model, tools=[get_weather], hooks=hooks
-    )
+        name="forecaster", instructions="Answer with the tool.", model=model, tools=[get_weather], hooks=hooks,
+        model_settings=settings,
+    )  # fmt: skip
     try:
         if model_kind == "responses_streamed":
             async for _ in Runner.run_streamed(agent, QUESTION, max_turns=2).stream_events():
@@ -72,7 +78,11 @@ async def run(model_kind: str, base_url: str, key: str, model_name: str) -> Agen
                 for item in response.output
                 if item.type == "function_call"
             ]
-    return AgentRun(turns=hooks.turns, tool_received=received, tool_returned=returned, stopped_by=stopped_by)
+        if model_kind != "chat_completions":
+            stored = [await client.responses.retrieve(r.response_id) for r in details.raw_responses if r.response_id]
+            top_logprobs = [response.top_logprobs for response in stored]
+    return AgentRun(turns=hooks.turns, tool_received=received, tool_returned=returned, stopped_by=stopped_by,
+                    top_logprobs=top_logprobs)  # fmt: skip
 
 
 class TurnRecorder(AgentHooks[Any]):
