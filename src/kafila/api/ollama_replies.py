@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from kafila.api.openai_replies import token_text
+from kafila.api.openai_replies import token_logprobs
 from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, ToolCall, ToolCallDelta
 from kafila.runtime.engine.logprobs import TokenLogprob
 from kafila.serving.batcher import Finished, RequestFailed, TextDelta
@@ -24,13 +24,6 @@ def now_iso() -> str:
 
 def line(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
-
-
-def ollama_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    def one(piece: bytes, logprob: float) -> dict[str, Any]:
-        return {"token": token_text(piece), "logprob": logprob, "bytes": list(piece)}
-
-    return [{**one(t.piece, t.logprob), "top_logprobs": [one(a.piece, a.logprob) for a in t.top]} for t in tokens]
 
 
 def call_object(call: ToolCall, index: int) -> dict[str, Any] | None:
@@ -72,7 +65,7 @@ class OllamaWriter:
         written = [c for c in (call_object(call, i) for i, call in enumerate(calls)) if c is not None]
         reply = self._envelope(content or "", reasoning if self.show_thinking else "", written)
         if self.logprobs:
-            reply["logprobs"] = ollama_logprobs(logprobs)
+            reply["logprobs"] = token_logprobs(logprobs)
         return {**reply, **self._closing(finished, streamed=False)}
 
     def opening(self) -> list[bytes]:
@@ -84,7 +77,7 @@ class OllamaWriter:
         pieces: list[Piece] = [delta.text] if self.reader is None else self.reader.feed(delta.text)
         out = self._pieces(pieces)
         if self.logprobs and delta.logprobs:
-            tokens = ollama_logprobs(delta.logprobs)
+            tokens = token_logprobs(delta.logprobs)
             if out:  # on the first line this delta makes; else on a line of their own
                 first = json.loads(out[0])
                 out[0] = line({**first, "logprobs": tokens})

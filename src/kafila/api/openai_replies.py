@@ -197,8 +197,8 @@ def chat_token(piece: bytes, logprob: float) -> dict[str, Any]:
 
 
 def token_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    """Each token with its bytes and its alternatives', as chat completions and the Responses
-    API's `output_text` parts carry them."""
+    """Each token with its bytes and its alternatives', as chat completions, the Responses API's
+    `output_text` parts and Ollama's replies carry them."""
     return [
         {**chat_token(t.piece, t.logprob), "top_logprobs": [chat_token(a.piece, a.logprob) for a in t.top]}
         for t in tokens
