@@ -53,13 +53,17 @@ def test_openai_agents_runs_its_function_tool(codex_host: str, model_kind: str) 
     assert run.top_logprobs == expected, run
 
 
-def test_pydantic_ai_runs_its_tool_and_the_messages_hold_its_return(codex_host: str) -> None:
-    """An `Agent` with a tool on `OpenAIChatModel` with the host as its provider: the run's
-    messages (`capture_run_messages`) hold the call, the tool's return under its id in the next
-    request, and that request's reply, another call, where the request limit of 2 stops the run."""
-    run = run_driver("pydantic-ai", "pydantic_ai_driver.py", AgentRun, "tool", f"{codex_host}/v1", KEY, CALLER)
+@pytest.mark.parametrize("scenario", ["tool", "responses_tool_logprobs"])
+def test_pydantic_ai_runs_its_tool_and_the_messages_hold_its_return(codex_host: str, scenario: str) -> None:
+    """An `Agent` with a tool on `OpenAIChatModel` with the host as its provider, and on
+    `OpenAIResponsesModel` asking for log probabilities (`openai_logprobs`, `openai_top_logprobs`:
+    the host takes them, and its stored responses repeat top_logprobs): the run's messages
+    (`capture_run_messages`) hold the call, the tool's return under its id in the next request, and
+    that request's reply, another call, where the request limit of 2 stops the run."""
+    run = run_driver("pydantic-ai", "pydantic_ai_driver.py", AgentRun, scenario, f"{codex_host}/v1", KEY, CALLER)
     check_two_turns_with_the_tool(run)
     assert run.stopped_by == "UsageLimitExceeded"
+    assert run.top_logprobs == ([2, 2] if scenario == "responses_tool_logprobs" else []), run
 
 
 @pytest.mark.parametrize("scenario", ["output", "native_output"])
