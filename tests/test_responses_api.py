@@ -21,6 +21,7 @@ import jsonschema
 import openai
 import pytest
 from agent_models import write_tool_caller
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field
 from serving_checks import engine_served
@@ -30,6 +31,7 @@ from waiting import until
 
 from kafila.api.asks import CallMade, Turn
 from kafila.api.errors import ApiError
+from kafila.api.openai_replies import ChatWriter
 from kafila.api.reasoning import ThinkReader
 from kafila.api.responses_replies import ResponsesWriter
 from kafila.api.responses_schemas import ResponsesRequest, param_of
@@ -52,6 +54,7 @@ TOOLS: list[Any] = [
     {"type": "function", "name": "get_weather", "description": "Forecast", "parameters": WEATHER, "strict": True},
     {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}},
 ]
+CHAT_TOOLS: list[Any] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
 CONVERSATION: list[Any] = [
     {"role": "user", "content": "hello world"},
     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "the model"}]},
@@ -262,12 +265,17 @@ def logprobs_of(part_or_event: Any) -> list[tuple[str, float, list[tuple[str, fl
     return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in part_or_event.logprobs]
 
 
+def word_tokens(text: str) -> tuple[list[str], list[TokenLogprob]]:
+    """`text` as tokens of one word, space, punctuation or marker each."""
+    texts = re.findall(r"</?think>|</?tool_call>|\s+|\w+|[^\w\s]", text)
+    assert "".join(texts) == text
+    return texts, [fake_token(i, piece) for i, piece in enumerate(texts)]
+
+
 def test_output_text_carries_its_own_tokens_log_probabilities_not_reasonings_or_calls() -> None:
     """Each token is one word, space, punctuation or marker of the reply; the message's text gets
     exactly the tokens whose text it is, whole and streamed, in each event's shape."""
-    texts = re.findall(r"</?think>|</?tool_call>|\s+|\w+|[^\w\s]", THOUGHT)
-    tokens = [fake_token(i, text) for i, text in enumerate(texts)]
-    assert "".join(texts) == THOUGHT
+    texts, tokens = word_tokens(THOUGHT)
     written = writer(ThinkReader(ToolCallStream(ReplySyntax.HERMES, True), False))
     stream = written.opening()
     for start in range(0, len(tokens), 2):
@@ -310,6 +318,48 @@ def test_a_token_that_splits_a_character_goes_with_the_text_it_completes() -> No
     assert [len(d) for d in deltas] == [1, 2]
     plain = Response.model_validate(writer().whole("Café!", Finished("r", FinishReason.STOP, 3, 3), ()))
     assert plain.output[0].content[0].logprobs == []  # none asked: none sent
+
+
+def chunks_of(stream: Sequence[bytes]) -> list[ChatCompletionChunk]:
+    """A chat completion stream's chunks as the SDK's type, up to `[DONE]`."""
+    data = [chunk.removeprefix("data: ") for chunk in b"".join(stream).decode().split("\n\n") if chunk]
+    assert data[-1] == "[DONE]"
+    return [ChatCompletionChunk.model_validate_json(chunk) for chunk in data[:-1]]
+
+
+def test_chat_content_carries_its_own_tokens_log_probabilities_not_reasonings_or_calls() -> None:
+    """Chat completions read their reply with the same `TokenTexts`: each `content` delta carries
+    exactly the tokens whose text it is; `reasoning_content` and tool-call deltas carry none, as
+    OpenAI's; the whole reply's `logprobs.content` is what the stream's content carried."""
+    texts, tokens = word_tokens(THOUGHT)
+
+    def chat_writer() -> ChatWriter:
+        return ChatWriter("chatcmpl-1", "m", True, reader=ThinkReader(ToolCallStream(ReplySyntax.HERMES, True), False))
+
+    written = chat_writer()
+    stream = written.opening()
+    for start in range(0, len(tokens), 2):
+        stream += written.delta(TextDelta("r", "".join(texts[start : start + 2]), tuple(tokens[start : start + 2])))
+    stream += written.end(Finished("r", FinishReason.STOP, 30, len(tokens)))
+    choices = [chunk.choices[0] for chunk in chunks_of(stream) if chunk.choices]
+    reasoning = [c for c in choices if (c.delta.model_extra or {}).get("reasoning_content")]
+    calls = [c for c in choices if c.delta.tool_calls]
+    assert reasoning and calls and all(c.logprobs is None for c in reasoning + calls)
+    text = "".join(c.delta.content or "" for c in choices)
+    assert text.strip() == "Sure."
+    carried = [t for c in choices if c.logprobs is not None for t in c.logprobs.content or []]
+    assert "".join(t.token for t in carried) == text  # its own tokens, and only those
+    expected = [(t.piece.decode(), t.logprob, [(a.piece.decode(), a.logprob) for a in t.top]) for t in tokens]
+    first = texts.index("Sure")  # the reader drops the whitespace after </think>, and its token with it
+    assert [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in carried] == expected[
+        first : first + len(carried)
+    ]
+    reply = ChatCompletion.model_validate(
+        chat_writer().whole(THOUGHT, Finished("r", FinishReason.STOP, 30, 20), tokens)
+    )
+    choice = reply.choices[0]
+    assert choice.message.content == "Sure." and choice.message.tool_calls and choice.finish_reason == "tool_calls"
+    assert choice.logprobs is not None and choice.logprobs.content == carried
 
 
 def test_the_store_is_bounded_in_count_and_bytes_and_says_why_an_id_is_missing() -> None:
@@ -431,11 +481,7 @@ def test_log_probabilities_equal_chat_completions_whole_and_streamed(client: ope
     computed after a cached prefix differ in their logits' rounding (by up to 0.03 in a log
     probability on this random model, chat completions against themselves)."""
     tools: dict[str, Any] = {"tools": TOOLS} if with_tools else {}
-    chat_tools: dict[str, Any] = (
-        {"tools": [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]}
-        if with_tools
-        else {}
-    )
+    chat_tools: dict[str, Any] = {"tools": CHAT_TOOLS} if with_tools else {}
     client.chat.completions.create(model="tiny", messages=CHAT_CONVERSATION, max_tokens=1, **chat_tools)
     chat = client.chat.completions.create(
         model="tiny", messages=CHAT_CONVERSATION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
@@ -466,6 +512,29 @@ def test_log_probabilities_equal_chat_completions_whole_and_streamed(client: ope
     same_logprobs(done.logprobs, expected, with_bytes=False)
     streamed = events[-1].response.output[0].content[0]  # type: ignore[union-attr]
     same_logprobs(streamed.logprobs, expected, with_bytes=True)
+
+
+def test_chat_streamed_with_tools_offered_carries_the_whole_replys_log_probabilities(client: openai.OpenAI) -> None:
+    """With tools offered the reply is read for calls (text: the random model never calls); the
+    stream's content deltas carry the tokens the whole reply's content does (to 1e-4), which are
+    every token generated. The prompt is computed once first, as above."""
+    client.chat.completions.create(model="tiny", messages=CHAT_CONVERSATION, max_tokens=1, tools=CHAT_TOOLS)
+    asked: dict[str, Any] = {
+        "model": "tiny", "messages": CHAT_CONVERSATION, "max_tokens": 12, "temperature": 0, "logprobs": True,
+        "top_logprobs": 3, "tools": CHAT_TOOLS,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**asked)
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0
+    choice = whole.choices[0]
+    assert not choice.message.tool_calls and choice.logprobs is not None and choice.logprobs.content is not None
+    expected = choice.logprobs.content
+    assert len(expected) == whole.usage.completion_tokens
+    assert b"".join(bytes(t.bytes or []) for t in expected).decode(errors="replace") == choice.message.content
+    chunks = [chunk for chunk in client.chat.completions.create(**asked, stream=True) if chunk.choices]
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == choice.message.content
+    streamed = [t for chunk in chunks if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content or []]
+    same_logprobs(streamed, expected, with_bytes=True)
 
 
 def test_without_include_no_log_probabilities_are_sent(client: openai.OpenAI) -> None:

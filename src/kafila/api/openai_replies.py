@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kafila.api.replies import sse
-from kafila.api.tool_calls import Piece, Reasoning, ReplyReader
+from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, whole_reply
 from kafila.runtime.engine.logprobs import Alternative, TokenLogprob
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 
@@ -53,6 +54,48 @@ class TextOffsets:
 
 
 @dataclass
+class TokenTexts:
+    """Which generated tokens each piece a reader makes of the text came from, so that the text
+    that reaches a message's content (chat completions' `content`, the Responses API's
+    `output_text`) carries its own tokens' log probabilities, and reasoning, call arguments and
+    the readers' markers carry none. A token sits where its text starts in the generated text; a
+    piece is found there from where the last one ended (readers pass text on as the model wrote
+    it, less their markers) and owns the tokens that start within it."""
+
+    _text: str = ""  # the generated text from where the last piece ended
+    _base: int = 0  # where `_text` starts in the whole
+    _offsets: TextOffsets = field(default_factory=TextOffsets)
+    _tokens: deque[tuple[int, TokenLogprob]] = field(default_factory=deque)
+
+    def add(self, text: str, tokens: Sequence[TokenLogprob]) -> None:
+        self._text += text
+        self._tokens.extend((self._offsets.next(token.piece), token) for token in tokens)
+
+    def of(self, piece: Piece) -> tuple[TokenLogprob, ...]:
+        """The tokens the reader's next piece carries: text its own; reasoning and a call's
+        arguments none (theirs are passed over)."""
+        if isinstance(piece, str):
+            return self._owned(piece)
+        self._owned(piece.text if isinstance(piece, Reasoning) else piece.arguments)
+        return ()
+
+    def _owned(self, piece: str) -> tuple[TokenLogprob, ...]:
+        """The tokens that start within `piece`; none where it is not in the text (a reader that
+        rewrote it), and then the text it would have passed stays to be found."""
+        found = self._text.find(piece)
+        if found < 0:
+            return ()
+        start, end = self._base + found, self._base + found + len(piece)
+        self._text, self._base = self._text[found + len(piece) :], end
+        out = []
+        while self._tokens and self._tokens[0][0] < end:
+            offset, token = self._tokens.popleft()
+            if offset >= start:
+                out.append(token)
+        return tuple(out)
+
+
+@dataclass
 class _OpenAIWriter:
     """What both of OpenAI's shapes share: the envelope, usage, the error event and `[DONE]`."""
 
@@ -84,15 +127,20 @@ class _OpenAIWriter:
 class ChatWriter(_OpenAIWriter):
     """`chat.completion` and its chunks; the reader, where there is one, splits the text into
     content, reasoning (`reasoning_content`, as llama.cpp's and vLLM's servers send it) and tool
-    calls."""
+    calls, and only the content carries its tokens' log probabilities (`tokens` finds them), as
+    OpenAI's."""
 
     reader: ReplyReader | None = None
+    tokens: TokenTexts = field(default_factory=TokenTexts)
 
     def whole(self, text: str, finished: Finished, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         reason = finished.reason.value
         if self.reader is not None:
-            message["content"], reasoning, calls = self.reader.read_whole(text)
+            self.tokens.add(text, logprobs)
+            pieces = self.reader.feed(text) + self.reader.finish()
+            logprobs = [token for piece in pieces for token in self.tokens.of(piece)]
+            message["content"], reasoning, calls = whole_reply(pieces)
             if reasoning:
                 message["reasoning_content"] = reasoning
             if calls:
@@ -107,6 +155,7 @@ class ChatWriter(_OpenAIWriter):
     def delta(self, delta: TextDelta) -> list[bytes]:
         if self.reader is None:
             return [self._chunk({"content": delta.text}, self._logprobs(delta.logprobs))]
+        self.tokens.add(delta.text, delta.logprobs)
         return self._pieces(self.reader.feed(delta.text))
 
     def end(self, finished: Finished) -> list[bytes]:
@@ -119,8 +168,9 @@ class ChatWriter(_OpenAIWriter):
     def _pieces(self, pieces: list[Piece]) -> list[bytes]:
         out = []
         for piece in pieces:
+            tokens = self.tokens.of(piece)
             if isinstance(piece, str):
-                out.append(self._chunk({"content": piece}, self._logprobs(())))
+                out.append(self._chunk({"content": piece}, self._logprobs(tokens)))
             elif isinstance(piece, Reasoning):
                 out.append(self._chunk({"reasoning_content": piece.text}, None))
             else:

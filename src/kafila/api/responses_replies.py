@@ -6,13 +6,12 @@ request asked for them."""
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kafila.api.front import new_id
-from kafila.api.openai_replies import TextOffsets, token_logprobs, token_text
+from kafila.api.openai_replies import TokenTexts, token_logprobs, token_text
 from kafila.api.replies import sse
 from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, ToolCallDelta
 from kafila.runtime.engine.logprobs import TokenLogprob
@@ -28,39 +27,6 @@ def event_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
         return {"token": token_text(piece), "logprob": logprob}
 
     return [{**one(t.piece, t.logprob), "top_logprobs": [one(a.piece, a.logprob) for a in t.top]} for t in tokens]
-
-
-@dataclass
-class TokenTexts:
-    """Which generated tokens each piece a reader makes of the text came from, so that the text
-    that reaches `output_text` carries its own tokens' log probabilities, and reasoning, call
-    arguments and the readers' markers carry none. A token sits where its text starts in the
-    generated text; a piece is found there from where the last one ended (readers pass text on
-    as the model wrote it, less their markers) and owns the tokens that start within it."""
-
-    _text: str = ""  # the generated text from where the last piece ended
-    _base: int = 0  # where `_text` starts in the whole
-    _offsets: TextOffsets = field(default_factory=TextOffsets)
-    _tokens: deque[tuple[int, TokenLogprob]] = field(default_factory=deque)
-
-    def add(self, text: str, tokens: Sequence[TokenLogprob]) -> None:
-        self._text += text
-        self._tokens.extend((self._offsets.next(token.piece), token) for token in tokens)
-
-    def owned(self, piece: str) -> tuple[TokenLogprob, ...]:
-        """The tokens of `piece`, the reader's next; none where it is not in the text (a reader
-        that rewrote it), and then the text it would have passed stays to be found."""
-        found = self._text.find(piece)
-        if found < 0:
-            return ()
-        start, end = self._base + found, self._base + found + len(piece)
-        self._text, self._base = self._text[found + len(piece) :], end
-        out = []
-        while self._tokens and self._tokens[0][0] < end:
-            offset, token = self._tokens.popleft()
-            if offset >= start:
-                out.append(token)
-        return tuple(out)
 
 
 @dataclass
@@ -80,13 +46,12 @@ class OutputItems:
         """Events for the reader's `pieces` of the text last added to `tokens`."""
         events: list[Event] = []
         for piece in pieces:
+            tokens = self.tokens.of(piece)
             if isinstance(piece, str):
-                events += self._text(piece, self.tokens.owned(piece))
+                events += self._text(piece, tokens)
             elif isinstance(piece, Reasoning):
-                self.tokens.owned(piece.text)
                 events += self._reasoning(piece.text)
             else:
-                self.tokens.owned(piece.arguments)
                 events += self._call(piece)
         return events
 

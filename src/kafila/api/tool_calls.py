@@ -359,8 +359,7 @@ class ReplyReader:
     def read_whole(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
         """A whole reply's content (None if there is none besides the calls), reasoning and calls:
         what a stream of it sends, put together."""
-        content, reasoning, calls = gather(self.feed(text) + self.finish())
-        return ((content.strip() or None) if calls else content), reasoning.strip(), calls
+        return whole_reply(self.feed(text) + self.finish())
 
     def _step(self, out: list[Piece], final: bool) -> bool:
         raise NotImplementedError
@@ -513,6 +512,13 @@ class ToolCallStream(ReplyReader):
     def _emit_text(self, out: list[Piece], text: str) -> None:
         if text and not (self.calls and text.isspace()):  # the newlines between calls are no content
             out.append(text)
+
+
+def whole_reply(pieces: Sequence[Piece]) -> tuple[str | None, str, list[ToolCall]]:
+    """A whole reply's content (None if there is none besides the calls), reasoning and calls,
+    from all the pieces a reader made of it."""
+    content, reasoning, calls = gather(pieces)
+    return ((content.strip() or None) if calls else content), reasoning.strip(), calls
 
 
 def gather(pieces: Sequence[Piece]) -> tuple[str, str, list[ToolCall]]:
