@@ -33,9 +33,11 @@ from kafila.api.asks import CallMade, Turn
 from kafila.api.errors import ApiError
 from kafila.api.openai_replies import ChatWriter
 from kafila.api.reasoning import ThinkReader
+from kafila.api.requests import prepare_chat
 from kafila.api.responses_replies import ResponsesWriter
 from kafila.api.responses_schemas import ResponsesRequest, param_of
 from kafila.api.responses_store import ResponseStore, StoredResponse
+from kafila.api.schemas import ChatRequest
 from kafila.api.server import ApiConfig
 from kafila.api.tool_calls import ToolCallStream
 from kafila.runtime.engine.local_ring import open_engine
@@ -514,18 +516,27 @@ def test_log_probabilities_equal_chat_completions_whole_and_streamed(client: ope
     same_logprobs(streamed.logprobs, expected, with_bytes=True)
 
 
-def test_chat_streamed_with_tools_offered_carries_the_whole_replys_log_probabilities(client: openai.OpenAI) -> None:
+def test_chat_streamed_with_tools_offered_carries_the_whole_replys_log_probabilities(
+    host: tuple[str, Availability], client: openai.OpenAI
+) -> None:
     """With tools offered the reply is read for calls (text: the random model never calls); the
-    stream's content deltas carry the tokens the whole reply's content does (to 1e-4), which are
-    every token generated. The prompt is computed once first, as above."""
-    client.chat.completions.create(model="tiny", messages=CHAT_CONVERSATION, max_tokens=1, tools=CHAT_TOOLS)
+    stream's content deltas carry the tokens the whole reply's content does (to 1e-4), every token
+    generated, and where the texts are the same, the same as the prompt's ids sent to
+    /v1/completions (no reader, no grammar) give. The prompt is computed once first, as above, so
+    that each request reuses it alike."""
     asked: dict[str, Any] = {
         "model": "tiny", "messages": CHAT_CONVERSATION, "max_tokens": 12, "temperature": 0, "logprobs": True,
         "top_logprobs": 3, "tools": CHAT_TOOLS,
     }  # fmt: skip
+    ring = host[1].ring
+    assert ring is not None
+    prepared = prepare_chat(ChatRequest.model_validate(asked).ask(), ring.template)
+    assert prepared.reader is not None
+    prompt = ring.tokenize(prepared.text, prepared.add_bos, True)
+    client.chat.completions.create(model="tiny", messages=CHAT_CONVERSATION, max_tokens=1, tools=CHAT_TOOLS)
     whole = client.chat.completions.create(**asked)
-    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
-    assert whole.usage.prompt_tokens_details.cached_tokens > 0
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(prompt)
+    assert whole.usage.prompt_tokens_details is not None and whole.usage.prompt_tokens_details.cached_tokens > 0
     choice = whole.choices[0]
     assert not choice.message.tool_calls and choice.logprobs is not None and choice.logprobs.content is not None
     expected = choice.logprobs.content
@@ -535,6 +546,18 @@ def test_chat_streamed_with_tools_offered_carries_the_whole_replys_log_probabili
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == choice.message.content
     streamed = [t for chunk in chunks if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content or []]
     same_logprobs(streamed, expected, with_bytes=True)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+    assert plain.usage is not None and plain.usage.prompt_tokens_details is not None
+    assert plain.usage.prompt_tokens_details.cached_tokens > 0
+    logprobs = plain.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.token_logprobs is not None
+    # The tools' grammar holds the text to whole characters, so the texts part where the random
+    # model's likeliest token would not continue one; up to there they are the same tokens.
+    same = 0
+    while same < min(len(expected), len(logprobs.tokens)) and logprobs.tokens[same] == expected[same].token:
+        same += 1
+    assert same > 0
+    assert all(abs(p - t.logprob) <= 1e-4 for p, t in zip(logprobs.token_logprobs[:same], expected[:same], strict=True))
 
 
 def test_without_include_no_log_probabilities_are_sent(client: openai.OpenAI) -> None:
