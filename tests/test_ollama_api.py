@@ -19,8 +19,10 @@ import ollama
 import openai
 import pytest
 from serving_checks import serving_in_thread
+from test_responses_api import THOUGHT
 from tiny_models import write_tiny_model
 from waiting import until
+from word_tokens import word_tokens
 
 from kafila.api.asks import ChatAsk, TextAsk
 from kafila.api.errors import ApiError
@@ -220,6 +222,43 @@ def test_tool_calls_go_out_whole_with_their_arguments_as_objects() -> None:
     assert "tool_calls" not in cut["message"] and cut["done_reason"] == "length"
 
 
+def test_log_probabilities_cover_every_generated_token_thinkings_and_calls_too() -> None:
+    """Ollama's server gives each line the log probabilities of the tokens it read for it before
+    its parser splits them into `content`, `thinking` and `tool_calls` (a line of their own while
+    the parser holds text back) and the whole reply all of them: every generated token, markers
+    included, unlike chat completions' and the Responses API's, whose content carries only its own.
+    Each delta's tokens ride on the first line it makes, or on one of their own."""
+    texts, tokens = word_tokens(THOUGHT)
+
+    def chat_writer() -> OllamaWriter:
+        reader = ThinkReader(ToolCallStream(ReplySyntax.HERMES, True), False)
+        return OllamaWriter("chat-5", "m", True, reader, show_thinking=True, logprobs=True)
+
+    def logprobs_of(tokens: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs or ()]) for t in tokens]
+
+    expected = [(t.piece.decode(), t.logprob, [(a.piece.decode(), a.logprob) for a in t.top]) for t in tokens]
+    written, out, deltas = chat_writer(), list[bytes](), 0
+    for start in range(0, len(tokens), 2):
+        made = written.delta(TextDelta("chat-5", "".join(texts[start : start + 2]), tuple(tokens[start : start + 2])))
+        deltas += 1
+        assert made and ollama.ChatResponse.model_validate_json(made[0]).logprobs  # on the first line it made
+        out += made
+    out += written.end(Finished("chat-5", FinishReason.STOP, 30, len(tokens)))
+    lines = [ollama.ChatResponse.model_validate(line) for line in _lines(out)]
+    assert "".join(line.message.thinking or "" for line in lines) == "Look it up."
+    assert "".join(line.message.content or "" for line in lines).strip() == "Sure."
+    assert [c.function.name for line in lines for c in line.message.tool_calls or ()] == ["get_time"]
+    assert sum(1 for line in lines if line.logprobs) == deltas
+    streamed = logprobs_of(t for line in lines for t in line.logprobs or ())
+    assert streamed == expected  # the thinking's, the markers', the text's and the call's
+    whole = ollama.ChatResponse.model_validate(
+        chat_writer().whole(THOUGHT, Finished("chat-5", FinishReason.STOP, 30, len(tokens)), tokens)
+    )
+    assert whole.message.thinking == "Look it up." and whole.message.tool_calls
+    assert logprobs_of(whole.logprobs or ()) == expected
+
+
 def test_generate_s_shape_and_a_failure_mid_stream_as_a_last_error_line() -> None:
     writer = OllamaWriter("gen-1", "m", False, None)
     lines = _lines(
@@ -288,6 +327,19 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield running
 
 
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The tiny random qwen3 with Qwen 3's template opening `<think>` for the model, as QwQ's and
+    DeepSeek-R1's do: what it writes is thinking until it writes `</think>`."""
+    opening = "{{- '<|im_start|>assistant\\n' }}"
+    assert QWEN3_TEMPLATE.count(opening) == 1
+    template = QWEN3_TEMPLATE.replace(opening, "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    path = tmp_path_factory.mktemp("ollama") / "thinker.gguf"
+    write_tiny_model(path, "qwen3", n_blocks=2, chat_template=template)
+    with served(path, "qwen3", "tiny-thinker", TOOLS_CONTEXT) as running:
+        yield running
+
+
 def test_list_show_ps_and_version_describe_the_served_model(gemma: Served) -> None:
     client = gemma.client()
     listed = client.list().models
@@ -352,6 +404,28 @@ def test_log_probabilities_whole_and_streamed(gemma: Served) -> None:
     streamed = [t for part in parts for t in part.logprobs or ()]
     assert [t.token for t in streamed] == [t.token for t in tokens]
     assert "logprobs" not in client.chat(GEMMA, CONVERSATION, options=options).model_dump(exclude_none=True)
+
+
+def test_log_probabilities_cover_the_thinking_as_ollamas_do(thinker: Served) -> None:
+    """A reply that is all thinking (the template opened it; the random model does not close it in
+    12 tokens) carries a log probability for each generated token, as Ollama's server does, where
+    chat completions' content would carry none; streamed the same tokens (to 1e-4). The prompt is
+    computed once first, so that both requests reuse it from the cache (a prompt computed whole
+    and one after a cached prefix differ by up to 0.03 in a log probability on a random model)."""
+    client = thinker.client()
+    ask = [{"role": "user", "content": "Why?"}]
+    client.chat("tiny-thinker", ask, think=True, options={"num_predict": 1})
+    options = {"temperature": 0, "num_predict": 12}
+    whole = client.chat("tiny-thinker", ask, think=True, options=options, logprobs=True, top_logprobs=2)
+    assert whole.message.thinking and not whole.message.content and whole.done_reason == "length"
+    tokens = whole.logprobs or []
+    assert len(tokens) == whole.eval_count == 12 and all(len(t.top_logprobs or ()) == 2 for t in tokens)
+    assert "".join(t.token for t in tokens) == whole.message.thinking
+    parts = list(client.chat("tiny-thinker", ask, think=True, options=options, logprobs=True, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == whole.message.thinking
+    streamed = [t for part in parts for t in part.logprobs or ()]
+    assert [t.token for t in streamed] == [t.token for t in tokens]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in tokens], abs=1e-4)
 
 
 def test_stop_strings_seed_and_a_load_request(gemma: Served) -> None:

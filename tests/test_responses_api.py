@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from serving_checks import engine_served
 from test_tool_calls import QWEN_TEMPLATE, SETTINGS, WEATHER
 from tiny_models import write_tiny_model
 from waiting import until
+from word_tokens import word_tokens
 
 from kafila.api.asks import CallMade, Turn
 from kafila.api.errors import ApiError
@@ -41,7 +41,7 @@ from kafila.api.schemas import ChatRequest
 from kafila.api.server import ApiConfig
 from kafila.api.tool_calls import ToolCallStream
 from kafila.runtime.engine.local_ring import open_engine
-from kafila.runtime.engine.logprobs import Alternative, TokenLogprob
+from kafila.runtime.engine.logprobs import TokenLogprob
 from kafila.runtime.llama.model import ContextSettings
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 from kafila.serving.chat_template import ReplySyntax
@@ -258,20 +258,8 @@ def test_top_logprobs_asks_for_log_probabilities_only_with_include() -> None:
     assert body(top_logprobs=20).echo()["top_logprobs"] == 20 and body().echo()["top_logprobs"] == 0
 
 
-def fake_token(index: int, text: str) -> TokenLogprob:
-    piece = text.encode()
-    return TokenLogprob(index, piece, -index / 10, (Alternative(index, piece, -index / 10), Alternative(0, b"x", -9.0)))
-
-
 def logprobs_of(part_or_event: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
     return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in part_or_event.logprobs]
-
-
-def word_tokens(text: str) -> tuple[list[str], list[TokenLogprob]]:
-    """`text` as tokens of one word, space, punctuation or marker each."""
-    texts = re.findall(r"</?think>|</?tool_call>|\s+|\w+|[^\w\s]", text)
-    assert "".join(texts) == text
-    return texts, [fake_token(i, piece) for i, piece in enumerate(texts)]
 
 
 def test_output_text_carries_its_own_tokens_log_probabilities_not_reasonings_or_calls() -> None:

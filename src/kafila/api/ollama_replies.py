@@ -43,7 +43,10 @@ class OllamaWriter:
     """`/api/chat`'s and `/api/generate`'s reply, whole or as JSON lines. The reader, where there
     is one, splits the text into content, reasoning (`thinking`, shown where `think` is not
     false) and tool calls, which go out whole, each once its arguments are written, as Ollama's
-    do. The last line has `done: true`, the reason, and Ollama's counters (durations in ns)."""
+    do. The last line has `done: true`, the reason, and Ollama's counters (durations in ns).
+    Log probabilities cover every generated token, reasoning's, calls' and markers' too, as
+    Ollama's server attaches them before its parser splits the text: each delta's ride on the
+    first line it makes, or on one of their own (OpenAI's dialects give content its own only)."""
 
     request_id: str
     model: str  # the name the client asked for
