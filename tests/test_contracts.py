@@ -19,6 +19,7 @@ from kafila.contracts import (
     SessionStatus,
     SpeculationStatus,
     StageReport,
+    StagesCover,
 )
 from kafila.runtime.engine.ring import StageFailed, ring_stats
 from kafila.wire.frames import Frame, Kind
@@ -117,6 +118,7 @@ def a_ring_status() -> HostStatus:
         model="tiny", ready=True, context_per_sequence=256, tokens_per_s=12.5,
         requests_by_dialect={"openai chat": 3, "anthropic messages": 1},
         stages=[StageReport(range=(0, 4), ms_per_token=3.0, ms_per_token_alone=3.25, steps_alone=20)],
+        stages_cover=StagesCover(requests=4, generated_tokens=96),
         incidents=[Incident(what="the ring broke", detail="the link to gone is down", at=1.0)],
         speculation=SpeculationStatus(
             mode="ngram", drafted_tokens=40, accepted_tokens=30, trips=10, accepted_per_trip=3.0, mean_window=4.0,

@@ -15,11 +15,12 @@ from urllib.request import Request, urlopen
 
 import openai
 import pytest
-from host_process import Host, running_host
+from host_process import Host, report_covers_requests, running_host
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.shared_params import ResponseFormatText
 from serving_checks import check_concurrent_streams, unsplit_greedy, unsplit_text
 from tiny_models import write_tiny_model
+from waiting import until
 
 from kafila.contracts import SpeculationStatus
 from kafila.runtime.engine.sampling import SamplingSettings
@@ -239,6 +240,34 @@ def test_what_this_server_cannot_take_is_named(client: openai.OpenAI, host: Host
         client.completions.create(model=MODEL, prompt=[[5, 6], [7]], max_tokens=1)
     ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7]], max_tokens=6, temperature=0).choices[0].text
     assert ids == client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0).choices[0].text
+
+
+def covered_status(host: Host) -> dict[str, object]:
+    """/status once its stage report covers every request the ring has finished."""
+    until(lambda: report_covers_requests(raw(host, "/status")[1]), "a stage report with every finished request")
+    return raw(host, "/status")[1]
+
+
+def test_the_stage_report_says_which_requests_it_covers_and_moves_as_they_finish(
+    client: openai.OpenAI, host: Host
+) -> None:
+    """`stages_cover`: the requests and tokens the ring had done when the stages' report was taken.
+    Once it covers every finished request, the stages' figures count the work of those requests."""
+    before = covered_status(host)
+    made = 0
+    for _ in range(2):
+        result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+        made += result.usage.completion_tokens if result.usage else 0
+    after = covered_status(host)
+    was, cover, requests = before["stages_cover"], after["stages_cover"], after["requests"]
+    assert isinstance(was, dict) and isinstance(cover, dict) and isinstance(requests, dict), after
+    assert made > 0 and cover["requests"] == requests["finished"] + requests["failed"] >= was["requests"] + 2
+    assert cover["generated_tokens"] >= was["generated_tokens"] + made
+    rows_before = [stage["rows"] for stage in before["stages"]]  # type: ignore[union-attr]
+    rows_after = [stage["rows"] for stage in after["stages"]]  # type: ignore[union-attr]
+    assert len(rows_after) == 2 and all(a > b for a, b in zip(rows_after, rows_before, strict=True)), (
+        rows_before, rows_after,
+    )  # fmt: skip
 
 
 def test_health_status_and_metrics_describe_the_session(client: openai.OpenAI, host: Host) -> None:

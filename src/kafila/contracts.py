@@ -347,6 +347,16 @@ class PrefillStatus(Strict):
     ring_ms: Milliseconds | None = None  # the last stage report's trip round the ring, one way, which it prices
 
 
+class StagesCover(Strict):
+    """What the ring serving now had done when its stages' report in `/status` was taken: a
+    client that has had its replies waits for `requests` to reach `/status`'s finished and
+    failed together, and then reads a report with its work in it, rather than waiting out the
+    report's refresh on the clock."""
+
+    requests: Annotated[int, Field(ge=0)]  # finished or failed on this ring
+    generated_tokens: Annotated[int, Field(ge=0)]
+
+
 class HostStatus(SessionStatus):
     """All of `/status`: the server's state, the stages' reports and the session's part."""
 
@@ -363,6 +373,7 @@ class HostStatus(SessionStatus):
     requests: dict[str, int] = Field(default_factory=dict)  # finished, failed
     requests_by_dialect: dict[str, int] = Field(default_factory=dict)  # every request to a dialect's routes
     stages: list[StageReport] = Field(default_factory=list)
+    stages_cover: StagesCover | None = None  # None until the ring's first report
     incidents: list[Incident] = Field(default_factory=list)
     speculation: SpeculationStatus | None = None
     prefill: PrefillStatus | None = None

@@ -268,18 +268,17 @@ def one_user(host: Host, model: str, prompt: str, requests: int, tokens: int) ->
     return made / (time.perf_counter() - started)
 
 
-def until_report_moves(host: Host, before: list[dict[str, Any]]) -> dict[str, Any]:
-    """/status once its stages' report is no longer `before` (read before some work): the engine
-    loop refreshes the report every 2 s, and the work done since shows in the next one."""
-    return until_status(host, lambda status: status["stages"] != before, "a stage report with the work since", 30)
+def report_covers_requests(status: dict[str, Any]) -> bool:
+    """The stages' report in `status` was taken after every request its ring has finished or failed
+    (`stages_cover`): a client that has had its replies finds its work in it."""
+    cover, requests = status.get("stages_cover"), status.get("requests") or {}
+    return cover is not None and cover["requests"] >= requests.get("finished", 0) + requests.get("failed", 0)
 
 
-def refreshed_status(host: Host) -> dict[str, Any]:
-    """/status once the stage report has refreshed (every 2 s) after the last request."""
-    time.sleep(2.5)
-    with urlopen(f"{host.base_url}/status", timeout=10) as response:
-        status: dict[str, Any] = json.loads(response.read())
-    return status
+def refreshed_status(host: Host, timeout: float = 30.0) -> dict[str, Any]:
+    """/status once its stage report covers every request the ring has finished: the engine loop
+    refreshes the report every 2 s, so a client's work since shows in the next one."""
+    return until_status(host, report_covers_requests, "a stage report with every finished request", timeout)
 
 
 def planned_and_measured(status: dict[str, Any]) -> list[dict[str, Any]]:

@@ -89,6 +89,7 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
         now = time.monotonic()
         session = serving.session_status()
         keyed = config.api_key is not None  # the session code is for the key's holder alone
+        stages, cover = ring.covered_report if ring else ([], None)
         return HostStatus(
             model=config.model_id,
             ready=state.ready,
@@ -102,7 +103,8 @@ def create_app(serving: Served, config: ApiConfig) -> FastAPI:
             tokens_per_s=round(ring.stats.tokens_per_s(now), 3) if ring else 0.0,
             requests={"finished": ring.stats.finished, "failed": ring.stats.failed} if ring else {},
             requests_by_dialect=dict(metrics.by_dialect),
-            stages=ring.stage_report if ring else [],
+            stages=stages,
+            stages_cover=cover,
             incidents=list(state.incidents),
             speculation=ring.speculation if ring else None,
             prefill=ring.prefill if ring else None,

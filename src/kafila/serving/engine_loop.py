@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kafila.contracts import StageReport
+from kafila.contracts import StageReport, StagesCover
 from kafila.planner.prefill import PrefillCosts, costs_from, prefill_chunk_rows
 from kafila.planner.waves import WaveCosts, decode_waves, one_row_costs, wave_costs_from
 from kafila.runtime.engine.draft_cost import DRAFT_WAVES_OUT
@@ -137,6 +137,7 @@ class EngineLoop:
         )
         self.stats = LoopStats()
         self.stage_report: list[StageReport] = []
+        self.stages_cover: StagesCover | None = None  # what the loop had done when `stage_report` was taken
         self.error: str | None = None
         # Told from the engine thread when the loop breaks: a host replans at once. (Not when it
         # drains: a host that looked at once would take every instant between two requests for
@@ -213,6 +214,11 @@ class EngineLoop:
     @property
     def running(self) -> int:
         return self.batcher.running
+
+    def covered_report(self) -> tuple[list[StageReport], StagesCover | None]:
+        """The stages' report and what it covers, read together: the engine thread replaces both."""
+        with self._lock:
+            return self.stage_report, self.stages_cover
 
     def halt(self) -> None:
         """Stop the engine thread; the requests it holds stay, for `suspend` or `stop`."""
@@ -434,6 +440,8 @@ class EngineLoop:
         the report is the host's own arithmetic: a fault there keeps the last pricing, and serving
         goes on."""
         self._report_at = time.monotonic()
+        stats = self.stats  # counted on this thread, and every finished request's steps have landed
+        cover = StagesCover(requests=stats.finished + stats.failed, generated_tokens=stats.generated_tokens)
         report = self.engine.stage_report()
         observed = self._observed_period_ms()  # the engine thread's alone, as `_landed`
         self._landed.clear()  # a period across the report's pause would be the pause's
@@ -443,7 +451,7 @@ class EngineLoop:
             log.exception("the stages' report could not be priced; the last pricing stands")
             costs, waves, widest = None, None, None
         with self._lock:
-            self.stage_report = report.stages
+            self.stage_report, self.stages_cover = report.stages, cover
             self.ring_ms = report.trip_ms
             if costs is not None:
                 self.prefill_costs = costs

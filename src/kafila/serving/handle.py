@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kafila.contracts import Incident, PrefillStatus, SpeculationStatus, StageReport
+from kafila.contracts import Incident, PrefillStatus, SpeculationStatus, StageReport, StagesCover
 from kafila.runtime.engine.engines import Engine
 from kafila.serving.batcher import Job
 from kafila.serving.chat_template import ChatTemplate
@@ -75,6 +75,11 @@ class ServingHandle:
     @property
     def stage_report(self) -> list[StageReport]:
         return self.loop.stage_report
+
+    @property
+    def covered_report(self) -> tuple[list[StageReport], StagesCover | None]:
+        """The stages' report with the requests and tokens done when it was taken (`StagesCover`)."""
+        return self.loop.covered_report()
 
     @property
     def prefill(self) -> PrefillStatus:
