@@ -242,14 +242,13 @@ def by_text(top: Sequence[Alternative]) -> dict[str, float]:
     return out
 
 
-def chat_token(piece: bytes, logprob: float) -> dict[str, Any]:
-    return {"token": token_text(piece), "logprob": logprob, "bytes": list(piece)}
-
-
-def token_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+def token_logprobs(tokens: Sequence[TokenLogprob], with_bytes: bool = True) -> list[dict[str, Any]]:
     """Each token with its bytes and its alternatives', as chat completions, the Responses API's
-    `output_text` parts and Ollama's replies carry them."""
-    return [
-        {**chat_token(t.piece, t.logprob), "top_logprobs": [chat_token(a.piece, a.logprob) for a in t.top]}
-        for t in tokens
-    ]
+    `output_text` parts and Ollama's replies carry them; without bytes (`with_bytes` False) as the
+    Responses API's `output_text` delta and done events do, as OpenAI's."""
+
+    def one(piece: bytes, logprob: float) -> dict[str, Any]:
+        entry = {"token": token_text(piece), "logprob": logprob}
+        return {**entry, "bytes": list(piece)} if with_bytes else entry
+
+    return [{**one(t.piece, t.logprob), "top_logprobs": [one(a.piece, a.logprob) for a in t.top]} for t in tokens]

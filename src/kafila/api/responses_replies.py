@@ -11,22 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafila.api.front import new_id
-from kafila.api.openai_replies import TokenTexts, token_logprobs, token_text
+from kafila.api.openai_replies import TokenTexts, token_logprobs
 from kafila.api.replies import sse
 from kafila.api.tool_calls import Piece, Reasoning, ReplyReader, ToolCallDelta
 from kafila.runtime.engine.logprobs import TokenLogprob
 from kafila.serving.batcher import Finished, FinishReason, RequestFailed, TextDelta
 
 Event = tuple[str, dict[str, Any]]
-
-
-def event_logprobs(tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    """Tokens as `response.output_text.delta` and `.done` carry them: no bytes, as OpenAI's."""
-
-    def one(piece: bytes, logprob: float) -> dict[str, Any]:
-        return {"token": token_text(piece), "logprob": logprob}
-
-    return [{**one(t.piece, t.logprob), "top_logprobs": [one(a.piece, a.logprob) for a in t.top]} for t in tokens]
 
 
 @dataclass
@@ -87,7 +78,8 @@ class OutputItems:
         self._open["_text"] = self._open.get("_text", "") + text
         self._open["_tokens"] = (*self._open.get("_tokens", ()), *tokens)
         if text:
-            delta = {**self._where(), "content_index": 0, "delta": text, "logprobs": event_logprobs(tokens)}
+            logprobs = token_logprobs(tokens, with_bytes=False)
+            delta = {**self._where(), "content_index": 0, "delta": text, "logprobs": logprobs}
             events.append(("response.output_text.delta", delta))
         return events
 
@@ -134,7 +126,7 @@ class OutputItems:
         if item["type"] == "message":
             text, tokens = item.pop("_text", ""), item.pop("_tokens", ())
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": token_logprobs(tokens)}
-            done = {**where, "content_index": 0, "text": text, "logprobs": event_logprobs(tokens)}
+            done = {**where, "content_index": 0, "text": text, "logprobs": token_logprobs(tokens, with_bytes=False)}
             events.append(("response.output_text.done", done))
             events.append(("response.content_part.done", {**where, "content_index": 0, "part": part}))
             item["content"] = [part]
